@@ -1,0 +1,108 @@
+// shardsafe/core/error.hpp - the error codes and the exception family users catch.
+//
+// Every failure a user can cause (bad input, a missing file, a mismatched shape) is reported
+// as a shardsafe::error: a std::system_error whose code is a shardsafe::errc in the
+// shardsafe category (or, for operating-system failures, the errno value in the generic
+// category), and whose message names the file, the tensor and the rule involved.
+#pragma once
+
+#include <string>
+#include <system_error>
+#include <utility>
+
+namespace shardsafe {
+
+/// What went wrong, independent of the message text.
+enum class errc {
+  ok = 0,
+  io_error = 1,           ///< an operating-system call failed (errno is in the message)
+  not_found,              ///< a file, tensor or key does not exist
+  already_exists,         ///< a target exists and overwriting was not asked for
+  invalid_header,         ///< a safetensors header breaks a rule of FORMAT.md section 1
+  invalid_json,           ///< bytes that are not UTF-8 JSON, or JSON of the wrong shape
+  unknown_dtype,          ///< a dtype name this library does not know
+  unsupported_dtype,      ///< a known dtype that this operation cannot handle
+  invalid_shape,          ///< a negative, non-integer or overflowing shape
+  invalid_offsets,        ///< data offsets that are out of order, overlap, leave holes or overflow
+  truncated,              ///< the file ends before its data does, or has trailing bytes
+  invalid_spec,           ///< a shard spec that does not fit its tensor
+  invalid_metadata,       ///< a checkpoint metadata.json or HF index that breaks a rule
+  shape_mismatch,         ///< the caller's tensor and the checkpoint disagree on shape
+  dtype_mismatch,         ///< the caller's tensor and the checkpoint disagree on dtype
+  missing_coverage,       ///< no file holds some elements the caller asked for
+  invalid_argument,       ///< the caller passed something that cannot work
+  comm_error,             ///< a collective failed or ranks disagreed
+};
+}  // namespace shardsafe
+
+template <>
+struct std::is_error_code_enum<shardsafe::errc> : std::true_type {};
+
+namespace shardsafe {
+
+namespace detail {
+class error_category_impl final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "shardsafe"; }
+  std::string message(int c) const override {
+    switch (static_cast<errc>(c)) {
+      case errc::ok: return "ok";
+      case errc::io_error: return "I/O error";
+      case errc::not_found: return "not found";
+      case errc::already_exists: return "already exists";
+      case errc::invalid_header: return "invalid safetensors header";
+      case errc::invalid_json: return "invalid JSON";
+      case errc::unknown_dtype: return "unknown dtype";
+      case errc::unsupported_dtype: return "unsupported dtype";
+      case errc::invalid_shape: return "invalid shape";
+      case errc::invalid_offsets: return "invalid data offsets";
+      case errc::truncated: return "truncated or trailing data";
+      case errc::invalid_spec: return "invalid shard spec";
+      case errc::invalid_metadata: return "invalid checkpoint metadata";
+      case errc::shape_mismatch: return "shape mismatch";
+      case errc::dtype_mismatch: return "dtype mismatch";
+      case errc::missing_coverage: return "missing coverage";
+      case errc::invalid_argument: return "invalid argument";
+      case errc::comm_error: return "communication error";
+    }
+    return "unknown shardsafe error";
+  }
+};
+}  // namespace detail
+
+/// The category of shardsafe::errc values.
+inline const std::error_category& error_category() noexcept {
+  static const detail::error_category_impl category;
+  return category;
+}
+
+inline std::error_code make_error_code(errc e) noexcept {
+  return {static_cast<int>(e), error_category()};
+}
+
+/// The exception every shardsafe function throws for bad input or failed I/O.
+/// what() is the full message; code() compares equal to an errc (or to a std::errc for
+/// operating-system failures).
+class error : public std::system_error {
+ public:
+  error(errc code, const std::string& message)
+      : std::system_error(make_error_code(code), message), message_(message) {}
+  error(std::error_code code, const std::string& message)
+      : std::system_error(code, message), message_(message) {}
+  /// The message alone, without the ": category message" suffix std::system_error appends.
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+/// Throw a shardsafe::error; kept out of line of the hot path by the compiler.
+[[noreturn]] inline void fail(errc code, const std::string& message) { throw error(code, message); }
+
+/// Throw for a failed system call: the message gets ": strerror(errno)" appended.
+[[noreturn]] inline void fail_errno(int err, const std::string& message) {
+  throw error(std::error_code(err, std::generic_category()),
+              message + ": " + std::generic_category().message(err));
+}
+
+}  // namespace shardsafe

@@ -1,0 +1,109 @@
+// shardsafe/detail/json.hpp - small helpers for reading (simdjson DOM) and writing JSON.
+//
+// Writing follows Python's json.dumps layout (", " and ": " separators, no indent) so the
+// files we write diff cleanly against the ones Python tools write.
+#pragma once
+
+#include <simdjson.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe::detail {
+
+/// Appends s as a JSON string literal. s must be valid UTF-8 (checked by callers that take
+/// names from users); control characters are escaped.
+inline void append_json_string(std::string& out, std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  out += '"';
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      default:
+        if (c < 0x20) {
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 15];
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  out += '"';
+}
+
+inline bool is_valid_utf8(std::string_view s) noexcept {
+  return simdjson::validate_utf8(s.data(), s.size());
+}
+
+/// Parses `text` into a DOM held by `parser`; throws errc::invalid_json naming `what`.
+inline simdjson::dom::element parse_json(simdjson::dom::parser& parser, std::string_view text,
+                                         const std::string& what) {
+  if (!is_valid_utf8(text)) fail(errc::invalid_json, what + ": not valid UTF-8");
+  simdjson::dom::element root;
+  auto err = parser.parse(text.data(), text.size(), /*realloc_if_needed=*/true).get(root);
+  if (err) fail(errc::invalid_json, what + ": not valid JSON (" + simdjson::error_message(err) + ")");
+  return root;
+}
+
+/// A non-negative integer from a JSON number; nullopt for negative, fractional or non-numbers.
+inline std::optional<std::uint64_t> as_count(simdjson::dom::element e) noexcept {
+  using t = simdjson::dom::element_type;
+  switch (e.type()) {
+    case t::UINT64: return std::uint64_t(e.get_uint64().value_unsafe());
+    case t::INT64: {
+      std::int64_t v = e.get_int64().value_unsafe();
+      if (v < 0) return std::nullopt;
+      return std::uint64_t(v);
+    }
+    default: return std::nullopt;
+  }
+}
+
+/// Describes why as_count refused e, for messages.
+inline std::string count_problem(simdjson::dom::element e) {
+  using t = simdjson::dom::element_type;
+  switch (e.type()) {
+    case t::INT64: return "negative number " + std::to_string(e.get_int64().value_unsafe());
+    case t::DOUBLE: return "non-integer number";
+    case t::STRING: return "a string";
+    case t::NULL_VALUE: return "null";
+    case t::BOOL: return "a boolean";
+    case t::ARRAY: return "an array";
+    case t::OBJECT: return "an object";
+    default: return "not a non-negative integer";
+  }
+}
+
+/// Reads a JSON array of non-negative integers; throws naming the field.
+inline std::vector<std::uint64_t> parse_count_array(simdjson::dom::element e, const std::string& ctx,
+                                                    std::string_view field, errc code) {
+  simdjson::dom::array arr;
+  if (e.get_array().get(arr))
+    fail(code, ctx + ": " + std::string(field) + " is not an array");
+  std::vector<std::uint64_t> out;
+  out.reserve(arr.size());
+  std::size_t i = 0;
+  for (auto v : arr) {
+    auto c = as_count(v);
+    if (!c)
+      fail(code, ctx + ": " + std::string(field) + "[" + std::to_string(i) + "] is " + count_problem(v) +
+                     ", not a non-negative integer");
+    out.push_back(*c);
+    ++i;
+  }
+  return out;
+}
+
+}  // namespace shardsafe::detail

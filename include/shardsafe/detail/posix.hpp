@@ -1,0 +1,111 @@
+// shardsafe/detail/posix.hpp - file descriptors that close themselves, and full-length
+// pread/pwrite loops that retry on EINTR and continue after short transfers.
+#pragma once
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe::detail {
+
+class unique_fd {
+ public:
+  unique_fd() noexcept = default;
+  explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  unique_fd(unique_fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  unique_fd& operator=(unique_fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
+  unique_fd(const unique_fd&) = delete;
+  unique_fd& operator=(const unique_fd&) = delete;
+  ~unique_fd() { reset(); }
+
+  int get() const noexcept { return fd_; }
+  explicit operator bool() const noexcept { return fd_ >= 0; }
+  void reset() noexcept {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  /// Closes and reports a failed close (which can mean lost writes on some file systems).
+  void close_checked(const std::string& what) {
+    int fd = std::exchange(fd_, -1);
+    if (fd >= 0 && ::close(fd) != 0 && errno != EINTR) fail_errno(errno, what + ": close");
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+/// Opens with O_CLOEXEC; throws naming the path.
+inline unique_fd open_fd(const std::string& path, int flags, mode_t mode = 0644) {
+  int fd;
+  do fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    if (errno == ENOENT) throw error(errc::not_found, path + ": no such file");
+    fail_errno(errno, path + ": open");
+  }
+  return unique_fd(fd);
+}
+
+inline std::uint64_t file_size_of(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) fail_errno(errno, path + ": fstat");
+  if (S_ISDIR(st.st_mode)) throw error(errc::invalid_argument, path + ": is a directory, not a file");
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+/// Reads exactly dst.size() bytes at off; errc::truncated if the file ends first.
+inline void pread_full(int fd, std::uint64_t off, std::span<std::byte> dst, const std::string& path) {
+  std::size_t done = 0;
+  while (done < dst.size()) {
+    // Linux transfers at most 0x7ffff000 bytes per call; ask for no more than 1 GiB.
+    std::size_t want = std::min<std::size_t>(dst.size() - done, std::size_t(1) << 30);
+    ssize_t r = ::pread(fd, dst.data() + done, want, static_cast<off_t>(off + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, path + ": read of " + std::to_string(dst.size()) + " bytes at offset " + std::to_string(off));
+    }
+    if (r == 0)
+      throw error(errc::truncated, path + ": file ends at " + std::to_string(off + done) + " while reading " +
+                                       std::to_string(dst.size()) + " bytes at offset " + std::to_string(off));
+    done += static_cast<std::size_t>(r);
+  }
+}
+
+/// Writes exactly src.size() bytes at off.
+inline void pwrite_full(int fd, std::uint64_t off, std::span<const std::byte> src, const std::string& path) {
+  std::size_t done = 0;
+  while (done < src.size()) {
+    std::size_t want = std::min<std::size_t>(src.size() - done, std::size_t(1) << 30);
+    ssize_t r = ::pwrite(fd, src.data() + done, want, static_cast<off_t>(off + done));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      fail_errno(errno, path + ": write of " + std::to_string(src.size()) + " bytes at offset " + std::to_string(off));
+    }
+    done += static_cast<std::size_t>(r);
+  }
+}
+
+/// fsync of a directory, so a rename inside it is durable.
+inline void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;  // best effort: some file systems refuse to open directories
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace shardsafe::detail

@@ -1,0 +1,44 @@
+// shardsafe/detail/sha256.hpp - SHA-256 through OpenSSL's libcrypto (link libcrypto).
+#pragma once
+
+#include <openssl/evp.h>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe::detail {
+
+class sha256 {
+ public:
+  sha256() : ctx_(EVP_MD_CTX_new(), &EVP_MD_CTX_free) {
+    if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1)
+      fail(errc::invalid_argument, "SHA-256: OpenSSL initialisation failed");
+  }
+  void update(std::span<const std::byte> b) {
+    if (!b.empty() && EVP_DigestUpdate(ctx_.get(), b.data(), b.size()) != 1)
+      fail(errc::invalid_argument, "SHA-256: update failed");
+  }
+  /// The digest as 64 lowercase hex digits; the object is spent afterwards.
+  std::string hex() {
+    std::array<unsigned char, EVP_MAX_MD_SIZE> md{};
+    unsigned int len = 0;
+    if (EVP_DigestFinal_ex(ctx_.get(), md.data(), &len) != 1) fail(errc::invalid_argument, "SHA-256: final failed");
+    static constexpr char digits[] = "0123456789abcdef";
+    std::string s;
+    for (unsigned i = 0; i < len; ++i) {
+      s += digits[md[i] >> 4];
+      s += digits[md[i] & 15];
+    }
+    return s;
+  }
+
+ private:
+  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
+};
+
+}  // namespace shardsafe::detail

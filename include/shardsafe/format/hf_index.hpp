@@ -1,0 +1,125 @@
+// shardsafe/format/hf_index.hpp - model.safetensors.index.json of a sharded Hugging Face
+// checkpoint (FORMAT.md §3):
+//   {"metadata": {"total_size": BYTES}, "weight_map": {"tensor.name": "model-00001-of-00002.safetensors"}}
+// File names must be plain names in the same folder; every tensor is listed once.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/json.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+inline constexpr std::string_view hf_single_file = "model.safetensors";
+inline constexpr std::string_view hf_index_file = "model.safetensors.index.json";
+
+struct hf_index {
+  std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given
+  std::map<std::string, std::string> metadata;       ///< other string entries of "metadata"
+  std::map<std::string, std::string> weight_map;     ///< tensor name -> file name
+
+  /// The files named, sorted, each once.
+  std::vector<std::string> files() const {
+    std::vector<std::string> f;
+    for (const auto& [k, v] : weight_map) f.push_back(v);
+    std::sort(f.begin(), f.end());
+    f.erase(std::unique(f.begin(), f.end()), f.end());
+    return f;
+  }
+};
+
+inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
+  const std::string f(file);
+  if (json.size() > max_metadata_size)
+    fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit");
+  simdjson::dom::parser parser;
+  auto root = detail::parse_json(parser, json, f);
+  simdjson::dom::object top;
+  if (root.get_object().get(top)) fail(errc::invalid_metadata, f + ": not a JSON object");
+  hf_index idx;
+  simdjson::dom::element md;
+  if (!top["metadata"].get(md) && !md.is_null()) {
+    simdjson::dom::object o;
+    if (md.get_object().get(o)) fail(errc::invalid_metadata, f + ": \"metadata\" is not an object");
+    for (auto kv : o) {
+      if (kv.key == "total_size") {
+        auto n = detail::as_count(kv.value);
+        if (!n) fail(errc::invalid_metadata, f + ": metadata.total_size is " + detail::count_problem(kv.value));
+        idx.total_size = *n;
+      } else {
+        std::string_view s;
+        if (!kv.value.get_string().get(s)) idx.metadata[std::string(kv.key)] = std::string(s);
+      }
+    }
+  }
+  simdjson::dom::element wm;
+  if (top["weight_map"].get(wm)) fail(errc::invalid_metadata, f + ": missing \"weight_map\"");
+  simdjson::dom::object o;
+  if (wm.get_object().get(o)) fail(errc::invalid_metadata, f + ": \"weight_map\" is not an object");
+  for (auto kv : o) {
+    const std::string name(kv.key);
+    std::string_view target;
+    if (kv.value.get_string().get(target))
+      fail(errc::invalid_metadata, f + ": tensor '" + name + "': weight_map value is not a file name string");
+    if (!is_plain_name(target))
+      fail(errc::invalid_metadata, f + ": tensor '" + name + "': file '" + std::string(target) +
+                                       "' is not a plain name in this folder (no '/', '\\' or '..')");
+    if (!idx.weight_map.emplace(name, std::string(target)).second)
+      fail(errc::invalid_metadata, f + ": tensor '" + name + "' is listed twice in weight_map");
+  }
+  return idx;
+}
+
+/// Renders the index as Hugging Face does (indent 2, sorted keys, trailing newline).
+inline std::string write_hf_index(const hf_index& idx) {
+  std::string out = "{\n  \"metadata\": {";
+  std::map<std::string, std::string> md = idx.metadata;
+  bool first = true;
+  auto entry = [&](const std::string& k, const std::string& rendered) {
+    out += first ? "\n" : ",\n";
+    first = false;
+    out += "    ";
+    detail::append_json_string(out, k);
+    out += ": " + rendered;
+  };
+  // sorted keys: total_size sorts among the others
+  std::map<std::string, std::string> rendered;
+  for (const auto& [k, v] : md) {
+    std::string s;
+    detail::append_json_string(s, v);
+    rendered[k] = s;
+  }
+  if (idx.total_size) rendered["total_size"] = std::to_string(*idx.total_size);
+  for (const auto& [k, v] : rendered) entry(k, v);
+  out += first ? "}" : "\n  }";
+  out += ",\n  \"weight_map\": {";
+  first = true;
+  for (const auto& [k, v] : idx.weight_map) {
+    std::string s;
+    detail::append_json_string(s, v);
+    out += first ? "\n" : ",\n";
+    first = false;
+    out += "    ";
+    detail::append_json_string(out, k);
+    out += ": " + s;
+  }
+  out += first ? "}" : "\n  }";
+  out += "\n}\n";
+  return out;
+}
+
+template <ReadableStorage S>
+hf_index read_hf_index(const S& s) {
+  return parse_hf_index(read_text(s), s.name());
+}
+
+}  // namespace shardsafe

@@ -1,0 +1,311 @@
+// shardsafe/format/metadata.hpp - a sharded checkpoint's metadata.json (FORMAT.md §2).
+//
+// The schema is OLMo-core's:
+//   {"tensors": {KEY: {"shape": [...], "is_sharded": bool, "dtype": "F32",
+//                      "shard_spec_per_file": {"rank_R.safetensors":
+//                          {"flattened_offsets": [[s, e], ...] | null,
+//                           "local_shape": [...] | null, "global_offset": [...] | null}}}}}
+// plus the older "flattened_offsets_per_file": {file: [s, e] | [[s, e], ...]}, which is read
+// and converted. shardsafe's own additions live under a top-level "shardsafe" object that
+// other readers ignore. We write in Python's json.dumps layout so files diff cleanly with
+// OLMo-core's.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/json.hpp"
+#include "shardsafe/shard/shard_spec.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// Largest metadata.json (or index.json) a reader accepts.
+inline constexpr std::uint64_t max_metadata_size = std::uint64_t(1) << 30;
+
+/// One tensor of a checkpoint: its full shape and dtype, and which file holds which part.
+struct tensor_metadata {
+  shape_t shape;
+  dtype type = dtype::F32;
+  bool is_sharded = false;
+  std::vector<std::pair<std::string, shard_spec>> files;  ///< shard_spec_per_file, in file order
+
+  std::uint64_t numel() const noexcept { return detail::numel(shape); }
+};
+
+/// What shardsafe adds under "shardsafe" (all optional when reading).
+struct checkpoint_extras {
+  std::string writer;                                  ///< e.g. "shardsafe 0.1.0"
+  std::optional<std::uint64_t> world_size;             ///< ranks that saved
+  std::map<std::string, std::uint64_t> file_sizes;     ///< bytes of each rank file
+};
+
+struct checkpoint_metadata {
+  std::vector<std::pair<std::string, tensor_metadata>> tensors;  ///< in file order
+  checkpoint_extras extras;
+
+  const tensor_metadata* find(std::string_view key) const noexcept {
+    for (const auto& [k, t] : tensors)
+      if (k == key) return &t;
+    return nullptr;
+  }
+};
+
+namespace detail {
+
+inline shard_spec parse_spec_object(simdjson::dom::element e, const std::string& ctx) {
+  simdjson::dom::object o;
+  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + ": shard spec is not an object");
+  auto field = [&](std::string_view k) -> std::optional<simdjson::dom::element> {
+    simdjson::dom::element v;
+    if (o[k].get(v) || v.is_null()) return std::nullopt;
+    return v;
+  };
+  auto fo = field("flattened_offsets");
+  auto ls = field("local_shape");
+  auto go = field("global_offset");
+  if (fo) {
+    if (ls || go)
+      fail(errc::invalid_metadata, ctx + ": shard spec gives both flattened_offsets and local_shape/global_offset");
+    simdjson::dom::array arr;
+    if (fo->get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": flattened_offsets is not a list");
+    std::vector<element_range> ranges;
+    ranges.reserve(arr.size());
+    std::size_t i = 0;
+    for (auto r : arr) {
+      auto pair = parse_count_array(r, ctx, "flattened_offsets[" + std::to_string(i) + "]", errc::invalid_metadata);
+      if (pair.size() != 2)
+        fail(errc::invalid_metadata, ctx + ": flattened_offsets[" + std::to_string(i) + "] is not a [start, end] pair");
+      ranges.push_back({pair[0], pair[1]});
+      ++i;
+    }
+    return flat_spec(std::move(ranges));
+  }
+  if (ls && go)
+    return block_spec(parse_count_array(*ls, ctx, "local_shape", errc::invalid_metadata),
+                      parse_count_array(*go, ctx, "global_offset", errc::invalid_metadata));
+  fail(errc::invalid_metadata, ctx + ": shard spec has neither flattened_offsets nor local_shape and global_offset");
+}
+
+// legacy: [s, e] or [[s, e], ...]
+inline shard_spec parse_legacy_offsets(simdjson::dom::element e, const std::string& ctx) {
+  simdjson::dom::array arr;
+  if (e.get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not a list");
+  std::vector<element_range> ranges;
+  bool pairs = arr.size() > 0 && (*arr.begin()).is_array();
+  if (!pairs) {
+    auto p = parse_count_array(e, ctx, "flattened_offsets_per_file entry", errc::invalid_metadata);
+    if (p.size() != 2) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not [start, end]");
+    ranges.push_back({p[0], p[1]});
+  } else {
+    for (auto r : arr) {
+      auto p = parse_count_array(r, ctx, "flattened_offsets_per_file range", errc::invalid_metadata);
+      if (p.size() != 2) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file range is not [start, end]");
+      ranges.push_back({p[0], p[1]});
+    }
+  }
+  return flat_spec(std::move(ranges));
+}
+
+inline void append_counts(std::string& out, std::span<const std::uint64_t> v) {
+  out += '[';
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(v[i]);
+  }
+  out += ']';
+}
+
+}  // namespace detail
+
+/// Parses and validates metadata.json text. `file` names it in messages. Every shard spec is
+/// validated against its tensor's shape, and file names must be plain names.
+inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file) {
+  const std::string f(file);
+  if (json.size() > max_metadata_size)
+    fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit of " +
+                                     std::to_string(max_metadata_size));
+  simdjson::dom::parser parser;
+  auto root = detail::parse_json(parser, json, f);
+  simdjson::dom::object top;
+  if (root.get_object().get(top)) fail(errc::invalid_metadata, f + ": not a JSON object");
+  simdjson::dom::object tensors;
+  {
+    simdjson::dom::element t;
+    if (top["tensors"].get(t)) fail(errc::invalid_metadata, f + ": missing \"tensors\"");
+    if (t.get_object().get(tensors)) fail(errc::invalid_metadata, f + ": \"tensors\" is not an object");
+  }
+  checkpoint_metadata md;
+  std::vector<std::string_view> keys;
+  for (auto field : tensors) {
+    const std::string key(field.key);
+    keys.push_back(field.key);
+    const std::string ctx = f + ": tensor '" + key + "'";
+    simdjson::dom::object t;
+    if (field.value.get_object().get(t)) fail(errc::invalid_metadata, ctx + ": entry is not an object");
+    tensor_metadata tm;
+    simdjson::dom::element v;
+    if (t["shape"].get(v)) fail(errc::invalid_metadata, ctx + ": missing \"shape\"");
+    tm.shape = detail::parse_count_array(v, ctx, "shape", errc::invalid_metadata);
+    if (!detail::checked_numel(tm.shape))
+      fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " has more than 2^64 elements");
+    if (t["dtype"].get(v)) fail(errc::invalid_metadata, ctx + ": missing \"dtype\"");
+    std::string_view dt;
+    if (v.get_string().get(dt)) fail(errc::invalid_metadata, ctx + ": dtype is not a string");
+    tm.type = dtype_from_name(dt, ctx);
+    if (!t["is_sharded"].get(v)) {
+      bool b;
+      if (v.get_bool().get(b)) fail(errc::invalid_metadata, ctx + ": is_sharded is not a boolean");
+      tm.is_sharded = b;
+    }
+    simdjson::dom::object per_file;
+    bool legacy = false;
+    if (!t["shard_spec_per_file"].get(v)) {
+      if (v.get_object().get(per_file)) fail(errc::invalid_metadata, ctx + ": shard_spec_per_file is not an object");
+    } else if (!t["flattened_offsets_per_file"].get(v)) {
+      if (v.get_object().get(per_file))
+        fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file is not an object");
+      legacy = true;
+    } else {
+      fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
+    }
+    std::vector<std::string_view> names;
+    for (auto pf : per_file) {
+      const std::string fname(pf.key);
+      const std::string fctx = ctx + ": file '" + fname + "'";
+      if (!is_plain_name(fname))
+        fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
+      shard_spec s = legacy ? detail::parse_legacy_offsets(pf.value, fctx) : detail::parse_spec_object(pf.value, fctx);
+      s.validate(tm.shape, fctx);
+      tm.files.emplace_back(fname, std::move(s));
+      names.push_back(pf.key);
+    }
+    std::sort(names.begin(), names.end());
+    if (auto d = std::adjacent_find(names.begin(), names.end()); d != names.end())
+      fail(errc::invalid_metadata, ctx + ": file '" + std::string(*d) + "' is listed twice");
+    md.tensors.emplace_back(key, std::move(tm));
+  }
+  std::sort(keys.begin(), keys.end());
+  if (auto d = std::adjacent_find(keys.begin(), keys.end()); d != keys.end())
+    fail(errc::invalid_metadata, f + ": tensor '" + std::string(*d) + "' is listed twice");
+
+  simdjson::dom::element ex;
+  if (!top["shardsafe"].get(ex)) {
+    simdjson::dom::object o;
+    if (!ex.get_object().get(o)) {  // unknown shapes of this key are ignored, as other readers would
+      std::string_view w;
+      if (!o["writer"].get_string().get(w)) md.extras.writer = std::string(w);
+      simdjson::dom::element ws;
+      if (!o["world_size"].get(ws))
+        if (auto n = detail::as_count(ws)) md.extras.world_size = *n;
+      simdjson::dom::object sizes;
+      if (!o["file_sizes"].get_object().get(sizes))
+        for (auto kv : sizes)
+          if (auto n = detail::as_count(kv.value)) md.extras.file_sizes[std::string(kv.key)] = *n;
+    }
+  }
+  return md;
+}
+
+/// Renders metadata.json in Python's json.dumps layout.
+inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
+  std::string out = "{\"tensors\": {";
+  bool first = true;
+  for (const auto& [key, t] : md.tensors) {
+    if (!first) out += ", ";
+    first = false;
+    detail::append_json_string(out, key);
+    out += ": {\"shape\": ";
+    detail::append_counts(out, t.shape);
+    out += ", \"is_sharded\": ";
+    out += t.is_sharded ? "true" : "false";
+    out += ", \"dtype\": \"";
+    out += name(t.type);
+    out += "\", \"shard_spec_per_file\": {";
+    bool ff = true;
+    for (const auto& [fname, spec] : t.files) {
+      if (!ff) out += ", ";
+      ff = false;
+      detail::append_json_string(out, fname);
+      out += ": {\"flattened_offsets\": ";
+      if (spec.is_flat()) {
+        out += '[';
+        const auto& rs = spec.flat().ranges();
+        for (std::size_t i = 0; i < rs.size(); ++i) {
+          if (i) out += ", ";
+          out += '[' + std::to_string(rs[i].begin) + ", " + std::to_string(rs[i].end) + ']';
+        }
+        out += "], \"local_shape\": null, \"global_offset\": null}";
+      } else {
+        out += "null, \"local_shape\": ";
+        detail::append_counts(out, spec.block().local_shape());
+        out += ", \"global_offset\": ";
+        detail::append_counts(out, spec.block().global_offset());
+        out += '}';
+      }
+    }
+    out += "}}";
+  }
+  out += '}';
+  const auto& x = md.extras;
+  if (!x.writer.empty() || x.world_size || !x.file_sizes.empty()) {
+    out += ", \"shardsafe\": {";
+    bool xf = true;
+    auto sep = [&] {
+      if (!xf) out += ", ";
+      xf = false;
+    };
+    if (!x.writer.empty()) {
+      sep();
+      out += "\"writer\": ";
+      detail::append_json_string(out, x.writer);
+    }
+    if (x.world_size) {
+      sep();
+      out += "\"world_size\": " + std::to_string(*x.world_size);
+    }
+    if (!x.file_sizes.empty()) {
+      sep();
+      out += "\"file_sizes\": {";
+      bool sf = true;
+      for (const auto& [fname, size] : x.file_sizes) {
+        if (!sf) out += ", ";
+        sf = false;
+        detail::append_json_string(out, fname);
+        out += ": " + std::to_string(size);
+      }
+      out += '}';
+    }
+    out += '}';
+  }
+  out += '}';
+  return out;
+}
+
+/// Reads a whole small object (metadata.json, index.json) into a string, bounded.
+template <ReadableStorage S>
+std::string read_text(const S& s, std::uint64_t limit = max_metadata_size) {
+  const std::uint64_t n = s.size();
+  if (n > limit)
+    fail(errc::invalid_metadata, std::string(s.name()) + ": " + std::to_string(n) + " bytes passes the limit of " +
+                                     std::to_string(limit));
+  std::string text(n, '\0');
+  s.read_into(0, std::as_writable_bytes(std::span(text)));
+  return text;
+}
+
+/// Reads and validates metadata.json from a storage.
+template <ReadableStorage S>
+checkpoint_metadata read_checkpoint_metadata(const S& s) {
+  return parse_checkpoint_metadata(read_text(s), s.name());
+}
+
+}  // namespace shardsafe

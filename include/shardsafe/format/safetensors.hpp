@@ -1,0 +1,309 @@
+// shardsafe/format/safetensors.hpp - parse and validate a safetensors header (FORMAT.md §1),
+// and read whole tensors or element ranges of them straight into caller memory.
+//
+// The parser trusts nothing: the 8-byte length is bounded before anything is allocated, every
+// number is checked for sign, integrality and overflow, and the tensors must tile the data
+// buffer exactly. Every error names the file, the tensor and the rule it breaks.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/byte_range.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checked.hpp"
+#include "shardsafe/detail/json.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// The largest header length (the first 8 bytes) a reader accepts.
+inline constexpr std::uint64_t max_header_size = 100'000'000;
+
+/// One tensor of a safetensors file.
+struct tensor_entry {
+  std::string name;
+  dtype type = dtype::U8;
+  shape_t shape;
+  std::uint64_t begin = 0;  ///< data_offsets[0], relative to the start of the data buffer
+  std::uint64_t end = 0;    ///< data_offsets[1]
+
+  std::uint64_t numel() const noexcept { return detail::numel(shape); }
+  std::uint64_t nbytes() const noexcept { return end - begin; }
+};
+
+/// A validated header: the tensors in data order and the __metadata__ map.
+class safetensors_header {
+ public:
+  std::string file;                               ///< what messages call the file
+  std::uint64_t header_size = 0;                  ///< N, the JSON length
+  std::uint64_t data_size = 0;                    ///< bytes of the data buffer
+  std::vector<tensor_entry> tensors;              ///< sorted by data offset
+  std::map<std::string, std::string> metadata;    ///< __metadata__, if any
+  bool has_metadata = false;                      ///< whether __metadata__ was present
+
+  std::uint64_t data_start() const noexcept { return 8 + header_size; }
+  std::uint64_t file_size() const noexcept { return data_start() + data_size; }
+
+  /// The tensor with this name, or nullptr.
+  const tensor_entry* find(std::string_view name) const noexcept {
+    auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                               [&](std::uint32_t i, std::string_view n) { return tensors[i].name < n; });
+    if (it == by_name_.end() || tensors[*it].name != name) return nullptr;
+    return &tensors[*it];
+  }
+  /// The tensor with this name; throws errc::not_found naming the file.
+  const tensor_entry& at(std::string_view name) const {
+    if (auto* t = find(name)) return *t;
+    fail(errc::not_found, file + ": no tensor '" + std::string(name) + "'");
+  }
+  /// Absolute file offset of a tensor's first byte.
+  std::uint64_t offset_of(const tensor_entry& t) const noexcept { return data_start() + t.begin; }
+
+  /// Tensor names in sorted order.
+  std::vector<std::string_view> names() const {
+    std::vector<std::string_view> r;
+    r.reserve(by_name_.size());
+    for (auto i : by_name_) r.push_back(tensors[i].name);
+    return r;
+  }
+
+ private:
+  friend safetensors_header parse_safetensors_header(std::string_view, std::uint64_t, std::string_view);
+  std::vector<std::uint32_t> by_name_;  // indices into tensors, sorted by name
+};
+
+namespace detail {
+
+inline std::string tensor_context(std::string_view file, std::string_view tensor) {
+  std::string s(file);
+  s += ": tensor '";
+  s += tensor;
+  s += "'";
+  return s;
+}
+
+}  // namespace detail
+
+/// Validates the JSON header `json` (the N bytes after the length prefix) of a file of
+/// `file_size` bytes. `file` names the file in messages.
+inline safetensors_header parse_safetensors_header(std::string_view json, std::uint64_t file_size,
+                                                   std::string_view file) {
+  safetensors_header h;
+  h.file = std::string(file);
+  h.header_size = json.size();
+  const std::string& f = h.file;
+
+  simdjson::dom::parser parser;
+  simdjson::dom::element root = detail::parse_json(parser, json, f + ": header");
+  simdjson::dom::object obj;
+  if (root.get_object().get(obj)) fail(errc::invalid_header, f + ": header is not a JSON object");
+
+  std::vector<std::string_view> seen;
+  seen.reserve(obj.size());
+  for (auto field : obj) {
+    std::string_view key = field.key;
+    seen.push_back(key);
+    if (key == "__metadata__") {
+      simdjson::dom::object md;
+      if (field.value.get_object().get(md))
+        fail(errc::invalid_header, f + ": __metadata__ is not an object of strings");
+      for (auto kv : md) {
+        std::string_view v;
+        if (kv.value.get_string().get(v))
+          fail(errc::invalid_header, f + ": __metadata__ value of '" + std::string(kv.key) +
+                                         "' is not a string (__metadata__ maps strings to strings)");
+        if (!h.metadata.emplace(std::string(kv.key), std::string(v)).second)
+          fail(errc::invalid_header, f + ": __metadata__ has the key '" + std::string(kv.key) + "' twice");
+      }
+      h.has_metadata = true;
+      continue;
+    }
+    const std::string ctx = detail::tensor_context(f, key);
+    simdjson::dom::object t;
+    if (field.value.get_object().get(t)) fail(errc::invalid_header, ctx + ": entry is not an object");
+
+    tensor_entry e;
+    e.name = std::string(key);
+    simdjson::dom::element v;
+    if (t["dtype"].get(v)) fail(errc::invalid_header, ctx + ": missing \"dtype\"");
+    std::string_view dt;
+    if (v.get_string().get(dt)) fail(errc::invalid_header, ctx + ": dtype is not a string");
+    e.type = dtype_from_name(dt, ctx);
+
+    if (t["shape"].get(v)) fail(errc::invalid_header, ctx + ": missing \"shape\"");
+    e.shape = detail::parse_count_array(v, ctx, "shape", errc::invalid_shape);
+
+    if (t["data_offsets"].get(v)) fail(errc::invalid_header, ctx + ": missing \"data_offsets\"");
+    auto offs = detail::parse_count_array(v, ctx, "data_offsets", errc::invalid_offsets);
+    if (offs.size() != 2)
+      fail(errc::invalid_offsets, ctx + ": data_offsets has " + std::to_string(offs.size()) +
+                                      " numbers, not 2 [BEGIN, END]");
+    e.begin = offs[0];
+    e.end = offs[1];
+    if (e.end < e.begin)
+      fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) +
+                                      " end before they begin");
+
+    auto n = detail::checked_numel(e.shape);
+    std::optional<std::uint64_t> bits = n ? detail::checked_mul(*n, bit_size(e.type)) : std::nullopt;
+    if (!bits)
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(name(e.type)) +
+                                    " has a byte size that overflows 64 bits");
+    if (*bits % 8 != 0)
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(name(e.type)) +
+                                    " is " + std::to_string(*bits) + " bits, not a whole number of bytes");
+    const std::uint64_t need = *bits / 8;
+    if (e.nbytes() != need)
+      fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) + " span " +
+                                      std::to_string(e.nbytes()) + " bytes but shape " + to_string(e.shape) +
+                                      " " + std::string(name(e.type)) + " needs " + std::to_string(need));
+    h.tensors.push_back(std::move(e));
+  }
+
+  // Duplicate names: simdjson keeps every occurrence of a key.
+  std::sort(seen.begin(), seen.end());
+  if (auto d = std::adjacent_find(seen.begin(), seen.end()); d != seen.end())
+    fail(errc::invalid_header, f + ": name '" + std::string(*d) + "' appears twice in the header");
+
+  // The tensors must tile the data buffer exactly.
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.name < b.name;
+  });
+  std::uint64_t expected = 0;
+  const tensor_entry* prev = nullptr;
+  for (const auto& t : h.tensors) {
+    if (t.begin > expected)
+      fail(errc::invalid_offsets,
+           detail::tensor_context(f, t.name) + ": data_offsets " + to_string(byte_range{t.begin, t.end}) +
+               " leave a hole: bytes " + to_string(byte_range{expected, t.begin}) +
+               " of the data buffer belong to no tensor");
+    if (t.begin < expected)
+      fail(errc::invalid_offsets,
+           detail::tensor_context(f, t.name) + ": data_offsets " + to_string(byte_range{t.begin, t.end}) +
+               " overlap tensor '" + (prev ? prev->name : std::string()) + "' " +
+               to_string(byte_range{prev ? prev->begin : 0, expected}));
+    expected = t.end;
+    prev = &t;
+  }
+  h.data_size = expected;
+
+  // checked: data_start <= 8 + max_header_size, data_size is bounded by a file offset
+  auto total = detail::checked_add(h.data_start(), h.data_size);
+  if (!total || *total > file_size)
+    fail(errc::truncated, f + ": truncated: the data buffer needs " + std::to_string(h.data_size) +
+                              " bytes from offset " + std::to_string(h.data_start()) + " (tensor '" +
+                              (prev ? prev->name : std::string()) + "' ends at " +
+                              std::to_string(h.data_size) + ") but the file has " + std::to_string(file_size) +
+                              " bytes");
+  if (*total < file_size)
+    fail(errc::truncated, f + ": " + std::to_string(file_size - *total) +
+                              " trailing bytes after the last tensor (data ends at file offset " +
+                              std::to_string(*total) + ", file has " + std::to_string(file_size) + ")");
+
+  h.by_name_.resize(h.tensors.size());
+  for (std::uint32_t i = 0; i < h.by_name_.size(); ++i) h.by_name_[i] = i;
+  std::sort(h.by_name_.begin(), h.by_name_.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return h.tensors[a].name < h.tensors[b].name; });
+  return h;
+}
+
+/// Decodes the little-endian header length from the first 8 bytes.
+inline std::uint64_t decode_header_length(std::span<const std::byte, 8> b) noexcept {
+  std::uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<std::uint64_t>(b[i]);
+  return n;
+}
+
+/// Checks the length prefix against the limit and the file size; returns N.
+inline std::uint64_t check_header_length(std::uint64_t n, std::uint64_t file_size, std::string_view file) {
+  const std::string f(file);
+  if (n > max_header_size)
+    fail(errc::invalid_header, f + ": header length " + std::to_string(n) + " exceeds the limit of " +
+                                   std::to_string(max_header_size) + " bytes");
+  if (n > file_size - 8)
+    fail(errc::truncated, f + ": header length " + std::to_string(n) + " runs past the end of the file (" +
+                              std::to_string(file_size) + " bytes)");
+  return n;
+}
+
+/// Parses a whole safetensors file held in memory.
+inline safetensors_header parse_safetensors(std::span<const std::byte> file_bytes, std::string_view file) {
+  if (file_bytes.size() < 8)
+    fail(errc::truncated, std::string(file) + ": file is " + std::to_string(file_bytes.size()) +
+                              " bytes, shorter than the 8-byte header length");
+  const std::uint64_t n =
+      check_header_length(decode_header_length(file_bytes.first<8>()), file_bytes.size(), file);
+  std::string_view json(reinterpret_cast<const char*>(file_bytes.data()) + 8, n);
+  return parse_safetensors_header(json, file_bytes.size(), file);
+}
+
+/// Reads and validates the header of a safetensors file in any readable storage. Allocates
+/// at most the checked header length.
+template <ReadableStorage S>
+safetensors_header read_safetensors_header(const S& s) {
+  const std::uint64_t size = s.size();
+  const std::string_view file = s.name();
+  if (size < 8)
+    fail(errc::truncated,
+         std::string(file) + ": file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  std::array<std::byte, 8> len{};
+  s.read_into(0, len);
+  const std::uint64_t n = check_header_length(decode_header_length(len), size, file);
+  std::string json(n, '\0');
+  s.read_into(8, std::as_writable_bytes(std::span(json)));
+  return parse_safetensors_header(json, size, file);
+}
+
+/// Byte range in the file of elements [first, first + count) of tensor t.
+inline byte_range element_byte_range(const safetensors_header& h, const tensor_entry& t, std::uint64_t first,
+                                     std::uint64_t count) {
+  const std::string ctx = detail::tensor_context(h.file, t.name);
+  require_byte_sized(t.type, ctx);
+  const std::uint64_t n = t.numel();
+  if (first > n || count > n - first)
+    fail(errc::invalid_argument, ctx + ": element range " + to_string(byte_range{first, first + count}) +
+                                     " is outside its " + std::to_string(n) + " elements");
+  const std::uint64_t isz = item_size(t.type);
+  const std::uint64_t b = h.offset_of(t) + first * isz;
+  return {b, b + count * isz};
+}
+
+/// Reads elements [first, first + dst.size() / itemsize) of tensor t into dst, in place.
+template <ReadableStorage S>
+void read_elements(const S& s, const safetensors_header& h, const tensor_entry& t, std::uint64_t first,
+                   std::span<std::byte> dst) {
+  require_byte_sized(t.type, detail::tensor_context(h.file, t.name));
+  const std::uint64_t isz = item_size(t.type);
+  if (dst.size() % isz != 0)
+    fail(errc::invalid_argument, detail::tensor_context(h.file, t.name) + ": destination of " +
+                                     std::to_string(dst.size()) + " bytes is not a whole number of " +
+                                     std::string(name(t.type)) + " elements");
+  const byte_range r = element_byte_range(h, t, first, dst.size() / isz);
+  s.read_into(r.begin, dst);
+}
+
+/// Reads all of tensor t (any dtype, sub-byte ones included) into dst, which must be exactly
+/// t.nbytes() long.
+template <ReadableStorage S>
+void read_tensor(const S& s, const safetensors_header& h, const tensor_entry& t, std::span<std::byte> dst) {
+  if (dst.size() != t.nbytes())
+    fail(errc::invalid_argument, detail::tensor_context(h.file, t.name) + ": destination of " +
+                                     std::to_string(dst.size()) + " bytes, tensor has " +
+                                     std::to_string(t.nbytes()));
+  s.read_into(h.offset_of(t), dst);
+}
+
+}  // namespace shardsafe

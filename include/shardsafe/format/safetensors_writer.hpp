@@ -1,0 +1,207 @@
+// shardsafe/format/safetensors_writer.hpp - plan a safetensors layout and stream a file out.
+//
+// The layout puts tensors in decreasing alignment, then name order, and pads the header with
+// spaces so the data buffer starts at a multiple of 8: every tensor is then aligned to its
+// element size in the file (and in a mapping of it). The writer sends the header first and
+// then each tensor's bytes straight from caller memory, in any order and from several
+// threads; nothing is assembled in memory. The target storage publishes the file atomically
+// on commit.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// A tensor to be written: its name, dtype, shape and (for the convenience writers) bytes.
+struct tensor_data {
+  std::string name;
+  dtype type = dtype::U8;
+  shape_t shape;
+  std::span<const std::byte> bytes;
+};
+
+/// Where each tensor goes in a file that is yet to be written.
+class safetensors_layout {
+ public:
+  std::string file;                 ///< the target, for messages
+  std::string header;               ///< the 8-byte length and the padded JSON
+  std::vector<tensor_entry> tensors;  ///< in file order, offsets relative to the data buffer
+
+  std::uint64_t data_start() const noexcept { return header.size(); }
+  std::uint64_t file_size() const noexcept { return header.size() + (tensors.empty() ? 0 : tensors.back().end); }
+  /// Index of the tensor with this name; throws errc::not_found.
+  std::size_t index_of(std::string_view name) const {
+    auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                               [&](std::size_t i, std::string_view n) { return tensors[i].name < n; });
+    if (it == by_name_.end() || tensors[*it].name != name)
+      fail(errc::not_found, file + ": the layout has no tensor '" + std::string(name) + "'");
+    return *it;
+  }
+
+ private:
+  friend safetensors_layout plan_safetensors(std::vector<tensor_entry>, const std::map<std::string, std::string>&,
+                                             std::string_view);
+  std::vector<std::size_t> by_name_;
+};
+
+/// Orders the tensors (begin/end are ignored and recomputed), checks names, shapes and
+/// metadata, and renders the header.
+inline safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
+                                           const std::map<std::string, std::string>& metadata,
+                                           std::string_view file) {
+  safetensors_layout l;
+  l.file = std::string(file);
+  for (const auto& t : tensors) {
+    const std::string ctx = detail::tensor_context(file, t.name);
+    if (t.name.empty() || t.name == "__metadata__" || !detail::is_valid_utf8(t.name))
+      fail(errc::invalid_argument, ctx + ": not a valid tensor name (must be non-empty UTF-8, not __metadata__)");
+    auto n = detail::checked_numel(t.shape);
+    auto bits = n ? detail::checked_mul(*n, bit_size(t.type)) : std::nullopt;
+    if (!bits || *bits % 8 != 0)
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(t.shape) + " " + std::string(name(t.type)) +
+                                    " is not a whole number of bytes below 2^64");
+  }
+  for (const auto& [k, v] : metadata)
+    if (!detail::is_valid_utf8(k) || !detail::is_valid_utf8(v))
+      fail(errc::invalid_argument, l.file + ": __metadata__ entry '" + k + "' is not valid UTF-8");
+
+  std::sort(tensors.begin(), tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
+    if (alignment(a.type) != alignment(b.type)) return alignment(a.type) > alignment(b.type);
+    return a.name < b.name;
+  });
+  {
+    std::vector<std::string_view> names;
+    for (const auto& t : tensors) names.push_back(t.name);
+    std::sort(names.begin(), names.end());
+    if (auto d = std::adjacent_find(names.begin(), names.end()); d != names.end())
+      fail(errc::invalid_argument, detail::tensor_context(file, *d) + ": name given twice");
+  }
+
+  std::uint64_t off = 0;
+  for (auto& t : tensors) {
+    const std::uint64_t nbytes = detail::numel(t.shape) * bit_size(t.type) / 8;
+    auto e = detail::checked_add(off, nbytes);
+    if (!e) fail(errc::invalid_shape, l.file + ": total data size overflows 64 bits");
+    t.begin = off;
+    t.end = *e;
+    off = *e;
+  }
+
+  std::string json = "{";
+  bool first = true;
+  if (!metadata.empty()) {
+    json += "\"__metadata__\":{";
+    for (const auto& [k, v] : metadata) {
+      if (!first) json += ',';
+      first = false;
+      detail::append_json_string(json, k);
+      json += ':';
+      detail::append_json_string(json, v);
+    }
+    json += '}';
+    first = false;
+  }
+  for (const auto& t : tensors) {
+    if (!first) json += ',';
+    first = false;
+    detail::append_json_string(json, t.name);
+    json += ":{\"dtype\":\"";
+    json += name(t.type);
+    json += "\",\"shape\":[";
+    for (std::size_t i = 0; i < t.shape.size(); ++i) {
+      if (i) json += ',';
+      json += std::to_string(t.shape[i]);
+    }
+    json += "],\"data_offsets\":[" + std::to_string(t.begin) + "," + std::to_string(t.end) + "]}";
+  }
+  json += '}';
+  while ((8 + json.size()) % 8 != 0) json += ' ';
+  if (json.size() > max_header_size)
+    fail(errc::invalid_argument, l.file + ": header of " + std::to_string(json.size()) +
+                                     " bytes passes the safetensors limit of " + std::to_string(max_header_size));
+
+  l.header.resize(8);
+  std::uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) l.header[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  l.header += json;
+  l.tensors = std::move(tensors);
+  l.by_name_.resize(l.tensors.size());
+  for (std::size_t i = 0; i < l.by_name_.size(); ++i) l.by_name_[i] = i;
+  std::sort(l.by_name_.begin(), l.by_name_.end(),
+            [&](std::size_t a, std::size_t b) { return l.tensors[a].name < l.tensors[b].name; });
+  return l;
+}
+
+/// Streams one safetensors file into a WritableStorage: the header at construction, then
+/// tensor bytes by write()/write_part() in any order (from several threads for different
+/// tensors or disjoint parts), then finish() checks every byte arrived, syncs and commits.
+template <WritableStorage W>
+class safetensors_writer {
+ public:
+  safetensors_writer(W& out, const safetensors_layout& layout)
+      : out_(out), layout_(layout), written_(std::make_unique<std::atomic<std::uint64_t>[]>(layout.tensors.size())) {
+    out_.write_at(0, std::as_bytes(std::span(layout_.header)));
+  }
+
+  const safetensors_layout& layout() const noexcept { return layout_; }
+
+  /// Writes all bytes of tensor `index` (in layout order).
+  void write(std::size_t index, std::span<const std::byte> bytes) { write_part(index, 0, bytes); }
+  void write(std::string_view name, std::span<const std::byte> bytes) { write(layout_.index_of(name), bytes); }
+
+  /// Writes bytes at `offset` within tensor `index`.
+  void write_part(std::size_t index, std::uint64_t offset, std::span<const std::byte> bytes) {
+    const tensor_entry& t = layout_.tensors.at(index);
+    if (offset > t.nbytes() || bytes.size() > t.nbytes() - offset)
+      fail(errc::invalid_argument, detail::tensor_context(layout_.file, t.name) + ": writing " +
+                                       std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) +
+                                       " passes its " + std::to_string(t.nbytes()) + " bytes");
+    out_.write_at(layout_.data_start() + t.begin + offset, bytes);
+    written_[index].fetch_add(bytes.size(), std::memory_order_relaxed);
+  }
+
+  /// Checks that every tensor got all its bytes, then syncs and commits the file.
+  void finish() {
+    for (std::size_t i = 0; i < layout_.tensors.size(); ++i) {
+      const auto& t = layout_.tensors[i];
+      if (written_[i].load() != t.nbytes())
+        fail(errc::invalid_argument, detail::tensor_context(layout_.file, t.name) + ": " +
+                                         std::to_string(written_[i].load()) + " of " + std::to_string(t.nbytes()) +
+                                         " bytes were written");
+    }
+    out_.sync();
+    out_.commit();
+  }
+
+ private:
+  W& out_;
+  const safetensors_layout& layout_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> written_;
+};
+
+/// Writes a whole file from tensors in memory: plan, stream, commit.
+template <WritableStorage W>
+void write_safetensors(W& out, std::span<const tensor_data> tensors,
+                       const std::map<std::string, std::string>& metadata = {}) {
+  std::vector<tensor_entry> entries;
+  entries.reserve(tensors.size());
+  for (const auto& t : tensors) entries.push_back({t.name, t.type, t.shape, 0, 0});
+  auto layout = plan_safetensors(std::move(entries), metadata, out.name());
+  safetensors_writer<W> w(out, layout);
+  for (const auto& t : tensors) w.write(t.name, t.bytes);
+  w.finish();
+}
+
+}  // namespace shardsafe

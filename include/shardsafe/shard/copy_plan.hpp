@@ -1,0 +1,185 @@
+// shardsafe/shard/copy_plan.hpp - which elements move where.
+//
+// A copy plan is a list of runs {dst, src, len}: copy `len` elements from offset `src` of a
+// file's flat shard to offset `dst` of my flat view. Runs are in increasing order of both
+// offsets and adjacent runs are coalesced, so a plan has as few runs as the layouts allow.
+//
+// plan_load resolves a whole tensor against every file that holds part of it: each of my
+// elements is taken from exactly one file (a file that holds my whole shard is preferred,
+// then files in the order given), and elements no file holds are reported as missing.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <queue>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shardsafe/shard/overlap.hpp"
+#include "shardsafe/shard/shard_spec.hpp"
+
+namespace shardsafe {
+
+/// Copy len elements from offset src of a file's flat shard to offset dst of my flat view.
+struct copy_run {
+  std::uint64_t dst = 0;
+  std::uint64_t src = 0;
+  std::uint64_t len = 0;
+  friend constexpr bool operator==(const copy_run&, const copy_run&) = default;
+};
+
+using copy_plan = std::vector<copy_run>;
+
+/// Appends r to plan, joining it to the last run when both offsets continue it.
+inline void append_coalesced(copy_plan& plan, const copy_run& r) {
+  if (r.len == 0) return;
+  if (!plan.empty()) {
+    copy_run& b = plan.back();
+    if (b.dst + b.len == r.dst && b.src + b.len == r.src) {
+      b.len += r.len;
+      return;
+    }
+  }
+  plan.push_back(r);
+}
+
+/// The runs that move every element both specs hold from other's flat shard to mine.
+template <ShardSpec A, ShardSpec B>
+copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::uint64_t> full) {
+  copy_plan plan;
+  for_each_overlap(mine, other, full,
+                   [&](const overlap_piece& p) { append_coalesced(plan, copy_run{p.mine, p.other, p.len}); });
+  return plan;
+}
+
+/// Total elements a plan moves.
+inline std::uint64_t plan_numel(const copy_plan& plan) noexcept {
+  std::uint64_t n = 0;
+  for (const auto& r : plan) n += r.len;
+  return n;
+}
+
+/// The part of a load that comes from one file.
+struct file_plan {
+  std::size_t file = 0;       ///< index into the file specs given to plan_load
+  overlap_type overlap{};     ///< how my shard overlaps this file's
+  copy_plan runs;             ///< what to copy (each of my elements appears in one file only)
+  std::uint64_t numel = 0;    ///< elements moved (sum of runs' len)
+};
+
+/// Every file's part of loading my shard, and what no file holds.
+struct load_plan {
+  std::vector<file_plan> files;            ///< files with something to copy, in the order given
+  std::vector<element_range> missing;      ///< ranges of my flat view that no file holds
+  std::uint64_t covered = 0;               ///< elements of my flat view some file provides
+};
+
+/// Resolves my shard against every file's shard. Specs must be validated against full.
+template <ShardSpec A, ShardSpec B>
+load_plan plan_load(const A& mine, std::span<const B> files, std::span<const std::uint64_t> full) {
+  load_plan out;
+  const std::uint64_t n = mine.local_numel();
+  if (n == 0) return out;
+
+  // A file holding all of my shard settles it in one piece (the EQUAL/SUPERSET fast path).
+  struct candidate {
+    std::size_t file;
+    overlap_type overlap;
+    std::uint64_t both;
+  };
+  std::vector<candidate> cands;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::uint64_t both = overlap_numel(mine, files[i], full);
+    auto ov = classify_overlap(both, n, files[i].local_numel());
+    if (!ov) continue;
+    if (both == n) {  // EQUAL or SUBSET: this file alone provides everything
+      file_plan fp{i, *ov, compute_copy_plan(mine, files[i], full), n};
+      out.files.push_back(std::move(fp));
+      out.covered = n;
+      return out;
+    }
+    cands.push_back({i, *ov, both});
+  }
+
+  // Otherwise merge the files' runs in order of my offsets (a k-way merge over files whose
+  // plans are already sorted), taking each element from the first file that has it.
+  std::vector<copy_plan> plans;
+  plans.reserve(cands.size());
+  for (const auto& c : cands) plans.push_back(compute_copy_plan(mine, files[c.file], full));
+  std::vector<copy_plan> taken(cands.size());
+
+  struct head {
+    std::uint64_t dst;
+    std::size_t cand;
+    std::size_t idx;
+    bool operator>(const head& o) const { return dst != o.dst ? dst > o.dst : cand > o.cand; }
+  };
+  std::priority_queue<head, std::vector<head>, std::greater<head>> heap;
+  for (std::size_t c = 0; c < plans.size(); ++c)
+    if (!plans[c].empty()) heap.push({plans[c][0].dst, c, 0});
+
+  std::uint64_t upto = 0;  // my elements [0, upto) are settled
+  while (!heap.empty()) {
+    head h = heap.top();
+    heap.pop();
+    copy_run r = plans[h.cand][h.idx];
+    if (h.idx + 1 < plans[h.cand].size()) heap.push({plans[h.cand][h.idx + 1].dst, h.cand, h.idx + 1});
+    if (r.dst + r.len <= upto) continue;  // somebody already provided all of it
+    if (r.dst < upto) {                   // provided in part: keep the rest
+      const std::uint64_t skip = upto - r.dst;
+      r.dst += skip;
+      r.src += skip;
+      r.len -= skip;
+    } else if (r.dst > upto) {
+      out.missing.push_back({upto, r.dst});
+    }
+    append_coalesced(taken[h.cand], r);
+    upto = r.dst + r.len;
+  }
+  if (upto < n) out.missing.push_back({upto, n});
+
+  for (std::size_t c = 0; c < cands.size(); ++c) {
+    if (taken[c].empty()) continue;
+    const std::uint64_t moved = plan_numel(taken[c]);
+    out.covered += moved;
+    out.files.push_back(file_plan{cands[c].file, cands[c].overlap, std::move(taken[c]), moved});
+  }
+  return out;
+}
+
+template <ShardSpec A, ShardSpec B>
+load_plan plan_load(const A& mine, const std::vector<B>& files, std::span<const std::uint64_t> full) {
+  return plan_load(mine, std::span<const B>(files), full);
+}
+
+/// Ranges of my flat view that none of the files hold.
+template <ShardSpec A, ShardSpec B>
+std::vector<element_range> missing_elements(const A& mine, std::span<const B> files,
+                                            std::span<const std::uint64_t> full) {
+  return plan_load(mine, files, full).missing;
+}
+
+/// The global flat index of element `local` of my flat view (for messages).
+template <ShardSpec A>
+std::optional<std::uint64_t> global_index_of(const A& mine, std::span<const std::uint64_t> full, std::uint64_t local) {
+  for (auto c = mine.cursor(full); !c.done(); c.next()) {
+    const spec_run r = c.run();
+    if (local < r.local + (r.end - r.begin)) return local >= r.local ? std::optional(r.begin + (local - r.local)) : std::nullopt;
+  }
+  return std::nullopt;
+}
+
+/// The multi-index of flat element i of a tensor of shape full, as "[2,5]".
+inline std::string multi_index_string(std::span<const std::uint64_t> full, std::uint64_t i) {
+  shape_t idx(full.size());
+  for (std::size_t d = full.size(); d-- > 0;) {
+    if (full[d] == 0) break;
+    idx[d] = i % full[d];
+    i /= full[d];
+  }
+  return to_string(idx);
+}
+
+}  // namespace shardsafe

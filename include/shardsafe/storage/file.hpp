@@ -1,0 +1,162 @@
+// shardsafe/storage/file.hpp - the file backend: pread for reading, a temporary file plus
+// fsync and rename for writing, and a folder as a Directory.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "shardsafe/detail/posix.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// A file read with pread. Reads from several threads at once are safe.
+class file_storage {
+ public:
+  explicit file_storage(const std::filesystem::path& path)
+      : path_(path.string()), fd_(detail::open_fd(path_, O_RDONLY)), size_(detail::file_size_of(fd_.get(), path_)) {}
+
+  std::uint64_t size() const noexcept { return size_; }
+  std::string_view name() const noexcept { return path_; }
+  int native_handle() const noexcept { return fd_.get(); }
+
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    if (dst.empty()) return;
+    if (off > size_ || dst.size() > size_ - off)
+      throw error(errc::truncated, path_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
+                                       std::to_string(off) + " passes the end of the file (" +
+                                       std::to_string(size_) + " bytes)");
+    detail::pread_full(fd_.get(), off, dst, path_);
+  }
+
+ private:
+  std::string path_;
+  detail::unique_fd fd_;
+  std::uint64_t size_;
+};
+
+namespace detail {
+inline std::string temp_name_for(const std::string& final_path) {
+  static std::atomic<std::uint64_t> counter{0};
+  auto t = std::chrono::steady_clock::now().time_since_epoch().count();
+  return final_path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(t) + "." +
+         std::to_string(counter.fetch_add(1));
+}
+}  // namespace detail
+
+/// Writes a file under a temporary name beside its final one; commit() fsyncs, renames it
+/// into place and fsyncs the folder. Destroyed without commit, it removes the temporary.
+class file_writer {
+ public:
+  explicit file_writer(const std::filesystem::path& final_path)
+      : final_(final_path.string()),
+        temp_(detail::temp_name_for(final_)),
+        fd_(detail::open_fd(temp_, O_WRONLY | O_CREAT | O_EXCL | O_TRUNC, 0644)) {}
+  file_writer(file_writer&& o) noexcept
+      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::move(o.fd_)), committed_(o.committed_) {
+    o.committed_ = true;
+  }
+  file_writer& operator=(file_writer&&) = delete;
+  file_writer(const file_writer&) = delete;
+  ~file_writer() {
+    if (!committed_) {
+      fd_.reset();
+      ::unlink(temp_.c_str());
+    }
+  }
+
+  std::string_view name() const noexcept { return final_; }
+
+  /// Sets the final size up front (lets the file system allocate in one go).
+  void reserve(std::uint64_t size) {
+    if (::ftruncate(fd_.get(), static_cast<off_t>(size)) != 0) fail_errno(errno, final_ + ": ftruncate");
+  }
+  void write_at(std::uint64_t off, std::span<const std::byte> src) {
+    require_open();
+    detail::pwrite_full(fd_.get(), off, src, final_);
+  }
+  void sync() {
+    require_open();
+    if (::fdatasync(fd_.get()) != 0) fail_errno(errno, final_ + ": fdatasync");
+  }
+  void commit() {
+    require_open();
+    fd_.close_checked(final_);
+    if (::rename(temp_.c_str(), final_.c_str()) != 0) fail_errno(errno, final_ + ": rename from " + temp_);
+    committed_ = true;
+    detail::fsync_dir(std::filesystem::path(final_).parent_path().string());
+  }
+
+ private:
+  void require_open() const {
+    if (committed_ || !fd_) throw error(errc::invalid_argument, final_ + ": write after commit");
+  }
+  std::string final_;
+  std::string temp_;
+  detail::unique_fd fd_;
+  bool committed_ = false;
+};
+
+/// A folder of files as a Directory; Reader is file_storage or mmap_storage.
+template <ReadableStorage Reader>
+class basic_file_directory {
+ public:
+  using reader_type = Reader;
+  using writer_type = file_writer;
+
+  explicit basic_file_directory(std::filesystem::path root) : root_(std::move(root)), name_(root_.string()) {}
+
+  const std::filesystem::path& path() const noexcept { return root_; }
+  std::string_view name() const noexcept { return name_; }
+
+  reader_type open(std::string_view n) const { return reader_type(child(n)); }
+  writer_type create(std::string_view n) const { return writer_type(child(n)); }
+  bool exists(std::string_view n) const {
+    std::error_code ec;
+    return std::filesystem::exists(child(n), ec);
+  }
+  std::vector<std::string> list() const {
+    std::vector<std::string> out;
+    std::error_code ec;
+    for (std::filesystem::directory_iterator it(root_, ec), end; !ec && it != end; it.increment(ec))
+      out.push_back(it->path().filename().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+  void remove(std::string_view n) const {
+    std::error_code ec;
+    std::filesystem::remove_all(child(n), ec);
+    if (ec) throw error(ec, (root_ / std::string(n)).string() + ": remove: " + ec.message());
+  }
+  basic_file_directory sub(std::string_view n) const { return basic_file_directory(child(n)); }
+  void make() const {
+    std::error_code ec;
+    std::filesystem::create_directories(root_, ec);
+    if (ec) throw error(ec, name_ + ": create directory: " + ec.message());
+  }
+
+ private:
+  std::filesystem::path child(std::string_view n) const {
+    if (!is_plain_name(n))
+      throw error(errc::invalid_argument, name_ + ": '" + std::string(n) + "' is not a plain file name");
+    return root_ / std::string(n);
+  }
+  std::filesystem::path root_;
+  std::string name_;
+};
+
+using file_directory = basic_file_directory<file_storage>;
+
+static_assert(ReadableStorage<file_storage>);
+static_assert(WritableStorage<file_writer>);
+static_assert(Directory<file_directory>);
+
+}  // namespace shardsafe
