@@ -1,0 +1,208 @@
+// shardsafe/dist/c10d.hpp - Comm over a LibTorch c10d::ProcessGroup (Gloo on CPU; NCCL on
+// GPUs, with the byte collectives on a CUDA device), and the world built from the variables
+// torchrun sets: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+//
+// Define USE_C10D_GLOO (the Meson dependency shardsafe-torch does) for init_world_from_env,
+// which needs ProcessGroupGloo.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/dist/concepts.hpp"
+
+namespace shardsafe {
+
+/// A Comm over a c10d process group. Byte collectives travel as uint8 tensors on `device`
+/// (CPU for Gloo; the rank's CUDA device for NCCL).
+class c10d_comm {
+ public:
+  explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU)
+      : pg_(std::move(pg)), device_(device) {}
+
+  int rank() const { return pg_->getRank(); }
+  int world_size() const { return pg_->getSize(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
+
+  void barrier() {
+    guard("barrier", [&] { pg_->barrier()->wait(); });
+  }
+
+  std::vector<std::string> all_gather_bytes(std::string_view s) {
+    std::vector<std::string> out;
+    guard("all_gather_bytes", [&] {
+      const int n = world_size();
+      // lengths first, then the bytes padded to the longest
+      std::vector<at::Tensor> len_in{at::full({1}, static_cast<std::int64_t>(s.size()), opts(at::kLong))};
+      std::vector<std::vector<at::Tensor>> len_out(1);
+      for (int r = 0; r < n; ++r) len_out[0].push_back(at::empty({1}, opts(at::kLong)));
+      pg_->allgather(len_out, len_in)->wait();
+      std::vector<std::int64_t> lens(n);
+      std::int64_t longest = 0;
+      for (int r = 0; r < n; ++r) {
+        lens[r] = len_out[0][r].cpu().item<std::int64_t>();
+        longest = std::max(longest, lens[r]);
+      }
+      at::Tensor mine = at::zeros({std::max<std::int64_t>(longest, 1)}, at::kByte);
+      std::memcpy(mine.data_ptr(), s.data(), s.size());
+      std::vector<at::Tensor> in{mine.to(device_)};
+      std::vector<std::vector<at::Tensor>> all(1);
+      for (int r = 0; r < n; ++r) all[0].push_back(at::empty({std::max<std::int64_t>(longest, 1)}, opts(at::kByte)));
+      pg_->allgather(all, in)->wait();
+      out.resize(n);
+      for (int r = 0; r < n; ++r) {
+        at::Tensor c = all[0][r].cpu();
+        out[r].assign(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(lens[r]));
+      }
+    });
+    return out;
+  }
+
+  void broadcast_bytes(std::string& s, int root) {
+    guard("broadcast_bytes", [&] {
+      std::vector<at::Tensor> len{at::full({1}, static_cast<std::int64_t>(s.size()), opts(at::kLong))};
+      bcast(len, root);
+      const std::int64_t n = len[0].cpu().item<std::int64_t>();
+      if (n == 0) {
+        s.clear();
+        return;
+      }
+      at::Tensor buf = at::empty({n}, at::kByte);
+      if (rank() == root) std::memcpy(buf.data_ptr(), s.data(), static_cast<std::size_t>(n));
+      std::vector<at::Tensor> t{buf.to(device_)};
+      bcast(t, root);
+      at::Tensor c = t[0].cpu();
+      s.assign(static_cast<const char*>(c.data_ptr()), static_cast<std::size_t>(n));
+    });
+  }
+
+  void broadcast_buffer(std::span<std::byte> b, int root) {
+    if (b.empty()) return;
+    guard("broadcast_buffer", [&] {
+      at::Tensor t = at::from_blob(b.data(), {static_cast<std::int64_t>(b.size())}, at::kByte);
+      if (device_.is_cpu()) {
+        std::vector<at::Tensor> v{t};
+        bcast(v, root);
+      } else {
+        std::vector<at::Tensor> v{t.to(device_)};
+        bcast(v, root);
+        t.copy_(v[0]);
+      }
+    });
+  }
+
+  /// Broadcasts a (contiguous) tensor in place, on whatever device it lives.
+  void broadcast_tensor(at::Tensor& t, int root) {
+    guard("broadcast_tensor", [&] {
+      std::vector<at::Tensor> v{t};
+      bcast(v, root);
+    });
+  }
+
+ private:
+  at::TensorOptions opts(at::ScalarType st) const { return at::TensorOptions().dtype(st).device(device_); }
+  void bcast(std::vector<at::Tensor>& v, int root) {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    pg_->broadcast(v, o)->wait();
+  }
+  template <class F>
+  void guard(const char* what, F&& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " failed: " +
+                                        e.what_without_backtrace());
+    }
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::Device device_;
+};
+
+static_assert(Comm<c10d_comm>);
+
+/// A process's place in a world: the store it rendezvoused through and its process group.
+struct c10d_world {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  int rank = 0;
+  int world_size = 1;
+  c10d_comm comm() const { return c10d_comm(pg); }
+};
+
+namespace detail {
+inline std::string required_env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v)
+    fail(errc::invalid_argument, std::string("world from environment: ") + name +
+                                     " is not set (set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun does)");
+  return v;
+}
+inline long env_number(const char* name, long lo, long hi) {
+  const std::string v = required_env(name);
+  char* end = nullptr;
+  errno = 0;
+  long n = std::strtol(v.c_str(), &end, 10);
+  if (errno || end == v.c_str() || *end || n < lo || n > hi)
+    fail(errc::invalid_argument, std::string("world from environment: ") + name + "='" + v + "' is not a number in [" +
+                                     std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return n;
+}
+}  // namespace detail
+
+#ifdef USE_C10D_GLOO
+/// Joins the world described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: rank 0 serves
+/// a TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects, and a Gloo process group is
+/// built on it. Gloo's interface: GLOO_SOCKET_IFNAME if set, loopback when MASTER_ADDR is a
+/// loopback address, else the interface of this host's name.
+inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+  c10d_world w;
+  const int world = static_cast<int>(detail::env_number("WORLD_SIZE", 1, 1 << 20));
+  const int rank = static_cast<int>(detail::env_number("RANK", 0, world - 1));
+  const std::string addr = detail::required_env("MASTER_ADDR");
+  const auto port = static_cast<std::uint16_t>(detail::env_number("MASTER_PORT", 1, 65535));
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = port;
+    so.isServer = rank == 0;
+    so.numWorkers = static_cast<std::size_t>(world);
+    so.waitWorkers = true;
+    so.timeout = timeout;
+    w.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    auto go = c10d::ProcessGroupGloo::Options::create(timeout);
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+      go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else if (addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1")
+      go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(addr));
+    else
+      go->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    w.pg = c10::make_intrusive<c10d::ProcessGroupGloo>(w.store, rank, world, go);
+  } catch (const c10::Error& e) {
+    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                                      " could not join " + addr + ":" + std::to_string(port) + ": " +
+                                      e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
+                                      " could not join " + addr + ":" + std::to_string(port) + ": " + e.what());
+  }
+  w.rank = rank;
+  w.world_size = world;
+  return w;
+}
+#endif
+
+}  // namespace shardsafe

@@ -1,0 +1,550 @@
+// Sharded save and load in real multi-process c10d worlds, resharding between world sizes
+// and spec forms, OLMo-core directories written by hand, and the errors a user meets.
+#include "shardsafe/torch/state_dict.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "fixtures.hpp"
+#include "shardsafe/dist/c10d.hpp"
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/storage/memory.hpp"
+#include "shardsafe/storage/mmap.hpp"
+#include "world.hpp"
+
+using namespace shardsafe;
+using testing::block_part;
+using testing::expected_full;
+using testing::flat_part;
+using testing::local_of;
+
+namespace {
+
+using spec_fn = std::function<std::optional<shard_spec>(int world, int rank)>;
+
+struct tcase {
+  std::string key;
+  dtype type;
+  shape_t shape;
+  spec_fn save;  // how a rank of the saving world (2 ranks) holds it
+  spec_fn load;  // how a rank of a loading world holds it
+};
+
+std::optional<shard_spec> whole(int, int) { return std::nullopt; }
+
+// The catalogue: flat FSDP-like splits (uneven, several ranges, empty ranks), 2-D row and
+// column blocks, a 3-D block, a replicated DTensor, replicated plain tensors, a 0-d tensor
+// and an empty one, in BF16, F16, F32, F64, I32, I64 and BOOL; each loaded in another form.
+std::vector<tcase> catalogue() {
+  return {
+      {"flat_uneven", dtype::F32, {37, 5},
+       [](int, int r) -> std::optional<shard_spec> { return r == 0 ? flat_spec{{0, 100}} : flat_spec{{100, 185}}; },
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({37, 5}, 0, w, r); }},
+      {"flat_multi", dtype::I64, {50},
+       [](int, int r) -> std::optional<shard_spec> {
+         return r == 0 ? flat_spec{{0, 10}, {20, 30}} : flat_spec{{10, 20}, {30, 30}, {30, 50}};
+       },
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({50}, w, r); }},
+      {"row_tp", dtype::BF16, {16, 8}, [](int w, int r) -> std::optional<shard_spec> { return block_part({16, 8}, 0, w, r); },
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({16, 8}, w, r); }},
+      {"col_tp", dtype::F32, {6, 10}, [](int w, int r) -> std::optional<shard_spec> { return block_part({6, 10}, 1, w, r); },
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({6, 10}, 0, w, r); }},
+      {"cube", dtype::I64, {4, 6, 5},
+       [](int, int r) -> std::optional<shard_spec> {
+         return r == 0 ? block_spec({4, 6, 2}, {0, 0, 0}) : block_spec({4, 6, 3}, {0, 0, 2});
+       },
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({4, 6, 5}, w, r); }},
+      {"cube_to_block", dtype::I32, {3, 4, 6},
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({3, 4, 6}, w, r); },
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({3, 4, 6}, 2, w, r); }},
+      {"mask", dtype::BOOL, {33}, [](int w, int r) -> std::optional<shard_spec> { return flat_part({33}, w, r); },
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({33}, 0, w, r); }},
+      {"half_one_empty", dtype::F16, {9, 3},
+       [](int, int r) -> std::optional<shard_spec> { return r == 0 ? flat_spec{{0, 27}} : flat_spec{{27, 27}}; },
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({9, 3}, 1, w, r); }},
+      {"replicated_dtensor", dtype::I32, {8, 4},
+       [](int, int) -> std::optional<shard_spec> { return block_spec({8, 4}, {0, 0}); },
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({8, 4}, w, r); }},
+      {"bias", dtype::F64, {7}, whole, whole},
+      {"scalar", dtype::F32, {}, whole, whole},
+      {"scalar_from_whole_to_block", dtype::I64, {}, whole,
+       [](int, int) -> std::optional<shard_spec> { return block_spec({}, {}); }},
+      {"empty", dtype::F32, {0, 4}, [](int w, int r) -> std::optional<shard_spec> { return flat_part({0, 4}, w, r); },
+       [](int, int) -> std::optional<shard_spec> { return block_spec({0, 4}, {0, 0}); }},
+      {"sharded_to_whole", dtype::F32, {5, 5},
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({5, 5}, 1, w, r); }, whole},
+  };
+}
+
+state_dict build_state(int world, int rank, bool for_save, bool save_whole = false) {
+  state_dict sd;
+  for (const auto& c : catalogue()) {
+    auto spec = for_save ? (save_whole ? std::nullopt : c.save(world, rank)) : c.load(world, rank);
+    at::Tensor full = expected_full(c.key, c.type, c.shape);
+    if (for_save) {
+      sd.add(c.key, local_of(full, spec), spec.value_or(flat_spec{}), c.shape);
+      if (!spec) sd.find(c.key)->spec.reset();
+    } else {
+      // memory to load into: filled with a pattern that is not the expected data
+      at::Tensor local = local_of(full, spec);
+      local = at::empty_like(local);
+      if (local.nbytes()) std::memset(local.data_ptr(), 0xA5, local.nbytes());
+      if (spec)
+        sd.add(c.key, local, *spec, c.shape);
+      else
+        sd.add(c.key, local);
+    }
+  }
+  return sd;
+}
+
+/// Compares every loaded tensor with its expected shard; prints what differs.
+int check_state(const state_dict& sd, int world, int rank) {
+  int bad = 0;
+  for (const auto& c : catalogue()) {
+    const sharded_tensor* t = sd.find(c.key);
+    at::Tensor want = local_of(expected_full(c.key, c.type, c.shape), c.load(world, rank));
+    if (!testing::same_bits(t->local.reshape({-1}), want.reshape({-1}))) {
+      std::fprintf(stderr, "rank %d of %d: tensor '%s' differs from the expected shard\n", rank, world, c.key.c_str());
+      ++bad;
+    }
+  }
+  return bad == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+WORKER_SCENARIO("save_catalogue") {
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  state_dict sd = build_state(w.world_size, w.rank, true);
+  save_state_dict(file_directory(args.at(0)), sd, comm);
+  return 0;
+}
+
+WORKER_SCENARIO("load_catalogue") {
+  auto w = init_world_from_env();
+  state_dict sd = build_state(w.world_size, w.rank, false);
+  load_options opt;
+  opt.threads = 2;
+  opt.reads.max_read_bytes = 64;  // many small reads: exercises splitting and staging
+  if (args.size() > 1 && args[1] == "mmap") {
+    load_state_dict(mmap_directory(args.at(0)), sd, opt);
+  } else {
+    load_state_dict(file_directory(args.at(0)), sd, opt);
+  }
+  return check_state(sd, w.world_size, w.rank);
+}
+
+TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit for bit") {
+  testing::temp_dir dir("catalogue");
+  const std::string ckpt = (dir.path / "model").string();
+  auto saved = testing::run_world("save_catalogue", 2, {ckpt});
+  REQUIRE_MESSAGE(saved.ok(), saved.report());
+
+  SUBCASE("metadata.json follows FORMAT.md §2") {
+    file_storage f(dir.path / "model" / "metadata.json");
+    auto md = read_checkpoint_metadata(f);
+    CHECK(md.tensors.size() == catalogue().size());
+    const auto* bias = md.find("bias");
+    REQUIRE(bias);
+    CHECK_FALSE(bias->is_sharded);
+    REQUIRE(bias->files.size() == 1);  // replicated tensors are written once, by the lowest rank
+    CHECK(bias->files[0].first == "rank_0.safetensors");
+    CHECK(bias->files[0].second == shard_spec(flat_spec{{0, 7}}));
+    const auto* row = md.find("row_tp");
+    REQUIRE(row->files.size() == 2);
+    CHECK(row->files[1].second == shard_spec(block_spec({8, 8}, {8, 0})));
+    const auto* rep = md.find("replicated_dtensor");
+    CHECK(rep->is_sharded);
+    CHECK(rep->files.size() == 2);
+    CHECK(md.extras.world_size == 2u);
+    // rank 1's file holds no replicated plain tensor
+    file_storage r1(dir.path / "model" / "rank_1.safetensors");
+    auto h1 = read_safetensors_header(r1);
+    CHECK(h1.find("bias") == nullptr);
+    CHECK(h1.find("scalar") == nullptr);
+    REQUIRE(h1.find("row_tp"));
+    CHECK(h1.find("row_tp")->shape == shape_t{64});  // flattened local block
+  }
+  SUBCASE("other world sizes and spec forms") {
+    for (int w : {1, 3, 4}) {
+      CAPTURE(w);
+      auto loaded = testing::run_world("load_catalogue", w, {ckpt});
+      CHECK_MESSAGE(loaded.ok(), loaded.report());
+    }
+    auto mm = testing::run_world("load_catalogue", 3, {ckpt, "mmap"});
+    CHECK_MESSAGE(mm.ok(), mm.report());
+  }
+  SUBCASE("unshard in one process gives the expected full tensors") {
+    auto full = unshard_state(file_directory(ckpt));
+    CHECK(full.size() == catalogue().size());
+    for (const auto& c : catalogue()) {
+      auto it = std::find_if(full.begin(), full.end(), [&](const auto& p) { return p.first == c.key; });
+      REQUIRE(it != full.end());
+      CHECK_MESSAGE(testing::same_bits(it->second, expected_full(c.key, c.type, c.shape)), c.key);
+      CHECK(shape_of(it->second) == c.shape);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// in one process, with no communication at all
+
+TEST_CASE("single process save and load through every backend") {
+  single_process comm;
+  for (int variant = 0; variant < 3; ++variant) {
+    CAPTURE(variant);
+    state_dict sd = build_state(1, 0, true, /*save_whole=*/true);
+    testing::temp_dir dir("single");
+    state_dict into = build_state(1, 0, false);
+    if (variant == 2) {
+      memory_directory mem;
+      save_state_dict(mem.sub("ckpt"), sd, comm);
+      load_state_dict(mem.sub("ckpt"), into);
+    } else {
+      save_state_dict(file_directory(dir.path), sd, comm);
+      if (variant == 0)
+        load_state_dict(file_directory(dir.path), into);
+      else
+        load_state_dict(mmap_directory(dir.path), into);
+    }
+    CHECK(check_state(into, 1, 0) == 0);
+  }
+}
+
+TEST_CASE("non-contiguous tensors are saved and loaded through staging") {
+  single_process comm;
+  testing::temp_dir dir("noncontig");
+  at::Tensor full = expected_full("t", dtype::F32, {6, 4});
+  state_dict sd;
+  sd.add("t", full.t());  // a transposed view: [4, 6], not contiguous
+  save_state_dict(file_directory(dir.path), sd, comm);
+  at::Tensor target = at::zeros({6, 4}, at::kFloat).t();
+  state_dict into;
+  into.add("t", target);
+  load_state_dict(file_directory(dir.path), into);
+  CHECK(testing::same_bits(target.contiguous(), full.t().contiguous()));
+}
+
+TEST_CASE("validate_nan finds elements that were never loaded") {
+  single_process comm;
+  testing::temp_dir dir("nan");
+  at::Tensor full = expected_full("w", dtype::F32, {4, 4}, /*finite=*/true);
+  state_dict sd;
+  sd.add("w", full);
+  save_state_dict(file_directory(dir.path), sd, comm);
+  at::Tensor into = at::zeros({4, 4});
+  state_dict t;
+  t.add("w", into);
+  load_options o;
+  o.validate_nan = true;
+  CHECK_NOTHROW(load_state_dict(file_directory(dir.path), t, o));
+  CHECK(testing::same_bits(into, full));
+}
+
+// ---------------------------------------------------------------------------------------
+// OLMo-core directories, written byte by byte from the schema
+
+namespace {
+void write_bytes(const std::filesystem::path& p, const std::string& bytes) {
+  std::ofstream f(p, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+/// A safetensors file by hand: header JSON as Python's safetensors writes it, padded.
+std::string hand_safetensors(const std::vector<std::tuple<std::string, std::string, std::uint64_t, std::string>>& ts) {
+  std::string json = "{", data;
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    const auto& [name, dt, n, bytes] = ts[i];
+    json += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"" + dt + "\",\"shape\":[" + std::to_string(n) +
+            "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + bytes.size()) + "]}";
+    data += bytes;
+  }
+  json += "}";
+  while ((8 + json.size()) % 8) json += ' ';
+  std::string out(8, '\0');
+  std::uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + json + data;
+}
+std::string bytes_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.nbytes());
+}
+}  // namespace
+
+WORKER_SCENARIO("load_olmo") {
+  auto w = init_world_from_env();
+  const std::filesystem::path dir = args.at(0);
+  at::Tensor x = expected_full("x", dtype::I64, {2, 3}), y = expected_full("y", dtype::F32, {2, 3});
+  at::Tensor wt = expected_full("w", dtype::BF16, {16, 8}), leg = expected_full("legacy", dtype::F32, {10});
+  state_dict sd;
+  auto yspec = flat_part({2, 3}, w.world_size, w.rank);
+  auto wspec = block_part({16, 8}, 1, w.world_size, w.rank);  // columns, where the files hold rows
+  auto lspec = block_part({10}, 0, w.world_size, w.rank);
+  at::Tensor xl = at::zeros({2, 3}, at::kLong), yl = at::zeros_like(local_of(y, yspec)),
+             wl = at::zeros_like(local_of(wt, wspec)), ll = at::zeros_like(local_of(leg, lspec));
+  sd.add("x", xl).add("y", yl, yspec, {2, 3}).add("w", wl, wspec, {16, 8}).add("legacy", ll, lspec, {10});
+  load_state_dict(file_directory(dir), sd);
+  bool ok = testing::same_bits(xl, x) && testing::same_bits(yl, local_of(y, yspec)) &&
+            testing::same_bits(wl, local_of(wt, wspec)) && testing::same_bits(ll, local_of(leg, lspec));
+  if (!ok) std::fprintf(stderr, "rank %d: OLMo-format checkpoint loaded wrong values\n", w.rank);
+  return ok ? 0 : 1;
+}
+
+TEST_CASE("directories in OLMo-core's format load in any world size") {
+  testing::temp_dir dir("olmo");
+  at::Tensor x = expected_full("x", dtype::I64, {2, 3}), y = expected_full("y", dtype::F32, {2, 3});
+  at::Tensor wt = expected_full("w", dtype::BF16, {16, 8}), leg = expected_full("legacy", dtype::F32, {10});
+  auto yflat = y.reshape({-1});
+  // rank 0: x whole (not sharded), y[0:3], w rows 0-7; rank 1: y[3:6], w rows 8-15; legacy split 0-4, 4-10
+  write_bytes(dir.path / "rank_0.safetensors",
+              hand_safetensors({{"x", "I64", 6, bytes_of(x)},
+                                {"y", "F32", 3, bytes_of(yflat.slice(0, 0, 3))},
+                                {"w", "BF16", 64, bytes_of(wt.narrow(0, 0, 8))},
+                                {"legacy", "F32", 4, bytes_of(leg.slice(0, 0, 4))}}));
+  write_bytes(dir.path / "rank_1.safetensors",
+              hand_safetensors({{"y", "F32", 3, bytes_of(yflat.slice(0, 3, 6))},
+                                {"w", "BF16", 64, bytes_of(wt.narrow(0, 8, 8))},
+                                {"legacy", "F32", 6, bytes_of(leg.slice(0, 4, 10))}}));
+  write_bytes(
+      dir.path / "metadata.json",
+      R"({"tensors": {"x": {"shape": [2, 3], "is_sharded": false, "dtype": "I64", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": null, "global_offset": null}}}, )"
+      R"("y": {"shape": [2, 3], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 3]], "local_shape": null, "global_offset": null}, "rank_1.safetensors": {"flattened_offsets": [[3, 6]], "local_shape": null, "global_offset": null}}}, )"
+      R"("w": {"shape": [16, 8], "is_sharded": true, "dtype": "BF16", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [8, 8], "global_offset": [0, 0]}, "rank_1.safetensors": {"flattened_offsets": null, "local_shape": [8, 8], "global_offset": [8, 0]}}}, )"
+      R"("legacy": {"flattened_offsets_per_file": {"rank_0.safetensors": [0, 4], "rank_1.safetensors": [[4, 6], [6, 10]]}, "shape": [10], "is_sharded": true, "dtype": "F32"}}})");
+  for (int w : {1, 2, 3}) {
+    CAPTURE(w);
+    auto res = testing::run_world("load_olmo", w, {dir.str()});
+    CHECK_MESSAGE(res.ok(), res.report());
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// errors
+
+namespace {
+std::string error_of(const std::function<void()>& f, errc* code = nullptr) {
+  try {
+    f();
+  } catch (const shardsafe::error& e) {
+    if (code) *code = static_cast<errc>(e.code().value());
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("load errors name the file, the tensor and the rule") {
+  single_process comm;
+  testing::temp_dir dir("errors");
+  const auto ckpt = dir.path / "ckpt";
+  {
+    state_dict sd;
+    sd.add("w", expected_full("w", dtype::F32, {4, 6}));
+    sd.add("b", expected_full("b", dtype::I64, {6}));
+    save_state_dict(file_directory(ckpt), sd, comm);
+  }
+  errc code{};
+  SUBCASE("shape mismatch") {
+    state_dict t;
+    t.add("w", at::zeros({4, 5}));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::shape_mismatch);
+    CHECK(msg.find("'w'") != std::string::npos);
+    CHECK(msg.find("[4,6]") != std::string::npos);
+    CHECK(msg.find("[4,5]") != std::string::npos);
+  }
+  SUBCASE("dtype mismatch") {
+    state_dict t;
+    t.add("w", at::zeros({4, 6}, at::kDouble));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::dtype_mismatch);
+    CHECK(msg.find("F32") != std::string::npos);
+    CHECK(msg.find("F64") != std::string::npos);
+  }
+  SUBCASE("missing tensor: an error when strict, listed otherwise") {
+    state_dict t;
+    t.add("nope", at::zeros({3}));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::not_found);
+    CHECK(msg.find("'nope'") != std::string::npos);
+    load_options o;
+    o.strict = false;
+    auto st = load_state_dict(file_directory(ckpt), t, o);
+    REQUIRE(st.missing_keys.size() == 1);
+    CHECK(st.missing_keys[0] == "nope");
+    CHECK(st.unexpected_keys.size() == 2);
+  }
+  SUBCASE("missing rank file") {
+    std::filesystem::remove(ckpt / "rank_0.safetensors");
+    state_dict t;
+    t.add("b", at::zeros({6}, at::kLong));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::not_found);
+    CHECK(msg.find("rank_0.safetensors") != std::string::npos);
+  }
+  SUBCASE("corrupt rank file: truncated") {
+    std::filesystem::resize_file(ckpt / "rank_0.safetensors", 100);
+    state_dict t;
+    t.add("b", at::zeros({6}, at::kLong));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::truncated);
+    CHECK(msg.find("rank_0.safetensors") != std::string::npos);
+  }
+  SUBCASE("corrupt rank file: garbage header") {
+    std::fstream f(ckpt / "rank_0.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.write("{{{{", 4);
+    f.close();
+    state_dict t;
+    t.add("b", at::zeros({6}, at::kLong));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::invalid_json);
+    CHECK(msg.find("rank_0.safetensors") != std::string::npos);
+  }
+  SUBCASE("no metadata.json: an unfinished save does not load") {
+    std::filesystem::remove(ckpt / "metadata.json");
+    state_dict t;
+    t.add("b", at::zeros({6}, at::kLong));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::not_found);
+    CHECK(msg.find("metadata.json") != std::string::npos);
+  }
+  SUBCASE("a non-empty target needs overwrite") {
+    state_dict sd;
+    sd.add("b", expected_full("b2", dtype::I64, {6}));
+    auto msg = error_of([&] { save_state_dict(file_directory(ckpt), sd, comm); }, &code);
+    CHECK(code == errc::already_exists);
+    save_options o;
+    o.overwrite = true;
+    save_state_dict(file_directory(ckpt), sd, comm, o);
+    state_dict t;
+    at::Tensor b = at::zeros({6}, at::kLong);
+    t.add("b", b);
+    load_state_dict(file_directory(ckpt), t);
+    CHECK(testing::same_bits(b, expected_full("b2", dtype::I64, {6})));
+    CHECK_FALSE(std::filesystem::exists(ckpt / "rank_1.safetensors"));
+    CHECK((file_directory(ckpt).list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors"}));
+  }
+  SUBCASE("missing coverage is an error naming the elements") {
+    // the files hold rows 0-3 of an [8,6] tensor only
+    std::filesystem::remove_all(ckpt);
+    std::filesystem::create_directories(ckpt);
+    at::Tensor w = expected_full("w", dtype::F32, {8, 6});
+    write_bytes(ckpt / "rank_0.safetensors", hand_safetensors({{"w", "F32", 24, bytes_of(w.narrow(0, 0, 4))}}));
+    write_bytes(ckpt / "metadata.json",
+                R"({"tensors": {"w": {"shape": [8, 6], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [4, 6], "global_offset": [0, 0]}}}}})");
+    state_dict t;
+    t.add("w", at::zeros({8, 6}));
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    CHECK(code == errc::missing_coverage);
+    CHECK(msg.find("'w'") != std::string::npos);
+    CHECK(msg.find("[24, 48)") != std::string::npos);
+    CHECK(msg.find("[4,0]") != std::string::npos);
+    // a shard inside the covered rows loads fine
+    at::Tensor top = at::zeros({2, 6});
+    state_dict ok;
+    ok.add("w", top, block_spec({2, 6}, {1, 0}), {8, 6});
+    load_state_dict(file_directory(ckpt), ok);
+    CHECK(testing::same_bits(top, w.narrow(0, 1, 2).contiguous()));
+  }
+}
+
+WORKER_SCENARIO("save_disagreeing") {
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  state_dict sd;
+  // rank 1 says the tensor is [8,4]; rank 0 says [8,5]
+  shape_t full = w.rank == 0 ? shape_t{8, 5} : shape_t{8, 4};
+  sd.add("w", at::zeros({4, static_cast<long>(full[1])}), block_part(full, 0, 2, w.rank), full);
+  try {
+    save_state_dict(file_directory(args.at(0)), sd, comm);
+  } catch (const shardsafe::error& e) {
+    std::string m = e.what();
+    bool named = m.find("rank 0") != std::string::npos && m.find("rank 1") != std::string::npos &&
+                 m.find("'w'") != std::string::npos;
+    std::fprintf(stderr, "%s\n", e.what());
+    return named ? 3 : 4;
+  }
+  return 0;
+}
+
+WORKER_SCENARIO("save_gap") {
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  state_dict sd;
+  // rows 0-3 and 5-7 of an [8,2] tensor: row 4 is held by nobody
+  shard_spec s = w.rank == 0 ? shard_spec(block_spec({4, 2}, {0, 0})) : shard_spec(block_spec({3, 2}, {5, 0}));
+  sd.add("w", at::zeros({w.rank == 0 ? 4 : 3, 2}), s, {8, 2});
+  try {
+    save_state_dict(file_directory(args.at(0)), sd, comm);
+  } catch (const shardsafe::error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return e.code() == make_error_code(errc::missing_coverage) ? 3 : 4;
+  }
+  return 0;
+}
+
+TEST_CASE("ranks that disagree fail together, naming both ranks, without hanging") {
+  testing::temp_dir dir("disagree");
+  auto res = testing::run_world("save_disagreeing", 2, {(dir.path / "c").string()}, std::chrono::seconds(60));
+  CHECK_MESSAGE((res.status == std::vector<int>{3, 3}), res.report());
+  CHECK_FALSE(std::filesystem::exists(dir.path / "c" / "metadata.json"));
+  auto gap = testing::run_world("save_gap", 2, {(dir.path / "g").string()}, std::chrono::seconds(60));
+  CHECK_MESSAGE((gap.status == std::vector<int>{3, 3}), gap.report());
+}
+
+// A save killed at any moment leaves either a complete checkpoint or one that does not load.
+WORKER_SCENARIO("save_big_slowly") {
+  single_process comm;
+  state_dict sd;
+  for (int i = 0; i < 6; ++i) sd.add("t" + std::to_string(i), expected_full("t" + std::to_string(i), dtype::F32, {1 << 20}));
+  save_options o;
+  o.overwrite = true;
+  o.write_chunk_bytes = 1 << 16;
+  o.threads = 1;
+  save_state_dict(file_directory(args.at(0)), sd, comm, o);
+  return 0;
+}
+
+TEST_CASE("a save killed part way never leaves a checkpoint that loads as complete") {
+  testing::temp_dir dir("killed");
+  const auto ckpt = dir.path / "c";
+  int complete = 0, refused = 0;
+  for (int delay_ms : {0, 5, 20, 60, 150, 400, 2000}) {
+    CAPTURE(delay_ms);
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    pid_t pid = fork();
+    if (pid == 0) {
+      setenv("SHARDSAFE_WORKER", "save_big_slowly", 1);
+      setenv("SHARDSAFE_WORKER_ARGS", (ckpt.string() + "\x1f").c_str(), 1);
+      execl(self.c_str(), self.c_str(), nullptr);
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(pid, SIGKILL);
+    int st;
+    waitpid(pid, &st, 0);
+    state_dict t;
+    std::vector<at::Tensor> into;
+    for (int i = 0; i < 6; ++i) t.add("t" + std::to_string(i), into.emplace_back(at::zeros({1 << 20})));
+    errc code{};
+    auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
+    if (msg.empty()) {
+      ++complete;
+      for (int i = 0; i < 6; ++i)
+        CHECK(testing::same_bits(into[i], expected_full("t" + std::to_string(i), dtype::F32, {1 << 20})));
+    } else {
+      ++refused;
+      CHECK_MESSAGE(code == errc::not_found, msg);
+    }
+  }
+  MESSAGE("killed saves: " << complete << " complete, " << refused << " refused as incomplete");
+  CHECK(refused > 0);
+}
