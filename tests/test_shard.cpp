@@ -1,1 +1,818 @@
-// placeholder: filled by its owner
+// Tests of shard/: shard specs, overlap, copy plans, load plans and read plans.
+//
+// Every property is checked against an element-by-element brute force written here: each
+// spec is expanded into the list of global flat indices it holds, in local order (element
+// i of the list is local offset i), and answers are computed from those lists alone.
+#include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/overlap.hpp"
+#include "shardsafe/shard/read_plan.hpp"
+#include "shardsafe/shard/shard_spec.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace shardsafe;
+using u64 = std::uint64_t;
+
+namespace {
+
+constexpr u64 kSeed = 0x5eed'5afe'2024ULL;
+constexpr u64 kPairCases = 15000;
+
+// ---------------------------------------------------------------------------------------
+// brute force
+
+u64 bf_numel(const shape_t& s) {
+  u64 n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+std::vector<u64> bf_elements(const flat_spec& s, const shape_t&) {
+  std::vector<u64> v;
+  for (auto r : s.ranges())
+    for (u64 g = r.begin; g < r.end; ++g) v.push_back(g);
+  return v;
+}
+
+std::vector<u64> bf_elements(const block_spec& s, const shape_t& full) {
+  const auto& ls = s.local_shape();
+  const auto& go = s.global_offset();
+  const std::size_t nd = full.size();
+  const u64 cnt = bf_numel(ls);
+  std::vector<u64> v;
+  std::vector<u64> idx(nd);
+  for (u64 k = 0; k < cnt; ++k) {
+    u64 rem = k;
+    for (std::size_t d = nd; d-- > 0;) {
+      idx[d] = rem % ls[d];
+      rem /= ls[d];
+    }
+    u64 g = 0;
+    for (std::size_t d = 0; d < nd; ++d) g = g * full[d] + go[d] + idx[d];
+    v.push_back(g);
+  }
+  return v;
+}
+
+std::vector<u64> bf_elements(const shard_spec& s, const shape_t& full) {
+  return s.is_flat() ? bf_elements(s.flat(), full) : bf_elements(s.block(), full);
+}
+
+/// global index -> local offset (or -1) over the whole tensor.
+std::vector<long long> bf_local_of(const std::vector<u64>& elems, const shape_t& full) {
+  std::vector<long long> m(bf_numel(full), -1);
+  for (std::size_t i = 0; i < elems.size(); ++i) m[elems[i]] = static_cast<long long>(i);
+  return m;
+}
+
+/// Maximal ranges of a set of indices.
+std::vector<element_range> bf_ranges_of(std::vector<u64> v) {
+  std::sort(v.begin(), v.end());
+  std::vector<element_range> out;
+  for (u64 x : v) {
+    if (!out.empty() && out.back().end == x)
+      ++out.back().end;
+    else
+      out.push_back({x, x + 1});
+  }
+  return out;
+}
+
+std::optional<overlap_type> bf_classify(const std::vector<u64>& mine, const std::vector<u64>& other,
+                                        const shape_t& full) {
+  auto om = bf_local_of(other, full), mm = bf_local_of(mine, full);
+  u64 both = 0, only_mine = 0, only_other = 0;
+  for (u64 g : mine) (om[g] >= 0 ? both : only_mine)++;
+  for (u64 g : other)
+    if (mm[g] < 0) ++only_other;
+  if (both == 0) return std::nullopt;
+  if (only_mine == 0 && only_other == 0) return overlap_type::equal;
+  if (only_other == 0) return overlap_type::superset;
+  if (only_mine == 0) return overlap_type::subset;
+  return overlap_type::mixed;
+}
+
+std::string str(std::optional<overlap_type> t) { return t ? std::string(to_string(*t)) : "None"; }
+std::string str(const copy_plan& p) {
+  std::string s;
+  for (auto r : p) s += "{" + std::to_string(r.dst) + "," + std::to_string(r.src) + "," + std::to_string(r.len) + "}";
+  return s;
+}
+std::string str(const std::vector<element_range>& v) {
+  std::string s;
+  for (auto r : v) s += to_string(r);
+  return s;
+}
+
+// compares by printed form, so a failure shows both sides
+#define CHECK_SAME(got, ...) CHECK(str(got) == str(__VA_ARGS__))
+
+/// Runs have len > 0, increase in both offsets without overlap, and no neighbour continues
+/// the one before it in both offsets.
+std::string runs_shape_error(const copy_plan& p) {
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (p[i].len == 0) return "empty run " + std::to_string(i);
+    if (i == 0) continue;
+    const auto& a = p[i - 1];
+    const auto& b = p[i];
+    if (a.dst + a.len > b.dst || a.src + a.len > b.src) return "runs not sorted/disjoint at " + std::to_string(i);
+    if (a.dst + a.len == b.dst && a.src + a.len == b.src) return "runs not coalesced at " + std::to_string(i);
+  }
+  return {};
+}
+
+/// The plan moves exactly the elements both hold, each once, to and from the right place.
+std::string copy_plan_error(const copy_plan& p, const std::vector<u64>& mine, const std::vector<u64>& other,
+                            const shape_t& full) {
+  if (auto e = runs_shape_error(p); !e.empty()) return e;
+  auto om = bf_local_of(other, full);
+  std::vector<std::pair<u64, u64>> want, got;
+  for (u64 i = 0; i < mine.size(); ++i)
+    if (om[mine[i]] >= 0) want.emplace_back(i, static_cast<u64>(om[mine[i]]));
+  for (auto r : p)
+    for (u64 k = 0; k < r.len; ++k) got.emplace_back(r.dst + k, r.src + k);
+  if (got != want) return "moved elements differ from brute force (" + std::to_string(got.size()) + " vs " +
+                          std::to_string(want.size()) + ")";
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------
+// random specs
+
+using rng_t = std::mt19937_64;
+u64 pick(rng_t& r, u64 lo, u64 hi) { return std::uniform_int_distribution<u64>(lo, hi)(r); }  // [lo, hi]
+bool chance(rng_t& r, int one_in) { return pick(r, 0, one_in - 1) == 0; }
+
+shape_t random_shape(rng_t& r) {
+  static const u64 dims[] = {1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 9};
+  while (true) {
+    shape_t s(pick(r, 0, 5));
+    for (auto& d : s) d = chance(r, 25) ? 0 : dims[pick(r, 0, std::size(dims) - 1)];
+    if (bf_numel(s) <= 3000) return s;
+  }
+}
+
+flat_spec random_flat(rng_t& r, const shape_t& full) {
+  const u64 n = bf_numel(full);
+  std::vector<element_range> v;
+  if (chance(r, 8)) {
+    v.push_back({0, n});
+  } else {
+    std::vector<u64> pts(2 * pick(r, 0, 6));
+    for (auto& p : pts) p = pick(r, 0, n);
+    std::sort(pts.begin(), pts.end());
+    for (std::size_t i = 0; i < pts.size(); i += 2) v.push_back({pts[i], pts[i + 1]});  // may be empty/adjacent
+  }
+  if (chance(r, 4)) {  // an empty range anywhere: allowed out of order
+    const u64 x = pick(r, 0, n);
+    v.insert(v.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, v.size())), element_range{x, x});
+  }
+  return flat_spec(std::move(v));
+}
+
+block_spec random_block(rng_t& r, const shape_t& full) {
+  shape_t ls(full.size()), go(full.size());
+  for (std::size_t d = 0; d < full.size(); ++d) {
+    if (chance(r, 3) || full[d] == 0) {
+      ls[d] = full[d];
+    } else {
+      ls[d] = chance(r, 12) ? 0 : pick(r, 1, full[d]);
+      go[d] = pick(r, 0, full[d] - ls[d]);
+    }
+  }
+  return block_spec(ls, go);
+}
+
+shard_spec random_spec(rng_t& r, const shape_t& full) {
+  if (chance(r, 2)) return random_flat(r, full);
+  return random_block(r, full);
+}
+
+/// Files as a checkpoint has them: a flat tiling, a block grid or random specs, with
+/// replicated copies, extra strays and dropped files mixed in.
+std::vector<shard_spec> random_files(rng_t& r, const shape_t& full) {
+  std::vector<shard_spec> files;
+  const u64 n = bf_numel(full);
+  switch (pick(r, 0, 2)) {
+    case 0: {  // flat tiling dealt round-robin to k files
+      std::vector<u64> cuts(pick(r, 0, 8));
+      for (auto& c : cuts) c = pick(r, 0, n);
+      cuts.push_back(0);
+      cuts.push_back(n);
+      std::sort(cuts.begin(), cuts.end());
+      const std::size_t k = pick(r, 1, 4);
+      std::vector<std::vector<element_range>> per(k);
+      for (std::size_t i = 0; i + 1 < cuts.size(); ++i) per[i % k].push_back({cuts[i], cuts[i + 1]});
+      for (auto& v : per) files.push_back(flat_spec(std::move(v)));
+      break;
+    }
+    case 1: {  // block grid
+      std::vector<std::vector<u64>> cuts(full.size());
+      u64 count = 1;
+      for (std::size_t d = 0; d < full.size(); ++d) {
+        cuts[d] = {0, full[d]};
+        if (count < 12 && full[d] > 1 && chance(r, 2)) cuts[d].insert(cuts[d].begin() + 1, pick(r, 1, full[d] - 1));
+        count *= cuts[d].size() - 1;
+      }
+      for (u64 k = 0; k < count; ++k) {
+        shape_t ls(full.size()), go(full.size());
+        u64 rem = k;
+        for (std::size_t d = full.size(); d-- > 0;) {
+          const u64 parts = cuts[d].size() - 1, j = rem % parts;
+          rem /= parts;
+          go[d] = cuts[d][j];
+          ls[d] = cuts[d][j + 1] - cuts[d][j];
+        }
+        files.push_back(block_spec(ls, go));
+      }
+      break;
+    }
+    default:
+      for (u64 k = pick(r, 0, 5); k > 0; --k) files.push_back(random_spec(r, full));
+  }
+  if (chance(r, 2))
+    for (u64 k = pick(r, 1, 2); k > 0; --k) files.push_back(random_spec(r, full));
+  if (!files.empty() && chance(r, 2))  // replicated: the same spec in several files
+    for (u64 k = pick(r, 1, 3); k > 0; --k) {
+      auto copy = files[pick(r, 0, files.size() - 1)];
+      files.insert(files.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, files.size())), std::move(copy));
+    }
+  if (!files.empty() && chance(r, 4)) files.erase(files.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, files.size() - 1)));
+  if (chance(r, 2)) std::shuffle(files.begin(), files.end(), r);
+  return files;
+}
+
+std::string case_ctx(u64 i, const shape_t& full) {
+  return "seed=" + std::to_string(kSeed) + " case=" + std::to_string(i) + " full=" + to_string(full);
+}
+
+/// Stops a property after a few failures so one bug does not print thousands of lines.
+struct failure_budget {
+  int left = 5;
+  bool check(const std::string& err, const std::string& ctx) {
+    if (err.empty()) return true;
+    const std::string msg = ctx + ": " + err;
+    FAIL_CHECK(msg);
+    return --left > 0;
+  }
+};
+
+template <class A, class B>
+std::string pair_error(const A& mine, const B& other, const shape_t& full, const std::vector<u64>& em,
+                       const std::vector<u64>& eo) {
+  auto plan = compute_copy_plan(mine, other, full);
+  if (auto e = copy_plan_error(plan, em, eo, full); !e.empty()) return e + " plan=" + str(plan);
+  auto want = bf_classify(em, eo, full);
+  auto got = compute_overlap(mine, other, full);
+  if (got != want) return "compute_overlap " + str(got) + ", brute force " + str(want);
+  if (overlap_numel(mine, other, full) != plan_numel(plan)) return "overlap_numel differs from the plan";
+  return {};
+}
+
+}  // namespace
+
+// =======================================================================================
+// properties
+
+TEST_CASE("property: copy plans and overlap classes match the brute force (all form pairs)") {
+  rng_t r(kSeed);
+  failure_budget budget;
+  u64 seen[5] = {}, seen_nd[6] = {};
+  u64 numel_sum = 0;
+  for (u64 i = 0; i < kPairCases; ++i) {
+    const shape_t full = random_shape(r);
+    shard_spec a = random_spec(r, full), b = chance(r, 6) ? a : random_spec(r, full);
+    a.validate(full, "mine");
+    b.validate(full, "other");
+    const auto em = bf_elements(a, full), eo = bf_elements(b, full);
+    const std::string ctx = case_ctx(i, full) + " mine=" + to_string(a) + " other=" + to_string(b);
+    // through the variant, and through the concrete types (flat x flat ... block x block)
+    if (!budget.check(pair_error(a, b, full, em, eo), ctx + " [shard_spec]")) break;
+    std::string typed = std::visit([&](const auto& x) {
+      return std::visit([&](const auto& y) { return pair_error(x, y, full, em, eo); }, b.variant());
+    }, a.variant());
+    if (!budget.check(typed, ctx + " [typed]")) break;
+    ++seen[bf_classify(em, eo, full) ? 1 + int(*bf_classify(em, eo, full)) : 0];
+    ++seen_nd[full.size()];
+    numel_sum += bf_numel(full);
+  }
+  // the generator reaches every class and rank, on tensors that are not all tiny
+  for (int k = 0; k < 5; ++k) CHECK_MESSAGE(seen[k] > kPairCases / 40, "overlap class " << k << " seen " << seen[k] << " times");
+  for (int k = 0; k < 6; ++k) CHECK_MESSAGE(seen_nd[k] > kPairCases / 40, k << "-d seen " << seen_nd[k] << " times");
+  MESSAGE("classes none/equal/superset/subset/mixed: " << seen[0] << "/" << seen[1] << "/" << seen[2] << "/" << seen[3]
+          << "/" << seen[4] << ", mean numel " << numel_sum / kPairCases);
+}
+
+TEST_CASE("property: plan_load covers each of my elements once from a file that holds it") {
+  rng_t r(kSeed + 1);
+  failure_budget budget;
+  for (u64 i = 0; i < 8000; ++i) {
+    const shape_t full = random_shape(r);
+    const shard_spec mine = random_spec(r, full);
+    const auto files = random_files(r, full);
+    for (const auto& f : files) f.validate(full, "file");
+    const auto em = bf_elements(mine, full);
+    std::vector<std::vector<u64>> ef;
+    for (const auto& f : files) ef.push_back(bf_elements(f, full));
+    std::string ctx = case_ctx(i, full) + " mine=" + to_string(mine) + " files=";
+    for (const auto& f : files) ctx += to_string(f) + "; ";
+
+    const load_plan plan = plan_load(mine, files, full);
+    std::string err;
+    std::vector<long long> from(em.size(), -1);
+    std::optional<std::size_t> prev_file;
+    for (const auto& fp : plan.files) {
+      if (fp.file >= files.size() || (prev_file && fp.file <= *prev_file)) err = "file indices out of order";
+      if (!err.empty()) break;
+      prev_file = fp.file;
+      if (fp.runs.empty() || fp.numel != plan_numel(fp.runs)) err = "file plan empty or numel wrong";
+      if (auto e = runs_shape_error(fp.runs); !e.empty()) err = e;
+      if (fp.overlap != bf_classify(em, ef[fp.file], full)) err = "overlap class of file " + std::to_string(fp.file);
+      for (auto run : fp.runs)
+        for (u64 k = 0; k < run.len && err.empty(); ++k) {
+          const u64 d = run.dst + k, s = run.src + k;
+          if (d >= em.size() || s >= ef[fp.file].size()) err = "run out of range";
+          else if (from[d] != -1) err = "element " + std::to_string(d) + " provided twice";
+          else if (em[d] != ef[fp.file][s]) err = "element " + std::to_string(d) + " from the wrong source";
+          else from[d] = static_cast<long long>(fp.file);
+        }
+      if (!err.empty()) break;
+    }
+    // brute force coverage
+    std::vector<bool> have(bf_numel(full), false);
+    for (const auto& e : ef)
+      for (u64 g : e) have[g] = true;
+    std::vector<u64> uncovered;
+    u64 covered = 0;
+    for (u64 d = 0; d < em.size() && err.empty(); ++d) {
+      if (have[em[d]] != (from[d] != -1)) err = "coverage of element " + std::to_string(d) + " differs";
+      if (have[em[d]]) ++covered;
+      else uncovered.push_back(d);
+    }
+    if (err.empty() && plan.missing != bf_ranges_of(uncovered))
+      err = "missing " + str(plan.missing) + ", brute force " + str(bf_ranges_of(uncovered));
+    if (err.empty() && plan.covered != covered) err = "covered count";
+    if (err.empty() && missing_elements(mine, std::span<const shard_spec>(files), full) != plan.missing)
+      err = "missing_elements differs from plan_load";
+    // a file holding all of my shard settles it alone: the first such file
+    for (std::size_t f = 0; f < files.size() && err.empty() && !em.empty(); ++f) {
+      auto c = bf_classify(em, ef[f], full);
+      if (c == overlap_type::equal || c == overlap_type::subset) {
+        if (plan.files.size() != 1 || plan.files[0].file != f) err = "a whole-cover file was not used alone";
+        break;
+      }
+    }
+    if (err.empty() && !em.empty()) {  // global_index_of agrees with the brute force
+      const u64 l = pick(r, 0, em.size() - 1);
+      if (global_index_of(mine, full, l) != std::optional<u64>(em[l])) err = "global_index_of";
+      if (global_index_of(mine, full, em.size())) err = "global_index_of past the end";
+    }
+    if (!budget.check(err, ctx)) break;
+  }
+}
+
+TEST_CASE("property: merged ranges and cursor runs match the brute force; seek lands right") {
+  rng_t r(kSeed + 2);
+  failure_budget budget;
+  for (u64 i = 0; i < 8000; ++i) {
+    const shape_t full = random_shape(r);
+    const shard_spec s = random_spec(r, full);
+    const auto es = bf_elements(s, full);
+    const std::string ctx = case_ctx(i, full) + " spec=" + to_string(s);
+    std::string err;
+
+    if (auto m = merged_ranges_vector(s, full); m != bf_ranges_of(es))
+      err = "merged_ranges_vector " + str(m) + ", brute force " + str(bf_ranges_of(es));
+    std::vector<element_range> lazy;
+    for (auto x : merged_ranges(s, full)) lazy.push_back(x);
+    if (err.empty() && lazy != bf_ranges_of(es)) err = "merged_ranges (lazy) differs";
+
+    // the runs: non-empty, increasing, and laid end to end they are the brute-force elements
+    std::vector<spec_run> runs;
+    for (auto c = s.cursor(full); !c.done(); c.next()) runs.push_back(c.run());
+    std::vector<u64> from_runs;
+    for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
+      if (runs[k].begin >= runs[k].end || runs[k].local != from_runs.size() ||
+          (k && runs[k - 1].end > runs[k].begin))
+        err = "bad run " + std::to_string(k);
+      for (u64 g = runs[k].begin; g < runs[k].end; ++g) from_runs.push_back(g);
+    }
+    if (err.empty() && from_runs != es) err = "cursor runs do not spell the brute-force elements";
+
+    // seek(pos) from run k goes to max(k, first run with end > pos): linear scan reference
+    const u64 n = bf_numel(full);
+    for (int t = 0; t < 12 && err.empty(); ++t) {
+      const u64 pos = pick(r, 0, n + 1), k = runs.empty() ? 0 : pick(r, 0, runs.size());
+      auto check_cursor = [&](auto c) {
+        for (u64 j = 0; j < k; ++j) c.next();
+        c.seek(pos);
+        std::size_t want = k;
+        while (want < runs.size() && runs[want].end <= pos) ++want;
+        if (want == runs.size() ? !c.done() : (c.done() || !(c.run() == runs[want])))
+          err = "seek(" + std::to_string(pos) + ") after " + std::to_string(k) + " steps";
+      };
+      check_cursor(s.cursor(full));
+      std::visit([&](const auto& x) { check_cursor(x.cursor(full)); }, s.variant());
+    }
+    // a monotone sequence of seeks, as a merge does it
+    auto c = s.cursor(full);
+    for (u64 pos = 0; pos <= n && err.empty(); pos += pick(r, 0, 4)) {
+      c.seek(pos);
+      auto it = std::find_if(runs.begin(), runs.end(), [&](const spec_run& x) { return x.end > pos; });
+      if (it == runs.end() ? !c.done() : (c.done() || !(c.run() == *it))) err = "monotone seek(" + std::to_string(pos) + ")";
+      if (pos == n) break;
+    }
+    if (!budget.check(err, ctx)) break;
+  }
+}
+
+namespace {
+
+/// Checks a read plan byte by byte against the runs it came from.
+std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, const read_options& opt,
+                            const read_plan& rp) {
+  u64 src_end = 0, needed = 0;
+  for (auto x : runs) {
+    src_end = std::max(src_end, (x.src + x.len) * item);
+    needed += x.len * item;
+  }
+  // file byte (relative to data_offset) -> my byte, or -1
+  std::vector<long long> want(src_end, -1), seen(src_end, 0);
+  for (auto x : runs)
+    for (u64 b = 0; b < x.len * item; ++b) want[x.src * item + b] = static_cast<long long>(x.dst * item + b);
+  u64 read = 0, got = 0, prev_end = 0;
+  for (std::size_t i = 0; i < rp.ops.size(); ++i) {
+    const auto& op = rp.ops[i];
+    const std::string at = "op " + std::to_string(i) + ": ";
+    if (op.pieces.empty() || op.len == 0) return at + "empty";
+    if (op.file_offset < data_offset || op.file_offset < prev_end) return at + "out of order or overlapping";
+    prev_end = op.file_offset + op.len;
+    if (op.len > std::max(opt.max_read_bytes, item)) return at + "longer than max_read_bytes";
+    auto ps = op.pieces;
+    std::sort(ps.begin(), ps.end(), [](const read_piece& a, const read_piece& b) { return a.offset < b.offset; });
+    if (ps.front().offset != 0 || ps.back().offset + ps.back().len != op.len) return at + "reads bytes at its edges for nothing";
+    u64 op_needed = 0;
+    for (std::size_t k = 0; k < ps.size(); ++k) {
+      if (ps[k].len == 0) return at + "empty piece";
+      if (k && ps[k].offset < ps[k - 1].offset + ps[k - 1].len) return at + "pieces overlap";
+      if (k && ps[k].offset - (ps[k - 1].offset + ps[k - 1].len) > opt.max_gap_bytes) return at + "gap over max_gap_bytes";
+      op_needed += ps[k].len;
+      for (u64 b = 0; b < ps[k].len; ++b) {
+        const u64 f = op.file_offset + ps[k].offset + b - data_offset;
+        if (f >= src_end || want[f] < 0) return at + "reads a byte nobody needs into memory";
+        if (want[f] != static_cast<long long>(ps[k].dst + b)) return at + "byte lands at the wrong place";
+        if (seen[f]++) return at + "byte delivered twice";
+      }
+    }
+    if (op_needed != op.needed()) return at + "needed()";
+    const double wasted = double(op.len - op_needed);
+    if (wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))
+      return at + "over-read " + std::to_string(wasted) + " of " + std::to_string(op_needed) + " needed";
+    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len;
+    if (op.direct() != whole) return at + "direct() wrong";
+    read += op.len;
+    got += op_needed;
+  }
+  if (got != needed) return "delivered " + std::to_string(got) + " of " + std::to_string(needed) + " bytes";
+  if (rp.bytes_needed != needed || rp.bytes_read != read) return "bytes_needed/bytes_read";
+  return {};
+}
+
+/// Runs with disjoint src and dst ranges, in random order (not the sorted order of a plan).
+copy_plan random_runs(rng_t& r) {
+  copy_plan runs(pick(r, 0, 12));
+  u64 src = pick(r, 0, 5);
+  for (auto& x : runs) {
+    x.len = pick(r, 1, chance(r, 5) ? 200 : 12);
+    x.src = src;
+    src += x.len + (chance(r, 3) ? 0 : pick(r, 0, 40));
+  }
+  std::vector<std::size_t> order(runs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), r);
+  u64 dst = 0;
+  for (auto k : order) {
+    runs[k].dst = dst;
+    dst += runs[k].len + pick(r, 0, 3);
+  }
+  if (chance(r, 2)) std::shuffle(runs.begin(), runs.end(), r);
+  return runs;
+}
+
+}  // namespace
+
+TEST_CASE("property: read plans deliver every needed byte once, within their bounds") {
+  rng_t r(kSeed + 3);
+  failure_budget budget;
+  static const u64 gaps[] = {0, 1, 8, 64, 4096};
+  static const double ratios[] = {0.0, 0.02, 0.25, 1.0, 4.0};
+  static const u64 maxes[] = {1, 3, 16, 100, 1000, u64(64) << 20};
+  static const u64 items[] = {1, 2, 4, 8};
+  for (u64 i = 0; i < 10000; ++i) {
+    copy_plan runs;
+    std::string what;
+    if (chance(r, 2)) {
+      const shape_t full = random_shape(r);
+      shard_spec a = random_spec(r, full), b = random_spec(r, full);
+      runs = compute_copy_plan(a, b, full);
+      what = "plan of " + to_string(a) + " x " + to_string(b);
+    } else {
+      runs = random_runs(r);
+      what = "runs " + str(runs);
+    }
+    read_options opt;
+    opt.max_gap_bytes = gaps[pick(r, 0, std::size(gaps) - 1)];
+    opt.max_over_read = ratios[pick(r, 0, std::size(ratios) - 1)];
+    opt.max_read_bytes = maxes[pick(r, 0, std::size(maxes) - 1)];
+    const u64 item = items[pick(r, 0, std::size(items) - 1)], data_offset = pick(r, 0, 1000);
+    const auto rp = make_read_plan(runs, data_offset, item, opt);
+    const std::string ctx = "seed=" + std::to_string(kSeed + 3) + " case=" + std::to_string(i) + " " + what +
+                            " item=" + std::to_string(item) + " gap=" + std::to_string(opt.max_gap_bytes) +
+                            " ratio=" + std::to_string(opt.max_over_read) + " max=" + std::to_string(opt.max_read_bytes);
+    if (!budget.check(read_plan_error(runs, data_offset, item, opt, rp), ctx)) break;
+  }
+}
+
+TEST_CASE("read plan: small gaps merge into one staged read; a lone run is read in place") {
+  const copy_plan runs{{0, 0, 100}, {100, 101, 100}};  // a one-element gap in the file
+  auto merged = make_read_plan(runs, 8, 4, {.max_gap_bytes = 16, .max_over_read = 0.02});
+  REQUIRE(merged.ops.size() == 1);
+  CHECK(merged.ops[0].file_offset == 8);
+  CHECK(merged.ops[0].len == 804);
+  CHECK_FALSE(merged.ops[0].direct());
+  CHECK(merged.bytes_read == 804);
+  CHECK(merged.bytes_needed == 800);
+  auto apart = make_read_plan(runs, 8, 4, {.max_gap_bytes = 3, .max_over_read = 0.02});
+  REQUIRE(apart.ops.size() == 2);
+  CHECK(apart.ops[0].direct());
+  CHECK(apart.ops[1].file_offset == 8 + 404);
+  auto split = make_read_plan(copy_plan{{0, 0, 100}}, 0, 4, {.max_read_bytes = 128});
+  REQUIRE(split.ops.size() == 4);  // 400 bytes in reads of at most 128
+  for (const auto& op : split.ops) CHECK(op.direct());
+  CHECK(split.ops[3].len == 16);
+  CHECK(split.ops[3].pieces[0].dst == 384);
+}
+
+// =======================================================================================
+// OLMo-core's own cases
+
+namespace {
+flat_spec fo(std::initializer_list<element_range> r) { return flat_spec(r); }
+block_spec blk(shape_t ls, shape_t go) { return block_spec(std::move(ls), std::move(go)); }
+const shape_t flat_full{128, 256};
+const shape_t block_full{16, 8};
+
+template <class A, class B>
+void check_overlap_case(const A& mine, const B& other, const shape_t& full, std::optional<overlap_type> want) {
+  INFO("mine=" << to_string(mine) << " other=" << to_string(other));
+  mine.validate(full, "mine");
+  other.validate(full, "other");
+  CHECK(str(compute_overlap(mine, other, full)) == str(want));
+  CHECK(str(compute_overlap(shard_spec(mine), shard_spec(other), full)) == str(want));
+  CHECK(str(bf_classify(bf_elements(mine, full), bf_elements(other, full), full)) == str(want));  // the table itself
+  CHECK(copy_plan_error(compute_copy_plan(mine, other, full), bf_elements(mine, full), bf_elements(other, full), full) == "");
+}
+}  // namespace
+
+TEST_CASE("OLMo-core overlap table: flattened offsets, full (128,256)") {
+  check_overlap_case(fo({{0, 3}, {3, 6}}), fo({{0, 6}}), flat_full, overlap_type::equal);
+  check_overlap_case(fo({{0, 3}, {6, 12}}), fo({{0, 3}, {6, 9}}), flat_full, overlap_type::superset);
+  check_overlap_case(fo({{0, 3}, {6, 12}}), fo({{0, 15}}), flat_full, overlap_type::subset);
+  check_overlap_case(fo({{0, 3}, {6, 12}}), fo({{2, 5}}), flat_full, overlap_type::mixed);
+  check_overlap_case(fo({{0, 3}, {6, 12}}), fo({{12, 15}}), flat_full, std::nullopt);
+  CHECK_SAME(compute_copy_plan(fo({{0, 3}, {6, 12}}), fo({{2, 5}}), flat_full), copy_plan{{2, 0, 1}});
+  CHECK_SAME(compute_copy_plan(fo({{0, 3}, {3, 6}}), fo({{0, 6}}), flat_full), copy_plan{{0, 0, 6}});
+  CHECK_SAME(compute_copy_plan(fo({{0, 3}, {6, 12}}), fo({{0, 15}}), flat_full), copy_plan{{0, 0, 3}, {3, 6, 6}});
+}
+
+TEST_CASE("OLMo-core overlap table: blocks, full (16,8)") {
+  check_overlap_case(blk({2, 8}, {0, 0}), blk({2, 8}, {0, 0}), block_full, overlap_type::equal);
+  check_overlap_case(blk({4, 8}, {0, 0}), blk({2, 8}, {1, 0}), block_full, overlap_type::superset);
+  check_overlap_case(blk({2, 8}, {1, 0}), blk({4, 8}, {0, 0}), block_full, overlap_type::subset);
+  check_overlap_case(blk({2, 8}, {0, 0}), blk({4, 4}, {0, 0}), block_full, overlap_type::mixed);
+  check_overlap_case(blk({2, 4}, {1, 2}), blk({4, 8}, {0, 0}), block_full, overlap_type::subset);
+  check_overlap_case(blk({2, 4}, {1, 2}), blk({2, 4}, {0, 0}), block_full, overlap_type::mixed);
+  CHECK_SAME(compute_copy_plan(blk({4, 8}, {0, 0}), blk({2, 8}, {1, 0}), block_full), copy_plan{{8, 0, 16}});
+  CHECK_SAME(compute_copy_plan(blk({2, 4}, {1, 2}), blk({2, 4}, {0, 0}), block_full), copy_plan{{0, 6, 2}});
+}
+
+TEST_CASE("where OLMo-core's pairwise rule differs: set semantics say SUPERSET") {
+  // OLMo-core pairs range (0,3) with (0,3) and ignores (6,9), answering EQUAL; the file
+  // lacks half of my elements, so it cannot be the only source.
+  check_overlap_case(fo({{0, 3}, {6, 9}}), fo({{0, 3}}), flat_full, overlap_type::superset);
+  const std::vector<flat_spec> files{fo({{0, 3}})};
+  auto plan = plan_load(fo({{0, 3}, {6, 9}}), files, flat_full);
+  CHECK(plan.covered == 3);
+  CHECK_SAME(plan.missing, std::vector<element_range>{{3, 6}});
+}
+
+TEST_CASE("OLMo-core merged flattened offsets") {
+  using V = std::vector<element_range>;
+  CHECK_SAME(merged_ranges_vector(fo({{0, 3}}), flat_full), V{{0, 3}});
+  CHECK_SAME(merged_ranges_vector(fo({{0, 3}, {3, 6}}), flat_full), V{{0, 6}});
+  CHECK_SAME(merged_ranges_vector(fo({{0, 3}, {6, 9}, {9, 12}, {15, 18}}), flat_full), V{{0, 3}, {6, 12}, {15, 18}});
+  CHECK_SAME(merged_ranges_vector(fo({{0, 3}, {4, 4}, {3, 6}}), flat_full), V{{0, 6}});  // empty ones drop out
+  CHECK_SAME(merged_ranges_vector(blk({8}, {0}), shape_t{16}), V{{0, 8}});
+  CHECK_SAME(merged_ranges_vector(blk({4, 8}, {4, 0}), block_full), V{{32, 64}});  // rows (32,40)..(56,64)
+  V cols;
+  for (u64 row = 0; row < 16; ++row) cols.push_back({row * 8 + 2, row * 8 + 4});
+  CHECK(merged_ranges_vector(blk({16, 2}, {0, 2}), block_full) == cols);
+  CHECK(cols.back() == element_range{122, 124});
+  CHECK_SAME(merged_ranges_vector(blk({}, {}), shape_t{}), V{{0, 1}});  // 0-d: one element
+}
+
+// =======================================================================================
+// hand-computed cases
+
+TEST_CASE("cross-form: flat vs block and block vs flat") {
+  const shape_t full{4, 4};
+  // block rows 0-1, cols 2-3 = globals 2,3,6,7 = its locals 0..3
+  check_overlap_case(fo({{2, 10}}), blk({2, 2}, {0, 2}), full, overlap_type::superset);
+  CHECK_SAME(compute_copy_plan(fo({{2, 10}}), blk({2, 2}, {0, 2}), full), copy_plan{{0, 0, 2}, {4, 2, 2}});
+  // block rows 1-2 = globals 4..11; flat [0,5) [10,16): 4 is its local 4, 10,11 its locals 5,6
+  check_overlap_case(blk({2, 4}, {1, 0}), fo({{0, 5}, {10, 16}}), full, overlap_type::mixed);
+  CHECK_SAME(compute_copy_plan(blk({2, 4}, {1, 0}), fo({{0, 5}, {10, 16}}), full), copy_plan{{0, 4, 1}, {6, 5, 2}});
+  // a flat spec equal as a set to a block: EQUAL across forms, one run
+  check_overlap_case(fo({{4, 6}, {6, 12}}), blk({2, 4}, {1, 0}), full, overlap_type::equal);
+  CHECK_SAME(compute_copy_plan(fo({{4, 6}, {6, 12}}), blk({2, 4}, {1, 0}), full), copy_plan{{0, 0, 8}});
+  check_overlap_case(blk({4, 1}, {0, 3}), fo({{0, 3}, {4, 7}}), full, std::nullopt);
+}
+
+TEST_CASE("3-D blocks, hand-computed runs") {
+  const shape_t full{2, 3, 4};
+  const auto mine = blk({2, 2, 4}, {0, 1, 0});   // globals [4,12) and [16,24)
+  const auto other = blk({1, 3, 2}, {1, 0, 1});  // globals 13,14 17,18 21,22
+  CHECK_SAME(merged_ranges_vector(mine, full), std::vector<element_range>{{4, 12}, {16, 24}});
+  CHECK_SAME(merged_ranges_vector(other, full), std::vector<element_range>{{13, 15}, {17, 19}, {21, 23}});
+  check_overlap_case(mine, other, full, overlap_type::mixed);
+  CHECK_SAME(compute_copy_plan(mine, other, full), copy_plan{{9, 2, 2}, {13, 4, 2}});
+  CHECK_SAME(compute_copy_plan(other, mine, full), copy_plan{{2, 9, 2}, {4, 13, 2}});
+}
+
+TEST_CASE("5-D blocks, hand-computed runs") {
+  const shape_t full{2, 2, 2, 2, 3};
+  const auto mine = blk({2, 1, 2, 2, 3}, {0, 1, 0, 0, 0});   // globals [12,24) [36,48)
+  const auto other = blk({1, 2, 2, 1, 3}, {1, 0, 0, 1, 0});  // 27-29 33-35 39-41 45-47
+  CHECK_SAME(merged_ranges_vector(mine, full), std::vector<element_range>{{12, 24}, {36, 48}});
+  check_overlap_case(mine, other, full, overlap_type::mixed);
+  CHECK_SAME(compute_copy_plan(mine, other, full), copy_plan{{15, 6, 3}, {21, 9, 3}});
+  const auto whole = block_spec::whole(full);
+  check_overlap_case(whole, other, full, overlap_type::superset);
+  CHECK_SAME(compute_copy_plan(whole, other, full), copy_plan{{27, 0, 3}, {33, 3, 3}, {39, 6, 3}, {45, 9, 3}});
+  check_overlap_case(other, whole, full, overlap_type::subset);
+  // the rows of `mine` (i0, i1=1) as flattened offsets: EQUAL across forms
+  check_overlap_case(mine, fo({{12, 24}, {36, 48}}), full, overlap_type::equal);
+  CHECK_SAME(compute_copy_plan(mine, fo({{12, 24}, {36, 48}}), full), copy_plan{{0, 0, 24}});
+}
+
+TEST_CASE("plan_load: replicated files, partial files and gaps") {
+  const shape_t full{16};
+  const std::vector<shard_spec> files{fo({{0, 4}}), fo({{0, 4}}), blk({6}, {3}), fo({{12, 14}})};
+  auto plan = plan_load(shard_spec(fo({{2, 16}})), files, full);  // my locals 0..13 = globals 2..15
+  REQUIRE(plan.files.size() == 3);
+  CHECK(plan.files[0].file == 0);  // the first replica; its twin provides nothing
+  CHECK_SAME(plan.files[0].runs, copy_plan{{0, 2, 2}});
+  CHECK(plan.files[0].overlap == overlap_type::mixed);
+  CHECK(plan.files[1].file == 2);
+  CHECK_SAME(plan.files[1].runs, copy_plan{{2, 1, 5}});  // globals 4..8 of the block at 3
+  CHECK(plan.files[1].overlap == overlap_type::superset);
+  CHECK(plan.files[2].file == 3);
+  CHECK_SAME(plan.files[2].runs, copy_plan{{10, 0, 2}});
+  CHECK_SAME(plan.missing, std::vector<element_range>{{7, 10}, {12, 14}});
+  CHECK(plan.covered == 9);
+  const std::vector<shard_spec> more{fo({{0, 4}}), blk({6}, {3}), fo({{12, 14}}), fo({{8, 16}})};
+  auto all = plan_load(shard_spec(fo({{2, 16}})), more, full);
+  CHECK(all.missing.empty());
+  CHECK(all.covered == 14);
+  // a file holding all of mine settles it alone, even after partial ones
+  const std::vector<shard_spec> whole{fo({{0, 4}}), block_spec::whole(full)};
+  auto one = plan_load(shard_spec(fo({{2, 16}})), whole, full);
+  REQUIRE(one.files.size() == 1);
+  CHECK(one.files[0].file == 1);
+  CHECK(one.files[0].overlap == overlap_type::subset);
+  CHECK_SAME(one.files[0].runs, copy_plan{{0, 2, 14}});
+}
+
+// =======================================================================================
+// validation
+
+namespace {
+template <class S>
+void check_invalid(const S& s, const shape_t& full, const char* needle) {
+  INFO(to_string(s) << " in " << to_string(full));
+  try {
+    s.validate(full, "ckpt/model: tensor 'w'");
+    FAIL("accepted");
+  } catch (const error& e) {
+    CHECK(e.code() == make_error_code(errc::invalid_spec));
+    const std::string what = e.what();
+    CHECK(what.rfind("ckpt/model: tensor 'w'", 0) == 0);
+    CHECK_MESSAGE(what.find(needle) != std::string::npos, what);
+  }
+  CHECK_THROWS_AS(shard_spec(s).validate(full, "via shard_spec"), error);
+}
+}  // namespace
+
+TEST_CASE("validation errors name the context and the rule") {
+  check_invalid(fo({{0, 10}}), {3, 3}, "out of bounds");
+  check_invalid(fo({{0, 3}, {10, 10}}), {3, 3}, "out of bounds");  // empty, but past the end
+  check_invalid(fo({{0, 5}, {4, 8}}), {3, 3}, "overlaps");
+  check_invalid(fo({{5, 8}, {0, 3}}), {3, 3}, "out of order");
+  check_invalid(fo({{5, 3}}), {3, 3}, "ends before it begins");
+  check_invalid(blk({2, 2}, {0, 0}), {4, 4, 4}, "dimensions");
+  check_invalid(blk({2, 2, 2}, {0, 0}), {4, 4, 4}, "dimensions");
+  check_invalid(blk({2, 4}, {3, 0}), {4, 4}, "passes the end of dimension 0");
+  check_invalid(blk({1, 5}, {0, 0}), {4, 4}, "passes the end of dimension 1");
+  check_invalid(blk({1}, {~u64(0)}), {4}, "passes the end");  // offset + extent overflows
+  check_invalid(fo({{0, 1}}), {u64(1) << 40, u64(1) << 40}, "overflows");
+  // valid: empty ranges anywhere, adjacent ranges, empty blocks, 0-d
+  CHECK_NOTHROW(fo({{5, 8}, {2, 2}, {8, 9}}).validate(shape_t{3, 3}, "ok"));
+  CHECK_NOTHROW(fo({}).validate(shape_t{3, 3}, "ok"));
+  CHECK_NOTHROW(blk({0, 4}, {4, 0}).validate(shape_t{4, 4}, "ok"));
+  CHECK_NOTHROW(blk({}, {}).validate(shape_t{}, "ok"));
+  CHECK_NOTHROW(fo({{0, 1}}).validate(shape_t{}, "ok"));
+}
+
+// =======================================================================================
+// concepts
+
+namespace {
+struct no_cursor {
+  u64 local_numel() const { return 0; }
+  void validate(std::span<const u64>, std::string_view) const {}
+};
+struct no_numel {
+  void validate(std::span<const u64>, std::string_view) const {}
+  flat_spec::cursor_type cursor(std::span<const u64>) const { return flat_spec::cursor_type(f); }
+  flat_spec f;
+};
+struct complete_spec : no_numel {
+  u64 local_numel() const { return f.local_numel(); }
+};
+struct cursor_without_seek {
+  bool done() const { return true; }
+  spec_run run() const { return {}; }
+  void next() {}
+};
+}  // namespace
+
+static_assert(ShardSpec<flat_spec>);
+static_assert(ShardSpec<block_spec>);
+static_assert(ShardSpec<shard_spec>);
+static_assert(!ShardSpec<no_cursor>);
+static_assert(!ShardSpec<no_numel>);
+static_assert(ShardSpec<complete_spec>);
+static_assert(!ShardSpec<int>);
+static_assert(SpecCursor<flat_spec::cursor_type>);
+static_assert(SpecCursor<block_spec::cursor_type>);
+static_assert(SpecCursor<shard_spec::cursor_type>);
+static_assert(!SpecCursor<cursor_without_seek>);
+
+TEST_CASE("a user type that models ShardSpec works with the algorithms") {
+  complete_spec s;
+  s.f = fo({{2, 5}});
+  CHECK_SAME(compute_copy_plan(s, fo({{0, 4}}), shape_t{8}), copy_plan{{0, 2, 2}});
+  CHECK(compute_overlap(s, fo({{0, 4}}), shape_t{8}) == overlap_type::mixed);
+}
+
+// =======================================================================================
+// laziness
+
+TEST_CASE("merged ranges are lazy: huge row and column blocks") {
+  const auto t0 = std::chrono::steady_clock::now();
+  const shape_t rows_full{2'000'000, 64};
+  const auto rows = blk({1'000'000, 64}, {500'000, 0});
+  rows.validate(rows_full, "rows");
+  int count = 0;
+  for (auto x : merged_ranges(rows, rows_full)) {
+    CHECK(x == element_range{500'000ull * 64, 1'500'000ull * 64});
+    ++count;
+  }
+  CHECK(count == 1);
+
+  const shape_t cols_full{1'000'000, 64};
+  const auto cols = blk({1'000'000, 8}, {0, 8});
+  cols.validate(cols_full, "cols");
+  std::vector<element_range> first;
+  for (auto x : merged_ranges(cols, cols_full)) {
+    first.push_back(x);
+    if (first.size() == 3) break;
+  }
+  CHECK_SAME(first, std::vector<element_range>{{8, 16}, {72, 80}, {136, 144}});
+  // seeking deep into the column block is O(ndim), not a walk
+  auto c = cols.cursor(cols_full);
+  c.seek(999'999ull * 64 + 10);
+  REQUIRE_FALSE(c.done());
+  CHECK(c.run() == spec_run{999'999ull * 64 + 8, 999'999ull * 64 + 16, 999'999ull * 8});
+  const auto ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK_MESSAGE(ms < 100, "took " << ms << " ms");
+}

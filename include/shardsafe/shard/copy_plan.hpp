@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <queue>
 #include <span>
 #include <string>
 #include <vector>
@@ -48,10 +47,18 @@ inline void append_coalesced(copy_plan& plan, const copy_run& r) {
 /// The runs that move every element both specs hold from other's flat shard to mine.
 template <ShardSpec A, ShardSpec B>
 copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::uint64_t> full) {
-  copy_plan plan;
-  for_each_overlap(mine, other, full,
-                   [&](const overlap_piece& p) { append_coalesced(plan, copy_run{p.mine, p.other, p.len}); });
-  return plan;
+  if constexpr (detail::is_variant_spec<A>) {
+    return std::visit([&](const auto& m) { return compute_copy_plan(m, other, full); }, mine.variant());
+  } else if constexpr (detail::is_variant_spec<B>) {
+    return std::visit([&](const auto& o) { return compute_copy_plan(mine, o, full); }, other.variant());
+  } else {
+    copy_plan plan;
+    if constexpr (std::is_same_v<A, block_spec> && std::is_same_v<B, block_spec>)
+      plan.reserve(detail::box_piece_count(mine, other));  // one allocation for all the rows
+    for_each_overlap(mine, other, full,
+                     [&](const overlap_piece& p) { append_coalesced(plan, copy_run{p.mine, p.other, p.len}); });
+    return plan;
+  }
 }
 
 /// Total elements a plan moves.
@@ -75,6 +82,39 @@ struct load_plan {
   std::vector<element_range> missing;      ///< ranges of my flat view that no file holds
   std::uint64_t covered = 0;               ///< elements of my flat view some file provides
 };
+
+namespace detail {
+
+inline const block_spec* as_block(const block_spec& s) noexcept { return &s; }
+inline const block_spec* as_block(const shard_spec& s) noexcept { return s.is_block() ? &s.block() : nullptr; }
+template <class S>
+const block_spec* as_block(const S&) noexcept { return nullptr; }
+
+/// Whether the candidate files are all blocks and no two of them share an element: a
+/// pairwise test, so only for a few dozen files (more go through the merge).
+template <class B, class Cands>
+bool disjoint_blocks(std::span<const B> files, const Cands& cands) {
+  if (cands.size() > 64) return false;
+  std::vector<const block_spec*> blocks;
+  blocks.reserve(cands.size());
+  for (const auto& c : cands) {
+    const block_spec* b = as_block(files[c.file]);
+    if (!b) return false;
+    blocks.push_back(b);
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i)
+    for (std::size_t j = i + 1; j < blocks.size(); ++j) {
+      const block_spec &a = *blocks[i], &b = *blocks[j];
+      bool apart = false;  // some dimension where they do not meet (never, for 0-d)
+      for (std::size_t d = 0; d < a.local_shape().size() && !apart; ++d)
+        apart = std::max(a.global_offset()[d], b.global_offset()[d]) >=
+                std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
+      if (!apart) return false;
+    }
+  return true;
+}
+
+}  // namespace detail
 
 /// Resolves my shard against every file's shard. Specs must be validated against full.
 template <ShardSpec A, ShardSpec B>
@@ -103,29 +143,62 @@ load_plan plan_load(const A& mine, std::span<const B> files, std::span<const std
     cands.push_back({i, *ov, both});
   }
 
-  // Otherwise merge the files' runs in order of my offsets (a k-way merge over files whose
-  // plans are already sorted), taking each element from the first file that has it.
-  std::vector<copy_plan> plans;
-  plans.reserve(cands.size());
-  for (const auto& c : cands) plans.push_back(compute_copy_plan(mine, files[c.file], full));
-  std::vector<copy_plan> taken(cands.size());
+  // Blocks that share no element with each other (one file per rank of a tensor-parallel
+  // save) and together hold all of my shard need no merge: each file's plan stands whole.
+  std::uint64_t sum_both = 0;
+  for (const auto& c : cands) sum_both += c.both;
+  if (sum_both == n && detail::disjoint_blocks(files, cands)) {
+    for (const auto& c : cands)
+      out.files.push_back(file_plan{c.file, c.overlap, compute_copy_plan(mine, files[c.file], full), c.both});
+    out.covered = n;
+    return out;
+  }
 
+  // Otherwise merge the files' runs in order of my offsets (a k-way merge over files whose
+  // plans are already sorted), taking each element from the first file that has it. Each
+  // plan is trimmed in place: kept[c] runs of plans[c] survive.
+  const std::size_t k = cands.size();
+  std::vector<copy_plan> plans;
+  plans.reserve(k);
+  for (const auto& c : cands) plans.push_back(compute_copy_plan(mine, files[c.file], full));
+  std::vector<std::size_t> kept(k, 0);
+
+  // a binary min-heap of each plan's next run, ordered by (dst, candidate); the top is
+  // replaced in place by its successor (one sift-down per run)
   struct head {
     std::uint64_t dst;
     std::size_t cand;
     std::size_t idx;
-    bool operator>(const head& o) const { return dst != o.dst ? dst > o.dst : cand > o.cand; }
+    bool before(const head& o) const { return dst != o.dst ? dst < o.dst : cand < o.cand; }
   };
-  std::priority_queue<head, std::vector<head>, std::greater<head>> heap;
-  for (std::size_t c = 0; c < plans.size(); ++c)
-    if (!plans[c].empty()) heap.push({plans[c][0].dst, c, 0});
+  std::vector<head> heap;
+  heap.reserve(k);
+  for (std::size_t c = 0; c < k; ++c)
+    if (!plans[c].empty()) heap.push_back({plans[c][0].dst, c, 0});
+  auto sift_down = [&](std::size_t i) {
+    const head h = heap[i];
+    for (std::size_t child; (child = 2 * i + 1) < heap.size(); i = child) {
+      if (child + 1 < heap.size() && heap[child + 1].before(heap[child])) ++child;
+      if (!heap[child].before(h)) break;
+      heap[i] = heap[child];
+    }
+    heap[i] = h;
+  };
+  for (std::size_t i = heap.size() / 2; i-- > 0;) sift_down(i);
 
   std::uint64_t upto = 0;  // my elements [0, upto) are settled
   while (!heap.empty()) {
-    head h = heap.top();
-    heap.pop();
-    copy_run r = plans[h.cand][h.idx];
-    if (h.idx + 1 < plans[h.cand].size()) heap.push({plans[h.cand][h.idx + 1].dst, h.cand, h.idx + 1});
+    head& top = heap.front();
+    const std::size_t c = top.cand;
+    copy_plan& plan = plans[c];
+    copy_run r = plan[top.idx];
+    if (++top.idx < plan.size()) {
+      top.dst = plan[top.idx].dst;
+    } else {
+      top = heap.back();
+      heap.pop_back();
+    }
+    if (!heap.empty()) sift_down(0);
     if (r.dst + r.len <= upto) continue;  // somebody already provided all of it
     if (r.dst < upto) {                   // provided in part: keep the rest
       const std::uint64_t skip = upto - r.dst;
@@ -135,16 +208,25 @@ load_plan plan_load(const A& mine, std::span<const B> files, std::span<const std
     } else if (r.dst > upto) {
       out.missing.push_back({upto, r.dst});
     }
-    append_coalesced(taken[h.cand], r);
     upto = r.dst + r.len;
+    // keep r (coalesced with the run kept before it); the write index never passes the read
+    if (kept[c] > 0) {
+      copy_run& b = plan[kept[c] - 1];
+      if (b.dst + b.len == r.dst && b.src + b.len == r.src) {
+        b.len += r.len;
+        continue;
+      }
+    }
+    plan[kept[c]++] = r;
   }
   if (upto < n) out.missing.push_back({upto, n});
 
-  for (std::size_t c = 0; c < cands.size(); ++c) {
-    if (taken[c].empty()) continue;
-    const std::uint64_t moved = plan_numel(taken[c]);
+  for (std::size_t c = 0; c < k; ++c) {
+    if (kept[c] == 0) continue;
+    plans[c].resize(kept[c]);
+    const std::uint64_t moved = plan_numel(plans[c]);
     out.covered += moved;
-    out.files.push_back(file_plan{cands[c].file, cands[c].overlap, std::move(taken[c]), moved});
+    out.files.push_back(file_plan{cands[c].file, cands[c].overlap, std::move(plans[c]), moved});
   }
   return out;
 }

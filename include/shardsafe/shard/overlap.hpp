@@ -68,6 +68,24 @@ inline std::optional<box> intersect(const block_spec& a, const block_spec& b) {
   return r;
 }
 
+/// The first dimension of a box piece: the dimensions after it span both blocks whole, so
+/// one piece is contiguous in both local views.
+inline std::size_t box_fuse_dim(const box& bx, const block_spec& a, const block_spec& b) noexcept {
+  std::size_t k = bx.extent.size() - 1;
+  while (k > 0 && bx.extent[k] == a.local_shape()[k] && bx.extent[k] == b.local_shape()[k]) --k;
+  return k;
+}
+
+/// How many pieces for_each_box_piece produces.
+inline std::uint64_t box_piece_count(const block_spec& a, const block_spec& b) {
+  auto bx = intersect(a, b);
+  if (!bx) return 0;
+  if (bx->extent.empty()) return 1;  // 0-d
+  std::uint64_t n = 1;
+  for (std::size_t d = 0, k = box_fuse_dim(*bx, a, b); d < k; ++d) n *= bx->extent[d];
+  return n;
+}
+
 /// Rows of the intersection box, fused along trailing dimensions wherever the box spans
 /// both blocks whole, in increasing global order.
 template <class F>
@@ -87,8 +105,7 @@ void for_each_box_piece(const block_spec& a, const block_spec& b, std::span<cons
     sb[d - 1] = sb[d] * b.local_shape()[d];
   }
   // fuse: k is the first dimension of the contiguous piece; dims after k span both blocks
-  std::size_t k = nd - 1;
-  while (k > 0 && bx->extent[k] == a.local_shape()[k] && bx->extent[k] == b.local_shape()[k]) --k;
+  const std::size_t k = box_fuse_dim(*bx, a, b);
   std::uint64_t len = bx->extent[k] * sa[k];  // == extent[k] * prod(extent[k+1..])
   std::uint64_t g = 0, pa = 0, pb = 0;
   for (std::size_t d = 0; d < nd; ++d) {

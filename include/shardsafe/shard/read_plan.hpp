@@ -84,9 +84,11 @@ inline read_plan make_read_plan(const copy_plan& runs, std::uint64_t data_offset
         const std::uint64_t cur_end = cur.file_offset + cur.len;
         const std::uint64_t gap = src >= cur_end ? src - cur_end : UINT64_MAX;
         const std::uint64_t wasted = cur.len - cur_needed + gap;
-        const bool merge = gap <= opt.max_gap_bytes &&
-                           double(wasted) <= opt.max_over_read * double(cur_needed + left) &&
-                           cur.len + gap < max_read;
+        // judge the over-read by what this read would actually take of the run: a read
+        // near max_read takes only a piece of it, and the rest goes to the next read
+        const std::uint64_t takes = gap < max_read - cur.len ? std::min(left, max_read - cur.len - gap) : 0;
+        const bool merge = gap <= opt.max_gap_bytes && takes > 0 &&
+                           double(wasted) <= opt.max_over_read * double(cur_needed + takes);
         if (!merge) flush();
       }
       if (cur.pieces.empty()) cur.file_offset = src;

@@ -6,4 +6,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #include <simdjson.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/rmsprop.h>
+#include <torch/nn/module.h>
 #include <doctest/doctest.h>

@@ -1,0 +1,114 @@
+// shardsafe/checkpoint/model_and_optim.hpp - what a training job calls every N steps:
+// the model's state in DIR/model and the optimizer's in DIR/optim (FORMAT.md §2).
+//
+// The optimizer is written first and model/metadata.json last: that file is the commit mark
+// of the pair, so a save killed at any point leaves a folder that does not load as complete.
+// Loading agrees across ranks: if any rank fails, every rank throws the same error.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/rotation.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/torch/module.hpp"
+#include "shardsafe/torch/optim.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+
+namespace shardsafe {
+
+struct train_state_stats {
+  save_stats model;
+  save_stats optim;
+  double seconds = 0;
+  std::uint64_t total_bytes() const noexcept { return model.total_bytes + optim.total_bytes; }
+};
+
+struct train_load_options {
+  load_options load{};
+  bool strict = true;                   ///< missing tensors or parameters are errors (else listed)
+  bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
+};
+
+struct train_load_report {
+  load_stats model;
+  optim_load_report optim;
+  double seconds = 0;
+};
+
+/// Saves `model` (this rank's tensors and how each is sharded) and, if given, the state of
+/// `optim`, whose parameters must be tensors of `model`. A collective over comm.
+template <Directory D, Comm C>
+train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
+                                             C& comm, const save_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string prep = comm.rank() == 0 ? detail::outcome_of([&] {
+    if (!dir.list().empty()) {
+      if (!opt.overwrite)
+        fail(errc::already_exists, std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite)");
+      if (dir.exists("model")) dir.sub("model").remove(metadata_file_name);  // the commit mark goes first
+      for (const auto& n : dir.list()) dir.remove(n);
+    }
+    dir.make();
+  }) : std::string();
+  comm.broadcast_bytes(prep, 0);
+  detail::agree_on_outcomes({prep}, errc::already_exists);
+
+  save_options sub = opt;
+  sub.overwrite = false;
+  train_state_stats st;
+  if (optim) {
+    state_dict flat;
+    detail::collective_step(comm, errc::invalid_argument, [&] { flat = flatten_optimizer_state(*optim, model); });
+    st.optim = save_state_dict(dir.sub("optim"), flat, comm, sub);
+  }
+  st.model = save_state_dict(dir.sub("model"), model, comm, sub);
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+/// The same for a module: its parameters and buffers, sharded as `shards` says.
+template <Directory D, Comm C>
+train_state_stats save_model_and_optim_state(const D& dir, const torch::nn::Module& module,
+                                             torch::optim::Optimizer* optim, C& comm, const save_options& opt = {},
+                                             const shard_map& shards = {}) {
+  return save_model_and_optim_state(dir, module_state_dict(module, shards), optim, comm, opt);
+}
+
+/// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
+/// under any change of world size or sharding. A collective over comm (for agreement only).
+template <Directory D, Comm C>
+train_load_report load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                                             const train_load_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  train_load_report rep;
+  std::string outcome = detail::outcome_of([&] {
+    if (!is_complete_checkpoint(dir))
+      fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
+    load_options lo = opt.load;
+    lo.strict = opt.strict;
+    checkpoint_reader<D> mr(dir.sub("model"));
+    rep.model = load_state_dict(mr, model, lo);
+    if (optim) {
+      checkpoint_reader<D> orr(dir.sub("optim"));
+      optim_load_options oo;
+      oo.load = opt.load;
+      oo.load.strict = true;
+      oo.strict = opt.strict;
+      oo.restore_hyperparameters = opt.restore_hyperparameters;
+      rep.optim = load_optimizer_state(orr, *optim, model, oo);
+    }
+  });
+  detail::agree_on_outcomes(comm.all_gather_bytes(outcome), errc::io_error);
+  rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return rep;
+}
+
+template <Directory D, Comm C>
+train_load_report load_model_and_optim_state(const D& dir, torch::nn::Module& module, torch::optim::Optimizer* optim,
+                                             C& comm, const train_load_options& opt = {}, const shard_map& shards = {}) {
+  state_dict model = module_state_dict(module, shards);
+  return load_model_and_optim_state(dir, model, optim, comm, opt);
+}
+
+}  // namespace shardsafe

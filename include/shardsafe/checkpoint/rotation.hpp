@@ -1,0 +1,114 @@
+// shardsafe/checkpoint/rotation.hpp - keep the last N checkpoints under a root folder.
+//
+// Checkpoints are sub-folders named PREFIX + step number ("step120"). One is complete when
+// its commit mark exists: model/metadata.json (a model + optimizer checkpoint) or
+// metadata.json (a plain one). Removal deletes the commit mark first, so a removal cut short
+// never leaves a folder that looks complete but lacks files.
+#pragma once
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+struct checkpoint_entry {
+  std::string name;        ///< folder name, e.g. "step120"
+  std::uint64_t step = 0;  ///< the number after the prefix
+  bool complete = false;   ///< its commit mark exists
+};
+
+/// The name of the checkpoint of `step`: PREFIX + step.
+inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix = "step") {
+  return std::string(prefix) + std::to_string(step);
+}
+
+/// True when dir holds a whole checkpoint (model/metadata.json, or metadata.json).
+template <Directory D>
+bool is_complete_checkpoint(const D& dir) {
+  if (dir.exists("model")) return dir.sub("model").exists(metadata_file_name);
+  return dir.exists(metadata_file_name);
+}
+
+/// Checkpoint folders under root, by increasing step.
+template <Directory D>
+std::vector<checkpoint_entry> list_checkpoints(const D& root, std::string_view prefix = "step") {
+  std::vector<checkpoint_entry> out;
+  for (const auto& n : root.list()) {
+    if (n.size() <= prefix.size() || n.compare(0, prefix.size(), prefix) != 0) continue;
+    std::uint64_t step = 0;
+    const char* b = n.data() + prefix.size();
+    const char* e = n.data() + n.size();
+    auto [p, ec] = std::from_chars(b, e, step);
+    if (ec != std::errc() || p != e) continue;
+    out.push_back({n, step, is_complete_checkpoint(root.sub(n))});
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.step < b.step; });
+  return out;
+}
+
+/// The newest complete checkpoint under root, if any.
+template <Directory D>
+std::optional<checkpoint_entry> latest_checkpoint(const D& root, std::string_view prefix = "step") {
+  auto all = list_checkpoints(root, prefix);
+  for (auto it = all.rbegin(); it != all.rend(); ++it)
+    if (it->complete) return *it;
+  return std::nullopt;
+}
+
+/// Removes a checkpoint folder, commit mark first.
+template <Directory D>
+void remove_checkpoint(const D& root, const std::string& name) {
+  const D dir = root.sub(name);
+  if (dir.exists("model")) dir.sub("model").remove(metadata_file_name);
+  dir.remove(metadata_file_name);
+  root.remove(name);
+}
+
+/// Keeps the newest `keep_last` complete checkpoints under root and removes the older ones,
+/// with any unfinished ones older than the newest complete one (left by killed saves). Rank 0
+/// removes; every rank gets the same list back or the same error. A collective.
+template <Directory D, Comm C>
+std::vector<std::string> rotate_checkpoints(const D& root, std::size_t keep_last, C& comm,
+                                            std::string_view prefix = "step") {
+  std::vector<std::string> removed;
+  std::string outcome = comm.rank() == 0 ? detail::outcome_of([&] {
+    auto all = list_checkpoints(root, prefix);
+    std::size_t complete_seen = 0;
+    std::optional<std::uint64_t> newest_complete;
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+      if (it->complete) {
+        if (!newest_complete) newest_complete = it->step;
+        if (++complete_seen <= keep_last) continue;
+        removed.push_back(it->name);
+      } else if (newest_complete && it->step < *newest_complete) {
+        removed.push_back(it->name);
+      }
+    }
+    for (const auto& n : removed) remove_checkpoint(root, n);
+  }) : std::string();
+  std::string list;
+  for (const auto& n : removed) list += n + '\n';
+  if (comm.rank() == 0 && outcome.empty()) outcome = "ok\n" + list;
+  comm.broadcast_bytes(outcome, 0);
+  detail::agree_on_outcomes({outcome}, errc::io_error);
+  removed.clear();
+  std::size_t pos = 3;
+  while (pos < outcome.size()) {
+    auto nl = outcome.find('\n', pos);
+    removed.push_back(outcome.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  return removed;
+}
+
+}  // namespace shardsafe
