@@ -84,8 +84,9 @@ class sharded_mlp {
  public:
   /// `group_order_reversed` builds the param groups (and the parameter list) in the other
   /// order, as a differently written training script would.
-  sharded_mlp(int world, int rank, optim_kind kind, bool group_order_reversed = false, bool zero_init = false)
-      : world_(world), rank_(rank), defs_(mlp_params()) {
+  sharded_mlp(int world, int rank, optim_kind kind, bool group_order_reversed = false, bool zero_init = false,
+              int in = 24, int hidden = 48)
+      : world_(world), rank_(rank), in_(in), hidden_(hidden), defs_(mlp_params(in, hidden)) {
     if (group_order_reversed) std::reverse(defs_.begin(), defs_.end());
     for (const auto& d : defs_) {
       const std::uint64_t n = shardsafe::detail::numel(d.shape);
@@ -109,8 +110,15 @@ class sharded_mlp {
       groups.emplace_back(ps, make_options(kind, lr));
     }
     optim_ = make_optimizer(kind, std::move(groups));
-    x_ = hashed("data:x", {64, 24}, 1.0);
-    y_ = at::tanh(hashed("data:y", {64, 24}, 1.5));
+    x_ = hashed("data:x", {64, in}, 1.0);
+    y_ = at::tanh(hashed("data:y", {64, in}, 1.5));
+  }
+
+  /// Bytes of the full parameters.
+  std::uint64_t param_bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& d : defs_) n += shardsafe::detail::numel(d.shape) * 4;
+    return n;
   }
 
   /// This rank's shards as a state dict (the optimizer's own tensors).
@@ -150,7 +158,7 @@ class sharded_mlp {
       throw std::runtime_error("no parameter " + n);
     };
     at::Tensor h = at::linear(x_, param("layers.0.weight"), param("layers.0.bias"));
-    h = at::layer_norm(h, {48}, param("norm.weight"), param("norm.bias"));
+    h = at::layer_norm(h, {hidden_}, param("norm.weight"), param("norm.bias"));
     h = at::tanh(h);
     at::Tensor out = at::linear(h, param("layers.1.weight"), param("layers.1.bias"));
     at::Tensor loss = at::mse_loss(out, y_);
@@ -170,7 +178,7 @@ class sharded_mlp {
   std::vector<std::pair<std::string, at::Tensor>> full_params(C& comm) const {
     auto full = gather(comm);
     std::vector<std::pair<std::string, at::Tensor>> out;
-    for (const auto& d : mlp_params())
+    for (const auto& d : mlp_params(in_, hidden_))
       for (std::size_t i = 0; i < defs_.size(); ++i)
         if (defs_[i].name == d.name) out.emplace_back(d.name, full[i]);
     return out;
@@ -203,6 +211,7 @@ class sharded_mlp {
   }
 
   int world_, rank_;
+  std::int64_t in_, hidden_;
   std::vector<param_def> defs_;
   std::vector<at::Tensor> locals_;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges_;

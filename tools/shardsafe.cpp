@@ -27,6 +27,21 @@ namespace {
 
 constexpr std::uint64_t chunk_bytes = std::uint64_t(64) << 20;
 
+/// A message as one line of text: control characters (a newline or an escape sequence in a
+/// tensor or file name read from the input) are written as \n, \r, \t or \xHH.
+std::string one_line(std::string_view s) {
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string r;
+  for (unsigned char c : s) {
+    if (c == '\n') r += "\\n";
+    else if (c == '\r') r += "\\r";
+    else if (c == '\t') r += "\\t";
+    else if (c < 0x20 || c == 0x7f) r += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+    else r += static_cast<char>(c);
+  }
+  return r;
+}
+
 /// "\r[what] done/total" on stderr, at most ten times a second, only on a terminal.
 class progress {
  public:
@@ -206,6 +221,7 @@ struct row {
 };
 
 void print_rows(const std::string& title, std::vector<row> rows) {
+  for (auto& r : rows) r.name = one_line(r.name);
   std::sort(rows.begin(), rows.end(), [](const row& a, const row& b) { return a.name < b.name; });
   std::cout << title << "\n";
   row head{"NAME", "DTYPE", "SHAPE", "BYTES", "STORED", "SHARDING"};
@@ -351,7 +367,7 @@ int cmd_digest(const input& in) {
       }
   }
   std::sort(out.begin(), out.end(), [](const line& a, const line& b) { return a.name < b.name; });
-  for (const auto& l : out) std::cout << l.name << ' ' << name(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
+  for (const auto& l : out) std::cout << one_line(l.name) << ' ' << name(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
   return 0;
 }
 
@@ -392,7 +408,7 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::cerr << "shardsafe: " << cmd << ": out of memory\n";
   } catch (const std::exception& e) {
-    std::cerr << "shardsafe: " << e.what() << "\n";
+    std::cerr << "shardsafe: " << one_line(e.what()) << "\n";
   }
   return 1;
 }

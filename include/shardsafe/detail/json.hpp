@@ -17,11 +17,32 @@
 namespace shardsafe::detail {
 
 /// Appends s as a JSON string literal. s must be valid UTF-8 (checked by callers that take
-/// names from users); control characters are escaped.
-inline void append_json_string(std::string& out, std::string_view s) {
+/// names from users); control characters are escaped. With ascii_only, every non-ASCII
+/// character is written as \uXXXX (surrogate pairs past U+FFFF), as Python's json.dumps does.
+inline void append_json_string(std::string& out, std::string_view s, bool ascii_only = false) {
   static constexpr char hex[] = "0123456789abcdef";
+  auto u16 = [&](unsigned v) {
+    out += "\\u";
+    for (int sh = 12; sh >= 0; sh -= 4) out += hex[(v >> sh) & 15];
+  };
   out += '"';
-  for (unsigned char c : s) {
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (ascii_only && c >= 0x80) {
+      // decode one UTF-8 sequence (s is valid UTF-8)
+      const int len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+      unsigned cp = c & (len == 4 ? 0x07 : len == 3 ? 0x0F : 0x1F);
+      for (int k = 1; k < len && i + k < s.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+      i += static_cast<std::size_t>(len - 1);
+      if (cp >= 0x10000) {
+        cp -= 0x10000;
+        u16(0xD800 + (cp >> 10));
+        u16(0xDC00 + (cp & 0x3FF));
+      } else {
+        u16(cp);
+      }
+      continue;
+    }
     switch (c) {
       case '"': out += "\\\""; break;
       case '\\': out += "\\\\"; break;

@@ -82,20 +82,19 @@ inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
 /// Renders the index as Hugging Face does (indent 2, sorted keys, trailing newline).
 inline std::string write_hf_index(const hf_index& idx) {
   std::string out = "{\n  \"metadata\": {";
-  std::map<std::string, std::string> md = idx.metadata;
   bool first = true;
   auto entry = [&](const std::string& k, const std::string& rendered) {
     out += first ? "\n" : ",\n";
     first = false;
     out += "    ";
-    detail::append_json_string(out, k);
+    detail::append_json_string(out, k, /*ascii_only=*/true);
     out += ": " + rendered;
   };
   // sorted keys: total_size sorts among the others
   std::map<std::string, std::string> rendered;
-  for (const auto& [k, v] : md) {
+  for (const auto& [k, v] : idx.metadata) {
     std::string s;
-    detail::append_json_string(s, v);
+    detail::append_json_string(s, v, /*ascii_only=*/true);
     rendered[k] = s;
   }
   if (idx.total_size) rendered["total_size"] = std::to_string(*idx.total_size);
@@ -105,11 +104,11 @@ inline std::string write_hf_index(const hf_index& idx) {
   first = true;
   for (const auto& [k, v] : idx.weight_map) {
     std::string s;
-    detail::append_json_string(s, v);
+    detail::append_json_string(s, v, /*ascii_only=*/true);
     out += first ? "\n" : ",\n";
     first = false;
     out += "    ";
-    detail::append_json_string(out, k);
+    detail::append_json_string(out, k, /*ascii_only=*/true);
     out += ": " + s;
   }
   out += first ? "}" : "\n  }";

@@ -7,8 +7,8 @@
 //                           "local_shape": [...] | null, "global_offset": [...] | null}}}}}
 // plus the older "flattened_offsets_per_file": {file: [s, e] | [[s, e], ...]}, which is read
 // and converted. shardsafe's own additions live under a top-level "shardsafe" object that
-// other readers ignore. We write in Python's json.dumps layout so files diff cleanly with
-// OLMo-core's.
+// other readers ignore. We write in Python's json.dumps layout (separators, ASCII escapes) so
+// files diff cleanly with OLMo-core's.
 #pragma once
 
 #include <cstdint>
@@ -208,8 +208,12 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
         if (auto n = detail::as_count(ws)) md.extras.world_size = *n;
       simdjson::dom::object sizes;
       if (!o["file_sizes"].get_object().get(sizes))
-        for (auto kv : sizes)
+        for (auto kv : sizes) {
+          if (!is_plain_name(kv.key))
+            fail(errc::invalid_metadata, f + ": shardsafe.file_sizes names '" + std::string(kv.key) +
+                                             "', not a plain file name (no '/', '\\' or '..')");
           if (auto n = detail::as_count(kv.value)) md.extras.file_sizes[std::string(kv.key)] = *n;
+        }
     }
   }
   return md;
@@ -222,7 +226,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
   for (const auto& [key, t] : md.tensors) {
     if (!first) out += ", ";
     first = false;
-    detail::append_json_string(out, key);
+    detail::append_json_string(out, key, /*ascii_only=*/true);
     out += ": {\"shape\": ";
     detail::append_counts(out, t.shape);
     out += ", \"is_sharded\": ";
@@ -234,7 +238,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
     for (const auto& [fname, spec] : t.files) {
       if (!ff) out += ", ";
       ff = false;
-      detail::append_json_string(out, fname);
+      detail::append_json_string(out, fname, /*ascii_only=*/true);
       out += ": {\"flattened_offsets\": ";
       if (spec.is_flat()) {
         out += '[';
@@ -266,7 +270,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
     if (!x.writer.empty()) {
       sep();
       out += "\"writer\": ";
-      detail::append_json_string(out, x.writer);
+      detail::append_json_string(out, x.writer, /*ascii_only=*/true);
     }
     if (x.world_size) {
       sep();
@@ -279,7 +283,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
       for (const auto& [fname, size] : x.file_sizes) {
         if (!sf) out += ", ";
         sf = false;
-        detail::append_json_string(out, fname);
+        detail::append_json_string(out, fname, /*ascii_only=*/true);
         out += ": " + std::to_string(size);
       }
       out += '}';

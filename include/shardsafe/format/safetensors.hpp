@@ -133,6 +133,17 @@ inline safetensors_header parse_safetensors_header(std::string_view json, std::u
     simdjson::dom::object t;
     if (field.value.get_object().get(t)) fail(errc::invalid_header, ctx + ": entry is not an object");
 
+    {
+      std::string_view fields[3];
+      std::size_t n = 0;
+      for (auto f : t)
+        for (std::string_view known : {"dtype", "shape", "data_offsets"})
+          if (f.key == known) {
+            for (std::size_t i = 0; i < n; ++i)
+              if (fields[i] == known) fail(errc::invalid_header, ctx + ": \"" + std::string(known) + "\" is given twice");
+            fields[n++] = known;
+          }
+    }
     tensor_entry e;
     e.name = std::string(key);
     simdjson::dom::element v;

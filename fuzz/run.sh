@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang in a separate build directory and runs each one for a
+# bounded time. Exits non-zero if a target does not build or any run finds a crash, a sanitizer
+# report, an escaped exception, a broken invariant, a timeout or an out-of-memory.
+#
+#   fuzz/run.sh                  # 60 s per target
+#   FUZZ_SECONDS=600 fuzz/run.sh # longer
+#   FUZZ_BUILD_DIR=build-fuzz2 FUZZ_JOBS=2 fuzz/run.sh fuzz_metadata   # one target, two workers
+#
+# Environment: FUZZ_SECONDS (default 60), FUZZ_BUILD_DIR (default build-fuzz, relative to the
+# repository root), CXX (default clang++), FUZZ_JOBS (parallel workers per target, default 1).
+# Findings are written to FUZZ_BUILD_DIR/findings/TARGET/; the growing corpus to
+# FUZZ_BUILD_DIR/corpus/TARGET/ (the seeds in fuzz/corpus/ are never modified).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(dirname "$here")"
+seconds="${FUZZ_SECONDS:-60}"
+build="${FUZZ_BUILD_DIR:-build-fuzz}"
+case "$build" in /*) ;; *) build="$root/$build" ;; esac
+jobs="${FUZZ_JOBS:-1}"
+export CXX="${CXX:-clang++}"
+
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index)
+
+if [ ! -f "$build/build.ninja" ]; then
+  meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
+    -Dtorch=disabled -Dbuildtype=debugoptimized -Db_ndebug=false
+fi
+meson compile -C "$build" "${targets[@]/#/fuzz/}"
+
+# max_len per target: a safetensors header plus a little data; JSON documents a bit longer
+max_len_of() {
+  case "$1" in
+    fuzz_safetensors) echo 4096 ;;
+    fuzz_metadata) echo 8192 ;;
+    fuzz_hf_index) echo 4096 ;;
+    *) echo 4096 ;;
+  esac
+}
+dict_of() {
+  case "$1" in
+    fuzz_safetensors) echo "$here/safetensors.dict" ;;
+    *) echo "$here/json.dict" ;;
+  esac
+}
+
+status=0
+for t in "${targets[@]}"; do
+  name="${t#fuzz_}"
+  corpus="$build/corpus/$t"
+  findings="$build/findings/$t"
+  mkdir -p "$corpus" "$findings"
+  log="$build/$t.log"
+  echo "== $t: ${seconds} s, max_len $(max_len_of "$t")"
+  args=(-max_total_time="$seconds" -max_len="$(max_len_of "$t")" -timeout=10 -rss_limit_mb=2048
+        -malloc_limit_mb=1024 -dict="$(dict_of "$t")" -artifact_prefix="$findings/" -print_final_stats=1)
+  if [ "$jobs" -gt 1 ]; then args+=(-fork="$jobs" -ignore_crashes=0); fi
+  set +e
+  ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
+  UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
+    "$build/fuzz/$t" "${args[@]}" "$corpus" "$here/corpus/$name" >"$log" 2>&1
+  rc=$?
+  set -e
+  grep -E "^(stat::|Done |#[0-9]+ +DONE)" "$log" | tail -n 12 || true
+  if [ $rc -ne 0 ] || ls "$findings" | grep -q .; then
+    echo "!! $t failed (exit $rc); see $log and $findings/"
+    tail -n 40 "$log"
+    status=1
+  else
+    echo "ok $t"
+  fi
+done
+exit $status
