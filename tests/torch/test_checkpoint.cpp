@@ -181,6 +181,47 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     auto mm = testing::run_world("load_catalogue", 3, {ckpt, "mmap"});
     CHECK_MESSAGE(mm.ok(), mm.report());
   }
+  SUBCASE("the tool: verify, digest and unshard agree with the expected full tensors") {
+    const std::string tool = SHARDSAFE_TOOL;
+    if (tool.empty()) return;
+    auto v = testing::run_program(tool, {"verify", ckpt});
+    CHECK_MESSAGE(v.code == 0, v.err);
+    // digest: NAME DTYPE [shape] SHA256 of the full tensor, sorted by name
+    std::vector<std::string> lines;
+    for (const auto& c : catalogue()) {
+      std::string shape = "[";
+      for (std::size_t i = 0; i < c.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(c.shape[i]);
+      lines.push_back(c.key + " " + std::string(name(c.type)) + " " + shape + "] " +
+                      testing::sha256_hex(expected_full(c.key, c.type, c.shape)));
+    }
+    std::sort(lines.begin(), lines.end());
+    std::string want;
+    for (const auto& l : lines) want += l + "\n";
+    auto d = testing::run_program(tool, {"digest", ckpt});
+    CHECK_MESSAGE(d.code == 0, d.err);
+    CHECK(d.out == want);
+    // unshard: one file with every full tensor
+    const std::string out = (dir.path / "full.safetensors").string();
+    auto u = testing::run_program(tool, {"unshard", ckpt, out});
+    REQUIRE_MESSAGE(u.code == 0, u.err);
+    file_storage f(out);
+    auto h = read_safetensors_header(f);
+    CHECK(h.tensors.size() == catalogue().size());
+    for (const auto& c : catalogue()) {
+      const tensor_entry& e = h.at(c.key);
+      CHECK(e.shape == c.shape);
+      CHECK(e.type == c.type);
+      at::Tensor got = at::empty(to_sizes(c.shape), *to_scalar_type(c.type));
+      read_tensor(f, h, e, {static_cast<std::byte*>(got.data_ptr()), got.nbytes()});
+      CHECK_MESSAGE(testing::same_bits(got, expected_full(c.key, c.type, c.shape)), c.key);
+    }
+    // a damaged rank file: verify fails with one line naming it
+    std::filesystem::resize_file(dir.path / "model" / "rank_1.safetensors", 64);
+    auto bad = testing::run_program(tool, {"verify", ckpt});
+    CHECK(bad.code == 1);
+    CHECK(bad.err.find("rank_1.safetensors") != std::string::npos);
+    CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);
+  }
   SUBCASE("unshard in one process gives the expected full tensors") {
     auto full = unshard_state(file_directory(ckpt));
     CHECK(full.size() == catalogue().size());

@@ -16,6 +16,7 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "fixtures.hpp"
 #include "world.hpp"
 
 using namespace shardsafe;
@@ -171,6 +172,18 @@ TEST_CASE("optimizer checkpoint layout, param group pickles and strictness") {
   CHECK(names[0].as_string("") == "layers.0.weight");
   CHECK(full.state.at("layers.0.bias").at("step").item<float>() == 1.0f);
 
+  SUBCASE("the tool digests model/ and optim/ with prefixes") {
+    const std::string tool = SHARDSAFE_TOOL;
+    if (tool.empty()) return;
+    auto d = testing::run_program(tool, {"digest", (dir.path / "c").string()});
+    REQUIRE_MESSAGE(d.code == 0, d.err);
+    const at::Tensor& exp_avg = full.state.at("layers.1.weight").at("exp_avg");
+    const std::string line = "optim/state.layers.1.weight.__exp_avg F32 [24,48] " + testing::sha256_hex(exp_avg) + "\n";
+    CHECK(d.out.find(line) != std::string::npos);
+    auto params = m.full_params(comm);
+    const std::string mline = "model/layers.0.weight F32 [48,24] " + testing::sha256_hex(params[0].second) + "\n";
+    CHECK(d.out.find(mline) != std::string::npos);
+  }
   SUBCASE("Python's pickle reads the param groups we write") {
     if (std::system("python3 -c 'import pickle' >/dev/null 2>&1") != 0) {
       MESSAGE("python3 not available: skipped");

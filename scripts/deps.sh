@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages shardsafe builds and tests with (only those missing).
+# Everything comes from Debian: LibTorch 1.13 with c10d and Gloo, simdjson, Boost, doctest,
+# OpenSSL, Meson, and clang with libFuzzer for the fuzz targets.
+set -euo pipefail
+packages=(
+  g++ meson ninja-build pkg-config cmake
+  libtorch-dev libgloo-dev libsimdjson-dev libboost-dev doctest-dev libssl-dev
+  clang libclang-rt-14-dev
+  python3
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "installing: ${missing[*]}"
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -q
+$sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
