@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/format/safetensors_writer.hpp"
+#include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
 namespace demo {
@@ -218,5 +220,15 @@ class sharded_mlp {
   std::unique_ptr<torch::optim::Optimizer> optim_;
   at::Tensor x_, y_;
 };
+
+/// Writes named F32 tensors (full parameters) to a safetensors file, to compare runs.
+inline void write_params(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& params) {
+  std::vector<shardsafe::tensor_data> ts;
+  for (const auto& [n, t] : params)
+    ts.push_back({n, shardsafe::dtype::F32, shardsafe::shape_of(t),
+                  {static_cast<const std::byte*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes())}});
+  shardsafe::file_writer w(path);
+  shardsafe::write_safetensors(w, std::span<const shardsafe::tensor_data>(ts));
+}
 
 }  // namespace demo

@@ -84,14 +84,6 @@ std::string gbps(std::uint64_t b, double s) {
   return out;
 }
 
-void write_params(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  std::vector<tensor_data> ts;
-  for (const auto& [n, t] : params)
-    ts.push_back({n, dtype::F32, shape_of(t), std::as_bytes(std::span(static_cast<const std::byte*>(t.data_ptr()), t.nbytes()))});
-  file_writer w(path);
-  write_safetensors(w, std::span<const tensor_data>(ts));
-}
-
 // ---------------------------------------------------------------------------------------
 // a worker: one rank
 
@@ -143,7 +135,7 @@ int worker(const std::string& role, const config& c) {
     if (c.step_delay_ms) std::this_thread::sleep_for(std::chrono::milliseconds(c.step_delay_ms));
   }
   auto params = m.full_params(comm);
-  if (lead) write_params(c.dir / (role + "-final.safetensors"), params);
+  if (lead) demo::write_params(c.dir / (role + "-final.safetensors"), params);
   comm.barrier();
   return 0;
 }

@@ -5,6 +5,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <stdlib.h>
 
 #include <algorithm>
@@ -20,22 +22,10 @@
 #include "shardsafe/storage/mmap.hpp"
 
 using namespace shardsafe;
+using testing::temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::string t = (fs::temp_directory_path() / "shardsafe-st-XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 std::string as_string(std::span<const std::byte> b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 std::span<const std::byte> as_span(const std::string& s) { return std::as_bytes(std::span(s)); }

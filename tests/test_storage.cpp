@@ -4,6 +4,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <stdlib.h>
 
 #include <algorithm>
@@ -18,22 +20,10 @@
 #include "shardsafe/storage/mmap.hpp"
 
 using namespace shardsafe;
+using testing::temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::string t = (fs::temp_directory_path() / "shardsafe-storage-XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
 
 std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -392,4 +382,29 @@ TEST_CASE("storage: memory_writer without a store, and a mapping outliving its f
   std::vector<std::byte> b(moved.size());
   moved.read_into(0, b);
   CHECK(str(b) == "mapped bytes");
+}
+
+TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd alignments", S, file_storage, mmap_storage,
+                   memory_storage) {
+  // reads of detail::stream_copy_min_bytes and more take the streaming-store path of the
+  // mapped and memory backends: check every byte with source and destination misaligned
+  storage_maker<S> maker;
+  const std::size_t n = 3 * detail::stream_copy_min_bytes + 12'345;
+  const auto bytes = random_bytes(n, 23);
+  const S s = maker.make(bytes);
+  for (std::uint64_t off : {std::uint64_t(0), std::uint64_t(1), std::uint64_t(63), std::uint64_t(4095), std::uint64_t(8193)})
+    for (std::size_t dst_shift : {std::size_t(0), std::size_t(1), std::size_t(17), std::size_t(64)})
+      for (std::size_t len : {detail::stream_copy_min_bytes, detail::stream_copy_min_bytes + 8191,
+                              2 * detail::stream_copy_min_bytes + 77, std::size_t(n - off)}) {
+        std::vector<std::byte> buf(len + dst_shift + 64, std::byte{0xee});
+        s.read_into(off, std::span(buf).subspan(dst_shift, len));
+        REQUIRE(std::equal(buf.begin() + static_cast<std::ptrdiff_t>(dst_shift),
+                           buf.begin() + static_cast<std::ptrdiff_t>(dst_shift + len),
+                           bytes.begin() + static_cast<std::ptrdiff_t>(off)));
+        // nothing written outside the destination
+        REQUIRE(std::all_of(buf.begin(), buf.begin() + static_cast<std::ptrdiff_t>(dst_shift),
+                            [](std::byte b) { return b == std::byte{0xee}; }));
+        REQUIRE(std::all_of(buf.begin() + static_cast<std::ptrdiff_t>(dst_shift + len), buf.end(),
+                            [](std::byte b) { return b == std::byte{0xee}; }));
+      }
 }

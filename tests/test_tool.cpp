@@ -4,6 +4,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <fcntl.h>
 #include <openssl/sha.h>
 #include <spawn.h>
@@ -21,67 +23,19 @@
 
 #include "malformed_corpus.hpp"
 
-extern char** environ;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::string t = (fs::temp_directory_path() / "shardsafe-tool-XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using testing::temp_dir;
+using testing::slurp;
+using testing::write_file;
+using result = testing::program_result;
 
 bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
-
-struct result {
-  bool exited = false;  // false: killed by a signal
-  int code = -1;
-  std::string out, err;
-};
-
-/// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr to files under tmp.
-result run_tool(const std::vector<std::string>& args) {
-  static temp_dir io;
-  const fs::path out = io.path / "stdout", err = io.path / "stderr";
-  posix_spawn_file_actions_t fa;
-  REQUIRE(posix_spawn_file_actions_init(&fa) == 0);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> all{SHARDSAFE_TOOL};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  const int rc = posix_spawn(&pid, SHARDSAFE_TOOL, &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  REQUIRE(rc == 0);
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0) REQUIRE(errno == EINTR);
-  result r;
-  r.exited = WIFEXITED(status);
-  r.code = r.exited ? WEXITSTATUS(status) : -WTERMSIG(status);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  return r;
-}
+/// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr captured.
+result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 /// The tool failed as FORMAT.md asks: exit 1 (not a signal), one line on stderr with the phrases.
 void check_fails(const result& r, const std::vector<std::string>& phrases) {
@@ -94,13 +48,7 @@ void check_fails(const result& r, const std::vector<std::string>& phrases) {
   for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err, " lacks ", p);
 }
 
-std::string sha256_hex(const std::string& bytes) {
-  unsigned char md[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), md);
-  std::ostringstream s;
-  for (unsigned char c : md) s << "0123456789abcdef"[c >> 4] << "0123456789abcdef"[c & 15];
-  return s.str();
-}
+using testing::sha256_hex;
 
 struct tensor {
   std::string name, dtype;

@@ -105,66 +105,14 @@ inline shardsafe::shard_spec block_part(const shardsafe::shape_t& shape, std::si
 
 }  // namespace testing
 
-#include <openssl/sha.h>
-#include <spawn.h>
-#include <sys/wait.h>
-
-#include <fstream>
-#include <sstream>
+#include "../test_util.hpp"
 
 namespace testing {
 
 /// SHA-256 (hex) of a tensor's bytes, straight from OpenSSL.
 inline std::string sha256_hex(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
-  unsigned char md[SHA256_DIGEST_LENGTH];
-  SHA256(static_cast<const unsigned char*>(c.data_ptr()), c.nbytes(), md);
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (unsigned char x : md) {
-    s += d[x >> 4];
-    s += d[x & 15];
-  }
-  return s;
-}
-
-struct program_result {
-  int code = -1;
-  std::string out, err;
-};
-
-/// Runs a program (no shell) and captures its exit code, stdout and stderr.
-inline program_result run_program(const std::string& exe, const std::vector<std::string>& args) {
-  const auto base = std::filesystem::temp_directory_path() / ("shardsafe-run-" + std::to_string(::getpid()));
-  const std::string outp = base.string() + ".out", errp = base.string() + ".err";
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, outp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&fa, 2, errp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> argv_s{exe};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_s) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  program_result r;
-  if (posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ) == 0) {
-    int st = 0;
-    waitpid(pid, &st, 0);
-    r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  auto slurp = [](const std::string& p) {
-    std::ifstream f(p, std::ios::binary);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  };
-  r.out = slurp(outp);
-  r.err = slurp(errp);
-  std::filesystem::remove(outp);
-  std::filesystem::remove(errp);
-  return r;
+  return sha256_hex(c.data_ptr(), c.nbytes());
 }
 
 }  // namespace testing

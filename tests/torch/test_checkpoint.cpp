@@ -293,10 +293,6 @@ TEST_CASE("validate_nan finds elements that were never loaded") {
 // OLMo-core directories, written byte by byte from the schema
 
 namespace {
-void write_bytes(const std::filesystem::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 /// A safetensors file by hand: header JSON as Python's safetensors writes it, padded.
 std::string hand_safetensors(const std::vector<std::tuple<std::string, std::string, std::uint64_t, std::string>>& ts) {
   std::string json = "{", data;
@@ -344,16 +340,16 @@ TEST_CASE("directories in OLMo-core's format load in any world size") {
   at::Tensor wt = expected_full("w", dtype::BF16, {16, 8}), leg = expected_full("legacy", dtype::F32, {10});
   auto yflat = y.reshape({-1});
   // rank 0: x whole (not sharded), y[0:3], w rows 0-7; rank 1: y[3:6], w rows 8-15; legacy split 0-4, 4-10
-  write_bytes(dir.path / "rank_0.safetensors",
+  testing::write_file(dir.path / "rank_0.safetensors",
               hand_safetensors({{"x", "I64", 6, bytes_of(x)},
                                 {"y", "F32", 3, bytes_of(yflat.slice(0, 0, 3))},
                                 {"w", "BF16", 64, bytes_of(wt.narrow(0, 0, 8))},
                                 {"legacy", "F32", 4, bytes_of(leg.slice(0, 0, 4))}}));
-  write_bytes(dir.path / "rank_1.safetensors",
+  testing::write_file(dir.path / "rank_1.safetensors",
               hand_safetensors({{"y", "F32", 3, bytes_of(yflat.slice(0, 3, 6))},
                                 {"w", "BF16", 64, bytes_of(wt.narrow(0, 8, 8))},
                                 {"legacy", "F32", 6, bytes_of(leg.slice(0, 4, 10))}}));
-  write_bytes(
+  testing::write_file(
       dir.path / "metadata.json",
       R"({"tensors": {"x": {"shape": [2, 3], "is_sharded": false, "dtype": "I64", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": null, "global_offset": null}}}, )"
       R"("y": {"shape": [2, 3], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 3]], "local_shape": null, "global_offset": null}, "rank_1.safetensors": {"flattened_offsets": [[3, 6]], "local_shape": null, "global_offset": null}}}, )"
@@ -478,8 +474,8 @@ TEST_CASE("load errors name the file, the tensor and the rule") {
     std::filesystem::remove_all(ckpt);
     std::filesystem::create_directories(ckpt);
     at::Tensor w = expected_full("w", dtype::F32, {8, 6});
-    write_bytes(ckpt / "rank_0.safetensors", hand_safetensors({{"w", "F32", 24, bytes_of(w.narrow(0, 0, 4))}}));
-    write_bytes(ckpt / "metadata.json",
+    testing::write_file(ckpt / "rank_0.safetensors", hand_safetensors({{"w", "F32", 24, bytes_of(w.narrow(0, 0, 4))}}));
+    testing::write_file(ckpt / "metadata.json",
                 R"({"tensors": {"w": {"shape": [8, 6], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [4, 6], "global_offset": [0, 0]}}}}})");
     state_dict t;
     t.add("w", at::zeros({8, 6}));

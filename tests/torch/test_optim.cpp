@@ -21,24 +21,8 @@
 
 using namespace shardsafe;
 
-namespace {
-
-void write_params(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& params) {
-  std::vector<tensor_data> ts;
-  for (const auto& [n, t] : params)
-    ts.push_back({n, dtype::F32, shape_of(t), std::as_bytes(std::span(static_cast<const std::byte*>(t.data_ptr()), t.nbytes()))});
-  file_writer w(path);
-  write_safetensors(w, std::span<const tensor_data>(ts));
-}
-
-std::string slurp(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-}  // namespace
+using demo::write_params;
+using testing::slurp;
 
 // args: optimizer, checkpoint dir, output file, mode (save|load), steps before, steps after
 WORKER_SCENARIO("train_resume") {

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "../test_util.hpp"
 #include "shardsafe/dist/launch.hpp"
 
 namespace testing {
@@ -108,22 +109,5 @@ inline world_result run_world(const std::string& name, int n, const std::vector<
   std::filesystem::remove_all(logdir);
   return res;
 }
-
-/// A fresh empty folder for a test, removed when the object goes.
-struct temp_dir {
-  std::filesystem::path path;
-  explicit temp_dir(const std::string& tag) {
-    static int counter = 0;
-    path = std::filesystem::temp_directory_path() /
-           ("shardsafe-test-" + tag + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
-    std::filesystem::remove_all(path);
-    std::filesystem::create_directories(path);
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::string str() const { return path.string(); }
-};
 
 }  // namespace testing

@@ -59,6 +59,8 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/error.hpp"
+
 namespace shardsafe {
 
 template <class S>
@@ -96,6 +98,15 @@ concept Directory = requires(const D& d, std::string_view n) {
   d.make();
   { d.name() } -> std::convertible_to<std::string_view>;
 };
+
+namespace detail {
+/// Throws errc::truncated, naming the storage, unless [off, off + n) lies within its size bytes.
+inline void check_read_range(std::string_view name, std::uint64_t off, std::uint64_t n, std::uint64_t size) {
+  if (off > size || n > size - off)
+    throw error(errc::truncated, std::string(name) + ": read of " + std::to_string(n) + " bytes at offset " +
+                                     std::to_string(off) + " passes the end (" + std::to_string(size) + " bytes)");
+}
+}  // namespace detail
 
 /// Object names a Directory accepts: plain names, no separators, not "." or "..".
 inline bool is_plain_name(std::string_view n) noexcept {

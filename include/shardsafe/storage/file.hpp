@@ -30,10 +30,7 @@ class file_storage {
 
   void read_into(std::uint64_t off, std::span<std::byte> dst) const {
     if (dst.empty()) return;
-    if (off > size_ || dst.size() > size_ - off)
-      throw error(errc::truncated, path_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
-                                       std::to_string(off) + " passes the end of the file (" +
-                                       std::to_string(size_) + " bytes)");
+    detail::check_read_range(path_, off, dst.size(), size_);
     detail::pread_full(fd_.get(), off, dst, path_);
   }
 

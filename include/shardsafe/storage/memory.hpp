@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
@@ -35,11 +36,8 @@ class memory_storage {
 
   void read_into(std::uint64_t off, std::span<std::byte> dst) const {
     if (dst.empty()) return;
-    if (off > size() || dst.size() > size() - off)
-      throw error(errc::truncated, name_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
-                                       std::to_string(off) + " passes the end (" + std::to_string(size()) +
-                                       " bytes)");
-    std::memcpy(dst.data(), bytes_->data() + off, dst.size());
+    detail::check_read_range(name_, off, dst.size(), size());
+    detail::stream_copy(dst.data(), bytes_->data() + off, dst.size());
   }
 
  private:

@@ -1,8 +1,9 @@
 // shardsafe/storage/mmap.hpp - a read-only memory mapping of a file.
 //
-// read_into is a bounds-checked memcpy out of the mapping; bytes() hands out the mapping
-// itself, so a loader can copy tensor data straight from the page cache. A file that is
-// truncated by someone else while mapped raises SIGBUS on access, as with any mapping.
+// read_into is a bounds-checked copy out of the mapping (with streaming stores for large
+// reads: detail/copy.hpp); bytes() hands out the mapping itself, so a loader can copy tensor
+// data straight from the page cache. A file that is truncated by someone else while mapped
+// raises SIGBUS on access, as with any mapping.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 
 #include <sys/mman.h>
 
+#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/posix.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/file.hpp"
@@ -57,11 +59,8 @@ class mmap_storage {
 
   void read_into(std::uint64_t off, std::span<std::byte> dst) const {
     if (dst.empty()) return;
-    if (off > size_ || dst.size() > size_ - off)
-      throw error(errc::truncated, path_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
-                                       std::to_string(off) + " passes the end of the file (" +
-                                       std::to_string(size_) + " bytes)");
-    std::memcpy(dst.data(), data_ + off, dst.size());
+    detail::check_read_range(path_, off, dst.size(), size_);
+    detail::stream_copy(dst.data(), data_ + off, dst.size());
   }
 
   /// Passes an access pattern to the kernel (madvise); failures are ignored, as advice is.

@@ -1,0 +1,99 @@
+// tests/test_util.hpp - small helpers shared by the test executables: temporary folders,
+// whole-file reads and writes, running a program without a shell, SHA-256 from OpenSSL.
+#pragma once
+
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <openssl/sha.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <span>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+namespace testing {
+
+/// A fresh empty folder (mkdtemp), removed with everything in it when the object goes.
+struct temp_dir {
+  std::filesystem::path path;
+  explicit temp_dir(const std::string& tag = "t") {
+    std::string t = (std::filesystem::temp_directory_path() / ("shardsafe-" + tag + "-XXXXXX")).string();
+    REQUIRE(::mkdtemp(t.data()) != nullptr);
+    path = t;
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  ~temp_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string str() const { return path.string(); }
+};
+
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+inline void write_file(const std::filesystem::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+struct program_result {
+  bool exited = false;  ///< false: killed by a signal
+  int code = -1;        ///< exit code, or -signal
+  std::string out, err;
+};
+
+/// Runs exe with args (no shell), stdin from /dev/null, stdout and stderr captured.
+inline program_result run_program(const std::string& exe, const std::vector<std::string>& args) {
+  temp_dir io("run");
+  const auto out = io.path / "stdout", err = io.path / "stderr";
+  posix_spawn_file_actions_t fa;
+  REQUIRE(posix_spawn_file_actions_init(&fa) == 0);
+  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+  posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  std::vector<std::string> all{exe};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid;
+  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  REQUIRE(rc == 0);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) REQUIRE(errno == EINTR);
+  program_result r;
+  r.exited = WIFEXITED(status);
+  r.code = r.exited ? WEXITSTATUS(status) : -WTERMSIG(status);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  return r;
+}
+
+/// SHA-256 (hex) of bytes, straight from OpenSSL.
+inline std::string sha256_hex(const void* data, std::size_t n) {
+  unsigned char md[SHA256_DIGEST_LENGTH];
+  SHA256(static_cast<const unsigned char*>(data), n, md);
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (unsigned char x : md) {
+    s += d[x >> 4];
+    s += d[x & 15];
+  }
+  return s;
+}
+inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(bytes.data(), bytes.size()); }
+
+}  // namespace testing
