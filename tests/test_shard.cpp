@@ -251,8 +251,8 @@ std::vector<shard_spec> random_files(rng_t& r, const shape_t& full) {
   return files;
 }
 
-std::string case_ctx(u64 i, const shape_t& full) {
-  return "seed=" + std::to_string(kSeed) + " case=" + std::to_string(i) + " full=" + to_string(full);
+std::string case_ctx(u64 seed, u64 i, const shape_t& full) {
+  return "seed=" + std::to_string(seed) + " case=" + std::to_string(i) + " full=" + to_string(full);
 }
 
 /// Stops a property after a few failures so one bug does not print thousands of lines.
@@ -294,7 +294,7 @@ TEST_CASE("property: copy plans and overlap classes match the brute force (all f
     a.validate(full, "mine");
     b.validate(full, "other");
     const auto em = bf_elements(a, full), eo = bf_elements(b, full);
-    const std::string ctx = case_ctx(i, full) + " mine=" + to_string(a) + " other=" + to_string(b);
+    const std::string ctx = case_ctx(kSeed, i, full) + " mine=" + to_string(a) + " other=" + to_string(b);
     // through the variant, and through the concrete types (flat x flat ... block x block)
     if (!budget.check(pair_error(a, b, full, em, eo), ctx + " [shard_spec]")) break;
     std::string typed = std::visit([&](const auto& x) {
@@ -323,7 +323,7 @@ TEST_CASE("property: plan_load covers each of my elements once from a file that 
     const auto em = bf_elements(mine, full);
     std::vector<std::vector<u64>> ef;
     for (const auto& f : files) ef.push_back(bf_elements(f, full));
-    std::string ctx = case_ctx(i, full) + " mine=" + to_string(mine) + " files=";
+    std::string ctx = case_ctx(kSeed + 1, i, full) + " mine=" + to_string(mine) + " files=";
     for (const auto& f : files) ctx += to_string(f) + "; ";
 
     const load_plan plan = plan_load(mine, files, full);
@@ -387,7 +387,7 @@ TEST_CASE("property: merged ranges and cursor runs match the brute force; seek l
     const shape_t full = random_shape(r);
     const shard_spec s = random_spec(r, full);
     const auto es = bf_elements(s, full);
-    const std::string ctx = case_ctx(i, full) + " spec=" + to_string(s);
+    const std::string ctx = case_ctx(kSeed + 2, i, full) + " spec=" + to_string(s);
     std::string err;
 
     if (auto m = merged_ranges_vector(s, full); m != bf_ranges_of(es))
