@@ -22,7 +22,7 @@ jobs="${FUZZ_JOBS:-1}"
 export CXX="${CXX:-clang++}"
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle)
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
@@ -36,12 +36,14 @@ max_len_of() {
     fuzz_safetensors) echo 4096 ;;
     fuzz_metadata) echo 8192 ;;
     fuzz_hf_index) echo 4096 ;;
+    fuzz_pickle) echo 4096 ;;
     *) echo 4096 ;;
   esac
 }
 dict_of() {
   case "$1" in
     fuzz_safetensors) echo "$here/safetensors.dict" ;;
+    fuzz_pickle) echo "$here/pickle.dict" ;;
     *) echo "$here/json.dict" ;;
   esac
 }

@@ -17,7 +17,7 @@
 namespace shardsafe::detail {
 
 /// Appends s as a JSON string literal. s must be valid UTF-8 (checked by callers that take
-/// names from users); control characters are escaped. With ascii_only, every non-ASCII
+/// names from users); control characters are escaped. With ascii_only, DEL and every non-ASCII
 /// character is written as \uXXXX (surrogate pairs past U+FFFF), as Python's json.dumps does.
 inline void append_json_string(std::string& out, std::string_view s, bool ascii_only = false) {
   static constexpr char hex[] = "0123456789abcdef";
@@ -52,7 +52,7 @@ inline void append_json_string(std::string& out, std::string_view s, bool ascii_
       case '\b': out += "\\b"; break;
       case '\f': out += "\\f"; break;
       default:
-        if (c < 0x20) {
+        if (c < 0x20 || (ascii_only && c == 0x7f)) {  // json.dumps' ensure_ascii escapes DEL too
           out += "\\u00";
           out += hex[c >> 4];
           out += hex[c & 15];

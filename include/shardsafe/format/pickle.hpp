@@ -9,6 +9,7 @@
 // so reading untrusted bytes runs no code; sizes, nesting and memo references are bounded.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -67,10 +68,11 @@ class pickle_value {
   const pickle_value& dict_key(std::size_t i) const { return items_.at(2 * i); }
   const pickle_value& dict_value(std::size_t i) const { return items_.at(2 * i + 1); }
   /// The value under string key `key` of a dict, or nullptr.
+  /// (With a key given twice, the last value wins, as when Python builds the dict.)
   const pickle_value* find(std::string_view key) const noexcept {
     if (k_ != kind::dict) return nullptr;
-    for (std::size_t i = 0; i + 1 < items_.size(); i += 2)
-      if (items_[i].k_ == kind::string && items_[i].s_ == key) return &items_[i + 1];
+    for (std::size_t i = items_.size() / 2; i-- > 0;)
+      if (items_[2 * i].k_ == kind::string && items_[2 * i].s_ == key) return &items_[2 * i + 1];
     return nullptr;
   }
   const pickle_value& at(std::string_view key, std::string_view ctx) const {
@@ -178,13 +180,18 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
       out += s;
       break;
     }
+    // Lists and dicts are filled in batches of 1000, a batch of one with APPEND/SETITEM, as
+    // Python's pickler does: the reader then never holds more than 1000 of their items on its
+    // stack, and the bytes are Python's own (less its memo PUTs).
     case k::list: {
       out += ']';
       const auto& items = v.as_sequence("");
-      if (items.empty()) break;
-      out += '(';
-      for (const auto& x : items) pickle_put(out, x);
-      out += 'e';
+      for (std::size_t b = 0; b < items.size(); b += 1000) {
+        const std::size_t e = std::min(items.size(), b + 1000);
+        if (e - b > 1) out += '(';
+        for (std::size_t i = b; i < e; ++i) pickle_put(out, items[i]);
+        out += e - b > 1 ? 'e' : 'a';
+      }
       break;
     }
     case k::tuple: {
@@ -200,13 +207,16 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
     }
     case k::dict: {
       out += '}';
-      if (v.dict_size() == 0) break;
-      out += '(';
-      for (std::size_t i = 0; i < v.dict_size(); ++i) {
-        pickle_put(out, v.dict_key(i));
-        pickle_put(out, v.dict_value(i));
+      const std::size_t n = v.dict_size();
+      for (std::size_t b = 0; b < n; b += 1000) {
+        const std::size_t e = std::min(n, b + 1000);
+        if (e - b > 1) out += '(';
+        for (std::size_t i = b; i < e; ++i) {
+          pickle_put(out, v.dict_key(i));
+          pickle_put(out, v.dict_value(i));
+        }
+        out += e - b > 1 ? 'u' : 's';
       }
-      out += 'u';
       break;
     }
   }
@@ -230,6 +240,14 @@ namespace detail {
 class pickle_reader {
  public:
   pickle_reader(std::string_view in, std::string what) : in_(in), what_(std::move(what)) {}
+  pickle_reader(const pickle_reader&) = delete;
+  pickle_reader& operator=(const pickle_reader&) = delete;
+  // Containers may hold themselves (APPEND of a DUP or BINGET) or nest deeper than the call
+  // stack can unwind: unlink every node first, so none is leaked in a cycle and none is freed
+  // recursively.
+  ~pickle_reader() {
+    for (const auto& n : all_) n->children.clear();
+  }
 
   pickle_value run() {
     while (true) {
@@ -237,11 +255,16 @@ class pickle_reader {
       const std::size_t at = pos_;
       const unsigned char op = static_cast<unsigned char>(in_[pos_++]);
       switch (op) {
-        case 0x80: take(1); break;                       // PROTO
+        case 0x80: {                                     // PROTO
+          const auto v = static_cast<unsigned char>(take(1)[0]);
+          if (v > 5) bad("protocol " + std::to_string(v) + " is newer than 5, the highest Python writes");
+          break;
+        }
         case 0x95: take(8); break;                       // FRAME (length is advisory)
         case '(': marks_.push_back(stack_.size()); break;  // MARK
         case '.': {                                      // STOP
           if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
+          expanded_size(stack_.back(), 0);  // refuses cycles, deep nesting and blow-ups before building
           budget_ = max_nodes_;
           return materialize(stack_.back(), 0);
         }
@@ -329,7 +352,7 @@ class pickle_reader {
         case '0': pop(); break;                                  // POP
         case '2': push(top()); break;                            // DUP
         default:
-          bad("unsupported opcode 0x" + hex(op) + " at byte " + std::to_string(at) +
+          bad("unsupported opcode 0x" + hex(op) + opcode_name(op) + " at byte " + std::to_string(at) +
               " (only plain data is read: None, bool, int, float, str, list, tuple, dict; classes and calls are refused)");
       }
       if (stack_.size() > max_stack_) bad("too many values on the stack");
@@ -341,12 +364,16 @@ class pickle_reader {
     pickle_value scalar;
     pickle_value::kind k;
     std::vector<std::shared_ptr<node>> children;
+    std::uint64_t expanded = 0;  // values this node becomes when materialized (0: not counted yet)
+    std::size_t height = 0;      // nesting levels below it
+    bool visiting = false;       // on the path being counted: reaching it again is a cycle
   };
   using ptr = std::shared_ptr<node>;
 
-  static constexpr std::size_t max_stack_ = 1 << 20;
+  static constexpr std::size_t max_stack_ = 1 << 16;
+  static constexpr std::size_t max_memo_ = 1 << 20;
   static constexpr std::size_t max_depth_ = 200;
-  static constexpr std::size_t max_nodes_ = 1 << 22;
+  static constexpr std::size_t max_nodes_ = 1 << 20;  // param groups hold dozens
 
   [[noreturn]] void bad(const std::string& why) const { fail(errc::invalid_metadata, what_ + ": pickle " + why); }
   static std::string hex(unsigned v) {
@@ -377,10 +404,11 @@ class pickle_reader {
     if (!detail::is_valid_utf8(b)) bad("string at byte " + std::to_string(pos_ - n) + " is not UTF-8");
     return std::string(b);
   }
-  static ptr make(pickle_value v) {
+  ptr make(pickle_value v) {
     auto n = std::make_shared<node>();
     n->k = v.type();
     n->scalar = std::move(v);
+    all_.push_back(n);
     return n;
   }
   std::size_t base() const { return marks_.empty() ? 0 : marks_.back(); }
@@ -408,13 +436,74 @@ class pickle_reader {
     return c;
   }
   void memo_put(std::uint64_t i) {
-    if (i > max_stack_) bad("memo index " + std::to_string(i) + " is too large");
+    if (i > max_memo_) bad("memo index " + std::to_string(i) + " is too large");
     if (i >= memo_.size()) memo_.resize(static_cast<std::size_t>(i) + 1);
     memo_[static_cast<std::size_t>(i)] = top();
   }
   void memo_get(std::uint64_t i) {
     if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)]) bad("memo index " + std::to_string(i) + " was never stored");
     push(memo_[static_cast<std::size_t>(i)]);
+  }
+  // Counts the values n expands to, once per node (shared references are cheap to count but
+  // are copied when materialized), so a memo blow-up is refused before anything is built.
+  std::uint64_t expanded_size(const ptr& n, std::size_t depth) {
+    if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
+    if (n->expanded) {
+      if (depth + n->height > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
+      return n->expanded;
+    }
+    if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
+    n->visiting = true;
+    std::uint64_t total = 1;
+    std::size_t height = 0;
+    for (const auto& c : n->children) {
+      total += expanded_size(c, depth + 1);
+      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values");
+      height = std::max(height, c->height + 1);
+    }
+    n->visiting = false;
+    n->height = height;
+    n->expanded = total;
+    return total;
+  }
+  static std::string opcode_name(unsigned op) {
+    const char* n = nullptr;
+    switch (op) {
+      case 'c': n = "GLOBAL"; break;
+      case 0x93: n = "STACK_GLOBAL"; break;
+      case 'R': n = "REDUCE"; break;
+      case 'b': n = "BUILD"; break;
+      case 'i': n = "INST"; break;
+      case 'o': n = "OBJ"; break;
+      case 0x81: n = "NEWOBJ"; break;
+      case 0x92: n = "NEWOBJ_EX"; break;
+      case 'P': n = "PERSID"; break;
+      case 'Q': n = "BINPERSID"; break;
+      case 0x82: n = "EXT1"; break;
+      case 0x83: n = "EXT2"; break;
+      case 0x84: n = "EXT4"; break;
+      case 'B': n = "BINBYTES"; break;
+      case 'C': n = "SHORT_BINBYTES"; break;
+      case 0x8e: n = "BINBYTES8"; break;
+      case 0x96: n = "BYTEARRAY8"; break;
+      case 0x97: n = "NEXT_BUFFER"; break;
+      case 0x98: n = "READONLY_BUFFER"; break;
+      case 0x8f: n = "EMPTY_SET"; break;
+      case 0x90: n = "ADDITEMS"; break;
+      case 0x91: n = "FROZENSET"; break;
+      case 'S': n = "STRING"; break;
+      case 'T': n = "BINSTRING"; break;
+      case 'U': n = "SHORT_BINSTRING"; break;
+      case 'I': n = "INT"; break;
+      case 'L': n = "LONG"; break;
+      case 'F': n = "FLOAT"; break;
+      case 'V': n = "UNICODE"; break;
+      case 'p': n = "PUT"; break;
+      case 'g': n = "GET"; break;
+      case '1': n = "POP_MARK"; break;
+      default: return "";
+    }
+    return std::string(" (") + n + ")";
   }
   // Shared and self-referencing containers become trees; the node budget stops blow-ups.
   pickle_value materialize(const ptr& n, std::size_t depth) {
@@ -439,6 +528,7 @@ class pickle_reader {
   std::vector<std::size_t> marks_;
   std::vector<ptr> memo_;
   std::size_t budget_ = 0;
+  std::vector<ptr> all_;  // every node made, unlinked by the destructor
 };
 
 }  // namespace detail

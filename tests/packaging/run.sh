@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Packaging test: installs shardsafe from the source tree into a temporary prefix and builds
+# the program in consumer/ against it four ways, running each build:
+#   1. pkg-config:  c++ main.cpp $(pkg-config --cflags --libs shardsafe)
+#   2. CMake:       find_package(shardsafe) + target_link_libraries(... shardsafe::shardsafe)
+#   3. CMake again after the installed tree was moved elsewhere (the package config finds
+#      its headers relative to itself)
+#   4. Meson:       shardsafe as a subproject (subprojects/shardsafe -> the source tree),
+#                   dependency('shardsafe') served by the subproject's override
+# Exits non-zero on the first failure, printing the log of the step that failed.
+#
+#   tests/packaging/run.sh [SRCDIR]    # SRCDIR defaults to the tree holding this script
+#
+# Environment: KEEP=1 keeps the temporary folder; CXX picks the C++ compiler (default c++).
+# A step whose tool (pkg-config, cmake) is missing is skipped with a message; exit 77 (skipped,
+# to meson test) when meson itself is missing.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+src="$(cd "${1:-$here/../..}" && pwd)"
+consumer="$src/tests/packaging/consumer"
+cxx="${CXX:-c++}"
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/shardsafe-packaging-XXXXXX")"
+cleanup() {
+  if [ "${KEEP:-0}" = 1 ]; then echo "kept $tmp"; else rm -rf "$tmp"; fi
+}
+trap cleanup EXIT
+
+fail() {
+  echo "packaging: FAILED: $*" >&2
+  exit 1
+}
+# run LOGNAME CMD...: runs CMD with its output in $tmp/LOGNAME.log, shown if it fails
+run() {
+  local log="$tmp/$1.log"
+  shift
+  if ! "$@" >"$log" 2>&1; then
+    echo "packaging: command failed: $*" >&2
+    tail -n 60 "$log" >&2
+    exit 1
+  fi
+}
+
+command -v meson >/dev/null || { echo "packaging: meson not found, skipping"; exit 77; }
+have() { command -v "$1" >/dev/null || { echo "   $1 not found: skipping this step"; return 1; }; }
+
+echo "== install $src into $tmp/prefix"
+run setup meson setup "$tmp/build" "$src" --prefix="$tmp/prefix" \
+  -Dtests=false -Dtools=false -Dexamples=false -Dbench=false -Dfuzz=false -Dtorch=disabled
+run install meson install -C "$tmp/build"
+prefix="$tmp/prefix"
+
+# every header is installed, and nothing but the headers, the .pc and the CMake package
+diff <(cd "$src/include" && find . -type f | sort) <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
+  { cat "$tmp/headers.diff" >&2; fail "installed headers differ from include/"; }
+pc="$(find "$prefix" -name shardsafe.pc -print -quit)"
+cfg="$(find "$prefix" -name shardsafeConfig.cmake -print -quit)"
+[ -n "$pc" ] || fail "no shardsafe.pc under $prefix"
+[ -n "$cfg" ] || fail "no shardsafeConfig.cmake under $prefix"
+[ -f "$(dirname "$cfg")/shardsafeConfigVersion.cmake" ] || fail "no shardsafeConfigVersion.cmake next to $cfg"
+echo "   $(realpath --relative-to="$prefix" "$pc"), $(realpath --relative-to="$prefix" "$cfg")"
+others="$(cd "$prefix" && find . -type f ! -path './include/*' ! -name shardsafe.pc ! -name 'shardsafeConfig*.cmake')"
+[ -z "$others" ] || fail "unexpected installed files: $others"
+
+echo "== 1. pkg-config"
+if have pkg-config; then
+  export PKG_CONFIG_PATH="$(dirname "$pc")${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  version="$(pkg-config --modversion shardsafe)" || fail "pkg-config does not find shardsafe"
+  flags="$(pkg-config --cflags --libs shardsafe)"
+  echo "   shardsafe $version: $flags"
+  case " $flags " in *" -I$prefix/include "*) ;; *) fail "pkg-config --cflags lacks -I$prefix/include" ;; esac
+  # shellcheck disable=SC2086  # the flags are words
+  run pkgconfig-build "$cxx" "$consumer/main.cpp" $flags -o "$tmp/consumer-pkgconfig"
+  run pkgconfig-run "$tmp/consumer-pkgconfig"
+  grep -q "consumer ok" "$tmp/pkgconfig-run.log" || fail "pkg-config consumer did not run to the end"
+fi
+
+cmake_consumer() {  # NAME PREFIX
+  run "$1-configure" cmake -S "$consumer" -B "$tmp/$1" -DCMAKE_PREFIX_PATH="$2" -DCMAKE_CXX_COMPILER="$cxx" \
+    -DCMAKE_BUILD_TYPE=Release
+  grep -q "from $2/" "$tmp/$1-configure.log" || { cat "$tmp/$1-configure.log" >&2; fail "$1: shardsafe not found under $2"; }
+  run "$1-build" cmake --build "$tmp/$1"
+  run "$1-run" "$tmp/$1/consumer"
+  grep -q "consumer ok" "$tmp/$1-run.log" || fail "$1 consumer did not run to the end"
+  local inc
+  inc="$(grep -o -- "-isystem [^ ]*\|-I[^ ]*" "$tmp/$1/CMakeFiles/consumer.dir/flags.make" | head -n 1 || true)"
+  echo "   built with $inc"
+}
+
+echo "== 2. CMake find_package"
+if have cmake; then
+  cmake_consumer cmake "$prefix"
+
+  echo "== 3. CMake find_package after moving the installed tree"
+  mkdir -p "$tmp/elsewhere"
+  mv "$prefix" "$tmp/elsewhere/moved"
+  moved="$tmp/elsewhere/moved"
+  if grep -rqF "$prefix" "$moved"/lib*/ --include='*.cmake'; then
+    fail "the CMake package names the original prefix $prefix"
+  fi
+  cmake_consumer cmake-moved "$moved"
+  grep -q -- "$moved/include" "$tmp/cmake-moved/CMakeFiles/consumer.dir/flags.make" ||
+    fail "the moved package does not point into $moved/include"
+fi
+
+echo "== 4. Meson subproject"
+mc="$tmp/meson-consumer"
+mkdir -p "$mc/subprojects"
+cp "$consumer/main.cpp" "$consumer/meson.build" "$mc/"
+ln -s "$src" "$mc/subprojects/shardsafe"
+run meson-setup meson setup "$mc/build" "$mc" --force-fallback-for=shardsafe
+grep -q "Executing subproject shardsafe" "$tmp/meson-setup.log" || fail "meson did not use the subproject"
+grep -q "Dependency shardsafe found: YES .*(overridden)" "$tmp/meson-setup.log" ||
+  { tail -n 20 "$tmp/meson-setup.log" >&2; fail "dependency('shardsafe') was not served by the subproject"; }
+run meson-compile meson compile -C "$mc/build"
+run meson-run "$mc/build/consumer"
+grep -q "consumer ok" "$tmp/meson-run.log" || fail "meson consumer did not run to the end"
+# a subproject builds no tests, tools or install rules of its own
+run meson-introspect meson introspect --targets "$mc/build"
+if grep -q '"name": "\(core_tests\|shardsafe\)"' "$tmp/meson-introspect.log"; then
+  fail "the subproject defined its own tests or tool"
+fi
+
+echo "packaging: ok"
