@@ -508,3 +508,51 @@ TEST_CASE("safetensors: valid edge cases are accepted") {
   const std::string lw = find("leading_whitespace.safetensors");
   CHECK(parse_safetensors(as_span(lw), "lw").at("w").nbytes() == 2);
 }
+
+TEST_CASE("render_safetensors_bytes: any window of the file, as the streaming writer writes it") {
+  // tensors of several dtypes and sizes, empty ones among them; some of 1 MiB and more so that
+  // the streaming copies take part
+  std::mt19937_64 rng(5);
+  std::vector<std::vector<std::byte>> bufs;
+  std::vector<tensor_data> td;
+  const std::vector<std::pair<dtype, shape_t>> defs = {
+      {dtype::F32, {3, 5}}, {dtype::BF16, {7}}, {dtype::U8, {0}}, {dtype::I64, {2, 2}}, {dtype::F32, {300'000}},
+      {dtype::U8, {1}},     {dtype::F64, {}},   {dtype::I8, {2, 0, 3}}, {dtype::F16, {600'001}}};
+  for (std::size_t i = 0; i < defs.size(); ++i) {
+    const std::uint64_t n = detail::numel(defs[i].second) * item_size(defs[i].first);
+    bufs.emplace_back(n);
+    for (auto& b : bufs.back()) b = static_cast<std::byte>(rng());
+  }
+  for (std::size_t i = 0; i < defs.size(); ++i)
+    td.push_back({"t" + std::to_string(i), defs[i].first, defs[i].second, bufs[i]});
+  memory_writer mw("ref");
+  write_safetensors(mw, std::span<const tensor_data>(td), {{"k", "v"}});
+  const byte_buffer ref = mw.take();
+
+  std::vector<tensor_entry> entries;
+  for (const auto& t : td) entries.push_back({t.name, t.type, t.shape, 0, 0});
+  const safetensors_layout layout = plan_safetensors(entries, {{"k", "v"}}, "rendered");
+  REQUIRE(layout.file_size() == ref.size());
+  std::vector<const std::byte*> data(layout.tensors.size());
+  for (std::size_t i = 0; i < layout.tensors.size(); ++i)
+    data[i] = bufs[std::stoul(layout.tensors[i].name.substr(1))].data();
+
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> windows = {{0, ref.size()}, {0, 1}, {0, 8}, {3, 100},
+                                                                  {ref.size() - 1, 1}, {ref.size(), 0}};
+  for (int i = 0; i < 200; ++i) {
+    const std::uint64_t off = rng() % ref.size();
+    windows.emplace_back(off, rng() % (ref.size() - off + 1));
+  }
+  for (std::uint64_t b = 0; b < ref.size(); b += 8192) windows.emplace_back(b, std::min<std::uint64_t>(8192, ref.size() - b));
+  for (const auto& [off, len] : windows) {
+    std::vector<std::byte> out(len + 2, std::byte{0x5a});
+    render_safetensors_bytes(layout, data, off, std::span(out).subspan(1, len));
+    REQUIRE(std::equal(out.begin() + 1, out.begin() + 1 + static_cast<std::ptrdiff_t>(len),
+                       ref.begin() + static_cast<std::ptrdiff_t>(off)));
+    CHECK(out.front() == std::byte{0x5a});
+    CHECK(out.back() == std::byte{0x5a});
+  }
+  std::vector<std::byte> one(1);
+  CHECK_THROWS_AS(render_safetensors_bytes(layout, data, ref.size(), one), shardsafe::error);
+  CHECK_THROWS_AS(render_safetensors_bytes(layout, std::span(data).first(1), 0, one), shardsafe::error);
+}

@@ -15,6 +15,8 @@
 #include <random>
 #include <thread>
 
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "shardsafe/storage/mmap.hpp"
@@ -392,7 +394,8 @@ TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd align
   const std::size_t n = 3 * detail::stream_copy_min_bytes + 12'345;
   const auto bytes = random_bytes(n, 23);
   const S s = maker.make(bytes);
-  for (std::uint64_t off : {std::uint64_t(0), std::uint64_t(1), std::uint64_t(63), std::uint64_t(4095), std::uint64_t(8193)})
+  using u64 = std::uint64_t;
+  for (u64 off : {u64(0), u64(1), u64(63), u64(4095), u64(8193)})
     for (std::size_t dst_shift : {std::size_t(0), std::size_t(1), std::size_t(17), std::size_t(64)})
       for (std::size_t len : {detail::stream_copy_min_bytes, detail::stream_copy_min_bytes + 8191,
                               2 * detail::stream_copy_min_bytes + 77, std::size_t(n - off)}) {
@@ -407,4 +410,94 @@ TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd align
         REQUIRE(std::all_of(buf.begin() + static_cast<std::ptrdiff_t>(dst_shift + len), buf.end(),
                             [](std::byte b) { return b == std::byte{0xee}; }));
       }
+}
+
+TEST_CASE("file_writer::write_blocks: the exact bytes and size, through O_DIRECT or not") {
+  temp_dir tmp;
+  auto byte_at = [](std::uint64_t i) { return static_cast<std::byte>((i * 131) ^ (i >> 9)); };
+  int n = 0;
+  for (std::uint64_t size : {std::uint64_t(0), std::uint64_t(1), std::uint64_t(4095), std::uint64_t(4096),
+                             std::uint64_t(4097), std::uint64_t(3 * 8192 + 5), std::uint64_t((1 << 20) + 123)})
+    for (bool direct : {true, false})
+      for (unsigned threads : {1u, 3u})
+        for (bool reserve : {false, true}) {
+          const fs::path p = tmp.path / ("blocks" + std::to_string(n++));
+          {
+            file_writer w(p);
+            if (reserve) w.reserve(size);
+            block_write_options o;
+            o.direct = direct;
+            o.threads = threads;
+            o.block_bytes = 8000;  // rounded up to 8192: many blocks, a short last one
+            std::atomic<std::uint64_t> filled{0};
+            w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
+              for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = byte_at(off + i);
+              filled += dst.size();
+            }, o);
+            CHECK(filled.load() == size);
+            w.sync();
+            w.commit();
+          }
+          REQUIRE(fs::file_size(p) == size);
+          file_storage f(p);
+          std::vector<std::byte> got(size);
+          f.read_into(0, got);
+          bool same = true;
+          for (std::uint64_t i = 0; i < size; ++i) same = same && got[i] == byte_at(i);
+          CHECK_MESSAGE(same, "size ", size, " direct ", direct, " threads ", threads);
+        }
+}
+
+TEST_CASE("file_writer::write_blocks: an error in fill leaves no file") {
+  temp_dir tmp;
+  const fs::path p = tmp.path / "failed";
+  {
+    file_writer w(p);
+    CHECK_THROWS_AS(w.write_blocks(100'000, [](std::uint64_t off, std::span<std::byte>) {
+      if (off > 0) throw std::runtime_error("fill failed");
+    }, block_write_options{2, true, 8192}),
+                    std::runtime_error);
+  }
+  CHECK(!fs::exists(p));
+  CHECK(fs::is_empty(tmp.path));
+}
+
+TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files are byte-identical") {
+  // odd sizes, so that tensors straddle the 8 KiB blocks and the file ends mid-block
+  std::mt19937_64 rng(9);
+  std::vector<std::vector<std::byte>> mem;
+  std::vector<flat_view> views;
+  const std::vector<std::pair<dtype, shape_t>> defs = {{dtype::F32, {1001, 7}}, {dtype::BF16, {12'345}},
+                                                       {dtype::U8, {3}},        {dtype::I64, {0}},
+                                                       {dtype::F64, {}},        {dtype::F16, {70'001}}};
+  for (std::size_t i = 0; i < defs.size(); ++i) {
+    mem.emplace_back(detail::numel(defs[i].second) * item_size(defs[i].first));
+    for (auto& b : mem.back()) b = static_cast<std::byte>(rng());
+  }
+  for (std::size_t i = 0; i < defs.size(); ++i)
+    views.push_back(
+        {"w" + std::to_string(i), defs[i].first, defs[i].second, std::nullopt, mem[i].data(), mem[i].size()});
+  temp_dir tmp;
+  single_process comm;
+  for (bool direct : {true, false}) {
+    save_options so;
+    so.direct_io = direct;
+    so.write_chunk_bytes = 8192;
+    so.threads = 3;
+    save_flat_views(file_directory(tmp.path / (direct ? "direct" : "buffered")), std::span<const flat_view>(views), comm,
+                    so);
+  }
+  const std::string a = testing::slurp(tmp.path / "direct" / "rank_0.safetensors");
+  const std::string b = testing::slurp(tmp.path / "buffered" / "rank_0.safetensors");
+  CHECK(a.size() == b.size());
+  CHECK(a == b);
+  // and it loads back
+  std::vector<std::vector<std::byte>> back;
+  std::vector<flat_view> into = views;
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    back.emplace_back(views[i].nbytes, std::byte{0});
+    into[i].data = back.back().data();
+  }
+  load_flat_views(file_directory(tmp.path / "direct"), std::span<const flat_view>(into));
+  CHECK(back == mem);
 }

@@ -41,6 +41,13 @@ struct save_options {
   bool overwrite = false;   ///< replace an existing non-empty directory
   unsigned threads = 0;     ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
+  /// Rank files go out through O_DIRECT (storages with write_blocks: file_directory), in
+  /// aligned blocks (of write_chunk_bytes, at most 16 MiB; one per writer thread) assembled in
+  /// memory, bypassing the page cache: a durable save then runs at the device's speed, not at
+  /// the speed of filling page-cache pages (2-3x faster in bench/bench_checkpoint), and leaves
+  /// the checkpoint uncached. Where the file system refuses O_DIRECT, buffered writes are used.
+  /// false: buffered writes (e.g. to reload at once from the page cache).
+  bool direct_io = true;
 };
 
 struct save_stats {
@@ -51,6 +58,11 @@ struct save_stats {
 };
 
 namespace detail {
+
+/// A fill callback that writes nothing: for asking whether a writer has write_blocks.
+struct no_fill {
+  void operator()(std::uint64_t, std::span<std::byte>) const noexcept {}
+};
 
 inline constexpr std::string_view error_marker = "\x01shardsafe-error\x01";
 
@@ -195,6 +207,23 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
     auto w = dir.create(fname);
     auto layout = plan_safetensors(std::move(entries), {}, w.name());
     if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
+    if constexpr (requires { w.write_blocks(std::uint64_t{}, detail::no_fill{}, block_write_options{}); }) {
+      // the whole file in aligned blocks: header and tensors gathered into each block
+      std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
+      for (const flat_view* v : mine_to_write) data[layout.index_of(v->key)] = v->data;
+      block_write_options bo;
+      bo.threads = opt.threads;
+      bo.direct = opt.direct_io;
+      bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
+      w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+        render_safetensors_bytes(layout, data, off, dst);
+      }, bo);
+      w.sync();
+      w.commit();
+      size = layout.file_size();
+      st.tensors_written = mine_to_write.size();
+      return;
+    }
     safetensors_writer<typename D::writer_type> sw(w, layout);
     struct piece {
       std::size_t index;

@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -190,6 +191,36 @@ class safetensors_writer {
   const safetensors_layout& layout_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> written_;
 };
+
+/// Bytes [offset, offset + dst.size()) of the file `layout` describes, into dst: the header,
+/// then tensor i's bytes from data[i] (layout order; each holds layout.tensors[i].nbytes()).
+/// Lets a writer produce the file in blocks of its own choosing (file_writer::write_blocks)
+/// instead of tensor by tensor.
+inline void render_safetensors_bytes(const safetensors_layout& layout, std::span<const std::byte* const> data,
+                                     std::uint64_t offset, std::span<std::byte> dst) {
+  const std::uint64_t end = offset + dst.size(), hs = layout.header.size();
+  if (data.size() != layout.tensors.size() || end < offset || end > layout.file_size())
+    fail(errc::invalid_argument, layout.file + ": rendering bytes " + std::to_string(offset) + ".." +
+                                     std::to_string(end) + " of a " + std::to_string(layout.file_size()) +
+                                     "-byte file from " + std::to_string(data.size()) + " of " +
+                                     std::to_string(layout.tensors.size()) + " tensors");
+  std::uint64_t pos = offset;
+  if (pos < hs) {
+    const std::uint64_t n = std::min(end, hs) - pos;
+    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
+    pos += n;
+  }
+  // the tensors tile the data buffer in layout order: start at the one holding pos
+  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
+                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
+  for (; pos < end && it != layout.tensors.end(); ++it) {
+    const std::uint64_t b = hs + it->begin, e = hs + it->end;
+    const std::uint64_t n = std::min(end, e) - pos;
+    const std::byte* src = data[static_cast<std::size_t>(it - layout.tensors.begin())];
+    detail::stream_copy(dst.data() + (pos - offset), src + (pos - b), static_cast<std::size_t>(n));
+    pos += n;
+  }
+}
 
 /// Writes a whole file from tensors in memory: plan, stream, commit.
 template <WritableStorage W>

@@ -34,6 +34,17 @@
 // |                    |                | no object under the final name.                             |
 // | w.name()           | string_view-able| the final name, for messages                               |
 //
+// A WritableStorage may also write a whole object in blocks it produces itself (file_writer
+// does, through O_DIRECT); the saver uses that when it is there:
+//
+// | expression         | type           | requirement                                                 |
+// |--------------------|----------------|-------------------------------------------------------------|
+// | w.write_blocks(    | void           | writes bytes [0, size) block by block: fill(off, dst), with |
+// |   size, fill, o)   |                | dst a std::span<std::byte>, must put the object's bytes at  |
+// |                    |                | off into all of dst (it is called from several threads at   |
+// |                    |                | once); the object is then exactly size bytes. o: a          |
+// |                    |                | block_write_options. Then sync() and commit() as usual.     |
+//
 // Directory D (a place holding named objects: a folder, a memory map, later a bucket prefix),
 // for `const D d`, `std::string_view n`:
 //
@@ -81,6 +92,13 @@ concept WritableStorage = requires(W& w, std::uint64_t off, std::span<const std:
   w.sync();
   w.commit();
   { w.name() } -> std::convertible_to<std::string_view>;
+};
+
+/// How a storage with write_blocks writes (see above).
+struct block_write_options {
+  unsigned threads = 0;                                 ///< 0: detail::default_threads()
+  bool direct = true;                                   ///< bypass the page cache (O_DIRECT) where possible
+  std::uint64_t block_bytes = std::uint64_t(16) << 20;  ///< memory per writing thread
 };
 
 template <class D>

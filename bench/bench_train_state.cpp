@@ -1,0 +1,349 @@
+// bench_train_state - a training checkpoint: a torch::nn::Module's parameters plus its Adam
+// state (exp_avg, exp_avg_sq, step), saved and loaded with shardsafe's
+// save_model_and_optim_state / load_model_and_optim_state, beside LibTorch's
+// torch::save(module) + torch::save(optimizer) and torch::load of both, and the I/O and copy
+// limits of the same bytes. One process (single_process).
+//
+//   meson setup build-bench -Dbench=true -Dbuildtype=release -Dtests=false -Dexamples=false
+//   meson compile -C build-bench bench_train_state
+//   ./build-bench/bench/bench_train_state [--quick] [--dir /tmp] [--reps 3] [--layers 4]
+//
+// The module registers the transformer tensors of bench_checkpoint as parameters (names with
+// '_' for '.', as Module requires): embed [32000, 2048] and per layer qkv [6144, 2048],
+// o [2048, 2048], up [8192, 2048], down [2048, 8192], two norms [2048]; --layers 4 (default)
+// gives 1018 MiB of F32 parameters, 3054 MiB with Adam's two moments. --quick: d = 256,
+// 2 layers (~6 MiB of parameters), one repetition.
+//
+// Each measurement runs in a fresh process. The saving process holds the module and an Adam
+// whose state exists (values set, step 7). The loading process holds the module (parameters
+// allocated and zeroed, as a model built before a resume) and a fresh Adam without state: both
+// libraries create the state tensors as they load. One more row loads into an Adam whose state
+// exists already (a trainer that rolls back in place), where shardsafe allocates nothing. "peak +MiB" is VmHWM minus VmRSS before the
+// module was built; the target compares it with parameters + optimizer state.
+// Loads read warm files (each read once before; resident % printed): shardsafe saves with
+// O_DIRECT, which leaves its files uncached. shardsafe's save is durable (fdatasync + rename +
+// folder fsync); torch::save is shown alone and + fsync.
+#include <torch/nn/module.h>
+#include <torch/optim/adam.h>
+#include <torch/serialize.h>
+
+#include "bench_torch_common.hpp"
+#include "shardsafe/checkpoint/model_and_optim.hpp"
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
+
+using namespace shardsafe;
+using bench::MiB;
+using bench::u64;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct config {
+  bool quick = false;
+  int layers = 4;
+};
+
+struct param_def {
+  std::string name;
+  std::vector<std::int64_t> shape;
+};
+
+std::vector<param_def> defs_of(const config& c) {
+  const std::int64_t d = c.quick ? 256 : 2048, ffn = 4 * d, vocab = c.quick ? 4000 : 32000;
+  std::vector<param_def> v{{"embed_weight", {vocab, d}}};
+  for (int i = 0; i < c.layers; ++i) {
+    const std::string p = "layers_" + std::to_string(i) + "_";
+    v.push_back({p + "attn_qkv_weight", {3 * d, d}});
+    v.push_back({p + "attn_o_weight", {d, d}});
+    v.push_back({p + "mlp_up_weight", {ffn, d}});
+    v.push_back({p + "mlp_down_weight", {d, ffn}});
+    v.push_back({p + "norm1_weight", {d}});
+    v.push_back({p + "norm2_weight", {d}});
+  }
+  v.push_back({"norm_weight", {d}});
+  return v;
+}
+
+u64 param_bytes(const config& c) {
+  u64 n = 0;
+  for (const auto& d : defs_of(c)) {
+    u64 e = 1;
+    for (auto x : d.shape) e *= static_cast<u64>(x);
+    n += e * 4;
+  }
+  return n;
+}
+
+struct bench_model : torch::nn::Module {
+  std::vector<at::Tensor> params;
+  explicit bench_model(const config& c) {
+    for (const auto& d : defs_of(c)) params.push_back(register_parameter(d.name, at::zeros(d.shape)));
+  }
+};
+
+void fill_whole(const at::Tensor& t, std::uint64_t k) {
+  bench::fill_runs(t, k, [&](auto&& f) { f(0, static_cast<u64>(t.numel()), 0); });
+}
+
+bool check_whole(const at::Tensor& t, std::uint64_t k, const char* what) {
+  const u64 n = static_cast<u64>(t.numel());
+  for (u64 i = 0; i < n; i += std::max<u64>(1, n / 256))
+    if (!bench::same_value(t, i, k, i)) {
+      std::fprintf(stderr, "verify: %s %llu element %llu is wrong\n", what, (unsigned long long)k, (unsigned long long)i);
+      return false;
+    }
+  return true;
+}
+
+torch::optim::AdamParamState& adam_state(torch::optim::Adam& opt, const at::Tensor& p) {
+  auto& s = opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  return static_cast<torch::optim::AdamParamState&>(*s);
+}
+
+// The saving side: parameters and Adam state with known values.
+struct train_state {
+  std::shared_ptr<bench_model> model;
+  std::unique_ptr<torch::optim::Adam> opt;
+  train_state(const config& c, bool with_values) {
+    model = std::make_shared<bench_model>(c);
+    opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+    if (!with_values) return;
+    at::NoGradGuard ng;
+    init_optimizer_state(*opt);
+    for (std::size_t k = 0; k < model->params.size(); ++k) {
+      fill_whole(model->params[k], k);
+      auto& s = adam_state(*opt, model->params[k]);
+      fill_whole(s.exp_avg(), 1000 + k);
+      fill_whole(s.exp_avg_sq(), 2000 + k);
+      s.step(7);
+    }
+  }
+  bool verify() {
+    for (std::size_t k = 0; k < model->params.size(); ++k) {
+      const auto& p = model->params[k];
+      if (!check_whole(p, k, "parameter")) return false;
+      if (!opt->state().count(c10::guts::to_string(p.unsafeGetTensorImpl()))) {
+        std::fprintf(stderr, "verify: no optimizer state for parameter %zu\n", k);
+        return false;
+      }
+      auto& s = adam_state(*opt, p);
+      if (!check_whole(s.exp_avg(), 1000 + k, "exp_avg") || !check_whole(s.exp_avg_sq(), 2000 + k, "exp_avg_sq"))
+        return false;
+      if (s.step() != 7) {
+        std::fprintf(stderr, "verify: step %lld\n", (long long)s.step());
+        return false;
+      }
+    }
+    return true;
+  }
+  u64 state_bytes() {
+    u64 n = 0;
+    for (const auto& p : model->params) n += 3 * p.nbytes();
+    return n;
+  }
+};
+
+int child(const std::string& what, const bench::args& a) {
+  config c;
+  c.quick = a.has("--quick");
+  c.layers = static_cast<int>(a.get_int("--layers", c.quick ? 2 : 4));
+  const std::string dir = a.get("--path", "");
+  {
+    at::Tensor t = at::ones({1024});
+    (void)t.sum().item<float>();
+  }
+  const double rss0 = bench::rss_mib();
+  const double anon0 = double(bench::proc_status_kib("RssAnon")) / 1024.0;
+  bench::reset_peak_rss();
+  single_process comm;
+  if (what == "ss-save") {
+    train_state ts(c, true);
+    save_options so;
+    so.overwrite = true;
+    const double t0 = bench::now_s();
+    save_model_and_optim_state(file_directory(dir), *ts.model, ts.opt.get(), comm, so);
+    bench::emit("seconds", bench::now_s() - t0);
+  } else if (what == "torch-save") {
+    train_state ts(c, true);
+    fs::create_directories(dir);
+    const double t0 = bench::now_s();
+    torch::save(ts.model, dir + "/model.pt");
+    torch::save(*ts.opt, dir + "/optim.pt");
+    const double t1 = bench::now_s();
+    bench::fsync_path(dir + "/model.pt");
+    bench::fsync_path(dir + "/optim.pt");
+    bench::emit("seconds", t1 - t0);
+    bench::emit("fsync_seconds", bench::now_s() - t1);
+  } else if (what == "ss-load" || what == "ss-load-existing" || what == "torch-load") {
+    const bool ss = what != "torch-load";
+    bench::emit("resident", ss ? bench::page_cache_resident(dir + "/optim/rank_0.safetensors")
+                               : bench::page_cache_resident(dir + "/optim.pt"));
+    train_state ts(c, false);  // the model as built before a resume; a fresh Adam
+    if (what == "ss-load-existing") init_optimizer_state(*ts.opt);  // its state exists (zeros), untimed
+    bench::rss_sampler sampler;
+    const double t0 = bench::now_s();
+    if (ss) {
+      auto rep = load_model_and_optim_state(file_directory(dir), *ts.model, ts.opt.get(), comm);
+      if (std::getenv("BENCH_DEBUG"))
+        std::fprintf(stderr, "model load %.3f s (%llu ops), optimizer state load %.3f s (%llu ops), all %.3f s\n",
+                     rep.model.seconds, (unsigned long long)rep.model.read_ops, rep.optim.stats.seconds,
+                     (unsigned long long)rep.optim.stats.read_ops, rep.seconds);
+    } else {
+      torch::load(ts.model, dir + "/model.pt");
+      torch::load(*ts.opt, dir + "/optim.pt");
+    }
+    const double t1 = bench::now_s();
+    sampler.stop();
+    if (!ts.verify()) return 1;
+    bench::emit("seconds", t1 - t0);
+    bench::emit("peak_mib", bench::hwm_mib() - rss0);
+    bench::emit("anon_mib", sampler.peak_anon_mib() - anon0);
+  } else if (what == "first-touch") {
+    // what the loader allocates: the optimizer's state (the module's parameters exist)
+    std::vector<at::Tensor> fresh;
+    for (const auto& d : defs_of(c))
+      for (int i = 0; i < 2; ++i) fresh.push_back(at::empty(d.shape));
+    bench::emit("seconds", bench::first_touch(fresh));
+  } else if (what == "limits") {
+    // the same bytes: memcpy into touched memory, pwrite + fdatasync to one file, pread back
+    train_state src(c, true), dst(c, true);
+    std::vector<std::pair<at::Tensor, at::Tensor>> pairs;
+    for (std::size_t k = 0; k < src.model->params.size(); ++k) {
+      const auto& p = src.model->params[k];
+      const auto& q = dst.model->params[k];
+      pairs.emplace_back(p, q);
+      pairs.emplace_back(adam_state(*src.opt, p).exp_avg(), adam_state(*dst.opt, q).exp_avg());
+      pairs.emplace_back(adam_state(*src.opt, p).exp_avg_sq(), adam_state(*dst.opt, q).exp_avg_sq());
+    }
+    std::vector<bench::byte_piece> pieces;
+    for (auto& [s, d] : pairs)
+      pieces.push_back({static_cast<const std::byte*>(s.data_ptr()), static_cast<std::byte*>(d.data_ptr()), s.nbytes()});
+    bench::measure_limits(pieces, dir);
+    if (!dst.verify()) return 1;
+  } else {
+    std::fprintf(stderr, "unknown child '%s'\n", what.c_str());
+    return 2;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::args a(argc, argv);
+  if (argc > 2 && std::string(argv[1]) == "--child") return child(argv[2], a);
+
+  config c;
+  c.quick = a.has("--quick");
+  c.layers = static_cast<int>(a.get_int("--layers", c.quick ? 2 : 4));
+  const int reps = static_cast<int>(a.get_int("--reps", c.quick ? 1 : 3));
+  const fs::path scratch = fs::path(a.get("--dir", "/tmp")) / ("shardsafe-bench-train-" + std::to_string(::getpid()));
+  fs::create_directories(scratch);
+  struct cleanup {
+    fs::path p;
+    ~cleanup() { fs::remove_all(p); }
+  } rm{scratch};
+  std::vector<std::string> common{"--layers", std::to_string(c.layers)};
+  if (c.quick) common.push_back("--quick");
+  auto args = [&](std::vector<std::string> v) {
+    v.insert(v.end(), common.begin(), common.end());
+    return v;
+  };
+  const u64 pbytes = param_bytes(c), total = 3 * pbytes;
+  const double gb = double(total) / 1e9;
+  const std::string load_before = bench::loadavg();
+  const double t_start = bench::now_s();
+  const std::string ss = (scratch / "ss").string(), pt = (scratch / "torch").string();
+
+  struct row {
+    bench::samples t, peak, anon;
+    double resident = -1;
+  };
+  std::map<std::string, row> rows;
+  for (int rep = 0; rep < reps; ++rep) {
+    std::fprintf(stderr, "repetition %d/%d ...\n", rep + 1, reps);
+    // saves go to paths that do not exist (removed untimed before): deleting 3 GiB of files costs
+    // up to seconds on this file system (online discard), and it is no part of saving
+    fs::remove_all(ss);
+    fs::remove_all(pt);
+    auto r = bench::run_child(args({"--child", "ss-save", "--path", ss}));
+    rows["ss-save"].t.add(r["seconds"]);
+    bench::warm_files(ss);  // saved with O_DIRECT: not cached; the loads compared are warm
+    r = bench::run_child(args({"--child", "torch-save", "--path", pt}));
+    rows["torch-save"].t.add(r["seconds"]);
+    rows["torch-save-fsync"].t.add(r["seconds"] + r["fsync_seconds"]);
+    for (const char* k : {"ss-load", "ss-load-existing", "torch-load"}) {
+      r = bench::run_child(args({"--child", k, "--path", k == std::string("torch-load") ? pt : ss}));
+      rows[k].t.add(r["seconds"]);
+      rows[k].peak.add(r["peak_mib"]);
+      rows[k].anon.add(r["anon_mib"]);
+      rows[k].resident = r["resident"];
+    }
+    r = bench::run_child(args({"--child", "limits", "--path", (scratch / "raw").string()}));
+    for (const char* k : {"memcpy_1t", "memcpy_2t", "read_1t", "read_2t", "write_buffered"})
+      rows[k].t.add(r[k]);
+    if (r["write_direct"] > 0) rows["write_direct"].t.add(r["write_direct"]);
+    r = bench::run_child(args({"--child", "first-touch"}));
+    rows["first_touch_2t"].t.add(r["seconds"]);
+  }
+  const double t_total = bench::now_s() - t_start;
+
+  std::printf("bench_train_state: %zu parameters (%d layers), F32: parameters %.1f MiB + Adam exp_avg, exp_avg_sq "
+              "= %.1f MiB (%.3f GB); %d repetition(s), each measurement in a fresh process\n",
+              defs_of(c).size(), c.layers, double(pbytes) / double(MiB), double(total) / double(MiB), gb, reps);
+  std::printf("files in %s (ext4, virtual disk); loads read warm files (each read once before the load; no drop_caches: "
+              "needs root privileges we lack)\n",
+              scratch.c_str());
+  std::printf("peak +MiB = VmHWM - VmRSS before the module was built; state = parameters + optimizer state = %.1f MiB\n",
+              double(total) / double(MiB));
+  std::printf("load average before: %s, after: %s; wall time %.0f s\n\n", load_before.c_str(), bench::loadavg().c_str(),
+              t_total);
+  bench::table tab({"case", "best ms", "median ms", "best GB/s", "median GB/s", "x torch (median)", "x torch+fsync",
+                    "peak +MiB", "peak - state MiB", "anon peak +MiB", "cache"});
+  auto add = [&](const std::string& label, const std::string& k, const std::string& peer, const std::string& peer2) {
+    const row& x = rows.at(k);
+    auto ratio = [&](const std::string& p) {
+      return p.empty() ? std::string("") : bench::fmt("%.2f", rows.at(p).t.median() / x.t.median());
+    };
+    tab.add({label, bench::fmt("%.1f", x.t.best() * 1e3), bench::fmt("%.1f", x.t.median() * 1e3), bench::fmt("%.2f", gb / x.t.best()),
+             bench::fmt("%.2f", gb / x.t.median()), ratio(peer), ratio(peer2),
+             x.peak.empty() ? "" : bench::fmt("%.0f", x.peak.s.back()),
+             x.peak.empty() ? "" : bench::fmt("%+.0f", x.peak.s.back() - double(total) / double(MiB)),
+             x.anon.empty() ? "" : bench::fmt("%.0f", x.anon.s.back()),
+             x.resident < 0 ? "" : bench::fmt("%.0f%%", x.resident * 100)});
+  };
+  add("shardsafe save_model_and_optim_state (durable)", "ss-save", "torch-save", "torch-save-fsync");
+  add("torch::save(module) + torch::save(optimizer)", "torch-save", "", "");
+  add("torch::save x2 + fsync", "torch-save-fsync", "", "");
+  add("pwrite + fdatasync of the same bytes (1 thread)", "write_buffered", "", "");
+  if (rows.count("write_direct")) add("O_DIRECT pwrite + fdatasync (staged, 2 threads)", "write_direct", "", "");
+  tab.separator();
+  add("shardsafe load_model_and_optim_state", "ss-load", "torch-load", "");
+  add("  the same into an Adam whose state exists", "ss-load-existing", "torch-load", "");
+  add("torch::load(module) + torch::load(optimizer)", "torch-load", "", "");
+  add("pread of the same bytes, 1 thread (warm cache)", "read_1t", "", "");
+  add("pread of the same bytes, 2 threads (warm cache)", "read_2t", "", "");
+  add("memcpy of the same bytes, 1 thread (touched dst)", "memcpy_1t", "", "");
+  add("memcpy of the same bytes, 2 threads", "memcpy_2t", "", "");
+  add("first touch of fresh tensors of the optimizer state's size, 2 threads", "first_touch_2t", "", "");
+  tab.print();
+  std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline)\n\n");
+
+  auto med = [&](const char* k) { return rows.at(k).t.median(); };
+  auto line = [](const char* what, double v, const char* unit, bool ok) {
+    std::printf("  %-66s %8.2f%s  %s\n", what, v, unit, ok ? "met" : "MISSED");
+  };
+  std::printf("targets (medians):\n");
+  double x = med("torch-save") / med("ss-save");
+  line("save >= 2x faster than torch::save (shardsafe durable, torch not)", x, "x", x >= 2);
+  x = med("torch-save-fsync") / med("ss-save");
+  line("save >= 2x faster than torch::save + fsync (both durable)", x, "x", x >= 2);
+  x = med("torch-load") / med("ss-load");
+  line("load >= 3x faster than torch::load", x, "x", x >= 3);
+  x = med("torch-load") / med("ss-load-existing");
+  line("  the same, loading into optimizer state that exists", x, "x", x >= 3);
+  const double over = rows.at("ss-load").peak.s.back() - double(total) / double(MiB);
+  line("peak RSS on load <= parameters + optimizer state + 64 MiB [MiB over]", over, "", over <= 64);
+  return 0;
+}
