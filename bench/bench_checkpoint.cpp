@@ -44,10 +44,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct tensor_def {
-  std::string name;
-  shape_t shape;
-};
+using bench::tensor_def;
 
 struct config {
   bool quick = false;
@@ -56,27 +53,10 @@ struct config {
 };
 
 std::vector<tensor_def> model_defs(const config& c) {
-  const u64 d = c.quick ? 256 : 2048, ffn = 4 * d, vocab = c.quick ? 4000 : 32000;
-  const int layers = (c.quick ? 2 : 4) * (c.bf16 ? 2 : 1);
-  std::vector<tensor_def> v{{"embed.weight", {vocab, d}}};
-  for (int i = 0; i < layers; ++i) {
-    const std::string p = "layers." + std::to_string(i) + ".";
-    v.push_back({p + "attn.qkv.weight", {3 * d, d}});
-    v.push_back({p + "attn.o.weight", {d, d}});
-    v.push_back({p + "mlp.up.weight", {ffn, d}});
-    v.push_back({p + "mlp.down.weight", {d, ffn}});
-    v.push_back({p + "norm1.weight", {d}});
-    v.push_back({p + "norm2.weight", {d}});
-  }
-  v.push_back({"norm.weight", {d}});
-  return v;
+  return bench::transformer_defs(c.quick, (c.quick ? 2 : 4) * (c.bf16 ? 2 : 1), '.');
 }
 
-u64 model_bytes(const config& c) {
-  u64 n = 0;
-  for (const auto& t : model_defs(c)) n += shardsafe::detail::numel(t.shape) * (c.bf16 ? 2 : 4);
-  return n;
-}
+u64 model_bytes(const config& c) { return bench::defs_bytes(model_defs(c), c.bf16 ? 2 : 4); }
 
 // How a world splits each tensor: whole (one process), row blocks, flat ranges, column blocks.
 // 1-D tensors are split as flat ranges under every split but whole.

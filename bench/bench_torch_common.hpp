@@ -19,10 +19,45 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checked.hpp"
 #include "shardsafe/detail/posix.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 
 namespace bench {
+
+/// One tensor of the benchmark model.
+struct tensor_def {
+  std::string name;
+  shardsafe::shape_t shape;
+};
+
+/// Transformer shapes: an embedding, `layers` blocks (attention qkv and o, MLP up and down,
+/// two norms) and a final norm; d = 2048 (256 with quick), ffn = 4d, vocab 32000 (4000).
+/// Names are joined with `sep` ('.' as in a state dict; '_' where torch::nn::Module forbids dots).
+inline std::vector<tensor_def> transformer_defs(bool quick, int layers, char sep) {
+  const u64 d = quick ? 256 : 2048, ffn = 4 * d, vocab = quick ? 4000 : 32000;
+  const std::string s(1, sep);
+  std::vector<tensor_def> v{{"embed" + s + "weight", {vocab, d}}};
+  for (int i = 0; i < layers; ++i) {
+    const std::string p = "layers" + s + std::to_string(i) + s;
+    v.push_back({p + "attn" + s + "qkv" + s + "weight", {3 * d, d}});
+    v.push_back({p + "attn" + s + "o" + s + "weight", {d, d}});
+    v.push_back({p + "mlp" + s + "up" + s + "weight", {ffn, d}});
+    v.push_back({p + "mlp" + s + "down" + s + "weight", {d, ffn}});
+    v.push_back({p + "norm1" + s + "weight", {d}});
+    v.push_back({p + "norm2" + s + "weight", {d}});
+  }
+  v.push_back({"norm" + s + "weight", {d}});
+  return v;
+}
+
+/// Bytes of the tensors at `item` bytes per element.
+inline u64 defs_bytes(const std::vector<tensor_def>& defs, u64 item) {
+  u64 n = 0;
+  for (const auto& t : defs) n += shardsafe::detail::numel(t.shape) * item;
+  return n;
+}
 
 /// Results a child prints as "RESULT key value" lines.
 using result = std::map<std::string, double>;

@@ -44,41 +44,15 @@ struct config {
   int layers = 4;
 };
 
-struct param_def {
-  std::string name;
-  std::vector<std::int64_t> shape;
-};
+// torch::nn::Module parameter names may not contain dots
+std::vector<bench::tensor_def> defs_of(const config& c) { return bench::transformer_defs(c.quick, c.layers, '_'); }
 
-std::vector<param_def> defs_of(const config& c) {
-  const std::int64_t d = c.quick ? 256 : 2048, ffn = 4 * d, vocab = c.quick ? 4000 : 32000;
-  std::vector<param_def> v{{"embed_weight", {vocab, d}}};
-  for (int i = 0; i < c.layers; ++i) {
-    const std::string p = "layers_" + std::to_string(i) + "_";
-    v.push_back({p + "attn_qkv_weight", {3 * d, d}});
-    v.push_back({p + "attn_o_weight", {d, d}});
-    v.push_back({p + "mlp_up_weight", {ffn, d}});
-    v.push_back({p + "mlp_down_weight", {d, ffn}});
-    v.push_back({p + "norm1_weight", {d}});
-    v.push_back({p + "norm2_weight", {d}});
-  }
-  v.push_back({"norm_weight", {d}});
-  return v;
-}
-
-u64 param_bytes(const config& c) {
-  u64 n = 0;
-  for (const auto& d : defs_of(c)) {
-    u64 e = 1;
-    for (auto x : d.shape) e *= static_cast<u64>(x);
-    n += e * 4;
-  }
-  return n;
-}
+u64 param_bytes(const config& c) { return bench::defs_bytes(defs_of(c), 4); }
 
 struct bench_model : torch::nn::Module {
   std::vector<at::Tensor> params;
   explicit bench_model(const config& c) {
-    for (const auto& d : defs_of(c)) params.push_back(register_parameter(d.name, at::zeros(d.shape)));
+    for (const auto& d : defs_of(c)) params.push_back(register_parameter(d.name, at::zeros(to_sizes(d.shape))));
   }
 };
 
@@ -203,7 +177,7 @@ int child(const std::string& what, const bench::args& a) {
     // what the loader allocates: the optimizer's state (the module's parameters exist)
     std::vector<at::Tensor> fresh;
     for (const auto& d : defs_of(c))
-      for (int i = 0; i < 2; ++i) fresh.push_back(at::empty(d.shape));
+      for (int i = 0; i < 2; ++i) fresh.push_back(at::empty(to_sizes(d.shape)));
     bench::emit("seconds", bench::first_touch(fresh));
   } else if (what == "limits") {
     // the same bytes: memcpy into touched memory, pwrite + fdatasync to one file, pread back

@@ -5,6 +5,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <string>
 #include <vector>
 
@@ -14,16 +16,7 @@ using namespace shardsafe;
 
 namespace {
 
-template <class F>
-void expect_error(F&& f, errc code, const std::vector<std::string>& phrases) {
-  try {
-    f();
-    FAIL("no error thrown");
-  } catch (const shardsafe::error& e) {
-    CHECK_MESSAGE(e.code() == code, e.what());
-    for (const auto& p : phrases) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what(), " / ", p);
-  }
-}
+using testing::expect_error;
 
 void check_same(const checkpoint_metadata& a, const checkpoint_metadata& b) {
   REQUIRE(a.tensors.size() == b.tensors.size());

@@ -6,6 +6,8 @@
 
 #include <doctest/doctest.h>
 
+#include "test_util.hpp"
+
 #include <fcntl.h>
 #include <spawn.h>
 #include <stdlib.h>
@@ -62,15 +64,7 @@ std::string B(std::initializer_list<int> b) { return bytes_of(b).s; }
 /// A protocol 2 pickle: PROTO 2, the body, STOP.
 std::string P(const std::string& body) { return B({0x80, 2}) + body + "."; }
 
-std::string hex(std::string_view b) {
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (unsigned char c : b) {
-    s += d[c >> 4];
-    s += d[c & 15];
-  }
-  return s;
-}
+using testing::hex;
 
 /// The same canonical text as canon() in the Python scripts below: a type tag per value,
 /// floats as their IEEE bits (big-endian hex), strings as their UTF-8 bytes in hex.
@@ -121,59 +115,21 @@ void expect_refused(const std::string& bytes, const std::vector<std::string>& ph
 
 // --- Python --------------------------------------------------------------------------------
 
-struct temp_dir {
-  fs::path path;
-  temp_dir() {
-    std::string t = (fs::temp_directory_path() / "shardsafe-pickle-XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
-void write_file(const fs::path& p, const std::string& bytes) {
-  std::ofstream f(p, std::ios::binary);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  REQUIRE(f.good());
-}
+using testing::slurp;
+using testing::temp_dir;
+using testing::write_file;
 
 struct py_result {
   int code = -1;  // exit status; -1: did not run or was killed
   std::string err;
 };
 
-/// Runs `python3 -c script args...` (no shell); stdout to /dev/null, stderr kept.
+/// Runs `python3 -I -c script args...` (no shell); stderr kept.
 py_result python(const std::string& script, const std::vector<std::string>& args) {
-  static temp_dir io;
-  const fs::path err = io.path / "stderr";
-  posix_spawn_file_actions_t fa;
-  REQUIRE(posix_spawn_file_actions_init(&fa) == 0);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-  posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> all{"python3", "-I", "-c", script};
+  std::vector<std::string> all{"-I", "-c", script};
   all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid;
-  const int rc = posix_spawnp(&pid, "python3", &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
-  py_result r;
-  if (rc != 0) return r;
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) return r;
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  r.err = slurp(err);
-  return r;
+  const testing::program_result p = testing::run_program("python3", all);
+  return {p.exited ? p.code : -1, p.err};
 }
 
 bool have_python() {

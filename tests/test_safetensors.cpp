@@ -308,16 +308,7 @@ void check_read_back(const S& s, const std::vector<input_tensor>& in, const std:
   CHECK_THROWS_WITH_AS(h.at("nope"), (std::string(s.name()) + ": no tensor 'nope'").c_str(), shardsafe::error);
 }
 
-template <class F>
-void expect_error(F&& f, errc code, const std::vector<std::string>& phrases) {
-  try {
-    f();
-    FAIL("no error thrown");
-  } catch (const shardsafe::error& e) {
-    CHECK(e.code() == code);
-    for (const auto& p : phrases) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what(), " / ", p);
-  }
-}
+using testing::expect_error;
 
 }  // namespace
 

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/core/error.hpp"
+
 extern char** environ;
 
 namespace testing {
@@ -54,7 +56,8 @@ struct program_result {
   std::string out, err;
 };
 
-/// Runs exe with args (no shell), stdin from /dev/null, stdout and stderr captured.
+/// Runs exe with args (no shell; a name without '/' is looked up in PATH), stdin from
+/// /dev/null, stdout and stderr captured. A program that cannot start gives exited = false.
 inline program_result run_program(const std::string& exe, const std::vector<std::string>& args) {
   temp_dir io("run");
   const auto out = io.path / "stdout", err = io.path / "stderr";
@@ -69,12 +72,12 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
   for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
   pid_t pid;
-  const int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
+  const int rc = posix_spawnp(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
-  REQUIRE(rc == 0);
+  program_result r;
+  if (rc != 0) return r;
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) REQUIRE(errno == EINTR);
-  program_result r;
   r.exited = WIFEXITED(status);
   r.code = r.exited ? WEXITSTATUS(status) : -WTERMSIG(status);
   r.out = slurp(out);
@@ -82,17 +85,34 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
   return r;
 }
 
+/// Lowercase hex of bytes.
+inline std::string hex(std::string_view b) {
+  static const char* d = "0123456789abcdef";
+  std::string s;
+  for (unsigned char c : b) {
+    s += d[c >> 4];
+    s += d[c & 15];
+  }
+  return s;
+}
+
 /// SHA-256 (hex) of bytes, straight from OpenSSL.
 inline std::string sha256_hex(const void* data, std::size_t n) {
   unsigned char md[SHA256_DIGEST_LENGTH];
   SHA256(static_cast<const unsigned char*>(data), n, md);
-  static const char* d = "0123456789abcdef";
-  std::string s;
-  for (unsigned char x : md) {
-    s += d[x >> 4];
-    s += d[x & 15];
+  return hex({reinterpret_cast<const char*>(md), sizeof md});
+}
+
+/// f() must throw a shardsafe::error with this code whose message holds every phrase.
+template <class F>
+void expect_error(F&& f, shardsafe::errc code, const std::vector<std::string>& phrases) {
+  try {
+    f();
+    FAIL("no error thrown");
+  } catch (const shardsafe::error& e) {
+    CHECK_MESSAGE(e.code() == code, e.what());
+    for (const auto& p : phrases) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what(), " / ", p);
   }
-  return s;
 }
 inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(bytes.data(), bytes.size()); }
 
