@@ -32,6 +32,7 @@ inline constexpr std::size_t stream_copy_min_bytes = std::size_t(1) << 20;
 
 /// memcpy(dst, src, n) for non-overlapping ranges; large copies bypass the cache.
 inline void stream_copy(void* dst, const void* src, std::size_t n) noexcept {
+  if (n == 0) return;  // empty tensors may have no memory at all (null pointers)
 #ifdef SHARDSAFE_STREAM_COPY
   if (n >= stream_copy_min_bytes) {
     auto* d = static_cast<unsigned char*>(dst);
