@@ -180,6 +180,8 @@ TEST_CASE("metadata: malformed files give the right errc and name file, tensor a
   const std::vector<bad> cases = {
       {"non-JSON", R"({"tensors": {"w": )", errc::invalid_json, {"not valid JSON"}},
       {"non-UTF-8", "{\"tensors\": {\"w\xfe\": 1}}", errc::invalid_json, {"not valid UTF-8"}},
+      {"integer past 2^64", R"({"tensors": {"w": {"shape": [2, 36893488147419103232]}}})", errc::invalid_json,
+       {"not valid JSON", "36893488147419103232", "(tensors.w.shape[1])"}},
       {"not an object", "[1]", errc::invalid_metadata, {"not a JSON object"}},
       {"missing tensors", R"({"tensor": {}})", errc::invalid_metadata, {"missing \"tensors\""}},
       {"tensors not an object", R"({"tensors": []})", errc::invalid_metadata, {"\"tensors\" is not an object"}},
