@@ -426,6 +426,28 @@ TEST_CASE("safetensors: streaming writer, parts out of order from several thread
   CHECK(got == w);
 }
 
+TEST_CASE("safetensors: streaming writer refuses overlapping parts and names the first missing byte") {
+  const std::vector<std::byte> data(16, std::byte{7});
+  const auto part = [&](std::size_t n) { return std::span(data).first(n); };
+  auto layout = plan_safetensors({{"t", dtype::U8, {16}, 0, 0}}, {}, "parts.safetensors");
+  {  // the same 4 bytes twice and 4 never: the byte count alone would be 16 of 16
+    memory_writer out("parts.safetensors");
+    safetensors_writer<memory_writer> sw(out, layout);
+    sw.write_part(0, 0, part(4));
+    sw.write_part(0, 8, part(8));
+    expect_error([&] { sw.write_part(0, 0, part(4)); }, errc::invalid_argument,
+                 {"parts.safetensors", "tensor 't'", "bytes [0, 4) overlap bytes [0, 4) written before"});
+    expect_error([&] { sw.write_part(0, 6, part(3)); }, errc::invalid_argument,
+                 {"bytes [6, 9) overlap bytes [8, 16)"});
+    expect_error([&] { sw.finish(); }, errc::invalid_argument, {"tensor 't'", "12 of 16 bytes", "byte 4 first missing"});
+    sw.write_part(0, 4, part(0));  // empty parts are no-ops anywhere in range
+    sw.write_part(0, 4, part(4));  // fills the hole; [0, 16) is now one range
+    expect_error([&] { sw.write_part(0, 15, part(1)); }, errc::invalid_argument, {"overlap bytes [0, 16)"});
+    sw.finish();
+    CHECK(out.take().size() == layout.file_size());
+  }
+}
+
 TEST_CASE("safetensors: every malformed file is rejected with its errc, file, tensor and rule") {
   temp_dir tmp;
   for (const auto& c : corpus::malformed()) {

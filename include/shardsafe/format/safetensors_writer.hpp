@@ -9,11 +9,12 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
+#include <iterator>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -152,7 +153,7 @@ template <WritableStorage W>
 class safetensors_writer {
  public:
   safetensors_writer(W& out, const safetensors_layout& layout)
-      : out_(out), layout_(layout), written_(std::make_unique<std::atomic<std::uint64_t>[]>(layout.tensors.size())) {
+      : out_(out), layout_(layout), written_(layout.tensors.size()) {
     out_.write_at(0, std::as_bytes(std::span(layout_.header)));
   }
 
@@ -169,27 +170,65 @@ class safetensors_writer {
       fail(errc::invalid_argument, detail::tensor_context(layout_.file, t.name) + ": writing " +
                                        std::to_string(bytes.size()) + " bytes at " + std::to_string(offset) +
                                        " passes its " + std::to_string(t.nbytes()) + " bytes");
+    if (bytes.empty()) return;
+    record(index, offset, offset + bytes.size());
     out_.write_at(layout_.data_start() + t.begin + offset, bytes);
-    written_[index].fetch_add(bytes.size(), std::memory_order_relaxed);
   }
 
   /// Checks that every tensor got all its bytes, then syncs and commits the file.
   void finish() {
     for (std::size_t i = 0; i < layout_.tensors.size(); ++i) {
       const auto& t = layout_.tensors[i];
-      if (written_[i].load() != t.nbytes())
-        fail(errc::invalid_argument, detail::tensor_context(layout_.file, t.name) + ": " +
-                                         std::to_string(written_[i].load()) + " of " + std::to_string(t.nbytes()) +
-                                         " bytes were written");
+      std::uint64_t got = 0;
+      for (const auto& [b, e] : written_[i]) got += e - b;
+      if (got != t.nbytes()) {
+        std::uint64_t hole = 0;  // the first byte not written
+        for (const auto& [b, e] : written_[i]) {
+          if (b != hole) break;
+          hole = e;
+        }
+        fail(errc::invalid_argument, detail::tensor_context(layout_.file, t.name) + ": " + std::to_string(got) +
+                                         " of " + std::to_string(t.nbytes()) + " bytes were written (byte " +
+                                         std::to_string(hole) + " first missing)");
+      }
     }
     out_.sync();
     out_.commit();
   }
 
  private:
+  // Notes bytes [b, e) of tensor `index` as written, merging with neighbours; a part that
+  // overlaps one written before is refused before any byte of it is written.
+  void record(std::size_t index, std::uint64_t b, std::uint64_t e) {
+    std::lock_guard lock(mu_);
+    auto& ranges = written_[index];
+    auto next = ranges.upper_bound(b);  // first range starting after b
+    auto clash = [&](std::uint64_t cb, std::uint64_t ce) {
+      fail(errc::invalid_argument, detail::tensor_context(layout_.file, layout_.tensors[index].name) +
+                                       ": bytes [" + std::to_string(b) + ", " + std::to_string(e) +
+                                       ") overlap bytes [" + std::to_string(cb) + ", " + std::to_string(ce) +
+                                       ") written before");
+    };
+    if (next != ranges.end() && next->first < e) clash(next->first, next->second);
+    if (next != ranges.begin()) {
+      auto prev = std::prev(next);
+      if (prev->second > b) clash(prev->first, prev->second);
+      if (prev->second == b) {  // extend the range that ends where this one starts
+        b = prev->first;
+        ranges.erase(prev);
+      }
+    }
+    if (next != ranges.end() && next->first == e) {
+      e = next->second;
+      ranges.erase(next);
+    }
+    ranges.emplace(b, e);
+  }
+
   W& out_;
   const safetensors_layout& layout_;
-  std::unique_ptr<std::atomic<std::uint64_t>[]> written_;
+  std::mutex mu_;
+  std::vector<std::map<std::uint64_t, std::uint64_t>> written_;  ///< per tensor: start -> end of written bytes
 };
 
 /// Bytes [offset, offset + dst.size()) of the file `layout` describes, into dst: the header,
