@@ -3,8 +3,8 @@
 # the program in consumer/ against it four ways, running each build:
 #   1. pkg-config:  c++ main.cpp $(pkg-config --cflags --libs shardsafe)
 #   2. CMake:       find_package(shardsafe) + target_link_libraries(... shardsafe::shardsafe)
-#   3. CMake again after the installed tree was moved elsewhere (the package config finds
-#      its headers relative to itself)
+#   3. pkg-config and CMake again after the installed tree was moved elsewhere (the .pc file
+#      and the package config find the headers relative to themselves)
 #   4. Meson:       shardsafe as a subproject (subprojects/shardsafe -> the source tree),
 #                   dependency('shardsafe') served by the subproject's override
 # Exits non-zero on the first failure, printing the log of the step that failed.
@@ -62,17 +62,25 @@ echo "   $(realpath --relative-to="$prefix" "$pc"), $(realpath --relative-to="$p
 others="$(cd "$prefix" && find . -type f ! -path './include/*' ! -name shardsafe.pc ! -name 'shardsafeConfig*.cmake')"
 [ -z "$others" ] || fail "unexpected installed files: $others"
 
-echo "== 1. pkg-config"
-if have pkg-config; then
-  export PKG_CONFIG_PATH="$(dirname "$pc")${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-  version="$(pkg-config --modversion shardsafe)" || fail "pkg-config does not find shardsafe"
-  flags="$(pkg-config --cflags --libs shardsafe)"
-  echo "   shardsafe $version: $flags"
-  case " $flags " in *" -I$prefix/include "*) ;; *) fail "pkg-config --cflags lacks -I$prefix/include" ;; esac
+pkgconfig_consumer() {  # NAME PREFIX: builds and runs the consumer with the .pc under PREFIX
+  local pcdir flags inc
+  pcdir="$(dirname "$(find "$2" -name shardsafe.pc -print -quit)")"
+  flags="$(PKG_CONFIG_PATH="$pcdir" pkg-config --cflags --libs shardsafe)" || fail "$1: pkg-config does not find shardsafe"
+  echo "   shardsafe $(PKG_CONFIG_PATH="$pcdir" pkg-config --modversion shardsafe): $flags"
+  inc="$(printf '%s\n' $flags | sed -n 's/^-I//p' | head -n 1)"
+  [ -n "$inc" ] && [ "$(realpath -m "$inc")" = "$(realpath -m "$2/include")" ] ||
+    fail "$1: pkg-config --cflags points at '$inc', not $2/include"
   # shellcheck disable=SC2086  # the flags are words
-  run pkgconfig-build "$cxx" "$consumer/main.cpp" $flags -o "$tmp/consumer-pkgconfig"
-  run pkgconfig-run "$tmp/consumer-pkgconfig"
-  grep -q "consumer ok" "$tmp/pkgconfig-run.log" || fail "pkg-config consumer did not run to the end"
+  run "$1-build" "$cxx" "$consumer/main.cpp" $flags -o "$tmp/consumer-$1"
+  run "$1-run" "$tmp/consumer-$1"
+  grep -q "consumer ok" "$tmp/$1-run.log" || fail "$1 consumer did not run to the end"
+}
+
+echo "== 1. pkg-config"
+have_pkgconfig=0
+if have pkg-config; then
+  have_pkgconfig=1
+  pkgconfig_consumer pkgconfig "$prefix"
 fi
 
 cmake_consumer() {  # NAME PREFIX
@@ -88,16 +96,23 @@ cmake_consumer() {  # NAME PREFIX
 }
 
 echo "== 2. CMake find_package"
+have_cmake=0
 if have cmake; then
+  have_cmake=1
   cmake_consumer cmake "$prefix"
+fi
 
-  echo "== 3. CMake find_package after moving the installed tree"
-  mkdir -p "$tmp/elsewhere"
-  mv "$prefix" "$tmp/elsewhere/moved"
-  moved="$tmp/elsewhere/moved"
-  if grep -rqF "$prefix" "$moved"/lib*/ --include='*.cmake'; then
-    fail "the CMake package names the original prefix $prefix"
-  fi
+echo "== 3. pkg-config and CMake after moving the installed tree (both find it relative to themselves)"
+mkdir -p "$tmp/elsewhere"
+mv "$prefix" "$tmp/elsewhere/moved"
+moved="$tmp/elsewhere/moved"
+if grep -rqF "$prefix" "$moved"/lib*/ --include='*.cmake' --include='*.pc'; then
+  fail "the installed package files name the original prefix $prefix"
+fi
+if [ "$have_pkgconfig" = 1 ]; then
+  pkgconfig_consumer pkgconfig-moved "$moved"
+fi
+if [ "$have_cmake" = 1 ]; then
   cmake_consumer cmake-moved "$moved"
   grep -q -- "$moved/include" "$tmp/cmake-moved/CMakeFiles/consumer.dir/flags.make" ||
     fail "the moved package does not point into $moved/include"
