@@ -547,9 +547,7 @@ int main(int argc, char** argv) {
   std::printf("(sums over the 3 ranks of load_stats.bytes_needed / bytes_read / read_ops; one repetition)\n\n");
 
   auto med = [&](const std::string& n) { return rows.at(n).t.median(); };
-  auto line = [](const char* what, double v, const char* unit, bool ok) {
-    std::printf("  %-74s %8.2f%s  %s\n", what, v, unit, ok ? "met" : "MISSED");
-  };
+  auto line = [](const char* what, double v, const char* unit, bool ok) { bench::print_target(74, what, v, unit, ok); };
   std::printf("targets (medians):\n");
   double x = med("torch::load") / med("shardsafe load (file_directory, into the model)");
   line("load >= 3x faster than torch::load (file_directory, into the model)", x, "x", x >= 3);

@@ -112,6 +112,11 @@ inline std::string loadavg() {
   return a + " " + b + " " + c;
 }
 
+/// One line of a benchmark's target list: what, the measured value with its unit, met or MISSED.
+inline void print_target(int width, const char* what, double value, const char* unit, bool met) {
+  std::printf("  %-*s %8.2f%s  %s\n", width, what, value, unit, met ? "met" : "MISSED");
+}
+
 inline std::string fmt(const char* f, double x) {
   char b[64];
   std::snprintf(b, sizeof b, f, x);

@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
     const row* r = find(n);
     if (!r) continue;
     const double x = memcpy_med[r->threads] / r->t.median();
-    std::printf("  %-50s %.2f x memcpy  %s\n", n, x, x >= 0.8 ? "met" : "MISSED");
+    bench::print_target(50, n, x, " x memcpy", x >= 0.8);
   }
   std::free(dst);
   for (const auto& r : rows)

@@ -305,9 +305,7 @@ int main(int argc, char** argv) {
   std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline)\n\n");
 
   auto med = [&](const char* k) { return rows.at(k).t.median(); };
-  auto line = [](const char* what, double v, const char* unit, bool ok) {
-    std::printf("  %-66s %8.2f%s  %s\n", what, v, unit, ok ? "met" : "MISSED");
-  };
+  auto line = [](const char* what, double v, const char* unit, bool ok) { bench::print_target(66, what, v, unit, ok); };
   std::printf("targets (medians):\n");
   double x = med("torch-save") / med("ss-save");
   line("save >= 2x faster than torch::save (shardsafe durable, torch not)", x, "x", x >= 2);

@@ -6,12 +6,9 @@
 
 #include "shardsafe/format/hf_index.hpp"
 
-using namespace shardsafe;
+#include "fuzz_check.hpp"
 
-#define FUZZ_CHECK(cond) \
-  do {                   \
-    if (!(cond)) __builtin_trap(); \
-  } while (0)
+using namespace shardsafe;
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

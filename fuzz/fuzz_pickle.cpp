@@ -8,12 +8,9 @@
 
 #include "shardsafe/format/pickle.hpp"
 
-using namespace shardsafe;
+#include "fuzz_check.hpp"
 
-#define FUZZ_CHECK(cond) \
-  do {                   \
-    if (!(cond)) __builtin_trap(); \
-  } while (0)
+using namespace shardsafe;
 
 namespace {
 

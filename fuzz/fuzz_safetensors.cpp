@@ -12,12 +12,9 @@
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/memory.hpp"
 
-using namespace shardsafe;
+#include "fuzz_check.hpp"
 
-#define FUZZ_CHECK(cond) \
-  do {                   \
-    if (!(cond)) __builtin_trap(); \
-  } while (0)
+using namespace shardsafe;
 
 // memcmp that allows empty (possibly null) ranges
 static bool same(const void* a, const void* b, std::size_t n) { return n == 0 || std::memcmp(a, b, n) == 0; }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/posix.hpp"
 
 extern char** environ;
 
@@ -68,9 +69,7 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
   posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   std::vector<std::string> all{exe};
   all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
+  const std::vector<char*> argv = shardsafe::detail::c_string_array(all);
   pid_t pid;
   const int rc = posix_spawnp(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);

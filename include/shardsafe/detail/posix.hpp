@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -106,6 +107,16 @@ inline void fsync_dir(const std::string& dir) {
   if (fd < 0) return;  // best effort: some file systems refuse to open directories
   ::fsync(fd);
   ::close(fd);
+}
+
+/// argv or envp for exec and posix_spawn: each string's characters, then a null pointer.
+/// The strings must outlive the result and not be resized while it is in use.
+inline std::vector<char*> c_string_array(std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  out.reserve(strings.size() + 1);
+  for (auto& s : strings) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
 }
 
 }  // namespace shardsafe::detail

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/posix.hpp"
 
 extern char** environ;
 
@@ -75,14 +76,10 @@ class local_world {
       env["RANK"] = env["LOCAL_RANK"] = std::to_string(r);
       std::vector<std::string> kvs;
       for (const auto& [k, v] : env) kvs.push_back(k + "=" + v);
-      std::vector<char*> envp;
-      for (auto& s : kvs) envp.push_back(s.data());
-      envp.push_back(nullptr);
+      const std::vector<char*> envp = detail::c_string_array(kvs);
       std::vector<std::string> argv_s{program};
       argv_s.insert(argv_s.end(), args.begin(), args.end());
-      std::vector<char*> argv;
-      for (auto& s : argv_s) argv.push_back(s.data());
-      argv.push_back(nullptr);
+      const std::vector<char*> argv = detail::c_string_array(argv_s);
       posix_spawn_file_actions_t fa;
       posix_spawn_file_actions_init(&fa);
       std::string errpath;
