@@ -30,7 +30,7 @@
 #include <torch/serialize.h>
 
 #include "bench_torch_common.hpp"
-#include "shardsafe/dist/c10d.hpp"
+#include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/dist/launch.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"

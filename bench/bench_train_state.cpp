@@ -28,7 +28,7 @@
 #include <torch/serialize.h>
 
 #include "bench_torch_common.hpp"
-#include "shardsafe/checkpoint/model_and_optim.hpp"
+#include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 

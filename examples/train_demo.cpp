@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "sharded_mlp.hpp"
-#include "shardsafe/checkpoint/model_and_optim.hpp"
+#include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
-#include "shardsafe/dist/c10d.hpp"
+#include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/dist/launch.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"

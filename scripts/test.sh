@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
+scripts/check_layering.sh
 [ -f build/build.ninja ] || meson setup build
 meson configure build -Dbench=true
 meson compile -C build

@@ -10,7 +10,7 @@
 #include <functional>
 
 #include "fixtures.hpp"
-#include "shardsafe/dist/c10d.hpp"
+#include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"

@@ -1,6 +1,6 @@
 // Model + optimizer checkpoints: bit-exact resume across world sizes for every supported
 // optimizer, param groups, strictness, unsharding optimizer state, and Python's pickle.
-#include "shardsafe/checkpoint/model_and_optim.hpp"
+#include "shardsafe/torch/model_and_optim.hpp"
 
 #include <ATen/Parallel.h>
 
@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "../../examples/sharded_mlp.hpp"
-#include "shardsafe/dist/c10d.hpp"
+#include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"

@@ -14,8 +14,8 @@
 
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/json.hpp"
-#include "shardsafe/format/metadata.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
 

@@ -25,11 +25,9 @@
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
-
-/// Largest metadata.json (or index.json) a reader accepts.
-inline constexpr std::uint64_t max_metadata_size = std::uint64_t(1) << 30;
 
 /// One tensor of a checkpoint: its full shape and dtype, and which file holds which part.
 struct tensor_metadata {
@@ -292,18 +290,6 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
   }
   out += '}';
   return out;
-}
-
-/// Reads a whole small object (metadata.json, index.json) into a string, bounded.
-template <ReadableStorage S>
-std::string read_text(const S& s, std::uint64_t limit = max_metadata_size) {
-  const std::uint64_t n = s.size();
-  if (n > limit)
-    fail(errc::invalid_metadata, std::string(s.name()) + ": " + std::to_string(n) + " bytes passes the limit of " +
-                                     std::to_string(limit));
-  std::string text(n, '\0');
-  s.read_into(0, std::as_writable_bytes(std::span(text)));
-  return text;
 }
 
 /// Reads and validates metadata.json from a storage.

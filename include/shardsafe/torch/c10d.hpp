@@ -1,4 +1,4 @@
-// shardsafe/dist/c10d.hpp - Comm over a LibTorch c10d::ProcessGroup (Gloo on CPU; NCCL on
+// shardsafe/torch/c10d.hpp - Comm over a LibTorch c10d::ProcessGroup (Gloo on CPU; NCCL on
 // GPUs, with the byte collectives on a CUDA device), and the world built from the variables
 // torchrun sets: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 //

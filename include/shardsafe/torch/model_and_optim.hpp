@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/model_and_optim.hpp - what a training job calls every N steps:
+// shardsafe/torch/model_and_optim.hpp - what a training job calls every N steps:
 // the model's state in DIR/model and the optimizer's in DIR/optim (FORMAT.md §2).
 //
 // The optimizer is written first and model/metadata.json last: that file is the commit mark
