@@ -1,5 +1,5 @@
 // Conformance suites for storage/concepts.hpp: one over every ReadableStorage backend and one
-// over every Directory, plus static checks that the backends model their concepts.
+// over every directory backend, plus static checks that the backends model their concepts.
 #include "shardsafe/storage/concepts.hpp"
 
 #include <doctest/doctest.h>
@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
@@ -73,7 +74,7 @@ struct storage_maker<memory_storage> {
   std::string name_of(int i) const { return "mem-object-" + std::to_string(i); }
 };
 
-// A fresh, empty directory of each Directory backend.
+// A fresh, empty directory of each directory backend.
 template <class D>
 struct directory_maker;
 template <class Reader>
@@ -90,7 +91,7 @@ struct directory_maker<memory_directory> {
   std::size_t files_on_disk() const { return dir.store()->objects.size(); }
 };
 
-template <Directory D>
+template <ReadableDirectory D>
 std::vector<std::byte> read_all(const D& d, std::string_view n) {
   auto r = d.open(n);
   std::vector<std::byte> b(r.size());
@@ -98,7 +99,7 @@ std::vector<std::byte> read_all(const D& d, std::string_view n) {
   return b;
 }
 
-template <Directory D>
+template <WritableDirectory D>
 void put(const D& d, std::string_view n, std::string_view content) {
   auto w = d.create(n);
   w.write_at(0, bytes_of(content));
@@ -158,7 +159,8 @@ static_assert(ReadableStorage<file_storage> && ReadableStorage<mmap_storage> && 
 static_assert(MappableStorage<mmap_storage> && MappableStorage<memory_storage>);
 static_assert(!MappableStorage<file_storage>);
 static_assert(WritableStorage<file_writer> && WritableStorage<memory_writer>);
-static_assert(Directory<file_directory> && Directory<mmap_directory> && Directory<memory_directory>);
+static_assert(WritableDirectory<file_directory> && WritableDirectory<mmap_directory> &&
+              WritableDirectory<memory_directory>);
 static_assert(ReadableStorage<minimal_reader>);
 static_assert(!ReadableStorage<no_read_into>, "a type without read_into is not a ReadableStorage");
 static_assert(!ReadableStorage<no_size>);
@@ -167,8 +169,26 @@ static_assert(!ReadableStorage<mutable_read_into>);
 static_assert(!MappableStorage<wrong_bytes>);
 static_assert(!WritableStorage<no_commit>);
 static_assert(!WritableStorage<file_storage> && !ReadableStorage<memory_writer>);
-static_assert(!Directory<no_list_directory>);
-static_assert(!Directory<file_storage>);
+static_assert(!ReadableDirectory<no_list_directory> && !WritableDirectory<no_list_directory>);
+static_assert(!ReadableDirectory<file_storage>);
+// the readable half alone: what a read-only backend (an HTTP server) provides
+struct read_only_directory {
+  using reader_type = memory_storage;
+  memory_storage open(std::string_view) const;
+  bool exists(std::string_view) const;
+  std::vector<std::string> list() const;
+  read_only_directory sub(std::string_view) const;
+  std::string_view name() const;
+};
+static_assert(ReadableDirectory<read_only_directory> && !WritableDirectory<read_only_directory>);
+// a writable refinement needs writer_type, create, remove and make
+struct no_make_directory : read_only_directory {
+  using writer_type = memory_writer;
+  memory_writer create(std::string_view) const;
+  void remove(std::string_view) const;
+  no_make_directory sub(std::string_view) const;
+};
+static_assert(ReadableDirectory<no_make_directory> && !WritableDirectory<no_make_directory>);
 
 TEST_CASE("storage: plain names") {
   for (const char* ok : {"a", "rank_0.safetensors", "metadata.json", ".hidden", "a.b", "x y"}) CHECK(is_plain_name(ok));

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/detail/nan.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -31,11 +32,6 @@
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
-
-inline constexpr std::string_view metadata_file_name = "metadata.json";
-
-/// The name rank R's file has in a checkpoint directory.
-inline std::string rank_file_name(int rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
 
 struct load_options {
   unsigned threads = 0;         ///< 0: detail::default_threads()
@@ -56,7 +52,7 @@ struct load_stats {
 
 /// A checkpoint directory opened for reading: metadata.json validated, rank files opened
 /// (and their headers validated) on first use and kept open.
-template <Directory D>
+template <ReadableDirectory D>
 class checkpoint_reader {
  public:
   using reader_type = typename D::reader_type;
@@ -215,7 +211,7 @@ class checkpoint_reader {
 };
 
 /// Loads views from the checkpoint in dir (a folder holding metadata.json).
-template <Directory D>
+template <ReadableDirectory D>
 load_stats load_flat_views(const D& dir, std::span<const flat_view> views, const load_options& opt = {}) {
   checkpoint_reader<D> r(dir);
   return r.load(views, opt);

@@ -14,7 +14,7 @@
 #include <string_view>
 #include <vector>
 
-#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -33,14 +33,14 @@ inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix =
 }
 
 /// True when dir holds a whole checkpoint (model/metadata.json, or metadata.json).
-template <Directory D>
+template <ReadableDirectory D>
 bool is_complete_checkpoint(const D& dir) {
-  if (dir.exists("model")) return dir.sub("model").exists(metadata_file_name);
+  if (dir.exists(model_folder_name)) return dir.sub(model_folder_name).exists(metadata_file_name);
   return dir.exists(metadata_file_name);
 }
 
 /// Checkpoint folders under root, by increasing step.
-template <Directory D>
+template <ReadableDirectory D>
 std::vector<checkpoint_entry> list_checkpoints(const D& root, std::string_view prefix = "step") {
   std::vector<checkpoint_entry> out;
   for (const auto& n : root.list()) {
@@ -57,7 +57,7 @@ std::vector<checkpoint_entry> list_checkpoints(const D& root, std::string_view p
 }
 
 /// The newest complete checkpoint under root, if any.
-template <Directory D>
+template <ReadableDirectory D>
 std::optional<checkpoint_entry> latest_checkpoint(const D& root, std::string_view prefix = "step") {
   auto all = list_checkpoints(root, prefix);
   for (auto it = all.rbegin(); it != all.rend(); ++it)
@@ -66,10 +66,10 @@ std::optional<checkpoint_entry> latest_checkpoint(const D& root, std::string_vie
 }
 
 /// Removes a checkpoint folder, commit mark first.
-template <Directory D>
+template <ReadableDirectory D>
 void remove_checkpoint(const D& root, const std::string& name) {
   const D dir = root.sub(name);
-  if (dir.exists("model")) dir.sub("model").remove(metadata_file_name);
+  if (dir.exists(model_folder_name)) dir.sub(model_folder_name).remove(metadata_file_name);
   dir.remove(metadata_file_name);
   root.remove(name);
 }
@@ -77,7 +77,7 @@ void remove_checkpoint(const D& root, const std::string& name) {
 /// Keeps the newest `keep_last` complete checkpoints under root and removes the older ones,
 /// with any unfinished ones older than the newest complete one (left by killed saves). Rank 0
 /// removes; every rank gets the same list back or the same error. A collective.
-template <Directory D, Comm C>
+template <WritableDirectory D, Comm C>
 std::vector<std::string> rotate_checkpoints(const D& root, std::size_t keep_last, C& comm,
                                             std::string_view prefix = "step") {
   std::vector<std::string> removed;

@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
-#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -161,7 +161,7 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
 }  // namespace detail
 
 /// Saves every rank's views into dir as one checkpoint. A collective: every rank calls it.
-template <Directory D, Comm C>
+template <WritableDirectory D, Comm C>
 save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = comm.rank(), world = comm.world_size();

@@ -23,7 +23,7 @@ struct unshard_options {
 
 /// Calls f(bytes, first_element) for consecutive chunks of the full tensor `key`, in order.
 /// A tensor with no elements gets no call.
-template <Directory D, class F>
+template <ReadableDirectory D, class F>
 void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f, const unshard_options& opt = {}) {
   const tensor_metadata* tm = r.find(key);
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
@@ -41,7 +41,7 @@ void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f,
 }
 
 /// Loads the full tensor `key` into out (numel * itemsize bytes).
-template <Directory D>
+template <ReadableDirectory D>
 void unshard_tensor(checkpoint_reader<D>& r, const std::string& key, std::span<std::byte> out,
                     const load_options& opt = {}) {
   const tensor_metadata* tm = r.find(key);
@@ -51,14 +51,14 @@ void unshard_tensor(checkpoint_reader<D>& r, const std::string& key, std::span<s
 }
 
 /// One source of full tensors for unshard_to_safetensors: a checkpoint and a name prefix.
-template <Directory D>
+template <ReadableDirectory D>
 struct unshard_source {
   checkpoint_reader<D>* reader;
   std::string prefix;  ///< prepended to every tensor name in the output ("" or "model/")
 };
 
 /// Writes the full tensors of the sources into one safetensors file, chunk by chunk.
-template <Directory D, WritableStorage W>
+template <ReadableDirectory D, WritableStorage W>
 std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources, W& out,
                                      const unshard_options& opt = {},
                                      const std::map<std::string, std::string>& metadata = {}) {

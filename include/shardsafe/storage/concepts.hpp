@@ -45,21 +45,22 @@
 // |                    |                | once); the object is then exactly size bytes. o: a          |
 // |                    |                | block_write_options. Then sync() and commit() as usual.     |
 //
-// Directory D (a place holding named objects: a folder, a memory map, later a bucket prefix),
-// for `const D d`, `std::string_view n`:
+// ReadableDirectory D (a place holding named objects: a folder, a memory map, later a bucket
+// prefix or an HTTP server), for `const D d`, `std::string_view n`: the rows marked R.
+// WritableDirectory D: all rows.
 //
-// | expression         | type                | requirement                                            |
-// |--------------------|---------------------|--------------------------------------------------------|
-// | D::reader_type     | a ReadableStorage   |                                                        |
-// | D::writer_type     | a WritableStorage   |                                                        |
-// | d.open(n)          | D::reader_type      | opens object n for reading; errc::not_found if absent  |
-// | d.create(n)        | D::writer_type      | starts writing object n (visible only at commit)       |
-// | d.exists(n)        | bool                |                                                        |
-// | d.list()           | std::vector<std::string> | names of the objects directly inside, sorted      |
-// | d.remove(n)        | void                | removes object n (recursively for a sub-folder); absent is no error |
-// | d.sub(n)           | D                   | the directory n inside d (not created yet)             |
-// | d.make()           | void                | creates d (and parents) if missing                     |
-// | d.name()           | string_view-able    | what messages call d                                   |
+// |   | expression     | type                | requirement                                            |
+// |---|----------------|---------------------|--------------------------------------------------------|
+// | R | D::reader_type | a ReadableStorage   |                                                        |
+// | R | d.open(n)      | D::reader_type      | opens object n for reading; errc::not_found if absent  |
+// | R | d.exists(n)    | bool                |                                                        |
+// | R | d.list()       | std::vector<std::string> | names of the objects directly inside, sorted      |
+// | R | d.sub(n)       | D                   | the directory n inside d (not created yet)             |
+// | R | d.name()       | string_view-able    | what messages call d                                   |
+// |   | D::writer_type | a WritableStorage   |                                                        |
+// |   | d.create(n)    | D::writer_type      | starts writing object n (visible only at commit)       |
+// |   | d.remove(n)    | void                | removes object n (recursively for a sub-folder); absent is no error |
+// |   | d.make()       | void                | creates d (and parents) if missing                     |
 #pragma once
 
 #include <concepts>
@@ -101,20 +102,27 @@ struct block_write_options {
   std::uint64_t block_bytes = std::uint64_t(16) << 20;  ///< memory per writing thread
 };
 
+/// The readable half of a directory (see the table above): enough for loading, listing and
+/// verifying, so a read-only backend (an HTTP server) needs no writers.
 template <class D>
-concept Directory = requires(const D& d, std::string_view n) {
+concept ReadableDirectory = requires(const D& d, std::string_view n) {
   typename D::reader_type;
-  typename D::writer_type;
   requires ReadableStorage<typename D::reader_type>;
-  requires WritableStorage<typename D::writer_type>;
   { d.open(n) } -> std::same_as<typename D::reader_type>;
-  { d.create(n) } -> std::same_as<typename D::writer_type>;
   { d.exists(n) } -> std::convertible_to<bool>;
   { d.list() } -> std::same_as<std::vector<std::string>>;
-  d.remove(n);
   { d.sub(n) } -> std::same_as<D>;
-  d.make();
   { d.name() } -> std::convertible_to<std::string_view>;
+};
+
+/// A directory that can also create, remove and make: what saving and rotation need.
+template <class D>
+concept WritableDirectory = ReadableDirectory<D> && requires(const D& d, std::string_view n) {
+  typename D::writer_type;
+  requires WritableStorage<typename D::writer_type>;
+  { d.create(n) } -> std::same_as<typename D::writer_type>;
+  d.remove(n);
+  d.make();
 };
 
 namespace detail {

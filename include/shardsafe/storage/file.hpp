@@ -261,6 +261,6 @@ using file_directory = basic_file_directory<file_storage>;
 
 static_assert(ReadableStorage<file_storage>);
 static_assert(WritableStorage<file_writer>);
-static_assert(Directory<file_directory>);
+static_assert(WritableDirectory<file_directory>);
 
 }  // namespace shardsafe

@@ -151,6 +151,6 @@ class memory_directory {
 
 static_assert(MappableStorage<memory_storage>);
 static_assert(WritableStorage<memory_writer>);
-static_assert(Directory<memory_directory>);
+static_assert(WritableDirectory<memory_directory>);
 
 }  // namespace shardsafe

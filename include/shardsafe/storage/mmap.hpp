@@ -90,6 +90,6 @@ class mmap_storage {
 using mmap_directory = basic_file_directory<mmap_storage>;
 
 static_assert(MappableStorage<mmap_storage>);
-static_assert(Directory<mmap_directory>);
+static_assert(WritableDirectory<mmap_directory>);
 
 }  // namespace shardsafe

@@ -38,7 +38,7 @@ struct train_load_report {
 
 /// Saves `model` (this rank's tensors and how each is sharded) and, if given, the state of
 /// `optim`, whose parameters must be tensors of `model`. A collective over comm.
-template <Directory D, Comm C>
+template <WritableDirectory D, Comm C>
 train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
                                              C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -46,7 +46,7 @@ train_state_stats save_model_and_optim_state(const D& dir, const state_dict& mod
     if (!dir.list().empty()) {
       if (!opt.overwrite)
         fail(errc::already_exists, std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite)");
-      if (dir.exists("model")) dir.sub("model").remove(metadata_file_name);  // the commit mark goes first
+      if (dir.exists("model")) dir.sub(model_folder_name).remove(metadata_file_name);  // the commit mark goes first
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
@@ -60,15 +60,15 @@ train_state_stats save_model_and_optim_state(const D& dir, const state_dict& mod
   if (optim) {
     state_dict flat;
     detail::collective_step(comm, errc::invalid_argument, [&] { flat = flatten_optimizer_state(*optim, model); });
-    st.optim = save_state_dict(dir.sub("optim"), flat, comm, sub);
+    st.optim = save_state_dict(dir.sub(optim_folder_name), flat, comm, sub);
   }
-  st.model = save_state_dict(dir.sub("model"), model, comm, sub);
+  st.model = save_state_dict(dir.sub(model_folder_name), model, comm, sub);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
 
 /// The same for a module: its parameters and buffers, sharded as `shards` says.
-template <Directory D, Comm C>
+template <WritableDirectory D, Comm C>
 train_state_stats save_model_and_optim_state(const D& dir, const torch::nn::Module& module,
                                              torch::optim::Optimizer* optim, C& comm, const save_options& opt = {},
                                              const shard_map& shards = {}) {
@@ -77,7 +77,7 @@ train_state_stats save_model_and_optim_state(const D& dir, const torch::nn::Modu
 
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
 /// under any change of world size or sharding. A collective over comm (for agreement only).
-template <Directory D, Comm C>
+template <ReadableDirectory D, Comm C>
 train_load_report load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
                                              const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -87,10 +87,10 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
       fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
     load_options lo = opt.load;
     lo.strict = opt.strict;
-    checkpoint_reader<D> mr(dir.sub("model"));
+    checkpoint_reader<D> mr(dir.sub(model_folder_name));
     rep.model = load_state_dict(mr, model, lo);
     if (optim) {
-      checkpoint_reader<D> orr(dir.sub("optim"));
+      checkpoint_reader<D> orr(dir.sub(optim_folder_name));
       optim_load_options oo;
       oo.load = opt.load;
       oo.load.strict = true;
@@ -104,7 +104,7 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
   return rep;
 }
 
-template <Directory D, Comm C>
+template <ReadableDirectory D, Comm C>
 train_load_report load_model_and_optim_state(const D& dir, torch::nn::Module& module, torch::optim::Optimizer* optim,
                                              C& comm, const train_load_options& opt = {}, const shard_map& shards = {}) {
   state_dict model = module_state_dict(module, shards);

@@ -398,7 +398,7 @@ inline state_dict flatten_optimizer_state(torch::optim::Optimizer& opt, const st
 
 namespace detail {
 /// Reads a whole small tensor of the checkpoint into a new CPU tensor.
-template <Directory D>
+template <ReadableDirectory D>
 at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const load_options& opt) {
   const tensor_metadata* tm = r.find(key);
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
@@ -408,7 +408,7 @@ at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const loa
   return t;
 }
 
-template <Directory D>
+template <ReadableDirectory D>
 pickle_value read_pickle(checkpoint_reader<D>& r, const std::string& key, const load_options& opt) {
   at::Tensor b = read_whole(r, key, opt);
   if (b.scalar_type() != at::kByte)
@@ -427,7 +427,7 @@ inline std::vector<std::string> names_of(const pickle_value& group, const std::s
 
 /// Loads optimizer state from an optim/ checkpoint into `opt`, in place: state tensors are the
 /// optimizer's own (created with the parameter's shape where missing), read in one batch.
-template <Directory D>
+template <ReadableDirectory D>
 optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
                                        const optim_load_options& o = {}) {
   optim_load_report rep;
@@ -535,7 +535,7 @@ struct full_optimizer_state {
 };
 
 /// Reads the whole optimizer state of an optim/ checkpoint in one process.
-template <Directory D>
+template <ReadableDirectory D>
 full_optimizer_state unshard_optim_state(checkpoint_reader<D>& r, const load_options& opt = {}) {
   full_optimizer_state out;
   const std::string dname(r.directory().name());
@@ -556,7 +556,7 @@ full_optimizer_state unshard_optim_state(checkpoint_reader<D>& r, const load_opt
   return out;
 }
 
-template <Directory D>
+template <ReadableDirectory D>
 full_optimizer_state unshard_optim_state(const D& dir, const load_options& opt = {}) {
   checkpoint_reader<D> r(dir);
   return unshard_optim_state(r, opt);

@@ -77,7 +77,7 @@ inline flat_view view_of(const std::string& key, const sharded_tensor& t, const 
 }  // namespace detail
 
 /// Saves a state dict as one sharded checkpoint in dir. A collective over comm.
-template <Directory D, Comm C>
+template <WritableDirectory D, Comm C>
 save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
   std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
   std::vector<flat_view> views;
@@ -97,7 +97,7 @@ save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const sa
 
 /// Loads a checkpoint into the state dict's tensors, in place. Tensors that are not CPU and
 /// contiguous (e.g. CUDA) go through a CPU tensor of their own size, one at a time.
-template <Directory D>
+template <ReadableDirectory D>
 load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const load_options& opt = {}) {
   std::vector<flat_view> direct;
   std::vector<std::pair<const std::string*, sharded_tensor*>> staged;
@@ -132,14 +132,14 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
   return st;
 }
 
-template <Directory D>
+template <ReadableDirectory D>
 load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt = {}) {
   checkpoint_reader<D> reader(dir);
   return load_state_dict(reader, sd, opt);
 }
 
 /// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool).
-template <Directory D>
+template <ReadableDirectory D>
 std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader, const load_options& opt = {}) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::vector<flat_view> views;
@@ -153,14 +153,14 @@ std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<
   return out;
 }
 
-template <Directory D>
+template <ReadableDirectory D>
 std::vector<std::pair<std::string, at::Tensor>> unshard_state(const D& dir, const load_options& opt = {}) {
   checkpoint_reader<D> reader(dir);
   return unshard_state(reader, opt);
 }
 
 /// unshard_state on rank 0 only (others get nothing); the ranks agree on the outcome.
-template <Directory D, Comm C>
+template <ReadableDirectory D, Comm C>
 std::vector<std::pair<std::string, at::Tensor>> unshard_state_on_rank0(const D& dir, C& comm,
                                                                        const load_options& opt = {}) {
   std::vector<std::pair<std::string, at::Tensor>> out;

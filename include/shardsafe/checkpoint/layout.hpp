@@ -1,0 +1,23 @@
+// shardsafe/checkpoint/layout.hpp - the names of the objects in a checkpoint folder.
+//
+// A sharded checkpoint is a folder holding metadata.json (written last, by rank 0: its
+// presence is the commit mark) and one rank_R.safetensors per rank. A model + optimizer
+// checkpoint holds two such folders, model/ and optim/ (docs/FORMAT.md).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace shardsafe {
+
+/// The checkpoint's description, written last: a folder without it is not a checkpoint.
+inline constexpr std::string_view metadata_file_name = "metadata.json";
+
+/// The name rank R's file has in a checkpoint directory.
+inline std::string rank_file_name(int rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
+
+/// The sub-folders of a model + optimizer checkpoint.
+inline constexpr std::string_view model_folder_name = "model";
+inline constexpr std::string_view optim_folder_name = "optim";
+
+}  // namespace shardsafe
