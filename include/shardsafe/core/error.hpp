@@ -4,6 +4,12 @@
 // as a shardsafe::error: a std::system_error whose code is a shardsafe::errc in the
 // shardsafe category (or, for operating-system failures, the errno value in the generic
 // category), and whose message names the file, the tensor and the rule involved.
+//
+// errc is an error condition: `e.code() == errc::shape_mismatch` tests a code without caring
+// how it was made, and `e.code() == errc::io_error` holds both for shardsafe's own io_error and
+// for any errno value in the generic or system category (a failed open, mkdir, fsync...), so
+// one comparison catches every operating-system failure. To build a code from an errc, call
+// make_error_code (shardsafe::error's constructor does).
 #pragma once
 
 #include <string>
@@ -32,11 +38,13 @@ enum class errc {
   missing_coverage,       ///< no file holds some elements the caller asked for
   invalid_argument,       ///< the caller passed something that cannot work
   comm_error,             ///< a collective failed or ranks disagreed
+  foreign_exception,      ///< an exception that is not a shardsafe::error, carried to other
+                          ///< ranks (its what() is in the message)
 };
 }  // namespace shardsafe
 
 template <>
-struct std::is_error_code_enum<shardsafe::errc> : std::true_type {};
+struct std::is_error_condition_enum<shardsafe::errc> : std::true_type {};
 
 namespace shardsafe {
 
@@ -64,8 +72,18 @@ class error_category_impl final : public std::error_category {
       case errc::missing_coverage: return "missing coverage";
       case errc::invalid_argument: return "invalid argument";
       case errc::comm_error: return "communication error";
+      case errc::foreign_exception: return "exception from outside shardsafe";
     }
     return "unknown shardsafe error";
+  }
+  using std::error_category::equivalent;
+  /// A code is equivalent to a shardsafe condition when it is that errc in this category, or,
+  /// for errc::io_error, when it is any errno value in the generic or system category.
+  bool equivalent(const std::error_code& code, int condition) const noexcept override {
+    if (code.category() == *this) return code.value() == condition;
+    if (condition == static_cast<int>(errc::io_error))
+      return code.value() != 0 && (code.category() == std::generic_category() || code.category() == std::system_category());
+    return false;
   }
 };
 }  // namespace detail
@@ -76,13 +94,19 @@ inline const std::error_category& error_category() noexcept {
   return category;
 }
 
+/// The code shardsafe throws for e (what shardsafe::error carries).
 inline std::error_code make_error_code(errc e) noexcept {
   return {static_cast<int>(e), error_category()};
 }
 
+/// The condition e, which codes compare equal to (see error_category_impl::equivalent).
+inline std::error_condition make_error_condition(errc e) noexcept {
+  return {static_cast<int>(e), error_category()};
+}
+
 /// The exception every shardsafe function throws for bad input or failed I/O.
-/// what() is the full message; code() compares equal to an errc (or to a std::errc for
-/// operating-system failures).
+/// what() is the full message; code() compares equal to an errc (and, for operating-system
+/// failures, to errc::io_error and to the std::errc of its errno value).
 class error : public std::system_error {
  public:
   error(errc code, const std::string& message)
@@ -96,11 +120,12 @@ class error : public std::system_error {
   std::string message_;
 };
 
-/// Throw a shardsafe::error; kept out of line of the hot path by the compiler.
-[[noreturn]] inline void fail(errc code, const std::string& message) { throw error(code, message); }
+/// Throw a shardsafe::error. Marked cold: the compiler treats paths that call it as unlikely
+/// and places them away from the hot code.
+[[noreturn, gnu::cold]] inline void fail(errc code, const std::string& message) { throw error(code, message); }
 
 /// Throw for a failed system call: the message gets ": strerror(errno)" appended.
-[[noreturn]] inline void fail_errno(int err, const std::string& message) {
+[[noreturn, gnu::cold]] inline void fail_errno(int err, const std::string& message) {
   throw error(std::error_code(err, std::generic_category()),
               message + ": " + std::generic_category().message(err));
 }
