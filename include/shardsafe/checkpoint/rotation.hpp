@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/layout.hpp"
-#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -76,12 +76,13 @@ void remove_checkpoint(const D& root, const std::string& name) {
 
 /// Keeps the newest `keep_last` complete checkpoints under root and removes the older ones,
 /// with any unfinished ones older than the newest complete one (left by killed saves). Rank 0
-/// removes; every rank gets the same list back or the same error. A collective.
+/// removes; every rank gets the same list back (newest first) or the same error, with the
+/// code rank 0 met (dist/agree.hpp). A collective.
 template <WritableDirectory D, Comm C>
 std::vector<std::string> rotate_checkpoints(const D& root, std::size_t keep_last, C& comm,
                                             std::string_view prefix = "step") {
-  std::vector<std::string> removed;
-  std::string outcome = comm.rank() == 0 ? detail::outcome_of([&] {
+  const std::string list = rank0_step(comm, [&] {
+    std::vector<std::string> doomed;
     auto all = list_checkpoints(root, prefix);
     std::size_t complete_seen = 0;
     std::optional<std::uint64_t> newest_complete;
@@ -89,23 +90,22 @@ std::vector<std::string> rotate_checkpoints(const D& root, std::size_t keep_last
       if (it->complete) {
         if (!newest_complete) newest_complete = it->step;
         if (++complete_seen <= keep_last) continue;
-        removed.push_back(it->name);
+        doomed.push_back(it->name);
       } else if (newest_complete && it->step < *newest_complete) {
-        removed.push_back(it->name);
+        doomed.push_back(it->name);
       }
     }
-    for (const auto& n : removed) remove_checkpoint(root, n);
-  }) : std::string();
-  std::string list;
-  for (const auto& n : removed) list += n + '\n';
-  if (comm.rank() == 0 && outcome.empty()) outcome = "ok\n" + list;
-  comm.broadcast_bytes(outcome, 0);
-  detail::agree_on_outcomes({outcome}, errc::io_error);
-  removed.clear();
-  std::size_t pos = 3;
-  while (pos < outcome.size()) {
-    auto nl = outcome.find('\n', pos);
-    removed.push_back(outcome.substr(pos, nl - pos));
+    std::string text;  // the names, each ended by '\0' (which no plain name holds)
+    for (const auto& n : doomed) {
+      remove_checkpoint(root, n);
+      text += n + '\0';
+    }
+    return text;
+  });
+  std::vector<std::string> removed;
+  for (std::size_t pos = 0; pos < list.size();) {
+    const auto nl = list.find('\0', pos);
+    removed.push_back(list.substr(pos, nl - pos));
     pos = nl + 1;
   }
   return removed;

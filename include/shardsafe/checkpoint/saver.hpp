@@ -13,6 +13,9 @@
 //      its shards, and each replicated tensor it is the lowest rank to hold;
 //   4. the outcomes are all-gathered; then rank 0 writes metadata.json, last, by rename: the
 //      commit mark. A save killed at any point leaves no directory that loads as complete.
+// Each step runs under dist/agree.hpp: a failure on any rank is thrown, with its own code,
+// on every rank. save_flat_views reads as these four steps (detail::agree_on_metadata,
+// prepare_directory, write_rank_files, commit_metadata).
 #pragma once
 
 #include <algorithm>
@@ -27,6 +30,7 @@
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
@@ -63,39 +67,6 @@ namespace detail {
 struct no_fill {
   void operator()(std::uint64_t, std::span<std::byte>) const noexcept {}
 };
-
-inline constexpr std::string_view error_marker = "\x01shardsafe-error\x01";
-
-/// Runs f; returns "" or the error marker and message, for all-gathering outcomes.
-template <class F>
-std::string outcome_of(F&& f) {
-  try {
-    f();
-    return {};
-  } catch (const std::exception& e) {
-    return std::string(error_marker) + e.what();
-  }
-}
-
-/// Throws on every rank if any rank's outcome is an error (the lowest rank's message, with
-/// how many ranks failed).
-inline void agree_on_outcomes(const std::vector<std::string>& outcomes, errc code) {
-  int failed = 0, first = -1;
-  for (std::size_t r = 0; r < outcomes.size(); ++r)
-    if (outcomes[r].rfind(error_marker, 0) == 0) {
-      ++failed;
-      if (first < 0) first = static_cast<int>(r);
-    }
-  if (failed == 0) return;
-  std::string msg = "rank " + std::to_string(first) + ": " + outcomes[first].substr(error_marker.size());
-  if (failed > 1) msg += " (and " + std::to_string(failed - 1) + " more rank(s) failed)";
-  throw error(code, msg);
-}
-
-template <Comm C, class F>
-void collective_step(C& comm, errc code, F&& f) {
-  agree_on_outcomes(comm.all_gather_bytes(outcome_of(f)), code);
-}
 
 /// This rank's part of the metadata: every view with this rank's file as its only file.
 inline checkpoint_metadata describe_views(std::span<const flat_view> views, int rank, std::string_view dir) {
@@ -158,6 +129,118 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
   return out;
 }
 
+/// Step 1: every rank describes its views; the descriptions are all-gathered, merged and
+/// checked on every rank alike. Returns the checkpoint's metadata (without its extras).
+template <Comm C>
+checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm, const std::string& dname) {
+  const int rank = comm.rank();
+  const auto texts = every_rank_step(comm, [&] { return write_checkpoint_metadata(describe_views(views, rank, dname)); });
+  std::vector<checkpoint_metadata> parts;
+  parts.reserve(texts.size());
+  for (std::size_t r = 0; r < texts.size(); ++r)
+    parts.push_back(parse_checkpoint_metadata(texts[r], dname + " (rank " + std::to_string(r) + "'s plan)"));
+  return merge_descriptions(parts, dname);
+}
+
+/// Step 2, on rank 0: refuses a non-empty dir unless overwrite; otherwise empties it,
+/// metadata.json first (so the old checkpoint stops loading as complete); then makes it.
+template <WritableDirectory D, Comm C>
+void prepare_directory(const D& dir, bool overwrite, C& comm) {
+  rank0_step(comm, [&] {
+    if (!dir.list().empty()) {
+      if (!overwrite)
+        fail(errc::already_exists,
+             std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
+      dir.remove(metadata_file_name);
+      for (const auto& n : dir.list()) dir.remove(n);
+    }
+    dir.make();
+  });
+}
+
+/// The views `rank` writes: its shards, and each replicated tensor it is the lowest rank to hold.
+inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                    int rank) {
+  const std::string fname = rank_file_name(rank);
+  std::vector<const flat_view*> out;
+  for (const auto& v : views) {
+    const tensor_metadata* tm = md.find(v.key);
+    if (tm->is_sharded || tm->files.front().first == fname) out.push_back(&v);
+  }
+  return out;
+}
+
+/// Writes `views` as the safetensors file `fname` in dir (temporary name, synced, committed):
+/// in aligned blocks where the writer has write_blocks, else in chunks through write_at.
+/// Returns the file's size.
+template <WritableDirectory D>
+std::uint64_t write_rank_file(const D& dir, const std::string& fname, std::span<const flat_view* const> views,
+                              const save_options& opt) {
+  std::vector<tensor_entry> entries;
+  for (const flat_view* v : views) entries.push_back({v->key, v->type, shape_t{v->local_numel()}, 0, 0});
+  auto w = dir.create(fname);
+  auto layout = plan_safetensors(std::move(entries), {}, w.name());
+  if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
+  if constexpr (requires { w.write_blocks(std::uint64_t{}, no_fill{}, block_write_options{}); }) {
+    // the whole file in aligned blocks: header and tensors gathered into each block
+    std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
+    for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
+    block_write_options bo;
+    bo.threads = opt.threads;
+    bo.direct = opt.direct_io;
+    bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
+    w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+      render_safetensors_bytes(layout, data, off, dst);
+    }, bo);
+    w.sync();
+    w.commit();
+    return layout.file_size();
+  }
+  safetensors_writer<typename D::writer_type> sw(w, layout);
+  struct piece {
+    std::size_t index;
+    std::uint64_t offset, len;
+    const std::byte* src;
+  };
+  std::vector<piece> pieces;
+  const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
+  for (const flat_view* v : views) {
+    const std::size_t idx = layout.index_of(v->key);
+    if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
+    for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
+      pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
+  }
+  parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
+    const piece& p = pieces[i];
+    sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+  });
+  sw.finish();
+  return layout.file_size();
+}
+
+/// Step 3: every rank writes rank_R.safetensors; returns every rank's file size, by rank.
+template <WritableDirectory D, Comm C>
+std::vector<std::uint64_t> write_rank_files(const D& dir, std::span<const flat_view* const> mine, C& comm,
+                                            const save_options& opt) {
+  const std::string fname = rank_file_name(comm.rank());
+  const auto texts = every_rank_step(comm, [&] { return std::to_string(write_rank_file(dir, fname, mine, opt)); });
+  std::vector<std::uint64_t> sizes;
+  for (const auto& t : texts) sizes.push_back(std::stoull(t));
+  return sizes;
+}
+
+/// Step 4, on rank 0, once every rank file is written: metadata.json, by rename (the commit mark).
+template <WritableDirectory D, Comm C>
+void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
+  rank0_step(comm, [&] {
+    const std::string text = write_checkpoint_metadata(md);
+    auto w = dir.create(metadata_file_name);
+    w.write_at(0, std::as_bytes(std::span(text)));
+    w.sync();
+    w.commit();
+  });
+}
+
 }  // namespace detail
 
 /// Saves every rank's views into dir as one checkpoint. A collective: every rank calls it.
@@ -165,108 +248,21 @@ template <WritableDirectory D, Comm C>
 save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const int rank = comm.rank(), world = comm.world_size();
-  const std::string dname(dir.name());
+  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
+  detail::prepare_directory(dir, opt.overwrite, comm);                                       // 2
+  const auto mine = detail::views_to_write(views, md, rank);
+  const auto sizes = detail::write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
 
-  // 1. describe, gather, merge, check
-  std::string mine;
-  std::string local_error = detail::outcome_of([&] { mine = write_checkpoint_metadata(detail::describe_views(views, rank, dname)); });
-  auto gathered = comm.all_gather_bytes(local_error.empty() ? mine : local_error);
-  detail::agree_on_outcomes(gathered, errc::invalid_argument);
-  std::vector<checkpoint_metadata> parts;
-  parts.reserve(gathered.size());
-  for (std::size_t r = 0; r < gathered.size(); ++r)
-    parts.push_back(parse_checkpoint_metadata(gathered[r], dname + " (rank " + std::to_string(r) + "'s plan)"));
-  checkpoint_metadata md = detail::merge_descriptions(parts, dname);
-
-  // 2. prepare the directory
-  std::string prep = rank == 0 ? detail::outcome_of([&] {
-    if (!dir.list().empty()) {
-      if (!opt.overwrite)
-        fail(errc::already_exists, dname + ": not empty; refusing to save over it (pass overwrite to replace it)");
-      dir.remove(metadata_file_name);  // first: the old checkpoint no longer loads as complete
-      for (const auto& n : dir.list()) dir.remove(n);
-    }
-    dir.make();
-  }) : std::string();
-  comm.broadcast_bytes(prep, 0);
-  detail::agree_on_outcomes({prep}, errc::already_exists);
-
-  // 3. write this rank's file
   save_stats st;
-  const std::string fname = rank_file_name(rank);
-  std::uint64_t size = 0;
-  std::string write_error = detail::outcome_of([&] {
-    std::vector<const flat_view*> mine_to_write;
-    for (const auto& v : views) {
-      const tensor_metadata* tm = md.find(v.key);
-      const auto& owner = tm->files.front().first;
-      if (tm->is_sharded || owner == fname) mine_to_write.push_back(&v);
-    }
-    std::vector<tensor_entry> entries;
-    for (const flat_view* v : mine_to_write) entries.push_back({v->key, v->type, shape_t{v->local_numel()}, 0, 0});
-    auto w = dir.create(fname);
-    auto layout = plan_safetensors(std::move(entries), {}, w.name());
-    if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
-    if constexpr (requires { w.write_blocks(std::uint64_t{}, detail::no_fill{}, block_write_options{}); }) {
-      // the whole file in aligned blocks: header and tensors gathered into each block
-      std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
-      for (const flat_view* v : mine_to_write) data[layout.index_of(v->key)] = v->data;
-      block_write_options bo;
-      bo.threads = opt.threads;
-      bo.direct = opt.direct_io;
-      bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
-      w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        render_safetensors_bytes(layout, data, off, dst);
-      }, bo);
-      w.sync();
-      w.commit();
-      size = layout.file_size();
-      st.tensors_written = mine_to_write.size();
-      return;
-    }
-    safetensors_writer<typename D::writer_type> sw(w, layout);
-    struct piece {
-      std::size_t index;
-      std::uint64_t offset, len;
-      const std::byte* src;
-    };
-    std::vector<piece> pieces;
-    const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
-    for (const flat_view* v : mine_to_write) {
-      const std::size_t idx = layout.index_of(v->key);
-      if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
-      for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
-        pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
-    }
-    detail::parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
-      const piece& p = pieces[i];
-      sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
-    });
-    sw.finish();
-    size = layout.file_size();
-    st.tensors_written = mine_to_write.size();
-  });
-
-  // 4. agree, then commit metadata.json on rank 0
-  auto outcomes = comm.all_gather_bytes(write_error.empty() ? std::to_string(size) : write_error);
-  detail::agree_on_outcomes(outcomes, errc::io_error);
+  st.tensors_written = mine.size();
+  st.bytes_written = sizes[static_cast<std::size_t>(rank)];
   md.extras.writer = "shardsafe " + std::string(library_version);
   md.extras.world_size = static_cast<std::uint64_t>(world);
   for (int r = 0; r < world; ++r) {
-    const std::uint64_t s = std::stoull(outcomes[r]);
-    md.extras.file_sizes[rank_file_name(r)] = s;
-    st.total_bytes += s;
+    md.extras.file_sizes[rank_file_name(r)] = sizes[static_cast<std::size_t>(r)];
+    st.total_bytes += sizes[static_cast<std::size_t>(r)];
   }
-  st.bytes_written = size;
-  std::string commit = rank == 0 ? detail::outcome_of([&] {
-    const std::string text = write_checkpoint_metadata(md);
-    auto w = dir.create(metadata_file_name);
-    w.write_at(0, std::as_bytes(std::span(text)));
-    w.sync();
-    w.commit();
-  }) : std::string();
-  comm.broadcast_bytes(commit, 0);
-  detail::agree_on_outcomes({commit}, errc::io_error);
+  detail::commit_metadata(dir, md, comm);  // 4
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -3,7 +3,8 @@
 //
 // The optimizer is written first and model/metadata.json last: that file is the commit mark
 // of the pair, so a save killed at any point leaves a folder that does not load as complete.
-// Loading agrees across ranks: if any rank fails, every rank throws the same error.
+// Saving and loading agree across ranks: if any rank fails, every rank throws the same error,
+// with the code the failing rank met (dist/agree.hpp).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -11,6 +12,7 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/agree.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/optim.hpp"
 #include "shardsafe/torch/state_dict.hpp"
@@ -42,7 +44,7 @@ template <WritableDirectory D, Comm C>
 train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
                                              C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
-  std::string prep = comm.rank() == 0 ? detail::outcome_of([&] {
+  rank0_step(comm, [&] {
     if (!dir.list().empty()) {
       if (!opt.overwrite)
         fail(errc::already_exists, std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite)");
@@ -50,16 +52,14 @@ train_state_stats save_model_and_optim_state(const D& dir, const state_dict& mod
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
-  }) : std::string();
-  comm.broadcast_bytes(prep, 0);
-  detail::agree_on_outcomes({prep}, errc::already_exists);
+  });
 
   save_options sub = opt;
   sub.overwrite = false;
   train_state_stats st;
   if (optim) {
     state_dict flat;
-    detail::collective_step(comm, errc::invalid_argument, [&] { flat = flatten_optimizer_state(*optim, model); });
+    every_rank_step(comm, [&] { flat = flatten_optimizer_state(*optim, model); });
     st.optim = save_state_dict(dir.sub(optim_folder_name), flat, comm, sub);
   }
   st.model = save_state_dict(dir.sub(model_folder_name), model, comm, sub);
@@ -82,7 +82,7 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
                                              const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   train_load_report rep;
-  std::string outcome = detail::outcome_of([&] {
+  every_rank_step(comm, [&] {
     if (!is_complete_checkpoint(dir))
       fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
     load_options lo = opt.load;
@@ -99,7 +99,6 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
       rep.optim = load_optimizer_state(orr, *optim, model, oo);
     }
   });
-  detail::agree_on_outcomes(comm.all_gather_bytes(outcome), errc::io_error);
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return rep;
 }

@@ -18,6 +18,7 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/dist/agree.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
 
 namespace shardsafe {
@@ -76,22 +77,22 @@ inline flat_view view_of(const std::string& key, const sharded_tensor& t, const 
 }
 }  // namespace detail
 
-/// Saves a state dict as one sharded checkpoint in dir. A collective over comm.
+/// Saves a state dict as one sharded checkpoint in dir. A collective over comm: an error on
+/// any rank is thrown, with its code, on every rank (dist/agree.hpp).
 template <WritableDirectory D, Comm C>
 save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
   std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
   std::vector<flat_view> views;
   keep.reserve(sd.size());
   views.reserve(sd.size());
-  std::string local_error = detail::outcome_of([&] {
+  // a rank whose tensors cannot be viewed fails the save everywhere, before anything is written
+  every_rank_step(comm, [&] {
     for (const auto& [key, t] : sd) {
       if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
       at::Tensor mem = is_viewable(t.local) ? t.local : keep.emplace_back(t.local.detach().to(at::kCPU).contiguous());
       views.push_back(detail::view_of(key, t, mem));
     }
   });
-  // a rank whose tensors cannot be viewed fails the save everywhere, before anything is written
-  detail::agree_on_outcomes(comm.all_gather_bytes(local_error), errc::invalid_argument);
   return save_flat_views(dir, std::span<const flat_view>(views), comm, opt);
 }
 
@@ -159,14 +160,13 @@ std::vector<std::pair<std::string, at::Tensor>> unshard_state(const D& dir, cons
   return unshard_state(reader, opt);
 }
 
-/// unshard_state on rank 0 only (others get nothing); the ranks agree on the outcome.
+/// unshard_state on rank 0 only (others get nothing); the ranks agree on the outcome: if rank 0
+/// fails, every rank throws its error, with its code (dist/agree.hpp).
 template <ReadableDirectory D, Comm C>
 std::vector<std::pair<std::string, at::Tensor>> unshard_state_on_rank0(const D& dir, C& comm,
                                                                        const load_options& opt = {}) {
   std::vector<std::pair<std::string, at::Tensor>> out;
-  std::string outcome = comm.rank() == 0 ? detail::outcome_of([&] { out = unshard_state(dir, opt); }) : std::string();
-  comm.broadcast_bytes(outcome, 0);
-  detail::agree_on_outcomes({outcome}, errc::io_error);
+  rank0_step(comm, [&] { out = unshard_state(dir, opt); });
   return out;
 }
 

@@ -1,0 +1,189 @@
+// shardsafe/dist/agree.hpp - steps whose outcome every rank agrees on.
+//
+// A collective algorithm must not leave ranks behind: if one rank throws while the others go
+// on to the next collective, they wait for it forever. So each step that can fail runs under
+// one of these two, which catch what the step throws, exchange the outcomes and then throw the
+// same error on every rank, or return on every rank:
+//
+// | call                   | who runs f    | exchange          | returns (f returns void / std::string) |
+// |------------------------|---------------|-------------------|----------------------------------------|
+// | every_rank_step(c, f)  | every rank    | all_gather_bytes  | void / every rank's string, by rank    |
+// | rank0_step(c, f)       | rank 0 only   | broadcast_bytes   | void / rank 0's string, on every rank  |
+//
+// Both are collectives over a Comm (every rank calls them, in the same order). When a step
+// fails somewhere, every rank throws a shardsafe::error with the code the failing rank threw,
+// category included (a shardsafe errc, or an errno value in the generic or system category),
+// and the message "rank R: <what() on rank R>". If several ranks fail, R is the lowest of them
+// and the message adds how many more failed, so every rank throws the same error. What is not
+// a shardsafe error with such a code (a std::bad_alloc, a std::system_error of another
+// category, an exception of any other type) arrives as errc::foreign_exception with its
+// what() (and the foreign category and value, if it had a code).
+#pragma once
+
+#include <charconv>
+#include <exception>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/dist/concepts.hpp"
+
+namespace shardsafe {
+
+/// One rank's outcome of a step, as it travels between ranks: success with the step's result
+/// text, or failure with the error's category, value and message.
+struct step_outcome {
+  bool failed = false;
+  std::string category;  ///< failure: "shardsafe", "generic" or "system"
+  int value = 0;         ///< failure: the code's value in that category
+  std::string text;      ///< success: the step's result; failure: the error's message
+
+  /// The outcome of the exception p: its code kept if its category is one of the three above,
+  /// errc::foreign_exception otherwise.
+  static step_outcome of_exception(std::exception_ptr p) {
+    step_outcome o;
+    o.failed = true;
+    auto keep = [&](const std::error_code& code, std::string what) {
+      const std::error_category& cat = code.category();
+      if (cat == error_category() || cat == std::generic_category() || cat == std::system_category()) {
+        o.category = cat.name();
+        o.value = code.value();
+        o.text = std::move(what);
+      } else {
+        o.category = error_category().name();
+        o.value = static_cast<int>(errc::foreign_exception);
+        o.text = std::move(what) + " [" + cat.name() + " error " + std::to_string(code.value()) + "]";
+      }
+    };
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::system_error& e) {  // shardsafe::error included
+      keep(e.code(), e.what());
+    } catch (const std::exception& e) {
+      keep(make_error_code(errc::foreign_exception), e.what());
+    } catch (...) {
+      keep(make_error_code(errc::foreign_exception), "an exception that is not a std::exception");
+    }
+    return o;
+  }
+
+  /// The code this outcome carries (failed outcomes only).
+  std::error_code code() const {
+    if (category == std::generic_category().name()) return {value, std::generic_category()};
+    if (category == std::system_category().name()) return {value, std::system_category()};
+    return {value, error_category()};
+  }
+
+  /// The bytes sent to other ranks: "o" + result, or "e" + category + '\n' + value + '\n' + message.
+  std::string encode() const {
+    if (!failed) return "o" + text;
+    return "e" + category + '\n' + std::to_string(value) + '\n' + text;
+  }
+
+  /// The outcome encode() wrote; `from` names the sender in the error for bytes that are not one.
+  static step_outcome decode(std::string_view bytes, std::string_view from) {
+    auto malformed = [&] {
+      fail(errc::comm_error, "the outcome received from " + std::string(from) + " is malformed (" +
+                                 std::to_string(bytes.size()) + " bytes)");
+    };
+    step_outcome o;
+    if (bytes.empty()) malformed();
+    if (bytes.front() == 'o') {
+      o.text = bytes.substr(1);
+      return o;
+    }
+    if (bytes.front() != 'e') malformed();
+    const auto nl1 = bytes.find('\n', 1);
+    const auto nl2 = nl1 == std::string_view::npos ? nl1 : bytes.find('\n', nl1 + 1);
+    if (nl2 == std::string_view::npos) malformed();
+    o.failed = true;
+    o.category = bytes.substr(1, nl1 - 1);
+    if (o.category != error_category().name() && o.category != std::generic_category().name() &&
+        o.category != std::system_category().name())
+      malformed();
+    const char* vb = bytes.data() + nl1 + 1;
+    const char* ve = bytes.data() + nl2;
+    auto [p, ec] = std::from_chars(vb, ve, o.value);
+    if (ec != std::errc() || p != ve) malformed();
+    o.text = bytes.substr(nl2 + 1);
+    return o;
+  }
+};
+
+/// Throws on the calling rank, if any outcome (indexed by rank) failed, the error of the lowest
+/// failing rank: its code, and "rank R: " before its message (plus how many more ranks failed).
+inline void throw_if_any_failed(std::span<const step_outcome> outcomes) {
+  int failed = 0, first = -1;
+  for (std::size_t r = 0; r < outcomes.size(); ++r)
+    if (outcomes[r].failed) {
+      ++failed;
+      if (first < 0) first = static_cast<int>(r);
+    }
+  if (failed == 0) return;
+  const step_outcome& o = outcomes[static_cast<std::size_t>(first)];
+  std::string msg = "rank " + std::to_string(first) + ": " + o.text;
+  if (failed > 1) msg += " (and " + std::to_string(failed - 1) + " more rank(s) failed)";
+  throw error(o.code(), msg);
+}
+
+namespace detail {
+
+template <class F>
+concept step_function = std::is_void_v<std::invoke_result_t<F&>> || std::same_as<std::invoke_result_t<F&>, std::string>;
+
+/// Runs f and returns its outcome; never throws (but for running out of memory).
+template <class F>
+step_outcome run_step(F& f) {
+  try {
+    if constexpr (std::is_void_v<std::invoke_result_t<F&>>) {
+      f();
+      return {};
+    } else {
+      step_outcome o;
+      o.text = f();
+      return o;
+    }
+  } catch (...) {
+    return step_outcome::of_exception(std::current_exception());
+  }
+}
+
+}  // namespace detail
+
+/// Every rank runs f; then all ranks agree (see the table above). f returns void or
+/// std::string; with std::string, every rank gets every rank's result, indexed by rank.
+template <Comm C, class F>
+  requires detail::step_function<F>
+auto every_rank_step(C& comm, F&& f) {
+  const std::vector<std::string> gathered = comm.all_gather_bytes(detail::run_step(f).encode());
+  std::vector<step_outcome> outcomes;
+  outcomes.reserve(gathered.size());
+  for (std::size_t r = 0; r < gathered.size(); ++r)
+    outcomes.push_back(step_outcome::decode(gathered[r], "rank " + std::to_string(r)));
+  throw_if_any_failed(outcomes);
+  if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) {
+    std::vector<std::string> results;
+    results.reserve(outcomes.size());
+    for (auto& o : outcomes) results.push_back(std::move(o.text));
+    return results;
+  }
+}
+
+/// Rank 0 runs f (the other ranks do not); then all ranks agree (see the table above). f
+/// returns void or std::string; with std::string, every rank gets rank 0's result.
+template <Comm C, class F>
+  requires detail::step_function<F>
+auto rank0_step(C& comm, F&& f) {
+  std::string bytes = comm.rank() == 0 ? detail::run_step(f).encode() : std::string();
+  comm.broadcast_bytes(bytes, 0);
+  step_outcome o = step_outcome::decode(bytes, "rank 0");
+  throw_if_any_failed(std::span<const step_outcome>(&o, 1));
+  if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) return std::move(o.text);
+}
+
+}  // namespace shardsafe
