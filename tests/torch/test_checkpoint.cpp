@@ -11,6 +11,7 @@
 
 #include "fixtures.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
@@ -535,6 +536,84 @@ TEST_CASE("ranks that disagree fail together, naming both ranks, without hanging
   CHECK_FALSE(std::filesystem::exists(dir.path / "c" / "metadata.json"));
   auto gap = testing::run_world("save_gap", 2, {(dir.path / "g").string()}, std::chrono::seconds(60));
   CHECK_MESSAGE((gap.status == std::vector<int>{3, 3}), gap.report());
+}
+
+namespace {
+/// Runs f, which must throw on every rank a shardsafe::error whose code is exactly `want`
+/// (category and value) and whose message starts "rank <failing>: "; prints what differs.
+template <class F>
+int expect_everywhere(const char* what, int rank, std::error_code want, int failing, F&& f) {
+  try {
+    f();
+    std::fprintf(stderr, "%s: rank %d threw nothing\n", what, rank);
+  } catch (const shardsafe::error& e) {
+    const std::string m = e.what();
+    if (e.code() == want && m.rfind("rank " + std::to_string(failing) + ": ", 0) == 0) return 0;
+    std::fprintf(stderr, "%s: rank %d threw %s:%d (%s), not %s:%d: %s\n", what, rank, e.code().category().name(),
+                 e.code().value(), e.code().message().c_str(), want.category().name(), want.value(), m.c_str());
+  }
+  return 1;
+}
+}  // namespace
+
+// Each torch call site of dist/agree.hpp: the failing rank's own code arrives on every rank.
+// args: a folder to work in, a regular file.
+WORKER_SCENARIO("agree_keeps_codes") {
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  const std::filesystem::path base = args.at(0), plain = args.at(1);
+  int bad = 0;
+  // save_state_dict: a dtype safetensors lacks, on rank 1 only (was invalid_argument)
+  bad += expect_everywhere("save_state_dict", w.rank, make_error_code(errc::unsupported_dtype), 1, [&] {
+    state_dict sd;
+    sd.add("z", w.rank == 1 ? at::zeros({3}, at::kComplexDouble) : at::zeros({3}, at::kDouble));
+    save_state_dict(file_directory(base / "dtype"), sd, comm);
+  });
+  // save_model_and_optim_state: rank 0's mkdir under a regular file fails (was already_exists)
+  bad += expect_everywhere("save_model_and_optim_state", w.rank, std::error_code(ENOTDIR, std::generic_category()), 0,
+                           [&] {
+                             state_dict sd;
+                             sd.add("w", at::zeros({4, 6}));
+                             save_model_and_optim_state(file_directory(plain / "ckpt"), sd, nullptr, comm);
+                           });
+  // load_model_and_optim_state: rank 1's tensor has the wrong shape (was io_error)
+  {
+    state_dict sd;
+    sd.add("w", expected_full("w", dtype::F32, {4, 6}));
+    save_model_and_optim_state(file_directory(base / "pair"), sd, nullptr, comm);
+  }
+  bad += expect_everywhere("load_model_and_optim_state", w.rank, make_error_code(errc::shape_mismatch), 1, [&] {
+    state_dict sd;
+    sd.add("w", w.rank == 1 ? at::zeros({4, 5}) : at::zeros({4, 6}));
+    load_model_and_optim_state(file_directory(base / "pair"), sd, nullptr, comm);
+  });
+  // unshard_state_on_rank0: no checkpoint there (was io_error)
+  bad += expect_everywhere("unshard_state_on_rank0", w.rank, make_error_code(errc::not_found), 0,
+                           [&] { unshard_state_on_rank0(file_directory(base / "none"), comm); });
+  // and the agreement leaves the world usable: a save and an unshard that work
+  {
+    state_dict sd;
+    sd.add("w", local_of(expected_full("w", dtype::F32, {4, 6}), block_part({4, 6}, 0, 2, w.rank)),
+           block_part({4, 6}, 0, 2, w.rank), {4, 6});
+    save_state_dict(file_directory(base / "ok"), sd, comm);
+    auto full = unshard_state_on_rank0(file_directory(base / "ok"), comm);
+    if (w.rank == 0 && (full.size() != 1 || !testing::same_bits(full[0].second, expected_full("w", dtype::F32, {4, 6})))) {
+      std::fprintf(stderr, "unshard after the failures: wrong tensors\n");
+      ++bad;
+    }
+    if (w.rank != 0 && !full.empty()) ++bad;
+  }
+  return bad == 0 ? 0 : 1;
+}
+
+TEST_CASE("a failure on one rank arrives on every rank with its own code (c10d)") {
+  testing::temp_dir dir("agree");
+  testing::write_file(dir.path / "plain", "x");
+  auto res = testing::run_world("agree_keeps_codes", 2, {dir.str(), (dir.path / "plain").string()},
+                                std::chrono::seconds(120));
+  CHECK_MESSAGE(res.ok(), res.report());
+  CHECK_FALSE(std::filesystem::exists(dir.path / "dtype" / "metadata.json"));
+  CHECK(std::filesystem::exists(dir.path / "ok" / "metadata.json"));
 }
 
 // A save killed at any moment leaves either a complete checkpoint or one that does not load.
