@@ -5,7 +5,7 @@
 // (a Comm: all_gather_bytes, broadcast_bytes and barrier rendezvous through a shared
 // thread_world), and returns what each rank threw (or nullptr), indexed by rank. A rank that
 // waits in a collective longer than the timeout (because another rank never arrives) throws
-// errc::comm_error instead of hanging the test.
+// errc::comm_error instead of hanging the test (the world is of no further use then).
 #pragma once
 
 #include <chrono>
