@@ -745,6 +745,22 @@ TEST_CASE("validation errors name the context and the rule") {
 // =======================================================================================
 // concepts
 
+// Ranges of elements and of bytes are different types: a plan in elements cannot be handed to
+// code that expects bytes, nor the other way round.
+static_assert(!std::is_convertible_v<element_range, byte_range>);
+static_assert(!std::is_convertible_v<byte_range, element_range>);
+static_assert(!std::is_invocable_v<decltype([](const byte_range&) {}), element_range>);
+static_assert(std::is_same_v<decltype(merged_ranges_vector(std::declval<const flat_spec&>(), {})),
+                             std::vector<element_range>>);
+
+TEST_CASE("numel: the product of the extents, 1 for a 0-d tensor, 0 with an empty extent") {
+  static_assert(numel(shape_t{}) == 1);
+  CHECK(numel(shape_t{4, 5}) == bf_numel({4, 5}));
+  CHECK(numel(shape_t{3, 0, 7}) == 0);
+  CHECK(numel(shape_t{}) == 1);
+  CHECK(numel(shape_t{1u << 20, 1u << 20}) == (u64(1) << 40));
+}
+
 namespace {
 struct no_cursor {
   u64 local_numel() const { return 0; }

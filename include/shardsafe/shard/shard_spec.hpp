@@ -48,9 +48,6 @@
 
 namespace shardsafe {
 
-/// A half-open range of elements of a flattened tensor.
-using element_range = byte_range;
-
 /// One run of a shard: global elements [begin, end), stored from local offset `local`.
 struct spec_run {
   std::uint64_t begin = 0;
@@ -162,7 +159,7 @@ class block_spec {
 
   const shape_t& local_shape() const noexcept { return local_shape_; }
   const shape_t& global_offset() const noexcept { return global_offset_; }
-  std::uint64_t local_numel() const noexcept { return detail::numel(local_shape_); }
+  std::uint64_t local_numel() const noexcept { return numel(local_shape_); }
 
   /// The whole tensor as one block.
   static block_spec whole(std::span<const std::uint64_t> full) {
@@ -208,7 +205,7 @@ class block_spec {
         }
       if (!narrower) {  // the whole tensor
         nruns_ = 1;
-        run_len_ = detail::numel(full);
+        run_len_ = numel(full);
         start_ = 0;
         return;
       }
