@@ -74,10 +74,13 @@ bool is_hf_folder(const D& dir) {
 
 namespace detail {
 
-/// "dir/name", the way a Directory's objects are named in messages.
+/// "dir/name", the way a Directory's objects are named in messages (one '/' between the two,
+/// also when the directory's name ends in one, as a folder given as "hf/" does).
 template <ReadableDirectory D>
 std::string object_path(const D& dir, std::string_view name) {
-  return std::string(dir.name()) + "/" + std::string(name);
+  std::string p(dir.name());
+  if (p.empty() || p.back() != '/') p += '/';
+  return p + std::string(name);
 }
 
 template <ReadableDirectory D>
