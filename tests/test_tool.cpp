@@ -17,6 +17,8 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -24,6 +26,7 @@
 #include "checkpoint_fixtures.hpp"
 #include "malformed_corpus.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "../tools/sha256.hpp"
 
 namespace fs = std::filesystem;
 
@@ -104,14 +107,69 @@ TEST_CASE("tool: every malformed safetensors file fails verify, inspect and dige
   }
 }
 
+/// A usage error as FORMAT.md asks: exit 2, nothing on stdout, one line on stderr with the phrases.
+void check_usage_error(const result& r, const std::vector<std::string>& phrases) {
+  CHECK(r.exited);
+  CHECK(r.code == 2);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(std::count(r.err.begin(), r.err.end(), '\n') == 1, "stderr is not one line: ", r.err);
+  for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err, " lacks ", p);
+}
+
 TEST_CASE("tool: usage errors and missing paths" * skip_without_tool) {
   temp_dir tmp;
   const result none = run_tool({});
   CHECK(none.exited);
   CHECK(none.code == 2);
   CHECK(run_tool({"frobnicate", "x"}).code == 2);
+  check_usage_error(none, {"shardsafe --help"});
+  check_usage_error(run_tool({"frobnicate", "x"}), {"unknown command 'frobnicate'"});
+  check_usage_error(run_tool({"verify"}), {"PATH"});
+  check_usage_error(run_tool({"verify", "a", "b"}), {"b"});
+  check_usage_error(run_tool({"unshard", "a"}), {"OUT"});
+  check_usage_error(run_tool({"inspect", "--frobnicate", "a"}), {"--frobnicate"});
   check_fails(run_tool({"verify", (tmp.path / "absent").string()}), {(tmp.path / "absent").string()});
   check_fails(run_tool({"verify", tmp.path.string()}), {tmp.path.string(), "model.safetensors"});
+}
+
+TEST_CASE("tool: --help and --version print on stdout and exit 0" * skip_without_tool) {
+  for (const char* h : {"--help", "-h"}) {
+    const result r = run_tool({h});
+    CHECK(r.exited);
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) CHECK_MESSAGE(r.out.find(cmd) != std::string::npos, cmd);
+  }
+  for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) {
+    INFO(cmd);
+    const result r = run_tool({cmd, "--help"});
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.find(std::string("shardsafe ") + cmd) != std::string::npos);
+  }
+  const result v = run_tool({"--version"});
+  CHECK(v.code == 0);
+  CHECK(v.err.empty());
+  // "shardsafe MAJOR.MINOR.PATCH", one line
+  CHECK_MESSAGE(std::regex_match(v.out, std::regex("shardsafe [0-9]+\\.[0-9]+\\.[0-9]+\n")), v.out);
+}
+
+TEST_CASE("tool: its SHA-256 agrees with the FIPS 180-2 vectors and with OpenSSL's one-shot digest, in any chunks") {
+  // tools/sha256.hpp is the tool's own (the library installs no OpenSSL code); checked here
+  // without running the tool.
+  auto digest = [](std::string_view text, std::size_t chunk) {
+    shardsafe::tool::sha256 h;
+    for (std::size_t i = 0; i < text.size(); i += chunk)
+      h.update(std::as_bytes(std::span(text.data() + i, std::min(chunk, text.size() - i))));
+    return h.hex();
+  };
+  CHECK(digest("abc", 1) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(digest("", 1) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(digest("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq", 5) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  std::mt19937_64 rng(3);
+  const std::string big = random_string(100'003, rng);
+  for (std::size_t chunk : {1u, 63u, 64u, 4096u, 100'003u}) CHECK(digest(big, chunk) == sha256_hex(big));
 }
 
 TEST_CASE("tool: a valid file, a Hugging Face folder and an indexed one agree on the digest" * skip_without_tool) {
