@@ -328,3 +328,14 @@ TEST_CASE_TEMPLATE("verify_checkpoint: every broken checkpoint is refused with i
     CHECK(rep.tensor_bytes == 2);
   }
 }
+
+TEST_CASE("hf_folder: a folder named with a trailing '/' names its objects with one '/'") {
+  testing::temp_dir tmp("verify");
+  const file_directory plain(tmp.path / "hf"), slashed(tmp.str() + "/hf/");
+  const auto ts = fixtures::sample_tensors();
+  fixtures::make_indexed(plain, ts, fixtures::index_text(ts, "", "", ", \"x\": \"model-00003-of-00003.safetensors\""));
+  const std::string want = (tmp.path / "hf" / "model-00003-of-00003.safetensors").string() + ": listed in";
+  expect_error([&] { open_hf_folder(plain); }, errc::not_found, {want});
+  expect_error([&] { open_hf_folder(slashed); }, errc::not_found, {want});
+  CHECK(std::string(slashed.name()).back() == '/');
+}
