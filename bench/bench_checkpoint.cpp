@@ -71,7 +71,7 @@ split split_from(const std::string& s) {
 
 std::optional<shard_spec> spec_for(const tensor_def& t, split sp, int world, int rank) {
   if (sp == split::whole) return std::nullopt;
-  const u64 n = shardsafe::detail::numel(t.shape);
+  const u64 n = shardsafe::numel(t.shape);
   auto part = [&](u64 len, int r) { return len * u64(r) / u64(world); };
   if (t.shape.size() == 1 || sp == split::flat) return shard_spec(flat_spec{{part(n, rank), part(n, rank + 1)}});
   const u64 rows = t.shape[0], cols = t.shape[1];
@@ -96,7 +96,7 @@ local_tensors make_local(const config& c, split sp, int world, int rank, init ho
   for (std::size_t k = 0; k < defs.size(); ++k) {
     const auto& d = defs[k];
     const auto spec = spec_for(d, sp, world, rank);
-    const u64 n = spec ? spec->local_numel() : shardsafe::detail::numel(d.shape);
+    const u64 n = spec ? spec->local_numel() : shardsafe::numel(d.shape);
     at::Tensor t = spec ? at::empty({static_cast<std::int64_t>(n)}, c.st()) : at::empty(to_sizes(d.shape), c.st());
     if (how == init::fill) {
       const shard_spec s = spec ? *spec : shard_spec(flat_spec{{0, n}});

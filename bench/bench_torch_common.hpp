@@ -20,7 +20,6 @@
 
 #include "bench_common.hpp"
 #include "shardsafe/core/shape.hpp"
-#include "shardsafe/detail/checked.hpp"
 #include "shardsafe/detail/posix.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 
@@ -55,7 +54,7 @@ inline std::vector<tensor_def> transformer_defs(bool quick, int layers, char sep
 /// Bytes of the tensors at `item` bytes per element.
 inline u64 defs_bytes(const std::vector<tensor_def>& defs, u64 item) {
   u64 n = 0;
-  for (const auto& t : defs) n += shardsafe::detail::numel(t.shape) * item;
+  for (const auto& t : defs) n += shardsafe::numel(t.shape) * item;
   return n;
 }
 

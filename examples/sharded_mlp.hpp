@@ -91,7 +91,7 @@ class sharded_mlp {
       : world_(world), rank_(rank), in_(in), hidden_(hidden), defs_(mlp_params(in, hidden)) {
     if (group_order_reversed) std::reverse(defs_.begin(), defs_.end());
     for (const auto& d : defs_) {
-      const std::uint64_t n = shardsafe::detail::numel(d.shape);
+      const std::uint64_t n = shardsafe::numel(d.shape);
       auto [b, e] = shard_range(n, world, rank);
       at::Tensor full = hashed("init:" + d.name, shardsafe::to_sizes(d.shape), d.group == 0 ? 0.3 : 0.1);
       if (d.name == "norm.weight") full = full + 1.0;
@@ -119,7 +119,7 @@ class sharded_mlp {
   /// Bytes of the full parameters.
   std::uint64_t param_bytes() const {
     std::uint64_t n = 0;
-    for (const auto& d : defs_) n += shardsafe::detail::numel(d.shape) * 4;
+    for (const auto& d : defs_) n += shardsafe::numel(d.shape) * 4;
     return n;
   }
 

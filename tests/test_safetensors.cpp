@@ -532,7 +532,7 @@ TEST_CASE("render_safetensors_bytes: any window of the file, as the streaming wr
       {dtype::F32, {3, 5}}, {dtype::BF16, {7}}, {dtype::U8, {0}}, {dtype::I64, {2, 2}}, {dtype::F32, {300'000}},
       {dtype::U8, {1}},     {dtype::F64, {}},   {dtype::I8, {2, 0, 3}}, {dtype::F16, {600'001}}};
   for (std::size_t i = 0; i < defs.size(); ++i) {
-    const std::uint64_t n = detail::numel(defs[i].second) * item_size(defs[i].first);
+    const std::uint64_t n = numel(defs[i].second) * item_size(defs[i].first);
     bufs.emplace_back(n);
     for (auto& b : bufs.back()) b = static_cast<std::byte>(rng());
   }

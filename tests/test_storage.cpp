@@ -491,7 +491,7 @@ TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files
                                                        {dtype::U8, {3}},        {dtype::I64, {0}},
                                                        {dtype::F64, {}},        {dtype::F16, {70'001}}};
   for (std::size_t i = 0; i < defs.size(); ++i) {
-    mem.emplace_back(detail::numel(defs[i].second) * item_size(defs[i].first));
+    mem.emplace_back(numel(defs[i].second) * item_size(defs[i].first));
     for (auto& b : mem.back()) b = static_cast<std::byte>(rng());
   }
   for (std::size_t i = 0; i < defs.size(); ++i)

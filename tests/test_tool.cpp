@@ -17,11 +17,16 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "checkpoint_fixtures.hpp"
 #include "malformed_corpus.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "../tools/sha256.hpp"
 
 namespace fs = std::filesystem;
 
@@ -33,6 +38,10 @@ using testing::write_file;
 using result = testing::program_result;
 
 bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+
+/// The tool's tests are skipped, and counted as skipped in doctest's summary, when the tool
+/// is not built (configured with -Dtools=false).
+const auto skip_without_tool = doctest::skip(!have_tool());
 
 /// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr captured.
 result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
@@ -49,32 +58,13 @@ void check_fails(const result& r, const std::vector<std::string>& phrases) {
 }
 
 using testing::sha256_hex;
-
-struct tensor {
-  std::string name, dtype;
-  std::vector<std::uint64_t> shape;
-  std::string bytes;
-};
-
-std::string shape_text(const std::vector<std::uint64_t>& s, const char* sep) {
-  std::string r = "[";
-  for (std::size_t i = 0; i < s.size(); ++i) r += (i ? sep : "") + std::to_string(s[i]);
-  return r + "]";
-}
-
-/// A safetensors file laid out by hand: tensors in the given order, header padded to 8.
-std::string build_file(const std::vector<tensor>& ts) {
-  std::string json = "{", data;
-  for (const auto& t : ts) {
-    if (json.size() > 1) json += ',';
-    json += corpus::entry(t.name, t.dtype, shape_text(t.shape, ","),
-                          "[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]");
-    data += t.bytes;
-  }
-  json += '}';
-  json.append((8 - json.size() % 8) % 8, ' ');
-  return corpus::file_bytes(json, data);
-}
+using fixtures::tensor;
+using fixtures::shape_text;
+using fixtures::build_file;
+using fixtures::random_string;
+using fixtures::sample_tensors;
+using fixtures::file1;
+using fixtures::file2;
 
 /// The digest FORMAT.md §4 specifies, computed independently.
 std::string expected_digest(std::vector<tensor> ts, const std::string& prefix = "") {
@@ -84,53 +74,14 @@ std::string expected_digest(std::vector<tensor> ts, const std::string& prefix = 
   return out;
 }
 
-std::string random_string(std::size_t n, std::mt19937_64& rng) {
-  std::string s(n, '\0');
-  for (auto& c : s) c = static_cast<char>(rng());
-  return s;
-}
-
-std::vector<tensor> sample_tensors() {
-  std::mt19937_64 rng(99);
-  return {
-      {"layer.0.weight", "F32", {3, 4}, random_string(48, rng)},
-      {"layer.0.bias", "F32", {4}, random_string(16, rng)},
-      {"embed", "BF16", {5, 2}, random_string(20, rng)},
-      {"scalar", "I64", {}, random_string(8, rng)},
-      {"empty", "F16", {0, 3}, ""},
-      {"flags", "BOOL", {3}, std::string("\x01\x00\x01", 3)},
-      {"q4", "F4", {4}, random_string(2, rng)},
-  };
-}
-
-const char* const file1 = "model-00001-of-00002.safetensors";
-const char* const file2 = "model-00002-of-00002.safetensors";
-
-/// An indexed HF folder: tensors split over two files, index text from `index` (or correct).
+/// An indexed HF folder on disk: tensors split over two files, index text from `index` (or correct).
 void make_indexed(const fs::path& dir, const std::vector<tensor>& ts, const std::string& index = "") {
-  fs::create_directories(dir);
-  std::vector<tensor> a, b;
-  std::uint64_t total = 0;
-  std::string map;
-  for (const auto& t : ts) {
-    (t.name < "l" ? a : b).push_back(t);
-    total += t.bytes.size();
-    map += std::string(map.empty() ? "" : ", ") + "\"" + t.name + "\": \"" + (t.name < "l" ? file1 : file2) + "\"";
-  }
-  write_file(dir / file1, build_file(a));
-  write_file(dir / file2, build_file(b));
-  write_file(dir / "model.safetensors.index.json",
-             index.empty() ? "{\"metadata\": {\"total_size\": " + std::to_string(total) + "}, \"weight_map\": {" + map + "}}"
-                           : index);
+  fixtures::make_indexed(shardsafe::file_directory(dir), ts, index);
 }
 
 }  // namespace
 
-TEST_CASE("tool: every malformed safetensors file fails verify, inspect and digest with one line") {
-  if (!have_tool()) {
-    MESSAGE("the shardsafe tool is not built; skipped");
-    return;
-  }
+TEST_CASE("tool: every malformed safetensors file fails verify, inspect and digest with one line" * skip_without_tool) {
   temp_dir tmp;
   for (const auto& c : corpus::malformed()) {
     INFO("case " << c.name);
@@ -156,19 +107,72 @@ TEST_CASE("tool: every malformed safetensors file fails verify, inspect and dige
   }
 }
 
-TEST_CASE("tool: usage errors and missing paths") {
-  if (!have_tool()) return;
+/// A usage error as FORMAT.md asks: exit 2, nothing on stdout, one line on stderr with the phrases.
+void check_usage_error(const result& r, const std::vector<std::string>& phrases) {
+  CHECK(r.exited);
+  CHECK(r.code == 2);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(std::count(r.err.begin(), r.err.end(), '\n') == 1, "stderr is not one line: ", r.err);
+  for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err, " lacks ", p);
+}
+
+TEST_CASE("tool: usage errors and missing paths" * skip_without_tool) {
   temp_dir tmp;
   const result none = run_tool({});
   CHECK(none.exited);
   CHECK(none.code == 2);
   CHECK(run_tool({"frobnicate", "x"}).code == 2);
+  check_usage_error(none, {"shardsafe --help"});
+  check_usage_error(run_tool({"frobnicate", "x"}), {"unknown command 'frobnicate'"});
+  check_usage_error(run_tool({"verify"}), {"PATH"});
+  check_usage_error(run_tool({"verify", "a", "b"}), {"b"});
+  check_usage_error(run_tool({"unshard", "a"}), {"OUT"});
+  check_usage_error(run_tool({"inspect", "--frobnicate", "a"}), {"--frobnicate"});
   check_fails(run_tool({"verify", (tmp.path / "absent").string()}), {(tmp.path / "absent").string()});
   check_fails(run_tool({"verify", tmp.path.string()}), {tmp.path.string(), "model.safetensors"});
 }
 
-TEST_CASE("tool: a valid file, a Hugging Face folder and an indexed one agree on the digest") {
-  if (!have_tool()) return;
+TEST_CASE("tool: --help and --version print on stdout and exit 0" * skip_without_tool) {
+  for (const char* h : {"--help", "-h"}) {
+    const result r = run_tool({h});
+    CHECK(r.exited);
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) CHECK_MESSAGE(r.out.find(cmd) != std::string::npos, cmd);
+  }
+  for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) {
+    INFO(cmd);
+    const result r = run_tool({cmd, "--help"});
+    CHECK(r.code == 0);
+    CHECK(r.err.empty());
+    CHECK(r.out.find(std::string("shardsafe ") + cmd) != std::string::npos);
+  }
+  const result v = run_tool({"--version"});
+  CHECK(v.code == 0);
+  CHECK(v.err.empty());
+  // "shardsafe MAJOR.MINOR.PATCH", one line
+  CHECK_MESSAGE(std::regex_match(v.out, std::regex("shardsafe [0-9]+\\.[0-9]+\\.[0-9]+\n")), v.out);
+}
+
+TEST_CASE("tool: its SHA-256 agrees with the FIPS 180-2 vectors and with OpenSSL's one-shot digest, in any chunks") {
+  // tools/sha256.hpp is the tool's own (the library installs no OpenSSL code); checked here
+  // without running the tool.
+  auto digest = [](std::string_view text, std::size_t chunk) {
+    shardsafe::tool::sha256 h;
+    for (std::size_t i = 0; i < text.size(); i += chunk)
+      h.update(std::as_bytes(std::span(text.data() + i, std::min(chunk, text.size() - i))));
+    return h.hex();
+  };
+  CHECK(digest("abc", 1) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(digest("", 1) == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(digest("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq", 5) ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  std::mt19937_64 rng(3);
+  const std::string big = random_string(100'003, rng);
+  for (std::size_t chunk : {1u, 63u, 64u, 4096u, 100'003u}) CHECK(digest(big, chunk) == sha256_hex(big));
+}
+
+TEST_CASE("tool: a valid file, a Hugging Face folder and an indexed one agree on the digest" * skip_without_tool) {
   temp_dir tmp;
   const auto ts = sample_tensors();
   const std::string want = expected_digest(ts);
@@ -208,45 +212,10 @@ TEST_CASE("tool: a valid file, a Hugging Face folder and an indexed one agree on
   CHECK(ii.out.find(file2) != std::string::npos);
 }
 
-TEST_CASE("tool: bad Hugging Face indexes fail verify") {
-  if (!have_tool()) return;
+TEST_CASE("tool: bad Hugging Face indexes fail verify" * skip_without_tool) {
   temp_dir tmp;
   const auto ts = sample_tensors();
-  std::uint64_t total = 0;
-  for (const auto& t : ts) total += t.bytes.size();
-  // the correct weight map, with one entry changed or added
-  auto index = [&](std::string_view change_name, std::string value, std::string extra = "",
-                   std::uint64_t size = 0) {
-    std::string map;
-    for (const auto& t : ts) {
-      std::string v = "\"" + std::string(t.name < "l" ? file1 : file2) + "\"";
-      if (t.name == change_name) {
-        if (value.empty()) continue;
-        v = value;
-      }
-      map += std::string(map.empty() ? "" : ", ") + "\"" + t.name + "\": " + v;
-    }
-    return "{\"metadata\": {\"total_size\": " + std::to_string(size ? size : total) + "}, \"weight_map\": {" + map +
-           extra + "}}";
-  };
-  struct bad {
-    std::string what, index;
-    std::vector<std::string> phrases;
-  };
-  const std::vector<bad> cases = {
-      {"slash", index("embed", "\"sub/model-00001-of-00002.safetensors\""), {"tensor 'embed'", "not a plain name"}},
-      {"dotdot", index("embed", "\"../model-00001-of-00002.safetensors\""), {"tensor 'embed'", "not a plain name"}},
-      {"backslash", index("embed", "\"a\\\\b.safetensors\""), {"tensor 'embed'", "not a plain name"}},
-      {"missing file", index("", "", ", \"extra\": \"model-00003-of-00003.safetensors\""),
-       {"model-00003-of-00003.safetensors", "missing"}},
-      {"listed but absent", index("", "", ", \"ghost\": \"model-00001-of-00002.safetensors\""),
-       {file1, "tensor 'ghost'", "absent"}},
-      {"not listed", index("flags", "", "", total - 3), {file1, "tensor 'flags'", "not listed"}},
-      {"wrong file", index("flags", "\"" + std::string(file2) + "\""), {file2, "tensor 'flags'", "absent"}},
-      {"wrong total_size", index("", "", "", total + 1), {"model.safetensors.index.json", "total_size"}},
-      {"not JSON", "{\"weight_map\": ", {"model.safetensors.index.json", "not valid JSON"}},
-      {"duplicate tensor", index("", "", ", \"embed\": \"" + std::string(file1) + "\""), {"tensor 'embed'", "twice"}},
-  };
+  const std::vector<fixtures::bad_index> cases = fixtures::bad_indexes(ts);
   for (const auto& c : cases) {
     INFO(c.what);
     const fs::path dir = tmp.path / ("bad-" + std::to_string(&c - cases.data()));
@@ -271,46 +240,11 @@ TEST_CASE("tool: bad Hugging Face indexes fail verify") {
   check_fails(run_tool({"verify", twice.string()}), {(twice / file2).string(), "tensor 'flags'", "places it in", file1});
 }
 
-TEST_CASE("tool: a sharded checkpoint unshards to the digest of its full tensors") {
-  if (!have_tool()) return;
+TEST_CASE("tool: a sharded checkpoint unshards to the digest of its full tensors" * skip_without_tool) {
   temp_dir tmp;
-  std::mt19937_64 rng(5);
-  // w: F32 [4,3] in row blocks; b: I16 [5] by flattened offsets; c: U8 [2,2,4] in column blocks
-  const tensor w{"w", "F32", {4, 3}, random_string(48, rng)};
-  const tensor b{"b", "I16", {5}, random_string(10, rng)};
-  const tensor c{"c", "U8", {2, 2, 4}, random_string(16, rng)};
-  auto cols = [&](std::size_t k0) {  // c[:, :, k0:k0+2], row-major
-    std::string s;
-    for (std::size_t ij = 0; ij < 4; ++ij) s += c.bytes.substr(ij * 4 + k0, 2);
-    return s;
-  };
-  const std::string rank0 = build_file({{"w", "F32", {6}, w.bytes.substr(0, 24)},
-                                        {"b", "I16", {2}, b.bytes.substr(0, 4)},
-                                        {"c", "U8", {8}, cols(0)}});
-  const std::string rank1 = build_file({{"w", "F32", {6}, w.bytes.substr(24)},
-                                        {"b", "I16", {3}, b.bytes.substr(4)},
-                                        {"c", "U8", {8}, cols(2)}});
-  auto block = [](const char* file, const char* ls, const char* go) {
-    return std::string("\"") + file + "\": {\"flattened_offsets\": null, \"local_shape\": " + ls +
-           ", \"global_offset\": " + go + "}";
-  };
-  auto metadata = [&](bool complete) {
-    return std::string("{\"tensors\": {\"w\": {\"shape\": [4, 3], \"is_sharded\": true, \"dtype\": \"F32\", ") +
-           "\"shard_spec_per_file\": {" + block("rank_0.safetensors", "[2, 3]", "[0, 0]") +
-           (complete ? ", " + block("rank_1.safetensors", "[2, 3]", "[2, 0]") : std::string()) + "}}, " +
-           "\"b\": {\"shape\": [5], \"is_sharded\": true, \"dtype\": \"I16\", \"shard_spec_per_file\": {" +
-           "\"rank_0.safetensors\": {\"flattened_offsets\": [[0, 2]], \"local_shape\": null, \"global_offset\": null}, " +
-           "\"rank_1.safetensors\": {\"flattened_offsets\": [[2, 5]], \"local_shape\": null, \"global_offset\": null}}}, " +
-           "\"c\": {\"shape\": [2, 2, 4], \"is_sharded\": true, \"dtype\": \"U8\", \"shard_spec_per_file\": {" +
-           block("rank_0.safetensors", "[2, 2, 2]", "[0, 0, 0]") + ", " +
-           block("rank_1.safetensors", "[2, 2, 2]", "[0, 0, 2]") + "}}}}";
-  };
-  auto make_ckpt = [&](const fs::path& dir, bool complete) {
-    fs::create_directories(dir);
-    write_file(dir / "rank_0.safetensors", rank0);
-    write_file(dir / "rank_1.safetensors", rank1);
-    write_file(dir / "metadata.json", metadata(complete));
-  };
+  const fixtures::sharded_sample sample;
+  const tensor &w = sample.w, &b = sample.b, &c = sample.c;
+  auto make_ckpt = [&](const fs::path& dir, bool complete) { sample.write(shardsafe::file_directory(dir), complete); };
   const fs::path ck = tmp.path / "ckpt";
   make_ckpt(ck, true);
   const result v = run_tool({"verify", ck.string()});

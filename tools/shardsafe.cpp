@@ -1,20 +1,27 @@
 // shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders and
-// sharded checkpoints (FORMAT.md §4). Any input ends in exit 0 or 1 with a message.
+// sharded checkpoints (FORMAT.md §4). A thin command line over the library: validation lives in
+// checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the arguments are parsed by CLI11. Any
+// input ends in exit 0 or 1 with a message; a usage error exits 2 with one line.
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <iostream>
-#include <map>
-#include <optional>
+#include <memory>
+#include <new>
 #include <string>
 #include <vector>
 
+#include "sha256.hpp"
+#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
-#include "shardsafe/detail/sha256.hpp"
+#include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
@@ -72,7 +79,7 @@ std::string shape_str(std::span<const std::uint64_t> s) { return shardsafe::to_s
 // ---------------------------------------------------------------------------------------
 // what PATH is
 
-enum class kind { file, hf_single, hf_index, checkpoint, checkpoint_pair };
+enum class kind { file, hf, checkpoint, checkpoint_pair };
 
 struct input {
   kind k;
@@ -87,77 +94,21 @@ input classify(const std::string& p) {
   if (ec || !fs::exists(st)) fail(errc::not_found, p + ": no such file or directory");
   if (fs::is_regular_file(st)) return {kind::file, path, {}};
   if (!fs::is_directory(st)) fail(errc::invalid_argument, p + ": not a regular file or directory");
-  if (fs::exists(path / "metadata.json")) return {kind::checkpoint, path, {}};
-  if (fs::is_directory(path / "model") || fs::is_directory(path / "optim")) {
+  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, path, {}};
+  const std::string parts[] = {std::string(model_folder_name), std::string(optim_folder_name)};
+  if (fs::is_directory(path / parts[0]) || fs::is_directory(path / parts[1])) {
     input in{kind::checkpoint_pair, path, {}};
-    for (const char* part : {"model", "optim"})
+    for (const auto& part : parts)
       if (fs::is_directory(path / part)) in.parts.emplace_back(part, path / part);
     return in;
   }
-  if (fs::exists(path / std::string(hf_index_file))) return {kind::hf_index, path, {}};
-  if (fs::exists(path / std::string(hf_single_file))) return {kind::hf_single, path, {}};
+  if (is_hf_folder(file_directory(path))) return {kind::hf, path, {}};
   fail(errc::not_found, p + ": a directory with neither metadata.json, model/ and optim/, " + std::string(hf_index_file) +
                             " nor " + std::string(hf_single_file));
 }
 
-// ---------------------------------------------------------------------------------------
-// Hugging Face folders: the files and which tensor lives where, validated
-
-struct hf_folder {
-  std::vector<std::pair<std::string, std::unique_ptr<file_storage>>> files;
-  std::vector<safetensors_header> headers;
-  std::map<std::string, std::pair<std::size_t, const tensor_entry*>> tensors;  // name -> file index, entry
-};
-
-hf_folder open_hf(const input& in) {
-  hf_folder h;
-  if (in.k == kind::hf_single) {
-    auto s = std::make_unique<file_storage>(in.path / std::string(hf_single_file));
-    h.headers.push_back(read_safetensors_header(*s));
-    h.files.emplace_back(std::string(hf_single_file), std::move(s));
-  } else {
-    file_storage idx_file(in.path / std::string(hf_index_file));
-    hf_index idx = read_hf_index(idx_file);
-    for (const auto& f : idx.files()) {
-      const fs::path fp = in.path / f;
-      if (!fs::exists(fp))
-        fail(errc::not_found, fp.string() + ": listed in " + std::string(hf_index_file) + " but missing");
-      auto s = std::make_unique<file_storage>(fp);
-      h.headers.push_back(read_safetensors_header(*s));
-      h.files.emplace_back(f, std::move(s));
-    }
-    std::uint64_t total = 0;
-    for (const auto& [tensor, file] : idx.weight_map) {
-      std::size_t i = 0;
-      while (h.files[i].first != file) ++i;
-      const tensor_entry* e = h.headers[i].find(tensor);
-      if (!e)
-        fail(errc::not_found, (in.path / file).string() + ": tensor '" + tensor + "': listed in " +
-                                  std::string(hf_index_file) + " but absent from the file");
-      total += e->nbytes();
-    }
-    for (std::size_t i = 0; i < h.headers.size(); ++i)
-      for (const auto& t : h.headers[i].tensors) {
-        auto it = idx.weight_map.find(t.name);
-        if (it == idx.weight_map.end())
-          fail(errc::invalid_metadata, h.headers[i].file + ": tensor '" + t.name + "': not listed in " +
-                                           std::string(hf_index_file));
-        if (it->second != h.files[i].first)
-          fail(errc::invalid_metadata, h.headers[i].file + ": tensor '" + t.name + "': the index places it in " +
-                                           it->second);
-      }
-    if (idx.total_size && *idx.total_size != total)
-      fail(errc::invalid_metadata, (in.path / std::string(hf_index_file)).string() + ": metadata.total_size is " +
-                                       std::to_string(*idx.total_size) + " but the tensors hold " +
-                                       std::to_string(total) + " bytes");
-  }
-  for (std::size_t i = 0; i < h.headers.size(); ++i)
-    for (const auto& t : h.headers[i].tensors)
-      if (!h.tensors.emplace(t.name, std::pair{i, &t}).second)
-        fail(errc::invalid_metadata, h.headers[i].file + ": tensor '" + t.name + "' also appears in " +
-                                         h.headers[h.tensors[t.name].first].file);
-  return h;
-}
+/// The Hugging Face folder at in.path, opened and validated (checkpoint/hf_folder.hpp).
+hf_folder<file_directory> open_hf(const input& in) { return open_hf_folder(file_directory(in.path)); }
 
 // ---------------------------------------------------------------------------------------
 // checkpoints
@@ -187,30 +138,6 @@ std::string describe_sharding(const tensor_metadata& tm) {
   }
   std::string how = flat ? "flattened offsets" : block ? "blocks" : "flattened offsets and blocks";
   return how + " over " + std::to_string(tm.files.size()) + " file(s)";
-}
-
-/// Every check FORMAT.md asks of a checkpoint: metadata, files, entries, coverage.
-void verify_checkpoint(checkpoint_reader<file_directory>& r) {
-  const std::string dname(r.directory().name());
-  for (const auto& [key, tm] : r.metadata().tensors) {
-    std::vector<shard_spec> specs;
-    for (const auto& [fname, spec] : tm.files) {
-      const auto& f = r.file(fname);
-      r.entry_in(f, key, tm, spec);
-      specs.push_back(spec);
-    }
-    if (!is_byte_sized(tm.type) && tm.is_sharded)
-      fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " + std::string(name(tm.type)) +
-                                        " cannot be sharded by elements");
-    const shard_spec whole = flat_spec{{0, tm.numel()}};
-    auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
-    if (!missing.empty())
-      fail(errc::missing_coverage, dname + ": tensor '" + key + "' " + shape_str(tm.shape) + ": elements " +
-                                       shardsafe::to_string(missing.front()) + " (from index " +
-                                       multi_index_string(tm.shape, missing.front().begin) + ") are in no file");
-  }
-  // every rank file the writer recorded must be there with its size
-  for (const auto& [fname, size] : r.metadata().extras.file_sizes) r.file(fname);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -260,18 +187,16 @@ int cmd_inspect(const input& in) {
     print_rows(title, rows);
     return 0;
   }
-  if (in.k == kind::hf_single || in.k == kind::hf_index) {
-    hf_folder h = open_hf(in);
-    std::uint64_t total = 0;
-    for (const auto& [n, where] : h.tensors) {
-      const tensor_entry& t = *where.second;
-      total += t.nbytes();
-      rows.push_back({n, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
-                      h.files[where.first].first, "-"});
+  if (in.k == kind::hf) {
+    const auto h = open_hf(in);
+    for (const auto& [n, at] : h.tensors) {
+      const tensor_entry& t = h.entry(at);
+      rows.push_back({n, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()), h.files[at.file].name,
+                      "-"});
     }
-    print_rows("# " + in.path.string() + ": Hugging Face " + (in.k == kind::hf_index ? "sharded checkpoint, " : "checkpoint, ") +
+    print_rows("# " + in.path.string() + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
                    std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
-                   std::to_string(total) + " bytes",
+                   std::to_string(h.tensor_bytes()) + " bytes",
                rows);
     return 0;
   }
@@ -302,13 +227,10 @@ int cmd_verify(const input& in) {
   if (in.k == kind::file) {
     file_storage s(in.path);
     n = read_safetensors_header(s).tensors.size();
-  } else if (in.k == kind::hf_single || in.k == kind::hf_index) {
+  } else if (in.k == kind::hf) {
     n = open_hf(in).tensors.size();
   } else {
-    for (auto& p : open_checkpoint(in)) {
-      verify_checkpoint(*p.reader);
-      n += p.reader->metadata().tensors.size();
-    }
+    for (auto& p : open_checkpoint(in)) n += verify_checkpoint(*p.reader).tensors;
   }
   std::cout << "OK " << in.path.string() << ": " << n << " tensors valid\n";
   return 0;
@@ -323,7 +245,7 @@ int cmd_digest(const input& in) {
   };
   std::vector<line> out;
   auto hash_range = [](const file_storage& s, std::uint64_t off, std::uint64_t len, progress& pr) {
-    detail::sha256 h;
+    tool::sha256 h;
     std::vector<std::byte> buf(static_cast<std::size_t>(std::min(len, chunk_bytes)));
     for (std::uint64_t done = 0; done < len;) {
       const std::uint64_t n = std::min<std::uint64_t>(buf.size(), len - done);
@@ -340,15 +262,15 @@ int cmd_digest(const input& in) {
     auto h = read_safetensors_header(s);
     progress pr("digest", h.data_size);
     for (const auto& t : h.tensors) out.push_back({t.name, t.type, t.shape, hash_range(s, h.offset_of(t), t.nbytes(), pr)});
-  } else if (in.k == kind::hf_single || in.k == kind::hf_index) {
-    hf_folder h = open_hf(in);
+  } else if (in.k == kind::hf) {
+    const auto h = open_hf(in);
     std::uint64_t total = 0;
-    for (const auto& hd : h.headers) total += hd.data_size;
+    for (const auto& f : h.files) total += f.header.data_size;
     progress pr("digest", total);
-    for (const auto& [n, where] : h.tensors) {
-      const tensor_entry& t = *where.second;
-      out.push_back({n, t.type, t.shape,
-                     hash_range(*h.files[where.first].second, h.headers[where.first].offset_of(t), t.nbytes(), pr)});
+    for (const auto& [n, at] : h.tensors) {
+      const tensor_entry& t = h.entry(at);
+      const auto& f = h.files[at.file];
+      out.push_back({n, t.type, t.shape, hash_range(f.storage, f.header.offset_of(t), t.nbytes(), pr)});
     }
   } else {
     auto parts = open_checkpoint(in);
@@ -358,7 +280,7 @@ int cmd_digest(const input& in) {
     progress pr("digest", total);
     for (auto& p : parts)
       for (const auto& [key, tm] : p.reader->metadata().tensors) {
-        detail::sha256 h;
+        tool::sha256 h;
         for_each_full_chunk(*p.reader, key, [&](std::span<const std::byte> b, std::uint64_t) {
           h.update(b);
           pr.add(b.size());
@@ -383,28 +305,54 @@ int cmd_unshard(const input& in, const std::string& out_path) {
   return 0;
 }
 
-int usage() {
-  std::cerr << "usage: shardsafe inspect PATH\n"
-               "       shardsafe verify PATH\n"
-               "       shardsafe digest PATH\n"
-               "       shardsafe unshard CKPT OUT.safetensors\n"
-               "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index) or a\n"
-               "checkpoint folder (with metadata.json, or with model/ and optim/).\n";
-  return 2;
-}
+/// What --help prints after the commands.
+constexpr const char* path_help =
+    "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index) or a\n"
+    "checkpoint folder (with metadata.json, or with model/ and optim/).";
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
-  if (args.empty() || args[0] == "-h" || args[0] == "--help") return usage();
-  const std::string& cmd = args[0];
+  CLI::App app("Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
+               "checkpoints (FORMAT.md section 4).",
+               "shardsafe");
+  app.footer(path_help);
+  app.set_version_flag("--version", std::string("shardsafe ") + SHARDSAFE_TOOL_VERSION);
+  app.require_subcommand(1);
+  std::string path, out_path;
+  auto command = [&](const char* name, const char* what, const char* path_name, const char* path_what) {
+    CLI::App* c = app.add_subcommand(name, what);
+    c->add_option(path_name, path, path_what)->required();
+    return c;
+  };
+  CLI::App* inspect = command("inspect", "list the tensors: name, dtype, shape, bytes, where stored, how sharded", "PATH",
+                              "a safetensors file, a Hugging Face folder or a checkpoint folder");
+  CLI::App* verify = command("verify", "check every rule of the format; exit 1 with one line naming file, tensor and rule",
+                             "PATH", "a safetensors file, a Hugging Face folder or a checkpoint folder");
+  CLI::App* digest = command("digest", "one line per tensor, sorted by name: NAME DTYPE [SHAPE] SHA256 of its bytes",
+                             "PATH", "a safetensors file, a Hugging Face folder or a checkpoint folder");
+  CLI::App* unshard = command("unshard", "write the full tensors of a checkpoint into one safetensors file", "CKPT",
+                              "a checkpoint folder (with metadata.json, or with model/ and optim/)");
+  unshard->add_option("OUT", out_path, "the safetensors file to write")->required();
   try {
-    if (cmd == "inspect" && args.size() == 2) return cmd_inspect(classify(args[1]));
-    if (cmd == "verify" && args.size() == 2) return cmd_verify(classify(args[1]));
-    if (cmd == "digest" && args.size() == 2) return cmd_digest(classify(args[1]));
-    if (cmd == "unshard" && args.size() == 3) return cmd_unshard(classify(args[1]), args[2]);
-    return usage();
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version: printed on stdout, exit 0; anything else is a usage error
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e, std::cout, std::cerr);
+    std::string why = e.what();
+    const std::string first = argc > 1 ? argv[1] : "";
+    if (!first.empty() && first[0] != '-' &&
+        app.get_subcommands([&](const CLI::App* c) { return c->get_name() == first; }).empty())
+      why = "unknown command '" + first + "': the commands are inspect, verify, digest and unshard";
+    std::cerr << "shardsafe: " << one_line(why) << " (shardsafe --help lists the commands)\n";
+    return 2;
+  }
+  const std::string cmd = app.get_subcommands().front()->get_name();
+  try {
+    if (inspect->parsed()) return cmd_inspect(classify(path));
+    if (verify->parsed()) return cmd_verify(classify(path));
+    if (digest->parsed()) return cmd_digest(classify(path));
+    if (unshard->parsed()) return cmd_unshard(classify(path), out_path);
   } catch (const std::bad_alloc&) {
     std::cerr << "shardsafe: " << cmd << ": out of memory\n";
   } catch (const std::exception& e) {

@@ -30,13 +30,13 @@ struct flat_view {
   std::uint64_t nbytes = 0;        ///< bytes at data
 
   bool is_sharded() const noexcept { return spec.has_value(); }
-  std::uint64_t local_numel() const noexcept { return spec ? spec->local_numel() : detail::numel(full_shape); }
+  std::uint64_t local_numel() const noexcept { return spec ? spec->local_numel() : numel(full_shape); }
   std::span<std::byte> bytes() const noexcept { return {data, static_cast<std::size_t>(nbytes)}; }
 
   /// The spec loading and saving use: the given one, or the whole tensor as one flat range.
   shard_spec effective_spec() const {
     if (spec) return *spec;
-    return flat_spec{{0, detail::numel(full_shape)}};
+    return flat_spec{{0, numel(full_shape)}};
   }
 
   /// Checks the spec against the full shape and the memory against the spec.

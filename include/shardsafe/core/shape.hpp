@@ -1,4 +1,4 @@
-// shardsafe/core/shape.hpp - tensor shapes and their printing in messages.
+// shardsafe/core/shape.hpp - tensor shapes, their element counts and their printing in messages.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,15 @@ namespace shardsafe {
 
 /// A tensor shape: one extent per dimension, row-major. An empty shape is a 0-d tensor.
 using shape_t = std::vector<std::uint64_t>;
+
+/// The number of elements of a tensor of this shape: the product of the extents (1 for a 0-d
+/// tensor, 0 when any extent is 0). The product must fit in 64 bits: shapes read from a file
+/// are checked with detail::checked_numel when they are parsed, before anything calls this.
+constexpr std::uint64_t numel(std::span<const std::uint64_t> shape) noexcept {
+  std::uint64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
 
 /// "[4,5]" - the form every message uses.
 inline std::string to_string(std::span<const std::uint64_t> shape) {

@@ -19,7 +19,7 @@ inline std::optional<std::uint64_t> checked_add(std::uint64_t a, std::uint64_t b
   return r;
 }
 
-/// Product of the dimensions, or nullopt on overflow.
+/// Product of the dimensions, or nullopt on overflow (numel in core/shape.hpp, checked).
 inline std::optional<std::uint64_t> checked_numel(std::span<const std::uint64_t> shape) noexcept {
   std::uint64_t n = 1;
   for (auto d : shape) {
@@ -27,13 +27,6 @@ inline std::optional<std::uint64_t> checked_numel(std::span<const std::uint64_t>
     if (!m) return std::nullopt;
     n = *m;
   }
-  return n;
-}
-
-/// Product of the dimensions; the caller has validated that it does not overflow.
-inline std::uint64_t numel(std::span<const std::uint64_t> shape) noexcept {
-  std::uint64_t n = 1;
-  for (auto d : shape) n *= d;
   return n;
 }
 

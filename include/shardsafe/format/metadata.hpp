@@ -36,7 +36,7 @@ struct tensor_metadata {
   bool is_sharded = false;
   std::vector<std::pair<std::string, shard_spec>> files;  ///< shard_spec_per_file, in file order
 
-  std::uint64_t numel() const noexcept { return detail::numel(shape); }
+  std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
 };
 
 /// What shardsafe adds under "shardsafe" (all optional when reading).

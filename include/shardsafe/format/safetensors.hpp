@@ -38,7 +38,7 @@ struct tensor_entry {
   std::uint64_t begin = 0;  ///< data_offsets[0], relative to the start of the data buffer
   std::uint64_t end = 0;    ///< data_offsets[1]
 
-  std::uint64_t numel() const noexcept { return detail::numel(shape); }
+  std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
   std::uint64_t nbytes() const noexcept { return end - begin; }
 };
 
@@ -285,7 +285,7 @@ inline byte_range element_byte_range(const safetensors_header& h, const tensor_e
   require_byte_sized(t.type, ctx);
   const std::uint64_t n = t.numel();
   if (first > n || count > n - first)
-    fail(errc::invalid_argument, ctx + ": element range " + to_string(byte_range{first, first + count}) +
+    fail(errc::invalid_argument, ctx + ": element range " + to_string(element_range{first, first + count}) +
                                      " is outside its " + std::to_string(n) + " elements");
   const std::uint64_t isz = item_size(t.type);
   const std::uint64_t b = h.offset_of(t) + first * isz;

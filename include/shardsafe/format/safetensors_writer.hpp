@@ -93,7 +93,7 @@ inline safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
 
   std::uint64_t off = 0;
   for (auto& t : tensors) {
-    const std::uint64_t nbytes = detail::numel(t.shape) * bit_size(t.type) / 8;
+    const std::uint64_t nbytes = numel(t.shape) * bit_size(t.type) / 8;
     auto e = detail::checked_add(off, nbytes);
     if (!e) fail(errc::invalid_shape, l.file + ": total data size overflows 64 bits");
     t.begin = off;

@@ -182,7 +182,7 @@ std::uint64_t overlap_numel(const A& mine, const B& other, std::span<const std::
   } else if constexpr (std::is_same_v<A, block_spec> && std::is_same_v<B, block_spec>) {
     auto bx = detail::intersect(mine, other);
     if (full.empty()) return mine.local_numel() && other.local_numel() ? 1 : 0;
-    return bx ? detail::numel(bx->extent) : 0;
+    return bx ? numel(bx->extent) : 0;
   } else {
     std::uint64_t n = 0;
     detail::merge_cursors(mine.cursor(full), other.cursor(full), [&](const overlap_piece& p) { n += p.len; });

@@ -28,6 +28,11 @@
 // | c.run()    | spec_run   | the current run: {begin, end, local}, begin < end (if !done())   |
 // | c.next()   | void       | moves to the next run                                            |
 // | c.seek(pos)| void       | moves forward to the first run with end > pos (never backward)   |
+//
+// The cursors of flat_spec, block_spec and shard_spec also count their work: c.steps() is the
+// number of loop iterations next() and seek() have taken so far (a range looked at, a
+// dimension carried or walked). It is not part of SpecCursor; tests read it to check that a
+// cursor is lazy (seeking is O(log n) or O(ndim), a few runs cost a few steps) without timing.
 #pragma once
 
 #include <algorithm>
@@ -47,9 +52,6 @@
 #include "shardsafe/detail/checked.hpp"
 
 namespace shardsafe {
-
-/// A half-open range of elements of a flattened tensor.
-using element_range = byte_range;
 
 /// One run of a shard: global elements [begin, end), stored from local offset `local`.
 struct spec_run {
@@ -118,19 +120,28 @@ class flat_spec {
       const auto& r = s_->ranges_[s_->nonempty_[i_]];
       return {r.begin, r.end, s_->local_[i_]};
     }
-    void next() noexcept { ++i_; }
+    void next() noexcept {
+      ++i_;
+      ++steps_;
+    }
     void seek(std::uint64_t pos) noexcept {
+      ++steps_;
       if (done() || s_->ranges_[s_->nonempty_[i_]].end > pos) return;
       // first non-empty range with end > pos, at or after i_ (ends increase strictly)
       auto first = s_->nonempty_.begin() + static_cast<std::ptrdiff_t>(i_);
-      auto it = std::upper_bound(first, s_->nonempty_.end(), pos,
-                                 [&](std::uint64_t p, std::uint32_t k) { return p < s_->ranges_[k].end; });
+      auto it = std::upper_bound(first, s_->nonempty_.end(), pos, [&](std::uint64_t p, std::uint32_t k) {
+        ++steps_;
+        return p < s_->ranges_[k].end;
+      });
       i_ = static_cast<std::size_t>(it - s_->nonempty_.begin());
     }
+    /// Loop iterations of next() and seek() so far (ranges compared by the binary search).
+    std::uint64_t steps() const noexcept { return steps_; }
 
    private:
     const flat_spec* s_;
     std::size_t i_ = 0;
+    std::uint64_t steps_ = 0;
   };
   cursor_type cursor(std::span<const std::uint64_t> /*full*/) const noexcept { return cursor_type(*this); }
 
@@ -162,7 +173,7 @@ class block_spec {
 
   const shape_t& local_shape() const noexcept { return local_shape_; }
   const shape_t& global_offset() const noexcept { return global_offset_; }
-  std::uint64_t local_numel() const noexcept { return detail::numel(local_shape_); }
+  std::uint64_t local_numel() const noexcept { return numel(local_shape_); }
 
   /// The whole tensor as one block.
   static block_spec whole(std::span<const std::uint64_t> full) {
@@ -208,7 +219,7 @@ class block_spec {
         }
       if (!narrower) {  // the whole tensor
         nruns_ = 1;
-        run_len_ = detail::numel(full);
+        run_len_ = numel(full);
         start_ = 0;
         return;
       }
@@ -231,7 +242,9 @@ class block_spec {
     spec_run run() const noexcept { return {start_, start_ + run_len_, r_ * run_len_}; }
     void next() noexcept {
       ++r_;
+      ++steps_;
       for (std::size_t d = outer_; d-- > 0;) {
+        ++steps_;
         start_ += stride_[d];
         if (++j_[d] < ext_[d]) return;
         start_ -= ext_[d] * stride_[d];
@@ -239,18 +252,22 @@ class block_spec {
       }
     }
     void seek(std::uint64_t pos) noexcept {
+      ++steps_;
       if (done() || start_ + run_len_ > pos) return;
       std::uint64_t r = runs_ending_at_or_before(pos);
       if (r <= r_) return;
       set_run(r);
     }
+    /// Loop iterations of next() and seek() so far (dimensions carried, walked or set).
+    std::uint64_t steps() const noexcept { return steps_; }
 
    private:
     // Number of runs whose end is <= pos: walk the outer dimensions from the left.
-    std::uint64_t runs_ending_at_or_before(std::uint64_t pos) const noexcept {
+    std::uint64_t runs_ending_at_or_before(std::uint64_t pos) noexcept {
       std::uint64_t count = 0;
       std::uint64_t rem = pos;  // position inside the current outer prefix
       for (std::size_t d = 0; d < outer_; ++d) {
+        ++steps_;
         const std::uint64_t c = rem / stride_[d];
         rem %= stride_[d];
         if (c < off_[d]) return count;                        // before the block here
@@ -265,12 +282,13 @@ class block_spec {
       if (done()) return;
       start_ = base_;
       for (std::size_t d = 0; d < outer_; ++d) {
+        ++steps_;
         j_[d] = (r / below_[d]) % ext_[d];
         start_ += j_[d] * stride_[d];
       }
     }
     std::size_t outer_ = 0;
-    std::uint64_t nruns_ = 0, r_ = 0, run_len_ = 0, start_ = 0, base_ = 0, row_begin_ = 0;
+    std::uint64_t nruns_ = 0, r_ = 0, run_len_ = 0, start_ = 0, base_ = 0, row_begin_ = 0, steps_ = 0;
     std::vector<std::uint64_t> ext_, off_, stride_, below_, j_;
   };
   cursor_type cursor(std::span<const std::uint64_t> full) const { return cursor_type(*this, full); }
@@ -313,6 +331,8 @@ class shard_spec {
     spec_run run() const noexcept { return std::visit([](const auto& c) { return c.run(); }, c_); }
     void next() noexcept { std::visit([](auto& c) { c.next(); }, c_); }
     void seek(std::uint64_t pos) noexcept { std::visit([&](auto& c) { c.seek(pos); }, c_); }
+    /// The steps() of the cursor inside.
+    std::uint64_t steps() const noexcept { return std::visit([](const auto& c) { return c.steps(); }, c_); }
 
    private:
     inner c_;
@@ -368,6 +388,13 @@ class merged_ranges_view {
     }
     void operator++(int) { ++*this; }
     friend bool operator==(const iterator& it, std::default_sentinel_t) noexcept { return it.end_; }
+    /// The work done so far by the spec's cursor (its steps(), when it counts them; else 0).
+    std::uint64_t steps() const noexcept {
+      if constexpr (requires(const cursor_t& c) { { c.steps() } -> std::convertible_to<std::uint64_t>; })
+        return c_ ? c_->steps() : 0;
+      else
+        return 0;
+    }
 
    private:
     void fill() {

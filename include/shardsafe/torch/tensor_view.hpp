@@ -1,7 +1,10 @@
 // shardsafe/torch/tensor_view.hpp - LibTorch tensors as flat views, and dtype mapping.
 //
-// The only part of shardsafe (with what builds on it) that includes LibTorch; <ATen/ATen.h>
-// only, never <torch/torch.h>.
+// One of the torch/ headers: the headers under include/shardsafe/torch/ include LibTorch (ATen
+// for tensors, the c10d process groups, parts of torch/nn and torch/optim for modules and
+// optimizers), and no header outside torch/ does (scripts/check_layering.sh checks it). Each
+// includes the narrowest LibTorch header it needs, never <torch/torch.h>: this one needs
+// <ATen/ATen.h> only.
 #pragma once
 
 #include <ATen/ATen.h>

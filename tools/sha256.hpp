@@ -1,4 +1,7 @@
-// shardsafe/detail/sha256.hpp - SHA-256 through OpenSSL's libcrypto (link libcrypto).
+// tools/sha256.hpp - SHA-256 through OpenSSL's libcrypto, for the shardsafe tool's digests.
+//
+// Not part of the installed library: only the tool hashes, so only the tool links libcrypto
+// (the library's pkg-config file and CMake package need no OpenSSL).
 #pragma once
 
 #include <openssl/evp.h>
@@ -11,8 +14,9 @@
 
 #include "shardsafe/core/error.hpp"
 
-namespace shardsafe::detail {
+namespace shardsafe::tool {
 
+/// An incremental SHA-256: update() with the bytes in order, then hex() once.
 class sha256 {
  public:
   sha256() : ctx_(EVP_MD_CTX_new(), &EVP_MD_CTX_free) {
@@ -41,4 +45,4 @@ class sha256 {
   std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
 };
 
-}  // namespace shardsafe::detail
+}  // namespace shardsafe::tool

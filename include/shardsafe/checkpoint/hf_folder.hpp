@@ -1,0 +1,157 @@
+// shardsafe/checkpoint/hf_folder.hpp - a Hugging Face folder opened and validated (FORMAT.md §3):
+// one model.safetensors, or model.safetensors.index.json with the shard files it names.
+//
+// open_hf_folder(dir) reads every file's header and checks the folder as a whole, in this
+// order, throwing at the first problem with a message that names the file, the tensor and the
+// rule:
+//   - the index is valid JSON of the right shape, its file names are plain names, no tensor
+//     is listed twice (format/hf_index.hpp);
+//   - every file the index names exists (errc::not_found) and has a valid header;
+//   - every tensor the index lists is in the file it names (errc::not_found);
+//   - every tensor of every file is listed, and listed in that file (errc::invalid_metadata);
+//   - metadata.total_size, when given, is the sum of the tensors' bytes (errc::invalid_metadata);
+//   - no tensor is in two files (errc::invalid_metadata).
+// What comes back holds the opened files and a map from tensor name to where it lives, so a
+// caller (the shardsafe tool's inspect and digest) reads tensors without opening anything again.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/format/hf_index.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// Where a tensor of a Hugging Face folder lives: hf_folder::files[file], header.tensors[entry].
+struct hf_tensor_location {
+  std::size_t file = 0;
+  std::size_t entry = 0;
+  friend bool operator==(const hf_tensor_location&, const hf_tensor_location&) = default;
+};
+
+/// A Hugging Face folder whose files are open and whose headers and index agree.
+template <ReadableDirectory D>
+struct hf_folder {
+  /// One safetensors file of the folder.
+  struct file {
+    std::string name;                  ///< its object name in the folder
+    typename D::reader_type storage;   ///< open for reading
+    safetensors_header header;         ///< validated
+  };
+
+  std::optional<hf_index> index;                      ///< the index of a sharded folder; none for model.safetensors
+  std::vector<file> files;                            ///< the index's files sorted by name, or model.safetensors alone
+  std::map<std::string, hf_tensor_location> tensors;  ///< every tensor of every file, by name
+
+  /// Whether the folder is sharded (model.safetensors.index.json and its files).
+  bool sharded() const noexcept { return index.has_value(); }
+
+  /// The header entry of a tensor.
+  const tensor_entry& entry(const hf_tensor_location& at) const { return files[at.file].header.tensors[at.entry]; }
+
+  /// The bytes of all tensors (what the index's total_size counts).
+  std::uint64_t tensor_bytes() const noexcept {
+    std::uint64_t n = 0;
+    for (const auto& [name, at] : tensors) n += entry(at).nbytes();
+    return n;
+  }
+};
+
+/// Whether dir holds a Hugging Face checkpoint: an index or a model.safetensors.
+template <ReadableDirectory D>
+bool is_hf_folder(const D& dir) {
+  return dir.exists(hf_index_file) || dir.exists(hf_single_file);
+}
+
+namespace detail {
+
+/// "dir/name", the way a Directory's objects are named in messages (one '/' between the two,
+/// also when the directory's name ends in one, as a folder given as "hf/" does).
+template <ReadableDirectory D>
+std::string object_path(const D& dir, std::string_view name) {
+  std::string p(dir.name());
+  if (p.empty() || p.back() != '/') p += '/';
+  return p + std::string(name);
+}
+
+template <ReadableDirectory D>
+typename hf_folder<D>::file open_hf_file(const D& dir, std::string name) {
+  typename D::reader_type s = dir.open(name);
+  safetensors_header h = read_safetensors_header(s);
+  return {std::move(name), std::move(s), std::move(h)};
+}
+
+/// The index's checks against the opened files (every row of the list above that needs both).
+template <ReadableDirectory D>
+void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
+  const hf_index& idx = *h.index;
+  const std::string index_name(hf_index_file);
+  auto file_index = [&](const std::string& name) {
+    std::size_t i = 0;
+    while (h.files[i].name != name) ++i;  // every name of weight_map is in files
+    return i;
+  };
+  std::uint64_t total = 0;
+  for (const auto& [tensor, fname] : idx.weight_map) {
+    const tensor_entry* e = h.files[file_index(fname)].header.find(tensor);
+    if (!e)
+      fail(errc::not_found, object_path(dir, fname) + ": tensor '" + tensor + "': listed in " + index_name +
+                                " but absent from the file");
+    total += e->nbytes();
+  }
+  for (const auto& f : h.files)
+    for (const auto& t : f.header.tensors) {
+      auto it = idx.weight_map.find(t.name);
+      if (it == idx.weight_map.end())
+        fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': not listed in " + index_name);
+      if (it->second != f.name)
+        fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': the index places it in " + it->second);
+    }
+  if (idx.total_size && *idx.total_size != total)
+    fail(errc::invalid_metadata, object_path(dir, hf_index_file) + ": metadata.total_size is " +
+                                     std::to_string(*idx.total_size) + " but the tensors hold " + std::to_string(total) +
+                                     " bytes");
+}
+
+}  // namespace detail
+
+/// Opens the Hugging Face checkpoint in dir and validates it (see the list at the top): the
+/// index and its files when dir holds model.safetensors.index.json, else model.safetensors.
+/// errc::not_found when dir holds neither.
+template <ReadableDirectory D>
+hf_folder<D> open_hf_folder(const D& dir) {
+  hf_folder<D> h;
+  if (dir.exists(hf_index_file)) {
+    h.index = read_hf_index(dir.open(hf_index_file));
+    for (const auto& f : h.index->files()) {
+      if (!dir.exists(f))
+        fail(errc::not_found, detail::object_path(dir, f) + ": listed in " + std::string(hf_index_file) + " but missing");
+      h.files.push_back(detail::open_hf_file(dir, f));
+    }
+    detail::check_hf_index_against_files(dir, h);
+  } else if (dir.exists(hf_single_file)) {
+    h.files.push_back(detail::open_hf_file(dir, std::string(hf_single_file)));
+  } else {
+    fail(errc::not_found, std::string(dir.name()) + ": neither " + std::string(hf_index_file) + " nor " +
+                              std::string(hf_single_file));
+  }
+  for (std::size_t i = 0; i < h.files.size(); ++i) {
+    const auto& ts = h.files[i].header.tensors;
+    for (std::size_t k = 0; k < ts.size(); ++k)
+      if (auto [it, fresh] = h.tensors.emplace(ts[k].name, hf_tensor_location{i, k}); !fresh)
+        fail(errc::invalid_metadata, h.files[i].header.file + ": tensor '" + ts[k].name + "' also appears in " +
+                                         h.files[it->second.file].header.file);
+  }
+  return h;
+}
+
+}  // namespace shardsafe
