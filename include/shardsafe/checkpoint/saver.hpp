@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -41,7 +42,7 @@ struct save_options {
   bool overwrite = false;   ///< replace an existing non-empty directory
   unsigned threads = 0;     ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
-  /// Rank files go out through O_DIRECT (storages with write_blocks: file_directory), in
+  /// Rank files go out through O_DIRECT (BlockWritableStorage writers: file_directory's), in
   /// aligned blocks (of write_chunk_bytes, at most 16 MiB; one per writer thread) assembled in
   /// memory, bypassing the page cache: a durable save then runs at the device's speed, not at
   /// the speed of filling page-cache pages (2-3x faster in bench/bench_checkpoint), and leaves
@@ -58,11 +59,6 @@ struct save_stats {
 };
 
 namespace detail {
-
-/// A fill callback that writes nothing: for asking whether a writer has write_blocks.
-struct no_fill {
-  void operator()(std::uint64_t, std::span<std::byte>) const noexcept {}
-};
 
 inline constexpr std::string_view error_marker = "\x01shardsafe-error\x01";
 
@@ -205,46 +201,46 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
     std::vector<tensor_entry> entries;
     for (const flat_view* v : mine_to_write) entries.push_back({v->key, v->type, shape_t{v->local_numel()}, 0, 0});
     auto w = dir.create(fname);
-    auto layout = plan_safetensors(std::move(entries), {}, w.name());
-    if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
-    if constexpr (requires { w.write_blocks(std::uint64_t{}, detail::no_fill{}, block_write_options{}); }) {
-      // the whole file in aligned blocks: header and tensors gathered into each block
-      std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
-      for (const flat_view* v : mine_to_write) data[layout.index_of(v->key)] = v->data;
-      block_write_options bo;
-      bo.threads = opt.threads;
-      bo.direct = opt.direct_io;
-      bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
-      w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        render_safetensors_bytes(layout, data, off, dst);
-      }, bo);
-      w.sync();
-      w.commit();
+    detail::abort_on_failure(w, [&] {  // a failed save leaves no temporary, no open upload
+      auto layout = plan_safetensors(std::move(entries), {}, w.name());
+      if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
+      if constexpr (BlockWritableStorage<typename D::writer_type>) {
+        // the whole file in aligned blocks: header and tensors gathered into each block
+        std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
+        for (const flat_view* v : mine_to_write) data[layout.index_of(v->key)] = v->data;
+        block_write_options bo;
+        bo.threads = opt.threads;
+        bo.direct = opt.direct_io;
+        bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
+        w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+          render_safetensors_bytes(layout, data, off, dst);
+        }, bo);
+        w.sync();
+        w.commit();
+      } else {
+        safetensors_writer<typename D::writer_type> sw(w, layout);
+        struct piece {
+          std::size_t index;
+          std::uint64_t offset, len;
+          const std::byte* src;
+        };
+        std::vector<piece> pieces;
+        const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
+        for (const flat_view* v : mine_to_write) {
+          const std::size_t idx = layout.index_of(v->key);
+          if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
+          for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
+            pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
+        }
+        detail::parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
+          const piece& p = pieces[i];
+          sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+        });
+        sw.finish();
+      }
       size = layout.file_size();
       st.tensors_written = mine_to_write.size();
-      return;
-    }
-    safetensors_writer<typename D::writer_type> sw(w, layout);
-    struct piece {
-      std::size_t index;
-      std::uint64_t offset, len;
-      const std::byte* src;
-    };
-    std::vector<piece> pieces;
-    const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
-    for (const flat_view* v : mine_to_write) {
-      const std::size_t idx = layout.index_of(v->key);
-      if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
-      for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
-        pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
-    }
-    detail::parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
-      const piece& p = pieces[i];
-      sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
     });
-    sw.finish();
-    size = layout.file_size();
-    st.tensors_written = mine_to_write.size();
   });
 
   // 4. agree, then commit metadata.json on rank 0
@@ -261,9 +257,16 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
   std::string commit = rank == 0 ? detail::outcome_of([&] {
     const std::string text = write_checkpoint_metadata(md);
     auto w = dir.create(metadata_file_name);
-    w.write_at(0, std::as_bytes(std::span(text)));
-    w.sync();
-    w.commit();
+    detail::abort_on_failure(w, [&] {
+      if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
+        w.write_at(0, std::as_bytes(std::span(text)));
+      else
+        w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+          std::memcpy(dst.data(), text.data() + off, dst.size());
+        }, block_write_options{1, false});
+      w.sync();
+      w.commit();
+    });
   }) : std::string();
   comm.broadcast_bytes(commit, 0);
   detail::agree_on_outcomes({commit}, errc::io_error);
