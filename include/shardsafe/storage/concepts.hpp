@@ -26,16 +26,17 @@
 //
 // | expression         | type           | requirement                                                 |
 // |--------------------|----------------|-------------------------------------------------------------|
-// | s.read_batch(rs)   | void           | does every rs[i].read_into: bytes [rs[i].offset, + dst.size()) |
-// |                    |                | into rs[i].dst, in any order and as concurrently as the     |
-// |                    |                | backend likes (one scatter request, pipelined range GETs);  |
-// |                    |                | returns when all have landed, or throws as read_into would  |
-// |                    |                | for the first failed one (the others' dst then hold         |
-// |                    |                | unspecified bytes). The dst spans do not overlap. Safe from  |
-// |                    |                | several threads at once. The loader hands it one batch per  |
-// |                    |                | file and falls back to read_into where it is absent.        |
+// | s.read_batch(rs)   | void           | reads bytes [rs[i].offset, rs[i].offset + rs[i].dst.size()) |
+// |                    |                | into rs[i].dst for every i, in any order and as             |
+// |                    |                | concurrently as the backend likes (one scatter request,     |
+// |                    |                | pipelined range GETs); returns when all have landed, or     |
+// |                    |                | throws as read_into would for a failed one (the other dst   |
+// |                    |                | then hold unspecified bytes). The dst spans do not overlap. |
+// |                    |                | Safe from several threads at once. The loader hands it one  |
+// |                    |                | batch per file and falls back to read_into without it.      |
 //
-// Any ReadableStorage may also suggest how reads of it are best merged and issued:
+// HintedStorage S (any storage may be one) suggests how reads of it are best merged and
+// issued, for `const S s`:
 //
 // | s.read_defaults()  | read_hints     | the backend's gap, largest read and requests in flight;     |
 // |                    |                | fields left empty take the library's defaults               |
@@ -56,9 +57,9 @@
 // |                    |                | a multipart upload); throws if that fails, which a          |
 // |                    |                | destructor could not report. Afterwards no write or commit  |
 // |                    |                | is allowed; a second abort is a no-op; abort after commit   |
-// |                    |                | is an error (errc::invalid_argument). A writer destroyed     |
-// |                    |                | without commit or abort discards quietly (best effort).      |
-// |                    |                | Either way nothing appears under the final name.            |
+// |                    |                | throws errc::invalid_argument. A writer destroyed without   |
+// |                    |                | commit or abort discards quietly (best effort). Either way  |
+// |                    |                | nothing appears under the final name.                       |
 // | w.name()           | string_view-able| the final name, for messages                               |
 //
 // A writer has one of two shapes (or both); the saver dispatches on them, preferring blocks.
