@@ -98,7 +98,7 @@ struct load_stats {
 struct load_schedule {
   /// One read of a file: bytes [op.file_offset, op.file_offset + op.len); op.pieces are the
   /// copies out of it into view `view` (pieces[i].dst: a byte offset in that view's memory).
-  struct read {
+  struct file_read {
     std::size_t view = 0;  ///< index into the views handed to plan()
     read_op op;
   };
@@ -106,7 +106,7 @@ struct load_schedule {
   struct file_reads {
     std::string name;        ///< the file, as metadata.json names it
     read_options settings;   ///< the merging settings its reads were planned with
-    std::vector<read> reads;
+    std::vector<file_read> reads;
   };
   std::vector<file_reads> files;         ///< in the order the views first need them
   std::vector<std::size_t> nan_checked;  ///< views execute() fills with NaN and checks afterwards
@@ -270,7 +270,7 @@ class checkpoint_reader {
     }
     for (auto& f : s.files)
       std::stable_sort(f.reads.begin(), f.reads.end(),
-                       [](const load_schedule::read& a, const load_schedule::read& b) {
+                       [](const load_schedule::file_read& a, const load_schedule::file_read& b) {
                          return a.op.file_offset < b.op.file_offset;
                        });
     return s;
@@ -365,7 +365,7 @@ class checkpoint_reader {
       detail::parallel_for(all.size(), s.threads, [&](std::size_t i) {
         const auto& [f, r] = all[i];
         const reader_type& st = files[f]->storage;
-        const load_schedule::read& rd = s.files[f].reads[r];
+        const load_schedule::file_read& rd = s.files[f].reads[r];
         detail::check_read_range(st.name(), rd.op.file_offset, rd.op.len, st.size());
         scatter(rd.op, st.bytes().data() + rd.op.file_offset, views[rd.view].data);
       });
@@ -425,7 +425,7 @@ class checkpoint_reader {
       std::vector<std::vector<std::byte>> spare;
       detail::parallel_for(all.size(), s.threads, [&](std::size_t i) {
         const auto& [f, r] = all[i];
-        const load_schedule::read& rd = s.files[f].reads[r];
+        const load_schedule::file_read& rd = s.files[f].reads[r];
         std::byte* base = views[rd.view].data;
         if (rd.op.direct()) {
           files[f]->storage.read_into(rd.op.file_offset, {base + rd.op.pieces[0].dst, static_cast<std::size_t>(rd.op.len)});
