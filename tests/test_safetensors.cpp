@@ -569,3 +569,63 @@ TEST_CASE("render_safetensors_bytes: any window of the file, as the streaming wr
   CHECK_THROWS_AS(render_safetensors_bytes(layout, data, ref.size(), one), shardsafe::error);
   CHECK_THROWS_AS(render_safetensors_bytes(layout, std::span(data).first(1), 0, one), shardsafe::error);
 }
+
+namespace {
+// A storage that counts the reads made of it, and the bytes they asked for.
+struct counting_storage {
+  memory_storage inner;
+  mutable int reads = 0;
+  mutable std::uint64_t bytes = 0;
+  std::uint64_t size() const { return inner.size(); }
+  std::string_view name() const { return inner.name(); }
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    ++reads;
+    bytes += dst.size();
+    inner.read_into(off, dst);
+  }
+};
+
+// A file with one U8 tensor "t" of `data` bytes and a header of exactly n bytes (the JSON
+// padded with spaces, which the format allows).
+std::string file_with_header_length(std::uint64_t n, std::uint64_t data) {
+  std::string json = "{\"t\":{\"dtype\":\"U8\",\"shape\":[" + std::to_string(data) + "],\"data_offsets\":[0," +
+                     std::to_string(data) + "]}}";
+  REQUIRE(json.size() <= n);
+  json.resize(n, ' ');
+  std::string f(8, '\0');
+  for (int i = 0; i < 8; ++i) f[std::size_t(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  f += json;
+  for (std::uint64_t i = 0; i < data; ++i) f += static_cast<char>(i * 7);
+  return f;
+}
+}  // namespace
+
+TEST_CASE("read_safetensors_header: one read when 8 + N fits the probe, two when it does not") {
+  static_assert(header_probe_bytes == 65536);
+  struct row {
+    std::uint64_t n, data;
+    int reads;
+  };
+  for (const row r : {row{64, 3, 1}, row{header_probe_bytes - 8, 5, 1}, row{header_probe_bytes - 7, 5, 2},
+                      row{3 * header_probe_bytes, 100, 2}, row{100, header_probe_bytes * 2, 1}}) {
+    INFO("N = " << r.n << ", data = " << r.data);
+    const std::string f = file_with_header_length(r.n, r.data);
+    counting_storage s{memory_storage(byte_buffer(as_span(f).begin(), as_span(f).end()), "probe.safetensors"), 0, 0};
+    const safetensors_header h = read_safetensors_header(s);
+    CHECK(s.reads == r.reads);
+    // the probe reads at most its size or the file; the second read only the rest of the header
+    CHECK(s.bytes == std::max<std::uint64_t>(std::min<std::uint64_t>(f.size(), header_probe_bytes), 8 + r.n));
+    CHECK(h.header_size == r.n);
+    REQUIRE(h.tensors.size() == 1);
+    CHECK(h.at("t").nbytes() == r.data);
+    CHECK(h.offset_of(h.at("t")) == 8 + r.n);
+    // and the same header as parsing the whole file in memory
+    CHECK(parse_safetensors(as_span(f), "probe.safetensors").data_start() == h.data_start());
+  }
+  // a header length past the file is still refused before a second read
+  std::string bad = file_with_header_length(100, 1);
+  bad[1] = '\x10';  // N = 4196 > file
+  counting_storage s{memory_storage(byte_buffer(as_span(bad).begin(), as_span(bad).end()), "bad.safetensors"), 0, 0};
+  CHECK_THROWS_WITH(read_safetensors_header(s), doctest::Contains("runs past the end"));
+  CHECK(s.reads == 1);
+}

@@ -1,20 +1,35 @@
 // shardsafe/checkpoint/loader.hpp - load a sharded checkpoint into caller memory, in place,
 // under any sharding.
 //
-// For each flat view: the checkpoint's shape and dtype must match; my shard is resolved
-// against every file's shard (plan_load: each element from exactly one file, gaps reported
-// as missing coverage); the copy runs become reads of byte ranges (make_read_plan) that land
-// straight in the view's memory, or, when several runs share one read, in a bounded staging
-// buffer that is scattered at once. Reads of all views run on a thread pool. Nothing the
-// size of a tensor or a file is allocated.
+// A load is planned, then executed. plan() checks each flat view against the checkpoint
+// (shape, dtype, coverage), opens the rank files it needs (all at once, each in one round
+// trip: open, then one speculative read of the header), resolves my shard against every
+// file's shard (plan_load: each element from exactly one file, gaps reported as missing
+// coverage) and turns the copy runs into reads of byte ranges (make_read_plan): a
+// load_schedule that lists, per file, each read and the copies out of it. execute() runs
+// the schedule on the shared thread pool (detail/thread_pool.hpp):
+// - a MappableStorage (mmap, memory) is copied from straight out of bytes(): no read call,
+//   no staging buffer, and the gaps of a merged read are never touched;
+// - a BatchReadableStorage gets each file's reads as one read_batch (split only to bound the
+//   staging memory of merged reads);
+// - any other ReadableStorage gets one read_into per read.
+// A read with one piece lands straight in the view's memory; a merged read lands in a bounded
+// staging buffer that is scattered at once. Nothing the size of a tensor or a file is
+// allocated.
+//
+// Read settings, each taken from the first place that sets it: load_options (reads.*,
+// threads), then the backend's hint (read_defaults(), storage/concepts.hpp), then the
+// library's defaults (read_options in shard/read_plan.hpp, detail::default_threads()).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -23,6 +38,7 @@
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -33,12 +49,39 @@
 
 namespace shardsafe {
 
+/// Read settings a load may set; each one left empty comes from the backend's hint
+/// (read_defaults()) or else from read_options' defaults.
+struct read_overrides {
+  std::optional<std::uint64_t> max_gap_bytes;   ///< merge reads separated by at most this
+  std::optional<double> max_over_read;          ///< wasted bytes / needed bytes, per read
+  std::optional<std::uint64_t> max_read_bytes;  ///< split reads longer than this
+};
+
 struct load_options {
-  unsigned threads = 0;         ///< 0: detail::default_threads()
-  read_options reads{};         ///< gap merging and read sizes
+  unsigned threads = 0;         ///< reads in flight; 0: the backend's hint, else detail::default_threads()
+  read_overrides reads{};       ///< gap merging and read sizes (unset: the backend's, else the defaults)
   bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
   bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
 };
+
+/// The read settings a load uses with a storage whose hint is `hint`: load_options first,
+/// then the hint, then read_options' defaults.
+inline read_options resolve_read_options(const read_overrides& o, const read_hints& hint) {
+  read_options r;
+  if (hint.max_gap_bytes) r.max_gap_bytes = *hint.max_gap_bytes;
+  if (hint.max_read_bytes) r.max_read_bytes = *hint.max_read_bytes;
+  if (o.max_gap_bytes) r.max_gap_bytes = *o.max_gap_bytes;
+  if (o.max_over_read) r.max_over_read = *o.max_over_read;
+  if (o.max_read_bytes) r.max_read_bytes = *o.max_read_bytes;
+  return r;
+}
+
+/// The reads in flight a load uses: load_options.threads, then the hint, then the default.
+inline unsigned resolve_threads(unsigned threads, const read_hints& hint) {
+  if (threads != 0) return threads;
+  if (hint.requests_in_flight && *hint.requests_in_flight != 0) return *hint.requests_in_flight;
+  return detail::default_threads();
+}
 
 struct load_stats {
   std::uint64_t tensors = 0;        ///< views loaded
@@ -50,6 +93,28 @@ struct load_stats {
   double seconds = 0;
 };
 
+/// What a load will do, made by checkpoint_reader::plan() before any tensor byte moves:
+/// which files, which byte ranges of each, and which copies out of each range.
+struct load_schedule {
+  /// One read of a file: bytes [op.file_offset, op.file_offset + op.len); op.pieces are the
+  /// copies out of it into view `view` (pieces[i].dst: a byte offset in that view's memory).
+  struct file_read {
+    std::size_t view = 0;  ///< index into the views handed to plan()
+    read_op op;
+  };
+  /// The reads of one file, sorted by file offset.
+  struct file_reads {
+    std::string name;        ///< the file, as metadata.json names it
+    read_options settings;   ///< the merging settings its reads were planned with
+    std::vector<file_read> reads;
+  };
+  std::vector<file_reads> files;         ///< in the order the views first need them
+  std::vector<std::size_t> nan_checked;  ///< views execute() fills with NaN and checks afterwards
+  std::size_t views = 0;                 ///< how many views plan() was given
+  unsigned threads = 1;                  ///< reads in flight
+  load_stats stats;                      ///< all but seconds, known from the plan
+};
+
 /// A checkpoint directory opened for reading: metadata.json validated, rank files opened
 /// (and their headers validated) on first use and kept open.
 template <ReadableDirectory D>
@@ -58,10 +123,10 @@ class checkpoint_reader {
   using reader_type = typename D::reader_type;
 
   explicit checkpoint_reader(D dir) : dir_(std::move(dir)) {
-    if (!dir_.exists(metadata_file_name))
-      fail(errc::not_found, std::string(dir_.name()) + ": no metadata.json: not a complete checkpoint (a save that "
-                                                       "did not finish, or not a checkpoint directory)");
-    md_ = read_checkpoint_metadata(dir_.open(metadata_file_name));
+    md_ = read_checkpoint_metadata(open_or(metadata_file_name, [&] {
+      return std::string(dir_.name()) + ": no metadata.json: not a complete checkpoint (a save that did not "
+                                        "finish, or not a checkpoint directory)";
+    }));
     for (std::size_t i = 0; i < md_.tensors.size(); ++i) index_.emplace(md_.tensors[i].first, i);
   }
 
@@ -79,19 +144,23 @@ class checkpoint_reader {
   };
   /// Opens (once) a file the metadata names.
   const open_file& file(const std::string& name) {
+    open_files(std::span<const std::string>(&name, 1));
     std::lock_guard lock(files_mutex_);
-    auto it = files_.find(name);
-    if (it != files_.end()) return *it->second;
-    if (!dir_.exists(name))
-      fail(errc::not_found, std::string(dir_.name()) + "/" + name + ": missing: metadata.json lists it but it does not exist");
-    reader_type s = dir_.open(name);
-    safetensors_header h = read_safetensors_header(s);
-    auto size_it = md_.extras.file_sizes.find(name);
-    if (size_it != md_.extras.file_sizes.end() && size_it->second != s.size())
-      fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) +
-                                " bytes but metadata.json recorded " + std::to_string(size_it->second));
-    auto f = std::make_unique<open_file>(open_file{std::move(s), std::move(h)});
-    return *files_.emplace(name, std::move(f)).first->second;
+    return *files_.at(name);
+  }
+  /// Opens (once) every file named, those not open yet all at once, on up to `threads`
+  /// threads (0: the default). The first failure is thrown once all attempts have returned.
+  void open_files(std::span<const std::string> names, unsigned threads = 0) {
+    std::vector<std::string> todo;
+    {
+      std::lock_guard lock(files_mutex_);
+      for (const auto& n : names)
+        if (!files_.count(n) && std::find(todo.begin(), todo.end(), n) == todo.end()) todo.push_back(n);
+    }
+    std::vector<std::unique_ptr<open_file>> opened(todo.size());
+    detail::parallel_for(todo.size(), threads, [&](std::size_t i) { opened[i] = open_one(todo[i]); });
+    std::lock_guard lock(files_mutex_);
+    for (std::size_t i = 0; i < todo.size(); ++i) files_.try_emplace(todo[i], std::move(opened[i]));
   }
 
   /// The entry of `key` in file `name`, checked against the metadata and the file's shard.
@@ -110,27 +179,31 @@ class checkpoint_reader {
     return *e;
   }
 
-  /// Loads every view in place. Throws on the first problem, naming file, tensor and rule.
-  load_stats load(std::span<const flat_view> views, const load_options& opt = {}) {
-    const auto t0 = std::chrono::steady_clock::now();
-    load_stats st;
-    struct task {
-      const open_file* file;
-      read_op op;
-      std::byte* base;
-    };
-    std::vector<task> tasks;
-    std::vector<const flat_view*> nan_checked;
+  /// Plans loading every view: checks each against the checkpoint, opens the files needed
+  /// and computes the reads. Touches no view's memory. Throws on the first problem, naming
+  /// file, tensor and rule.
+  load_schedule plan(std::span<const flat_view> views, const load_options& opt = {}) {
+    load_schedule s;
+    s.views = views.size();
     std::map<std::string_view, bool> asked;
+    struct planned {
+      std::size_t view;
+      const tensor_metadata* tm;
+      load_plan lp;
+    };
+    std::vector<planned> todo;
+    std::vector<std::string> needed;  // file names, in the order first needed
+    std::map<std::string, std::size_t> file_index;
 
-    for (const flat_view& v : views) {
+    for (std::size_t vi = 0; vi < views.size(); ++vi) {
+      const flat_view& v = views[vi];
       const std::string ctx = std::string(dir_.name()) + ": tensor '" + v.key + "'";
       v.validate(dir_.name());
       asked[v.key] = true;
       const tensor_metadata* tm = find(v.key);
       if (!tm) {
         if (opt.strict) fail(errc::not_found, ctx + ": not in the checkpoint");
-        st.missing_keys.push_back(v.key);
+        s.stats.missing_keys.push_back(v.key);
         continue;
       }
       if (tm->shape != v.full_shape)
@@ -155,40 +228,77 @@ class checkpoint_reader {
                  (g ? " (global element " + std::to_string(*g) + ", index " + multi_index_string(tm->shape, *g) + ")"
                     : std::string()));
       }
-      ++st.tensors;
-      if (opt.validate_nan && has_nan(v.type)) {
-        detail::fill_nan(v.type, v.bytes());
-        nan_checked.push_back(&v);
+      ++s.stats.tensors;
+      if (opt.validate_nan && has_nan(v.type)) s.nan_checked.push_back(vi);
+      for (const auto& fp : lp.files) {
+        const std::string& fname = tm->files[fp.file].first;
+        if (file_index.emplace(fname, needed.size()).second) needed.push_back(fname);
       }
-      const std::uint64_t item = item_size(v.type);
-      for (auto& fp : lp.files) {
-        const auto& [fname, fspec] = tm->files[fp.file];
-        const open_file& f = file(fname);
-        const tensor_entry& e = entry_in(f, v.key, *tm, fspec);
-        read_plan rp = make_read_plan(fp.runs, f.header.offset_of(e), item, opt.reads);
-        st.bytes_needed += rp.bytes_needed;
-        st.bytes_read += rp.bytes_read;
-        st.read_ops += rp.ops.size();
-        for (auto& op : rp.ops) tasks.push_back(task{&f, std::move(op), v.data});
-      }
+      todo.push_back({vi, tm, std::move(lp)});
     }
     for (const auto& [k, t] : md_.tensors)
-      if (!asked.count(k)) st.unexpected_keys.push_back(k);
+      if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
 
-    detail::parallel_for(tasks.size(), opt.threads, [&](std::size_t i) {
-      const task& t = tasks[i];
-      if (t.op.direct()) {
-        t.file->storage.read_into(t.op.file_offset, {t.base + t.op.pieces[0].dst, static_cast<std::size_t>(t.op.len)});
-        return;
+    open_files(needed, opt.threads);
+    std::vector<const open_file*> files;
+    {
+      std::lock_guard lock(files_mutex_);
+      for (const auto& n : needed) files.push_back(files_.at(n).get());
+    }
+    read_hints hint;
+    if (!files.empty()) hint = read_defaults_of(files.front()->storage);
+    s.threads = resolve_threads(opt.threads, hint);
+    s.files.resize(needed.size());
+    for (std::size_t i = 0; i < needed.size(); ++i) {
+      s.files[i].name = needed[i];
+      s.files[i].settings = resolve_read_options(opt.reads, read_defaults_of(files[i]->storage));
+    }
+    for (auto& p : todo) {
+      const flat_view& v = views[p.view];
+      const std::uint64_t item = item_size(v.type);
+      for (auto& fp : p.lp.files) {
+        const auto& [fname, fspec] = p.tm->files[fp.file];
+        const std::size_t fi = file_index.at(fname);
+        const open_file& f = *files[fi];
+        const tensor_entry& e = entry_in(f, v.key, *p.tm, fspec);
+        read_plan rp = make_read_plan(fp.runs, f.header.offset_of(e), item, s.files[fi].settings);
+        s.stats.bytes_needed += rp.bytes_needed;
+        s.stats.bytes_read += rp.bytes_read;
+        s.stats.read_ops += rp.ops.size();
+        for (auto& op : rp.ops) s.files[fi].reads.push_back({p.view, std::move(op)});
       }
-      thread_local std::vector<std::byte> staging;
-      staging.resize(t.op.len);
-      t.file->storage.read_into(t.op.file_offset, staging);
-      for (const auto& p : t.op.pieces) std::memcpy(t.base + p.dst, staging.data() + p.offset, p.len);
-      if (staging.capacity() > (std::size_t(64) << 20)) std::vector<std::byte>().swap(staging);
-    });
+    }
+    for (auto& f : s.files)
+      std::stable_sort(f.reads.begin(), f.reads.end(),
+                       [](const load_schedule::file_read& a, const load_schedule::file_read& b) {
+                         return a.op.file_offset < b.op.file_offset;
+                       });
+    return s;
+  }
 
-    for (const flat_view* v : nan_checked) {
+  /// Runs a schedule that plan() made for these views (the same views, in the same order):
+  /// the reads, the copies, and the NaN check. Throws on the first problem.
+  load_stats execute(std::span<const flat_view> views, const load_schedule& s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (views.size() != s.views)
+      fail(errc::invalid_argument, std::string(dir_.name()) + ": a load schedule planned for " +
+                                       std::to_string(s.views) + " views executed with " +
+                                       std::to_string(views.size()));
+    for (std::size_t vi : s.nan_checked) detail::fill_nan(views[vi].type, views[vi].bytes());
+    std::vector<const open_file*> files;
+    {
+      std::lock_guard lock(files_mutex_);
+      for (const auto& f : s.files) {
+        auto it = files_.find(f.name);
+        if (it == files_.end())
+          fail(errc::invalid_argument, std::string(dir_.name()) + "/" + f.name +
+                                           ": in the load schedule but not opened by this reader's plan()");
+        files.push_back(it->second.get());
+      }
+    }
+    run_reads(views, s, files);
+    for (std::size_t vi : s.nan_checked) {
+      const flat_view* v = &views[vi];
       const std::int64_t at = detail::first_nan(v->type, v->bytes());
       if (at >= 0) {
         auto g = global_index_of(v->effective_spec(), v->full_shape, static_cast<std::uint64_t>(at));
@@ -198,11 +308,146 @@ class checkpoint_reader {
                                          ": not loaded, or NaN in the checkpoint");
       }
     }
+    load_stats st = s.stats;
+    st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  }
+
+  /// Loads every view in place: plan(), then execute(). Throws on the first problem, naming
+  /// file, tensor and rule.
+  load_stats load(std::span<const flat_view> views, const load_options& opt = {}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const load_schedule s = plan(views, opt);
+    load_stats st = execute(views, s);
     st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return st;
   }
 
  private:
+  /// Staging memory one read_batch may hold for merged reads (a batch is split past it).
+  static constexpr std::uint64_t batch_staging_bytes = std::uint64_t(64) << 20;
+
+  /// dir_.open(n), with not_found reported as `missing()` says (there is no exists() check
+  /// first: the open is the check, in one round trip).
+  template <class Message>
+  reader_type open_or(std::string_view n, Message&& missing) const {
+    try {
+      return dir_.open(n);
+    } catch (const error& e) {
+      if (e.code() == errc::not_found) fail(errc::not_found, missing());
+      throw;
+    }
+  }
+
+  std::unique_ptr<open_file> open_one(const std::string& name) const {
+    reader_type s = open_or(name, [&] {
+      return std::string(dir_.name()) + "/" + name + ": missing: metadata.json lists it but it does not exist";
+    });
+    safetensors_header h = read_safetensors_header(s);
+    auto size_it = md_.extras.file_sizes.find(name);
+    if (size_it != md_.extras.file_sizes.end() && size_it->second != s.size())
+      fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) +
+                                " bytes but metadata.json recorded " + std::to_string(size_it->second));
+    return std::make_unique<open_file>(open_file{std::move(s), std::move(h)});
+  }
+
+  static void scatter(const read_op& op, const std::byte* src, std::byte* base) {
+    for (const auto& p : op.pieces)
+      detail::stream_copy(base + p.dst, src + p.offset, static_cast<std::size_t>(p.len));
+  }
+
+  void run_reads(std::span<const flat_view> views, const load_schedule& s, const std::vector<const open_file*>& files) {
+    if constexpr (MappableStorage<reader_type>) {
+      // straight out of the mapping: only the pieces are copied, gaps are never touched
+      std::vector<std::pair<std::size_t, std::size_t>> all;  // (file, read)
+      for (std::size_t f = 0; f < s.files.size(); ++f)
+        for (std::size_t r = 0; r < s.files[f].reads.size(); ++r) all.emplace_back(f, r);
+      detail::parallel_for(all.size(), s.threads, [&](std::size_t i) {
+        const auto& [f, r] = all[i];
+        const reader_type& st = files[f]->storage;
+        const load_schedule::file_read& rd = s.files[f].reads[r];
+        detail::check_read_range(st.name(), rd.op.file_offset, rd.op.len, st.size());
+        scatter(rd.op, st.bytes().data() + rd.op.file_offset, views[rd.view].data);
+      });
+    } else if constexpr (BatchReadableStorage<reader_type>) {
+      // one read_batch per file (more only where merged reads need too much staging)
+      struct batch {
+        std::size_t file, first, last;  // reads [first, last) of s.files[file]
+        std::uint64_t staging;
+      };
+      std::vector<batch> batches;
+      for (std::size_t f = 0; f < s.files.size(); ++f) {
+        const auto& reads = s.files[f].reads;
+        batch b{f, 0, 0, 0};
+        for (std::size_t r = 0; r < reads.size(); ++r) {
+          const std::uint64_t need = reads[r].op.direct() ? 0 : reads[r].op.len;
+          if (b.last > b.first && need > 0 && b.staging + need > batch_staging_bytes) {
+            batches.push_back(b);
+            b = batch{f, r, r, 0};
+          }
+          b.last = r + 1;
+          b.staging += need;
+        }
+        if (b.last > b.first) batches.push_back(b);
+      }
+      detail::parallel_for(batches.size(), s.threads, [&](std::size_t i) {
+        const batch& b = batches[i];
+        const auto& reads = s.files[b.file].reads;
+        std::vector<std::byte> staging(static_cast<std::size_t>(b.staging));
+        std::vector<read_request> rq;
+        rq.reserve(b.last - b.first);
+        std::uint64_t at = 0;
+        for (std::size_t r = b.first; r < b.last; ++r) {
+          const read_op& op = reads[r].op;
+          if (op.direct()) {
+            rq.push_back({op.file_offset, {views[reads[r].view].data + op.pieces[0].dst, static_cast<std::size_t>(op.len)}});
+          } else {
+            rq.push_back({op.file_offset, {staging.data() + at, static_cast<std::size_t>(op.len)}});
+            at += op.len;
+          }
+        }
+        files[b.file]->storage.read_batch(std::span<const read_request>(rq));
+        at = 0;
+        for (std::size_t r = b.first; r < b.last; ++r) {
+          const read_op& op = reads[r].op;
+          if (op.direct()) continue;
+          scatter(op, staging.data() + at, views[reads[r].view].data);
+          at += op.len;
+        }
+      });
+    } else {
+      // one read_into per read; merged reads land in staging buffers reused within this
+      // load (pool threads outlive it, so buffers are not kept per thread)
+      std::vector<std::pair<std::size_t, std::size_t>> all;  // (file, read)
+      for (std::size_t f = 0; f < s.files.size(); ++f)
+        for (std::size_t r = 0; r < s.files[f].reads.size(); ++r) all.emplace_back(f, r);
+      std::mutex spare_mutex;
+      std::vector<std::vector<std::byte>> spare;
+      detail::parallel_for(all.size(), s.threads, [&](std::size_t i) {
+        const auto& [f, r] = all[i];
+        const load_schedule::file_read& rd = s.files[f].reads[r];
+        std::byte* base = views[rd.view].data;
+        if (rd.op.direct()) {
+          files[f]->storage.read_into(rd.op.file_offset, {base + rd.op.pieces[0].dst, static_cast<std::size_t>(rd.op.len)});
+          return;
+        }
+        std::vector<std::byte> staging;
+        {
+          std::lock_guard lock(spare_mutex);
+          if (!spare.empty()) {
+            staging = std::move(spare.back());
+            spare.pop_back();
+          }
+        }
+        staging.resize(rd.op.len);
+        files[f]->storage.read_into(rd.op.file_offset, staging);
+        for (const auto& p : rd.op.pieces) std::memcpy(base + p.dst, staging.data() + p.offset, p.len);
+        std::lock_guard lock(spare_mutex);
+        spare.push_back(std::move(staging));
+      });
+    }
+  }
+
   D dir_;
   checkpoint_metadata md_;
   std::unordered_map<std::string, std::size_t> index_;

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <span>
 #include <string>
@@ -45,7 +46,7 @@ struct save_options {
   bool overwrite = false;   ///< replace an existing non-empty directory
   unsigned threads = 0;     ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
-  /// Rank files go out through O_DIRECT (storages with write_blocks: file_directory), in
+  /// Rank files go out through O_DIRECT (BlockWritableStorage writers: file_directory's), in
   /// aligned blocks (of write_chunk_bytes, at most 16 MiB; one per writer thread) assembled in
   /// memory, bypassing the page cache: a durable save then runs at the device's speed, not at
   /// the speed of filling page-cache pages (2-3x faster in bench/bench_checkpoint), and leaves
@@ -62,11 +63,6 @@ struct save_stats {
 };
 
 namespace detail {
-
-/// A fill callback that writes nothing: for asking whether a writer has write_blocks.
-struct no_fill {
-  void operator()(std::uint64_t, std::span<std::byte>) const noexcept {}
-};
 
 /// This rank's part of the metadata: every view with this rank's file as its only file.
 inline checkpoint_metadata describe_views(std::span<const flat_view> views, int rank, std::string_view dir) {
@@ -171,7 +167,8 @@ inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> v
 }
 
 /// Writes `views` as the safetensors file `fname` in dir (temporary name, synced, committed):
-/// in aligned blocks where the writer has write_blocks, else in chunks through write_at.
+/// in aligned blocks where the writer is a BlockWritableStorage, else in chunks through write_at;
+/// the writer is aborted when anything fails.
 /// Returns the file's size.
 template <WritableDirectory D>
 std::uint64_t write_rank_file(const D& dir, const std::string& fname, std::span<const flat_view* const> views,
@@ -179,43 +176,47 @@ std::uint64_t write_rank_file(const D& dir, const std::string& fname, std::span<
   std::vector<tensor_entry> entries;
   for (const flat_view* v : views) entries.push_back({v->key, v->type, shape_t{v->local_numel()}, 0, 0});
   auto w = dir.create(fname);
-  auto layout = plan_safetensors(std::move(entries), {}, w.name());
-  if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
-  if constexpr (requires { w.write_blocks(std::uint64_t{}, no_fill{}, block_write_options{}); }) {
-    // the whole file in aligned blocks: header and tensors gathered into each block
-    std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
-    for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
-    block_write_options bo;
-    bo.threads = opt.threads;
-    bo.direct = opt.direct_io;
-    bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
-    w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-      render_safetensors_bytes(layout, data, off, dst);
-    }, bo);
-    w.sync();
-    w.commit();
-    return layout.file_size();
-  }
-  safetensors_writer<typename D::writer_type> sw(w, layout);
-  struct piece {
-    std::size_t index;
-    std::uint64_t offset, len;
-    const std::byte* src;
-  };
-  std::vector<piece> pieces;
-  const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
-  for (const flat_view* v : views) {
-    const std::size_t idx = layout.index_of(v->key);
-    if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
-    for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
-      pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
-  }
-  parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
-    const piece& p = pieces[i];
-    sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+  std::uint64_t size = 0;
+  abort_on_failure(w, [&] {  // a failed save leaves no temporary, no open upload
+    auto layout = plan_safetensors(std::move(entries), {}, w.name());
+    if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
+    if constexpr (BlockWritableStorage<typename D::writer_type>) {
+      // the whole file in aligned blocks: header and tensors gathered into each block
+      std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
+      for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
+      block_write_options bo;
+      bo.threads = opt.threads;
+      bo.direct = opt.direct_io;
+      bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
+      w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+        render_safetensors_bytes(layout, data, off, dst);
+      }, bo);
+      w.sync();
+      w.commit();
+    } else {
+      safetensors_writer<typename D::writer_type> sw(w, layout);
+      struct piece {
+        std::size_t index;
+        std::uint64_t offset, len;
+        const std::byte* src;
+      };
+      std::vector<piece> pieces;
+      const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
+      for (const flat_view* v : views) {
+        const std::size_t idx = layout.index_of(v->key);
+        if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
+        for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
+          pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
+      }
+      parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
+        const piece& p = pieces[i];
+        sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+      });
+      sw.finish();
+    }
+    size = layout.file_size();
   });
-  sw.finish();
-  return layout.file_size();
+  return size;
 }
 
 /// Step 3: every rank writes rank_R.safetensors; returns every rank's file size, by rank.
@@ -235,9 +236,16 @@ void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
   rank0_step(comm, [&] {
     const std::string text = write_checkpoint_metadata(md);
     auto w = dir.create(metadata_file_name);
-    w.write_at(0, std::as_bytes(std::span(text)));
-    w.sync();
-    w.commit();
+    abort_on_failure(w, [&] {
+      if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
+        w.write_at(0, std::as_bytes(std::span(text)));
+      else
+        w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+          std::memcpy(dst.data(), text.data() + off, dst.size());
+        }, block_write_options{1, false});
+      w.sync();
+      w.commit();
+    });
   });
 }
 

@@ -58,7 +58,7 @@ struct unshard_source {
 };
 
 /// Writes the full tensors of the sources into one safetensors file, chunk by chunk.
-template <ReadableDirectory D, WritableStorage W>
+template <ReadableDirectory D, RandomAccessWritableStorage W>
 std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources, W& out,
                                      const unshard_options& opt = {},
                                      const std::map<std::string, std::string>& metadata = {}) {

@@ -1,12 +1,25 @@
-// shardsafe/detail/thread_pool.hpp - run n independent tasks on up to k threads.
+// shardsafe/detail/thread_pool.hpp - a pool of threads that lives across loads and saves,
+// and parallel_for on it: run n independent tasks on up to k threads.
+//
+// The caller of parallel_for works on its own tasks too, and pool threads only help: a
+// parallel_for called from inside a task (write_blocks under a save, a backend's read_batch
+// under a load) therefore always finishes, on the calling thread alone if every pool thread
+// is busy. Pool threads are started when first needed and stay until the pool is destroyed
+// (shared_pool(): at exit), so a load issues no thread creation after the first. (In a child
+// made by fork() the pool's threads are gone; its parallel_for then runs on the caller alone.)
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
+#include <deque>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace shardsafe::detail {
@@ -18,40 +31,125 @@ inline unsigned default_threads() noexcept {
   return std::clamp(h, 1u, 8u);
 }
 
-/// Calls f(i) for i in [0, n) on up to `threads` threads (the caller's among them). The
-/// first exception thrown stops new tasks from starting and is rethrown after all joined.
-template <class F>
-void parallel_for(std::size_t n, unsigned threads, F&& f) {
-  if (n == 0) return;
-  if (threads == 0) threads = default_threads();
-  threads = static_cast<unsigned>(std::min<std::size_t>(threads, n));
-  if (threads <= 1) {
-    for (std::size_t i = 0; i < n; ++i) f(i);
-    return;
+class thread_pool {
+ public:
+  /// The most pool threads one pool starts (a request for more threads gets this many helpers).
+  static constexpr unsigned max_workers = 63;
+
+  thread_pool() = default;
+  thread_pool(const thread_pool&) = delete;
+  thread_pool& operator=(const thread_pool&) = delete;
+  ~thread_pool() {
+    {
+      std::lock_guard lock(m_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : workers_) t.join();
   }
-  std::atomic<std::size_t> next{0};
-  std::atomic<bool> stop{false};
-  std::exception_ptr first;
-  std::mutex m;
-  auto work = [&] {
-    while (!stop.load(std::memory_order_relaxed)) {
-      const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) return;
-      try {
-        f(i);
-      } catch (...) {
-        std::lock_guard lock(m);
-        if (!first) first = std::current_exception();
-        stop = true;
+
+  /// Pool threads started so far.
+  unsigned size() const {
+    std::lock_guard lock(m_);
+    return static_cast<unsigned>(workers_.size());
+  }
+
+  /// Calls f(i) for i in [0, n) on up to `threads` threads (0: default_threads()), the
+  /// caller's among them. The first exception thrown stops new tasks from starting and is
+  /// rethrown once every task that started has returned.
+  template <class F>
+  void parallel_for(std::size_t n, unsigned threads, F&& f) {
+    if (n == 0) return;
+    if (threads == 0) threads = default_threads();
+    threads = static_cast<unsigned>(std::min<std::size_t>(threads, n));
+    if (threads <= 1) {
+      for (std::size_t i = 0; i < n; ++i) f(i);
+      return;
+    }
+    using Fn = std::remove_reference_t<F>;
+    job j;
+    j.n = n;
+    j.ctx = const_cast<void*>(static_cast<const void*>(std::addressof(f)));
+    j.call = [](void* ctx, std::size_t i) { (*static_cast<Fn*>(ctx))(i); };
+    {
+      std::lock_guard lock(m_);
+      const unsigned helpers = std::min(threads - 1, max_workers);
+      while (workers_.size() < helpers) workers_.emplace_back([this] { worker_loop(); });
+      j.wanted = helpers;
+      queue_.push_back(&j);
+    }
+    wake_.notify_all();
+    j.work();
+    {
+      // no helper joins from now on; wait for those that did
+      std::unique_lock lock(m_);
+      j.wanted = 0;
+      std::erase(queue_, &j);
+      j.done.wait(lock, [&] { return j.running == 0; });
+    }
+    if (j.first) std::rethrow_exception(j.first);
+  }
+
+ private:
+  struct job {
+    std::size_t n = 0;
+    void* ctx = nullptr;
+    void (*call)(void*, std::size_t) = nullptr;
+    std::atomic<std::size_t> next{0};
+    std::atomic<bool> stop{false};
+    std::mutex error_mutex;
+    std::exception_ptr first;
+    unsigned wanted = 0;   // helpers still welcome (under the pool's mutex)
+    unsigned running = 0;  // helpers inside work() (under the pool's mutex)
+    std::condition_variable done;
+
+    void work() noexcept {
+      while (!stop.load(std::memory_order_relaxed)) {
+        const std::size_t i = next.fetch_add(1, std::memory_order_relaxed);
+        if (i >= n) return;
+        try {
+          call(ctx, i);
+        } catch (...) {
+          std::lock_guard lock(error_mutex);
+          if (!first) first = std::current_exception();
+          stop = true;
+        }
       }
     }
   };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  if (first) std::rethrow_exception(first);
+
+  void worker_loop() {
+    std::unique_lock lock(m_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      job* j = queue_.front();
+      if (--j->wanted == 0) queue_.pop_front();
+      ++j->running;
+      lock.unlock();
+      j->work();
+      lock.lock();
+      if (--j->running == 0) j->done.notify_all();
+    }
+  }
+
+  mutable std::mutex m_;
+  std::condition_variable wake_;
+  std::deque<job*> queue_;  // jobs that still want helpers, oldest first
+  std::vector<std::thread> workers_;
+  bool stopping_ = false;
+};
+
+/// The pool every load and save of this process shares.
+inline thread_pool& shared_pool() {
+  static thread_pool pool;
+  return pool;
+}
+
+/// parallel_for on the shared pool (see thread_pool::parallel_for).
+template <class F>
+void parallel_for(std::size_t n, unsigned threads, F&& f) {
+  shared_pool().parallel_for(n, threads, std::forward<F>(f));
 }
 
 }  // namespace shardsafe::detail

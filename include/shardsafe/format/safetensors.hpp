@@ -261,8 +261,13 @@ inline safetensors_header parse_safetensors(std::span<const std::byte> file_byte
   return parse_safetensors_header(json, file_bytes.size(), file);
 }
 
-/// Reads and validates the header of a safetensors file in any readable storage. Allocates
-/// at most the checked header length.
+/// Bytes read_safetensors_header asks for in its first read: enough for the headers of most
+/// files (8 + N; a header with a few thousand tensors), so opening one costs one read.
+inline constexpr std::uint64_t header_probe_bytes = std::uint64_t(64) << 10;
+
+/// Reads and validates the header of a safetensors file in any readable storage: one read of
+/// the first min(size, header_probe_bytes) bytes, and a second one only for the rest of a
+/// header longer than that. Allocates at most that probe or the checked header length.
 template <ReadableStorage S>
 safetensors_header read_safetensors_header(const S& s) {
   const std::uint64_t size = s.size();
@@ -270,12 +275,16 @@ safetensors_header read_safetensors_header(const S& s) {
   if (size < 8)
     fail(errc::truncated,
          std::string(file) + ": file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
-  std::array<std::byte, 8> len{};
-  s.read_into(0, len);
-  const std::uint64_t n = check_header_length(decode_header_length(len), size, file);
-  std::string json(n, '\0');
-  s.read_into(8, std::as_writable_bytes(std::span(json)));
-  return parse_safetensors_header(json, size, file);
+  std::string buf(static_cast<std::size_t>(std::min(size, header_probe_bytes)), '\0');
+  s.read_into(0, std::as_writable_bytes(std::span(buf)));
+  const std::uint64_t n = check_header_length(
+      decode_header_length(std::as_bytes(std::span(buf)).template first<8>()), size, file);
+  const std::uint64_t have = buf.size();
+  if (8 + n > have) {
+    buf.resize(static_cast<std::size_t>(8 + n));
+    s.read_into(have, std::as_writable_bytes(std::span(buf)).subspan(static_cast<std::size_t>(have)));
+  }
+  return parse_safetensors_header(std::string_view(buf).substr(8, static_cast<std::size_t>(n)), size, file);
 }
 
 /// Byte range in the file of elements [first, first + count) of tensor t.

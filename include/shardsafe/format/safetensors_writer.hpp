@@ -146,10 +146,10 @@ inline safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
   return l;
 }
 
-/// Streams one safetensors file into a WritableStorage: the header at construction, then
+/// Streams one safetensors file into a RandomAccessWritableStorage: the header at construction, then
 /// tensor bytes by write()/write_part() in any order (from several threads for different
 /// tensors or disjoint parts), then finish() checks every byte arrived, syncs and commits.
-template <WritableStorage W>
+template <RandomAccessWritableStorage W>
 class safetensors_writer {
  public:
   safetensors_writer(W& out, const safetensors_layout& layout)
@@ -262,7 +262,7 @@ inline void render_safetensors_bytes(const safetensors_layout& layout, std::span
 }
 
 /// Writes a whole file from tensors in memory: plan, stream, commit.
-template <WritableStorage W>
+template <RandomAccessWritableStorage W>
 void write_safetensors(W& out, std::span<const tensor_data> tensors,
                        const std::map<std::string, std::string>& metadata = {}) {
   std::vector<tensor_entry> entries;

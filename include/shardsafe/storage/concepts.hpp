@@ -20,30 +20,69 @@
 //
 // | s.bytes()          | std::span<const std::byte>| all size() bytes, valid while s lives; read-only    |
 //
-// WritableStorage W, for `W w`, `std::span<const std::byte> src`:
+// The loader copies straight out of bytes() when a storage has it (no read call, no staging).
+//
+// BatchReadableStorage S additionally, for `const S s`, `std::span<const read_request> rs`:
 //
 // | expression         | type           | requirement                                                 |
 // |--------------------|----------------|-------------------------------------------------------------|
-// | w.write_at(off,src)| void           | stores src at [off, off + src.size()), growing the object;  |
-// |                    |                | all of it or throws. Safe from several threads at once for  |
-// |                    |                | disjoint ranges.                                            |
+// | s.read_batch(rs)   | void           | reads bytes [rs[i].offset, rs[i].offset + rs[i].dst.size()) |
+// |                    |                | into rs[i].dst for every i, in any order and as             |
+// |                    |                | concurrently as the backend likes (one scatter request,     |
+// |                    |                | pipelined range GETs); returns when all have landed, or     |
+// |                    |                | throws as read_into would for a failed one (the other dst   |
+// |                    |                | then hold unspecified bytes). The dst spans do not overlap. |
+// |                    |                | Safe from several threads at once. The loader hands it one  |
+// |                    |                | batch per file and falls back to read_into without it.      |
+//
+// HintedStorage S (any storage may be one) suggests how reads of it are best merged and
+// issued, for `const S s`:
+//
+// | s.read_defaults()  | read_hints     | the backend's gap, largest read and requests in flight;     |
+// |                    |                | fields left empty take the library's defaults               |
+//
+// read_defaults_of(s) is that hint, or an empty one for a storage without it. The loader
+// takes each setting from load_options when set there, else from the hint, else its own
+// default (checkpoint/loader.hpp).
+//
+// Writers. WritableStorage W (every writer), for `W w`:
+//
+// | expression         | type           | requirement                                                 |
+// |--------------------|----------------|-------------------------------------------------------------|
 // | w.sync()           | void           | makes what was written durable (fsync for files)            |
 // | w.commit()         | void           | publishes the object under its final name atomically: a     |
 // |                    |                | reader sees the whole object or nothing. After commit no    |
-// |                    |                | write is allowed. A writer destroyed without commit leaves  |
-// |                    |                | no object under the final name.                             |
+// |                    |                | write is allowed.                                           |
+// | w.abort()          | void           | discards what was written (removes a temporary file, aborts |
+// |                    |                | a multipart upload); throws if that fails, which a          |
+// |                    |                | destructor could not report. Afterwards no write or commit  |
+// |                    |                | is allowed; a second abort is a no-op; abort after commit   |
+// |                    |                | throws errc::invalid_argument. A writer destroyed without   |
+// |                    |                | commit or abort discards quietly (best effort). Either way  |
+// |                    |                | nothing appears under the final name.                       |
 // | w.name()           | string_view-able| the final name, for messages                               |
 //
-// A WritableStorage may also write a whole object in blocks it produces itself (file_writer
-// does, through O_DIRECT); the saver uses that when it is there:
+// A writer has one of two shapes (or both); the saver dispatches on them, preferring blocks.
+// RandomAccessWritableStorage W additionally, for `std::uint64_t off`, `std::span<const std::byte> src`:
 //
-// | expression         | type           | requirement                                                 |
-// |--------------------|----------------|-------------------------------------------------------------|
-// | w.write_blocks(    | void           | writes bytes [0, size) block by block: fill(off, dst), with |
-// |   size, fill, o)   |                | dst a std::span<std::byte>, must put the object's bytes at  |
-// |                    |                | off into all of dst (it is called from several threads at   |
-// |                    |                | once); the object is then exactly size bytes. o: a          |
-// |                    |                | block_write_options. Then sync() and commit() as usual.     |
+// | w.write_at(off,src)| void           | stores src at [off, off + src.size()), growing the object;  |
+// |                    |                | all of it or throws. Safe from several threads at once for  |
+// |                    |                | disjoint ranges, in any order. (file_writer, memory_writer) |
+//
+// BlockWritableStorage W additionally, for `std::uint64_t size`, `fill` a callable
+// `void(std::uint64_t off, std::span<std::byte> dst)`, `block_write_options o`:
+//
+// | w.write_blocks(    | void           | writes bytes [0, size) as blocks of the writer's choosing:  |
+// |   size, fill, o)   |                | fill(off, dst) must put the object's bytes at off into all  |
+// |                    |                | of dst; it is called once per block, in any order, from     |
+// |                    |                | several threads at once, and each block is written whole    |
+// |                    |                | (an S3 multipart upload: block i is part i). The object is  |
+// |                    |                | then exactly size bytes. An exception from fill is          |
+// |                    |                | rethrown. Then sync() and commit() (or abort()) as usual.   |
+// |                    |                | (file_writer, through O_DIRECT)                             |
+//
+// A backend states the shapes it has with static_assert next to its definition, so a
+// misspelt member fails to compile there instead of quietly taking the slower shape.
 //
 // ReadableDirectory D (a place holding named objects: a folder, a memory map, later a bucket
 // prefix or an HTTP server), for `const D d`, `std::string_view n`: the rows marked R.
@@ -57,18 +96,33 @@
 // | R | d.list()       | std::vector<std::string> | names of the objects directly inside, sorted      |
 // | R | d.sub(n)       | D                   | the directory n inside d (not created yet)             |
 // | R | d.name()       | string_view-able    | what messages call d                                   |
-// |   | D::writer_type | a WritableStorage   |                                                        |
+// |   | D::writer_type | a WritableStorage   | random-access, block-writing, or both                  |
 // |   | d.create(n)    | D::writer_type      | starts writing object n (visible only at commit)       |
 // |   | d.remove(n)    | void                | removes object n (recursively for a sub-folder); absent is no error |
-// |   | d.make()       | void                | creates d (and parents) if missing                     |
+// |   | d.make()       | void                | creates d (and parents) if missing; afterwards         |
+// |   |                |                     | parent.exists(n) is true and parent.list() names n for |
+// |   |                |                     | d = parent.sub(n), even while d holds nothing (S3: a   |
+// |   |                |                     | "n/" marker object), until parent.remove(n)            |
+//
+// Copy and move (pinned down by tests/test_storage.cpp):
+// - Directories are cheap to copy; a copy names the same place (file: the same folder,
+//   memory: the same memory_store), so what one writes the other sees.
+// - memory_storage is copyable; copies share the same immutable bytes. file_storage and
+//   mmap_storage are move-only (they own a descriptor or a mapping).
+// - Writers are move-only; the moved-to writer carries on (commit, abort), the moved-from
+//   one may only be destroyed, which then does nothing.
+// - A moved-from storage may only be destroyed or assigned to.
 #pragma once
 
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
@@ -87,13 +141,51 @@ concept MappableStorage = ReadableStorage<S> && requires(const S& s) {
   { s.bytes() } -> std::same_as<std::span<const std::byte>>;
 };
 
+/// One read of a batch: bytes [offset, offset + dst.size()) into dst.
+struct read_request {
+  std::uint64_t offset = 0;
+  std::span<std::byte> dst;
+};
+
+template <class S>
+concept BatchReadableStorage = ReadableStorage<S> && requires(const S& s, std::span<const read_request> rs) {
+  s.read_batch(rs);
+};
+
+/// A backend's suggestion for how reads of it are merged and issued (see the table above);
+/// an empty field takes the library's default (shard/read_plan.hpp's read_options, and
+/// detail::default_threads() requests in flight).
+struct read_hints {
+  std::optional<std::uint64_t> max_gap_bytes;   ///< merge reads separated by at most this
+  std::optional<std::uint64_t> max_read_bytes;  ///< split reads longer than this
+  std::optional<unsigned> requests_in_flight;   ///< reads of one load issued at once
+};
+
+template <class S>
+concept HintedStorage = requires(const S& s) {
+  { s.read_defaults() } -> std::convertible_to<read_hints>;
+};
+
+/// The backend's read hint (HintedStorage), or an empty one.
+template <ReadableStorage S>
+read_hints read_defaults_of(const S& s) {
+  if constexpr (HintedStorage<S>)
+    return s.read_defaults();
+  else
+    return {};
+}
+
 template <class W>
-concept WritableStorage = requires(W& w, std::uint64_t off, std::span<const std::byte> src) {
-  w.write_at(off, src);
+concept WritableStorage = requires(W& w) {
   w.sync();
   w.commit();
+  w.abort();
   { w.name() } -> std::convertible_to<std::string_view>;
 };
+
+template <class W>
+concept RandomAccessWritableStorage =
+    WritableStorage<W> && requires(W& w, std::uint64_t off, std::span<const std::byte> src) { w.write_at(off, src); };
 
 /// How a storage with write_blocks writes (see above).
 struct block_write_options {
@@ -101,6 +193,46 @@ struct block_write_options {
   bool direct = true;                                   ///< bypass the page cache (O_DIRECT) where possible
   std::uint64_t block_bytes = std::uint64_t(16) << 20;  ///< memory per writing thread
 };
+
+namespace detail {
+/// A fill callback that writes nothing: what BlockWritableStorage probes write_blocks with.
+struct block_fill_archetype {
+  void operator()(std::uint64_t, std::span<std::byte>) const noexcept {}
+};
+}  // namespace detail
+
+template <class W>
+concept BlockWritableStorage =
+    WritableStorage<W> && requires(W& w, std::uint64_t size, const block_write_options& o) {
+      w.write_blocks(size, detail::block_fill_archetype{}, o);
+    };
+
+namespace detail {
+/// Runs f(); if it throws, aborts w and rethrows the exception. Should abort fail too, the
+/// error thrown keeps the first one's code (when it has one) and tells both messages.
+template <WritableStorage W, class F>
+void abort_on_failure(W& w, F&& f) {
+  try {
+    f();
+  } catch (...) {
+    std::exception_ptr first = std::current_exception();
+    try {
+      w.abort();
+    } catch (const std::exception& a) {
+      try {
+        std::rethrow_exception(first);
+      } catch (const std::system_error& e) {
+        throw error(e.code(), std::string(e.what()) + "; then aborting the write failed: " + a.what());
+      } catch (const std::exception& e) {
+        throw error(errc::io_error, std::string(e.what()) + "; then aborting the write failed: " + a.what());
+      } catch (...) {
+        throw error(errc::io_error, std::string(w.name()) + ": a write failed; then aborting it failed: " + a.what());
+      }
+    }
+    std::rethrow_exception(first);
+  }
+}
+}  // namespace detail
 
 /// The readable half of a directory (see the table above): enough for loading, listing and
 /// verifying, so a read-only backend (an HTTP server) needs no writers.
@@ -119,7 +251,7 @@ concept ReadableDirectory = requires(const D& d, std::string_view n) {
 template <class D>
 concept WritableDirectory = ReadableDirectory<D> && requires(const D& d, std::string_view n) {
   typename D::writer_type;
-  requires WritableStorage<typename D::writer_type>;
+  requires RandomAccessWritableStorage<typename D::writer_type> || BlockWritableStorage<typename D::writer_type>;
   { d.create(n) } -> std::same_as<typename D::writer_type>;
   d.remove(n);
   d.make();

@@ -25,7 +25,7 @@
 
 namespace shardsafe {
 
-/// A file read with pread. Reads from several threads at once are safe.
+/// A file read with pread. Reads from several threads at once are safe. Move-only.
 class file_storage {
  public:
   explicit file_storage(const std::filesystem::path& path)
@@ -113,7 +113,8 @@ class aligned_block_pool {
 }  // namespace detail
 
 /// Writes a file under a temporary name beside its final one; commit() fsyncs, renames it
-/// into place and fsyncs the folder. Destroyed without commit, it removes the temporary.
+/// into place and fsyncs the folder; abort() removes the temporary and reports a failure to.
+/// Destroyed without either, it removes the temporary quietly. Move-only.
 class file_writer {
  public:
   explicit file_writer(const std::filesystem::path& final_path)
@@ -121,13 +122,13 @@ class file_writer {
         temp_(detail::temp_name_for(final_)),
         fd_(detail::open_fd(temp_, O_WRONLY | O_CREAT | O_EXCL | O_TRUNC, 0644)) {}
   file_writer(file_writer&& o) noexcept
-      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::move(o.fd_)), committed_(o.committed_) {
-    o.committed_ = true;
+      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::move(o.fd_)), done_(o.done_), committed_(o.committed_) {
+    o.done_ = true;  // the moved-from writer owns no temporary
   }
   file_writer& operator=(file_writer&&) = delete;
   file_writer(const file_writer&) = delete;
   ~file_writer() {
-    if (!committed_) {
+    if (!done_) {
       fd_.reset();
       ::unlink(temp_.c_str());
     }
@@ -195,17 +196,29 @@ class file_writer {
     require_open();
     fd_.close_checked(final_);
     if (::rename(temp_.c_str(), final_.c_str()) != 0) fail_errno(errno, final_ + ": rename from " + temp_);
-    committed_ = true;
+    done_ = committed_ = true;
     detail::fsync_dir(std::filesystem::path(final_).parent_path().string());
+  }
+  /// Closes and removes the temporary file; the final name is untouched. Throws (naming the
+  /// temporary) if it cannot be removed. A second abort does nothing.
+  void abort() {
+    if (committed_) throw error(errc::invalid_argument, final_ + ": abort after commit");
+    if (done_) return;
+    done_ = true;
+    fd_.reset();
+    if (::unlink(temp_.c_str()) != 0 && errno != ENOENT)
+      fail_errno(errno, final_ + ": abort: removing the temporary " + temp_);
   }
 
  private:
   void require_open() const {
-    if (committed_ || !fd_) throw error(errc::invalid_argument, final_ + ": write after commit");
+    if (committed_) throw error(errc::invalid_argument, final_ + ": write after commit");
+    if (done_ || !fd_) throw error(errc::invalid_argument, final_ + ": write after abort");
   }
   std::string final_;
   std::string temp_;
   detail::unique_fd fd_;
+  bool done_ = false;       ///< committed or aborted: no temporary left to remove
   bool committed_ = false;
 };
 
@@ -260,7 +273,8 @@ class basic_file_directory {
 using file_directory = basic_file_directory<file_storage>;
 
 static_assert(ReadableStorage<file_storage>);
-static_assert(WritableStorage<file_writer>);
+static_assert(RandomAccessWritableStorage<file_writer> && BlockWritableStorage<file_writer>,
+              "file_writer writes at random offsets and in whole blocks (O_DIRECT)");
 static_assert(WritableDirectory<file_directory>);
 
 }  // namespace shardsafe

@@ -45,14 +45,16 @@ class memory_storage {
   std::string name_;
 };
 
-/// A map of names to byte buffers, shared by every memory_directory made from it.
+/// A map of names to byte buffers, shared by every memory_directory made from it, and the
+/// folders make() created (so that an empty folder exists, as on a disk).
 struct memory_store {
   std::mutex mutex;
   std::map<std::string, std::shared_ptr<const byte_buffer>> objects;  // full path -> bytes
+  std::set<std::string> folders;                                      // full paths made
 };
 
 /// Accumulates bytes; commit() publishes them into a memory_store under the final name
-/// (or, with no store, keeps them for take()).
+/// (or, with no store, keeps them for take()); abort() drops them. Move-only.
 class memory_writer {
  public:
   explicit memory_writer(std::string name, std::shared_ptr<memory_store> store = nullptr)
@@ -63,7 +65,7 @@ class memory_writer {
 
   void write_at(std::uint64_t off, std::span<const std::byte> src) {
     std::lock_guard lock(*mutex_);
-    if (committed_) throw error(errc::invalid_argument, name_ + ": write after commit");
+    require_open("write");
     if (src.empty()) return;
     if (off + src.size() > buf_->size()) buf_->resize(off + src.size());
     std::memcpy(buf_->data() + off, src.data(), src.size());
@@ -71,22 +73,35 @@ class memory_writer {
   void sync() {}
   void commit() {
     std::lock_guard lock(*mutex_);
-    if (committed_) throw error(errc::invalid_argument, name_ + ": committed twice");
-    committed_ = true;
+    if (state_ == state::committed) throw error(errc::invalid_argument, name_ + ": committed twice");
+    require_open("commit");
+    state_ = state::committed;
     if (store_) {
       std::lock_guard store_lock(store_->mutex);
       store_->objects[name_] = std::shared_ptr<const byte_buffer>(std::move(buf_));
     }
   }
+  /// Drops what was written; nothing is published. A second abort does nothing.
+  void abort() {
+    std::lock_guard lock(*mutex_);
+    if (state_ == state::committed) throw error(errc::invalid_argument, name_ + ": abort after commit");
+    state_ = state::aborted;
+    buf_.reset();
+  }
   /// The bytes written (only for a writer without a store, after commit).
   byte_buffer take() { return buf_ ? std::move(*buf_) : byte_buffer{}; }
 
  private:
+  enum class state { open, committed, aborted };
+  void require_open(const char* what) const {
+    if (state_ == state::committed) throw error(errc::invalid_argument, name_ + ": " + what + " after commit");
+    if (state_ == state::aborted) throw error(errc::invalid_argument, name_ + ": " + what + " after abort");
+  }
   std::string name_;
   std::shared_ptr<memory_store> store_;
   std::unique_ptr<byte_buffer> buf_;
   std::unique_ptr<std::mutex> mutex_;
-  bool committed_ = false;
+  state state_ = state::open;
 };
 
 /// A Directory in memory: names are paths with '/' separators into a shared memory_store.
@@ -113,7 +128,7 @@ class memory_directory {
   bool exists(std::string_view n) const {
     const std::string key = child(n);
     std::lock_guard lock(store_->mutex);
-    if (store_->objects.count(key)) return true;
+    if (store_->objects.count(key) || store_->folders.count(key)) return true;
     auto it = store_->objects.lower_bound(key + "/");
     return it != store_->objects.end() && it->first.rfind(key + "/", 0) == 0;
   }
@@ -126,6 +141,11 @@ class memory_directory {
       std::string rest = it->first.substr(pre.size());
       heads.insert(rest.substr(0, rest.find('/')));
     }
+    for (auto it = store_->folders.lower_bound(pre); it != store_->folders.end(); ++it) {
+      if (it->rfind(pre, 0) != 0) break;
+      std::string rest = it->substr(pre.size());
+      heads.insert(rest.substr(0, rest.find('/')));
+    }
     return {heads.begin(), heads.end()};
   }
   void remove(std::string_view n) const {
@@ -135,9 +155,19 @@ class memory_directory {
     for (auto it = store_->objects.lower_bound(key + "/");
          it != store_->objects.end() && it->first.rfind(key + "/", 0) == 0;)
       it = store_->objects.erase(it);
+    store_->folders.erase(key);
+    for (auto it = store_->folders.lower_bound(key + "/");
+         it != store_->folders.end() && it->rfind(key + "/", 0) == 0;)
+      it = store_->folders.erase(it);
   }
   memory_directory sub(std::string_view n) const { return memory_directory(store_, child(n)); }
-  void make() const {}
+  /// Records this folder and its parents below the root, so that they exist and are listed
+  /// while empty, as folders on a disk are.
+  void make() const {
+    std::lock_guard lock(store_->mutex);
+    for (std::size_t at = prefix_.find('/'); at != std::string::npos; at = prefix_.find('/', at + 1))
+      if (at + 1 < prefix_.size()) store_->folders.insert(prefix_.substr(0, prefix_.find('/', at + 1)));
+  }
 
  private:
   std::string child(std::string_view n) const {
@@ -150,7 +180,7 @@ class memory_directory {
 };
 
 static_assert(MappableStorage<memory_storage>);
-static_assert(WritableStorage<memory_writer>);
+static_assert(RandomAccessWritableStorage<memory_writer>);
 static_assert(WritableDirectory<memory_directory>);
 
 }  // namespace shardsafe

@@ -1,9 +1,11 @@
 // shardsafe/storage/mmap.hpp - a read-only memory mapping of a file.
 //
 // read_into is a bounds-checked copy out of the mapping (with streaming stores for large
-// reads: detail/copy.hpp); bytes() hands out the mapping itself, so a loader can copy tensor
-// data straight from the page cache. A file that is truncated by someone else while mapped
-// raises SIGBUS on access, as with any mapping.
+// reads: detail/copy.hpp); bytes() hands out the mapping itself (MappableStorage), and the
+// loader (checkpoint/loader.hpp) copies each piece of tensor data straight out of it into
+// the tensor: no read call, no staging buffer, and the gaps between merged pieces are never
+// touched. A file that is truncated by someone else while mapped raises SIGBUS on access,
+// as with any mapping. Move-only: the moved-from object holds no mapping.
 #pragma once
 
 #include <cstdint>
