@@ -779,7 +779,7 @@ struct saved_tensors {
     std::mt19937_64 rng(seed);
     mem.reserve(defs.size());
     for (std::size_t i = 0; i < defs.size(); ++i) {
-      mem.emplace_back(detail::numel(defs[i].second) * item_size(defs[i].first));
+      mem.emplace_back(numel(defs[i].second) * item_size(defs[i].first));
       for (auto& b : mem.back()) b = static_cast<std::byte>(rng());
       views.push_back({"w" + std::to_string(i), defs[i].first, defs[i].second, std::nullopt, mem[i].data(),
                        mem[i].size()});
