@@ -378,7 +378,22 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
       // and they read back as the options they came from
       const pickle_value v = pickle_loads(bytes[g], "param_group");
       CHECK(v.at("lr", "g").as_real("lr") == f.options(g)->get_lr());
+      // restoring them into the other group's options sets every field saving wrote
+      const auto want = f.options(g), other = f.options(1 - g);
+      const auto& tr = shardsafe::detail::traits_of(*other);
+      CHECK(pickle_dumps(tr.hyper(*other)) != pickle_dumps(tr.hyper(*want)));
+      tr.set_hyper(*other, v, "param_group" + std::to_string(g));
+      CHECK(testing::hex(pickle_dumps(tr.hyper(*other))) == testing::hex(pickle_dumps(tr.hyper(*want))));
     }
+  }
+  // a field of the wrong type or shape is named with its group
+  {
+    auto o = family_cases()[0].options(0);
+    pickle_value bad = pickle_value::dict({{pickle_value::string("betas"), pickle_value::tuple({pickle_value::real(0.9)})}});
+    CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"), "optim: param_group3: betas must have two values");
+    bad = pickle_value::dict({{pickle_value::string("amsgrad"), pickle_value::integer(1)}});
+    CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"),
+                      "optim: param_group3: amsgrad: expected bool, got int");
   }
   // Python: the same optimizers built by torch.optim, their param groups cut to the keys
   // shardsafe writes (in its order), plus params and _param_names, pickled with protocol 2

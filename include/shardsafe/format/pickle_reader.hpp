@@ -59,6 +59,8 @@ struct plain_data_only {
   }
 };
 
+/// Reads one pickle (run() once): a value, or errc::invalid_metadata naming `what`, the byte and
+/// the rule broken. Opcodes outside plain data go to `Policy` (a PickleOpcodePolicy).
 template <class Policy = plain_data_only>
 class basic_pickle_reader {
  public:
