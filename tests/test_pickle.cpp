@@ -19,13 +19,17 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "shardsafe/format/hf_index.hpp"
@@ -132,10 +136,40 @@ py_result python(const std::string& script, const std::vector<std::string>& args
   return {p.exited ? p.code : -1, p.err};
 }
 
+/// Whether python3 runs with the modules the scripts import. Asked while the tests are being
+/// registered (for their skip decorator), so without doctest's assertions: a plain spawn.
 bool have_python() {
-  static const bool ok = python("import pickle, pickletools, json, struct, functools", {}).code == 0;
+  static const bool ok = [] {
+    posix_spawn_file_actions_t fa;
+    if (posix_spawn_file_actions_init(&fa) != 0) return false;
+    for (int fd : {0, 1, 2}) posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", fd ? O_WRONLY : O_RDONLY, 0);
+    std::vector<std::string> all{"python3", "-I", "-c", "import pickle, pickletools, json, struct, functools"};
+    const std::vector<char*> argv = shardsafe::detail::c_string_array(all);
+    pid_t pid;
+    const int rc = posix_spawnp(&pid, "python3", &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0) return false;
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0)
+      if (errno != EINTR) return false;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }();
   return ok;
 }
+
+/// SHARDSAFE_REQUIRE_PYTHON=1: a missing python3 fails the cross-checks instead of skipping them.
+bool python_required() {
+  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
+  return v && std::string_view(v) == "1";
+}
+
+/// The decorator of a Python cross-check: skipped (and counted as skipped) without python3,
+/// unless python3 is required.
+doctest::skip python_check() { return doctest::skip(!python_required() && !have_python()); }
+
+/// First statement of a Python cross-check: fails when python3 is required and missing.
+#define REQUIRE_PYTHON() \
+  REQUIRE_MESSAGE(have_python(), "SHARDSAFE_REQUIRE_PYTHON=1 but python3 with pickle, pickletools and json does not run")
 
 // canon() as above; shared by the scripts.
 const std::string py_canon = R"PY(
@@ -653,11 +687,105 @@ TEST_CASE("pickle_value: accessors and their errors") {
   CHECK_FALSE(L() == T());
 }
 
-TEST_CASE("pickle: Python 3 loads what pickle_dumps writes") {
-  if (!have_python()) {
-    MESSAGE("python3 with pickle not found: skipping the Python cross-check");
-    return;
+TEST_CASE("pickle_value: one variant alternative per kind; copies never change each other") {
+  using k = pv::kind;
+  const std::vector<std::pair<pv, k>> kinds = {{N(), k::none},       {Bo(true), k::boolean}, {I(-3), k::integer},
+                                               {F(2.5), k::real},    {S("s"), k::string},    {L({I(1)}), k::list},
+                                               {T({I(1)}), k::tuple}, {D({{S("a"), I(1)}}), k::dict}};
+  for (const auto& [v, want] : kinds) {
+    INFO(pv::kind_name(want));
+    CHECK(v.type() == want);
+    CHECK(v.as_variant().index() == static_cast<std::size_t>(want));
   }
+  CHECK(std::get<std::int64_t>(I(-3).as_variant()) == -3);
+  CHECK(std::get<std::string>(S("s").as_variant()) == "s");
+  CHECK(std::get<std::shared_ptr<pickle_dict>>(D({{S("a"), I(1)}}).as_variant())->entries.size() == 1);
+  // a copy shares the container until one of them is changed
+  const pv inner = L({I(1), I(2)});
+  pv a = D({{S("x"), inner}, {S("y"), I(0)}});
+  pv b = a;
+  CHECK(&a.dict_value(0) == &b.dict_value(0));
+  b.set("y", I(5));
+  b.set("z", inner);
+  CHECK(a == D({{S("x"), L({I(1), I(2)})}, {S("y"), I(0)}}));
+  CHECK(b == D({{S("x"), L({I(1), I(2)})}, {S("y"), I(5)}, {S("z"), L({I(1), I(2)})}}));
+  CHECK(a.dict_size() == 2);
+  CHECK(b.dict_size() == 3);
+  // a value nobody else holds is changed in place
+  const pv* before = &b.dict_value(0);
+  b.set("y", I(6));
+  CHECK(&b.dict_value(0) == before);
+  CHECK(b.at("y", "b") == I(6));
+}
+
+namespace {
+
+// A policy for the hook tests: reads SHORT_BINBYTES (0x43 'C', a length byte and the bytes) as
+// the str of their hex digits and EMPTY_SET (0x8f) as an empty list; every other opcode outside
+// plain data is left to the reader, which refuses it. Counts what it was asked.
+struct bytes_as_hex {
+  std::vector<std::pair<unsigned, std::size_t>>* asked;
+  template <class Reader>
+  bool on_opcode(Reader& r, unsigned char op, std::size_t at) {
+    asked->emplace_back(op, at);
+    if (op == 'C') {
+      const auto n = static_cast<unsigned char>(r.take(1)[0]);
+      r.push(S(hex(std::string(r.take(n)))));
+      return true;
+    }
+    if (op == 0x8f) {
+      r.push(L({I(7)}));
+      return true;
+    }
+    return false;
+  }
+};
+static_assert(PickleOpcodePolicy<bytes_as_hex>);
+static_assert(PickleOpcodePolicy<plain_data_only>);
+
+}  // namespace
+
+TEST_CASE("pickle: an opcode policy sees the opcodes outside plain data, and may read them") {
+  std::vector<std::pair<unsigned, std::size_t>> asked;
+  const bytes_as_hex policy{&asked};
+  // handled: SHORT_BINBYTES inside a tuple, and a pushed list that APPEND then adds to
+  CHECK(pickle_loads(P(B({'K', 1, 'C', 2, 0xab, 0x01, 0x86})), what, policy) == T({I(1), S("ab01")}));
+  CHECK(asked == std::vector<std::pair<unsigned, std::size_t>>{{'C', 4}});
+  CHECK(pickle_loads(P(B({0x8f, 'K', 8, 'a'})), what, policy) == L({I(7), I(8)}));
+  // truncated inside a handled opcode's argument: the reader's own message
+  asked.clear();
+  try {
+    (void)pickle_loads(P(B({'C', 5, 0xab})), what, policy);
+    FAIL("no error");
+  } catch (const shardsafe::error& e) {
+    CHECK(std::string(e.what()) == what + ": pickle is truncated (needs 5 bytes at byte 4)");
+  }
+  // not handled: refused exactly as without a policy, after asking it
+  asked.clear();
+  const std::string reduce = P(B({')', ')', 'R'}));
+  std::string with, without;
+  try {
+    (void)pickle_loads(reduce, what, policy);
+  } catch (const shardsafe::error& e) {
+    with = e.what();
+  }
+  try {
+    (void)pickle_loads(reduce, what);
+  } catch (const shardsafe::error& e) {
+    without = e.what();
+  }
+  CHECK(asked == std::vector<std::pair<unsigned, std::size_t>>{{'R', 4}});
+  CHECK(with == without);
+  CHECK(with.find("unsupported opcode 0x52 (REDUCE) at byte 4") != std::string::npos);
+  // the plain reader never asks about plain data
+  asked.clear();
+  const pv plain = D({{S("lr"), F(0.5)}, {S("betas"), T({F(0.9), F(0.99)})}, {S("params"), L({I(0), N(), Bo(true)})}});
+  CHECK(pickle_loads(pickle_dumps(plain), what, policy) == plain);
+  CHECK(asked.empty());
+}
+
+TEST_CASE("pickle: Python 3 loads what pickle_dumps writes" * python_check()) {
+  REQUIRE_PYTHON();
   temp_dir dir;
   const auto cs = cases();
   std::vector<std::string> args{(dir.path / "out.txt").string()};
@@ -696,11 +824,8 @@ with open(sys.argv[1], 'w', encoding='utf-8') as out:
                            << " are byte-identical to Python's own protocol 2 (memo PUTs optimized away)");
 }
 
-TEST_CASE("pickle: pickle_loads reads what Python 3 writes with protocols 2 to 5") {
-  if (!have_python()) {
-    MESSAGE("python3 with pickle not found: skipping the Python cross-check");
-    return;
-  }
+TEST_CASE("pickle: pickle_loads reads what Python 3 writes with protocols 2 to 5" * python_check()) {
+  REQUIRE_PYTHON();
   temp_dir dir;
   auto cs = cases();
   // shared references: Python memoizes each object once and refers back to it
@@ -801,11 +926,8 @@ for i, e in enumerate(exprs):
 
 // --- metadata.json and model.safetensors.index.json against json.dumps -------------------
 
-TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python's json.dumps does") {
-  if (!have_python()) {
-    MESSAGE("python3 not found: skipping the json.dumps cross-check");
-    return;
-  }
+TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python's json.dumps does" * python_check()) {
+  REQUIRE_PYTHON();
   temp_dir dir;
   checkpoint_metadata md;
   md.tensors.emplace_back("w\xc3\xa9ight", tensor_metadata{{4}, dtype::F32, false, {{"rank_0.safetensors", flat_spec{{0, 4}}}}});

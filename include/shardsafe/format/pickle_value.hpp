@@ -1,0 +1,198 @@
+// shardsafe/format/pickle_value.hpp - a plain Python value: what format/pickle_reader.hpp reads
+// and format/pickle_writer.hpp writes.
+//
+// One alternative of a std::variant per Python type of plain data: None, bool, int (64-bit),
+// float, str, list, tuple and dict. Containers are held by shared_ptr, so copying a value is
+// cheap; the only mutator (set) copies a container another value still shares before changing
+// it, so a pickle_value behaves as a value: changing one never changes another. Values are
+// trees: the reader turns a shared reference in the bytes into equal values and refuses cycles.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe {
+
+struct pickle_list;
+struct pickle_tuple;
+struct pickle_dict;
+
+/// A plain Python value.
+class pickle_value {
+ public:
+  /// The Python type; its order is the order of the variant's alternatives.
+  enum class kind { none, boolean, integer, real, string, list, tuple, dict };
+  using variant_type = std::variant<std::monostate, bool, std::int64_t, double, std::string, std::shared_ptr<pickle_list>,
+                                    std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>>;
+
+  pickle_value() = default;
+  static pickle_value none() { return {}; }
+  static pickle_value boolean(bool b) { return pickle_value(variant_type(std::in_place_type<bool>, b)); }
+  static pickle_value integer(std::int64_t i) { return pickle_value(variant_type(std::in_place_type<std::int64_t>, i)); }
+  static pickle_value real(double d) { return pickle_value(variant_type(std::in_place_type<double>, d)); }
+  static pickle_value string(std::string s) { return pickle_value(variant_type(std::in_place_type<std::string>, std::move(s))); }
+  static pickle_value list(std::vector<pickle_value> items = {});
+  static pickle_value tuple(std::vector<pickle_value> items = {});
+  /// A dict; entries are (key, value) pairs in insertion order.
+  static pickle_value dict(std::vector<std::pair<pickle_value, pickle_value>> entries = {});
+
+  kind type() const noexcept { return static_cast<kind>(v_.index()); }
+  /// The alternative itself, for std::visit.
+  const variant_type& as_variant() const noexcept { return v_; }
+  bool is_none() const noexcept { return type() == kind::none; }
+  bool as_bool(std::string_view ctx) const { return get<bool>(kind::boolean, ctx); }
+  std::int64_t as_int(std::string_view ctx) const { return get<std::int64_t>(kind::integer, ctx); }
+  /// A float, or an int read as one (Python writes 0 for 0.0 when the user did).
+  double as_real(std::string_view ctx) const {
+    if (auto* i = std::get_if<std::int64_t>(&v_)) return static_cast<double>(*i);
+    return get<double>(kind::real, ctx);
+  }
+  const std::string& as_string(std::string_view ctx) const { return get<std::string>(kind::string, ctx); }
+  /// Items of a list or tuple.
+  const std::vector<pickle_value>& as_sequence(std::string_view ctx) const;
+  std::size_t dict_size() const noexcept;
+  /// Key and value of entry i of a dict (std::out_of_range past the end, or on another kind).
+  const pickle_value& dict_key(std::size_t i) const;
+  const pickle_value& dict_value(std::size_t i) const;
+  /// The value under string key `key` of a dict, or nullptr.
+  /// (With a key given twice, the last value wins, as when Python builds the dict.)
+  const pickle_value* find(std::string_view key) const noexcept;
+  const pickle_value& at(std::string_view key, std::string_view ctx) const;
+  /// Sets (or replaces) string key `key` of a dict.
+  void set(std::string key, pickle_value v);
+
+  static const char* kind_name(kind k) noexcept {
+    switch (k) {
+      case kind::none: return "None";
+      case kind::boolean: return "bool";
+      case kind::integer: return "int";
+      case kind::real: return "float";
+      case kind::string: return "str";
+      case kind::list: return "list";
+      case kind::tuple: return "tuple";
+      case kind::dict: return "dict";
+    }
+    return "?";
+  }
+
+  /// Equal type and value; floats compare by their bits (NaN equals the same NaN, -0.0 is not 0.0).
+  friend bool operator==(const pickle_value& a, const pickle_value& b);
+
+ private:
+  explicit pickle_value(variant_type v) : v_(std::move(v)) {}
+  void expect(kind k, std::string_view ctx) const {
+    if (type() != k)
+      fail(errc::invalid_metadata, std::string(ctx) + ": expected " + kind_name(k) + ", got " + kind_name(type()));
+  }
+  template <class T>
+  const T& get(kind k, std::string_view ctx) const {
+    expect(k, ctx);
+    return *std::get_if<T>(&v_);
+  }
+  variant_type v_;
+};
+
+/// The items of a list.
+struct pickle_list {
+  std::vector<pickle_value> items;
+};
+/// The items of a tuple.
+struct pickle_tuple {
+  std::vector<pickle_value> items;
+};
+/// The entries of a dict, in insertion order (a key given twice is kept twice; find takes the last).
+struct pickle_dict {
+  std::vector<std::pair<pickle_value, pickle_value>> entries;
+};
+
+inline pickle_value pickle_value::list(std::vector<pickle_value> items) {
+  return pickle_value(variant_type(std::make_shared<pickle_list>(pickle_list{std::move(items)})));
+}
+inline pickle_value pickle_value::tuple(std::vector<pickle_value> items) {
+  return pickle_value(variant_type(std::make_shared<pickle_tuple>(pickle_tuple{std::move(items)})));
+}
+inline pickle_value pickle_value::dict(std::vector<std::pair<pickle_value, pickle_value>> entries) {
+  return pickle_value(variant_type(std::make_shared<pickle_dict>(pickle_dict{std::move(entries)})));
+}
+
+inline const std::vector<pickle_value>& pickle_value::as_sequence(std::string_view ctx) const {
+  if (auto* l = std::get_if<std::shared_ptr<pickle_list>>(&v_)) return (*l)->items;
+  if (auto* t = std::get_if<std::shared_ptr<pickle_tuple>>(&v_)) return (*t)->items;
+  fail(errc::invalid_metadata, std::string(ctx) + ": expected a list or tuple, got " + kind_name(type()));
+}
+
+inline std::size_t pickle_value::dict_size() const noexcept {
+  auto* d = std::get_if<std::shared_ptr<pickle_dict>>(&v_);
+  return d ? (*d)->entries.size() : 0;
+}
+
+inline const pickle_value& pickle_value::dict_key(std::size_t i) const {
+  auto* d = std::get_if<std::shared_ptr<pickle_dict>>(&v_);
+  if (!d) throw std::out_of_range("pickle_value::dict_key on a " + std::string(kind_name(type())));
+  return (*d)->entries.at(i).first;
+}
+
+inline const pickle_value& pickle_value::dict_value(std::size_t i) const {
+  auto* d = std::get_if<std::shared_ptr<pickle_dict>>(&v_);
+  if (!d) throw std::out_of_range("pickle_value::dict_value on a " + std::string(kind_name(type())));
+  return (*d)->entries.at(i).second;
+}
+
+inline const pickle_value* pickle_value::find(std::string_view key) const noexcept {
+  auto* d = std::get_if<std::shared_ptr<pickle_dict>>(&v_);
+  if (!d) return nullptr;
+  const auto& e = (*d)->entries;
+  for (std::size_t i = e.size(); i-- > 0;)
+    if (auto* s = std::get_if<std::string>(&e[i].first.v_); s && *s == key) return &e[i].second;
+  return nullptr;
+}
+
+inline const pickle_value& pickle_value::at(std::string_view key, std::string_view ctx) const {
+  expect(kind::dict, ctx);
+  if (auto* v = find(key)) return *v;
+  fail(errc::invalid_metadata, std::string(ctx) + ": no key '" + std::string(key) + "'");
+}
+
+inline void pickle_value::set(std::string key, pickle_value v) {
+  expect(kind::dict, "pickle_value::set");
+  auto& d = *std::get_if<std::shared_ptr<pickle_dict>>(&v_);
+  if (d.use_count() > 1) d = std::make_shared<pickle_dict>(*d);  // another value shares it: copy on write
+  for (auto& [k, x] : d->entries)
+    if (auto* s = std::get_if<std::string>(&k.v_); s && *s == key) {
+      x = std::move(v);
+      return;
+    }
+  d->entries.emplace_back(string(std::move(key)), std::move(v));
+}
+
+inline bool operator==(const pickle_value& a, const pickle_value& b) {
+  if (a.v_.index() != b.v_.index()) return false;
+  return std::visit(
+      [&](const auto& x) -> bool {
+        using T = std::decay_t<decltype(x)>;
+        const T& y = *std::get_if<T>(&b.v_);
+        if constexpr (std::is_same_v<T, std::monostate>)
+          return true;
+        else if constexpr (std::is_same_v<T, double>)
+          return std::bit_cast<std::uint64_t>(x) == std::bit_cast<std::uint64_t>(y);
+        else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_dict>>)
+          return x == y || x->entries == y->entries;
+        else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_list>> || std::is_same_v<T, std::shared_ptr<pickle_tuple>>)
+          return x == y || x->items == y->items;
+        else
+          return x == y;
+      },
+      a.v_);
+}
+
+}  // namespace shardsafe

@@ -1,0 +1,116 @@
+// shardsafe/format/pickle_writer.hpp - pickles a plain value with protocol 2.
+//
+// OLMo-core stores each optimizer param group and the list of state keys as pickled bytes in
+// U8 tensors; shardsafe writes them with protocol 2, which every Python 3 reads. The bytes are
+// those of Python's own pickler, less its memo PUTs (pickletools.optimize of pickle.dumps(v, 2)).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <string>
+
+#include "shardsafe/format/pickle_value.hpp"
+
+namespace shardsafe {
+
+namespace detail {
+
+inline void pickle_put(std::string& out, const pickle_value& v) {
+  using k = pickle_value::kind;
+  auto le = [&](std::uint64_t x, int n) {
+    for (int i = 0; i < n; ++i) out += static_cast<char>((x >> (8 * i)) & 0xff);
+  };
+  switch (v.type()) {
+    case k::none: out += 'N'; break;
+    case k::boolean: out += v.as_bool("") ? '\x88' : '\x89'; break;
+    case k::integer: {
+      const std::int64_t i = v.as_int("");
+      if (i >= 0 && i < 256) {
+        out += 'K';
+        le(static_cast<std::uint64_t>(i), 1);
+      } else if (i >= 0 && i < 65536) {
+        out += 'M';
+        le(static_cast<std::uint64_t>(i), 2);
+      } else if (i >= INT32_MIN && i <= INT32_MAX) {
+        out += 'J';
+        le(static_cast<std::uint32_t>(static_cast<std::int32_t>(i)), 4);
+      } else {  // LONG1: minimal little-endian two's complement
+        std::string bytes;
+        std::int64_t x = i;
+        do {
+          bytes += static_cast<char>(x & 0xff);
+          x >>= 8;
+        } while (!((x == 0 && !(bytes.back() & 0x80)) || (x == -1 && (bytes.back() & 0x80))));
+        out += '\x8a';
+        out += static_cast<char>(bytes.size());
+        out += bytes;
+      }
+      break;
+    }
+    case k::real: {
+      out += 'G';
+      const std::uint64_t bits = std::bit_cast<std::uint64_t>(v.as_real(""));
+      for (int i = 7; i >= 0; --i) out += static_cast<char>((bits >> (8 * i)) & 0xff);  // big-endian
+      break;
+    }
+    case k::string: {
+      const std::string& s = v.as_string("");
+      out += 'X';
+      le(s.size(), 4);
+      out += s;
+      break;
+    }
+    // Lists and dicts are filled in batches of 1000, a batch of one with APPEND/SETITEM, as
+    // Python's pickler does: the reader then never holds more than 1000 of their items on its
+    // stack, and the bytes are Python's own (less its memo PUTs).
+    case k::list: {
+      out += ']';
+      const auto& items = v.as_sequence("");
+      for (std::size_t b = 0; b < items.size(); b += 1000) {
+        const std::size_t e = std::min(items.size(), b + 1000);
+        if (e - b > 1) out += '(';
+        for (std::size_t i = b; i < e; ++i) pickle_put(out, items[i]);
+        out += e - b > 1 ? 'e' : 'a';
+      }
+      break;
+    }
+    case k::tuple: {
+      const auto& items = v.as_sequence("");
+      if (items.empty()) {
+        out += ')';
+        break;
+      }
+      if (items.size() > 3) out += '(';
+      for (const auto& x : items) pickle_put(out, x);
+      out += items.size() == 1 ? '\x85' : items.size() == 2 ? '\x86' : items.size() == 3 ? '\x87' : 't';
+      break;
+    }
+    case k::dict: {
+      out += '}';
+      const std::size_t n = v.dict_size();
+      for (std::size_t b = 0; b < n; b += 1000) {
+        const std::size_t e = std::min(n, b + 1000);
+        if (e - b > 1) out += '(';
+        for (std::size_t i = b; i < e; ++i) {
+          pickle_put(out, v.dict_key(i));
+          pickle_put(out, v.dict_value(i));
+        }
+        out += e - b > 1 ? 'u' : 's';
+      }
+      break;
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Pickles a plain value with protocol 2 (strings must be UTF-8).
+inline std::string pickle_dumps(const pickle_value& v) {
+  std::string out = "\x80\x02";
+  detail::pickle_put(out, v);
+  out += '.';
+  return out;
+}
+
+}  // namespace shardsafe

@@ -1,0 +1,174 @@
+// shardsafe/torch/optim_load.hpp - loads an optim/ checkpoint into a LibTorch optimizer, in
+// place (the layout is in torch/optim.hpp).
+//
+// The checkpoint's param groups are matched to the optimizer's by their parameters' names,
+// never by position, so a model built in another order or sharded over another world size
+// still gets its own state back.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/torch/optim_families.hpp"
+#include "shardsafe/torch/optim_flatten.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+
+namespace shardsafe {
+
+struct optim_load_options {
+  load_options load{};
+  bool strict = true;                   ///< an optimizer parameter absent from the checkpoint is an error
+  bool restore_hyperparameters = true;  ///< set lr, betas, ... of each group from the checkpoint
+};
+
+struct optim_load_report {
+  load_stats stats;
+  std::vector<std::string> missing_params;   ///< parameters the checkpoint has no state for (strict = false)
+  std::vector<std::string> unexpected_keys;  ///< checkpoint entries this optimizer has no use for
+};
+
+namespace detail {
+/// Reads a whole small tensor of the checkpoint into a new CPU tensor.
+template <ReadableDirectory D>
+at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const load_options& opt) {
+  const tensor_metadata* tm = r.find(key);
+  if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
+  at::Tensor t = at::empty(to_sizes(tm->shape), require_scalar_type(tm->type, std::string(r.directory().name()) + ": '" + key + "'"));
+  flat_view v = make_flat_view(key, t);
+  r.load(std::span<const flat_view>(&v, 1), opt);
+  return t;
+}
+
+template <ReadableDirectory D>
+pickle_value read_pickle(checkpoint_reader<D>& r, const std::string& key, const load_options& opt) {
+  at::Tensor b = read_whole(r, key, opt);
+  if (b.scalar_type() != at::kByte)
+    fail(errc::invalid_metadata, std::string(r.directory().name()) + ": '" + key + "' is not a U8 byte tensor");
+  return pickle_loads(std::string_view(static_cast<const char*>(b.data_ptr()), b.nbytes()),
+                      std::string(r.directory().name()) + ": '" + key + "'");
+}
+
+inline std::vector<std::string> names_of(const pickle_value& group, const std::string& ctx) {
+  std::vector<std::string> names;
+  for (const auto& v : group.at("_param_names", ctx).as_sequence(ctx + ": _param_names"))
+    names.push_back(v.as_string(ctx + ": _param_names"));
+  return names;
+}
+}  // namespace detail
+
+/// Loads optimizer state from an optim/ checkpoint into `opt`, in place: state tensors are the
+/// optimizer's own (created with the parameter's shape where missing), read in one batch.
+template <ReadableDirectory D>
+optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+                                       const optim_load_options& o = {}) {
+  optim_load_report rep;
+  const std::string dname(r.directory().name());
+  auto groups = name_optimizer_params(opt, model);
+  const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();
+  if (n < 0 || n > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(n));
+
+  // match the checkpoint's groups to the optimizer's by parameter names
+  std::map<std::string, std::size_t> group_of;  // name -> optimizer group
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const auto& p : groups[g]) group_of[p.name] = g;
+  std::set<std::string> in_checkpoint;
+  std::set<std::string> used_entries{"num_param_groups", "state_keys"};
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::string key = "param_group" + std::to_string(i);
+    used_entries.insert(key);
+    const std::string ctx = dname + ": " + key;
+    pickle_value group = detail::read_pickle(r, key, o.load);
+    std::vector<std::string> names = detail::names_of(group, ctx);
+    std::optional<std::size_t> target;
+    for (const auto& nm : names) {
+      in_checkpoint.insert(nm);
+      auto it = group_of.find(nm);
+      if (it == group_of.end()) continue;
+      if (target && *target != it->second)
+        fail(errc::invalid_argument, ctx + ": its parameters are spread over the optimizer's groups " +
+                                         std::to_string(*target) + " and " + std::to_string(it->second));
+      target = it->second;
+    }
+    if (target && o.restore_hyperparameters) {
+      auto& options = opt.param_groups()[*target].options();
+      detail::traits_of(options).set_hyper(options, group, ctx);
+    }
+  }
+
+  // state tensors, in place
+  std::vector<flat_view> views;
+  std::set<std::string> ckpt_keys;
+  for (const auto& [k, tm] : r.metadata().tensors) ckpt_keys.insert(k);
+  std::vector<std::pair<std::int64_t*, at::Tensor>> step_targets;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = opt.param_groups()[g].options();
+    const auto& tr = detail::traits_of(options);
+    for (const auto& p : groups[g]) {
+      if (!in_checkpoint.count(p.name)) {
+        if (o.strict)
+          fail(errc::not_found, dname + ": parameter '" + p.name + "' is in no param group of the checkpoint");
+        rep.missing_params.push_back(p.name);
+        continue;
+      }
+      const std::string prefix = "state." + p.name + ".__";
+      std::vector<std::string> present;
+      for (auto it = ckpt_keys.lower_bound(prefix); it != ckpt_keys.end() && it->rfind(prefix, 0) == 0; ++it)
+        present.push_back(it->substr(prefix.size()));
+      if (present.empty()) continue;  // no state yet (e.g. SGD before its first step)
+      const std::string skey = detail::state_key_of(p.param);
+      auto& slot = opt.state()[skey];
+      if (!slot) slot = tr.empty_state();
+      for (const auto& k : present) {
+        const std::string entry = prefix + k;
+        if (k.find(".__") != std::string::npos) continue;  // belongs to a parameter named "<p.name>.__..."
+        used_entries.insert(entry);
+        const tensor_metadata* tm = r.find(entry);
+        if (k == "step" && tr.has_step) {
+          step_targets.emplace_back(tr.step(*slot), detail::read_whole(r, entry, o.load));
+          continue;
+        }
+        at::Tensor* t = tr.tensor(*slot, k);
+        if (!t) {
+          rep.unexpected_keys.push_back(entry);
+          continue;
+        }
+        const bool like_param = tm->shape == p.full_shape;
+        if (like_param) {
+          if (!t->defined() || t->sizes() != p.param.sizes() || t->scalar_type() != p.param.scalar_type())
+            *t = at::empty_like(p.param, at::MemoryFormat::Contiguous);
+          views.push_back(make_flat_view(entry, *t, p.spec, p.full_shape));
+        } else {
+          *t = at::empty(to_sizes(tm->shape), require_scalar_type(tm->type, dname + ": '" + entry + "'"));
+          views.push_back(make_flat_view(entry, *t));
+        }
+      }
+    }
+  }
+  rep.stats = r.load(std::span<const flat_view>(views), o.load);
+  for (auto& [target, value] : step_targets) {
+    const double s = value.reshape({-1}).to(at::kDouble).template item<double>();
+    if (!(s >= 0) || s != static_cast<double>(static_cast<std::int64_t>(s)))
+      fail(errc::invalid_metadata, dname + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
+    *target = static_cast<std::int64_t>(s);
+  }
+  for (const auto& k : ckpt_keys)
+    if (!used_entries.count(k) && !(k.rfind("param_group", 0) == 0)) {
+      // state of parameters this optimizer does not hold
+      if (k.rfind("state.", 0) == 0) rep.unexpected_keys.push_back(k);
+    }
+  return rep;
+}
+
+}  // namespace shardsafe
