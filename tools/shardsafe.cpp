@@ -19,6 +19,7 @@
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "shardsafe/version.hpp"
 
 namespace fs = std::filesystem;
 using namespace shardsafe;
@@ -388,6 +389,7 @@ int usage() {
                "       shardsafe verify PATH\n"
                "       shardsafe digest PATH\n"
                "       shardsafe unshard CKPT OUT.safetensors\n"
+               "       shardsafe --version\n"
                "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index) or a\n"
                "checkpoint folder (with metadata.json, or with model/ and optim/).\n";
   return 2;
@@ -398,6 +400,10 @@ int usage() {
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "-h" || args[0] == "--help") return usage();
+  if (args.size() == 1 && args[0] == "--version") {
+    std::cout << "shardsafe " << library_version << "\n";
+    return 0;
+  }
   const std::string& cmd = args[0];
   try {
     if (cmd == "inspect" && args.size() == 2) return cmd_inspect(classify(args[1]));

@@ -50,9 +50,14 @@ run setup meson setup "$tmp/build" "$src" --prefix="$tmp/prefix" \
 run install meson install -C "$tmp/build"
 prefix="$tmp/prefix"
 
-# every header is installed, and nothing but the headers, the .pc and the CMake package
-diff <(cd "$src/include" && find . -type f | sort) <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
+# every header is installed (those of include/ and the generated shardsafe/version.hpp, not
+# include/'s meson.build or version.hpp.in), and nothing but the headers, the .pc files and the
+# CMake package
+diff <( (cd "$src/include" && find . -type f -name '*.hpp' && echo ./shardsafe/version.hpp) | sort) \
+     <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
   { cat "$tmp/headers.diff" >&2; fail "installed headers differ from include/"; }
+grep -q '^#define SHARDSAFE_VERSION_STRING "[0-9]*\.[0-9]*\.[0-9]*"$' "$prefix/include/shardsafe/version.hpp" ||
+  fail "the installed shardsafe/version.hpp has no SHARDSAFE_VERSION_STRING"
 pc="$(find "$prefix" -name shardsafe.pc -print -quit)"
 cfg="$(find "$prefix" -name shardsafeConfig.cmake -print -quit)"
 [ -n "$pc" ] || fail "no shardsafe.pc under $prefix"
