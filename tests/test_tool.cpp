@@ -1,4 +1,4 @@
-// Tests of the shardsafe command-line tool (FORMAT.md §4), run as a separate process with its
+// Tests of the shardsafe command-line tool (docs/FORMAT.md §4), run as a separate process with its
 // stdout and stderr captured to files. Expected digests are computed here with OpenSSL.
 #include "shardsafe/core/error.hpp"
 
@@ -37,7 +37,7 @@ bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exi
 /// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr captured.
 result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
-/// The tool failed as FORMAT.md asks: exit 1 (not a signal), one line on stderr with the phrases.
+/// The tool failed as docs/FORMAT.md §4 asks: exit 1 (not a signal), one line on stderr with the phrases.
 void check_fails(const result& r, const std::vector<std::string>& phrases) {
   CHECK(r.exited);
   CHECK(r.code == 1);
@@ -76,7 +76,7 @@ std::string build_file(const std::vector<tensor>& ts) {
   return corpus::file_bytes(json, data);
 }
 
-/// The digest FORMAT.md §4 specifies, computed independently.
+/// The digest docs/FORMAT.md §4 specifies, computed independently.
 std::string expected_digest(std::vector<tensor> ts, const std::string& prefix = "") {
   std::sort(ts.begin(), ts.end(), [](const tensor& a, const tensor& b) { return a.name < b.name; });
   std::string out;

@@ -1,5 +1,5 @@
 // shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders and
-// sharded checkpoints (FORMAT.md §4). Any input ends in exit 0 or 1 with a message.
+// sharded checkpoints (docs/FORMAT.md §4). Any input ends in exit 0 or 1 with a message.
 #include <unistd.h>
 
 #include <chrono>
@@ -190,7 +190,7 @@ std::string describe_sharding(const tensor_metadata& tm) {
   return how + " over " + std::to_string(tm.files.size()) + " file(s)";
 }
 
-/// Every check FORMAT.md asks of a checkpoint: metadata, files, entries, coverage.
+/// Every check docs/FORMAT.md §2 and §4 (verify) ask of a checkpoint: metadata, files, entries, coverage.
 void verify_checkpoint(checkpoint_reader<file_directory>& r) {
   const std::string dname(r.directory().name());
   for (const auto& [key, tm] : r.metadata().tensors) {
