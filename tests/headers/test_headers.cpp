@@ -1,7 +1,9 @@
 // Tests of the repository's header structure: each public header is reachable from exactly the
 // right umbrella (shardsafe.hpp or torch.hpp), every header in include/ was compiled on its
-// own by this build (see meson.build here), and the version has one source.
+// own by this build (see meson.build here), the version has one source, and comments cite the
+// format contract as docs/FORMAT.md with sections that exist.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include "format_citations.hpp"
 #include "umbrella_check.hpp"
 
 #include <doctest/doctest.h>
@@ -163,4 +165,49 @@ TEST_CASE("the version has one source: the project version of meson.build") {
   const int status = ::pclose(p);
   CHECK(status == 0);
   CHECK(out == "shardsafe " + v + "\n");
+}
+
+TEST_CASE("format citations: a comment cites docs/FORMAT.md, by a section that exists") {
+  const std::set<int> sections{1, 2, 3, 4};
+  auto problems = [&](const std::string& text, bool md = false) { return citation_problems("f", text, md, sections); };
+  CHECK(format_sections("# t\n## 1. a\n## 2. b\n### 3. not a section\n## x. no\n## 12. c\n") == std::set<int>{1, 2, 12});
+  CHECK(problems("int a;  // docs/FORMAT.md \xC2\xA7" "2, optim/\n/// see docs/FORMAT.md\n").empty());
+  CHECK(problems("TEST_CASE(\"FORMAT.md in a string is not a comment\") {}\n").empty());
+  CHECK(problems("See [`docs/FORMAT.md`](docs/FORMAT.md) \xC2\xA7" "2.\n", true).empty());
+  CHECK(has_line_with(problems("x\n// the contract (FORMAT.md \xC2\xA7" "1)\n"), "f:2:", "not docs/FORMAT.md"));
+  CHECK(has_line_with(problems("// ../shared/FORMAT.md\n"), "f:1:", "not docs/FORMAT.md"));
+  CHECK(has_line_with(problems("The contract is in `FORMAT.md`.\n", true), "f:1:", "not docs/FORMAT.md"));
+  CHECK(has_line_with(problems("// docs/FORMAT.md section 1\n"), "f:1:", "write \xC2\xA7N"));
+  CHECK(has_line_with(problems("// docs/FORMAT.md \xC2\xA7" "7\n"), "f:1:", "does not exist"));
+  CHECK(problems("// docs/FORMAT.md \xC2\xA7" "7 and FORMAT.md\n").size() == 2);
+}
+
+TEST_CASE("format citations in the repository: include/, tools/, tests/, fuzz/, examples/, bench/, README.md") {
+  const fs::path src = fs::path(SHARDSAFE_SOURCE_INCLUDE).parent_path();
+  std::ifstream doc(src / "docs" / "FORMAT.md");
+  REQUIRE_MESSAGE(doc.good(), "docs/FORMAT.md is missing");
+  std::ostringstream text;
+  text << doc.rdbuf();
+  const std::set<int> sections = format_sections(text.str());
+  CHECK(sections == std::set<int>{1, 2, 3, 4});
+  std::vector<std::string> problems;
+  int files = 0;
+  auto scan = [&](const fs::path& p) {
+    ++files;
+    for (std::string& s : file_citation_problems(p.string(), p.lexically_relative(src).generic_string(), sections))
+      problems.push_back(std::move(s));
+  };
+  for (const char* d : {"include", "tools", "tests", "fuzz", "examples", "bench"}) {
+    if (!fs::is_directory(src / d)) continue;
+    for (const auto& e : fs::recursive_directory_iterator(src / d)) {
+      const auto ext = e.path().extension();
+      // tests/headers/ itself holds the made-up citations of the test above
+      if (e.path().parent_path() == src / "tests" / "headers") continue;
+      if (e.is_regular_file() && (ext == ".hpp" || ext == ".cpp" || ext == ".h" || ext == ".in")) scan(e.path());
+    }
+  }
+  scan(src / "README.md");
+  INFO("citations of the format contract to fix:" << join(problems));
+  CHECK(problems.empty());
+  CHECK(files > 40);
 }
