@@ -1,15 +1,11 @@
 // quickstart - the README's code sample. Save a state dict as a sharded checkpoint, load a
 // differently sharded piece of it in place, and stream LibTorch tensors through a plain
-// safetensors file.
-#include <ATen/ATen.h>
+// safetensors file. One include for all of it: shardsafe/torch.hpp (the LibTorch parts and,
+// through shardsafe/shardsafe.hpp, the rest of the library).
+#include "shardsafe/torch.hpp"
 
 #include <cstdio>
 #include <filesystem>
-
-#include "shardsafe/dist/single.hpp"
-#include "shardsafe/format/safetensors_writer.hpp"
-#include "shardsafe/storage/file.hpp"
-#include "shardsafe/torch/state_dict.hpp"
 
 using namespace shardsafe;
 

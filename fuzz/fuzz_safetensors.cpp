@@ -1,5 +1,5 @@
 // libFuzzer target: parse_safetensors on arbitrary bytes. Only shardsafe::error may escape the
-// parser. When a file is accepted, its header must satisfy FORMAT.md §1 (the tensors tile the
+// parser. When a file is accepted, its header must satisfy docs/FORMAT.md §1 (the tensors tile the
 // data buffer, spans match shapes, the file ends where the data ends), every tensor must read
 // back through a storage, and writing the same tensors must give a file that parses to them.
 #include <cstddef>

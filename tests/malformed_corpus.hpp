@@ -1,5 +1,5 @@
 // tests/malformed_corpus.hpp - safetensors files built byte by byte: one malformed file per rule
-// of FORMAT.md §1's reader-reject list (with the errc and message phrases a reader must give),
+// of docs/FORMAT.md §1's reader-reject list (with the errc and message phrases a reader must give),
 // and valid edge cases a reader must accept. Shared by test_safetensors.cpp and test_tool.cpp.
 #pragma once
 

@@ -4,7 +4,7 @@
 
 using namespace shardsafe;
 
-TEST_CASE("every dtype of FORMAT.md has its name and size") {
+TEST_CASE("every dtype of docs/FORMAT.md has its name and size") {
   // sizes from the safetensors specification, written out independently of the table
   const std::pair<const char*, unsigned> expected[] = {
       {"BOOL", 8}, {"U8", 8}, {"I8", 8}, {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"I16", 16}, {"U16", 16}, {"F16", 16},

@@ -1,5 +1,5 @@
-// Tests of format/metadata.hpp (a checkpoint's metadata.json, FORMAT.md §2) and
-// format/hf_index.hpp (model.safetensors.index.json, FORMAT.md §3).
+// Tests of format/metadata.hpp (a checkpoint's metadata.json, docs/FORMAT.md §2) and
+// format/hf_index.hpp (model.safetensors.index.json, docs/FORMAT.md §3).
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/hf_index.hpp"
 
@@ -39,7 +39,7 @@ void check_same(const checkpoint_metadata& a, const checkpoint_metadata& b) {
   CHECK(a.extras.file_sizes == b.extras.file_sizes);
 }
 
-// FORMAT.md §2's example, as json.dumps(obj) writes it (checked once against Python 3).
+// docs/FORMAT.md §2's example, as json.dumps(obj) writes it (checked once against Python 3).
 const std::string format_example =
     R"({"tensors": {"w": {"shape": [16, 8], "is_sharded": true, "dtype": "BF16", "shard_spec_per_file": )"
     R"({"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [8, 8], "global_offset": [0, 0]}, )"
@@ -73,14 +73,14 @@ std::string flat(std::string_view file, std::string_view ranges) {
 
 }  // namespace
 
-TEST_CASE("metadata: FORMAT.md's example, written in Python's json.dumps layout and read back") {
+TEST_CASE("metadata: docs/FORMAT.md's example, written in Python's json.dumps layout and read back") {
   CHECK(write_checkpoint_metadata(example_metadata()) == format_example);
   const auto md = parse_checkpoint_metadata(format_example, "ckpt/model/metadata.json");
   check_same(md, example_metadata());
   REQUIRE(md.find("w") != nullptr);
   CHECK(md.find("w")->numel() == 128);
   CHECK(md.find("nope") == nullptr);
-  // the same content as FORMAT.md prints it, with newlines and indentation
+  // the same content as docs/FORMAT.md §2 prints it, with newlines and indentation
   const std::string pretty = R"({"tensors": {
   "w": {"shape": [16, 8], "is_sharded": true, "dtype": "BF16",
         "shard_spec_per_file": {

@@ -145,7 +145,7 @@ const jvalue& member(const jvalue& o, std::string_view k) {
   return o;
 }
 
-// The dtype table of FORMAT.md §1, written out independently: name and bits per element.
+// The dtype table of docs/FORMAT.md §1, written out independently: name and bits per element.
 const std::pair<const char*, unsigned> format_dtypes[] = {
     {"BOOL", 8}, {"U8", 8}, {"I8", 8}, {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"I16", 16}, {"U16", 16}, {"F16", 16},
     {"BF16", 16}, {"I32", 32}, {"U32", 32}, {"F32", 32}, {"F64", 64}, {"I64", 64}, {"U64", 64}, {"F8_E8M0", 8},

@@ -1,4 +1,4 @@
-// Tests of the shardsafe command-line tool (FORMAT.md §4), run as a separate process with its
+// Tests of the shardsafe command-line tool (docs/FORMAT.md §4), run as a separate process with its
 // stdout and stderr captured to files. Expected digests are computed here with OpenSSL.
 #include "shardsafe/core/error.hpp"
 
@@ -46,7 +46,7 @@ const auto skip_without_tool = doctest::skip(!have_tool());
 /// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr captured.
 result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
-/// The tool failed as FORMAT.md asks: exit 1 (not a signal), one line on stderr with the phrases.
+/// The tool failed as docs/FORMAT.md §4 asks: exit 1 (not a signal), one line on stderr with the phrases.
 void check_fails(const result& r, const std::vector<std::string>& phrases) {
   CHECK(r.exited);
   CHECK(r.code == 1);
@@ -66,7 +66,7 @@ using fixtures::sample_tensors;
 using fixtures::file1;
 using fixtures::file2;
 
-/// The digest FORMAT.md §4 specifies, computed independently.
+/// The digest docs/FORMAT.md §4 specifies, computed independently.
 std::string expected_digest(std::vector<tensor> ts, const std::string& prefix = "") {
   std::sort(ts.begin(), ts.end(), [](const tensor& a, const tensor& b) { return a.name < b.name; });
   std::string out;
@@ -107,7 +107,7 @@ TEST_CASE("tool: every malformed safetensors file fails verify, inspect and dige
   }
 }
 
-/// A usage error as FORMAT.md asks: exit 2, nothing on stdout, one line on stderr with the phrases.
+/// A usage error as docs/FORMAT.md §4 asks: exit 2, nothing on stdout, one line on stderr with the phrases.
 void check_usage_error(const result& r, const std::vector<std::string>& phrases) {
   CHECK(r.exited);
   CHECK(r.code == 2);

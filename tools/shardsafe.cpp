@@ -1,5 +1,5 @@
 // shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders and
-// sharded checkpoints (FORMAT.md §4). A thin command line over the library: validation lives in
+// sharded checkpoints (docs/FORMAT.md §4). A thin command line over the library: validation lives in
 // checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the arguments are parsed by CLI11. Any
 // input ends in exit 0 or 1 with a message; a usage error exits 2 with one line.
 #include <unistd.h>
@@ -26,6 +26,8 @@
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "shardsafe/version.hpp"
+#include "shardsafe/version.hpp"
 
 namespace fs = std::filesystem;
 using namespace shardsafe;
@@ -314,10 +316,10 @@ constexpr const char* path_help =
 
 int main(int argc, char** argv) {
   CLI::App app("Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
-               "checkpoints (FORMAT.md section 4).",
+               "checkpoints (docs/FORMAT.md §4).",
                "shardsafe");
   app.footer(path_help);
-  app.set_version_flag("--version", std::string("shardsafe ") + SHARDSAFE_TOOL_VERSION);
+  app.set_version_flag("--version", "shardsafe " + std::string(library_version));
   app.require_subcommand(1);
   std::string path, out_path;
   auto command = [&](const char* name, const char* what, const char* path_name, const char* path_what) {

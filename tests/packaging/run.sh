@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Packaging test: installs shardsafe from the source tree into a temporary prefix and builds
-# the program in consumer/ against it four ways, running each build:
+# the programs in consumer/ against it, running each build:
 #   1. pkg-config:  c++ main.cpp $(pkg-config --cflags --libs shardsafe)
 #   2. CMake:       find_package(shardsafe) + target_link_libraries(... shardsafe::shardsafe)
 #   3. pkg-config and CMake again after the installed tree was moved elsewhere (the .pc file
 #      and the package config find the headers relative to themselves)
 #   4. Meson:       shardsafe as a subproject (subprojects/shardsafe -> the source tree),
 #                   dependency('shardsafe') served by the subproject's override
+#   5. LibTorch:    torch_main.cpp (#include "shardsafe/torch.hpp") with pkg-config
+#                   shardsafe-torch and with CMake's shardsafe::torch (find_package(shardsafe
+#                   COMPONENTS torch)); skipped with a message when LibTorch is not found
+# Every build checks that the installed shardsafe/version.hpp agrees with its package's version.
 # Exits non-zero on the first failure, printing the log of the step that failed.
 #
 #   tests/packaging/run.sh [SRCDIR]    # SRCDIR defaults to the tree holding this script
@@ -46,32 +50,39 @@ have() { command -v "$1" >/dev/null || { echo "   $1 not found: skipping this st
 
 echo "== install $src into $tmp/prefix"
 run setup meson setup "$tmp/build" "$src" --prefix="$tmp/prefix" \
-  -Dtests=false -Dtools=false -Dexamples=false -Dbench=false -Dfuzz=false -Dtorch=disabled
+  -Dtests=false -Dtools=false -Dexamples=false -Dbench=false -Dfuzz=false -Dtorch=auto
 run install meson install -C "$tmp/build"
 prefix="$tmp/prefix"
 
-# every header is installed, and nothing but the headers, the .pc and the CMake package
-diff <(cd "$src/include" && find . -type f | sort) <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
+# every header is installed (those of include/ and the generated shardsafe/version.hpp, not
+# include/'s meson.build or version.hpp.in), and nothing but the headers, the .pc files and the
+# CMake package
+diff <( (cd "$src/include" && find . -type f -name '*.hpp' && echo ./shardsafe/version.hpp) | sort) \
+     <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
   { cat "$tmp/headers.diff" >&2; fail "installed headers differ from include/"; }
+grep -q '^#define SHARDSAFE_VERSION_STRING "[0-9]*\.[0-9]*\.[0-9]*"$' "$prefix/include/shardsafe/version.hpp" ||
+  fail "the installed shardsafe/version.hpp has no SHARDSAFE_VERSION_STRING"
 pc="$(find "$prefix" -name shardsafe.pc -print -quit)"
 cfg="$(find "$prefix" -name shardsafeConfig.cmake -print -quit)"
 [ -n "$pc" ] || fail "no shardsafe.pc under $prefix"
 [ -n "$cfg" ] || fail "no shardsafeConfig.cmake under $prefix"
 [ -f "$(dirname "$cfg")/shardsafeConfigVersion.cmake" ] || fail "no shardsafeConfigVersion.cmake next to $cfg"
 echo "   $(realpath --relative-to="$prefix" "$pc"), $(realpath --relative-to="$prefix" "$cfg")"
-others="$(cd "$prefix" && find . -type f ! -path './include/*' ! -name shardsafe.pc ! -name 'shardsafeConfig*.cmake')"
+others="$(cd "$prefix" && find . -type f ! -path './include/*' ! -name shardsafe.pc ! -name shardsafe-torch.pc \
+  ! -name 'shardsafeConfig*.cmake')"
 [ -z "$others" ] || fail "unexpected installed files: $others"
 
 pkgconfig_consumer() {  # NAME PREFIX: builds and runs the consumer with the .pc under PREFIX
-  local pcdir flags inc
+  local pcdir flags inc version
   pcdir="$(dirname "$(find "$2" -name shardsafe.pc -print -quit)")"
   flags="$(PKG_CONFIG_PATH="$pcdir" pkg-config --cflags --libs shardsafe)" || fail "$1: pkg-config does not find shardsafe"
-  echo "   shardsafe $(PKG_CONFIG_PATH="$pcdir" pkg-config --modversion shardsafe): $flags"
+  version="$(PKG_CONFIG_PATH="$pcdir" pkg-config --modversion shardsafe)"
+  echo "   shardsafe $version: $flags"
   inc="$(printf '%s\n' $flags | sed -n 's/^-I//p' | head -n 1)"
   [ -n "$inc" ] && [ "$(realpath -m "$inc")" = "$(realpath -m "$2/include")" ] ||
     fail "$1: pkg-config --cflags points at '$inc', not $2/include"
   # shellcheck disable=SC2086  # the flags are words
-  run "$1-build" "$cxx" "$consumer/main.cpp" $flags -o "$tmp/consumer-$1"
+  run "$1-build" "$cxx" "$consumer/main.cpp" $flags "-DSHARDSAFE_EXPECTED_VERSION=\"$version\"" -o "$tmp/consumer-$1"
   run "$1-run" "$tmp/consumer-$1"
   grep -q "consumer ok" "$tmp/$1-run.log" || fail "$1 consumer did not run to the end"
 }
@@ -134,6 +145,29 @@ grep -q "consumer ok" "$tmp/meson-run.log" || fail "meson consumer did not run t
 run meson-introspect meson introspect --targets "$mc/build"
 if grep -q '"name": "\(core_tests\|shardsafe\)"' "$tmp/meson-introspect.log"; then
   fail "the subproject defined its own tests or tool"
+fi
+
+echo "== 5. LibTorch: shardsafe/torch.hpp with pkg-config shardsafe-torch and CMake shardsafe::torch"
+torch_pc="$(find "$moved" -name shardsafe-torch.pc -print -quit)"
+if [ -z "$torch_pc" ]; then
+  echo "   LibTorch was not found when installing (no shardsafe-torch.pc): skipping this step"
+else
+  if [ "$have_pkgconfig" = 1 ]; then
+    flags="$(PKG_CONFIG_PATH="$(dirname "$torch_pc")" pkg-config --cflags --libs shardsafe-torch)" ||
+      fail "pkg-config does not find shardsafe-torch"
+    echo "   shardsafe-torch: $flags"
+    # shellcheck disable=SC2086  # the flags are words
+    run torch-pkgconfig-build "$cxx" "$consumer/torch_main.cpp" $flags -o "$tmp/torch-consumer-pkgconfig"
+    run torch-pkgconfig-run "$tmp/torch-consumer-pkgconfig"
+    grep -q "torch consumer ok" "$tmp/torch-pkgconfig-run.log" || fail "the pkg-config torch consumer did not run to the end"
+  fi
+  if [ "$have_cmake" = 1 ]; then
+    run torch-cmake-configure cmake -S "$consumer" -B "$tmp/torch-cmake" -DCMAKE_PREFIX_PATH="$moved" \
+      -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=Release -DWITH_TORCH=ON
+    run torch-cmake-build cmake --build "$tmp/torch-cmake" --target torch_consumer
+    run torch-cmake-run "$tmp/torch-cmake/torch_consumer"
+    grep -q "torch consumer ok" "$tmp/torch-cmake-run.log" || fail "the CMake torch consumer did not run to the end"
+  fi
 fi
 
 echo "packaging: ok"

@@ -148,7 +148,7 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
   auto saved = testing::run_world("save_catalogue", 2, {ckpt});
   REQUIRE_MESSAGE(saved.ok(), saved.report());
 
-  SUBCASE("metadata.json follows FORMAT.md §2") {
+  SUBCASE("metadata.json follows docs/FORMAT.md §2") {
     file_storage f(dir.path / "model" / "metadata.json");
     auto md = read_checkpoint_metadata(f);
     CHECK(md.tensors.size() == catalogue().size());

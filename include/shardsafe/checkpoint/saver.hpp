@@ -37,10 +37,9 @@
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/version.hpp"
 
 namespace shardsafe {
-
-inline constexpr std::string_view library_version = "0.1.0";
 
 struct save_options {
   bool overwrite = false;   ///< replace an existing non-empty directory

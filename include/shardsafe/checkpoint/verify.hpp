@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/verify.hpp - every check FORMAT.md §2 asks of a sharded checkpoint,
+// shardsafe/checkpoint/verify.hpp - every check docs/FORMAT.md §2 asks of a sharded checkpoint,
 // without loading a tensor: what `shardsafe verify` runs on a checkpoint folder.
 //
 // verify_checkpoint checks, in this order, throwing at the first problem with a message that

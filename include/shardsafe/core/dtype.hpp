@@ -1,4 +1,4 @@
-// shardsafe/core/dtype.hpp - the safetensors dtype vocabulary (FORMAT.md section 1).
+// shardsafe/core/dtype.hpp - the safetensors dtype vocabulary (docs/FORMAT.md §1).
 //
 // Every dtype has a name, a size in bits and, for the byte-sized ones, an item size. Sub-byte
 // dtypes (F4, F6_*) are parsed, validated and copied whole, but element-range reads refuse

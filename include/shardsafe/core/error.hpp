@@ -24,7 +24,7 @@ enum class errc {
   io_error = 1,           ///< an operating-system call failed (errno is in the message)
   not_found,              ///< a file, tensor or key does not exist
   already_exists,         ///< a target exists and overwriting was not asked for
-  invalid_header,         ///< a safetensors header breaks a rule of FORMAT.md section 1
+  invalid_header,         ///< a safetensors header breaks a rule of docs/FORMAT.md §1
   invalid_json,           ///< bytes that are not UTF-8 JSON, or JSON of the wrong shape
   unknown_dtype,          ///< a dtype name this library does not know
   unsupported_dtype,      ///< a known dtype that this operation cannot handle

@@ -1,5 +1,5 @@
 // shardsafe/format/hf_index.hpp - model.safetensors.index.json of a sharded Hugging Face
-// checkpoint (FORMAT.md §3):
+// checkpoint (docs/FORMAT.md §3):
 //   {"metadata": {"total_size": BYTES}, "weight_map": {"tensor.name": "model-00001-of-00002.safetensors"}}
 // File names must be plain names in the same folder; every tensor is listed once.
 #pragma once

@@ -1,4 +1,4 @@
-// shardsafe/format/metadata.hpp - a sharded checkpoint's metadata.json (FORMAT.md §2).
+// shardsafe/format/metadata.hpp - a sharded checkpoint's metadata.json (docs/FORMAT.md §2).
 //
 // The schema is OLMo-core's:
 //   {"tensors": {KEY: {"shape": [...], "is_sharded": bool, "dtype": "F32",

@@ -1,4 +1,4 @@
-// shardsafe/format/safetensors.hpp - parse and validate a safetensors header (FORMAT.md §1),
+// shardsafe/format/safetensors.hpp - parse and validate a safetensors header (docs/FORMAT.md §1),
 // and read whole tensors or element ranges of them straight into caller memory.
 //
 // The parser trusts nothing: the 8-byte length is bounded before anything is allocated, every

@@ -1,5 +1,5 @@
 // shardsafe/torch/model_and_optim.hpp - what a training job calls every N steps:
-// the model's state in DIR/model and the optimizer's in DIR/optim (FORMAT.md §2).
+// the model's state in DIR/model and the optimizer's in DIR/optim (docs/FORMAT.md §2).
 //
 // The optimizer is written first and model/metadata.json last: that file is the commit mark
 // of the pair, so a save killed at any point leaves a folder that does not load as complete.

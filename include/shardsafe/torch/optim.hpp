@@ -1,4 +1,4 @@
-// shardsafe/torch/optim.hpp - LibTorch optimizer state as named tensors (FORMAT.md §2, optim/).
+// shardsafe/torch/optim.hpp - LibTorch optimizer state as named tensors (docs/FORMAT.md §2, optim/).
 //
 // Flattened as OLMo-core does, so Python reads what C++ writes and the other way round:
 //   num_param_groups           I64 scalar

@@ -1,8 +1,11 @@
 // A program that uses an installed (or subproject) shardsafe: it writes a two-tensor
 // safetensors file to memory, parses it back and checks every value. Built by run.sh with
-// CMake (find_package), with pkg-config, and with Meson (shardsafe as a subproject).
+// CMake (find_package), with pkg-config, and with Meson (shardsafe as a subproject); each
+// defines SHARDSAFE_EXPECTED_VERSION as its package's version, which shardsafe/version.hpp
+// must agree with.
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/memory.hpp"
+#include "shardsafe/version.hpp"
 
 #include <cstdint>
 #include <cstdio>
@@ -57,7 +60,12 @@ int main() {
     expect(e.code() == errc::truncated || e.code() == errc::invalid_offsets || e.code() == errc::invalid_header,
            "truncated file refused with the right code");
   }
+#ifdef SHARDSAFE_EXPECTED_VERSION
+  expect(library_version == SHARDSAFE_EXPECTED_VERSION, "shardsafe/version.hpp agrees with the package version");
+#else
+  expect(false, "the build defines SHARDSAFE_EXPECTED_VERSION");
+#endif
   if (failures) return 1;
-  std::puts("consumer ok");
+  std::printf("consumer ok (shardsafe %s)\n", SHARDSAFE_VERSION_STRING);
   return 0;
 }

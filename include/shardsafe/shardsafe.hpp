@@ -1,0 +1,52 @@
+// shardsafe/shardsafe.hpp - the whole torch-free library in one include: formats, shard
+// arithmetic, storage backends, communication, and sharded checkpoints of raw memory.
+//
+// Every public header outside torch/ and detail/ is included here, and nothing that includes
+// LibTorch: this compiles in seconds. For LibTorch tensors, modules, optimizers and c10d,
+// include shardsafe/torch.hpp instead (it includes this one). tests/headers/ checks that each
+// public header is reachable from the right umbrella, so a new header must be added here.
+#pragma once
+
+#include "shardsafe/version.hpp"
+
+// vocabulary
+#include "shardsafe/core/byte_range.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/shape.hpp"
+
+// file formats (docs/FORMAT.md)
+#include "shardsafe/format/hf_index.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/pickle.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/format/safetensors_writer.hpp"
+
+// shard arithmetic: specs, overlaps, copy plans, read plans
+#include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/overlap.hpp"
+#include "shardsafe/shard/read_plan.hpp"
+#include "shardsafe/shard/shard_spec.hpp"
+
+// storage: the concepts and the backends
+#include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/storage/memory.hpp"
+#include "shardsafe/storage/mmap.hpp"
+#include "shardsafe/storage/text.hpp"
+
+// who talks to whom
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/dist/launch.hpp"
+#include "shardsafe/dist/single.hpp"
+
+// sharded checkpoints of flat views
+#include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/rotation.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/checkpoint/verify.hpp"
