@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <filesystem>
@@ -173,6 +174,8 @@ TEST_CASE("optimizer checkpoint layout, param group pickles and strictness") {
   }
   SUBCASE("Python's pickle reads the param groups we write") {
     if (std::system("python3 -c 'import pickle' >/dev/null 2>&1") != 0) {
+      // the README's test command sets SHARDSAFE_REQUIRE_PYTHON=1: there a missing Python fails
+      REQUIRE_MESSAGE(std::getenv("SHARDSAFE_REQUIRE_PYTHON") == nullptr, "python3 is required (SHARDSAFE_REQUIRE_PYTHON)");
       MESSAGE("python3 not available: skipped");
       return;
     }
@@ -399,6 +402,8 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
   // shardsafe writes (in its order), plus params and _param_names, pickled with protocol 2
   // less the memo PUTs.
   if (std::system("/usr/bin/python3 -c 'import torch, pickle, pickletools' >/dev/null 2>&1") != 0) {
+    REQUIRE_MESSAGE(std::getenv("SHARDSAFE_REQUIRE_PYTHON") == nullptr,
+                    "/usr/bin/python3 with torch (python3-torch) is required (SHARDSAFE_REQUIRE_PYTHON)");
     MESSAGE("python3 with torch not available: the comparison with Python is skipped");
     return;
   }
