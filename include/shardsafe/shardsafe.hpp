@@ -11,14 +11,17 @@
 
 // vocabulary
 #include "shardsafe/core/byte_range.hpp"
+#include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
 
 // file formats (docs/FORMAT.md)
+#include "shardsafe/format/hf_export.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/pickle.hpp"
+#include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 
