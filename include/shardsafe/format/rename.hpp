@@ -1,0 +1,184 @@
+// shardsafe/format/rename.hpp - tensor key renaming between a model and a Hugging Face folder
+// (docs/FORMAT.md §4, `to-hf --rename REGEX=REPL`): ordered regex rules, and LoRA base-layer
+// names.
+//
+// Rules are tried in order on each key; the first rule whose regex matches anywhere in the key
+// rewrites it (every match in the key replaced, as Python's re.subn does) and no later rule is
+// tried. This is how transformers applies a model's `_checkpoint_conversion_mapping`. A key that
+// no rule matches keeps its name; a key rewritten to the empty name is dropped.
+//
+// Rule text is `REGEX=REPL`:
+// - the text is split at its first `=` that is not written `\=`; a `\=` in REGEX stands for `=`
+//   (so a lookahead is written `(?\=...)`); REPL is everything after the split and may hold `=`;
+// - REGEX is an ECMAScript regex (std::regex), searched anywhere in the key: anchor it with `^`
+//   and `$` to match whole keys;
+// - REPL is written as for Python's re.sub: `\1`..`\9` insert a group, `\\` a backslash; every
+//   other character is literal (`$` included).
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe {
+
+/// One rename rule: a compiled regex and its replacement.
+struct rename_rule {
+  std::string text;         ///< the rule as written, `REGEX=REPL`, for messages
+  std::string pattern;      ///< REGEX, with `\=` unescaped
+  std::string replacement;  ///< REPL as written (Python re.sub syntax)
+  std::regex regex;         ///< pattern, compiled (ECMAScript)
+  std::string format;       ///< replacement in std::regex_replace's `$n` syntax
+};
+
+/// Parses `REGEX=REPL` (syntax at the top of this header). Throws errc::invalid_argument naming
+/// the rule: no `=`, an empty REGEX, a REGEX std::regex refuses (its message included), or a
+/// REPL with a bad escape.
+inline rename_rule parse_rename_rule(std::string_view text) {
+  const std::string t(text);
+  auto bad = [&](const std::string& why) -> void {
+    fail(errc::invalid_argument, "rename rule '" + t + "': " + why);
+  };
+  rename_rule r;
+  r.text = t;
+  std::size_t split = std::string_view::npos;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '\\' && i + 1 < text.size() && text[i + 1] == '=') {
+      r.pattern += '=';
+      ++i;
+    } else if (text[i] == '=') {
+      split = i;
+      break;
+    } else {
+      r.pattern += text[i];
+    }
+  }
+  if (split == std::string_view::npos) bad("no '=' between REGEX and REPL");
+  if (r.pattern.empty()) bad("empty REGEX");
+  r.replacement = std::string(text.substr(split + 1));
+  try {
+    r.regex = std::regex(r.pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    bad("bad regex '" + r.pattern + "': " + e.what());
+  }
+  const std::size_t groups = r.regex.mark_count();
+  for (std::size_t i = 0; i < r.replacement.size(); ++i) {
+    const char c = r.replacement[i];
+    if (c == '$') {
+      r.format += "$$";
+    } else if (c != '\\') {
+      r.format += c;
+    } else if (i + 1 == r.replacement.size()) {
+      bad("REPL ends with a lone '\\'");
+    } else if (const char n = r.replacement[++i]; n == '\\') {
+      r.format += '\\';
+    } else if (n >= '1' && n <= '9') {
+      if (static_cast<std::size_t>(n - '0') > groups)
+        bad("REPL refers to group \\" + std::string(1, n) + " but the regex has " + std::to_string(groups));
+      r.format += '$';
+      r.format += n;
+    } else {
+      bad(std::string("unknown escape '\\") + n + "' in REPL (only \\1..\\9 and \\\\)");
+    }
+  }
+  return r;
+}
+
+/// Ordered rename rules; see the top of this header.
+class rename_rules {
+ public:
+  rename_rules() = default;
+  /// Parses each `REGEX=REPL` in order (parse_rename_rule).
+  explicit rename_rules(const std::vector<std::string>& texts) {
+    for (const auto& t : texts) rules_.push_back(parse_rename_rule(t));
+  }
+  void add(std::string_view text) { rules_.push_back(parse_rename_rule(text)); }
+  bool empty() const noexcept { return rules_.empty(); }
+  const std::vector<rename_rule>& rules() const noexcept { return rules_; }
+
+  /// The new name of `key`: rewritten by the first rule that matches, or `key` itself when none
+  /// does. Empty means the key is dropped.
+  std::string apply(std::string_view key) const {
+    const std::string k(key);
+    for (const auto& r : rules_)
+      if (std::regex_search(k, r.regex)) return std::regex_replace(k, r.regex, r.format);
+    return k;
+  }
+
+ private:
+  std::vector<rename_rule> rules_;
+};
+
+/// Renames every key: returns new name -> old name, sorted by new name, keys renamed to the
+/// empty name left out. Throws errc::invalid_argument, naming `context`, both old keys and the
+/// new name, when two keys get the same new name.
+inline std::map<std::string, std::string> rename_keys(const std::vector<std::string>& keys, const rename_rules& rules,
+                                                      std::string_view context) {
+  std::map<std::string, std::string> out;
+  for (const auto& k : keys) {
+    std::string n = rules.apply(k);
+    if (n.empty()) continue;
+    auto [it, fresh] = out.emplace(n, k);
+    if (!fresh)
+      fail(errc::invalid_argument, std::string(context) + ": tensors '" + it->second + "' and '" + k +
+                                       "' are both renamed to '" + n + "'; rename rules must keep names distinct");
+  }
+  return out;
+}
+
+// LoRA base layers. PEFT wraps an adapted module: its original weight becomes
+// `x.base_layer.weight` in the model, next to the adapter's `x.lora_A.weight`, `x.lora_B.weight`
+// (and `lora_embedding_A/B`, `lora_magnitude_vector`), while the base model's file holds
+// `x.weight`. These helpers map one name to the other.
+
+/// The file name of a model name: every `base_layer` component removed
+/// (`a.q.base_layer.weight` -> `a.q.weight`); a name without one is returned as it is.
+inline std::string strip_base_layer(std::string_view model_name) {
+  std::string out;
+  std::size_t start = 0;
+  while (start <= model_name.size()) {
+    std::size_t dot = model_name.find('.', start);
+    if (dot == std::string_view::npos) dot = model_name.size();
+    const std::string_view part = model_name.substr(start, dot - start);
+    if (part != "base_layer") {
+      if (!out.empty()) out += '.';
+      out += part;
+    }
+    start = dot + 1;
+  }
+  return out;
+}
+
+/// The model name of a file name in a LoRA-wrapped module: `base_layer` inserted before the last
+/// component (`a.q.weight` -> `a.q.base_layer.weight`; `bias` -> `base_layer.bias`).
+inline std::string insert_base_layer(std::string_view file_name) {
+  const std::size_t dot = file_name.rfind('.');
+  if (dot == std::string_view::npos) return "base_layer." + std::string(file_name);
+  return std::string(file_name.substr(0, dot)) + ".base_layer" + std::string(file_name.substr(dot));
+}
+
+/// True for a name with a `base_layer` component.
+inline bool has_base_layer(std::string_view name) { return strip_base_layer(name).size() != name.size(); }
+
+/// True for the name of a LoRA adapter tensor: a component that starts with `lora_`
+/// (`lora_A`, `lora_B`, `lora_embedding_A`, `lora_magnitude_vector`, ...). A base model's file
+/// does not hold these, so a strict load does not count them missing (as PEFT's loader does).
+inline bool is_lora_adapter_name(std::string_view name) {
+  std::size_t start = 0;
+  while (start <= name.size()) {
+    std::size_t dot = name.find('.', start);
+    if (dot == std::string_view::npos) dot = name.size();
+    if (name.substr(start, dot - start).starts_with("lora_")) return true;
+    start = dot + 1;
+  }
+  return false;
+}
+
+}  // namespace shardsafe
