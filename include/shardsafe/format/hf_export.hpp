@@ -2,9 +2,11 @@
 // (docs/FORMAT.md §3 and §4, `to-hf --max-shard-size`): which tensors go to which file, the
 // files' names, and the text of model.safetensors.index.json. No data is read here.
 //
-// Packing rule, as transformers' `shard_checkpoint` (modeling_utils.py) writes it: tensors are
-// taken in name order; a tensor goes to the current file unless the file already holds a tensor
-// and the tensor's bytes would take the file past the limit, in which case a new file starts.
+// Packing rule, the loop of transformers' `shard_checkpoint` (modeling_utils.py; the versions
+// that check the current block is non-empty before splitting, so a large first tensor does not
+// leave an empty first file): a tensor goes to the current file unless the file already holds
+// a tensor and the tensor's bytes would take the file past the limit, in which case a new file
+// starts. Python walks the state dict in its own order; here tensors are taken in name order.
 // So a tensor larger than the limit gets a file of its own, and files keep name order. The limit
 // counts tensor bytes only (not headers), as both Python writers do. (huggingface_hub's
 // `split_state_dict_into_shards_factory` differs in one point: it appends a larger-than-limit
