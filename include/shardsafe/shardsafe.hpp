@@ -17,6 +17,7 @@
 #include "shardsafe/core/shape.hpp"
 
 // file formats (docs/FORMAT.md)
+#include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/hf_export.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -51,5 +52,6 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/checkpoint/source.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"

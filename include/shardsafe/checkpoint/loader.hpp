@@ -14,8 +14,14 @@
 //   staging memory of merged reads);
 // - any other ReadableStorage gets one read_into per read.
 // A read with one piece lands straight in the view's memory; a merged read lands in a bounded
-// staging buffer that is scattered at once. Nothing the size of a tensor or a file is
-// allocated.
+// staging buffer that is scattered at once. With load_options::convert_dtypes, a floating
+// tensor stored as another floating dtype (an HF file's BF16 into F32 parameters) is
+// converted as its pieces are scattered: its reads always go through staging. Nothing the
+// size of a tensor or a file is allocated.
+//
+// The checkpoint may be any layout checkpoint/source.hpp reads (a sharded checkpoint, a
+// Hugging Face folder, torch's sharded HF files): each is a list of tensors with the shard each
+// file holds, and everything below is the same for all of them.
 //
 // Read settings, each taken from the first place that sets it: load_options (reads.*,
 // threads), then the backend's hint (read_defaults(), storage/concepts.hpp), then the
@@ -38,6 +44,8 @@
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/source.hpp"
+#include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -62,6 +70,11 @@ struct load_options {
   read_overrides reads{};       ///< gap merging and read sizes (unset: the backend's, else the defaults)
   bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
   bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
+  /// Load a floating tensor stored as another floating dtype (F16, BF16, F32, F64), converting
+  /// each element while copying, rounded to nearest even (core/convert.hpp); converted reads
+  /// go through a staging buffer of at most one read (reads.max_read_bytes), never a
+  /// tensor-sized one. Off: a dtype that differs is errc::dtype_mismatch.
+  bool convert_dtypes = false;
 };
 
 /// The read settings a load uses with a storage whose hint is `hint`: load_options first,
@@ -85,7 +98,7 @@ inline unsigned resolve_threads(unsigned threads, const read_hints& hint) {
 
 struct load_stats {
   std::uint64_t tensors = 0;        ///< views loaded
-  std::uint64_t bytes_needed = 0;   ///< bytes that landed in views
+  std::uint64_t bytes_needed = 0;   ///< bytes of stored data the views needed (as stored: before conversion)
   std::uint64_t bytes_read = 0;     ///< bytes read from files (needed + merged gaps)
   std::uint64_t read_ops = 0;       ///< reads issued
   std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
@@ -110,38 +123,40 @@ struct load_schedule {
   };
   std::vector<file_reads> files;         ///< in the order the views first need them
   std::vector<std::size_t> nan_checked;  ///< views execute() fills with NaN and checks afterwards
+  /// The stored dtype of each view's data, where it differs from the view's (converted while
+  /// copying; read pieces then count bytes as stored); empty when nothing is converted.
+  std::vector<std::pair<std::size_t, dtype>> converted;
   std::size_t views = 0;                 ///< how many views plan() was given
   unsigned threads = 1;                  ///< reads in flight
   load_stats stats;                      ///< all but seconds, known from the plan
 };
 
-/// A checkpoint directory opened for reading: metadata.json validated, rank files opened
-/// (and their headers validated) on first use and kept open.
+/// A checkpoint directory opened for reading: its description validated (metadata.json, an
+/// HF folder's index and headers, or torch's DCP_SHARDING_INFO: checkpoint/source.hpp), rank
+/// files opened (and their headers validated) on first use and kept open.
 template <ReadableDirectory D>
 class checkpoint_reader {
  public:
   using reader_type = typename D::reader_type;
 
-  explicit checkpoint_reader(D dir) : dir_(std::move(dir)) {
-    md_ = read_checkpoint_metadata(open_or(metadata_file_name, [&] {
-      return std::string(dir_.name()) + ": no metadata.json: not a complete checkpoint (a save that did not "
-                                        "finish, or not a checkpoint directory)";
-    }));
-    for (std::size_t i = 0; i < md_.tensors.size(); ++i) index_.emplace(md_.tensors[i].first, i);
-  }
+  /// Opens the checkpoint in dir, whichever layout it has (checkpoint/source.hpp).
+  explicit checkpoint_reader(D dir) : dir_(std::move(dir)) { adopt(open_checkpoint_source(dir_)); }
+  /// Reads a checkpoint described by src (made by open_checkpoint_source or by the caller).
+  checkpoint_reader(D dir, checkpoint_source<D> src) : dir_(std::move(dir)) { adopt(std::move(src)); }
 
   const D& directory() const noexcept { return dir_; }
   const checkpoint_metadata& metadata() const noexcept { return md_; }
+  /// Which layout the checkpoint has.
+  checkpoint_format format() const noexcept { return format_; }
+  /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
+  const std::string& described_by() const noexcept { return described_by_; }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(std::string(key));
     return it == index_.end() ? nullptr : &md_.tensors[it->second].second;
   }
 
   /// An opened rank file: its storage and validated header.
-  struct open_file {
-    reader_type storage;
-    safetensors_header header;
-  };
+  using open_file = opened_file<reader_type>;
   /// Opens (once) a file the metadata names.
   const open_file& file(const std::string& name) {
     open_files(std::span<const std::string>(&name, 1));
@@ -168,10 +183,10 @@ class checkpoint_reader {
                                const shard_spec& spec) const {
     const std::string ctx = std::string(f.storage.name()) + ": tensor '" + key + "'";
     const tensor_entry* e = f.header.find(key);
-    if (!e) fail(errc::not_found, ctx + ": listed in metadata.json but absent from the file");
+    if (!e) fail(errc::not_found, ctx + ": listed in " + described_by_ + " but absent from the file");
     if (e->type != tm.type)
-      fail(errc::dtype_mismatch, ctx + ": file has dtype " + std::string(name(e->type)) + ", metadata.json says " +
-                                     std::string(name(tm.type)));
+      fail(errc::dtype_mismatch, ctx + ": file has dtype " + std::string(name(e->type)) + ", " + described_by_ +
+                                     " says " + std::string(name(tm.type)));
     if (e->numel() != spec.local_numel())
       fail(errc::shape_mismatch, ctx + ": file holds " + std::to_string(e->numel()) + " elements (shape " +
                                      to_string(e->shape) + ") but its shard spec (" + to_string(spec) + ") holds " +
@@ -209,9 +224,14 @@ class checkpoint_reader {
       if (tm->shape != v.full_shape)
         fail(errc::shape_mismatch, ctx + ": checkpoint has shape " + to_string(tm->shape) + ", the tensor to load has " +
                                        to_string(v.full_shape));
-      if (tm->type != v.type)
-        fail(errc::dtype_mismatch, ctx + ": checkpoint has dtype " + std::string(name(tm->type)) +
-                                       ", the tensor to load has " + std::string(name(v.type)));
+      if (tm->type != v.type) {
+        if (!opt.convert_dtypes || !is_convertible_float(tm->type) || !is_convertible_float(v.type))
+          fail(errc::dtype_mismatch, ctx + ": checkpoint has dtype " + std::string(name(tm->type)) +
+                                         ", the tensor to load has " + std::string(name(v.type)) +
+                                         (opt.convert_dtypes ? " (only F16, BF16, F32 and F64 convert)"
+                                                             : " (load_options::convert_dtypes is off)"));
+        s.converted.emplace_back(vi, tm->type);
+      }
       const shard_spec mine = v.effective_spec();
       std::vector<shard_spec> specs;
       specs.reserve(tm->files.size());
@@ -255,13 +275,18 @@ class checkpoint_reader {
     }
     for (auto& p : todo) {
       const flat_view& v = views[p.view];
-      const std::uint64_t item = item_size(v.type);
+      // stored elements: a converted view's pieces count bytes as stored, and its reads are
+      // cut at whole elements
+      const std::uint64_t item = item_size(p.tm->type);
+      const bool convert = p.tm->type != v.type;
       for (auto& fp : p.lp.files) {
         const auto& [fname, fspec] = p.tm->files[fp.file];
         const std::size_t fi = file_index.at(fname);
         const open_file& f = *files[fi];
         const tensor_entry& e = entry_in(f, v.key, *p.tm, fspec);
-        read_plan rp = make_read_plan(fp.runs, f.header.offset_of(e), item, s.files[fi].settings);
+        read_options ro = s.files[fi].settings;
+        if (convert) ro.max_read_bytes = std::max(item, ro.max_read_bytes / item * item);
+        read_plan rp = make_read_plan(fp.runs, f.header.offset_of(e), item, ro);
         s.stats.bytes_needed += rp.bytes_needed;
         s.stats.bytes_read += rp.bytes_read;
         s.stats.read_ops += rp.ops.size();
@@ -296,7 +321,12 @@ class checkpoint_reader {
         files.push_back(it->second.get());
       }
     }
-    run_reads(views, s, files);
+    std::vector<std::optional<dtype>> stored(views.size());
+    for (const auto& [vi, t] : s.converted) {
+      if (vi >= views.size()) fail(errc::invalid_argument, std::string(dir_.name()) + ": a load schedule converts a view it does not have");
+      stored[vi] = t;
+    }
+    run_reads(views, s, files, stored);
     for (std::size_t vi : s.nan_checked) {
       const flat_view* v = &views[vi];
       const std::int64_t at = detail::first_nan(v->type, v->bytes());
@@ -339,24 +369,45 @@ class checkpoint_reader {
     }
   }
 
+  void adopt(checkpoint_source<D> src) {
+    format_ = src.format;
+    described_by_ = std::move(src.described_by);
+    md_ = std::move(src.metadata);
+    for (auto& [n, f] : src.files) files_.try_emplace(n, std::move(f));
+    for (std::size_t i = 0; i < md_.tensors.size(); ++i) index_.emplace(md_.tensors[i].first, i);
+  }
+
   std::unique_ptr<open_file> open_one(const std::string& name) const {
     reader_type s = open_or(name, [&] {
-      return std::string(dir_.name()) + "/" + name + ": missing: metadata.json lists it but it does not exist";
+      return std::string(dir_.name()) + "/" + name + ": missing: " + described_by_ + " lists it but it does not exist";
     });
     safetensors_header h = read_safetensors_header(s);
     auto size_it = md_.extras.file_sizes.find(name);
     if (size_it != md_.extras.file_sizes.end() && size_it->second != s.size())
       fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) +
-                                " bytes but metadata.json recorded " + std::to_string(size_it->second));
+                                " bytes but " + described_by_ + " recorded " + std::to_string(size_it->second));
     return std::make_unique<open_file>(open_file{std::move(s), std::move(h)});
   }
 
-  static void scatter(const read_op& op, const std::byte* src, std::byte* base) {
+  /// Copies the pieces of a read out of src (the read's bytes) into base; `from` set: the
+  /// pieces hold `from` elements (offsets count stored bytes), converted to `to`.
+  static void scatter(const read_op& op, const std::byte* src, std::byte* base, std::optional<dtype> from = {},
+                      dtype to = dtype::U8) {
+    if (!from) {
+      for (const auto& p : op.pieces)
+        detail::stream_copy(base + p.dst, src + p.offset, static_cast<std::size_t>(p.len));
+      return;
+    }
+    const std::uint64_t si = item_size(*from), di = item_size(to);
     for (const auto& p : op.pieces)
-      detail::stream_copy(base + p.dst, src + p.offset, static_cast<std::size_t>(p.len));
+      convert_elements(*from, {src + p.offset, static_cast<std::size_t>(p.len)}, to,
+                       {base + p.dst / si * di, static_cast<std::size_t>(p.len / si * di)});
   }
 
-  void run_reads(std::span<const flat_view> views, const load_schedule& s, const std::vector<const open_file*>& files) {
+  void run_reads(std::span<const flat_view> views, const load_schedule& s, const std::vector<const open_file*>& files,
+                 const std::vector<std::optional<dtype>>& stored) {
+    // a read lands straight in a view only when it is one whole piece and needs no conversion
+    auto direct = [&](const load_schedule::file_read& rd) { return rd.op.direct() && !stored[rd.view]; };
     if constexpr (MappableStorage<reader_type>) {
       // straight out of the mapping: only the pieces are copied, gaps are never touched
       std::vector<std::pair<std::size_t, std::size_t>> all;  // (file, read)
@@ -367,7 +418,7 @@ class checkpoint_reader {
         const reader_type& st = files[f]->storage;
         const load_schedule::file_read& rd = s.files[f].reads[r];
         detail::check_read_range(st.name(), rd.op.file_offset, rd.op.len, st.size());
-        scatter(rd.op, st.bytes().data() + rd.op.file_offset, views[rd.view].data);
+        scatter(rd.op, st.bytes().data() + rd.op.file_offset, views[rd.view].data, stored[rd.view], views[rd.view].type);
       });
     } else if constexpr (BatchReadableStorage<reader_type>) {
       // one read_batch per file (more only where merged reads need too much staging)
@@ -380,7 +431,7 @@ class checkpoint_reader {
         const auto& reads = s.files[f].reads;
         batch b{f, 0, 0, 0};
         for (std::size_t r = 0; r < reads.size(); ++r) {
-          const std::uint64_t need = reads[r].op.direct() ? 0 : reads[r].op.len;
+          const std::uint64_t need = direct(reads[r]) ? 0 : reads[r].op.len;
           if (b.last > b.first && need > 0 && b.staging + need > batch_staging_bytes) {
             batches.push_back(b);
             b = batch{f, r, r, 0};
@@ -399,7 +450,7 @@ class checkpoint_reader {
         std::uint64_t at = 0;
         for (std::size_t r = b.first; r < b.last; ++r) {
           const read_op& op = reads[r].op;
-          if (op.direct()) {
+          if (direct(reads[r])) {
             rq.push_back({op.file_offset, {views[reads[r].view].data + op.pieces[0].dst, static_cast<std::size_t>(op.len)}});
           } else {
             rq.push_back({op.file_offset, {staging.data() + at, static_cast<std::size_t>(op.len)}});
@@ -410,8 +461,8 @@ class checkpoint_reader {
         at = 0;
         for (std::size_t r = b.first; r < b.last; ++r) {
           const read_op& op = reads[r].op;
-          if (op.direct()) continue;
-          scatter(op, staging.data() + at, views[reads[r].view].data);
+          if (direct(reads[r])) continue;
+          scatter(op, staging.data() + at, views[reads[r].view].data, stored[reads[r].view], views[reads[r].view].type);
           at += op.len;
         }
       });
@@ -427,7 +478,7 @@ class checkpoint_reader {
         const auto& [f, r] = all[i];
         const load_schedule::file_read& rd = s.files[f].reads[r];
         std::byte* base = views[rd.view].data;
-        if (rd.op.direct()) {
+        if (direct(rd)) {
           files[f]->storage.read_into(rd.op.file_offset, {base + rd.op.pieces[0].dst, static_cast<std::size_t>(rd.op.len)});
           return;
         }
@@ -441,7 +492,10 @@ class checkpoint_reader {
         }
         staging.resize(rd.op.len);
         files[f]->storage.read_into(rd.op.file_offset, staging);
-        for (const auto& p : rd.op.pieces) std::memcpy(base + p.dst, staging.data() + p.offset, p.len);
+        if (stored[rd.view])
+          scatter(rd.op, staging.data(), base, stored[rd.view], views[rd.view].type);
+        else
+          for (const auto& p : rd.op.pieces) std::memcpy(base + p.dst, staging.data() + p.offset, p.len);
         std::lock_guard lock(spare_mutex);
         spare.push_back(std::move(staging));
       });
@@ -449,6 +503,8 @@ class checkpoint_reader {
   }
 
   D dir_;
+  checkpoint_format format_ = checkpoint_format::sharded;
+  std::string described_by_;
   checkpoint_metadata md_;
   std::unordered_map<std::string, std::size_t> index_;
   std::mutex files_mutex_;

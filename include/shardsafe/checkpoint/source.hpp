@@ -1,0 +1,186 @@
+// shardsafe/checkpoint/source.hpp - what a checkpoint_reader reads, whatever wrote it: the
+// tensors with the shard each file holds, and the files already opened.
+//
+// The loader, unshard, verify, export and the tool read any of these the same way, through the
+// overlap engine and the read plans; only the description differs:
+//
+// | format          | how it is told apart                        | each tensor's files              |
+// |-----------------|---------------------------------------------|----------------------------------|
+// | sharded         | metadata.json (shardsafe, OLMo-core)        | shard_spec_per_file              |
+// | hf              | model.safetensors.index.json, or            | the one file holding it, whole   |
+// |                 | model.safetensors (checkpoint/hf_folder.hpp)| (flat spec [0, numel))           |
+// | dcp_sharded_hf  | *.safetensors whose __metadata__ holds      | one block per file: its local    |
+// |                 | DCP_SHARDING_INFO (format/dcp_sharding.hpp) | shape at saved_offsets           |
+//
+// They are tried in that order: a folder with metadata.json is a sharded checkpoint whatever
+// else it holds. A torch DCP folder (.metadata + .distcp) is recognised and refused with its
+// own message; anything else is errc::not_found ("no metadata.json: ...").
+//
+// A DCP-sharded folder's checks (errc::invalid_metadata, naming file and tensor): every
+// safetensors file of the folder is one of them; a tensor has the same dtype and number of
+// dimensions in every file. Coverage (every element in some file) is checked where it is
+// needed: by the loader for what it loads, by verify for everything.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/format/dcp_sharding.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// Which writer's layout a checkpoint folder has (table at the top).
+enum class checkpoint_format { sharded, hf, dcp_sharded_hf };
+
+constexpr std::string_view name(checkpoint_format f) noexcept {
+  switch (f) {
+    case checkpoint_format::sharded: return "sharded checkpoint";
+    case checkpoint_format::hf: return "Hugging Face folder";
+    case checkpoint_format::dcp_sharded_hf: return "torch sharded Hugging Face files";
+  }
+  return "?";
+}
+
+/// A file of a checkpoint, open, with its validated header.
+template <class R>
+struct opened_file {
+  R storage;
+  safetensors_header header;
+};
+
+/// A checkpoint's description and the files opened while making it.
+template <ReadableDirectory D>
+struct checkpoint_source {
+  checkpoint_format format = checkpoint_format::sharded;
+  std::string described_by;  ///< what holds the description, for messages ("metadata.json", ...)
+  checkpoint_metadata metadata;
+  std::vector<std::pair<std::string, std::unique_ptr<opened_file<typename D::reader_type>>>> files;
+};
+
+/// The name a torch DCP folder's description has.
+inline constexpr std::string_view dcp_metadata_file_name = ".metadata";
+
+namespace detail {
+
+template <ReadableDirectory D>
+checkpoint_source<D> hf_source(const D& dir) {
+  hf_folder<D> h = open_hf_folder(dir);
+  checkpoint_source<D> s;
+  s.format = checkpoint_format::hf;
+  s.described_by = std::string(h.sharded() ? hf_index_file : hf_single_file);
+  // tensors in name order (the index's order; a single file's by name too)
+  for (const auto& [key, at] : h.tensors) {
+    const tensor_entry& e = h.entry(at);
+    tensor_metadata tm;
+    tm.shape = e.shape;
+    tm.type = e.type;
+    tm.files.emplace_back(h.files[at.file].name, shard_spec(flat_spec{{0, e.numel()}}));
+    s.metadata.tensors.emplace_back(key, std::move(tm));
+  }
+  for (auto& f : h.files) {
+    s.metadata.extras.file_sizes.emplace(f.name, f.header.file_size());
+    s.files.emplace_back(f.name, std::make_unique<opened_file<typename D::reader_type>>(
+                                     opened_file<typename D::reader_type>{std::move(f.storage), std::move(f.header)}));
+  }
+  return s;
+}
+
+inline bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+}
+
+/// The DCP-sharded source of the safetensors files `names` of dir (rules at the top).
+template <ReadableDirectory D>
+checkpoint_source<D> dcp_sharded_source(const D& dir, const std::vector<std::string>& names) {
+  using R = typename D::reader_type;
+  checkpoint_source<D> s;
+  s.format = checkpoint_format::dcp_sharded_hf;
+  s.described_by = std::string(dcp_sharding_info_key);
+  std::map<std::string, std::size_t> where;  // tensor -> index in s.metadata.tensors
+  for (const auto& n : names) {
+    R st = dir.open(n);
+    safetensors_header h = read_safetensors_header(st);
+    if (!is_dcp_sharded_header(h))
+      fail(errc::invalid_metadata, h.file + ": no " + std::string(dcp_sharding_info_key) +
+                                       " in __metadata__, but other safetensors files of the folder have one "
+                                       "(a folder of torch's sharded Hugging Face files holds only those)");
+    const dcp_block_offsets offs = parse_dcp_sharding_info(h);
+    // in data order is the writer's order; the table is sorted by name below
+    for (const auto& e : h.tensors) {
+      const shape_t& at = offs.at(e.name);
+      auto [it, fresh] = where.emplace(e.name, s.metadata.tensors.size());
+      if (fresh) {
+        tensor_metadata tm;
+        tm.type = e.type;
+        tm.is_sharded = true;
+        tm.shape.assign(e.shape.size(), 0);
+        s.metadata.tensors.emplace_back(e.name, std::move(tm));
+      }
+      tensor_metadata& tm = s.metadata.tensors[it->second].second;
+      const std::string ctx = h.file + ": tensor '" + e.name + "'";
+      if (e.type != tm.type)
+        fail(errc::invalid_metadata, ctx + ": dtype " + std::string(name(e.type)) + " but " +
+                                         tm.files.front().first + " holds it as " + std::string(name(tm.type)));
+      if (e.shape.size() != tm.shape.size())
+        fail(errc::invalid_metadata, ctx + ": " + std::to_string(e.shape.size()) + " dimensions but " +
+                                         tm.files.front().first + " gives it " + std::to_string(tm.shape.size()));
+      for (std::size_t d = 0; d < at.size(); ++d) tm.shape[d] = std::max(tm.shape[d], at[d] + e.shape[d]);
+      tm.files.emplace_back(n, shard_spec(block_spec(e.shape, at)));
+    }
+    s.metadata.extras.file_sizes.emplace(n, h.file_size());
+    s.files.emplace_back(n, std::make_unique<opened_file<R>>(opened_file<R>{std::move(st), std::move(h)}));
+  }
+  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [key, tm] : s.metadata.tensors) {
+    if (!detail::checked_numel(tm.shape))
+      fail(errc::invalid_metadata, std::string(dir.name()) + ": tensor '" + key + "': full shape " +
+                                       to_string(tm.shape) + " has more than 2^64 elements");
+    for (auto& [fname, spec] : tm.files) spec.validate(tm.shape, std::string(dir.name()) + "/" + fname);
+  }
+  return s;
+}
+
+}  // namespace detail
+
+/// Opens the checkpoint in dir, whichever layout it has (table at the top), reading only
+/// descriptions and headers.
+template <ReadableDirectory D>
+checkpoint_source<D> open_checkpoint_source(const D& dir) {
+  checkpoint_source<D> s;
+  s.described_by = std::string(metadata_file_name);
+  try {
+    s.metadata = read_checkpoint_metadata(dir.open(metadata_file_name));
+    return s;
+  } catch (const error& e) {
+    if (e.code() != errc::not_found) throw;
+  }
+  if (dir.exists(hf_index_file) || dir.exists(hf_single_file)) return detail::hf_source(dir);
+  std::vector<std::string> tensors_files;
+  bool distcp = false;
+  for (auto& n : dir.list()) {
+    if (detail::ends_with(n, ".safetensors")) tensors_files.push_back(n);
+    if (detail::ends_with(n, ".distcp")) distcp = true;
+  }
+  if (!tensors_files.empty()) return detail::dcp_sharded_source(dir, tensors_files);
+  if (distcp || dir.exists(dcp_metadata_file_name))
+    fail(errc::not_found, std::string(dir.name()) + ": a torch.distributed.checkpoint folder (.metadata + .distcp): this build reads "
+                                                "sharded checkpoints, Hugging Face folders and torch's sharded HF files only");
+  fail(errc::not_found, std::string(dir.name()) +
+                            ": no metadata.json: not a complete checkpoint (a save that did not finish, or not a "
+                            "checkpoint directory)");
+}
+
+}  // namespace shardsafe
