@@ -16,8 +16,9 @@
 // else it holds. A torch DCP folder (.metadata + .distcp) is recognised and refused with its
 // own message; anything else is errc::not_found ("no metadata.json: ...").
 //
-// A DCP-sharded folder's checks (errc::invalid_metadata, naming file and tensor): every
-// safetensors file of the folder is one of them; a tensor has the same dtype and number of
+// A folder is DCP-sharded when one of its safetensors files has DCP_SHARDING_INFO (rank files
+// without metadata.json, a save that did not finish, stay "no metadata.json"). Its checks
+// (errc::invalid_metadata, naming file and tensor): every safetensors file of the folder has it; a tensor has the same dtype and number of
 // dimensions in every file. Coverage (every element in some file) is checked where it is
 // needed: by the loader for what it loads, by verify for everything.
 #pragma once
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -101,17 +103,29 @@ inline bool ends_with(std::string_view s, std::string_view tail) {
   return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
 }
 
-/// The DCP-sharded source of the safetensors files `names` of dir (rules at the top).
+/// The DCP-sharded source of the safetensors files `names` of dir (rules at the top), or
+/// nothing when none of them has DCP_SHARDING_INFO (rank files of a save that did not finish,
+/// for instance).
 template <ReadableDirectory D>
-checkpoint_source<D> dcp_sharded_source(const D& dir, const std::vector<std::string>& names) {
+std::optional<checkpoint_source<D>> dcp_sharded_source(const D& dir, const std::vector<std::string>& names) {
   using R = typename D::reader_type;
+  std::vector<opened_file<R>> opened;
+  bool any = false;
+  for (const auto& n : names) {
+    R st = dir.open(n);
+    safetensors_header h = read_safetensors_header(st);
+    any = any || is_dcp_sharded_header(h);
+    opened.push_back({std::move(st), std::move(h)});
+  }
+  if (!any) return std::nullopt;
   checkpoint_source<D> s;
   s.format = checkpoint_format::dcp_sharded_hf;
   s.described_by = std::string(dcp_sharding_info_key);
   std::map<std::string, std::size_t> where;  // tensor -> index in s.metadata.tensors
-  for (const auto& n : names) {
-    R st = dir.open(n);
-    safetensors_header h = read_safetensors_header(st);
+  for (std::size_t fi = 0; fi < names.size(); ++fi) {
+    const std::string& n = names[fi];
+    R& st = opened[fi].storage;
+    safetensors_header& h = opened[fi].header;
     if (!is_dcp_sharded_header(h))
       fail(errc::invalid_metadata, h.file + ": no " + std::string(dcp_sharding_info_key) +
                                        " in __metadata__, but other safetensors files of the folder have one "
@@ -174,7 +188,8 @@ checkpoint_source<D> open_checkpoint_source(const D& dir) {
     if (detail::ends_with(n, ".safetensors")) tensors_files.push_back(n);
     if (detail::ends_with(n, ".distcp")) distcp = true;
   }
-  if (!tensors_files.empty()) return detail::dcp_sharded_source(dir, tensors_files);
+  if (!tensors_files.empty())
+    if (auto s = detail::dcp_sharded_source(dir, tensors_files)) return std::move(*s);
   if (distcp || dir.exists(dcp_metadata_file_name))
     fail(errc::not_found, std::string(dir.name()) + ": a torch.distributed.checkpoint folder (.metadata + .distcp): this build reads "
                                                 "sharded checkpoints, Hugging Face folders and torch's sharded HF files only");
