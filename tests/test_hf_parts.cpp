@@ -611,3 +611,28 @@ TEST_CASE("hf export: the index text is what Python's json.dumps(indent=2, sort_
   }
   CHECK(plan_hf_export({}, 1).index_json() == "{\n  \"metadata\": {\n    \"total_size\": 0\n  },\n  \"weight_map\": {}\n}\n");
 }
+
+TEST_CASE("convert: the bit-level BF16 <-> F32 paths agree with the F64 definition, NaNs included") {
+  // (a sweep of all 2^32 F32 patterns agreed when the fast path was written; here a stride
+  // through them, every BF16 pattern, and the patterns around each exponent boundary)
+  std::vector<std::uint32_t> f;
+  for (std::uint64_t b = 0; b < (std::uint64_t{1} << 32); b += 65521) f.push_back(static_cast<std::uint32_t>(b));
+  for (std::uint32_t e = 0; e < 256; ++e)
+    for (std::uint32_t low : {0u, 1u, 0x7fffu, 0x8000u, 0x8001u, 0x17fffu, 0x18000u, 0x7fffffu})
+      for (std::uint32_t sign : {0u, 0x80000000u}) f.push_back(sign | (e << 23) | low);
+  std::vector<std::uint16_t> fast(f.size()), slow(f.size());
+  convert_elements(dtype::F32, std::as_bytes(std::span(f)), dtype::BF16, std::as_writable_bytes(std::span(fast)));
+  detail::convert_elements_generic(dtype::F32, reinterpret_cast<const std::byte*>(f.data()), dtype::BF16,
+                                   reinterpret_cast<std::byte*>(slow.data()), f.size());
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < f.size(); ++i)
+    if (fast[i] != slow[i] && ++bad < 10) FAIL_CHECK("F32 bits " << f[i] << ": " << fast[i] << " vs " << slow[i]);
+  CHECK(bad == 0);
+  std::vector<std::uint16_t> h(65536);
+  for (std::size_t i = 0; i < h.size(); ++i) h[i] = static_cast<std::uint16_t>(i);
+  std::vector<std::uint32_t> wide(h.size()), wide_slow(h.size());
+  convert_elements(dtype::BF16, std::as_bytes(std::span(h)), dtype::F32, std::as_writable_bytes(std::span(wide)));
+  detail::convert_elements_generic(dtype::BF16, reinterpret_cast<const std::byte*>(h.data()), dtype::F32,
+                                   reinterpret_cast<std::byte*>(wide_slow.data()), h.size());
+  CHECK(wide == wide_slow);
+}
