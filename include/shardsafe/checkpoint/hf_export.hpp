@@ -62,8 +62,9 @@ struct hf_export_options {
   unsigned threads = 0;  ///< blocks in flight (0: detail::default_threads())
   bool direct_io = true;  ///< BlockWritableStorage writers bypass the page cache where they can
   std::map<std::string, std::string> file_metadata{{"format", "pt"}};  ///< each file's __metadata__
-  /// Called with the bytes of each block once written (from one thread at a time).
-  std::function<void(std::uint64_t)> progress;
+  /// Called as blocks are written, from one thread at a time, with the bytes written so far
+  /// and the bytes of all the files (headers included).
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
 };
 
 struct hf_export_stats {
@@ -165,13 +166,15 @@ void fill_export_block(const safetensors_layout& layout, std::uint64_t off, std:
 
 /// Writes one file of `size` bytes through w, in blocks that fill(off, dst) produces (above);
 /// then syncs and commits it, or aborts it when anything fails.
+/// `written` counts the bytes of all files so far, of `total`, for options.progress.
 template <WritableStorage W, class Fill>
-void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_options& opt) {
+void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_options& opt, std::uint64_t& written,
+                       std::uint64_t total) {
   std::mutex progress_mutex;
   auto done = [&](std::uint64_t n) {
-    if (!opt.progress) return;
     std::lock_guard lock(progress_mutex);
-    opt.progress(n);
+    written += n;
+    if (opt.progress) opt.progress(written, total);
   };
   abort_on_failure(w, [&] {
     if constexpr (BlockWritableStorage<W>) {
@@ -242,6 +245,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   lo.threads = 1;  // blocks are the parallelism
   hf_export_stats st;
   std::vector<std::string> committed;
+  std::uint64_t written = 0;
   try {
     for (std::size_t f = 0; f < l.files.size(); ++f) {
       const safetensors_layout& layout = l.files[f];
@@ -257,7 +261,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
           flat_view v{o.key, e.type, e.shape, shard_spec(flat_spec{{first, first + n}}), bytes.data(), bytes.size()};
           o.reader->load(std::span<const flat_view>(&v, 1), lo);
         });
-      }, opt);
+      }, opt, written, l.bytes);
       committed.push_back(l.plan.files[f].name);
       st.bytes += layout.file_size();
       st.tensors += layout.tensors.size();
