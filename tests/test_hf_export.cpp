@@ -779,3 +779,121 @@ TEST_CASE("hf export: the I64, BOOL and BF16 blocks of 3 ranks, in the layout to
   export_hf(dcp, file_directory(tmp.path / "out"), opt);
   check_folder(tmp.path / "out", expected_folder({ids, mask, emb}, 100, ""));
 }
+
+// ---------------------------------------------------------------- the tool's to-hf
+
+namespace {
+
+bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+const auto skip_without_tool = doctest::skip(!have_tool());
+testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+
+/// Exit `code` with nothing on stdout and one line on stderr holding the phrases.
+void check_exit(const testing::program_result& r, int code, const std::vector<std::string>& phrases) {
+  CHECK(r.exited);
+  CHECK(r.code == code);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(std::count(r.err.begin(), r.err.end(), '\n') == 1, "stderr is not one line: ", r.err);
+  for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err, " lacks ", p);
+}
+
+/// `shardsafe digest` of these tensors, computed here.
+std::string digest_of(std::vector<full_tensor> ts) {
+  std::sort(ts.begin(), ts.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  std::string out;
+  for (const auto& t : ts)
+    out += t.name + " " + t.dtype + " " + fixtures::shape_text(t.shape, ",") + " " + testing::sha256_hex(t.bytes) + "\n";
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with sizes, dtypes and renames" * skip_without_tool) {
+  temp_dir tmp("hftool");
+  const auto sample = sample_model(12);
+  save_sample(sample, tmp.path / "ckpt");
+  const auto ts = fulls(sample);
+  const fs::path out = tmp.path / "out";
+  const auto r = run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
+                           "--rename", "^model\\.=m.", "--rename=^step$=", "--model-only"});
+  CHECK(r.code == 0);
+  CHECK(r.err.empty());  // no progress line off a terminal
+  CHECK(r.out.find("wrote " + out.string()) != std::string::npos);
+  std::map<std::string, std::string> ren;
+  for (const auto& t : ts) ren[t.name] = t.name == "step" ? "" : t.name.rfind("model.", 0) == 0 ? "m." + t.name.substr(6) : t.name;
+  const auto want = expected_folder(ts, 1000, "BF16", ren);
+  REQUIRE(want.size() > 2);
+  check_folder(out, want);
+  const auto v = run_tool({"verify", out.string()});
+  CHECK(v.code == 0);
+  CHECK(v.out == "OK " + out.string() + ": " + std::to_string(ts.size() - 1) + " tensors valid\n");
+  std::vector<full_tensor> flat;
+  for (const auto& [f, m] : want)
+    for (const auto& [n, t] : m) flat.push_back(t);
+  CHECK(run_tool({"digest", out.string()}).out == digest_of(flat));
+  // options after the positionals, sizes in binary units, a single safetensors file as SRC
+  const fs::path one = tmp.path / "one.safetensors";
+  const full_tensor a{"model._orig_mod.layers.0._checkpoint_wrapped_module.w", "F32", {3}, std::string(12, '\x01')};
+  const full_tensor b{"my_orig_mod.x", "I64", {2}, std::string(16, '\x02')};
+  testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
+  CHECK(run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"}).code == 0);
+  check_folder(tmp.path / "one", expected_folder({a, b}, 1024, "", {{a.name, "model.layers.0.w"}}));
+}
+
+TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify and unshard" * skip_without_tool) {
+  temp_dir tmp("hftool");
+  const fs::path dcp = tmp.path / "dcp";
+  const auto full = write_dcp_folder(dcp, {"I64", "I32", "BOOL", "BF16", "F8_E4M3", "F8_E5M2", "F32"}, 5);
+  const auto d = run_tool({"digest", dcp.string()});
+  CHECK(d.code == 0);
+  CHECK(d.out == digest_of(full));
+  const auto i = run_tool({"inspect", dcp.string()});
+  CHECK(i.code == 0);
+  CHECK(i.out.find("torch sharded Hugging Face files") != std::string::npos);
+  CHECK(i.out.find("blocks over 3 file(s)") != std::string::npos);
+  CHECK(run_tool({"verify", dcp.string()}).code == 0);
+  const fs::path hf = tmp.path / "hf";
+  CHECK(run_tool({"to-hf", dcp.string(), hf.string(), "--max-shard-size", "100"}).code == 0);
+  check_folder(hf, expected_folder(full, 100, ""));
+  CHECK(run_tool({"digest", hf.string()}).out == d.out);  // the same tensors, whatever the layout
+  CHECK(run_tool({"verify", hf.string()}).code == 0);
+  const fs::path one = tmp.path / "all.safetensors";
+  CHECK(run_tool({"unshard", dcp.string(), one.string()}).code == 0);
+  const parsed_file p = parse_safetensors(testing::slurp(one));
+  for (const auto& t : full) CHECK(p.tensors.at(t.name).bytes == t.bytes);
+  CHECK(run_tool({"digest", one.string()}).out == d.out);
+  // an HF folder unshards too
+  CHECK(run_tool({"unshard", hf.string(), (tmp.path / "hf.safetensors").string()}).code == 0);
+  CHECK(testing::slurp(tmp.path / "hf.safetensors") == testing::slurp(one));
+  // a block gone: verify and to-hf name the gap
+  fs::remove(dcp / "shard-00002-model-00001-of-00001.safetensors");
+  check_exit(run_tool({"verify", dcp.string()}), 1, {"are in no file"});
+  check_exit(run_tool({"to-hf", dcp.string(), (tmp.path / "gap").string()}), 1, {"in no file"});
+  CHECK(fs::is_empty(tmp.path / "gap"));
+}
+
+TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line" * skip_without_tool) {
+  temp_dir tmp("hftool");
+  const auto sample = sample_model(13);
+  save_sample(sample, tmp.path / "ckpt");
+  const std::string src = (tmp.path / "ckpt").string(), out = (tmp.path / "out").string();
+  check_exit(run_tool({"to-hf", src}), 2, {"OUTDIR"});
+  check_exit(run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
+  check_exit(run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
+  check_exit(run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
+  check_exit(run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
+  check_exit(run_tool({"to-hf", src, out, "--rename", "nosplit"}), 2, {"rename rule 'nosplit'", "no '='"});
+  check_exit(run_tool({"to-hf", src, out, "--preset", "hf-to-dcp"}), 2, {"--preset", "hf-to-dcp"});
+  CHECK(!fs::exists(out));
+  check_exit(run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
+             {"'model.layers.0.attn.q.bias'", "'model.layers.0.attn.q.weight'", "both renamed to 'q'"});
+  fixtures::put(file_directory(tmp.path / "busy"), "keep", "me");
+  check_exit(run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
+  CHECK(testing::slurp(tmp.path / "busy" / "keep") == "me");
+  check_exit(run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
+  const auto h = run_tool({"to-hf", "--help"});
+  CHECK(h.code == 0);
+  CHECK(h.err.empty());
+  for (const char* w : {"shardsafe to-hf", "--max-shard-size", "--dtype", "--rename", "--preset", "--model-only"})
+    CHECK_MESSAGE(h.out.find(w) != std::string::npos, w);
+}
