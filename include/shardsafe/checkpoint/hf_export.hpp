@@ -243,6 +243,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   load_options lo;
   lo.convert_dtypes = true;
   lo.threads = 1;  // blocks are the parallelism
+  lo.reads.max_read_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 4096);  // converted reads stage this much
   hf_export_stats st;
   std::vector<std::string> committed;
   std::uint64_t written = 0;
