@@ -1,7 +1,9 @@
-// shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders and
-// sharded checkpoints (docs/FORMAT.md §4). A thin command line over the library: validation lives in
-// checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the arguments are parsed by CLI11. Any
-// input ends in exit 0 or 1 with a message; a usage error exits 2 with one line.
+// shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders,
+// sharded checkpoints and torch's DCP-sharded HF files, and export any of them to a Hugging Face
+// folder (docs/FORMAT.md §4). A thin command line over the library: validation lives in
+// checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the export in checkpoint/hf_export.hpp,
+// the arguments are parsed by CLI11. Any input ends in exit 0 or 1 with a message; a usage
+// error exits 2 with one line.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -17,16 +19,18 @@
 #include <vector>
 
 #include "sha256.hpp"
+#include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
+#include "shardsafe/format/hf_export.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/file.hpp"
-#include "shardsafe/version.hpp"
 #include "shardsafe/version.hpp"
 
 namespace fs = std::filesystem;
@@ -58,8 +62,10 @@ class progress {
   ~progress() {
     if (tty_ && shown_) std::fprintf(stderr, "\r\033[K");
   }
-  void add(std::uint64_t n) {
-    done_ += n;
+  void add(std::uint64_t n) { set(done_ + n, total_); }
+  void set(std::uint64_t done, std::uint64_t total) {
+    done_ = done;
+    total_ = total;
     if (!tty_) return;
     auto now = std::chrono::steady_clock::now();
     if (shown_ && now - last_ < std::chrono::milliseconds(100)) return;
@@ -105,6 +111,12 @@ input classify(const std::string& p) {
     return in;
   }
   if (is_hf_folder(file_directory(path))) return {kind::hf, path, {}};
+  // torch's DCP-sharded HF files (or rank files without metadata.json, or a torch DCP folder:
+  // the checkpoint reader names what it found)
+  for (const auto& e : fs::directory_iterator(path, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n == ".metadata" || n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, path, {}};
+  }
   fail(errc::not_found, p + ": a directory with neither metadata.json, model/ and optim/, " + std::string(hf_index_file) +
                             " nor " + std::string(hf_single_file));
 }
@@ -122,7 +134,7 @@ struct ckpt_part {
 
 std::vector<ckpt_part> open_checkpoint(const input& in) {
   std::vector<ckpt_part> parts;
-  if (in.k == kind::checkpoint) {
+  if (in.k == kind::checkpoint || in.k == kind::hf) {
     parts.push_back({"", std::make_unique<checkpoint_reader<file_directory>>(file_directory(in.path))});
   } else {
     for (const auto& [name, dir] : in.parts)
@@ -205,6 +217,7 @@ int cmd_inspect(const input& in) {
   auto parts = open_checkpoint(in);
   std::uint64_t total = 0;
   std::string writer;
+  const std::string what(name(parts.front().reader->format()));
   for (auto& p : parts) {
     const auto& md = p.reader->metadata();
     if (!md.extras.writer.empty()) writer = md.extras.writer;
@@ -218,7 +231,7 @@ int cmd_inspect(const input& in) {
                       describe_sharding(tm)});
     }
   }
-  print_rows("# " + in.path.string() + ": sharded checkpoint, " + std::to_string(rows.size()) + " tensors, " +
+  print_rows("# " + in.path.string() + ": " + what + ", " + std::to_string(rows.size()) + " tensors, " +
                  std::to_string(total) + " bytes" + (writer.empty() ? "" : ", written by " + writer),
              rows);
   return 0;
@@ -296,8 +309,8 @@ int cmd_digest(const input& in) {
 }
 
 int cmd_unshard(const input& in, const std::string& out_path) {
-  if (in.k != kind::checkpoint && in.k != kind::checkpoint_pair)
-    fail(errc::invalid_argument, in.path.string() + ": unshard needs a checkpoint directory");
+  if (in.k == kind::file)
+    fail(errc::invalid_argument, in.path.string() + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
   auto parts = open_checkpoint(in);
   std::vector<unshard_source<file_directory>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
@@ -307,16 +320,60 @@ int cmd_unshard(const input& in, const std::string& out_path) {
   return 0;
 }
 
+/// The rule `--preset dcp-to-hf` adds after the --rename rules (docs/FORMAT.md §4): removes the
+/// wrapper module names torch.compile (_orig_mod), FSDP1 (_fsdp_wrapped_module) and activation
+/// checkpointing (_checkpoint_wrapped_module) put into the keys of a model's state dict.
+constexpr const char* dcp_to_hf_rule = "\\b(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\\.=";
+
+/// A single safetensors file as a checkpoint source: each tensor whole, in that one file.
+checkpoint_source<file_directory> single_file_source(const fs::path& file) {
+  checkpoint_source<file_directory> s;
+  s.format = checkpoint_format::hf;
+  s.described_by = file.filename().string();
+  file_storage st(file);
+  safetensors_header h = read_safetensors_header(st);
+  for (const auto& e : h.tensors) {
+    tensor_metadata tm;
+    tm.shape = e.shape;
+    tm.type = e.type;
+    tm.files.emplace_back(s.described_by, shard_spec(flat_spec{{0, e.numel()}}));
+    s.metadata.tensors.emplace_back(e.name, std::move(tm));
+  }
+  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  s.files.emplace_back(s.described_by, std::make_unique<opened_file<file_storage>>(
+                                           opened_file<file_storage>{std::move(st), std::move(h)}));
+  return s;
+}
+
+int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options opt) {
+  progress pr("to-hf", 0);
+  opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
+  const file_directory out(out_path);
+  hf_export_stats st;
+  if (in.k == kind::file) {
+    checkpoint_reader<file_directory> r(file_directory(in.path.parent_path()), single_file_source(in.path));
+    const unshard_source<file_directory> src{&r, ""};
+    st = export_hf(std::span<const unshard_source<file_directory>>(&src, 1), out, opt);
+  } else {
+    st = export_hf(file_directory(in.path), out, opt);
+  }
+  std::cout << "wrote " << out_path << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
+            << ", " << st.tensors << " tensors, " << st.bytes << " bytes\n";
+  return 0;
+}
+
 /// What --help prints after the commands.
 constexpr const char* path_help =
-    "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index) or a\n"
-    "checkpoint folder (with metadata.json, or with model/ and optim/).";
+    "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index), a\n"
+    "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
+    "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO).";
 
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app("Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
-               "checkpoints (docs/FORMAT.md §4).",
+               "checkpoints, and export them to Hugging Face folders (docs/FORMAT.md §4).",
                "shardsafe");
   app.footer(path_help);
   app.set_version_flag("--version", "shardsafe " + std::string(library_version));
@@ -327,15 +384,53 @@ int main(int argc, char** argv) {
     c->add_option(path_name, path, path_what)->required();
     return c;
   };
+  const char* any_path = "a safetensors file, a Hugging Face folder, a checkpoint folder or torch's DCP-sharded HF files";
   CLI::App* inspect = command("inspect", "list the tensors: name, dtype, shape, bytes, where stored, how sharded", "PATH",
-                              "a safetensors file, a Hugging Face folder or a checkpoint folder");
+                              any_path);
   CLI::App* verify = command("verify", "check every rule of the format; exit 1 with one line naming file, tensor and rule",
-                             "PATH", "a safetensors file, a Hugging Face folder or a checkpoint folder");
+                             "PATH", any_path);
   CLI::App* digest = command("digest", "one line per tensor, sorted by name: NAME DTYPE [SHAPE] SHA256 of its bytes",
-                             "PATH", "a safetensors file, a Hugging Face folder or a checkpoint folder");
+                             "PATH", any_path);
   CLI::App* unshard = command("unshard", "write the full tensors of a checkpoint into one safetensors file", "CKPT",
-                              "a checkpoint folder (with metadata.json, or with model/ and optim/)");
+                              "a checkpoint folder (with metadata.json, or with model/ and optim/), a Hugging Face "
+                              "folder or torch's DCP-sharded HF files");
   unshard->add_option("OUT", out_path, "the safetensors file to write")->required();
+  CLI::App* to_hf = command("to-hf", "export to a Hugging Face folder: model.safetensors, or model-0000K-of-0000N "
+                            "files of at most SIZE tensor bytes and model.safetensors.index.json", "SRC", any_path);
+  to_hf->add_option("OUTDIR", out_path, "the folder to write; it must not exist or be empty")->required();
+  std::string max_size = "5GB", to_dtype, preset;
+  std::vector<std::string> renames;
+  bool model_only = false;
+  to_hf->add_option("--max-shard-size", max_size, "tensor bytes per file: 5GB, 500MB, 4KB (decimal), 4GiB (binary) or "
+                                                  "a plain number of bytes")
+      ->check(CLI::Validator([](std::string& s) -> std::string {
+        try {
+          parse_size(s);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      }, "SIZE"))
+      ->capture_default_str();
+  to_hf->add_option("--dtype", to_dtype, "convert F16/BF16/F32/F64 tensors to this dtype (round to nearest even); "
+                                         "integer, BOOL and F8 tensors are never converted")
+      ->check(CLI::IsMember({"bf16", "f16", "f32"}, CLI::ignore_case));
+  to_hf->add_option("--rename", renames, "REGEX=REPL: rename tensors (rules in order, the first that matches wins; "
+                                         "REPL as Python's re.sub: \\1 for a group; a name renamed to nothing is dropped)")
+      ->allow_extra_args(false)
+      ->check(CLI::Validator([](std::string& s) -> std::string {
+        try {
+          parse_rename_rule(s);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      }, "REGEX=REPL"));
+  to_hf->add_option("--preset", preset, "dcp-to-hf: after the --rename rules, remove the wrapper names torch.compile, "
+                                        "FSDP1 and activation checkpointing put into a model's keys "
+                                        "(_orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.)")
+      ->check(CLI::IsMember({"dcp-to-hf"}));
+  to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -345,7 +440,7 @@ int main(int argc, char** argv) {
     const std::string first = argc > 1 ? argv[1] : "";
     if (!first.empty() && first[0] != '-' &&
         app.get_subcommands([&](const CLI::App* c) { return c->get_name() == first; }).empty())
-      why = "unknown command '" + first + "': the commands are inspect, verify, digest and unshard";
+      why = "unknown command '" + first + "': the commands are inspect, verify, digest, unshard and to-hf";
     std::cerr << "shardsafe: " << one_line(why) << " (shardsafe --help lists the commands)\n";
     return 2;
   }
@@ -355,6 +450,16 @@ int main(int argc, char** argv) {
     if (verify->parsed()) return cmd_verify(classify(path));
     if (digest->parsed()) return cmd_digest(classify(path));
     if (unshard->parsed()) return cmd_unshard(classify(path), out_path);
+    if (to_hf->parsed()) {
+      hf_export_options opt;
+      opt.max_shard_size = parse_size(max_size);
+      if (!to_dtype.empty()) opt.convert_to = dtype_from_name(to_dtype == "bf16" || to_dtype == "BF16" ? "BF16"
+                                                               : to_dtype == "f16" || to_dtype == "F16" ? "F16" : "F32", "--dtype");
+      for (const auto& r : renames) opt.rename.add(r);
+      if (preset == "dcp-to-hf") opt.rename.add(dcp_to_hf_rule);
+      opt.model_only = true;  // --model-only or not: HF folders hold model weights
+      return cmd_to_hf(classify(path), out_path, opt);
+    }
   } catch (const std::bad_alloc&) {
     std::cerr << "shardsafe: " << cmd << ": out of memory\n";
   } catch (const std::exception& e) {

@@ -47,6 +47,8 @@
 
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/hf_export_views.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"

@@ -1,0 +1,312 @@
+// shardsafe/checkpoint/hf_export.hpp - any checkpoint a checkpoint_reader reads (a sharded
+// checkpoint, a Hugging Face folder, torch's DCP-sharded HF files) written out as a Hugging Face
+// folder (docs/FORMAT.md §3; the tool's `to-hf`, §4).
+//
+// The export is planned from metadata alone, before any tensor byte is read:
+//   1. every tensor of the sources, named `prefix + key`, is renamed by the rules (first match
+//      wins; a key renamed to "" is dropped; two keys renamed alike are an error naming both);
+//   2. its output dtype is options.convert_to for F16/BF16/F32/F64 tensors, its own otherwise
+//      (integer, BOOL and F8 tensors are never converted);
+//   3. format/hf_export.hpp packs the tensors, in name order, into files of at most
+//      max_shard_size tensor bytes and names them; each file's header is rendered
+//      (format/safetensors_writer.hpp, __metadata__ {"format": "pt"} as transformers writes).
+// Then each file is produced in blocks of chunk_bytes: a block is the header's bytes and flat
+// element ranges of the tensors it crosses, loaded by the checkpoint_reader straight into the
+// block (converted while scattering, load_options::convert_dtypes), so memory is one block per
+// writing thread whatever the tensor sizes. A BlockWritableStorage writer (file_directory's)
+// gets the blocks through write_blocks (O_DIRECT where the file system allows it), any other
+// through write_at. Each file is synced and committed (temporary name, rename) on its own;
+// model.safetensors.index.json (only for more than one file) is written last. A failure aborts
+// the file being written and removes those committed before it (the folder was empty).
+//
+// The output folder must not exist or be empty (errc::already_exists).
+//
+// hf_export_views.hpp writes the same files from a running job, every rank its own shard.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/core/convert.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/format/hf_export.hpp"
+#include "shardsafe/format/rename.hpp"
+#include "shardsafe/format/safetensors_writer.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+struct hf_export_options {
+  std::uint64_t max_shard_size = hf_default_max_shard_size;  ///< tensor bytes per file (5 GB)
+  std::optional<dtype> convert_to;  ///< F16, BF16, F32 or F64: floating tensors converted (RNE)
+  rename_rules rename;              ///< applied to every name (first match wins; "" drops)
+  /// For a model + optimizer checkpoint (a folder with model/ and optim/): export model/ only
+  /// (HF folders hold model weights). false: both, named `model/KEY` and `optim/KEY` before the
+  /// rules apply, as `shardsafe unshard` names them.
+  bool model_only = true;
+  std::uint64_t chunk_bytes = std::uint64_t(16) << 20;  ///< memory per writing thread
+  unsigned threads = 0;  ///< blocks in flight (0: detail::default_threads())
+  bool direct_io = true;  ///< BlockWritableStorage writers bypass the page cache where they can
+  std::map<std::string, std::string> file_metadata{{"format", "pt"}};  ///< each file's __metadata__
+  /// Called as blocks are written, from one thread at a time, with the bytes written so far
+  /// and the bytes of all the files (headers included).
+  std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+};
+
+struct hf_export_stats {
+  std::size_t files = 0;        ///< safetensors files written
+  std::size_t tensors = 0;      ///< tensors written (dropped ones not counted)
+  std::uint64_t bytes = 0;      ///< bytes of the safetensors files, headers included
+  bool indexed = false;         ///< model.safetensors.index.json written
+  double seconds = 0;
+};
+
+/// A tensor an export is planned from: its name before renaming, dtype and full shape.
+struct hf_export_input {
+  std::string name;
+  dtype type = dtype::F32;
+  shape_t shape;
+};
+
+/// An export's plan: the packing, where each output tensor comes from, and each file's layout.
+struct hf_export_layout {
+  hf_export_plan plan;                  ///< output names, sorted; files in order
+  std::vector<std::size_t> source;      ///< plan.tensors[i] is inputs[source[i]], renamed
+  std::vector<safetensors_layout> files;  ///< one per plan.files[f]: header and offsets
+  std::uint64_t bytes = 0;              ///< sum of the files' sizes
+};
+
+/// Plans an export of `inputs` (steps 1-3 at the top). `out` names the output folder in file
+/// names and messages. Throws errc::invalid_argument for a rename collision or convert_to that
+/// is not F16/BF16/F32/F64, and what plan_hf_export and plan_safetensors throw.
+inline hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
+                                              std::string_view out) {
+  if (opt.convert_to && !is_convertible_float(*opt.convert_to))
+    fail(errc::invalid_argument, std::string(out) + ": export dtype " + std::string(name(*opt.convert_to)) +
+                                     " is not one tensors convert to (F16, BF16, F32 or F64)");
+  std::vector<std::string> names;
+  std::map<std::string, std::size_t> by_name;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    names.push_back(inputs[i].name);
+    by_name.emplace(inputs[i].name, i);
+  }
+  const auto renamed = rename_keys(names, opt.rename, std::string(out) + ": rename");
+  std::vector<hf_tensor_info> infos;
+  for (const auto& [to, from] : renamed) {
+    const hf_export_input& in = inputs[by_name.at(from)];
+    const dtype t = opt.convert_to && is_convertible_float(in.type) ? *opt.convert_to : in.type;
+    infos.push_back({to, t, in.shape});
+  }
+  hf_export_layout l;
+  l.plan = plan_hf_export(std::move(infos), opt.max_shard_size);
+  for (const auto& t : l.plan.tensors) l.source.push_back(by_name.at(renamed.at(t.name)));
+  for (const auto& f : l.plan.files) {
+    std::vector<tensor_entry> entries;
+    for (std::size_t t : f.tensors) entries.push_back({l.plan.tensors[t].name, l.plan.tensors[t].type, l.plan.tensors[t].shape, 0, 0});
+    l.files.push_back(plan_safetensors(std::move(entries), opt.file_metadata, std::string(out) + "/" + f.name));
+    l.bytes += l.files.back().file_size();
+  }
+  return l;
+}
+
+namespace detail {
+
+/// Fails with errc::already_exists unless dir is absent or empty.
+template <ReadableDirectory D>
+void require_empty_output(const D& dir) {
+  if (!dir.list().empty())
+    fail(errc::already_exists, std::string(dir.name()) + ": not empty; an export writes into a new or empty folder");
+}
+
+/// The bytes [off, off + dst.size()) of a file laid out as `layout`: its header, then for each
+/// tensor it crosses, the elements there, got by load(layout index, first element, element
+/// count, dst bytes) (whole elements; a block edge inside an element goes through a scratch).
+template <class Load>
+void fill_export_block(const safetensors_layout& layout, std::uint64_t off, std::span<std::byte> dst, Load&& load) {
+  const std::uint64_t end = off + dst.size(), hs = layout.data_start();
+  std::uint64_t pos = off;
+  if (pos < hs) {
+    const std::uint64_t n = std::min(end, hs) - pos;
+    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
+    pos += n;
+  }
+  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
+                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
+  for (; pos < end && it != layout.tensors.end(); ++it) {
+    const std::size_t idx = static_cast<std::size_t>(it - layout.tensors.begin());
+    const std::uint64_t item = item_size(it->type), tb = hs + it->begin;
+    const std::uint64_t lo = pos - tb, hi = std::min(end, hs + it->end) - tb;  // bytes of the tensor
+    if (hi == lo) continue;  // an empty tensor
+    const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
+    std::byte* out = dst.data() + (pos - off);
+    if (lo % item == 0 && hi % item == 0) {
+      load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(hi - lo)));
+    } else {
+      std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
+      load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
+      std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(hi - lo));
+    }
+    pos = tb + hi;
+  }
+}
+
+/// Writes one file of `size` bytes through w, in blocks that fill(off, dst) produces (above);
+/// then syncs and commits it, or aborts it when anything fails.
+/// `written` counts the bytes of all files so far, of `total`, for options.progress.
+template <WritableStorage W, class Fill>
+void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_options& opt, std::uint64_t& written,
+                       std::uint64_t total) {
+  std::mutex progress_mutex;
+  auto done = [&](std::uint64_t n) {
+    std::lock_guard lock(progress_mutex);
+    written += n;
+    if (opt.progress) opt.progress(written, total);
+  };
+  abort_on_failure(w, [&] {
+    if constexpr (BlockWritableStorage<W>) {
+      block_write_options bo;
+      bo.threads = opt.threads;
+      bo.direct = opt.direct_io;
+      bo.block_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 1);
+      w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
+        fill(off, dst);
+        done(dst.size());
+      }, bo);
+    } else {
+      const std::uint64_t chunk = std::max<std::uint64_t>(opt.chunk_bytes, 1);
+      if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(size);
+      parallel_for(static_cast<std::size_t>((size + chunk - 1) / chunk), opt.threads, [&](std::size_t i) {
+        const std::uint64_t off = i * chunk, len = std::min(chunk, size - off);
+        std::vector<std::byte> buf(static_cast<std::size_t>(len));
+        fill(off, std::span<std::byte>(buf));
+        w.write_at(off, std::span<const std::byte>(buf));
+        done(len);
+      });
+    }
+    w.sync();
+    w.commit();
+  });
+}
+
+/// Writes text as object `n` of dir, synced and committed (aborted on failure).
+template <WritableDirectory D>
+void write_text_object(const D& dir, std::string_view n, const std::string& text) {
+  auto w = dir.create(n);
+  abort_on_failure(w, [&] {
+    if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
+      w.write_at(0, std::as_bytes(std::span(text)));
+    else
+      w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+        std::memcpy(dst.data(), text.data() + off, dst.size());
+      }, block_write_options{1, false});
+    w.sync();
+    w.commit();
+  });
+}
+
+}  // namespace detail
+
+/// Exports the tensors of `sources` (each a reader and a name prefix) into the Hugging Face
+/// folder `out` (see the top of this header).
+template <ReadableDirectory S, WritableDirectory D>
+hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& out, const hf_export_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  struct origin {
+    checkpoint_reader<S>* reader;
+    std::string key;
+  };
+  std::vector<hf_export_input> inputs;
+  std::vector<origin> origins;
+  for (const auto& s : sources)
+    for (const auto& [key, tm] : s.reader->metadata().tensors) {
+      inputs.push_back({s.prefix + key, tm.type, tm.shape});
+      origins.push_back({s.reader, key});
+    }
+  const hf_export_layout l = plan_hf_export_layout(inputs, opt, out.name());
+  detail::require_empty_output(out);
+  out.make();
+
+  load_options lo;
+  lo.convert_dtypes = true;
+  lo.threads = 1;  // blocks are the parallelism
+  lo.reads.max_read_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 4096);  // converted reads stage this much
+  hf_export_stats st;
+  std::vector<std::string> committed;
+  std::uint64_t written = 0;
+  try {
+    for (std::size_t f = 0; f < l.files.size(); ++f) {
+      const safetensors_layout& layout = l.files[f];
+      // layout index -> plan tensor (for its origin)
+      std::vector<std::size_t> plan_of(layout.tensors.size());
+      for (std::size_t t : l.plan.files[f].tensors) plan_of[layout.index_of(l.plan.tensors[t].name)] = t;
+      auto w = out.create(l.plan.files[f].name);
+      detail::write_export_file(w, layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+        detail::fill_export_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
+                                                        std::span<std::byte> bytes) {
+          const tensor_entry& e = layout.tensors[idx];
+          const origin& o = origins[l.source[plan_of[idx]]];
+          flat_view v{o.key, e.type, e.shape, shard_spec(flat_spec{{first, first + n}}), bytes.data(), bytes.size()};
+          o.reader->load(std::span<const flat_view>(&v, 1), lo);
+        });
+      }, opt, written, l.bytes);
+      committed.push_back(l.plan.files[f].name);
+      st.bytes += layout.file_size();
+      st.tensors += layout.tensors.size();
+      ++st.files;
+    }
+    if (l.plan.indexed()) {
+      detail::write_text_object(out, hf_index_file, l.plan.index_json());
+      st.indexed = true;
+    }
+  } catch (...) {
+    for (const auto& n : committed) {  // best effort: the folder was empty before
+      try {
+        out.remove(n);
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+/// Exports the checkpoint in src, whichever layout it has, into the Hugging Face folder out.
+/// A folder with model/ (and optim/) but no description of its own is a model + optimizer
+/// checkpoint: model/ is exported (and optim/ too when options.model_only is false).
+template <ReadableDirectory S, WritableDirectory D>
+hf_export_stats export_hf(const S& src, const D& out, const hf_export_options& opt = {}) {
+  const bool pair = !src.exists(metadata_file_name) && !src.exists(hf_index_file) && !src.exists(hf_single_file) &&
+                    (src.exists(model_folder_name) || src.exists(optim_folder_name));
+  std::vector<std::unique_ptr<checkpoint_reader<S>>> readers;
+  std::vector<unshard_source<S>> sources;
+  if (!pair) {
+    readers.push_back(std::make_unique<checkpoint_reader<S>>(src));
+    sources.push_back({readers.back().get(), ""});
+  } else {
+    if (!src.exists(model_folder_name))
+      fail(errc::not_found, std::string(src.name()) + ": a model + optimizer checkpoint without model/; nothing to export");
+    for (std::string_view part : {model_folder_name, optim_folder_name}) {
+      if (part == optim_folder_name && (opt.model_only || !src.exists(part))) continue;
+      readers.push_back(std::make_unique<checkpoint_reader<S>>(src.sub(part)));
+      sources.push_back({readers.back().get(), opt.model_only ? "" : std::string(part) + "/"});
+    }
+  }
+  return export_hf(std::span<const unshard_source<S>>(sources), out, opt);
+}
+
+}  // namespace shardsafe

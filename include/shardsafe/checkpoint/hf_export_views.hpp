@@ -1,0 +1,196 @@
+// shardsafe/checkpoint/hf_export_views.hpp - a Hugging Face folder (docs/FORMAT.md §3) written
+// straight from a running job's flat views: every rank writes its own shard's bytes into the
+// final files at their computed offsets. No gather to one rank, no consolidation pass, no second
+// copy of the model.
+//
+// REQUIRES A SHARED FILE SYSTEM: every rank opens and writes the same files under out_dir (NFS,
+// Lustre, GPFS, a local disk for ranks on one machine). This is the POSIX file backend only.
+//
+// The protocol (each step agreed by all ranks, dist/agree.hpp, so a failure anywhere is thrown
+// everywhere and nobody is left waiting in a collective):
+//   1. the ranks all-gather their views' names, shapes, dtypes and shard specs and merge them
+//      as a save does (checkpoint/saver.hpp: one shape and dtype per key, every sharded tensor
+//      covered); every rank then computes the same export plan from that alone
+//      (plan_hf_export_layout: renames, dtype, packing, every file's header and offsets);
+//   2. rank 0 checks out_dir is absent or empty, creates it, and creates every output file
+//      under a temporary name (`NAME.tmp.TOKEN`, TOKEN broadcast), at its full size, with its
+//      header;
+//   3. every rank writes the bytes of its shards (converted when asked) with pwrite at their
+//      offsets: its spec's runs against the whole tensor's flat layout (compute_copy_plan of the
+//      whole tensor against its spec); a tensor that is not sharded is written by the lowest
+//      rank holding it only; then fdatasync;
+//   4. rank 0 renames every file into place, fsyncs the folder and writes
+//      model.safetensors.index.json last (for more than one file).
+// A failure in 2 or 3 leaves no file behind (rank 0 removes the temporaries). The files are
+// byte for byte those export_hf (checkpoint/hf_export.hpp) writes from a checkpoint of the same
+// tensors with the same options.
+#pragma once
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/core/convert.hpp"
+#include "shardsafe/detail/posix.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/storage/file.hpp"
+
+namespace shardsafe {
+
+namespace detail {
+
+/// Temporary path of output file `name` under dir for the export `token`.
+inline std::string hf_export_temp(const std::filesystem::path& dir, const std::string& name, const std::string& token) {
+  return (dir / (name + ".tmp." + token)).string();
+}
+
+/// Removes the temporaries of an export that failed (those that exist).
+inline void remove_export_temps(const std::filesystem::path& dir, const hf_export_layout& l, const std::string& token) {
+  for (const auto& f : l.plan.files) ::unlink(hf_export_temp(dir, f.name, token).c_str());
+}
+
+/// Step 2 on rank 0: the folder and every file at full size with its header. Returns the token.
+inline std::string create_export_files(const std::filesystem::path& dir, const hf_export_layout& l) {
+  detail::require_empty_output(file_directory(dir));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw error(ec, dir.string() + ": create directory: " + ec.message());
+  std::string token = temp_name_for("x");  // "x.tmp.PID.TIME.N": unique to this process and moment
+  token = token.substr(token.find(".tmp.") + 5);
+  try {
+    for (std::size_t f = 0; f < l.files.size(); ++f) {
+      const std::string path = hf_export_temp(dir, l.plan.files[f].name, token);
+      unique_fd fd = open_fd(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+      if (::ftruncate(fd.get(), static_cast<off_t>(l.files[f].file_size())) != 0) fail_errno(errno, path + ": ftruncate");
+      pwrite_full(fd.get(), 0, std::as_bytes(std::span(l.files[f].header)), path);
+      fd.close_checked(path);
+    }
+  } catch (...) {
+    remove_export_temps(dir, l, token);
+    throw;
+  }
+  return token;
+}
+
+/// One pwrite of step 3: n elements of a view from element `src`, at byte `at` of file `file`.
+struct export_piece {
+  std::size_t file;
+  std::uint64_t at;
+  const flat_view* view;
+  std::uint64_t src, n;
+  dtype out;
+};
+
+/// Step 3 on every rank: this rank's pieces written and synced. Returns the bytes written.
+inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const hf_export_layout& l,
+                                         const std::string& token, std::span<const flat_view> views,
+                                         const checkpoint_metadata& md, int rank, const hf_export_options& opt) {
+  std::map<std::string, std::size_t> plan_index;  // input name -> plan tensor
+  for (std::size_t t = 0; t < l.source.size(); ++t) plan_index.emplace(md.tensors[l.source[t]].first, t);
+  std::vector<std::size_t> file_of(l.plan.tensors.size());
+  for (std::size_t f = 0; f < l.plan.files.size(); ++f)
+    for (std::size_t t : l.plan.files[f].tensors) file_of[t] = f;
+  const std::string mine = rank_file_name(rank);
+  std::vector<export_piece> pieces;
+  for (const flat_view& v : views) {
+    auto it = plan_index.find(v.key);
+    if (it == plan_index.end()) continue;  // dropped by a rename rule
+    const tensor_metadata* tm = md.find(v.key);
+    if (!tm->is_sharded && tm->files.front().first != mine) continue;  // a lower rank writes it
+    const std::size_t f = file_of[it->second];
+    const safetensors_layout& layout = l.files[f];
+    const tensor_entry& e = layout.tensors[layout.index_of(l.plan.tensors[it->second].name)];
+    const std::uint64_t oi = item_size(e.type), ii = item_size(v.type);
+    const std::uint64_t per = std::max<std::uint64_t>(1, opt.chunk_bytes / std::max(oi, ii));
+    const copy_plan runs = compute_copy_plan(shard_spec(flat_spec{{0, tm->numel()}}), v.effective_spec(), tm->shape);
+    for (const copy_run& r : runs)
+      for (std::uint64_t k = 0; k < r.len; k += per)
+        pieces.push_back({f, layout.data_start() + e.begin + (r.dst + k) * oi, &v, r.src + k, std::min(per, r.len - k), e.type});
+  }
+  std::vector<unique_fd> fds(l.files.size());
+  std::vector<std::string> paths(l.files.size());
+  for (const auto& p : pieces)
+    if (!fds[p.file]) {
+      paths[p.file] = hf_export_temp(dir, l.plan.files[p.file].name, token);
+      fds[p.file] = open_fd(paths[p.file], O_WRONLY);
+    }
+  std::uint64_t written = 0;
+  for (const auto& p : pieces) written += p.n * item_size(p.out);
+  parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
+    const export_piece& p = pieces[i];
+    const std::uint64_t ii = item_size(p.view->type);
+    const std::span<const std::byte> src(p.view->data + p.src * ii, static_cast<std::size_t>(p.n * ii));
+    if (p.out == p.view->type) {
+      pwrite_full(fds[p.file].get(), p.at, src, paths[p.file]);
+      return;
+    }
+    std::vector<std::byte> buf(static_cast<std::size_t>(p.n * item_size(p.out)));
+    convert_elements(p.view->type, src, p.out, buf);
+    pwrite_full(fds[p.file].get(), p.at, buf, paths[p.file]);
+  });
+  for (std::size_t f = 0; f < fds.size(); ++f)
+    if (fds[f]) {
+      if (::fdatasync(fds[f].get()) != 0) fail_errno(errno, paths[f] + ": fdatasync");
+      fds[f].close_checked(paths[f]);
+    }
+  return written;
+}
+
+}  // namespace detail
+
+/// Writes every rank's views as one Hugging Face folder at out_dir (protocol at the top). A
+/// collective: every rank calls it with its own views. options.model_only and direct_io do not
+/// apply; threads and chunk_bytes bound each rank's writes (one conversion buffer of chunk_bytes
+/// per thread).
+template <Comm C>
+hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,
+                                     const hf_export_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string dname = out_dir.string();
+  const checkpoint_metadata md = detail::agree_on_metadata(views, comm, dname);  // 1
+  hf_export_layout l;
+  every_rank_step(comm, [&] {
+    std::vector<hf_export_input> inputs;
+    for (const auto& [key, tm] : md.tensors) inputs.push_back({key, tm.type, tm.shape});
+    l = plan_hf_export_layout(inputs, opt, dname);
+  });
+  const std::string token = rank0_step(comm, [&] { return detail::create_export_files(out_dir, l); });  // 2
+  try {
+    every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, token, views, md, comm.rank(), opt); });  // 3
+  } catch (...) {
+    if (comm.rank() == 0) detail::remove_export_temps(out_dir, l, token);
+    throw;
+  }
+  rank0_step(comm, [&] {  // 4
+    for (const auto& f : l.plan.files) {
+      const std::string tmp = detail::hf_export_temp(out_dir, f.name, token), fin = (out_dir / f.name).string();
+      if (::rename(tmp.c_str(), fin.c_str()) != 0) fail_errno(errno, fin + ": rename from " + tmp);
+    }
+    detail::fsync_dir(dname);
+    if (l.plan.indexed()) detail::write_text_object(file_directory(out_dir), hf_index_file, l.plan.index_json());
+  });
+  hf_export_stats st;
+  st.files = l.files.size();
+  st.tensors = l.plan.tensors.size();
+  st.bytes = l.bytes;
+  st.indexed = l.plan.indexed();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace shardsafe
