@@ -48,6 +48,8 @@
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf_import_keys.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
