@@ -254,6 +254,6 @@ int main(int argc, char** argv) {
   }
   t.print();
   std::printf("load average after: %s\n", bench::loadavg().c_str());
-  std::filesystem::remove_all(dir);
+  if (!a.has("--keep")) std::filesystem::remove_all(dir);
   return 0;
 }
