@@ -9,7 +9,8 @@
 //      (`x.q.base_layer.weight`, PEFT's wrapped module), the file key renamed to the name
 //      without it (`x.q.weight`).
 // Views that share memory (same data pointer, byte count, dtype, full shape and spec: tied
-// weights such as an input embedding and the output projection) are loaded once, from the
+// weights such as an input embedding and the output projection; a rank's empty shards of a
+// tied pair too, whose data pointers may both be null) are loaded once, from the
 // first of them (in the caller's order) that some file key feeds; the others count as loaded
 // and tied, and every file key that feeds one of them counts as used. When none is fed, each
 // is missing.
@@ -134,19 +135,16 @@ inline hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<co
 
   std::vector<bool> used(table.size(), false);
   std::vector<bool> grouped(views.size(), false);
-  std::multimap<const std::byte*, std::size_t> by_data;  // views with memory, for tie lookup
-  for (std::size_t i = 0; i < views.size(); ++i)
-    if (views[i].data && views[i].nbytes) by_data.emplace(views[i].data, i);
+  std::multimap<const std::byte*, std::size_t> by_data;  // for tie lookup
+  for (std::size_t i = 0; i < views.size(); ++i) by_data.emplace(views[i].data, i);
   for (std::size_t i = 0; i < views.size(); ++i) {
     if (grouped[i]) continue;
     std::vector<std::size_t> group{i};  // i and the later views tied to it
-    if (views[i].data && views[i].nbytes) {
-      auto [lo, hi] = by_data.equal_range(views[i].data);
-      for (auto it = lo; it != hi; ++it)
-        if (it->second > i && !grouped[it->second] && detail::same_memory(views[i], views[it->second]))
-          group.push_back(it->second);
-      std::sort(group.begin(), group.end());
-    }
+    auto [lo, hi] = by_data.equal_range(views[i].data);
+    for (auto it = lo; it != hi; ++it)
+      if (it->second > i && !grouped[it->second] && detail::same_memory(views[i], views[it->second]))
+        group.push_back(it->second);
+    std::sort(group.begin(), group.end());
     std::optional<hf_import_entry> leader;
     for (std::size_t v : group) {
       grouped[v] = true;
