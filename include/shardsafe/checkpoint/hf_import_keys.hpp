@@ -34,16 +34,10 @@
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/format/hf_export.hpp"  // hf_tensor_info: name, dtype, full shape of a tensor
 #include "shardsafe/format/rename.hpp"
 
 namespace shardsafe {
-
-/// One tensor of a checkpoint as an import sees it: name, dtype, full shape.
-struct hf_tensor_info {
-  std::string name;
-  dtype type = dtype::F32;
-  shape_t shape;
-};
 
 /// How an import maps names; see the top of this header.
 struct hf_key_options {
