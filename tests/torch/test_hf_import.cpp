@@ -197,3 +197,38 @@ TEST_CASE("hf import into a state dict in one process: staging of non-contiguous
   CHECK(res.keys.unexpected_keys.size() == ps.size() - 1);
   CHECK(res.keys.missing_keys.empty());
 }
+
+WORKER_SCENARIO("hf_import_bad_rank") {
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  // rank 1 says the norm is 10 elements long (the file's is 9): every rank must throw its error
+  holder model;
+  const std::uint64_t n = w.rank == 1 ? 10 : 9;
+  put(model, "layers.0.norm.weight", at::zeros({static_cast<std::int64_t>(n)}));
+  hf_import_options opt;
+  opt.renames = rename_rules({R"(^model\.(.*)=\1)"});
+  opt.mode = args.at(1) == "rank0_broadcast" ? hf_import_mode::rank0_broadcast : hf_import_mode::every_rank_read;
+  try {
+    load_hf_module(file_directory(args.at(0)), model, comm, {}, opt);
+  } catch (const error& e) {
+    const std::string what = e.what();
+    if (e.code() == errc::shape_mismatch && what.rfind("rank 1: ", 0) == 0 &&
+        what.find("tensor 'model.layers.0.norm.weight' (model tensor 'layers.0.norm.weight', by rename rule") !=
+            std::string::npos)
+      return 0;
+    std::fprintf(stderr, "rank %d: unexpected error: %s\n", w.rank, what.c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "rank %d: no error\n", w.rank);
+  return 1;
+}
+
+TEST_CASE("hf import into torch::nn::Module: one rank's bad tensor fails every c10d rank with its error") {
+  testing::temp_dir dir("hf-import-bad");
+  write_folder(dir.path);
+  for (const char* mode : {"every_rank_read", "rank0_broadcast"}) {
+    CAPTURE(mode);
+    auto r = testing::run_world("hf_import_bad_rank", 2, {dir.str(), mode});
+    CHECK_MESSAGE(r.ok(), r.report());
+  }
+}
