@@ -50,6 +50,8 @@
 #include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/hf_export_views.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf_import_keys.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"

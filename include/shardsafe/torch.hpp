@@ -12,6 +12,7 @@
 #include "shardsafe/shardsafe.hpp"
 
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/hf_import.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/optim.hpp"

@@ -1,0 +1,262 @@
+// shardsafe/checkpoint/hf_import.hpp - a Hugging Face folder (or any checkpoint a
+// checkpoint_reader reads) imported into this rank's flat views, collectively over a Comm.
+//
+// Names are mapped first (checkpoint/hf_import_keys.hpp: rename rules, LoRA base layers, tied
+// views, missing / unexpected keys, strict mode). Then the bytes move in one of two ways:
+//
+// | mode            | who reads                          | memory per rank            | traffic        |
+// |-----------------|------------------------------------|----------------------------|----------------|
+// | every_rank_read | every rank: only the byte ranges of | one read's staging (loader)| ~1x the weights|
+// |                 | its own shards (checkpoint_reader)  |                            | over all ranks |
+// | rank0_broadcast | rank 0 alone, each tensor chunk by  | one chunk (chunk_bytes)    | each chunk to  |
+// |                 | chunk; Comm::broadcast_bytes sends  |                            | every rank     |
+// |                 | it, every rank keeps its slice      |                            |                |
+//
+// every_rank_read suits a local or parallel filesystem; rank0_broadcast suits storage that
+// many clients read slowly (one reader, the interconnect does the rest). In rank0_broadcast,
+// rank 0 first broadcasts the tensor table (names, dtypes, shapes), so every rank maps names
+// and checks its views without opening anything; a tensor is sent only when some rank needs
+// it, and each rank copies out of each chunk the overlap of its spec with the chunk's flat
+// range (compute_copy_plan), converting dtype while copying. A Comm with
+// `broadcast_buffer(std::span<std::byte>, root)` (c10d_comm) receives straight into the chunk
+// buffer; any other uses broadcast_bytes.
+//
+// Both modes convert F16/BF16/F32/F64 on the fly by default (load_options::convert_dtypes,
+// rounding to nearest even), and never allocate a tensor- or file-sized buffer.
+//
+// Errors agree across ranks (dist/agree.hpp): a bad file, a view that does not fit, a strict
+// import with missing keys, on any rank, is thrown on every rank with its code and the failing
+// rank's message (naming folder, tensor and rule); no rank is left waiting in a collective.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/checkpoint/hf_import_keys.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/shard/copy_plan.hpp"
+
+namespace shardsafe {
+
+/// How the bytes of an import move (table at the top).
+enum class hf_import_mode { every_rank_read, rank0_broadcast };
+
+constexpr std::string_view name(hf_import_mode m) noexcept {
+  return m == hf_import_mode::every_rank_read ? "every_rank_read" : "rank0_broadcast";
+}
+
+struct hf_import_options : hf_key_options {
+  hf_import_mode mode = hf_import_mode::every_rank_read;
+  std::uint64_t chunk_bytes = std::uint64_t(64) << 20;  ///< rank0_broadcast: bytes per broadcast
+  /// Reads (threads, merging) of every_rank_read and of rank 0's chunks. Its strict and
+  /// convert_dtypes are not used: hf_key_options::strict and ::convert_dtypes decide.
+  load_options load{};
+};
+
+struct hf_import_result {
+  hf_key_mapping keys;                ///< loads, missing / unexpected / dropped keys (this rank's views)
+  std::string message;                ///< describe(keys): counts and a few examples of each
+  load_stats stats;                   ///< this rank's reads (rank0_broadcast: only rank 0 reads)
+  std::uint64_t bytes_broadcast = 0;  ///< rank0_broadcast: tensor bytes every rank received
+  double seconds = 0;
+};
+
+namespace detail {
+
+inline void put_u64(std::string& s, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+/// The tensor table rank 0 broadcasts: count, then per tensor name length, name, dtype, ndim,
+/// dims (all u64 little-endian but the name).
+inline std::string encode_tensor_table(const checkpoint_metadata& md) {
+  std::string s;
+  put_u64(s, md.tensors.size());
+  for (const auto& [key, tm] : md.tensors) {
+    put_u64(s, key.size());
+    s += key;
+    put_u64(s, static_cast<std::uint64_t>(tm.type));
+    put_u64(s, tm.shape.size());
+    for (auto d : tm.shape) put_u64(s, d);
+  }
+  return s;
+}
+
+inline std::vector<hf_tensor_info> decode_tensor_table(std::string_view s, std::string_view ctx) {
+  std::size_t at = 0;
+  auto bad = [&]() -> void {
+    fail(errc::comm_error, std::string(ctx) + ": the tensor table received from rank 0 is malformed (" +
+                               std::to_string(s.size()) + " bytes)");
+  };
+  auto get = [&]() -> std::uint64_t {
+    if (s.size() - at < 8) bad();
+    std::uint64_t v = 0;
+    for (int i = 0; i < 8; ++i) v |= std::uint64_t(static_cast<unsigned char>(s[at + i])) << (8 * i);
+    at += 8;
+    return v;
+  };
+  const std::uint64_t n = get();
+  if (n > s.size() / 24) bad();  // every tensor takes at least 24 bytes
+  std::vector<hf_tensor_info> out(static_cast<std::size_t>(n));
+  for (auto& t : out) {
+    const std::uint64_t len = get();
+    if (len > s.size() - at) bad();
+    t.name.assign(s.substr(at, static_cast<std::size_t>(len)));
+    at += static_cast<std::size_t>(len);
+    const std::uint64_t type = get();
+    if (type >= all_dtypes.size()) bad();
+    t.type = static_cast<dtype>(type);
+    const std::uint64_t nd = get();
+    if (nd > (s.size() - at) / 8) bad();
+    for (std::uint64_t d = 0; d < nd; ++d) t.shape.push_back(get());
+  }
+  if (at != s.size()) bad();
+  return out;
+}
+
+/// Copies the part of chunk [a, b) (elements of the full tensor, stored as `stored`) that v
+/// holds into v's memory, converting to v's dtype.
+inline void scatter_chunk(const flat_view& v, dtype stored, std::span<const std::byte> chunk, std::uint64_t a,
+                          std::uint64_t b) {
+  const std::uint64_t si = item_size(stored), di = item_size(v.type);
+  const copy_plan runs = compute_copy_plan(v.effective_spec(), flat_spec{{a, b}}, v.full_shape);
+  for (const auto& r : runs) {
+    const std::byte* src = chunk.data() + r.src * si;
+    std::byte* dst = v.data + r.dst * di;
+    if (stored == v.type)
+      std::memcpy(dst, src, static_cast<std::size_t>(r.len * si));
+    else
+      convert_elements(stored, {src, static_cast<std::size_t>(r.len * si)}, v.type,
+                       {dst, static_cast<std::size_t>(r.len * di)});
+  }
+}
+
+template <class C>
+concept buffer_broadcaster = requires(C& c, std::span<std::byte> b) { c.broadcast_buffer(b, 0); };
+
+template <ReadableDirectory D, Comm C>
+void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
+                            hf_import_result& res) {
+  every_rank_step(comm, [&] {
+    checkpoint_reader<D> reader(dir);
+    std::vector<hf_tensor_info> table;
+    for (const auto& [key, tm] : reader.metadata().tensors) table.push_back({key, tm.type, tm.shape});
+    res.keys = map_hf_keys(views, table, opt, dir.name());
+    std::vector<flat_view> renamed;  // the views to load, under the checkpoint's names
+    renamed.reserve(res.keys.loads.size());
+    for (const auto& e : res.keys.loads) {
+      check_hf_import_entry(views[e.view], table[e.tensor], e, opt.convert_dtypes, dir.name());
+      renamed.push_back(views[e.view]);
+      renamed.back().key = table[e.tensor].name;
+    }
+    load_options lo = opt.load;
+    lo.strict = true;
+    lo.convert_dtypes = opt.convert_dtypes;
+    res.stats = reader.load(std::span<const flat_view>(renamed), lo);
+    res.stats.unexpected_keys.clear();  // the loader's view of it; keys.unexpected_keys is the import's
+  });
+}
+
+template <ReadableDirectory D, Comm C>
+void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
+                            hf_import_result& res) {
+  const bool root = comm.rank() == 0;
+  std::optional<checkpoint_reader<D>> reader;  // rank 0 only
+  const std::string table_bytes = rank0_step(comm, [&] {
+    reader.emplace(dir);
+    return encode_tensor_table(reader->metadata());
+  });
+  std::vector<hf_tensor_info> table;
+  // map and check on every rank; each says which tensors it needs
+  const std::vector<std::string> needs = every_rank_step(comm, [&] {
+    table = decode_tensor_table(table_bytes, dir.name());
+    res.keys = map_hf_keys(views, table, opt, dir.name());
+    std::string mine(table.size(), '\0');
+    for (const auto& e : res.keys.loads) {
+      check_hf_import_entry(views[e.view], table[e.tensor], e, opt.convert_dtypes, dir.name());
+      mine[e.tensor] = 1;
+    }
+    return mine;
+  });
+  std::vector<std::vector<std::size_t>> loads_of(table.size());  // tensor -> my loads
+  for (std::size_t i = 0; i < res.keys.loads.size(); ++i) loads_of[res.keys.loads[i].tensor].push_back(i);
+
+  load_options lo = opt.load;
+  lo.strict = true;
+  lo.convert_dtypes = false;
+  std::string buf;
+  std::exception_ptr deferred;  // a failure while copying: reported once every chunk has gone by
+  for (std::size_t t = 0; t < table.size(); ++t) {
+    bool anyone = false;
+    for (const auto& n : needs) anyone = anyone || (n.size() == table.size() && n[t]);
+    if (!anyone) continue;
+    const hf_tensor_info& info = table[t];
+    const std::uint64_t item = std::max<std::uint64_t>(1, item_size(info.type));
+    const std::uint64_t n = numel(info.shape), per = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
+    for (std::uint64_t a = 0; a < n; a += per) {
+      const std::uint64_t b = std::min(n, a + per), len = (b - a) * item;
+      rank0_step(comm, [&] {
+        buf.resize(static_cast<std::size_t>(len));
+        flat_view cv{info.name, info.type, info.shape, shard_spec(flat_spec{{a, b}}),
+                     reinterpret_cast<std::byte*>(buf.data()), len};
+        const load_stats s = reader->load(std::span<const flat_view>(&cv, 1), lo);
+        res.stats.bytes_needed += s.bytes_needed;
+        res.stats.bytes_read += s.bytes_read;
+        res.stats.read_ops += s.read_ops;
+      });
+      if constexpr (buffer_broadcaster<C>) {
+        if (!root) buf.resize(static_cast<std::size_t>(len));
+        comm.broadcast_buffer(std::as_writable_bytes(std::span<char>(buf)), 0);
+      } else {
+        comm.broadcast_bytes(buf, 0);
+      }
+      res.bytes_broadcast += len;
+      if (deferred) continue;
+      try {
+        if (buf.size() != len)
+          fail(errc::comm_error, std::string(dir.name()) + ": tensor '" + info.name + "': a chunk of " +
+                                     std::to_string(len) + " bytes arrived as " + std::to_string(buf.size()));
+        const std::span<const std::byte> chunk = std::as_bytes(std::span<const char>(buf));
+        for (std::size_t i : loads_of[t]) scatter_chunk(views[res.keys.loads[i].view], info.type, chunk, a, b);
+      } catch (...) {
+        deferred = std::current_exception();
+      }
+    }
+  }
+  res.stats.tensors = res.keys.loads.size();
+  every_rank_step(comm, [&] {
+    if (deferred) std::rethrow_exception(deferred);
+  });
+}
+
+}  // namespace detail
+
+/// Imports the checkpoint in dir into this rank's views (every rank calls it, each with its
+/// own views and the same options). Views nothing feeds are left as they are (listed in
+/// keys.missing_keys; an error with opt.strict). Throws, on every rank alike, the first
+/// failure of any rank (see the top of this header).
+template <ReadableDirectory D, Comm C>
+hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  hf_import_result res;
+  if (opt.mode == hf_import_mode::rank0_broadcast)
+    detail::import_rank0_broadcast(dir, views, comm, opt, res);
+  else
+    detail::import_every_rank_read(dir, views, comm, opt, res);
+  res.message = describe(res.keys, opt.examples);
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  res.stats.seconds = res.seconds;
+  return res;
+}
+
+}  // namespace shardsafe
