@@ -81,6 +81,13 @@ inline optim_kind optim_from_name(const std::string& s) {
   throw std::invalid_argument("unknown optimizer '" + s + "'");
 }
 
+/// The full initial value of parameter d (what a "pretrained" checkpoint of the demo holds).
+inline at::Tensor initial_value(const param_def& d) {
+  at::Tensor full = hashed("init:" + d.name, shardsafe::to_sizes(d.shape), d.group == 0 ? 0.3 : 0.1);
+  if (d.name == "norm.weight") full = full + 1.0;
+  return full;
+}
+
 /// The model: this rank's shards, the optimizer over them, the data.
 class sharded_mlp {
  public:
@@ -93,8 +100,7 @@ class sharded_mlp {
     for (const auto& d : defs_) {
       const std::uint64_t n = shardsafe::numel(d.shape);
       auto [b, e] = shard_range(n, world, rank);
-      at::Tensor full = hashed("init:" + d.name, shardsafe::to_sizes(d.shape), d.group == 0 ? 0.3 : 0.1);
-      if (d.name == "norm.weight") full = full + 1.0;
+      at::Tensor full = initial_value(d);
       at::Tensor local = zero_init ? at::zeros({static_cast<std::int64_t>(e - b)})
                                    : full.reshape({-1}).slice(0, static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)).clone();
       local.set_requires_grad(true);

@@ -1,7 +1,10 @@
-// train_demo - the end-to-end job of the README: train a small model in a multi-process
-// world on localhost (c10d + Gloo), checkpoint every few steps with keep-last-N rotation,
-// get killed, resume in a world of another size, check that the resumed run reproduced an
-// uninterrupted one bit for bit, and unshard the last checkpoint into one safetensors file.
+// train_demo - the end-to-end job of the README, the whole life of a model: it starts from a
+// Hugging Face folder (written first: a small "pretrained" model, BF16, indexed over several
+// files), imports it into a multi-process world on localhost (c10d + Gloo) with every rank
+// reading only its slice, trains, checkpoints every few steps with keep-last-N rotation, gets
+// killed, resumes in a world of another size, checks that the resumed run reproduced an
+// uninterrupted one bit for bit, and exports the last checkpoint to a Hugging Face folder whose
+// values it checks against the trained parameters.
 //
 //   train_demo [--dir DIR] [--steps 12] [--every 3] [--keep 2] [--kill-after 7]
 //              [--world 2] [--resume-world 3] [--optim adamw] [--in 512] [--hidden 2048]
@@ -22,10 +25,14 @@
 
 #include "sharded_mlp.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
+#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/hf_export_views.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/hf_import.hpp"
 #include "shardsafe/dist/launch.hpp"
+#include "shardsafe/dist/single.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"
 
@@ -85,7 +92,54 @@ std::string gbps(std::uint64_t b, double s) {
 }
 
 // ---------------------------------------------------------------------------------------
+// the "pretrained" model: a Hugging Face folder, as a hub download would give
+
+/// The folder's names carry a "model." prefix that the import maps away with a rename rule.
+const char* const pretrained_rename = R"(^model\.(.*)=\1)";
+
+/// Writes the demo model's initial parameters as an indexed BF16 Hugging Face folder (files of
+/// at most a third of the weights), from full tensors in this one process.
+hf_export_stats write_pretrained(const config& c) {
+  std::vector<at::Tensor> keep;
+  std::vector<flat_view> views;
+  for (const auto& d : demo::mlp_params(c.in, c.hidden)) {
+    keep.push_back(demo::initial_value(d).contiguous());
+    views.push_back(make_flat_view("model." + d.name, keep.back()));
+  }
+  hf_export_options o;
+  o.convert_to = dtype::BF16;
+  o.max_shard_size = demo::sharded_mlp(1, 0, demo::optim_kind::sgd, false, false, c.in, c.hidden).param_bytes() / 2 / 3;
+  single_process one;
+  return export_hf_from_views(c.dir / "pretrained", std::span<const flat_view>(views), one, o);
+}
+
+// ---------------------------------------------------------------------------------------
 // a worker: one rank
+
+/// Imports the pretrained folder into this rank's shards: every rank reads only the bytes of
+/// its own slices (BF16 in the files, converted to the F32 parameters while copying).
+template <class C>
+void import_pretrained(const config& c, demo::sharded_mlp& m, C& comm, int world_size, bool lead) {
+  hf_import_options o;
+  o.renames.add(pretrained_rename);
+  o.strict = true;  // every parameter must come from the folder
+  state_dict sd = m.state();
+  auto t0 = clock_type::now();
+  hf_import_result res = load_hf_state_dict(file_directory(c.dir / "pretrained"), sd, comm, o);
+  const double s = seconds_since(t0);
+  std::uint64_t shard = 0;  // this rank's slice as stored: BF16
+  for (const auto& [k, t] : sd) shard += static_cast<std::uint64_t>(t.local.numel()) * 2;
+  auto all = comm.all_gather_bytes(std::to_string(res.stats.bytes_read) + " " + std::to_string(shard));
+  if (!lead) return;
+  std::printf("  [world %d] imported %s in %.3f s (%s), every rank reading only its slice:\n", world_size,
+              (c.dir / "pretrained").string().c_str(), s, res.message.c_str());
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    unsigned long long read = 0, need = 0;
+    std::sscanf(all[r].c_str(), "%llu %llu", &read, &need);
+    std::printf("    rank %zu read %s for a %s slice (%.3fx)\n", r, mb(read).c_str(), mb(need).c_str(),
+                need ? double(read) / double(need) : 0.0);
+  }
+}
 
 int worker(const std::string& role, const config& c) {
   at::set_num_threads(1);
@@ -108,9 +162,12 @@ int worker(const std::string& role, const config& c) {
       if (lead)
         std::printf("  [world %d] resumed from %s: %s read by %d ranks in %.3f s (%s)\n", w.world_size, latest->name.c_str(),
                     mb(total).c_str(), w.world_size, s, gbps(total, s).c_str());
-    } else if (lead) {
-      std::printf("  [world %d] no checkpoint yet: starting from step 0\n", w.world_size);
+    } else {
+      if (lead) std::printf("  [world %d] no checkpoint yet: starting from the pretrained weights\n", w.world_size);
+      import_pretrained(c, m, comm, w.world_size, lead);
     }
+  } else {
+    import_pretrained(c, m, comm, w.world_size, lead);
   }
   for (int step = start + 1; step <= c.steps; ++step) {
     const double loss = m.step(comm);
@@ -206,6 +263,13 @@ int launcher(const std::string& self, config c) {
               c.in, c.hidden, c.in, c.optim.c_str(), c.steps, c.every, c.keep);
   std::printf("work folder: %s\n\n", fs::absolute(c.dir).string().c_str());
 
+  std::printf("0. a pretrained model as a Hugging Face folder (BF16, indexed)\n");
+  {
+    auto st = write_pretrained(c);
+    std::printf("  %s: %zu files + index, %s\n\n", (c.dir / "pretrained").string().c_str(), st.files,
+                mb(st.bytes).c_str());
+  }
+
   std::printf("1. reference: %d steps uninterrupted in a world of %d ranks\n", c.steps, c.world);
   if (!run_world(self, c, "reference", c.world)) return 1;
 
@@ -222,27 +286,46 @@ int launcher(const std::string& self, config c) {
 
   std::printf("\n4. checking the resumed run against the uninterrupted one\n");
   std::string why;
-  const bool same = same_tensors(c.dir / "reference-final.safetensors", c.dir / "train-final.safetensors", why);
+  bool same = same_tensors(c.dir / "reference-final.safetensors", c.dir / "train-final.safetensors", why);
   std::printf("  final parameters bit for bit equal: %s%s\n", same ? "YES" : "NO: ", same ? "" : why.c_str());
 
-  std::printf("\n5. unsharding the last checkpoint into one safetensors file\n");
+  std::printf("\n5. exporting the last checkpoint to a Hugging Face folder\n");
   auto latest = latest_checkpoint(file_directory(c.dir / "checkpoints"));
   if (!latest) {
     std::printf("  no complete checkpoint\n");
     return 1;
   }
-  const fs::path out = c.dir / "export" / "model.safetensors";
-  fs::create_directories(out.parent_path());
-  checkpoint_reader<file_directory> reader(file_directory(c.dir / "checkpoints" / latest->name / "model"));
-  std::vector<unshard_source<file_directory>> src{{&reader, ""}};
-  file_writer w(out);
-  auto t0 = clock_type::now();
-  const std::uint64_t size = unshard_to_safetensors(std::span<const unshard_source<file_directory>>(src), w);
-  const double s = seconds_since(t0);
-  std::printf("  %s -> %s: %s in %.3f s (%s)\n", latest->name.c_str(), out.string().c_str(), mb(size).c_str(), s,
-              gbps(size, s).c_str());
-  for (const auto& [k, tm] : reader.metadata().tensors)
-    std::printf("    %-18s %s %s\n", k.c_str(), std::string(name(tm.type)).c_str(), to_string(tm.shape).c_str());
+  const fs::path out = c.dir / "hf-export";
+  hf_export_options o;
+  o.max_shard_size = 1'000'000;  // small files, to show the index
+  const hf_export_stats st =
+      export_hf(file_directory(c.dir / "checkpoints" / latest->name), file_directory(out), o);
+  std::printf("  %s -> %s: %zu file%s%s, %s in %.3f s (%s)\n", latest->name.c_str(), out.string().c_str(), st.files,
+              st.files == 1 ? "" : "s", st.indexed ? " + index" : "", mb(st.bytes).c_str(), st.seconds,
+              gbps(st.bytes, st.seconds).c_str());
+  // the export read back as a checkpoint, against the parameters the training job gathered
+  // (when the last checkpoint is the last step)
+  bool exported_same = true;
+  if (latest->step != static_cast<std::uint64_t>(c.steps)) {
+    std::printf("  (the last checkpoint is not the last step: values not compared)\n");
+  } else {
+    checkpoint_reader<file_directory> hf(file_directory{out});
+    file_storage fin(c.dir / "train-final.safetensors");
+    const auto h = read_safetensors_header(fin);
+    exported_same = hf.metadata().tensors.size() == h.tensors.size();
+    for (const auto& t : h.tensors) {
+      std::vector<std::byte> want(t.nbytes()), got(t.nbytes());
+      read_tensor(fin, h, t, want);
+      if (!hf.find(t.name)) {
+        exported_same = false;
+        continue;
+      }
+      unshard_tensor(hf, t.name, got);
+      exported_same = exported_same && want == got;
+    }
+    std::printf("  exported values bit for bit equal to the trained parameters: %s\n", exported_same ? "YES" : "NO");
+  }
+  same = same && exported_same;
   std::printf("\ndone in %.1f s: %s\n", seconds_since(t_all), same ? "resume reproduced the uninterrupted run" : "MISMATCH");
   return same ? 0 : 1;
 }

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The main job of the README: builds the end-to-end demo and the tool, then trains a small
-# model in a 2-process world (c10d/Gloo on localhost) with rotating checkpoints, kills it,
-# resumes in a 3-process world, checks the resume bit for bit against an uninterrupted run,
-# unshards the last checkpoint to one file and inspects it with the shardsafe tool.
+# The main job of the README: builds the end-to-end demo and the tool, then lives a model's
+# whole life: writes a small "pretrained" model as a Hugging Face folder (BF16, indexed),
+# imports it into a 2-process world (c10d/Gloo on localhost) with every rank reading only its
+# slice, trains with rotating checkpoints, kills it, resumes in a 3-process world, checks the
+# resume bit for bit against an uninterrupted run, and exports the last checkpoint to a Hugging
+# Face folder that the shardsafe tool verifies and whose values match the trained parameters.
 #
 #   scripts/demo.sh [train_demo options, e.g. --optim sgd --steps 18 --resume-world 4]
 set -euo pipefail
@@ -18,5 +20,10 @@ echo "\$ shardsafe verify $last"
 build/tools/shardsafe verify "$last"
 echo "\$ shardsafe inspect $last/model"
 build/tools/shardsafe inspect "$last/model"
-echo "\$ shardsafe inspect $run/export/model.safetensors"
-build/tools/shardsafe inspect "$run/export/model.safetensors"
+echo "\$ shardsafe verify $run/hf-export"
+build/tools/shardsafe verify "$run/hf-export"
+echo "\$ shardsafe inspect $run/hf-export"
+build/tools/shardsafe inspect "$run/hf-export"
+echo "\$ shardsafe to-hf $last $run/hf-export-bf16 --dtype bf16 --max-shard-size 2MB"
+rm -rf "$run/hf-export-bf16"
+build/tools/shardsafe to-hf "$last" "$run/hf-export-bf16" --dtype bf16 --max-shard-size 2MB
