@@ -653,15 +653,6 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
 
 namespace {
 
-std::string json_quoted(const std::string& s) {
-  std::string r = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') r += '\\';
-    r += c;
-  }
-  return r + "\"";
-}
-
 /// One rank's file of torch's sharded HF output: its blocks with their saved_offsets.
 std::string dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& blocks) {
   std::string info = "{", json = "{", data;
@@ -669,7 +660,7 @@ std::string dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& blocks)
     info += std::string(info.size() > 1 ? "," : "") + "\"" + t.name + "\":{\"saved_offsets\":" + fixtures::shape_text(off, ",") + "}";
   }
   info += "}";
-  json += "\"__metadata__\":{\"DCP_SHARDING_INFO\":" + json_quoted(info) + ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}";
+  json += "\"__metadata__\":{\"DCP_SHARDING_INFO\":" + testing::json_quoted(info) + ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}";
   for (const auto& [t, off] : blocks) {
     json += "," + corpus::entry(t.name, t.dtype, fixtures::shape_text(t.shape, ","),
                                 "[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]");

@@ -54,16 +54,6 @@ std::string build_file_with_metadata(const std::vector<tensor>& ts, const std::s
   return corpus::file_bytes(json, data);
 }
 
-/// JSON string literal of s (only '"' and '\\' need escaping in what the tests write).
-std::string json_quoted(const std::string& s) {
-  std::string r = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') r += '\\';
-    r += c;
-  }
-  return r + "\"";
-}
-
 /// Rows [r0, r1) of a row-major [rows, cols] tensor of `item`-byte elements.
 std::string rows_of(const std::string& full, std::uint64_t cols, std::uint64_t item, std::uint64_t r0, std::uint64_t r1) {
   return full.substr(r0 * cols * item, (r1 - r0) * cols * item);
@@ -245,7 +235,7 @@ std::string dcp_file(const std::vector<dcp_block>& blocks, const std::string& in
   info += "}";
   if (!info_override.empty()) info = info_override;
   return build_file_with_metadata(
-      ts, "{\"DCP_SHARDING_INFO\":" + json_quoted(info) + ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}");
+      ts, "{\"DCP_SHARDING_INFO\":" + testing::json_quoted(info) + ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}");
 }
 
 /// The full tensors of the DCP fixture and the folder written from them on 3 ranks:

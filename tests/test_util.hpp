@@ -115,4 +115,14 @@ void expect_error(F&& f, shardsafe::errc code, const std::vector<std::string>& p
 }
 inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(bytes.data(), bytes.size()); }
 
+/// A JSON string literal of s (only '"' and '\\' escaped: enough for what the tests write).
+inline std::string json_quoted(const std::string& s) {
+  std::string r = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') r += '\\';
+    r += c;
+  }
+  return r + "\"";
+}
+
 }  // namespace testing

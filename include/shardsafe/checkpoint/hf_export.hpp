@@ -47,6 +47,7 @@
 #include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
 
@@ -202,22 +203,6 @@ void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_op
   });
 }
 
-/// Writes text as object `n` of dir, synced and committed (aborted on failure).
-template <WritableDirectory D>
-void write_text_object(const D& dir, std::string_view n, const std::string& text) {
-  auto w = dir.create(n);
-  abort_on_failure(w, [&] {
-    if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
-      w.write_at(0, std::as_bytes(std::span(text)));
-    else
-      w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        std::memcpy(dst.data(), text.data() + off, dst.size());
-      }, block_write_options{1, false});
-    w.sync();
-    w.commit();
-  });
-}
-
 }  // namespace detail
 
 /// Exports the tensors of `sources` (each a reader and a name prefix) into the Hugging Face
@@ -269,7 +254,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       ++st.files;
     }
     if (l.plan.indexed()) {
-      detail::write_text_object(out, hf_index_file, l.plan.index_json());
+      write_text(out, hf_index_file, l.plan.index_json());
       st.indexed = true;
     }
   } catch (...) {

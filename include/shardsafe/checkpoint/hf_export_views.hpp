@@ -182,7 +182,7 @@ hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::
       if (::rename(tmp.c_str(), fin.c_str()) != 0) fail_errno(errno, fin + ": rename from " + tmp);
     }
     detail::fsync_dir(dname);
-    if (l.plan.indexed()) detail::write_text_object(file_directory(out_dir), hf_index_file, l.plan.index_json());
+    if (l.plan.indexed()) write_text(file_directory(out_dir), hf_index_file, l.plan.index_json());
   });
   hf_export_stats st;
   st.files = l.files.size();

@@ -37,6 +37,7 @@
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 #include "shardsafe/version.hpp"
 
 namespace shardsafe {
@@ -233,18 +234,7 @@ std::vector<std::uint64_t> write_rank_files(const D& dir, std::span<const flat_v
 template <WritableDirectory D, Comm C>
 void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
   rank0_step(comm, [&] {
-    const std::string text = write_checkpoint_metadata(md);
-    auto w = dir.create(metadata_file_name);
-    abort_on_failure(w, [&] {
-      if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
-        w.write_at(0, std::as_bytes(std::span(text)));
-      else
-        w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-          std::memcpy(dst.data(), text.data() + off, dst.size());
-        }, block_write_options{1, false});
-      w.sync();
-      w.commit();
-    });
+    write_text(dir, metadata_file_name, write_checkpoint_metadata(md));
   });
 }
 
