@@ -6,10 +6,21 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <string_view>
 
 using namespace shardsafe;
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1 && (std::string_view(argv[1]) == "--help" || std::string_view(argv[1]) == "-h")) {
+    std::printf("quickstart: saves a small state dict, loads a column shard of it, writes and reads a\n"
+                "plain safetensors file, in %s/shardsafe-quickstart. No options.\n",
+                std::filesystem::temp_directory_path().c_str());
+    return 0;
+  }
+  if (argc > 1) {
+    std::fprintf(stderr, "quickstart: takes no arguments (--help says what it does)\n");
+    return 2;
+  }
   const auto dir = std::filesystem::temp_directory_path() / "shardsafe-quickstart";
   std::filesystem::remove_all(dir);
 

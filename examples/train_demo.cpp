@@ -20,6 +20,7 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -334,6 +335,16 @@ int launcher(const std::string& self, config c) {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines in order when stdout is a pipe
+  for (int i = 1; i < argc; ++i)
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::printf("train_demo: the whole life of a model (see the top of examples/train_demo.cpp):\n"
+                  "a pretrained Hugging Face folder imported into a sharded world, training with\n"
+                  "rotating checkpoints, a kill, a resume on another world size, an HF export.\n\n"
+                  "  train_demo [--dir DIR] [--steps 12] [--every 3] [--keep 2] [--kill-after 7]\n"
+                  "             [--world 2] [--resume-world 3] [--optim adamw|adam|sgd|adagrad|rmsprop]\n"
+                  "             [--in 512] [--hidden 2048]\n");
+      return 0;
+    }
   try {
     if (std::getenv("RANK")) {
       if (argc < 2) return 2;
