@@ -22,7 +22,7 @@ jobs="${FUZZ_JOBS:-1}"
 export CXX="${CXX:-clang++}"
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip)
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
@@ -37,13 +37,15 @@ max_len_of() {
     fuzz_metadata) echo 8192 ;;
     fuzz_hf_index) echo 4096 ;;
     fuzz_pickle) echo 4096 ;;
+    fuzz_dcp_metadata) echo 8192 ;;
+    fuzz_torch_zip) echo 4096 ;;
     *) echo 4096 ;;
   esac
 }
 dict_of() {
   case "$1" in
     fuzz_safetensors) echo "$here/safetensors.dict" ;;
-    fuzz_pickle) echo "$here/pickle.dict" ;;
+    fuzz_pickle | fuzz_dcp_metadata | fuzz_torch_zip) echo "$here/pickle.dict" ;;
     *) echo "$here/json.dict" ;;
   esac
 }

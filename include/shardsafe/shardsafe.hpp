@@ -17,7 +17,9 @@
 #include "shardsafe/core/shape.hpp"
 
 // file formats (docs/FORMAT.md)
+#include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/dcp_sharding.hpp"
+#include "shardsafe/format/dcp_unpickler.hpp"
 #include "shardsafe/format/hf_export.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -25,6 +27,7 @@
 #include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
+#include "shardsafe/format/torch_zip.hpp"
 
 // shard arithmetic: specs, overlaps, copy plans, read plans
 #include "shardsafe/shard/copy_plan.hpp"

@@ -42,6 +42,9 @@ class basic_pickle_reader;
 /// |                           | with `r.push(value)`. Returns `false` to refuse it: the reader      |
 /// |                           | then throws invalid_metadata naming the opcode and the byte        |
 /// |                           | (`r.refuse(op, at)`). It may throw through `r.bad(why)` itself.    |
+/// |                           | `r.pop_value()` pops a value (an opcode's operand), checked and   |
+/// |                           | built; `r.top_entry(key)` and `r.extend_top(key, v)` read and add  |
+/// |                           | to the dict on top of the stack in place (BUILD on an object).     |
 /// | `P{}` or a `P` passed in  | the reader holds its own copy (pass a pointer for shared state).   |
 ///
 /// The reader's limits apply to what a policy pushes as to everything else.
@@ -65,8 +68,11 @@ template <class Policy = plain_data_only>
 class basic_pickle_reader {
  public:
   /// Reads `in`; `what` names the bytes in messages.
-  basic_pickle_reader(std::string_view in, std::string what, Policy policy = {})
-      : in_(in), what_(std::move(what)), policy_(std::move(policy)) {}
+  /// `max_values` bounds the values the result (and every pop_value) may expand to.
+  basic_pickle_reader(std::string_view in, std::string what, Policy policy = {}, std::size_t max_values = default_max_values)
+      : in_(in), what_(std::move(what)), max_nodes_(max_values), popped_budget_(8 * max_values), policy_(std::move(policy)) {}
+  /// The default bound on values: param groups hold dozens.
+  static constexpr std::size_t default_max_values = std::size_t(1) << 20;
   basic_pickle_reader(const basic_pickle_reader&) = delete;
   basic_pickle_reader& operator=(const basic_pickle_reader&) = delete;
   // Containers may hold themselves (APPEND of a DUP or BINGET) or nest deeper than the call
@@ -205,6 +211,37 @@ class basic_pickle_reader {
   }
   /// Pushes a value onto the stack (later opcodes may add items to it if it is a list or dict).
   void push(pickle_value v) { push(make(std::move(v))); }
+  /// Pops the value on top of the stack, built as the result would be (cycles, depth and size
+  /// refused alike); all pops together may build at most 8 x max_values values.
+  pickle_value pop_value() {
+    ptr n = pop();
+    const std::uint64_t size = expanded_size(n, 0);
+    if (size > popped_budget_) bad("operands expand to more than " + std::to_string(8 * max_nodes_) + " values");
+    popped_budget_ -= static_cast<std::size_t>(size);
+    budget_ = max_nodes_;
+    return materialize(n, 0);
+  }
+  /// The string under string key `key` of the dict on top of the stack, or "" when the top is not
+  /// a dict or has no such string entry (the last entry of that key counts).
+  std::string top_entry(std::string_view key) const {
+    const ptr t = top();
+    if (t->k != pickle_value::kind::dict) return {};
+    for (std::size_t i = t->children.size() / 2; i-- > 0;) {
+      const auto& k = t->children[2 * i];
+      const auto& v = t->children[2 * i + 1];
+      if (k->k == pickle_value::kind::string && k->scalar.as_string("key") == key)
+        return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
+    }
+    return {};
+  }
+  /// Adds entry (key, v) to the dict on top of the stack, in place (other references to it, from
+  /// the memo, see the change), as SETITEM does.
+  void extend_top(pickle_value key, pickle_value v) {
+    auto d = container(pickle_value::kind::dict, "extend_top");
+    d->expanded = 0;
+    d->children.push_back(make(std::move(key)));
+    d->children.push_back(make(std::move(v)));
+  }
 
  private:
   struct node {
@@ -220,7 +257,6 @@ class basic_pickle_reader {
   static constexpr std::size_t max_stack_ = 1 << 16;
   static constexpr std::size_t max_memo_ = 1 << 20;
   static constexpr std::size_t max_depth_ = 200;
-  static constexpr std::size_t max_nodes_ = 1 << 20;  // param groups hold dozens
 
   static std::string hex(unsigned v) {
     const char* d = "0123456789abcdef";
@@ -377,6 +413,8 @@ class basic_pickle_reader {
   std::vector<ptr> stack_;
   std::vector<std::size_t> marks_;
   std::vector<ptr> memo_;
+  std::size_t max_nodes_;
+  std::size_t popped_budget_;
   std::size_t budget_ = 0;
   std::vector<ptr> all_;  // every node made, unlinked by the destructor
   Policy policy_;
@@ -394,8 +432,9 @@ inline pickle_value pickle_loads(std::string_view bytes, std::string_view what) 
 
 /// Unpickles with `policy` deciding the opcodes outside plain data (see PickleOpcodePolicy).
 template <PickleOpcodePolicy Policy>
-pickle_value pickle_loads(std::string_view bytes, std::string_view what, Policy policy) {
-  return basic_pickle_reader<Policy>(bytes, std::string(what), std::move(policy)).run();
+pickle_value pickle_loads(std::string_view bytes, std::string_view what, Policy policy,
+                          std::size_t max_values = basic_pickle_reader<Policy>::default_max_values) {
+  return basic_pickle_reader<Policy>(bytes, std::string(what), std::move(policy), max_values).run();
 }
 
 }  // namespace shardsafe

@@ -1,0 +1,320 @@
+// shardsafe/format/torch_zip.hpp - the storage record of one torch.save archive (a zip), as each
+// chunk of a torch DCP `.distcp` file is (docs/FORMAT.md §4, issue 11).
+//
+// torch.save writes a zip of `PREFIX/data.pkl` (the pickled tensor), `PREFIX/data/KEY` (the
+// storage bytes, stored, not compressed) and `PREFIX/version` (newer torch adds a few more
+// records). The storage is found the way a zip reader does: the end-of-central-directory record
+// (zip64 too), the central directory, then the record's local header, whose name and extra field
+// give where its bytes start. Only the ranges needed are read, through `read_at(offset, n)`, so
+// a reader of a large chunk never reads its data to find it.
+//
+// Rules (errc::invalid_metadata, naming the archive, the record and the rule):
+//   - an end-of-central-directory record whose central directory lies inside the archive, with
+//     at most 1024 records;
+//   - exactly one record named `*/data/*`; it is stored (method 0), not encrypted, its sizes
+//     agree, its local header carries the same name, and its bytes end before the central
+//     directory; when the caller knows the chunk's bytes, the record holds exactly that many;
+//   - data.pkl (read by torch_zip_tensor_info through an allowlist: torch._utils._rebuild_tensor_v2,
+//     torch.<T>Storage, collections.OrderedDict) describes a tensor at storage offset 0 with
+//     row-major contiguous strides, whose storage is the record.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checked.hpp"
+#include "shardsafe/format/dcp_unpickler.hpp"
+#include "shardsafe/format/pickle_reader.hpp"
+
+namespace shardsafe {
+
+/// A record of the archive: its name and where its bytes are (from the archive's first byte).
+struct torch_zip_record {
+  std::string name;
+  std::uint64_t data_offset = 0;
+  std::uint64_t size = 0;
+};
+
+/// The records of a torch.save archive that a reader needs.
+struct torch_zip_archive {
+  torch_zip_record storage;                ///< PREFIX/data/KEY
+  std::optional<torch_zip_record> pickle;  ///< PREFIX/data.pkl, when present and stored
+};
+
+namespace detail {
+
+inline std::uint64_t zip_le(std::string_view b, std::size_t at, std::size_t n) {
+  std::uint64_t x = 0;
+  for (std::size_t i = n; i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[at + i]);
+  return x;
+}
+
+struct zip_entry {
+  std::string name;
+  std::uint64_t method = 0, flags = 0, csize = 0, usize = 0, local = 0;
+};
+
+}  // namespace detail
+
+/// Locates the storage record of a torch.save archive of `length` bytes read through
+/// `read_at(offset, n)` (returning a std::string of exactly n bytes at that offset of the
+/// archive); `what` names the archive in messages ("ckpt/__0_0.distcp [0, 747)").
+/// With `expected_size`, the record must hold exactly that many bytes (numel x item size).
+template <class ReadAt>
+torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::string_view what,
+                                   std::optional<std::uint64_t> expected_size = std::nullopt) {
+  using detail::zip_le;
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
+  constexpr std::uint64_t eocd_size = 22, max_comment = 65535, max_entries = 1024, max_cd = 1 << 20;
+  if (length < eocd_size) bad("zip archive of " + std::to_string(length) + " bytes is shorter than its end record");
+  const std::uint64_t tail_len = std::min<std::uint64_t>(length, eocd_size + max_comment);
+  const std::string tail = read_at(length - tail_len, static_cast<std::size_t>(tail_len));
+  std::optional<std::size_t> eocd;
+  for (std::size_t i = tail.size() - eocd_size + 1; i-- > 0;)
+    if (zip_le(tail, i, 4) == 0x06054b50 && zip_le(tail, i + 20, 2) == tail.size() - i - eocd_size) {
+      eocd = i;
+      break;
+    }
+  if (!eocd) bad("no zip end-of-central-directory record (not a torch.save archive, or truncated)");
+  const std::uint64_t eocd_at = length - tail_len + *eocd;
+  std::uint64_t entries = zip_le(tail, *eocd + 10, 2), cd_size = zip_le(tail, *eocd + 12, 4), cd_at = zip_le(tail, *eocd + 16, 4);
+  std::uint64_t cd_end_limit = eocd_at;
+  if (entries == 0xffff || cd_size == 0xffffffff || cd_at == 0xffffffff) {  // zip64
+    if (eocd_at < 20) bad("zip64 end record locator is missing");
+    const std::string loc = read_at(eocd_at - 20, 20);
+    if (zip_le(loc, 0, 4) != 0x07064b50) bad("zip64 end record locator is missing");
+    const std::uint64_t z = zip_le(loc, 8, 8);
+    if (z > eocd_at - 20 || eocd_at - 20 - z < 56) bad("zip64 end record lies outside the archive");
+    const std::string rec = read_at(z, 56);
+    if (zip_le(rec, 0, 4) != 0x06064b50) bad("zip64 end record has a bad signature");
+    entries = zip_le(rec, 32, 8);
+    cd_size = zip_le(rec, 40, 8);
+    cd_at = zip_le(rec, 48, 8);
+    cd_end_limit = z;
+  }
+  const auto cd_end = detail::checked_add(cd_at, cd_size);
+  if (!cd_end || *cd_end > cd_end_limit) bad("central directory [" + std::to_string(cd_at) + ", +" + std::to_string(cd_size) + ") lies outside the archive");
+  if (entries > max_entries || cd_size > max_cd) bad("central directory of " + std::to_string(entries) + " records is too large for a torch.save archive");
+  const std::string cd = read_at(cd_at, static_cast<std::size_t>(cd_size));
+
+  std::vector<detail::zip_entry> all;
+  std::size_t p = 0;
+  for (std::uint64_t i = 0; i < entries; ++i) {
+    if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50) bad("central directory record " + std::to_string(i) + " is damaged");
+    detail::zip_entry e;
+    e.flags = zip_le(cd, p + 8, 2);
+    e.method = zip_le(cd, p + 10, 2);
+    e.csize = zip_le(cd, p + 20, 4);
+    e.usize = zip_le(cd, p + 24, 4);
+    const std::size_t n = zip_le(cd, p + 28, 2), x = zip_le(cd, p + 30, 2), c = zip_le(cd, p + 32, 2);
+    e.local = zip_le(cd, p + 42, 4);
+    if (cd.size() - p - 46 < n + x + c) bad("central directory record " + std::to_string(i) + " is damaged");
+    e.name = cd.substr(p + 46, n);
+    // zip64 extra field: the 64-bit values of the fields that read 0xffffffff, in this order
+    for (std::size_t q = p + 46 + n, end = q + x; end - q >= 4;) {
+      const std::size_t id = zip_le(cd, q, 2), len = zip_le(cd, q + 2, 2);
+      if (end - q - 4 < len) break;
+      if (id == 1) {
+        std::size_t f = q + 4;
+        for (auto* v : {&e.usize, &e.csize, &e.local})
+          if (*v == 0xffffffff) {
+            if (f + 8 > q + 4 + len) bad("record '" + e.name + "': zip64 extra field is too short");
+            *v = zip_le(cd, f, 8);
+            f += 8;
+          }
+      }
+      q += 4 + len;
+    }
+    all.push_back(std::move(e));
+    p += 46 + n + x + c;
+  }
+
+  auto place = [&](const detail::zip_entry& e) {
+    const std::string rec = "record '" + e.name + "'";
+    if (e.flags & 1) bad(rec + " is encrypted");
+    if (e.method != 0) bad(rec + " is compressed (method " + std::to_string(e.method) + "); torch.save stores records uncompressed");
+    if (e.csize != e.usize) bad(rec + " is stored with compressed size " + std::to_string(e.csize) + " != size " + std::to_string(e.usize));
+    if (e.local > cd_at || cd_at - e.local < 30) bad(rec + ": local header at " + std::to_string(e.local) + " lies outside the archive");
+    const std::string h = read_at(e.local, 30);
+    if (zip_le(h, 0, 4) != 0x04034b50) bad(rec + ": no local header at byte " + std::to_string(e.local));
+    if (zip_le(h, 8, 2) != e.method) bad(rec + ": local header disagrees on the compression method");
+    const std::uint64_t n = zip_le(h, 26, 2), x = zip_le(h, 28, 2);
+    const std::uint64_t data = e.local + 30 + n + x;
+    if (data > cd_at || cd_at - data < e.usize)
+      bad(rec + ": bytes [" + std::to_string(data) + ", +" + std::to_string(e.usize) + ") run into the central directory at " + std::to_string(cd_at));
+    if (read_at(e.local + 30, static_cast<std::size_t>(n)) != e.name) bad(rec + ": local header names another record");
+    return torch_zip_record{e.name, data, e.usize};
+  };
+
+  torch_zip_archive out;
+  const detail::zip_entry* storage = nullptr;
+  for (const auto& e : all) {
+    const auto d = e.name.find("/data/");
+    if (d == std::string::npos || d == 0 || e.name.find('/', d + 6) != std::string::npos || e.name.size() == d + 6) continue;
+    if (storage) bad("holds two storage records, '" + storage->name + "' and '" + e.name + "' (a DCP chunk holds one tensor)");
+    storage = &e;
+  }
+  if (!storage) bad("holds no storage record (PREFIX/data/KEY)");
+  out.storage = place(*storage);
+  if (expected_size && out.storage.size != *expected_size)
+    bad("record '" + out.storage.name + "' holds " + std::to_string(out.storage.size) + " bytes but the chunk needs " + std::to_string(*expected_size));
+  const std::string pkl = storage->name.substr(0, storage->name.find("/data/")) + "/data.pkl";
+  for (const auto& e : all)
+    if (e.name == pkl) out.pickle = place(e);
+  return out;
+}
+
+/// The same, on an archive held in memory.
+inline torch_zip_archive locate_torch_zip(std::string_view archive, std::string_view what,
+                                          std::optional<std::uint64_t> expected_size = std::nullopt) {
+  return locate_torch_zip(
+      archive.size(), [&](std::uint64_t off, std::size_t n) { return std::string(archive.substr(static_cast<std::size_t>(off), n)); },
+      what, expected_size);
+}
+
+/// The tensor data.pkl describes: its storage (key, element type, elements) and view.
+struct torch_zip_tensor {
+  std::string storage_key;    ///< KEY of PREFIX/data/KEY
+  std::optional<dtype> type;  ///< nullopt for an untyped (byte) storage
+  std::uint64_t storage_numel = 0;
+  std::uint64_t storage_offset = 0;
+  std::vector<std::uint64_t> size, stride;
+};
+
+/// The PickleOpcodePolicy of a torch.save data.pkl holding one tensor: the globals
+/// torch._utils._rebuild_tensor_v2, collections.OrderedDict, torch.<T>Storage, torch.UntypedStorage
+/// and torch.<dtype>; BINPERSID of ('storage', type, key, location, numel). Nothing is called.
+struct torch_tensor_pickle_policy {
+  /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
+  static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
+    static constexpr std::pair<std::string_view, dtype> table[] = {
+        {"FloatStorage", dtype::F32}, {"DoubleStorage", dtype::F64}, {"HalfStorage", dtype::F16},
+        {"BFloat16Storage", dtype::BF16}, {"LongStorage", dtype::I64}, {"IntStorage", dtype::I32},
+        {"ShortStorage", dtype::I16}, {"CharStorage", dtype::I8}, {"ByteStorage", dtype::U8},
+        {"BoolStorage", dtype::BOOL}, {"ComplexFloatStorage", dtype::C64}};
+    for (const auto& [name, t] : table)
+      if (n == name) return std::optional<dtype>(t);
+    if (n == "UntypedStorage") return std::optional<dtype>();
+    if (auto t = dcp_torch_dtype(n); t && *t) return t;  // newer torch: the dtype itself
+    return std::nullopt;
+  }
+  template <class Reader>
+  bool on_opcode(Reader& r, unsigned char op, std::size_t at) const {
+    const auto where = " at byte " + std::to_string(at);
+    using k = pickle_value::kind;
+    if (op == 'c' || op == 0x93) {
+      std::string full;
+      if (op == 'c') {
+        std::string m, n;
+        for (auto* s : {&m, &n})
+          for (char c; (c = r.take(1)[0]) != '\n';) {
+            if (s->size() >= 256) r.bad("GLOBAL name longer than 256 bytes");
+            *s += c;
+          }
+        full = m + "." + n;
+      } else {
+        const auto n = r.pop_value(), m = r.pop_value();
+        if (n.type() != k::string || m.type() != k::string) r.bad("STACK_GLOBAL" + where + " needs two strings");
+        full = m.as_string("") + "." + n.as_string("");
+      }
+      const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "collections.OrderedDict" ||
+                      (full.starts_with("torch.") && storage_type(std::string_view(full).substr(6)));
+      if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
+      r.push(dcp_unpickle_policy::marker(full));
+      return true;
+    }
+    if (op == 'Q') {  // BINPERSID
+      const auto pid = r.pop_value();
+      const auto* t = pid.type() == k::tuple ? &pid.as_sequence("") : nullptr;
+      if (!t || t->size() != 5 || (*t)[0] != pickle_value::string("storage") || (*t)[2].type() != k::string ||
+          (*t)[4].type() != k::integer || (*t)[4].as_int("") < 0 || dcp_unpickle_policy::marker_name((*t)[1]).empty())
+        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel)");
+      r.push(pickle_value::dict({{pickle_value::string("__storage__"), (*t)[2]},
+                                 {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
+                                 {pickle_value::string("numel"), (*t)[4]}}));
+      return true;
+    }
+    if (op == 'R') {
+      const auto args = r.pop_value(), fn = r.pop_value();
+      const auto name = dcp_unpickle_policy::marker_name(fn);
+      if (args.type() != k::tuple) r.bad("REDUCE" + where + " without an argument tuple");
+      const auto& a = args.as_sequence("");
+      if (name == "collections.OrderedDict" && a.empty()) {
+        r.push(pickle_value::dict());
+      } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find("__storage__")) {
+        r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
+                                   {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}));
+      } else {
+        r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
+      }
+      return true;
+    }
+    return false;
+  }
+};
+
+/// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
+inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
+  const auto v = pickle_loads(bytes, what, torch_tensor_pickle_policy{});
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
+  const auto* st = v.find("__tensor__");
+  if (!st) bad("does not hold one tensor (torch._utils._rebuild_tensor_v2)");
+  auto uint = [&](const pickle_value& x, const char* field) {
+    if (x.type() != pickle_value::kind::integer || x.as_int("") < 0) bad(std::string(field) + " is not a non-negative int");
+    return static_cast<std::uint64_t>(x.as_int(""));
+  };
+  auto ints = [&](const pickle_value& x, const char* field) {
+    if (x.type() != pickle_value::kind::tuple && x.type() != pickle_value::kind::list) bad(std::string(field) + " is not a tuple");
+    std::vector<std::uint64_t> out;
+    for (const auto& i : x.as_sequence("")) out.push_back(uint(i, field));
+    return out;
+  };
+  torch_zip_tensor t;
+  t.storage_key = st->at("__storage__", what).as_string(what);
+  const std::string& type = st->at("type", what).as_string(what);
+  const auto st_type = type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(type).substr(6)) : std::nullopt;
+  if (!st_type) bad("storage type '" + type + "' is not a torch storage class");
+  t.type = *st_type;
+  t.storage_numel = uint(st->at("numel", what), "storage numel");
+  t.storage_offset = uint(v.at("offset", what), "storage offset");
+  t.size = ints(v.at("size", what), "size");
+  t.stride = ints(v.at("stride", what), "stride");
+  return t;
+}
+
+/// Checks that data.pkl's tensor is the DCP chunk `sizes` of dtype `type` stored whole, row-major
+/// and contiguous from the first byte of `storage`: the rules at the top, named in the message.
+inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_record& storage, dtype type,
+                                   const std::vector<std::uint64_t>& sizes, std::string_view what) {
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": data.pkl: " + rule); };
+  if (!storage.name.ends_with("/data/" + t.storage_key)) bad("tensor's storage '" + t.storage_key + "' is not the record '" + storage.name + "'");
+  if (t.type && *t.type != type) bad("storage holds " + std::string(name(*t.type)) + " but .metadata says " + std::string(name(type)));
+  if (t.storage_offset != 0) bad("storage offset " + std::to_string(t.storage_offset) + " is not 0");
+  if (t.size != sizes) bad("size " + to_string(t.size) + " is not the chunk's sizes " + to_string(sizes));
+  if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
+  const auto n = detail::checked_numel(t.size);
+  if (!n) bad("size " + to_string(t.size) + " overflows");
+  std::uint64_t want = 1;
+  for (std::size_t d = t.size.size(); *n != 0 && d-- > 0;) {
+    if (t.size[d] > 1 && t.stride[d] != want)
+      bad("stride " + to_string(t.stride) + " is not row-major contiguous for size " + to_string(t.size));
+    want *= t.size[d];
+  }
+  const std::uint64_t item = t.type ? item_size(*t.type) : 1;
+  const auto bytes = detail::checked_mul(t.storage_numel, item);
+  if (!bytes || *bytes != storage.size)
+    bad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(storage.size) + " bytes of '" + storage.name + "'");
+  const auto need = detail::checked_mul(*n, item_size(type));
+  if (!need || *need != storage.size)
+    bad("record '" + storage.name + "' holds " + std::to_string(storage.size) + " bytes, not the chunk's " + to_string(sizes) + " " + std::string(name(type)));
+}
+
+}  // namespace shardsafe

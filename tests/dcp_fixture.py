@@ -1,0 +1,102 @@
+"""Writes a torch DCP checkpoint with the torch found by this interpreter (Debian's 1.13 under
+/usr/bin/python3), for tests/test_dcp_format.cpp.
+
+    python3 tests/dcp_fixture.py OUT_DIR
+
+OUT_DIR/ckpt/ holds the checkpoint (.metadata + *.distcp, one file per item) and OUT_DIR/ckpt_single/
+the same state dict with single_file_per_rank=True (every item in one file, at offsets);
+OUT_DIR/<name>.json says what torch read back: per key its dtype, size, chunks and storage
+entries, or "bytes"; OUT_DIR/<name>.metadata_p2 is the same Metadata pickled with protocol 2;
+OUT_DIR/raw/<key>.bin holds each tensor's little-endian row-major bytes.
+Prints "shim" on stderr when the dataclass shim below was needed.
+"""
+import dataclasses
+import json
+import os
+import pickle
+import sys
+
+# Python 3.11 refuses a dataclass field whose default is an unhashable instance (torch 1.13's
+# TensorProperties has dtype/layout/memory_format defaults that are). Turn such defaults into
+# default_factory before torch is imported; on interpreters that accept them this does nothing.
+_orig_get_field = dataclasses._get_field
+
+
+def _get_field(cls, name, type_, *rest):
+    try:
+        return _orig_get_field(cls, name, type_, *rest)
+    except ValueError as e:
+        if "mutable default" not in str(e):
+            raise
+        print("shim", file=sys.stderr)
+        f = cls.__dict__[name]
+        value = f.default if isinstance(f, dataclasses.Field) else f
+        if isinstance(f, dataclasses.Field):
+            f.default = dataclasses.MISSING
+            f.default_factory = lambda v=value: v
+        else:
+            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
+        return _orig_get_field(cls, name, type_, *rest)
+
+
+dataclasses._get_field = _get_field
+
+import torch  # noqa: E402
+import torch.distributed._shard.checkpoint as dcp  # noqa: E402
+
+DTYPE = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+         torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+         torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def main(out):
+    torch.manual_seed(7)
+    sd = {}
+    for i, (dt, name) in enumerate(DTYPE.items()):
+        shape = [(3, 5), (7,), (2, 3, 4), (4, 2)][i % 4]
+        if dt.is_floating_point:
+            t = torch.randn(shape).to(dt)
+        elif dt == torch.bool:
+            t = torch.rand(shape) > 0.5
+        else:
+            t = torch.randint(-100 if dt != torch.uint8 else 0, 100, shape).to(dt)
+        sd["t_" + name.lower()] = t
+    sd["scalar"] = torch.tensor(2.5, dtype=torch.float64)
+    sd["empty"] = torch.zeros(0, 4)
+    sd["layers.0.w"] = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    sd["step"] = 17  # a non-tensor item
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    for key, t in sd.items():
+        if isinstance(t, torch.Tensor):
+            t = t.contiguous()
+            with open(os.path.join(out, "raw", key + ".bin"), "wb") as f:
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for name, single in (("ckpt", False), ("ckpt_single", True)):
+        ckpt = os.path.join(out, name)
+        os.makedirs(ckpt, exist_ok=True)
+        dcp.save_state_dict(sd, dcp.FileSystemWriter(ckpt, single_file_per_rank=single), no_dist=True)
+        md = dcp.FileSystemReader(ckpt).read_metadata()
+        with open(os.path.join(out, name + ".metadata_p2"), "wb") as f:
+            pickle.dump(md, f, protocol=2)
+        with open(os.path.join(out, name + ".json"), "w") as f:
+            json.dump(describe(md), f, indent=1, sort_keys=True)
+
+
+def describe(md):
+    expect = {}
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, dcp.metadata.BytesStorageMetadata):
+            entries = [v for k, v in md.storage_data.items() if k.fqn == key]
+            expect[key] = {"bytes": True, "storage": [[v.relative_path, v.offset, v.length] for v in entries]}
+            continue
+        chunks = []
+        for c in m.chunks:
+            v = md.storage_data[dcp.metadata.MetadataIndex(key, c.offsets)]
+            chunks.append({"offsets": list(c.offsets), "sizes": list(c.sizes),
+                           "storage": [v.relative_path, v.offset, v.length]})
+        expect[key] = {"dtype": DTYPE[m.properties.dtype], "size": list(m.size), "chunks": chunks}
+    return expect
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
