@@ -18,7 +18,8 @@
 //   - a tensor has a known dtype, a size of non-negative ints whose product fits 64 bits, and
 //     chunks whose offsets and sizes have one entry per dimension and lie inside the tensor;
 //   - storage_data maps MetadataIndex to _StorageInfo with a plain relative_path (no '/', '\',
-//     "..", NUL, not empty) and offset + length within 64 bits; every chunk of every tensor (key
+//     "..", NUL, not empty), offset + length within 64 bits and no transform_descriptors (newer
+//     torch's compression of stored bytes, not read here); every chunk of every tensor (key
 //     and offsets equal) and every bytes item has an entry. Entries that no item uses are ignored.
 #pragma once
 
@@ -129,6 +130,11 @@ struct dcp_parse {
     s.offset = uint(field(v, "offset", where), where + ": offset");
     s.length = uint(field(v, "length", where), where + ": length");
     if (!detail::checked_add(s.offset, s.length)) bad(where, "offset + length overflows");
+    // newer torch may compress or otherwise transform the stored bytes (StorageInfo.transform_descriptors)
+    if (const auto* t = v.find("transform_descriptors"); t && !t->is_none()) {
+      if (t->type() != pickle_value::kind::list && t->type() != pickle_value::kind::tuple) bad(where, "transform_descriptors is not a list");
+      if (!t->as_sequence("").empty()) bad(where, "bytes are transformed (transform_descriptors), which this reader does not undo");
+    }
     return s;
   }
 };
@@ -144,7 +150,8 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
   using k = pickle_value::kind;
   p.object(root, "Metadata", "top level");
   const auto* sdm = root.find("state_dict_metadata");
-  if (!sdm && root.find("__args__")) sdm = &root.at("__args__", what).as_sequence("")[0];
+  if (const auto* a = root.find("__args__"); !sdm && a && a->type() == k::tuple && !a->as_sequence("").empty())
+    sdm = &a->as_sequence("")[0];  // Metadata made by REDUCE with positional arguments
   if (!sdm || sdm->type() != k::dict) p.bad("Metadata", "state_dict_metadata is not a dict");
 
   // storage_data: (fqn, offsets or None) -> where the bytes are
