@@ -52,7 +52,7 @@ std::string list(const std::vector<std::string>& items) {
   for (const auto& i : items) s += i;
   return s + "e";
 }
-std::string size(const std::vector<std::int64_t>& d) {
+std::string tsize(const std::vector<std::int64_t>& d) {
   std::vector<std::string> items;
   for (auto x : d) items.push_back(num(x));
   return glob("torch", "Size") + tup({tup(items)}) + "R";
@@ -85,9 +85,9 @@ std::string metadata_pickle(const meta_parts& p) {
           tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({str("torch.strided")}) + "R",
                "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), str("TORCH_CONTIGUOUS_FORMAT")}) + "R",
                "\x89"}));
-  const std::string chunk = obj(p.module, "ChunkStorageMetadata", dict({{str("offsets"), size(p.offsets)}, {str("sizes"), size(p.sizes)}}));
+  const std::string chunk = obj(p.module, "ChunkStorageMetadata", dict({{str("offsets"), tsize(p.offsets)}, {str("sizes"), tsize(p.sizes)}}));
   const std::string tsm =
-      obj(p.module, "TensorStorageMetadata", dict({{str("properties"), props}, {str("size"), size(p.size)}, {str("chunks"), list({chunk})}}));
+      obj(p.module, "TensorStorageMetadata", dict({{str("properties"), props}, {str("size"), tsize(p.size)}, {str("chunks"), list({chunk})}}));
   const std::string bsm = obj(p.module, "BytesStorageMetadata", dict({}));
   const std::string fs_module = p.module.substr(0, p.module.rfind('.')) + ".filesystem";
   auto info = [&](std::int64_t off, std::int64_t len) {
@@ -99,7 +99,7 @@ std::string metadata_pickle(const meta_parts& p) {
     return obj(p.module, "MetadataIndex", dict({{str("fqn"), str(fqn)}, {str("index"), num(0)}, {str("offset"), offset}}));
   };
   std::vector<std::pair<std::string, std::string>> storage{{index("step", "N"), info(0, 10)}};
-  if (p.with_storage) storage.push_back({index("w", size(p.offsets)), info(10, 96)});
+  if (p.with_storage) storage.push_back({index("w", tsize(p.offsets)), info(10, 96)});
   const std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
   return pickle(obj(p.module, "Metadata",
                     dict({{str("state_dict_metadata"), dict({{str("w"), tsm}, {str("step"), bsm}})},
@@ -129,6 +129,28 @@ std::string zip(const std::vector<zip_entry_spec>& entries) {
   const std::uint64_t cd_at = out.size();
   out += cd + le(0x06054b50, 4) + le(0, 2) + le(0, 2) + le(entries.size(), 2) + le(entries.size(), 2) + le(cd.size(), 4) +
          le(cd_at, 4) + le(0, 2);
+  return out;
+}
+
+/// The same archive with every size and offset in zip64 extra fields and a zip64 end record.
+std::string zip64(const std::vector<zip_entry_spec>& entries) {
+  std::string out, cd;
+  const std::string ff = le(0xffffffff, 4);
+  for (const auto& e : entries) {
+    const std::uint64_t local = out.size();
+    out += le(0x04034b50, 4) + le(45, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + ff + ff + le(e.name.size(), 2) +
+           le(20, 2) + e.name + le(1, 2) + le(16, 2) + le(e.data.size(), 8) + le(e.data.size(), 8) + e.data;
+    cd += le(0x02014b50, 4) + le(45, 2) + le(45, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + ff + ff +
+          le(e.name.size(), 2) + le(28, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + ff + e.name + le(1, 2) + le(24, 2) +
+          le(e.data.size(), 8) + le(e.data.size(), 8) + le(local, 8);
+  }
+  const std::uint64_t cd_at = out.size();
+  out += cd;
+  const std::uint64_t z = out.size();
+  out += le(0x06064b50, 4) + le(44, 8) + le(45, 2) + le(45, 2) + le(0, 4) + le(0, 4) + le(entries.size(), 8) +
+         le(entries.size(), 8) + le(cd.size(), 8) + le(cd_at, 8);
+  out += le(0x07064b50, 4) + le(0, 4) + le(z, 8) + le(1, 4);
+  out += le(0x06054b50, 4) + le(0xffff, 2) + le(0xffff, 2) + le(0xffff, 2) + le(0xffff, 2) + ff + ff + le(0, 2);
   return out;
 }
 
@@ -281,6 +303,23 @@ TEST_CASE("torch zip: the storage record is found by its headers, compressed or 
   for (std::size_t n = 0; n + 1 < good.size(); n += 5)
     expect_error([&] { locate_torch_zip(std::string_view(good).substr(0, n), "f"); }, errc::invalid_metadata, {"f: "});
   expect_error([&] { locate_torch_zip(std::string(100, 'x'), "f"); }, errc::invalid_metadata, {"no zip end-of-central-directory"});
+
+  // zip64: sizes and offsets in extra fields, the central directory found through the zip64 end record
+  const auto big = zip64({{"model/data.pkl", "PKL"}, {"model/data/0", data}, {"model/version", "3\n"}});
+  const auto b = locate_torch_zip(big, "z.distcp", data.size());
+  CHECK(b.storage.name == "model/data/0");
+  CHECK(big.substr(b.storage.data_offset, b.storage.size) == data);
+  REQUIRE(b.pickle);
+  CHECK(big.substr(b.pickle->data_offset, b.pickle->size) == "PKL");
+  // an archive read by ranges: only the tail, the central directory and the headers are read
+  const std::string mib(std::size_t(1) << 20, '\x11');
+  const auto large = zip({{"archive/data.pkl", "PKL"}, {"archive/data/0", mib}, {"archive/version", "3\n"}});
+  std::uint64_t read = 0;
+  const auto c = locate_torch_zip(
+      large.size(), [&](std::uint64_t off, std::size_t n) { read += n; return large.substr(static_cast<std::size_t>(off), n); }, "f",
+      mib.size());
+  CHECK(large.substr(c.storage.data_offset, 16) == mib.substr(0, 16));
+  CHECK(read < 70000);  // the end record's search window (64 KiB + 22) and a few headers
 }
 
 // ============================================================ real torch 1.13 checkpoints

@@ -78,8 +78,11 @@ struct dcp_parse {
   [[noreturn]] void bad(const std::string& where, const std::string& rule) const {
     fail(errc::invalid_metadata, std::string(what) + ": " + where + ": " + rule);
   }
+  // The class an object was made as: its first "__class__" entry (a state dict may add another).
   static std::string class_name(const pickle_value& v) {
-    const auto* c = v.type() == pickle_value::kind::dict ? v.find(dcp_unpickle_policy::class_key) : nullptr;
+    const pickle_value* c = nullptr;
+    for (std::size_t i = 0; i < v.dict_size() && !c; ++i)
+      if (v.dict_key(i) == pickle_value::string(std::string(dcp_unpickle_policy::class_key))) c = &v.dict_value(i);
     if (!c || c->type() != pickle_value::kind::string) return {};
     const auto& s = c->as_string("");
     const auto dot = s.rfind('.');

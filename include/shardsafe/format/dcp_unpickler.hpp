@@ -10,12 +10,12 @@
 // | global                                              | becomes                                 |
 // |-----------------------------------------------------|-----------------------------------------|
 // | a DCP class: Metadata, TensorStorageMetadata,       | NEWOBJ/REDUCE: a dict {"__class__":     |
-// | BytesStorageMetadata, ChunkStorageMetadata,         | "module.Name"} (REDUCE's arguments under |
-// | MetadataIndex, TensorProperties, StorageMeta of     | "__args__"); BUILD adds the state dict's |
-// | torch.distributed.checkpoint.metadata (torch >= 2.0)| entries (both dicts of a (dict, slots)   |
-// | or torch.distributed._shard.checkpoint.metadata and | pair), any other state under "__state__" |
-// | ._shard.sharded_tensor.metadata (1.13); _StorageInfo|                                         |
-// | of either .filesystem                               |                                         |
+// | BytesStorageMetadata, ChunkStorageMetadata,         | "module.Name"} (REDUCE's arguments under|
+// | MetadataIndex, TensorProperties, StorageMeta of     | "__args__"); BUILD adds a state dict's  |
+// | torch.distributed.checkpoint.metadata (torch >= 2.0)| entries in place (both dicts of a       |
+// | or torch.distributed._shard.checkpoint.metadata and | (dict, slots) pair), another state under|
+// | ._shard.sharded_tensor.metadata (1.13); _StorageInfo| "__state__"; the first "__class__" is   |
+// | of either .filesystem                               | the class                               |
 // | MEM_FORMAT_ENCODING (either module)                 | REDUCE (value,): the value; getattr: a   |
 // |                                                     | marker {"__global__": "...NAME"}        |
 // | torch.Size                                          | REDUCE (seq,): a tuple                  |
@@ -158,21 +158,21 @@ struct dcp_unpickle_policy {
         return true;
       }
       case 'b': {  // BUILD
-        auto state = r.pop_value();
-        if (r.top_entry(class_key).empty())
+        if (r.string_entry_at(1, class_key).empty())
           r.bad("BUILD at byte " + std::to_string(at) + " on a value that is not an allowlisted object");
-        auto add = [&](const pickle_value& d) {
-          for (std::size_t i = 0; i < d.dict_size(); ++i)
-            if (!(d.dict_key(i) == pickle_value::string(std::string(class_key)))) r.extend_top(d.dict_key(i), d.dict_value(i));
-        };
         using k = pickle_value::kind;
-        if (state.type() == k::dict) {
-          add(state);
-        } else if (state.type() == k::tuple && state.as_sequence("").size() == 2 &&
-                   (state.as_sequence("")[0].is_none() || state.as_sequence("")[0].type() == k::dict) &&
-                   state.as_sequence("")[1].type() == k::dict) {
-          add(state.as_sequence("")[0]);
-          add(state.as_sequence("")[1]);
+        if (r.kind_at(0) == k::dict) {  // a dataclass's __dict__: its entries join the object, unbuilt
+          r.merge_top_into_below("BUILD");
+          return true;
+        }
+        auto state = r.pop_value();
+        auto add = [&](const pickle_value& d) {
+          for (std::size_t i = 0; i < d.dict_size(); ++i) r.extend_top(d.dict_key(i), d.dict_value(i));
+        };
+        const auto* s = state.type() == k::tuple ? &state.as_sequence("") : nullptr;
+        if (s && s->size() == 2 && ((*s)[0].is_none() || (*s)[0].type() == k::dict) && (*s)[1].type() == k::dict) {
+          add((*s)[0]);  // (__dict__ or None, slots)
+          add((*s)[1]);
         } else {
           r.extend_top(pickle_value::string("__state__"), state);
         }

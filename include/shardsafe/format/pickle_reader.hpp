@@ -43,8 +43,9 @@ class basic_pickle_reader;
 /// |                           | then throws invalid_metadata naming the opcode and the byte        |
 /// |                           | (`r.refuse(op, at)`). It may throw through `r.bad(why)` itself.    |
 /// |                           | `r.pop_value()` pops a value (an opcode's operand), checked and   |
-/// |                           | built; `r.top_entry(key)` and `r.extend_top(key, v)` read and add  |
-/// |                           | to the dict on top of the stack in place (BUILD on an object).     |
+/// |                           | built; `r.kind_at(i)`, `r.string_entry_at(i, key)` look at the     |
+/// |                           | stack; `r.extend_top(key, v)` and `r.merge_top_into_below(op)` add |
+/// |                           | to a dict on the stack in place (BUILD on an object).              |
 /// | `P{}` or a `P` passed in  | the reader holds its own copy (pass a pointer for shared state).   |
 ///
 /// The reader's limits apply to what a policy pushes as to everything else.
@@ -221,10 +222,12 @@ class basic_pickle_reader {
     budget_ = max_nodes_;
     return materialize(n, 0);
   }
-  /// The string under string key `key` of the dict on top of the stack, or "" when the top is not
-  /// a dict or has no such string entry (the last entry of that key counts).
-  std::string top_entry(std::string_view key) const {
-    const ptr t = top();
+  /// The kind of the value `from_top` places below the top of the stack (0: the top).
+  pickle_value::kind kind_at(std::size_t from_top) const { return at_(from_top)->k; }
+  /// The string under string key `key` of the dict `from_top` places below the top of the
+  /// stack, or "" when that value is not a dict or has no such string entry (the last counts).
+  std::string string_entry_at(std::size_t from_top, std::string_view key) const {
+    const ptr t = at_(from_top);
     if (t->k != pickle_value::kind::dict) return {};
     for (std::size_t i = t->children.size() / 2; i-- > 0;) {
       const auto& k = t->children[2 * i];
@@ -233,6 +236,17 @@ class basic_pickle_reader {
         return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
     }
     return {};
+  }
+  /// Pops the dict on top of the stack and adds its entries to the dict below it, in place, as
+  /// SETITEMS would (BUILD with a state dict); the entries are shared, not copied.
+  void merge_top_into_below(const char* op) {
+    const ptr s = top();
+    if (s->k != pickle_value::kind::dict) bad(std::string(op) + " of a " + pickle_value::kind_name(s->k) + " into a dict");
+    stack_.pop_back();
+    auto d = container(pickle_value::kind::dict, op);
+    const auto items = s->children;  // a copy: s may be d itself
+    d->expanded = 0;
+    d->children.insert(d->children.end(), items.begin(), items.end());
   }
   /// Adds entry (key, v) to the dict on top of the stack, in place (other references to it, from
   /// the memo, see the change), as SETITEM does.
@@ -302,6 +316,10 @@ class basic_pickle_reader {
   ptr top() const {
     if (stack_.size() <= base()) bad("reads an empty stack");
     return stack_.back();
+  }
+  ptr at_(std::size_t from_top) const {
+    if (stack_.size() <= base() + from_top) bad("reads past the bottom of the stack");
+    return stack_[stack_.size() - 1 - from_top];
   }
   ptr pop() {
     ptr p = top();
