@@ -1,5 +1,5 @@
 // shardsafe/format/dcp_metadata.hpp - torch.distributed.checkpoint's `.metadata` file as plain
-// C++ structures (docs/FORMAT.md §4, issue 11).
+// C++ structures (docs/FORMAT.md §5, issue 11).
 //
 // The file is a pickle (protocol 2 to 5) of
 //   Metadata(state_dict_metadata: {fqn: TensorStorageMetadata | BytesStorageMetadata},

@@ -1,5 +1,5 @@
 // shardsafe/format/dcp_unpickler.hpp - the allowlist that torch DCP's `.metadata` pickle is read
-// through (docs/FORMAT.md §4, issue 11): a PickleOpcodePolicy for format/pickle_reader.hpp.
+// through (docs/FORMAT.md §5, issue 11): a PickleOpcodePolicy for format/pickle_reader.hpp.
 //
 // It is a restricted unpickler, not an interpreter, with the rule of
 // torch.load(weights_only=True): GLOBAL and STACK_GLOBAL may name only the globals below, and

@@ -1,5 +1,5 @@
 // shardsafe/format/torch_zip.hpp - the storage record of one torch.save archive (a zip), as each
-// chunk of a torch DCP `.distcp` file is (docs/FORMAT.md §4, issue 11).
+// chunk of a torch DCP `.distcp` file is (docs/FORMAT.md §5, issue 11).
 //
 // torch.save writes a zip of `PREFIX/data.pkl` (the pickled tensor), `PREFIX/data/KEY` (the
 // storage bytes, stored, not compressed) and `PREFIX/version` (newer torch adds a few more
