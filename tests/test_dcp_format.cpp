@@ -174,7 +174,7 @@ bool have_torch() {
 // ============================================================ .metadata rules
 
 TEST_CASE("dcp metadata: a hand-built torch 1.13 and torch 2 pickle read into tensors and bytes items") {
-  for (const std::string module : {m113, std::string("torch.distributed.checkpoint.metadata")}) {
+  for (const std::string& module : {m113, std::string("torch.distributed.checkpoint.metadata")}) {
     CAPTURE(module);
     meta_parts p;
     p.module = module;
@@ -331,7 +331,7 @@ TEST_CASE("dcp: checkpoints written by torch 1.13 parse as torch reports them, c
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
   const auto r = testing::run_program(debian_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
-  MESSAGE("torch 1.13's dataclass shim " << (r.err.find("shim") != std::string::npos ? "was" : "was not") << " needed by this Python");
+  MESSAGE("torch 1.13's dataclass shim " << std::string(r.err.find("shim") != std::string::npos ? "was" : "was not") << " needed by this Python");
   for (const std::string folder : {"ckpt", "ckpt_single"}) {
   CAPTURE(folder);
   const auto ckpt = dir.path / folder;
@@ -361,7 +361,8 @@ TEST_CASE("dcp: checkpoints written by torch 1.13 parse as torch reports them, c
     const auto& item = md.items.at(fqn);
     auto ints = [](simdjson::dom::element a) {
       std::vector<std::uint64_t> v;
-      for (auto x : a.get_array().value()) v.push_back(x.get_uint64().value());
+      const simdjson::dom::array arr = a.get_array().value();  // a copy: value() of a temporary dangles
+      for (auto x : arr) v.push_back(x.get_uint64().value());
       return v;
     };
     auto storage_of = [](simdjson::dom::element a) {

@@ -21,7 +21,7 @@
 // | torch.Size                                          | REDUCE (seq,): a tuple                  |
 // | collections.OrderedDict                             | REDUCE (): an empty dict                |
 // | torch.serialization._get_layout                     | REDUCE (str,): the string               |
-// | builtins.getattr                                    | REDUCE (marker, name): the marker of    |
+// | builtins.getattr (__builtin__ in protocol 2)         | REDUCE (marker, name): the marker of    |
 // |                                                     | that attribute, itself allowlisted      |
 // | pathlib.PosixPath, pathlib.PurePosixPath            | REDUCE (str, ...): the parts joined by / |
 // | torch.<dtype>, torch.<memory format>, torch.strided | a marker {"__global__": "torch.name"}   |
@@ -96,7 +96,7 @@ inline std::optional<dcp_global_kind> dcp_global(std::string_view full) noexcept
   if (full == "torch.Size") return k::size;
   if (full == "collections.OrderedDict") return k::ordered_dict;
   if (full == "torch.serialization._get_layout") return k::get_layout;
-  if (full == "builtins.getattr") return k::getattr;
+  if (full == "builtins.getattr" || full == "__builtin__.getattr") return k::getattr;  // protocol 2 spells it so
   if (full == "pathlib.PosixPath" || full == "pathlib.PurePosixPath") return k::path;
   if (full.starts_with("torch.")) {
     const auto n = full.substr(6);
