@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -325,34 +326,14 @@ int cmd_unshard(const input& in, const std::string& out_path) {
 /// checkpointing (_checkpoint_wrapped_module) put into the keys of a model's state dict.
 constexpr const char* dcp_to_hf_rule = "\\b(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\\.=";
 
-/// A single safetensors file as a checkpoint source: each tensor whole, in that one file.
-checkpoint_source<file_directory> single_file_source(const fs::path& file) {
-  checkpoint_source<file_directory> s;
-  s.format = checkpoint_format::hf;
-  s.described_by = file.filename().string();
-  file_storage st(file);
-  safetensors_header h = read_safetensors_header(st);
-  for (const auto& e : h.tensors) {
-    tensor_metadata tm;
-    tm.shape = e.shape;
-    tm.type = e.type;
-    tm.files.emplace_back(s.described_by, shard_spec(flat_spec{{0, e.numel()}}));
-    s.metadata.tensors.emplace_back(e.name, std::move(tm));
-  }
-  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
-  s.files.emplace_back(s.described_by, std::make_unique<opened_file<file_storage>>(
-                                           opened_file<file_storage>{std::move(st), std::move(h)}));
-  return s;
-}
-
 int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options opt) {
   progress pr("to-hf", 0);
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
   const file_directory out(out_path);
   hf_export_stats st;
   if (in.k == kind::file) {
-    checkpoint_reader<file_directory> r(file_directory(in.path.parent_path()), single_file_source(in.path));
+    const file_directory dir(in.path.parent_path());
+    checkpoint_reader<file_directory> r(dir, single_file_source(dir, in.path.filename().string()));
     const unshard_source<file_directory> src{&r, ""};
     st = export_hf(std::span<const unshard_source<file_directory>>(&src, 1), out, opt);
   } else {
@@ -453,8 +434,10 @@ int main(int argc, char** argv) {
     if (to_hf->parsed()) {
       hf_export_options opt;
       opt.max_shard_size = parse_size(max_size);
-      if (!to_dtype.empty()) opt.convert_to = dtype_from_name(to_dtype == "bf16" || to_dtype == "BF16" ? "BF16"
-                                                               : to_dtype == "f16" || to_dtype == "F16" ? "F16" : "F32", "--dtype");
+      if (!to_dtype.empty()) {  // bf16, f16 or f32 in any case (checked above): the dtype names in capitals
+        std::transform(to_dtype.begin(), to_dtype.end(), to_dtype.begin(), [](unsigned char c) { return std::toupper(c); });
+        opt.convert_to = dtype_from_name(to_dtype, "--dtype");
+      }
       for (const auto& r : renames) opt.rename.add(r);
       if (preset == "dcp-to-hf") opt.rename.add(dcp_to_hf_rule);
       opt.model_only = true;  // --model-only or not: HF folders hold model weights

@@ -76,6 +76,15 @@ inline constexpr std::string_view dcp_metadata_file_name = ".metadata";
 
 namespace detail {
 
+/// A tensor stored whole in one file: a flat spec [0, numel) there.
+inline tensor_metadata whole_tensor(const tensor_entry& e, const std::string& file) {
+  tensor_metadata tm;
+  tm.shape = e.shape;
+  tm.type = e.type;
+  tm.files.emplace_back(file, shard_spec(flat_spec{{0, e.numel()}}));
+  return tm;
+}
+
 template <ReadableDirectory D>
 checkpoint_source<D> hf_source(const D& dir) {
   hf_folder<D> h = open_hf_folder(dir);
@@ -83,24 +92,14 @@ checkpoint_source<D> hf_source(const D& dir) {
   s.format = checkpoint_format::hf;
   s.described_by = std::string(h.sharded() ? hf_index_file : hf_single_file);
   // tensors in name order (the index's order; a single file's by name too)
-  for (const auto& [key, at] : h.tensors) {
-    const tensor_entry& e = h.entry(at);
-    tensor_metadata tm;
-    tm.shape = e.shape;
-    tm.type = e.type;
-    tm.files.emplace_back(h.files[at.file].name, shard_spec(flat_spec{{0, e.numel()}}));
-    s.metadata.tensors.emplace_back(key, std::move(tm));
-  }
+  for (const auto& [key, at] : h.tensors)
+    s.metadata.tensors.emplace_back(key, whole_tensor(h.entry(at), h.files[at.file].name));
   for (auto& f : h.files) {
     s.metadata.extras.file_sizes.emplace(f.name, f.header.file_size());
     s.files.emplace_back(f.name, std::make_unique<opened_file<typename D::reader_type>>(
                                      opened_file<typename D::reader_type>{std::move(f.storage), std::move(f.header)}));
   }
   return s;
-}
-
-inline bool ends_with(std::string_view s, std::string_view tail) {
-  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
 }
 
 /// The DCP-sharded source of the safetensors files `names` of dir (rules at the top), or
@@ -169,6 +168,23 @@ std::optional<checkpoint_source<D>> dcp_sharded_source(const D& dir, const std::
 
 }  // namespace detail
 
+/// One safetensors file `name` of dir read as a checkpoint: every tensor whole in that file
+/// (what `shardsafe to-hf FILE` exports), in name order.
+template <ReadableDirectory D>
+checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
+  using R = typename D::reader_type;
+  checkpoint_source<D> s;
+  s.format = checkpoint_format::hf;
+  s.described_by = name;
+  R st = dir.open(name);
+  safetensors_header h = read_safetensors_header(st);
+  for (const auto& e : h.tensors) s.metadata.tensors.emplace_back(e.name, detail::whole_tensor(e, name));
+  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  s.files.emplace_back(name, std::make_unique<opened_file<R>>(opened_file<R>{std::move(st), std::move(h)}));
+  return s;
+}
+
 /// Opens the checkpoint in dir, whichever layout it has (table at the top), reading only
 /// descriptions and headers.
 template <ReadableDirectory D>
@@ -185,8 +201,8 @@ checkpoint_source<D> open_checkpoint_source(const D& dir) {
   std::vector<std::string> tensors_files;
   bool distcp = false;
   for (auto& n : dir.list()) {
-    if (detail::ends_with(n, ".safetensors")) tensors_files.push_back(n);
-    if (detail::ends_with(n, ".distcp")) distcp = true;
+    if (n.ends_with(".safetensors")) tensors_files.push_back(n);
+    if (n.ends_with(".distcp")) distcp = true;
   }
   if (!tensors_files.empty())
     if (auto s = detail::dcp_sharded_source(dir, tensors_files)) return std::move(*s);
