@@ -154,21 +154,6 @@ std::string zip64(const std::vector<zip_entry_spec>& entries) {
   return out;
 }
 
-// --- the torch 1.13 peer ----------------------------------------------------------------------
-
-bool python_required() {
-  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
-  return v && std::string_view(v) == "1";
-}
-const std::string debian_python = "/usr/bin/python3";
-
-bool have_torch() {
-  // std::system, not testing::run_program: this runs while tests are registered, outside any test
-  static const bool ok =
-      std::system((debian_python + " -c 'import importlib.util as u; assert u.find_spec(\"torch\")' >/dev/null 2>&1").c_str()) == 0;
-  return ok;
-}
-
 }  // namespace
 
 // ============================================================ .metadata rules
@@ -325,11 +310,11 @@ TEST_CASE("torch zip: the storage record is found by its headers, compressed or 
 // ============================================================ real torch 1.13 checkpoints
 
 TEST_CASE("dcp: checkpoints written by torch 1.13 parse as torch reports them, chunk records hold torch's bytes" *
-          doctest::skip(!python_required() && !have_torch())) {
-  REQUIRE_MESSAGE(have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+          testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto r = testing::run_program(debian_python, {script.string(), dir.str()});
+  const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   MESSAGE("torch 1.13's dataclass shim " << std::string(r.err.find("shim") != std::string::npos ? "was" : "was not") << " needed by this Python");
   for (const std::string folder : {"ckpt", "ckpt_single"}) {

@@ -827,8 +827,23 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const full_tensor a{"model._orig_mod.layers.0._checkpoint_wrapped_module.w", "F32", {3}, std::string(12, '\x01')};
   const full_tensor b{"my_orig_mod.x", "I64", {2}, std::string(16, '\x02')};
   testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
-  CHECK(run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"}).code == 0);
-  check_folder(tmp.path / "one", expected_folder({a, b}, 1024, "", {{a.name, "model.layers.0.w"}}));
+  // --preset dcp-to-hf: wrappers removed, then model.X -> X (the key is neither model.model.* nor
+  // model.lm_head.weight); a non-model key dropped; one warning line each
+  const auto p = run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
+  CHECK(p.code == 0);
+  CHECK(p.err == "shardsafe: warning: 1 name(s) a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': "
+                 "its 'model.' prefix removed: " + a.name + " -> layers.0.w\n"
+                 "shardsafe: warning: 1 name(s) not a 'model.' key (optimizer or extra state): dropped: my_orig_mod.x\n");
+  check_folder(tmp.path / "one", expected_folder({a, b}, 1024, "", {{a.name, "layers.0.w"}, {b.name, ""}}));
+  // a --rename rule that matches decides the name; the preset's rules see the others
+  const full_tensor c{"model.model._orig_mod.layers.1.w", "F32", {3}, std::string(12, '\x03')};
+  const full_tensor d{"model.lm_head.weight", "BF16", {2}, std::string(4, '\x04')};
+  testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes},
+                                                 {c.name, c.dtype, c.shape, c.bytes}, {d.name, d.dtype, d.shape, d.bytes}}));
+  CHECK(run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
+  check_folder(tmp.path / "two", expected_folder({a, b, c, d}, hf_default_max_shard_size, "",
+                                                 {{a.name, "layers.0.w"}, {b.name, "kept_orig_mod.x"},
+                                                  {c.name, "model.layers.1.w"}, {d.name, "lm_head.weight"}}));
 }
 
 TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify and unshard" * skip_without_tool) {

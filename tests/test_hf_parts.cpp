@@ -132,10 +132,7 @@ std::vector<float> to_floats(const std::vector<double>& v) {
 // ---- Python cross-checks: run when python3 runs; SHARDSAFE_REQUIRE_PYTHON=1 makes a missing
 // python3 a failure.
 
-bool python_required() {
-  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
-  return v && std::string(v) == "1";
-}
+using testing::python_required;
 
 /// Runs `exe -I -c script file` with `input` written to file; nullopt when exe does not run.
 std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
@@ -635,4 +632,31 @@ TEST_CASE("convert: the bit-level BF16 <-> F32 paths agree with the F64 definiti
   detail::convert_elements_generic(dtype::BF16, reinterpret_cast<const std::byte*>(h.data()), dtype::F32,
                                    reinterpret_cast<std::byte*>(wide_slow.data()), h.size());
   CHECK(wide == wide_slow);
+}
+
+TEST_CASE("rename preset dcp-to-hf: the seed rules, after the user's, in order") {
+  rename_rules r({"^extra\\.keep$=kept"});
+  add_preset(r, "dcp-to-hf");
+  const rename_rule* by = nullptr;
+  struct row {
+    const char* key;
+    const char* name;
+    bool warned;
+  };
+  for (const row& x : std::initializer_list<row>{
+           {"model.model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", false},
+           {"model.lm_head.weight", "lm_head.weight", false},
+           {"model._orig_mod.model.embed_tokens.weight", "model.embed_tokens.weight", false},
+           {"model._fsdp_wrapped_module.model._checkpoint_wrapped_module.norm.weight", "model.norm.weight", false},
+           {"model.lm_head.weight.extra", "lm_head.weight.extra", true},
+           {"model.score.weight", "score.weight", true},
+           {"optim.state.model.model.w.exp_avg", "", true},
+           {"extra.keep", "kept", false},
+           {"lm_head.weight", "", true}}) {
+    CAPTURE(x.key);
+    CHECK(r.apply(x.key, &by) == x.name);
+    REQUIRE(by != nullptr);
+    CHECK(!by->warning.empty() == x.warned);
+  }
+  CHECK_THROWS_WITH_AS(add_preset(r, "hf-to-dcp"), "rename preset 'hf-to-dcp': unknown (known: dcp-to-hf)", shardsafe::error);
 }

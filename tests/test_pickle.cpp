@@ -157,11 +157,7 @@ bool have_python() {
   return ok;
 }
 
-/// SHARDSAFE_REQUIRE_PYTHON=1: a missing python3 fails the cross-checks instead of skipping them.
-bool python_required() {
-  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
-  return v && std::string_view(v) == "1";
-}
+using testing::python_required;
 
 /// The decorator of a Python cross-check: skipped (and counted as skipped) without python3,
 /// unless python3 is required.

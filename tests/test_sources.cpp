@@ -340,13 +340,14 @@ TEST_CASE("DCP-sharded folders: broken ones are refused naming file, tensor and 
     expect_error([&] { unshard_tensor(r, "ids", std::as_writable_bytes(std::span(ids))); }, errc::missing_coverage,
                  {"tensor 'ids'"});
   }
-  SUBCASE("not a checkpoint at all, and a torch DCP folder") {
+  SUBCASE("not a checkpoint at all, a DCP folder without .metadata, a damaged .metadata") {
     memory_directory dir;
     dir.make();
     expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::not_found, {"no metadata.json"});
-    fixtures::put(dir, ".metadata", "x");
     fixtures::put(dir, "__0_0.distcp", "y");
     expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::not_found,
-                 {"torch.distributed.checkpoint folder"});
+                 {".distcp files but no .metadata", "torch.distributed.checkpoint folder"});
+    fixtures::put(dir, ".metadata", "x");
+    expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata, {".metadata"});
   }
 }

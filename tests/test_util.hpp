@@ -115,6 +115,28 @@ void expect_error(F&& f, shardsafe::errc code, const std::vector<std::string>& p
 }
 inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(bytes.data(), bytes.size()); }
 
+/// SHARDSAFE_REQUIRE_PYTHON=1 (the test command sets it): a missing Python peer fails the
+/// cross-checks instead of skipping them.
+inline bool python_required() {
+  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
+  return v && std::string(v) == "1";
+}
+
+/// The interpreter with Debian's python3-torch (1.13): the real PyTorch peer of the tests.
+inline const std::string torch_python = "/usr/bin/python3";
+
+/// Whether torch_python can import torch (checked once; std::system, not run_program: this
+/// runs while tests are registered, outside any test).
+inline bool have_torch() {
+  static const bool ok =
+      std::system((torch_python + " -c 'import importlib.util as u; assert u.find_spec(\"torch\")' >/dev/null 2>&1").c_str()) == 0;
+  return ok;
+}
+
+/// The decorator of a test with the torch peer: skipped without it unless Python is required
+/// (then its first REQUIRE fails: REQUIRE_MESSAGE(have_torch(), ...)).
+inline doctest::skip torch_check() { return doctest::skip(!python_required() && !have_torch()); }
+
 /// A JSON string literal of s (only '"' and '\\' escaped: enough for what the tests write).
 inline std::string json_quoted(const std::string& s) {
   std::string r = "\"";

@@ -232,8 +232,15 @@ int cmd_inspect(const input& in) {
                       describe_sharding(tm)});
     }
   }
-  print_rows("# " + in.path.string() + ": " + what + ", " + std::to_string(rows.size()) + " tensors, " +
-                 std::to_string(total) + " bytes" + (writer.empty() ? "" : ", written by " + writer),
+  const std::size_t tensors = rows.size();
+  for (auto& p : parts)
+    for (const auto& item : p.reader->non_tensors())
+      rows.push_back({p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
+  const std::size_t others = rows.size() - tensors;
+  print_rows("# " + in.path.string() + ": " + what + ", " + std::to_string(tensors) + " tensors, " +
+                 std::to_string(total) + " bytes" +
+                 (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
+                 (writer.empty() ? "" : ", written by " + writer),
              rows);
   return 0;
 }
@@ -321,12 +328,34 @@ int cmd_unshard(const input& in, const std::string& out_path) {
   return 0;
 }
 
-/// The rule `--preset dcp-to-hf` adds after the --rename rules (docs/FORMAT.md §4): removes the
-/// wrapper module names torch.compile (_orig_mod), FSDP1 (_fsdp_wrapped_module) and activation
-/// checkpointing (_checkpoint_wrapped_module) put into the keys of a model's state dict.
-constexpr const char* dcp_to_hf_rule = "\\b(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\\.=";
+/// Prints on stderr, for each rule with a warning (a preset's), how many names it decided and
+/// the first few of them: `shardsafe: warning: N name(s) WARNING: OLD -> NEW, ...`.
+void warn_renames(const std::vector<std::string>& keys, const rename_rules& rules) {
+  std::map<const rename_rule*, std::vector<std::string>> hits;
+  for (const auto& k : keys) {
+    const rename_rule* by = nullptr;
+    const std::string n = rules.apply(k, &by);
+    if (by && !by->warning.empty()) hits[by].push_back(n.empty() ? k : k + " -> " + n);
+  }
+  for (const auto& r : rules.rules())
+    if (auto it = hits.find(&r); it != hits.end()) {
+      std::string list;
+      for (std::size_t i = 0; i < it->second.size() && i < 5; ++i) list += (i ? ", " : "") + one_line(it->second[i]);
+      if (it->second.size() > 5) list += ", ...";
+      std::cerr << "shardsafe: warning: " << it->second.size() << " name(s) " << r.warning << ": " << list << "\n";
+    }
+}
 
 int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options opt) {
+  std::vector<std::string> keys;
+  if (in.k == kind::file) {
+    for (const auto& t : read_safetensors_header(file_storage(in.path)).tensors) keys.push_back(t.name);
+  } else {
+    for (auto& p : open_checkpoint(in))
+      if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
+        for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
+  }
+  warn_renames(keys, opt.rename);
   progress pr("to-hf", 0);
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
   const file_directory out(out_path);
@@ -407,9 +436,11 @@ int main(int argc, char** argv) {
           return e.what();
         }
       }, "REGEX=REPL"));
-  to_hf->add_option("--preset", preset, "dcp-to-hf: after the --rename rules, remove the wrapper names torch.compile, "
-                                        "FSDP1 and activation checkpointing put into a model's keys "
-                                        "(_orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.)")
+  to_hf->add_option("--preset", preset, "dcp-to-hf: after the --rename rules, name a torch DCP model's keys as Hugging "
+                                        "Face does: wrapper names (_orig_mod., _fsdp_wrapped_module., "
+                                        "_checkpoint_wrapped_module.) removed, then model.model.X -> model.X, "
+                                        "model.lm_head.weight -> lm_head.weight, other model.X -> X (a warning), other "
+                                        "keys dropped (a warning)")
       ->check(CLI::IsMember({"dcp-to-hf"}));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
   try {
@@ -439,7 +470,7 @@ int main(int argc, char** argv) {
         opt.convert_to = dtype_from_name(to_dtype, "--dtype");
       }
       for (const auto& r : renames) opt.rename.add(r);
-      if (preset == "dcp-to-hf") opt.rename.add(dcp_to_hf_rule);
+      if (!preset.empty()) add_preset(opt.rename, preset);
       opt.model_only = true;  // --model-only or not: HF folders hold model weights
       return cmd_to_hf(classify(path), out_path, opt);
     }

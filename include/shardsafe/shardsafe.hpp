@@ -18,6 +18,7 @@
 
 // file formats (docs/FORMAT.md)
 #include "shardsafe/format/dcp_metadata.hpp"
+#include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/dcp_unpickler.hpp"
 #include "shardsafe/format/hf_export.hpp"

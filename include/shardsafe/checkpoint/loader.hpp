@@ -20,8 +20,9 @@
 // size of a tensor or a file is allocated.
 //
 // The checkpoint may be any layout checkpoint/source.hpp reads (a sharded checkpoint, a
-// Hugging Face folder, torch's sharded HF files): each is a list of tensors with the shard each
-// file holds, and everything below is the same for all of them.
+// Hugging Face folder, a torch DCP folder, torch's sharded HF files): each is a list of tensors
+// with the shard each file holds, and everything below is the same for all of them (a DCP data
+// file's index is made from its archives' zip headers when it is opened: format/dcp_data.hpp).
 //
 // Read settings, each taken from the first place that sets it: load_options (reads.*,
 // threads), then the backend's hint (read_defaults(), storage/concepts.hpp), then the
@@ -150,6 +151,9 @@ class checkpoint_reader {
   checkpoint_format format() const noexcept { return format_; }
   /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
   const std::string& described_by() const noexcept { return described_by_; }
+  /// Items of the checkpoint that are not tensors (a DCP folder's non-tensor values): listed
+  /// here, never loaded.
+  const std::vector<non_tensor_item>& non_tensors() const noexcept { return non_tensors_; }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(std::string(key));
     return it == index_.end() ? nullptr : &md_.tensors[it->second].second;
@@ -374,14 +378,18 @@ class checkpoint_reader {
     described_by_ = std::move(src.described_by);
     md_ = std::move(src.metadata);
     for (auto& [n, f] : src.files) files_.try_emplace(n, std::move(f));
+    data_files_ = std::move(src.data_files);
+    non_tensors_ = std::move(src.non_tensors);
     for (std::size_t i = 0; i < md_.tensors.size(); ++i) index_.emplace(md_.tensors[i].first, i);
   }
 
   std::unique_ptr<open_file> open_one(const std::string& name) const {
-    reader_type s = open_or(name, [&] {
-      return std::string(dir_.name()) + "/" + name + ": missing: " + described_by_ + " lists it but it does not exist";
+    const auto df = data_files_.find(name);
+    const std::string& path = df == data_files_.end() ? name : df->second.path;
+    reader_type s = open_or(path, [&] {
+      return std::string(dir_.name()) + "/" + path + ": missing: " + described_by_ + " lists it but it does not exist";
     });
-    safetensors_header h = read_safetensors_header(s);
+    safetensors_header h = df == data_files_.end() ? read_safetensors_header(s) : index_dcp_data_file(s, df->second);
     auto size_it = md_.extras.file_sizes.find(name);
     if (size_it != md_.extras.file_sizes.end() && size_it->second != s.size())
       fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) +
@@ -509,6 +517,8 @@ class checkpoint_reader {
   std::unordered_map<std::string, std::size_t> index_;
   std::mutex files_mutex_;
   std::map<std::string, std::unique_ptr<open_file>> files_;
+  std::map<std::string, dcp_data_file> data_files_;  // names indexed by index_dcp_data_file
+  std::vector<non_tensor_item> non_tensors_;
 };
 
 /// Loads views from the checkpoint in dir (a folder holding metadata.json).

@@ -9,12 +9,20 @@
 // | sharded         | metadata.json (shardsafe, OLMo-core)        | shard_spec_per_file              |
 // | hf              | model.safetensors.index.json, or            | the one file holding it, whole   |
 // |                 | model.safetensors (checkpoint/hf_folder.hpp)| (flat spec [0, numel))           |
+// | dcp             | .metadata (torch.distributed.checkpoint,    | one block per chunk, at the      |
+// |                 | format/dcp_metadata.hpp)                    | storage record of its archive    |
 // | dcp_sharded_hf  | *.safetensors whose __metadata__ holds      | one block per file: its local    |
 // |                 | DCP_SHARDING_INFO (format/dcp_sharding.hpp) | shape at saved_offsets           |
 //
 // They are tried in that order: a folder with metadata.json is a sharded checkpoint whatever
-// else it holds. A torch DCP folder (.metadata + .distcp) is recognised and refused with its
-// own message; anything else is errc::not_found ("no metadata.json: ...").
+// else it holds; anything else is errc::not_found ("no metadata.json: ...").
+//
+// A DCP folder is described by `.metadata` alone: opening it reads that one file. Its data
+// files are indexed when the reader first opens them (format/dcp_data.hpp: the zip headers of
+// each chunk's torch.save archive, never the chunk's data), so a load opens and indexes only
+// the files it reads from. A data file holding two chunks of one key (a rank with two shards of
+// a tensor) is listed as `FILE`, `FILE#1`, ...: one name per chunk of that key, the same file.
+// Non-tensor items (BytesStorageMetadata) are listed in non_tensors and never loaded.
 //
 // A folder is DCP-sharded when one of its safetensors files has DCP_SHARDING_INFO (rank files
 // without metadata.json, a save that did not finish, stay "no metadata.json"). Its checks
@@ -36,20 +44,24 @@
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
 
 /// Which writer's layout a checkpoint folder has (table at the top).
-enum class checkpoint_format { sharded, hf, dcp_sharded_hf };
+enum class checkpoint_format { sharded, hf, dcp, dcp_sharded_hf };
 
 constexpr std::string_view name(checkpoint_format f) noexcept {
   switch (f) {
     case checkpoint_format::sharded: return "sharded checkpoint";
     case checkpoint_format::hf: return "Hugging Face folder";
+    case checkpoint_format::dcp: return "torch.distributed.checkpoint folder";
     case checkpoint_format::dcp_sharded_hf: return "torch sharded Hugging Face files";
   }
   return "?";
@@ -62,6 +74,14 @@ struct opened_file {
   safetensors_header header;
 };
 
+/// An item of a checkpoint that is not a tensor (a DCP folder's non-tensor values): listed,
+/// never loaded.
+struct non_tensor_item {
+  std::string key;
+  std::string file;         ///< the data file holding its bytes
+  std::uint64_t bytes = 0;  ///< how many (torch.save bytes)
+};
+
 /// A checkpoint's description and the files opened while making it.
 template <ReadableDirectory D>
 struct checkpoint_source {
@@ -69,6 +89,10 @@ struct checkpoint_source {
   std::string described_by;  ///< what holds the description, for messages ("metadata.json", ...)
   checkpoint_metadata metadata;
   std::vector<std::pair<std::string, std::unique_ptr<opened_file<typename D::reader_type>>>> files;
+  /// Files the tensors name whose index is not their own safetensors header (a DCP folder's
+  /// data files, format/dcp_data.hpp), by that name; the reader indexes each when it opens it.
+  std::map<std::string, dcp_data_file> data_files;
+  std::vector<non_tensor_item> non_tensors;  ///< by key
 };
 
 /// The name a torch DCP folder's description has.
@@ -166,6 +190,42 @@ std::optional<checkpoint_source<D>> dcp_sharded_source(const D& dir, const std::
   return s;
 }
 
+/// The source of the torch DCP folder dir: `.metadata` read (rules in format/dcp_metadata.hpp),
+/// no data file opened (rules at the top).
+template <ReadableDirectory D>
+checkpoint_source<D> dcp_source(const D& dir) {
+  const std::string folder(dir.name());
+  const dcp_metadata md = parse_dcp_metadata(read_text(dir.open(dcp_metadata_file_name)), folder + "/.metadata");
+  checkpoint_source<D> s;
+  s.format = checkpoint_format::dcp;
+  s.described_by = std::string(dcp_metadata_file_name);
+  std::map<std::pair<std::string, std::string>, std::size_t> chunks_of;  // (file, key) -> chunks so far
+  for (const auto& [key, item] : md.items) {
+    if (item.is_bytes) {
+      s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.length});
+      continue;
+    }
+    tensor_metadata tm;
+    tm.shape = item.size;
+    tm.type = item.type;
+    tm.is_sharded = item.chunks.size() > 1 || (item.chunks.size() == 1 && item.chunks.front().sizes != item.size);
+    for (const auto& c : item.chunks) {
+      const std::string& path = c.storage.relative_path;
+      const std::size_t k = chunks_of[{path, key}]++;
+      const std::string fname = k == 0 ? path : path + "#" + std::to_string(k);
+      dcp_data_file& df = s.data_files[fname];
+      df.path = path;
+      df.safetensors = path.ends_with(".safetensors");
+      df.chunks.push_back({key, item.type, c.offsets, c.sizes, c.storage.offset, c.storage.length});
+      // a 0-d tensor's one chunk is its one element
+      tm.files.emplace_back(fname, item.size.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(c.sizes, c.offsets)));
+    }
+    for (auto& [fname, spec] : tm.files) spec.validate(tm.shape, folder + "/" + fname);
+    s.metadata.tensors.emplace_back(key, std::move(tm));
+  }
+  return s;
+}
+
 }  // namespace detail
 
 /// One safetensors file `name` of dir read as a checkpoint: every tensor whole in that file
@@ -198,6 +258,7 @@ checkpoint_source<D> open_checkpoint_source(const D& dir) {
     if (e.code() != errc::not_found) throw;
   }
   if (dir.exists(hf_index_file) || dir.exists(hf_single_file)) return detail::hf_source(dir);
+  if (dir.exists(dcp_metadata_file_name)) return detail::dcp_source(dir);
   std::vector<std::string> tensors_files;
   bool distcp = false;
   for (auto& n : dir.list()) {
@@ -206,9 +267,9 @@ checkpoint_source<D> open_checkpoint_source(const D& dir) {
   }
   if (!tensors_files.empty())
     if (auto s = detail::dcp_sharded_source(dir, tensors_files)) return std::move(*s);
-  if (distcp || dir.exists(dcp_metadata_file_name))
-    fail(errc::not_found, std::string(dir.name()) + ": a torch.distributed.checkpoint folder (.metadata + .distcp): this build reads "
-                                                "sharded checkpoints, Hugging Face folders and torch's sharded HF files only");
+  if (distcp)
+    fail(errc::not_found, std::string(dir.name()) + ": .distcp files but no .metadata: not a complete "
+                                                "torch.distributed.checkpoint folder (a save that did not finish?)");
   fail(errc::not_found, std::string(dir.name()) +
                             ": no metadata.json: not a complete checkpoint (a save that did not finish, or not a "
                             "checkpoint directory)");

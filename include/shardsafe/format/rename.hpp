@@ -36,6 +36,11 @@ struct rename_rule {
   std::string replacement;  ///< REPL as written (Python re.sub syntax)
   std::regex regex;         ///< pattern, compiled (ECMAScript)
   std::string format;       ///< replacement in std::regex_replace's `$n` syntax
+  /// A rule of a preset may pass its result on to the rules after it instead of deciding the
+  /// name (rules a user writes never do).
+  bool then_continue = false;
+  /// A rule of a preset may come with a warning for the names it decides (the tool prints it).
+  std::string warning;
 };
 
 /// Parses `REGEX=REPL` (syntax at the top of this header). Throws errc::invalid_argument naming
@@ -103,18 +108,57 @@ class rename_rules {
   bool empty() const noexcept { return rules_.empty(); }
   const std::vector<rename_rule>& rules() const noexcept { return rules_; }
 
+  void add(rename_rule r) { rules_.push_back(std::move(r)); }
   /// The new name of `key`: rewritten by the first rule that matches, or `key` itself when none
-  /// does. Empty means the key is dropped.
-  std::string apply(std::string_view key) const {
-    const std::string k(key);
+  /// does (a then_continue rule rewrites it and lets the next rules try the result). Empty means
+  /// the key is dropped. `decided`, when given, is set to the rule that decided (nullptr: none).
+  std::string apply(std::string_view key, const rename_rule** decided = nullptr) const {
+    std::string k(key);
+    if (decided) *decided = nullptr;
     for (const auto& r : rules_)
-      if (std::regex_search(k, r.regex)) return std::regex_replace(k, r.regex, r.format);
+      if (std::regex_search(k, r.regex)) {
+        k = std::regex_replace(k, r.regex, r.format);
+        if (r.then_continue) continue;
+        if (decided) *decided = &r;
+        return k;
+      }
     return k;
   }
 
  private:
   std::vector<rename_rule> rules_;
 };
+
+/// The rename presets a user may name (`to-hf --preset NAME`, docs/FORMAT.md §4).
+inline constexpr std::string_view rename_presets[] = {"dcp-to-hf"};
+
+/// Adds the rules of preset `name` after those rules already has. errc::invalid_argument for a
+/// name not in rename_presets.
+///
+/// `dcp-to-hf`: the keys of a model saved through torch.distributed.checkpoint as
+/// {"model": model.state_dict(), "optim": ...}, as Hugging Face names them:
+///   1. the wrapper names torch.compile, FSDP1 and activation checkpointing put into keys are
+///      removed (`_orig_mod.`, `_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`), and the
+///      rules below see the result;
+///   2. `model.model.X` -> `model.X`;
+///   3. `model.lm_head.weight` -> `lm_head.weight`;
+///   4. any other `model.X` -> `X`, with a warning;
+///   5. every other key (optimizer state, extra state) is dropped.
+inline void add_preset(rename_rules& rules, std::string_view name) {
+  if (name != "dcp-to-hf")
+    fail(errc::invalid_argument, "rename preset '" + std::string(name) + "': unknown (known: dcp-to-hf)");
+  rename_rule wrappers = parse_rename_rule("\\b(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\\.=");
+  wrappers.then_continue = true;
+  rules.add(std::move(wrappers));
+  rules.add("^model\\.model\\.=model.");
+  rules.add("^model\\.lm_head\\.weight$=lm_head.weight");
+  rename_rule other = parse_rename_rule("^model\\.=");
+  other.warning = "a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': its 'model.' prefix removed";
+  rules.add(std::move(other));
+  rename_rule rest = parse_rename_rule("^[\\s\\S]*$=");
+  rest.warning = "not a 'model.' key (optimizer or extra state): dropped";
+  rules.add(std::move(rest));
+}
 
 /// Renames every key: returns new name -> old name, sorted by new name, keys renamed to the
 /// empty name left out. Throws errc::invalid_argument, naming `context`, both old keys and the

@@ -52,7 +52,7 @@ class safetensors_header {
   std::map<std::string, std::string> metadata;    ///< __metadata__, if any
   bool has_metadata = false;                      ///< whether __metadata__ was present
 
-  std::uint64_t data_start() const noexcept { return 8 + header_size; }
+  std::uint64_t data_start() const noexcept { return prefix_ + header_size; }
   std::uint64_t file_size() const noexcept { return data_start() + data_size; }
 
   /// The tensor with this name, or nullptr.
@@ -78,8 +78,33 @@ class safetensors_header {
     return r;
   }
 
+  /// An index of tensors stored at absolute offsets of a file that is not a safetensors file
+  /// (each chunk of a torch DCP data file, format/dcp_data.hpp): data_start() is 0, so
+  /// offset_of(t) is t.begin, and file_size() is file_size. Names must be distinct
+  /// (errc::invalid_metadata, naming `file`).
+  static safetensors_header of_records(std::string file, std::uint64_t file_size, std::vector<tensor_entry> records) {
+    safetensors_header h;
+    h.file = std::move(file);
+    h.prefix_ = 0;
+    h.data_size = file_size;
+    h.tensors = std::move(records);
+    std::sort(h.tensors.begin(), h.tensors.end(),
+              [](const tensor_entry& a, const tensor_entry& b) { return a.begin != b.begin ? a.begin < b.begin : a.name < b.name; });
+    h.index_names();
+    return h;
+  }
+
  private:
   friend safetensors_header parse_safetensors_header(std::string_view, std::uint64_t, std::string_view);
+  void index_names() {
+    by_name_.resize(tensors.size());
+    for (std::uint32_t i = 0; i < by_name_.size(); ++i) by_name_[i] = i;
+    std::sort(by_name_.begin(), by_name_.end(), [&](std::uint32_t a, std::uint32_t b) { return tensors[a].name < tensors[b].name; });
+    for (std::size_t i = 1; i < by_name_.size(); ++i)
+      if (tensors[by_name_[i]].name == tensors[by_name_[i - 1]].name)
+        fail(errc::invalid_metadata, file + ": tensor '" + tensors[by_name_[i]].name + "' is listed twice");
+  }
+  std::uint64_t prefix_ = 8;            // bytes before the header: the length prefix, or 0 (of_records)
   std::vector<std::uint32_t> by_name_;  // indices into tensors, sorted by name
 };
 
@@ -224,10 +249,7 @@ inline safetensors_header parse_safetensors_header(std::string_view json, std::u
                               " trailing bytes after the last tensor (data ends at file offset " +
                               std::to_string(*total) + ", file has " + std::to_string(file_size) + ")");
 
-  h.by_name_.resize(h.tensors.size());
-  for (std::uint32_t i = 0; i < h.by_name_.size(); ++i) h.by_name_[i] = i;
-  std::sort(h.by_name_.begin(), h.by_name_.end(),
-            [&](std::uint32_t a, std::uint32_t b) { return h.tensors[a].name < h.tensors[b].name; });
+  h.index_names();
   return h;
 }
 

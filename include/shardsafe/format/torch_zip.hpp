@@ -75,14 +75,23 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
   constexpr std::uint64_t eocd_size = 22, max_comment = 65535, max_entries = 1024, max_cd = 1 << 20;
   if (length < eocd_size) bad("zip archive of " + std::to_string(length) + " bytes is shorter than its end record");
-  const std::uint64_t tail_len = std::min<std::uint64_t>(length, eocd_size + max_comment);
-  const std::string tail = read_at(length - tail_len, static_cast<std::size_t>(tail_len));
+  // torch writes no archive comment, so the end record is in the last few bytes: look there
+  // first (a reader that caches the archive's ends then serves it), then in the largest tail a
+  // comment allows
+  std::uint64_t tail_len = 0;
+  std::string tail;
   std::optional<std::size_t> eocd;
-  for (std::size_t i = tail.size() - eocd_size + 1; i-- > 0;)
-    if (zip_le(tail, i, 4) == 0x06054b50 && zip_le(tail, i + 20, 2) == tail.size() - i - eocd_size) {
-      eocd = i;
-      break;
-    }
+  for (const std::uint64_t want : {std::uint64_t(1024), eocd_size + max_comment}) {
+    if (tail_len == length || (tail_len != 0 && want <= tail_len)) break;
+    tail_len = std::min<std::uint64_t>(length, want);
+    tail = read_at(length - tail_len, static_cast<std::size_t>(tail_len));
+    for (std::size_t i = tail.size() - eocd_size + 1; i-- > 0;)
+      if (zip_le(tail, i, 4) == 0x06054b50 && zip_le(tail, i + 20, 2) == tail.size() - i - eocd_size) {
+        eocd = i;
+        break;
+      }
+    if (eocd) break;
+  }
   if (!eocd) bad("no zip end-of-central-directory record (not a torch.save archive, or truncated)");
   const std::uint64_t eocd_at = length - tail_len + *eocd;
   std::uint64_t entries = zip_le(tail, *eocd + 10, 2), cd_size = zip_le(tail, *eocd + 12, 4), cd_at = zip_le(tail, *eocd + 16, 4);

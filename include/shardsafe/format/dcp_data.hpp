@@ -1,0 +1,136 @@
+// shardsafe/format/dcp_data.hpp - where the chunks of one torch DCP data file lie (docs/FORMAT.md
+// §5, issue 11): the index the checkpoint reader plans its reads from.
+//
+// `.metadata` (format/dcp_metadata.hpp) says which byte range of which data file holds each
+// chunk. A `.distcp` range is one torch.save archive (format/torch_zip.hpp): its storage record
+// is found by the archive's zip headers and checked against its data.pkl, and then the chunk is
+// an N-D block of row-major bytes at a known offset of the file, which is all the overlap engine
+// and the read plans need. Newer torch can write the data files as safetensors instead
+// (SerializationFormat.SAFETENSORS): then the file's own header places each chunk, and its
+// DCP_SHARDING_INFO (format/dcp_sharding.hpp), when present, must agree with `.metadata`.
+//
+// The index is a safetensors_header made with of_records (offsets absolute in the file), one
+// entry per chunk named by its key: a file holding two chunks of one key is described as two
+// data files (two names, same path; checkpoint/source.hpp names them).
+//
+// Reads per archive: its first and last 4 KiB (one read when it is under 8 KiB), which hold
+// the zip headers and data.pkl of a torch.save archive; a larger central directory or a
+// longer name costs one more read each. No chunk's data is read.
+//
+// Rules (errc::truncated for a range past the end of the file; otherwise
+// errc::invalid_metadata, naming the file, the range, the key and the rule): those of
+// torch_zip.hpp; data.pkl is at most 1 MiB; a safetensors data file holds each chunk under its
+// key with the chunk's dtype and sizes.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checked.hpp"
+#include "shardsafe/format/dcp_sharding.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// One chunk of a tensor as `.metadata` places it in a data file.
+struct dcp_file_chunk {
+  std::string key;
+  dtype type = dtype::F32;
+  shape_t offsets;  ///< where the block starts in the full tensor
+  shape_t sizes;    ///< the block's shape
+  std::uint64_t offset = 0;  ///< the archive's byte range in the file (.distcp)
+  std::uint64_t length = 0;
+};
+
+/// A data file of a DCP folder and the chunks it holds (each key at most once).
+struct dcp_data_file {
+  std::string path;          ///< the file's name in the folder
+  bool safetensors = false;  ///< a safetensors file (newer torch), not torch.save archives
+  std::vector<dcp_file_chunk> chunks;
+};
+
+/// The largest data.pkl read from an archive: torch's pickle of one tensor is a few hundred bytes.
+inline constexpr std::uint64_t max_torch_tensor_pickle = std::uint64_t(1) << 20;
+
+namespace detail {
+
+template <ReadableStorage S>
+std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
+  std::string out(n, '\0');
+  st.read_into(off, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+  return out;
+}
+
+/// The index entry of one torch.save archive holding chunk c (rules at the top).
+template <ReadableStorage S>
+tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std::string& file) {
+  const std::string what = file + " [" + std::to_string(c.offset) + ", +" + std::to_string(c.length) + ") ('" + c.key + "')";
+  const auto end = checked_add(c.offset, c.length);
+  if (!end || *end > st.size())
+    fail(errc::truncated, what + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
+  // the archive's two ends, read once: the zip headers and data.pkl are there
+  constexpr std::uint64_t window = 4096;
+  const std::string head = read_string(st, c.offset, static_cast<std::size_t>(std::min(c.length, 2 * window)));
+  const std::string tail = c.length > 2 * window ? read_string(st, c.offset + c.length - window, window) : std::string();
+  auto read_at = [&](std::uint64_t off, std::size_t n) -> std::string {
+    if (off + n <= head.size()) return head.substr(static_cast<std::size_t>(off), n);
+    if (!tail.empty() && off >= c.length - window) return tail.substr(static_cast<std::size_t>(off - (c.length - window)), n);
+    return read_string(st, c.offset + off, n);
+  };
+  const auto bytes = checked_mul(numel(c.sizes), item_size(c.type));
+  if (!bytes) fail(errc::invalid_metadata, what + ": chunk of " + to_string(c.sizes) + " overflows 64 bits");
+  const torch_zip_archive z = locate_torch_zip(c.length, read_at, what, *bytes);
+  if (!z.pickle) fail(errc::invalid_metadata, what + ": no stored data.pkl next to '" + z.storage.name + "'");
+  if (z.pickle->size > max_torch_tensor_pickle)
+    fail(errc::invalid_metadata, what + ": data.pkl of " + std::to_string(z.pickle->size) + " bytes is larger than " +
+                                     std::to_string(max_torch_tensor_pickle) + " (one tensor's pickle is far smaller)");
+  const torch_zip_tensor t =
+      parse_torch_tensor_pickle(read_at(z.pickle->data_offset, static_cast<std::size_t>(z.pickle->size)), what + ": data.pkl");
+  check_torch_zip_tensor(t, z.storage, c.type, c.sizes, what);
+  tensor_entry e;
+  e.name = c.key;
+  e.type = c.type;
+  e.shape = c.sizes;
+  e.begin = c.offset + z.storage.data_offset;
+  e.end = e.begin + z.storage.size;
+  return e;
+}
+
+}  // namespace detail
+
+/// The index of data file f opened as st (rules at the top): one entry per chunk, named by its
+/// key, at its absolute offset in the file.
+template <ReadableStorage S>
+safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
+  const std::string file(st.name());
+  if (f.safetensors) {
+    safetensors_header h = read_safetensors_header(st);
+    const dcp_block_offsets at = is_dcp_sharded_header(h) ? parse_dcp_sharding_info(h) : dcp_block_offsets{};
+    for (const auto& c : f.chunks) {
+      const std::string ctx = file + ": tensor '" + c.key + "'";
+      const tensor_entry* e = h.find(c.key);
+      if (!e) fail(errc::invalid_metadata, ctx + ": .metadata places a chunk here but the file does not hold it");
+      if (e->type != c.type || e->shape != c.sizes)
+        fail(errc::invalid_metadata, ctx + ": file holds " + std::string(name(e->type)) + " " + to_string(e->shape) +
+                                         ", .metadata's chunk is " + std::string(name(c.type)) + " " + to_string(c.sizes));
+      if (auto it = at.find(c.key); it != at.end() && it->second != c.offsets)
+        fail(errc::invalid_metadata, ctx + ": DCP_SHARDING_INFO places the block at " + to_string(it->second) +
+                                         ", .metadata at " + to_string(c.offsets));
+    }
+    return h;
+  }
+  std::vector<tensor_entry> entries;
+  entries.reserve(f.chunks.size());
+  for (const auto& c : f.chunks) entries.push_back(detail::index_torch_archive(st, c, file));
+  return safetensors_header::of_records(file, st.size(), std::move(entries));
+}
+
+}  // namespace shardsafe
