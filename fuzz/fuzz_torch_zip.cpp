@@ -1,13 +1,15 @@
 // libFuzzer target: locate_torch_zip (the storage record of a torch.save archive, as each chunk of
 // a torch DCP .distcp file is) on arbitrary bytes, and parse_torch_tensor_pickle on the data.pkl
-// it finds. Only shardsafe::error (invalid_metadata) may escape; a record it returns lies inside
+// it finds, then index_dcp_data_file on the same bytes as a data file. Only shardsafe::error (invalid_metadata) may escape; a record it returns lies inside
 // the archive, before the central directory, and is stored.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
+#include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/storage/memory.hpp"
 
 #include "fuzz_check.hpp"
 
@@ -22,7 +24,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (z.pickle) {
       FUZZ_CHECK(z.pickle->data_offset <= size && z.pickle->size <= size - z.pickle->data_offset);
       const auto t = parse_torch_tensor_pickle(bytes.substr(z.pickle->data_offset, z.pickle->size), "f.distcp data.pkl");
-      if (t.type) check_torch_zip_tensor(t, z.storage, *t.type, t.size, "f.distcp");
+      if (t.type) {
+        check_torch_zip_tensor(t, z.storage, *t.type, t.size, "f.distcp");
+        // the same archive indexed as a DCP data file (format/dcp_data.hpp: its cached reads of
+        // the archive's ends), as one chunk of the whole file
+        const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+                                "f.distcp");
+        const dcp_data_file f{"f.distcp", false, {{"k", *t.type, shape_t(t.size.size(), 0), t.size, 0, size}}};
+        const auto h = index_dcp_data_file(st, f);
+        FUZZ_CHECK(h.tensors.size() == 1 && h.offset_of(h.tensors[0]) == z.storage.data_offset &&
+                   h.tensors[0].nbytes() == z.storage.size);
+      }
     }
   } catch (const shardsafe::error& e) {
     FUZZ_CHECK(e.code() == errc::invalid_metadata);

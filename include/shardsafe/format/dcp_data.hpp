@@ -13,9 +13,9 @@
 // entry per chunk named by its key: a file holding two chunks of one key is described as two
 // data files (two names, same path; checkpoint/source.hpp names them).
 //
-// Reads per archive: its first and last 4 KiB (one read when it is under 8 KiB), which hold
-// the zip headers and data.pkl of a torch.save archive; a larger central directory or a
-// longer name costs one more read each. No chunk's data is read.
+// Reads per archive: its first and last 2 KiB (one read when it is under 4 KiB), which hold
+// the zip headers and data.pkl of a torch.save archive; a larger central directory, data.pkl or
+// a longer name costs one more read each. No chunk's data is read.
 //
 // Rules (errc::truncated for a range past the end of the file; otherwise
 // errc::invalid_metadata, naming the file, the range, the key and the rule): those of
@@ -77,8 +77,8 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
   if (!end || *end > st.size())
     fail(errc::truncated, what + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
   // the archive's two ends, read once: the zip headers and data.pkl are there
-  constexpr std::uint64_t window = 4096;
-  const std::string head = read_string(st, c.offset, static_cast<std::size_t>(std::min(c.length, 2 * window)));
+  constexpr std::uint64_t window = 2048;
+  const std::string head = read_string(st, c.offset, static_cast<std::size_t>(c.length <= 2 * window ? c.length : window));
   const std::string tail = c.length > 2 * window ? read_string(st, c.offset + c.length - window, window) : std::string();
   auto read_at = [&](std::uint64_t off, std::size_t n) -> std::string {
     if (off + n <= head.size()) return head.substr(static_cast<std::size_t>(off), n);

@@ -1,0 +1,241 @@
+// bench/bench_dcp.cpp - a torch DCP checkpoint (~1 GiB, F32, saved by 2 Gloo ranks of Debian's
+// torch 1.13 through bench/dcp_peer.py) read by shardsafe and by torch itself, in one run. No
+// LibTorch in this program: the peer runs under /usr/bin/python3.
+//
+// Cases, round-robin over --reps rounds, each in a fresh process (so that each peak RSS is its
+// own), the checkpoint in the page cache (read once before):
+//   - torch: FileSystemReader + load_state_dict(no_dist=True) into freshly allocated full
+//     tensors: the read half of the Python DCP -> HF converters;
+//   - shardsafe load: checkpoint_reader on the folder, every tensor loaded whole into freshly
+//     allocated memory (the same work);
+//   - shardsafe to-hf: export_hf with the dcp-to-hf preset into a new folder, durable (fsync):
+//     the whole conversion, writing included.
+// Columns: best / median seconds, x torch (torch's median ÷ this row's), peak RSS of the process
+// and its RSS before the work (torch's includes the interpreter and torch itself).
+// Then a resharded load into 3 ranks (rows split in three, the checkpoint's rows in two; each
+// rank a fresh reader): bytes the ranks need, bytes their read plans read, and every byte the
+// process read (/proc/self/io rchar: .metadata, the archives' zip headers and the plans' reads),
+// against the target of 1.02x; each rank's bytes are checked against the whole tensors.
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/format/rename.hpp"
+#include "shardsafe/storage/file.hpp"
+
+namespace fs = std::filesystem;
+using namespace shardsafe;
+using bench::u64;
+
+namespace {
+
+const std::string python = "/usr/bin/python3";
+
+std::string run_capture(const std::string& cmd) {
+  std::string out;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+    if (::pclose(p) != 0) return "FAILED: " + out;
+  }
+  return out;
+}
+
+double field(const std::string& line, const std::string& name) {
+  const auto at = line.find(name + "=");
+  return at == std::string::npos ? -1 : std::atof(line.c_str() + at + name.size() + 1);
+}
+
+u64 rchar() {
+  std::ifstream f("/proc/self/io");
+  std::string k;
+  u64 v = 0;
+  while (f >> k >> v)
+    if (k == "rchar:") return v;
+  return 0;
+}
+
+struct result {
+  double seconds = 0, rss_before = 0, peak = 0;
+};
+
+/// Runs f in a child process: its seconds, RSS before f and peak RSS (wait4's ru_maxrss).
+template <class F>
+result in_child(F&& f) {
+  int fd[2];
+  if (::pipe(fd) != 0) std::abort();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fd[0]);
+    double r[2] = {bench::rss_mib(), 0};
+    const double t0 = bench::now_s();
+    f();
+    r[1] = bench::now_s() - t0;
+    if (::write(fd[1], r, sizeof r) != sizeof r) ::_exit(2);
+    ::_exit(0);
+  }
+  ::close(fd[1]);
+  double r[2] = {0, 0};
+  const bool got = ::read(fd[0], r, sizeof r) == sizeof r;
+  ::close(fd[0]);
+  int status = 0;
+  struct rusage ru {};
+  ::wait4(pid, &status, 0, &ru);
+  if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "bench_dcp: a case failed in its child process\n");
+    std::exit(1);
+  }
+  return {r[1], r[0], double(ru.ru_maxrss) / 1024.0};
+}
+
+void load_all(const fs::path& ckpt) {
+  checkpoint_reader<file_directory> r{file_directory(ckpt)};
+  std::vector<std::unique_ptr<std::byte[]>> mem;
+  std::vector<flat_view> views;
+  for (const auto& [key, tm] : r.metadata().tensors) {
+    const u64 n = tm.numel() * item_size(tm.type);
+    mem.emplace_back(new std::byte[n]);  // uninitialised, as torch.empty
+    views.push_back(flat_view{key, tm.type, tm.shape, std::nullopt, mem.back().get(), n});
+  }
+  r.load(views);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::args a(argc, argv);
+  const bool quick = a.has("--quick");
+  const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
+  const u64 h = quick ? 256 : 2048, vocab = quick ? 4000 : 32000, layers = quick ? 2 : 3;
+  if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    std::printf("bench_dcp: skipped: %s cannot import torch (Debian's python3-torch is the peer)\n", python.c_str());
+    return 0;
+  }
+  const fs::path base = fs::path(a.get("--dir", fs::temp_directory_path().string())) / "shardsafe-bench-dcp";
+  fs::remove_all(base);
+  fs::create_directories(base);
+  const fs::path ckpt = base / "ckpt", out = base / "hf";
+  const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "dcp_peer.py").string();
+  const double tw = bench::now_s();
+  const std::string w = run_capture(python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
+                                    std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
+  if (w.rfind("FAILED", 0) == 0) {
+    std::fprintf(stderr, "bench_dcp: writing the checkpoint with torch failed:\n%s\n", w.c_str());
+    return 1;
+  }
+  u64 file_bytes = 0;
+  for (const auto& e : fs::directory_iterator(ckpt)) {
+    file_bytes += fs::file_size(e.path());
+    std::ifstream f(e.path(), std::ios::binary);  // into the page cache
+    std::vector<char> buf(1 << 20);
+    while (f.read(buf.data(), buf.size()) || f.gcount() > 0) {
+    }
+  }
+  u64 tensor_bytes = 0;
+  std::size_t tensors = 0;
+  {
+    checkpoint_reader<file_directory> r{file_directory(ckpt)};
+    for (const auto& [k, tm] : r.metadata().tensors) tensor_bytes += tm.numel() * item_size(tm.type);
+    tensors = r.metadata().tensors.size();
+  }
+  std::printf("# bench_dcp: torch 1.13 DCP checkpoint of %zu F32 tensors, %.1f MiB of tensors in %.1f MiB of files, "
+              "saved by 2 Gloo ranks in %.1f s (single_file_per_rank); %d round(s); loadavg %s\n",
+              tensors, double(tensor_bytes) / bench::MiB, double(file_bytes) / bench::MiB, bench::now_s() - tw, reps,
+              bench::loadavg().c_str());
+
+  bench::samples torch_s, load_s, hf_s;
+  result torch_r, load_r, hf_r;
+  for (int i = 0; i < reps; ++i) {
+    const std::string line = run_capture(python + " " + peer + " load " + ckpt.string() + " 2>&1");
+    if (field(line, "seconds") < 0) {
+      std::fprintf(stderr, "bench_dcp: torch's load failed:\n%s\n", line.c_str());
+      return 1;
+    }
+    torch_s.add(field(line, "seconds"));
+    torch_r = {field(line, "seconds"), field(line, "rss_before_mib"), field(line, "peak_rss_mib")};
+
+    load_r = in_child([&] { load_all(ckpt); });
+    load_s.add(load_r.seconds);
+
+    fs::remove_all(out);
+    ::sync();
+    hf_r = in_child([&] {
+      hf_export_options opt;
+      add_preset(opt.rename, "dcp-to-hf");
+      export_hf(file_directory(ckpt), file_directory(out), opt);
+    });
+    hf_s.add(hf_r.seconds);
+  }
+  bench::table t({"case", "best s", "median s", "GB/s", "x torch", "RSS before MiB", "peak RSS MiB"});
+  auto row = [&](const char* name, const bench::samples& s, const result& r) {
+    t.add({name, bench::fmt("%.3f", s.best()), bench::fmt("%.3f", s.median()),
+           bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9), bench::fmt("%.2f", torch_s.median() / s.median()),
+           bench::fmt("%.0f", r.rss_before), bench::fmt("%.0f", r.peak)});
+  };
+  row("torch: FileSystemReader + load_state_dict into full tensors", torch_s, torch_r);
+  row("shardsafe: every tensor loaded whole into new memory", load_s, load_r);
+  row("shardsafe: export_hf --preset dcp-to-hf, durable", hf_s, hf_r);
+  t.print();
+
+  // resharded: 3 ranks of rows (the checkpoint holds the rows in 2 halves)
+  std::map<std::string, std::vector<std::byte>> whole;
+  {
+    checkpoint_reader<file_directory> r{file_directory(ckpt)};
+    for (const auto& [key, tm] : r.metadata().tensors) {
+      auto& m = whole[key];
+      m.resize(tm.numel() * item_size(tm.type));
+      unshard_tensor(r, key, m);
+    }
+  }
+  u64 need = 0, planned = 0, syscalls = 0;
+  bool exact = true;
+  for (u64 rank = 0; rank < 3; ++rank) {
+    const u64 before = rchar();
+    checkpoint_reader<file_directory> r{file_directory(ckpt)};
+    std::vector<std::vector<std::byte>> mem;
+    std::vector<flat_view> views;
+    std::vector<std::pair<u64, u64>> rows;  // [begin, end) rows of each view
+    for (const auto& [key, tm] : r.metadata().tensors) {
+      const u64 n = tm.shape[0], c = (n + 2) / 3, b = std::min(n, rank * c), e = std::min(n, b + c);
+      shape_t local = tm.shape, off(tm.shape.size(), 0);
+      local[0] = e - b;
+      off[0] = b;
+      mem.emplace_back(numel(local) * item_size(tm.type));
+      views.push_back(flat_view{key, tm.type, tm.shape, shard_spec(block_spec(local, off)), mem.back().data(), mem.back().size()});
+      rows.emplace_back(b, e);
+    }
+    const load_stats st = r.load(views);
+    syscalls += rchar() - before;
+    need += st.bytes_needed;
+    planned += st.bytes_read;
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      const auto& full = whole.at(views[i].key);
+      const u64 row_bytes = full.size() / views[i].full_shape[0];
+      exact = exact && std::memcmp(full.data() + rows[i].first * row_bytes, mem[i].data(), mem[i].size()) == 0;
+    }
+  }
+  std::printf("\nresharded into 3 ranks (rows; saved as 2): needed %.2f MiB, read by the plans %.2f MiB (%.4fx), "
+              "read in all %.2f MiB (%.4fx: .metadata, zip headers, plans); bytes %s\n",
+              double(need) / bench::MiB, double(planned) / bench::MiB, double(planned) / double(need),
+              double(syscalls) / bench::MiB, double(syscalls) / double(need), exact ? "equal to the whole tensors" : "WRONG");
+  std::printf("\ntargets:\n");
+  bench::print_target(60, "bytes read / bytes needed, resharded into 3 ranks (<= 1.02)", double(syscalls) / double(need), "x",
+                      double(syscalls) / double(need) <= 1.02);
+  fs::remove_all(base);
+  return exact ? 0 : 1;
+}

@@ -1,0 +1,126 @@
+"""The torch side of bench/bench_dcp.cpp, run by Debian's torch 1.13 (/usr/bin/python3).
+
+    python3 bench/dcp_peer.py write OUT HIDDEN VOCAB LAYERS   # a DCP checkpoint saved by 2 Gloo ranks
+    python3 bench/dcp_peer.py load CKPT                       # torch's own load into full tensors
+
+`write` saves the benchmark model's shapes (bench_hf_export's: embedding, per layer qkv, o, up,
+down and two norms; F32, seeded) as ShardedTensors chunked by rows over 2 ranks, keys
+`model.model.*` and `model.lm_head.weight` as a trainer saving {"model": model.state_dict()}
+writes them, plus a non-tensor item; OUT/ckpt holds it and OUT/digest.txt torch's SHA-256 of
+each full tensor (as `shardsafe digest` prints them).
+
+`load` is the read half of the Python converters: FileSystemReader + load_state_dict(no_dist=True)
+into freshly allocated full tensors; prints one line `seconds=S rss_before_mib=A peak_rss_mib=P`
+(RSS after importing torch, before the load; peak RSS of the process).
+"""
+import dataclasses
+import hashlib
+import os
+import resource
+import socket
+import sys
+import time
+
+# torch 1.13 on Python 3.11: dataclass defaults that are unhashable instances (tests/dcp_fixture.py)
+_orig_get_field = dataclasses._get_field
+
+
+def _get_field(cls, name, type_, *rest):
+    try:
+        return _orig_get_field(cls, name, type_, *rest)
+    except ValueError as e:
+        if "mutable default" not in str(e):
+            raise
+        f = cls.__dict__[name]
+        value = f.default if isinstance(f, dataclasses.Field) else f
+        if isinstance(f, dataclasses.Field):
+            f.default = dataclasses.MISSING
+            f.default_factory = lambda v=value: v
+        else:
+            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
+        return _orig_get_field(cls, name, type_, *rest)
+
+
+dataclasses._get_field = _get_field
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._shard.checkpoint as dcp  # noqa: E402
+from torch.distributed._shard import sharded_tensor  # noqa: E402
+from torch.distributed._shard.sharded_tensor import Shard  # noqa: E402
+
+WORLD = 2
+
+
+def shapes(h, vocab, layers):
+    m = [("model.model.embed_tokens.weight", (vocab, h)), ("model.model.norm.weight", (h,)),
+         ("model.lm_head.weight", (vocab, h))]
+    for l in range(layers):
+        p = f"model.model.layers.{l}."
+        m += [(p + "attn.qkv.weight", (3 * h, h)), (p + "attn.o.weight", (h, h)), (p + "mlp.up.weight", (4 * h, h)),
+              (p + "mlp.down.weight", (h, 4 * h)), (p + "norm1.weight", (h,)), (p + "norm2.weight", (h,))]
+    return m
+
+
+def tensor_of(i, shape):
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(*shape, generator=g)
+
+
+def worker(rank, port, out, h, vocab, layers):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    sd = {}
+    for i, (key, shape) in enumerate(shapes(h, vocab, layers)):
+        t = tensor_of(i, shape)
+        rows = shape[0]
+        a = (rows + 1) // 2
+        lo, hi = (0, a) if rank == 0 else (a, rows)
+        off = [lo] + [0] * (len(shape) - 1)
+        sd[key] = sharded_tensor.init_from_local_shards([Shard.from_tensor_and_offsets(t[lo:hi].contiguous(), off, rank)], *shape)
+    sd["extra.step"] = 100
+    dcp.save_state_dict(sd, dcp.FileSystemWriter(os.path.join(out, "ckpt"), single_file_per_rank=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write(out, h, vocab, layers):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import torch.multiprocessing as mp
+    mp.spawn(worker, args=(port, out, h, vocab, layers), nprocs=WORLD, join=True)
+    lines = []
+    for i, (key, shape) in enumerate(shapes(h, vocab, layers)):
+        b = tensor_of(i, shape).reshape(-1).view(torch.uint8).numpy().tobytes()
+        lines.append(f"{key} F32 [{','.join(str(d) for d in shape)}] {hashlib.sha256(b).hexdigest()}")
+    with open(os.path.join(out, "digest.txt"), "w") as f:
+        f.write("\n".join(sorted(lines)) + "\n")
+
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def load(ckpt):
+    before = rss_mib()
+    t0 = time.perf_counter()
+    reader = dcp.FileSystemReader(ckpt)
+    md = reader.read_metadata()
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+          for k, m in md.state_dict_metadata.items() if isinstance(m, dcp.metadata.TensorStorageMetadata)}
+    dcp.load_state_dict(sd, reader, no_dist=True)
+    secs = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"seconds={secs:.4f} rss_before_mib={before:.1f} peak_rss_mib={peak:.1f} tensors={len(sd)}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "write":
+        write(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        load(sys.argv[2])
