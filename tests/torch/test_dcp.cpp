@@ -1,0 +1,119 @@
+// torch DCP folders written by a 3-process Gloo world of Debian's torch 1.13
+// (tests/dcp_fixture_dist.py) loaded with load_state_dict into real c10d worlds of 1, 2 and 4
+// processes, by rows, by columns and by flattened ranges. Expected values are torch's own bytes
+// of the full tensors cut with ATen (fixtures.hpp), never the library's cursors.
+#include "shardsafe/torch/state_dict.hpp"
+
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "fixtures.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/torch/c10d.hpp"
+#include "world.hpp"
+
+using namespace shardsafe;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct full_tensor {
+  std::string key;
+  at::Tensor t;
+};
+
+/// The full tensors torch wrote out (digest.txt's names, dtypes and shapes; raw/KEY.bin's bytes).
+std::vector<full_tensor> torch_tensors(const fs::path& dir) {
+  std::vector<full_tensor> out;
+  std::istringstream in(testing::slurp(dir / "digest.txt"));
+  for (std::string key, type, shape, hash; in >> key >> type >> shape >> hash;) {
+    std::string dims = shape.substr(1, shape.size() - 2);
+    for (auto& c : dims)
+      if (c == ',') c = ' ';
+    std::istringstream ds(dims);
+    shape_t s;
+    for (std::uint64_t d; ds >> d;) s.push_back(d);
+    at::Tensor t = at::empty(to_sizes(s), *to_scalar_type(dtype_from_name(type, "digest.txt")));
+    const std::string raw = testing::slurp(dir / "raw" / (key + ".bin"));
+    REQUIRE(raw.size() == static_cast<std::size_t>(t.nbytes()));
+    std::memcpy(t.data_ptr(), raw.data(), raw.size());
+    out.push_back({key, t});
+  }
+  return out;
+}
+
+/// This rank's spec of a tensor of `shape` cut `how` over `world` ranks (torch.chunk sizes).
+std::optional<shard_spec> spec_of(const shape_t& shape, const std::string& how, std::uint64_t world, std::uint64_t rank) {
+  if (shape.empty()) return std::nullopt;
+  auto chunk = [&](std::uint64_t n) {
+    const std::uint64_t c = (n + world - 1) / world, b = std::min(n, rank * c);
+    return std::pair{b, std::min(n, b + c)};
+  };
+  if (how == "flat") {
+    const auto [b, e] = chunk(numel(shape));
+    return shard_spec(flat_spec{{b, e}});
+  }
+  const std::size_t d = how == "cols" && shape.size() == 2 ? 1 : 0;
+  shape_t local = shape, off(shape.size(), 0);
+  const auto [b, e] = chunk(shape[d]);
+  local[d] = e - b;
+  off[d] = b;
+  return shard_spec(block_spec(local, off));
+}
+
+}  // namespace
+
+WORKER_SCENARIO("dcp_load") {
+  auto w = init_world_from_env();
+  const fs::path dir = args.at(0);
+  const std::string how = args.at(2);
+  state_dict sd;
+  std::vector<at::Tensor> want;
+  for (const auto& f : torch_tensors(dir)) {
+    const auto spec = spec_of(shape_of(f.t), how, w.world_size, w.rank);
+    const at::Tensor expect = testing::local_of(f.t, spec);
+    at::Tensor local = at::full(expect.sizes(), 7, expect.options());
+    if (spec && spec->is_flat()) local = local.reshape({-1});
+    if (spec)
+      sd.add(f.key, local, *spec, shape_of(f.t));
+    else
+      sd.add(f.key, local);
+    want.push_back(expect);
+  }
+  const load_stats st = load_state_dict(file_directory(dir / args.at(1)), sd);
+  int bad = 0;
+  std::size_t i = 0;
+  for (const auto& [key, t] : sd) {
+    if (!testing::same_bits(t.local.reshape({-1}), want[i++].reshape({-1}))) {
+      std::fprintf(stderr, "rank %d of %d (%s %s): %s differs\n", w.rank, w.world_size, args.at(1).c_str(), how.c_str(),
+                   key.c_str());
+      ++bad;
+    }
+  }
+  if (st.unexpected_keys.size() != 0 || st.missing_keys.size() != 0 || st.bytes_read < st.bytes_needed) ++bad;
+  return bad == 0 ? 0 : 1;
+}
+
+TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of 1, 2 and 4, rows/cols/flat" *
+          testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  testing::temp_dir dir("dcp-c10d");
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture_dist.py";
+  const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  for (const char* folder : {"ckpt", "ckpt_single"})
+    for (const char* how : {"rows", "cols", "flat"})
+      for (int n : {1, 2, 4}) {
+        CAPTURE(folder);
+        CAPTURE(how);
+        CAPTURE(n);
+        auto res = testing::run_world("dcp_load", n, {dir.str(), folder, how});
+        CHECK_MESSAGE(res.ok(), res.report());
+      }
+}
