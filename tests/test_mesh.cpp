@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -15,8 +16,12 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/storage/memory.hpp"
 #include "test_util.hpp"
+#include "thread_world.hpp"
 
 using namespace shardsafe;
 namespace fs = std::filesystem;
@@ -379,6 +384,162 @@ TEST_CASE("mesh: a save under one mesh covers a load under another exactly once 
     const load_plan p = plan_load(mine, files, full);
     CHECK(p.missing.empty());
     CHECK(p.covered == mine.local_numel());
+  }
+}
+
+// ============================================================ replicas written once (save_flat_views)
+
+namespace {
+
+/// One rank of an HSDP world [2 replicas, 2 shards]: "w" [10, 3] and "b" [5], both
+/// [replicate(), shard(0)], their values their global flat index (+ 1000 for b).
+struct hsdp_rank {
+  std::vector<float> w, b;
+  std::vector<flat_view> views;
+  hsdp_rank(int rank, bool declare) {
+    const device_mesh mesh({2, 2}, {"replicate", "shard"}, static_cast<u64>(rank));
+    const std::vector<placement> pls{replicate(), shard(0)};
+    auto add = [&](const std::string& key, const shape_t& full, std::vector<float>& mem, float base, u64 salt) {
+      const block_spec blk = mesh_block(full, mesh, pls, key);
+      for (auto c = blk.cursor(full); !c.done(); c.next())
+        for (u64 e = c.run().begin; e < c.run().end; ++e) mem.push_back(base + static_cast<float>(e));
+      flat_view v{key, dtype::F32, full, blk, reinterpret_cast<std::byte*>(mem.data()), mem.size() * sizeof(float)};
+      if (declare) v.replica = mesh_replica_role(mesh, pls, salt);
+      views.push_back(v);
+    };
+    w.reserve(15);
+    b.reserve(3);
+    add("w", {10, 3}, w, 0.f, 0);
+    add("b", {5}, b, 1000.f, 1);  // salt 1: b's blocks go to the other replicas
+  }
+};
+
+/// Tensor data bytes per name in one rank file.
+std::map<std::string, u64> data_in(const memory_directory& dir, int rank) {
+  const auto f = dir.open(rank_file_name(rank));
+  const safetensors_header h = read_safetensors_header(f);
+  std::map<std::string, u64> out;
+  for (const auto& t : h.tensors) out[t.name] = t.nbytes();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("mesh: HSDP replicas are written once, by the writer replica; the checkpoint loads bit-exact") {
+  constexpr int n = 4;
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:hsdp");
+  std::vector<save_stats> stats(n);
+  auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
+    hsdp_rank s(c.rank(), true);
+    stats[c.rank()] = save_flat_views(mem, std::span<const flat_view>(s.views), c);
+  });
+  for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
+  // Worked by hand: w's blocks are rows 0-4 (block 0) and 5-9 (block 1), written by replica
+  // 0 and 1: ranks 0 ([0,0]) and 3 ([1,1]). b's are [0,3) and [3,5), salt 1: replica 1 and 0:
+  // ranks 2 ([1,0]) and 1 ([0,1]).
+  const std::vector<std::map<std::string, u64>> want{{{"w", 60}}, {{"b", 8}}, {{"b", 12}}, {{"w", 60}}};
+  u64 data = 0;
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(data_in(mem, r) == want[r]);
+    CHECK(stats[r].tensors_written == 1);
+    CHECK(stats[r].bytes_written == mem.open(rank_file_name(r)).size());
+    for (const auto& [k, bytes] : data_in(mem, r)) data += bytes;
+  }
+  CHECK(data == (30 + 5) * sizeof(float));  // every element once
+  auto md_file = mem.open(metadata_file_name);
+  const auto md = read_checkpoint_metadata(md_file);
+  CHECK(md.find("w")->files.size() == 2);
+  CHECK(md.find("b")->files.size() == 2);
+  // the whole tensors back, bit-exact
+  std::vector<float> w(30), b(5);
+  std::vector<flat_view> into{{"w", dtype::F32, {10, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 120},
+                              {"b", dtype::F32, {5}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), 20}};
+  load_flat_views(mem, std::span<const flat_view>(into));
+  for (int i = 0; i < 30; ++i) CHECK(w[i] == static_cast<float>(i));
+  for (int i = 0; i < 5; ++i) CHECK(b[i] == 1000.f + static_cast<float>(i));
+
+  // the same shards with no roles declared: identical shards are accepted and each holder
+  // writes its own (the behaviour before roles), twice the bytes
+  const memory_directory twice(store, "mem:undeclared");
+  thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
+    hsdp_rank s(c.rank(), false);
+    stats[c.rank()] = save_flat_views(twice, std::span<const flat_view>(s.views), c);
+  });
+  for (int r = 0; r < n; ++r) {
+    REQUIRE_FALSE(thrown[r]);
+    const u64 w_rows = 5, b_len = r % 2 == 0 ? 3 : 2;
+    CHECK(data_in(twice, r) == std::map<std::string, u64>{{"w", w_rows * 3 * 4}, {"b", b_len * 4}});
+  }
+  std::fill(w.begin(), w.end(), -1.f);
+  load_flat_views(twice, std::span<const flat_view>(into));
+  for (int i = 0; i < 30; ++i) CHECK(w[i] == static_cast<float>(i));
+}
+
+TEST_CASE("mesh: the save's agreement rejects overlapping shards that are not declared replicas of one writer") {
+  constexpr int n = 4;
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:bad");
+  auto errors_when = [&](const std::function<void(int, std::vector<flat_view>&)>& change) {
+    auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
+      hsdp_rank s(c.rank(), true);
+      change(c.rank(), s.views);
+      save_flat_views(mem, std::span<const flat_view>(s.views), c, save_options{.overwrite = true});
+    });
+    std::vector<std::string> what;
+    for (int r = 0; r < n; ++r) {
+      REQUIRE(thrown[r]);
+      try {
+        std::rethrow_exception(thrown[r]);
+      } catch (const error& e) {
+        CHECK(e.code() == errc::invalid_argument);
+        what.push_back(e.what());
+      }
+    }
+    for (const auto& w : what) CHECK(w == what[0]);  // the same error on every rank
+    return what[0];
+  };
+  auto has = [](const std::string& what, const std::vector<std::string>& phrases) {
+    for (const auto& p : phrases) CHECK_MESSAGE(what.find(p) != std::string::npos, what, " / ", p);
+  };
+  SUBCASE("two different shards, neither a replica") {
+    has(errors_when([](int r, std::vector<flat_view>& v) {
+          for (auto& x : v) x.replica = replica_role::none;
+          if (r == 2) v[0].spec = block_spec({5, 3}, {1, 0});  // rows 1-5: meets rank 0's and rank 1's
+          if (r == 3) v[0].spec = block_spec({5, 3}, {4, 0});
+        }),
+        {"tensor 'w' [10,3]", "rank 0's shard block [5,3] at [0,0] and rank 2's shard block [5,3] at [1,0]",
+         "share 12 elements", "index [1,0]", "declared replicas"});
+  }
+  SUBCASE("two writers of one shard") {
+    has(errors_when([](int r, std::vector<flat_view>& v) {
+          if (r == 2) v[0].replica = replica_role::writer;
+        }),
+        {"tensor 'w'", "ranks 0 and 2 are both the writer of the replicated shard block [5,3] at [0,0]"});
+  }
+  SUBCASE("a copy with no writer") {
+    has(errors_when([](int r, std::vector<flat_view>& v) {
+          if (r == 0) v[0].replica = replica_role::copy;
+        }),
+        {"tensor 'w'", "rank 0 holds block [5,3] at [0,0] as a replica copy", "no rank is the writer"});
+  }
+  SUBCASE("a different block overlapping a replica group") {
+    // rank 1 (a copy of w's rows 5-9) claims rows 4-8 as a writer instead
+    has(errors_when([](int r, std::vector<flat_view>& v) {
+          if (r != 1) return;
+          v[0].spec = block_spec({5, 3}, {4, 0});
+          v[0].replica = replica_role::writer;
+        }),
+        {"tensor 'w'", "rank 0's shard block [5,3] at [0,0] and rank 1's shard block [5,3] at [4,0]", "share 3 elements",
+         "index [4,0]"});
+  }
+  SUBCASE("a replica role on a tensor that is not sharded") {
+    has(errors_when([](int, std::vector<flat_view>& v) {
+          v[1].spec = std::nullopt;
+          v[1].full_shape = {v[1].nbytes / 4};
+        }),
+        {"tensor 'b'", "declared a replica", "no shard spec"});
   }
 }
 
