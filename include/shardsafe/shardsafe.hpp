@@ -32,6 +32,7 @@
 
 // shard arithmetic: specs, overlaps, copy plans, read plans
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/mesh.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/read_plan.hpp"
 #include "shardsafe/shard/shard_spec.hpp"

@@ -112,6 +112,7 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
     if (it == plan_index.end()) continue;  // dropped by a rename rule
     const tensor_metadata* tm = md.find(v.key);
     if (!tm->is_sharded && tm->files.front().first != mine) continue;  // a lower rank writes it
+    if (tm->is_sharded && v.replica == replica_role::copy) continue;  // its writer replica writes it
     const std::size_t f = file_of[it->second];
     const safetensors_layout& layout = l.files[f];
     const tensor_entry& e = layout.tensors[layout.index_of(l.plan.tensors[it->second].name)];

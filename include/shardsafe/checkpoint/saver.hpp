@@ -4,13 +4,16 @@
 // and nobody is left waiting in a collective):
 //   1. each rank validates its views and describes them (its part of metadata.json);
 //      the descriptions are all-gathered and merged; every rank checks the same things:
-//      one key has one shape, dtype and sharded-ness on all ranks, and the shards of every
-//      sharded tensor together cover it;
+//      one key has one shape, dtype and sharded-ness on all ranks, the shards of every
+//      sharded tensor together cover it, and no two different shards overlap (identical
+//      shards are replicas: declared in flat_view::replica, one writer and the others copies,
+//      they are written once; undeclared, each holder writes its own);
 //   2. rank 0 prepares the directory: refuses a non-empty one unless overwrite was asked,
 //      and otherwise removes metadata.json first (so the old checkpoint stops loading as
 //      complete), then the rest;
 //   3. every rank streams rank_R.safetensors (under a temporary name, fsynced, renamed):
-//      its shards, and each replicated tensor it is the lowest rank to hold;
+//      its shards (but those it holds as a replica copy: the writer replica writes them), and
+//      each replicated tensor it is the lowest rank to hold;
 //   4. the outcomes are all-gathered; then rank 0 writes metadata.json, last, by rename: the
 //      commit mark. A save killed at any point leaves no directory that loads as complete.
 // Each step runs under dist/agree.hpp: a failure on any rank is thrown, with its own code,
@@ -19,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -82,19 +86,136 @@ inline checkpoint_metadata describe_views(std::span<const flat_view> views, int 
   return md;
 }
 
-/// Merges the ranks' descriptions into the checkpoint's metadata, checking they agree and
-/// that every sharded tensor is covered.
-inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir) {
+/// The replica roles of a rank's views, sent ahead of its description: a line with the count,
+/// then "INDEX w" or "INDEX c" per view declared a replica (INDEX: its place among the views).
+/// A view without a spec cannot be a replica (unsharded tensors are written once already).
+inline std::string encode_replica_roles(std::span<const flat_view> views, std::string_view dir) {
+  std::string lines;
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    const flat_view& v = views[i];
+    if (v.replica == replica_role::none) continue;
+    if (!v.is_sharded())
+      fail(errc::invalid_argument, std::string(dir) + ": tensor '" + v.key + "' is declared a replica " +
+                                       std::string(to_string(v.replica)) +
+                                       " but has no shard spec; a tensor that is not sharded is written once, by the lowest rank");
+    lines += std::to_string(i) + (v.replica == replica_role::writer ? " w\n" : " c\n");
+    ++n;
+  }
+  return std::to_string(n) + "\n" + lines;
+}
+
+/// Reads what encode_replica_roles wrote from the front of text (which is left holding the
+/// rest): the role of each view, by index (views past the end: none).
+inline std::vector<replica_role> decode_replica_roles(std::string_view& text, std::string_view from) {
+  auto malformed = [&] { fail(errc::comm_error, "the replica roles received from " + std::string(from) + " are malformed"); };
+  auto line = [&] {
+    const auto nl = text.find('\n');
+    if (nl == std::string_view::npos) malformed();
+    std::string_view l = text.substr(0, nl);
+    text.remove_prefix(nl + 1);
+    return l;
+  };
+  auto number = [&](std::string_view l) {
+    std::uint64_t v = 0;
+    auto [p, ec] = std::from_chars(l.data(), l.data() + l.size(), v);
+    if (ec != std::errc() || p != l.data() + l.size()) malformed();
+    return v;
+  };
+  const std::uint64_t n = number(line());
+  std::vector<std::pair<std::uint64_t, replica_role>> got;
+  for (std::uint64_t k = 0; k < n; ++k) {
+    const std::string_view l = line();
+    if (l.size() < 3 || l[l.size() - 2] != ' ' || (l.back() != 'w' && l.back() != 'c')) malformed();
+    got.emplace_back(number(l.substr(0, l.size() - 2)), l.back() == 'w' ? replica_role::writer : replica_role::copy);
+  }
+  std::vector<replica_role> roles;
+  for (const auto& [i, role] : got) {
+    if (i >= (std::uint64_t(1) << 32)) malformed();
+    if (roles.size() <= i) roles.resize(static_cast<std::size_t>(i) + 1, replica_role::none);
+    roles[static_cast<std::size_t>(i)] = role;
+  }
+  return roles;
+}
+
+/// The shards of one sharded tensor, checked: every copy replica has a writer with its spec,
+/// no shard has two writers, and no two shards overlap unless they are identical (the distinct
+/// shards hold, together, no more elements than the tensor; with the coverage check after,
+/// each element is held by exactly one distinct shard). Identical shards that are not declared
+/// replicas (a replicated DTensor saved by every rank) stay accepted and are each written, as
+/// before roles existed. Returns the files to list: the shards written, in rank order.
+inline std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
+                                                                    const std::vector<int>& ranks,
+                                                                    const std::vector<replica_role>& roles,
+                                                                    std::string_view dir) {
+  const std::string c = std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape);
+  std::map<std::string, std::size_t> writer_of;  // spec text -> index of its writer
+  for (std::size_t i = 0; i < tm.files.size(); ++i) {
+    if (roles[i] != replica_role::writer) continue;
+    auto [it, fresh] = writer_of.emplace(to_string(tm.files[i].second), i);
+    if (!fresh)
+      fail(errc::invalid_argument, c + ": ranks " + std::to_string(ranks[it->second]) + " and " + std::to_string(ranks[i]) +
+                                       " are both the writer of the replicated shard " + it->first +
+                                       "; one replica writes it, the others are copies");
+  }
+  std::vector<std::pair<std::string, shard_spec>> files;
+  std::vector<int> file_rank;
+  std::map<std::string, bool> distinct;  // spec texts counted in held
+  std::uint64_t held = 0;
+  for (std::size_t i = 0; i < tm.files.size(); ++i) {
+    if (roles[i] == replica_role::copy) {
+      if (!writer_of.count(to_string(tm.files[i].second)))
+        fail(errc::invalid_argument, c + ": rank " + std::to_string(ranks[i]) + " holds " + to_string(tm.files[i].second) +
+                                         " as a replica copy, but no rank is the writer of that shard");
+      continue;
+    }
+    files.push_back(tm.files[i]);
+    file_rank.push_back(ranks[i]);
+    if (distinct.emplace(to_string(tm.files[i].second), true).second) held += tm.files[i].second.local_numel();
+  }
+  if (held > tm.numel()) {  // some shards overlap: name two (only on this error path: pairwise)
+    const std::span<const std::uint64_t> full(tm.shape);
+    for (std::size_t a = 0; a < files.size(); ++a)
+      for (std::size_t b = a + 1; b < files.size(); ++b) {
+        if (files[a].second == files[b].second) continue;  // identical: replicas
+        const std::uint64_t both = overlap_numel(files[a].second, files[b].second, full);
+        if (both == 0) continue;
+        std::string first;
+        for_each_overlap(files[a].second, files[b].second, full, [&](const overlap_piece& p) {
+          if (first.empty()) first = multi_index_string(full, p.global);
+        });
+        fail(errc::invalid_argument,
+             c + ": rank " + std::to_string(file_rank[a]) + "'s shard " + to_string(files[a].second) + " and rank " +
+                 std::to_string(file_rank[b]) + "'s shard " + to_string(files[b].second) + " share " +
+                 std::to_string(both) + " elements (the first at index " + first +
+                 "); shards must not overlap unless they are identical and declared replicas (flat_view::replica)");
+      }
+  }
+  return files;
+}
+
+/// Merges the ranks' descriptions into the checkpoint's metadata, checking they agree, that
+/// every sharded tensor is covered, and that its shards do not overlap (but as replicas).
+/// roles[r][i]: rank r's role for its i-th tensor (missing: none).
+inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
+                                              const std::vector<std::vector<replica_role>>& roles = {}) {
   checkpoint_metadata out;
   std::map<std::string, std::size_t> where;   // key -> index in out.tensors
   std::map<std::string, int> first_rank;      // key -> lowest rank holding it
+  // per sharded tensor (index in out.tensors): the rank and role of each entry of its files
+  std::vector<std::vector<int>> file_ranks;
+  std::vector<std::vector<replica_role>> file_roles;
   for (std::size_t r = 0; r < parts.size(); ++r) {
-    for (const auto& [key, tm] : parts[r].tensors) {
+    for (std::size_t i = 0; i < parts[r].tensors.size(); ++i) {
+      const auto& [key, tm] = parts[r].tensors[i];
+      const replica_role role = r < roles.size() && i < roles[r].size() ? roles[r][i] : replica_role::none;
       auto it = where.find(key);
       if (it == where.end()) {
         where.emplace(key, out.tensors.size());
         first_rank.emplace(key, static_cast<int>(r));
         out.tensors.emplace_back(key, tm);
+        file_ranks.push_back({static_cast<int>(r)});
+        file_roles.push_back({role});
         continue;
       }
       tensor_metadata& have = out.tensors[it->second].second;
@@ -107,11 +228,17 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
       if (have.type != tm.type) disagree("dtype", std::string(name(have.type)), std::string(name(tm.type)));
       if (have.is_sharded != tm.is_sharded)
         disagree("it", have.is_sharded ? "sharded" : "not sharded", tm.is_sharded ? "sharded" : "not sharded");
-      if (have.is_sharded) have.files.push_back(tm.files.front());  // replicated: the lowest rank's copy only
+      if (have.is_sharded) {  // replicated: the lowest rank's copy only
+        have.files.push_back(tm.files.front());
+        file_ranks[it->second].push_back(static_cast<int>(r));
+        file_roles[it->second].push_back(role);
+      }
     }
   }
-  for (const auto& [key, tm] : out.tensors) {
+  for (std::size_t t = 0; t < out.tensors.size(); ++t) {
+    auto& [key, tm] = out.tensors[t];
     if (!tm.is_sharded) continue;
+    tm.files = check_shards(key, tm, file_ranks[t], file_roles[t], dir);
     std::vector<shard_spec> specs;
     for (const auto& f : tm.files) specs.push_back(f.second);
     const shard_spec whole = flat_spec{{0, tm.numel()}};
@@ -130,12 +257,19 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
 template <Comm C>
 checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm, const std::string& dname) {
   const int rank = comm.rank();
-  const auto texts = every_rank_step(comm, [&] { return write_checkpoint_metadata(describe_views(views, rank, dname)); });
+  const auto texts = every_rank_step(comm, [&] {
+    return encode_replica_roles(views, dname) + write_checkpoint_metadata(describe_views(views, rank, dname));
+  });
   std::vector<checkpoint_metadata> parts;
+  std::vector<std::vector<replica_role>> roles;
   parts.reserve(texts.size());
-  for (std::size_t r = 0; r < texts.size(); ++r)
-    parts.push_back(parse_checkpoint_metadata(texts[r], dname + " (rank " + std::to_string(r) + "'s plan)"));
-  return merge_descriptions(parts, dname);
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    std::string_view text = texts[r];
+    const std::string from = dname + " (rank " + std::to_string(r) + "'s plan)";
+    roles.push_back(decode_replica_roles(text, from));
+    parts.push_back(parse_checkpoint_metadata(text, from));
+  }
+  return merge_descriptions(parts, dname, roles);
 }
 
 /// Step 2, on rank 0: refuses a non-empty dir unless overwrite; otherwise empties it,
@@ -154,14 +288,15 @@ void prepare_directory(const D& dir, bool overwrite, C& comm) {
   });
 }
 
-/// The views `rank` writes: its shards, and each replicated tensor it is the lowest rank to hold.
+/// The views `rank` writes: its shards (not those it holds as a replica copy), and each
+/// replicated tensor it is the lowest rank to hold.
 inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
                                                     int rank) {
   const std::string fname = rank_file_name(rank);
   std::vector<const flat_view*> out;
   for (const auto& v : views) {
     const tensor_metadata* tm = md.find(v.key);
-    if (tm->is_sharded || tm->files.front().first == fname) out.push_back(&v);
+    if (tm->is_sharded ? v.replica != replica_role::copy : tm->files.front().first == fname) out.push_back(&v);
   }
   return out;
 }

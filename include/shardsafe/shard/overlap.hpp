@@ -68,6 +68,20 @@ inline std::optional<box> intersect(const block_spec& a, const block_spec& b) {
   return r;
 }
 
+/// The number of elements two blocks share (the intersection's volume), without building it:
+/// plan_load asks this of every file of a tensor, so it allocates nothing.
+inline std::uint64_t intersect_numel(const block_spec& a, const block_spec& b) noexcept {
+  const std::size_t nd = a.local_shape().size();
+  std::uint64_t n = 1;
+  for (std::size_t d = 0; d < nd; ++d) {
+    const std::uint64_t lo = std::max(a.global_offset()[d], b.global_offset()[d]);
+    const std::uint64_t hi = std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
+    if (hi <= lo) return 0;
+    n *= hi - lo;
+  }
+  return n;
+}
+
 /// The first dimension of a box piece: the dimensions after it span both blocks whole, so
 /// one piece is contiguous in both local views.
 inline std::size_t box_fuse_dim(const box& bx, const block_spec& a, const block_spec& b) noexcept {
@@ -180,9 +194,8 @@ std::uint64_t overlap_numel(const A& mine, const B& other, std::span<const std::
   } else if constexpr (detail::is_variant_spec<B>) {
     return std::visit([&](const auto& o) { return overlap_numel(mine, o, full); }, other.variant());
   } else if constexpr (std::is_same_v<A, block_spec> && std::is_same_v<B, block_spec>) {
-    auto bx = detail::intersect(mine, other);
     if (full.empty()) return mine.local_numel() && other.local_numel() ? 1 : 0;
-    return bx ? numel(bx->extent) : 0;
+    return detail::intersect_numel(mine, other);
   } else {
     std::uint64_t n = 0;
     detail::merge_cursors(mine.cursor(full), other.cursor(full), [&](const overlap_piece& p) { n += p.len; });
