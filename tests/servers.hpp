@@ -91,15 +91,34 @@ class child_process {
   pid_t pid_ = -1;
 };
 
+/// A test CA and a certificate for 127.0.0.1 (and localhost) that it signed, made with the
+/// openssl command: ca.pem, server.pem, server.key in dir.
+inline void make_test_certificates(const std::filesystem::path& dir) {
+  const std::string d = dir.string();
+  auto run = [](std::vector<std::string> args) {
+    const auto r = run_program("openssl", args);
+    REQUIRE_MESSAGE((r.exited && r.code == 0), "openssl failed: ", r.err);
+  };
+  run({"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/ca.key", "-out", d + "/ca.pem", "-days", "2",
+       "-subj", "/CN=shardsafe test CA"});
+  run({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/server.key", "-out", d + "/server.csr", "-subj", "/CN=127.0.0.1"});
+  write_file(dir / "ext.cnf", "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+  run({"x509", "-req", "-in", d + "/server.csr", "-CA", d + "/ca.pem", "-CAkey", d + "/ca.key", "-CAcreateserial", "-out",
+       d + "/server.pem", "-days", "2", "-extfile", d + "/ext.cnf"});
+}
+
 /// nginx serving the folder www/ of a temporary directory on 127.0.0.1:port, with range
-/// requests and keep-alive as shipped, and an access log of each request's bytes.
+/// requests and keep-alive as shipped, and an access log of each request's bytes; over TLS
+/// with a certificate from make_test_certificates when tls is true (the CA: ca_file()).
 struct nginx_server {
   temp_dir dir{"nginx"};
   std::filesystem::path www = dir.path / "www";
   int port = free_port();
+  bool tls = false;
   std::unique_ptr<child_process> proc;
 
-  nginx_server() {
+  explicit nginx_server(bool with_tls = false) : tls(with_tls) {
+    if (tls) make_test_certificates(dir.path);
     std::filesystem::create_directories(www);
     std::filesystem::create_directories(dir.path / "tmp");
     const std::string d = dir.str();
@@ -117,7 +136,9 @@ struct nginx_server {
                "  fastcgi_temp_path " + d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d + "/tmp/scgi;\n"
                "  keepalive_requests 100000;\n"
                "  server {\n"
-               "    listen 127.0.0.1:" + std::to_string(port) + ";\n"
+               "    listen 127.0.0.1:" + std::to_string(port) + (tls ? " ssl" : "") + ";\n" +
+               (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
+                    : std::string()) +
                "    root " + www.string() + ";\n"
                "    location / { }\n"
                "  }\n"
@@ -126,7 +147,10 @@ struct nginx_server {
         std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"}, dir.path);
     proc->wait_for_port(port);
   }
-  std::string url(const std::string& path = "") const { return "http://127.0.0.1:" + std::to_string(port) + "/" + path; }
+  std::string url(const std::string& path = "") const {
+    return (tls ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(port) + "/" + path;
+  }
+  std::string ca_file() const { return (dir.path / "ca.pem").string(); }
 };
 
 /// How the scripted server answers one GET (HEAD is always answered correctly).

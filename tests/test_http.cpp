@@ -350,3 +350,29 @@ TEST_CASE("http: nothing listening is a clear error after bounded attempts") {
   expect_error([&] { http_storage("http://127.0.0.1:" + std::to_string(port) + "/x", o); }, errc::io_error,
                {"http://127.0.0.1:" + std::to_string(port) + "/x", "giving up after 3 attempts", "cannot connect"});
 }
+
+#if SHARDSAFE_HTTP_TLS
+TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
+  testing::nginx_server srv(true);
+  const std::string body = random_text(300'000, 17);
+  testing::write_file(srv.www / "obj.bin", body);
+  http_options o;
+  o.ca_file = srv.ca_file();
+  const http_storage s(srv.url("obj.bin"), o);
+  CHECK(s.size() == body.size());
+  CHECK(read_string(s, 12'345, 200'000) == body.substr(12'345, 200'000));
+  std::vector<std::string> outs(20, std::string(5000, '\0'));
+  std::vector<read_request> rs;
+  for (std::size_t i = 0; i < outs.size(); ++i) rs.push_back({i * 14'000, std::as_writable_bytes(std::span(outs[i]))});
+  s.read_batch(rs);
+  for (std::size_t i = 0; i < outs.size(); ++i) CHECK(outs[i] == body.substr(i * 14'000, 5000));
+  // the system's store does not know the test CA: a certificate error, not retried
+  http_options sys = quick();
+  expect_error([&] { http_storage(srv.url("obj.bin"), sys); }, errc::io_error,
+               {srv.url("obj.bin"), "TLS handshake with 127.0.0.1:" + std::to_string(srv.port) + " failed", "certificate verify failed"});
+  // a CA file that is not there
+  http_options missing;
+  missing.ca_file = (srv.dir.path / "absent.pem").string();
+  expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument, {"absent.pem", "cannot load CA file"});
+}
+#endif

@@ -462,7 +462,7 @@ class http_client {
 
   /// Reads the rest of the body into a string of at most max_response_body bytes.
   bool read_body_string(http_connection& c, parser_t& p, std::string& out, attempt_failure& f) {
-    if (auto n = p.content_length(); n && *n > opt_.max_response_body) {
+    if (auto n = p.content_length(); n && *n > opt_.max_response_body && !p.is_done()) {  // (HEAD: no body)
       f = {false, "Content-Length " + std::to_string(*n) + " is over the " + std::to_string(opt_.max_response_body) +
                       " bytes this client reads into memory", std::nullopt, false};
       return false;
