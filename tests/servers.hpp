@@ -162,13 +162,17 @@ enum class fault {
   long_content_length,  ///< 206, Content-Length one more than the range (one extra byte sent)
   status_503,           ///< 503 with Retry-After: 1
   status_429,           ///< 429 without Retry-After
+  redirect,             ///< 302 to /moved/PATH (served like any path)
+  stall,                ///< nothing for 1 s, then the connection closed
 };
 
 /// An HTTP/1.1 server on 127.0.0.1 serving one object, `body`, at any path: each GET takes
 /// the next fault of the script (none once it is empty). Keeps a log of the Range headers.
 class scripted_server {
  public:
-  explicit scripted_server(std::string body) : body_(std::move(body)) {
+  /// head_length false: HEAD answers without Content-Length (chunked), so the size must come
+  /// from a GET's Content-Range.
+  explicit scripted_server(std::string body, bool head_length = true) : body_(std::move(body)), head_length_(head_length) {
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     REQUIRE(listen_fd_ >= 0);
     int one = 1;
@@ -249,7 +253,8 @@ class scripted_server {
   bool answer(int fd, const std::string& head) {
     const std::size_t total = body_.size();
     if (head.rfind("HEAD ", 0) == 0)
-      return send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(total) + "\r\n\r\n");
+      return send_all(fd, head_length_ ? "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(total) + "\r\n\r\n"
+                                       : std::string("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"));
     std::uint64_t first = 0, last = total - 1;
     std::string range;
     if (const std::size_t r = head.find("\r\nRange: bytes="); r != std::string::npos) {
@@ -292,11 +297,18 @@ class scripted_server {
         return send_all(fd, "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 4\r\n\r\nbusy");
       case fault::status_429:
         return send_all(fd, "HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\n\r\nslow");
+      case fault::redirect: {
+        const std::size_t sp = head.find(' '), sp2 = head.find(' ', sp + 1);
+        return send_all(fd, "HTTP/1.1 302 Found\r\nLocation: /moved" + head.substr(sp + 1, sp2 - sp - 1) +
+                                "\r\nContent-Length: 0\r\n\r\n");
+      }
+      case fault::stall: std::this_thread::sleep_for(std::chrono::seconds(1)); return false;
     }
     return false;
   }
 
   std::string body_;
+  bool head_length_ = true;
   int listen_fd_ = -1;
   int port_ = 0;
   std::thread acceptor_;

@@ -329,6 +329,21 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
     srv.script({fault::status_429, fault::status_429, fault::status_429, fault::status_429});
     expect_error([&] { read_string(s, 0, 10); }, errc::io_error, {srv.url(), "giving up after 4 attempts", "HTTP 429"});
   }
+  SUBCASE("a redirect of a range read is followed, the range kept") {
+    srv.script({fault::redirect});
+    CHECK(read_string(s, 700, 300) == body.substr(700, 300));
+    CHECK(srv.ranges() == std::vector<std::string>{"700-999", "700-999"});
+  }
+  SUBCASE("a server that stalls past read_timeout: the read is retried on a new connection") {
+    http_options o = quick();
+    o.read_timeout = std::chrono::milliseconds(200);
+    const http_storage fast(std::make_shared<detail::http_client>(o), parse_url(srv.url()));
+    srv.script({fault::stall});
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(read_string(fast, 5, 10) == body.substr(5, 10));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));  // did not wait for the stall
+    CHECK(fast.client().stats().retries.load() == 1u);
+  }
   SUBCASE("a batch under a mix of faults lands every byte") {
     srv.script({fault::short_body, fault::status_429, fault::wrong_content_range, fault::long_content_length,
                 fault::short_body, fault::status_429});
@@ -341,6 +356,15 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
     s.read_batch(rs);
     for (std::size_t i = 0; i < outs.size(); ++i) REQUIRE(outs[i] == body.substr(i * 2400, 2000));
   }
+}
+
+TEST_CASE("http: a HEAD without Content-Length: the size from a 1-byte GET's Content-Range") {
+  const std::string body = random_text(4321, 10);
+  testing::scripted_server srv(body, false);
+  const http_storage s(srv.url(), quick());
+  CHECK(s.size() == body.size());
+  CHECK(srv.ranges() == std::vector<std::string>{"0-0"});
+  CHECK(read_string(s, 4000, 321) == body.substr(4000, 321));
 }
 
 TEST_CASE("http: nothing listening is a clear error after bounded attempts") {

@@ -182,7 +182,14 @@ struct http_connection {
   std::variant<beast::tcp_stream> stream;
   explicit http_connection(bool, void*) : stream(std::in_place_index<0>, ioc) {}
 #endif
-  beast::flat_buffer buffer;
+  /// Beast reads at most min(64 KiB, free capacity) per socket read into this buffer; reserved
+  /// up front, or every read of a large body would be a few hundred bytes (one event-loop
+  /// round each: loads ran at tens of MB/s before this).
+  beast::flat_buffer buffer = [] {
+    beast::flat_buffer b;
+    b.reserve(std::size_t(256) << 10);
+    return b;
+  }();
   std::string origin;
   bool reused = false;
 
