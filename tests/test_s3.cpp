@@ -154,6 +154,34 @@ TEST_CASE("s3: credentials from the environment and from a credentials file prof
   CHECK(detail::credentials_from_file(t.path / "credentials", "default")->access_key_id == "AKDEFAULT");
   CHECK_FALSE(detail::credentials_from_file(t.path / "credentials", "absent"));
   CHECK_FALSE(detail::credentials_from_file(t.path / "nothing", "default"));
+  // through the environment: the variables first, else AWS_PROFILE of AWS_SHARED_CREDENTIALS_FILE
+  struct saved_env {
+    std::vector<std::pair<std::string, std::optional<std::string>>> v;
+    void set(const char* k, const char* val) {
+      const char* old = std::getenv(k);
+      v.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (val) ::setenv(k, val, 1);
+      else ::unsetenv(k);
+    }
+    ~saved_env() {
+      for (auto it = v.rbegin(); it != v.rend(); ++it)
+        if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+        else ::unsetenv(it->first.c_str());
+    }
+  } env;
+  env.set("AWS_ACCESS_KEY_ID", "AKENV");
+  env.set("AWS_SECRET_ACCESS_KEY", "senv");
+  env.set("AWS_SESSION_TOKEN", "tenv");
+  const aws_credentials e = aws_credentials_from_environment();
+  CHECK((e.access_key_id == "AKENV" && e.secret_access_key == "senv" && e.session_token == "tenv"));
+  env.set("AWS_SECRET_ACCESS_KEY", nullptr);
+  expect_error([] { aws_credentials_from_environment(); }, errc::invalid_argument, {"AWS_SECRET_ACCESS_KEY is not"});
+  env.set("AWS_ACCESS_KEY_ID", nullptr);
+  env.set("AWS_SHARED_CREDENTIALS_FILE", (t.path / "credentials").c_str());
+  env.set("AWS_PROFILE", "other");
+  CHECK(aws_credentials_from_environment().access_key_id == "AKOTHER");
+  CHECK(aws_credentials_from_environment("default").access_key_id == "AKDEFAULT");
+  expect_error([] { aws_credentials_from_environment("absent"); }, errc::not_found, {"no AWS credentials", "'absent'"});
 }
 
 TEST_CASE("s3: XML error bodies become messages naming the object and S3's code") {
