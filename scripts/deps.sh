@@ -9,6 +9,7 @@ packages=(
   libtorch-dev libgloo-dev libsimdjson-dev libboost-dev doctest-dev libssl-dev libcli11-dev
   clang libclang-rt-14-dev
   python3 python3-torch
+  nginx-light openssl
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -81,6 +81,20 @@ TEST_CASE("the umbrella check finds each kind of mistake in a made-up tree") {
     REQUIRE(problems.size() == 1);
     CHECK(has_line_with(problems, "shardsafe/dist/agree.hpp", "shardsafe/shardsafe.hpp does not reach"));
   }
+  SUBCASE("the remote backends (Boost) stay out of the umbrellas, and need not be in them") {
+    t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
+    t.write("shardsafe/storage/http.hpp", "#include \"shardsafe/storage/detail/http_client.hpp\"\n");
+    t.write("shardsafe/storage/detail/http_client.hpp", "");
+    t.write("shardsafe/storage/s3.hpp", "");
+    CHECK(check_umbrellas({t.root}).empty());
+    t.write("shardsafe/a/w.hpp", "#include \"shardsafe/storage/s3.hpp\"\n");
+    const auto problems = check_umbrellas({t.root});
+    REQUIRE(problems.size() == 2);  // reached from both umbrellas (torch.hpp includes shardsafe.hpp)
+    CHECK(has_line_with(problems, "shardsafe/storage/s3.hpp", "needs Boost, reached from shardsafe/shardsafe.hpp"));
+    CHECK(is_remote_header("shardsafe/storage/detail/s3_sigv4.hpp"));
+    CHECK_FALSE(is_remote_header("shardsafe/storage/detail/url.hpp"));
+    CHECK_FALSE(is_remote_header("shardsafe/format/http.hpp"));
+  }
   SUBCASE("a header named only in a comment is not reached") {
     t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
     t.write("shardsafe/a/w.hpp", "// #include \"shardsafe/a/v.hpp\"\n");
@@ -133,6 +147,7 @@ TEST_CASE("every header in include/ was compiled on its own by this build") {
     if (is_torch_header(h) || h == torch_umbrella) {
       if (!SHARDSAFE_HEADERS_WITH_TORCH) continue;  // LibTorch not found: its headers are not compiled
     }
+    if (is_remote_header(h) && !SHARDSAFE_HEADERS_WITH_REMOTE) continue;  // Boost not found
     INFO(h << " is not compiled on its own by this build; it was added after Meson configured it: "
               "run `meson setup --reconfigure` on the build folder");
     CHECK(compiled.contains(h));

@@ -8,6 +8,9 @@
 //   - a torch-free public header that shardsafe/shardsafe.hpp does not reach;
 //   - a torch/ header that shardsafe/torch.hpp does not reach, or that shardsafe.hpp reaches;
 //   - shardsafe/torch.hpp not reaching shardsafe/shardsafe.hpp;
+//   - a remote-storage header (is_remote_header: needs Boost) that either umbrella reaches:
+//     those are included on their own (shardsafe/storage/http.hpp, s3.hpp), so that no user of
+//     the umbrellas needs Boost;
 //   - an include of a shardsafe/ header that exists in none of the include folders.
 #pragma once
 
@@ -69,6 +72,14 @@ inline bool is_torch_header(const std::string& include_path) {
   return include_path.rfind("shardsafe/torch/", 0) == 0;
 }
 
+/// Whether a header needs Boost (Asio, Beast): under shardsafe/storage/, a file name starting
+/// with "http" or "s3" (detail/ included). tests/headers/meson.build applies the same rule.
+inline bool is_remote_header(const std::string& include_path) {
+  if (include_path.rfind("shardsafe/storage/", 0) != 0) return false;
+  const std::string name = include_path.substr(include_path.rfind('/') + 1);
+  return name.rfind("http", 0) == 0 || name.rfind("s3", 0) == 0;
+}
+
 inline constexpr const char* core_umbrella = "shardsafe/shardsafe.hpp";
 inline constexpr const char* torch_umbrella = "shardsafe/torch.hpp";
 
@@ -108,6 +119,13 @@ inline std::vector<std::string> check_umbrellas(const std::vector<fs::path>& roo
   if (!torch.contains(core_umbrella))
     problems.push_back(std::string(torch_umbrella) + " does not include " + core_umbrella);
   for (const auto& [h, file] : headers) {
+    if (is_remote_header(h)) {
+      for (const auto* u : {&core, &torch})
+        if (u->contains(h))
+          problems.push_back(h + ": a header that needs Boost, reached from " +
+                             (u == &core ? core_umbrella : torch_umbrella) + "; include it on its own");
+      continue;
+    }
     if (!is_public(h) || h == core_umbrella || h == torch_umbrella) continue;
     if (!is_torch_header(h) && !core.contains(h))
       problems.push_back(h + ": a torch-free public header that " + core_umbrella +

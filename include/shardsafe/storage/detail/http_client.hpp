@@ -1,0 +1,642 @@
+// shardsafe/storage/detail/http_client.hpp - the HTTP/1.1 client under the http and s3
+// backends (Boost.Beast over Boost.Asio; TLS through OpenSSL when SHARDSAFE_HTTP_TLS is 1).
+//
+// Blocking calls built from Asio's asynchronous operations: each pooled connection owns a
+// one-thread io_context that the calling thread runs for the length of one operation, so a
+// socket timeout (connect_timeout, read_timeout) is a real deadline and a thread blocks on
+// nothing it did not start. Connections are kept alive and pooled per origin; at most
+// requests_in_flight requests of one client are on the wire at once, however many threads ask.
+//
+// Retries (http_options): connection errors, timeouts, 5xx, 429 and responses that break the
+// range rules below are retried up to max_attempts times in all, after an exponential backoff
+// with jitter (at least Retry-After when the server sends one, up to retry_after_max). A
+// connection taken from the pool that fails before any byte of a response arrived is replaced
+// without counting an attempt (the server closed it while idle).
+//
+// A range read (read_range) lands straight in the caller's memory and is checked before a
+// byte is kept: the answer must be 206 whose Content-Range is exactly the bytes asked for and
+// whose Content-Length (when sent) is their number; a 200 is taken only when the whole object
+// was asked for and Content-Length says so, else the server ignored Range and that is an error
+// (errc::io_error, not retried: it would answer the same). A body that ends early is resumed:
+// the retry asks only for the bytes still missing. A body longer than announced is an error.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <semaphore>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/tcp_stream.hpp>
+#include <boost/beast/http/buffer_body.hpp>
+#include <boost/beast/http/empty_body.hpp>
+#include <boost/beast/http/parser.hpp>
+#include <boost/beast/http/read.hpp>
+#include <boost/beast/http/span_body.hpp>
+#include <boost/beast/http/write.hpp>
+
+#ifndef SHARDSAFE_HTTP_TLS
+#define SHARDSAFE_HTTP_TLS 0
+#endif
+#if SHARDSAFE_HTTP_TLS
+#include <boost/asio/ssl/context.hpp>
+#include <boost/asio/ssl/error.hpp>
+#include <boost/asio/ssl/host_name_verification.hpp>
+#include <boost/beast/ssl/ssl_stream.hpp>
+#endif
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/storage/detail/url.hpp"
+
+namespace shardsafe {
+
+/// How the remote backends talk HTTP. The defaults suit a data-centre object store.
+struct http_options {
+  std::chrono::milliseconds connect_timeout{10'000};  ///< TCP connect plus TLS handshake
+  std::chrono::milliseconds read_timeout{30'000};     ///< each send, header read, and body read of up to 1 MiB
+  unsigned max_attempts = 5;                          ///< tries of one request in all (>= 1)
+  std::chrono::milliseconds backoff_initial{200};     ///< first retry waits this, times [0.5, 1) jitter
+  std::chrono::milliseconds backoff_max{10'000};      ///< the doubling stops here
+  std::chrono::milliseconds retry_after_max{60'000};  ///< a longer Retry-After is cut to this
+  unsigned max_redirects = 5;                         ///< 301/302/303/307/308 followed for GET and HEAD
+  unsigned requests_in_flight = 16;                   ///< per client (shared by copies of a directory)
+  std::uint64_t part_bytes = std::uint64_t(8) << 20;  ///< read_batch splits longer reads into parts
+  std::size_t max_response_body = std::size_t(16) << 20;  ///< bodies read into memory (errors, XML)
+  std::string ca_file;        ///< PEM file of CAs to trust (HTTPS); empty: the system's store
+  bool verify_peer = true;    ///< check the server's certificate and host name (HTTPS)
+};
+
+/// Counters of one client, for tests and benchmarks.
+struct http_stats {
+  std::atomic<std::uint64_t> requests{0};        ///< requests sent (retries included)
+  std::atomic<std::uint64_t> body_bytes{0};      ///< response body bytes received
+  std::atomic<std::uint64_t> retries{0};         ///< attempts after a failed one
+  std::atomic<std::uint64_t> connections{0};     ///< connections opened
+};
+
+namespace detail {
+
+namespace net = boost::asio;
+namespace beast = boost::beast;
+namespace bhttp = boost::beast::http;
+
+/// A request as the backends build it; the body is the caller's memory.
+struct http_request {
+  bhttp::verb method = bhttp::verb::get;
+  url_parts url;
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::span<const std::byte> body;
+};
+
+/// A response read whole into memory (bounded by max_response_body).
+struct http_response {
+  unsigned status = 0;
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;
+  url_parts url;  ///< the URL that answered (after redirects)
+
+  std::optional<std::string> header(std::string_view name) const {
+    for (const auto& [k, v] : headers)
+      if (k.size() == name.size() && std::equal(k.begin(), k.end(), name.begin(), [](char a, char b) {
+            return ascii_lower(a) == ascii_lower(b);
+          }))
+        return v;
+    return std::nullopt;
+  }
+};
+
+/// Beast's string_view (boost::string_view in 1.74) as a std::string_view.
+inline std::string_view sv(boost::beast::string_view s) noexcept { return {s.data(), s.size()}; }
+
+/// Signs nothing: the plain HTTP backend's request hook.
+struct no_signing {
+  void operator()(http_request&) const noexcept {}
+};
+
+/// Parses "bytes FIRST-LAST/TOTAL" (TOTAL may be '*'); false if it is not that.
+inline bool parse_content_range(std::string_view v, std::uint64_t& first, std::uint64_t& last,
+                                std::optional<std::uint64_t>& total) {
+  auto number = [](std::string_view& s, std::uint64_t& out) {
+    if (s.empty() || s.size() > 19) return false;
+    std::size_t i = 0;
+    out = 0;
+    while (i < s.size() && s[i] >= '0' && s[i] <= '9') out = out * 10 + std::uint64_t(s[i++] - '0');
+    if (i == 0) return false;
+    s.remove_prefix(i);
+    return true;
+  };
+  if (!v.starts_with("bytes ")) return false;
+  v.remove_prefix(6);
+  if (v.starts_with("*/")) return false;  // unsatisfied-range form
+  const std::size_t dash = v.find('-'), slash = v.find('/');
+  if (dash == std::string_view::npos || slash == std::string_view::npos || dash > slash) return false;
+  std::string_view a = v.substr(0, dash), b = v.substr(dash + 1, slash - dash - 1), t = v.substr(slash + 1);
+  if (!number(a, first) || !a.empty() || !number(b, last) || !b.empty() || last < first) return false;
+  if (t == "*") {
+    total.reset();
+    return true;
+  }
+  std::uint64_t tt = 0;
+  if (!number(t, tt) || !t.empty() || last >= tt) return false;
+  total = tt;
+  return true;
+}
+
+/// Retry-After as delta-seconds; an HTTP-date (or junk) gives nothing and the backoff applies.
+inline std::optional<std::chrono::milliseconds> parse_retry_after(std::string_view v) {
+  if (v.empty() || v.size() > 9) return std::nullopt;
+  std::uint64_t s = 0;
+  for (char c : v) {
+    if (c < '0' || c > '9') return std::nullopt;
+    s = s * 10 + std::uint64_t(c - '0');
+  }
+  return std::chrono::milliseconds(s * 1000);
+}
+
+/// One kept-alive connection with its own io_context (see the top of the file).
+struct http_connection {
+  net::io_context ioc{1};
+#if SHARDSAFE_HTTP_TLS
+  std::variant<beast::tcp_stream, beast::ssl_stream<beast::tcp_stream>> stream;
+  http_connection(bool tls, net::ssl::context* ctx)
+      : stream(tls ? decltype(stream)(std::in_place_index<1>, ioc, *ctx) : decltype(stream)(std::in_place_index<0>, ioc)) {}
+#else
+  std::variant<beast::tcp_stream> stream;
+  explicit http_connection(bool, void*) : stream(std::in_place_index<0>, ioc) {}
+#endif
+  /// Beast reads at most min(64 KiB, free capacity) per socket read into this buffer; reserved
+  /// up front, or every read of a large body would be a few hundred bytes (one event-loop
+  /// round each: loads ran at tens of MB/s before this).
+  beast::flat_buffer buffer = [] {
+    beast::flat_buffer b;
+    b.reserve(std::size_t(256) << 10);
+    return b;
+  }();
+  std::string origin;
+  bool reused = false;
+
+  beast::tcp_stream& tcp() { return std::visit([](auto& s) -> beast::tcp_stream& { return beast::get_lowest_layer(s); }, stream); }
+  /// Runs the io_context until the operation started by start(handler) completes.
+  template <class Start>
+  void run(Start&& start) {
+    ioc.restart();
+    start();
+    ioc.run();
+  }
+};
+
+/// The outcome of one attempt, when it is not a final answer.
+struct attempt_failure {
+  bool retry = true;                                   ///< worth another attempt
+  std::string why;                                     ///< for the final message
+  std::optional<std::chrono::milliseconds> retry_after;
+  bool before_response = false;                        ///< failed before any response byte arrived
+};
+
+class http_client {
+ public:
+  explicit http_client(http_options o = {})
+      : opt_(std::move(o)), slots_(static_cast<std::ptrdiff_t>(std::clamp(opt_.requests_in_flight, 1u, 1024u))) {
+    if (opt_.max_attempts == 0) opt_.max_attempts = 1;
+    if (opt_.part_bytes == 0) opt_.part_bytes = std::uint64_t(8) << 20;
+#if SHARDSAFE_HTTP_TLS
+    tls_ = std::make_unique<net::ssl::context>(net::ssl::context::tls_client);
+    tls_->set_verify_mode(opt_.verify_peer ? net::ssl::verify_peer : net::ssl::verify_none);
+    boost::system::error_code ec;
+    if (!opt_.ca_file.empty()) {
+      tls_->load_verify_file(opt_.ca_file, ec);
+      if (ec) throw error(errc::invalid_argument, opt_.ca_file + ": cannot load CA file: " + ec.message());
+    } else {
+      tls_->set_default_verify_paths(ec);
+    }
+#endif
+  }
+  http_client(const http_client&) = delete;
+  http_client& operator=(const http_client&) = delete;
+
+  const http_options& options() const noexcept { return opt_; }
+  http_stats& stats() noexcept { return stats_; }
+
+  /// Sends req and reads the whole answer into memory, retrying as the top of the file says
+  /// and following redirects for GET and HEAD. sign(req) is applied before every attempt.
+  /// The caller judges the final status (a 404 comes back as a response, not an error).
+  template <class Sign = no_signing>
+  http_response send(http_request req, const Sign& sign = {}) {
+    unsigned redirects = 0;
+    std::optional<http_response> last;
+    return with_retries<http_response>(req, [&](http_request& r, attempt_failure& f) -> std::optional<http_response> {
+      last.reset();
+      http_request signed_req = r;
+      sign(signed_req);
+      std::optional<http_response> resp = exchange_whole(signed_req, f);
+      if (!resp) return std::nullopt;
+      if (is_redirect(resp->status) && (r.method == bhttp::verb::get || r.method == bhttp::verb::head)) {
+        auto loc = resp->header("Location");
+        if (!loc) return resp;
+        if (++redirects > opt_.max_redirects)
+          throw error(errc::io_error, req.url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
+        r.url = resolve_location(r.url, *loc);
+        f = {true, "redirect", std::nullopt, true};
+        f.retry_after = std::chrono::milliseconds(-1);  // marks: go again at once, no attempt used
+        return std::nullopt;
+      }
+      if (resp->status >= 500 || resp->status == 429) {
+        f.retry = true;
+        f.why = "HTTP " + std::to_string(resp->status) + excerpt(resp->body);
+        if (auto ra = resp->header("Retry-After")) f.retry_after = parse_retry_after(*ra);
+        f.before_response = false;
+        last = std::move(resp);
+        return std::nullopt;
+      }
+      return resp;
+    }, [&] { return std::move(last); });
+  }
+
+  /// Reads bytes [off, off + dst.size()) of the object at url (whose size is total) into dst,
+  /// as the top of the file says. errc::not_found for a 404, errc::truncated for a 416.
+  template <class Sign = no_signing>
+  void read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst, std::uint64_t total,
+                  const Sign& sign = {}) {
+    if (dst.empty()) return;
+    std::uint64_t got = 0;
+    http_request req;
+    req.method = bhttp::verb::get;
+    req.url = url;
+    unsigned redirects = 0;
+    with_retries<bool>(req, [&](http_request& r, attempt_failure& f) -> std::optional<bool> {
+      http_request a = r;
+      a.headers.emplace_back("Range", "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
+      sign(a);
+      std::optional<url_parts> moved;
+      const bool done = exchange_range(a, off, dst, total, got, f, moved);
+      if (moved) {
+        if (++redirects > opt_.max_redirects)
+          throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
+        r.url = *moved;
+        f = {true, "redirect", std::chrono::milliseconds(-1), true};
+        return std::nullopt;
+      }
+      if (!done) return std::nullopt;
+      return true;
+    }, [] { return std::optional<bool>(); });
+  }
+
+ private:
+  static bool is_redirect(unsigned s) { return s == 301 || s == 302 || s == 303 || s == 307 || s == 308; }
+  static std::string excerpt(const std::string& body) {
+    if (body.empty()) return "";
+    std::string e = body.substr(0, 200);
+    for (char& c : e)
+      if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+    return ": " + e + (body.size() > 200 ? "..." : "");
+  }
+
+  /// Runs attempt(req, failure) until it gives an answer, throws, or attempts run out.
+  template <class T, class Attempt, class OnGiveUp>
+  T with_retries(http_request& req, Attempt&& attempt, OnGiveUp&& on_give_up) {
+    unsigned attempts = 0, free_retries = 0;
+    attempt_failure f;
+    for (;;) {
+      f = {};
+      auto r = attempt(req, f);
+      if (r) return std::move(*r);
+      if (f.retry_after && f.retry_after->count() < 0) continue;  // a redirect
+      if (!f.retry) throw error(errc::io_error, req.url.str() + ": " + f.why);
+      if (f.before_response && f.why.find("[reused]") != std::string::npos && free_retries < 64) {
+        ++free_retries;  // a pooled connection the server had closed
+        continue;
+      }
+      if (++attempts >= opt_.max_attempts) {
+        // a 5xx/429 that persisted: the last answer goes back for the caller to judge
+        if (std::optional<T> last = on_give_up()) return std::move(*last);
+        throw error(errc::io_error, req.url.str() + ": giving up after " + std::to_string(attempts) +
+                                        " attempts; last: " + f.why);
+      }
+      ++stats_.retries;
+      std::this_thread::sleep_for(backoff(attempts, f.retry_after));
+    }
+  }
+
+  std::chrono::milliseconds backoff(unsigned attempt, std::optional<std::chrono::milliseconds> retry_after) const {
+    thread_local std::minstd_rand rng(std::random_device{}());
+    double ms = double(opt_.backoff_initial.count());
+    for (unsigned i = 1; i < attempt && ms < double(opt_.backoff_max.count()); ++i) ms *= 2;
+    ms = std::min(ms, double(opt_.backoff_max.count()));
+    ms *= 0.5 + 0.5 * std::uniform_real_distribution<double>(0, 1)(rng);
+    if (retry_after) ms = std::max(ms, double(std::min(*retry_after, opt_.retry_after_max).count()));
+    return std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+  }
+
+  // --- connections ---------------------------------------------------------------------
+
+  std::unique_ptr<http_connection> take(const url_parts& u, attempt_failure& f) {
+    const std::string origin = u.origin();
+    {
+      std::lock_guard lock(pool_mutex_);
+      auto& v = idle_[origin];
+      if (!v.empty()) {
+        auto c = std::move(v.back());
+        v.pop_back();
+        c->reused = true;
+        return c;
+      }
+    }
+#if SHARDSAFE_HTTP_TLS
+    auto c = std::make_unique<http_connection>(u.tls(), tls_.get());
+#else
+    if (u.tls())
+      throw error(errc::invalid_argument, u.str() + ": HTTPS needs TLS, and this build has none (SHARDSAFE_HTTP_TLS=0)");
+    auto c = std::make_unique<http_connection>(false, nullptr);
+#endif
+    c->origin = origin;
+    boost::system::error_code ec;
+    net::ip::tcp::resolver resolver(c->ioc);
+    auto endpoints = resolver.resolve(u.host, std::to_string(u.port), ec);
+    if (ec) {
+      f = {true, "cannot resolve " + u.host + ": " + ec.message(), std::nullopt, true};
+      return nullptr;
+    }
+    c->tcp().expires_after(opt_.connect_timeout);
+    c->run([&] { c->tcp().async_connect(endpoints, [&](boost::system::error_code e, auto&&) { ec = e; }); });
+    if (ec) {
+      f = {true, "cannot connect to " + u.host_header() + ": " + ec.message(), std::nullopt, true};
+      return nullptr;
+    }
+    ++stats_.connections;
+#if SHARDSAFE_HTTP_TLS
+    if (auto* s = std::get_if<1>(&c->stream)) {
+      if (!SSL_set_tlsext_host_name(s->native_handle(), u.host.c_str()))
+        throw error(errc::io_error, u.str() + ": cannot set the TLS server name");
+      if (opt_.verify_peer) s->set_verify_callback(net::ssl::host_name_verification(u.host));
+      c->tcp().expires_after(opt_.connect_timeout);
+      c->run([&] { s->async_handshake(net::ssl::stream_base::client, [&](boost::system::error_code e) { ec = e; }); });
+      if (ec) {
+        // a certificate that does not verify will not verify next time either
+        const bool cert = ec.category() == net::error::get_ssl_category();
+        f = {!cert, "TLS handshake with " + u.host_header() + " failed: " + ec.message(), std::nullopt, true};
+        return nullptr;
+      }
+    }
+#endif
+    return c;
+  }
+
+  void give_back(std::unique_ptr<http_connection> c) {
+    std::lock_guard lock(pool_mutex_);
+    auto& v = idle_[c->origin];
+    if (v.size() < opt_.requests_in_flight) v.push_back(std::move(c));
+  }
+
+  /// Writes the request on c; false (with f filled) on a transport error.
+  bool write_request(http_connection& c, const http_request& r, attempt_failure& f) {
+    bhttp::request<bhttp::span_body<const char>> m;
+    m.method(r.method);
+    m.target(r.url.target);
+    m.version(11);
+    m.set(bhttp::field::host, r.url.host_header());
+    m.set(bhttp::field::user_agent, "shardsafe");
+    for (const auto& [k, v] : r.headers) m.set(k, v);
+    m.body() = std::span<const char>(reinterpret_cast<const char*>(r.body.data()), r.body.size());
+    if (!r.body.empty() || r.method == bhttp::verb::put || r.method == bhttp::verb::post)
+      m.content_length(r.body.size());
+    boost::system::error_code ec;
+    c.tcp().expires_after(opt_.read_timeout + std::chrono::milliseconds(r.body.size() / 1024));  // ~1 MB/s floor
+    std::visit([&](auto& s) { c.run([&] { bhttp::async_write(s, m, [&](boost::system::error_code e, std::size_t) { ec = e; }); }); },
+               c.stream);
+    ++stats_.requests;
+    if (ec) {
+      f = {true, "sending the request failed: " + ec.message() + (c.reused ? " [reused]" : ""), std::nullopt, true};
+      return false;
+    }
+    return true;
+  }
+
+  using parser_t = bhttp::response_parser<bhttp::buffer_body>;
+
+  /// Reads the response header into p; false (with f filled) on a transport or parse error.
+  bool read_header(http_connection& c, parser_t& p, attempt_failure& f) {
+    boost::system::error_code ec;
+    c.tcp().expires_after(opt_.read_timeout);
+    std::visit([&](auto& s) { c.run([&] { bhttp::async_read_header(s, c.buffer, p, [&](boost::system::error_code e, std::size_t) { ec = e; }); }); },
+               c.stream);
+    if (ec) {
+      const bool nothing = ec == bhttp::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset;
+      f = {true, "reading the response header failed: " + ec.message() + (c.reused && nothing ? " [reused]" : ""),
+           std::nullopt, nothing};
+      return false;
+    }
+    return true;
+  }
+
+  /// Reads body bytes into [data, data + cap); returns how many landed, with ec set on error.
+  std::size_t read_body_some(http_connection& c, parser_t& p, std::byte* data, std::size_t cap,
+                             boost::system::error_code& ec) {
+    p.get().body().data = data;
+    p.get().body().size = cap;
+    p.get().body().more = true;
+    c.tcp().expires_after(opt_.read_timeout);
+    std::visit([&](auto& s) { c.run([&] { bhttp::async_read(s, c.buffer, p, [&](boost::system::error_code e, std::size_t) { ec = e; }); }); },
+               c.stream);
+    if (ec == bhttp::error::need_buffer) ec = {};
+    const std::size_t n = cap - p.get().body().size;
+    stats_.body_bytes += n;
+    return n;
+  }
+
+  static std::vector<std::pair<std::string, std::string>> headers_of(const parser_t& p) {
+    std::vector<std::pair<std::string, std::string>> h;
+    for (const auto& f : p.get()) h.emplace_back(std::string(f.name_string()), std::string(f.value()));
+    return h;
+  }
+
+  /// Reads the rest of the body into a string of at most max_response_body bytes.
+  bool read_body_string(http_connection& c, parser_t& p, std::string& out, attempt_failure& f) {
+    if (auto n = p.content_length(); n && *n > opt_.max_response_body && !p.is_done()) {  // (HEAD: no body)
+      f = {false, "Content-Length " + std::to_string(*n) + " is over the " + std::to_string(opt_.max_response_body) +
+                      " bytes this client reads into memory", std::nullopt, false};
+      return false;
+    }
+    while (!p.is_done()) {
+      const std::size_t at = out.size();
+      if (at >= opt_.max_response_body) {
+        f = {false, "response body over " + std::to_string(opt_.max_response_body) + " bytes", std::nullopt, false};
+        return false;
+      }
+      const std::size_t cap = std::min<std::size_t>(64 << 10, opt_.max_response_body - at);
+      out.resize(at + cap);
+      boost::system::error_code ec;
+      const std::size_t n = read_body_some(c, p, reinterpret_cast<std::byte*>(out.data() + at), cap, ec);
+      out.resize(at + n);
+      if (ec) {
+        f = {true, "reading the response body failed after " + std::to_string(out.size()) + " bytes: " + ec.message(),
+             std::nullopt, false};
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// One request and its whole answer; nothing on failure (f says why).
+  std::optional<http_response> exchange_whole(const http_request& r, attempt_failure& f) {
+    slot_guard slot(slots_);
+    auto c = take(r.url, f);
+    if (!c) return std::nullopt;
+    if (!write_request(*c, r, f)) return std::nullopt;
+    parser_t p;
+    p.body_limit(std::numeric_limits<std::uint64_t>::max());
+    p.header_limit(64 << 10);
+    if (r.method == bhttp::verb::head) p.skip(true);
+    if (!read_header(*c, p, f)) return std::nullopt;
+    http_response resp;
+    resp.status = p.get().result_int();
+    resp.headers = headers_of(p);
+    resp.url = r.url;
+    if (!read_body_string(*c, p, resp.body, f)) {
+      if (!f.retry && (resp.status >= 500 || resp.status == 429)) {  // an error answer too big to read: retry anyway
+        f.retry = true;
+        f.why = "HTTP " + std::to_string(resp.status) + " (" + f.why + ")";
+      }
+      return std::nullopt;
+    }
+    if (p.get().keep_alive()) give_back(std::move(c));
+    return resp;
+  }
+
+  /// One range GET attempt into dst[got, dst.size()); true when all of dst has landed.
+  bool exchange_range(const http_request& r, std::uint64_t off, std::span<std::byte> dst, std::uint64_t total,
+                      std::uint64_t& got, attempt_failure& f, std::optional<url_parts>& moved) {
+    slot_guard slot(slots_);
+    auto c = take(r.url, f);
+    if (!c) return false;
+    if (!write_request(*c, r, f)) return false;
+    parser_t p;
+    p.body_limit(std::numeric_limits<std::uint64_t>::max());
+    p.header_limit(64 << 10);
+    if (!read_header(*c, p, f)) return false;
+    const unsigned status = p.get().result_int();
+    const std::uint64_t first = off + got, want = dst.size() - got, last = first + want - 1;
+    const std::string asked = "bytes " + std::to_string(first) + "-" + std::to_string(last);
+    auto small_body = [&] {
+      std::string b;
+      attempt_failure ignored;
+      read_body_string(*c, p, b, ignored);
+      return b;
+    };
+    if (is_redirect(status)) {
+      auto loc = p.get().find(bhttp::field::location);
+      if (loc == p.get().end()) {
+        f = {false, "HTTP " + std::to_string(status) + " without a Location", std::nullopt, false};
+        return false;
+      }
+      moved = resolve_location(r.url, sv(loc->value()));
+      return false;
+    }
+    if (status == 404 || status == 410)
+      throw error(errc::not_found, r.url.str() + ": no such object (HTTP " + std::to_string(status) + ")");
+    if (status == 416)
+      throw error(errc::truncated, r.url.str() + ": " + asked + " not satisfiable (HTTP 416): the object is shorter than " +
+                                       std::to_string(total) + " bytes");
+    if (status >= 500 || status == 429) {
+      const std::string b = small_body();
+      f = {true, "HTTP " + std::to_string(status) + " for " + asked + excerpt(b), std::nullopt, false};
+      if (auto ra = p.get().find(bhttp::field::retry_after); ra != p.get().end())
+        f.retry_after = parse_retry_after(sv(ra->value()));
+      return false;
+    }
+    if (status == 200) {
+      // only right when the whole object was asked for and the body is exactly it
+      const auto n = p.content_length();
+      if (!(first == 0 && want == total && n && *n == total)) {
+        f = {false, "the server ignored the Range header (HTTP 200 with the whole body" +
+                        (n ? " of " + std::to_string(*n) + " bytes" : std::string()) + ") when asked for " + asked,
+             std::nullopt, false};
+        return false;
+      }
+    } else if (status == 206) {
+      auto cr = p.get().find(bhttp::field::content_range);
+      std::uint64_t a = 0, b = 0;
+      std::optional<std::uint64_t> t;
+      if (cr == p.get().end() || !parse_content_range(sv(cr->value()), a, b, t)) {
+        f = {true, "HTTP 206 without a valid Content-Range (asked for " + asked + ")", std::nullopt, false};
+        return false;
+      }
+      if (a != first || b != last || (t && *t != total)) {
+        f = {true, "wrong Content-Range '" + std::string(cr->value()) + "' for " + asked + "/" + std::to_string(total),
+             std::nullopt, false};
+        return false;
+      }
+      if (auto n = p.content_length(); n && *n != want) {
+        f = {true, "wrong Content-Length " + std::to_string(*n) + " for " + asked + " (" + std::to_string(want) + " bytes)",
+             std::nullopt, false};
+        return false;
+      }
+    } else {
+      const std::string b = small_body();
+      throw error(errc::io_error, r.url.str() + ": HTTP " + std::to_string(status) + " for " + asked + excerpt(b));
+    }
+    // the body, straight into dst, at most 1 MiB per socket read (so read_timeout is per MiB)
+    while (got < dst.size() && !p.is_done()) {
+      boost::system::error_code ec;
+      const std::size_t cap = static_cast<std::size_t>(std::min<std::uint64_t>(dst.size() - got, 1 << 20));
+      got += read_body_some(*c, p, dst.data() + got, cap, ec);
+      if (ec) {
+        f = {true, "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
+                       " bytes for " + asked + ": " + ec.message(), std::nullopt, false};
+        return false;
+      }
+    }
+    if (!p.is_done()) {  // all of dst landed, the body goes on: more than Content-Length / Content-Range said
+      std::byte scratch[1];
+      boost::system::error_code ec;
+      if (read_body_some(*c, p, scratch, 1, ec) != 0 || !p.is_done()) {
+        got = first - off;  // nothing of this answer can be trusted
+        f = {true, "the body for " + asked + " is longer than the " + std::to_string(want) + " bytes announced",
+             std::nullopt, false};
+        return false;
+      }
+    }
+    if (got < dst.size()) {
+      f = {true, "the body for " + asked + " ended after " + std::to_string(got - (first - off)) + " bytes", std::nullopt,
+           false};
+      return false;
+    }
+    if (p.get().keep_alive()) give_back(std::move(c));
+    return true;
+  }
+
+  struct slot_guard {
+    std::counting_semaphore<1024>& s;
+    explicit slot_guard(std::counting_semaphore<1024>& x) : s(x) { s.acquire(); }
+    ~slot_guard() { s.release(); }
+  };
+
+  http_options opt_;
+  http_stats stats_;
+  std::counting_semaphore<1024> slots_;
+  std::mutex pool_mutex_;
+  std::map<std::string, std::vector<std::unique_ptr<http_connection>>> idle_;
+#if SHARDSAFE_HTTP_TLS
+  std::unique_ptr<net::ssl::context> tls_;
+#endif
+};
+
+}  // namespace detail
+}  // namespace shardsafe

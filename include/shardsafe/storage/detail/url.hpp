@@ -1,0 +1,164 @@
+// shardsafe/storage/detail/url.hpp - the URLs the remote backends take, parsed and joined
+// without any network library: http(s)://HOST[:PORT]/PATH[?QUERY] and s3://BUCKET/PREFIX.
+//
+// parse_url accepts only what the backends can use and says why it refuses the rest: a scheme
+// of http, https or s3; a host name, an IPv4 address or a bracketed IPv6 address; a decimal
+// port in [1, 65535]; no user information (credentials belong in options, not in a URL that
+// ends up in error messages); no fragment; no spaces or control characters anywhere.
+#pragma once
+
+#include <cctype>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe {
+
+/// A URL taken apart. target is what an HTTP request line names: the path (at least "/")
+/// and, when present, "?" and the query.
+struct url_parts {
+  std::string scheme;  ///< "http", "https" or "s3", lower case
+  std::string host;    ///< without brackets for IPv6
+  std::uint16_t port = 0;
+  std::string target = "/";
+  bool explicit_port = false;
+
+  bool tls() const noexcept { return scheme == "https"; }
+  /// "host" or "host:port" as a Host header names it (the port only when not the scheme's).
+  std::string host_header() const {
+    std::string h = host.find(':') != std::string::npos ? "[" + host + "]" : host;
+    return explicit_port ? h + ":" + std::to_string(port) : h;
+  }
+  /// scheme://host[:port]: what connections are pooled by.
+  std::string origin() const { return scheme + "://" + host_header(); }
+  std::string str() const { return origin() + target; }
+  /// The path part of target (before any '?').
+  std::string_view path() const noexcept { return std::string_view(target).substr(0, target.find('?')); }
+  friend bool operator==(const url_parts&, const url_parts&) = default;
+};
+
+namespace detail {
+[[noreturn]] inline void bad_url(std::string_view url, const std::string& why) {
+  throw error(errc::invalid_argument, "'" + std::string(url) + "': not a usable URL: " + why);
+}
+inline char ascii_lower(char c) noexcept { return c >= 'A' && c <= 'Z' ? static_cast<char>(c - 'A' + 'a') : c; }
+inline bool is_unreserved(unsigned char c) noexcept {
+  return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-' || c == '.' ||
+         c == '_' || c == '~';
+}
+}  // namespace detail
+
+/// Percent-encodes every byte but the unreserved ones (RFC 3986 §2.3), and '/' too unless
+/// keep_slash: how object names go into a URL path (and, keeping '/', how S3 signs them).
+inline std::string percent_encode(std::string_view s, bool keep_slash = false) {
+  static const char* hex = "0123456789ABCDEF";
+  std::string r;
+  r.reserve(s.size());
+  for (unsigned char c : s) {
+    if (detail::is_unreserved(c) || (keep_slash && c == '/')) {
+      r += static_cast<char>(c);
+    } else {
+      r += '%';
+      r += hex[c >> 4];
+      r += hex[c & 15];
+    }
+  }
+  return r;
+}
+
+/// Parses an absolute URL (see the top of this file); throws errc::invalid_argument naming the
+/// URL and the rule it breaks.
+inline url_parts parse_url(std::string_view url) {
+  for (unsigned char c : url)
+    if (c <= 0x20 || c == 0x7f) detail::bad_url(url, "it holds a space or a control character");
+  const std::size_t colon = url.find("://");
+  if (colon == std::string_view::npos || colon == 0) detail::bad_url(url, "no scheme (expected http://, https:// or s3://)");
+  url_parts u;
+  for (char c : url.substr(0, colon)) u.scheme += detail::ascii_lower(c);
+  if (u.scheme != "http" && u.scheme != "https" && u.scheme != "s3")
+    detail::bad_url(url, "scheme '" + u.scheme + "' is not http, https or s3");
+  std::string_view rest = url.substr(colon + 3);
+  if (rest.find('#') != std::string_view::npos) detail::bad_url(url, "it has a fragment ('#')");
+  const std::size_t end = rest.find_first_of("/?");
+  std::string_view authority = rest.substr(0, end);
+  std::string_view tail = end == std::string_view::npos ? std::string_view() : rest.substr(end);
+  if (authority.find('@') != std::string_view::npos)
+    detail::bad_url(url, "it has user information ('@'); pass credentials as options instead");
+  if (authority.empty()) detail::bad_url(url, "no host");
+  std::string_view port_text;
+  if (authority.front() == '[') {
+    const std::size_t close = authority.find(']');
+    if (close == std::string_view::npos) detail::bad_url(url, "an IPv6 address without its closing ']'");
+    u.host = std::string(authority.substr(1, close - 1));
+    if (u.host.empty()) detail::bad_url(url, "an empty IPv6 address");
+    for (char c : u.host)
+      if (!(std::isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.'))
+        detail::bad_url(url, "'" + u.host + "' is not an IPv6 address");
+    std::string_view after = authority.substr(close + 1);
+    if (!after.empty()) {
+      if (after.front() != ':') detail::bad_url(url, "text after the IPv6 address that is not ':PORT'");
+      port_text = after.substr(1);
+      u.explicit_port = true;
+    }
+  } else {
+    const std::size_t pc = authority.rfind(':');
+    std::string_view h = authority.substr(0, pc);
+    if (pc != std::string_view::npos) {
+      port_text = authority.substr(pc + 1);
+      u.explicit_port = true;
+    }
+    if (h.empty()) detail::bad_url(url, "no host");
+    for (char c : h) {
+      const unsigned char uc = static_cast<unsigned char>(c);
+      if (!(std::isalnum(uc) || c == '-' || c == '.' || c == '_')) detail::bad_url(url, "host '" + std::string(h) + "' has a character a host name cannot");
+      u.host += detail::ascii_lower(c);
+    }
+  }
+  if (u.explicit_port) {
+    if (port_text.empty() || port_text.size() > 5) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
+    unsigned p = 0;
+    for (char c : port_text) {
+      if (c < '0' || c > '9') detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
+      p = p * 10 + static_cast<unsigned>(c - '0');
+    }
+    if (p == 0 || p > 65535) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
+    u.port = static_cast<std::uint16_t>(p);
+  } else {
+    u.port = u.scheme == "https" ? 443 : 80;
+  }
+  if (u.scheme == "s3" && u.explicit_port) detail::bad_url(url, "an s3:// URL names a bucket, not a host and port");
+  u.target = tail.empty() ? "/" : (tail.front() == '?' ? "/" + std::string(tail) : std::string(tail));
+  return u;
+}
+
+/// The URL of object `name` inside the folder u: u's path with one '/' then name
+/// percent-encoded ('/' included); any query of u is dropped.
+inline url_parts url_child(const url_parts& u, std::string_view name) {
+  url_parts c = u;
+  std::string p(u.path());
+  if (p.empty() || p.back() != '/') p += '/';
+  c.target = p + percent_encode(name);
+  return c;
+}
+
+/// Where a redirect's Location points, from the URL it answered: an absolute URL, a
+/// scheme-relative "//host/path", an absolute path, or a path relative to base's folder.
+inline url_parts resolve_location(const url_parts& base, std::string_view location) {
+  if (location.find("://") != std::string_view::npos) return parse_url(location);
+  if (location.starts_with("//")) return parse_url(base.scheme + ":" + std::string(location));
+  if (location.empty()) detail::bad_url(base.str(), "a redirect with an empty Location");
+  url_parts r = base;
+  if (location.front() == '/') {
+    r.target = std::string(location);
+  } else {
+    const std::string_view p = base.path();
+    r.target = std::string(p.substr(0, p.rfind('/') + 1)) + std::string(location);
+  }
+  for (unsigned char c : r.target)
+    if (c <= 0x20 || c == 0x7f) detail::bad_url(location, "a Location with a space or a control character");
+  return r;
+}
+
+}  // namespace shardsafe

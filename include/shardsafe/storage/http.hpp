@@ -1,0 +1,213 @@
+// shardsafe/storage/http.hpp - the http backend: objects behind an HTTP(S) server, read by
+// range requests. Read-only: a ReadableDirectory whose readers are ReadableStorage,
+// BatchReadableStorage and HintedStorage.
+//
+// Needs Boost (Asio, Beast) and, for https://, OpenSSL with SHARDSAFE_HTTP_TLS=1 (the
+// shardsafe_remote dependency of meson.build sets it when OpenSSL is found; link -lssl
+// -lcrypto). Not part of the umbrella shardsafe.hpp: include it where it is used, so that
+// every other translation unit compiles without Boost.
+//
+//   http_directory d("http://127.0.0.1:8080/ckpt/step_100");
+//   checkpoint_reader<http_directory> r(d);     // metadata.json, then range reads of rank files
+//
+// What the client does about keep-alive, timeouts, retries, redirects and responses that
+// break the range rules is told at the top of storage/detail/http_client.hpp.
+//
+// | operation       | request                                                                      |
+// |-----------------|------------------------------------------------------------------------------|
+// | d.open(n)       | HEAD of DIR/n (redirects followed; the final URL is kept for the reads):     |
+// |                 | its Content-Length is size(); a HEAD without one: GET of bytes=0-0 and the   |
+// |                 | total of its Content-Range. 404/410: errc::not_found; other codes: io_error  |
+// | d.exists(n)     | HEAD of DIR/n: 2xx true, 404/410 false; a folder answered after a redirect   |
+// |                 | to DIR/n/ (403 without an index) true; anything else an error                |
+// | d.list()        | errc::invalid_argument: HTTP has no listing (name the objects instead)       |
+// | d.sub(n)        | DIR/n, nothing sent                                                          |
+// | s.read_into     | range GETs of at most part_bytes, in parallel when longer                    |
+// | s.read_batch    | every read cut into parts of at most part_bytes, requests_in_flight at once  |
+// | s.read_defaults | gap 256 KiB (a request costs a round trip), requests_in_flight               |
+//
+// Object names are percent-encoded into the URL path; a URL's query is not carried to its
+// children. Directories are cheap to copy and copies share one client (pool and limits).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/detail/http_client.hpp"
+#include "shardsafe/storage/detail/url.hpp"
+
+namespace shardsafe {
+
+namespace detail {
+/// The parts one read is cut into: [off, off + part) pieces of at most part bytes.
+inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_t part, std::vector<read_request>& out) {
+  for (std::uint64_t at = 0; at < dst.size(); at += part) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(part, dst.size() - at));
+    out.push_back({off + at, dst.subspan(static_cast<std::size_t>(at), n)});
+  }
+}
+
+/// The size of the object at u from HEAD (following redirects; u becomes the URL that answered),
+/// or from the Content-Range total of a 1-byte GET when HEAD gives no Content-Length.
+template <class Sign = no_signing>
+std::uint64_t remote_size(http_client& c, url_parts& u, const Sign& sign = {}) {
+  http_request head;
+  head.method = bhttp::verb::head;
+  head.url = u;
+  const http_response r = c.send(head, sign);
+  if (r.status == 404 || r.status == 410)
+    throw error(errc::not_found, u.str() + ": no such object (HTTP " + std::to_string(r.status) + " to HEAD)");
+  if (r.status < 200 || r.status > 299)
+    throw error(errc::io_error, u.str() + ": HTTP " + std::to_string(r.status) + " to HEAD");
+  u = r.url;
+  auto parse = [&](const std::string& v, std::uint64_t& n) {
+    if (v.empty() || v.size() > 19) return false;
+    n = 0;
+    for (char ch : v) {
+      if (ch < '0' || ch > '9') return false;
+      n = n * 10 + std::uint64_t(ch - '0');
+    }
+    return true;
+  };
+  std::uint64_t n = 0;
+  if (auto cl = r.header("Content-Length")) {
+    if (!parse(*cl, n)) throw error(errc::io_error, u.str() + ": HEAD gave Content-Length '" + *cl + "', not a number");
+    return n;
+  }
+  http_request get;
+  get.url = u;
+  get.headers.emplace_back("Range", "bytes=0-0");
+  const http_response g = c.send(get, sign);
+  if (g.status == 416) return 0;  // nothing to give: an empty object
+  std::uint64_t a = 0, b = 0;
+  std::optional<std::uint64_t> total;
+  auto cr = g.header("Content-Range");
+  if (g.status != 206 || !cr || !parse_content_range(*cr, a, b, total) || !total)
+    throw error(errc::io_error, u.str() + ": HEAD gave no Content-Length, and a GET of bytes=0-0 no Content-Range total (HTTP " +
+                                    std::to_string(g.status) + ")");
+  return *total;
+}
+}  // namespace detail
+
+/// One object on an HTTP(S) server, read by range requests, each request passed through
+/// sign (no_signing for plain HTTP; s3.hpp's SigV4 signer). Copies share the client.
+template <class Sign>
+class basic_remote_storage {
+ public:
+  /// Opens the object at url: one HEAD for its size (see the table at the top).
+  basic_remote_storage(std::shared_ptr<detail::http_client> client, url_parts url, Sign sign = {}, std::string name = "")
+      : client_(std::move(client)), url_(std::move(url)), name_(name.empty() ? url_.str() : std::move(name)), sign_(std::move(sign)) {
+    size_ = detail::remote_size(*client_, url_, sign_);
+  }
+  explicit basic_remote_storage(std::string_view url, http_options o = {})
+      : basic_remote_storage(std::make_shared<detail::http_client>(std::move(o)), parse_url(url)) {}
+
+  std::uint64_t size() const noexcept { return size_; }
+  std::string_view name() const noexcept { return name_; }
+  /// The URL the reads go to (after the redirects of the HEAD).
+  const url_parts& url() const noexcept { return url_; }
+  detail::http_client& client() const noexcept { return *client_; }
+
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    if (dst.empty()) return;
+    detail::check_read_range(name_, off, dst.size(), size_);
+    if (dst.size() <= client_->options().part_bytes) {
+      client_->read_range(url_, off, dst, size_, sign_);
+      return;
+    }
+    const read_request one{off, dst};
+    read_batch(std::span<const read_request>(&one, 1));
+  }
+
+  void read_batch(std::span<const read_request> rs) const {
+    std::vector<read_request> parts;
+    for (const auto& r : rs) {
+      if (r.dst.empty()) continue;
+      detail::check_read_range(name_, r.offset, r.dst.size(), size_);
+      detail::split_read(r.offset, r.dst, client_->options().part_bytes, parts);
+    }
+    detail::parallel_for(parts.size(), client_->options().requests_in_flight, [&](std::size_t i) {
+      client_->read_range(url_, parts[i].offset, parts[i].dst, size_, sign_);
+    });
+  }
+
+  read_hints read_defaults() const {
+    read_hints h;
+    h.max_gap_bytes = std::uint64_t(256) << 10;
+    h.requests_in_flight = client_->options().requests_in_flight;
+    return h;
+  }
+
+ private:
+  std::shared_ptr<detail::http_client> client_;
+  url_parts url_;
+  std::string name_;
+  Sign sign_;
+  std::uint64_t size_ = 0;
+};
+
+using http_storage = basic_remote_storage<detail::no_signing>;
+
+/// A folder URL on an HTTP(S) server as a read-only directory (see the table at the top).
+class http_directory {
+ public:
+  using reader_type = http_storage;
+
+  explicit http_directory(std::string_view url, http_options o = {})
+      : http_directory(std::make_shared<detail::http_client>(std::move(o)), parse_url(url)) {}
+  http_directory(std::shared_ptr<detail::http_client> client, url_parts url)
+      : client_(std::move(client)), url_(std::move(url)), name_(url_.str()) {
+    if (url_.scheme != "http" && url_.scheme != "https")
+      throw error(errc::invalid_argument, name_ + ": an http_directory takes http:// or https:// URLs");
+    while (url_.target.size() > 1 && url_.target.back() == '/') url_.target.pop_back();
+    name_ = url_.str();
+  }
+
+  std::string_view name() const noexcept { return name_; }
+  const url_parts& url() const noexcept { return url_; }
+  detail::http_client& client() const noexcept { return *client_; }
+  const std::shared_ptr<detail::http_client>& shared_client() const noexcept { return client_; }
+
+  reader_type open(std::string_view n) const { return http_storage(client_, child(n)); }
+
+  bool exists(std::string_view n) const {
+    detail::http_request head;
+    head.method = detail::bhttp::verb::head;
+    head.url = child(n);
+    const detail::http_response r = client_->send(head);
+    if (r.status >= 200 && r.status <= 299) return true;
+    if (r.status == 404 || r.status == 410) return false;
+    if (r.status == 403 && r.url.path().ends_with('/') && !head.url.path().ends_with('/')) return true;  // a folder
+    throw error(errc::io_error, head.url.str() + ": HTTP " + std::to_string(r.status) + " to HEAD (does it exist?)");
+  }
+
+  std::vector<std::string> list() const {
+    throw error(errc::invalid_argument, name_ + ": an HTTP server has no listing of a folder; open the objects by name "
+                                                "(metadata.json, model.safetensors.index.json, model.safetensors)");
+  }
+
+  http_directory sub(std::string_view n) const { return http_directory(client_, child(n)); }
+
+ private:
+  url_parts child(std::string_view n) const {
+    if (!is_plain_name(n))
+      throw error(errc::invalid_argument, name_ + ": '" + std::string(n) + "' is not a plain object name");
+    return url_child(url_, n);
+  }
+  std::shared_ptr<detail::http_client> client_;
+  url_parts url_;
+  std::string name_;
+};
+
+static_assert(ReadableStorage<http_storage> && BatchReadableStorage<http_storage> && HintedStorage<http_storage>,
+              "http_storage reads single ranges and batches, and hints its merging");
+static_assert(ReadableDirectory<http_directory>, "http_directory is a read-only directory");
+
+}  // namespace shardsafe

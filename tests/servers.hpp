@@ -1,0 +1,322 @@
+// tests/servers.hpp - servers the remote-storage tests start on 127.0.0.1 and stop after:
+// a child process (nginx, moto_server) on a free port, and a small misbehaving HTTP server
+// run on a thread of the test, whose answers follow a script (faults first, then correct).
+#pragma once
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "test_util.hpp"
+
+namespace testing {
+
+/// A port on 127.0.0.1 nothing listened on a moment ago (bind to port 0, read it, close).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+/// Whether something accepts connections on 127.0.0.1:port.
+inline bool port_open(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return ok;
+}
+
+/// A program run in the background, stdout and stderr to files in `log_dir`; SIGTERM and
+/// reaped when destroyed.
+class child_process {
+ public:
+  child_process(std::vector<std::string> argv, const std::filesystem::path& log_dir) : log_(log_dir / "child.log") {
+    posix_spawn_file_actions_t fa;
+    REQUIRE(posix_spawn_file_actions_init(&fa) == 0);
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    const std::vector<char*> args = shardsafe::detail::c_string_array(argv);
+    const int rc = posix_spawnp(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    REQUIRE_MESSAGE(rc == 0, "cannot start ", argv[0]);
+  }
+  child_process(const child_process&) = delete;
+  ~child_process() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    for (int i = 0; i < 100; ++i) {  // 5 s, then SIGKILL
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, &status, 0);
+  }
+  /// Waits until the program accepts connections on port (it must not exit first).
+  void wait_for_port(int port, std::chrono::seconds limit = std::chrono::seconds(30)) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (!port_open(port)) {
+      int status = 0;
+      REQUIRE_MESSAGE(::waitpid(pid_, &status, WNOHANG) == 0, "the server exited: ", slurp(log_));
+      REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "the server did not listen: ", slurp(log_));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  std::string log() const { return slurp(log_); }
+
+ private:
+  std::filesystem::path log_;
+  pid_t pid_ = -1;
+};
+
+/// A test CA and a certificate for 127.0.0.1 (and localhost) that it signed, made with the
+/// openssl command: ca.pem, server.pem, server.key in dir.
+inline void make_test_certificates(const std::filesystem::path& dir) {
+  const std::string d = dir.string();
+  auto run = [](std::vector<std::string> args) {
+    const auto r = run_program("openssl", args);
+    REQUIRE_MESSAGE((r.exited && r.code == 0), "openssl failed: ", r.err);
+  };
+  run({"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/ca.key", "-out", d + "/ca.pem", "-days", "2",
+       "-subj", "/CN=shardsafe test CA"});
+  run({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/server.key", "-out", d + "/server.csr", "-subj", "/CN=127.0.0.1"});
+  write_file(dir / "ext.cnf", "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+  run({"x509", "-req", "-in", d + "/server.csr", "-CA", d + "/ca.pem", "-CAkey", d + "/ca.key", "-CAcreateserial", "-out",
+       d + "/server.pem", "-days", "2", "-extfile", d + "/ext.cnf"});
+}
+
+/// nginx serving the folder www/ of a temporary directory on 127.0.0.1:port, with range
+/// requests and keep-alive as shipped, and an access log of each request's bytes; over TLS
+/// with a certificate from make_test_certificates when tls is true (the CA: ca_file()).
+struct nginx_server {
+  temp_dir dir{"nginx"};
+  std::filesystem::path www = dir.path / "www";
+  int port = free_port();
+  bool tls = false;
+  std::unique_ptr<child_process> proc;
+
+  explicit nginx_server(bool with_tls = false) : tls(with_tls) {
+    if (tls) make_test_certificates(dir.path);
+    std::filesystem::create_directories(www);
+    std::filesystem::create_directories(dir.path / "tmp");
+    const std::string d = dir.str();
+    write_file(dir.path / "nginx.conf",
+               "worker_processes 1;\n"
+               "user root;\n"
+               "error_log " + d + "/error.log;\n"
+               "pid " + d + "/nginx.pid;\n"
+               "events { worker_connections 512; }\n"
+               "http {\n"
+               "  default_type application/octet-stream;\n"
+               "  log_format bytes '$request_method $uri $http_range $status $body_bytes_sent';\n"
+               "  access_log " + d + "/access.log bytes;\n"
+               "  client_body_temp_path " + d + "/tmp/body; proxy_temp_path " + d + "/tmp/proxy;\n"
+               "  fastcgi_temp_path " + d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d + "/tmp/scgi;\n"
+               "  keepalive_requests 100000;\n"
+               "  server {\n"
+               "    listen 127.0.0.1:" + std::to_string(port) + (tls ? " ssl" : "") + ";\n" +
+               (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
+                    : std::string()) +
+               "    root " + www.string() + ";\n"
+               "    location / { }\n"
+               "  }\n"
+               "}\n");
+    proc = std::make_unique<child_process>(
+        std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"}, dir.path);
+    proc->wait_for_port(port);
+  }
+  std::string url(const std::string& path = "") const {
+    return (tls ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(port) + "/" + path;
+  }
+  std::string ca_file() const { return (dir.path / "ca.pem").string(); }
+};
+
+/// How the scripted server answers one GET (HEAD is always answered correctly).
+enum class fault {
+  none,                 ///< 206 with the bytes asked for
+  ignore_range,         ///< 200 with the whole object
+  wrong_content_range,  ///< 206, Content-Range shifted by one byte (the bytes of the shifted range)
+  short_body,           ///< 206 announcing all the bytes, half of them sent, then the connection closed
+  long_content_length,  ///< 206, Content-Length one more than the range (one extra byte sent)
+  status_503,           ///< 503 with Retry-After: 1
+  status_429,           ///< 429 without Retry-After
+  redirect,             ///< 302 to /moved/PATH (served like any path)
+  stall,                ///< nothing for 1 s, then the connection closed
+};
+
+/// An HTTP/1.1 server on 127.0.0.1 serving one object, `body`, at any path: each GET takes
+/// the next fault of the script (none once it is empty). Keeps a log of the Range headers.
+class scripted_server {
+ public:
+  /// head_length false: HEAD answers without Content-Length (chunked), so the size must come
+  /// from a GET's Content-Range.
+  explicit scripted_server(std::string body, bool head_length = true) : body_(std::move(body)), head_length_(head_length) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(listen_fd_ >= 0);
+    int one = 1;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    socklen_t len = sizeof a;
+    REQUIRE(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+    port_ = ntohs(a.sin_port);
+    REQUIRE(::listen(listen_fd_, 64) == 0);
+    acceptor_ = std::thread([this] { accept_loop(); });
+  }
+  ~scripted_server() {
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    ::close(listen_fd_);
+    acceptor_.join();
+    {
+      std::lock_guard lock(m_);
+      for (int fd : open_) ::shutdown(fd, SHUT_RDWR);
+    }
+    for (auto& t : workers_) t.join();
+    for (int fd : open_) ::close(fd);
+  }
+  std::string url(const std::string& path = "obj") const { return "http://127.0.0.1:" + std::to_string(port_) + "/" + path; }
+  void script(std::vector<fault> f) {
+    std::lock_guard lock(m_);
+    script_.assign(f.begin(), f.end());
+  }
+  std::vector<std::string> ranges() {
+    std::lock_guard lock(m_);
+    return ranges_;
+  }
+  int gets() {
+    std::lock_guard lock(m_);
+    return static_cast<int>(ranges_.size());
+  }
+
+ private:
+  void accept_loop() {
+    for (;;) {
+      const int fd = ::accept(listen_fd_, nullptr, nullptr);
+      if (fd < 0) return;
+      std::lock_guard lock(m_);
+      open_.push_back(fd);
+      workers_.emplace_back([this, fd] { serve(fd); });
+    }
+  }
+  static bool send_all(int fd, const std::string& s) {
+    std::size_t at = 0;
+    while (at < s.size()) {
+      const ssize_t n = ::send(fd, s.data() + at, s.size() - at, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      at += static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+  void serve(int fd) {
+    std::string in;
+    char buf[4096];
+    for (;;) {
+      std::size_t end;
+      while ((end = in.find("\r\n\r\n")) == std::string::npos) {
+        const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n <= 0) return;
+        in.append(buf, static_cast<std::size_t>(n));
+      }
+      const std::string head = in.substr(0, end);
+      in.erase(0, end + 4);
+      if (!answer(fd, head)) {
+        ::shutdown(fd, SHUT_RDWR);
+        return;
+      }
+    }
+  }
+  /// Answers one request; false closes the connection.
+  bool answer(int fd, const std::string& head) {
+    const std::size_t total = body_.size();
+    if (head.rfind("HEAD ", 0) == 0)
+      return send_all(fd, head_length_ ? "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(total) + "\r\n\r\n"
+                                       : std::string("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"));
+    std::uint64_t first = 0, last = total - 1;
+    std::string range;
+    if (const std::size_t r = head.find("\r\nRange: bytes="); r != std::string::npos) {
+      range = head.substr(r + 15, head.find("\r\n", r + 2) - r - 15);
+      first = std::stoull(range.substr(0, range.find('-')));
+      last = std::stoull(range.substr(range.find('-') + 1));
+    }
+    fault f = fault::none;
+    {
+      std::lock_guard lock(m_);
+      ranges_.push_back(range);
+      if (!script_.empty()) {
+        f = script_.front();
+        script_.pop_front();
+      }
+    }
+    auto part = [&](std::uint64_t a, std::uint64_t b) { return body_.substr(a, b - a + 1); };
+    auto partial = [&](std::uint64_t a, std::uint64_t b, std::uint64_t cl, const std::string& bytes) {
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes " + std::to_string(a) + "-" + std::to_string(b) + "/" +
+             std::to_string(total) + "\r\nContent-Length: " + std::to_string(cl) + "\r\n\r\n" + bytes;
+    };
+    switch (f) {
+      case fault::none: return send_all(fd, partial(first, last, last - first + 1, part(first, last)));
+      case fault::ignore_range:
+        return send_all(fd, "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(total) + "\r\n\r\n" + body_);
+      case fault::wrong_content_range: {
+        const std::uint64_t a = first + 1, b = std::min<std::uint64_t>(last + 1, total - 1);
+        return send_all(fd, partial(a, b, b - a + 1, part(a, b)));
+      }
+      case fault::short_body: {
+        const std::string all = partial(first, last, last - first + 1, part(first, last));
+        send_all(fd, all.substr(0, all.size() - (last - first + 1) / 2));
+        return false;
+      }
+      case fault::long_content_length: {
+        const std::uint64_t b = std::min<std::uint64_t>(last + 1, total - 1);
+        return send_all(fd, partial(first, last, last - first + 2, part(first, b))) && false;
+      }
+      case fault::status_503:
+        return send_all(fd, "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 4\r\n\r\nbusy");
+      case fault::status_429:
+        return send_all(fd, "HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\n\r\nslow");
+      case fault::redirect: {
+        const std::size_t sp = head.find(' '), sp2 = head.find(' ', sp + 1);
+        return send_all(fd, "HTTP/1.1 302 Found\r\nLocation: /moved" + head.substr(sp + 1, sp2 - sp - 1) +
+                                "\r\nContent-Length: 0\r\n\r\n");
+      }
+      case fault::stall: std::this_thread::sleep_for(std::chrono::seconds(1)); return false;
+    }
+    return false;
+  }
+
+  std::string body_;
+  bool head_length_ = true;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread acceptor_;
+  std::mutex m_;
+  std::vector<int> open_;
+  std::vector<std::thread> workers_;
+  std::deque<fault> script_;
+  std::vector<std::string> ranges_;
+};
+
+}  // namespace testing

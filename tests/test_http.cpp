@@ -1,0 +1,402 @@
+// Tests of storage/http.hpp and storage/detail/url.hpp: URL parsing, checkpoints and HF folders
+// read from nginx on 127.0.0.1 (started by the test), and a scripted server that breaks the
+// range rules: every fault is retried or an error, and the bytes are checked against the
+// object itself.
+#include "shardsafe/storage/http.hpp"
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <random>
+
+#include "checkpoint_fixtures.hpp"
+#include "servers.hpp"
+#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "test_util.hpp"
+#include "thread_world.hpp"
+
+using namespace shardsafe;
+using testing::expect_error;
+using testing::temp_dir;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string random_text(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+/// Options that retry quickly, for the fault tests.
+http_options quick() {
+  http_options o;
+  o.backoff_initial = std::chrono::milliseconds(5);
+  o.backoff_max = std::chrono::milliseconds(20);
+  o.read_timeout = std::chrono::milliseconds(3000);
+  o.max_attempts = 4;
+  return o;
+}
+
+std::string read_string(const http_storage& s, std::uint64_t off, std::size_t n) {
+  std::string out(n, '\0');
+  s.read_into(off, std::as_writable_bytes(std::span(out)));
+  return out;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// URLs
+
+TEST_CASE("parse_url: the parts, defaults and normal forms") {
+  url_parts u = parse_url("http://example.org/a/b.bin?x=1");
+  CHECK(u.scheme == "http");
+  CHECK(u.host == "example.org");
+  CHECK(u.port == 80);
+  CHECK_FALSE(u.explicit_port);
+  CHECK(u.target == "/a/b.bin?x=1");
+  CHECK(u.path() == "/a/b.bin");
+  CHECK(u.str() == "http://example.org/a/b.bin?x=1");
+  u = parse_url("HTTPS://Host.Example:8443");
+  CHECK(u.scheme == "https");
+  CHECK(u.host == "host.example");
+  CHECK(u.port == 8443);
+  CHECK(u.tls());
+  CHECK(u.target == "/");
+  CHECK(u.host_header() == "host.example:8443");
+  u = parse_url("http://[::1]:9000/x");
+  CHECK(u.host == "::1");
+  CHECK(u.port == 9000);
+  CHECK(u.host_header() == "[::1]:9000");
+  CHECK(u.origin() == "http://[::1]:9000");
+  u = parse_url("http://127.0.0.1?q");
+  CHECK(u.target == "/?q");
+  u = parse_url("s3://bucket/prefix/step_1");
+  CHECK(u.scheme == "s3");
+  CHECK(u.host == "bucket");
+  CHECK(u.target == "/prefix/step_1");
+  CHECK(parse_url("https://h/").port == 443);
+}
+
+TEST_CASE("parse_url: refusals name the URL and the rule") {
+  using P = std::vector<std::string>;
+  auto bad = [](const char* url, const char* why) {
+    expect_error([&] { parse_url(url); }, errc::invalid_argument, P{std::string("'") + url + "'", why});
+  };
+  bad("example.org/a", "no scheme");
+  bad("ftp://h/a", "scheme 'ftp'");
+  bad("http:///a", "no host");
+  bad("http://:80/a", "no host");
+  bad("http://user:pw@h/a", "user information");
+  bad("http://h:0/", "port '0'");
+  bad("http://h:65536/", "port '65536'");
+  bad("http://h:8x/", "port '8x'");
+  bad("http://h:/", "port ''");
+  bad("http://h/a b", "space or a control character");
+  bad("http://h/a\nb", "space or a control character");
+  bad("http://h/a#frag", "fragment");
+  bad("http://[::1/a", "closing ']'");
+  bad("http://[zz]/a", "not an IPv6 address");
+  bad("http://h%41/", "character a host name cannot");
+  bad("s3://bucket:9000/x", "names a bucket");
+}
+
+TEST_CASE("url_child, percent_encode and resolve_location") {
+  const url_parts d = parse_url("http://h:81/ckpt/step_1?sig=abc");
+  CHECK(url_child(d, "rank_0.safetensors").str() == "http://h:81/ckpt/step_1/rank_0.safetensors");
+  CHECK(url_child(d, "a b+c%/é").target == "/ckpt/step_1/a%20b%2Bc%25%2F%C3%A9");
+  CHECK(url_child(parse_url("http://h/"), "x").target == "/x");
+  CHECK(percent_encode("a/b c~", true) == "a/b%20c~");
+  const url_parts f = parse_url("http://h/a/b/file");
+  CHECK(resolve_location(f, "https://o:1/z").str() == "https://o:1/z");
+  CHECK(resolve_location(f, "//o/z").str() == "http://o/z");
+  CHECK(resolve_location(f, "/z/y").str() == "http://h/z/y");
+  CHECK(resolve_location(f, "other").str() == "http://h/a/b/other");
+  expect_error([&] { resolve_location(f, "a b"); }, errc::invalid_argument, {"space"});
+}
+
+TEST_CASE("parse_content_range and parse_retry_after") {
+  std::uint64_t a = 0, b = 0;
+  std::optional<std::uint64_t> t;
+  CHECK(detail::parse_content_range("bytes 0-9/100", a, b, t));
+  CHECK((a == 0 && b == 9 && t == 100u));
+  CHECK(detail::parse_content_range("bytes 5-5/*", a, b, t));
+  CHECK((a == 5 && b == 5 && !t));
+  for (const char* bad : {"bytes 9-0/100", "bytes 0-100/100", "bytes */100", "items 0-1/2", "bytes 0-1", "bytes -1/2",
+                          "bytes 0-1/2x", "bytes 99999999999999999999-1/2", "bytes 1-2/ 3"})
+    CHECK_MESSAGE(!detail::parse_content_range(bad, a, b, t), bad);
+  CHECK(detail::parse_retry_after("3") == std::chrono::milliseconds(3000));
+  CHECK_FALSE(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"));
+  CHECK_FALSE(detail::parse_retry_after(""));
+}
+
+// ---------------------------------------------------------------------------------------
+// nginx
+
+TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 ranks in another sharding, bit-exact") {
+  testing::nginx_server srv;
+  // w: F32 [96, 3000] saved in rows halves; e: BF16 [40, 24] saved in column halves
+  const std::string w = random_text(96 * 3000 * 4, 1), e = random_text(40 * 24 * 2, 2);
+  const fs::path ckpt = srv.www / "ckpt";
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 48 * 3000 * 4, 48 * 3000 * 4), em;
+    for (std::uint64_t row = 0; row < 40; ++row) em += e.substr((row * 24 + r * 12) * 2, 12 * 2);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {96, 3000}, shard_spec(block_spec({48, 3000}, {48 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({40, 12}, {0, 12 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    save_flat_views(file_directory(ckpt), std::span<const flat_view>(v), comm);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+
+  http_directory remote(srv.url("ckpt"));
+  file_directory local(ckpt);
+  std::uint64_t needed = 0;
+  const std::uint64_t received0 = remote.client().stats().body_bytes;
+  for (std::uint64_t r = 0; r < 3; ++r) {
+    // 3 ranks: w by column thirds (strided), e by row thirds (40 = 14 + 13 + 13)
+    const std::uint64_t e_rows = r == 0 ? 14 : 13, e_first = r == 0 ? 0 : 14 + (r - 1) * 13;
+    auto views_into = [&](std::string& wm, std::string& em) {
+      wm.assign(96 * 1000 * 4, '\x5a');
+      em.assign(e_rows * 24 * 2, '\x5a');
+      return std::vector<flat_view>{
+          {"w", dtype::F32, {96, 3000}, shard_spec(block_spec({96, 1000}, {0, 1000 * r})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+          {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({e_rows, 24}, {e_first, 0})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    };
+    std::string wh, eh, wf, ef;
+    auto vh = views_into(wh, eh);
+    auto vf = views_into(wf, ef);
+    const load_stats st = load_flat_views(remote, std::span<const flat_view>(vh));
+    load_flat_views(local, std::span<const flat_view>(vf));
+    needed += st.bytes_needed;
+    // against the tensors themselves, cut independently
+    std::string want_w, want_e = e.substr(e_first * 24 * 2, e_rows * 24 * 2);
+    for (std::uint64_t row = 0; row < 96; ++row) want_w += w.substr((row * 3000 + 1000 * r) * 4, 1000 * 4);
+    CHECK(wh == want_w);
+    CHECK(eh == want_e);
+    CHECK(wh == wf);  // and the file backend's load
+    CHECK(eh == ef);
+  }
+  const std::uint64_t received = remote.client().stats().body_bytes - received0;
+  MESSAGE("http load of 3 reshards: " << received << " body bytes received for " << needed << " bytes needed, "
+                                      << remote.client().stats().requests.load() << " requests");
+  CHECK(needed == w.size() + e.size());
+  // the tensor bytes, at most 10% of merged gaps, and per load metadata.json and the 64 KiB
+  // header probe of each of the 2 rank files (checkpoint/loader.hpp)
+  CHECK(received <= needed + needed / 10 + 3 * (2 * 65536 + 4096));
+}
+
+TEST_CASE("http: a Hugging Face folder read through nginx holds the fixture's tensors") {
+  testing::nginx_server srv;
+  const auto ts = fixtures::sample_tensors();
+  fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
+  const http_directory d(srv.url("hf/"));
+  CHECK(d.name() == srv.url("hf"));
+  CHECK(is_hf_folder(d));
+  const hf_folder<http_directory> h = open_hf_folder(d);
+  REQUIRE(h.tensors.size() == ts.size());
+  for (const auto& t : ts) {
+    const auto at = h.tensors.at(t.name);
+    const auto& f = h.files[at.file];
+    std::string got(t.bytes.size(), '\0');
+    f.storage.read_into(f.header.offset_of(h.entry(at)), std::as_writable_bytes(std::span(got)));
+    CHECK_MESSAGE(got == t.bytes, t.name);
+    CHECK(f.name == fixtures::file_of(t));
+  }
+}
+
+TEST_CASE("http_directory: exists, open, sub, list and names against nginx") {
+  testing::nginx_server srv;
+  fs::create_directories(srv.www / "d" / "inner");
+  testing::write_file(srv.www / "d" / "a.bin", "hello");
+  testing::write_file(srv.www / "d" / "x y.bin", "spaced");
+  testing::write_file(srv.www / "d" / "inner" / "b.bin", "inner!");
+  const http_directory d(srv.url("d"));
+  CHECK(d.exists("a.bin"));
+  CHECK(d.exists("x y.bin"));
+  CHECK_FALSE(d.exists("absent"));
+  CHECK(d.exists("inner"));  // 301 to inner/, then 403: a folder without an index
+  CHECK(read_string(d.open("x y.bin"), 0, 6) == "spaced");
+  CHECK(read_string(d.sub("inner").open("b.bin"), 1, 5) == "nner!");
+  expect_error([&] { d.open("absent"); }, errc::not_found, {srv.url("d/absent"), "HTTP 404"});
+  expect_error([&] { d.list(); }, errc::invalid_argument, {srv.url("d"), "no listing"});
+  expect_error([&] { d.open("../etc"); }, errc::invalid_argument, {"not a plain object name"});
+  const http_storage s = d.open("a.bin");
+  CHECK(s.size() == 5);
+  CHECK(s.name() == srv.url("d/a.bin"));
+  expect_error([&] { read_string(s, 3, 3); }, errc::truncated, {srv.url("d/a.bin"), "passes the end"});
+  CHECK(s.read_defaults().requests_in_flight == 16u);
+}
+
+TEST_CASE("http_storage: large reads split into parts read in parallel, and batches") {
+  testing::nginx_server srv;
+  const std::string body = random_text((5 << 20) + 1234, 3);
+  testing::write_file(srv.www / "big.bin", body);
+  http_options o;
+  o.part_bytes = 256 << 10;
+  const http_storage s(srv.url("big.bin"), o);
+  const auto before = s.client().stats().requests.load();
+  CHECK(read_string(s, 77, body.size() - 100) == body.substr(77, body.size() - 100));
+  CHECK(s.client().stats().requests - before == (body.size() - 100 + o.part_bytes - 1) / o.part_bytes);
+  // a batch of scattered reads
+  std::mt19937_64 rng(5);
+  std::vector<std::string> outs(200);
+  std::vector<read_request> rs;
+  std::vector<std::uint64_t> offs;
+  for (auto& out : outs) {
+    const std::uint64_t off = rng() % body.size(), len = rng() % std::min<std::uint64_t>(body.size() - off, 700'000) + 1;
+    out.assign(len, '\0');
+    offs.push_back(off);
+    rs.push_back({off, std::as_writable_bytes(std::span(out))});
+  }
+  s.read_batch(rs);
+  for (std::size_t i = 0; i < outs.size(); ++i) REQUIRE(outs[i] == body.substr(offs[i], outs[i].size()));
+  CHECK(s.client().stats().connections <= 16u + 1u);
+}
+
+// ---------------------------------------------------------------------------------------
+// a server that breaks the rules
+
+TEST_CASE("http faults: each one retried with only the missing bytes asked again, or an error; never wrong bytes") {
+  const std::string body = random_text(100'000, 9);
+  testing::scripted_server srv(body);
+  using testing::fault;
+  auto client = std::make_shared<detail::http_client>(quick());
+  const http_storage s(client, parse_url(srv.url()));
+  CHECK(s.size() == body.size());
+
+  SUBCASE("a short body then a closed connection: resumed from the first missing byte") {
+    srv.script({fault::short_body});
+    CHECK(read_string(s, 1000, 50'000) == body.substr(1000, 50'000));
+    const auto r = srv.ranges();
+    REQUIRE(r.size() == 2);
+    CHECK(r[0] == "1000-50999");
+    CHECK(r[1] == "26000-50999");  // the first 25000 bytes had landed
+  }
+  SUBCASE("short bodies in a row: each retry resumes further") {
+    srv.script({fault::short_body, fault::short_body, fault::short_body});
+    CHECK(read_string(s, 0, 80'000) == body.substr(0, 80'000));
+    const auto r = srv.ranges();
+    REQUIRE(r.size() == 4);
+    CHECK(r[1] == "40000-79999");
+    CHECK(r[2] == "60000-79999");
+    CHECK(r[3] == "70000-79999");
+  }
+  SUBCASE("a wrong Content-Range once: retried") {
+    srv.script({fault::wrong_content_range});
+    CHECK(read_string(s, 10, 5000) == body.substr(10, 5000));
+    CHECK(srv.gets() == 2);
+  }
+  SUBCASE("a wrong Content-Range every time: an error naming the URL and the rule, dst not trusted") {
+    srv.script({fault::wrong_content_range, fault::wrong_content_range, fault::wrong_content_range,
+                fault::wrong_content_range});
+    expect_error([&] { read_string(s, 10, 5000); }, errc::io_error,
+                 {srv.url(), "giving up after 4 attempts", "wrong Content-Range 'bytes 11-5010/100000'"});
+  }
+  SUBCASE("a Content-Length longer than the range: retried") {
+    srv.script({fault::long_content_length});
+    CHECK(read_string(s, 500, 600) == body.substr(500, 600));
+    CHECK(srv.gets() == 2);
+  }
+  SUBCASE("a server that ignores Range: an error at once (a retry would get the same)") {
+    srv.script({fault::ignore_range});
+    expect_error([&] { read_string(s, 10, 20); }, errc::io_error,
+                 {srv.url(), "ignored the Range header", "HTTP 200", "bytes 10-29"});
+    CHECK(srv.gets() == 1);
+  }
+  SUBCASE("a 200 is right when the whole object was asked for") {
+    srv.script({fault::ignore_range});
+    CHECK(read_string(s, 0, body.size()) == body);
+  }
+  SUBCASE("503 with Retry-After: 1 waits a second, then succeeds") {
+    srv.script({fault::status_503});
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(read_string(s, 123, 4567) == body.substr(123, 4567));
+    CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(950));
+    CHECK(srv.gets() == 2);
+  }
+  SUBCASE("429 twice, then success") {
+    srv.script({fault::status_429, fault::status_429});
+    CHECK(read_string(s, 99'000, 1000) == body.substr(99'000, 1000));
+    CHECK(srv.gets() == 3);
+  }
+  SUBCASE("429 past max_attempts: an error with the last answer") {
+    srv.script({fault::status_429, fault::status_429, fault::status_429, fault::status_429});
+    expect_error([&] { read_string(s, 0, 10); }, errc::io_error, {srv.url(), "giving up after 4 attempts", "HTTP 429"});
+  }
+  SUBCASE("a redirect of a range read is followed, the range kept") {
+    srv.script({fault::redirect});
+    CHECK(read_string(s, 700, 300) == body.substr(700, 300));
+    CHECK(srv.ranges() == std::vector<std::string>{"700-999", "700-999"});
+  }
+  SUBCASE("a server that stalls past read_timeout: the read is retried on a new connection") {
+    http_options o = quick();
+    o.read_timeout = std::chrono::milliseconds(200);
+    const http_storage fast(std::make_shared<detail::http_client>(o), parse_url(srv.url()));
+    srv.script({fault::stall});
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(read_string(fast, 5, 10) == body.substr(5, 10));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(900));  // did not wait for the stall
+    CHECK(fast.client().stats().retries.load() == 1u);
+  }
+  SUBCASE("a batch under a mix of faults lands every byte") {
+    srv.script({fault::short_body, fault::status_429, fault::wrong_content_range, fault::long_content_length,
+                fault::short_body, fault::status_429});
+    std::vector<std::string> outs(40);
+    std::vector<read_request> rs;
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      outs[i].assign(2000, '\0');
+      rs.push_back({i * 2400, std::as_writable_bytes(std::span(outs[i]))});
+    }
+    s.read_batch(rs);
+    for (std::size_t i = 0; i < outs.size(); ++i) REQUIRE(outs[i] == body.substr(i * 2400, 2000));
+  }
+}
+
+TEST_CASE("http: a HEAD without Content-Length: the size from a 1-byte GET's Content-Range") {
+  const std::string body = random_text(4321, 10);
+  testing::scripted_server srv(body, false);
+  const http_storage s(srv.url(), quick());
+  CHECK(s.size() == body.size());
+  CHECK(srv.ranges() == std::vector<std::string>{"0-0"});
+  CHECK(read_string(s, 4000, 321) == body.substr(4000, 321));
+}
+
+TEST_CASE("http: nothing listening is a clear error after bounded attempts") {
+  const int port = testing::free_port();
+  http_options o = quick();
+  o.max_attempts = 3;
+  expect_error([&] { http_storage("http://127.0.0.1:" + std::to_string(port) + "/x", o); }, errc::io_error,
+               {"http://127.0.0.1:" + std::to_string(port) + "/x", "giving up after 3 attempts", "cannot connect"});
+}
+
+#if SHARDSAFE_HTTP_TLS
+TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
+  testing::nginx_server srv(true);
+  const std::string body = random_text(300'000, 17);
+  testing::write_file(srv.www / "obj.bin", body);
+  http_options o;
+  o.ca_file = srv.ca_file();
+  const http_storage s(srv.url("obj.bin"), o);
+  CHECK(s.size() == body.size());
+  CHECK(read_string(s, 12'345, 200'000) == body.substr(12'345, 200'000));
+  std::vector<std::string> outs(20, std::string(5000, '\0'));
+  std::vector<read_request> rs;
+  for (std::size_t i = 0; i < outs.size(); ++i) rs.push_back({i * 14'000, std::as_writable_bytes(std::span(outs[i]))});
+  s.read_batch(rs);
+  for (std::size_t i = 0; i < outs.size(); ++i) CHECK(outs[i] == body.substr(i * 14'000, 5000));
+  // the system's store does not know the test CA: a certificate error, not retried
+  http_options sys = quick();
+  expect_error([&] { http_storage(srv.url("obj.bin"), sys); }, errc::io_error,
+               {srv.url("obj.bin"), "TLS handshake with 127.0.0.1:" + std::to_string(srv.port) + " failed", "certificate verify failed"});
+  // a CA file that is not there
+  http_options missing;
+  missing.ca_file = (srv.dir.path / "absent.pem").string();
+  expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument, {"absent.pem", "cannot load CA file"});
+}
+#endif

@@ -1,0 +1,338 @@
+// Tests of storage/s3.hpp and storage/detail/s3_sigv4.hpp: SigV4 against AWS's published
+// examples and against botocore (an independent implementation), and a checkpoint saved to and
+// loaded from moto_server on 127.0.0.1 (started by the test), with multipart uploads, listing
+// across pages, folders, removal, errors and an upload that fails half-way.
+#include "shardsafe/storage/s3.hpp"
+
+#include <doctest/doctest.h>
+
+#include <random>
+
+#include "servers.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/text.hpp"
+#include "test_util.hpp"
+#include "thread_world.hpp"
+
+using namespace shardsafe;
+using testing::expect_error;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string empty_hash = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+const aws_credentials aws_example{"AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", ""};
+
+std::string random_text(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+/// moto_server on a free port of 127.0.0.1, and a bucket in it.
+struct moto {
+  testing::temp_dir dir{"moto"};
+  int port = testing::free_port();
+  std::unique_ptr<testing::child_process> proc;
+  moto() {
+    proc = std::make_unique<testing::child_process>(
+        std::vector<std::string>{"moto_server", "-H", "127.0.0.1", "-p", std::to_string(port)}, dir.path);
+    proc->wait_for_port(port, std::chrono::seconds(60));
+  }
+  s3_options options() const {
+    s3_options o;
+    o.endpoint = "http://127.0.0.1:" + std::to_string(port);
+    o.region = "us-east-1";
+    o.credentials = aws_credentials{"testing", "testing", "session token"};
+    o.http.backoff_initial = std::chrono::milliseconds(10);
+    return o;
+  }
+  s3_directory bucket(const std::string& name, s3_options o) const {
+    s3_directory root("s3://" + name, o);
+    root.create_bucket();
+    return root;
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// SigV4
+
+TEST_CASE("sigv4: the examples of AWS's S3 documentation (Signature Version 4, header auth)") {
+  // "Example: GET Object": a range read of examplebucket/test.txt
+  auto r = detail::sigv4_sign("GET", "/test.txt", "",
+                              {{"Host", "examplebucket.s3.amazonaws.com"}, {"Range", "bytes=0-9"},
+                               {"x-amz-content-sha256", empty_hash}, {"x-amz-date", "20130524T000000Z"}},
+                              empty_hash, aws_example, "us-east-1", "s3", "20130524T000000Z");
+  CHECK(r.canonical_request ==
+        "GET\n/test.txt\n\nhost:examplebucket.s3.amazonaws.com\nrange:bytes=0-9\nx-amz-content-sha256:" + empty_hash +
+            "\nx-amz-date:20130524T000000Z\n\nhost;range;x-amz-content-sha256;x-amz-date\n" + empty_hash);
+  CHECK(r.string_to_sign ==
+        "AWS4-HMAC-SHA256\n20130524T000000Z\n20130524/us-east-1/s3/aws4_request\n"
+        "7344ae5b7ee6c3e7e6b0fe0640412a37625d1fbfff95c48bbb2dc43964946972");
+  CHECK(r.signature == "f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
+  CHECK(r.authorization ==
+        "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request,"
+        "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date,"
+        "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
+  const std::vector<std::pair<std::string, std::string>> h{
+      {"host", "examplebucket.s3.amazonaws.com"}, {"x-amz-content-sha256", empty_hash}, {"x-amz-date", "20130524T000000Z"}};
+  // "Example: GET Bucket Lifecycle": a query key without a value
+  CHECK(detail::sigv4_sign("GET", "/", "lifecycle", h, empty_hash, aws_example, "us-east-1", "s3", "20130524T000000Z")
+            .signature == "fea454ca298b7da1c68078a5d1bdbfbbe0d65c699e0f91ac7a200a0136783543");
+  // "Example: Get Bucket (List Objects)": query pairs sorted by key
+  CHECK(detail::sigv4_sign("GET", "/", "prefix=J&max-keys=2", h, empty_hash, aws_example, "us-east-1", "s3",
+                           "20130524T000000Z")
+            .signature == "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7");
+}
+
+TEST_CASE("sigv4: the same signatures as botocore's S3SigV4Auth, with a session token and keys with spaces and unicode") {
+  // botocore (shipped with the aws CLI) computes the canonical request, string to sign and
+  // signature of the same request on its own
+  const std::string script = R"(
+import json, sys
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+a = json.loads(sys.argv[1])
+req = AWSRequest(method=a['method'], url=a['url'], headers=a['headers'], data=b'')
+req.context['timestamp'] = a['date']
+auth = S3SigV4Auth(Credentials(a['ak'], a['sk'], a['token'] or None), 's3', a['region'])
+cr = auth.canonical_request(req)
+print(auth.signature(auth.string_to_sign(req, cr), req))
+)";
+  struct sample {
+    std::string method, key, query, token, region, payload;
+  };
+  const std::vector<sample> samples{
+      {"GET", "ckpt/rank_0.safetensors", "", "", "us-east-1", ""},
+      {"PUT", "runs/my model/step 100/métadata ü.json", "", "FQoGZXIvYXdzEJr//////////wEaDOy token", "eu-west-3",
+       "{\"a\": 1}"},
+      {"GET", "", "list-type=2&prefix=" + percent_encode("runs/my model/") + "&delimiter=%2F&max-keys=3", "tok", "us-west-2", ""},
+      {"POST", "big/rank_1.safetensors", "uploadId=" + percent_encode("a b/c+d=="), "", "ap-south-1", "<x/>"},
+      {"HEAD", "πλάκα/文件 name.bin", "", "", "us-east-1", ""},
+  };
+  for (const auto& s : samples) {
+    INFO(s.method << " " << s.key << " ?" << s.query);
+    const std::string path = "/bucket" + (s.key.empty() ? "" : "/" + percent_encode(s.key, true));
+    const std::string url = "http://127.0.0.1:9000" + path + (s.query.empty() ? "" : "?" + s.query);
+    const std::string date = "20240229T235959Z", hash = detail::sha256_hex(s.payload);
+    std::vector<std::pair<std::string, std::string>> headers{{"x-amz-date", date}, {"x-amz-content-sha256", hash}};
+    if (!s.token.empty()) headers.emplace_back("x-amz-security-token", s.token);
+    const aws_credentials c{"AKIDEXAMPLE", "secret key with / and + and ü", s.token};
+    std::string hj;
+    for (const auto& [k, v] : headers) hj += (hj.empty() ? "" : ",") + testing::json_quoted(k) + ":" + testing::json_quoted(v);
+    const std::string json = "{\"method\":" + testing::json_quoted(s.method) + ",\"url\":" + testing::json_quoted(url) +
+                             ",\"headers\":{" + hj + "},\"date\":\"" + date + "\",\"ak\":\"" + c.access_key_id +
+                             "\",\"sk\":" + testing::json_quoted(c.secret_access_key) + ",\"token\":" +
+                             testing::json_quoted(s.token) + ",\"region\":\"" + s.region + "\"}";
+    const auto py = testing::run_program("python3", {"-c", script, json});
+    if (!py.exited || py.code != 0) {
+      MESSAGE("botocore is not usable here (" << py.err << "): the botocore comparison is skipped");
+      return;
+    }
+    auto signed_headers = headers;
+    signed_headers.emplace_back("host", "127.0.0.1:9000");
+    const auto mine = detail::sigv4_sign(s.method, path, s.query, signed_headers, hash, c, s.region, "s3", date);
+    CHECK(mine.signature + "\n" == py.out);
+  }
+}
+
+TEST_CASE("s3: credentials from the environment and from a credentials file profile") {
+  testing::temp_dir t;
+  testing::write_file(t.path / "credentials",
+                      "[default]\naws_access_key_id = AKDEFAULT\naws_secret_access_key = sdefault\n\n"
+                      "[profile other]\n aws_access_key_id=AKOTHER \naws_secret_access_key = s other\naws_session_token = tok\n");
+  const auto c = detail::credentials_from_file(t.path / "credentials", "other");
+  REQUIRE(c);
+  CHECK(c->access_key_id == "AKOTHER");
+  CHECK(c->secret_access_key == "s other");
+  CHECK(c->session_token == "tok");
+  CHECK(detail::credentials_from_file(t.path / "credentials", "default")->access_key_id == "AKDEFAULT");
+  CHECK_FALSE(detail::credentials_from_file(t.path / "credentials", "absent"));
+  CHECK_FALSE(detail::credentials_from_file(t.path / "nothing", "default"));
+  // through the environment: the variables first, else AWS_PROFILE of AWS_SHARED_CREDENTIALS_FILE
+  struct saved_env {
+    std::vector<std::pair<std::string, std::optional<std::string>>> v;
+    void set(const char* k, const char* val) {
+      const char* old = std::getenv(k);
+      v.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (val) ::setenv(k, val, 1);
+      else ::unsetenv(k);
+    }
+    ~saved_env() {
+      for (auto it = v.rbegin(); it != v.rend(); ++it)
+        if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+        else ::unsetenv(it->first.c_str());
+    }
+  } env;
+  env.set("AWS_ACCESS_KEY_ID", "AKENV");
+  env.set("AWS_SECRET_ACCESS_KEY", "senv");
+  env.set("AWS_SESSION_TOKEN", "tenv");
+  const aws_credentials e = aws_credentials_from_environment();
+  CHECK((e.access_key_id == "AKENV" && e.secret_access_key == "senv" && e.session_token == "tenv"));
+  env.set("AWS_SECRET_ACCESS_KEY", nullptr);
+  expect_error([] { aws_credentials_from_environment(); }, errc::invalid_argument, {"AWS_SECRET_ACCESS_KEY is not"});
+  env.set("AWS_ACCESS_KEY_ID", nullptr);
+  env.set("AWS_SHARED_CREDENTIALS_FILE", (t.path / "credentials").c_str());
+  env.set("AWS_PROFILE", "other");
+  CHECK(aws_credentials_from_environment().access_key_id == "AKOTHER");
+  CHECK(aws_credentials_from_environment("default").access_key_id == "AKDEFAULT");
+  expect_error([] { aws_credentials_from_environment("absent"); }, errc::not_found, {"no AWS credentials", "'absent'"});
+}
+
+TEST_CASE("s3: XML error bodies become messages naming the object and S3's code") {
+  detail::http_response r;
+  r.status = 404;
+  r.body = "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The specified key does not exist.</Message></Error>";
+  expect_error([&] { detail::throw_s3_error("s3://b/k", "GET", r); }, errc::not_found,
+               {"s3://b/k: GET: NoSuchKey: The specified key does not exist. (HTTP 404)"});
+  r.status = 403;
+  r.body = "<Error><Code>SignatureDoesNotMatch</Code><Message>a &lt;b&gt; &amp; &#233;</Message></Error>";
+  expect_error([&] { detail::throw_s3_error("s3://b/k", "PUT", r); }, errc::io_error,
+               {"SignatureDoesNotMatch: a <b> & \xc3\xa9 (HTTP 403)"});
+  r.body = "<html>\x01 proxy says no";
+  expect_error([&] { detail::throw_s3_error("s3://b/k", "PUT", r); }, errc::io_error,
+               {"HTTP 403 with a body that is not an S3 error document: <html>? proxy says no"});
+  r.status = 200;
+  r.body = "<Error><Code>InternalError</Code></Error>";
+  expect_error([&] { detail::check_s3("s3://b/k", "CompleteMultipartUpload", r); }, errc::io_error, {"InternalError"});
+}
+
+// ---------------------------------------------------------------------------------------
+// moto_server
+
+TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) loads resharded on 3 ranks, bit-exact") {
+  moto m;
+  s3_options o = m.options();
+  o.single_put_max = 1 << 20;  // rank files (~6 MiB) go up in 5 MiB parts
+  o.part_bytes = 5 << 20;
+  m.bucket("ckpts", o);
+  const s3_directory d("s3://ckpts/run_1/step_10", o);
+  // w: F32 [1536, 2048] saved in row halves; b: BF16 [1000] saved in halves
+  const std::string w = random_text(1536 * 2048 * 4, 1), b = random_text(1000 * 2, 2);
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    save_flat_views(d, std::span<const flat_view>(v), comm);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+  CHECK(d.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
+  CHECK(d.open("rank_0.safetensors").size() > o.part_bytes);
+  CHECK(d.pending_uploads().empty());
+
+  const std::uint64_t received0 = d.client().stats().body_bytes;
+  std::uint64_t needed = 0;
+  for (std::uint64_t r = 0; r < 3; ++r) {
+    // 3 ranks by column blocks of w ([0, 683), [683, 1366), [1366, 2048)) and thirds of b
+    const std::uint64_t c0 = r * 683, cols = r == 2 ? 2048 - 1366 : 683, b0 = r * 334, bn = r == 2 ? 1000 - 668 : 334;
+    std::string wm(1536 * cols * 4, '\x5a'), bm(bn * 2, '\x5a');
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({1536, cols}, {0, c0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"b", dtype::BF16, {1000}, shard_spec(block_spec({bn}, {b0})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    needed += load_flat_views(d, std::span<const flat_view>(v)).bytes_needed;
+    std::string want_w;
+    for (std::uint64_t row = 0; row < 1536; ++row) want_w += w.substr((row * 2048 + c0) * 4, cols * 4);
+    CHECK(wm == want_w);
+    CHECK(bm == b.substr(b0 * 2, bn * 2));
+  }
+  MESSAGE("s3 load of 3 reshards from moto: " << d.client().stats().body_bytes - received0 << " body bytes received for "
+                                              << needed << " needed");
+  // saving again over it is refused, as on a disk
+  std::string one(4, '\0');
+  flat_view again{"x", dtype::F32, {1}, std::nullopt, reinterpret_cast<std::byte*>(one.data()), one.size()};
+  auto t2 = testing::run_ranks(1, [&](testing::thread_comm& comm) { save_flat_views(d, std::span<const flat_view>(&again, 1), comm); });
+  REQUIRE(t2[0]);
+  try {
+    std::rethrow_exception(t2[0]);
+  } catch (const error& e) {
+    CHECK(e.code() == errc::already_exists);
+  }
+}
+
+TEST_CASE("s3: objects, folders, listing across pages, removal and errors against moto") {
+  moto m;
+  s3_options o = m.options();
+  o.list_page = 2;
+  const s3_directory root = m.bucket("objs", o);
+  const s3_directory d = root.sub("top");
+  for (int i = 0; i < 7; ++i) write_text(d, "obj " + std::to_string(i) + ".txt", "text " + std::to_string(i));
+  write_text(d.sub("inner"), "x.bin", "inner bytes");
+  const s3_directory empty = d.sub("empty folder");
+  CHECK_FALSE(d.exists("empty folder"));
+  empty.make();
+  CHECK(d.exists("empty folder"));
+  CHECK(empty.list().empty());
+  const std::vector<std::string> want{"empty folder", "inner", "obj 0.txt", "obj 1.txt", "obj 2.txt", "obj 3.txt",
+                                      "obj 4.txt", "obj 5.txt", "obj 6.txt"};
+  CHECK(d.list() == want);  // 9 names over pages of 2
+  CHECK(root.list() == std::vector<std::string>{"top"});
+  CHECK(d.exists("inner"));
+  CHECK(d.exists("obj 3.txt"));
+  CHECK_FALSE(d.exists("obj 9.txt"));
+  CHECK(read_text(d.open("obj 3.txt")) == "text 3");
+  CHECK(read_text(d.sub("inner").open("x.bin")) == "inner bytes");
+  CHECK(d.open("obj 3.txt").name() == "s3://objs/top/obj 3.txt");
+  expect_error([&] { d.open("absent"); }, errc::not_found, {"s3://objs/top/absent"});
+  d.remove("inner");
+  d.remove("obj 0.txt");
+  d.remove("never there");
+  CHECK_FALSE(d.exists("inner"));
+  CHECK(d.list().size() == want.size() - 2);
+  // an empty object, and a writer dropped without commit leaves nothing
+  write_text(d, "zero", "");
+  CHECK(d.open("zero").size() == 0);
+  { auto w = d.create("dropped"); }
+  CHECK_FALSE(d.exists("dropped"));
+  // a bucket that does not exist: S3's code in the message
+  const s3_directory nob("s3://no-such-bucket/p", o);
+  expect_error([&] { nob.list(); }, errc::not_found, {"s3://no-such-bucket/p", "ListObjectsV2", "NoSuchBucket"});
+}
+
+TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no upload left") {
+  moto m;
+  s3_options o = m.options();
+  o.single_put_max = 1 << 20;
+  o.part_bytes = 5 << 20;
+  const s3_directory d = m.bucket("fail", o);
+  const std::uint64_t size = 23 << 20;  // 5 parts
+  std::atomic<int> filled{0};
+  auto w = d.create("big.bin");
+  expect_error(
+      [&] {
+        w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
+          if (off >= (std::uint64_t(10) << 20)) throw error(errc::io_error, "fill failed at " + std::to_string(off));
+          std::memset(dst.data(), 7, dst.size());
+          ++filled;
+        }, block_write_options{2, false});
+      },
+      errc::io_error, {"fill failed"});
+  CHECK(filled.load() >= 1);
+  CHECK(w.upload_id().empty());
+  w.abort();  // a no-op on S3 now
+  CHECK_FALSE(d.exists("big.bin"));
+  CHECK(d.pending_uploads().empty());
+
+  // and one that succeeds: the bytes are the parts in order
+  std::string want(size_t(size), '\0');
+  for (std::size_t i = 0; i < want.size(); ++i) want[i] = static_cast<char>((i * 131) >> 7);
+  auto ok = d.create("big.bin");
+  ok.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), want.data() + off, dst.size()); },
+                  block_write_options{3, false});
+  CHECK_FALSE(ok.upload_id().empty());
+  CHECK(d.pending_uploads() == std::vector<std::string>{"big.bin"});
+  CHECK_FALSE(d.exists("big.bin"));  // not visible before commit
+  ok.commit();
+  CHECK(d.pending_uploads().empty());
+  const auto r = d.open("big.bin");
+  REQUIRE(r.size() == size);
+  std::string got(size_t(size), '\0');
+  r.read_into(0, std::as_writable_bytes(std::span(got)));
+  CHECK(testing::sha256_hex(got) == testing::sha256_hex(want));
+}
