@@ -6,6 +6,7 @@
 
 #include <doctest/doctest.h>
 
+#include "checkpoint_fixtures.hpp"
 #include "test_util.hpp"
 
 #include <cstdint>
@@ -16,8 +17,10 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/storage/memory.hpp"
 
 using namespace shardsafe;
 namespace fs = std::filesystem;
@@ -418,4 +421,40 @@ TEST_CASE("torch zip: data.pkl describing a strided or offset view is refused by
   // a pickle naming something else
   const std::string evil = pickle(glob("posix", "system") + tup({str("ls")}) + "R");
   testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata, {"'posix.system'", "torch.save tensor allowlist"});
+}
+
+TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS format) are read through their headers") {
+  meta_parts p;
+  p.module = "torch.distributed.checkpoint.metadata";
+  p.size = {8, 6};  // the file holds rows 4..7
+  p.offsets = {4, 0};
+  p.sizes = {4, 6};
+  p.path = "__0_0.safetensors";
+  std::string w(96, '\0');
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = static_cast<char>(i * 7 + 1);
+  auto file = [&](const std::string& offsets, const std::string& shape) {
+    const std::string json = "{\"__metadata__\":{\"DCP_SHARDING_INFO\":" +
+                             testing::json_quoted("{\"w\": {\"saved_offsets\": " + offsets + "}}") +
+                             "},\"w\":{\"dtype\":\"F32\",\"shape\":" + shape + ",\"data_offsets\":[0,96]}}";
+    return le(json.size(), 8) + json + w;
+  };
+  auto load_rows_5_to_8 = [&](const memory_directory& dir) {
+    checkpoint_reader<memory_directory> r(dir);
+    CHECK(r.format() == checkpoint_format::dcp);
+    std::string out(72, '\0');
+    const flat_view v{"w", dtype::F32, {8, 6}, shard_spec(block_spec({3, 6}, {5, 0})), reinterpret_cast<std::byte*>(out.data()), out.size()};
+    r.load(std::span<const flat_view>(&v, 1));
+    return out;
+  };
+  memory_directory dir;
+  dir.make();
+  fixtures::put(dir, ".metadata", metadata_pickle(p));
+  fixtures::put(dir, p.path, file("[4, 0]", "[4,6]"));
+  CHECK(load_rows_5_to_8(dir) == w.substr(24));
+  fixtures::put(dir, p.path, file("[0, 0]", "[4,6]"));
+  testing::expect_error([&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
+                        {"__0_0.safetensors", "tensor 'w'", "DCP_SHARDING_INFO places the block at [0,0], .metadata at [4,0]"});
+  fixtures::put(dir, p.path, file("[4, 0]", "[6,4]"));
+  testing::expect_error([&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
+                        {"__0_0.safetensors", "tensor 'w'", "file holds F32 [6,4], .metadata's chunk is F32 [4,6]"});
 }

@@ -245,7 +245,20 @@ void mark_compressed(const fs::path& p) {
   testing::write_file(p, b);
 }
 
-/// The data file holding the first chunk of `key`, as shards.json (torch's own .metadata) says.
+bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+
+/// The tool's verify on a damaged folder: exit 1, one line naming each phrase (when the tool
+/// was built).
+void tool_refuses(const fs::path& ck, const std::vector<std::string>& phrases) {
+  if (!have_tool()) return;
+  const auto r = run_tool({"verify", ck.string()});
+  CHECK(r.code == 1);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err);
+}
+
+/// The data file holding the first chunk of `key`, as the reader of torch's .metadata says.
 std::string file_of(const fs::path& dir, const std::string& folder, const std::string& key) {
   checkpoint_reader<file_directory> r(file_directory(dir / folder));
   return r.find(key)->files.front().first;
@@ -274,6 +287,7 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     fs::remove(ck / rows_file);
     testing::expect_error([&] { load_all(ck); }, errc::not_found, {rows_file, "missing", ".metadata"});
     testing::expect_error([&] { verify_checkpoint(file_directory(ck)); }, errc::not_found, {rows_file});
+    tool_refuses(ck, {rows_file, "missing"});
   }
   SUBCASE("a truncated data file") {
     testing::temp_dir t("dcp-bad");
@@ -281,12 +295,14 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     const std::string b = testing::slurp(ck / rows_file);
     testing::write_file(ck / rows_file, b.substr(0, b.size() / 2));
     testing::expect_error([&] { load_all(ck); }, errc::truncated, {rows_file, "model.model.rows", "passes the end"});
+    tool_refuses(ck, {rows_file, "model.model.rows", "passes the end"});
   }
   SUBCASE("a compressed storage record") {
     testing::temp_dir t("dcp-bad");
     const auto ck = copy(t);
     mark_compressed(ck / rows_file);
     testing::expect_error([&] { load_all(ck); }, errc::invalid_metadata, {rows_file, "model.model.rows", "compressed"});
+    tool_refuses(ck, {rows_file, "model.model.rows", "compressed"});
   }
   SUBCASE("a data file replaced by a shorter one") {
     testing::temp_dir t("dcp-bad");
@@ -306,6 +322,7 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     fs::copy_file(ck / lm_file, ck / cols_file, fs::copy_options::overwrite_existing);
     testing::expect_error([&] { load_all(ck); }, errc::invalid_metadata,
                           {cols_file, "model.model.cols", "holds 24 bytes but the chunk needs 30"});
+    tool_refuses(ck, {cols_file, "model.model.cols", "holds 24 bytes but the chunk needs 30"});
   }
   SUBCASE("a .metadata that calls os.system is refused by name and nothing runs") {
     testing::temp_dir t("dcp-bad");
@@ -318,6 +335,7 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     p += cmd + "\x85" "R.";
     testing::write_file(ck / ".metadata", p);
     testing::expect_error([&] { load_all(ck); }, errc::invalid_metadata, {".metadata", "os.system"});
+    tool_refuses(ck, {".metadata", "os.system"});
     CHECK_FALSE(fs::exists(marker));
   }
 }
@@ -325,9 +343,6 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
 // ============================================================ the tool on DCP folders
 
 namespace {
-
-bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
-testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 /// Reads OUT/model.safetensors with torch (bytes parsed in Python, tensors made by
 /// torch.frombuffer) and compares each tensor with the fixture's full tensors renamed as the
