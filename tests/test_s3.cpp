@@ -12,6 +12,7 @@
 #include "servers.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/text.hpp"
 #include "test_util.hpp"
 #include "thread_world.hpp"
@@ -397,11 +398,12 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
   save_two_rank_checkpoint(file_directory(local.path / "pair" / "optim"), root.sub("pair").sub("optim"));
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(local.path / "hf"), ts);
-  fixtures::make_indexed(root.sub("hf"), ts);
+  for (const auto& e : fs::directory_iterator(local.path / "hf"))  // the same objects on S3
+    write_text(root.sub("hf"), e.path().filename().string(), testing::slurp(e.path()));
   const std::string one = fixtures::file_of(ts.front());
 
   // inspect, verify and digest print what they print for the local folder
-  for (const std::string f : {"ckpt", "pair", "hf", "hf/" + one})
+  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one})
     for (const std::string cmd : {"inspect", "verify", "digest"}) {
       CAPTURE(f);
       CAPTURE(cmd);
@@ -413,7 +415,7 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
     }
 
   // unshard into S3: the object holds the bytes of the local unshard, and digests the same
-  for (const std::string f : {"ckpt", "pair", "hf"}) {
+  for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
     CAPTURE(f);
     const fs::path lout = local.path / (f + "_full.safetensors");
     const std::string url = "s3://tool/out/" + f + "_full.safetensors";
@@ -427,7 +429,7 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
   }
 
   // to-hf into S3: the same files as the local export, and the prefix must be empty
-  for (const std::string f : {"ckpt", "hf/" + one}) {
+  for (const std::string f : {"ckpt", "pair"}) {
     CAPTURE(f);
     const fs::path lout = local.path / "exported";
     const std::string url = "s3://tool/exported";
