@@ -400,3 +400,128 @@ TEST_CASE("https: nginx with a test CA: verified with the CA file, refused witho
   expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument, {"absent.pem", "cannot load CA file"});
 }
 #endif
+
+// ---------------------------------------------------------------------------------------
+// the shardsafe tool on http:// URLs (docs/FORMAT.md §4), against its run on the same folder
+
+namespace {
+
+bool have_remote_tool() {
+  return SHARDSAFE_HTTP_TLS && std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL);
+}
+testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
+}
+
+/// inspect, verify and digest of url print what they print for the local path (its name
+/// replaced by the URL), and exit 0.
+void check_same_output(const std::string& local, const std::string& url) {
+  for (const std::string cmd : {"inspect", "verify", "digest"}) {
+    CAPTURE(cmd);
+    CAPTURE(url);
+    const auto l = run_tool({cmd, local}), r = run_tool({cmd, url});
+    REQUIRE_MESSAGE(l.code == 0, l.err);
+    CHECK_MESSAGE(r.code == 0, r.err);
+    CHECK(r.err.empty());
+    CHECK(r.out == replace_all(l.out, local, url));
+  }
+}
+
+/// A 2-rank checkpoint (w in row halves, e in column halves) saved into dir.
+template <WritableDirectory D>
+void save_two_rank_checkpoint(const D& dir) {
+  const std::string w = random_text(64 * 30 * 4, 11), e = random_text(10 * 8 * 2, 12);
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
+    for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    save_flat_views(dir, std::span<const flat_view>(v), comm);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+}
+
+}  // namespace
+
+TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as from the local folder" *
+          doctest::skip(!have_remote_tool())) {
+  testing::nginx_server srv;
+  save_two_rank_checkpoint(file_directory(srv.www / "ckpt"));
+  save_two_rank_checkpoint(file_directory(srv.www / "pair" / "model"));
+  save_two_rank_checkpoint(file_directory(srv.www / "pair" / "optim"));
+  const auto ts = fixtures::sample_tensors();
+  fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
+  const std::string one = fixtures::file_of(ts.front());
+  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one}) check_same_output((srv.www / f).string(), srv.url(f));
+
+  testing::temp_dir out("tool_http");
+  // unshard and to-hf read through HTTP write what they write from the local folder
+  for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
+    CAPTURE(f);
+    const auto l = run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
+    const auto r = run_tool({"unshard", srv.url(f), (out.path / (f + "_http.safetensors")).string()});
+    REQUIRE_MESSAGE(l.code == 0, l.err);
+    REQUIRE_MESSAGE(r.code == 0, r.err);
+    CHECK(testing::slurp(out.path / (f + "_http.safetensors")) == testing::slurp(out.path / (f + "_local.safetensors")));
+  }
+  for (const std::string f : {"ckpt", "pair"}) {
+    CAPTURE(f);
+    const auto l = run_tool({"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
+    const auto r = run_tool({"to-hf", srv.url(f), (out.path / "hf_http").string(), "--max-shard-size", "200"});
+    REQUIRE_MESSAGE(l.code == 0, l.err);
+    REQUIRE_MESSAGE(r.code == 0, r.err);
+    std::size_t files = 0;
+    for (const auto& e : fs::directory_iterator(out.path / "hf_local")) {
+      ++files;
+      CHECK(testing::slurp(out.path / "hf_http" / e.path().filename()) == testing::slurp(e.path()));
+    }
+    CHECK(files == static_cast<std::size_t>(std::distance(fs::directory_iterator(out.path / "hf_http"), {})));
+    fs::remove_all(out.path / "hf_local");
+    fs::remove_all(out.path / "hf_http");
+  }
+
+  // HTTP is read-only: writing to it is refused before anything is read
+  for (const auto& args : {std::vector<std::string>{"unshard", (srv.www / "ckpt").string(), srv.url("x.safetensors")},
+                           std::vector<std::string>{"to-hf", (srv.www / "ckpt").string(), srv.url("out")}}) {
+    const auto r = run_tool(args);
+    CHECK(r.code == 1);
+    CHECK(r.out.empty());
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.find(args[2]) != std::string::npos);
+    CHECK(r.err.find("read-only") != std::string::npos);
+  }
+  CHECK_FALSE(fs::exists(srv.www / "out"));
+
+  // a missing object or folder: exit 1, one line naming the URL
+  for (const std::string f : {"absent", "absent.safetensors", "hf/absent.safetensors"}) {
+    for (const std::string cmd : {"inspect", "digest"}) {
+      CAPTURE(f);
+      const auto r = run_tool({cmd, srv.url(f)});
+      CHECK(r.code == 1);
+      CHECK(r.out.empty());
+      CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+      CHECK(r.err.find(srv.url(f)) != std::string::npos);
+    }
+  }
+  // a rank file gone from behind the server: verify names its URL
+  fs::remove(srv.www / "ckpt" / "rank_1.safetensors");
+  const auto r = run_tool({"verify", srv.url("ckpt")});
+  CHECK(r.code == 1);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(r.err.find(srv.url("ckpt/rank_1.safetensors")) != std::string::npos);
+}
+
+TEST_CASE("http: the tool reads torch DCP folders from nginx as from the local folder" * testing::torch_check() *
+          doctest::skip(!have_remote_tool())) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  testing::nginx_server srv;
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
+  const auto pr = testing::run_program(testing::torch_python, {script.string(), (srv.www / "dcp").string()});
+  REQUIRE_MESSAGE(pr.code == 0, pr.err);
+  for (const std::string f : {"ckpt", "ckpt_single"}) check_same_output((srv.www / "dcp" / f).string(), srv.url("dcp/" + f));
+}

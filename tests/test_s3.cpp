@@ -8,9 +8,11 @@
 
 #include <random>
 
+#include "checkpoint_fixtures.hpp"
 #include "servers.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/text.hpp"
 #include "test_util.hpp"
 #include "thread_world.hpp"
@@ -30,6 +32,22 @@ std::string random_text(std::size_t n, std::uint64_t seed) {
   for (auto& c : s) c = static_cast<char>(rng());
   return s;
 }
+
+/// Environment variables set (or unset) for a scope, restored at its end.
+struct saved_env {
+  std::vector<std::pair<std::string, std::optional<std::string>>> v;
+  void set(const char* k, const char* val) {
+    const char* old = std::getenv(k);
+    v.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+    if (val) ::setenv(k, val, 1);
+    else ::unsetenv(k);
+  }
+  ~saved_env() {
+    for (auto it = v.rbegin(); it != v.rend(); ++it)
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+  }
+};
 
 /// moto_server on a free port of 127.0.0.1, and a bucket in it.
 struct moto {
@@ -155,20 +173,7 @@ TEST_CASE("s3: credentials from the environment and from a credentials file prof
   CHECK_FALSE(detail::credentials_from_file(t.path / "credentials", "absent"));
   CHECK_FALSE(detail::credentials_from_file(t.path / "nothing", "default"));
   // through the environment: the variables first, else AWS_PROFILE of AWS_SHARED_CREDENTIALS_FILE
-  struct saved_env {
-    std::vector<std::pair<std::string, std::optional<std::string>>> v;
-    void set(const char* k, const char* val) {
-      const char* old = std::getenv(k);
-      v.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
-      if (val) ::setenv(k, val, 1);
-      else ::unsetenv(k);
-    }
-    ~saved_env() {
-      for (auto it = v.rbegin(); it != v.rend(); ++it)
-        if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
-        else ::unsetenv(it->first.c_str());
-    }
-  } env;
+  saved_env env;
   env.set("AWS_ACCESS_KEY_ID", "AKENV");
   env.set("AWS_SECRET_ACCESS_KEY", "senv");
   env.set("AWS_SESSION_TOKEN", "tenv");
@@ -335,4 +340,125 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
   std::string got(size_t(size), '\0');
   r.read_into(0, std::as_writable_bytes(std::span(got)));
   CHECK(testing::sha256_hex(got) == testing::sha256_hex(want));
+}
+
+// ---------------------------------------------------------------------------------------
+// the shardsafe tool on s3:// URLs (docs/FORMAT.md §4), against its run on the same local folder
+
+namespace {
+
+bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
+}
+
+/// The same 2-rank checkpoint (w in row halves, e in column halves) saved into both folders.
+template <WritableDirectory A, WritableDirectory B>
+void save_two_rank_checkpoint(const A& a, const B& b) {
+  const std::string w = random_text(64 * 30 * 4, 21), e = random_text(10 * 8 * 2, 22);
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
+    for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    save_flat_views(a, std::span<const flat_view>(v), comm);
+    save_flat_views(b, std::span<const flat_view>(v), comm);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+}
+
+std::string object_text(const s3_directory& d, const std::string& name) {
+  const auto s = d.open(name);
+  std::string out(static_cast<std::size_t>(s.size()), '\0');
+  s.read_into(0, std::as_writable_bytes(std::span(out)));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" * doctest::skip(!have_tool())) {
+  moto m;
+  saved_env env;  // the tool process inherits these
+  const std::string endpoint = "http://127.0.0.1:" + std::to_string(m.port);
+  env.set("AWS_ENDPOINT_URL", endpoint.c_str());
+  env.set("AWS_ACCESS_KEY_ID", "testing");
+  env.set("AWS_SECRET_ACCESS_KEY", "testing");
+  env.set("AWS_SESSION_TOKEN", nullptr);
+  env.set("AWS_REGION", "us-east-1");
+  env.set("AWS_PROFILE", nullptr);
+  const s3_directory root = m.bucket("tool", m.options());
+  testing::temp_dir local("tool_s3");
+  save_two_rank_checkpoint(file_directory(local.path / "ckpt"), root.sub("ckpt"));
+  save_two_rank_checkpoint(file_directory(local.path / "pair" / "model"), root.sub("pair").sub("model"));
+  save_two_rank_checkpoint(file_directory(local.path / "pair" / "optim"), root.sub("pair").sub("optim"));
+  const auto ts = fixtures::sample_tensors();
+  fixtures::make_indexed(file_directory(local.path / "hf"), ts);
+  for (const auto& e : fs::directory_iterator(local.path / "hf"))  // the same objects on S3
+    write_text(root.sub("hf"), e.path().filename().string(), testing::slurp(e.path()));
+  const std::string one = fixtures::file_of(ts.front());
+
+  // inspect, verify and digest print what they print for the local folder
+  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one})
+    for (const std::string cmd : {"inspect", "verify", "digest"}) {
+      CAPTURE(f);
+      CAPTURE(cmd);
+      const std::string lp = (local.path / f).string(), url = "s3://tool/" + f;
+      const auto l = run_tool({cmd, lp}), r = run_tool({cmd, url});
+      REQUIRE_MESSAGE(l.code == 0, l.err);
+      CHECK_MESSAGE(r.code == 0, r.err);
+      CHECK(r.out == replace_all(l.out, lp, url));
+    }
+
+  // unshard into S3: the object holds the bytes of the local unshard, and digests the same
+  for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
+    CAPTURE(f);
+    const fs::path lout = local.path / (f + "_full.safetensors");
+    const std::string url = "s3://tool/out/" + f + "_full.safetensors";
+    const auto l = run_tool({"unshard", (local.path / f).string(), lout.string()});
+    const auto r = run_tool({"unshard", "s3://tool/" + f, url});
+    REQUIRE_MESSAGE(l.code == 0, l.err);
+    REQUIRE_MESSAGE(r.code == 0, r.err);
+    CHECK(r.out == replace_all(l.out, lout.string(), url));
+    CHECK(object_text(root.sub("out"), f + "_full.safetensors") == testing::slurp(lout));
+    CHECK(run_tool({"digest", url}).out == run_tool({"digest", lout.string()}).out);
+  }
+
+  // to-hf into S3: the same files as the local export, and the prefix must be empty
+  for (const std::string f : {"ckpt", "pair"}) {
+    CAPTURE(f);
+    const fs::path lout = local.path / "exported";
+    const std::string url = "s3://tool/exported";
+    const auto l = run_tool({"to-hf", (local.path / f).string(), lout.string(), "--max-shard-size", "200"});
+    const auto r = run_tool({"to-hf", "s3://tool/" + f, url, "--max-shard-size", "200"});
+    REQUIRE_MESSAGE(l.code == 0, l.err);
+    REQUIRE_MESSAGE(r.code == 0, r.err);
+    CHECK(r.out == replace_all(l.out, lout.string(), url));
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(lout)) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    CHECK(root.sub("exported").list() == names);
+    for (const auto& n : names) CHECK_MESSAGE(object_text(root.sub("exported"), n) == testing::slurp(lout / n), n);
+    CHECK(run_tool({"digest", url}).out == run_tool({"digest", lout.string()}).out);
+    const auto again = run_tool({"to-hf", "s3://tool/" + f, url});
+    CHECK(again.code == 1);
+    CHECK(again.err.find(url) != std::string::npos);
+    CHECK(again.err.find("not empty") != std::string::npos);
+    fs::remove_all(lout);
+    root.remove("exported");
+  }
+
+  // a missing object or prefix: exit 1, one line naming the URL
+  for (const std::string url : {"s3://tool/absent", "s3://tool/absent.safetensors", "s3://tool/ckpt/absent.safetensors"}) {
+    CAPTURE(url);
+    const auto r = run_tool({"digest", url});
+    CHECK(r.code == 1);
+    CHECK(r.out.empty());
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+    CHECK(r.err.find(url) != std::string::npos);
+  }
 }

@@ -17,6 +17,9 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "sha256.hpp"
@@ -32,6 +35,10 @@
 #include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/file.hpp"
+#if SHARDSAFE_TOOL_REMOTE
+#include "shardsafe/storage/http.hpp"
+#include "shardsafe/storage/s3.hpp"
+#endif
 #include "shardsafe/version.hpp"
 
 namespace fs = std::filesystem;
@@ -90,56 +97,145 @@ std::string shape_str(std::span<const std::uint64_t> s) { return shardsafe::to_s
 
 enum class kind { file, hf, checkpoint, checkpoint_pair };
 
+/// PATH classified, with the directory type D that reads it: file_directory for a local path,
+/// http_directory or s3_directory for a URL.
+template <ReadableDirectory D>
 struct input {
   kind k;
-  fs::path path;
-  std::vector<std::pair<std::string, fs::path>> parts;  // checkpoint_pair: {"model", dir}, {"optim", dir}
+  std::string path;  // as given, for messages
+  D dir;             // the folder; for kind::file the folder that holds the file
+  std::string file;  // kind::file: its name in dir
+  std::vector<std::pair<std::string, D>> parts;  // checkpoint_pair: {"model", dir}, {"optim", dir}
 };
 
-input classify(const std::string& p) {
+/// Whether s names a URL the remote backends take (http://, https:// or s3://, any case).
+bool is_url(std::string_view s) {
+  const std::size_t at = s.find("://");
+  if (at == std::string_view::npos) return false;
+  std::string scheme;
+  for (char c : s.substr(0, at)) scheme += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return scheme == "http" || scheme == "https" || scheme == "s3";
+}
+bool is_http_url(std::string_view s) { return is_url(s) && std::tolower(static_cast<unsigned char>(s[0])) == 'h'; }
+
+/// A URL cut at its last '/' into the folder URL and the object name ("s3://b/x/y.st" ->
+/// "s3://b/x", "y.st"); a URL with no path below its host is a usage error.
+std::pair<std::string, std::string> split_url(const std::string& url) {
+  const std::size_t host = url.find("://") + 3, slash = url.rfind('/');
+  if (slash == std::string::npos || slash < host || slash + 1 == url.size())
+    fail(errc::invalid_argument, url + ": a URL of a file needs a name after the last '/'");
+  return {url.substr(0, slash), url.substr(slash + 1)};
+}
+
+input<file_directory> classify(const std::string& p) {
   fs::path path(p);
   std::error_code ec;
   auto st = fs::status(path, ec);
   if (ec || !fs::exists(st)) fail(errc::not_found, p + ": no such file or directory");
-  if (fs::is_regular_file(st)) return {kind::file, path, {}};
+  if (fs::is_regular_file(st)) return {kind::file, p, file_directory(path.parent_path()), path.filename().string(), {}};
   if (!fs::is_directory(st)) fail(errc::invalid_argument, p + ": not a regular file or directory");
-  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, path, {}};
+  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, p, file_directory(path), {}, {}};
   const std::string parts[] = {std::string(model_folder_name), std::string(optim_folder_name)};
   if (fs::is_directory(path / parts[0]) || fs::is_directory(path / parts[1])) {
-    input in{kind::checkpoint_pair, path, {}};
+    input<file_directory> in{kind::checkpoint_pair, p, file_directory(path), {}, {}};
     for (const auto& part : parts)
-      if (fs::is_directory(path / part)) in.parts.emplace_back(part, path / part);
+      if (fs::is_directory(path / part)) in.parts.emplace_back(part, file_directory(path / part));
     return in;
   }
-  if (is_hf_folder(file_directory(path))) return {kind::hf, path, {}};
+  if (is_hf_folder(file_directory(path))) return {kind::hf, p, file_directory(path), {}, {}};
   // torch's DCP-sharded HF files (or rank files without metadata.json, or a torch DCP folder:
   // the checkpoint reader names what it found)
   for (const auto& e : fs::directory_iterator(path, ec)) {
     const std::string n = e.path().filename().string();
-    if (n == ".metadata" || n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, path, {}};
+    if (n == ".metadata" || n.ends_with(".safetensors") || n.ends_with(".distcp"))
+      return {kind::checkpoint, p, file_directory(path), {}, {}};
   }
   fail(errc::not_found, p + ": a directory with neither metadata.json, model/ and optim/, " + std::string(hf_index_file) +
                             " nor " + std::string(hf_single_file));
 }
 
-/// The Hugging Face folder at in.path, opened and validated (checkpoint/hf_folder.hpp).
-hf_folder<file_directory> open_hf(const input& in) { return open_hf_folder(file_directory(in.path)); }
+#if SHARDSAFE_TOOL_REMOTE
+/// Whether D can list a folder (s3 can; an HTTP server cannot, so its objects are probed).
+template <class D>
+constexpr bool lists = !std::is_same_v<D, http_directory>;
+
+/// A URL classified by which objects exist under it (an object store has no folders to stat):
+/// a name ending in .safetensors is one file; otherwise metadata.json makes a checkpoint,
+/// model/ or optim/ with a description a model + optimizer pair, an index or model.safetensors
+/// a Hugging Face folder, .metadata a DCP folder; where the store lists, safetensors or .distcp
+/// objects make a checkpoint for the reader to name.
+template <ReadableDirectory D>
+input<D> classify_url(const std::string& p) {
+  const std::string_view url_path = std::string_view(p).substr(0, p.find('?'));
+  if (url_path.ends_with(".safetensors")) {
+    auto [folder, name] = split_url(std::string(url_path));
+    D dir(folder);
+    if (!dir.exists(name)) fail(errc::not_found, p + ": no such object");
+    return {kind::file, p, std::move(dir), name, {}};
+  }
+  D dir(p);
+  if (dir.exists(metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
+  input<D> in{kind::checkpoint_pair, p, dir, {}, {}};
+  for (const std::string_view part : {model_folder_name, optim_folder_name}) {
+    D sub = dir.sub(part);
+    if (sub.exists(metadata_file_name) || sub.exists(dcp_metadata_file_name)) in.parts.emplace_back(std::string(part), sub);
+  }
+  if (!in.parts.empty()) return in;
+  if (is_hf_folder(dir)) return {kind::hf, p, dir, {}, {}};
+  if (dir.exists(dcp_metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
+  if constexpr (lists<D>)
+    for (const auto& n : dir.list())
+      if (n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
+  fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/" +
+                            std::string(metadata_file_name) + ", optim/" + std::string(metadata_file_name) + ", " +
+                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + " or " +
+                            std::string(dcp_metadata_file_name) + " under this URL" +
+                            (lists<D> ? "" : " (an HTTP server is probed for these names; it cannot list a folder)"));
+}
+#endif
+
+/// Calls f(input<D>) with PATH classified: local paths through file_directory, URLs through
+/// the http or s3 backend (when built with them).
+template <class F>
+int with_input(const std::string& p, F&& f) {
+  if (!is_url(p)) return f(classify(p));
+#if SHARDSAFE_TOOL_REMOTE
+  if (is_http_url(p)) return f(classify_url<http_directory>(p));
+  return f(classify_url<s3_directory>(p));
+#else
+  fail(errc::invalid_argument, p + ": a URL, but this shardsafe was built without remote storage (Boost.Asio and "
+                                   "OpenSSL; configure with -Dremote=enabled)");
+#endif
+}
+
+/// The file of a kind::file input, opened: a local file by the path as given (messages name it
+/// so), an object through its folder.
+template <ReadableDirectory D>
+typename D::reader_type open_file(const input<D>& in) {
+  if constexpr (std::is_same_v<D, file_directory>) return file_storage(in.path);
+  else return in.dir.open(in.file);
+}
+
+/// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf_folder.hpp).
+template <ReadableDirectory D>
+hf_folder<D> open_hf(const input<D>& in) { return open_hf_folder(in.dir); }
 
 // ---------------------------------------------------------------------------------------
 // checkpoints
 
+template <ReadableDirectory D>
 struct ckpt_part {
   std::string prefix;  // "" or "model/" / "optim/"
-  std::unique_ptr<checkpoint_reader<file_directory>> reader;
+  std::unique_ptr<checkpoint_reader<D>> reader;
 };
 
-std::vector<ckpt_part> open_checkpoint(const input& in) {
-  std::vector<ckpt_part> parts;
+template <ReadableDirectory D>
+std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
+  std::vector<ckpt_part<D>> parts;
   if (in.k == kind::checkpoint || in.k == kind::hf) {
-    parts.push_back({"", std::make_unique<checkpoint_reader<file_directory>>(file_directory(in.path))});
+    parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir)});
   } else {
-    for (const auto& [name, dir] : in.parts)
-      parts.push_back({name + "/", std::make_unique<checkpoint_reader<file_directory>>(file_directory(dir))});
+    for (const auto& [name, dir] : in.parts) parts.push_back({name + "/", std::make_unique<checkpoint_reader<D>>(dir)});
   }
   return parts;
 }
@@ -184,10 +280,11 @@ void print_rows(const std::string& title, std::vector<row> rows) {
   for (const auto& r : rows) line(r);
 }
 
-int cmd_inspect(const input& in) {
+template <ReadableDirectory D>
+int cmd_inspect(const input<D>& in) {
   std::vector<row> rows;
   if (in.k == kind::file) {
-    file_storage s(in.path);
+    const auto s = open_file(in);
     auto h = read_safetensors_header(s);
     std::uint64_t total = 0;
     for (const auto& t : h.tensors) {
@@ -195,7 +292,7 @@ int cmd_inspect(const input& in) {
       rows.push_back({t.name, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
                       "@" + std::to_string(h.offset_of(t)), "-"});
     }
-    std::string title = "# " + in.path.string() + ": safetensors file, " + std::to_string(h.tensors.size()) +
+    std::string title = "# " + in.path + ": safetensors file, " + std::to_string(h.tensors.size()) +
                         " tensors, " + std::to_string(total) + " bytes of data, header " +
                         std::to_string(h.header_size) + " bytes";
     for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + k + " = " + v;
@@ -209,7 +306,7 @@ int cmd_inspect(const input& in) {
       rows.push_back({n, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()), h.files[at.file].name,
                       "-"});
     }
-    print_rows("# " + in.path.string() + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
+    print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
                    std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
                    std::to_string(h.tensor_bytes()) + " bytes",
                rows);
@@ -237,7 +334,7 @@ int cmd_inspect(const input& in) {
     for (const auto& item : p.reader->non_tensors())
       rows.push_back({p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
   const std::size_t others = rows.size() - tensors;
-  print_rows("# " + in.path.string() + ": " + what + ", " + std::to_string(tensors) + " tensors, " +
+  print_rows("# " + in.path + ": " + what + ", " + std::to_string(tensors) + " tensors, " +
                  std::to_string(total) + " bytes" +
                  (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
                  (writer.empty() ? "" : ", written by " + writer),
@@ -245,21 +342,23 @@ int cmd_inspect(const input& in) {
   return 0;
 }
 
-int cmd_verify(const input& in) {
+template <ReadableDirectory D>
+int cmd_verify(const input<D>& in) {
   std::size_t n = 0;
   if (in.k == kind::file) {
-    file_storage s(in.path);
+    const auto s = open_file(in);
     n = read_safetensors_header(s).tensors.size();
   } else if (in.k == kind::hf) {
     n = open_hf(in).tensors.size();
   } else {
     for (auto& p : open_checkpoint(in)) n += verify_checkpoint(*p.reader).tensors;
   }
-  std::cout << "OK " << in.path.string() << ": " << n << " tensors valid\n";
+  std::cout << "OK " << in.path << ": " << n << " tensors valid\n";
   return 0;
 }
 
-int cmd_digest(const input& in) {
+template <ReadableDirectory D>
+int cmd_digest(const input<D>& in) {
   struct line {
     std::string name;
     dtype type;
@@ -267,7 +366,7 @@ int cmd_digest(const input& in) {
     std::string hex;
   };
   std::vector<line> out;
-  auto hash_range = [](const file_storage& s, std::uint64_t off, std::uint64_t len, progress& pr) {
+  auto hash_range = [](const auto& s, std::uint64_t off, std::uint64_t len, progress& pr) {
     tool::sha256 h;
     std::vector<std::byte> buf(static_cast<std::size_t>(std::min(len, chunk_bytes)));
     for (std::uint64_t done = 0; done < len;) {
@@ -281,7 +380,7 @@ int cmd_digest(const input& in) {
     return h.hex();
   };
   if (in.k == kind::file) {
-    file_storage s(in.path);
+    const auto s = open_file(in);
     auto h = read_safetensors_header(s);
     progress pr("digest", h.data_size);
     for (const auto& t : h.tensors) out.push_back({t.name, t.type, t.shape, hash_range(s, h.offset_of(t), t.nbytes(), pr)});
@@ -316,14 +415,38 @@ int cmd_digest(const input& in) {
   return 0;
 }
 
-int cmd_unshard(const input& in, const std::string& out_path) {
+/// Refuses an output URL the tool cannot write: HTTP is read-only; without the remote backends
+/// no URL at all.
+void check_output_url(const std::string& out_path, const char* what) {
+  if (is_http_url(out_path))
+    fail(errc::invalid_argument, out_path + ": cannot write " + what + " over HTTP(S), which is read-only; write to a "
+                                 "local path or to s3://BUCKET/PREFIX");
+#if !SHARDSAFE_TOOL_REMOTE
+  fail(errc::invalid_argument, out_path + ": a URL, but this shardsafe was built without remote storage (Boost.Asio and "
+                                          "OpenSSL; configure with -Dremote=enabled)");
+#endif
+}
+
+template <ReadableDirectory D>
+int cmd_unshard(const input<D>& in, const std::string& out_path) {
   if (in.k == kind::file)
-    fail(errc::invalid_argument, in.path.string() + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
+    fail(errc::invalid_argument, in.path + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
+  if (is_url(out_path)) check_output_url(out_path, "the unsharded file");
   auto parts = open_checkpoint(in);
-  std::vector<unshard_source<file_directory>> sources;
+  std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
-  file_writer w(out_path);
-  const std::uint64_t size = unshard_to_safetensors(std::span<const unshard_source<file_directory>>(sources), w);
+  const std::span<const unshard_source<D>> all(sources);
+  std::uint64_t size = 0;
+  if (!is_url(out_path)) {
+    file_writer w(out_path);
+    size = unshard_to_safetensors(all, w);
+  } else {
+#if SHARDSAFE_TOOL_REMOTE
+    const auto [folder, name] = split_url(out_path);
+    auto w = s3_directory(folder).create(name);  // one PUT, or a multipart upload aborted on failure
+    size = unshard_to_safetensors(all, w);
+#endif
+  }
   std::cout << "wrote " << out_path << ": " << size << " bytes\n";
   return 0;
 }
@@ -346,10 +469,22 @@ void warn_renames(const std::vector<std::string>& keys, const rename_rules& rule
     }
 }
 
-int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options opt) {
+template <ReadableDirectory D, WritableDirectory O>
+hf_export_stats export_to(const input<D>& in, const O& out, const hf_export_options& opt) {
+  if (in.k == kind::file) {
+    checkpoint_reader<D> r(in.dir, single_file_source(in.dir, in.file));
+    const unshard_source<D> src{&r, ""};
+    return export_hf(std::span<const unshard_source<D>>(&src, 1), out, opt);
+  }
+  return export_hf(in.dir, out, opt);
+}
+
+template <ReadableDirectory D>
+int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options opt) {
+  if (is_url(out_path)) check_output_url(out_path, "a Hugging Face folder");
   std::vector<std::string> keys;
   if (in.k == kind::file) {
-    for (const auto& t : read_safetensors_header(file_storage(in.path)).tensors) keys.push_back(t.name);
+    for (const auto& t : read_safetensors_header(open_file(in)).tensors) keys.push_back(t.name);
   } else {
     for (auto& p : open_checkpoint(in))
       if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
@@ -358,15 +493,13 @@ int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options op
   warn_renames(keys, opt.rename);
   progress pr("to-hf", 0);
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
-  const file_directory out(out_path);
   hf_export_stats st;
-  if (in.k == kind::file) {
-    const file_directory dir(in.path.parent_path());
-    checkpoint_reader<file_directory> r(dir, single_file_source(dir, in.path.filename().string()));
-    const unshard_source<file_directory> src{&r, ""};
-    st = export_hf(std::span<const unshard_source<file_directory>>(&src, 1), out, opt);
+  if (!is_url(out_path)) {
+    st = export_to(in, file_directory(out_path), opt);
   } else {
-    st = export_hf(file_directory(in.path), out, opt);
+#if SHARDSAFE_TOOL_REMOTE
+    st = export_to(in, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
+#endif
   }
   std::cout << "wrote " << out_path << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
             << ", " << st.tensors << " tensors, " << st.bytes << " bytes\n";
@@ -377,7 +510,9 @@ int cmd_to_hf(const input& in, const std::string& out_path, hf_export_options op
 constexpr const char* path_help =
     "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index), a\n"
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
-    "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO).";
+    "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO). Any of these may be a\n"
+    "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"
+    "environment variables); unshard and to-hf also write to s3://.";
 
 }  // namespace
 
@@ -458,10 +593,10 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = app.get_subcommands().front()->get_name();
   try {
-    if (inspect->parsed()) return cmd_inspect(classify(path));
-    if (verify->parsed()) return cmd_verify(classify(path));
-    if (digest->parsed()) return cmd_digest(classify(path));
-    if (unshard->parsed()) return cmd_unshard(classify(path), out_path);
+    if (inspect->parsed()) return with_input(path, [](const auto& in) { return cmd_inspect(in); });
+    if (verify->parsed()) return with_input(path, [](const auto& in) { return cmd_verify(in); });
+    if (digest->parsed()) return with_input(path, [](const auto& in) { return cmd_digest(in); });
+    if (unshard->parsed()) return with_input(path, [&](const auto& in) { return cmd_unshard(in, out_path); });
     if (to_hf->parsed()) {
       hf_export_options opt;
       opt.max_shard_size = parse_size(max_size);
@@ -472,7 +607,7 @@ int main(int argc, char** argv) {
       for (const auto& r : renames) opt.rename.add(r);
       if (!preset.empty()) add_preset(opt.rename, preset);
       opt.model_only = true;  // --model-only or not: HF folders hold model weights
-      return cmd_to_hf(classify(path), out_path, opt);
+      return with_input(path, [&](const auto& in) { return cmd_to_hf(in, out_path, opt); });
     }
   } catch (const std::bad_alloc&) {
     std::cerr << "shardsafe: " << cmd << ": out of memory\n";

@@ -133,38 +133,6 @@ void require_empty_output(const D& dir) {
     fail(errc::already_exists, std::string(dir.name()) + ": not empty; an export writes into a new or empty folder");
 }
 
-/// The bytes [off, off + dst.size()) of a file laid out as `layout`: its header, then for each
-/// tensor it crosses, the elements there, got by load(layout index, first element, element
-/// count, dst bytes) (whole elements; a block edge inside an element goes through a scratch).
-template <class Load>
-void fill_export_block(const safetensors_layout& layout, std::uint64_t off, std::span<std::byte> dst, Load&& load) {
-  const std::uint64_t end = off + dst.size(), hs = layout.data_start();
-  std::uint64_t pos = off;
-  if (pos < hs) {
-    const std::uint64_t n = std::min(end, hs) - pos;
-    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
-    pos += n;
-  }
-  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
-                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
-  for (; pos < end && it != layout.tensors.end(); ++it) {
-    const std::size_t idx = static_cast<std::size_t>(it - layout.tensors.begin());
-    const std::uint64_t item = item_size(it->type), tb = hs + it->begin;
-    const std::uint64_t lo = pos - tb, hi = std::min(end, hs + it->end) - tb;  // bytes of the tensor
-    if (hi == lo) continue;  // an empty tensor
-    const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
-    std::byte* out = dst.data() + (pos - off);
-    if (lo % item == 0 && hi % item == 0) {
-      load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(hi - lo)));
-    } else {
-      std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
-      load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
-      std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(hi - lo));
-    }
-    pos = tb + hi;
-  }
-}
-
 /// Writes one file of `size` bytes through w, in blocks that fill(off, dst) produces (above);
 /// then syncs and commits it, or aborts it when anything fails.
 /// `written` counts the bytes of all files so far, of `total`, for options.progress.
@@ -240,7 +208,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       for (std::size_t t : l.plan.files[f].tensors) plan_of[layout.index_of(l.plan.tensors[t].name)] = t;
       auto w = out.create(l.plan.files[f].name);
       detail::write_export_file(w, layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        detail::fill_export_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
+        detail::fill_layout_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
                                                         std::span<std::byte> bytes) {
           const tensor_entry& e = layout.tensors[idx];
           const origin& o = origins[l.source[plan_of[idx]]];

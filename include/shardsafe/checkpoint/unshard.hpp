@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -15,6 +17,42 @@
 #include "shardsafe/format/safetensors_writer.hpp"
 
 namespace shardsafe {
+
+namespace detail {
+
+/// The bytes [off, off + dst.size()) of a file laid out as `layout`: its header, then for each
+/// tensor it crosses, the elements there, got by load(layout index, first element, element
+/// count, dst bytes) (whole elements; a block edge inside an element goes through a scratch).
+template <class Load>
+void fill_layout_block(const safetensors_layout& layout, std::uint64_t off, std::span<std::byte> dst, Load&& load) {
+  const std::uint64_t end = off + dst.size(), hs = layout.data_start();
+  std::uint64_t pos = off;
+  if (pos < hs) {
+    const std::uint64_t n = std::min(end, hs) - pos;
+    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
+    pos += n;
+  }
+  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
+                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
+  for (; pos < end && it != layout.tensors.end(); ++it) {
+    const std::size_t idx = static_cast<std::size_t>(it - layout.tensors.begin());
+    const std::uint64_t item = item_size(it->type), tb = hs + it->begin;
+    const std::uint64_t lo = pos - tb, hi = std::min(end, hs + it->end) - tb;  // bytes of the tensor
+    if (hi == lo) continue;  // an empty tensor
+    const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
+    std::byte* out = dst.data() + (pos - off);
+    if (lo % item == 0 && hi % item == 0) {
+      load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(hi - lo)));
+    } else {
+      std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
+      load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
+      std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(hi - lo));
+    }
+    pos = tb + hi;
+  }
+}
+
+}  // namespace detail
 
 struct unshard_options {
   load_options load{};
@@ -77,6 +115,48 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
       }, opt);
     }
   w.finish();
+  return layout.file_size();
+}
+
+/// The same file through a writer that takes whole blocks (an S3 multipart upload): every
+/// block is filled from the header and the elements of the tensors it crosses, read from the
+/// sources; the object is committed at the end, or aborted when anything fails.
+template <ReadableDirectory D, BlockWritableStorage W>
+  requires(!RandomAccessWritableStorage<W>)
+std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources, W& out,
+                                     const unshard_options& opt = {},
+                                     const std::map<std::string, std::string>& metadata = {}) {
+  struct origin {
+    checkpoint_reader<D>* reader;
+    std::string key;
+  };
+  std::vector<tensor_entry> entries;
+  std::vector<std::pair<std::string, origin>> origins;  // output name, where it comes from
+  for (const auto& s : sources)
+    for (const auto& [key, tm] : s.reader->metadata().tensors) {
+      require_byte_sized(tm.type, std::string(s.reader->directory().name()) + ": tensor '" + key + "'");
+      entries.push_back({s.prefix + key, tm.type, tm.shape, 0, 0});
+      origins.push_back({s.prefix + key, {s.reader, key}});
+    }
+  const safetensors_layout layout = plan_safetensors(std::move(entries), metadata, out.name());
+  std::vector<const origin*> of(layout.tensors.size());
+  for (const auto& [n, o] : origins) of[layout.index_of(n)] = &o;
+  load_options lo = opt.load;
+  lo.threads = 1;  // blocks are the parallelism
+  block_write_options bo;
+  bo.block_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 1);
+  detail::abort_on_failure(out, [&] {
+    out.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
+      detail::fill_layout_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
+                                                      std::span<std::byte> bytes) {
+        const tensor_entry& e = layout.tensors[idx];
+        flat_view v{of[idx]->key, e.type, e.shape, shard_spec(flat_spec{{first, first + n}}), bytes.data(), bytes.size()};
+        of[idx]->reader->load(std::span<const flat_view>(&v, 1), lo);
+      });
+    }, bo);
+    out.sync();
+    out.commit();
+  });
   return layout.file_size();
 }
 
