@@ -13,7 +13,6 @@ each full tensor (as `shardsafe digest` prints them).
 into freshly allocated full tensors; prints one line `seconds=S rss_before_mib=A peak_rss_mib=P`
 (RSS after importing torch, before the load; peak RSS of the process).
 """
-import dataclasses
 import hashlib
 import os
 import resource
@@ -21,28 +20,9 @@ import socket
 import sys
 import time
 
-# torch 1.13 on Python 3.11: dataclass defaults that are unhashable instances (tests/dcp_fixture.py)
-_orig_get_field = dataclasses._get_field
-
-
-def _get_field(cls, name, type_, *rest):
-    try:
-        return _orig_get_field(cls, name, type_, *rest)
-    except ValueError as e:
-        if "mutable default" not in str(e):
-            raise
-        f = cls.__dict__[name]
-        value = f.default if isinstance(f, dataclasses.Field) else f
-        if isinstance(f, dataclasses.Field):
-            f.default = dataclasses.MISSING
-            f.default_factory = lambda v=value: v
-        else:
-            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
-        return _orig_get_field(cls, name, type_, *rest)
-
-
-dataclasses._get_field = _get_field
-
+# torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import torch_compat  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._shard.checkpoint as dcp  # noqa: E402

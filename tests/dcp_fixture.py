@@ -8,41 +8,21 @@ the same state dict with single_file_per_rank=True (every item in one file, at o
 OUT_DIR/<name>.json says what torch read back: per key its dtype, size, chunks and storage
 entries, or "bytes"; OUT_DIR/<name>.metadata_p2 is the same Metadata pickled with protocol 2;
 OUT_DIR/raw/<key>.bin holds each tensor's little-endian row-major bytes.
-Prints "shim" on stderr when the dataclass shim below was needed.
+Prints "shim" on stderr when the dataclass shim (tests/torch_compat.py) was needed.
 """
-import dataclasses
 import json
 import os
 import pickle
 import sys
 
-# Python 3.11 refuses a dataclass field whose default is an unhashable instance (torch 1.13's
-# TensorProperties has dtype/layout/memory_format defaults that are). Turn such defaults into
-# default_factory before torch is imported; on interpreters that accept them this does nothing.
-_orig_get_field = dataclasses._get_field
-
-
-def _get_field(cls, name, type_, *rest):
-    try:
-        return _orig_get_field(cls, name, type_, *rest)
-    except ValueError as e:
-        if "mutable default" not in str(e):
-            raise
-        print("shim", file=sys.stderr)
-        f = cls.__dict__[name]
-        value = f.default if isinstance(f, dataclasses.Field) else f
-        if isinstance(f, dataclasses.Field):
-            f.default = dataclasses.MISSING
-            f.default_factory = lambda v=value: v
-        else:
-            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
-        return _orig_get_field(cls, name, type_, *rest)
-
-
-dataclasses._get_field = _get_field
-
+# torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_compat  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed._shard.checkpoint as dcp  # noqa: E402
+
+if torch_compat.used:
+    print("shim", file=sys.stderr)
 
 DTYPE = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

@@ -19,36 +19,15 @@ The state dict, the same full tensors on every rank (seeded), each rank keeping 
 - model.norm: F32 [6] replicated (a plain tensor on every rank: written once);
 - optim.step: I64 [] (0-d) and a non-tensor item `extra.epoch` (an int).
 """
-import dataclasses
 import hashlib
 import json
 import os
 import socket
 import sys
 
-# Python 3.11 refuses a dataclass field whose default is an unhashable instance (torch 1.13's
-# TensorProperties): turn such defaults into default_factory before torch is imported.
-_orig_get_field = dataclasses._get_field
-
-
-def _get_field(cls, name, type_, *rest):
-    try:
-        return _orig_get_field(cls, name, type_, *rest)
-    except ValueError as e:
-        if "mutable default" not in str(e):
-            raise
-        f = cls.__dict__[name]
-        value = f.default if isinstance(f, dataclasses.Field) else f
-        if isinstance(f, dataclasses.Field):
-            f.default = dataclasses.MISSING
-            f.default_factory = lambda v=value: v
-        else:
-            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
-        return _orig_get_field(cls, name, type_, *rest)
-
-
-dataclasses._get_field = _get_field
-
+# torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_compat  # noqa: E402,F401
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._shard.checkpoint as dcp  # noqa: E402

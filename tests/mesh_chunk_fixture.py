@@ -17,34 +17,14 @@ where the shape and offset are comma-separated (the offset is the multi-index of
 first element, found from its value) and SHA256 is that of the piece's values (the global flat
 indices of its elements, in its own row-major order) as little-endian int64.
 """
-import dataclasses
 import hashlib
+import os
 import struct
 import sys
 
-# torch 1.13 on Python 3.11: some torch dataclasses have unhashable defaults, which 3.11
-# refuses; the same shim as tests/dcp_fixture.py (does nothing where it is not needed).
-_orig_get_field = dataclasses._get_field
-
-
-def _get_field(cls, name, type_, *rest):
-    try:
-        return _orig_get_field(cls, name, type_, *rest)
-    except ValueError as e:
-        if "mutable default" not in str(e):
-            raise
-        f = cls.__dict__[name]
-        value = f.default if isinstance(f, dataclasses.Field) else f
-        if isinstance(f, dataclasses.Field):
-            f.default = dataclasses.MISSING
-            f.default_factory = lambda v=value: v
-        else:
-            setattr(cls, name, dataclasses.field(default_factory=lambda v=value: v))
-        return _orig_get_field(cls, name, type_, *rest)
-
-
-dataclasses._get_field = _get_field
-
+# torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_compat  # noqa: E402,F401
 import torch  # noqa: E402
 
 
