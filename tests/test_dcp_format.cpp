@@ -78,6 +78,12 @@ struct meta_parts {
   bool with_storage = true;
   std::string extra_global;  // a global put into planner_data
   std::vector<std::pair<std::string, std::string>> info_extra;  // more fields of each _StorageInfo
+  int copies = 1;  // the chunk listed this many times
+  struct chunk {
+    std::vector<std::int64_t> offsets, sizes;
+    std::string path;
+  };
+  std::vector<chunk> more;  // more chunks of "w" (each at bytes [200 + 100 i, +96) of its path)
 };
 
 /// A .metadata of one tensor "w" (one chunk) and one bytes item "step", as torch 1.13 writes it
@@ -88,13 +94,18 @@ std::string metadata_pickle(const meta_parts& p) {
           tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({str("torch.strided")}) + "R",
                "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), str("TORCH_CONTIGUOUS_FORMAT")}) + "R",
                "\x89"}));
-  const std::string chunk = obj(p.module, "ChunkStorageMetadata", dict({{str("offsets"), tsize(p.offsets)}, {str("sizes"), tsize(p.sizes)}}));
+  auto chunk_of = [&](const std::vector<std::int64_t>& off, const std::vector<std::int64_t>& sz) {
+    return obj(p.module, "ChunkStorageMetadata", dict({{str("offsets"), tsize(off)}, {str("sizes"), tsize(sz)}}));
+  };
+  std::vector<std::string> chunks(static_cast<std::size_t>(p.copies), chunk_of(p.offsets, p.sizes));
+  for (const auto& c : p.more) chunks.push_back(chunk_of(c.offsets, c.sizes));
   const std::string tsm =
-      obj(p.module, "TensorStorageMetadata", dict({{str("properties"), props}, {str("size"), tsize(p.size)}, {str("chunks"), list({chunk})}}));
+      obj(p.module, "TensorStorageMetadata", dict({{str("properties"), props}, {str("size"), tsize(p.size)}, {str("chunks"), list(chunks)}}));
   const std::string bsm = obj(p.module, "BytesStorageMetadata", dict({}));
   const std::string fs_module = p.module.substr(0, p.module.rfind('.')) + ".filesystem";
-  auto info = [&](std::int64_t off, std::int64_t len) {
-    std::vector<std::pair<std::string, std::string>> fields{{str("relative_path"), str(p.path)}, {str("offset"), num(off)}, {str("length"), num(len)}};
+  auto info = [&](std::int64_t off, std::int64_t len, const std::string& path = "") {
+    std::vector<std::pair<std::string, std::string>> fields{
+        {str("relative_path"), str(path.empty() ? p.path : path)}, {str("offset"), num(off)}, {str("length"), num(len)}};
     fields.insert(fields.end(), p.info_extra.begin(), p.info_extra.end());
     return obj(fs_module, "_StorageInfo", dict(fields));
   };
@@ -103,6 +114,8 @@ std::string metadata_pickle(const meta_parts& p) {
   };
   std::vector<std::pair<std::string, std::string>> storage{{index("step", "N"), info(0, 10)}};
   if (p.with_storage) storage.push_back({index("w", tsize(p.offsets)), info(10, 96)});
+  for (std::size_t i = 0; i < p.more.size(); ++i)
+    storage.push_back({index("w", tsize(p.more[i].offsets)), info(200 + 100 * static_cast<std::int64_t>(i), 96, p.more[i].path)});
   const std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
   return pickle(obj(p.module, "Metadata",
                     dict({{str("state_dict_metadata"), dict({{str("w"), tsm}, {str("step"), bsm}})},
@@ -457,4 +470,31 @@ TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS for
   fixtures::put(dir, p.path, file("[4, 0]", "[6,4]"));
   testing::expect_error([&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
                         {"__0_0.safetensors", "tensor 'w'", "file holds F32 [6,4], .metadata's chunk is F32 [4,6]"});
+}
+
+TEST_CASE("dcp: chunks listed twice count once; hostile chunk lists and data file names are refused by rule") {
+  meta_parts p;
+  p.copies = 3;  // one chunk, listed three times
+  CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").chunks.size() == 1);
+  p.copies = 1;
+  p.size = {8, 6};
+  p.more = {{{0, 0}, {2, 6}, "__0_0.distcp"}};  // another size at the same offsets
+  testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+                        {"'w'", "at offsets [0,0] has sizes [2,6], another chunk there [4,6]"});
+
+  memory_directory dir;
+  dir.make();
+  // two chunks of one key in a safetensors data file (which holds each key once)
+  p.path = "__0_0.safetensors";
+  p.more = {{{4, 0}, {4, 6}, "__0_0.safetensors"}};
+  fixtures::put(dir, ".metadata", metadata_pickle(p));
+  testing::expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata,
+                        {".metadata", "tensor 'w'", "second chunk", "__0_0.safetensors"});
+  // "x.distcp#1" is a real data file and the name of x.distcp's second chunk of w
+  p.path = "x.distcp#1";
+  p.size = {12, 6};
+  p.more = {{{4, 0}, {4, 6}, "x.distcp"}, {{8, 0}, {4, 6}, "x.distcp"}};
+  fixtures::put(dir, ".metadata", metadata_pickle(p));
+  testing::expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata,
+                        {".metadata", "tensor 'w'", "'x.distcp#1' names both the data file"});
 }

@@ -240,7 +240,18 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   return parts;
 }
 
-std::string describe_sharding(const tensor_metadata& tm) {
+/// The distinct files tm's parts are in, in order (a DCP file holding two chunks of a tensor is
+/// listed under two names: checkpoint_reader::path_of).
+template <class Reader>
+std::vector<std::string> files_of(const tensor_metadata& tm, const Reader& r) {
+  std::vector<std::string> out;
+  for (const auto& [f, s] : tm.files)
+    if (std::find(out.begin(), out.end(), r.path_of(f)) == out.end()) out.push_back(r.path_of(f));
+  return out;
+}
+
+/// "blocks over 3 file(s)"; "blocks (4) over 3 file(s)" when a file holds two parts.
+std::string describe_sharding(const tensor_metadata& tm, std::size_t files) {
   if (!tm.is_sharded) return "not sharded";
   bool flat = true, block = true;
   for (const auto& [f, s] : tm.files) {
@@ -248,7 +259,8 @@ std::string describe_sharding(const tensor_metadata& tm) {
     block = block && s.is_block();
   }
   std::string how = flat ? "flattened offsets" : block ? "blocks" : "flattened offsets and blocks";
-  return how + " over " + std::to_string(tm.files.size()) + " file(s)";
+  if (tm.files.size() != files) how += " (" + std::to_string(tm.files.size()) + ")";
+  return how + " over " + std::to_string(files) + " file(s)";
 }
 
 // ---------------------------------------------------------------------------------------
@@ -322,11 +334,12 @@ int cmd_inspect(const input<D>& in) {
     for (const auto& [key, tm] : md.tensors) {
       const std::uint64_t bytes = tm.numel() * bit_size(tm.type) / 8;
       total += bytes;
+      const auto files = files_of(tm, *p.reader);
       std::string stored;
-      for (std::size_t i = 0; i < tm.files.size() && i < 4; ++i) stored += (i ? "," : "") + tm.files[i].first;
-      if (tm.files.size() > 4) stored += ",...";
+      for (std::size_t i = 0; i < files.size() && i < 4; ++i) stored += (i ? "," : "") + files[i];
+      if (files.size() > 4) stored += ",...";
       rows.push_back({p.prefix + key, std::string(name(tm.type)), shape_str(tm.shape), std::to_string(bytes), stored,
-                      describe_sharding(tm)});
+                      describe_sharding(tm, files.size())});
     }
   }
   const std::size_t tensors = rows.size();

@@ -37,6 +37,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -151,6 +152,12 @@ class checkpoint_reader {
   checkpoint_format format() const noexcept { return format_; }
   /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
   const std::string& described_by() const noexcept { return described_by_; }
+  /// The file a name of metadata().tensors[...].files is in: itself, or for a DCP data file's
+  /// second chunk of a key (`FILE#1`, checkpoint/source.hpp) the file it names.
+  const std::string& path_of(const std::string& name) const {
+    const auto it = data_files_.find(name);
+    return it == data_files_.end() ? name : it->second.path;
+  }
   /// Items of the checkpoint that are not tensors (a DCP folder's non-tensor values): listed
   /// here, never loaded.
   const std::vector<non_tensor_item>& non_tensors() const noexcept { return non_tensors_; }
@@ -172,9 +179,10 @@ class checkpoint_reader {
   void open_files(std::span<const std::string> names, unsigned threads = 0) {
     std::vector<std::string> todo;
     {
+      std::set<std::string_view> queued;
       std::lock_guard lock(files_mutex_);
       for (const auto& n : names)
-        if (!files_.count(n) && std::find(todo.begin(), todo.end(), n) == todo.end()) todo.push_back(n);
+        if (!files_.count(n) && queued.insert(n).second) todo.push_back(n);
     }
     std::vector<std::unique_ptr<open_file>> opened(todo.size());
     detail::parallel_for(todo.size(), threads, [&](std::size_t i) { opened[i] = open_one(todo[i]); });

@@ -213,7 +213,13 @@ checkpoint_source<D> dcp_source(const D& dir) {
       const std::string& path = c.storage.relative_path;
       const std::size_t k = chunks_of[{path, key}]++;
       const std::string fname = k == 0 ? path : path + "#" + std::to_string(k);
+      if (k > 0 && path.ends_with(".safetensors"))
+        fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': a second chunk (at " + to_string(c.offsets) +
+                                         ") placed in '" + path + "', a safetensors file, which holds each key once");
       dcp_data_file& df = s.data_files[fname];
+      if (!df.chunks.empty() && df.path != path)
+        fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': '" + fname + "' names both the data file '" +
+                                         df.path + "' and chunk " + std::to_string(k) + " of '" + path + "' in it");
       df.path = path;
       df.safetensors = path.ends_with(".safetensors");
       df.chunks.push_back({key, item.type, c.offsets, c.sizes, c.storage.offset, c.storage.length});

@@ -73,6 +73,7 @@ std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
 template <ReadableStorage S>
 tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std::string& file) {
   const std::string what = file + " [" + std::to_string(c.offset) + ", +" + std::to_string(c.length) + ") ('" + c.key + "')";
+  if (c.length < 22) fail(errc::invalid_metadata, what + ": " + std::to_string(c.length) + " bytes are too few for a zip archive");
   const auto end = checked_add(c.offset, c.length);
   if (!end || *end > st.size())
     fail(errc::truncated, what + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");

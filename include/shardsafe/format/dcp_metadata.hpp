@@ -17,6 +17,8 @@
 //     TensorStorageMetadata or a BytesStorageMetadata;
 //   - a tensor has a known dtype, a size of non-negative ints whose product fits 64 bits, and
 //     chunks whose offsets and sizes have one entry per dimension and lie inside the tensor;
+//   - a chunk listed twice (same offsets and sizes) counts once; two chunks at the same offsets
+//     with other sizes are an error; a tensor has at most max_dcp_chunks_per_tensor chunks;
 //   - storage_data maps MetadataIndex to _StorageInfo with a plain relative_path (no '/', '\',
 //     "..", NUL, not empty), offset + length within 64 bits and no transform_descriptors (newer
 //     torch's compression of stored bytes, not read here); every chunk of every tensor (key
@@ -64,6 +66,10 @@ struct dcp_item {
   std::vector<dcp_chunk> chunks;  ///< tensors: in the order torch recorded them
   dcp_storage_info bytes;         ///< bytes items: where the torch.save bytes are
 };
+
+/// The most chunks one tensor may have (a world of 65536 ranks each holding one block); more is
+/// errc::invalid_metadata, so a hostile `.metadata` cannot make the planner compare millions.
+inline constexpr std::size_t max_dcp_chunks_per_tensor = std::size_t(1) << 16;
 
 /// A parsed `.metadata`: every key, sorted.
 struct dcp_metadata {
@@ -193,6 +199,7 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
       item.size = p.ints(p.field(v, "size", at), at + ": size");
       if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
       const auto& chunks = p.field(v, "chunks", at);
+      std::map<std::vector<std::uint64_t>, std::vector<std::uint64_t>> seen;  // offsets -> sizes
       if (chunks.type() != k::list && chunks.type() != k::tuple) p.bad(at, "chunks is not a list");
       for (const auto& c : chunks.as_sequence("")) {
         const std::string cat = at + ": chunk " + std::to_string(item.chunks.size());
@@ -212,6 +219,15 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
         const auto s = where_stored.find({fqn, ch.offsets});
         if (s == where_stored.end()) p.bad(cat, "at offsets " + to_string(ch.offsets) + " has no storage_data entry");
         ch.storage = s->second;
+        // torch finds a chunk's bytes by (fqn, offsets): a chunk listed twice is one chunk
+        if (auto [at_offsets, fresh] = seen.emplace(ch.offsets, ch.sizes); !fresh) {
+          if (at_offsets->second != ch.sizes)
+            p.bad(cat, "at offsets " + to_string(ch.offsets) + " has sizes " + to_string(ch.sizes) + ", another chunk there " +
+                           to_string(at_offsets->second));
+          continue;
+        }
+        if (item.chunks.size() == max_dcp_chunks_per_tensor)
+          p.bad(at, "has more than " + std::to_string(max_dcp_chunks_per_tensor) + " chunks");
         item.chunks.push_back(std::move(ch));
       }
     } else {
