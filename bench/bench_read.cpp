@@ -38,12 +38,15 @@
 #include <thread>
 
 #include "bench_common.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "shardsafe/storage/mmap.hpp"
+#include "shardsafe/storage/text.hpp"
 
 using namespace shardsafe;
 using bench::MiB;
@@ -94,6 +97,41 @@ void split(u64 n, unsigned threads, F&& f) {
   }
   f(u64(0), std::min(n, per));
   for (auto& t : ts) t.join();
+}
+
+/// Drops the file's pages from the page cache (clean pages: the file was synced when written).
+/// Root is not needed: POSIX_FADV_DONTNEED evicts the pages of one file, as drop_caches would.
+void evict(const std::filesystem::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+/// O_DIRECT reads of [off, off + n) (off and n multiples of 4096) through an aligned staging
+/// block of `chunk` bytes, copied into dst: what a loader bypassing the page cache would do.
+void direct_loop(const std::filesystem::path& p, u64 off, std::byte* dst, u64 n, u64 chunk) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (fd < 0) {
+    std::perror("open O_DIRECT");
+    std::exit(2);
+  }
+  auto* stage = static_cast<std::byte*>(std::aligned_alloc(4096, chunk));
+  for (u64 done = 0; done < n;) {
+    const u64 want = std::min(chunk, n - done);
+    const u64 at = off + done, start = at / 4096 * 4096, len = (at - start + want + 4095) / 4096 * 4096;
+    const ssize_t r = ::pread(fd, stage, len, static_cast<off_t>(start));
+    if (r < static_cast<ssize_t>(at - start + want)) {
+      if (r < 0 && errno == EINTR) continue;
+      std::perror("pread O_DIRECT");
+      std::exit(2);
+    }
+    std::memcpy(dst + done, stage + (at - start), want);
+    done += want;
+  }
+  std::free(stage);
+  ::close(fd);
 }
 
 }  // namespace
@@ -206,6 +244,86 @@ int main(int argc, char** argv) {
     }
   const double resident_after = bench::page_cache_resident(path.string());
 
+  // ---- cold page cache -------------------------------------------------------------------
+  // The same bytes read after the file is evicted from the page cache before each run
+  // (posix_fadvise DONTNEED; residency checked by mincore): the disk's limit by plain reads,
+  // and the checkpoint loader (the file as rank_0.safetensors of a one-rank checkpoint, every
+  // tensor whole) with its defaults and with other read sizes and thread counts.
+  const std::filesystem::path ckdir = dir / ("shardsafe-bench-read-ckpt-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(ckdir);
+  struct cleanup_dir {
+    std::filesystem::path p;
+    ~cleanup_dir() { std::filesystem::remove_all(p); }
+  } rm_ck{ckdir};
+  std::filesystem::create_hard_link(path, ckdir / "rank_0.safetensors");
+  {
+    checkpoint_metadata md;
+    for (const auto& t : hdr.tensors) {
+      tensor_metadata tm;
+      tm.shape = t.shape;
+      tm.type = t.type;
+      tm.files.emplace_back("rank_0.safetensors", flat_spec{{0, t.numel()}});
+      md.tensors.emplace_back(t.name, std::move(tm));
+    }
+    write_text(file_directory(ckdir), metadata_file_name, write_checkpoint_metadata(md));
+  }
+  std::vector<flat_view> views;
+  for (const auto& t : hdr.tensors)
+    views.push_back({t.name, t.type, t.shape, std::nullopt, dst + t.begin, t.nbytes()});
+  std::vector<bench_case> cold;
+  cold.push_back({"cold: pread loop 1 MiB chunks (dd-like: the cold limit)", 1, [&] {
+                    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+                    pread_loop(fd, data_start, dst, data_bytes, MiB);
+                    ::close(fd);
+                  }});
+  for (unsigned th : {2u, 4u})
+    cold.push_back({"cold: pread loop 1 MiB chunks x" + std::to_string(th) + " threads", th, [&, th] {
+                      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+                      split(data_bytes, th, [&](u64 b, u64 e) { pread_loop(fd, data_start + b, dst + b, e - b, MiB); });
+                      ::close(fd);
+                    }});
+  cold.push_back({"cold: pread loop 16 MiB chunks x2 threads", 2, [&] {
+                    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+                    split(data_bytes, 2, [&](u64 b, u64 e) { pread_loop(fd, data_start + b, dst + b, e - b, 16 * MiB); });
+                    ::close(fd);
+                  }});
+  for (unsigned th : {1u, 4u})
+    cold.push_back({"cold: O_DIRECT pread 4 MiB chunks" + std::string(th == 1 ? "" : " x4 threads"), th, [&, th] {
+                      split(data_bytes, th, [&](u64 b, u64 e) { direct_loop(path, data_start + b, dst + b, e - b, 4 * MiB); });
+                    }});
+  struct loader_case {
+    const char* name;
+    unsigned threads;
+    u64 max_read;
+  };
+  for (const loader_case lc : {loader_case{"cold: checkpoint load (defaults: 64 MiB reads, 2 threads)", 0, 0},
+                               loader_case{"cold: checkpoint load, 4 MiB reads, 4 threads", 4, 4 * MiB},
+                               loader_case{"cold: checkpoint load, 1 MiB reads, 4 threads", 4, MiB},
+                               loader_case{"cold: checkpoint load, 16 MiB reads, 4 threads", 4, 16 * MiB}})
+    cold.push_back({lc.name, lc.threads, [&, lc] {
+                      load_options o;
+                      o.threads = lc.threads;
+                      if (lc.max_read) o.reads.max_read_bytes = lc.max_read;
+                      load_flat_views(file_directory(ckdir), std::span<const flat_view>(views), o);
+                    }});
+  std::vector<row> cold_rows;
+  double worst_resident = 0;
+  for (const auto& c : cold) cold_rows.push_back({c.name, c.threads, {}, 0, true});
+  const int cold_reps = quick ? 1 : std::max(3, reps / 3);
+  for (int rep = 0; rep < cold_reps; ++rep)
+    for (std::size_t i = 0; i < cold.size(); ++i) {
+      std::memset(dst, 0, data_bytes);
+      evict(path);
+      worst_resident = std::max(worst_resident, bench::page_cache_resident(path.string()));
+      const double t0 = bench::now_s();
+      cold[i].f();
+      cold_rows[i].t.add(bench::now_s() - t0);
+      if (rep == cold_reps - 1 && std::memcmp(dst, src, data_bytes) != 0) {
+        cold_rows[i].ok = false;
+        std::fprintf(stderr, "%s: destination differs from the file\n", cold[i].name.c_str());
+      }
+    }
+
   // ---- the table -------------------------------------------------------------------------
   double memcpy_best[3] = {0, 0, 0}, memcpy_med[3] = {0, 0, 0};
   for (const auto& r : rows)
@@ -237,6 +355,19 @@ int main(int argc, char** argv) {
              r.peak_mib < 0 ? "n/a" : bench::fmt("%.0f", r.peak_mib), r.ok ? "ok" : "WRONG"});
   }
   tab.print();
+  std::printf("\ncold page cache: the file evicted before every run (posix_fadvise DONTNEED; at most %.1f%% resident\n"
+              "when a run started, by mincore); %d repetition(s) per case, round-robin; x limit = throughput / the\n"
+              "1-thread 1 MiB pread loop's (dd-like) median\n",
+              worst_resident * 100, cold_reps);
+  bench::table ctab({"case", "thr", "best ms", "median ms", "best GB/s", "median GB/s", "x limit (median)", "check"});
+  const double cold_limit = cold_rows.front().t.median();
+  for (const auto& r : cold_rows) {
+    const double gb = double(data_bytes) / 1e9;
+    ctab.add({r.name, r.threads ? std::to_string(r.threads) : "def", bench::fmt("%.1f", r.t.best() * 1e3),
+              bench::fmt("%.1f", r.t.median() * 1e3), bench::fmt("%.2f", gb / r.t.best()),
+              bench::fmt("%.2f", gb / r.t.median()), bench::fmt("%.2f", cold_limit / r.t.median()), r.ok ? "ok" : "WRONG"});
+  }
+  ctab.print();
   std::printf("\npeak RSS +MiB: VmHWM during the case minus VmRSS before it (reset through /proc/self/clear_refs%s);\n"
               "a mapping's pages count as RSS (file-backed, shared with the page cache), a copy's do not.\n",
               can_reset_peak ? "" : ": refused here, so n/a");
@@ -259,8 +390,17 @@ int main(int argc, char** argv) {
     const double x = memcpy_med[r->threads] / r->t.median();
     bench::print_target(50, n, x, " x memcpy", x >= 0.8);
   }
+  {
+    const row* def = nullptr;
+    for (const auto& r : cold_rows)
+      if (r.name.rfind("cold: checkpoint load (defaults", 0) == 0) def = &r;
+    const double x = cold_limit / def->t.median();
+    bench::print_target(50, "cold checkpoint load (defaults) >= 0.8 x the cold limit", x, " x", x >= 0.8);
+  }
   std::free(dst);
   for (const auto& r : rows)
+    if (!r.ok) return 1;
+  for (const auto& r : cold_rows)
     if (!r.ok) return 1;
   return 0;
 }

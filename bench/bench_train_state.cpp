@@ -23,11 +23,16 @@
 // Loads read warm files (each read once before; resident % printed): shardsafe saves with
 // O_DIRECT, which leaves its files uncached. shardsafe's save is durable (fdatasync + rename +
 // folder fsync); torch::save is shown alone and + fsync.
+// Asynchronous saves (torch/async_save.hpp): the training thread's stall (plan + snapshot into
+// staging) of the second of two saves (staging reused) and of the first (staging allocated),
+// and the time from the call to durable, for the whole state and for the parameters alone
+// (the ~1 GiB state, beside a blocking save_state_dict of them and one memcpy of their bytes).
 #include <torch/nn/module.h>
 #include <torch/optim/adam.h>
 #include <torch/serialize.h>
 
 #include "bench_torch_common.hpp"
+#include "shardsafe/torch/async_save.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
@@ -138,6 +143,59 @@ int child(const std::string& what, const bench::args& a) {
     const double t0 = bench::now_s();
     save_model_and_optim_state(file_directory(dir), *ts.model, ts.opt.get(), comm, so);
     bench::emit("seconds", bench::now_s() - t0);
+  } else if (what == "ss-save-model") {
+    // the parameters alone (the ~1 GiB state): blocking save_state_dict
+    train_state ts(c, true);
+    const state_dict model = module_state_dict(*ts.model);
+    save_options so;
+    so.overwrite = true;
+    const double t0 = bench::now_s();
+    save_state_dict(file_directory(dir), model, comm, so);
+    bench::emit("seconds", bench::now_s() - t0);
+  } else if (what == "ss-async" || what == "ss-async-model") {
+    // two asynchronous saves of the same state (into DIR/a, then DIR/b): the first allocates
+    // and touches the staging memory, the second reuses it. The caller waits at once.
+    const bool model_only = what == "ss-async-model";
+    train_state ts(c, true);
+    const state_dict model = module_state_dict(*ts.model);
+    async_checkpointer<single_process> ckpt{single_process{}};
+    save_options so;
+    so.overwrite = true;
+    for (const char* sub : {"a", "b"}) {
+      const double t0 = bench::now_s();
+      async_save_handle h = model_only ? ckpt.save_state_dict(file_directory(dir + "/" + sub), model, so)
+                                       : ckpt.save_model_and_optim_state(file_directory(dir + "/" + sub), model, ts.opt.get(), so);
+      const double stall = bench::now_s() - t0;
+      h.wait();
+      const double durable = bench::now_s() - t0;
+      bench::emit(sub == std::string("a") ? "stall_first" : "stall", stall);
+      bench::emit(sub == std::string("a") ? "durable_first" : "durable", durable);
+    }
+    if (model_only) {  // one memcpy of the same bytes, 1 thread, into touched memory
+      u64 n = 0;
+      for (const auto& p : ts.model->params) n += p.nbytes();
+      std::vector<std::byte> dst(n);
+      std::memset(dst.data(), 1, n);
+      const double t0 = bench::now_s();
+      u64 off = 0;
+      for (const auto& p : ts.model->params) {
+        std::memcpy(dst.data() + off, p.data_ptr(), p.nbytes());
+        off += p.nbytes();
+      }
+      bench::emit("memcpy_1t", bench::now_s() - t0);
+    }
+    if (a.has("--verify")) {  // the second checkpoint loads back with the values saved
+      train_state back(c, false);
+      if (model_only) {
+        state_dict into = module_state_dict(*back.model);
+        load_state_dict(file_directory(dir + "/b"), into);
+        for (std::size_t k = 0; k < back.model->params.size(); ++k)
+          if (!check_whole(back.model->params[k], k, "parameter")) return 1;
+      } else {
+        load_model_and_optim_state(file_directory(dir + "/b"), *back.model, back.opt.get(), comm);
+        if (!back.verify()) return 1;
+      }
+    }
   } else if (what == "torch-save") {
     train_state ts(c, true);
     fs::create_directories(dir);
@@ -244,6 +302,22 @@ int main(int argc, char** argv) {
     auto r = bench::run_child(args({"--child", "ss-save", "--path", ss}));
     rows["ss-save"].t.add(r["seconds"]);
     bench::warm_files(ss);  // saved with O_DIRECT: not cached; the loads compared are warm
+    // asynchronous saves, and the blocking save of the parameters alone (the ~1 GiB state)
+    for (const char* k : {"ss-async", "ss-async-model"}) {
+      const std::string p = (scratch / k).string();
+      fs::remove_all(p);
+      std::vector<std::string> v{"--child", k, "--path", p};
+      if (rep == 0) v.push_back("--verify");
+      r = bench::run_child(args(v));
+      const std::string pre = k;
+      for (const char* m : {"stall_first", "stall", "durable_first", "durable"}) rows[pre + ":" + m].t.add(r[m]);
+      if (pre == "ss-async-model") rows["memcpy_model_1t"].t.add(r["memcpy_1t"]);
+      fs::remove_all(p);
+    }
+    fs::remove_all(scratch / "ss-model");
+    r = bench::run_child(args({"--child", "ss-save-model", "--path", (scratch / "ss-model").string()}));
+    rows["ss-save-model"].t.add(r["seconds"]);
+    fs::remove_all(scratch / "ss-model");
     r = bench::run_child(args({"--child", "torch-save", "--path", pt}));
     rows["torch-save"].t.add(r["seconds"]);
     rows["torch-save-fsync"].t.add(r["seconds"] + r["fsync_seconds"]);
@@ -293,6 +367,18 @@ int main(int argc, char** argv) {
   add("pwrite + fdatasync of the same bytes (1 thread)", "write_buffered", "", "");
   if (rows.count("write_direct")) add("O_DIRECT pwrite + fdatasync (staged, 2 threads)", "write_direct", "", "");
   tab.separator();
+  add("async save_model_and_optim_state: training-thread stall (staging reused)", "ss-async:stall", "", "");
+  add("  the first save's stall (staging allocated and touched)", "ss-async:stall_first", "", "");
+  add("  from the call to durable (staging reused; the caller waits at once)", "ss-async:durable", "torch-save", "torch-save-fsync");
+  add("memcpy of the same bytes, 1 thread (touched dst)", "memcpy_1t", "", "");
+  tab.separator();
+  // the parameters alone: a third of the bytes (GB/s columns use the whole state's bytes)
+  add("parameters alone: async save_state_dict, stall (staging reused)", "ss-async-model:stall", "", "");
+  add("  the first save's stall (staging allocated and touched)", "ss-async-model:stall_first", "", "");
+  add("  from the call to durable (staging reused)", "ss-async-model:durable", "", "");
+  add("parameters alone: blocking save_state_dict (durable)", "ss-save-model", "", "");
+  add("parameters alone: memcpy, 1 thread (touched dst)", "memcpy_model_1t", "", "");
+  tab.separator();
   add("shardsafe load_model_and_optim_state", "ss-load", "torch-load", "");
   add("  the same into an Adam whose state exists", "ss-load-existing", "torch-load", "");
   add("torch::load(module) + torch::load(optimizer)", "torch-load", "", "");
@@ -315,6 +401,14 @@ int main(int argc, char** argv) {
   line("load >= 3x faster than torch::load", x, "x", x >= 3);
   x = med("torch-load") / med("ss-load-existing");
   line("  the same, loading into optimizer state that exists", x, "x", x >= 3);
+  x = med("ss-async:stall") / med("memcpy_1t");
+  line("async save: stall <= 1.5x one memcpy of the same bytes (params + Adam)", x, "x", x <= 1.5);
+  x = med("ss-async:durable") / med("ss-save");
+  line("async save: to durable <= 1.1x the blocking save (params + Adam)", x, "x", x <= 1.1);
+  x = med("ss-async-model:stall") / med("memcpy_model_1t");
+  line("async save: stall <= 1.5x one memcpy of the same bytes (params alone)", x, "x", x <= 1.5);
+  x = med("ss-async-model:durable") / med("ss-save-model");
+  line("async save: to durable <= 1.1x the blocking save (params alone)", x, "x", x <= 1.1);
   const double over = rows.at("ss-load").peak.s.back() - double(total) / double(MiB);
   line("peak RSS on load <= parameters + optimizer state + 64 MiB [MiB over]", over, "", over <= 64);
   return 0;

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "test_util.hpp"
+#include "dcp_digest.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -40,28 +41,12 @@ const fs::path& dist_fixture() {
   return dir.path;
 }
 
-/// What torch says about each tensor: digest.txt's lines `NAME DTYPE [SHAPE] SHA256`.
-struct expected_tensor {
-  dtype type;
-  shape_t shape;
-  std::string sha256;
-  std::string raw;  ///< the full tensor's bytes, as torch wrote them
-};
+/// What torch says about each tensor (tests/dcp_digest.hpp), by name.
+using expected_tensor = testing::torch_digest_entry;
 
 std::map<std::string, expected_tensor> expected(const fs::path& dir) {
   std::map<std::string, expected_tensor> out;
-  std::istringstream in(testing::slurp(dir / "digest.txt"));
-  for (std::string key, type, shape, hash; in >> key >> type >> shape >> hash;) {
-    expected_tensor e;
-    e.type = dtype_from_name(type, "digest.txt");
-    std::string dims = shape.substr(1, shape.size() - 2);
-    std::replace(dims.begin(), dims.end(), ',', ' ');
-    std::istringstream ds(dims);
-    for (std::uint64_t d; ds >> d;) e.shape.push_back(d);
-    e.sha256 = hash;
-    e.raw = testing::slurp(dir / "raw" / (key + ".bin"));
-    out.emplace(key, std::move(e));
-  }
+  for (auto& e : testing::read_torch_digest(dir)) out.emplace(e.key, std::move(e));
   return out;
 }
 
@@ -202,7 +187,7 @@ TEST_CASE("dcp: the 1-process torch checkpoint of every dtype loads whole and re
     for (const auto& [key, tm] : r.metadata().tensors) {
       CAPTURE(key);
       const std::string raw = testing::slurp(dir.path / "raw" / (key + ".bin"));
-      const expected_tensor t{tm.type, tm.shape, "", raw};
+      const expected_tensor t{key, tm.type, tm.shape, "", raw};
       REQUIRE(raw.size() == numel(tm.shape) * item_size(tm.type));
       std::string full(raw.size(), '\0');
       unshard_tensor(r, key, std::as_writable_bytes(std::span<char>(full.data(), full.size())));

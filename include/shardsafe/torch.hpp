@@ -11,10 +11,13 @@
 
 #include "shardsafe/shardsafe.hpp"
 
+#include "shardsafe/torch/async_save.hpp"
 #include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/torch/hf_import.hpp"
+#include "shardsafe/torch/mapped_state.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/optim.hpp"
 #include "shardsafe/torch/state_dict.hpp"
+#include "shardsafe/torch/tensor_memory.hpp"
 #include "shardsafe/torch/tensor_view.hpp"

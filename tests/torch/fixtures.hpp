@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -113,6 +114,17 @@ namespace testing {
 inline std::string sha256_hex(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
   return sha256_hex(c.data_ptr(), c.nbytes());
+}
+
+/// What f throws as a shardsafe::error ("" when it throws nothing), and its code in *code.
+inline std::string error_of(const std::function<void()>& f, shardsafe::errc* code = nullptr) {
+  try {
+    f();
+  } catch (const shardsafe::error& e) {
+    if (code) *code = static_cast<shardsafe::errc>(e.code().value());
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace testing

@@ -366,17 +366,7 @@ TEST_CASE("directories in OLMo-core's format load in any world size") {
 // ---------------------------------------------------------------------------------------
 // errors
 
-namespace {
-std::string error_of(const std::function<void()>& f, errc* code = nullptr) {
-  try {
-    f();
-  } catch (const shardsafe::error& e) {
-    if (code) *code = static_cast<errc>(e.code().value());
-    return e.what();
-  }
-  return "";
-}
-}  // namespace
+using testing::error_of;
 
 TEST_CASE("load errors name the file, the tensor and the rule") {
   single_process comm;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../dcp_digest.hpp"
 #include "fixtures.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
@@ -29,24 +30,13 @@ struct full_tensor {
   at::Tensor t;
 };
 
-/// The full tensors torch wrote out (digest.txt's names, dtypes and shapes; raw/KEY.bin's bytes).
+/// The full tensors torch wrote out (tests/dcp_digest.hpp).
 std::vector<full_tensor> torch_tensors(const fs::path& dir) {
   std::vector<full_tensor> out;
-  std::istringstream in(testing::slurp(dir / "digest.txt"));
-  for (std::string key, type, shape, hash; in >> key >> type >> shape >> hash;) {
-    std::string dims = shape.substr(1, shape.size() - 2);
-    for (auto& c : dims)
-      if (c == ',') c = ' ';
-    std::istringstream ds(dims);
-    shape_t s;
-    for (std::uint64_t d; ds >> d;) s.push_back(d);
-    at::Tensor t = at::empty(to_sizes(s), *to_scalar_type(dtype_from_name(type, "digest.txt")));
-    const std::string raw = testing::slurp(dir / "raw" / (key + ".bin"));
-    if (raw.size() != static_cast<std::size_t>(t.nbytes()))  // a worker has no doctest context: throw
-      throw std::runtime_error(key + ": raw/" + key + ".bin holds " + std::to_string(raw.size()) + " bytes, the tensor " +
-                               std::to_string(t.nbytes()));
-    std::memcpy(t.data_ptr(), raw.data(), raw.size());
-    out.push_back({key, t});
+  for (const auto& e : testing::read_torch_digest(dir)) {
+    at::Tensor t = at::empty(to_sizes(e.shape), *to_scalar_type(e.type));
+    std::memcpy(t.data_ptr(), e.raw.data(), e.raw.size());
+    out.push_back({e.key, t});
   }
   return out;
 }

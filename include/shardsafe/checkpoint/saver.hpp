@@ -17,8 +17,10 @@
 //   4. the outcomes are all-gathered; then rank 0 writes metadata.json, last, by rename: the
 //      commit mark. A save killed at any point leaves no directory that loads as complete.
 // Each step runs under dist/agree.hpp: a failure on any rank is thrown, with its own code,
-// on every rank. save_flat_views reads as these four steps (detail::agree_on_metadata,
-// prepare_directory, write_rank_files, commit_metadata).
+// on every rank. save_flat_views reads as these four steps (detail::agree_on_metadata, then
+// detail::write_and_commit: prepare_directory, write_rank_files, commit_metadata); an
+// asynchronous save (checkpoint/async_save.hpp) runs step 1 on the caller's thread and the
+// others in the background.
 #pragma once
 
 #include <algorithm>
@@ -375,15 +377,18 @@ void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
 
 }  // namespace detail
 
-/// Saves every rank's views into dir as one checkpoint. A collective: every rank calls it.
+namespace detail {
+
+/// Steps 2-4 of a save whose plan (step 1, md) every rank has agreed on: prepare the
+/// directory, write the rank files, commit metadata.json. t0: when the save began. The
+/// asynchronous save (checkpoint/async_save.hpp) runs this on its background thread.
 template <WritableDirectory D, Comm C>
-save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
-  const auto t0 = std::chrono::steady_clock::now();
+save_stats write_and_commit(const D& dir, std::span<const flat_view> views, checkpoint_metadata md, C& comm,
+                            const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
-  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
-  detail::prepare_directory(dir, opt.overwrite, comm);                                       // 2
-  const auto mine = detail::views_to_write(views, md, rank);
-  const auto sizes = detail::write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
+  prepare_directory(dir, opt.overwrite, comm);                                          // 2
+  const auto mine = views_to_write(views, md, rank);
+  const auto sizes = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
 
   save_stats st;
   st.tensors_written = mine.size();
@@ -394,9 +399,19 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
     md.extras.file_sizes[rank_file_name(r)] = sizes[static_cast<std::size_t>(r)];
     st.total_bytes += sizes[static_cast<std::size_t>(r)];
   }
-  detail::commit_metadata(dir, md, comm);  // 4
+  commit_metadata(dir, md, comm);  // 4
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+}  // namespace detail
+
+/// Saves every rank's views into dir as one checkpoint. A collective: every rank calls it.
+template <WritableDirectory D, Comm C>
+save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
+  return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);                 // 2-4
 }
 
 }  // namespace shardsafe

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -141,7 +142,33 @@ struct c10d_world {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   int rank = 0;
   int world_size = 1;
+#ifdef USE_C10D_GLOO
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options;  ///< those pg was made with
+#endif
   c10d_comm comm() const { return c10d_comm(pg); }
+
+#ifdef USE_C10D_GLOO
+  /// A second Gloo process group over the same ranks, through the same store under a prefix of
+  /// its own ("shardsafe/group/N", N counting the groups this world made): its collectives never
+  /// interleave with pg's. For checkpoint traffic of asynchronous saves (torch/async_save.hpp),
+  /// as torch's async checkpointing uses a group of its own. A collective: every rank calls it,
+  /// in the same order.
+  c10d_comm new_group() {
+    if (!store || !gloo_options)
+      fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
+    const std::string prefix = "shardsafe/group/" + std::to_string(++groups_made_);
+    try {
+      auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+      return c10d_comm(c10::make_intrusive<c10d::ProcessGroupGloo>(ps, rank, world_size, gloo_options));
+    } catch (const c10::Error& e) {
+      throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
+                                        ": " + e.what_without_backtrace());
+    }
+  }
+
+ private:
+  int groups_made_ = 0;
+#endif
 };
 
 namespace detail {
@@ -191,6 +218,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     else
       go->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     w.pg = c10::make_intrusive<c10d::ProcessGroupGloo>(w.store, rank, world, go);
+    w.gloo_options = go;
   } catch (const c10::Error& e) {
     throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
                                       " could not join " + addr + ":" + std::to_string(port) + ": " +

@@ -40,19 +40,28 @@ struct train_load_report {
 
 /// Saves `model` (this rank's tensors and how each is sharded) and, if given, the state of
 /// `optim`, whose parameters must be tensors of `model`. A collective over comm.
+namespace detail {
+/// On rank 0: refuses a non-empty folder for a model + optimizer pair unless overwrite;
+/// otherwise empties it, model/metadata.json (the pair's commit mark) first; then makes it.
 template <WritableDirectory D, Comm C>
-train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
-                                             C& comm, const save_options& opt = {}) {
-  const auto t0 = std::chrono::steady_clock::now();
+void prepare_train_state_folder(const D& dir, bool overwrite, C& comm) {
   rank0_step(comm, [&] {
     if (!dir.list().empty()) {
-      if (!opt.overwrite)
+      if (!overwrite)
         fail(errc::already_exists, std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite)");
       if (dir.exists("model")) dir.sub(model_folder_name).remove(metadata_file_name);  // the commit mark goes first
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
   });
+}
+}  // namespace detail
+
+template <WritableDirectory D, Comm C>
+train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
+                                             C& comm, const save_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  detail::prepare_train_state_folder(dir, opt.overwrite, comm);
 
   save_options sub = opt;
   sub.overwrite = false;

@@ -19,6 +19,7 @@
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/dist/agree.hpp"
+#include "shardsafe/torch/tensor_memory.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
 
 namespace shardsafe {
@@ -139,25 +140,40 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt
   return load_state_dict(reader, sd, opt);
 }
 
-/// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool).
+/// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool), in
+/// tensors it allocates: one at::empty each, or all in one huge-page arena populated ahead of
+/// the reads (torch/tensor_memory.hpp: much less page-fault time for a load into new memory).
 template <ReadableDirectory D>
-std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader, const load_options& opt = {}) {
+std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader, const load_options& opt = {},
+                                                              tensor_memory memory = tensor_memory::separate) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::vector<flat_view> views;
+  std::vector<at::ScalarType> types;
+  for (const auto& [key, tm] : reader.metadata().tensors)
+    types.push_back(require_scalar_type(tm.type, std::string(reader.directory().name()) + ": tensor '" + key + "'"));
+  std::unique_ptr<tensor_arena> arena;
+  if (memory == tensor_memory::arena) {
+    std::vector<std::uint64_t> sizes;
+    for (const auto& [key, tm] : reader.metadata().tensors) sizes.push_back(tm.numel() * item_size(tm.type));
+    arena = std::make_unique<tensor_arena>(std::span<const std::uint64_t>(sizes));
+  }
+  std::size_t i = 0;
   for (const auto& [key, tm] : reader.metadata().tensors) {
-    const std::string ctx = std::string(reader.directory().name()) + ": tensor '" + key + "'";
-    at::Tensor t = at::empty(to_sizes(tm.shape), require_scalar_type(tm.type, ctx));
+    at::Tensor t = arena ? arena->tensor(i, to_sizes(tm.shape), types[i]) : at::empty(to_sizes(tm.shape), types[i]);
     views.push_back(make_flat_view(key, t));
     out.emplace_back(key, std::move(t));
+    ++i;
   }
+  if (arena) arena->populate_ahead();
   reader.load(std::span<const flat_view>(views), opt);
   return out;
 }
 
 template <ReadableDirectory D>
-std::vector<std::pair<std::string, at::Tensor>> unshard_state(const D& dir, const load_options& opt = {}) {
+std::vector<std::pair<std::string, at::Tensor>> unshard_state(const D& dir, const load_options& opt = {},
+                                                              tensor_memory memory = tensor_memory::separate) {
   checkpoint_reader<D> reader(dir);
-  return unshard_state(reader, opt);
+  return unshard_state(reader, opt, memory);
 }
 
 /// unshard_state on rank 0 only (others get nothing); the ranks agree on the outcome: if rank 0

@@ -1,0 +1,102 @@
+// Loads into memory the library provides: the zero-copy mapping of files (map_state) and the
+// huge-page arena of unshard_state, checked against the tensors saved (fixtures.hpp values).
+#include "shardsafe/torch/mapped_state.hpp"
+
+#include <doctest/doctest.h>
+
+#include <filesystem>
+
+#include "fixtures.hpp"
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+#include "../thread_world.hpp"
+
+using namespace shardsafe;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::vector<std::pair<std::string, shape_t>> mem_tensors{
+    {"embed", {300, 64}}, {"w", {64, 64}}, {"b", {64}}, {"scalar", {}}, {"empty", {0, 5}}};
+
+state_dict whole_state() {
+  state_dict sd;
+  for (const auto& [k, s] : mem_tensors) sd.add(k, testing::expected_full(k, dtype::F32, s));
+  return sd;
+}
+
+}  // namespace
+
+TEST_CASE("map_state: tensors held whole by one file are copy-on-write views of it; the file never changes") {
+  testing::temp_dir dir("map");
+  single_process one;
+  save_state_dict(file_directory(dir.path / "c"), whole_state(), one);
+  const std::string before = testing::slurp(dir.path / "c" / "rank_0.safetensors");
+  map_stats st;
+  auto state = map_state(dir.path / "c", &st);
+  CHECK(st.mapped == mem_tensors.size());
+  CHECK(st.copied == 0);
+  REQUIRE(state.size() == mem_tensors.size());
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    CAPTURE(state[i].first);
+    const auto& [k, s] = *std::find_if(mem_tensors.begin(), mem_tensors.end(), [&](auto& p) { return p.first == state[i].first; });
+    CHECK(testing::same_bits(state[i].second, testing::expected_full(k, dtype::F32, s)));
+  }
+  // the mapping is the file's: the tensor's memory lies inside a mapping of rank_0.safetensors
+  at::Tensor w;
+  for (auto& [k, t] : state)
+    if (k == "w") w = t;
+  CHECK(testing::same_bits(w, testing::expected_full("w", dtype::F32, {64, 64})));
+  // writes stay in memory (copy-on-write); the file keeps its bytes
+  w.fill_(3.f);
+  CHECK(w.sum().item<float>() == 3.f * 64 * 64);
+  CHECK(testing::slurp(dir.path / "c" / "rank_0.safetensors") == before);
+  // a tensor kept alone keeps its mapping after every other one (and the reader) is gone
+  at::Tensor b;
+  for (auto& [k, t] : state)
+    if (k == "b") b = t;
+  state.clear();
+  w = at::Tensor();
+  CHECK(testing::same_bits(b, testing::expected_full("b", dtype::F32, {64})));
+}
+
+TEST_CASE("map_state: tensors split over rank files are assembled; the others mapped") {
+  testing::temp_dir dir("map2");
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
+    state_dict sd;
+    at::Tensor w = testing::expected_full("w", dtype::F32, {64, 64});
+    const auto spec = testing::block_part({64, 64}, 0, 2, c.rank());
+    sd.add("w", testing::local_of(w, spec), spec, {64, 64});
+    sd.add("b", testing::expected_full("b", dtype::F32, {64}));
+    save_state_dict(file_directory(dir.path / "c"), sd, c);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+  map_stats st;
+  auto state = map_state(dir.path / "c", &st);
+  CHECK(st.mapped == 1);
+  CHECK(st.copied == 1);
+  CHECK(st.copied_bytes == 64 * 64 * 4);
+  for (auto& [k, t] : state)
+    CHECK(testing::same_bits(t, testing::expected_full(k, dtype::F32, k == "w" ? shape_t{64, 64} : shape_t{64})));
+}
+
+TEST_CASE("unshard_state into a huge-page arena: the same tensors; one kept alive keeps the memory") {
+  testing::temp_dir dir("arena");
+  single_process one;
+  save_state_dict(file_directory(dir.path / "c"), whole_state(), one);
+  auto plain = unshard_state(file_directory(dir.path / "c"));
+  auto arena = unshard_state(file_directory(dir.path / "c"), {}, tensor_memory::arena);
+  REQUIRE(arena.size() == plain.size());
+  for (std::size_t i = 0; i < arena.size(); ++i) {
+    CAPTURE(arena[i].first);
+    CHECK(arena[i].first == plain[i].first);
+    CHECK(testing::same_bits(arena[i].second, plain[i].second));
+    CHECK(reinterpret_cast<std::uintptr_t>(arena[i].second.data_ptr()) % 64 == 0);
+  }
+  at::Tensor keep = arena.front().second;
+  const std::string name = arena.front().first;
+  arena.clear();
+  for (auto& [k, s] : mem_tensors)
+    if (k == name) CHECK(testing::same_bits(keep, testing::expected_full(k, dtype::F32, s)));
+}
