@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_experts.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/core/convert.hpp"
@@ -192,6 +193,18 @@ hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::
   st.indexed = l.plan.indexed();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+/// The same, with stacked expert weights written as one Hugging Face tensor per expert: the
+/// views `experts` stacks are split into per-expert views of their memory first
+/// (checkpoint/hf_experts.hpp; rename rules then apply to the per-expert names), and each rank
+/// writes its own experts' slices.
+template <Comm C>
+hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,
+                                     const hf_export_options& opt, const expert_stacking& experts) {
+  unstacked_views u;
+  every_rank_step(comm, [&] { u = unstack_experts(views, experts, out_dir.string()); });
+  return export_hf_from_views(out_dir, std::span<const flat_view>(u.views), comm, opt);
 }
 
 }  // namespace shardsafe
