@@ -963,21 +963,14 @@ TEST_CASE("mesh: an HF folder of per-expert tensors imports into stacked EP shar
   one.check("one process, whole");
 }
 
-TEST_CASE("mesh: a stacked EP model exports one HF tensor per expert, each equal to its slice") {
-  testing::temp_dir dir("mesh-export");
-  const fs::path out = dir.path / "hf";
-  auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {
-    moe_rank r({4, 2}, c.rank(), true);
-    hf_export_options opt;
-    opt.max_shard_size = 600;  // several files and an index
-    export_hf_from_views(out, std::span<const flat_view>(r.views), c, opt, expert_stacking({expert_rule}));
-  });
-  for (int r = 0; r < 8; ++r) REQUIRE_FALSE(thrown[r]);
-  CHECK(fs::exists(out / "model.safetensors.index.json"));
-  // read back every per-expert tensor whole and compare with the stacked tensor's slice,
-  // computed by hand; strict: every name must be there, and nothing else
-  std::vector<std::vector<float>> mem;
-  std::vector<std::vector<float>> want;
+namespace {
+
+/// Loads every per-expert tensor of an exported folder whole (strict: each name must be there)
+/// and compares it with its slice of the stacked tensor, computed by hand; nothing else may be
+/// in the folder.
+template <class D>
+void check_per_expert_export(const D& out) {
+  std::vector<std::vector<float>> mem, want;
   std::vector<flat_view> views;
   mem.reserve(32);
   for (const auto& m : moe_model()) {
@@ -1000,10 +993,60 @@ TEST_CASE("mesh: a stacked EP model exports one HF tensor per expert, each equal
     }
   }
   REQUIRE(views.size() == 16);
-  const load_stats st = load_flat_views(file_directory(out), std::span<const flat_view>(views));
+  const load_stats st = load_flat_views(out, std::span<const flat_view>(views));
   CHECK(st.unexpected_keys.empty());
   for (std::size_t t = 0; t < views.size(); ++t) {
     INFO(views[t].key);
     CHECK(mem[t] == want[t]);
   }
+}
+
+}  // namespace
+
+TEST_CASE("mesh: a stacked EP model exports one HF tensor per expert, each equal to its slice") {
+  testing::temp_dir dir("mesh-export");
+  const fs::path out = dir.path / "hf";
+  auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {
+    moe_rank r({4, 2}, c.rank(), true);
+    hf_export_options opt;
+    opt.max_shard_size = 600;  // several files and an index
+    opt.experts = expert_stacking({expert_rule});
+    export_hf_from_views(out, std::span<const flat_view>(r.views), c, opt);
+  });
+  for (int r = 0; r < 8; ++r) REQUIRE_FALSE(thrown[r]);
+  CHECK(fs::exists(out / "model.safetensors.index.json"));
+  check_per_expert_export(file_directory(out));
+}
+
+TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor per expert, each equal to its slice") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory ckpt(store, "mem:ep-ckpt"), out(store, "mem:ep-hf");
+  save_moe(ckpt, {4, 2});
+  hf_export_options opt;
+  opt.max_shard_size = 600;
+  opt.experts = expert_stacking({expert_rule});
+  const hf_export_stats st = export_hf(ckpt, out, opt);
+  CHECK(st.tensors == 16);
+  CHECK(st.indexed);
+  check_per_expert_export(out);
+  // with a rename rule after the split: the per-expert names are renamed
+  const memory_directory renamed(store, "mem:ep-hf-renamed");
+  opt.rename.add("^model\\.=");
+  export_hf(ckpt, renamed, opt);
+  CHECK(renamed.exists("model.safetensors.index.json"));
+  std::vector<float> e3(30, -1.f);
+  const flat_view v{"layers.0.mlp.experts.3.gate_proj.weight", dtype::F32, {6, 5}, std::nullopt,
+                    reinterpret_cast<std::byte*>(e3.data()), 120};
+  load_flat_views(renamed, std::span<const flat_view>(&v, 1));
+  for (u64 j = 0; j < 30; ++j) CHECK(e3[j] == moe_value(1, 3 * 30 + j));
+  // a 0-d tensor cannot be split
+  const memory_directory scalar(store, "mem:scalar");
+  float x = 1.f;
+  const flat_view sv{"x.experts.s.weight", dtype::F32, {}, std::nullopt, reinterpret_cast<std::byte*>(&x), 4};
+  single_process one;
+  save_flat_views(scalar, std::span<const flat_view>(&sv, 1), one);
+  hf_export_options o2;
+  o2.experts = expert_stacking({expert_rule});
+  testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); }, errc::invalid_argument,
+                        {"tensor 'x.experts.s.weight'", "0-d"});
 }
