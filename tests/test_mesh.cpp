@@ -1050,3 +1050,30 @@ TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor p
   testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); }, errc::invalid_argument,
                         {"tensor 'x.experts.s.weight'", "0-d"});
 }
+
+TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of an EP checkpoint") {
+  const std::string tool = SHARDSAFE_TOOL;
+  if (tool.empty()) return;  // built without the tool
+  testing::temp_dir dir("mesh-tool");
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:ep-tool");
+  save_moe(mem, {4, 2});
+  // the checkpoint copied to files, object by object
+  fs::create_directories(dir.path / "ckpt");
+  for (const auto& n : mem.list()) {
+    auto f = mem.open(n);
+    std::string bytes(f.size(), '\0');
+    f.read_into(0, std::as_writable_bytes(std::span<char>(bytes)));
+    testing::write_file(dir.path / "ckpt" / n, bytes);
+  }
+  const auto r = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf").string(),
+                                             "--max-shard-size", "600", "--stack-experts", expert_rule});
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  check_per_expert_export(file_directory(dir.path / "hf"));
+  // a rule without {i} is a usage error
+  const auto bad = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf2").string(),
+                                               "--stack-experts", "^(.*)\\.experts\\.(.*)$=\\1.\\2"});
+  CHECK(bad.code == 2);
+  CHECK(bad.err.find("no '{i}'") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "hf2"));
+}
