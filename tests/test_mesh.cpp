@@ -10,14 +10,21 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "checkpoint_fixtures.hpp"
+#include "shardsafe/checkpoint/hf_experts.hpp"
+#include "shardsafe/checkpoint/hf_export_views.hpp"
+#include "shardsafe/checkpoint/hf_import.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "test_util.hpp"
@@ -547,17 +554,6 @@ TEST_CASE("mesh: the save's agreement rejects overlapping shards that are not de
 
 namespace {
 
-bool python_required() {
-  const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
-  return v && std::string_view(v) == "1";
-}
-const std::string debian_python = "/usr/bin/python3";
-bool have_torch() {
-  static const bool ok =
-      std::system((debian_python + " -c 'import importlib.util as u; assert u.find_spec(\"torch\")' >/dev/null 2>&1").c_str()) == 0;
-  return ok;
-}
-
 struct table_case {
   shape_t full, mesh;
   std::vector<placement> pls;
@@ -581,8 +577,8 @@ std::string block_hash(const block_spec& b, const shape_t& full) {
 }  // namespace
 
 TEST_CASE("mesh: a fixed table of layouts agrees with torch 1.13's nested torch.chunk (shape, offset, element hash)" *
-          doctest::skip(!python_required() && !have_torch())) {
-  REQUIRE_MESSAGE(have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+          testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but " << testing::torch_python << " cannot import torch");
   const std::vector<table_case> table{
       {{10, 6}, {4}, {shard(0)}},                                // FSDP2, 3,3,3,1
       {{10}, {8}, {shard(0)}},                                   // empty trailing pieces
@@ -609,7 +605,7 @@ TEST_CASE("mesh: a fixed table of layouts agrees with torch 1.13's nested torch.
   }
   testing::write_file(dir.path / "cases.txt", lines);
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "mesh_chunk_fixture.py";
-  const auto r = testing::run_program(debian_python, {script.string(), (dir.path / "cases.txt").string()});
+  const auto r = testing::run_program(testing::torch_python, {script.string(), (dir.path / "cases.txt").string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
 
   std::istringstream in(r.out);
@@ -644,4 +640,440 @@ TEST_CASE("mesh: a fixed table of layouts agrees with torch 1.13's nested torch.
   for (const auto& c : table) want += numel(c.mesh);
   CHECK(seen == want);  // every rank of every case answered
   CHECK(empties > 10);
+}
+
+// ============================================================ expert parallelism
+//
+// A mixture-of-experts layer as an EP job holds it: stacked expert weights [E, ...] on an
+// ("ep", "ep_fsdp") mesh by [shard(0), shard(1)] (one with E = 6 over EP = 4: the last EP rank
+// holds no expert), a router HSDP-like [replicate(), shard(0)] (replicas declared, written
+// once) and a norm every rank holds whole. Element e of tensor `id` holds id * 100000 + e
+// (exact in F32). Expected values are computed here by walking each block's local multi-index
+// by hand (no cursor, no copy plan of the library).
+
+namespace {
+
+struct moe_tensor {
+  std::string key;
+  shape_t full;
+  std::vector<placement> pls;  // empty: not sharded (every rank holds it whole)
+  u64 id;
+};
+
+std::vector<moe_tensor> moe_model() {
+  return {
+      {"model.layers.0.mlp.experts.gate_proj.weight", {8, 6, 5}, {shard(0), shard(1)}, 1},
+      {"model.layers.0.mlp.experts.down_proj.weight", {6, 5, 7}, {shard(0), shard(1)}, 2},
+      {"model.layers.0.mlp.router.weight", {8, 5}, {replicate(), shard(0)}, 3},
+      {"model.norm.weight", {5}, {}, 4},
+  };
+}
+
+float moe_value(u64 id, u64 e) { return static_cast<float>(id * 100000 + e); }
+
+/// The values of block b of a tensor of shape full, row-major over the block, by hand.
+std::vector<float> block_values(const shape_t& full, const shape_t& local, const shape_t& offset, u64 id) {
+  std::vector<float> out;
+  const u64 n = numel(local);
+  shape_t idx(full.size(), 0);
+  for (u64 k = 0; k < n; ++k) {
+    u64 g = 0;
+    for (std::size_t d = 0; d < full.size(); ++d) g = g * full[d] + offset[d] + idx[d];
+    out.push_back(moe_value(id, g));
+    for (std::size_t d = local.size(); d-- > 0;) {
+      if (++idx[d] < local[d]) break;
+      idx[d] = 0;
+    }
+  }
+  return out;
+}
+
+/// One rank's tensors of the MoE model: on a mesh (shape mesh, "ep" x "ep_fsdp"), as whole
+/// tensors (mesh empty), or as FSDP flat shards (torch.chunk of the flattened tensor over
+/// flat_world ranks). Filled with the values, or with -1 to be loaded into.
+struct moe_rank {
+  std::vector<std::vector<float>> mem;
+  std::vector<flat_view> views;
+  std::vector<std::vector<float>> want;
+
+  moe_rank(const shape_t& mesh, u64 rank, bool fill, bool roles = true, u64 flat_world = 0) {
+    const auto model = moe_model();
+    mem.reserve(model.size());
+    for (std::size_t t = 0; t < model.size(); ++t) {
+      const moe_tensor& m = model[t];
+      std::optional<shard_spec> spec;
+      replica_role role = replica_role::none;
+      if (flat_world > 0) {  // FSDP flat parameters: no expert parallelism
+        const chunk_extent c = torch_chunk(numel(m.full), flat_world, rank);
+        spec = flat_spec{{c.offset, c.offset + c.size}};
+        want.push_back({});
+        for (u64 e = c.offset; e < c.offset + c.size; ++e) want.back().push_back(moe_value(m.id, e));
+      } else if (!mesh.empty() && !m.pls.empty()) {
+        const device_mesh dm(mesh, {"ep", "ep_fsdp"}, rank);
+        const block_spec b = mesh_block(m.full, dm, m.pls, m.key);
+        spec = b;
+        if (roles) role = mesh_replica_role(dm, m.pls, /*salt=*/t);
+        want.push_back(block_values(m.full, b.local_shape(), b.global_offset(), m.id));
+      } else {
+        want.push_back(block_values(m.full, m.full, shape_t(m.full.size(), 0), m.id));
+      }
+      mem.push_back(fill ? want.back() : std::vector<float>(want.back().size(), -1.f));
+      flat_view v{m.key, dtype::F32, m.full, spec, reinterpret_cast<std::byte*>(mem.back().data()),
+                  mem.back().size() * sizeof(float)};
+      v.replica = role;
+      views.push_back(v);
+    }
+  }
+  void check(const std::string& what) const {
+    for (std::size_t t = 0; t < views.size(); ++t) {
+      INFO(what << ": tensor " << views[t].key);
+      u64 bad = 0;
+      for (std::size_t i = 0; i < want[t].size(); ++i) bad += mem[t][i] != want[t][i];
+      CHECK(bad == 0);
+    }
+  }
+};
+
+/// Saves the MoE model from an EP mesh [ep, ep_fsdp] of thread ranks into dir.
+void save_moe(const memory_directory& dir, const shape_t& mesh) {
+  const int n = static_cast<int>(numel(mesh));
+  auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
+    moe_rank r(mesh, static_cast<u64>(c.rank()), true);
+    save_flat_views(dir, std::span<const flat_view>(r.views), c);
+  });
+  for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
+}
+
+}  // namespace
+
+TEST_CASE("mesh: expert parallelism EP=4 x ep_fsdp=2 saved once, loaded under EP=2 x 4, EP=1, whole and FSDP flat, bit-exact") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:ep");
+  save_moe(mem, {4, 2});
+
+  // one global tensor per stacked weight; every element stored once (the router's replicas
+  // declared: each of its blocks written by one of its 4 replicas)
+  auto md_file = mem.open(metadata_file_name);
+  const auto md = read_checkpoint_metadata(md_file);
+  CHECK(md.tensors.size() == 4);
+  CHECK(md.find("model.layers.0.mlp.experts.gate_proj.weight")->shape == shape_t{8, 6, 5});
+  CHECK(md.find("model.layers.0.mlp.experts.gate_proj.weight")->files.size() == 8);
+  // E = 6 over EP = 4: pieces of 2, 2, 2 and none, so the two ranks of EP coordinate 3 write nothing of it
+  CHECK(md.find("model.layers.0.mlp.experts.down_proj.weight")->files.size() == 8);
+  CHECK(md.find("model.layers.0.mlp.router.weight")->files.size() == 2);
+  u64 data = 0;
+  for (int r = 0; r < 8; ++r)
+    for (const auto& [k, bytes] : data_in(mem, r)) data += bytes;
+  CHECK(data == (8 * 6 * 5 + 6 * 5 * 7 + 8 * 5 + 5) * sizeof(float));
+  CHECK(data_in(mem, 6)["model.layers.0.mlp.experts.down_proj.weight"] == 0);
+
+  SUBCASE("EP=2 x ep_fsdp=4, 8 ranks") {
+    for (u64 r = 0; r < 8; ++r) {
+      moe_rank into({2, 4}, r, false);
+      load_flat_views(mem, std::span<const flat_view>(into.views));
+      into.check("EP=2 x 4, rank " + std::to_string(r));
+    }
+  }
+  SUBCASE("EP=1 x ep_fsdp=4, 4 ranks") {
+    for (u64 r = 0; r < 4; ++r) {
+      moe_rank into({1, 4}, r, false);
+      load_flat_views(mem, std::span<const flat_view>(into.views));
+      into.check("EP=1 x 4, rank " + std::to_string(r));
+    }
+  }
+  SUBCASE("no expert parallelism: whole tensors in one process") {
+    moe_rank into({}, 0, false);
+    const load_stats st = load_flat_views(mem, std::span<const flat_view>(into.views));
+    CHECK(st.bytes_needed == data);
+    into.check("whole");
+  }
+  SUBCASE("no expert parallelism: FSDP flat shards over 3 ranks") {
+    for (u64 r = 0; r < 3; ++r) {
+      moe_rank into({}, r, false, true, 3);
+      load_flat_views(mem, std::span<const flat_view>(into.views));
+      into.check("flat, rank " + std::to_string(r));
+    }
+  }
+}
+
+TEST_CASE("mesh: an EP=2 x ep_fsdp=4 save loads under EP=4 x ep_fsdp=2") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:ep24");
+  save_moe(mem, {2, 4});
+  for (u64 r = 0; r < 8; ++r) {
+    moe_rank into({4, 2}, r, false);
+    load_flat_views(mem, std::span<const flat_view>(into.views));
+    into.check("EP=4 x 2, rank " + std::to_string(r));
+  }
+}
+
+// ============================================================ HF expert stacking
+
+namespace {
+
+const char* const expert_rule = "^(.*\\.experts)\\.([^.]+\\.weight)$=\\1.{i}.\\2";
+
+std::string f32_bytes(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+/// A Hugging Face folder of the MoE model with one tensor per expert, written by hand
+/// (tests/checkpoint_fixtures.hpp): experts 0-3 of each weight in the first file, the rest and
+/// the other tensors in the second; an index.
+template <class D>
+void make_per_expert_folder(const D& dir) {
+  std::vector<fixtures::tensor> a, b;
+  std::string map;
+  u64 total = 0;
+  for (const auto& m : moe_model()) {
+    const auto all = block_values(m.full, m.full, shape_t(m.full.size(), 0), m.id);
+    auto put = [&](const std::string& name, const shape_t& shape, std::vector<float> v, bool first) {
+      (first ? a : b).push_back({name, "F32", shape, f32_bytes(v)});
+      map += std::string(map.empty() ? "" : ", ") + "\"" + name + "\": \"" +
+             (first ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors") + "\"";
+      total += v.size() * sizeof(float);
+    };
+    if (m.key.find(".experts.") == std::string::npos) {
+      put(m.key, m.full, all, false);
+      continue;
+    }
+    const shape_t rest(m.full.begin() + 1, m.full.end());
+    const u64 S = numel(rest);
+    const std::size_t dot = m.key.find(".experts.") + 9;
+    for (u64 i = 0; i < m.full[0]; ++i)
+      put(m.key.substr(0, dot) + std::to_string(i) + "." + m.key.substr(dot), rest,
+          std::vector<float>(all.begin() + static_cast<std::ptrdiff_t>(i * S),
+                             all.begin() + static_cast<std::ptrdiff_t>((i + 1) * S)),
+          i < 4);
+  }
+  fixtures::put(dir, "model-00001-of-00002.safetensors", fixtures::build_file(a));
+  fixtures::put(dir, "model-00002-of-00002.safetensors", fixtures::build_file(b));
+  fixtures::put(dir, "model.safetensors.index.json",
+                "{\"metadata\": {\"total_size\": " + std::to_string(total) + "}, \"weight_map\": {" + map + "}}");
+}
+
+}  // namespace
+
+TEST_CASE("mesh: expert stacking splits a stacked view into per-expert views of its memory") {
+  const expert_stacking rules({expert_rule});
+  std::vector<float> m(12);
+  // flat: [3, 2, 2] holding global elements [2, 7) and [9, 12): expert 0 gets [2, 4) from
+  // local 0, expert 1 [0, 3) from local 2, expert 2 [1, 4) from local 5
+  flat_view flat{"x.experts.w.weight", dtype::F32, {3, 2, 2}, flat_spec{{2, 7}, {9, 12}},
+                 reinterpret_cast<std::byte*>(m.data()), 8 * 4};
+  flat.replica = replica_role::copy;
+  auto u = unstack_experts(std::span<const flat_view>(&flat, 1), rules, "t");
+  REQUIRE(u.views.size() == 3);
+  CHECK(u.stacked == 1);
+  CHECK(u.elsewhere.empty());
+  const std::vector<flat_spec> specs{flat_spec{{2, 4}}, flat_spec{{0, 3}}, flat_spec{{1, 4}}};
+  const std::vector<u64> first{0, 2, 5}, count{2, 3, 3};
+  for (u64 i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(u.views[i].key == "x.experts." + std::to_string(i) + ".w.weight");
+    CHECK(u.views[i].full_shape == shape_t{2, 2});
+    CHECK(u.views[i].spec == std::optional<shard_spec>(specs[i]));
+    CHECK(u.views[i].data == flat.data + first[i] * 4);
+    CHECK(u.views[i].nbytes == count[i] * 4);
+    CHECK(u.views[i].replica == replica_role::copy);
+    CHECK(u.expert[i] == i);
+    CHECK(u.origin[i] == 0);
+  }
+  // block: experts 1-2 of [4, 3, 2], columns 1.. of each: [2, 3, 1] at [1, 0, 1]
+  flat_view blk{"x.experts.w.weight", dtype::F32, {4, 3, 2}, block_spec({2, 3, 1}, {1, 0, 1}),
+                reinterpret_cast<std::byte*>(m.data()), 6 * 4};
+  flat_view other{"x.norm.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(m.data() + 6), 8};
+  const std::vector<flat_view> two{other, blk};
+  u = unstack_experts(std::span<const flat_view>(two), rules, "t");
+  REQUIRE(u.views.size() == 3);
+  CHECK(u.views[0].key == "x.norm.weight");
+  CHECK(u.views[1].key == "x.experts.1.w.weight");
+  CHECK(u.views[2].spec == std::optional<shard_spec>(block_spec({3, 1}, {0, 1})));
+  CHECK(u.views[2].data == blk.data + 3 * 4);
+  CHECK(u.origin == std::vector<std::size_t>{0, 1, 1});
+  CHECK(u.elsewhere == std::vector<std::string>{"x.experts.0.w.weight", "x.experts.3.w.weight"});
+  // whole: every expert, back to back
+  flat_view whole{"x.experts.w.weight", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 48};
+  u = unstack_experts(std::span<const flat_view>(&whole, 1), rules, "t");
+  REQUIRE(u.views.size() == 3);
+  CHECK(u.views[2].data == whole.data + 32);
+  CHECK(!u.views[2].spec);
+
+  testing::expect_error([] { expert_stacking({"^(.*)\\.experts\\.(.*)$=\\1.\\2"}); }, errc::invalid_argument,
+                        {"expert stacking rule", "no '{i}'"});
+  flat_view scalar{"x.experts.s.weight", dtype::F32, {}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 4};
+  testing::expect_error([&] { unstack_experts(std::span<const flat_view>(&scalar, 1), rules, "ctx"); },
+                        errc::invalid_argument, {"ctx: tensor 'x.experts.s.weight'", "0-d", "no expert dimension"});
+  const std::vector<flat_view> clash{whole, flat_view{"x.experts.1.w.weight", dtype::F32, {4}, std::nullopt,
+                                                      reinterpret_cast<std::byte*>(m.data()), 16}};
+  testing::expect_error([&] { unstack_experts(std::span<const flat_view>(clash), rules, "ctx"); },
+                        errc::invalid_argument, {"two views are named 'x.experts.1.w.weight'"});
+}
+
+TEST_CASE("mesh: an HF folder of per-expert tensors imports into stacked EP shards; each rank reads only its experts") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory hf(store, "mem:hf-experts");
+  make_per_expert_folder(hf);
+  for (const auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast}) {
+    CAPTURE(name(mode));
+    std::vector<hf_import_result> res(8);
+    std::vector<std::unique_ptr<moe_rank>> ranks(8);
+    auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {
+      auto& r = ranks[c.rank()] = std::make_unique<moe_rank>(shape_t{4, 2}, c.rank(), false);
+      hf_import_options opt;
+      opt.experts = expert_stacking({expert_rule});
+      opt.strict = true;
+      opt.mode = mode;
+      opt.load.reads.max_gap_bytes = 0;  // no merged reads: bytes read are bytes needed
+      res[c.rank()] = import_hf(hf, std::span<const flat_view>(r->views), c, opt);
+    });
+    for (int r = 0; r < 8; ++r) {
+      CAPTURE(r);
+      REQUIRE_FALSE(thrown[r]);
+      ranks[r]->check("rank " + std::to_string(r));
+      const auto& k = res[r].keys;
+      CHECK(k.missing_keys.empty());
+      CHECK(k.unexpected_keys.empty());  // other ranks' experts are not unexpected
+      if (mode != hf_import_mode::every_rank_read) continue;
+      u64 mine = 0;
+      for (const auto& v : ranks[r]->views) mine += v.nbytes;
+      CHECK(res[r].stats.bytes_needed == mine);
+      CHECK(res[r].stats.bytes_read == mine);
+    }
+    // rank 0 ([0, 0]) holds experts 0-1 of both stacked weights: 2 + 2 per-expert tensors,
+    // the router and the norm
+    CHECK(res[0].keys.loads.size() == 6);
+    // ranks 6 and 7 (EP coordinate 3) hold no expert of down_proj (E = 6: pieces 2, 2, 2, none)
+    CHECK(res[6].keys.loads.size() == 4);
+  }
+  // the same folder without the rule: the stacked keys are missing, the 14 experts unexpected
+  moe_rank one({}, 0, false);
+  single_process c;
+  const auto plain = import_hf(hf, std::span<const flat_view>(one.views), c);
+  CHECK(plain.keys.missing_keys == std::vector<std::string>{"model.layers.0.mlp.experts.down_proj.weight",
+                                                            "model.layers.0.mlp.experts.gate_proj.weight"});
+  CHECK(plain.keys.unexpected_keys.size() == 14);
+  // with it, in one process: everything, whole
+  hf_import_options opt;
+  opt.experts = expert_stacking({expert_rule});
+  opt.strict = true;
+  const auto whole = import_hf(hf, std::span<const flat_view>(one.views), c, opt);
+  CHECK(whole.keys.loads.size() == 16);
+  CHECK(whole.keys.unexpected_keys.empty());
+  one.check("one process, whole");
+}
+
+namespace {
+
+/// Loads every per-expert tensor of an exported folder whole (strict: each name must be there)
+/// and compares it with its slice of the stacked tensor, computed by hand; nothing else may be
+/// in the folder.
+template <class D>
+void check_per_expert_export(const D& out) {
+  std::vector<std::vector<float>> mem, want;
+  std::vector<flat_view> views;
+  mem.reserve(32);
+  for (const auto& m : moe_model()) {
+    const auto all = block_values(m.full, m.full, shape_t(m.full.size(), 0), m.id);
+    if (m.key.find(".experts.") == std::string::npos) {
+      want.push_back(all);
+      mem.emplace_back(all.size(), -1.f);
+      views.push_back({m.key, dtype::F32, m.full, std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()),
+                       all.size() * 4});
+      continue;
+    }
+    const shape_t rest(m.full.begin() + 1, m.full.end());
+    const u64 S = numel(rest);
+    const std::size_t dot = m.key.find(".experts.") + 9;
+    for (u64 i = 0; i < m.full[0]; ++i) {
+      want.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * S), all.begin() + static_cast<std::ptrdiff_t>((i + 1) * S));
+      mem.emplace_back(S, -1.f);
+      views.push_back({m.key.substr(0, dot) + std::to_string(i) + "." + m.key.substr(dot), dtype::F32, rest, std::nullopt,
+                       reinterpret_cast<std::byte*>(mem.back().data()), S * 4});
+    }
+  }
+  REQUIRE(views.size() == 16);
+  const load_stats st = load_flat_views(out, std::span<const flat_view>(views));
+  CHECK(st.unexpected_keys.empty());
+  for (std::size_t t = 0; t < views.size(); ++t) {
+    INFO(views[t].key);
+    CHECK(mem[t] == want[t]);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mesh: a stacked EP model exports one HF tensor per expert, each equal to its slice") {
+  testing::temp_dir dir("mesh-export");
+  const fs::path out = dir.path / "hf";
+  auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {
+    moe_rank r({4, 2}, c.rank(), true);
+    hf_export_options opt;
+    opt.max_shard_size = 600;  // several files and an index
+    opt.experts = expert_stacking({expert_rule});
+    export_hf_from_views(out, std::span<const flat_view>(r.views), c, opt);
+  });
+  for (int r = 0; r < 8; ++r) REQUIRE_FALSE(thrown[r]);
+  CHECK(fs::exists(out / "model.safetensors.index.json"));
+  check_per_expert_export(file_directory(out));
+}
+
+TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor per expert, each equal to its slice") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory ckpt(store, "mem:ep-ckpt"), out(store, "mem:ep-hf");
+  save_moe(ckpt, {4, 2});
+  hf_export_options opt;
+  opt.max_shard_size = 600;
+  opt.experts = expert_stacking({expert_rule});
+  const hf_export_stats st = export_hf(ckpt, out, opt);
+  CHECK(st.tensors == 16);
+  CHECK(st.indexed);
+  check_per_expert_export(out);
+  // with a rename rule after the split: the per-expert names are renamed
+  const memory_directory renamed(store, "mem:ep-hf-renamed");
+  opt.rename.add("^model\\.=");
+  export_hf(ckpt, renamed, opt);
+  CHECK(renamed.exists("model.safetensors.index.json"));
+  std::vector<float> e3(30, -1.f);
+  const flat_view v{"layers.0.mlp.experts.3.gate_proj.weight", dtype::F32, {6, 5}, std::nullopt,
+                    reinterpret_cast<std::byte*>(e3.data()), 120};
+  load_flat_views(renamed, std::span<const flat_view>(&v, 1));
+  for (u64 j = 0; j < 30; ++j) CHECK(e3[j] == moe_value(1, 3 * 30 + j));
+  // a 0-d tensor cannot be split
+  const memory_directory scalar(store, "mem:scalar");
+  float x = 1.f;
+  const flat_view sv{"x.experts.s.weight", dtype::F32, {}, std::nullopt, reinterpret_cast<std::byte*>(&x), 4};
+  single_process one;
+  save_flat_views(scalar, std::span<const flat_view>(&sv, 1), one);
+  hf_export_options o2;
+  o2.experts = expert_stacking({expert_rule});
+  testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); }, errc::invalid_argument,
+                        {"tensor 'x.experts.s.weight'", "0-d"});
+}
+
+TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of an EP checkpoint") {
+  const std::string tool = SHARDSAFE_TOOL;
+  if (tool.empty()) return;  // built without the tool
+  testing::temp_dir dir("mesh-tool");
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:ep-tool");
+  save_moe(mem, {4, 2});
+  // the checkpoint copied to files, object by object
+  fs::create_directories(dir.path / "ckpt");
+  for (const auto& n : mem.list()) {
+    auto f = mem.open(n);
+    std::string bytes(f.size(), '\0');
+    f.read_into(0, std::as_writable_bytes(std::span<char>(bytes)));
+    testing::write_file(dir.path / "ckpt" / n, bytes);
+  }
+  const auto r = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf").string(),
+                                             "--max-shard-size", "600", "--stack-experts", expert_rule});
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  check_per_expert_export(file_directory(dir.path / "hf"));
+  // a rule without {i} is a usage error
+  const auto bad = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf2").string(),
+                                               "--stack-experts", "^(.*)\\.experts\\.(.*)$=\\1.\\2"});
+  CHECK(bad.code == 2);
+  CHECK(bad.err.find("no '{i}'") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir.path / "hf2"));
 }

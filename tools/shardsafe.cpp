@@ -557,7 +557,7 @@ int main(int argc, char** argv) {
                             "files of at most SIZE tensor bytes and model.safetensors.index.json", "SRC", any_path);
   to_hf->add_option("OUTDIR", out_path, "the folder to write; it must not exist or be empty")->required();
   std::string max_size = "5GB", to_dtype, preset;
-  std::vector<std::string> renames;
+  std::vector<std::string> renames, stack_experts;
   bool model_only = false;
   to_hf->add_option("--max-shard-size", max_size, "tensor bytes per file: 5GB, 500MB, 4KB (decimal), 4GiB (binary) or "
                                                   "a plain number of bytes")
@@ -590,6 +590,19 @@ int main(int argc, char** argv) {
                                         "model.lm_head.weight -> lm_head.weight, other model.X -> X (a warning), other "
                                         "keys dropped (a warning)")
       ->check(CLI::IsMember({"dcp-to-hf"}));
+  to_hf->add_option("--stack-experts", stack_experts,
+                    "REGEX=REPL: write each stacked expert tensor [E, ...] whose name REGEX matches as E tensors "
+                    "[...] named by REPL, where {i} stands for the expert's index (as --rename; applied before "
+                    "the --rename rules), e.g. '^(.*\\.experts)\\.([^.]+\\.weight)$=\\1.{i}.\\2'")
+      ->allow_extra_args(false)
+      ->check(CLI::Validator([](std::string& s) -> std::string {
+        try {
+          expert_stacking().add(s);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      }, "REGEX=REPL"));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
   try {
     app.parse(argc, argv);
@@ -619,6 +632,7 @@ int main(int argc, char** argv) {
       }
       for (const auto& r : renames) opt.rename.add(r);
       if (!preset.empty()) add_preset(opt.rename, preset);
+      for (const auto& r : stack_experts) opt.experts.add(r);
       opt.model_only = true;  // --model-only or not: HF folders hold model weights
       return with_input(path, [&](const auto& in) { return cmd_to_hf(in, out_path, opt); });
     }

@@ -52,7 +52,9 @@
 
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/async_save.hpp"
+#include "shardsafe/checkpoint/configured.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_experts.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/hf_export_views.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"

@@ -5,6 +5,8 @@
 // The export is planned from metadata alone, before any tensor byte is read:
 //   1. every tensor of the sources, named `prefix + key`, is renamed by the rules (first match
 //      wins; a key renamed to "" is dropped; two keys renamed alike are an error naming both);
+//      (with options.experts, a stacked expert tensor is first split into one tensor per
+//      expert, checkpoint/hf_experts.hpp, and those are renamed);
 //   2. its output dtype is options.convert_to for F16/BF16/F32/F64 tensors, its own otherwise
 //      (integer, BOOL and F8 tensors are never converted);
 //   3. format/hf_export.hpp packs the tensors, in name order, into files of at most
@@ -38,6 +40,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/checkpoint/hf_experts.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
@@ -66,6 +69,11 @@ struct hf_export_options {
   /// Called as blocks are written, from one thread at a time, with the bytes written so far
   /// and the bytes of all the files (headers included).
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
+  /// Stacked expert weights (checkpoint/hf_experts.hpp): a tensor `…experts.NAME` [E, ...]
+  /// these rules match (by its name before renaming) is written as E tensors
+  /// `…experts.{i}.NAME` [...], each read from its slice of the stacked tensor; the rename
+  /// rules then apply to the per-expert names.
+  expert_stacking experts;
 };
 
 struct hf_export_stats {
@@ -181,13 +189,28 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   struct origin {
     checkpoint_reader<S>* reader;
     std::string key;
+    shape_t shape;            ///< the stored tensor's shape
+    std::uint64_t first = 0;  ///< the output's first element in it (an expert's slice)
   };
   std::vector<hf_export_input> inputs;
   std::vector<origin> origins;
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
-      inputs.push_back({s.prefix + key, tm.type, tm.shape});
-      origins.push_back({s.reader, key});
+      const std::string name = s.prefix + key;
+      const rename_rule* stack = opt.experts.empty() ? nullptr : opt.experts.match(name);
+      if (!stack) {
+        inputs.push_back({name, tm.type, tm.shape});
+        origins.push_back({s.reader, key, tm.shape, 0});
+        continue;
+      }
+      if (tm.shape.empty())
+        fail(errc::invalid_argument, std::string(out.name()) + ": tensor '" + name + "' (expert stacking rule '" +
+                                         stack->text + "'): a 0-d tensor has no expert dimension to split");
+      const shape_t rest(tm.shape.begin() + 1, tm.shape.end());
+      for (std::uint64_t i = 0; i < tm.shape[0]; ++i) {
+        inputs.push_back({expert_stacking::expert_name(*stack, name, i), tm.type, rest});
+        origins.push_back({s.reader, key, tm.shape, i * numel(rest)});
+      }
     }
   const hf_export_layout l = plan_hf_export_layout(inputs, opt, out.name());
   detail::require_empty_output(out);
@@ -212,7 +235,8 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
                                                         std::span<std::byte> bytes) {
           const tensor_entry& e = layout.tensors[idx];
           const origin& o = origins[l.source[plan_of[idx]]];
-          flat_view v{o.key, e.type, e.shape, shard_spec(flat_spec{{first, first + n}}), bytes.data(), bytes.size()};
+          flat_view v{o.key, e.type, o.shape, shard_spec(flat_spec{{o.first + first, o.first + first + n}}), bytes.data(),
+                      bytes.size()};
           o.reader->load(std::span<const flat_view>(&v, 1), lo);
         });
       }, opt, written, l.bytes);

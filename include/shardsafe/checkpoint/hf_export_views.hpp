@@ -157,10 +157,19 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
 /// Writes every rank's views as one Hugging Face folder at out_dir (protocol at the top). A
 /// collective: every rank calls it with its own views. options.model_only and direct_io do not
 /// apply; threads and chunk_bytes bound each rank's writes (one conversion buffer of chunk_bytes
-/// per thread).
+/// per thread). With options.experts, the views those rules stack are split into per-expert
+/// views of their memory first (checkpoint/hf_experts.hpp; the rename rules then apply to the
+/// per-expert names): one Hugging Face tensor per expert, each rank writing its own slices.
 template <Comm C>
 hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,
                                      const hf_export_options& opt = {}) {
+  if (!opt.experts.empty()) {
+    unstacked_views u;
+    every_rank_step(comm, [&] { u = unstack_experts(views, opt.experts, out_dir.string()); });
+    hf_export_options per_expert = opt;
+    per_expert.experts = expert_stacking{};
+    return export_hf_from_views(out_dir, std::span<const flat_view>(u.views), comm, per_expert);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const std::string dname = out_dir.string();
   const checkpoint_metadata md = detail::agree_on_metadata(views, comm, dname);  // 1

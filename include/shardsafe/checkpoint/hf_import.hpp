@@ -2,7 +2,8 @@
 // checkpoint_reader reads) imported into this rank's flat views, collectively over a Comm.
 //
 // Names are mapped first (checkpoint/hf_import_keys.hpp: rename rules, LoRA base layers, tied
-// views, missing / unexpected keys, strict mode). Then the bytes move in one of two ways:
+// views, missing / unexpected keys, strict mode; stacked expert weights fed by per-expert
+// tensors, checkpoint/hf_experts.hpp). Then the bytes move in one of two ways:
 //
 // | mode            | who reads                          | memory per rank            | traffic        |
 // |-----------------|------------------------------------|----------------------------|----------------|
@@ -242,13 +243,29 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
 }  // namespace detail
 
 /// Imports the checkpoint in dir into this rank's views (every rank calls it, each with its
-/// own views and the same options). Views nothing feeds are left as they are (listed in
+/// own views and the same options). With opt.experts, the views those rules stack are split
+/// into per-expert views first (checkpoint/hf_experts.hpp) and `keys` speaks of those. Views nothing feeds are left as they are (listed in
 /// keys.missing_keys; an error with opt.strict). Throws, on every rank alike, the first
 /// failure of any rank (see the top of this header).
 template <ReadableDirectory D, Comm C>
 hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   hf_import_result res;
+  if (!opt.experts.empty()) {  // stacked experts: import into per-expert views of their memory
+    unstacked_views u;
+    every_rank_step(comm, [&] { u = unstack_experts(views, opt.experts, dir.name()); });
+    hf_import_options per_expert = opt;
+    per_expert.experts = expert_stacking{};
+    res = import_hf(dir, std::span<const flat_view>(u.views), comm, per_expert);
+    std::erase_if(res.keys.unexpected_keys, [&](const std::string& k) {  // other ranks' experts
+      const std::string model_key = opt.renames.apply(k);
+      return std::binary_search(u.elsewhere.begin(), u.elsewhere.end(), model_key);
+    });
+    res.message = describe(res.keys, opt.examples);
+    res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    res.stats.seconds = res.seconds;
+    return res;
+  }
   if (opt.mode == hf_import_mode::rank0_broadcast)
     detail::import_rank0_broadcast(dir, views, comm, opt, res);
   else

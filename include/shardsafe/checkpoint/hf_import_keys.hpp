@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/hf_experts.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/hf_export.hpp"  // hf_tensor_info: name, dtype, full shape of a tensor
@@ -46,6 +47,10 @@ struct hf_key_options {
   bool strict = false;           ///< missing keys (LoRA adapter weights excepted) are errc::not_found
   bool convert_dtypes = true;    ///< F16/BF16/F32/F64 files load into views of another of them
   std::size_t examples = 5;      ///< keys named in messages, per list
+  /// Stacked expert weights (checkpoint/hf_experts.hpp): a view these rules match is fed by
+  /// the file's per-expert tensors, each rank reading only its own experts' slices. The
+  /// mapping (and its missing / unexpected keys) is then in per-expert names.
+  expert_stacking experts;
 };
 
 /// One load an import does: view `view` from checkpoint tensor `tensor` (an index into the

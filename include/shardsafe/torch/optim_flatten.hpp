@@ -32,6 +32,7 @@ struct optimizer_param {
   at::Tensor param;
   std::optional<shard_spec> spec;
   shape_t full_shape;
+  replica_role replica = replica_role::none;  ///< the parameter's: its state is written by the same replica
 };
 
 namespace detail {
@@ -74,7 +75,7 @@ inline std::vector<std::vector<optimizer_param>> name_optimizer_params(const tor
                                          " is not a tensor of the model's state dict, so it has no name");
       const auto& [name, st] = *it->second;
       if (!seen.insert(name).second) fail(errc::invalid_argument, "optimizer: parameter '" + name + "' is in two groups");
-      out.push_back({name, params[i], st.spec, st.full_shape});
+      out.push_back({name, params[i], st.spec, st.full_shape, st.replica});
     }
   }
   return groups;
@@ -118,7 +119,7 @@ inline state_dict flatten_optimizer_state(torch::optim::Optimizer& opt, const st
         keys.insert(k);
         const std::string entry = detail::state_entry(p.name, k);
         if (p.spec && t->sizes() == p.param.sizes())
-          sd.add(entry, *t, *p.spec, p.full_shape);  // sharded like its parameter
+          sd.add(entry, *t, *p.spec, p.full_shape, p.replica);  // sharded (and replicated) like its parameter
         else
           sd.add(entry, *t);
       }

@@ -3,7 +3,8 @@
 //
 // A sharded entry holds this rank's local data (`local`: the flat shard, as FSDP keeps it,
 // or the block, as a tensor-parallel DTensor's local tensor) with its shard_spec and the full
-// shape. Loading writes into the entries' tensors in place.
+// shape, and, when other ranks hold the same shard, its replica role (written once). Loading
+// writes into the entries' tensors in place.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,6 +29,9 @@ struct sharded_tensor {
   at::Tensor local;                 ///< this rank's data
   std::optional<shard_spec> spec;   ///< nullopt: local is the whole tensor
   shape_t full_shape;               ///< the full shape (for a whole tensor: local's shape)
+  /// For a shard other ranks hold too (HSDP, a replicated mesh dimension): whether this rank
+  /// writes it (flat_view::replica; mesh_replica_role gives it from a mesh).
+  replica_role replica = replica_role::none;
 };
 
 /// Named tensors in insertion order.
@@ -42,8 +46,9 @@ class state_dict {
     return *this;
   }
   /// This rank's shard of a tensor of shape `full`.
-  state_dict& add(std::string key, at::Tensor local, shard_spec spec, shape_t full) {
-    entries_.push_back({std::move(key), sharded_tensor{std::move(local), std::move(spec), std::move(full)}});
+  state_dict& add(std::string key, at::Tensor local, shard_spec spec, shape_t full,
+                  replica_role replica = replica_role::none) {
+    entries_.push_back({std::move(key), sharded_tensor{std::move(local), std::move(spec), std::move(full), replica}});
     return *this;
   }
   state_dict& add(std::string key, sharded_tensor t) {
@@ -74,7 +79,9 @@ class state_dict {
 
 namespace detail {
 inline flat_view view_of(const std::string& key, const sharded_tensor& t, const at::Tensor& memory) {
-  return make_flat_view(key, memory, t.spec, t.full_shape);
+  flat_view v = make_flat_view(key, memory, t.spec, t.full_shape);
+  v.replica = t.replica;
+  return v;
 }
 }  // namespace detail
 
