@@ -1,50 +1,42 @@
 // tests/servers.hpp - servers the remote-storage tests start on 127.0.0.1 and stop after:
-// a child process (nginx, moto_server) on a free port, and a small misbehaving HTTP server
-// run on a thread of the test, whose answers follow a script (faults first, then correct).
+// a child process (nginx, moto_server, tests/fault_proxy.py) on a free port; a small
+// misbehaving HTTP server run on a thread of the test, whose answers follow a script (faults
+// first, then correct); a raw server whose every answer is bytes the test gives (malformed
+// ones); and the 2-rank checkpoint the remote tests serve. Every one is an object whose
+// destructor stops it, so a failed REQUIRE (an exception) stops it too.
 #pragma once
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "net_ports.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
 #include "test_util.hpp"
+#include "thread_world.hpp"
 
 namespace testing {
 
-/// A port on 127.0.0.1 nothing listened on a moment ago (bind to port 0, read it, close).
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  socklen_t len = sizeof a;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-/// Whether something accepts connections on 127.0.0.1:port.
-inline bool port_open(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-  ::close(fd);
-  return ok;
+/// n bytes of a seeded mt19937_64, for objects whose every byte is checked.
+inline std::string random_text(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng());
+  return s;
 }
 
 /// A program run in the background, stdout and stderr to files in `log_dir`; SIGTERM and
@@ -318,5 +310,124 @@ class scripted_server {
   std::deque<fault> script_;
   std::vector<std::string> ranges_;
 };
+
+/// tests/fault_proxy.py on a free port in front of the server at 127.0.0.1:upstream_port,
+/// injecting the faults of a seeded schedule (see the script); faults() lists those injected.
+struct fault_proxy {
+  temp_dir dir{"proxy"};
+  int port = free_port();
+  std::unique_ptr<child_process> proc;
+
+  /// extra: more arguments of the script (--faults, --stall, --kill-parts-after).
+  fault_proxy(int upstream_port, std::uint64_t seed, double rate, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv{"python3", (std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fault_proxy.py").string(),
+                                  "--port", std::to_string(port), "--upstream", "127.0.0.1:" + std::to_string(upstream_port),
+                                  "--seed", std::to_string(seed), "--rate", std::to_string(rate),
+                                  "--log", (dir.path / "faults.log").string()};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    proc = std::make_unique<child_process>(argv, dir.path);
+    proc->wait_for_port(port);
+  }
+  std::string url(const std::string& path = "") const { return "http://127.0.0.1:" + std::to_string(port) + "/" + path; }
+  /// The faults injected so far, one "FAULT METHOD TARGET RANGE" line each.
+  std::vector<std::string> faults() const {
+    std::vector<std::string> out;
+    std::istringstream in(std::filesystem::exists(dir.path / "faults.log") ? slurp(dir.path / "faults.log") : std::string());
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) out.push_back(line);
+    return out;
+  }
+};
+
+/// An HTTP server on 127.0.0.1 that answers every request with the bytes answer(request head)
+/// gives, then closes the connection: for answers no real server would send. Counts requests.
+class raw_server {
+ public:
+  explicit raw_server(std::function<std::string(const std::string&)> answer) : answer_(std::move(answer)) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    REQUIRE(listen_fd_ >= 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    socklen_t len = sizeof a;
+    REQUIRE(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+    port_ = ntohs(a.sin_port);
+    REQUIRE(::listen(listen_fd_, 64) == 0);
+    thread_ = std::thread([this] {
+      for (;;) {
+        const int fd = ::accept(listen_fd_, nullptr, nullptr);
+        if (fd < 0) return;
+        std::string in;
+        char buf[4096];
+        while (in.find("\r\n\r\n") == std::string::npos) {
+          const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+          if (n <= 0) break;
+          in.append(buf, static_cast<std::size_t>(n));
+        }
+        if (in.find("\r\n\r\n") != std::string::npos) {
+          const std::string head = in.substr(0, in.find("\r\n\r\n"));
+          {
+            std::lock_guard lock(m_);
+            heads_.push_back(head);
+          }
+          const std::string out = answer_(head);
+          for (std::size_t at = 0; at < out.size();) {
+            const ssize_t n = ::send(fd, out.data() + at, out.size() - at, MSG_NOSIGNAL);
+            if (n <= 0) break;
+            at += static_cast<std::size_t>(n);
+          }
+        }
+        // until the client closes, at most 300 ms (closing with unread bytes would send an RST
+        // that can overtake the answer)
+        ::shutdown(fd, SHUT_WR);
+        timeval tv{0, 300'000};
+        ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        while (::recv(fd, buf, sizeof buf, 0) > 0) {}
+        ::close(fd);
+      }
+    });
+  }
+  raw_server(const raw_server&) = delete;
+  ~raw_server() {
+    ::shutdown(listen_fd_, SHUT_RDWR);
+    ::close(listen_fd_);
+    thread_.join();
+  }
+  std::string url(const std::string& path = "obj") const { return "http://127.0.0.1:" + std::to_string(port_) + "/" + path; }
+  int port() const noexcept { return port_; }
+  /// The heads of the requests answered so far (request line and headers).
+  std::vector<std::string> heads() {
+    std::lock_guard lock(m_);
+    return heads_;
+  }
+  int requests() { return static_cast<int>(heads().size()); }
+
+ private:
+  std::function<std::string(const std::string&)> answer_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::mutex m_;
+  std::vector<std::string> heads_;
+  std::thread thread_;
+};
+
+/// A 2-rank checkpoint (w: F32 [64, 30] in row halves; e: BF16 [10, 8] in column halves, their
+/// bytes from seeds seed and seed + 1) saved by a world of 2 threads into each of dirs.
+template <shardsafe::WritableDirectory... Ds>
+void save_two_rank_checkpoint(std::uint64_t seed, const Ds&... dirs) {
+  using namespace shardsafe;
+  const std::string w = random_text(64 * 30 * 4, seed), e = random_text(10 * 8 * 2, seed + 1);
+  auto thrown = run_ranks(2, [&](thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
+    for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    (save_flat_views(dirs, std::span<const flat_view>(v), comm), ...);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+}
 
 }  // namespace testing

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <map>
 #include <random>
 
 #include "checkpoint_fixtures.hpp"
@@ -20,17 +21,11 @@
 
 using namespace shardsafe;
 using testing::expect_error;
+using testing::random_text;
 using testing::temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string random_text(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::string s(n, '\0');
-  for (auto& c : s) c = static_cast<char>(rng());
-  return s;
-}
 
 /// Options that retry quickly, for the fault tests.
 http_options quick() {
@@ -131,8 +126,44 @@ TEST_CASE("parse_content_range and parse_retry_after") {
                           "bytes 0-1/2x", "bytes 99999999999999999999-1/2", "bytes 1-2/ 3"})
     CHECK_MESSAGE(!detail::parse_content_range(bad, a, b, t), bad);
   CHECK(detail::parse_retry_after("3") == std::chrono::milliseconds(3000));
-  CHECK_FALSE(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"));
+  CHECK(detail::parse_retry_after("0") == std::chrono::milliseconds(0));
   CHECK_FALSE(detail::parse_retry_after(""));
+  CHECK_FALSE(detail::parse_retry_after("1.5"));
+  CHECK_FALSE(detail::parse_retry_after("-1"));
+  CHECK_FALSE(detail::parse_retry_after("soon"));
+  // an HTTP-date: the wait from now until then, nothing for a date past
+  using ms = std::chrono::milliseconds;
+  const auto now = std::chrono::sys_seconds(std::chrono::seconds(1445412480));  // 2015-10-21 07:28:00 UTC (Python's calendar.timegm)
+  CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now) == ms(0));
+  CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now) == ms(30'000));
+  CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now + ms(200)) == ms(29'800));
+  CHECK(detail::parse_retry_after("Wednesday, 21-Oct-15 07:29:00 GMT", now) == ms(60'000));  // RFC 850
+  CHECK(detail::parse_retry_after("Wed Oct 21 07:28:05 2015", now) == ms(5000));              // asctime
+  CHECK(detail::parse_retry_after("Thu, 22 Oct 2015 07:28:00 GMT", now) == ms(86'400'000));
+  CHECK(detail::parse_retry_after("Tue, 20 Oct 2015 07:28:00 GMT", now) == ms(0));  // past
+  for (const char* bad : {"Wed, 21 Oct 2015 07:28:00 UTC", "Wed, 32 Oct 2015 07:28:00 GMT", "Sun, 29 Feb 2015 07:28:00 GMT",
+                          "Wed, 21 Okt 2015 07:28:00 GMT", "Wed, 21 Oct 2015 24:00:00 GMT", "Wed, 21 Oct 15 07:28:00 GMT",
+                          "Wed, 21 Oct 2015 7:28:00 GMT", "Wed 21 Oct 2015 07:28:00 GMT", "21 Oct 2015 07:28:00 GMT"})
+    CHECK_MESSAGE(!detail::parse_retry_after(bad, now), bad);
+}
+
+TEST_CASE("parse_http_date: the three forms, against Python's email.utils for random instants") {
+  CHECK(detail::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT") == 784111777);  // RFC 9110's example
+  CHECK(detail::parse_http_date("Sunday, 06-Nov-94 08:49:37 GMT") == 784111777);
+  CHECK(detail::parse_http_date("Sun Nov  6 08:49:37 1994") == 784111777);
+  CHECK(detail::parse_http_date("Thu, 29 Feb 2024 23:59:59 GMT") == 1709251199);
+  CHECK(detail::parse_http_date("Thu, 01 Jan 1970 00:00:00 GMT") == 0);
+  const auto py = testing::run_program(
+      "python3", {"-c", "import random, email.utils\nr = random.Random(7)\nfor _ in range(300):\n"
+                        "    t = r.randrange(0, 4102444800)\n    print(t, email.utils.formatdate(t, usegmt=True))"});
+  REQUIRE_MESSAGE(py.code == 0, py.err);
+  std::istringstream in(py.out);
+  int n = 0;
+  for (std::string line; std::getline(in, line); ++n) {
+    const std::size_t sp = line.find(' ');
+    CHECK_MESSAGE(detail::parse_http_date(line.substr(sp + 1)) == std::stoll(line.substr(0, sp)), line);
+  }
+  CHECK(n == 300);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -375,6 +406,252 @@ TEST_CASE("http: nothing listening is a clear error after bounded attempts") {
                {"http://127.0.0.1:" + std::to_string(port) + "/x", "giving up after 3 attempts", "cannot connect"});
 }
 
+// ---------------------------------------------------------------------------------------
+// an object that changes while it is read
+
+TEST_CASE("http: an object replaced between reads is an error naming it, never bytes of two versions") {
+  testing::nginx_server srv;
+  const std::string v1 = random_text(300'000, 30), v2 = random_text(300'000, 31);
+  testing::write_file(srv.www / "obj.bin", v1);
+  const http_storage s(srv.url("obj.bin"), quick());
+  REQUIRE(s.validator().etag.size() > 2);  // nginx's strong ETag of the file
+  CHECK(read_string(s, 0, 1000) == v1.substr(0, 1000));
+  // the same size, a later modification time (nginx's ETag is both): replaced by a rename
+  testing::write_file(srv.www / "obj.new", v2);
+  fs::last_write_time(srv.www / "obj.new", fs::last_write_time(srv.www / "obj.bin") + std::chrono::hours(1));
+  fs::rename(srv.www / "obj.new", srv.www / "obj.bin");
+  expect_error([&] { read_string(s, 1000, 5000); }, errc::io_error,
+               {srv.url("obj.bin"), "the object changed while reading", "HTTP 412 to If-Match: " + s.validator().etag});
+  std::vector<std::string> outs(8, std::string(20'000, '\0'));
+  std::vector<read_request> rs;
+  for (std::size_t i = 0; i < outs.size(); ++i) rs.push_back({i * 30'000, std::as_writable_bytes(std::span(outs[i]))});
+  expect_error([&] { s.read_batch(rs); }, errc::io_error, {"the object changed while reading"});
+  CHECK(s.client().stats().retries.load() == 0u);  // not retried: it would answer the same
+  // opened again, it reads the new version
+  const http_storage again(srv.url("obj.bin"), quick());
+  CHECK(again.validator().etag != s.validator().etag);
+  CHECK(read_string(again, 1000, 5000) == v2.substr(1000, 5000));
+}
+
+TEST_CASE("http: a server that ignores If-Match but answers with another ETag; Last-Modified when there is no ETag") {
+  const std::string body = random_text(1000, 32);
+  auto answer = [&](const std::string& etag_head, const std::string& etag_get, bool lm) {
+    return [=](const std::string& head) {
+      const std::string v = lm ? "Last-Modified: Wed, 21 Oct 2015 07:28:00 GMT\r\n" : "";
+      if (head.starts_with("HEAD "))
+        return "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n" + etag_head + v + "\r\n";
+      if (lm) return std::string("HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n");
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/1000\r\nContent-Length: 10\r\n" + etag_get + "\r\n" +
+             body.substr(0, 10);
+    };
+  };
+  {
+    testing::raw_server srv(answer("ETag: \"v1\"\r\n", "ETag: \"v2\"\r\n", false));
+    const http_storage s(srv.url(), quick());
+    CHECK(s.validator().etag == "\"v1\"");
+    expect_error([&] { read_string(s, 0, 10); }, errc::io_error,
+                 {srv.url(), "the object changed while reading: ETag \"v1\" when opened, \"v2\" now"});
+    const auto heads = srv.heads();
+    REQUIRE(heads.size() == 2);
+    CHECK(heads[1].find("\r\nIf-Match: \"v1\"") != std::string::npos);
+  }
+  {
+    testing::raw_server srv(answer("ETag: \"v1\"\r\n", "ETag: \"v1\"\r\n", false));
+    CHECK(read_string(http_storage(srv.url(), quick()), 0, 10) == body.substr(0, 10));
+  }
+  {  // a weak ETag is not sent (If-Match compares strongly), Last-Modified is
+    testing::raw_server srv(answer("ETag: W/\"v1\"\r\n", "", true));
+    const http_storage s(srv.url(), quick());
+    CHECK(s.validator().etag.empty());
+    CHECK(s.validator().last_modified == "Wed, 21 Oct 2015 07:28:00 GMT");
+    expect_error([&] { read_string(s, 0, 10); }, errc::io_error,
+                 {srv.url(), "changed while reading: HTTP 412 to If-Unmodified-Since: Wed, 21 Oct 2015 07:28:00 GMT"});
+    CHECK(srv.heads().back().find("\r\nIf-Unmodified-Since: Wed, 21 Oct 2015 07:28:00 GMT") != std::string::npos);
+    CHECK(srv.heads().back().find("If-Match") == std::string::npos);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// faults injected by a proxy (tests/fault_proxy.py) between the client and nginx
+
+namespace {
+
+/// w: F32 [64, 3000] and e: BF16 [40, 24], saved by 2 ranks (w by row halves, e by column
+/// halves) into dir.
+void save_resharded_fixture(const fs::path& dir, const std::string& w, const std::string& e) {
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 32 * 3000 * 4, 32 * 3000 * 4), em;
+    for (std::uint64_t row = 0; row < 40; ++row) em += e.substr((row * 24 + r * 12) * 2, 12 * 2);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {64, 3000}, shard_spec(block_spec({32, 3000}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({40, 12}, {0, 12 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    save_flat_views(file_directory(dir), std::span<const flat_view>(v), comm);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+}
+
+/// Loads the fixture from d as 3 ranks (w by column thirds, e by row thirds: 14, 13, 13) and
+/// checks every byte against w and e cut here; throws what a load throws.
+template <ReadableDirectory D>
+void load_resharded_fixture(const D& d, const std::string& w, const std::string& e) {
+  for (std::uint64_t r = 0; r < 3; ++r) {
+    const std::uint64_t e_rows = r == 0 ? 14 : 13, e_first = r == 0 ? 0 : 14 + (r - 1) * 13;
+    std::string wm(64 * 1000 * 4, '\x5a'), em(e_rows * 24 * 2, '\x5a');
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {64, 3000}, shard_spec(block_spec({64, 1000}, {0, 1000 * r})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({e_rows, 24}, {e_first, 0})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    load_flat_views(d, std::span<const flat_view>(v));
+    std::string want_w;
+    for (std::uint64_t row = 0; row < 64; ++row) want_w += w.substr((row * 3000 + 1000 * r) * 4, 1000 * 4);
+    REQUIRE(wm == want_w);
+    REQUIRE(em == e.substr(e_first * 24 * 2, e_rows * 24 * 2));
+  }
+}
+
+/// Options for loads through the proxy: small parts (many requests), short timeouts, room
+/// for several faults in a row on one request.
+http_options through_proxy() {
+  http_options o = quick();
+  o.part_bytes = 32 << 10;
+  o.requests_in_flight = 4;
+  o.read_timeout = std::chrono::milliseconds(400);
+  o.max_attempts = 10;
+  o.retry_after_max = std::chrono::milliseconds(1500);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land bit-exact, or fail with a clear error") {
+  testing::nginx_server srv;
+  const std::string w = random_text(64 * 3000 * 4, 40), e = random_text(40 * 24 * 2, 41);
+  save_resharded_fixture(srv.www / "ckpt", w, e);
+  std::map<std::string, int> kinds;
+  int faults = 0;
+  auto count = [&](const testing::fault_proxy& px) {
+    for (const auto& f : px.faults()) {
+      ++kinds[f.substr(0, f.find(' '))];
+      ++faults;
+    }
+  };
+
+  // every fault but ignore_range is retried: with 10 attempts each load completes
+  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+    CAPTURE(seed);
+    testing::fault_proxy px(srv.port, seed, 0.12,
+                            {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "2"});
+    const http_directory d(px.url("ckpt"), through_proxy());
+    load_resharded_fixture(d, w, e);
+    count(px);
+    CHECK(d.client().stats().retries.load() > 0u);
+  }
+  MESSAGE("retried faults injected over 5 seeds: " << faults);
+  for (const char* k : {"reset", "stall", "s503", "s503_date", "s429", "drop", "truncate", "wrong_range", "wrong_length"})
+    CHECK_MESSAGE(kinds[k] > 0, "no '", k, "' fault was injected: the schedule tests nothing of it");
+
+  // with a server that may ignore Range too, a load either lands every byte or stops with an
+  // error naming the object and the rule
+  int completed = 0, failed = 0;
+  for (std::uint64_t seed = 11; seed <= 14; ++seed) {
+    CAPTURE(seed);
+    testing::fault_proxy px(srv.port, seed, 0.12, {"--stall", "2"});
+    const http_directory d(px.url("ckpt"), through_proxy());
+    try {
+      load_resharded_fixture(d, w, e);
+      ++completed;
+    } catch (const error& x) {
+      ++failed;
+      const std::string m = x.what();
+      CHECK(x.code() == errc::io_error);
+      CHECK_MESSAGE(m.find(px.url("ckpt/")) != std::string::npos, m);
+      CHECK_MESSAGE(m.find("ignored the Range header") != std::string::npos, m);
+    }
+    count(px);
+  }
+  MESSAGE("all faults, 4 seeds: " << completed << " loads completed bit-exact, " << failed
+                                  << " stopped by a server ignoring Range; faults injected in all: " << faults);
+  CHECK(kinds["ignore_range"] > 0);
+  CHECK(failed > 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// servers that answer what no server should
+
+TEST_CASE("http bad servers: malformed answers are clear errors after bounded attempts, no size taken on their word") {
+  http_options o = quick();
+  o.max_attempts = 2;
+  auto fixed = [](std::string bytes) { return [bytes](const std::string&) { return bytes; }; };
+  struct bad_case {
+    const char* what;
+    std::string answer;
+    const char* rule;
+  };
+  std::string huge_header = "HTTP/1.1 200 OK\r\n";
+  while (huge_header.size() < (1 << 20)) huge_header += "X-Pad: " + std::string(100, 'a') + "\r\n";
+  const std::vector<bad_case> cases{
+      {"a status code that is not a number", "HTTP/1.1 2OO OK\r\nContent-Length: 0\r\n\r\n", "reading the response header failed"},
+      {"a version that is not HTTP/1.x", "HTTP/9.9 200 OK\r\nContent-Length: 0\r\n\r\n", "reading the response header failed"},
+      {"no status line at all", "hello there\r\n\r\n", "reading the response header failed"},
+      {"a header without a colon", "HTTP/1.1 200 OK\r\nContent-Length 5\r\n\r\nhello", "reading the response header failed"},
+      {"a Content-Length that is not a number", "HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n", "reading the response header failed"},
+      {"a Content-Length past 2^64", "HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\n",
+       "reading the response header failed"},
+      {"two different Content-Lengths", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
+       "reading the response header failed"},
+      {"a header block of 1 MiB", huge_header + "\r\n", "reading the response header failed"},
+      {"nothing, then a close", "", "reading the response header failed"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.what);
+    testing::raw_server srv(fixed(c.answer));
+    expect_error([&] { http_storage(srv.url(), o); }, errc::io_error, {srv.url(), "giving up after 2 attempts", c.rule});
+    CHECK(srv.requests() == 2);
+  }
+
+  // an absurd Content-Length: a HEAD may state it, but no read takes it for a body
+  const std::string absurd = "1000000000000000000";
+  {
+    testing::raw_server srv([&](const std::string& head) {
+      if (head.starts_with("HEAD ")) return "HTTP/1.1 200 OK\r\nContent-Length: " + absurd + "\r\n\r\n";
+      return "HTTP/1.1 200 OK\r\nContent-Length: " + absurd + "\r\n\r\nxxxxxxxx";
+    });
+    const http_storage s(srv.url(), o);
+    CHECK(s.size() == 1'000'000'000'000'000'000u);
+    expect_error([&] { read_string(s, 0, 100); }, errc::io_error,
+                 {srv.url(), "ignored the Range header (HTTP 200 with the whole body of " + absurd + " bytes)"});
+    detail::http_request get;
+    get.url = parse_url(srv.url());
+    expect_error([&] { s.client().send(get); }, errc::io_error,
+                 {srv.url(), "Content-Length " + absurd + " is over the 16777216 bytes this client reads into memory"});
+  }
+  {  // the right Content-Range, an absurd Content-Length: retried, then an error
+    testing::raw_server srv([&](const std::string& head) {
+      if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n");
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: " + absurd + "\r\n\r\nxxxx";
+    });
+    const http_storage s(srv.url(), o);
+    expect_error([&] { read_string(s, 0, 100); }, errc::io_error,
+                 {srv.url(), "giving up after 2 attempts", "wrong Content-Length " + absurd + " for bytes 0-99"});
+  }
+  {  // a chunk size past 2^64 and an endless chunked body: refused, not allocated
+    testing::raw_server srv(fixed("HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffffffffff\r\nabc"));
+    detail::http_client client(o);
+    detail::http_request get;
+    get.url = parse_url(srv.url());
+    expect_error([&] { client.send(get); }, errc::io_error, {srv.url(), "giving up after 2 attempts", "reading the response body failed"});
+  }
+  {
+    std::string endless = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
+    while (endless.size() < (std::size_t(20) << 20)) endless += "100000\r\n" + std::string(1 << 20, 'z') + "\r\n";
+    testing::raw_server srv(fixed(endless));
+    detail::http_client client(o);
+    detail::http_request get;
+    get.url = parse_url(srv.url());
+    expect_error([&] { client.send(get); }, errc::io_error, {srv.url(), "response body over 16777216 bytes"});
+  }
+}
+
 #if SHARDSAFE_HTTP_TLS
 TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
   testing::nginx_server srv(true);
@@ -430,30 +707,14 @@ void check_same_output(const std::string& local, const std::string& url) {
   }
 }
 
-/// A 2-rank checkpoint (w in row halves, e in column halves) saved into dir.
-template <WritableDirectory D>
-void save_two_rank_checkpoint(const D& dir) {
-  const std::string w = random_text(64 * 30 * 4, 11), e = random_text(10 * 8 * 2, 12);
-  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
-    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
-    std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
-    for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
-    save_flat_views(dir, std::span<const flat_view>(v), comm);
-  });
-  for (auto& t : thrown) REQUIRE_FALSE(t);
-}
-
 }  // namespace
 
 TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as from the local folder" *
           doctest::skip(!have_remote_tool())) {
   testing::nginx_server srv;
-  save_two_rank_checkpoint(file_directory(srv.www / "ckpt"));
-  save_two_rank_checkpoint(file_directory(srv.www / "pair" / "model"));
-  save_two_rank_checkpoint(file_directory(srv.www / "pair" / "optim"));
+  testing::save_two_rank_checkpoint(11, file_directory(srv.www / "ckpt"));
+  testing::save_two_rank_checkpoint(11, file_directory(srv.www / "pair" / "model"));
+  testing::save_two_rank_checkpoint(11, file_directory(srv.www / "pair" / "optim"));
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
   const std::string one = fixtures::file_of(ts.front());

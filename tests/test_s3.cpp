@@ -6,11 +6,13 @@
 
 #include <doctest/doctest.h>
 
+#include <mutex>
 #include <random>
 
 #include "checkpoint_fixtures.hpp"
 #include "servers.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/text.hpp"
@@ -19,19 +21,13 @@
 
 using namespace shardsafe;
 using testing::expect_error;
+using testing::random_text;
 namespace fs = std::filesystem;
 
 namespace {
 
 const std::string empty_hash = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 const aws_credentials aws_example{"AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", ""};
-
-std::string random_text(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::string s(n, '\0');
-  for (auto& c : s) c = static_cast<char>(rng());
-  return s;
-}
 
 /// Environment variables set (or unset) for a scope, restored at its end.
 struct saved_env {
@@ -342,6 +338,211 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
   CHECK(testing::sha256_hex(got) == testing::sha256_hex(want));
 }
 
+TEST_CASE("s3: an object overwritten while a reader has it open is an error, not bytes of two versions") {
+  moto m;
+  const s3_directory d = m.bucket("change", m.options());
+  const std::string v1 = random_text(100'000, 50), v2 = random_text(100'000, 51);
+  write_text(d, "obj.bin", v1);
+  const auto r = d.open("obj.bin");
+  REQUIRE(r.validator().etag.size() > 2);
+  std::string got(1000, '\0');
+  r.read_into(0, std::as_writable_bytes(std::span(got)));
+  CHECK(got == v1.substr(0, 1000));
+  write_text(d, "obj.bin", v2);
+  expect_error([&] { r.read_into(1000, std::as_writable_bytes(std::span(got))); }, errc::io_error,
+               {"the object changed while reading", "HTTP 412 to If-Match: " + r.validator().etag});
+  d.open("obj.bin").read_into(1000, std::as_writable_bytes(std::span(got)));
+  CHECK(got == v2.substr(1000, 1000));
+}
+
+namespace {
+
+/// w: F32 [1536, 2048] (6 MiB a rank file: 2 parts of 5 MiB) and b: BF16 [1000], saved by
+/// 2 ranks in row halves into d; the exceptions of the ranks.
+std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, const std::string& w, const std::string& b) {
+  return testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    save_flat_views(d, std::span<const flat_view>(v), comm);
+  });
+}
+
+}  // namespace
+
+TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exact; an upload cut off leaves nothing") {
+  moto m;
+  s3_options direct = m.options();
+  direct.single_put_max = 1 << 20;
+  direct.part_bytes = 5 << 20;
+  const s3_directory root = m.bucket("faults", direct);
+  const std::string w = random_text(1536 * 2048 * 4, 60), b = random_text(1000 * 2, 61);
+  auto via = [&](const testing::fault_proxy& px) {
+    s3_options o = direct;
+    o.endpoint = "http://127.0.0.1:" + std::to_string(px.port);
+    o.http.read_timeout = std::chrono::milliseconds(2000);
+    o.http.max_attempts = 10;
+    o.http.backoff_initial = std::chrono::milliseconds(5);
+    o.http.backoff_max = std::chrono::milliseconds(20);
+    o.http.retry_after_max = std::chrono::milliseconds(1500);
+    o.http.part_bytes = 256 << 10;  // loads in a few dozen requests
+    return o;
+  };
+
+  SUBCASE("faults on saving and loading: retried, the bytes exact") {
+    int faults = 0;
+    for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+      CAPTURE(seed);
+      testing::fault_proxy px(m.port, seed, 0.15,
+                              {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "3"});
+      const s3_directory d("s3://faults/run/seed" + std::to_string(seed), via(px));
+      for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
+      const std::size_t saved_faults = px.faults().size();
+      // rows [400, 1200) of w (from both rank files) and all of b loaded through the proxy
+      // (every fault kind but ignore_range), checked against w and b
+      std::string wm(800 * 2048 * 4, '\x5a'), bm(2000, '\x5a');
+      std::vector<flat_view> v{
+          {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({800, 2048}, {400, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+          {"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+      load_flat_views(d, std::span<const flat_view>(v));
+      CHECK(wm == w.substr(400 * 2048 * 4, 800 * 2048 * 4));
+      CHECK(bm == b);
+      CHECK(s3_directory(d.name(), direct).pending_uploads().empty());
+      faults += static_cast<int>(px.faults().size());
+      MESSAGE("seed " << seed << ": " << saved_faults << " faults while saving, " << px.faults().size() - saved_faults
+                      << " while loading; " << d.client().stats().retries.load() << " retries");
+    }
+    CHECK(faults > 0);
+  }
+
+  SUBCASE("every UploadPart after the first 2 cut off: the save fails, no metadata.json, no upload left") {
+    testing::fault_proxy px(m.port, 1, 0.0, {"--kill-parts-after", "2"});
+    s3_options o = via(px);
+    o.http.max_attempts = 3;
+    const s3_directory d("s3://faults/cut", o);
+    const auto thrown = save_two_part_checkpoint(d, w, b);
+    bool upload_error = false;  // some rank names the object and the part that failed
+    for (const auto& t : thrown) {
+      REQUIRE(t);
+      try {
+        std::rethrow_exception(t);
+      } catch (const error& e) {
+        const std::string what = e.what();
+        if (what.find("s3://faults/cut/rank_") != std::string::npos && what.find(": UploadPart ") != std::string::npos) {
+          upload_error = true;
+          MESSAGE("the failed upload: " << what);
+        }
+      }
+    }
+    CHECK(upload_error);
+    CHECK(px.faults().size() >= 3u);  // the third part and its retries
+    const s3_directory check("s3://faults/cut", direct);
+    CHECK_FALSE(check.exists("metadata.json"));
+    CHECK_FALSE(is_complete_checkpoint(check));
+    CHECK(check.pending_uploads().empty());
+    std::string bm(2000, '\0');
+    const flat_view bv{"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()};
+    try {
+      load_flat_views(check, std::span<const flat_view>(&bv, 1));
+      FAIL("a checkpoint without metadata.json loaded");
+    } catch (const error& e) {
+      CHECK_MESSAGE(std::string(e.what()).find("s3://faults/cut") != std::string::npos, e.what());
+    }
+  }
+}
+
+TEST_CASE("s3: rotation keeps the newest complete checkpoints on S3, as on a local disk") {
+  moto m;
+  const s3_directory root = m.bucket("rot", m.options()).sub("run");
+  testing::temp_dir local("rot");
+  const file_directory lroot(local.path);
+  for (const std::uint64_t step : {10, 20, 30, 40})
+    testing::save_two_rank_checkpoint(step, root.sub(checkpoint_name(step)), lroot.sub(checkpoint_name(step)));
+  // unfinished saves: step 25 (older than the newest complete one) and step 50 (newer)
+  for (const std::uint64_t step : {25, 50}) {
+    write_text(root.sub(checkpoint_name(step)), "rank_0.safetensors", "partial");
+    lroot.sub(checkpoint_name(step)).make();
+    write_text(lroot.sub(checkpoint_name(step)), "rank_0.safetensors", "partial");
+  }
+  const auto entries = list_checkpoints(root), lentries = list_checkpoints(lroot);
+  REQUIRE(entries.size() == 6);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    CHECK(entries[i].name == lentries[i].name);
+    CHECK(entries[i].complete == lentries[i].complete);
+  }
+  CHECK(latest_checkpoint(root)->step == 40);
+  std::vector<std::vector<std::string>> removed(2), lremoved(2);
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
+    removed[static_cast<std::size_t>(c.rank())] = rotate_checkpoints(root, 2, c);
+    lremoved[static_cast<std::size_t>(c.rank())] = rotate_checkpoints(lroot, 2, c);
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+  CHECK(removed[0] == std::vector<std::string>{"step25", "step20", "step10"});
+  CHECK(removed[1] == removed[0]);
+  CHECK(lremoved[0] == removed[0]);
+  CHECK(root.list() == std::vector<std::string>{"step30", "step40", "step50"});
+  CHECK(root.list() == lroot.list());
+  CHECK(root.sub("step10").list().empty());
+  CHECK(root.sub("step40").list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
+  CHECK(root.pending_uploads().empty());
+}
+
+TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the object and the operation") {
+  std::string answer;
+  std::mutex m;
+  testing::raw_server srv([&](const std::string&) {
+    std::lock_guard lock(m);
+    return answer;
+  });
+  auto set = [&](std::string a) {
+    std::lock_guard lock(m);
+    answer = std::move(a);
+  };
+  auto reply = [](const std::string& status, const std::string& body) {
+    return "HTTP/1.1 " + status + "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+  };
+  s3_options o;
+  o.endpoint = "http://127.0.0.1:" + std::to_string(srv.port());
+  o.region = "us-east-1";
+  o.credentials = aws_credentials{"testing", "testing", ""};
+  o.http.max_attempts = 2;
+  o.http.backoff_initial = std::chrono::milliseconds(5);
+  const s3_directory d("s3://bkt/pre", o);
+
+  set(reply("403 Forbidden", "<html><body>proxy says no</body></html>"));
+  expect_error([&] { d.list(); }, errc::io_error,
+               {"s3://bkt/pre: ListObjectsV2 of 'pre/': HTTP 403 with a body that is not an S3 error document: <html>"});
+  set(reply("500 Internal Server Error", "<Error><Code>Intern"));  // cut short: retried, then judged
+  expect_error([&] { d.list(); }, errc::io_error, {"s3://bkt/pre", "HTTP 500 with a body that is not an S3 error document"});
+  set(reply("404 Not Found", ""));
+  expect_error([&] { d.list(); }, errc::not_found, {"s3://bkt/pre", "HTTP 404 (no body)"});
+  set(reply("200 OK", "<ListBucketResult><Contents><Key>pre/a"));
+  expect_error([&] { d.list(); }, errc::io_error, {"s3://bkt/pre: ListObjectsV2: an unclosed <Contents>"});
+  set(reply("200 OK", "<ListBucketResult><Contents><Key>pre/a&bogus;</Key></Contents></ListBucketResult>"));
+  expect_error([&] { d.list(); }, errc::io_error, {"s3://bkt/pre: ListObjectsV2: a <Contents> without its key"});
+  set(reply("200 OK", "<ListBucketResult><IsTruncated>true</IsTruncated></ListBucketResult>"));
+  expect_error([&] { d.list(); }, errc::io_error, {"truncated without a NextContinuationToken"});
+  set(reply("200 OK", "not xml at all \x01\x02"));  // a 200 from something that is not S3: not an empty listing
+  expect_error([&] { d.list(); }, errc::io_error,
+               {"s3://bkt/pre: ListObjectsV2: the answer (HTTP 200) is not a ListBucketResult: not xml at all ??"});
+  set(reply("200 OK", "<InitiateMultipartUploadResult></InitiateMultipartUploadResult>"));
+  {
+    s3_options small = o;
+    small.single_put_max = 1;
+    const s3_directory ds("s3://bkt/pre", small);
+    auto wr = ds.create("big.bin");
+    expect_error([&] { wr.write_blocks(std::uint64_t(6) << 20, [](std::uint64_t, std::span<std::byte> dst) { std::memset(dst.data(), 1, dst.size()); }); },
+                 errc::io_error, {"s3://bkt/pre/big.bin: CreateMultipartUpload: no UploadId"});
+  }
+  set("HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+  expect_error([&] { d.open("x.bin"); }, errc::io_error, {"s3://bkt/pre/x.bin: open", "HTTP 403 to HEAD"});
+  set("HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000000\r\nConnection: close\r\n\r\n");
+  expect_error([&] { d.list(); }, errc::io_error,
+               {"s3://bkt/pre", "Content-Length 1000000000000000000 is over the 16777216 bytes this client reads into memory"});
+}
+
 // ---------------------------------------------------------------------------------------
 // the shardsafe tool on s3:// URLs (docs/FORMAT.md §4), against its run on the same local folder
 
@@ -353,23 +554,6 @@ testing::program_result run_tool(const std::vector<std::string>& args) { return 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
   for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
   return s;
-}
-
-/// The same 2-rank checkpoint (w in row halves, e in column halves) saved into both folders.
-template <WritableDirectory A, WritableDirectory B>
-void save_two_rank_checkpoint(const A& a, const B& b) {
-  const std::string w = random_text(64 * 30 * 4, 21), e = random_text(10 * 8 * 2, 22);
-  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
-    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
-    std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
-    for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
-    save_flat_views(a, std::span<const flat_view>(v), comm);
-    save_flat_views(b, std::span<const flat_view>(v), comm);
-  });
-  for (auto& t : thrown) REQUIRE_FALSE(t);
 }
 
 std::string object_text(const s3_directory& d, const std::string& name) {
@@ -393,9 +577,9 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
   env.set("AWS_PROFILE", nullptr);
   const s3_directory root = m.bucket("tool", m.options());
   testing::temp_dir local("tool_s3");
-  save_two_rank_checkpoint(file_directory(local.path / "ckpt"), root.sub("ckpt"));
-  save_two_rank_checkpoint(file_directory(local.path / "pair" / "model"), root.sub("pair").sub("model"));
-  save_two_rank_checkpoint(file_directory(local.path / "pair" / "optim"), root.sub("pair").sub("optim"));
+  testing::save_two_rank_checkpoint(21, file_directory(local.path / "ckpt"), root.sub("ckpt"));
+  testing::save_two_rank_checkpoint(21, file_directory(local.path / "pair" / "model"), root.sub("pair").sub("model"));
+  testing::save_two_rank_checkpoint(21, file_directory(local.path / "pair" / "optim"), root.sub("pair").sub("optim"));
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(local.path / "hf"), ts);
   for (const auto& e : fs::directory_iterator(local.path / "hf"))  // the same objects on S3

@@ -17,7 +17,10 @@
 // |-----------------|------------------------------------------------------------------------------|
 // | d.open(n)       | HEAD of DIR/n (redirects followed; the final URL is kept for the reads):     |
 // |                 | its Content-Length is size(); a HEAD without one: GET of bytes=0-0 and the   |
-// |                 | total of its Content-Range. 404/410: errc::not_found; other codes: io_error  |
+// |                 | total of its Content-Range. 404/410: errc::not_found; other codes: io_error. |
+// |                 | Its strong ETag (else Last-Modified) is kept: each read sends If-Match (else |
+// |                 | If-Unmodified-Since), and a 412 or another ETag is io_error "the object      |
+// |                 | changed while reading"                                                       |
 // | d.exists(n)     | HEAD of DIR/n: 2xx true, 404/410 false; a folder answered after a redirect   |
 // |                 | to DIR/n/ (403 without an index) true; anything else an error                |
 // | d.list()        | errc::invalid_argument: HTTP has no listing (name the objects instead)       |
@@ -54,10 +57,17 @@ inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_
   }
 }
 
+/// What the HEAD that opens an object says of it.
+struct remote_object {
+  std::uint64_t size = 0;
+  object_validator validator;  ///< its strong ETag, else its Last-Modified (either may be absent)
+};
+
 /// The size of the object at u from HEAD (following redirects; u becomes the URL that answered),
-/// or from the Content-Range total of a 1-byte GET when HEAD gives no Content-Length.
+/// or from the Content-Range total of a 1-byte GET when HEAD gives no Content-Length; and its
+/// validator, from the ETag (strong ones only: If-Match compares strongly) or Last-Modified.
 template <class Sign = no_signing>
-std::uint64_t remote_size(http_client& c, url_parts& u, const Sign& sign = {}) {
+remote_object remote_head(http_client& c, url_parts& u, const Sign& sign = {}) {
   http_request head;
   head.method = bhttp::verb::head;
   head.url = u;
@@ -67,6 +77,11 @@ std::uint64_t remote_size(http_client& c, url_parts& u, const Sign& sign = {}) {
   if (r.status < 200 || r.status > 299)
     throw error(errc::io_error, u.str() + ": HTTP " + std::to_string(r.status) + " to HEAD");
   u = r.url;
+  remote_object obj;
+  if (auto et = r.header("ETag"); et && et->size() >= 2 && et->front() == '"' && et->back() == '"')
+    obj.validator.etag = *et;
+  else if (auto lm = r.header("Last-Modified"); lm && parse_http_date(*lm))
+    obj.validator.last_modified = *lm;
   auto parse = [&](const std::string& v, std::uint64_t& n) {
     if (v.empty() || v.size() > 19) return false;
     n = 0;
@@ -79,20 +94,22 @@ std::uint64_t remote_size(http_client& c, url_parts& u, const Sign& sign = {}) {
   std::uint64_t n = 0;
   if (auto cl = r.header("Content-Length")) {
     if (!parse(*cl, n)) throw error(errc::io_error, u.str() + ": HEAD gave Content-Length '" + *cl + "', not a number");
-    return n;
+    obj.size = n;
+    return obj;
   }
   http_request get;
   get.url = u;
   get.headers.emplace_back("Range", "bytes=0-0");
   const http_response g = c.send(get, sign);
-  if (g.status == 416) return 0;  // nothing to give: an empty object
+  if (g.status == 416) return obj;  // nothing to give: an empty object
   std::uint64_t a = 0, b = 0;
   std::optional<std::uint64_t> total;
   auto cr = g.header("Content-Range");
   if (g.status != 206 || !cr || !parse_content_range(*cr, a, b, total) || !total)
     throw error(errc::io_error, u.str() + ": HEAD gave no Content-Length, and a GET of bytes=0-0 no Content-Range total (HTTP " +
                                     std::to_string(g.status) + ")");
-  return *total;
+  obj.size = *total;
+  return obj;
 }
 }  // namespace detail
 
@@ -104,7 +121,9 @@ class basic_remote_storage {
   /// Opens the object at url: one HEAD for its size (see the table at the top).
   basic_remote_storage(std::shared_ptr<detail::http_client> client, url_parts url, Sign sign = {}, std::string name = "")
       : client_(std::move(client)), url_(std::move(url)), name_(name.empty() ? url_.str() : std::move(name)), sign_(std::move(sign)) {
-    size_ = detail::remote_size(*client_, url_, sign_);
+    detail::remote_object o = detail::remote_head(*client_, url_, sign_);
+    size_ = o.size;
+    validator_ = std::move(o.validator);
   }
   explicit basic_remote_storage(std::string_view url, http_options o = {})
       : basic_remote_storage(std::make_shared<detail::http_client>(std::move(o)), parse_url(url)) {}
@@ -114,12 +133,14 @@ class basic_remote_storage {
   /// The URL the reads go to (after the redirects of the HEAD).
   const url_parts& url() const noexcept { return url_; }
   detail::http_client& client() const noexcept { return *client_; }
+  /// The ETag (or Last-Modified) every read checks the object still has (see the table).
+  const detail::object_validator& validator() const noexcept { return validator_; }
 
   void read_into(std::uint64_t off, std::span<std::byte> dst) const {
     if (dst.empty()) return;
     detail::check_read_range(name_, off, dst.size(), size_);
     if (dst.size() <= client_->options().part_bytes) {
-      client_->read_range(url_, off, dst, size_, sign_);
+      client_->read_range(url_, off, dst, size_, sign_, validator_);
       return;
     }
     const read_request one{off, dst};
@@ -134,7 +155,7 @@ class basic_remote_storage {
       detail::split_read(r.offset, r.dst, client_->options().part_bytes, parts);
     }
     detail::parallel_for(parts.size(), client_->options().requests_in_flight, [&](std::size_t i) {
-      client_->read_range(url_, parts[i].offset, parts[i].dst, size_, sign_);
+      client_->read_range(url_, parts[i].offset, parts[i].dst, size_, sign_, validator_);
     });
   }
 
@@ -151,6 +172,7 @@ class basic_remote_storage {
   std::string name_;
   Sign sign_;
   std::uint64_t size_ = 0;
+  detail::object_validator validator_;
 };
 
 using http_storage = basic_remote_storage<detail::no_signing>;

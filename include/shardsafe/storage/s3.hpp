@@ -30,7 +30,12 @@
 //
 // S3's XML error bodies become messages that name the object, the operation and S3's code:
 // "s3://b/k: GET: NoSuchKey: The specified key does not exist. (HTTP 404)"; NoSuchKey and 404
-// are errc::not_found, the rest errc::io_error. Object names are plain names (storage/concepts.hpp).
+// are errc::not_found, the rest errc::io_error. A body that is not S3's XML is quoted (an
+// excerpt, control bytes as '?'), a listing answered by something other than a
+// ListBucketResult is an error (not an empty folder), and a failed exchange (connection,
+// timeouts, attempts spent, a malformed answer) names the object and operation before the URL.
+// Readers check, as http.hpp's do, that the object keeps the ETag it was opened with
+// (If-Match on every range read). Object names are plain names (storage/concepts.hpp).
 #pragma once
 
 #include <algorithm>
@@ -179,6 +184,18 @@ inline void check_s3(const std::string& name, std::string_view op, const http_re
     throw_s3_error(name, op, r);  // (CompleteMultipartUpload may fail with 200 and an <Error> body)
 }
 
+/// Sends r signed with ctx's credentials; a failure of the exchange itself (connection,
+/// timeouts, retries spent, a malformed answer) becomes an error that names the object and
+/// the operation before the URL: "s3://b/k: UploadPart 3: http://host/b/k?...: giving up ...".
+inline http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r, const std::string& name,
+                             std::string_view op) {
+  try {
+    return ctx->client->send(r, s3_signer{ctx});
+  } catch (const error& e) {
+    throw error(e.code(), name + ": " + std::string(op) + ": " + e.what());
+  }
+}
+
 }  // namespace detail
 
 using s3_storage = basic_remote_storage<detail::s3_signer>;
@@ -292,7 +309,7 @@ class s3_writer {
     r.method = m;
     r.url = ctx_->url_of(key_, query);
     r.body = body;
-    auto resp = ctx_->client->send(r, detail::s3_signer{ctx_});
+    auto resp = detail::s3_send(ctx_, r, name_, op);
     detail::check_s3(name_, op, resp);
     return resp;
   }
@@ -352,7 +369,7 @@ class s3_directory {
     detail::http_request head;
     head.method = detail::bhttp::verb::head;
     head.url = ctx_->url_of(k);
-    const auto r = ctx_->client->send(head, detail::s3_signer{ctx_});
+    const auto r = detail::s3_send(ctx_, head, ctx_->name_of(k), "HEAD");
     if (r.status >= 200 && r.status <= 299) return true;
     if (r.status != 404) detail::throw_s3_error(ctx_->name_of(k), "HEAD", r);
     bool any = false;
@@ -382,7 +399,7 @@ class s3_directory {
       detail::http_request r;
       r.method = detail::bhttp::verb::delete_;
       r.url = ctx_->url_of(keys[i]);
-      const auto resp = ctx_->client->send(r, detail::s3_signer{ctx_});
+      const auto resp = detail::s3_send(ctx_, r, ctx_->name_of(keys[i]), "DELETE");
       if (resp.status != 404) detail::check_s3(ctx_->name_of(keys[i]), "DELETE", resp);
     });
   }
@@ -400,7 +417,7 @@ class s3_directory {
     detail::http_request r;
     r.method = detail::bhttp::verb::put;
     r.url = ctx_->url_of(prefix_ + "/");
-    detail::check_s3(name_ + "/", "PUT (folder marker)", ctx_->client->send(r, detail::s3_signer{ctx_}));
+    detail::check_s3(name_ + "/", "PUT (folder marker)", detail::s3_send(ctx_, r, name_ + "/", "PUT (folder marker)"));
   }
 
   /// Creates the bucket (PUT BUCKET; in us-east-1 without a location body): for tests and tools.
@@ -412,14 +429,14 @@ class s3_directory {
     if (ctx_->region != "us-east-1")
       body = "<CreateBucketConfiguration><LocationConstraint>" + ctx_->region + "</LocationConstraint></CreateBucketConfiguration>";
     r.body = std::as_bytes(std::span(body));
-    detail::check_s3("s3://" + ctx_->bucket, "CreateBucket", ctx_->client->send(r, detail::s3_signer{ctx_}));
+    detail::check_s3("s3://" + ctx_->bucket, "CreateBucket", detail::s3_send(ctx_, r, "s3://" + ctx_->bucket, "CreateBucket"));
   }
 
   /// The multipart uploads in progress under this prefix (ListMultipartUploads): for tests.
   std::vector<std::string> pending_uploads() const {
     detail::http_request r;
     r.url = ctx_->url_of("", "uploads=&prefix=" + percent_encode(prefix_));
-    const auto resp = ctx_->client->send(r, detail::s3_signer{ctx_});
+    const auto resp = detail::s3_send(ctx_, r, name_, "ListMultipartUploads");
     detail::check_s3(name_, "ListMultipartUploads", resp);
     std::vector<std::string> keys;
     for (std::size_t at = 0;;) {
@@ -450,9 +467,16 @@ class s3_directory {
       if (!token.empty()) q += "&continuation-token=" + percent_encode(token);
       detail::http_request r;
       r.url = ctx_->url_of("", q);
-      const auto resp = ctx_->client->send(r, detail::s3_signer{ctx_});
+      const auto resp = detail::s3_send(ctx_, r, name_, "ListObjectsV2 of '" + pre + "'");
       detail::check_s3(name_, "ListObjectsV2 of '" + pre + "'", resp);
       const std::string& x = resp.body;
+      if (x.find("<ListBucketResult") == std::string::npos) {  // a 200 from something that is not S3
+        std::string e = x.substr(0, 120);
+        for (char& c : e)
+          if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = '?';
+        throw error(errc::io_error, name_ + ": ListObjectsV2: the answer (HTTP " + std::to_string(resp.status) +
+                                        ") is not a ListBucketResult: " + (e.empty() ? "(no body)" : e));
+      }
       for (const std::string_view tag : {std::string_view("Contents"), std::string_view("CommonPrefixes")}) {
         const std::string open = "<" + std::string(tag) + ">", close = "</" + std::string(tag) + ">";
         for (std::size_t at = x.find(open); at != std::string::npos; at = x.find(open, at)) {

@@ -9,16 +9,24 @@
 //
 // Retries (http_options): connection errors, timeouts, 5xx, 429 and responses that break the
 // range rules below are retried up to max_attempts times in all, after an exponential backoff
-// with jitter (at least Retry-After when the server sends one, up to retry_after_max). A
-// connection taken from the pool that fails before any byte of a response arrived is replaced
-// without counting an attempt (the server closed it while idle).
+// with jitter (at least Retry-After when the server sends one, in seconds or as an HTTP-date,
+// up to retry_after_max). A connection taken from the pool that fails before any byte of a
+// response arrived is replaced without counting an attempt (the server closed it while idle).
 //
 // A range read (read_range) lands straight in the caller's memory and is checked before a
 // byte is kept: the answer must be 206 whose Content-Range is exactly the bytes asked for and
 // whose Content-Length (when sent) is their number; a 200 is taken only when the whole object
 // was asked for and Content-Length says so, else the server ignored Range and that is an error
 // (errc::io_error, not retried: it would answer the same). A body that ends early is resumed:
-// the retry asks only for the bytes still missing. A body longer than announced is an error.
+// the retry asks only for the bytes still missing. A body longer than announced is an error
+// (or, past a Content-Length, leaves a connection that is not reused). A body with a
+// Content-Length is read from the socket straight into the caller's memory, past Beast's
+// parser; only the bytes that arrived with the header are copied out of the buffer.
+//
+// With an object_validator (the http and s3 readers pass the ETag or Last-Modified of the
+// HEAD that opened the object), every range read sends If-Match (or If-Unmodified-Since); a
+// 412, or an answer with another ETag, is errc::io_error "the object changed while reading",
+// not retried: bytes of two versions of an object never land in one load.
 #pragma once
 
 #include <algorithm>
@@ -41,9 +49,11 @@
 #include <variant>
 #include <vector>
 
+#include <boost/asio/buffer.hpp>
 #include <boost/asio/connect.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
 #include <boost/beast/http/buffer_body.hpp>
@@ -160,16 +170,96 @@ inline bool parse_content_range(std::string_view v, std::uint64_t& first, std::u
   return true;
 }
 
-/// Retry-After as delta-seconds; an HTTP-date (or junk) gives nothing and the backoff applies.
-inline std::optional<std::chrono::milliseconds> parse_retry_after(std::string_view v) {
-  if (v.empty() || v.size() > 9) return std::nullopt;
-  std::uint64_t s = 0;
-  for (char c : v) {
-    if (c < '0' || c > '9') return std::nullopt;
-    s = s * 10 + std::uint64_t(c - '0');
+/// An HTTP-date (RFC 9110 §5.6.7) as seconds since 1970-01-01 UTC: the IMF-fixdate form
+/// "Sun, 06 Nov 1994 08:49:37 GMT", and the obsolete RFC 850 ("Sunday, 06-Nov-94 08:49:37 GMT")
+/// and asctime ("Sun Nov  6 08:49:37 1994") forms a recipient must accept; nothing otherwise.
+inline std::optional<std::int64_t> parse_http_date(std::string_view v) {
+  static constexpr std::string_view months[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                                "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+  auto num = [](std::string_view s, std::size_t digits, int& out) {
+    if (s.size() != digits) return false;
+    out = 0;
+    for (char c : s) {
+      if (c < '0' || c > '9') return false;
+      out = out * 10 + (c - '0');
+    }
+    return true;
+  };
+  auto month = [&](std::string_view m, int& out) {
+    for (int i = 0; i < 12; ++i)
+      if (m == months[i]) return out = i + 1, true;
+    return false;
+  };
+  auto alpha = [](std::string_view s) {
+    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); });
+  };
+  std::vector<std::string_view> w;  // the words, runs of spaces collapsed (asctime pads the day)
+  for (std::size_t i = 0; i < v.size();) {
+    if (v[i] == ' ') { ++i; continue; }
+    const std::size_t j = std::min(v.find(' ', i), v.size());
+    w.push_back(v.substr(i, j - i));
+    i = j;
   }
-  return std::chrono::milliseconds(s * 1000);
+  int y = 0, mo = 0, d = 0;
+  std::string_view time;
+  if (w.size() == 6 && w[0].size() == 4 && w[0][3] == ',' && alpha(w[0].substr(0, 3)) && w[5] == "GMT") {
+    if (!num(w[1], 2, d) || !month(w[2], mo) || !num(w[3], 4, y)) return std::nullopt;
+    time = w[4];
+  } else if (w.size() == 4 && w[0].size() > 1 && w[0].back() == ',' && alpha(w[0].substr(0, w[0].size() - 1)) && w[3] == "GMT") {
+    const std::string_view dmy = w[1];  // 06-Nov-94
+    if (dmy.size() != 9 || dmy[2] != '-' || dmy[6] != '-' || !num(dmy.substr(0, 2), 2, d) || !month(dmy.substr(3, 3), mo) ||
+        !num(dmy.substr(7, 2), 2, y))
+      return std::nullopt;
+    y += y < 70 ? 2000 : 1900;  // two-digit years: the nearest century past 1970
+    time = w[2];
+  } else if (w.size() == 5 && w[0].size() == 3 && alpha(w[0])) {
+    if (!month(w[1], mo) || !(num(w[2], 1, d) || num(w[2], 2, d)) || !num(w[4], 4, y)) return std::nullopt;
+    time = w[3];
+  } else {
+    return std::nullopt;
+  }
+  int h = 0, mi = 0, s = 0;
+  if (time.size() != 8 || time[2] != ':' || time[5] != ':' || !num(time.substr(0, 2), 2, h) ||
+      !num(time.substr(3, 2), 2, mi) || !num(time.substr(6, 2), 2, s) || h > 23 || mi > 59 || s > 60)
+    return std::nullopt;
+  static constexpr int mdays[] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  const bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+  if (y < 1970 || d < 1 || d > mdays[mo - 1] || (mo == 2 && d == 29 && !leap)) return std::nullopt;
+  // days from 1970-01-01 to y-mo-d (the civil-from-days algorithm run backwards)
+  const std::int64_t yy = y - (mo <= 2), era = yy / 400, yoe = yy - era * 400;
+  const std::int64_t doy = (153 * (mo + (mo > 2 ? -3 : 9)) + 2) / 5 + d - 1, doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  const std::int64_t days = era * 146097 + doe - 719468;
+  return days * 86400 + h * 3600 + mi * 60 + s;
 }
+
+/// Retry-After (RFC 9110 §10.2.3): delta-seconds, or an HTTP-date taken as the wait from now
+/// until then (zero for a date already past). Junk gives nothing, and the backoff applies.
+inline std::optional<std::chrono::milliseconds> parse_retry_after(
+    std::string_view v, std::chrono::system_clock::time_point now = std::chrono::system_clock::now()) {
+  if (v.empty()) return std::nullopt;
+  if (v[0] >= '0' && v[0] <= '9') {
+    if (v.size() > 9) return std::nullopt;
+    std::uint64_t s = 0;
+    for (char c : v) {
+      if (c < '0' || c > '9') return std::nullopt;
+      s = s * 10 + std::uint64_t(c - '0');
+    }
+    return std::chrono::milliseconds(s * 1000);
+  }
+  const auto at = parse_http_date(v);
+  if (!at) return std::nullopt;
+  const auto wait = std::chrono::sys_seconds(std::chrono::seconds(*at)) - now;
+  return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(wait));
+}
+
+/// What a range read checks that the object is still the one that was opened: its strong
+/// ETag, sent as If-Match and compared with the ETag of every answer; or, when the server gave
+/// none (or a weak one), its Last-Modified, sent as If-Unmodified-Since. Empty: no check.
+struct object_validator {
+  std::string etag;           ///< a strong ETag, quotes included
+  std::string last_modified;  ///< an HTTP-date
+  bool empty() const noexcept { return etag.empty() && last_modified.empty(); }
+};
 
 /// One kept-alive connection with its own io_context (see the top of the file).
 struct http_connection {
@@ -271,10 +361,11 @@ class http_client {
   }
 
   /// Reads bytes [off, off + dst.size()) of the object at url (whose size is total) into dst,
-  /// as the top of the file says. errc::not_found for a 404, errc::truncated for a 416.
+  /// as the top of the file says. errc::not_found for a 404, errc::truncated for a 416; with a
+  /// validator, errc::io_error "changed while reading" for a 412 or an answer of another ETag.
   template <class Sign = no_signing>
   void read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst, std::uint64_t total,
-                  const Sign& sign = {}) {
+                  const Sign& sign = {}, const object_validator& validator = {}) {
     if (dst.empty()) return;
     std::uint64_t got = 0;
     http_request req;
@@ -284,9 +375,11 @@ class http_client {
     with_retries<bool>(req, [&](http_request& r, attempt_failure& f) -> std::optional<bool> {
       http_request a = r;
       a.headers.emplace_back("Range", "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
+      if (!validator.etag.empty()) a.headers.emplace_back("If-Match", validator.etag);
+      else if (!validator.last_modified.empty()) a.headers.emplace_back("If-Unmodified-Since", validator.last_modified);
       sign(a);
       std::optional<url_parts> moved;
-      const bool done = exchange_range(a, off, dst, total, got, f, moved);
+      const bool done = exchange_range(a, off, dst, total, got, f, moved, validator);
       if (moved) {
         if (++redirects > opt_.max_redirects)
           throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
@@ -443,6 +536,11 @@ class http_client {
            std::nullopt, nothing};
       return false;
     }
+    if (const unsigned v = p.get().version(); v != 10 && v != 11) {  // Beast takes any digit.digit
+      f = {true, "reading the response header failed: the answer is HTTP/" + std::to_string(v / 10) + "." +
+                     std::to_string(v % 10) + ", not HTTP/1.x", std::nullopt, false};
+      return false;
+    }
     return true;
   }
 
@@ -459,6 +557,26 @@ class http_client {
     const std::size_t n = cap - p.get().body().size;
     stats_.body_bytes += n;
     return n;
+  }
+
+  /// Reads exactly n bytes from c's socket into data (no parser, no copy), as far as it can:
+  /// returns how many landed, with ec set if that is fewer than n.
+  std::size_t read_raw(http_connection& c, std::byte* data, std::size_t n, boost::system::error_code& ec) {
+    std::size_t k = 0;
+    c.tcp().expires_after(opt_.read_timeout);
+    // each socket read asks for all that is still missing (asio's default would be 64 KiB)
+    auto all_missing = [n](const boost::system::error_code& e, std::size_t done) -> std::size_t { return e ? 0 : n - done; };
+    std::visit([&](auto& s) {
+      c.run([&] {
+        net::async_read(s, net::buffer(data, n), all_missing, [&](boost::system::error_code e, std::size_t m) {
+          ec = e;
+          k = m;
+        });
+      });
+    }, c.stream);
+    stats_.body_bytes += k;
+    if (!ec && k < n) ec = net::error::eof;
+    return k;
   }
 
   static std::vector<std::pair<std::string, std::string>> headers_of(const parser_t& p) {
@@ -522,7 +640,8 @@ class http_client {
 
   /// One range GET attempt into dst[got, dst.size()); true when all of dst has landed.
   bool exchange_range(const http_request& r, std::uint64_t off, std::span<std::byte> dst, std::uint64_t total,
-                      std::uint64_t& got, attempt_failure& f, std::optional<url_parts>& moved) {
+                      std::uint64_t& got, attempt_failure& f, std::optional<url_parts>& moved,
+                      const object_validator& validator) {
     slot_guard slot(slots_);
     auto c = take(r.url, f);
     if (!c) return false;
@@ -554,6 +673,15 @@ class http_client {
     if (status == 416)
       throw error(errc::truncated, r.url.str() + ": " + asked + " not satisfiable (HTTP 416): the object is shorter than " +
                                        std::to_string(total) + " bytes");
+    if (status == 412 && !validator.empty())
+      throw error(errc::io_error, r.url.str() + ": the object changed while reading: HTTP 412 to " +
+                                      (validator.etag.empty() ? "If-Unmodified-Since: " + validator.last_modified
+                                                              : "If-Match: " + validator.etag) +
+                                      " (for " + asked + ")");
+    if ((status == 200 || status == 206) && !validator.etag.empty())
+      if (auto et = p.get().find(bhttp::field::etag); et != p.get().end() && sv(et->value()) != validator.etag)
+        throw error(errc::io_error, r.url.str() + ": the object changed while reading: ETag " + validator.etag +
+                                        " when opened, " + std::string(sv(et->value())) + " now (for " + asked + ")");
     if (status >= 500 || status == 429) {
       const std::string b = small_body();
       f = {true, "HTTP " + std::to_string(status) + " for " + asked + excerpt(b), std::nullopt, false};
@@ -592,7 +720,32 @@ class http_client {
       const std::string b = small_body();
       throw error(errc::io_error, r.url.str() + ": HTTP " + std::to_string(status) + " for " + asked + excerpt(b));
     }
-    // the body, straight into dst, at most 1 MiB per socket read (so read_timeout is per MiB)
+    if (p.content_length() && !p.chunked()) {
+      // the body straight from the socket into dst, past Beast's parser: first the bytes that
+      // came with the header (read_header leaves them in the buffer), then reads of at most
+      // 1 MiB each (so read_timeout is per MiB). Content-Length is the bytes asked for (checked above).
+      const std::size_t pre = std::min<std::size_t>(c->buffer.size(), static_cast<std::size_t>(dst.size() - got));
+      net::buffer_copy(net::buffer(dst.data() + got, pre), c->buffer.data());
+      c->buffer.consume(pre);
+      got += pre;
+      stats_.body_bytes += pre;
+      while (got < dst.size()) {
+        boost::system::error_code ec;
+        const std::size_t cap = static_cast<std::size_t>(std::min<std::uint64_t>(dst.size() - got, 1 << 20));
+        got += read_raw(*c, dst.data() + got, cap, ec);
+        if (ec) {
+          f = {true, "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
+                         " bytes for " + asked + ": " + ec.message(), std::nullopt, false};
+          return false;
+        }
+      }
+      // bytes past the body are not the start of a next answer (none was asked for): the
+      // connection is not reused
+      if (p.get().keep_alive() && c->buffer.size() == 0) give_back(std::move(c));
+      return true;
+    }
+    // a body without Content-Length (chunked, or until the connection closes): through the parser
+    // (at most 1 MiB per call, so read_timeout is per MiB)
     while (got < dst.size() && !p.is_done()) {
       boost::system::error_code ec;
       const std::size_t cap = static_cast<std::size_t>(std::min<std::uint64_t>(dst.size() - got, 1 << 20));
