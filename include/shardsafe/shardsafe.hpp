@@ -51,6 +51,7 @@
 #include "shardsafe/dist/single.hpp"
 
 // sharded checkpoints of flat views
+#include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/hf_export_views.hpp"
