@@ -674,7 +674,7 @@ TEST_CASE_TEMPLATE("overlapping shards: equal bytes are replicas; different byte
     return "{\"tensors\": {\"b\": {\"shape\": [10], \"is_sharded\": true, \"dtype\": \"I16\", \"shard_spec_per_file\": {"
            "\"rank_0.safetensors\": " + spec0 + ", \"rank_1.safetensors\": " + spec1 + "}}}}";
   };
-  auto flat = [](int lo, int hi) {
+  auto flat = [](std::uint64_t lo, std::uint64_t hi) {
     return "{\"flattened_offsets\": [[" + std::to_string(lo) + ", " + std::to_string(hi) +
            "]], \"local_shape\": null, \"global_offset\": null}";
   };
@@ -686,7 +686,7 @@ TEST_CASE_TEMPLATE("overlapping shards: equal bytes are replicas; different byte
   };
   for (const bool identical : {false, true}) {
     // partial: rank 0 holds [0, 6), rank 1 holds [4, 10); identical: both hold all of it
-    const int lo1 = identical ? 0 : 4, hi0 = identical ? 10 : 6;
+    const std::uint64_t lo1 = identical ? 0 : 4, hi0 = identical ? 10 : 6;
     const std::string name = identical ? "identical" : "partial";
     INFO(name);
     const D dir = be.root().sub(name);
@@ -696,7 +696,7 @@ TEST_CASE_TEMPLATE("overlapping shards: equal bytes are replicas; different byte
     fixtures::put(dir, "metadata.json", md(flat(0, hi0), flat(lo1, 10)));
     const checkpoint_report rep = verify_checkpoint(dir);
     CHECK(rep.replicated_tensors == 1);
-    CHECK(rep.replicated_elements == static_cast<std::uint64_t>(hi0 - lo1));
+    CHECK(rep.replicated_elements == hi0 - lo1);
     std::string got;
     load_all(dir, got);
     CHECK(got == b);

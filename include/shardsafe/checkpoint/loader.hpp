@@ -670,7 +670,8 @@ class checkpoint_reader {
         if (hi <= lo) continue;
         const bool whole = rd.op.direct() && !stored[rd.view];
         for (std::uint64_t k = lo / cs.block_bytes; k * cs.block_bytes < hi; ++k) {
-          auto [it, fresh] = todo.try_emplace({f, e, k}, block{f, e, &hashes, k});
+          const std::tuple<std::size_t, const tensor_entry*, std::uint64_t> id{f, e, k};
+          const auto it = todo.try_emplace(id, block{f, e, &hashes, k}).first;
           const auto sp = detail::block_span(k, cs.block_bytes, e->nbytes());
           if (whole && !it->second.in_view && b + sp.from >= rd.op.file_offset &&
               b + sp.to <= rd.op.file_offset + rd.op.len)
