@@ -1045,9 +1045,9 @@ TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain
   for (int i = 0; i < 12; ++i) tree = T({tree, tree});
   CHECK(v == tree);
   // through the memo (BINGET) as through DUP
-  std::string m = B({0x80, 2, ']', 'q', 0, 'K', 7, 'a'});
-  for (int i = 1; i <= 8; ++i) m += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i});
-  const pv lv = pickle_loads(m + ".", what);
+  std::string m = B({0x80, 2, ']', 'q', 0, 'K', 7, 'a', '0'});
+  for (int i = 1; i <= 8; ++i) m += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i, '0'});
+  const pv lv = pickle_loads(m + B({'h', 8, '.'}), what);
   CHECK(container_address(lv.as_sequence("")[0]) == container_address(lv.as_sequence("")[1]));
   // past 64 values per input byte (plus 4096) it is refused at once: 2^20 values from 64 bytes,
   // which the reader once built as a tree of ~87 MB; and 2^17 from a 1 KB input

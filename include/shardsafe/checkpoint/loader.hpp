@@ -292,7 +292,7 @@ class checkpoint_reader {
         const std::string& fname = tm->files[fp.file].first;
         if (file_index.emplace(fname, needed.size()).second) needed.push_back(fname);
       }
-      std::vector<std::size_t> compare = files_to_compare(v.key, *tm, mine);
+      std::vector<std::size_t> compare = files_to_compare(v.key, *tm, mine, lp);
       for (const std::size_t j : compare)
         if (file_index.emplace(tm->files[j].first, needed.size()).second) needed.push_back(tm->files[j].first);
       todo.push_back({vi, tm, std::move(lp), std::move(compare)});
@@ -570,12 +570,15 @@ class checkpoint_reader {
     }
   }
 
-  /// The files of tm whose elements a load of `mine` must compare (load_schedule::compares):
-  /// where files overlap (the shards hold more elements than the tensor), each file that
-  /// shares elements with another and meets mine; a pair of identical shards whose recorded
-  /// checksums are equal (the same bytes were written) needs no comparing.
-  std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm,
-                                            const shard_spec& mine) const {
+  /// The files of tm whose elements a load of `mine` (planned as lp) must compare
+  /// (load_schedule::compares): where files overlap (the shards hold more elements than the
+  /// tensor), each file that shares elements with another and holds elements of mine that the
+  /// plan took from another file. (A file the plan took all its elements of mine from holds
+  /// the loaded bytes; every other holder of those elements is compared with them.) A pair of
+  /// identical shards whose recorded checksums are equal (the same bytes were written) needs
+  /// no comparing.
+  std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm, const shard_spec& mine,
+                                            const load_plan& lp) const {
     std::uint64_t held = 0;
     for (const auto& [n, spec] : tm.files) held += spec.local_numel();
     if (held <= tm.numel()) return {};
@@ -595,9 +598,11 @@ class checkpoint_reader {
         if (tm.files[a].second == tm.files[b].second && same_checksums(tm.files[a].first, tm.files[b].first)) continue;
         involved[a] = involved[b] = true;
       }
+    std::vector<std::uint64_t> supplied(tm.files.size(), 0);
+    for (const auto& fp : lp.files) supplied[fp.file] += fp.numel;
     std::vector<std::size_t> out;
     for (std::size_t j = 0; j < tm.files.size(); ++j)
-      if (involved[j] && overlap_numel(mine, tm.files[j].second, full) > 0) out.push_back(j);
+      if (involved[j] && overlap_numel(mine, tm.files[j].second, full) > supplied[j]) out.push_back(j);
     return out;
   }
 
