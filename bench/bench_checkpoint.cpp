@@ -173,6 +173,7 @@ int child_single(const std::string& what, const bench::args& a) {
     single_process comm;
     save_options so;
     so.overwrite = true;
+    so.checksums = a.get_int("--checksums", 1) != 0;
     const double t0 = bench::now_s();
     save_state_dict(file_directory(path), m.sd, comm, so);
     bench::emit("seconds", bench::now_s() - t0);
@@ -184,7 +185,7 @@ int child_single(const std::string& what, const bench::args& a) {
     bench::fsync_path(path);
     bench::emit("seconds", t1 - t0);
     bench::emit("fsync_seconds", bench::now_s() - t1);
-  } else if (what == "ss-load" || what == "ss-load-fresh" || what == "ss-load-mmap") {
+  } else if (what == "ss-load" || what == "ss-load-fresh" || what == "ss-load-mmap" || what == "ss-load-checked") {
     bench::emit("resident", bench::page_cache_resident(path + "/rank_0.safetensors"));
     const bool fresh = what == "ss-load-fresh";
     std::optional<local_tensors> m;
@@ -192,8 +193,11 @@ int child_single(const std::string& what, const bench::args& a) {
     bench::rss_sampler sampler;
     const double t0 = bench::now_s();
     if (fresh) m = make_local(c, split::whole, 1, 0, init::none);  // allocation and first touch timed
-    load_stats st = what == "ss-load-mmap" ? load_state_dict(mmap_directory(path), m->sd)
-                                           : load_state_dict(file_directory(path), m->sd);
+    load_options lo;
+    lo.verify_checksums = what == "ss-load-checked";
+    load_stats st = what == "ss-load-mmap" ? load_state_dict(mmap_directory(path), m->sd, lo)
+                                           : load_state_dict(file_directory(path), m->sd, lo);
+    if (lo.verify_checksums && st.checksum_blocks == 0) return 1;  // the checkpoint has checksums
     const double t1 = bench::now_s();
     sampler.stop();
     if (!verify(c, m->tensors, split::whole, 1, 0)) return 1;
@@ -347,6 +351,8 @@ const std::string L_touch = "first touch of fresh tensors of the model's size, 2
 const std::string L_wbuf = "pwrite + fdatasync of the same bytes (1 thread)";
 const std::string L_wdio = "O_DIRECT pwrite + fdatasync (staged, 2 threads)";
 const std::string L_cold = "shardsafe load (file_directory, into the model), uncached";
+const std::string L_nosum = "shardsafe save without checksums";
+const std::string L_checked = "shardsafe load (file_directory, into the model, checksums checked)";
 const std::string L_mmap2 = "shardsafe load, 2 ranks (mmap_directory, into the model)";
 
 struct row {
@@ -405,9 +411,16 @@ int main(int argc, char** argv) {
     // saves go to paths that do not exist (removed untimed before): deleting a 1 GiB checkpoint
     // costs up to a second on this file system (online discard), and it is no part of saving
     for (const auto& p : {ck1, pt1, ck2, pt2}) fs::remove_all(p);
-    auto r = bench::run_child(args({"--child", "ss-save", "--path", ck1}));
-    R("shardsafe save (fdatasync + rename)").t.add(r["seconds"]);
-    r = bench::run_child(args({"--child", "ss-load", "--path", ck1}));  // right after the save: uncached
+    // with and without checksums, in turn (which goes first alternates between repetitions)
+    for (int k = 0; k < 2; ++k) {
+      const bool sums = (k + rep) % 2 == 0;
+      const std::string p = sums ? ck1 : ck1 + "-nosum";
+      fs::remove_all(p);
+      auto rs = bench::run_child(args({"--child", "ss-save", "--path", p, "--checksums", sums ? "1" : "0"}));
+      R(sums ? "shardsafe save (fdatasync + rename)" : L_nosum).t.add(rs["seconds"]);
+    }
+    fs::remove_all(ck1 + "-nosum");
+    auto r = bench::run_child(args({"--child", "ss-load", "--path", ck1}));  // right after the save: uncached
     R(L_cold).t.add(r["seconds"]);
     R(L_cold).peak.add(r["peak_mib"]);
     R(L_cold).peak_anon.add(r["peak_anon_mib"]);
@@ -416,11 +429,13 @@ int main(int argc, char** argv) {
     r = bench::run_child(args({"--child", "torch-save", "--path", pt1}));
     R("torch::save (no sync)").t.add(r["seconds"]);
     R("torch::save + fsync").t.add(r["seconds"] + r["fsync_seconds"]);
-    for (const char* kind : {"ss-load", "ss-load-fresh", "ss-load-mmap"}) {
+    for (const char* kind : {"ss-load", "ss-load-fresh", "ss-load-mmap", "ss-load-checked"}) {
       r = bench::run_child(args({"--child", kind, "--path", ck1}));
-      row& x = R(std::string(kind) == "ss-load"         ? "shardsafe load (file_directory, into the model)"
-                 : std::string(kind) == "ss-load-fresh" ? "shardsafe load (file_directory, fresh tensors)"
-                                                        : "shardsafe load (mmap_directory, into the model)");
+      const std::string k = kind;
+      row& x = R(k == "ss-load"         ? "shardsafe load (file_directory, into the model)"
+                 : k == "ss-load-fresh" ? "shardsafe load (file_directory, fresh tensors)"
+                 : k == "ss-load-mmap"  ? "shardsafe load (mmap_directory, into the model)"
+                                        : L_checked);
       x.t.add(r["seconds"]);
       x.peak.add(r["peak_mib"]);
       x.peak_anon.add(r["peak_anon_mib"]);
@@ -509,9 +524,9 @@ int main(int argc, char** argv) {
   bench::table tab({"case", "ranks", "best ms", "median ms", "best GB/s", "median GB/s", "x torch (median)",
                     "x torch+fsync", "peak +MiB", "peak - model MiB", "anon peak +MiB", "cache"});
   const std::vector<std::string> groups[] = {
-      {"shardsafe save (fdatasync + rename)", "torch::save (no sync)", "torch::save + fsync", L_wbuf, L_wdio},
+      {"shardsafe save (fdatasync + rename)", L_nosum, "torch::save (no sync)", "torch::save + fsync", L_wbuf, L_wdio},
       {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
-       "shardsafe load (mmap_directory, into the model)", L_cold, "torch::load", L_read1, L_read2, L_memcpy1,
+       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, "torch::load", L_read1, L_read2, L_memcpy1,
        L_memcpy2, L_touch},
       {"shardsafe save, 2 ranks", "torch::save per rank, 2 ranks (no sync)", "torch::save per rank + fsync, 2 ranks"},
       {"shardsafe load, 2 ranks (into the model)", L_mmap2, "torch::load per rank, 2 ranks"}};
@@ -559,6 +574,8 @@ int main(int argc, char** argv) {
   line("load >= 3x faster than torch::load, 2 ranks", x, "x", x >= 3);
   x = med("torch::load per rank, 2 ranks") / med(L_mmap2);
   line("load >= 3x faster than torch::load, 2 ranks (mmap_directory)", x, "x", x >= 3);
+  x = (med("shardsafe save (fdatasync + rename)") / med(L_nosum) - 1) * 100;
+  line("checksums cost <= 5% of the durable save (median with / without - 1)", x, "%", x <= 5);
   x = med("torch::save (no sync)") / med("shardsafe save (fdatasync + rename)");
   line("save >= 2x faster than torch::save (shardsafe durable, torch not synced)", x, "x", x >= 2);
   x = med("torch::save + fsync") / med("shardsafe save (fdatasync + rename)");

@@ -55,6 +55,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   FUZZ_CHECK(back.extras.writer == md.extras.writer && back.extras.world_size == md.extras.world_size &&
              back.extras.file_sizes == md.extras.file_sizes);
+  FUZZ_CHECK(back.extras.checksums.has_value() == md.extras.checksums.has_value());
+  if (md.extras.checksums)
+    FUZZ_CHECK(back.extras.checksums->algorithm == md.extras.checksums->algorithm &&
+               back.extras.checksums->block_bytes == md.extras.checksums->block_bytes &&
+               back.extras.checksums->files == md.extras.checksums->files);
   FUZZ_CHECK(write_checkpoint_metadata(back) == again);
   return 0;
 }

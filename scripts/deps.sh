@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages shardsafe builds and tests with (only those missing).
-# Everything comes from Debian: LibTorch 1.13 with c10d and Gloo, simdjson, Boost, doctest, CLI11,
+# Everything comes from Debian: LibTorch 1.13 with c10d and Gloo, simdjson, xxHash, Boost, doctest, CLI11,
 # OpenSSL, Meson, clang with libFuzzer for the fuzz targets, and Python's torch (python3-torch, the
 # real PyTorch peer of the interop tests).
 set -euo pipefail
 packages=(
   g++ meson ninja-build pkg-config cmake
-  libtorch-dev libgloo-dev libsimdjson-dev libboost-dev doctest-dev libssl-dev libcli11-dev
+  libtorch-dev libgloo-dev libsimdjson-dev libxxhash-dev libboost-dev doctest-dev libssl-dev libcli11-dev
   clang libclang-rt-14-dev
   python3 python3-torch
   nginx-light openssl

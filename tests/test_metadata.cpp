@@ -37,6 +37,12 @@ void check_same(const checkpoint_metadata& a, const checkpoint_metadata& b) {
   CHECK(a.extras.writer == b.extras.writer);
   CHECK(a.extras.world_size == b.extras.world_size);
   CHECK(a.extras.file_sizes == b.extras.file_sizes);
+  REQUIRE(a.extras.checksums.has_value() == b.extras.checksums.has_value());
+  if (a.extras.checksums) {
+    CHECK(a.extras.checksums->algorithm == b.extras.checksums->algorithm);
+    CHECK(a.extras.checksums->block_bytes == b.extras.checksums->block_bytes);
+    CHECK(a.extras.checksums->files == b.extras.checksums->files);
+  }
 }
 
 // docs/FORMAT.md §2's example, as json.dumps(obj) writes it (checked once against Python 3).
@@ -126,6 +132,14 @@ TEST_CASE("metadata: round trip of flat and N-D block specs, 0-d tensors and ext
     md.extras.world_size = 4;
     md.extras.file_sizes = {{"rank_0.safetensors", 1234}, {"rank_3.safetensors", 0}};
   }
+  SUBCASE("with checksums") {
+    md.extras.world_size = 2;
+    checkpoint_checksums cs;
+    cs.block_bytes = 1000;
+    cs.files["rank_0.safetensors"] = {{"a", {0x0123456789abcdefu, 0}}, {"empty", {}}};
+    cs.files["rank_1.safetensors"] = {{"a", {0xffffffffffffffffu}}};
+    md.extras.checksums = cs;
+  }
   const std::string text = write_checkpoint_metadata(md);
   check_same(parse_checkpoint_metadata(text, "metadata.json"), md);
   CHECK(text.find(R"("block.3d": {"shape": [4, 6, 5], "is_sharded": true, "dtype": "BF16")") != std::string::npos);
@@ -134,7 +148,12 @@ TEST_CASE("metadata: round trip of flat and N-D block specs, 0-d tensors and ext
         std::string::npos);
   CHECK(text.find(R"({"flattened_offsets": null, "local_shape": [2, 3, 2], "global_offset": [2, 3, 0]})") !=
         std::string::npos);
-  if (md.extras.world_size)
+  if (md.extras.checksums)
+    CHECK(text.substr(text.find(", \"shardsafe\"")) ==
+          R"(, "shardsafe": {"world_size": 2, "checksums": {"algorithm": "xxh3-64", "block_bytes": 1000, "files": )"
+          R"({"rank_0.safetensors": {"a": ["0123456789abcdef", "0000000000000000"], "empty": []}, )"
+          R"("rank_1.safetensors": {"a": ["ffffffffffffffff"]}}}}})");
+  else if (md.extras.world_size)
     CHECK(text.substr(text.find(", \"shardsafe\"")) ==
           R"(, "shardsafe": {"writer": "shardsafe 0.1.0", "world_size": 4, "file_sizes": )"
           R"({"rank_0.safetensors": 1234, "rank_3.safetensors": 0}}})");

@@ -421,7 +421,9 @@ TEST_CASE("pickle: reads opcodes Python's pickler writes that pickle_dumps does 
   // memo: BINPUT/LONG_BINPUT/MEMOIZE and BINGET/LONG_BINGET; APPEND/SETITEM; FRAME;
   // SHORT_BINUNICODE/BINUNICODE8; LONG1 of zero bytes; LONG4; LIST/DICT (protocol 1); DUP; POP
   const std::string what2 = "w";
-  CHECK(pickle_loads(B({0x80, 4, 0x95, 9, 0, 0, 0, 0, 0, 0, 0, 0x8c, 3, 'a', 'b', 'c', 0x94, '.'}), what2) == S("abc"));
+  // (the FRAME declares the 7 bytes that follow it, as Python writes: one declaring more is
+  // refused as truncated, below)
+  CHECK(pickle_loads(B({0x80, 4, 0x95, 7, 0, 0, 0, 0, 0, 0, 0, 0x8c, 3, 'a', 'b', 'c', 0x94, '.'}), what2) == S("abc"));
   CHECK(pickle_loads(P(B({0x8d, 2, 0, 0, 0, 0, 0, 0, 0, 'h', 'i'})), what2) == S("hi"));
   CHECK(pickle_loads(P(B({0x8a, 0})), what2) == I(0));
   CHECK(pickle_loads(P(B({0x8a, 1, 0xff})), what2) == I(-1));
@@ -997,4 +999,99 @@ with open(d + '/empty.json', 'w', encoding='ascii', newline='') as f:
   CHECK(back.extras.writer == md.extras.writer);
   CHECK(back.extras.file_sizes == md.extras.file_sizes);
   CHECK(parse_hf_index(write_hf_index(idx), "index.json").weight_map == idx.weight_map);
+}
+
+namespace {
+
+/// K 1, then n times MEMOIZE, DUP, TUPLE2 (x -> (x, x)), then padding pairs of None and POP up
+/// to `size` bytes: a tuple of depth n whose two items are one shared tuple, 2^(n+1) - 1 values
+/// when walked as a tree.
+std::string doubling_chain(int n, std::size_t size = 0) {
+  std::string b = B({0x80, 4, 'K', 1});
+  for (int i = 0; i < n; ++i) b += B({0x94, '2', 0x86});
+  while (b.size() + 3 <= size) b += B({'N', '0'});
+  return b + ".";
+}
+
+/// The address of the container a list or tuple value holds.
+const void* container_address(const pv& v) {
+  if (auto* t = std::get_if<std::shared_ptr<pickle_tuple>>(&v.as_variant())) return t->get();
+  if (auto* l = std::get_if<std::shared_ptr<pickle_list>>(&v.as_variant())) return l->get();
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain may expand to is bounded by its size") {
+  // 12 doublings in a 1 KB input: 8191 values as a tree, 12 containers in memory
+  const std::string kb = doubling_chain(12, 1000);
+  CHECK(kb.size() >= 997);
+  const auto t0 = std::chrono::steady_clock::now();
+  const pv v = pickle_loads(kb, what);
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 0.1);
+  const pv* x = &v;
+  int depth = 0;
+  while (x->type() == pv::kind::tuple) {
+    const auto& items = x->as_sequence("");
+    REQUIRE(items.size() == 2);
+    CHECK(container_address(items[0]) == container_address(items[1]));  // one tuple, held twice
+    x = &items[0];
+    ++depth;
+  }
+  CHECK(depth == 12);
+  CHECK(*x == I(1));
+  // equal to the tree Python would build, value for value
+  pv tree = I(1);
+  for (int i = 0; i < 12; ++i) tree = T({tree, tree});
+  CHECK(v == tree);
+  // through the memo (BINGET) as through DUP
+  std::string m = B({0x80, 2, ']', 'q', 0, 'K', 7, 'a', '0'});
+  for (int i = 1; i <= 8; ++i) m += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i, '0'});
+  const pv lv = pickle_loads(m + B({'h', 8, '.'}), what);
+  CHECK(container_address(lv.as_sequence("")[0]) == container_address(lv.as_sequence("")[1]));
+  // past 64 values per input byte (plus 4096) it is refused at once: 2^20 values from 64 bytes,
+  // which the reader once built as a tree of ~87 MB; and 2^17 from a 1 KB input
+  for (const int n : {19, 16}) {
+    const std::string bytes = n == 19 ? doubling_chain(19) : doubling_chain(16, 1000);
+    INFO(n << " doublings in " << bytes.size() << " bytes");
+    const auto t1 = std::chrono::steady_clock::now();
+    expect_refused(bytes, {"expands to more than " + std::to_string(64 * bytes.size() + 4096) + " values"});
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 0.1);
+  }
+}
+
+TEST_CASE("pickle: a FRAME that declares more bytes than follow is refused as truncated") {
+  // FRAME at byte 2 declaring 9 bytes; 7 follow (SHORT_BINUNICODE 'abc', MEMOIZE, STOP)
+  const std::string body = B({0x8c, 3, 'a', 'b', 'c', 0x94, '.'});
+  auto framed = [&](int n) { return B({0x80, 4, 0x95, n, 0, 0, 0, 0, 0, 0, 0}) + body; };
+  expect_refused(framed(9), {"is truncated", "a FRAME at byte 2 declares 9 bytes, 7 follow"});
+  expect_refused(framed(8), {"is truncated", "declares 8 bytes, 7 follow"});
+  CHECK(pickle_loads(framed(7), what) == S("abc"));
+  CHECK(pickle_loads(framed(3), what) == S("abc"));  // a frame ending early: Python reads on too
+  // a length past 2^63
+  expect_refused(B({0x80, 4, 0x95, 0, 0, 0, 0, 0, 0, 0, 0x80}) + body, {"is truncated"});
+}
+
+TEST_CASE("pickle: Python refuses the truncated FRAME too, and shares what a DUP chain shares" * python_check()) {
+  REQUIRE_PYTHON();
+  const std::string script = R"PY(
+import pickle, sys
+try:
+    pickle.loads(bytes.fromhex(sys.argv[1]))
+    sys.exit(1)
+except pickle.UnpicklingError as e:
+    assert 'truncated' in str(e), e
+assert pickle.loads(bytes.fromhex(sys.argv[2])) == 'abc'
+t = pickle.loads(bytes.fromhex(sys.argv[3]))
+d = 0
+while type(t) is tuple:
+    assert t[0] is t[1]
+    t = t[0]
+    d += 1
+assert d == 12 and t == 1, (d, t)
+)PY";
+  const std::string body = B({0x8c, 3, 'a', 'b', 'c', 0x94, '.'});
+  const auto r = python(script, {hex(B({0x80, 4, 0x95, 9, 0, 0, 0, 0, 0, 0, 0}) + body),
+                                 hex(B({0x80, 4, 0x95, 7, 0, 0, 0, 0, 0, 0, 0}) + body), hex(doubling_chain(12, 1000))});
+  CHECK_MESSAGE(r.code == 0, r.err);
 }

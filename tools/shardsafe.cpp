@@ -127,28 +127,32 @@ std::pair<std::string, std::string> split_url(const std::string& url) {
   return {url.substr(0, slash), url.substr(slash + 1)};
 }
 
+/// How local folders treat symbolic links (--follow-links: all followed; else links that leave
+/// the folder are refused, storage/file.hpp).
+link_policy g_links = link_policy::inside;
+
 input<file_directory> classify(const std::string& p) {
   fs::path path(p);
   std::error_code ec;
   auto st = fs::status(path, ec);
   if (ec || !fs::exists(st)) fail(errc::not_found, p + ": no such file or directory");
-  if (fs::is_regular_file(st)) return {kind::file, p, file_directory(path.parent_path()), path.filename().string(), {}};
+  if (fs::is_regular_file(st)) return {kind::file, p, file_directory(path.parent_path(), g_links), path.filename().string(), {}};
   if (!fs::is_directory(st)) fail(errc::invalid_argument, p + ": not a regular file or directory");
-  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, p, file_directory(path), {}, {}};
+  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, p, file_directory(path, g_links), {}, {}};
   const std::string parts[] = {std::string(model_folder_name), std::string(optim_folder_name)};
   if (fs::is_directory(path / parts[0]) || fs::is_directory(path / parts[1])) {
-    input<file_directory> in{kind::checkpoint_pair, p, file_directory(path), {}, {}};
+    input<file_directory> in{kind::checkpoint_pair, p, file_directory(path, g_links), {}, {}};
     for (const auto& part : parts)
-      if (fs::is_directory(path / part)) in.parts.emplace_back(part, file_directory(path / part));
+      if (fs::is_directory(path / part)) in.parts.emplace_back(part, file_directory(path, g_links).sub(part));
     return in;
   }
-  if (is_hf_folder(file_directory(path))) return {kind::hf, p, file_directory(path), {}, {}};
+  if (is_hf_folder(file_directory(path, g_links))) return {kind::hf, p, file_directory(path, g_links), {}, {}};
   // torch's DCP-sharded HF files (or rank files without metadata.json, or a torch DCP folder:
   // the checkpoint reader names what it found)
   for (const auto& e : fs::directory_iterator(path, ec)) {
     const std::string n = e.path().filename().string();
     if (n == ".metadata" || n.ends_with(".safetensors") || n.ends_with(".distcp"))
-      return {kind::checkpoint, p, file_directory(path), {}, {}};
+      return {kind::checkpoint, p, file_directory(path, g_links), {}, {}};
   }
   fail(errc::not_found, p + ": a directory with neither metadata.json, model/ and optim/, " + std::string(hf_index_file) +
                             " nor " + std::string(hf_single_file));
@@ -362,9 +366,33 @@ int cmd_verify(const input<D>& in) {
     const auto s = open_file(in);
     n = read_safetensors_header(s).tensors.size();
   } else if (in.k == kind::hf) {
-    n = open_hf(in).tensors.size();
+    const auto h = open_hf(in);
+    check_unlisted_hf_files(in.dir, h);
+    n = h.tensors.size();
   } else {
-    for (auto& p : open_checkpoint(in)) n += verify_checkpoint(*p.reader).tensors;
+    // what was read besides headers: checksums (sharded checkpoints) and replicas
+    std::uint64_t blocks = 0, hashed = 0, replicated = 0;
+    std::size_t sharded = 0, unchecked = 0;
+    for (auto& p : open_checkpoint(in)) {
+      const checkpoint_report rep = verify_checkpoint(*p.reader);
+      n += rep.tensors;
+      replicated += rep.replicated_tensors;
+      if (p.reader->format() != checkpoint_format::sharded) continue;
+      ++sharded;
+      if (!rep.checksums) ++unchecked;
+      blocks += rep.checksum_blocks;
+      hashed += rep.bytes_hashed;
+    }
+    std::string notes;
+    if (sharded > 0 && unchecked < sharded)
+      notes += "; checksums match (" + std::to_string(blocks) + " blocks, " + std::to_string(hashed) + " bytes)";
+    if (unchecked > 0)
+      notes += unchecked == sharded ? "; no checksums recorded (tensor data not checked)"
+                                    : "; no checksums recorded in " + std::to_string(unchecked) + " of " +
+                                          std::to_string(sharded) + " parts (their tensor data not checked)";
+    if (replicated > 0) notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
+    std::cout << "OK " << in.path << ": " << n << " tensors valid" << notes << "\n";
+    return 0;
   }
   std::cout << "OK " << in.path << ": " << n << " tensors valid\n";
   return 0;
@@ -537,9 +565,12 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "shardsafe " + std::string(library_version));
   app.require_subcommand(1);
   std::string path, out_path;
+  bool follow_links = false;
   auto command = [&](const char* name, const char* what, const char* path_name, const char* path_what) {
     CLI::App* c = app.add_subcommand(name, what);
     c->add_option(path_name, path, path_what)->required();
+    c->add_flag("--follow-links", follow_links, "follow symbolic links that leave the checkpoint's folder (refused "
+                                                "by default; links inside it, and the Hugging Face cache's, are followed)");
     return c;
   };
   const char* any_path = "a safetensors file, a Hugging Face folder, a checkpoint folder or torch's DCP-sharded HF files";
@@ -618,6 +649,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = app.get_subcommands().front()->get_name();
+  if (follow_links) g_links = link_policy::follow;
   try {
     if (inspect->parsed()) return with_input(path, [](const auto& in) { return cmd_inspect(in); });
     if (verify->parsed()) return with_input(path, [](const auto& in) { return cmd_verify(in); });

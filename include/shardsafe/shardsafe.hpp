@@ -52,6 +52,7 @@
 
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/async_save.hpp"
+#include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/configured.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf_experts.hpp"

@@ -11,14 +11,18 @@
 //   - every tensor of every file is listed, and listed in that file (errc::invalid_metadata);
 //   - metadata.total_size, when given, is the sum of the tensors' bytes (errc::invalid_metadata);
 //   - no tensor is in two files (errc::invalid_metadata).
+// check_unlisted_hf_files (run by verify) adds: no safetensors file the index does not name
+// holds a tensor the index lists, or is named as one of the index's set of shards.
 // What comes back holds the opened files and a map from tensor name to where it lives, so a
 // caller (the shardsafe tool's inspect and digest) reads tensors without opening anything again.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -122,7 +126,65 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
                                      " bytes");
 }
 
+/// The "-of-MMMMM.safetensors" ending and the part before "-NNNNN" of a shard name in the
+/// transformers style ("model-00001-of-00002.safetensors" -> {"model", "-of-00002.safetensors"}),
+/// or nothing.
+inline std::optional<std::pair<std::string, std::string>> shard_name_pattern(std::string_view n) {
+  constexpr std::string_view ext = ".safetensors";
+  if (!n.ends_with(ext)) return std::nullopt;
+  const std::size_t of = n.rfind("-of-");
+  if (of == std::string_view::npos || of < 2) return std::nullopt;
+  const std::size_t dash = n.rfind('-', of - 1);
+  if (dash == std::string_view::npos) return std::nullopt;
+  auto digits = [](std::string_view d) {
+    return !d.empty() && std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (!digits(n.substr(dash + 1, of - dash - 1)) || !digits(n.substr(of + 4, n.size() - ext.size() - of - 4)))
+    return std::nullopt;
+  return std::pair{std::string(n.substr(0, dash)), std::string(n.substr(of))};
+}
+
 }  // namespace detail
+
+/// The checks of a sharded Hugging Face folder that look past its index (what `verify` adds to
+/// open_hf_folder; a load reads only what the index names): a safetensors file of the folder
+/// that the index does not name is refused (errc::invalid_metadata, naming it) when it holds a
+/// tensor the index lists (in another file), or when its name is one of the index's set of
+/// shards ("PREFIX-NNNNN-of-MMMMM.safetensors" with the PREFIX and MMMMM of a file the index
+/// names: a shard the index forgot). Other safetensors files (consolidated.safetensors next to
+/// an HF layout, adapters) are left alone. A directory that cannot list (HTTP) is not checked.
+template <ReadableDirectory D>
+void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
+  if (!h.sharded()) return;
+  std::vector<std::string> names;
+  try {
+    names = dir.list();
+  } catch (const error& e) {
+    if (e.code() == errc::invalid_argument) return;  // no listing (HTTP)
+    throw;
+  }
+  std::set<std::pair<std::string, std::string>> patterns;
+  std::set<std::string> named;
+  for (const auto& f : h.files) {
+    named.insert(f.name);
+    if (auto p = detail::shard_name_pattern(f.name)) patterns.insert(*p);
+  }
+  const std::string index_name(hf_index_file);
+  for (const auto& n : names) {
+    if (!n.ends_with(".safetensors") || named.count(n)) continue;
+    const auto f = detail::open_hf_file(dir, n);
+    for (const auto& t : f.header.tensors)
+      if (auto it = h.index->weight_map.find(t.name); it != h.index->weight_map.end())
+        fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': " + index_name + " places it in " +
+                                         it->second + ", but this file, which the index does not name, holds it too");
+    if (auto p = detail::shard_name_pattern(n); p && patterns.count(*p))
+      fail(errc::invalid_metadata, f.header.file + ": a shard of this folder's set (" + p->first + "-*" + p->second +
+                                       ") that " + index_name + " does not name: its " +
+                                       std::to_string(f.header.tensors.size()) + " tensor(s)" +
+                                       (f.header.tensors.empty() ? "" : ", '" + f.header.tensors.front().name + "' first,") +
+                                       " are not part of the checkpoint");
+  }
+}
 
 /// Opens the Hugging Face checkpoint in dir and validates it (see the list at the top): the
 /// index and its files when dir holds model.safetensors.index.json, else model.safetensors.

@@ -19,6 +19,14 @@
 // converted as its pieces are scattered: its reads always go through staging. Nothing the
 // size of a tensor or a file is allocated.
 //
+// No loaded value depends on an arbitrary choice: where several files hold the same elements
+// of a tensor (replicas saved by each holder, or a damaged or hostile checkpoint), the plan
+// takes each element from one file and also reads it from the others, and execute() refuses
+// the load if the bytes differ (load_schedule::compares); identical shards whose recorded
+// checksums are equal were written with the same bytes and are not read twice. With
+// load_options::verify_checksums, every checksum block the reads touch is checked
+// (checkpoint/checksums.hpp).
+//
 // The checkpoint may be any layout checkpoint/source.hpp reads (a sharded checkpoint, a
 // Hugging Face folder, a torch DCP folder, torch's sharded HF files): each is a list of tensors
 // with the shard each file holds, and everything below is the same for all of them (a DCP data
@@ -41,9 +49,11 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/source.hpp"
@@ -54,6 +64,7 @@
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/read_plan.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -77,6 +88,13 @@ struct load_options {
   /// go through a staging buffer of at most one read (reads.max_read_bytes), never a
   /// tensor-sized one. Off: a dtype that differs is errc::dtype_mismatch.
   bool convert_dtypes = false;
+  /// Check the bytes the load reads against the checksums metadata.json records (docs/FORMAT.md
+  /// §2, "Checksums"): every checksum block a read touches is hashed, from the tensor's memory
+  /// where one read landed the whole block there, else read again, and a mismatch is
+  /// errc::checksum_mismatch naming file, tensor and element range. A checkpoint without
+  /// checksums (saved before them, or by another writer) loads unchecked: load_stats says
+  /// how many blocks were checked.
+  bool verify_checksums = false;
 };
 
 /// The read settings a load uses with a storage whose hint is `hint`: load_options first,
@@ -103,6 +121,7 @@ struct load_stats {
   std::uint64_t bytes_needed = 0;   ///< bytes of stored data the views needed (as stored: before conversion)
   std::uint64_t bytes_read = 0;     ///< bytes read from files (needed + merged gaps)
   std::uint64_t read_ops = 0;       ///< reads issued
+  std::uint64_t checksum_blocks = 0;  ///< checksum blocks checked (load_options::verify_checksums)
   std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
   std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
   double seconds = 0;
@@ -124,12 +143,18 @@ struct load_schedule {
     std::vector<file_read> reads;
   };
   std::vector<file_reads> files;         ///< in the order the views first need them
+  /// Reads of elements that several files hold (replicas, or a damaged or hostile checkpoint)
+  /// from the files the load did not take them from: after the load, each piece's bytes must
+  /// equal what landed in the view (so no element's value depends on which file the plan
+  /// picked). (index into files, read). Replicas whose recorded checksums are equal need none.
+  std::vector<std::pair<std::size_t, file_read>> compares;
   std::vector<std::size_t> nan_checked;  ///< views execute() fills with NaN and checks afterwards
   /// The stored dtype of each view's data, where it differs from the view's (converted while
   /// copying; read pieces then count bytes as stored); empty when nothing is converted.
   std::vector<std::pair<std::size_t, dtype>> converted;
   std::size_t views = 0;                 ///< how many views plan() was given
   unsigned threads = 1;                  ///< reads in flight
+  bool verify_checksums = false;         ///< check the blocks read (load_options::verify_checksums)
   load_stats stats;                      ///< all but seconds, known from the plan
 };
 
@@ -217,6 +242,7 @@ class checkpoint_reader {
       std::size_t view;
       const tensor_metadata* tm;
       load_plan lp;
+      std::vector<std::size_t> compare;  // files (indices into tm->files) whose shared elements are compared
     };
     std::vector<planned> todo;
     std::vector<std::string> needed;  // file names, in the order first needed
@@ -266,7 +292,10 @@ class checkpoint_reader {
         const std::string& fname = tm->files[fp.file].first;
         if (file_index.emplace(fname, needed.size()).second) needed.push_back(fname);
       }
-      todo.push_back({vi, tm, std::move(lp)});
+      std::vector<std::size_t> compare = files_to_compare(v.key, *tm, mine, lp);
+      for (const std::size_t j : compare)
+        if (file_index.emplace(tm->files[j].first, needed.size()).second) needed.push_back(tm->files[j].first);
+      todo.push_back({vi, tm, std::move(lp), std::move(compare)});
     }
     for (const auto& [k, t] : md_.tensors)
       if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
@@ -280,6 +309,9 @@ class checkpoint_reader {
     read_hints hint;
     if (!files.empty()) hint = read_defaults_of(files.front()->storage);
     s.threads = resolve_threads(opt.threads, hint);
+    s.verify_checksums = opt.verify_checksums;
+    if (opt.verify_checksums && md_.extras.checksums)
+      detail::require_known_checksums(*md_.extras.checksums, std::string(dir_.name()) + "/" + described_by_);
     s.files.resize(needed.size());
     for (std::size_t i = 0; i < needed.size(); ++i) {
       s.files[i].name = needed[i];
@@ -303,6 +335,22 @@ class checkpoint_reader {
         s.stats.bytes_read += rp.bytes_read;
         s.stats.read_ops += rp.ops.size();
         for (auto& op : rp.ops) s.files[fi].reads.push_back({p.view, std::move(op)});
+      }
+      const shard_spec mine = v.effective_spec();
+      for (const std::size_t j : p.compare) {
+        const auto& [fname, fspec] = p.tm->files[j];
+        const std::size_t fi = file_index.at(fname);
+        const open_file& f = *files[fi];
+        const tensor_entry& e = entry_in(f, v.key, *p.tm, fspec);
+        const load_plan lj = plan_load(mine, std::span<const shard_spec>(&fspec, 1), p.tm->shape);
+        read_options ro = s.files[fi].settings;
+        ro.max_read_bytes = std::max(item, std::min<std::uint64_t>(ro.max_read_bytes, batch_staging_bytes) / item * item);
+        for (const auto& fp : lj.files) {
+          read_plan rp = make_read_plan(fp.runs, f.header.offset_of(e), item, ro);
+          s.stats.bytes_read += rp.bytes_read;
+          s.stats.read_ops += rp.ops.size();
+          for (auto& op : rp.ops) s.compares.push_back({fi, {p.view, std::move(op)}});
+        }
       }
     }
     for (auto& f : s.files)
@@ -339,6 +387,9 @@ class checkpoint_reader {
       stored[vi] = t;
     }
     run_reads(views, s, files, stored);
+    compare_replicas(views, s, files, stored);
+    std::uint64_t checked = 0;
+    if (s.verify_checksums && md_.extras.checksums) checked = check_blocks_read(views, s, files, stored);
     for (std::size_t vi : s.nan_checked) {
       const flat_view* v = &views[vi];
       const std::int64_t at = detail::first_nan(v->type, v->bytes());
@@ -351,6 +402,7 @@ class checkpoint_reader {
       }
     }
     load_stats st = s.stats;
+    st.checksum_blocks = checked;
     st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return st;
   }
@@ -516,6 +568,160 @@ class checkpoint_reader {
         spare.push_back(std::move(staging));
       });
     }
+  }
+
+  /// The files of tm whose elements a load of `mine` (planned as lp) must compare
+  /// (load_schedule::compares): where files overlap (the shards hold more elements than the
+  /// tensor), each file that shares elements with another and holds elements of mine that the
+  /// plan took from another file. (A file the plan took all its elements of mine from holds
+  /// the loaded bytes; every other holder of those elements is compared with them.) A pair of
+  /// identical shards whose recorded checksums are equal (the same bytes were written) needs
+  /// no comparing.
+  std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm, const shard_spec& mine,
+                                            const load_plan& lp) const {
+    std::uint64_t held = 0;
+    for (const auto& [n, spec] : tm.files) held += spec.local_numel();
+    if (held <= tm.numel()) return {};
+    const std::span<const std::uint64_t> full(tm.shape);
+    auto same_checksums = [&](const std::string& a, const std::string& b) {
+      const auto& cs = md_.extras.checksums;
+      if (!cs) return false;
+      const auto fa = cs->files.find(a), fb = cs->files.find(b);
+      if (fa == cs->files.end() || fb == cs->files.end()) return false;
+      const auto ta = fa->second.find(key), tb = fb->second.find(key);
+      return ta != fa->second.end() && tb != fb->second.end() && ta->second == tb->second;
+    };
+    std::vector<bool> involved(tm.files.size(), false);
+    for (std::size_t a = 0; a < tm.files.size(); ++a)
+      for (std::size_t b = a + 1; b < tm.files.size(); ++b) {
+        if (overlap_numel(tm.files[a].second, tm.files[b].second, full) == 0) continue;
+        if (tm.files[a].second == tm.files[b].second && same_checksums(tm.files[a].first, tm.files[b].first)) continue;
+        involved[a] = involved[b] = true;
+      }
+    std::vector<std::uint64_t> supplied(tm.files.size(), 0);
+    for (const auto& fp : lp.files) supplied[fp.file] += fp.numel;
+    std::vector<std::size_t> out;
+    for (std::size_t j = 0; j < tm.files.size(); ++j)
+      if (involved[j] && overlap_numel(mine, tm.files[j].second, full) > supplied[j]) out.push_back(j);
+    return out;
+  }
+
+  /// Runs the schedule's compares (after the reads): each piece's bytes, as stored (converted
+  /// where the view's dtype differs), must equal the view's; errc::invalid_metadata otherwise.
+  void compare_replicas(std::span<const flat_view> views, const load_schedule& s,
+                        const std::vector<const open_file*>& files, const std::vector<std::optional<dtype>>& stored) const {
+    detail::parallel_for(s.compares.size(), s.threads, [&](std::size_t i) {
+      const auto& [f, rd] = s.compares[i];
+      const reader_type& st = files[f]->storage;
+      std::vector<std::byte> staging, conv;
+      const std::byte* src;
+      if constexpr (MappableStorage<reader_type>) {
+        detail::check_read_range(st.name(), rd.op.file_offset, rd.op.len, st.size());
+        src = st.bytes().data() + rd.op.file_offset;
+      } else {
+        staging.resize(static_cast<std::size_t>(rd.op.len));
+        st.read_into(rd.op.file_offset, staging);
+        src = staging.data();
+      }
+      const flat_view& v = views[rd.view];
+      const std::uint64_t si = stored[rd.view] ? item_size(*stored[rd.view]) : item_size(v.type), di = item_size(v.type);
+      for (const auto& p : rd.op.pieces) {
+        const std::byte* have = src + p.offset;
+        if (stored[rd.view]) {
+          conv.resize(static_cast<std::size_t>(p.len / si * di));
+          convert_elements(*stored[rd.view], {have, static_cast<std::size_t>(p.len)}, v.type, conv);
+          have = conv.data();
+        }
+        const std::byte* loaded = v.data + p.dst / si * di;
+        const std::size_t n = static_cast<std::size_t>(p.len / si * di);
+        if (std::memcmp(have, loaded, n) == 0) continue;
+        std::uint64_t at = 0;
+        while (std::memcmp(have + at * di, loaded + at * di, static_cast<std::size_t>(di)) == 0) ++at;
+        const std::uint64_t local = p.dst / si + at;
+        auto g = global_index_of(v.effective_spec(), v.full_shape, local);
+        fail(errc::invalid_metadata,
+             std::string(st.name()) + ": tensor '" + v.key + "': holds other bytes for element " +
+                 (g ? "index " + multi_index_string(v.full_shape, *g) : "local " + std::to_string(local)) +
+                 " than the file it was loaded from: two files claim the same elements with different values, and a "
+                 "load cannot choose between them (shardsafe verify names both files)");
+      }
+    });
+  }
+
+  /// Checks every checksum block the schedule's reads touch (load_options::verify_checksums);
+  /// returns how many. A block that one direct read landed whole in a view is hashed there;
+  /// any other is read again (or taken from the mapping).
+  std::uint64_t check_blocks_read(std::span<const flat_view> views, const load_schedule& s,
+                                  const std::vector<const open_file*>& files,
+                                  const std::vector<std::optional<dtype>>& stored) const {
+    const checkpoint_checksums& cs = *md_.extras.checksums;
+    struct block {
+      std::size_t file;
+      const tensor_entry* e;
+      const std::vector<std::uint64_t>* hashes;
+      std::uint64_t k;
+      const std::byte* in_view = nullptr;  // the block's bytes, where a read landed them whole
+    };
+    std::map<std::tuple<std::size_t, const tensor_entry*, std::uint64_t>, block> todo;
+    for (std::size_t f = 0; f < s.files.size(); ++f) {
+      const open_file& of = *files[f];
+      for (const auto& rd : s.files[f].reads) {
+        const tensor_entry* e = of.header.find(views[rd.view].key);
+        if (!e || e->nbytes() == 0) continue;
+        const std::vector<std::uint64_t>& hashes = detail::recorded_hashes(cs, s.files[f].name, of.storage.name(), *e);
+        const std::uint64_t b = of.header.offset_of(*e);
+        const std::uint64_t lo = std::max(rd.op.file_offset, b) - b;
+        const std::uint64_t hi = std::min(rd.op.file_offset + rd.op.len, b + e->nbytes()) - b;
+        if (hi <= lo) continue;
+        const bool whole = rd.op.direct() && !stored[rd.view];
+        for (std::uint64_t k = lo / cs.block_bytes; k * cs.block_bytes < hi; ++k) {
+          const std::tuple<std::size_t, const tensor_entry*, std::uint64_t> id{f, e, k};
+          const auto it = todo.try_emplace(id, block{f, e, &hashes, k}).first;
+          const auto sp = detail::block_span(k, cs.block_bytes, e->nbytes());
+          if (whole && !it->second.in_view && b + sp.from >= rd.op.file_offset &&
+              b + sp.to <= rd.op.file_offset + rd.op.len)
+            it->second.in_view = views[rd.view].data + rd.op.pieces[0].dst + (b + sp.from - rd.op.file_offset);
+        }
+      }
+    }
+    std::vector<block> blocks;
+    blocks.reserve(todo.size());
+    for (auto& [id, bl] : todo) blocks.push_back(bl);
+    std::vector<std::uint64_t> got(blocks.size());
+    std::mutex spare_mutex;
+    std::vector<std::vector<std::byte>> spare;
+    detail::parallel_for(blocks.size(), s.threads, [&](std::size_t i) {
+      const block& bl = blocks[i];
+      const auto sp = detail::block_span(bl.k, cs.block_bytes, bl.e->nbytes());
+      if (bl.in_view) {
+        got[i] = detail::xxh3_64(bl.in_view, static_cast<std::size_t>(sp.to - sp.from));
+        return;
+      }
+      std::vector<std::byte> buf;
+      {
+        std::lock_guard lock(spare_mutex);
+        if (!spare.empty()) {
+          buf = std::move(spare.back());
+          spare.pop_back();
+        }
+      }
+      const open_file& of = *files[bl.file];
+      got[i] = detail::hash_stored(of.storage, of.header.offset_of(*bl.e) + sp.from, sp.to - sp.from, buf);
+      std::lock_guard lock(spare_mutex);
+      spare.push_back(std::move(buf));
+    });
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const block& bl = blocks[i];
+      const std::uint64_t want = (*bl.hashes)[static_cast<std::size_t>(bl.k)];
+      if (got[i] != want) {
+        const std::string& fname = s.files[bl.file].name;
+        const tensor_metadata* tm = find(bl.e->name);
+        fail(errc::checksum_mismatch,
+             detail::checksum_mismatch_message(files[bl.file]->storage.name(), *bl.e, bl.k, cs.block_bytes, want, got[i],
+                                               tm, detail::spec_in(tm, fname)));
+      }
+    }
+    return blocks.size();
   }
 
   D dir_;

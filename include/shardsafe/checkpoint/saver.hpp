@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -59,6 +60,11 @@ struct save_options {
   /// the checkpoint uncached. Where the file system refuses O_DIRECT, buffered writes are used.
   /// false: buffered writes (e.g. to reload at once from the page cache).
   bool direct_io = true;
+  /// Record an XXH3-64 checksum of every block of checksum_block_bytes of every tensor in
+  /// metadata.json (docs/FORMAT.md §2, "Checksums"), computed while the bytes are written; what
+  /// verify checks, and a load checks with load_options::verify_checksums.
+  bool checksums = true;
+  std::uint64_t checksum_block_bytes = default_checksum_block_bytes;  ///< recorded in metadata.json
 };
 
 struct save_stats {
@@ -303,30 +309,45 @@ inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> v
   return out;
 }
 
+/// A rank file written: its size, and (when asked) its checksum table (tensor -> block hashes).
+struct written_rank_file {
+  std::uint64_t size = 0;
+  std::map<std::string, std::vector<std::uint64_t>> checksums;
+};
+
 /// Writes `views` as the safetensors file `fname` in dir (temporary name, synced, committed):
 /// in aligned blocks where the writer is a BlockWritableStorage, else in chunks through write_at;
-/// the writer is aborted when anything fails.
-/// Returns the file's size.
+/// the writer is aborted when anything fails. With opt.checksums, each part written is hashed
+/// right after it is produced (safetensors_checksummer).
 template <WritableDirectory D>
-std::uint64_t write_rank_file(const D& dir, const std::string& fname, std::span<const flat_view* const> views,
-                              const save_options& opt) {
+written_rank_file write_rank_file(const D& dir, const std::string& fname, std::span<const flat_view* const> views,
+                                  const save_options& opt) {
   std::vector<tensor_entry> entries;
   for (const flat_view* v : views) entries.push_back({v->key, v->type, shape_t{v->local_numel()}, 0, 0});
   auto w = dir.create(fname);
-  std::uint64_t size = 0;
+  written_rank_file out;
   abort_on_failure(w, [&] {  // a failed save leaves no temporary, no open upload
     auto layout = plan_safetensors(std::move(entries), {}, w.name());
     if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
+    std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
+    for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
+    std::optional<safetensors_checksummer> sums;
+    if (opt.checksums) sums.emplace(layout, data, opt.checksum_block_bytes);
     if constexpr (BlockWritableStorage<typename D::writer_type>) {
       // the whole file in aligned blocks: header and tensors gathered into each block
-      std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
-      for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
       block_write_options bo;
       bo.threads = opt.threads;
       bo.direct = opt.direct_io;
       bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
       w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        render_safetensors_bytes(layout, data, off, dst);
+        if (!sums) return render_safetensors_bytes(layout, data, off, dst);
+        // in steps of 1 MiB, each hashed (the blocks ending in it) while still in the cache
+        constexpr std::uint64_t step = std::uint64_t(1) << 20;
+        for (std::uint64_t p = 0; p < dst.size(); p += step) {
+          const std::uint64_t n = std::min<std::uint64_t>(step, dst.size() - p);
+          render_safetensors_bytes(layout, data, off + p, dst.subspan(static_cast<std::size_t>(p), static_cast<std::size_t>(n)));
+          sums->hash_range(off + p, off + p + n);
+        }
       }, bo);
       w.sync();
       w.commit();
@@ -348,23 +369,49 @@ std::uint64_t write_rank_file(const D& dir, const std::string& fname, std::span<
       parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
         const piece& p = pieces[i];
         sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+        if (sums) {
+          const std::uint64_t at = layout.data_start() + layout.tensors[p.index].begin + p.offset;
+          sums->hash_range(at, at + p.len);
+        }
       });
       sw.finish();
     }
-    size = layout.file_size();
+    out.size = layout.file_size();
+    if (sums) out.checksums = sums->table();
   });
-  return size;
+  return out;
 }
 
-/// Step 3: every rank writes rank_R.safetensors; returns every rank's file size, by rank.
+/// What a rank sends after writing its file: its size on the first line, then (with
+/// checksums) its checksum table as JSON (format/metadata.hpp).
+inline std::string encode_written(const written_rank_file& w, bool checksums) {
+  std::string t = std::to_string(w.size) + "\n";
+  if (checksums) append_checksum_table(t, w.checksums);
+  return t;
+}
+
+/// Step 3: every rank writes rank_R.safetensors; returns every rank's file (size and
+/// checksums), by rank.
 template <WritableDirectory D, Comm C>
-std::vector<std::uint64_t> write_rank_files(const D& dir, std::span<const flat_view* const> mine, C& comm,
-                                            const save_options& opt) {
+std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const flat_view* const> mine, C& comm,
+                                                const save_options& opt) {
   const std::string fname = rank_file_name(comm.rank());
-  const auto texts = every_rank_step(comm, [&] { return std::to_string(write_rank_file(dir, fname, mine, opt)); });
-  std::vector<std::uint64_t> sizes;
-  for (const auto& t : texts) sizes.push_back(std::stoull(t));
-  return sizes;
+  const auto texts = every_rank_step(comm, [&] { return encode_written(write_rank_file(dir, fname, mine, opt), opt.checksums); });
+  std::vector<written_rank_file> files;
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    const std::string from = std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)";
+    const std::string_view t = texts[r];
+    const auto nl = t.find('\n');
+    written_rank_file w;
+    if (nl == std::string_view::npos || std::from_chars(t.data(), t.data() + nl, w.size).ptr != t.data() + nl)
+      fail(errc::comm_error, from + ": the size received is malformed");
+    if (opt.checksums) {
+      simdjson::dom::parser parser;
+      w.checksums = parse_checksum_table(parse_json(parser, t.substr(nl + 1), from), from + ": checksums");
+    }
+    files.push_back(std::move(w));
+  }
+  return files;
 }
 
 /// Step 4, on rank 0, once every rank file is written: metadata.json, by rename (the commit mark).
@@ -375,10 +422,6 @@ void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
   });
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// Steps 2-4 of a save whose plan (step 1, md) every rank has agreed on: prepare the
 /// directory, write the rank files, commit metadata.json. t0: when the save began. The
 /// asynchronous save (checkpoint/async_save.hpp) runs this on its background thread.
@@ -386,18 +429,24 @@ template <WritableDirectory D, Comm C>
 save_stats write_and_commit(const D& dir, std::span<const flat_view> views, checkpoint_metadata md, C& comm,
                             const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
-  prepare_directory(dir, opt.overwrite, comm);                                          // 2
+  prepare_directory(dir, opt.overwrite, comm);                                                // 2
   const auto mine = views_to_write(views, md, rank);
-  const auto sizes = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
+  auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
 
   save_stats st;
   st.tensors_written = mine.size();
-  st.bytes_written = sizes[static_cast<std::size_t>(rank)];
+  st.bytes_written = written[static_cast<std::size_t>(rank)].size;
   md.extras.writer = "shardsafe " + std::string(library_version);
   md.extras.world_size = static_cast<std::uint64_t>(world);
+  if (opt.checksums) {
+    md.extras.checksums.emplace();
+    md.extras.checksums->block_bytes = opt.checksum_block_bytes;
+  }
   for (int r = 0; r < world; ++r) {
-    md.extras.file_sizes[rank_file_name(r)] = sizes[static_cast<std::size_t>(r)];
-    st.total_bytes += sizes[static_cast<std::size_t>(r)];
+    auto& w = written[static_cast<std::size_t>(r)];
+    md.extras.file_sizes[rank_file_name(r)] = w.size;
+    st.total_bytes += w.size;
+    if (opt.checksums) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
   }
   commit_metadata(dir, md, comm);  // 4
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -40,6 +40,8 @@ enum class errc {
   comm_error,             ///< a collective failed or ranks disagreed
   foreign_exception,      ///< an exception that is not a shardsafe::error, carried to other
                           ///< ranks (its what() is in the message)
+  checksum_mismatch,      ///< stored bytes that do not match the checksum recorded for them
+  unsafe_link,            ///< a symbolic link that leaves the checkpoint's folder
 };
 }  // namespace shardsafe
 
@@ -73,6 +75,8 @@ class error_category_impl final : public std::error_category {
       case errc::invalid_argument: return "invalid argument";
       case errc::comm_error: return "communication error";
       case errc::foreign_exception: return "exception from outside shardsafe";
+      case errc::checksum_mismatch: return "checksum mismatch";
+      case errc::unsafe_link: return "link leaves the folder";
     }
     return "unknown shardsafe error";
   }

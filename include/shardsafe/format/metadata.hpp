@@ -22,6 +22,7 @@
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -39,11 +40,22 @@ struct tensor_metadata {
   std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
 };
 
+/// The checksums of the tensor data in a checkpoint's files (docs/FORMAT.md §2, "Checksums";
+/// detail/checksum.hpp): per file, per tensor of that file, the hash of each block of
+/// block_bytes bytes of the tensor's data.
+struct checkpoint_checksums {
+  std::string algorithm{checksum_algorithm};  ///< "xxh3-64"; others are kept but not checked
+  std::uint64_t block_bytes = default_checksum_block_bytes;
+  /// file -> tensor -> one hash per block, in order
+  std::map<std::string, std::map<std::string, std::vector<std::uint64_t>>> files;
+};
+
 /// What shardsafe adds under "shardsafe" (all optional when reading).
 struct checkpoint_extras {
   std::string writer;                                  ///< e.g. "shardsafe 0.1.0"
   std::optional<std::uint64_t> world_size;             ///< ranks that saved
   std::map<std::string, std::uint64_t> file_sizes;     ///< bytes of each rank file
+  std::optional<checkpoint_checksums> checksums;       ///< absent in checkpoints saved without them
 };
 
 struct checkpoint_metadata {
@@ -120,6 +132,79 @@ inline void append_counts(std::string& out, std::span<const std::uint64_t> v) {
     out += std::to_string(v[i]);
   }
   out += ']';
+}
+
+/// Renders one file's checksum table: {"TENSOR": ["HEX16", ...], ...} (tensors by name).
+inline void append_checksum_table(std::string& out, const std::map<std::string, std::vector<std::uint64_t>>& table) {
+  out += '{';
+  bool first = true;
+  for (const auto& [key, hashes] : table) {
+    if (!first) out += ", ";
+    first = false;
+    append_json_string(out, key, /*ascii_only=*/true);
+    out += ": [";
+    for (std::size_t i = 0; i < hashes.size(); ++i) {
+      if (i) out += ", ";
+      out += '"' + hex64(hashes[i]) + '"';
+    }
+    out += ']';
+  }
+  out += '}';
+}
+
+/// Reads what append_checksum_table wrote; ctx names it in messages.
+inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(simdjson::dom::element e,
+                                                                            const std::string& ctx) {
+  simdjson::dom::object o;
+  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + ": not an object of tensors");
+  std::map<std::string, std::vector<std::uint64_t>> table;
+  for (auto kv : o) {
+    const std::string key(kv.key);
+    simdjson::dom::array arr;
+    if (kv.value.get_array().get(arr))
+      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': not a list of block hashes");
+    std::vector<std::uint64_t> hashes;
+    hashes.reserve(arr.size());
+    for (auto h : arr) {
+      std::string_view t;
+      std::optional<std::uint64_t> v;
+      if (!h.get_string().get(t)) v = parse_hex64(t);
+      if (!v)
+        fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': block " + std::to_string(hashes.size()) +
+                                         " is not a hash of 16 hex digits");
+      hashes.push_back(*v);
+    }
+    if (!table.emplace(key, std::move(hashes)).second)
+      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "' is listed twice");
+  }
+  return table;
+}
+
+/// Reads "shardsafe": {"checksums": ...}; malformed checksums are an error (not ignored: a
+/// damaged table must not pass for a checkpoint without one).
+inline checkpoint_checksums parse_checksums(simdjson::dom::element e, const std::string& f) {
+  const std::string ctx = f + ": shardsafe.checksums";
+  simdjson::dom::object o;
+  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + " is not an object");
+  checkpoint_checksums c;
+  std::string_view alg;
+  if (o["algorithm"].get_string().get(alg)) fail(errc::invalid_metadata, ctx + ": \"algorithm\" is not a string");
+  c.algorithm = std::string(alg);
+  simdjson::dom::element b;
+  std::optional<std::uint64_t> bb;
+  if (!o["block_bytes"].get(b)) bb = as_count(b);
+  if (!bb || *bb == 0) fail(errc::invalid_metadata, ctx + ": \"block_bytes\" is not a positive count");
+  c.block_bytes = *bb;
+  simdjson::dom::object files;
+  if (o["files"].get_object().get(files)) fail(errc::invalid_metadata, ctx + ": \"files\" is not an object");
+  for (auto kv : files) {
+    const std::string fname(kv.key);
+    if (!is_plain_name(fname))
+      fail(errc::invalid_metadata, ctx + ": names '" + fname + "', not a plain file name (no '/', '\\' or '..')");
+    if (!c.files.emplace(fname, parse_checksum_table(kv.value, ctx + ": file '" + fname + "'")).second)
+      fail(errc::invalid_metadata, ctx + ": file '" + fname + "' is listed twice");
+  }
+  return c;
 }
 
 }  // namespace detail
@@ -212,6 +297,8 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
                                              "', not a plain file name (no '/', '\\' or '..')");
           if (auto n = detail::as_count(kv.value)) md.extras.file_sizes[std::string(kv.key)] = *n;
         }
+      simdjson::dom::element cs;
+      if (!o["checksums"].get(cs)) md.extras.checksums = detail::parse_checksums(cs, f);
     }
   }
   return md;
@@ -258,7 +345,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
   }
   out += '}';
   const auto& x = md.extras;
-  if (!x.writer.empty() || x.world_size || !x.file_sizes.empty()) {
+  if (!x.writer.empty() || x.world_size || !x.file_sizes.empty() || x.checksums) {
     out += ", \"shardsafe\": {";
     bool xf = true;
     auto sep = [&] {
@@ -285,6 +372,21 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
         out += ": " + std::to_string(size);
       }
       out += '}';
+    }
+    if (x.checksums) {
+      sep();
+      out += "\"checksums\": {\"algorithm\": ";
+      detail::append_json_string(out, x.checksums->algorithm, /*ascii_only=*/true);
+      out += ", \"block_bytes\": " + std::to_string(x.checksums->block_bytes) + ", \"files\": {";
+      bool cf = true;
+      for (const auto& [fname, table] : x.checksums->files) {
+        if (!cf) out += ", ";
+        cf = false;
+        detail::append_json_string(out, fname, /*ascii_only=*/true);
+        out += ": ";
+        detail::append_checksum_table(out, table);
+      }
+      out += "}}";
     }
     out += '}';
   }

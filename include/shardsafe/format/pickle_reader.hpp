@@ -5,18 +5,24 @@
 // class or call a function (GLOBAL, STACK_GLOBAL, REDUCE, BUILD, INST, OBJ, NEWOBJ, ...) goes
 // to the reader's opcode policy, and the default policy (plain_data_only) refuses them all by
 // name, so reading untrusted bytes runs no code. Whatever the policy, the work and memory are
-// bounded: the stack, the memo, the nesting depth and the values a memo reference may expand
-// to have limits, and cycles and deep trees are refused or freed without recursion.
+// bounded by the input's size: each opcode makes at most one value, a shared reference (DUP,
+// the memo) stays shared in the result (one container, referred to twice, as in Python),
+// never copied into a tree; the values the result expands to when walked as a tree are at
+// most 64 per input byte (plus 4096, and at most max_values); the stack, the memo and the
+// nesting depth have limits; cycles and deep trees are refused or freed without recursion; a
+// FRAME that declares more bytes than follow is refused as truncated, as Python does.
 #pragma once
 
 #include <algorithm>
 #include <bit>
 #include <concepts>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
@@ -69,9 +75,15 @@ template <class Policy = plain_data_only>
 class basic_pickle_reader {
  public:
   /// Reads `in`; `what` names the bytes in messages.
-  /// `max_values` bounds the values the result (and every pop_value) may expand to.
+  /// `max_values` bounds the values the result (and every pop_value) may expand to, as a tree;
+  /// the reader lowers it to 64 per input byte plus 4096.
   basic_pickle_reader(std::string_view in, std::string what, Policy policy = {}, std::size_t max_values = default_max_values)
-      : in_(in), what_(std::move(what)), max_nodes_(max_values), popped_budget_(8 * max_values), policy_(std::move(policy)) {}
+      : in_(in),
+        what_(std::move(what)),
+        max_nodes_(std::min<std::uint64_t>(max_values, 64 * std::uint64_t(in.size()) + 4096)),
+        popped_budget_(8 * max_nodes_),
+        work_budget_(8 * max_nodes_),
+        policy_(std::move(policy)) {}
   /// The default bound on values: param groups hold dozens.
   static constexpr std::size_t default_max_values = std::size_t(1) << 20;
   basic_pickle_reader(const basic_pickle_reader&) = delete;
@@ -95,12 +107,19 @@ class basic_pickle_reader {
           if (v > 5) bad("protocol " + std::to_string(v) + " is newer than 5, the highest Python writes");
           break;
         }
-        case 0x95: take(8); break;                       // FRAME (length is advisory)
+        case 0x95: {                                     // FRAME: its bytes must all be there
+          const std::uint64_t n = le(take(8));
+          if (n > in_.size() - pos_)
+            bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
+                " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
+          break;
+        }
         case '(': marks_.push_back(stack_.size()); break;  // MARK
         case '.': {                                      // STOP
           if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
           expanded_size(stack_.back(), 0);  // refuses cycles, deep nesting and blow-ups before building
           budget_ = max_nodes_;
+          built_.clear();
           return materialize(stack_.back(), 0);
         }
         case 'N': push(make(pickle_value::none())); break;
@@ -213,14 +232,19 @@ class basic_pickle_reader {
   /// Pushes a value onto the stack (later opcodes may add items to it if it is a list or dict).
   void push(pickle_value v) { push(make(std::move(v))); }
   /// Pops the value on top of the stack, built as the result would be (cycles, depth and size
-  /// refused alike); all pops together may build at most 8 x max_values values.
+  /// refused alike; shared references stay shared); all pops together may build at most
+  /// 8 x max_values values.
   pickle_value pop_value() {
     ptr n = pop();
-    const std::uint64_t size = expanded_size(n, 0);
-    if (size > popped_budget_) bad("operands expand to more than " + std::to_string(8 * max_nodes_) + " values");
-    popped_budget_ -= static_cast<std::size_t>(size);
+    expanded_size(n, 0);
     budget_ = max_nodes_;
-    return materialize(n, 0);
+    built_.clear();
+    const std::size_t before = budget_;
+    pickle_value v = materialize(n, 0);
+    const std::size_t made = before - budget_;
+    if (made > popped_budget_) bad("operands expand to more than " + std::to_string(8 * max_nodes_) + " values");
+    popped_budget_ -= made;
+    return v;
   }
   /// The kind of the value `from_top` places below the top of the stack (0: the top).
   pickle_value::kind kind_at(std::size_t from_top) const { return at_(from_top)->k; }
@@ -245,6 +269,7 @@ class basic_pickle_reader {
     stack_.pop_back();
     auto d = container(pickle_value::kind::dict, op);
     const auto items = s->children;  // a copy: s may be d itself
+    charge(items.size());
     d->expanded = 0;
     d->children.insert(d->children.end(), items.begin(), items.end());
   }
@@ -294,18 +319,42 @@ class basic_pickle_reader {
     if (!detail::is_valid_utf8(b)) bad("string at byte " + std::to_string(pos_ - n) + " is not UTF-8");
     return std::string(b);
   }
-  // A node for v; a container's items become nodes of their own, so opcodes can add to it.
+  // Counts n steps of work (nodes made, entries copied) against the budget of 8 x max_values.
+  void charge(std::size_t n) {
+    if (n > work_budget_) bad("needs more than " + std::to_string(8 * max_nodes_) + " steps to read");
+    work_budget_ -= n;
+  }
+  // The address of v's container (one shared by several values is one node), or nullptr.
+  static const void* container_of(const pickle_value& v) noexcept {
+    return std::visit(
+        [](const auto& x) -> const void* {
+          if constexpr (requires { x.get(); }) return x.get();
+          else return nullptr;
+        },
+        v.as_variant());
+  }
+  // A node for v; a container's items become nodes of their own, so opcodes can add to it. A
+  // container v refers to more than once becomes one node (`seen`), so sharing is kept.
   ptr make(pickle_value v) {
+    std::map<const void*, ptr> seen;
+    return make(std::move(v), seen);
+  }
+  ptr make(pickle_value v, std::map<const void*, ptr>& seen) {
+    const void* c = container_of(v);
+    if (c)
+      if (auto it = seen.find(c); it != seen.end()) return it->second;
+    charge(1);
     auto n = std::make_shared<node>();
     n->k = v.type();
     all_.push_back(n);
+    if (c) seen.emplace(c, n);
     if (n->k == pickle_value::kind::dict) {
       for (std::size_t i = 0; i < v.dict_size(); ++i) {
-        n->children.push_back(make(v.dict_key(i)));
-        n->children.push_back(make(v.dict_value(i)));
+        n->children.push_back(make(v.dict_key(i), seen));
+        n->children.push_back(make(v.dict_value(i), seen));
       }
     } else if (n->k == pickle_value::kind::list || n->k == pickle_value::kind::tuple) {
-      for (const auto& x : v.as_sequence("")) n->children.push_back(make(x));
+      for (const auto& x : v.as_sequence("")) n->children.push_back(make(x, seen));
     } else {
       n->scalar = std::move(v);
     }
@@ -409,20 +458,31 @@ class basic_pickle_reader {
     }
     return std::string(" (") + n + ")";
   }
-  // Shared and self-referencing containers become trees; the node budget stops blow-ups.
+  // Builds the value of n; a node reached again (a shared reference) gives the value built the
+  // first time, which shares its container: each node is built once (built_, cleared by the
+  // caller). The budget counts the nodes built.
   pickle_value materialize(const ptr& n, std::size_t depth) {
     if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_) + " (or refers to itself)");
-    if (budget_-- == 0) bad("expands to more than " + std::to_string(max_nodes_) + " values");
     using k = pickle_value::kind;
     if (n->k != k::list && n->k != k::tuple && n->k != k::dict) return n->scalar;
+    if (auto it = built_.find(n.get()); it != built_.end()) return it->second;
+    if (budget_ < 1 + n->children.size()) bad("expands to more than " + std::to_string(max_nodes_) + " values");
+    budget_ -= 1 + n->children.size();
     std::vector<pickle_value> items;
     items.reserve(n->children.size());
     for (const auto& c : n->children) items.push_back(materialize(c, depth + 1));
-    if (n->k == k::list) return pickle_value::list(std::move(items));
-    if (n->k == k::tuple) return pickle_value::tuple(std::move(items));
-    std::vector<std::pair<pickle_value, pickle_value>> entries;
-    for (std::size_t i = 0; i + 1 < items.size(); i += 2) entries.emplace_back(std::move(items[i]), std::move(items[i + 1]));
-    return pickle_value::dict(std::move(entries));
+    pickle_value v;
+    if (n->k == k::list) {
+      v = pickle_value::list(std::move(items));
+    } else if (n->k == k::tuple) {
+      v = pickle_value::tuple(std::move(items));
+    } else {
+      std::vector<std::pair<pickle_value, pickle_value>> entries;
+      for (std::size_t i = 0; i + 1 < items.size(); i += 2) entries.emplace_back(std::move(items[i]), std::move(items[i + 1]));
+      v = pickle_value::dict(std::move(entries));
+    }
+    built_.emplace(n.get(), v);
+    return v;
   }
 
   std::string_view in_;
@@ -431,9 +491,11 @@ class basic_pickle_reader {
   std::vector<ptr> stack_;
   std::vector<std::size_t> marks_;
   std::vector<ptr> memo_;
-  std::size_t max_nodes_;
-  std::size_t popped_budget_;
-  std::size_t budget_ = 0;
+  std::size_t max_nodes_;      // values a result may expand to, as a tree
+  std::size_t popped_budget_;  // values all pop_value calls together may still build
+  std::size_t work_budget_;    // nodes made and entries copied that are still allowed
+  std::size_t budget_ = 0;     // values the materialize under way may still build
+  std::map<const node*, pickle_value> built_;  // what the materialize under way built, by node
   std::vector<ptr> all_;  // every node made, unlinked by the destructor
   Policy policy_;
 };

@@ -4,8 +4,9 @@
 // One alternative of a std::variant per Python type of plain data: None, bool, int (64-bit),
 // float, str, list, tuple and dict. Containers are held by shared_ptr, so copying a value is
 // cheap; the only mutator (set) copies a container another value still shares before changing
-// it, so a pickle_value behaves as a value: changing one never changes another. Values are
-// trees: the reader turns a shared reference in the bytes into equal values and refuses cycles.
+// it, so a pickle_value behaves as a value: changing one never changes another. Values may
+// share containers (the reader keeps a shared reference in the bytes shared: one container,
+// held twice) but never contain themselves: the reader refuses cycles.
 #pragma once
 
 #include <bit>

@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -260,6 +261,64 @@ inline void render_safetensors_bytes(const safetensors_layout& layout, std::span
     pos += n;
   }
 }
+
+/// The checksums of a file's tensors (detail/checksum.hpp), computed as the file is written:
+/// hash_range(lo, hi) hashes, from the tensors' memory, every block whose last byte lies in
+/// file bytes [lo, hi). A writer calls it for each part of the file it has just produced
+/// (a block of write_blocks, a part of write_part), so every block is hashed once, by the
+/// thread that wrote its end, while its bytes are still in the cache: no second pass over
+/// the data. Calls for disjoint ranges may run on several threads at once.
+class safetensors_checksummer {
+ public:
+  /// data[i]: the bytes of layout.tensors[i] (layout order); block_bytes > 0.
+  safetensors_checksummer(const safetensors_layout& layout, std::span<const std::byte* const> data,
+                          std::uint64_t block_bytes)
+      : layout_(layout), data_(data.begin(), data.end()), block_(block_bytes), hashes_(layout.tensors.size()) {
+    if (block_ == 0 || data_.size() != layout_.tensors.size())
+      fail(errc::invalid_argument, layout_.file + ": checksums of " + std::to_string(data_.size()) + " of " +
+                                       std::to_string(layout_.tensors.size()) + " tensors in blocks of " +
+                                       std::to_string(block_) + " bytes");
+    for (std::size_t i = 0; i < hashes_.size(); ++i)
+      hashes_[i].resize(static_cast<std::size_t>(detail::checksum_block_count(layout_.tensors[i].nbytes(), block_)));
+  }
+
+  std::uint64_t block_bytes() const noexcept { return block_; }
+
+  /// Hashes the blocks whose last byte is in file bytes [lo, hi).
+  void hash_range(std::uint64_t lo, std::uint64_t hi) {
+    const std::uint64_t hs = layout_.data_start();
+    if (hi <= hs || hi <= lo) return;
+    // data-buffer offsets: a block ends in (a, b]
+    const std::uint64_t a = lo < hs ? 0 : lo - hs, b = hi - hs;
+    auto it = std::upper_bound(layout_.tensors.begin(), layout_.tensors.end(), a,
+                               [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
+    for (; it != layout_.tensors.end() && it->begin < b; ++it) {
+      const std::size_t i = static_cast<std::size_t>(it - layout_.tensors.begin());
+      const std::uint64_t n = it->nbytes();
+      // the first block of this tensor ending past a (a block k ends at begin + min((k+1)B, n))
+      std::uint64_t k = a <= it->begin ? 0 : (a - it->begin) / block_;
+      for (; k < hashes_[i].size(); ++k) {
+        const std::uint64_t from = k * block_, to = std::min(n, from + block_);
+        if (it->begin + to <= a) continue;
+        if (it->begin + to > b) break;
+        hashes_[i][static_cast<std::size_t>(k)] = detail::xxh3_64(data_[i] + from, static_cast<std::size_t>(to - from));
+      }
+    }
+  }
+
+  /// The hashes, by tensor name (call once every range is hashed).
+  std::map<std::string, std::vector<std::uint64_t>> table() const {
+    std::map<std::string, std::vector<std::uint64_t>> t;
+    for (std::size_t i = 0; i < hashes_.size(); ++i) t.emplace(layout_.tensors[i].name, hashes_[i]);
+    return t;
+  }
+
+ private:
+  const safetensors_layout& layout_;
+  std::vector<const std::byte*> data_;
+  std::uint64_t block_;
+  std::vector<std::vector<std::uint64_t>> hashes_;  // per tensor (layout order), per block
+};
 
 /// Writes a whole file from tensors in memory: plan, stream, commit.
 template <RandomAccessWritableStorage W>

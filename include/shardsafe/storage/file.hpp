@@ -222,19 +222,39 @@ class file_writer {
   bool committed_ = false;
 };
 
-/// A folder of files as a Directory; Reader is file_storage or mmap_storage.
+/// What a folder-backed Directory does with a symbolic link it is asked to open (a rank file,
+/// an HF shard or index, metadata.json, a sub-folder of a checkpoint pair).
+enum class link_policy {
+  /// The default. A link whose target, fully resolved, lies inside the folder (for sub(): the
+  /// folder it was made from) is followed; one that leaves it is refused with
+  /// errc::unsafe_link, so a checkpoint cannot make a reader open files elsewhere on the
+  /// machine. One layout is allowed besides: the Hugging Face hub cache, where the files of
+  /// `.../snapshots/REV/` are links into `.../blobs/`.
+  inside,
+  /// Every link is followed (a folder the caller trusts; the tool's --follow-links).
+  follow,
+};
+
+/// A folder of files as a Directory; Reader is file_storage or mmap_storage. Links are
+/// followed as its link_policy says (checked when an object is opened).
 template <ReadableStorage Reader>
 class basic_file_directory {
  public:
   using reader_type = Reader;
   using writer_type = file_writer;
 
-  explicit basic_file_directory(std::filesystem::path root) : root_(std::move(root)), name_(root_.string()) {}
+  explicit basic_file_directory(std::filesystem::path root, link_policy links = link_policy::inside)
+      : root_(std::move(root)), name_(root_.string()), boundary_(root_), links_(links) {}
 
   const std::filesystem::path& path() const noexcept { return root_; }
   std::string_view name() const noexcept { return name_; }
+  link_policy links() const noexcept { return links_; }
 
-  reader_type open(std::string_view n) const { return reader_type(child(n)); }
+  reader_type open(std::string_view n) const {
+    auto p = child(n);
+    check_link(p);
+    return reader_type(p);
+  }
   writer_type create(std::string_view n) const { return writer_type(child(n)); }
   bool exists(std::string_view n) const {
     std::error_code ec;
@@ -253,7 +273,14 @@ class basic_file_directory {
     std::filesystem::remove_all(child(n), ec);
     if (ec) throw error(ec, (root_ / std::string(n)).string() + ": remove: " + ec.message());
   }
-  basic_file_directory sub(std::string_view n) const { return basic_file_directory(child(n)); }
+  /// The folder n inside this one; a link there must stay inside this folder's boundary too.
+  basic_file_directory sub(std::string_view n) const {
+    auto p = child(n);
+    check_link(p);
+    basic_file_directory d(p, links_);
+    d.boundary_ = boundary_;
+    return d;
+  }
   void make() const {
     std::error_code ec;
     std::filesystem::create_directories(root_, ec);
@@ -266,8 +293,34 @@ class basic_file_directory {
       throw error(errc::invalid_argument, name_ + ": '" + std::string(n) + "' is not a plain file name");
     return root_ / std::string(n);
   }
+  static bool within(const std::filesystem::path& p, const std::filesystem::path& folder) {
+    const auto rel = p.lexically_relative(folder);
+    return !rel.empty() && *rel.begin() != "..";
+  }
+  // Refuses (link_policy::inside) a link at p whose target leaves the boundary. A missing or
+  // dangling p is left to the open, which reports it as not found.
+  void check_link(const std::filesystem::path& p) const {
+    if (links_ == link_policy::follow) return;
+    std::error_code ec;
+    if (!std::filesystem::is_symlink(std::filesystem::symlink_status(p, ec)) || ec) return;
+    const auto target = std::filesystem::canonical(p, ec);
+    if (ec) return;
+    const auto bound = std::filesystem::canonical(boundary_, ec);
+    if (ec || within(target, bound)) return;
+    // the Hugging Face hub cache: snapshots/REV/NAME -> ../../blobs/HASH
+    const auto here = std::filesystem::canonical(root_, ec);
+    if (!ec && here.parent_path().filename() == "snapshots" &&
+        within(target, here.parent_path().parent_path() / "blobs"))
+      return;
+    throw error(errc::unsafe_link, p.string() + ": a symbolic link to " + target.string() + ", outside the folder " +
+                                       boundary_.string() +
+                                       "; refused (a checkpoint's links must stay inside its folder; to trust this "
+                                       "one, open the folder with link_policy::follow, or pass --follow-links to the tool)");
+  }
   std::filesystem::path root_;
   std::string name_;
+  std::filesystem::path boundary_;  ///< links must resolve inside it (link_policy::inside)
+  link_policy links_ = link_policy::inside;
 };
 
 using file_directory = basic_file_directory<file_storage>;

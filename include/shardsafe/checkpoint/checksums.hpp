@@ -1,0 +1,104 @@
+// shardsafe/checkpoint/checksums.hpp - checking stored tensor data against the checksums that
+// metadata.json records (docs/FORMAT.md §2, "Checksums"; the hashes: detail/checksum.hpp).
+//
+// What the loader (load_options::verify_checksums, for the blocks its reads touch) and verify
+// (every block of every file) share: finding a tensor's recorded hashes, checked against the
+// file's header (one hash per block of its data); hashing one block of a stored file; and the
+// message of a mismatch, which names the file, the tensor, the block's bytes, its elements in
+// the file and, for a sharded tensor, the index of its first element in the full tensor.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/checksum.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe::detail {
+
+/// Refuses checksums this library cannot check (another algorithm, written by a newer version).
+inline void require_known_checksums(const checkpoint_checksums& cs, std::string_view where) {
+  if (cs.algorithm != checksum_algorithm)
+    fail(errc::invalid_metadata, std::string(where) + ": shardsafe.checksums uses the algorithm '" + cs.algorithm +
+                                     "'; this version checks only " + std::string(checksum_algorithm));
+}
+
+/// The hashes recorded for tensor e of file `fname` (whose path `path` messages name): one per
+/// block of e's data, or errc::invalid_metadata when the file or tensor has none or the count
+/// is wrong. (Checksums recorded at all cover every tensor of every file the writer wrote.)
+inline const std::vector<std::uint64_t>& recorded_hashes(const checkpoint_checksums& cs, const std::string& fname,
+                                                         std::string_view path, const tensor_entry& e) {
+  const std::string ctx = std::string(path) + ": tensor '" + e.name + "'";
+  const auto f = cs.files.find(fname);
+  if (f == cs.files.end())
+    fail(errc::invalid_metadata, ctx + ": metadata.json records checksums, but none for this file");
+  const auto t = f->second.find(e.name);
+  if (t == f->second.end())
+    fail(errc::invalid_metadata, ctx + ": metadata.json records checksums for this file, but none for this tensor");
+  const std::uint64_t want = checksum_block_count(e.nbytes(), cs.block_bytes);
+  if (t->second.size() != want)
+    fail(errc::invalid_metadata, ctx + ": metadata.json records " + std::to_string(t->second.size()) +
+                                     " block checksums, but its " + std::to_string(e.nbytes()) + " bytes make " +
+                                     std::to_string(want) + " blocks of " + std::to_string(cs.block_bytes));
+  return t->second;
+}
+
+/// Bytes [from, to) of block k of a tensor of nbytes bytes, in blocks of `block`.
+struct checksum_block_span {
+  std::uint64_t from = 0, to = 0;
+};
+inline checksum_block_span block_span(std::uint64_t k, std::uint64_t block, std::uint64_t nbytes) noexcept {
+  return {k * block, std::min(nbytes, k * block + block)};
+}
+
+/// The message of block k of tensor e (in the file `path`) not matching its hash. tm and spec,
+/// when given, place the block in the full tensor (the index of its first element).
+inline std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
+                                             std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
+                                             const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr) {
+  const auto [from, to] = block_span(k, block, e.nbytes());
+  const std::uint64_t bits = bit_size(e.type);
+  const std::uint64_t first = from * 8 / bits, last = (to * 8 + bits - 1) / bits;  // elements [first, last)
+  std::string m = std::string(path) + ": tensor '" + e.name + "': elements [" + std::to_string(first) + ", " +
+                  std::to_string(last) + ") of the file's " + std::to_string(e.numel()) + " (data bytes [" +
+                  std::to_string(from) + ", " + std::to_string(to) + "), checksum block " + std::to_string(k) + ")";
+  if (tm && spec && tm->is_sharded)
+    if (auto g = global_index_of(*spec, tm->shape, first))
+      m += ", from index " + multi_index_string(tm->shape, *g) + " of the full tensor " + to_string(tm->shape);
+  m += ": the bytes hash to " + hex64(computed) + " but metadata.json records " + hex64(stored) + " (" +
+       std::string(checksum_algorithm) + "): the file is damaged";
+  return m;
+}
+
+/// XXH3-64 of bytes [off, off + len) of storage s: from its mapping when it has one, else read
+/// into buf (resized as needed, reused by the caller).
+template <ReadableStorage S>
+std::uint64_t hash_stored(const S& s, std::uint64_t off, std::uint64_t len, std::vector<std::byte>& buf) {
+  if constexpr (MappableStorage<S>) {
+    check_read_range(s.name(), off, len, s.size());
+    return xxh3_64(s.bytes().data() + off, static_cast<std::size_t>(len));
+  } else {
+    buf.resize(static_cast<std::size_t>(len));
+    s.read_into(off, std::span<std::byte>(buf.data(), buf.size()));
+    return xxh3_64(buf.data(), buf.size());
+  }
+}
+
+/// The spec a file holds of tm (nullptr when tm does not name the file): for messages.
+inline const shard_spec* spec_in(const tensor_metadata* tm, std::string_view fname) {
+  if (!tm) return nullptr;
+  for (const auto& [n, s] : tm->files)
+    if (n == fname) return &s;
+  return nullptr;
+}
+
+}  // namespace shardsafe::detail
