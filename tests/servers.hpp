@@ -158,6 +158,23 @@ enum class fault {
   stall,                ///< nothing for 1 s, then the connection closed
 };
 
+/// A listening TCP socket on 127.0.0.1 at a free port (set in port); its descriptor.
+inline int listen_on_loopback(int& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  port = ntohs(a.sin_port);
+  REQUIRE(::listen(fd, 64) == 0);
+  return fd;
+}
+
 /// An HTTP/1.1 server on 127.0.0.1 serving one object, `body`, at any path: each GET takes
 /// the next fault of the script (none once it is empty). Keeps a log of the Range headers.
 class scripted_server {
@@ -165,18 +182,7 @@ class scripted_server {
   /// head_length false: HEAD answers without Content-Length (chunked), so the size must come
   /// from a GET's Content-Range.
   explicit scripted_server(std::string body, bool head_length = true) : body_(std::move(body)), head_length_(head_length) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    REQUIRE(listen_fd_ >= 0);
-    int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    socklen_t len = sizeof a;
-    REQUIRE(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-    port_ = ntohs(a.sin_port);
-    REQUIRE(::listen(listen_fd_, 64) == 0);
+    listen_fd_ = listen_on_loopback(port_);
     acceptor_ = std::thread([this] { accept_loop(); });
   }
   ~scripted_server() {
@@ -344,16 +350,7 @@ struct fault_proxy {
 class raw_server {
  public:
   explicit raw_server(std::function<std::string(const std::string&)> answer) : answer_(std::move(answer)) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
-    REQUIRE(listen_fd_ >= 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    socklen_t len = sizeof a;
-    REQUIRE(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len) == 0);
-    port_ = ntohs(a.sin_port);
-    REQUIRE(::listen(listen_fd_, 64) == 0);
+    listen_fd_ = listen_on_loopback(port_);
     thread_ = std::thread([this] {
       for (;;) {
         const int fd = ::accept(listen_fd_, nullptr, nullptr);

@@ -206,6 +206,23 @@ TEST_CASE("s3: XML error bodies become messages naming the object and S3's code"
 // ---------------------------------------------------------------------------------------
 // moto_server
 
+namespace {
+
+/// w: F32 [1536, 2048] (6 MiB a rank file: 2 parts of 5 MiB) and b: BF16 [1000], saved by
+/// 2 ranks in row halves into d; the exceptions of the ranks.
+std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, const std::string& w, const std::string& b) {
+  return testing::run_ranks(2, [&](testing::thread_comm& comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
+    std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
+    std::vector<flat_view> v{
+        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    save_flat_views(d, std::span<const flat_view>(v), comm);
+  });
+}
+
+}  // namespace
+
 TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) loads resharded on 3 ranks, bit-exact") {
   moto m;
   s3_options o = m.options();
@@ -215,15 +232,7 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
   const s3_directory d("s3://ckpts/run_1/step_10", o);
   // w: F32 [1536, 2048] saved in row halves; b: BF16 [1000] saved in halves
   const std::string w = random_text(1536 * 2048 * 4, 1), b = random_text(1000 * 2, 2);
-  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
-    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
-    std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
-    save_flat_views(d, std::span<const flat_view>(v), comm);
-  });
-  for (auto& t : thrown) REQUIRE_FALSE(t);
+  for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
   CHECK(d.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
   CHECK(d.open("rank_0.safetensors").size() > o.part_bytes);
   CHECK(d.pending_uploads().empty());
@@ -354,23 +363,6 @@ TEST_CASE("s3: an object overwritten while a reader has it open is an error, not
   d.open("obj.bin").read_into(1000, std::as_writable_bytes(std::span(got)));
   CHECK(got == v2.substr(1000, 1000));
 }
-
-namespace {
-
-/// w: F32 [1536, 2048] (6 MiB a rank file: 2 parts of 5 MiB) and b: BF16 [1000], saved by
-/// 2 ranks in row halves into d; the exceptions of the ranks.
-std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, const std::string& w, const std::string& b) {
-  return testing::run_ranks(2, [&](testing::thread_comm& comm) {
-    const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
-    std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
-    save_flat_views(d, std::span<const flat_view>(v), comm);
-  });
-}
-
-}  // namespace
 
 TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exact; an upload cut off leaves nothing") {
   moto m;
