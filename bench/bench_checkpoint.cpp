@@ -27,6 +27,10 @@
 // threads into touched memory; pwrite + fdatasync (buffered) and O_DIRECT pwrite + fdatasync
 // (staged through aligned blocks, 2 threads); the first touch of fresh tensors of the model's
 // size (the page faults any load into new memory pays). bench/README.md explains each column.
+// Loads where the loader allocates (the inference case: nothing exists yet): unshard_state into
+// one at::empty per tensor and into a tensor_arena (huge pages, populated ahead of the reads),
+// and the zero-copy map_state (copy-on-write mappings of the file), alone and with every page
+// then read once (the cost moved to the first use), each against torch::load.
 #include <torch/serialize.h>
 
 #include "bench_torch_common.hpp"
@@ -35,7 +39,9 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/mmap.hpp"
+#include "shardsafe/torch/mapped_state.hpp"
 #include "shardsafe/torch/state_dict.hpp"
+#include "shardsafe/torch/tensor_memory.hpp"
 
 using namespace shardsafe;
 using bench::MiB;
@@ -205,6 +211,39 @@ int child_single(const std::string& what, const bench::args& a) {
     bench::emit("peak_mib", bench::hwm_mib() - rss0);
     bench::emit("peak_anon_mib", sampler.peak_anon_mib() - g_anon0);
     bench::emit("bytes_read", double(st.bytes_read));
+  } else if (what == "ss-unshard" || what == "ss-unshard-arena" || what == "ss-map") {
+    // the loader allocates: unshard_state into at::empty tensors or into one huge-page arena,
+    // or map_state (zero-copy: copy-on-write mappings of the file, nothing read yet)
+    bench::emit("resident", bench::page_cache_resident(path + "/rank_0.safetensors"));
+    bench::rss_sampler sampler;
+    const double t0 = bench::now_s();
+    map_stats ms;
+    auto named = what == "ss-map" ? map_state(path, &ms)
+                                  : unshard_state(file_directory(path), {},
+                                                  what == "ss-unshard-arena" ? tensor_memory::arena : tensor_memory::separate);
+    const double t1 = bench::now_s();
+    if (what == "ss-map") {
+      if (ms.copied != 0 || ms.mapped != named.size()) return 1;  // every tensor is one file's: all mapped
+      // then every page read once (the load is paid by the first use instead): one byte per 4 KiB
+      volatile unsigned char sink = 0;
+      for (const auto& [k, t] : named) {
+        const auto* b = static_cast<const unsigned char*>(t.data_ptr());
+        for (std::size_t i = 0; i < t.nbytes(); i += 4096) sink = sink + b[i];
+      }
+      bench::emit("touch_seconds", bench::now_s() - t1);
+    }
+    sampler.stop();
+    std::map<std::string, at::Tensor> by_name(named.begin(), named.end());
+    std::vector<at::Tensor> ordered;
+    for (const auto& d : model_defs(c)) {
+      auto it = by_name.find(d.name);
+      if (it == by_name.end()) return 1;
+      ordered.push_back(it->second);
+    }
+    if (!verify(c, ordered, split::whole, 1, 0)) return 1;
+    bench::emit("seconds", t1 - t0);
+    bench::emit("peak_mib", bench::hwm_mib() - rss0);
+    bench::emit("peak_anon_mib", sampler.peak_anon_mib() - g_anon0);
   } else if (what == "torch-load") {
     bench::emit("resident", bench::page_cache_resident(path));
     std::vector<at::Tensor> v;
@@ -353,6 +392,10 @@ const std::string L_wdio = "O_DIRECT pwrite + fdatasync (staged, 2 threads)";
 const std::string L_cold = "shardsafe load (file_directory, into the model), uncached";
 const std::string L_nosum = "shardsafe save without checksums";
 const std::string L_checked = "shardsafe load (file_directory, into the model, checksums checked)";
+const std::string L_unshard = "shardsafe unshard_state (loader allocates: at::empty each)";
+const std::string L_arena = "shardsafe unshard_state (loader allocates: tensor_arena)";
+const std::string L_map = "shardsafe map_state (zero-copy: tensors usable)";
+const std::string L_map_touch = "  map_state + every page read once";
 const std::string L_mmap2 = "shardsafe load, 2 ranks (mmap_directory, into the model)";
 
 struct row {
@@ -441,6 +484,22 @@ int main(int argc, char** argv) {
       x.peak_anon.add(r["peak_anon_mib"]);
       x.resident = r["resident"];
     }
+    for (const char* kind : {"ss-unshard", "ss-unshard-arena", "ss-map"}) {
+      r = bench::run_child(args({"--child", kind, "--path", ck1}));
+      const std::string k = kind;
+      row& x = R(k == "ss-unshard" ? L_unshard : k == "ss-unshard-arena" ? L_arena : L_map);
+      x.t.add(r["seconds"]);
+      x.peak.add(r["peak_mib"]);
+      x.peak_anon.add(r["peak_anon_mib"]);
+      x.resident = r["resident"];
+      if (k == "ss-map") {
+        row& y = R(L_map_touch);
+        y.t.add(r["seconds"] + r["touch_seconds"]);
+        y.peak.add(r["peak_mib"]);
+        y.peak_anon.add(r["peak_anon_mib"]);
+        y.resident = r["resident"];
+      }
+    }
     r = bench::run_child(args({"--child", "torch-load", "--path", pt1}));
     row& tl = R("torch::load");
     tl.t.add(r["seconds"]);
@@ -485,7 +544,8 @@ int main(int argc, char** argv) {
   rows["shardsafe save, 2 ranks"].peer_fsync = "torch::save per rank + fsync, 2 ranks";
   for (const std::string& n : {std::string("shardsafe load (file_directory, into the model)"),
                                std::string("shardsafe load (file_directory, fresh tensors)"),
-                               std::string("shardsafe load (mmap_directory, into the model)"), L_cold})
+                               std::string("shardsafe load (mmap_directory, into the model)"), L_cold, L_unshard,
+                               L_arena, L_map, L_map_touch})
     rows[n].peer = "torch::load";
   rows["shardsafe load, 2 ranks (into the model)"].peer = "torch::load per rank, 2 ranks";
   rows[L_mmap2].peer = "torch::load per rank, 2 ranks";
@@ -526,7 +586,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> groups[] = {
       {"shardsafe save (fdatasync + rename)", L_nosum, "torch::save (no sync)", "torch::save + fsync", L_wbuf, L_wdio},
       {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
-       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, "torch::load", L_read1, L_read2, L_memcpy1,
+       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, L_unshard, L_arena, L_map, L_map_touch,
+       "torch::load", L_read1, L_read2, L_memcpy1,
        L_memcpy2, L_touch},
       {"shardsafe save, 2 ranks", "torch::save per rank, 2 ranks (no sync)", "torch::save per rank + fsync, 2 ranks"},
       {"shardsafe load, 2 ranks (into the model)", L_mmap2, "torch::load per rank, 2 ranks"}};
@@ -568,6 +629,10 @@ int main(int argc, char** argv) {
   line("load >= 3x faster than torch::load (file_directory, into the model)", x, "x", x >= 3);
   x = med("torch::load") / med("shardsafe load (file_directory, fresh tensors)");
   line("load >= 3x faster than torch::load (file_directory, fresh tensors)", x, "x", x >= 3);
+  x = med("torch::load") / med(L_arena);
+  line("load >= 3x faster than torch::load (the loader allocates: tensor_arena)", x, "x", x >= 3);
+  x = med("torch::load") / med(L_map_touch);
+  line("  zero-copy map_state + every page read once, against torch::load", x, "x", x >= 3);
   x = med("torch::load") / med("shardsafe load (mmap_directory, into the model)");
   line("load >= 3x faster than torch::load (mmap_directory, into the model)", x, "x", x >= 3);
   x = med("torch::load per rank, 2 ranks") / med("shardsafe load, 2 ranks (into the model)");
