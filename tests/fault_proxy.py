@@ -3,6 +3,7 @@
 
     fault_proxy.py --port P --upstream HOST:PORT --seed N --rate R --log FILE
                    [--faults drop,stall,...] [--stall S] [--kill-parts-after K]
+                   [--lose-complete drop|stall] [--head-etag ETAG]
 
 Listens on 127.0.0.1:P and passes each request of a client connection to the upstream server
 (nginx, moto_server) on a connection of its own. Requests are numbered in the order they
@@ -26,6 +27,12 @@ which one of those in --faults that fit it:
 Writes (PUT, POST, DELETE) only get the faults of the first group, so that a fault never
 leaves an operation half done upstream. With --kill-parts-after K, every S3 UploadPart after
 the first K that arrive (and every retry of them) is reset before it is passed on.
+
+With --lose-complete, the first S3 CompleteMultipartUpload (a POST with uploadId=) is passed
+on and the upstream completes it, but its answer is lost: "drop" resets the client connection,
+"stall" sends nothing for --stall seconds and closes it (logged as "lose-drop" or "lose-stall").
+With --head-etag, every answer to a HEAD carries that ETag instead of the upstream's (logged as
+"head-etag"): an object that looks like another version.
 
 Each fault is one line of --log: "FAULT METHOD TARGET RANGE", written when injected.
 """
@@ -56,6 +63,8 @@ class Proxy:
         self.stall = a.stall
         self.kill_parts_after = a.kill_parts_after
         self.parts_seen = 0
+        self.lose_complete = a.lose_complete
+        self.head_etag = a.head_etag
         self.log = open(a.log, "a", buffering=1)
 
     def note(self, fault, method, target, rng):
@@ -92,7 +101,11 @@ class Proxy:
                         self.note("kill", method, target, rng)
                         abort(writer)
                         return
-                fault = self.draw(method, rng is not None)
+                lose = None
+                if self.lose_complete and method == "POST" and "uploadId=" in target:
+                    lose, self.lose_complete = self.lose_complete, None
+                    self.note("lose-" + lose, method, target, rng)
+                fault = None if lose else self.draw(method, rng is not None)
                 if fault:
                     self.note(fault, method, target, rng)
                 if fault == "reset":
@@ -130,6 +143,16 @@ class Proxy:
                     up_w.close()
                     up = None
                 status = int(status_line.split(" ", 2)[1])
+                if lose == "drop":
+                    abort(writer)
+                    return
+                if lose == "stall":
+                    await asyncio.sleep(self.stall)
+                    writer.close()
+                    return
+                if self.head_etag is not None and method == "HEAD":
+                    self.note("head-etag", method, target, rng)
+                    rh = set_header(rh, "ETag", self.head_etag)
                 close_after = False
                 if fault in ("drop", "truncate") and rbody:
                     cut = len(rbody) // 2 if fault == "drop" else self.rng.randrange(len(rbody))
@@ -255,6 +278,8 @@ async def main():
     p.add_argument("--faults", default=",".join(GENERIC + BODY + RANGE))
     p.add_argument("--stall", type=float, default=2.0)
     p.add_argument("--kill-parts-after", type=int, default=None)
+    p.add_argument("--lose-complete", choices=["drop", "stall"], default=None)
+    p.add_argument("--head-etag", default=None)
     p.add_argument("--log", required=True)
     a = p.parse_args()
     proxy = Proxy(a)
