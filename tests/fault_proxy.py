@@ -31,6 +31,10 @@ the first K that arrive (and every retry of them) is reset before it is passed o
 With --lose-complete, the first S3 CompleteMultipartUpload (a POST with uploadId=) is passed
 on and the upstream completes it, but its answer is lost: "drop" resets the client connection,
 "stall" sends nothing for --stall seconds and closes it (logged as "lose-drop" or "lose-stall").
+Every later request to the same target (the client's retry) is answered here with S3's 404
+NoSuchUpload, as S3 answers once the upload is complete and gone, and as moto answers a retry
+that arrives while the first Complete is still being assembled (logged as "nosuchupload"; a
+current moto answers a retry after completion with success, which would hide the case).
 With --head-etag, every answer to a HEAD carries that ETag instead of the upstream's (logged as
 "head-etag"): an object that looks like another version.
 
@@ -64,6 +68,7 @@ class Proxy:
         self.kill_parts_after = a.kill_parts_after
         self.parts_seen = 0
         self.lose_complete = a.lose_complete
+        self.lost_target = None
         self.head_etag = a.head_etag
         self.log = open(a.log, "a", buffering=1)
 
@@ -102,8 +107,18 @@ class Proxy:
                         abort(writer)
                         return
                 lose = None
+                if self.lost_target is not None and method == "POST" and target == self.lost_target:
+                    self.note("nosuchupload", method, target, rng)
+                    xml = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchUpload</Code><Message>The specified '
+                           b'upload does not exist. The upload ID may be invalid, or the upload may have been aborted or '
+                           b'completed.</Message></Error>')
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\nContent-Length: "
+                                 + str(len(xml)).encode() + b"\r\n\r\n" + xml)
+                    await writer.drain()
+                    continue
                 if self.lose_complete and method == "POST" and "uploadId=" in target:
                     lose, self.lose_complete = self.lose_complete, None
+                    self.lost_target = target
                     self.note("lose-" + lose, method, target, rng)
                 fault = None if lose else self.draw(method, rng is not None)
                 if fault:
