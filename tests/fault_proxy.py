@@ -3,6 +3,7 @@
 
     fault_proxy.py --port P --upstream HOST:PORT --seed N --rate R --log FILE
                    [--faults drop,stall,...] [--stall S] [--kill-parts-after K]
+                   [--lose-complete drop|stall] [--head-etag ETAG]
 
 Listens on 127.0.0.1:P and passes each request of a client connection to the upstream server
 (nginx, moto_server) on a connection of its own. Requests are numbered in the order they
@@ -26,6 +27,16 @@ which one of those in --faults that fit it:
 Writes (PUT, POST, DELETE) only get the faults of the first group, so that a fault never
 leaves an operation half done upstream. With --kill-parts-after K, every S3 UploadPart after
 the first K that arrive (and every retry of them) is reset before it is passed on.
+
+With --lose-complete, the first S3 CompleteMultipartUpload (a POST with uploadId=) is passed
+on and the upstream completes it, but its answer is lost: "drop" resets the client connection,
+"stall" sends nothing for --stall seconds and closes it (logged as "lose-drop" or "lose-stall").
+Every later request to the same target (the client's retry) is answered here with S3's 404
+NoSuchUpload, as S3 answers once the upload is complete and gone, and as moto answers a retry
+that arrives while the first Complete is still being assembled (logged as "nosuchupload"; a
+current moto answers a retry after completion with success, which would hide the case).
+With --head-etag, every answer to a HEAD carries that ETag instead of the upstream's (logged as
+"head-etag"): an object that looks like another version.
 
 Each fault is one line of --log: "FAULT METHOD TARGET RANGE", written when injected.
 """
@@ -56,6 +67,9 @@ class Proxy:
         self.stall = a.stall
         self.kill_parts_after = a.kill_parts_after
         self.parts_seen = 0
+        self.lose_complete = a.lose_complete
+        self.lost_target = None
+        self.head_etag = a.head_etag
         self.log = open(a.log, "a", buffering=1)
 
     def note(self, fault, method, target, rng):
@@ -92,7 +106,21 @@ class Proxy:
                         self.note("kill", method, target, rng)
                         abort(writer)
                         return
-                fault = self.draw(method, rng is not None)
+                lose = None
+                if self.lost_target is not None and method == "POST" and target == self.lost_target:
+                    self.note("nosuchupload", method, target, rng)
+                    xml = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchUpload</Code><Message>The specified '
+                           b'upload does not exist. The upload ID may be invalid, or the upload may have been aborted or '
+                           b'completed.</Message></Error>')
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\nContent-Length: "
+                                 + str(len(xml)).encode() + b"\r\n\r\n" + xml)
+                    await writer.drain()
+                    continue
+                if self.lose_complete and method == "POST" and "uploadId=" in target:
+                    lose, self.lose_complete = self.lose_complete, None
+                    self.lost_target = target
+                    self.note("lose-" + lose, method, target, rng)
+                fault = None if lose else self.draw(method, rng is not None)
                 if fault:
                     self.note(fault, method, target, rng)
                 if fault == "reset":
@@ -130,6 +158,16 @@ class Proxy:
                     up_w.close()
                     up = None
                 status = int(status_line.split(" ", 2)[1])
+                if lose == "drop":
+                    abort(writer)
+                    return
+                if lose == "stall":
+                    await asyncio.sleep(self.stall)
+                    writer.close()
+                    return
+                if self.head_etag is not None and method == "HEAD":
+                    self.note("head-etag", method, target, rng)
+                    rh = set_header(rh, "ETag", self.head_etag)
                 close_after = False
                 if fault in ("drop", "truncate") and rbody:
                     cut = len(rbody) // 2 if fault == "drop" else self.rng.randrange(len(rbody))
@@ -255,6 +293,8 @@ async def main():
     p.add_argument("--faults", default=",".join(GENERIC + BODY + RANGE))
     p.add_argument("--stall", type=float, default=2.0)
     p.add_argument("--kill-parts-after", type=int, default=None)
+    p.add_argument("--lose-complete", choices=["drop", "stall"], default=None)
+    p.add_argument("--head-etag", default=None)
     p.add_argument("--log", required=True)
     a = p.parse_args()
     proxy = Proxy(a)

@@ -39,39 +39,29 @@ inline std::string random_text(std::size_t n, std::uint64_t seed) {
   return s;
 }
 
-/// A program run in the background, stdout and stderr to files in `log_dir`; SIGTERM and
-/// reaped when destroyed.
+/// A program run in the background, stdout and stderr to child.log in `log_dir`; stopped
+/// (SIGTERM, after 5 s SIGKILL, its whole process group) and reaped when destroyed, and also
+/// when the test process dies in any way (SIGKILL, abort): see guarded_process (net_ports.hpp).
 class child_process {
  public:
   child_process(std::vector<std::string> argv, const std::filesystem::path& log_dir) : log_(log_dir / "child.log") {
-    posix_spawn_file_actions_t fa;
-    REQUIRE(posix_spawn_file_actions_init(&fa) == 0);
-    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    const std::vector<char*> args = shardsafe::detail::c_string_array(argv);
-    const int rc = posix_spawnp(&pid_, argv[0].c_str(), &fa, nullptr, args.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    REQUIRE_MESSAGE(rc == 0, "cannot start ", argv[0]);
+    try {
+      p_ = std::make_unique<guarded_process>(std::move(argv), log_);
+    } catch (const std::exception& e) {
+      FAIL(e.what());
+    }
   }
   child_process(const child_process&) = delete;
-  ~child_process() {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    int status = 0;
-    for (int i = 0; i < 100; ++i) {  // 5 s, then SIGKILL
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    ::kill(pid_, SIGKILL);
-    ::waitpid(pid_, &status, 0);
-  }
+
+  /// The program's process id (also its process group's); its guard's.
+  pid_t pid() const noexcept { return p_->pid(); }
+  pid_t guard_pid() const noexcept { return p_->guard_pid(); }
+
   /// Waits until the program accepts connections on port (it must not exit first).
   void wait_for_port(int port, std::chrono::seconds limit = std::chrono::seconds(30)) {
     const auto until = std::chrono::steady_clock::now() + limit;
     while (!port_open(port)) {
-      int status = 0;
-      REQUIRE_MESSAGE(::waitpid(pid_, &status, WNOHANG) == 0, "the server exited: ", slurp(log_));
+      REQUIRE_MESSAGE(p_->running(), "the server exited: ", slurp(log_));
       REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "the server did not listen: ", slurp(log_));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -80,7 +70,7 @@ class child_process {
 
  private:
   std::filesystem::path log_;
-  pid_t pid_ = -1;
+  std::unique_ptr<guarded_process> p_;
 };
 
 /// A test CA and a certificate for 127.0.0.1 (and localhost) that it signed, made with the

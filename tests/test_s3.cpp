@@ -6,7 +6,9 @@
 
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <random>
 
 #include "checkpoint_fixtures.hpp"
@@ -129,10 +131,31 @@ print(auth.signature(auth.string_to_sign(req, cr), req))
       {"POST", "big/rank_1.safetensors", "uploadId=" + percent_encode("a b/c+d=="), "", "ap-south-1", "<x/>"},
       {"HEAD", "πλάκα/文件 name.bin", "", "", "us-east-1", ""},
   };
+  for (const bool virt : {false, true})
   for (const auto& s : samples) {
-    INFO(s.method << " " << s.key << " ?" << s.query);
-    const std::string path = "/bucket" + (s.key.empty() ? "" : "/" + percent_encode(s.key, true));
-    const std::string url = "http://127.0.0.1:9000" + path + (s.query.empty() ? "" : "?" + s.query);
+    INFO((virt ? "virtual-hosted " : "path-style ") << s.method << " " << s.key << " ?" << s.query);
+    // path-style at a custom endpoint; virtual-hosted at AWS's endpoint, its URL as s3_directory makes it
+    const std::string vhost = "bucket.s3." + s.region + ".amazonaws.com";
+    std::string path = "/bucket" + (s.key.empty() ? "" : "/" + percent_encode(s.key, true));
+    if (virt) {
+      s3_options vo;
+      vo.region = s.region;
+      vo.credentials = aws_example;
+      vo.addressing = s3_addressing::virtual_hosted;
+      vo.endpoint = "https://s3." + s.region + ".amazonaws.com";
+      s3_directory vd("s3://bucket", vo);
+      path = "/" + percent_encode(s.key, true);
+      if (!s.key.empty()) {  // the URL s3_directory requests the key at
+        std::string rest = s.key;
+        for (std::size_t slash; (slash = rest.find('/')) != std::string::npos; rest = rest.substr(slash + 1))
+          vd = vd.sub(rest.substr(0, slash));
+        const url_parts vu = vd.url_of(rest);
+        CHECK(vu.host == vhost);
+        CHECK(vu.target == path);
+      }
+    }
+    const std::string url = (virt ? "https://" + vhost : std::string("http://127.0.0.1:9000")) + path +
+                            (s.query.empty() ? "" : "?" + s.query);
     const std::string date = "20240229T235959Z", hash = detail::sha256_hex(s.payload);
     std::vector<std::pair<std::string, std::string>> headers{{"x-amz-date", date}, {"x-amz-content-sha256", hash}};
     if (!s.token.empty()) headers.emplace_back("x-amz-security-token", s.token);
@@ -149,7 +172,7 @@ print(auth.signature(auth.string_to_sign(req, cr), req))
       return;
     }
     auto signed_headers = headers;
-    signed_headers.emplace_back("host", "127.0.0.1:9000");
+    signed_headers.emplace_back("host", virt ? vhost : std::string("127.0.0.1:9000"));
     const auto mine = detail::sigv4_sign(s.method, path, s.query, signed_headers, hash, c, s.region, "s3", date);
     CHECK(mine.signature + "\n" == py.out);
   }
@@ -183,6 +206,65 @@ TEST_CASE("s3: credentials from the environment and from a credentials file prof
   CHECK(aws_credentials_from_environment().access_key_id == "AKOTHER");
   CHECK(aws_credentials_from_environment("default").access_key_id == "AKDEFAULT");
   expect_error([] { aws_credentials_from_environment("absent"); }, errc::not_found, {"no AWS credentials", "'absent'"});
+}
+
+TEST_CASE("s3: addressing: virtual-hosted for AWS's endpoint and DNS-label buckets, path-style for custom endpoints, as configured") {
+  testing::temp_dir t;
+  saved_env env;
+  env.set("AWS_ENDPOINT_URL", nullptr);
+  env.set("AWS_PROFILE", nullptr);
+  env.set("AWS_CONFIG_FILE", (t.path / "config").c_str());
+  s3_options o;
+  o.credentials = aws_example;
+  o.region = "eu-west-1";
+  auto url = [&](const std::string& u, const s3_options& x) { return s3_directory(u, x).url_of("rank 0.bin").str(); };
+  // no config file: botocore's auto rule
+  CHECK(url("s3://my-bucket/run", o) == "https://my-bucket.s3.eu-west-1.amazonaws.com/run/rank%200.bin");
+  CHECK(url("s3://my.bucket/run", o) == "https://s3.eu-west-1.amazonaws.com/my.bucket/run/rank%200.bin");  // dots
+  CHECK(url("s3://my_bucket/run", o) == "https://s3.eu-west-1.amazonaws.com/my_bucket/run/rank%200.bin");
+  CHECK(url("s3://ab/run", o) == "https://s3.eu-west-1.amazonaws.com/ab/run/rank%200.bin");  // too short
+  CHECK(s3_directory("s3://my-bucket", o).url_of("x").target == "/x");
+  {
+    s3_options e = o;
+    e.endpoint = "http://127.0.0.1:9000/base";
+    CHECK(url("s3://my-bucket/run", e) == "http://127.0.0.1:9000/base/my-bucket/run/rank%200.bin");
+    e.addressing = s3_addressing::virtual_hosted;
+    CHECK(url("s3://my-bucket/run", e) == "http://my-bucket.127.0.0.1:9000/base/run/rank%200.bin");
+    env.set("AWS_ENDPOINT_URL", "http://minio.local:9000");
+    CHECK(url("s3://my-bucket/run", o) == "http://minio.local:9000/my-bucket/run/rank%200.bin");
+    env.set("AWS_ENDPOINT_URL", nullptr);
+    s3_options p = o;
+    p.addressing = s3_addressing::path;
+    CHECK(url("s3://my-bucket/run", p) == "https://s3.eu-west-1.amazonaws.com/my-bucket/run/rank%200.bin");
+    p.addressing = s3_addressing::virtual_hosted;
+    expect_error([&] { s3_directory("s3://my.bucket/run", p); }, errc::invalid_argument,
+                 {"s3://my.bucket", "virtual-hosted addressing needs a bucket name that is a DNS label"});
+  }
+  // ~/.aws/config: the profile's s3 addressing_style, as the AWS CLI writes it
+  testing::write_file(t.path / "config",
+                      "[default]\nregion = eu-west-1\ns3 =\n    addressing_style = path\n    max_concurrent_requests = 4\n"
+                      "[profile vh]\ns3 =\n  addressing_style = virtual\n[profile other]\naddressing_style = path\n"
+                      "[profile bad]\ns3 =\n  addressing_style = sideways\n");
+  CHECK(url("s3://my-bucket/run", o) == "https://s3.eu-west-1.amazonaws.com/my-bucket/run/rank%200.bin");
+  {
+    s3_options v = o;
+    v.profile = "vh";
+    v.endpoint = "http://localhost:9000";
+    CHECK(url("s3://my-bucket/run", v) == "http://my-bucket.localhost:9000/run/rank%200.bin");
+    v.addressing = s3_addressing::path;  // the option wins over the file
+    CHECK(url("s3://my-bucket/run", v) == "http://localhost:9000/my-bucket/run/rank%200.bin");
+    v.addressing = s3_addressing::automatic;
+    v.profile = "other";  // addressing_style outside an s3 block: not a setting
+    CHECK(url("s3://my-bucket/run", v) == "http://localhost:9000/my-bucket/run/rank%200.bin");
+    v.endpoint.clear();
+    CHECK(url("s3://my-bucket/run", v) == "https://my-bucket.s3.eu-west-1.amazonaws.com/run/rank%200.bin");
+    v.profile = "bad";
+    expect_error([&] { s3_directory("s3://my-bucket/run", v); }, errc::invalid_argument,
+                 {(t.path / "config").string(), "profile 'bad'", "'sideways' is none of auto, path, virtual"});
+    env.set("AWS_PROFILE", "vh");
+    v.profile.clear();
+    CHECK(url("s3://my-bucket/run", v) == "https://my-bucket.s3.eu-west-1.amazonaws.com/run/rank%200.bin");
+  }
 }
 
 TEST_CASE("s3: XML error bodies become messages naming the object and S3's code") {
@@ -443,6 +525,221 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
       CHECK_MESSAGE(std::string(e.what()).find("s3://faults/cut") != std::string::npos, e.what());
     }
   }
+}
+
+TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when the object has our multipart ETag") {
+  moto m;
+  s3_options direct = m.options();
+  direct.single_put_max = 1 << 20;
+  direct.part_bytes = 5 << 20;
+  const s3_directory root = m.bucket("lost", direct);
+  auto via = [&](const testing::fault_proxy& px) {
+    s3_options o = direct;
+    o.endpoint = "http://127.0.0.1:" + std::to_string(px.port);
+    o.http.read_timeout = std::chrono::milliseconds(1500);
+    o.http.max_attempts = 4;
+    o.http.backoff_initial = std::chrono::milliseconds(5);
+    return o;
+  };
+  // the rule against Python's hashlib: md5 of the parts' binary md5s, "-", their count
+  const std::string data = random_text((11 << 20) + 12345, 90);  // 3 parts of 5 MiB
+  testing::write_file(m.dir.path / "data.bin", data);
+  const auto py = testing::run_program(
+      "python3", {"-c",
+                  "import hashlib,sys\n"
+                  "d=open(sys.argv[1],'rb').read(); p=5<<20\n"
+                  "parts=[hashlib.md5(d[i:i+p]) for i in range(0,len(d),p)]\n"
+                  "print('\"'+hashlib.md5(b''.join(h.digest() for h in parts)).hexdigest()+'-%d\"'%len(parts))\n"
+                  "print(','.join('\"'+h.hexdigest()+'\"' for h in parts))",
+                  (m.dir.path / "data.bin").string()});
+  REQUIRE_MESSAGE((py.exited && py.code == 0), py.err);
+  const std::string py_etag = py.out.substr(0, py.out.find('\n'));
+  std::vector<std::string> py_parts;
+  {
+    std::string rest = py.out.substr(py.out.find('\n') + 1);
+    rest.pop_back();
+    for (std::size_t at = 0; at <= rest.size();) {
+      const std::size_t c = std::min(rest.find(',', at), rest.size());
+      py_parts.push_back(rest.substr(at, c - at));
+      at = c + 1;
+    }
+  }
+  REQUIRE(py_parts.size() == 3);
+  CHECK(detail::multipart_etag(py_parts) == py_etag);
+  CHECK_FALSE(detail::multipart_etag({"\"not-an-md5\""}));
+  CHECK_FALSE(detail::multipart_etag({}));
+  auto write_big = [&](const s3_directory& d, const std::string& name) {
+    auto w = d.create(name);
+    w.write_blocks(data.size(), [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), data.data() + off, dst.size()); },
+                   block_write_options{2, false});
+    w.commit();
+  };
+  {  // the multipart ETag moto gives is the one Python computed
+    write_big(root, "direct.bin");
+    CHECK(root.open("direct.bin").validator().etag == py_etag);
+  }
+
+  for (const std::string mode : {"drop", "stall"}) {
+    SUBCASE(("the answer to the first Complete " + mode + "ped: the save succeeds, the checkpoint loads bit-exact").c_str()) {
+      testing::fault_proxy px(m.port, 1, 0.0, {"--lose-complete", mode, "--stall", "3"});
+      const s3_directory d("s3://lost/run-" + mode, via(px));
+      const std::string w = random_text(1536 * 2048 * 4, 91), b = random_text(1000 * 2, 92);
+      for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
+      const auto faults = px.faults();  // the answer lost, the retry told NoSuchUpload
+      REQUIRE(faults.size() == 2u);
+      CHECK(faults[0].starts_with("lose-" + mode + " POST /lost/run-" + mode + "/rank_"));
+      CHECK(faults[1] == "nosuchupload" + faults[0].substr(faults[0].find(' ')));
+      const s3_directory check("s3://lost/run-" + mode, direct);
+      CHECK(is_complete_checkpoint(check));
+      CHECK(check.pending_uploads().empty());
+      std::string wm(1536 * 2048 * 4, '\x5a'), bm(2000, '\x5a');
+      std::vector<flat_view> v{
+          {"w", dtype::F32, {1536, 2048}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+          {"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+      load_flat_views(check, std::span<const flat_view>(v));
+      CHECK(wm == w);
+      CHECK(bm == b);
+    }
+  }
+
+  SUBCASE("the object found after a lost answer has another ETag: refused, naming the object and the rule") {
+    const std::string other = "\"0123456789abcdef0123456789abcdef-3\"";
+    testing::fault_proxy px(m.port, 1, 0.0, {"--lose-complete", "drop", "--head-etag", other});
+    const s3_directory d("s3://lost/other", via(px));
+    expect_error([&] { write_big(d, "big.bin"); }, errc::not_found,
+                 {"s3://lost/other/big.bin: CompleteMultipartUpload", "NoSuchUpload", "hex(md5(the parts' binary MD5s))-N",
+                  "the object there has ETag " + other, "not our " + py_etag});
+    const auto faults = px.faults();
+    REQUIRE(faults.size() == 3u);
+    CHECK(faults[0].starts_with("lose-drop POST /lost/other/big.bin?uploadId="));
+    CHECK(faults[1].starts_with("nosuchupload POST /lost/other/big.bin?uploadId="));
+    CHECK(faults[2].starts_with("head-etag HEAD /lost/other/big.bin"));
+  }
+}
+
+TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected through connect_to): save and load bit-exact") {
+  moto m;
+  const s3_options direct = m.options();
+  m.bucket("virt", direct);
+  s3_options o = direct;
+  // port 1 of localhost has nothing listening: every connection goes where the rule says,
+  // while Host (and the signature) name virt.localhost:1, which moto routes to the bucket
+  o.endpoint = "http://localhost:1";
+  o.addressing = s3_addressing::virtual_hosted;
+  o.http.connect_to = {{"VIRT.localhost", 1, "127.0.0.1", static_cast<std::uint16_t>(m.port)}};
+  const s3_directory d("s3://virt/ckpt", o);
+  REQUIRE(d.virtual_hosted());
+  CHECK(d.url_of("metadata.json").str() == "http://virt.localhost:1/ckpt/metadata.json");
+  testing::save_two_rank_checkpoint(70, d);
+  CHECK(d.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
+  // the objects are where a path-style client finds them: bucket virt, keys ckpt/...
+  const s3_directory p("s3://virt/ckpt", direct);
+  CHECK(p.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
+  const std::string w = random_text(64 * 30 * 4, 70), e = random_text(10 * 8 * 2, 71);
+  std::string wm(w.size(), '\x5a'), em(e.size(), '\x5a');
+  std::vector<flat_view> v{{"w", dtype::F32, {64, 30}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+                           {"e", dtype::BF16, {10, 8}, std::nullopt, reinterpret_cast<std::byte*>(em.data()), em.size()}};
+  load_flat_views(d, std::span<const flat_view>(v));
+  CHECK(wm == w);
+  CHECK(em == e);
+  CHECK(d.client().stats().connections.load() >= 1);
+  // without the rule, localhost:1 refuses: the connection went through connect_to
+  s3_options n = o;
+  n.http.connect_to.clear();
+  n.http.max_attempts = 1;
+  expect_error([&] { s3_directory("s3://virt/ckpt", n).list(); }, errc::io_error, {"s3://virt/ckpt", "virt.localhost:1"});
+}
+
+// ---------------------------------------------------------------------------------------
+// servers die with the test process
+
+namespace {
+
+/// The processes whose process group is pgid, from /proc (zombies left out: they are gone,
+/// waiting for a reaper).
+std::vector<pid_t> s3_test_group_members(pid_t pgid) {
+  std::vector<pid_t> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.empty() || !std::all_of(n.begin(), n.end(), [](char c) { return c >= '0' && c <= '9'; })) continue;
+    std::ifstream f(e.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    const std::size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));  // "S PPID PGRP ..."
+    char state = 0;
+    long ppid = 0, pgrp = 0;
+    if (!(rest >> state >> ppid >> pgrp)) continue;
+    if (pgrp == pgid && state != 'Z') out.push_back(static_cast<pid_t>(std::stol(n)));
+  }
+  return out;
+}
+
+/// Whether pid is a process that has not exited (a zombie has).
+bool s3_test_alive(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::size_t close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z';
+}
+
+}  // namespace
+
+// run by the next test case as a child process (this executable again): starts nginx, moto and
+// a fault proxy, writes their pids, and kills itself
+TEST_CASE("servers: orphan helper (runs only as a child of the next test)" *
+          doctest::skip(std::getenv("SHARDSAFE_TEST_ORPHAN_PIDS") == nullptr)) {
+  const char* out = std::getenv("SHARDSAFE_TEST_ORPHAN_PIDS");
+  testing::nginx_server web;
+  moto m;
+  testing::fault_proxy px(m.port, 1, 0.0);
+  std::string lines;
+  for (const testing::child_process* c : {web.proc.get(), m.proc.get(), px.proc.get()})
+    lines += std::to_string(c->pid()) + " " + std::to_string(c->guard_pid()) + "\n";
+  testing::write_file(out, lines);
+  ::kill(::getpid(), SIGKILL);
+}
+
+TEST_CASE("servers: a test process killed with SIGKILL leaves no nginx, moto_server or proxy running") {
+  testing::temp_dir t;
+  const fs::path pids = t.path / "pids";
+  testing::program_result r;
+  {
+    saved_env env;
+    env.set("SHARDSAFE_TEST_ORPHAN_PIDS", pids.c_str());
+    r = testing::run_program(fs::read_symlink("/proc/self/exe").string(),
+                             {"-tc=servers: orphan helper*", "--no-intro", "--no-version"});
+  }
+  REQUIRE_MESSAGE(!r.exited, "the helper was to kill itself: ", r.out, r.err);
+  CHECK(r.code == -SIGKILL);
+  REQUIRE_MESSAGE(fs::exists(pids), r.out, r.err);
+  std::vector<pid_t> servers, guards;
+  {
+    std::istringstream in(testing::slurp(pids));
+    for (long s = 0, g = 0; in >> s >> g;) {
+      servers.push_back(static_cast<pid_t>(s));
+      guards.push_back(static_cast<pid_t>(g));
+    }
+  }
+  REQUIRE(servers.size() == 3u);
+  // every server, its guard and everything in the server's process group (nginx's worker) is
+  // gone within a few seconds (the guards give SIGTERM 5 s before SIGKILL)
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::vector<pid_t> left;
+  do {
+    left.clear();
+    for (std::size_t i = 0; i < servers.size(); ++i) {
+      for (pid_t p : s3_test_group_members(servers[i])) left.push_back(p);
+      if (s3_test_alive(servers[i])) left.push_back(servers[i]);
+      if (s3_test_alive(guards[i])) left.push_back(guards[i]);
+    }
+    if (!left.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (!left.empty() && std::chrono::steady_clock::now() < until);
+  std::string names;
+  for (pid_t p : left) names += " " + std::to_string(p) + ":" + testing::slurp("/proc/" + std::to_string(p) + "/cmdline");
+  CHECK_MESSAGE(left.empty(), "still running after the test process died:", names);
+  for (pid_t p : left) ::kill(p, SIGKILL);  // (a failed check leaves nothing behind either)
 }
 
 TEST_CASE("s3: rotation keeps the newest complete checkpoints on S3, as on a local disk") {

@@ -13,7 +13,10 @@
 // Settings (s3_options), each from the first place that has it: the option, then the
 // environment: credentials as aws_credentials_from_environment finds them; region from
 // AWS_REGION, AWS_DEFAULT_REGION, else us-east-1; endpoint from AWS_ENDPOINT_URL, else
-// https://s3.REGION.amazonaws.com. Requests are path-style: ENDPOINT/BUCKET/KEY.
+// https://s3.REGION.amazonaws.com; addressing (s3_options::addressing, else the profile's
+// s3 addressing_style in ~/.aws/config): virtual-hosted, https://BUCKET.s3.REGION.amazonaws.com/KEY,
+// for AWS's own endpoint and a bucket name that is a DNS label, else path-style,
+// ENDPOINT/BUCKET/KEY (any endpoint from the option or AWS_ENDPOINT_URL), as botocore does.
 //
 // | operation        | requests                                                                    |
 // |------------------|-----------------------------------------------------------------------------|
@@ -24,7 +27,9 @@
 // | d.create(n)      | nothing until write_blocks: a size up to single_put_max is held in memory   |
 // |                  | and PUT at commit; a larger one is a multipart upload whose parts (part_bytes|
 // |                  | each, upload_threads at once) go up as fill produces them, completed at     |
-// |                  | commit; any failure aborts the upload (no parts left behind)                |
+// |                  | commit; any failure aborts the upload (no parts left behind). When the      |
+// |                  | Complete fails (its answer lost, the retry told NoSuchUpload), a HEAD       |
+// |                  | accepts the object if it has the multipart ETag of our parts and their size |
 // | d.remove(n)      | DELETE KEY, and DELETE of every key under KEY/                              |
 // | d.make()         | PUT of an empty "PREFIX/" marker, so an empty folder exists and is listed   |
 //
@@ -42,6 +47,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -60,6 +67,17 @@
 
 namespace shardsafe {
 
+/// How a request names the bucket: in the path (ENDPOINT/BUCKET/KEY) or in the host name
+/// (BUCKET.ENDPOINT-HOST/KEY, "virtual-hosted style", AWS's default).
+enum class s3_addressing {
+  automatic,       ///< as botocore's "auto": virtual-hosted for AWS's own endpoint and a bucket
+                   ///< name that is a DNS label (see s3_virtual_bucket_name); path-style otherwise
+                   ///< and for any endpoint named by the option or AWS_ENDPOINT_URL
+  path,            ///< ENDPOINT/BUCKET/KEY
+  virtual_hosted,  ///< BUCKET.HOST/KEY of the endpoint's host (http_options::connect_to helps
+                   ///< when that name does not resolve)
+};
+
 struct s3_options {
   std::string endpoint;                          ///< e.g. "http://127.0.0.1:9000"; empty: see the top
   std::string region;                            ///< empty: see the top
@@ -70,9 +88,58 @@ struct s3_options {
   std::uint64_t single_put_max = std::uint64_t(16) << 20;  ///< larger objects go up as multipart uploads
   unsigned upload_threads = 8;                   ///< parts uploaded at once per writer
   unsigned list_page = 1000;                     ///< max-keys of one ListObjectsV2 page
+  /// automatic: the profile's `s3 = / addressing_style = auto|path|virtual` of the AWS config
+  /// file (AWS_CONFIG_FILE, else ~/.aws/config) when it has one, then the rule of automatic.
+  s3_addressing addressing = s3_addressing::automatic;
 };
 
+/// Whether bucket can go into a host name as virtual-hosted requests need (botocore's test):
+/// 3 to 63 of a-z, 0-9 and '-', starting and ending with a letter or digit. Names with dots
+/// are left out (they break the wildcard certificate of HTTPS endpoints).
+inline bool s3_virtual_bucket_name(std::string_view bucket) noexcept {
+  if (bucket.size() < 3 || bucket.size() > 63) return false;
+  auto alnum = [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'); };
+  if (!alnum(bucket.front()) || !alnum(bucket.back())) return false;
+  return std::all_of(bucket.begin(), bucket.end(), [&](char c) { return alnum(c) || c == '-'; });
+}
+
 namespace detail {
+
+/// The addressing_style of the `s3 =` block of [profile] (or [profile NAME]) in an AWS config
+/// file, as the AWS CLI writes it ("s3 =" then indented "addressing_style = virtual"); nothing
+/// when the file, the profile or the setting is absent. An unknown value is an error.
+inline std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile) {
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
+  bool in_profile = false, in_s3 = false;
+  for (std::string line; std::getline(in, line);) {
+    const std::string t = trim_spaces(line);
+    if (t.empty() || t[0] == '#' || t[0] == ';') continue;
+    const bool indented = line[0] == ' ' || line[0] == '\t';
+    if (t.front() == '[') {
+      std::string name = trim_spaces(t.substr(1, t.find(']') - 1));
+      if (name.starts_with("profile ")) name = trim_spaces(name.substr(8));
+      in_profile = name == profile;
+      in_s3 = false;
+      continue;
+    }
+    if (!in_profile) continue;
+    const std::size_t eq = t.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string k = trim_spaces(t.substr(0, eq)), v = trim_spaces(t.substr(eq + 1));
+    if (!indented) {
+      in_s3 = k == "s3" && v.empty();
+      continue;
+    }
+    if (!in_s3 || k != "addressing_style") continue;
+    if (v == "auto") return s3_addressing::automatic;
+    if (v == "path") return s3_addressing::path;
+    if (v == "virtual") return s3_addressing::virtual_hosted;
+    throw error(errc::invalid_argument, file.string() + ": profile '" + std::string(profile) + "': s3 addressing_style '" + v +
+                                            "' is none of auto, path, virtual");
+  }
+  return std::nullopt;
+}
 
 /// What every request of one s3_directory (and its copies, subs, readers, writers) shares.
 struct s3_context {
@@ -82,13 +149,19 @@ struct s3_context {
   std::string bucket;
   s3_options opt;
   std::shared_ptr<http_client> client;
+  bool virtual_hosted = false;  ///< BUCKET.HOST/KEY rather than HOST/BUCKET/KEY
 
-  /// The path-style URL of key, with an optional query (already encoded).
+  /// The URL of key (path-style or virtual-hosted), with an optional query (already encoded).
   url_parts url_of(std::string_view key, std::string_view query = "") const {
     url_parts u = endpoint;
     std::string base(endpoint.path());
     if (base.empty() || base.back() != '/') base += '/';
-    u.target = base + percent_encode(bucket) + (key.empty() ? "" : "/" + percent_encode(key, true));
+    if (virtual_hosted) {
+      u.host = bucket + "." + endpoint.host;
+      u.target = base + percent_encode(key, true);
+    } else {
+      u.target = base + percent_encode(bucket) + (key.empty() ? "" : "/" + percent_encode(key, true));
+    }
     if (!query.empty()) u.target += "?" + std::string(query);
     return u;
   }
@@ -179,6 +252,35 @@ inline std::optional<std::string> xml_text(std::string_view xml, std::string_vie
   throw error(missing ? errc::not_found : errc::io_error, what);
 }
 
+/// The ETag S3 gives the object of a completed multipart upload: "hex(md5(concatenation of
+/// the binary MD5s of the parts))-N" for N parts, quotes included. Each part's ETag is the MD5
+/// of its bytes when the bucket does not encrypt with SSE-KMS (and in moto); nothing when one
+/// of part_etags is not a quoted (or bare) 32-digit hex MD5, for then the rule does not apply.
+inline std::optional<std::string> multipart_etag(const std::vector<std::string>& part_etags) {
+  std::string binary;
+  for (std::string_view e : part_etags) {
+    if (e.size() == 34 && e.front() == '"' && e.back() == '"') e = e.substr(1, 32);
+    if (e.size() != 32) return std::nullopt;
+    for (std::size_t i = 0; i < 32; i += 2) {
+      auto nibble = [](char c) -> int {
+        if (c >= '0' && c <= '9') return c - '0';
+        if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+        if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+        return -1;
+      };
+      const int hi = nibble(e[i]), lo = nibble(e[i + 1]);
+      if (hi < 0 || lo < 0) return std::nullopt;
+      binary += static_cast<char>(hi * 16 + lo);
+    }
+  }
+  if (part_etags.empty()) return std::nullopt;
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned n = 0;
+  if (!EVP_Digest(binary.data(), binary.size(), md, &n, EVP_md5(), nullptr))
+    throw error(errc::io_error, "MD5 failed (OpenSSL)");
+  return "\"" + to_hex(md, n) + "-" + std::to_string(part_etags.size()) + "\"";
+}
+
 inline void check_s3(const std::string& name, std::string_view op, const http_response& r) {
   if (r.status < 200 || r.status > 299 || (r.body.find("<Error>") != std::string::npos && xml_text(r.body, "Code")))
     throw_s3_error(name, op, r);  // (CompleteMultipartUpload may fail with 200 and an <Error> body)
@@ -208,7 +310,7 @@ class s3_writer {
       : ctx_(std::move(ctx)), key_(std::move(key)), name_(ctx_->name_of(key_)) {}
   s3_writer(s3_writer&& o) noexcept
       : ctx_(std::move(o.ctx_)), key_(std::move(o.key_)), name_(std::move(o.name_)), buffer_(std::move(o.buffer_)),
-        upload_id_(std::move(o.upload_id_)), etags_(std::move(o.etags_)), state_(o.state_) {
+        upload_id_(std::move(o.upload_id_)), etags_(std::move(o.etags_)), size_(o.size_), state_(o.state_) {
     o.state_ = state::aborted;
     o.upload_id_.clear();
   }
@@ -239,6 +341,7 @@ class s3_writer {
     auto id = detail::xml_text(r.body, "UploadId");
     if (!id || id->empty()) throw error(errc::io_error, name_ + ": CreateMultipartUpload: no UploadId in the answer");
     upload_id_ = *id;
+    size_ = size;
     etags_.assign(parts, std::string());
     try {
       detail::parallel_for(parts, o.threads ? o.threads : ctx_->opt.upload_threads, [&](std::size_t i) {
@@ -267,8 +370,15 @@ class s3_writer {
       for (std::size_t i = 0; i < etags_.size(); ++i)
         xml += "<Part><PartNumber>" + std::to_string(i + 1) + "</PartNumber><ETag>" + etags_[i] + "</ETag></Part>";
       xml += "</CompleteMultipartUpload>";
-      send(detail::bhttp::verb::post, "uploadId=" + percent_encode(upload_id_), std::as_bytes(std::span(xml)),
-           "CompleteMultipartUpload");
+      try {
+        send(detail::bhttp::verb::post, "uploadId=" + percent_encode(upload_id_), std::as_bytes(std::span(xml)),
+             "CompleteMultipartUpload");
+      } catch (const error& e) {
+        // S3 may have completed the upload and its answer been lost (a timeout, a dropped
+        // connection: moto takes more than 30 s for 1 GiB); the retry then gets NoSuchUpload.
+        // The object is ours when it has the multipart ETag of our parts and their size.
+        check_completed(e);
+      }
       upload_id_.clear();
     } else {
       send(detail::bhttp::verb::put, "", buffer_, "PutObject");
@@ -303,6 +413,41 @@ class s3_writer {
     } catch (...) {
     }
   }
+  /// After CompleteMultipartUpload failed with `failure`: returns when a HEAD finds the object
+  /// with the multipart ETag of etags_ and size_ bytes (completed, the answer lost), else
+  /// throws an error that names the object, the failure and what was found against the rule.
+  void check_completed(const error& failure) const {
+    const std::string rule =
+        "the ETag of a multipart upload is \"hex(md5(the parts' binary MD5s))-N\" and its size the sum of the parts";
+    const auto want = detail::multipart_etag(etags_);
+    if (!want)
+      throw error(failure.code(), std::string(failure.what()) +
+                                      " (whether S3 completed the upload cannot be checked: the part ETags are not MD5s, so " +
+                                      rule + " does not apply)");
+    detail::http_request head;
+    head.method = detail::bhttp::verb::head;
+    head.url = ctx_->url_of(key_);
+    std::string found;
+    try {
+      const auto r = detail::s3_send(ctx_, head, name_, "HEAD after CompleteMultipartUpload");
+      if (r.status >= 200 && r.status <= 299) {
+        const auto etag = r.header("ETag");
+        const auto length = r.header("Content-Length");
+        if (etag && *etag == *want && length && *length == std::to_string(size_)) return;  // completed: ours
+        found = "the object there has ETag " + etag.value_or("(none)") + " and " + length.value_or("(unknown)") +
+                " bytes, not our " + *want + " and " + std::to_string(size_) + " bytes";
+      } else if (r.status == 404) {
+        found = "there is no object";
+      } else {
+        found = "HEAD answered HTTP " + std::to_string(r.status);
+      }
+    } catch (const error& h) {
+      found = std::string("HEAD failed: ") + h.what();
+    }
+    throw error(failure.code(), std::string(failure.what()) + "; checked whether S3 completed it anyway (" + rule +
+                                    "): " + found);
+  }
+
   detail::http_response send(detail::bhttp::verb m, const std::string& query, std::span<const std::byte> body,
                              std::string_view op) const {
     detail::http_request r;
@@ -319,6 +464,7 @@ class s3_writer {
   std::vector<std::byte> buffer_;
   std::string upload_id_;
   std::vector<std::string> etags_;
+  std::uint64_t size_ = 0;  ///< of a multipart upload
   state state_ = state::open;
 };
 
@@ -337,10 +483,25 @@ class s3_directory {
     ctx->creds = o.credentials ? *o.credentials : aws_credentials_from_environment(o.profile);
     ctx->region = !o.region.empty() ? o.region
                                     : detail::env("AWS_REGION").value_or(detail::env("AWS_DEFAULT_REGION").value_or("us-east-1"));
-    std::string ep = !o.endpoint.empty() ? o.endpoint
-                                         : detail::env("AWS_ENDPOINT_URL").value_or("https://s3." + ctx->region + ".amazonaws.com");
+    const std::optional<std::string> custom = !o.endpoint.empty() ? std::optional<std::string>(o.endpoint) : detail::env("AWS_ENDPOINT_URL");
+    std::string ep = custom.value_or("https://s3." + ctx->region + ".amazonaws.com");
     ctx->endpoint = parse_url(ep);
     if (ctx->endpoint.scheme == "s3") throw error(errc::invalid_argument, "'" + ep + "': an S3 endpoint is an http(s):// URL");
+    s3_addressing style = o.addressing;
+    if (style == s3_addressing::automatic) {
+      std::filesystem::path config;
+      if (auto f = detail::env("AWS_CONFIG_FILE")) config = *f;
+      else if (auto h = detail::env("HOME")) config = std::filesystem::path(*h) / ".aws" / "config";
+      const std::string profile = !o.profile.empty() ? o.profile : detail::env("AWS_PROFILE").value_or("default");
+      if (!config.empty()) style = detail::addressing_from_config(config, profile).value_or(style);
+    }
+    if (style == s3_addressing::automatic) style = !custom && s3_virtual_bucket_name(ctx->bucket) ? s3_addressing::virtual_hosted : s3_addressing::path;
+    if (style == s3_addressing::virtual_hosted) {
+      if (!s3_virtual_bucket_name(ctx->bucket))
+        throw error(errc::invalid_argument, "s3://" + ctx->bucket + ": virtual-hosted addressing needs a bucket name that is a DNS label "
+                                            "(3 to 63 of a-z, 0-9, '-'); use path addressing");
+      ctx->virtual_hosted = true;
+    }
     ctx->client = std::make_shared<detail::http_client>(o.http);
     ctx->opt = std::move(o);
     ctx_ = std::move(ctx);
@@ -353,6 +514,10 @@ class s3_directory {
   std::string_view name() const noexcept { return name_; }
   const std::string& prefix() const noexcept { return prefix_; }
   detail::http_client& client() const noexcept { return *ctx_->client; }
+  /// Whether requests are virtual-hosted (BUCKET.HOST/KEY) rather than path-style.
+  bool virtual_hosted() const noexcept { return ctx_->virtual_hosted; }
+  /// The URL object n is requested at.
+  url_parts url_of(std::string_view n) const { return ctx_->url_of(key(n)); }
 
   reader_type open(std::string_view n) const {
     const std::string k = key(n);

@@ -7,6 +7,9 @@
 // nothing it did not start. Connections are kept alive and pooled per origin; at most
 // requests_in_flight requests of one client are on the wire at once, however many threads ask.
 //
+// http_options::connect_to sends a host's connections to another address (curl's
+// --connect-to); the request still names the URL's host.
+//
 // Retries (http_options): connection errors, timeouts, 5xx, 429 and responses that break the
 // range rules below are retried up to max_attempts times in all, after an exponential backoff
 // with jitter (at least Retry-After when the server sends one, in seconds or as an HTTP-date,
@@ -78,6 +81,17 @@
 
 namespace shardsafe {
 
+/// Where connections for a host go instead of where its name resolves to, as curl's
+/// --connect-to HOST:PORT:TO_HOST:TO_PORT: requests keep the URL's host (the Host header, TLS's
+/// server name and certificate check, the S3 signature), only the TCP connection goes elsewhere.
+/// For pinning an endpoint's address, and for names that do not resolve (BUCKET.localhost).
+struct connect_to_rule {
+  std::string host;           ///< the URL host this applies to (case-insensitive; IPv6 without brackets)
+  std::uint16_t port = 0;     ///< the URL port this applies to; 0: any
+  std::string to_host;        ///< where to connect: a name or an address
+  std::uint16_t to_port = 0;  ///< 0: the URL's port
+};
+
 /// How the remote backends talk HTTP. The defaults suit a data-centre object store.
 struct http_options {
   std::chrono::milliseconds connect_timeout{10'000};  ///< TCP connect plus TLS handshake
@@ -92,6 +106,7 @@ struct http_options {
   std::size_t max_response_body = std::size_t(16) << 20;  ///< bodies read into memory (errors, XML)
   std::string ca_file;        ///< PEM file of CAs to trust (HTTPS); empty: the system's store
   bool verify_peer = true;    ///< check the server's certificate and host name (HTTPS)
+  std::vector<connect_to_rule> connect_to;  ///< the first rule that matches a URL's host and port
 };
 
 /// Counters of one client, for tests and benchmarks.
@@ -461,16 +476,27 @@ class http_client {
 #endif
     c->origin = origin;
     boost::system::error_code ec;
+    std::string host = u.host, via;
+    std::uint16_t port = u.port;
+    for (const auto& rule : opt_.connect_to)
+      if (rule.host.size() == u.host.size() &&
+          std::equal(rule.host.begin(), rule.host.end(), u.host.begin(), [](char a, char b) { return ascii_lower(a) == ascii_lower(b); }) &&
+          (rule.port == 0 || rule.port == u.port)) {
+        host = rule.to_host;
+        if (rule.to_port) port = rule.to_port;
+        via = " (connect-to " + host + ":" + std::to_string(port) + ")";
+        break;
+      }
     net::ip::tcp::resolver resolver(c->ioc);
-    auto endpoints = resolver.resolve(u.host, std::to_string(u.port), ec);
+    auto endpoints = resolver.resolve(host, std::to_string(port), ec);
     if (ec) {
-      f = {true, "cannot resolve " + u.host + ": " + ec.message(), std::nullopt, true};
+      f = {true, "cannot resolve " + host + via + ": " + ec.message(), std::nullopt, true};
       return nullptr;
     }
     c->tcp().expires_after(opt_.connect_timeout);
     c->run([&] { c->tcp().async_connect(endpoints, [&](boost::system::error_code e, auto&&) { ec = e; }); });
     if (ec) {
-      f = {true, "cannot connect to " + u.host_header() + ": " + ec.message(), std::nullopt, true};
+      f = {true, "cannot connect to " + u.host_header() + via + ": " + ec.message(), std::nullopt, true};
       return nullptr;
     }
     ++stats_.connections;
