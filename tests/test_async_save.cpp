@@ -82,11 +82,11 @@ class gated_directory {
 static_assert(WritableDirectory<gated_directory>);
 
 /// Rank r's part of a 3-rank state: w [1000] F32 split 400/400/200 (flat), b [7] I32 whole.
-struct rank_state {
+struct async_rank_state {
   std::vector<float> w;
   std::vector<std::int32_t> b{0, 0, 0, 0, 0, 0, 0};
   std::vector<flat_view> views;
-  rank_state(int r, float base) {
+  async_rank_state(int r, float base) {
     const std::uint64_t lo = 400 * std::uint64_t(r), hi = std::min<std::uint64_t>(lo + 400, 1000);
     for (std::uint64_t i = lo; i < hi; ++i) w.push_back(base + static_cast<float>(i));
     for (int i = 0; i < 7; ++i) b[i] = static_cast<std::int32_t>(base) * 10 + i;
@@ -125,7 +125,7 @@ TEST_CASE("async save: the snapshot taken before save() returns is what is saved
   auto thrown = testing::run_ranks(3, [&](testing::thread_comm& train) {
     const int r = train.rank();
     async_saver saver(testing::thread_comm(ckpt_world, r));
-    rank_state s(r, 5.f);
+    async_rank_state s(r, 5.f);
     async_save_handle h = saver.save(file_directory(tmp.path / "step1"), std::span<const flat_view>(s.views));
     s.scribble();  // training goes on: the save must not see this
     train.barrier();  // the training group's collectives run while the save is in flight
@@ -151,7 +151,7 @@ TEST_CASE("async save: staging is reused from save to save and grows with the st
   testing::temp_dir tmp("async");
   single_process one;
   async_saver<single_process> saver(one);
-  rank_state a(0, 1.f);  // its b; w whole on the one rank
+  async_rank_state a(0, 1.f);  // its b; w whole on the one rank
   std::vector<float> w(1000);
   std::iota(w.begin(), w.end(), 1.f);
   std::vector<flat_view> views{{"w", dtype::F32, {1000}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 4000}, a.views[1]};
@@ -177,11 +177,11 @@ TEST_CASE("async save: a failure in the background reaches wait() on every rank;
   testing::thread_world ckpt_world(2);
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& train) {
     async_saver saver(testing::thread_comm(ckpt_world, train.rank()));
-    rank_state s(train.rank(), 3.f);
+    async_rank_state s(train.rank(), 3.f);
     s.views[0].full_shape = {800};  // two ranks: w [800]
     saver.save(file_directory(tmp.path / "old"), std::span<const flat_view>(s.views)).wait();
     // the same folder again without overwrite: refused in the background, on every rank
-    rank_state t(train.rank(), 9.f);
+    async_rank_state t(train.rank(), 9.f);
     t.views[0].full_shape = {800};
     async_save_handle h = saver.save(file_directory(tmp.path / "old"), std::span<const flat_view>(t.views));
     try {
@@ -206,7 +206,7 @@ TEST_CASE("async save: a plan the ranks disagree on is thrown by save() itself; 
   testing::thread_world ckpt_world(2);
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& train) {
     async_saver saver(testing::thread_comm(ckpt_world, train.rank()));
-    rank_state s(train.rank(), 1.f);
+    async_rank_state s(train.rank(), 1.f);
     s.views[0].full_shape = {train.rank() == 0 ? 800u : 900u};
     CHECK_THROWS_WITH_AS(saver.save(file_directory(tmp.path / "x"), std::span<const flat_view>(s.views)),
                          doctest::Contains("shape"), error);
@@ -222,7 +222,7 @@ TEST_CASE("async save: one save at a time; rotation keeps the newest complete ch
   const gated_directory root(tmp.path, &g);
   single_process train, ckpt;
   async_saver<single_process> saver(ckpt);
-  rank_state s1(0, 1.f), s2(0, 2.f), s3(0, 3.f);
+  async_rank_state s1(0, 1.f), s2(0, 2.f), s3(0, 3.f);
   for (auto* s : {&s1, &s2, &s3}) {
     s->views[0].spec.reset();
     s->views[0].full_shape = {400};
@@ -264,7 +264,7 @@ TEST_CASE("async save: destroying a handle or the saver waits for the save") {
   testing::temp_dir tmp("async");
   gate g;
   const gated_directory root(tmp.path, &g);
-  rank_state s(0, 4.f);
+  async_rank_state s(0, 4.f);
   s.views[0].spec.reset();
   s.views[0].full_shape = {400};
   std::atomic<bool> released{false};

@@ -34,7 +34,7 @@ std::string le(std::uint64_t v, int n) {
   for (int i = 0; i < n; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
   return s;
 }
-std::string str(const std::string& s) { return "X" + le(s.size(), 4) + s; }
+std::string pstr(const std::string& s) { return "X" + le(s.size(), 4) + s; }
 std::string num(std::int64_t v) {
   if (v >= INT32_MIN && v <= INT32_MAX) return "J" + le(static_cast<std::uint64_t>(v), 4);
   return std::string(1, '\x8a') + le(8, 1) + le(static_cast<std::uint64_t>(v), 8);  // LONG1
@@ -91,26 +91,26 @@ struct meta_parts {
 std::string metadata_pickle(const meta_parts& p) {
   const std::string props =
       obj(st113, "TensorProperties",
-          tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({str("torch.strided")}) + "R",
-               "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), str("TORCH_CONTIGUOUS_FORMAT")}) + "R",
+          tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
+               "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), pstr("TORCH_CONTIGUOUS_FORMAT")}) + "R",
                "\x89"}));
   auto chunk_of = [&](const std::vector<std::int64_t>& off, const std::vector<std::int64_t>& sz) {
-    return obj(p.module, "ChunkStorageMetadata", dict({{str("offsets"), tsize(off)}, {str("sizes"), tsize(sz)}}));
+    return obj(p.module, "ChunkStorageMetadata", dict({{pstr("offsets"), tsize(off)}, {pstr("sizes"), tsize(sz)}}));
   };
   std::vector<std::string> chunks(static_cast<std::size_t>(p.copies), chunk_of(p.offsets, p.sizes));
   for (const auto& c : p.more) chunks.push_back(chunk_of(c.offsets, c.sizes));
   const std::string tsm =
-      obj(p.module, "TensorStorageMetadata", dict({{str("properties"), props}, {str("size"), tsize(p.size)}, {str("chunks"), list(chunks)}}));
+      obj(p.module, "TensorStorageMetadata", dict({{pstr("properties"), props}, {pstr("size"), tsize(p.size)}, {pstr("chunks"), list(chunks)}}));
   const std::string bsm = obj(p.module, "BytesStorageMetadata", dict({}));
   const std::string fs_module = p.module.substr(0, p.module.rfind('.')) + ".filesystem";
   auto info = [&](std::int64_t off, std::int64_t len, const std::string& path = "") {
     std::vector<std::pair<std::string, std::string>> fields{
-        {str("relative_path"), str(path.empty() ? p.path : path)}, {str("offset"), num(off)}, {str("length"), num(len)}};
+        {pstr("relative_path"), pstr(path.empty() ? p.path : path)}, {pstr("offset"), num(off)}, {pstr("length"), num(len)}};
     fields.insert(fields.end(), p.info_extra.begin(), p.info_extra.end());
     return obj(fs_module, "_StorageInfo", dict(fields));
   };
   auto index = [&](const std::string& fqn, const std::string& offset) {
-    return obj(p.module, "MetadataIndex", dict({{str("fqn"), str(fqn)}, {str("index"), num(0)}, {str("offset"), offset}}));
+    return obj(p.module, "MetadataIndex", dict({{pstr("fqn"), pstr(fqn)}, {pstr("index"), num(0)}, {pstr("offset"), offset}}));
   };
   std::vector<std::pair<std::string, std::string>> storage{{index("step", "N"), info(0, 10)}};
   if (p.with_storage) storage.push_back({index("w", tsize(p.offsets)), info(10, 96)});
@@ -118,10 +118,10 @@ std::string metadata_pickle(const meta_parts& p) {
     storage.push_back({index("w", tsize(p.more[i].offsets)), info(200 + 100 * static_cast<std::int64_t>(i), 96, p.more[i].path)});
   const std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
   return pickle(obj(p.module, "Metadata",
-                    dict({{str("state_dict_metadata"), dict({{str("w"), tsm}, {str("step"), bsm}})},
-                          {str("planner_data"), planner},
-                          {str("storage_data"), dict(storage)},
-                          {str("version"), str("1.0.0")}})));
+                    dict({{pstr("state_dict_metadata"), dict({{pstr("w"), tsm}, {pstr("step"), bsm}})},
+                          {pstr("planner_data"), planner},
+                          {pstr("storage_data"), dict(storage)},
+                          {pstr("version"), pstr("1.0.0")}})));
 }
 
 // --- zips by hand --------------------------------------------------------------------------
@@ -200,42 +200,42 @@ TEST_CASE("dcp metadata: newer torch's extra fields are ignored, transformed byt
   meta_parts p;
   p.module = "torch.distributed.checkpoint.metadata";
   // StorageMeta(checkpoint_id=PosixPath(...), save_id=...), as torch >= 2.4 writes it
-  p.extra_global = obj(p.module, "StorageMeta", dict({{str("checkpoint_id"), glob("pathlib", "PosixPath") + tup({str("/ckpt"), str("step1")}) + "R"},
-                                                     {str("save_id"), str("abc")}, {str("modules"), list({})}}));
-  p.info_extra = {{str("transform_descriptors"), "N"}};
+  p.extra_global = obj(p.module, "StorageMeta", dict({{pstr("checkpoint_id"), glob("pathlib", "PosixPath") + tup({pstr("/ckpt"), pstr("step1")}) + "R"},
+                                                     {pstr("save_id"), pstr("abc")}, {pstr("modules"), list({})}}));
+  p.info_extra = {{pstr("transform_descriptors"), "N"}};
   CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").chunks.size() == 1);
-  p.info_extra = {{str("transform_descriptors"), list({})}};
+  p.info_extra = {{pstr("transform_descriptors"), list({})}};
   CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").type == dtype::F32);
-  p.info_extra = {{str("transform_descriptors"), list({str("zstd")})}};
+  p.info_extra = {{pstr("transform_descriptors"), list({pstr("zstd")})}};
   testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"transform_descriptors"});
 }
 
 TEST_CASE("dcp metadata: globals outside the allowlist are refused by name, nothing is called") {
   using testing::expect_error;
   meta_parts p;
-  p.extra_global = glob("os", "system") + tup({str("touch /tmp/shardsafe-pwned")}) + "R";
+  p.extra_global = glob("os", "system") + tup({pstr("touch /tmp/shardsafe-pwned")}) + "R";
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "ckpt/.metadata"); }, errc::invalid_metadata,
                {"ckpt/.metadata", "'os.system'", "not on the DCP allowlist"});
   CHECK_FALSE(fs::exists("/tmp/shardsafe-pwned"));
   p.extra_global = glob("torch", "load");
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.load'"});
   // a getattr that reaches outside the allowlist from an allowed global
-  p.extra_global = glob("builtins", "getattr") + tup({glob("torch", "Size"), str("__class__")}) + "R";
+  p.extra_global = glob("builtins", "getattr") + tup({glob("torch", "Size"), pstr("__class__")}) + "R";
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.Size.__class__'"});
   // calling a value, NEWOBJ of a function, BUILD on plain data, a look-alike module
   p.extra_global = glob("torch", "float32") + tup({}) + "R";
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.float32'", "is a value"});
   p.extra_global = glob("torch", "Size") + ")" + std::string(1, '\x81');
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"NEWOBJ", "'torch.Size'", "not an allowlisted class"});
-  p.extra_global = dict({}) + dict({{str("a"), num(1)}}) + "b";
+  p.extra_global = dict({}) + dict({{pstr("a"), num(1)}}) + "b";
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"BUILD", "not an allowlisted object"});
   p.extra_global = glob("torch.distributed._shard.checkpoint.metadata_evil", "Metadata");
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"metadata_evil.Metadata"});
   // a plain dict dressed as a marker does not make a call possible
-  p.extra_global = dict({{str("__global__"), str("os.system")}}) + tup({str("ls")}) + "R";
+  p.extra_global = dict({{pstr("__global__"), pstr("os.system")}}) + tup({pstr("ls")}) + "R";
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"not an allowlisted global"});
   // protocol 4 spelling: STACK_GLOBAL of a refused name
-  p.extra_global = str("subprocess") + str("Popen") + std::string(1, '\x93');
+  p.extra_global = pstr("subprocess") + pstr("Popen") + std::string(1, '\x93');
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'subprocess.Popen'"});
 }
 
@@ -432,7 +432,7 @@ TEST_CASE("torch zip: data.pkl describing a strided or offset view is refused by
   torch_zip_tensor t3{"0", dtype::F32, 6, 0, {2, 1, 3}, {3, 99, 1}};
   CHECK_NOTHROW(check_torch_zip_tensor(t3, rec, dtype::F32, {2, 1, 3}, "f"));
   // a pickle naming something else
-  const std::string evil = pickle(glob("posix", "system") + tup({str("ls")}) + "R");
+  const std::string evil = pickle(glob("posix", "system") + tup({pstr("ls")}) + "R");
   testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata, {"'posix.system'", "torch.save tensor allowlist"});
 }
 

@@ -43,13 +43,13 @@ namespace {
 
 // ---------------------------------------------------------------- a plain JSON + safetensors parser
 
-struct jvalue {
-  std::variant<std::nullptr_t, std::uint64_t, std::string, std::vector<jvalue>, std::map<std::string, jvalue>> v;
-  const std::map<std::string, jvalue>& obj() const { return std::get<4>(v); }
-  const std::vector<jvalue>& arr() const { return std::get<3>(v); }
+struct export_jvalue {
+  std::variant<std::nullptr_t, std::uint64_t, std::string, std::vector<export_jvalue>, std::map<std::string, export_jvalue>> v;
+  const std::map<std::string, export_jvalue>& obj() const { return std::get<4>(v); }
+  const std::vector<export_jvalue>& arr() const { return std::get<3>(v); }
   const std::string& str() const { return std::get<2>(v); }
   std::uint64_t num() const { return std::get<1>(v); }
-  const jvalue& at(const std::string& k) const { return obj().at(k); }
+  const export_jvalue& at(const std::string& k) const { return obj().at(k); }
 };
 
 /// JSON of the subset these files use: objects, arrays, strings (with \" \\ \/ \n \uXXXX < 0x80
@@ -91,42 +91,42 @@ struct jparser {
       }
     }
   }
-  jvalue value() {
+  export_jvalue value() {
     const char c = peek();
     if (c == '{') {
       ++i;
-      std::map<std::string, jvalue> m;
-      if (peek() == '}') return ++i, jvalue{std::move(m)};
+      std::map<std::string, export_jvalue> m;
+      if (peek() == '}') return ++i, export_jvalue{std::move(m)};
       while (true) {
         std::string k = string();
         expect(':');
         REQUIRE(m.emplace(k, value()).second);
-        if (peek() == '}') return ++i, jvalue{std::move(m)};
+        if (peek() == '}') return ++i, export_jvalue{std::move(m)};
         expect(',');
       }
     }
     if (c == '[') {
       ++i;
-      std::vector<jvalue> a;
-      if (peek() == ']') return ++i, jvalue{std::move(a)};
+      std::vector<export_jvalue> a;
+      if (peek() == ']') return ++i, export_jvalue{std::move(a)};
       while (true) {
         a.push_back(value());
-        if (peek() == ']') return ++i, jvalue{std::move(a)};
+        if (peek() == ']') return ++i, export_jvalue{std::move(a)};
         expect(',');
       }
     }
-    if (c == '"') return jvalue{string()};
-    if (s.substr(i, 4) == "null") return i += 4, jvalue{nullptr};
+    if (c == '"') return export_jvalue{string()};
+    if (s.substr(i, 4) == "null") return i += 4, export_jvalue{nullptr};
     REQUIRE((c >= '0' && c <= '9'));
     std::uint64_t n = 0;
     while (i < s.size() && s[i] >= '0' && s[i] <= '9') n = n * 10 + static_cast<std::uint64_t>(s[i++] - '0');
-    return jvalue{n};
+    return export_jvalue{n};
   }
 };
 
-jvalue parse_json(std::string_view text) {
+export_jvalue parse_json(std::string_view text) {
   jparser p{text};
-  jvalue v = p.value();
+  export_jvalue v = p.value();
   p.ws();
   CHECK(p.i == text.size());
   return v;
@@ -150,7 +150,7 @@ parsed_file parse_safetensors(const std::string& file) {
   for (int k = 0; k < 8; ++k) n |= std::uint64_t(static_cast<unsigned char>(file[k])) << (8 * k);
   REQUIRE(8 + n <= file.size());
   CHECK((8 + n) % 8 == 0);
-  const jvalue h = parse_json(std::string_view(file).substr(8, n));
+  const export_jvalue h = parse_json(std::string_view(file).substr(8, n));
   parsed_file out;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> spans;
   for (const auto& [k, v] : h.obj()) {
@@ -208,7 +208,7 @@ std::vector<T> as(const std::string& b) {
   return v;
 }
 template <class T>
-std::string bytes_of(const std::vector<T>& v) {
+std::string export_bytes_of(const std::vector<T>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
 }
 
@@ -222,10 +222,10 @@ std::string convert_ref(const std::string& b, const std::string& from, const std
   if (from == "F16")
     for (auto x : as<std::uint16_t>(b)) f.push_back(from_f16(x));
   REQUIRE(f.size() * item_size(dtype_from_name(from, "")) == b.size());
-  if (to == "F32") return bytes_of(f);
+  if (to == "F32") return export_bytes_of(f);
   std::vector<std::uint16_t> o;
   for (float x : f) o.push_back(to == "BF16" ? f32_to_bf16(std::bit_cast<std::uint32_t>(x)) : to_f16(x));
-  return bytes_of(o);
+  return export_bytes_of(o);
 }
 
 // ---------------------------------------------------------------- the tensors of the tests
@@ -409,7 +409,7 @@ void check_folder(const fs::path& dir, const std::map<std::string, std::map<std:
     }
   }
   if (want.size() > 1) {
-    const jvalue idx = parse_json(testing::slurp(dir / "model.safetensors.index.json"));
+    const export_jvalue idx = parse_json(testing::slurp(dir / "model.safetensors.index.json"));
     CHECK(idx.at("metadata").at("total_size").num() == total);
     std::map<std::string, std::string> got;
     for (const auto& [k, v] : idx.at("weight_map").obj()) got[k] = v.str();
@@ -505,7 +505,7 @@ TEST_CASE("hf export: NaN, infinities, signed zeros and subnormals convert as IE
   temp_dir tmp("hfexp");
   const std::vector<std::uint32_t> f32{0x7fc00001u, 0xff800000u, 0x7f800000u, 0x80000000u, 0x00000001u,
                                        0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xffa00000u, 0x3f800001u};
-  const full_tensor t{"x", "F32", {10}, bytes_of(f32)};
+  const full_tensor t{"x", "F32", {10}, export_bytes_of(f32)};
   fixtures::put(file_directory(tmp.path / "hf"), "model.safetensors", fixtures::build_file({{t.name, t.dtype, t.shape, t.bytes}}));
   hf_export_options opt;
   opt.convert_to = dtype::BF16;
@@ -654,7 +654,7 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
 namespace {
 
 /// One rank's file of torch's sharded HF output: its blocks with their saved_offsets.
-std::string dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& blocks) {
+std::string export_dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& blocks) {
   std::string info = "{", json = "{", data;
   for (const auto& [t, off] : blocks) {
     info += std::string(info.size() > 1 ? "," : "") + "\"" + t.name + "\":{\"saved_offsets\":" + fixtures::shape_text(off, ",") + "}";
@@ -690,7 +690,7 @@ std::vector<full_tensor> write_dcp_folder(const fs::path& dir, const std::vector
   }
   for (int r = 0; r < 3; ++r)
     fixtures::put(file_directory(dir), "shard-0000" + std::to_string(r + 1) + "-model-00001-of-00001.safetensors",
-                  dcp_file(ranks[r]));
+                  export_dcp_file(ranks[r]));
   return full;
 }
 
@@ -725,7 +725,7 @@ TEST_CASE("hf export: torch's DCP-sharded HF files of every byte-sized dtype con
     if (t.dtype == "F64") {  // rounded once: to F32 rounding to odd, then to BF16 (exact then)
       std::vector<std::uint16_t> o;
       for (double x : as<double>(t.bytes)) o.push_back(f32_to_bf16(std::bit_cast<std::uint32_t>(to_f32_round_to_odd(x))));
-      t = {t.name, "BF16", t.shape, bytes_of(o)};
+      t = {t.name, "BF16", t.shape, export_bytes_of(o)};
     }
     conv.push_back(t);
   }
@@ -759,11 +759,11 @@ TEST_CASE("hf export: the I64, BOOL and BF16 blocks of 3 ranks, in the layout to
   };
   const file_directory dcp(tmp.path / "dcp");
   fixtures::put(dcp, "shard-00001-model-00001-of-00001.safetensors",
-                dcp_file({{rows(ids, 0, 2), {0, 0}}, {part(mask, 0, 3), {0}}, {cols(emb, 0, 2), {0, 0}}}));
+                export_dcp_file({{rows(ids, 0, 2), {0, 0}}, {part(mask, 0, 3), {0}}, {cols(emb, 0, 2), {0, 0}}}));
   fixtures::put(dcp, "shard-00002-model-00001-of-00001.safetensors",
-                dcp_file({{rows(ids, 2, 4), {2, 0}}, {cols(emb, 2, 4), {0, 2}}}));
+                export_dcp_file({{rows(ids, 2, 4), {2, 0}}, {cols(emb, 2, 4), {0, 2}}}));
   fixtures::put(dcp, "shard-00003-model-00001-of-00001.safetensors",
-                dcp_file({{rows(ids, 4, 5), {4, 0}}, {part(mask, 3, 6), {3}}, {cols(emb, 4, 6), {0, 4}}}));
+                export_dcp_file({{rows(ids, 4, 5), {4, 0}}, {part(mask, 3, 6), {3}}, {cols(emb, 4, 6), {0, 4}}}));
   hf_export_options opt;
   opt.chunk_bytes = 16;
   opt.max_shard_size = 100;
@@ -775,9 +775,9 @@ TEST_CASE("hf export: the I64, BOOL and BF16 blocks of 3 ranks, in the layout to
 
 namespace {
 
-bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
-const auto skip_without_tool = doctest::skip(!have_tool());
-testing::program_result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+bool export_have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+const auto export_skip_without_tool = doctest::skip(!export_have_tool());
+testing::program_result export_run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 /// Exit `code` with nothing on stdout and one line on stderr holding the phrases.
 void check_exit(const testing::program_result& r, int code, const std::vector<std::string>& phrases) {
@@ -799,13 +799,13 @@ std::string digest_of(std::vector<full_tensor> ts) {
 
 }  // namespace
 
-TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with sizes, dtypes and renames" * skip_without_tool) {
+TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with sizes, dtypes and renames" * export_skip_without_tool) {
   temp_dir tmp("hftool");
   const auto sample = sample_model(12);
   save_sample(sample, tmp.path / "ckpt");
   const auto ts = fulls(sample);
   const fs::path out = tmp.path / "out";
-  const auto r = run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
+  const auto r = export_run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
                            "--rename", "^model\\.=m.", "--rename=^step$=", "--model-only"});
   CHECK(r.code == 0);
   CHECK(r.err.empty());  // no progress line off a terminal
@@ -815,13 +815,13 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const auto want = expected_folder(ts, 1000, "BF16", ren);
   REQUIRE(want.size() > 2);
   check_folder(out, want);
-  const auto v = run_tool({"verify", out.string()});
+  const auto v = export_run_tool({"verify", out.string()});
   CHECK(v.code == 0);
   CHECK(v.out == "OK " + out.string() + ": " + std::to_string(ts.size() - 1) + " tensors valid\n");
   std::vector<full_tensor> flat;
   for (const auto& [f, m] : want)
     for (const auto& [n, t] : m) flat.push_back(t);
-  CHECK(run_tool({"digest", out.string()}).out == digest_of(flat));
+  CHECK(export_run_tool({"digest", out.string()}).out == digest_of(flat));
   // options after the positionals, sizes in binary units, a single safetensors file as SRC
   const fs::path one = tmp.path / "one.safetensors";
   const full_tensor a{"model._orig_mod.layers.0._checkpoint_wrapped_module.w", "F32", {3}, std::string(12, '\x01')};
@@ -829,7 +829,7 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
   // --preset dcp-to-hf: wrappers removed, then model.X -> X (the key is neither model.model.* nor
   // model.lm_head.weight); a non-model key dropped; one warning line each
-  const auto p = run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
+  const auto p = export_run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
   CHECK(p.code == 0);
   CHECK(p.err == "shardsafe: warning: 1 name(s) a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': "
                  "its 'model.' prefix removed: " + a.name + " -> layers.0.w\n"
@@ -840,64 +840,64 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const full_tensor d{"model.lm_head.weight", "BF16", {2}, std::string(4, '\x04')};
   testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes},
                                                  {c.name, c.dtype, c.shape, c.bytes}, {d.name, d.dtype, d.shape, d.bytes}}));
-  CHECK(run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
+  CHECK(export_run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
   check_folder(tmp.path / "two", expected_folder({a, b, c, d}, hf_default_max_shard_size, "",
                                                  {{a.name, "layers.0.w"}, {b.name, "kept_orig_mod.x"},
                                                   {c.name, "model.layers.1.w"}, {d.name, "lm_head.weight"}}));
 }
 
-TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify and unshard" * skip_without_tool) {
+TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify and unshard" * export_skip_without_tool) {
   temp_dir tmp("hftool");
   const fs::path dcp = tmp.path / "dcp";
   const auto full = write_dcp_folder(dcp, {"I64", "I32", "BOOL", "BF16", "F8_E4M3", "F8_E5M2", "F32"}, 5);
-  const auto d = run_tool({"digest", dcp.string()});
+  const auto d = export_run_tool({"digest", dcp.string()});
   CHECK(d.code == 0);
   CHECK(d.out == digest_of(full));
-  const auto i = run_tool({"inspect", dcp.string()});
+  const auto i = export_run_tool({"inspect", dcp.string()});
   CHECK(i.code == 0);
   CHECK(i.out.find("torch sharded Hugging Face files") != std::string::npos);
   CHECK(i.out.find("blocks over 3 file(s)") != std::string::npos);
-  CHECK(run_tool({"verify", dcp.string()}).code == 0);
+  CHECK(export_run_tool({"verify", dcp.string()}).code == 0);
   const fs::path hf = tmp.path / "hf";
-  CHECK(run_tool({"to-hf", dcp.string(), hf.string(), "--max-shard-size", "100"}).code == 0);
+  CHECK(export_run_tool({"to-hf", dcp.string(), hf.string(), "--max-shard-size", "100"}).code == 0);
   check_folder(hf, expected_folder(full, 100, ""));
-  CHECK(run_tool({"digest", hf.string()}).out == d.out);  // the same tensors, whatever the layout
-  CHECK(run_tool({"verify", hf.string()}).code == 0);
+  CHECK(export_run_tool({"digest", hf.string()}).out == d.out);  // the same tensors, whatever the layout
+  CHECK(export_run_tool({"verify", hf.string()}).code == 0);
   const fs::path one = tmp.path / "all.safetensors";
-  CHECK(run_tool({"unshard", dcp.string(), one.string()}).code == 0);
+  CHECK(export_run_tool({"unshard", dcp.string(), one.string()}).code == 0);
   const parsed_file p = parse_safetensors(testing::slurp(one));
   for (const auto& t : full) CHECK(p.tensors.at(t.name).bytes == t.bytes);
-  CHECK(run_tool({"digest", one.string()}).out == d.out);
+  CHECK(export_run_tool({"digest", one.string()}).out == d.out);
   // an HF folder unshards too
-  CHECK(run_tool({"unshard", hf.string(), (tmp.path / "hf.safetensors").string()}).code == 0);
+  CHECK(export_run_tool({"unshard", hf.string(), (tmp.path / "hf.safetensors").string()}).code == 0);
   CHECK(testing::slurp(tmp.path / "hf.safetensors") == testing::slurp(one));
   // a block gone: verify and to-hf name the gap
   fs::remove(dcp / "shard-00002-model-00001-of-00001.safetensors");
-  check_exit(run_tool({"verify", dcp.string()}), 1, {"are in no file"});
-  check_exit(run_tool({"to-hf", dcp.string(), (tmp.path / "gap").string()}), 1, {"in no file"});
+  check_exit(export_run_tool({"verify", dcp.string()}), 1, {"are in no file"});
+  check_exit(export_run_tool({"to-hf", dcp.string(), (tmp.path / "gap").string()}), 1, {"in no file"});
   CHECK(fs::is_empty(tmp.path / "gap"));
 }
 
-TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line" * skip_without_tool) {
+TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line" * export_skip_without_tool) {
   temp_dir tmp("hftool");
   const auto sample = sample_model(13);
   save_sample(sample, tmp.path / "ckpt");
   const std::string src = (tmp.path / "ckpt").string(), out = (tmp.path / "out").string();
-  check_exit(run_tool({"to-hf", src}), 2, {"OUTDIR"});
-  check_exit(run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
-  check_exit(run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
-  check_exit(run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
-  check_exit(run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
-  check_exit(run_tool({"to-hf", src, out, "--rename", "nosplit"}), 2, {"rename rule 'nosplit'", "no '='"});
-  check_exit(run_tool({"to-hf", src, out, "--preset", "hf-to-dcp"}), 2, {"--preset", "hf-to-dcp"});
+  check_exit(export_run_tool({"to-hf", src}), 2, {"OUTDIR"});
+  check_exit(export_run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
+  check_exit(export_run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
+  check_exit(export_run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
+  check_exit(export_run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
+  check_exit(export_run_tool({"to-hf", src, out, "--rename", "nosplit"}), 2, {"rename rule 'nosplit'", "no '='"});
+  check_exit(export_run_tool({"to-hf", src, out, "--preset", "hf-to-dcp"}), 2, {"--preset", "hf-to-dcp"});
   CHECK(!fs::exists(out));
-  check_exit(run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
+  check_exit(export_run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
              {"'model.layers.0.attn.q.bias'", "'model.layers.0.attn.q.weight'", "both renamed to 'q'"});
   fixtures::put(file_directory(tmp.path / "busy"), "keep", "me");
-  check_exit(run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
+  check_exit(export_run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
   CHECK(testing::slurp(tmp.path / "busy" / "keep") == "me");
-  check_exit(run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
-  const auto h = run_tool({"to-hf", "--help"});
+  check_exit(export_run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
+  const auto h = export_run_tool({"to-hf", "--help"});
   CHECK(h.code == 0);
   CHECK(h.err.empty());
   for (const char* w : {"shardsafe to-hf", "--max-shard-size", "--dtype", "--rename", "--preset", "--model-only"})

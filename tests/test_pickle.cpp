@@ -58,13 +58,13 @@ pv D(std::vector<std::pair<pv, pv>> e = {}) { return pv::dict(std::move(e)); }
 
 /// Bytes from a list of byte values and one-char strings; no escape sequences to misread
 /// ("\x01a" is one byte in C++, and a string literal stops at the first NUL).
-struct bytes_of {
+struct pickle_bytes {
   std::string s;
-  bytes_of(std::initializer_list<int> b) {
+  pickle_bytes(std::initializer_list<int> b) {
     for (int x : b) s += static_cast<char>(x);
   }
 };
-std::string B(std::initializer_list<int> b) { return bytes_of(b).s; }
+std::string B(std::initializer_list<int> b) { return pickle_bytes(b).s; }
 /// A protocol 2 pickle: PROTO 2, the body, STOP.
 std::string P(const std::string& body) { return B({0x80, 2}) + body + "."; }
 

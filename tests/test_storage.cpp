@@ -45,7 +45,7 @@ std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   return b;
 }
 
-std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+std::span<const std::byte> sv_bytes(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
 
 template <class F>
 void expect_errc(F&& f, errc code, std::string_view phrase) {
@@ -129,11 +129,11 @@ std::vector<std::byte> read_all(const D& d, std::string_view n) {
 template <WritableDirectory D>
 void put(const D& d, std::string_view n, std::string_view content) {
   auto w = d.create(n);
-  w.write_at(0, bytes_of(content));
+  w.write_at(0, sv_bytes(content));
   w.commit();
 }
 
-std::string str(const std::vector<std::byte>& b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
+std::string byte_str(const std::vector<std::byte>& b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
 
 }  // namespace
 
@@ -398,25 +398,25 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
   SUBCASE("an object is visible only after commit") {
     {
       auto w = d.create("obj");
-      w.write_at(0, bytes_of("hello"));
+      w.write_at(0, sv_bytes("hello"));
       CHECK_FALSE(d.exists("obj"));
       expect_errc([&] { d.open("obj"); }, errc::not_found, "obj");
       w.sync();
       w.commit();
       CHECK(std::string_view(w.name()).find("obj") != std::string_view::npos);
-      expect_errc([&] { w.write_at(0, bytes_of("x")); }, errc::invalid_argument, "obj");
+      expect_errc([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, "obj");
     }
     CHECK(d.exists("obj"));
-    CHECK(str(read_all(d, "obj")) == "hello");
+    CHECK(byte_str(read_all(d, "obj")) == "hello");
     CHECK(d.list() == std::vector<std::string>{"obj"});
     // a second commit replaces it whole
     put(d, "obj", "bye");
-    CHECK(str(read_all(d, "obj")) == "bye");
+    CHECK(byte_str(read_all(d, "obj")) == "bye");
   }
   SUBCASE("a writer destroyed without commit leaves nothing, not even a temporary") {
     {
       auto w = d.create("gone");
-      w.write_at(0, bytes_of("partial data"));
+      w.write_at(0, sv_bytes("partial data"));
     }
     CHECK_FALSE(d.exists("gone"));
     CHECK(d.list().empty());
@@ -425,9 +425,9 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     put(d, "keep", "v1");
     {
       auto w = d.create("keep");
-      w.write_at(0, bytes_of("v2 that never lands"));
+      w.write_at(0, sv_bytes("v2 that never lands"));
     }
-    CHECK(str(read_all(d, "keep")) == "v1");
+    CHECK(byte_str(read_all(d, "keep")) == "v1");
     CHECK(d.list() == std::vector<std::string>{"keep"});
   }
   SUBCASE("write_at out of order and from several threads on disjoint ranges") {
@@ -449,11 +449,11 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     CHECK(read_all(d, "big") == bytes);
     {
       auto w = d.create("gaps");  // the tail first, then the head
-      w.write_at(4, bytes_of("5678"));
-      w.write_at(0, bytes_of("1234"));
+      w.write_at(4, sv_bytes("5678"));
+      w.write_at(0, sv_bytes("1234"));
       w.commit();
     }
-    CHECK(str(read_all(d, "gaps")) == "12345678");
+    CHECK(byte_str(read_all(d, "gaps")) == "12345678");
     put(d, "empty", "");
     CHECK(d.open("empty").size() == 0);
   }
@@ -470,7 +470,7 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     CHECK(d.exists("sub"));
     CHECK(s.exists("deeper"));
     CHECK_FALSE(d.exists("inner"));
-    CHECK(str(read_all(deeper, "leaf")) == "leaf");
+    CHECK(byte_str(read_all(deeper, "leaf")) == "leaf");
     CHECK(std::string_view(s.name()).find("sub") != std::string_view::npos);
     d.remove("sub");
     CHECK_FALSE(d.exists("sub"));
@@ -487,19 +487,19 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     put(d, "keep", "v1");
     {
       auto w = d.create("keep");
-      w.write_at(0, bytes_of("v2 that never lands"));
+      w.write_at(0, sv_bytes("v2 that never lands"));
       w.abort();
       w.abort();  // a second abort does nothing
-      expect_errc([&] { w.write_at(0, bytes_of("x")); }, errc::invalid_argument, "after abort");
+      expect_errc([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, "after abort");
       expect_errc([&] { w.commit(); }, errc::invalid_argument, "keep");
     }
     {
       auto w = d.create("fresh");
-      w.write_at(0, bytes_of("partial"));
+      w.write_at(0, sv_bytes("partial"));
       w.abort();
       CHECK_FALSE(d.exists("fresh"));
     }
-    CHECK(str(read_all(d, "keep")) == "v1");
+    CHECK(byte_str(read_all(d, "keep")) == "v1");
     CHECK(d.list() == std::vector<std::string>{"keep"});
     CHECK(m.files_on_disk() == 1);
     auto w = d.create("done");
@@ -533,18 +533,18 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
   SUBCASE("copies of a directory name the same place; writers move") {
     const D c = d;
     put(c, "via-copy", "c");
-    CHECK(str(read_all(d, "via-copy")) == "c");
+    CHECK(byte_str(read_all(d, "via-copy")) == "c");
     {
       auto w = d.create("moved");
-      w.write_at(0, bytes_of("carried on"));
+      w.write_at(0, sv_bytes("carried on"));
       auto w2 = std::move(w);  // the moved-from writer is destroyed first and must do nothing
-      w2.write_at(0, bytes_of("C"));
+      w2.write_at(0, sv_bytes("C"));
       w2.commit();
     }
-    CHECK(str(read_all(d, "moved")) == "Carried on");
+    CHECK(byte_str(read_all(d, "moved")) == "Carried on");
     {
       auto w = d.create("dropped");
-      w.write_at(0, bytes_of("never"));
+      w.write_at(0, sv_bytes("never"));
       auto w2 = std::move(w);
     }  // neither committed: nothing is left
     CHECK(d.list() == std::vector<std::string>{"moved", "via-copy"});
@@ -566,11 +566,11 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
 
 TEST_CASE("storage: memory_writer without a store, and a mapping outliving its file name") {
   memory_writer w("standalone");
-  w.write_at(2, bytes_of("cd"));
-  w.write_at(0, bytes_of("ab"));
+  w.write_at(2, sv_bytes("cd"));
+  w.write_at(0, sv_bytes("ab"));
   w.commit();
   expect_errc([&] { w.commit(); }, errc::invalid_argument, "standalone");
-  CHECK(str(w.take()) == "abcd");
+  CHECK(byte_str(w.take()) == "abcd");
 
   temp_dir tmp;
   file_directory d(tmp.path);
@@ -580,7 +580,7 @@ TEST_CASE("storage: memory_writer without a store, and a mapping outliving its f
   d.remove("f");
   std::vector<std::byte> b(moved.size());
   moved.read_into(0, b);
-  CHECK(str(b) == "mapped bytes");
+  CHECK(byte_str(b) == "mapped bytes");
 }
 
 TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd alignments", S, SHARDSAFE_READABLE_BACKENDS) {
@@ -847,7 +847,7 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
     temp_dir tmp;
     file_directory d(tmp.path);
     auto w = d.create("x");
-    w.write_at(0, bytes_of("abc"));
+    w.write_at(0, sv_bytes("abc"));
     fs::remove(tmp.path / fs::directory_iterator(tmp.path)->path().filename());  // the temporary vanishes
     // abort of an already missing temporary is no error: the original error comes back alone
     expect_errc([&] { detail::abort_on_failure(w, [] { fail(errc::truncated, "first failure"); }); }, errc::truncated,

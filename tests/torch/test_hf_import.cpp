@@ -83,7 +83,7 @@ std::optional<shard_spec> spec_of(const param& p, int w, int r) {
 
 at::Tensor file_tensor(const param& p) { return expected_full("model." + p.key, p.file_type, p.shape, true); }
 
-std::string bytes_of(const at::Tensor& t) {
+std::string hf_bytes_of(const at::Tensor& t) {
   at::Tensor c = t.contiguous();
   return std::string(static_cast<const char*>(c.data_ptr()), c.nbytes());
 }
@@ -98,7 +98,7 @@ void write_folder(const std::filesystem::path& dir) {
     const std::string key = "model." + p.key;
     const bool first = key < "model.layers.0.n";
     at::Tensor t = file_tensor(p);
-    (first ? a : b).push_back({key, std::string(name(p.file_type)), p.shape, bytes_of(t)});
+    (first ? a : b).push_back({key, std::string(name(p.file_type)), p.shape, hf_bytes_of(t)});
     map += std::string(map.empty() ? "" : ", ") + "\"" + key + "\": \"" + (first ? fixtures::file1 : fixtures::file2) + "\"";
     total += t.nbytes();
   }
