@@ -95,7 +95,7 @@ if have pkg-config; then
 fi
 
 # The CMake builds use no build type, hence no optimisation flags, as the pkg-config builds: the
-# consumers prove that the package compiles, links and runs, and -O3 only made the LibTorch one slow.
+# consumers prove that the package compiles, links and runs; optimising them only cost time.
 cmake_consumer() {  # NAME PREFIX
   run "$1-configure" cmake -S "$consumer" -B "$tmp/$1" -DCMAKE_PREFIX_PATH="$2" -DCMAKE_CXX_COMPILER="$cxx" \
     -DCMAKE_BUILD_TYPE=
