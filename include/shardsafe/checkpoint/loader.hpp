@@ -540,8 +540,7 @@ class checkpoint_reader {
       std::vector<std::pair<std::size_t, std::size_t>> all;  // (file, read)
       for (std::size_t f = 0; f < s.files.size(); ++f)
         for (std::size_t r = 0; r < s.files[f].reads.size(); ++r) all.emplace_back(f, r);
-      std::mutex spare_mutex;
-      std::vector<std::vector<std::byte>> spare;
+      detail::buffer_pool spare;
       detail::parallel_for(all.size(), s.threads, [&](std::size_t i) {
         const auto& [f, r] = all[i];
         const load_schedule::file_read& rd = s.files[f].reads[r];
@@ -550,22 +549,14 @@ class checkpoint_reader {
           files[f]->storage.read_into(rd.op.file_offset, {base + rd.op.pieces[0].dst, static_cast<std::size_t>(rd.op.len)});
           return;
         }
-        std::vector<std::byte> staging;
-        {
-          std::lock_guard lock(spare_mutex);
-          if (!spare.empty()) {
-            staging = std::move(spare.back());
-            spare.pop_back();
-          }
-        }
+        std::vector<std::byte> staging = spare.take();
         staging.resize(rd.op.len);
         files[f]->storage.read_into(rd.op.file_offset, staging);
         if (stored[rd.view])
           scatter(rd.op, staging.data(), base, stored[rd.view], views[rd.view].type);
         else
           for (const auto& p : rd.op.pieces) std::memcpy(base + p.dst, staging.data() + p.offset, p.len);
-        std::lock_guard lock(spare_mutex);
-        spare.push_back(std::move(staging));
+        spare.give(std::move(staging));
       });
     }
   }
@@ -688,8 +679,7 @@ class checkpoint_reader {
     blocks.reserve(todo.size());
     for (auto& [id, bl] : todo) blocks.push_back(bl);
     std::vector<std::uint64_t> got(blocks.size());
-    std::mutex spare_mutex;
-    std::vector<std::vector<std::byte>> spare;
+    detail::buffer_pool spare;
     detail::parallel_for(blocks.size(), s.threads, [&](std::size_t i) {
       const block& bl = blocks[i];
       const auto sp = detail::block_span(bl.k, cs.block_bytes, bl.e->nbytes());
@@ -697,18 +687,10 @@ class checkpoint_reader {
         got[i] = detail::xxh3_64(bl.in_view, static_cast<std::size_t>(sp.to - sp.from));
         return;
       }
-      std::vector<std::byte> buf;
-      {
-        std::lock_guard lock(spare_mutex);
-        if (!spare.empty()) {
-          buf = std::move(spare.back());
-          spare.pop_back();
-        }
-      }
+      std::vector<std::byte> buf = spare.take();
       const open_file& of = *files[bl.file];
       got[i] = detail::hash_stored(of.storage, of.header.offset_of(*bl.e) + sp.from, sp.to - sp.from, buf);
-      std::lock_guard lock(spare_mutex);
-      spare.push_back(std::move(buf));
+      spare.give(std::move(buf));
     });
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const block& bl = blocks[i];

@@ -28,7 +28,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <set>
 #include <span>
 #include <string>
@@ -138,22 +137,13 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
     }
   }
   std::vector<std::uint64_t> got(blocks.size());
-  std::mutex spare_mutex;
-  std::vector<std::vector<std::byte>> spare;
+  buffer_pool spare;
   parallel_for(blocks.size(), opt.threads, [&](std::size_t i) {
     const block& bl = blocks[i];
     const auto sp = block_span(bl.k, cs.block_bytes, bl.e->nbytes());
-    std::vector<std::byte> buf;
-    {
-      std::lock_guard lock(spare_mutex);
-      if (!spare.empty()) {
-        buf = std::move(spare.back());
-        spare.pop_back();
-      }
-    }
+    std::vector<std::byte> buf = spare.take();
     got[i] = hash_stored(bl.file->storage, bl.file->header.offset_of(*bl.e) + sp.from, sp.to - sp.from, buf);
-    std::lock_guard lock(spare_mutex);
-    spare.push_back(std::move(buf));
+    spare.give(std::move(buf));
   });
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const block& bl = blocks[i];

@@ -152,4 +152,26 @@ void parallel_for(std::size_t n, unsigned threads, F&& f) {
   shared_pool().parallel_for(n, threads, std::forward<F>(f));
 }
 
+/// Byte buffers shared by the tasks of one parallel_for: a task takes one (a buffer an earlier
+/// task gave back, or an empty one) and gives it back when done, so a loop allocates about as
+/// many buffers as it runs tasks at once, not one per task.
+class buffer_pool {
+ public:
+  std::vector<std::byte> take() {
+    std::lock_guard lock(m_);
+    if (free_.empty()) return {};
+    std::vector<std::byte> b = std::move(free_.back());
+    free_.pop_back();
+    return b;
+  }
+  void give(std::vector<std::byte> b) {
+    std::lock_guard lock(m_);
+    free_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<std::vector<std::byte>> free_;
+};
+
 }  // namespace shardsafe::detail
