@@ -4,7 +4,7 @@
 // moto, moto's own ceiling.
 //
 //   meson compile -C build bench/bench_remote && ./build/bench/bench_remote [--quick] [--mib 1024] [--reps 3]
-//       [--moto-reps 1] [--no-moto]
+//       [--moto-reps 1] [--no-moto] [--loopback-cc cubic]
 //
 // The checkpoint: --mib MiB (default 1024; --quick 64) of F32 tensors of 16 MiB each, saved by
 // save_flat_views from one rank into a temporary folder that an nginx started here serves on a
@@ -18,8 +18,19 @@
 // needed, and peak RSS growth. The loopback ceiling beside them: plain sockets (1, 2, 4
 // threads, each one connection and one GET of an equal range of the rank file, recv into a
 // reused 16 MiB buffer, Connection: close) reading the rank file from the same nginx, the
-// bytes counted against its size; and a target line for http against the best of those.
+// bytes counted against its size; then 2 and 4 such connections landing their ranges in one
+// touched buffer of the file's size (distinct memory, as a load does), compared with the file;
+// and target lines for http against the best of each kind.
+//
+// The header names the TCP congestion control the loopback runs with: the sender's (nginx's)
+// choice paces every byte. With BBR (this VM's default) the loopback gave any client, plain
+// sockets included, 1.5-5.5 GB/s; with cubic, 6-20 GB/s (bench/README.md). --loopback-cc NAME
+// runs the whole benchmark (nginx, moto, the clients) in a network namespace of its own whose
+// loopback uses NAME, leaving the machine's own setting alone (needs root: unshare(CLONE_NEWNET)).
 #include <arpa/inet.h>
+#include <net/if.h>
+#include <sched.h>
+#include <sys/ioctl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
@@ -99,7 +110,7 @@ double timed_run(std::vector<std::string> argv) {
 /// an equal range of path (Connection: close) and recv'ing the answer into its own reused
 /// buffer (bufs[i], 16 MiB), the body bytes counted. The total body bytes; 0 when an answer
 /// is not the 206 of its range with exactly its bytes.
-u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<std::vector<char>>& bufs) {
+u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<std::vector<char>>& bufs, std::byte* dst) {
   const unsigned k = static_cast<unsigned>(bufs.size());
   std::vector<u64> got(k, 0);
   std::vector<char> ok(k, 0);
@@ -121,7 +132,15 @@ u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<s
       std::string head;
       u64 body = 0;
       bool in_body = false;
+      const u64 want_body = last - first + 1;
       for (;;) {
+        if (in_body && dst) {  // straight into this range's place in dst, as a load lands its bytes
+          if (body >= want_body) break;
+          const ssize_t n = ::recv(fd, dst + first + body, static_cast<std::size_t>(std::min<u64>(want_body - body, 16 * MiB)), 0);
+          if (n <= 0) break;
+          body += u64(n);
+          continue;
+        }
         const ssize_t n = ::recv(fd, buf.data(), buf.size(), 0);
         if (n <= 0) break;
         if (in_body) {
@@ -133,6 +152,7 @@ u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<s
         if (end == std::string::npos) continue;
         in_body = true;
         body = head.size() - (end + 4);
+        if (dst) std::memcpy(dst + first, head.data() + end + 4, static_cast<std::size_t>(std::min(body, want_body)));
         head.resize(end);
       }
       ::close(fd);
@@ -155,13 +175,52 @@ struct row {
   std::optional<u64> requests, body;
   double peak = 0;
   bool same = true;
-  bool ceiling = false;  ///< a plain-socket row (its bytes: the rank file's)
+  bool ceiling = false;      ///< a plain-socket row (its bytes: the rank file's)
+  bool into_memory = false;  ///< a plain-socket row landing the bytes in distinct memory
 };
+
+/// The TCP congestion control of this process's network namespace ("?" where unreadable).
+std::string congestion_control() {
+  std::ifstream f("/proc/sys/net/ipv4/tcp_congestion_control");
+  std::string cc;
+  return std::getline(f, cc) && !cc.empty() ? cc : "?";
+}
+
+/// Moves this process into a network namespace of its own, brings its loopback up and sets its
+/// congestion control to cc; the machine's namespace is untouched. Called before any thread or
+/// child exists, so all of them (nginx, moto, the client threads) live in the new namespace.
+bool private_loopback(const std::string& cc) {
+  auto fail = [](const std::string& what) {
+    std::fprintf(stderr, "bench_remote: --loopback-cc: %s: %s\n", what.c_str(), std::strerror(errno));
+    return false;
+  };
+  if (::unshare(CLONE_NEWNET) != 0) return fail("unshare(CLONE_NEWNET) (a network namespace of its own needs root)");
+  const int s = ::socket(AF_INET, SOCK_DGRAM, 0);
+  if (s < 0) return fail("socket");
+  ifreq ifr{};
+  std::strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+  bool up = ::ioctl(s, SIOCGIFFLAGS, &ifr) == 0;
+  if (up) {
+    ifr.ifr_flags |= IFF_UP;
+    up = ::ioctl(s, SIOCSIFFLAGS, &ifr) == 0;
+  }
+  ::close(s);
+  if (!up) return fail("bringing lo up");
+  std::ofstream f("/proc/sys/net/ipv4/tcp_congestion_control");
+  f << cc << std::flush;
+  if (!f || congestion_control() != cc) {
+    errno = EINVAL;
+    return fail("setting the congestion control to '" + cc + "' (see /proc/sys/net/ipv4/tcp_available_congestion_control)");
+  }
+  return true;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  const std::string loopback_cc = a.get("--loopback-cc", "");
+  if (!loopback_cc.empty() && !private_loopback(loopback_cc)) return 2;
   const bool quick = a.has("--quick");
   const u64 mib = static_cast<u64>(a.get_int("--mib", quick ? 64 : 1024));
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
@@ -249,18 +308,32 @@ int main(int argc, char** argv) {
     const http_directory hd(url, o);
     measure("http_storage (nginx, lo), " + std::to_string(k) + " in flight", reps, hd, &hd.client());
   }
-  // the loopback ceiling: plain sockets reading the rank file in 1, 2, 4 equal ranges
-  const u64 file_size = fs::file_size(www / "ckpt" / "rank_0.safetensors");
-  for (const unsigned k : {1u, 2u, 4u}) {
-    std::vector<std::vector<char>> bufs(k, std::vector<char>(16 * MiB, 1));
+  // the loopback ceiling: plain sockets reading the rank file in 1, 2, 4 equal ranges, each
+  // into a reused 16 MiB buffer (mostly cache-resident: what the loopback moves at best), then
+  // in 2 and 4 ranges straight into one touched buffer of the file's size (distinct memory, as
+  // a load lands its bytes: the ceiling a loader can reach), compared with the file after
+  const fs::path rank_file = www / "ckpt" / "rank_0.safetensors";
+  const u64 file_size = fs::file_size(rank_file);
+  std::vector<std::byte> landed(file_size, std::byte{1});
+  std::vector<std::byte> on_disk(file_size);
+  file_directory(www / "ckpt").open("rank_0.safetensors").read_into(0, on_disk);
+  for (const unsigned k : {1u, 2u, 4u, 2u + 100u, 4u + 100u}) {
+    const bool into_memory = k > 100;
+    const unsigned conns = k % 100;
+    std::vector<std::vector<char>> bufs(conns, std::vector<char>(16 * MiB, 1));
     row x;
-    x.name = "plain sockets (lo ceiling), " + std::to_string(k) + (k == 1 ? " connection" : " connections");
+    x.name = std::string(into_memory ? "plain sockets into memory" : "plain sockets (lo ceiling)") + ", " +
+             std::to_string(conns) + (conns == 1 ? " connection" : " connections");
     x.ceiling = true;
+    x.into_memory = into_memory;
     bench::reset_peak_rss();
     const double rss0 = bench::rss_mib();
-    x.t = bench::time_reps(reps, [&] { x.same = x.same && plain_socket_read(port, "/ckpt/rank_0.safetensors", file_size, bufs) == file_size; });
+    x.t = bench::time_reps(reps, [&] {
+      x.same = x.same && plain_socket_read(port, "/ckpt/rank_0.safetensors", file_size, bufs, into_memory ? landed.data() : nullptr) == file_size;
+    });
+    if (into_memory) x.same = x.same && landed == on_disk;
     x.peak = bench::hwm_mib() - rss0;
-    x.requests = k;
+    x.requests = conns;
     x.body = file_size;
     table.push_back(std::move(x));
   }
@@ -312,6 +385,8 @@ int main(int argc, char** argv) {
   const double bytes = double(n * per);
   std::printf("bench_remote: %llu MiB checkpoint (%llu tensors of 16 MiB, 1 rank file), best of %d (moto: %d), load %s\n",
               (unsigned long long)(n * per / MiB), (unsigned long long)n, reps, moto_reps, bench::loadavg().c_str());
+  std::printf("loopback TCP congestion control: %s (%s)\n", congestion_control().c_str(),
+              loopback_cc.empty() ? "the machine's own" : "a network namespace of this run's own, --loopback-cc");
   bench::table t({"backend", "seconds", "GB/s", "x file", "requests", "body bytes", "bytes needed", "peak +MiB", "bytes"});
   const double file_best = table.front().t.best();
   // GB/s of the plain-socket rows are of the rank file's bytes (the tensors and the header)
@@ -319,7 +394,7 @@ int main(int argc, char** argv) {
     t.add({x.name, bench::fmt("%.3f", x.t.best()), bench::fmt("%.2f", (x.ceiling ? double(*x.body) : bytes) / x.t.best() / 1e9),
            bench::fmt("%.2f", file_best / x.t.best()), x.requests ? std::to_string(*x.requests) : "-",
            x.body ? std::to_string(*x.body) : "-", x.ceiling ? std::to_string(*x.body) : std::to_string(st.bytes_needed),
-           bench::fmt("%.0f", x.peak), x.ceiling ? (x.same ? "counted" : "WRONG") : x.same ? "same" : "DIFFERENT"});
+           bench::fmt("%.0f", x.peak), x.ceiling ? (x.same ? (x.into_memory ? "same" : "counted") : "WRONG") : x.same ? "same" : "DIFFERENT"});
   // the rank file holds the tensors and its header: GB/s of the CLI rows are of the tensor bytes, as the others
   if (aws_cp > 0) t.add({"aws s3 cp (moto ceiling, rank file)", bench::fmt("%.3f", aws_cp), bench::fmt("%.2f", bytes / aws_cp / 1e9),
                          bench::fmt("%.2f", file_best / aws_cp), "-", "-", "-", "-", "-"});
@@ -333,18 +408,22 @@ int main(int argc, char** argv) {
   for (const auto& x : table) same = same && x.same;
   std::printf("http (16 in flight) / file throughput: %.2f (target >= 0.5); bytes identical: %s\n",
               file_best / table[1].t.best(), same ? "yes" : "NO");
-  // the ceiling: the best plain-socket row, in GB/s (its bytes are the rank file's)
-  double ceiling = 0, http_best = 0;
-  std::string ceiling_name;
-  for (const auto& x : table) {
-    if (x.ceiling && double(*x.body) / x.t.best() > ceiling) {
-      ceiling = double(*x.body) / x.t.best();
-      ceiling_name = x.name;
-    }
+  // the ceilings: the best plain-socket rows of each kind, in GB/s (their bytes are the rank file's)
+  double http_best = 0;
+  for (const auto& x : table)
     if (!x.ceiling && x.name.starts_with("http_storage")) http_best = std::max(http_best, bytes / x.t.best());
+  for (const bool into_memory : {false, true}) {
+    double ceiling = 0;
+    std::string ceiling_name;
+    for (const auto& x : table)
+      if (x.ceiling && x.into_memory == into_memory && double(*x.body) / x.t.best() > ceiling) {
+        ceiling = double(*x.body) / x.t.best();
+        ceiling_name = x.name;
+      }
+    if (ceiling > 0)
+      std::printf("http (16 in flight) / %s (%s, %.2f GB/s): %.2f%s; best http row: %.2f\n",
+                  into_memory ? "loopback ceiling into memory" : "loopback ceiling, reused buffer", ceiling_name.c_str(),
+                  ceiling / 1e9, bytes / table[1].t.best() / ceiling, into_memory ? " (target >= 0.8)" : "", http_best / ceiling);
   }
-  if (ceiling > 0)
-    std::printf("http (16 in flight) / loopback ceiling (%s, %.2f GB/s): %.2f (target >= 0.8); best http row: %.2f\n",
-                ceiling_name.c_str(), ceiling / 1e9, bytes / table[1].t.best() / ceiling, http_best / ceiling);
   return same ? 0 : 1;
 }
