@@ -24,7 +24,7 @@
 //
 // The header names the TCP congestion control the loopback runs with: the sender's (nginx's)
 // choice paces every byte. With BBR (this VM's default) the loopback gave any client, plain
-// sockets included, 1.5-5.5 GB/s; with cubic, 6-20 GB/s (bench/README.md). --loopback-cc NAME
+// sockets included, mostly 1.5-7 GB/s; with cubic, 6-20 GB/s (bench/README.md). --loopback-cc NAME
 // runs the whole benchmark (nginx, moto, the clients) in a network namespace of its own whose
 // loopback uses NAME, leaving the machine's own setting alone (needs root: unshare(CLONE_NEWNET)).
 #include <arpa/inet.h>
@@ -317,9 +317,11 @@ int main(int argc, char** argv) {
   std::vector<std::byte> landed(file_size, std::byte{1});
   std::vector<std::byte> on_disk(file_size);
   file_directory(www / "ckpt").open("rank_0.safetensors").read_into(0, on_disk);
-  for (const unsigned k : {1u, 2u, 4u, 2u + 100u, 4u + 100u}) {
-    const bool into_memory = k > 100;
-    const unsigned conns = k % 100;
+  struct ceiling_kind {
+    unsigned conns;
+    bool into_memory;
+  };
+  for (const auto [conns, into_memory] : {ceiling_kind{1, false}, {2, false}, {4, false}, {2, true}, {4, true}}) {
     std::vector<std::vector<char>> bufs(conns, std::vector<char>(16 * MiB, 1));
     row x;
     x.name = std::string(into_memory ? "plain sockets into memory" : "plain sockets (lo ceiling)") + ", " +
