@@ -207,10 +207,15 @@ bool private_loopback(const std::string& cc) {
   ::close(s);
   if (!up) return fail("bringing lo up");
   std::ofstream f("/proc/sys/net/ipv4/tcp_congestion_control");
+  errno = 0;
   f << cc << std::flush;
+  const int e = errno;  // a namespace other than the machine's may only pick what the machine allows (EPERM)
   if (!f || congestion_control() != cc) {
-    errno = EINVAL;
-    return fail("setting the congestion control to '" + cc + "' (see /proc/sys/net/ipv4/tcp_available_congestion_control)");
+    errno = e == EPERM ? EPERM : EINVAL;
+    return fail("setting the congestion control to '" + cc + "' (it must be in /proc/sys/net/ipv4/tcp_available_congestion_control" +
+                (e == EPERM ? ", and in the machine's tcp_allowed_congestion_control: echo \"$(cat "
+                              "/proc/sys/net/ipv4/tcp_allowed_congestion_control) " + cc +
+                                  "\" > /proc/sys/net/ipv4/tcp_allowed_congestion_control" : std::string()) + ")");
   }
   return true;
 }

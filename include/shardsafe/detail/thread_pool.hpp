@@ -152,26 +152,31 @@ void parallel_for(std::size_t n, unsigned threads, F&& f) {
   shared_pool().parallel_for(n, threads, std::forward<F>(f));
 }
 
-/// Byte buffers shared by the tasks of one parallel_for: a task takes one (a buffer an earlier
-/// task gave back, or an empty one) and gives it back when done, so a loop allocates about as
-/// many buffers as it runs tasks at once, not one per task.
-class buffer_pool {
+/// Spare things (staging buffers) shared by the tasks of one parallel_for: a task takes one (one
+/// an earlier task gave back, or T{} when none is spare: the task sizes or allocates it) and
+/// gives it back when done, so a loop allocates about as many as it runs tasks at once, not one
+/// per task.
+template <class T>
+class spare_pool {
  public:
-  std::vector<std::byte> take() {
+  T take() {
     std::lock_guard lock(m_);
-    if (free_.empty()) return {};
-    std::vector<std::byte> b = std::move(free_.back());
+    if (free_.empty()) return T{};
+    T b = std::move(free_.back());
     free_.pop_back();
     return b;
   }
-  void give(std::vector<std::byte> b) {
+  void give(T b) {
     std::lock_guard lock(m_);
     free_.push_back(std::move(b));
   }
 
  private:
   std::mutex m_;
-  std::vector<std::vector<std::byte>> free_;
+  std::vector<T> free_;
 };
+
+/// Byte buffers, resized by whoever takes one (the loader's reads and checksum checks, verify).
+using buffer_pool = spare_pool<std::vector<std::byte>>;
 
 }  // namespace shardsafe::detail

@@ -79,37 +79,16 @@ inline std::size_t pwrite_direct(int fd, std::uint64_t off, std::span<const std:
   return done;
 }
 
-/// Aligned staging blocks, reused: at most one per thread that writes at once.
-class aligned_block_pool {
- public:
-  explicit aligned_block_pool(std::size_t size) : size_(size) {}
-  struct deleter {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  using block = std::unique_ptr<std::byte, deleter>;
-  block get() {
-    {
-      std::lock_guard lock(m_);
-      if (!free_.empty()) {
-        block b = std::move(free_.back());
-        free_.pop_back();
-        return b;
-      }
-    }
-    auto* p = static_cast<std::byte*>(std::aligned_alloc(direct_io_alignment, size_));
-    if (!p) throw std::bad_alloc();
-    return block(p);
-  }
-  void put(block b) {
-    std::lock_guard lock(m_);
-    free_.push_back(std::move(b));
-  }
-
- private:
-  std::size_t size_;
-  std::mutex m_;
-  std::vector<block> free_;
+/// A staging block aligned for O_DIRECT (free()d by its deleter).
+struct aligned_free {
+  void operator()(std::byte* p) const noexcept { std::free(p); }
 };
+using aligned_block = std::unique_ptr<std::byte, aligned_free>;
+inline aligned_block allocate_aligned_block(std::size_t size) {
+  auto* p = static_cast<std::byte*>(std::aligned_alloc(direct_io_alignment, size));
+  if (!p) throw std::bad_alloc();
+  return aligned_block(p);
+}
 }  // namespace detail
 
 /// Writes a file under a temporary name beside its final one; commit() fsyncs, renames it
@@ -168,10 +147,11 @@ class file_writer {
     }
 #endif
     std::atomic<bool> direct{static_cast<bool>(dfd)};
-    detail::aligned_block_pool pool(static_cast<std::size_t>(block));
+    detail::spare_pool<detail::aligned_block> pool;  // at most one block per thread that writes at once
     const std::uint64_t blocks = (size + block - 1) / block;
     detail::parallel_for(static_cast<std::size_t>(blocks), o.threads, [&](std::size_t i) {
-      detail::aligned_block_pool::block buf = pool.get();
+      detail::aligned_block buf = pool.take();
+      if (!buf) buf = detail::allocate_aligned_block(static_cast<std::size_t>(block));
       const std::uint64_t off = i * block, len = std::min(block, size - off);
       const std::span<std::byte> dst(buf.get(), static_cast<std::size_t>(len));
       fill(off, dst);
@@ -183,7 +163,7 @@ class file_writer {
         if (done < padded) direct = false;  // refused: ordinary writes from now on
       }
       if (done < len) detail::pwrite_full(fd_.get(), off + done, dst.subspan(done), final_);
-      pool.put(std::move(buf));
+      pool.give(std::move(buf));
     });
     dfd.reset();
     if (::ftruncate(fd_.get(), static_cast<off_t>(size)) != 0) fail_errno(errno, final_ + ": ftruncate");
