@@ -100,3 +100,42 @@ TEST_CASE("unshard_state into a huge-page arena: the same tensors; one kept aliv
   for (auto& [k, s] : mem_tensors)
     if (k == name) CHECK(testing::same_bits(keep, testing::expected_full(k, dtype::F32, s)));
 }
+
+TEST_CASE("tensor_arena::populate_ahead: switching to small pages part-way leaves every byte writable and intact") {
+  // 3 tensors over 80 MiB: 4 MiB of huge pages and 4 MiB of small ones tried first, then
+  // the populating thread's 32 MiB steps
+  const std::vector<std::uint64_t> sizes{(std::uint64_t(40) << 20) + 4, std::uint64_t(24) << 20, std::uint64_t(16) << 20};
+  std::uint64_t total = 0;
+  for (auto n : sizes) total += n;
+  for (const bool force : {true, false}) {
+    CAPTURE(force);
+    tensor_arena arena{std::span<const std::uint64_t>(sizes)};
+    arena_populate_options opt;
+    if (force) {
+      opt.backed_huge_seconds_per_gib = -1;     // every step counts as slow
+      opt.small_pages_if_cheaper_by = 1e12;     // and small pages always win
+    } else {
+      opt.backed_huge_seconds_per_gib = 1e12;   // no step is slow: huge pages throughout
+    }
+    const bool populating = arena.populate_ahead(opt);
+    // write while it populates (as the reads do), each byte a function of its offset
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      auto* p = reinterpret_cast<std::uint8_t*>(arena.data(i));
+      for (std::uint64_t k = 0; k < sizes[i]; ++k) p[k] = static_cast<std::uint8_t>((k * 131 + i * 7) >> 3);
+    }
+    arena.stop_populating();
+    if (populating && force) {
+      // decided by the trial before the thread started: small pages after the first 8 MiB
+      CHECK(arena.small_pages_from() == (std::uint64_t(8) << 20));
+    } else {
+      CHECK(arena.small_pages_from() == 0);
+    }
+    std::uint64_t bad = 0;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const auto* p = reinterpret_cast<const std::uint8_t*>(arena.data(i));
+      for (std::uint64_t k = 0; k < sizes[i]; ++k) bad += p[k] != static_cast<std::uint8_t>((k * 131 + i * 7) >> 3);
+    }
+    CHECK(bad == 0);
+    CHECK(arena.bytes() >= total);
+  }
+}

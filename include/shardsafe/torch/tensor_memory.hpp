@@ -5,16 +5,20 @@
 // page cache (bench/README.md: 290 of 331 ms of a 1 GiB load). tensor_arena removes most of
 // that: all the tensors of a load live in one region, 2 MiB aligned, with transparent huge
 // pages advised (512 times fewer faults), populated by a thread of its own ahead of the reads
-// where the kernel can (MADV_POPULATE_WRITE, Linux 5.14+). The tensors are views of the
-// region; it is freed when the last of them goes (so one tensor kept alive keeps all).
+// where the kernel can (MADV_POPULATE_WRITE, Linux 5.14+), and switched to small pages where
+// huge ones turn out dearer (memory a hypervisor took back: populate_ahead). The tensors are
+// views of the region; it is freed when the last of them goes (so one tensor kept alive keeps
+// all).
 //
 // | tensor_memory      | what unshard_state allocates                                   |
 // |--------------------|----------------------------------------------------------------|
 // | separate (default) | one at::empty per tensor (freed one by one)                    |
 // | arena              | one huge-page region for all, populated ahead of the reads     |
+// |                    | (small pages from where huge ones cost more)                   |
 #pragma once
 
 #include <sys/mman.h>
+#include <time.h>
 
 #include <ATen/ATen.h>
 
@@ -35,6 +39,16 @@ namespace shardsafe {
 
 enum class tensor_memory { separate, arena };
 
+/// How tensor_arena::populate_ahead chooses between huge and small pages.
+struct arena_populate_options {
+  /// Faulting backed huge pages costs 0.03-0.10 s per GiB on the machines measured; a step
+  /// above this is memory the host has to find first.
+  double backed_huge_seconds_per_gib = 0.25;
+  /// Small pages are chosen when they cost less than the slow steps times this (tests: a huge
+  /// number forces the switch).
+  double small_pages_if_cheaper_by = 1.0;
+};
+
 /// One region holding many tensors (see the header comment). populate_ahead() starts a thread
 /// that faults the region in, front to back, while the caller reads into it from the front.
 class tensor_arena {
@@ -49,14 +63,15 @@ class tensor_arena {
       bytes_ += (n + align - 1) / align * align;
     }
     const std::uint64_t cap = std::max<std::uint64_t>((bytes_ + huge_page - 1) / huge_page * huge_page, huge_page);
-    void* p = ::mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // mmap aligns to 4 KiB only; huge pages need 2 MiB alignment: map one huge page more and
+    // start the region at the first 2 MiB boundary inside
+    void* p = ::mmap(nullptr, cap + huge_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) fail_errno(errno, "tensor_arena: cannot map " + std::to_string(cap) + " bytes");
-    // mmap aligns to 4 KiB only; huge pages need 2 MiB alignment of the range that uses them,
-    // which the kernel finds inside the region (the head and tail stay small pages)
+    auto* base = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(p) + huge_page - 1) / huge_page * huge_page);
 #ifdef MADV_HUGEPAGE
-    ::madvise(p, cap, MADV_HUGEPAGE);
+    ::madvise(base, cap, MADV_HUGEPAGE);
 #endif
-    region_ = std::shared_ptr<region>(new region{static_cast<std::byte*>(p), cap});
+    region_ = std::shared_ptr<region>(new region{static_cast<std::byte*>(p), cap + huge_page, base, cap});
   }
   tensor_arena(const tensor_arena&) = delete;
   tensor_arena& operator=(const tensor_arena&) = delete;
@@ -75,21 +90,36 @@ class tensor_arena {
   /// Faults the region in on a thread of its own, in 32 MiB steps from the front (the reads
   /// start there too), so the reading threads mostly find their pages present. Returns false
   /// where the kernel lacks MADV_POPULATE_WRITE (then the reads fault the pages themselves).
-  bool populate_ahead() {
+  ///
+  /// Huge pages are faster to fault than small ones only where the memory behind them is at
+  /// hand: under a hypervisor that takes freed guest memory back (free page reporting), a huge
+  /// page fault can cost 10-20 times more than a backed one, and more than 512 small ones do
+  /// on some machines though not on others (bench/README.md, "Fresh memory on a VM"). So the
+  /// first 4 MiB are faulted as huge pages and the next 4 MiB as small ones before the reads
+  /// start, and if the huge ones were slow (opt) and the small ones cheaper per byte, the rest
+  /// of the region is advised MADV_NOHUGEPAGE. The thread then watches its steps' cost (its
+  /// own CPU time, not the wall clock, which counts the time the reads hold the cores) and
+  /// makes the same trial after a slow step, twice at most.
+  bool populate_ahead(arena_populate_options opt = {}) {
 #ifdef MADV_POPULATE_WRITE
-    const std::uint64_t probe = std::min<std::uint64_t>(4096, region_->size);
-    if (::madvise(region_->base, probe, MADV_POPULATE_WRITE) != 0) return false;
+    stop_populating();
+    small_pages_from_ = 0;
+    trials_ = 0;
+    std::uint64_t start = std::min(trial_bytes, region_->size);
+    const double t0 = thread_cpu_seconds();
+    if (::madvise(region_->base, start, MADV_POPULATE_WRITE) != 0) return false;  // (an old kernel)
+    try_small_pages(start, (thread_cpu_seconds() - t0) / double(start), opt);
     stop_ = false;
-    populator_ = std::thread([this] {
-      const std::uint64_t step = std::uint64_t(32) << 20;
-      for (std::uint64_t off = 0; off < bytes_ && !stop_.load(std::memory_order_relaxed); off += step)
-        ::madvise(region_->base + off, std::min(step, region_->size - off), MADV_POPULATE_WRITE);
-    });
+    populator_ = std::thread([this, start, opt] { populate(start, opt); });
     return true;
 #else
+    (void)opt;
     return false;
 #endif
   }
+  /// Where the populating thread gave up on huge pages (0: it did not); read after
+  /// stop_populating().
+  std::uint64_t small_pages_from() const noexcept { return small_pages_from_; }
   /// Stops the populating thread (it is also stopped by the destructor).
   void stop_populating() {
     stop_ = true;
@@ -97,16 +127,73 @@ class tensor_arena {
   }
 
  private:
+  static constexpr std::uint64_t trial_bytes = std::uint64_t(4) << 20;
+
+  /// Seconds (this thread's CPU time) per byte of faulting [off, off + n) in.
+  double fault(std::uint64_t off, std::uint64_t n) {
+#ifdef MADV_POPULATE_WRITE
+    const double t0 = thread_cpu_seconds();
+    ::madvise(region_->base + off, n, MADV_POPULATE_WRITE);
+    return (thread_cpu_seconds() - t0) / double(n);
+#else
+    (void)off, (void)n;
+    return 0;
+#endif
+  }
+
+  /// After huge pages cost `huge` per byte: unless that is the cost of backed ones, faults
+  /// the trial_bytes at `off` as small pages and, if they cost less, advises every page after
+  /// them small. Moves `off` past what it faulted; true when it switched.
+  bool try_small_pages(std::uint64_t& off, double huge, const arena_populate_options& opt) {
+#ifdef MADV_NOHUGEPAGE
+    if (huge <= opt.backed_huge_seconds_per_gib / double(1 << 30) || off + trial_bytes >= region_->size) return false;
+    ++trials_;
+    ::madvise(region_->base + off, trial_bytes, MADV_NOHUGEPAGE);
+    const double small = fault(off, trial_bytes);
+    off += trial_bytes;
+    if (!(small < huge * opt.small_pages_if_cheaper_by)) return false;
+    ::madvise(region_->base + off, region_->size - off, MADV_NOHUGEPAGE);
+    small_pages_from_ = off;
+    return true;
+#else
+    (void)off, (void)huge, (void)opt;
+    return false;
+#endif
+  }
+
+  /// The populating thread's work: [start, end of the tensors) in 32 MiB steps.
+  void populate(std::uint64_t start, arena_populate_options opt) {
+    constexpr std::uint64_t step = std::uint64_t(32) << 20;
+    const std::uint64_t end = std::min(region_->size, (bytes_ + huge_page - 1) / huge_page * huge_page);
+    bool small = small_pages_from_ != 0;
+    for (std::uint64_t off = start; off < end && !stop_.load(std::memory_order_relaxed);) {
+      const std::uint64_t n = std::min(step, end - off);
+      const double cost = fault(off, n);
+      off += n;
+      if (!small && trials_ < 3) small = try_small_pages(off, cost, opt);
+    }
+  }
+
+  static double thread_cpu_seconds() noexcept {
+    timespec ts{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+  }
+
   struct region {
-    std::byte* base;
+    std::byte* mapped;
+    std::uint64_t mapped_size;
+    std::byte* base;  ///< 2 MiB aligned, inside the mapping
     std::uint64_t size;
-    ~region() { ::munmap(base, size); }
+    ~region() { ::munmap(mapped, mapped_size); }
   };
   std::vector<std::uint64_t> offsets_;
   std::uint64_t bytes_ = 0;
   std::shared_ptr<region> region_;
   std::thread populator_;
   std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> small_pages_from_{0};
+  int trials_ = 0;  ///< small-page trials made (the first before the thread starts)
 };
 
 }  // namespace shardsafe
