@@ -28,10 +28,14 @@
 // (staged through aligned blocks, 2 threads); the first touch of fresh tensors of the model's
 // size (the page faults any load into new memory pays). bench/README.md explains each column.
 // Loads where the loader allocates (the inference case: nothing exists yet): unshard_state into
-// one at::empty per tensor and into a tensor_arena (huge pages, populated ahead of the reads),
+// one at::empty per tensor, into a tensor_arena (huge pages, populated ahead of the reads) and
+// into a hugetlb_arena (the machine's reserved huge pages, when vm.nr_hugepages has room),
 // and the zero-copy map_state (copy-on-write mappings of the file), alone and with every page
 // then read once (the cost moved to the first use), each against torch::load.
 #include <torch/serialize.h>
+
+#include <cmath>
+#include <cstdio>
 
 #include "bench_torch_common.hpp"
 #include "shardsafe/torch/c10d.hpp"
@@ -160,6 +164,7 @@ void warm_up_torch() {
 }
 
 // the RSS baseline: after LibTorch is up, before the model exists
+
 double g_anon0 = 0;  // RssAnon at the baseline, MiB
 double start_memory() {
   warm_up_torch();
@@ -211,17 +216,23 @@ int child_single(const std::string& what, const bench::args& a) {
     bench::emit("peak_mib", bench::hwm_mib() - rss0);
     bench::emit("peak_anon_mib", sampler.peak_anon_mib() - g_anon0);
     bench::emit("bytes_read", double(st.bytes_read));
-  } else if (what == "ss-unshard" || what == "ss-unshard-arena" || what == "ss-map") {
+  } else if (what == "ss-unshard" || what == "ss-unshard-arena" || what == "ss-unshard-hugetlb" || what == "ss-map") {
     // the loader allocates: unshard_state into at::empty tensors or into one huge-page arena,
     // or map_state (zero-copy: copy-on-write mappings of the file, nothing read yet)
     bench::emit("resident", bench::page_cache_resident(path + "/rank_0.safetensors"));
     bench::rss_sampler sampler;
+    const long pool0 = tensor_arena::hugetlb_pages_free();
     const double t0 = bench::now_s();
     map_stats ms;
     auto named = what == "ss-map" ? map_state(path, &ms)
                                   : unshard_state(file_directory(path), {},
-                                                  what == "ss-unshard-arena" ? tensor_memory::arena : tensor_memory::separate);
+                                                  what == "ss-unshard-arena"     ? tensor_memory::arena
+                                                  : what == "ss-unshard-hugetlb" ? tensor_memory::hugetlb_arena
+                                                                                 : tensor_memory::separate);
     const double t1 = bench::now_s();
+    if (what == "ss-unshard-hugetlb") bench::emit("pool_pages_used", double(pool0 - tensor_arena::hugetlb_pages_free()));
+    // pages of the reserved pool are outside VmRSS / VmHWM / RssAnon: counted beside them
+    const double hugetlb_mib = double(bench::proc_status_kib("HugetlbPages")) / 1024.0;
     if (what == "ss-map") {
       if (ms.copied != 0 || ms.mapped != named.size()) return 1;  // every tensor is one file's: all mapped
       // then every page read once (the load is paid by the first use instead): one byte per 4 KiB
@@ -242,8 +253,8 @@ int child_single(const std::string& what, const bench::args& a) {
     }
     if (!verify(c, ordered, split::whole, 1, 0)) return 1;
     bench::emit("seconds", t1 - t0);
-    bench::emit("peak_mib", bench::hwm_mib() - rss0);
-    bench::emit("peak_anon_mib", sampler.peak_anon_mib() - g_anon0);
+    bench::emit("peak_mib", bench::hwm_mib() - rss0 + hugetlb_mib);
+    bench::emit("peak_anon_mib", sampler.peak_anon_mib() - g_anon0 + hugetlb_mib);
   } else if (what == "torch-load") {
     bench::emit("resident", bench::page_cache_resident(path));
     std::vector<at::Tensor> v;
@@ -394,6 +405,7 @@ const std::string L_nosum = "shardsafe save without checksums";
 const std::string L_checked = "shardsafe load (file_directory, into the model, checksums checked)";
 const std::string L_unshard = "shardsafe unshard_state (loader allocates: at::empty each)";
 const std::string L_arena = "shardsafe unshard_state (loader allocates: tensor_arena)";
+const std::string L_hugetlb = "  the same, tensor_memory::hugetlb_arena";
 const std::string L_map = "shardsafe map_state (zero-copy: tensors usable)";
 const std::string L_map_touch = "  map_state + every page read once";
 const std::string L_mmap2 = "shardsafe load, 2 ranks (mmap_directory, into the model)";
@@ -436,6 +448,7 @@ int main(int argc, char** argv) {
   const double t_start = bench::now_s();
 
   std::map<std::string, row> rows;
+  double hugetlb_pages_used = 1e18;  // the fewest a hugetlb_arena child took from the pool
   std::vector<std::string> order;
   auto R = [&](const std::string& name, int world = 1) -> row& {
     if (!rows.count(name)) {
@@ -484,10 +497,11 @@ int main(int argc, char** argv) {
       x.peak_anon.add(r["peak_anon_mib"]);
       x.resident = r["resident"];
     }
-    for (const char* kind : {"ss-unshard", "ss-unshard-arena", "ss-map"}) {
+    for (const char* kind : {"ss-unshard", "ss-unshard-arena", "ss-unshard-hugetlb", "ss-map"}) {
       r = bench::run_child(args({"--child", kind, "--path", ck1}));
       const std::string k = kind;
-      row& x = R(k == "ss-unshard" ? L_unshard : k == "ss-unshard-arena" ? L_arena : L_map);
+      row& x = R(k == "ss-unshard" ? L_unshard : k == "ss-unshard-arena" ? L_arena : k == "ss-unshard-hugetlb" ? L_hugetlb : L_map);
+      if (k == "ss-unshard-hugetlb") hugetlb_pages_used = std::min(hugetlb_pages_used, r["pool_pages_used"]);
       x.t.add(r["seconds"]);
       x.peak.add(r["peak_mib"]);
       x.peak_anon.add(r["peak_anon_mib"]);
@@ -545,7 +559,7 @@ int main(int argc, char** argv) {
   for (const std::string& n : {std::string("shardsafe load (file_directory, into the model)"),
                                std::string("shardsafe load (file_directory, fresh tensors)"),
                                std::string("shardsafe load (mmap_directory, into the model)"), L_cold, L_unshard,
-                               L_arena, L_map, L_map_touch})
+                               L_arena, L_hugetlb, L_map, L_map_touch})
     rows[n].peer = "torch::load";
   rows["shardsafe load, 2 ranks (into the model)"].peer = "torch::load per rank, 2 ranks";
   rows[L_mmap2].peer = "torch::load per rank, 2 ranks";
@@ -579,6 +593,9 @@ int main(int argc, char** argv) {
   std::printf("peak +MiB = VmHWM - VmRSS before the model was allocated (max over ranks); model = %.1f MiB "
               "(%.1f MiB per rank in 2-rank rows).\n",
               double(mbytes) / double(MiB), double(mbytes) / double(MiB) / 2);
+  std::printf("reserved huge pages (vm.nr_hugepages) free at the end: %ld of 2 MiB; the hugetlb_arena row took %.0f of them "
+              "(the model needs %.0f; fewer: it fell back to tensor_arena)\n",
+              tensor_arena::hugetlb_pages_free(), hugetlb_pages_used, std::ceil(double(mbytes) / double(tensor_arena::huge_page)));
   std::printf("load average before: %s, after: %s; wall time %.0f s\n\n", load_before.c_str(), bench::loadavg().c_str(),
               t_total);
   bench::table tab({"case", "ranks", "best ms", "median ms", "best GB/s", "median GB/s", "x torch (median)",
@@ -586,7 +603,7 @@ int main(int argc, char** argv) {
   const std::vector<std::string> groups[] = {
       {"shardsafe save (fdatasync + rename)", L_nosum, "torch::save (no sync)", "torch::save + fsync", L_wbuf, L_wdio},
       {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
-       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, L_unshard, L_arena, L_map, L_map_touch,
+       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, L_unshard, L_arena, L_hugetlb, L_map, L_map_touch,
        "torch::load", L_read1, L_read2, L_memcpy1,
        L_memcpy2, L_touch},
       {"shardsafe save, 2 ranks", "torch::save per rank, 2 ranks (no sync)", "torch::save per rank + fsync, 2 ranks"},
@@ -611,7 +628,8 @@ int main(int argc, char** argv) {
     }
   }
   tab.print();
-  std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline: mapped file pages excluded)\n\n");
+  std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline: mapped file pages excluded;\n"
+              " the hugetlb_arena row adds the reserved huge pages it holds, HugetlbPages, which RSS does not count)\n\n");
 
   bench::table rt({"resharded load", "bytes needed", "bytes read", "read / needed", "read ops", "seconds (max rank)",
                    "GB/s", "peak +MiB (max rank)"});
@@ -631,6 +649,11 @@ int main(int argc, char** argv) {
   line("load >= 3x faster than torch::load (file_directory, fresh tensors)", x, "x", x >= 3);
   x = med("torch::load") / med(L_arena);
   line("load >= 3x faster than torch::load (the loader allocates: tensor_arena)", x, "x", x >= 3);
+  x = med("torch::load") / med(L_hugetlb);
+  line(hugetlb_pages_used * double(tensor_arena::huge_page) >= double(mbytes)
+           ? "  the same, tensor_arena in the reserved huge pages (vm.nr_hugepages)"
+           : "  the same, hugetlb_arena (the pool was too small: tensor_arena)",
+       x, "x", x >= 3);
   x = med("torch::load") / med(L_map_touch);
   line("  zero-copy map_state + every page read once, against torch::load", x, "x", x >= 3);
   x = med("torch::load") / med("shardsafe load (mmap_directory, into the model)");

@@ -4,7 +4,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <string>
 
 #include "fixtures.hpp"
 #include "shardsafe/dist/single.hpp"
@@ -137,5 +142,52 @@ TEST_CASE("tensor_arena::populate_ahead: switching to small pages part-way leave
     }
     CHECK(bad == 0);
     CHECK(arena.bytes() >= total);
+  }
+}
+
+namespace {
+/// The kernel page size (kB) of the mapping holding p, from /proc/self/smaps; 0 if not found.
+long kernel_page_kib(const void* p) {
+  std::ifstream f("/proc/self/smaps");
+  std::string line;
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  bool in = false;
+  while (std::getline(f, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find('-') < line.find(' ')) {
+      in = lo <= a && a < hi;
+      continue;
+    }
+    long k = 0;
+    if (in && std::sscanf(line.c_str(), "KernelPageSize: %ld kB", &k) == 1) return k;
+  }
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("unshard_state into a hugetlb_arena: the reserved huge pages when the pool has room, else the arena; same tensors") {
+  testing::temp_dir dir("hugetlb");
+  single_process one;
+  save_state_dict(file_directory(dir.path / "c"), whole_state(), one);
+  auto plain = unshard_state(file_directory(dir.path / "c"));
+  const long pool = tensor_arena::hugetlb_pages_free();  // (another process may take pages meanwhile: rare, and then the fallback is checked)
+  {
+    const std::vector<std::uint64_t> sizes{std::uint64_t(3) << 20};
+    tensor_arena a{std::span<const std::uint64_t>(sizes), true};
+    CHECK(a.from_hugetlb_pool() == (pool >= 2));  // 3 MiB: two huge pages
+    CHECK(kernel_page_kib(a.data(0)) == (a.from_hugetlb_pool() ? 2048 : 4));
+    a.populate_ahead();
+    std::memset(a.data(0), 0x5a, sizes[0]);
+    a.stop_populating();
+    CHECK(a.small_pages_from() == 0);
+    const auto* b = reinterpret_cast<const unsigned char*>(a.data(0));
+    CHECK(std::count(b, b + sizes[0], 0x5a) == static_cast<std::ptrdiff_t>(sizes[0]));
+  }
+  auto huge = unshard_state(file_directory(dir.path / "c"), {}, tensor_memory::hugetlb_arena);
+  REQUIRE(huge.size() == plain.size());
+  for (std::size_t i = 0; i < huge.size(); ++i) {
+    CAPTURE(huge[i].first);
+    CHECK(huge[i].first == plain[i].first);
+    CHECK(testing::same_bits(huge[i].second, plain[i].second));
   }
 }

@@ -159,10 +159,10 @@ std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<
   for (const auto& [key, tm] : reader.metadata().tensors)
     types.push_back(require_scalar_type(tm.type, std::string(reader.directory().name()) + ": tensor '" + key + "'"));
   std::unique_ptr<tensor_arena> arena;
-  if (memory == tensor_memory::arena) {
+  if (memory != tensor_memory::separate) {
     std::vector<std::uint64_t> sizes;
     for (const auto& [key, tm] : reader.metadata().tensors) sizes.push_back(tm.numel() * item_size(tm.type));
-    arena = std::make_unique<tensor_arena>(std::span<const std::uint64_t>(sizes));
+    arena = std::make_unique<tensor_arena>(std::span<const std::uint64_t>(sizes), memory == tensor_memory::hugetlb_arena);
   }
   std::size_t i = 0;
   for (const auto& [key, tm] : reader.metadata().tensors) {

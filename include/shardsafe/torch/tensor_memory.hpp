@@ -15,6 +15,7 @@
 // | separate (default) | one at::empty per tensor (freed one by one)                    |
 // | arena              | one huge-page region for all, populated ahead of the reads     |
 // |                    | (small pages from where huge ones cost more)                   |
+// | hugetlb_arena      | the same from the machine's reserved huge pages where they fit |
 #pragma once
 
 #include <sys/mman.h>
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -37,7 +39,7 @@
 
 namespace shardsafe {
 
-enum class tensor_memory { separate, arena };
+enum class tensor_memory { separate, arena, hugetlb_arena };
 
 /// How tensor_arena::populate_ahead chooses between huge and small pages.
 struct arena_populate_options {
@@ -56,13 +58,32 @@ class tensor_arena {
   static constexpr std::uint64_t huge_page = std::uint64_t(2) << 20;
   static constexpr std::uint64_t align = 64;  ///< each tensor's start
 
-  /// Space for tensors of these byte sizes, each 64-byte aligned.
-  explicit tensor_arena(std::span<const std::uint64_t> sizes) {
+  /// Space for tensors of these byte sizes, each 64-byte aligned. With from_hugetlb_pool, the
+  /// region comes from the huge pages the machine keeps reserved (vm.nr_hugepages, 2 MiB) when
+  /// that pool has room for it (else as without): those pages stay the guest's while free, so
+  /// faulting them in never waits for a host, and the trials of populate_ahead are skipped.
+  /// A caller's choice: the pool is the machine's, and a process that forks after the load
+  /// shares these pages copy-on-write from the same pool (a child that writes to them when the
+  /// pool is empty is killed by SIGBUS).
+  explicit tensor_arena(std::span<const std::uint64_t> sizes, bool from_hugetlb_pool = false) {
     for (std::uint64_t n : sizes) {
       offsets_.push_back(bytes_);
       bytes_ += (n + align - 1) / align * align;
     }
     const std::uint64_t cap = std::max<std::uint64_t>((bytes_ + huge_page - 1) / huge_page * huge_page, huge_page);
+#ifdef MAP_HUGETLB
+    if (from_hugetlb_pool) {  // private hugetlb mappings reserve their pages here, or fail (ENOMEM)
+      void* p = ::mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+      if (p != MAP_FAILED) {
+        auto* base = static_cast<std::byte*>(p);
+        region_ = std::shared_ptr<region>(new region{base, cap, base, cap});
+        hugetlb_ = true;
+        return;
+      }
+    }
+#else
+    (void)from_hugetlb_pool;
+#endif
     // mmap aligns to 4 KiB only; huge pages need 2 MiB alignment: map one huge page more and
     // start the region at the first 2 MiB boundary inside
     void* p = ::mmap(nullptr, cap + huge_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -78,6 +99,20 @@ class tensor_arena {
   ~tensor_arena() { stop_populating(); }
 
   std::uint64_t bytes() const noexcept { return bytes_; }
+  /// Whether the region came from the reserved huge pages (see the constructor).
+  bool from_hugetlb_pool() const noexcept { return hugetlb_; }
+  /// Free pages of the machine's reserved huge page pool now (HugePages_Free of /proc/meminfo,
+  /// 2 MiB each on x86-64); 0 where there is none or it cannot be read.
+  static long hugetlb_pages_free() {
+    std::FILE* f = std::fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    long n = 0;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "HugePages_Free: %ld", &n) == 1) break;
+    std::fclose(f);
+    return n;
+  }
   std::byte* data(std::size_t i) const noexcept { return region_->base + offsets_[i]; }
 
   /// Tensor i as an at::Tensor of these sizes and dtype; it holds the region alive.
@@ -108,7 +143,7 @@ class tensor_arena {
     std::uint64_t start = std::min(trial_bytes, region_->size);
     const double t0 = thread_cpu_seconds();
     if (::madvise(region_->base, start, MADV_POPULATE_WRITE) != 0) return false;  // (an old kernel)
-    try_small_pages(start, (thread_cpu_seconds() - t0) / double(start), opt);
+    if (!hugetlb_) try_small_pages(start, (thread_cpu_seconds() - t0) / double(start), opt);
     stop_ = false;
     populator_ = std::thread([this, start, opt] { populate(start, opt); });
     return true;
@@ -165,7 +200,7 @@ class tensor_arena {
   void populate(std::uint64_t start, arena_populate_options opt) {
     constexpr std::uint64_t step = std::uint64_t(32) << 20;
     const std::uint64_t end = std::min(region_->size, (bytes_ + huge_page - 1) / huge_page * huge_page);
-    bool small = small_pages_from_ != 0;
+    bool small = small_pages_from_ != 0 || hugetlb_;  // (reserved huge pages: nothing to choose)
     for (std::uint64_t off = start; off < end && !stop_.load(std::memory_order_relaxed);) {
       const std::uint64_t n = std::min(step, end - off);
       const double cost = fault(off, n);
@@ -193,7 +228,8 @@ class tensor_arena {
   std::thread populator_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> small_pages_from_{0};
-  int trials_ = 0;  ///< small-page trials made (the first before the thread starts)
+  int trials_ = 0;        ///< small-page trials made (the first before the thread starts)
+  bool hugetlb_ = false;  ///< the region came from the reserved huge pages
 };
 
 }  // namespace shardsafe
