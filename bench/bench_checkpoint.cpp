@@ -425,6 +425,19 @@ struct row {
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  bench::accept_only(a, "Saves and loads a ~1 GiB state dict with shardsafe beside torch::save / torch::load and the copy and\n"
+                        "I/O limits of the same bytes (bench/README.md).",
+                     {{"--quick", nullptr, "~6 MiB model, one repetition (a smoke run)"},
+                      {"--reps", "N", "repetitions of every case (default 5)"},
+                      {"--dir", "DIR", "where the checkpoints are written (default /tmp)"},
+                      {"--dtype", "f32|bf16", "the tensors' dtype (bf16 doubles the layers to stay near 1 GiB)"},
+                      {"--child", "KIND", "", true},
+                      {"--world-child", "KIND", "", true},
+                      {"--path", "P", "", true},
+                      {"--split", "S", "", true},
+                      {"--out", "DIR", "", true},
+                      {"--checksums", "0|1", "", true},
+                      {"--mmap", nullptr, "", true}});
   if (argc > 2 && std::string(argv[1]) == "--child") return child_single(argv[2], a);
   if (argc > 2 && std::string(argv[1]) == "--world-child") return child_world(argv[2], a);
 
@@ -588,7 +601,7 @@ int main(int argc, char** argv) {
               model_defs(c).size(), c.bf16 ? "BF16" : "F32", double(mbytes) / double(MiB), gb, reps);
   std::printf("files in %s (ext4 on a virtual disk); page cache warm for loads (each file read once before; resident %% below)\n"
               "but for the 'uncached' row, which loads right after shardsafe's O_DIRECT save;\n"
-              "no drop_caches (needs root privileges we lack). GB/s = model bytes / seconds (all ranks together).\n",
+              "no drop_caches here: bench_read measures loads from a cold page cache against the dd-like limit. GB/s = model bytes / seconds (all ranks together).\n",
               scratch.c_str());
   std::printf("peak +MiB = VmHWM - VmRSS before the model was allocated (max over ranks); model = %.1f MiB "
               "(%.1f MiB per rank in 2-rank rows).\n",

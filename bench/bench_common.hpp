@@ -161,8 +161,11 @@ class table {
 
 /// Command-line flags: --name VALUE or --flag.
 struct args {
+  std::string program;  ///< the name it was run by, without its folder
   std::vector<std::string> v;
-  args(int argc, char** argv) : v(argv + 1, argv + argc) {}
+  args(int argc, char** argv)
+      : program(argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "bench"),
+        v(argv + 1, argv + argc) {}
   bool has(const std::string& f) const { return std::find(v.begin(), v.end(), f) != v.end(); }
   std::string get(const std::string& f, const std::string& def) const {
     auto it = std::find(v.begin(), v.end(), f);
@@ -170,5 +173,44 @@ struct args {
   }
   long get_int(const std::string& f, long def) const { return std::atol(get(f, std::to_string(def)).c_str()); }
 };
+
+/// A flag a benchmark takes. Internal ones (what a benchmark passes to the processes it starts)
+/// are accepted but not listed.
+struct flag {
+  const char* name;
+  const char* value;  ///< its value's placeholder ("N", "DIR"); nullptr for a switch
+  const char* help;
+  bool internal = false;
+};
+
+/// Checks the command line before anything runs: --help or -h prints the usage and the flags
+/// and exits 0; a word that is no flag of this benchmark, or a flag without its value, is
+/// refused with the usage (exit 2). (A mistyped flag would otherwise start a full run.)
+inline void accept_only(const args& a, const char* what, const std::vector<flag>& flags) {
+  auto usage = [&](std::FILE* out) {
+    std::fprintf(out, "usage: %s [flags]\n%s\n", a.program.c_str(), what);
+    for (const flag& f : flags)
+      if (!f.internal) {
+        const std::string left = std::string("  ") + f.name + (f.value ? std::string(" ") + f.value : "");
+        std::fprintf(out, "%-24s %s\n", left.c_str(), f.help);
+      }
+    std::fprintf(out, "%-24s %s\n", "  --help, -h", "this text");
+  };
+  for (std::size_t i = 0; i < a.v.size(); ++i) {
+    const std::string& w = a.v[i];
+    if (w == "--help" || w == "-h") {
+      usage(stdout);
+      std::exit(0);
+    }
+    auto it = std::find_if(flags.begin(), flags.end(), [&](const flag& f) { return w == f.name; });
+    if (it == flags.end() || (it->value && i + 1 == a.v.size())) {
+      std::fprintf(stderr, it == flags.end() ? "%s: unknown argument '%s'\n" : "%s: %s needs a value\n",
+                   a.program.c_str(), w.c_str());
+      usage(stderr);
+      std::exit(2);
+    }
+    if (it->value) ++i;
+  }
+}
 
 }  // namespace bench

@@ -119,6 +119,11 @@ void load_all(const fs::path& ckpt) {
 
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
+  bench::accept_only(a, "Reads a torch DCP checkpoint written by Debian's torch 1.13 with shardsafe and with torch itself\n"
+                        "(bench/README.md).",
+                     {{"--quick", nullptr, "a small model, one round (a smoke run)"},
+                      {"--reps", "N", "rounds of every case (default 3)"},
+                      {"--dir", "DIR", "where the checkpoint is written (default the temporary folder)"}});
   const bool quick = a.has("--quick");
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
   const u64 h = quick ? 256 : 2048, vocab = quick ? 4000 : 32000, layers = quick ? 2 : 3;

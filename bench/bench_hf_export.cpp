@@ -86,6 +86,10 @@ void buffered_write(const fs::path& path, u64 size, const std::vector<std::byte>
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  bench::accept_only(a, "Exports the ~1 GiB benchmark model to a Hugging Face folder against the write limits (bench/README.md).",
+                     {{"--quick", nullptr, "a small model, one round (a smoke run)"},
+                      {"--reps", "N", "rounds of every case (default 5)"},
+                      {"--dir", "DIR", "where the folders are written (default /tmp)"}});
   const bool quick = a.has("--quick");
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 5));
   const fs::path scratch = fs::path(a.get("--dir", "/tmp")) / ("shardsafe-bench-hf-" + std::to_string(::getpid()));

@@ -207,6 +207,12 @@ int child(const std::string& mode, const std::filesystem::path& dir, bool quick)
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  bench::accept_only(a, "Imports a Hugging Face folder into a 2-rank row-sharded world three ways (bench/README.md).",
+                     {{"--quick", nullptr, "a small model, one repetition (a smoke run)"},
+                      {"--reps", "N", "repetitions of every case (default 3)"},
+                      {"--dir", "DIR", "where the folder is written (default /tmp)"},
+                      {"--keep", nullptr, "keep the folder afterwards"},
+                      {"--child", "KIND", "", true}});
   const bool quick = a.has("--quick");
   const std::filesystem::path dir = std::filesystem::path(a.get("--dir", "/tmp")) / "shardsafe-bench-hf";
   if (a.has("--child")) return child(a.get("--child", ""), dir, quick);

@@ -23,6 +23,7 @@
 // runs on an evenly spaced sample and is scaled up; the table says so. The baseline gets its
 // merged ranges precomputed outside the timing (OLMo-core regenerates them per call), so the
 // ratio is, if anything, in the baseline's favour.
+#include "bench_common.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/shard/mesh.hpp"
 
@@ -118,7 +119,10 @@ void print(const std::vector<row>& rows) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bench::args a(argc, argv);
+  bench::accept_only(a, "Copy planning for resharded loads beside the pairwise loop OLMo-core uses (bench/README.md).",
+                     {{"--quick", nullptr, "fewer repetitions (a smoke run)"}});
+  const bool quick = a.has("--quick");
   const int reps = quick ? 3 : 11;
   std::vector<row> rows;
 

@@ -139,6 +139,11 @@ void direct_loop(const std::filesystem::path& p, u64 off, std::byte* dst, u64 n,
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  bench::accept_only(a, "Reads a 1 GiB safetensors file through each storage backend beside the physical limits, from a warm\n"
+                        "and from a cold page cache (bench/README.md).",
+                     {{"--quick", nullptr, "a 64 MiB file, three rounds (a smoke run)"},
+                      {"--reps", "N", "rounds of every case (default 9)"},
+                      {"--dir", "DIR", "where the file is written (default /tmp)"}});
   const bool quick = a.has("--quick");
   const u64 ntensors = quick ? 16 : 64;
   const u64 tensor_bytes = (quick ? 4 : 16) * MiB;

@@ -224,6 +224,14 @@ bool private_loopback(const std::string& cc) {
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
+  bench::accept_only(a, "Loads a checkpoint from nginx and moto_server on loopback against the local file system\n"
+                        "(bench/README.md).",
+                     {{"--quick", nullptr, "a 64 MiB checkpoint, one repetition (a smoke run)"},
+                      {"--mib", "N", "the checkpoint's size in MiB (default 1024)"},
+                      {"--reps", "N", "repetitions of the nginx and file rows (default 3)"},
+                      {"--moto-reps", "N", "repetitions of the moto rows (default 1)"},
+                      {"--no-moto", nullptr, "skip moto_server (its rows take most of the time)"},
+                      {"--loopback-cc", "NAME", "run in a network namespace whose loopback uses this TCP congestion control (root)"}});
   const std::string loopback_cc = a.get("--loopback-cc", "");
   if (!loopback_cc.empty() && !private_loopback(loopback_cc)) return 2;
   const bool quick = a.has("--quick");
