@@ -231,14 +231,12 @@ void mark_compressed(const fs::path& p) {
   testing::write_file(p, b);
 }
 
-bool dcp_have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
-testing::program_result dcp_run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 /// The tool's verify on a damaged folder: exit 1, one line naming each phrase (when the tool
 /// was built).
 void tool_refuses(const fs::path& ck, const std::vector<std::string>& phrases) {
-  if (!dcp_have_tool()) return;
-  const auto r = dcp_run_tool({"verify", ck.string()});
+  if (!testing::have_tool()) return;
+  const auto r = testing::run_tool({"verify", ck.string()});
   CHECK(r.code == 1);
   CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err);
@@ -364,7 +362,7 @@ print("torch agrees")
 }  // namespace
 
 TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, unshard, to-hf read back by torch" *
-          testing::torch_check() * doctest::skip(!dcp_have_tool())) {
+          testing::torch_check() * doctest::skip(!testing::have_tool())) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   const fs::path& src = dist_fixture();
   const std::string torch_digest = testing::slurp(src / "digest.txt");
@@ -372,10 +370,10 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
   for (const std::string folder : folders) {
     CAPTURE(folder);
     const std::string ck = (src / folder).string();
-    const auto d = dcp_run_tool({"digest", ck});
+    const auto d = testing::run_tool({"digest", ck});
     CHECK(d.code == 0);
     CHECK(d.out == torch_digest);
-    const auto i = dcp_run_tool({"inspect", ck});
+    const auto i = testing::run_tool({"inspect", ck});
     CHECK(i.code == 0);
     CHECK(i.out.find(": torch.distributed.checkpoint folder, 6 tensors, ") != std::string::npos);
     CHECK(i.out.find(", 1 non-tensor item") != std::string::npos);
@@ -383,18 +381,18 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
     CHECK(i.out.find("non-tensor item (not loaded)") != std::string::npos);
     // model.model.grid: 4 blocks, in 3 files when rank 1's two are in one
     CHECK(i.out.find(folder == "ckpt" ? "blocks over 4 file(s)" : "blocks (4) over 3 file(s)") != std::string::npos);
-    const auto v = dcp_run_tool({"verify", ck});
+    const auto v = testing::run_tool({"verify", ck});
     CHECK(v.code == 0);
     CHECK(v.out == "OK " + ck + ": 6 tensors valid\n");
     const fs::path un = tmp.path / (folder + ".safetensors");
-    CHECK(dcp_run_tool({"unshard", ck, un.string()}).code == 0);
-    CHECK(dcp_run_tool({"digest", un.string()}).out == torch_digest);
+    CHECK(testing::run_tool({"unshard", ck, un.string()}).code == 0);
+    CHECK(testing::run_tool({"digest", un.string()}).out == torch_digest);
     for (const std::string to : {"", "BF16"}) {
       CAPTURE(to);
       const fs::path hf = tmp.path / (folder + "-hf" + to);
       std::vector<std::string> args = {"to-hf", ck, hf.string(), "--preset", "dcp-to-hf"};
       if (!to.empty()) args.insert(args.end(), {"--dtype", to});
-      const auto t = dcp_run_tool(args);
+      const auto t = testing::run_tool(args);
       CHECK_MESSAGE(t.code == 0, t.err);
       CHECK(t.err.find("warning: 1 name(s) a 'model.' key") != std::string::npos);
       CHECK(t.err.find("model.norm -> norm") != std::string::npos);
@@ -408,7 +406,7 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
   fs::copy(src / "ckpt", bad, fs::copy_options::recursive);
   testing::write_file(bad / ".metadata", std::string("\x80\x02" "cposix\nsystem\nX", 17) + std::string("\x04\0\0\0", 4) + "true\x85R.");
   for (const std::string cmd : {"inspect", "verify", "digest"}) {
-    const auto r = dcp_run_tool({cmd, bad.string()});
+    const auto r = testing::run_tool({cmd, bad.string()});
     CHECK(r.code == 1);
     CHECK(r.err.find("posix.system") != std::string::npos);
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
@@ -417,7 +415,7 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
   const std::string rows = file_of(src, "ckpt", "model.model.rows");
   fs::remove(bad / rows);
   for (const std::string cmd : {"verify", "digest"}) {
-    const auto r = dcp_run_tool({cmd, bad.string()});
+    const auto r = testing::run_tool({cmd, bad.string()});
     CHECK(r.code == 1);
     CHECK(r.err.find(rows) != std::string::npos);
   }

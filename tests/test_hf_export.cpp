@@ -775,9 +775,7 @@ TEST_CASE("hf export: the I64, BOOL and BF16 blocks of 3 ranks, in the layout to
 
 namespace {
 
-bool export_have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
-const auto export_skip_without_tool = doctest::skip(!export_have_tool());
-testing::program_result export_run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
+const auto export_skip_without_tool = doctest::skip(!testing::have_tool());
 
 /// Exit `code` with nothing on stdout and one line on stderr holding the phrases.
 void check_exit(const testing::program_result& r, int code, const std::vector<std::string>& phrases) {
@@ -805,7 +803,7 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   save_sample(sample, tmp.path / "ckpt");
   const auto ts = fulls(sample);
   const fs::path out = tmp.path / "out";
-  const auto r = export_run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
+  const auto r = testing::run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
                            "--rename", "^model\\.=m.", "--rename=^step$=", "--model-only"});
   CHECK(r.code == 0);
   CHECK(r.err.empty());  // no progress line off a terminal
@@ -815,13 +813,13 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const auto want = expected_folder(ts, 1000, "BF16", ren);
   REQUIRE(want.size() > 2);
   check_folder(out, want);
-  const auto v = export_run_tool({"verify", out.string()});
+  const auto v = testing::run_tool({"verify", out.string()});
   CHECK(v.code == 0);
   CHECK(v.out == "OK " + out.string() + ": " + std::to_string(ts.size() - 1) + " tensors valid\n");
   std::vector<full_tensor> flat;
   for (const auto& [f, m] : want)
     for (const auto& [n, t] : m) flat.push_back(t);
-  CHECK(export_run_tool({"digest", out.string()}).out == digest_of(flat));
+  CHECK(testing::run_tool({"digest", out.string()}).out == digest_of(flat));
   // options after the positionals, sizes in binary units, a single safetensors file as SRC
   const fs::path one = tmp.path / "one.safetensors";
   const full_tensor a{"model._orig_mod.layers.0._checkpoint_wrapped_module.w", "F32", {3}, std::string(12, '\x01')};
@@ -829,7 +827,7 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
   // --preset dcp-to-hf: wrappers removed, then model.X -> X (the key is neither model.model.* nor
   // model.lm_head.weight); a non-model key dropped; one warning line each
-  const auto p = export_run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
+  const auto p = testing::run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
   CHECK(p.code == 0);
   CHECK(p.err == "shardsafe: warning: 1 name(s) a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': "
                  "its 'model.' prefix removed: " + a.name + " -> layers.0.w\n"
@@ -840,7 +838,7 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const full_tensor d{"model.lm_head.weight", "BF16", {2}, std::string(4, '\x04')};
   testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes},
                                                  {c.name, c.dtype, c.shape, c.bytes}, {d.name, d.dtype, d.shape, d.bytes}}));
-  CHECK(export_run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
+  CHECK(testing::run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
   check_folder(tmp.path / "two", expected_folder({a, b, c, d}, hf_default_max_shard_size, "",
                                                  {{a.name, "layers.0.w"}, {b.name, "kept_orig_mod.x"},
                                                   {c.name, "model.layers.1.w"}, {d.name, "lm_head.weight"}}));
@@ -850,31 +848,31 @@ TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify an
   temp_dir tmp("hftool");
   const fs::path dcp = tmp.path / "dcp";
   const auto full = write_dcp_folder(dcp, {"I64", "I32", "BOOL", "BF16", "F8_E4M3", "F8_E5M2", "F32"}, 5);
-  const auto d = export_run_tool({"digest", dcp.string()});
+  const auto d = testing::run_tool({"digest", dcp.string()});
   CHECK(d.code == 0);
   CHECK(d.out == digest_of(full));
-  const auto i = export_run_tool({"inspect", dcp.string()});
+  const auto i = testing::run_tool({"inspect", dcp.string()});
   CHECK(i.code == 0);
   CHECK(i.out.find("torch sharded Hugging Face files") != std::string::npos);
   CHECK(i.out.find("blocks over 3 file(s)") != std::string::npos);
-  CHECK(export_run_tool({"verify", dcp.string()}).code == 0);
+  CHECK(testing::run_tool({"verify", dcp.string()}).code == 0);
   const fs::path hf = tmp.path / "hf";
-  CHECK(export_run_tool({"to-hf", dcp.string(), hf.string(), "--max-shard-size", "100"}).code == 0);
+  CHECK(testing::run_tool({"to-hf", dcp.string(), hf.string(), "--max-shard-size", "100"}).code == 0);
   check_folder(hf, expected_folder(full, 100, ""));
-  CHECK(export_run_tool({"digest", hf.string()}).out == d.out);  // the same tensors, whatever the layout
-  CHECK(export_run_tool({"verify", hf.string()}).code == 0);
+  CHECK(testing::run_tool({"digest", hf.string()}).out == d.out);  // the same tensors, whatever the layout
+  CHECK(testing::run_tool({"verify", hf.string()}).code == 0);
   const fs::path one = tmp.path / "all.safetensors";
-  CHECK(export_run_tool({"unshard", dcp.string(), one.string()}).code == 0);
+  CHECK(testing::run_tool({"unshard", dcp.string(), one.string()}).code == 0);
   const parsed_file p = parse_safetensors(testing::slurp(one));
   for (const auto& t : full) CHECK(p.tensors.at(t.name).bytes == t.bytes);
-  CHECK(export_run_tool({"digest", one.string()}).out == d.out);
+  CHECK(testing::run_tool({"digest", one.string()}).out == d.out);
   // an HF folder unshards too
-  CHECK(export_run_tool({"unshard", hf.string(), (tmp.path / "hf.safetensors").string()}).code == 0);
+  CHECK(testing::run_tool({"unshard", hf.string(), (tmp.path / "hf.safetensors").string()}).code == 0);
   CHECK(testing::slurp(tmp.path / "hf.safetensors") == testing::slurp(one));
   // a block gone: verify and to-hf name the gap
   fs::remove(dcp / "shard-00002-model-00001-of-00001.safetensors");
-  check_exit(export_run_tool({"verify", dcp.string()}), 1, {"are in no file"});
-  check_exit(export_run_tool({"to-hf", dcp.string(), (tmp.path / "gap").string()}), 1, {"in no file"});
+  check_exit(testing::run_tool({"verify", dcp.string()}), 1, {"are in no file"});
+  check_exit(testing::run_tool({"to-hf", dcp.string(), (tmp.path / "gap").string()}), 1, {"in no file"});
   CHECK(fs::is_empty(tmp.path / "gap"));
 }
 
@@ -883,21 +881,21 @@ TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line"
   const auto sample = sample_model(13);
   save_sample(sample, tmp.path / "ckpt");
   const std::string src = (tmp.path / "ckpt").string(), out = (tmp.path / "out").string();
-  check_exit(export_run_tool({"to-hf", src}), 2, {"OUTDIR"});
-  check_exit(export_run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
-  check_exit(export_run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
-  check_exit(export_run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
-  check_exit(export_run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
-  check_exit(export_run_tool({"to-hf", src, out, "--rename", "nosplit"}), 2, {"rename rule 'nosplit'", "no '='"});
-  check_exit(export_run_tool({"to-hf", src, out, "--preset", "hf-to-dcp"}), 2, {"--preset", "hf-to-dcp"});
+  check_exit(testing::run_tool({"to-hf", src}), 2, {"OUTDIR"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--rename", "nosplit"}), 2, {"rename rule 'nosplit'", "no '='"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--preset", "hf-to-dcp"}), 2, {"--preset", "hf-to-dcp"});
   CHECK(!fs::exists(out));
-  check_exit(export_run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
+  check_exit(testing::run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
              {"'model.layers.0.attn.q.bias'", "'model.layers.0.attn.q.weight'", "both renamed to 'q'"});
   fixtures::put(file_directory(tmp.path / "busy"), "keep", "me");
-  check_exit(export_run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
+  check_exit(testing::run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
   CHECK(testing::slurp(tmp.path / "busy" / "keep") == "me");
-  check_exit(export_run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
-  const auto h = export_run_tool({"to-hf", "--help"});
+  check_exit(testing::run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
+  const auto h = testing::run_tool({"to-hf", "--help"});
   CHECK(h.code == 0);
   CHECK(h.err.empty());
   for (const char* w : {"shardsafe to-hf", "--max-shard-size", "--dtype", "--rename", "--preset", "--model-only"})

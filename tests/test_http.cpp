@@ -684,9 +684,8 @@ TEST_CASE("https: nginx with a test CA: verified with the CA file, refused witho
 namespace {
 
 bool have_remote_tool() {
-  return SHARDSAFE_HTTP_TLS && std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL);
+  return SHARDSAFE_HTTP_TLS && testing::have_tool();
 }
-testing::program_result http_run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
   for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
@@ -699,7 +698,7 @@ void check_same_output(const std::string& local, const std::string& url) {
   for (const std::string cmd : {"inspect", "verify", "digest"}) {
     CAPTURE(cmd);
     CAPTURE(url);
-    const auto l = http_run_tool({cmd, local}), r = http_run_tool({cmd, url});
+    const auto l = testing::run_tool({cmd, local}), r = testing::run_tool({cmd, url});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     CHECK_MESSAGE(r.code == 0, r.err);
     CHECK(r.err.empty());
@@ -724,16 +723,16 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   // unshard and to-hf read through HTTP write what they write from the local folder
   for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
     CAPTURE(f);
-    const auto l = http_run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
-    const auto r = http_run_tool({"unshard", srv.url(f), (out.path / (f + "_http.safetensors")).string()});
+    const auto l = testing::run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
+    const auto r = testing::run_tool({"unshard", srv.url(f), (out.path / (f + "_http.safetensors")).string()});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
     CHECK(testing::slurp(out.path / (f + "_http.safetensors")) == testing::slurp(out.path / (f + "_local.safetensors")));
   }
   for (const std::string f : {"ckpt", "pair"}) {
     CAPTURE(f);
-    const auto l = http_run_tool({"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
-    const auto r = http_run_tool({"to-hf", srv.url(f), (out.path / "hf_http").string(), "--max-shard-size", "200"});
+    const auto l = testing::run_tool({"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
+    const auto r = testing::run_tool({"to-hf", srv.url(f), (out.path / "hf_http").string(), "--max-shard-size", "200"});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
     std::size_t files = 0;
@@ -749,7 +748,7 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   // HTTP is read-only: writing to it is refused before anything is read
   for (const auto& args : {std::vector<std::string>{"unshard", (srv.www / "ckpt").string(), srv.url("x.safetensors")},
                            std::vector<std::string>{"to-hf", (srv.www / "ckpt").string(), srv.url("out")}}) {
-    const auto r = http_run_tool(args);
+    const auto r = testing::run_tool(args);
     CHECK(r.code == 1);
     CHECK(r.out.empty());
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
@@ -762,7 +761,7 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   for (const std::string f : {"absent", "absent.safetensors", "hf/absent.safetensors"}) {
     for (const std::string cmd : {"inspect", "digest"}) {
       CAPTURE(f);
-      const auto r = http_run_tool({cmd, srv.url(f)});
+      const auto r = testing::run_tool({cmd, srv.url(f)});
       CHECK(r.code == 1);
       CHECK(r.out.empty());
       CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
@@ -771,7 +770,7 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   }
   // a rank file gone from behind the server: verify names its URL
   fs::remove(srv.www / "ckpt" / "rank_1.safetensors");
-  const auto r = http_run_tool({"verify", srv.url("ckpt")});
+  const auto r = testing::run_tool({"verify", srv.url("ckpt")});
   CHECK(r.code == 1);
   CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
   CHECK(r.err.find(srv.url("ckpt/rank_1.safetensors")) != std::string::npos);

@@ -837,8 +837,6 @@ TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the
 
 namespace {
 
-bool s3_have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
-testing::program_result s3_run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 std::string s3_replace_all(std::string s, const std::string& from, const std::string& to) {
   for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
@@ -854,7 +852,7 @@ std::string object_text(const s3_directory& d, const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" * doctest::skip(!s3_have_tool())) {
+TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" * doctest::skip(!testing::have_tool())) {
   moto m;
   saved_env env;  // the tool process inherits these
   const std::string endpoint = "http://127.0.0.1:" + std::to_string(m.port);
@@ -881,7 +879,7 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
       CAPTURE(f);
       CAPTURE(cmd);
       const std::string lp = (local.path / f).string(), url = "s3://tool/" + f;
-      const auto l = s3_run_tool({cmd, lp}), r = s3_run_tool({cmd, url});
+      const auto l = testing::run_tool({cmd, lp}), r = testing::run_tool({cmd, url});
       REQUIRE_MESSAGE(l.code == 0, l.err);
       CHECK_MESSAGE(r.code == 0, r.err);
       CHECK(r.out == s3_replace_all(l.out, lp, url));
@@ -892,13 +890,13 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
     CAPTURE(f);
     const fs::path lout = local.path / (f + "_full.safetensors");
     const std::string url = "s3://tool/out/" + f + "_full.safetensors";
-    const auto l = s3_run_tool({"unshard", (local.path / f).string(), lout.string()});
-    const auto r = s3_run_tool({"unshard", "s3://tool/" + f, url});
+    const auto l = testing::run_tool({"unshard", (local.path / f).string(), lout.string()});
+    const auto r = testing::run_tool({"unshard", "s3://tool/" + f, url});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
     CHECK(r.out == s3_replace_all(l.out, lout.string(), url));
     CHECK(object_text(root.sub("out"), f + "_full.safetensors") == testing::slurp(lout));
-    CHECK(s3_run_tool({"digest", url}).out == s3_run_tool({"digest", lout.string()}).out);
+    CHECK(testing::run_tool({"digest", url}).out == testing::run_tool({"digest", lout.string()}).out);
   }
 
   // to-hf into S3: the same files as the local export, and the prefix must be empty
@@ -906,8 +904,8 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
     CAPTURE(f);
     const fs::path lout = local.path / "exported";
     const std::string url = "s3://tool/exported";
-    const auto l = s3_run_tool({"to-hf", (local.path / f).string(), lout.string(), "--max-shard-size", "200"});
-    const auto r = s3_run_tool({"to-hf", "s3://tool/" + f, url, "--max-shard-size", "200"});
+    const auto l = testing::run_tool({"to-hf", (local.path / f).string(), lout.string(), "--max-shard-size", "200"});
+    const auto r = testing::run_tool({"to-hf", "s3://tool/" + f, url, "--max-shard-size", "200"});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
     CHECK(r.out == s3_replace_all(l.out, lout.string(), url));
@@ -916,8 +914,8 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
     std::sort(names.begin(), names.end());
     CHECK(root.sub("exported").list() == names);
     for (const auto& n : names) CHECK_MESSAGE(object_text(root.sub("exported"), n) == testing::slurp(lout / n), n);
-    CHECK(s3_run_tool({"digest", url}).out == s3_run_tool({"digest", lout.string()}).out);
-    const auto again = s3_run_tool({"to-hf", "s3://tool/" + f, url});
+    CHECK(testing::run_tool({"digest", url}).out == testing::run_tool({"digest", lout.string()}).out);
+    const auto again = testing::run_tool({"to-hf", "s3://tool/" + f, url});
     CHECK(again.code == 1);
     CHECK(again.err.find(url) != std::string::npos);
     CHECK(again.err.find("not empty") != std::string::npos);
@@ -928,7 +926,7 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
   // a missing object or prefix: exit 1, one line naming the URL
   for (const std::string url : {"s3://tool/absent", "s3://tool/absent.safetensors", "s3://tool/ckpt/absent.safetensors"}) {
     CAPTURE(url);
-    const auto r = s3_run_tool({"digest", url});
+    const auto r = testing::run_tool({"digest", url});
     CHECK(r.code == 1);
     CHECK(r.out.empty());
     CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);

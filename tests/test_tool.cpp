@@ -37,14 +37,13 @@ using testing::slurp;
 using testing::write_file;
 using result = testing::program_result;
 
-bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && fs::exists(SHARDSAFE_TOOL); }
+using testing::have_tool;
+using testing::run_tool;
 
 /// The tool's tests are skipped, and counted as skipped in doctest's summary, when the tool
 /// is not built (configured with -Dtools=false).
 const auto skip_without_tool = doctest::skip(!have_tool());
 
-/// Runs SHARDSAFE_TOOL with args (no shell), stdout and stderr captured.
-result run_tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 /// The tool failed as docs/FORMAT.md §4 asks: exit 1 (not a signal), one line on stderr with the phrases.
 void check_fails(const result& r, const std::vector<std::string>& phrases) {

@@ -16,6 +16,7 @@
 #include <iterator>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
@@ -83,6 +84,13 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
   r.err = slurp(err);
   return r;
 }
+
+#ifdef SHARDSAFE_TOOL  // (core_tests and torch_tests: the path of this build's tool, "" without one)
+/// Whether this build has the shardsafe tool (it has none when configured with -Dtools=false).
+inline bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && std::filesystem::exists(SHARDSAFE_TOOL); }
+/// Runs this build's shardsafe tool with args (no shell), stdout and stderr captured.
+inline program_result run_tool(const std::vector<std::string>& args) { return run_program(SHARDSAFE_TOOL, args); }
+#endif
 
 /// Lowercase hex of bytes.
 inline std::string hex(std::string_view b) {

@@ -405,8 +405,6 @@ std::vector<flat_view> full_views(const std::vector<saved_tensor>& ts, std::vect
   return views;
 }
 
-bool tool_built() { return !std::string(SHARDSAFE_TOOL).empty(); }
-testing::program_result tool(const std::vector<std::string>& args) { return testing::run_program(SHARDSAFE_TOOL, args); }
 
 }  // namespace
 
@@ -546,8 +544,8 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
     expect_error([&] { verify_checkpoint(dir); }, errc::checksum_mismatch,
                  {"from index " + multi_index_string(t.shape, global)});
     // the tool: exit 1, one line naming file, tensor and elements
-    if (tool_built()) {
-      const auto r = tool({"verify", (tmp.path / "ck").string()});
+    if (testing::have_tool()) {
+      const auto r = testing::run_tool({"verify", (tmp.path / "ck").string()});
       CHECK(r.code == 1);
       CHECK(r.out.empty());
       CHECK(r.err.find(file.string()) != std::string::npos);
@@ -819,13 +817,13 @@ TEST_CASE("symbolic links: a rank file, an HF shard or index leaving the folder 
   // the tool: exit 1 naming the link, exit 0 with --follow-links
   fs::remove(ck / "rank_1.safetensors");
   fs::create_symlink(outside / "rank_1.safetensors", ck / "rank_1.safetensors");
-  if (tool_built()) {
-    const auto r = tool({"verify", ck.string()});
+  if (testing::have_tool()) {
+    const auto r = testing::run_tool({"verify", ck.string()});
     CHECK(r.code == 1);
     CHECK(r.err.find((ck / "rank_1.safetensors").string()) != std::string::npos);
     CHECK(r.err.find("--follow-links") != std::string::npos);
-    CHECK(tool({"verify", "--follow-links", ck.string()}).code == 0);
-    CHECK(tool({"digest", ck.string()}).code == 1);
+    CHECK(testing::run_tool({"verify", "--follow-links", ck.string()}).code == 0);
+    CHECK(testing::run_tool({"digest", ck.string()}).code == 1);
   }
 
   // Hugging Face folders: a shard or the index linked from outside is refused
@@ -837,7 +835,7 @@ TEST_CASE("symbolic links: a rank file, an HF shard or index leaving the folder 
     fs::rename(hf / n, outside / n);
     fs::create_symlink(outside / n, hf / n);
     expect_error([&] { open_hf_folder(file_directory(hf)); }, errc::unsafe_link, {(hf / n).string()});
-    if (tool_built()) CHECK(tool({"verify", hf.string()}).code == 1);
+    if (testing::have_tool()) CHECK(testing::run_tool({"verify", hf.string()}).code == 1);
     CHECK(open_hf_folder(file_directory(hf, link_policy::follow)).tensors.size() == ts.size());
     fs::remove(hf / n);
     fs::rename(outside / n, hf / n);
@@ -852,5 +850,5 @@ TEST_CASE("symbolic links: a rank file, an HF shard or index leaving the folder 
     fs::create_symlink("../../blobs/blob-" + n, snap / n);
   }
   CHECK(verify_checkpoint(file_directory(snap)).tensors == ts.size());
-  if (tool_built()) CHECK(tool({"verify", snap.string()}).code == 0);
+  if (testing::have_tool()) CHECK(testing::run_tool({"verify", snap.string()}).code == 0);
 }
