@@ -164,7 +164,6 @@ void warm_up_torch() {
 }
 
 // the RSS baseline: after LibTorch is up, before the model exists
-
 double g_anon0 = 0;  // RssAnon at the baseline, MiB
 double start_memory() {
   warm_up_torch();

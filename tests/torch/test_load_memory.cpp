@@ -25,6 +25,20 @@ namespace {
 const std::vector<std::pair<std::string, shape_t>> mem_tensors{
     {"embed", {300, 64}}, {"w", {64, 64}}, {"b", {64}}, {"scalar", {}}, {"empty", {0, 5}}};
 
+using named_tensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+/// got holds want's names in want's order, each tensor bit for bit want's; each is 64-byte
+/// aligned when aligned64.
+void check_same_named(const named_tensors& got, const named_tensors& want, bool aligned64 = false) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(got[i].first);
+    CHECK(got[i].first == want[i].first);
+    CHECK(testing::same_bits(got[i].second, want[i].second));
+    if (aligned64) CHECK(reinterpret_cast<std::uintptr_t>(got[i].second.data_ptr()) % 64 == 0);
+  }
+}
+
 state_dict whole_state() {
   state_dict sd;
   for (const auto& [k, s] : mem_tensors) sd.add(k, testing::expected_full(k, dtype::F32, s));
@@ -92,13 +106,7 @@ TEST_CASE("unshard_state into a huge-page arena: the same tensors; one kept aliv
   save_state_dict(file_directory(dir.path / "c"), whole_state(), one);
   auto plain = unshard_state(file_directory(dir.path / "c"));
   auto arena = unshard_state(file_directory(dir.path / "c"), {}, tensor_memory::arena);
-  REQUIRE(arena.size() == plain.size());
-  for (std::size_t i = 0; i < arena.size(); ++i) {
-    CAPTURE(arena[i].first);
-    CHECK(arena[i].first == plain[i].first);
-    CHECK(testing::same_bits(arena[i].second, plain[i].second));
-    CHECK(reinterpret_cast<std::uintptr_t>(arena[i].second.data_ptr()) % 64 == 0);
-  }
+  check_same_named(arena, plain, true);
   at::Tensor keep = arena.front().second;
   const std::string name = arena.front().first;
   arena.clear();
@@ -183,11 +191,5 @@ TEST_CASE("unshard_state into a hugetlb_arena: the reserved huge pages when the 
     const auto* b = reinterpret_cast<const unsigned char*>(a.data(0));
     CHECK(std::count(b, b + sizes[0], 0x5a) == static_cast<std::ptrdiff_t>(sizes[0]));
   }
-  auto huge = unshard_state(file_directory(dir.path / "c"), {}, tensor_memory::hugetlb_arena);
-  REQUIRE(huge.size() == plain.size());
-  for (std::size_t i = 0; i < huge.size(); ++i) {
-    CAPTURE(huge[i].first);
-    CHECK(huge[i].first == plain[i].first);
-    CHECK(testing::same_bits(huge[i].second, plain[i].second));
-  }
+  check_same_named(unshard_state(file_directory(dir.path / "c"), {}, tensor_memory::hugetlb_arena), plain);
 }
