@@ -9,6 +9,7 @@
 #include <chrono>
 #include <map>
 #include <random>
+#include <thread>
 
 #include "checkpoint_fixtures.hpp"
 #include "servers.hpp"
@@ -42,6 +43,25 @@ std::string read_string(const http_storage& s, std::uint64_t off, std::size_t n)
   s.read_into(off, std::as_writable_bytes(std::span(out)));
   return out;
 }
+
+/// n reads of random ranges (at most max_len bytes each) of an object of `size` bytes, each
+/// into its own string; check() compares what landed with the object's bytes.
+struct scattered_reads {
+  std::vector<std::string> outs;
+  std::vector<read_request> rs;
+  scattered_reads(std::mt19937_64& rng, std::uint64_t size, std::size_t n, std::uint64_t max_len) : outs(n) {
+    for (auto& out : outs) {
+      const std::uint64_t off = rng() % size, len = rng() % std::min<std::uint64_t>(size - off, max_len) + 1;
+      out.assign(len, '\0');
+      rs.push_back({off, std::as_writable_bytes(std::span(out))});
+    }
+  }
+  bool check(const std::string& body) const {
+    for (std::size_t i = 0; i < outs.size(); ++i)
+      if (outs[i] != body.substr(rs[i].offset, outs[i].size())) return false;
+    return true;
+  }
+};
 
 }  // namespace
 
@@ -276,18 +296,43 @@ TEST_CASE("http_storage: large reads split into parts read in parallel, and batc
   CHECK(s.client().stats().requests - before == (body.size() - 100 + o.part_bytes - 1) / o.part_bytes);
   // a batch of scattered reads
   std::mt19937_64 rng(5);
-  std::vector<std::string> outs(200);
-  std::vector<read_request> rs;
-  std::vector<std::uint64_t> offs;
-  for (auto& out : outs) {
-    const std::uint64_t off = rng() % body.size(), len = rng() % std::min<std::uint64_t>(body.size() - off, 700'000) + 1;
-    out.assign(len, '\0');
-    offs.push_back(off);
-    rs.push_back({off, std::as_writable_bytes(std::span(out))});
-  }
-  s.read_batch(rs);
-  for (std::size_t i = 0; i < outs.size(); ++i) REQUIRE(outs[i] == body.substr(offs[i], outs[i].size()));
+  scattered_reads b(rng, body.size(), 200, 700'000);
+  s.read_batch(b.rs);
+  CHECK(b.check(body));
   CHECK(s.client().stats().connections <= 16u + 1u);
+}
+
+TEST_CASE("http_storage: batches and single reads from several threads at once share one client's request slots") {
+  testing::nginx_server srv;
+  const std::string body = random_text((3 << 20) + 777, 11);
+  testing::write_file(srv.www / "big.bin", body);
+  http_options o;
+  o.part_bytes = 64 << 10;
+  o.requests_in_flight = 5;
+  const http_storage s(srv.url("big.bin"), o);
+  // 4 threads: two run batches of scattered reads (each read cut into parts, the parts as
+  // coroutines on a few lanes), two run single reads, all through copies of one storage
+  std::vector<std::string> fails(4);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&, t] {
+      const http_storage mine = s;
+      std::mt19937_64 rng(100 + t);
+      for (int round = 0; round < 6; ++round) {
+        scattered_reads b(rng, body.size(), t < 2 ? 40 : 1, 300'000);
+        try {
+          if (t < 2) mine.read_batch(b.rs);
+          else mine.read_into(b.rs[0].offset, b.rs[0].dst);
+        } catch (const std::exception& e) {
+          fails[t] = e.what();
+          return;
+        }
+        if (!b.check(body)) fails[t] = "thread " + std::to_string(t) + ": wrong bytes";
+      }
+    });
+  for (auto& t : ts) t.join();
+  for (const auto& f : fails) CHECK_MESSAGE(f.empty(), f);
+  CHECK(s.client().stats().retries == 0u);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@
 // | d.sub(n)        | DIR/n, nothing sent                                                          |
 // | s.read_into     | range GETs of at most part_bytes, in parallel when longer                    |
 // | s.read_batch    | every read cut into parts of at most part_bytes, requests_in_flight at once  |
+// |                 | (coroutines on at most default_threads() threads: http_client::read_ranges)  |
 // | s.read_defaults | gap 256 KiB (a request costs a round trip), requests_in_flight               |
 //
 // Object names are percent-encoded into the URL path; a URL's query is not carried to its
@@ -154,9 +155,7 @@ class basic_remote_storage {
       detail::check_read_range(name_, r.offset, r.dst.size(), size_);
       detail::split_read(r.offset, r.dst, client_->options().part_bytes, parts);
     }
-    detail::parallel_for(parts.size(), client_->options().requests_in_flight, [&](std::size_t i) {
-      client_->read_range(url_, parts[i].offset, parts[i].dst, size_, sign_, validator_);
-    });
+    client_->read_ranges(url_, parts, size_, sign_, validator_);
   }
 
   read_hints read_defaults() const {
