@@ -633,8 +633,9 @@ class http_client {
         via = " (connect-to " + host + ":" + std::to_string(port) + ")";
         break;
       }
+    // resolved on the lane's thread (Asio's asynchronous resolve would start a thread per lane)
     net::ip::tcp::resolver resolver(lane.ioc);
-    auto endpoints = co_await resolver.async_resolve(host, std::to_string(port), into(ec));
+    auto endpoints = resolver.resolve(host, std::to_string(port), ec);
     if (ec) {
       f = {true, "cannot resolve " + host + via + ": " + ec.message(), std::nullopt, true};
       co_return nullptr;
