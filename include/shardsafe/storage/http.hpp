@@ -42,7 +42,6 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
-#include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/detail/http_client.hpp"
 #include "shardsafe/storage/detail/url.hpp"

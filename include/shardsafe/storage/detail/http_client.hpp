@@ -393,15 +393,8 @@ class http_client {
                    const object_validator& validator = {}) {
     const std::size_t n = std::size(parts);
     if (n == 0) return;
-    slot_guard first(slots_);
-    unsigned held = 1;
-    const unsigned want = static_cast<unsigned>(std::min<std::size_t>(n, opt_.requests_in_flight));
-    while (held < want && slots_.try_acquire()) ++held;
-    struct extra_slots {
-      std::counting_semaphore<1024>& s;
-      unsigned k;
-      ~extra_slots() { s.release(k); }
-    } extra{slots_, held - 1};
+    slot_guard slots(slots_);
+    const unsigned held = slots.take_free(static_cast<unsigned>(std::min<std::size_t>(n, opt_.requests_in_flight)));
     const unsigned threads = std::min(held, default_threads());
     std::vector<lane_lease> lanes;
     lanes.reserve(threads);
@@ -410,7 +403,7 @@ class http_client {
     std::atomic<bool> failed{false};
     std::mutex error_mutex;
     std::exception_ptr first_error;
-    shared_pool().parallel_for(threads, threads, [&](std::size_t t) {
+    parallel_for(threads, threads, [&](std::size_t t) {
       http_lane& lane = *lanes[t];
       for (unsigned w = static_cast<unsigned>(t); w < held; w += threads)
         net::co_spawn(
@@ -581,7 +574,7 @@ class http_client {
       net::steady_timer wait(co_await net::this_coro::executor);
       wait.expires_after(backoff(attempts, f.retry_after));
       boost::system::error_code ec;
-      co_await wait.async_wait(net::redirect_error(net::use_awaitable, ec));
+      co_await wait.async_wait(into(ec));
     }
   }
 
@@ -940,10 +933,17 @@ class http_client {
     co_return true;
   }
 
+  /// Request slots held for as long as it lives: one, waited for; take_free() adds those free now.
   struct slot_guard {
     std::counting_semaphore<1024>& s;
+    unsigned held = 1;
     explicit slot_guard(std::counting_semaphore<1024>& x) : s(x) { s.acquire(); }
-    ~slot_guard() { s.release(); }
+    ~slot_guard() { s.release(held); }
+    /// Takes free slots, without waiting, until `want` are held; how many are held.
+    unsigned take_free(unsigned want) {
+      while (held < want && s.try_acquire()) ++held;
+      return held;
+    }
   };
 
   http_options opt_;
