@@ -159,7 +159,9 @@ struct c10d_world {
     const std::string prefix = "shardsafe/group/" + std::to_string(++groups_made_);
     try {
       auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-      return c10d_comm(c10::make_intrusive<c10d::ProcessGroupGloo>(ps, rank, world_size, gloo_options));
+      auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(ps, rank, world_size, gloo_options);
+      group->barrier()->wait();  // every rank's side of every connection set up (init_world_from_env)
+      return c10d_comm(std::move(group));
     } catch (const c10::Error& e) {
       throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
                                         ": " + e.what_without_backtrace());
@@ -218,6 +220,11 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     else
       go->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     w.pg = c10::make_intrusive<c10d::ProcessGroupGloo>(w.store, rank, world, go);
+    // A rank's ProcessGroupGloo is ready once its own side of each connection is; a peer may
+    // still be reading its handshake. Without this barrier a rank that needs no collective
+    // afterwards could exit first and break the peer's join ("Connection closed by peer"),
+    // as torch's init_process_group waits on a barrier for the same reason.
+    w.pg->barrier()->wait();
     w.gloo_options = go;
   } catch (const c10::Error& e) {
     throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
