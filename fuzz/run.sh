@@ -8,7 +8,9 @@
 #   FUZZ_BUILD_DIR=build-fuzz2 FUZZ_JOBS=2 fuzz/run.sh fuzz_metadata   # one target, two workers
 #
 # Environment: FUZZ_SECONDS (default 60), FUZZ_BUILD_DIR (default build-fuzz, relative to the
-# repository root), CXX (default clang++), FUZZ_JOBS (parallel workers per target, default 1).
+# repository root), CXX (default clang++), FUZZ_JOBS (parallel workers per target, default 1),
+# FUZZ_PARALLEL (targets run at once, default the cores over FUZZ_JOBS; each target's report
+# is printed in order once all have run).
 # Findings are written to FUZZ_BUILD_DIR/findings/TARGET/; the growing corpus to
 # FUZZ_BUILD_DIR/corpus/TARGET/ (the seeds in fuzz/corpus/ are never modified).
 set -euo pipefail
@@ -50,25 +52,43 @@ dict_of() {
   esac
 }
 
-status=0
-for t in "${targets[@]}"; do
-  name="${t#fuzz_}"
-  corpus="$build/corpus/$t"
-  findings="$build/findings/$t"
+# one target's run, its exit status in $build/$t.rc (the report comes after, in order)
+run_one() {
+  local t="$1" name="${1#fuzz_}" rc
+  local corpus="$build/corpus/$t" findings="$build/findings/$t"
   mkdir -p "$corpus" "$findings"
-  log="$build/$t.log"
-  echo "== $t: ${seconds} s, max_len $(max_len_of "$t")"
-  args=(-max_total_time="$seconds" -max_len="$(max_len_of "$t")" -timeout=10 -rss_limit_mb=2048
+  local args=(-max_total_time="$seconds" -max_len="$(max_len_of "$t")" -timeout=10 -rss_limit_mb=2048
         -malloc_limit_mb=1024 -dict="$(dict_of "$t")" -artifact_prefix="$findings/" -print_final_stats=1)
   if [ "$jobs" -gt 1 ]; then args+=(-fork="$jobs" -ignore_crashes=0); fi
   set +e
   ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \
   UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}" \
-    "$build/fuzz/$t" "${args[@]}" "$corpus" "$here/corpus/$name" >"$log" 2>&1
+    "$build/fuzz/$t" "${args[@]}" "$corpus" "$here/corpus/$name" >"$build/$t.log" 2>&1
   rc=$?
   set -e
+  echo "$rc" >"$build/$t.rc"
+}
+
+# the targets run side by side, as many at once as there are cores over FUZZ_JOBS (each is
+# one process, or FUZZ_JOBS workers): the bounded time is wall-clock, so this divides it
+parallel="${FUZZ_PARALLEL:-$(( $(nproc) / jobs ))}"
+[ "$parallel" -ge 1 ] || parallel=1
+for t in "${targets[@]}"; do
+  echo "== $t: ${seconds} s, max_len $(max_len_of "$t")"
+  rm -f "$build/$t.rc"
+  run_one "$t" &
+  while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
+done
+wait
+
+status=0
+for t in "${targets[@]}"; do
+  log="$build/$t.log"
+  findings="$build/findings/$t"
+  rc="$(cat "$build/$t.rc" 2>/dev/null || echo 1)"
+  echo "== $t"
   grep -E "^(stat::|Done |#[0-9]+ +DONE)" "$log" | tail -n 12 || true
-  if [ $rc -ne 0 ] || ls "$findings" | grep -q .; then
+  if [ "$rc" -ne 0 ] || ls "$findings" | grep -q .; then
     echo "!! $t failed (exit $rc); see $log and $findings/"
     tail -n 40 "$log"
     status=1
