@@ -183,8 +183,11 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     CHECK_MESSAGE(mm.ok(), mm.report());
   }
   SUBCASE("the tool: verify, digest and unshard agree with the expected full tensors") {
+    if (!testing::have_tool()) {
+      MESSAGE("this build has no shardsafe tool (-Dtools=false): the tool's subcase is skipped");
+      return;
+    }
     const std::string tool = SHARDSAFE_TOOL;
-    if (tool.empty()) return;
     auto v = testing::run_program(tool, {"verify", ckpt});
     CHECK_MESSAGE(v.code == 0, v.err);
     // digest: NAME DTYPE [shape] SHA256 of the full tensor, sorted by name
