@@ -18,6 +18,7 @@
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "hooked_directory.hpp"
 #include "test_util.hpp"
 #include "thread_world.hpp"
 
@@ -56,30 +57,15 @@ struct gate {
   }
 };
 
-/// A folder of files whose rank files wait at a gate before they are written: a save held
-/// part way, its folder made and its commit mark not yet written.
-class gated_directory {
- public:
-  using reader_type = file_storage;
-  using writer_type = file_writer;
-  gated_directory(std::filesystem::path p, gate* g) : d_(std::move(p)), g_(g) {}
-  std::string_view name() const noexcept { return d_.name(); }
-  reader_type open(std::string_view n) const { return d_.open(n); }
-  writer_type create(std::string_view n) const {
-    if (n.ends_with(".safetensors")) g_->pass();
-    return d_.create(n);
-  }
-  bool exists(std::string_view n) const { return d_.exists(n); }
-  std::vector<std::string> list() const { return d_.list(); }
-  void remove(std::string_view n) const { d_.remove(n); }
-  gated_directory sub(std::string_view n) const { return gated_directory(d_.sub(n).path(), g_); }
-  void make() const { d_.make(); }
-
- private:
-  file_directory d_;
-  gate* g_;
-};
-static_assert(WritableDirectory<gated_directory>);
+/// A folder of files whose rank files wait at g before they are written: a save held part
+/// way, its folder made and its commit mark not yet written.
+auto gated_directory(const std::filesystem::path& p, gate* g) {
+  return testing::hooked_directory(file_directory(p), [g](std::string_view n, auto make) {
+    if (n.ends_with(".safetensors")) g->pass();
+    return make();
+  });
+}
+static_assert(WritableDirectory<decltype(gated_directory({}, nullptr))>);
 
 /// Rank r's part of a 3-rank state: w [1000] F32 split 400/400/200 (flat), b [7] I32 whole.
 struct async_rank_state {
@@ -219,7 +205,7 @@ TEST_CASE("async save: a plan the ranks disagree on is thrown by save() itself; 
 TEST_CASE("async save: one save at a time; rotation keeps the newest complete checkpoint while one is in flight") {
   testing::temp_dir tmp("async");
   gate g;
-  const gated_directory root(tmp.path, &g);
+  const auto root = gated_directory(tmp.path, &g);
   single_process train, ckpt;
   async_saver<single_process> saver(ckpt);
   async_rank_state s1(0, 1.f), s2(0, 2.f), s3(0, 3.f);
@@ -263,7 +249,7 @@ TEST_CASE("async save: one save at a time; rotation keeps the newest complete ch
 TEST_CASE("async save: destroying a handle or the saver waits for the save") {
   testing::temp_dir tmp("async");
   gate g;
-  const gated_directory root(tmp.path, &g);
+  const auto root = gated_directory(tmp.path, &g);
   async_rank_state s(0, 4.f);
   s.views[0].spec.reset();
   s.views[0].full_shape = {400};

@@ -18,6 +18,7 @@
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/storage/file.hpp"
+#include "hooked_directory.hpp"
 #include "test_util.hpp"
 #include "thread_world.hpp"
 
@@ -51,25 +52,13 @@ class quota_writer {
   std::shared_ptr<std::atomic<std::uint64_t>> left_;
 };
 
-class quota_directory {
- public:
-  using reader_type = file_storage;
-  using writer_type = quota_writer;
-  quota_directory(fs::path p, std::shared_ptr<std::atomic<std::uint64_t>> left) : d_(std::move(p)), left_(std::move(left)) {}
-  std::string_view name() const noexcept { return d_.name(); }
-  reader_type open(std::string_view n) const { return d_.open(n); }
-  writer_type create(std::string_view n) const { return quota_writer(d_.create(n), left_); }
-  bool exists(std::string_view n) const { return d_.exists(n); }
-  std::vector<std::string> list() const { return d_.list(); }
-  void remove(std::string_view n) const { d_.remove(n); }
-  quota_directory sub(std::string_view n) const { return quota_directory(d_.sub(n).path(), left_); }
-  void make() const { d_.make(); }
-
- private:
-  file_directory d_;
-  std::shared_ptr<std::atomic<std::uint64_t>> left_;
-};
-static_assert(WritableDirectory<quota_directory>);
+/// A folder whose writers share the quota left.
+auto quota_directory(const fs::path& p, std::shared_ptr<std::atomic<std::uint64_t>> left) {
+  return testing::hooked_directory(file_directory(p), [left = std::move(left)](std::string_view, auto make) {
+    return quota_writer(make(), left);
+  });
+}
+static_assert(WritableDirectory<decltype(quota_directory({}, nullptr))>);
 
 /// Rank r of 2: w [n] F32, halves, values base + i.
 struct half {
@@ -131,7 +120,7 @@ TEST_CASE("disk full: a quota-limited folder fails the save on every rank; the p
   testing::temp_dir tmp("quota");
   constexpr std::uint64_t n = 1 << 18;  // 1 MiB of F32
   auto left = std::make_shared<std::atomic<std::uint64_t>>(std::uint64_t(1) << 40);
-  const quota_directory root(tmp.path, left);
+  const auto root = quota_directory(tmp.path, left);
   auto ok = testing::run_ranks(2, [&](testing::thread_comm& c) {
     half h(c.rank(), n, 3.f);
     save_flat_views(root.sub("step1"), std::span<const flat_view>(h.views), c);
