@@ -1053,7 +1053,6 @@ TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor p
 
 TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of an EP checkpoint" *
           doctest::skip(!testing::have_tool())) {
-  const std::string tool = SHARDSAFE_TOOL;
   testing::temp_dir dir("mesh-tool");
   auto store = std::make_shared<memory_store>();
   const memory_directory mem(store, "mem:ep-tool");
@@ -1066,12 +1065,12 @@ TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of
     f.read_into(0, std::as_writable_bytes(std::span<char>(bytes)));
     testing::write_file(dir.path / "ckpt" / n, bytes);
   }
-  const auto r = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf").string(),
+  const auto r = testing::run_tool({"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf").string(),
                                              "--max-shard-size", "600", "--stack-experts", expert_rule});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   check_per_expert_export(file_directory(dir.path / "hf"));
   // a rule without {i} is a usage error
-  const auto bad = testing::run_program(tool, {"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf2").string(),
+  const auto bad = testing::run_tool({"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf2").string(),
                                                "--stack-experts", "^(.*)\\.experts\\.(.*)$=\\1.\\2"});
   CHECK(bad.code == 2);
   CHECK(bad.err.find("no '{i}'") != std::string::npos);

@@ -90,6 +90,13 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
 inline bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && std::filesystem::exists(SHARDSAFE_TOOL); }
 /// Runs this build's shardsafe tool with args (no shell), stdout and stderr captured.
 inline program_result run_tool(const std::vector<std::string>& args) { return run_program(SHARDSAFE_TOOL, args); }
+/// For a SUBCASE that runs the tool (a subcase takes no doctest::skip): true, and says so, when
+/// this build has no tool; the subcase then returns.
+inline bool tool_subcase_skipped() {
+  if (have_tool()) return false;
+  MESSAGE("this build has no shardsafe tool (-Dtools=false): the tool's subcase is skipped");
+  return true;
+}
 #endif
 
 /// Lowercase hex of bytes.

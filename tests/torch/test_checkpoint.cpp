@@ -183,12 +183,8 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     CHECK_MESSAGE(mm.ok(), mm.report());
   }
   SUBCASE("the tool: verify, digest and unshard agree with the expected full tensors") {
-    if (!testing::have_tool()) {
-      MESSAGE("this build has no shardsafe tool (-Dtools=false): the tool's subcase is skipped");
-      return;
-    }
-    const std::string tool = SHARDSAFE_TOOL;
-    auto v = testing::run_program(tool, {"verify", ckpt});
+    if (testing::tool_subcase_skipped()) return;
+    auto v = testing::run_tool({"verify", ckpt});
     CHECK_MESSAGE(v.code == 0, v.err);
     // digest: NAME DTYPE [shape] SHA256 of the full tensor, sorted by name
     std::vector<std::string> lines;
@@ -201,12 +197,12 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     std::sort(lines.begin(), lines.end());
     std::string want;
     for (const auto& l : lines) want += l + "\n";
-    auto d = testing::run_program(tool, {"digest", ckpt});
+    auto d = testing::run_tool({"digest", ckpt});
     CHECK_MESSAGE(d.code == 0, d.err);
     CHECK(d.out == want);
     // unshard: one file with every full tensor
     const std::string out = (dir.path / "full.safetensors").string();
-    auto u = testing::run_program(tool, {"unshard", ckpt, out});
+    auto u = testing::run_tool({"unshard", ckpt, out});
     REQUIRE_MESSAGE(u.code == 0, u.err);
     file_storage f(out);
     auto h = read_safetensors_header(f);
@@ -221,7 +217,7 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     }
     // a damaged rank file: verify fails with one line naming it
     std::filesystem::resize_file(dir.path / "model" / "rank_1.safetensors", 64);
-    auto bad = testing::run_program(tool, {"verify", ckpt});
+    auto bad = testing::run_tool({"verify", ckpt});
     CHECK(bad.code == 1);
     CHECK(bad.err.find("rank_1.safetensors") != std::string::npos);
     CHECK(std::count(bad.err.begin(), bad.err.end(), '\n') == 1);

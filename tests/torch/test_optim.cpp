@@ -161,12 +161,8 @@ TEST_CASE("optimizer checkpoint layout, param group pickles and strictness") {
   CHECK(full.state.at("layers.0.bias").at("step").item<float>() == 1.0f);
 
   SUBCASE("the tool digests model/ and optim/ with prefixes") {
-    if (!testing::have_tool()) {
-      MESSAGE("this build has no shardsafe tool (-Dtools=false): the tool's subcase is skipped");
-      return;
-    }
-    const std::string tool = SHARDSAFE_TOOL;
-    auto d = testing::run_program(tool, {"digest", (dir.path / "c").string()});
+    if (testing::tool_subcase_skipped()) return;
+    auto d = testing::run_tool({"digest", (dir.path / "c").string()});
     REQUIRE_MESSAGE(d.code == 0, d.err);
     const at::Tensor& exp_avg = full.state.at("layers.1.weight").at("exp_avg");
     const std::string line = "optim/state.layers.1.weight.__exp_avg F32 [24,48] " + testing::sha256_hex(exp_avg) + "\n";
