@@ -76,7 +76,8 @@ bool check_whole(const at::Tensor& t, std::uint64_t k, const char* what) {
 }
 
 torch::optim::AdamParamState& adam_state(torch::optim::Adam& opt, const at::Tensor& p) {
-  auto& s = opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto* s = optimizer_state_of(opt, p);
+  if (!s) throw std::runtime_error("no Adam state for a parameter");
   return static_cast<torch::optim::AdamParamState&>(*s);
 }
 
@@ -102,7 +103,7 @@ struct train_state {
     for (std::size_t k = 0; k < model->params.size(); ++k) {
       const auto& p = model->params[k];
       if (!check_whole(p, k, "parameter")) return false;
-      if (!opt->state().count(c10::guts::to_string(p.unsafeGetTensorImpl()))) {
+      if (!optimizer_state_of(*opt, p)) {
         std::fprintf(stderr, "verify: no optimizer state for parameter %zu\n", k);
         return false;
       }

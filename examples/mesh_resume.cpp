@@ -70,9 +70,9 @@ int worker(const std::string& role, const fs::path& dir) {
   }
   torch::optim::Adam adam(params, torch::optim::AdamOptions(1e-3));
   auto state = [&](std::size_t i) -> torch::optim::AdamParamState& {
-    auto it = adam.state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
-    if (it == adam.state().end()) throw std::runtime_error("no Adam state for " + model[i].name);
-    return static_cast<torch::optim::AdamParamState&>(*it->second);
+    auto* s = optimizer_state_of(adam, params[i]);  // LibTorch's state of a parameter, any version
+    if (!s) throw std::runtime_error("no Adam state for " + model[i].name);
+    return static_cast<torch::optim::AdamParamState&>(*s);
   };
   const file_directory ckpt(dir / "step-100");
 

@@ -6,8 +6,8 @@
 set -euo pipefail
 packages=(
   g++ meson ninja-build pkg-config cmake
-  libtorch-dev libgloo-dev libsimdjson-dev libxxhash-dev libboost-dev doctest-dev libssl-dev libcli11-dev
-  clang libclang-rt-14-dev
+  libtorch-dev libgloo-dev libsimdjson-dev libxxhash-dev libre2-dev libboost-dev doctest-dev libssl-dev libcli11-dev
+  clang libclang-rt-14-dev clang-19 debootstrap
   python3 python3-torch
   nginx-light openssl
 )

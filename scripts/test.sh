@@ -1,32 +1,104 @@
 #!/usr/bin/env bash
-# The test command of the README (and of CI): installs what is missing, builds everything,
-# runs every test suite (format, shard, storage, tool, c10d worlds, resume, examples,
-# packaging), smoke-runs the benchmarks, then the fuzz targets under ASan/UBSan for a bounded time.
+# The test command of the README (and of CI): installs what is missing, then runs three legs,
+# each a real build and run:
 #
-#   scripts/test.sh                 # all of it
-#   FUZZ_SECONDS=0 scripts/test.sh  # without the fuzz runs
+#   debian12  GCC 12, LibTorch 1.13, Boost 1.74 (this machine): everything. Every test suite
+#             (format, shard, storage, remote, tool, c10d worlds, resume, examples, packaging),
+#             the benchmarks' smoke runs, then the fuzz targets under ASan/UBSan for a bounded time.
+#   debian13  GCC 14, LibTorch 2.6, Boost 1.83, Python's torch 2.6, in a Debian 13 root made by
+#             scripts/env-debian13.sh (made once, reused after): the LibTorch suites, the
+#             examples, the tool, the interop suites against torch 2.6, the headers, packaging,
+#             the LibTorch benchmarks' smoke runs, and checkpoints crossing LibTorch versions.
+#   clang     clang 19 on this machine (-Dtorch=disabled): the torch-free core and the remote
+#             backends compile, and their suite passes.
+#
+#   scripts/test.sh                     # all three legs
+#   scripts/test.sh debian12 clang      # the legs named
+#   FUZZ_SECONDS=0 scripts/test.sh      # without the fuzz runs
 #
 # Nothing is skipped here: it fails when python3 (with pickle, pickletools and json, for the
 # cross-checks against Python) or the shardsafe tool (for the tool's tests) is missing, and
 # exports SHARDSAFE_REQUIRE_PYTHON=1 so that the tests fail rather than skip without Python.
+# Each leg prints its wall time; the last line sums them up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+legs=("$@")
+[ ${#legs[@]} -gt 0 ] || legs=(debian12 debian13 clang)
+for l in "${legs[@]}"; do
+  case "$l" in debian12|debian13|clang) ;; *) echo "test.sh: unknown leg '$l' (debian12, debian13, clang)" >&2; exit 2 ;; esac
+done
+
+export SHARDSAFE_REQUIRE_PYTHON=1
 scripts/deps.sh
+scripts/check_layering.sh
 python3 -c 'import json, pickle, pickletools' ||
   { echo "test.sh: python3 with json, pickle and pickletools is needed for the Python cross-checks" >&2; exit 1; }
-export SHARDSAFE_REQUIRE_PYTHON=1
-scripts/check_layering.sh
+
 # a fresh build without debug information (asserts kept): the LibTorch and Beast translation
 # units compile markedly faster without -g on a 2-core machine; CI starts from a fresh clone
-[ -f build/build.ninja ] || meson setup build -Ddebug=false -Db_ndebug=false
-meson configure build -Dbench=true -Dtools=true
-meson compile -C build
-[ -x build/tools/shardsafe ] ||
-  { echo "test.sh: build/tools/shardsafe was not built; the tool's tests need it" >&2; exit 1; }
-meson test -C build --print-errorlogs
-# the benchmarks, once each with --quick: a smoke run that they build and work, not a measurement
-meson test -C build --benchmark --print-errorlogs
-if [ "${FUZZ_SECONDS:-15}" != "0" ]; then
-  FUZZ_SECONDS="${FUZZ_SECONDS:-15}" fuzz/run.sh
-fi
-echo "all tests passed"
+leg_debian12() {
+  export SHARDSAFE_TORCH_PEER=1  # /usr/bin/python3's torch 1.13: its peer tests fail rather than skip
+  [ -f build/build.ninja ] || meson setup build -Ddebug=false -Db_ndebug=false
+  meson configure build -Dbench=true -Dtools=true
+  meson compile -C build
+  [ -x build/tools/shardsafe ] ||
+    { echo "test.sh: build/tools/shardsafe was not built; the tool's tests need it" >&2; exit 1; }
+  meson test -C build --print-errorlogs
+  # the benchmarks, once each with --quick: a smoke run that they build and work, not a measurement
+  meson test -C build --benchmark --print-errorlogs
+  if [ "${FUZZ_SECONDS:-15}" != "0" ]; then
+    FUZZ_SECONDS="${FUZZ_SECONDS:-15}" fuzz/run.sh
+  fi
+}
+
+# The Debian 13 root: its build packages and Python's torch 2.6 (and moto for the S3 peers).
+leg_debian13() {
+  scripts/env-debian13.sh make base build moto
+  scripts/env-debian13.sh run bash -c '
+    set -euo pipefail
+    export SHARDSAFE_TORCH_PEER=2  # the root'\''s torch 2.6: the torch 2.x peer tests fail rather than skip
+    echo "debian13: $(g++ --version | head -1); LibTorch $(grep -m1 "define TORCH_VERSION_MAJOR" /usr/include/torch/csrc/api/include/torch/version.h | cut -d" " -f3).$(grep -m1 "define TORCH_VERSION_MINOR" /usr/include/torch/csrc/api/include/torch/version.h | cut -d" " -f3); python torch $(python3 -c "import torch; print(torch.__version__)")"
+    [ -f build-debian13/build.ninja ] ||
+      meson setup build-debian13 -Ddebug=false -Db_ndebug=false -Dtorch=enabled -Dtorch_free_tests=false \
+        -Dbench=true -Dtools=true -Dexamples=true
+    # what this leg checks: the LibTorch suites, the tool, the examples, the LibTorch benchmarks and
+    # bench_dcp, and every torch/ header compiled on its own under GCC 14 and LibTorch 2.6 (the
+    # torch-free headers are the debian12 and clang legs'"'"')
+    meson compile -C build-debian13
+    meson compile -C build-debian13 tests/headers/headers_torch
+    meson test -C build-debian13 --no-rebuild --print-errorlogs --no-suite headers
+    meson test -C build-debian13 --no-rebuild --benchmark --print-errorlogs
+  '
+  # checkpoints written under one LibTorch version resume under the other (both builds needed)
+  if [ -x build/tests/torch_tests ]; then
+    tests/torch/cross_version.sh build/tests/torch_tests build-debian13/tests/torch_tests
+  else
+    echo "test.sh: the cross-version resume needs the debian12 leg's build/tests/torch_tests" >&2; exit 1
+  fi
+}
+
+# clang 19 (Debian 12's clang-19): the torch-free core and the remote backends.
+leg_clang() {
+  command -v clang++-19 >/dev/null || {
+    export DEBIAN_FRONTEND=noninteractive
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo apt-get install -y -q --no-install-recommends clang-19
+  }
+  [ -f build-clang/build.ninja ] ||
+    CXX=clang++-19 meson setup build-clang -Ddebug=false -Db_ndebug=false -Dtorch=disabled -Dremote=enabled \
+      -Dbench=false -Dexamples=false -Dtools=true
+  # the torch-free core and the remote backends: their suite and the tool's hostile cases (the
+  # race, header and packaging checks are the debian12 leg's)
+  meson compile -C build-clang tests/core_tests tools/shardsafe
+  meson test -C build-clang --no-rebuild --print-errorlogs core hostile
+}
+
+summary=""
+for l in "${legs[@]}"; do
+  start=$SECONDS
+  echo "=== leg $l"
+  "leg_$l"
+  summary+="$l $((SECONDS - start)) s; "
+done
+echo "all tests passed (${summary% })"

@@ -34,11 +34,16 @@ std::span<const std::byte> as_span(const std::string& s) { return std::as_bytes(
 // An independent minimal JSON reader (objects keep their key order), used to check what the
 // writer produced without parse_safetensors.
 
+struct jmember;  // a struct, not std::pair: clang with libstdc++ refuses a pair of an incomplete type here
 struct jvalue {
   enum kind_t { null_v, bool_v, number_v, string_v, array_v, object_v } kind = null_v;
   std::string text;  // string contents, or the number as written
   std::vector<jvalue> items;
-  std::vector<std::pair<std::string, jvalue>> members;
+  std::vector<jmember> members;
+};
+struct jmember {
+  std::string first;
+  jvalue second;
 };
 
 class mini_json {

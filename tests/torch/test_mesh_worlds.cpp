@@ -95,9 +95,9 @@ WORKER_SCENARIO("mesh_state") {
   std::unique_ptr<torch::optim::Adam> adam;
   if (with_optim) adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(mode == "save" ? 1e-3 : 0.5));
   auto adam_state = [&](std::size_t i) -> torch::optim::AdamParamState& {
-    auto it = adam->state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
-    if (it == adam->state().end()) throw std::runtime_error("no Adam state for " + model[i].key);
-    return static_cast<torch::optim::AdamParamState&>(*it->second);
+    auto* s = optimizer_state_of(*adam, params[i]);
+    if (!s) throw std::runtime_error("no Adam state for " + model[i].key);
+    return static_cast<torch::optim::AdamParamState&>(*s);
   };
   if (mode == "save") {
     if (adam) {  // Adam state of known values, sharded (and replicated) like its parameter

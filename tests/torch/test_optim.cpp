@@ -46,18 +46,22 @@ WORKER_SCENARIO("train_resume") {
       full_optimizer_state full = w.rank == 0 ? unshard_optim_state(ckpt.sub("optim")) : full_optimizer_state{};
       auto sd = m.state();
       for (const auto& [name, st] : sd) {
-        auto it = m.optimizer().state().find(c10::guts::to_string(st.local.unsafeGetTensorImpl()));
+        auto* ps = optimizer_state_of(m.optimizer(), st.local);
+        if (!ps) {
+          std::fprintf(stderr, "no optimizer state for %s\n", name.c_str());
+          return 4;
+        }
         const std::string key = kind == demo::optim_kind::adagrad ? "sum"
                                 : kind == demo::optim_kind::rmsprop ? "square_avg" : "exp_avg";
         at::Tensor* shard = nullptr;
         if (kind == demo::optim_kind::adagrad)
-          shard = &static_cast<torch::optim::AdagradParamState&>(*it->second).sum();
+          shard = &static_cast<torch::optim::AdagradParamState&>(*ps).sum();
         else if (kind == demo::optim_kind::rmsprop)
-          shard = &static_cast<torch::optim::RMSpropParamState&>(*it->second).square_avg();
+          shard = &static_cast<torch::optim::RMSpropParamState&>(*ps).square_avg();
         else if (kind == demo::optim_kind::adam)
-          shard = &static_cast<torch::optim::AdamParamState&>(*it->second).exp_avg();
+          shard = &static_cast<torch::optim::AdamParamState&>(*ps).exp_avg();
         else
-          shard = &static_cast<torch::optim::AdamWParamState&>(*it->second).exp_avg();
+          shard = &static_cast<torch::optim::AdamWParamState&>(*ps).exp_avg();
         auto parts = comm.all_gather_bytes(std::string_view(static_cast<const char*>(shard->data_ptr()), shard->nbytes()));
         if (w.rank == 0) {
           std::string all;

@@ -99,6 +99,8 @@ struct hf_export_plan {
   std::vector<std::uint64_t> bytes;     ///< bytes of each tensor (numel * item size)
   std::vector<hf_export_file> files;
   std::uint64_t total_size = 0;  ///< sum of all tensor bytes (the index's metadata.total_size)
+  /// sum of all tensors' elements (the index's metadata.total_parameters, as today's transformers writes)
+  std::uint64_t total_parameters = 0;
 
   /// True when the export writes model.safetensors.index.json (more than one file).
   bool indexed() const noexcept { return files.size() > 1; }
@@ -112,11 +114,12 @@ struct hf_export_plan {
   }
 
   /// The text of model.safetensors.index.json, byte for byte what Python writes with
-  /// `json.dumps({"metadata": {"total_size": N}, "weight_map": {...}}, indent=2, sort_keys=True)
+  /// `json.dumps({"metadata": {"total_parameters": P, "total_size": N}, "weight_map": {...}}, indent=2, sort_keys=True)
   /// + "\n"` (transformers and huggingface_hub both add the newline): 2-space indent, keys
   /// sorted by code point, non-ASCII characters as \uXXXX escapes.
   std::string index_json() const {
-    std::string out = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(total_size) + "\n  },\n";
+    std::string out = "{\n  \"metadata\": {\n    \"total_parameters\": " + std::to_string(total_parameters) +
+                      ",\n    \"total_size\": " + std::to_string(total_size) + "\n  },\n";
     const auto wm = weight_map();
     out += "  \"weight_map\": {";
     bool first = true;
@@ -163,6 +166,7 @@ inline hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors, std::u
                                     " has more than 2^64 - 1 bytes, or the total does");
     plan.bytes.push_back(*b);
     plan.total_size = *total;
+    plan.total_parameters += *n;  // no overflow: at most total_size
   }
   std::vector<hf_export_file> files(1);
   for (std::size_t i = 0; i < tensors.size(); ++i) {

@@ -1,6 +1,8 @@
 // shardsafe/format/hf_index.hpp - model.safetensors.index.json of a sharded Hugging Face
 // checkpoint (docs/FORMAT.md §3):
-//   {"metadata": {"total_size": BYTES}, "weight_map": {"tensor.name": "model-00001-of-00002.safetensors"}}
+//   {"metadata": {"total_parameters": ELEMENTS, "total_size": BYTES},
+//    "weight_map": {"tensor.name": "model-00001-of-00002.safetensors"}}
+// (total_parameters is what today's transformers adds beside total_size; older files lack it.)
 // File names must be plain names in the same folder; every tensor is listed once.
 #pragma once
 
@@ -24,6 +26,7 @@ inline constexpr std::string_view hf_index_file = "model.safetensors.index.json"
 
 struct hf_index {
   std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given
+  std::optional<std::uint64_t> total_parameters;     ///< metadata.total_parameters, if given
   std::map<std::string, std::string> metadata;       ///< other string entries of "metadata"
   std::map<std::string, std::string> weight_map;     ///< tensor name -> file name
 
@@ -51,10 +54,10 @@ inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
     simdjson::dom::object o;
     if (md.get_object().get(o)) fail(errc::invalid_metadata, f + ": \"metadata\" is not an object");
     for (auto kv : o) {
-      if (kv.key == "total_size") {
+      if (kv.key == "total_size" || kv.key == "total_parameters") {
         auto n = detail::as_count(kv.value);
-        if (!n) fail(errc::invalid_metadata, f + ": metadata.total_size is " + detail::count_problem(kv.value));
-        idx.total_size = *n;
+        if (!n) fail(errc::invalid_metadata, f + ": metadata." + std::string(kv.key) + " is " + detail::count_problem(kv.value));
+        (kv.key == "total_size" ? idx.total_size : idx.total_parameters) = *n;
       } else {
         std::string_view s;
         if (!kv.value.get_string().get(s)) idx.metadata[std::string(kv.key)] = std::string(s);
@@ -76,6 +79,7 @@ inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
     if (!idx.weight_map.emplace(name, std::string(target)).second)
       fail(errc::invalid_metadata, f + ": tensor '" + name + "' is listed twice in weight_map");
   }
+  detail::require_unique_keys(root, f);  // after the rule above: "metadata" or "weight_map" twice
   return idx;
 }
 
@@ -98,6 +102,7 @@ inline std::string write_hf_index(const hf_index& idx) {
     rendered[k] = s;
   }
   if (idx.total_size) rendered["total_size"] = std::to_string(*idx.total_size);
+  if (idx.total_parameters) rendered["total_parameters"] = std::to_string(*idx.total_parameters);
   for (const auto& [k, v] : rendered) entry(k, v);
   out += first ? "}" : "\n  }";
   out += ",\n  \"weight_map\": {";
@@ -118,7 +123,7 @@ inline std::string write_hf_index(const hf_index& idx) {
 
 template <ReadableStorage S>
 hf_index read_hf_index(const S& s) {
-  return parse_hf_index(read_text(s), s.name());
+  return parse_hf_index(read_text(s, max_metadata_size, text_kind::json), s.name());
 }
 
 }  // namespace shardsafe

@@ -24,6 +24,7 @@
 
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/torch/compat.hpp"
 
 namespace shardsafe {
 
@@ -159,7 +160,7 @@ struct c10d_world {
     const std::string prefix = "shardsafe/group/" + std::to_string(++groups_made_);
     try {
       auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
-      auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(ps, rank, world_size, gloo_options);
+      auto group = compat::make_gloo_process_group(ps, rank, world_size, gloo_options);
       group->barrier()->wait();  // every rank's side of every connection set up (init_world_from_env)
       return c10d_comm(std::move(group));
     } catch (const c10::Error& e) {
@@ -211,6 +212,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     so.numWorkers = static_cast<std::size_t>(world);
     so.waitWorkers = true;
     so.timeout = timeout;
+    compat::tcp_store_options(so);
     w.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
     auto go = c10d::ProcessGroupGloo::Options::create(timeout);
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
@@ -219,7 +221,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
       go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(addr));
     else
       go->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    w.pg = c10::make_intrusive<c10d::ProcessGroupGloo>(w.store, rank, world, go);
+    w.pg = compat::make_gloo_process_group(w.store, rank, world, go);
     // A rank's ProcessGroupGloo is ready once its own side of each connection is; a peer may
     // still be reading its handshake. Without this barrier a rank that needs no collective
     // afterwards could exit first and break the peer's join ("Connection closed by peer"),

@@ -21,6 +21,7 @@
 
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/pickle_writer.hpp"
+#include "shardsafe/torch/compat.hpp"
 #include "shardsafe/torch/optim_families.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
@@ -36,8 +37,6 @@ struct optimizer_param {
 };
 
 namespace detail {
-
-inline std::string state_key_of(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
 inline std::string state_entry(const std::string& param, std::string_view key) {
   return "state." + param + ".__" + std::string(key);
@@ -86,9 +85,8 @@ inline void init_optimizer_state(torch::optim::Optimizer& opt) {
   for (auto& group : opt.param_groups()) {
     const auto& tr = detail::traits_of(group.options());
     for (const auto& p : group.params()) {
-      const std::string key = detail::state_key_of(p);
-      if (opt.state().count(key)) continue;
-      if (auto s = tr.initial_state(p, group.options())) opt.state()[key] = std::move(s);
+      if (optimizer_state_of(opt, p)) continue;
+      if (auto s = tr.initial_state(p, group.options())) optimizer_state_slot(opt, p) = std::move(s);
     }
   }
 }
@@ -110,9 +108,9 @@ inline state_dict flatten_optimizer_state(torch::optim::Optimizer& opt, const st
     for (const auto& p : groups[g]) {
       ids.push_back(pickle_value::integer(id++));
       names.push_back(pickle_value::string(p.name));
-      auto it = opt.state().find(detail::state_key_of(p.param));
-      if (it == opt.state().end()) continue;
-      auto& state = *it->second;
+      auto* found = optimizer_state_of(opt, p.param);
+      if (!found) continue;
+      auto& state = *found;
       for (const auto& k : tr.tensor_keys) {
         at::Tensor* t = tr.tensor(state, k);
         if (!t || !t->defined()) continue;

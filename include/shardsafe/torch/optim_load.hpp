@@ -21,6 +21,7 @@
 
 #include "shardsafe/format/pickle_reader.hpp"
 #include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/torch/compat.hpp"
 #include "shardsafe/torch/optim_families.hpp"
 #include "shardsafe/torch/optim_flatten.hpp"
 #include "shardsafe/torch/state_dict.hpp"
@@ -68,42 +69,50 @@ inline std::vector<std::string> names_of(const pickle_value& group, const std::s
 }
 }  // namespace detail
 
-/// Loads optimizer state from an optim/ checkpoint into `opt`, in place: state tensors are the
-/// optimizer's own (created with the parameter's shape where missing), read in one batch.
+namespace detail {
+
+/// A param group as the checkpoint records it: its parameters' names and its hyper-parameters.
+struct checkpoint_param_group {
+  std::vector<std::string> names;
+  pickle_value hyper;  ///< a dict
+  std::string ctx;     ///< names it in messages
+};
+
+/// Where a layout keeps parameter p's state k: STATE_PREFIX + p + SEPARATOR + k.
+struct optim_state_keys {
+  std::string prefix;     ///< "state." (OLMo-core), "optim.state." (torch DCP)
+  std::string separator;  ///< ".__" (OLMo-core), "." (torch DCP)
+};
+
+/// Restores `opt` from the checkpoint's groups and state tensors (either layout), in place:
+/// groups matched by their parameters' names, hyper-parameters set (o.restore_hyperparameters),
+/// state tensors read in one batch; `used` names entries already accounted for.
 template <ReadableDirectory D>
-optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
-                                       const optim_load_options& o = {}) {
+optim_load_report restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+                                    const optim_load_options& o, const std::vector<checkpoint_param_group>& ckpt_groups,
+                                    const optim_state_keys& layout, std::set<std::string> used) {
   optim_load_report rep;
   const std::string dname(r.directory().name());
   auto groups = name_optimizer_params(opt, model);
-  const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();
-  if (n < 0 || n > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(n));
-
   // match the checkpoint's groups to the optimizer's by parameter names
   std::map<std::string, std::size_t> group_of;  // name -> optimizer group
   for (std::size_t g = 0; g < groups.size(); ++g)
     for (const auto& p : groups[g]) group_of[p.name] = g;
   std::set<std::string> in_checkpoint;
-  std::set<std::string> used_entries{"num_param_groups", "state_keys"};
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::string key = "param_group" + std::to_string(i);
-    used_entries.insert(key);
-    const std::string ctx = dname + ": " + key;
-    pickle_value group = detail::read_pickle(r, key, o.load);
-    std::vector<std::string> names = detail::names_of(group, ctx);
+  for (const auto& group : ckpt_groups) {
     std::optional<std::size_t> target;
-    for (const auto& nm : names) {
+    for (const auto& nm : group.names) {
       in_checkpoint.insert(nm);
       auto it = group_of.find(nm);
       if (it == group_of.end()) continue;
       if (target && *target != it->second)
-        fail(errc::invalid_argument, ctx + ": its parameters are spread over the optimizer's groups " +
+        fail(errc::invalid_argument, group.ctx + ": its parameters are spread over the optimizer's groups " +
                                          std::to_string(*target) + " and " + std::to_string(it->second));
       target = it->second;
     }
     if (target && o.restore_hyperparameters) {
       auto& options = opt.param_groups()[*target].options();
-      detail::traits_of(options).set_hyper(options, group, ctx);
+      traits_of(options).set_hyper(options, group.hyper, group.ctx);
     }
   }
 
@@ -114,7 +123,7 @@ optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Op
   std::vector<std::pair<std::int64_t*, at::Tensor>> step_targets;
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const auto& options = opt.param_groups()[g].options();
-    const auto& tr = detail::traits_of(options);
+    const auto& tr = traits_of(options);
     for (const auto& p : groups[g]) {
       if (!in_checkpoint.count(p.name)) {
         if (o.strict)
@@ -122,21 +131,21 @@ optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Op
         rep.missing_params.push_back(p.name);
         continue;
       }
-      const std::string prefix = "state." + p.name + ".__";
+      const std::string prefix = layout.prefix + p.name + layout.separator;
       std::vector<std::string> present;
       for (auto it = ckpt_keys.lower_bound(prefix); it != ckpt_keys.end() && it->rfind(prefix, 0) == 0; ++it)
         present.push_back(it->substr(prefix.size()));
       if (present.empty()) continue;  // no state yet (e.g. SGD before its first step)
-      const std::string skey = detail::state_key_of(p.param);
-      auto& slot = opt.state()[skey];
+      auto& slot = optimizer_state_slot(opt, p.param);
       if (!slot) slot = tr.empty_state();
       for (const auto& k : present) {
         const std::string entry = prefix + k;
-        if (k.find(".__") != std::string::npos) continue;  // belongs to a parameter named "<p.name>.__..."
-        used_entries.insert(entry);
+        // a key with a separator belongs to a parameter named "<p.name><separator>..."
+        if (k.find(layout.separator) != std::string::npos) continue;
+        used.insert(entry);
         const tensor_metadata* tm = r.find(entry);
         if (k == "step" && tr.has_step) {
-          step_targets.emplace_back(tr.step(*slot), detail::read_whole(r, entry, o.load));
+          step_targets.emplace_back(tr.step(*slot), read_whole(r, entry, o.load));
           continue;
         }
         at::Tensor* t = tr.tensor(*slot, k);
@@ -163,12 +172,34 @@ optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Op
       fail(errc::invalid_metadata, dname + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
     *target = static_cast<std::int64_t>(s);
   }
+  // state of parameters this optimizer does not hold
   for (const auto& k : ckpt_keys)
-    if (!used_entries.count(k) && !(k.rfind("param_group", 0) == 0)) {
-      // state of parameters this optimizer does not hold
-      if (k.rfind("state.", 0) == 0) rep.unexpected_keys.push_back(k);
-    }
+    if (!used.count(k) && k.rfind(layout.prefix, 0) == 0) rep.unexpected_keys.push_back(k);
   return rep;
+}
+
+}  // namespace detail
+
+/// Loads optimizer state from an optim/ checkpoint (OLMo-core's layout, torch/optim.hpp) into
+/// `opt`, in place: state tensors are the optimizer's own (created with the parameter's shape
+/// where missing), read in one batch.
+template <ReadableDirectory D>
+optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+                                       const optim_load_options& o = {}) {
+  const std::string dname(r.directory().name());
+  const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();
+  if (n < 0 || n > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(n));
+  std::vector<detail::checkpoint_param_group> groups;
+  std::set<std::string> used{"num_param_groups", "state_keys"};
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::string key = "param_group" + std::to_string(i);
+    used.insert(key);
+    const std::string ctx = dname + ": " + key;
+    pickle_value group = detail::read_pickle(r, key, o.load);
+    std::vector<std::string> names = detail::names_of(group, ctx);
+    groups.push_back({std::move(names), std::move(group), ctx});
+  }
+  return detail::restore_optimizer(r, opt, model, o, groups, {"state.", ".__"}, std::move(used));
 }
 
 }  // namespace shardsafe

@@ -85,22 +85,32 @@ inline flat_view view_of(const std::string& key, const sharded_tensor& t, const 
 }
 }  // namespace detail
 
-/// Saves a state dict as one sharded checkpoint in dir. A collective over comm: an error on
-/// any rank is thrown, with its code, on every rank (dist/agree.hpp).
-template <WritableDirectory D, Comm C>
-save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
-  std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
+namespace detail {
+/// The views of sd's tensors for a save: each tensor's own memory, or a contiguous CPU copy
+/// (kept in `keep`) of one that is not viewable. A rank whose tensors cannot be viewed fails the
+/// save on every rank, before anything is written.
+template <Comm C>
+std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>& keep, C& comm, std::string_view dir) {
   std::vector<flat_view> views;
   keep.reserve(sd.size());
   views.reserve(sd.size());
-  // a rank whose tensors cannot be viewed fails the save everywhere, before anything is written
   every_rank_step(comm, [&] {
     for (const auto& [key, t] : sd) {
-      if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
+      if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
       at::Tensor mem = is_viewable(t.local) ? t.local : keep.emplace_back(t.local.detach().to(at::kCPU).contiguous());
-      views.push_back(detail::view_of(key, t, mem));
+      views.push_back(view_of(key, t, mem));
     }
   });
+  return views;
+}
+}  // namespace detail
+
+/// Saves a state dict as one checkpoint in dir (opt.format: shardsafe's layout or torch DCP's). A
+/// collective over comm: an error on any rank is thrown, with its code, on every rank (dist/agree.hpp).
+template <WritableDirectory D, Comm C>
+save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
+  std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
+  const auto views = detail::save_views(sd, keep, comm, dir.name());
   return save_flat_views(dir, std::span<const flat_view>(views), comm, opt);
 }
 
