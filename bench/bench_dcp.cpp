@@ -1,6 +1,7 @@
-// bench/bench_dcp.cpp - a torch DCP checkpoint (~1 GiB, F32, saved by 2 Gloo ranks of Debian's
-// torch 1.13 through bench/dcp_peer.py) read by shardsafe and by torch itself, in one run. No
-// LibTorch in this program: the peer runs under /usr/bin/python3.
+// bench/bench_dcp.cpp - a torch DCP checkpoint (~1 GiB, F32, saved by 2 Gloo ranks through
+// bench/dcp_peer.py: Debian 12's torch 1.13, or torch 2.x in the Debian 13 root, whichever
+// /usr/bin/python3 holds) read by shardsafe and by torch itself, in one run; with torch 2.x also
+// shardsafe's DCP save against torch's dcp.save of the same state. No LibTorch in this program.
 //
 // Cases, round-robin over --reps rounds, each in a fresh process (so that each peak RSS is its
 // own), the checkpoint in the page cache (read once before):
@@ -12,6 +13,9 @@
 //     the whole conversion, writing included.
 // Columns: best / median seconds, x torch (torch's median ÷ this row's), peak RSS of the process
 // and its RSS before the work (torch's includes the interpreter and torch itself).
+// With torch 2.x, two more rows: torch's dcp.save of the same tensors, whole, in one process
+// (FileSystemWriter fsyncs every file), and shardsafe's save_dcp of the tensors loaded from the
+// checkpoint (one process, O_DIRECT and fsync: durable), the latter read back and compared whole.
 // Then a resharded load into 3 ranks (rows split in three, the checkpoint's rows in two; each
 // rank a fresh reader): bytes the ranks need, bytes their read plans read, and every byte the
 // process read (/proc/self/io rchar: .metadata, the archives' zip headers and the plans' reads),
@@ -21,6 +25,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,10 +34,13 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_common.hpp"
+#include "shardsafe/checkpoint/dcp_save.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/dist/single.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/format/rename.hpp"
@@ -74,14 +82,16 @@ struct result {
   double seconds = 0, rss_before = 0, peak = 0;
 };
 
-/// Runs f in a child process: its seconds, RSS before f and peak RSS (wait4's ru_maxrss).
-template <class F>
-result in_child(F&& f) {
+/// Runs prepare() then f() in a child process: f's seconds, the RSS before f and the peak RSS
+/// (wait4's ru_maxrss; prepare's memory included).
+template <class P, class F>
+result in_child(P&& prepare, F&& f) {
   int fd[2];
   if (::pipe(fd) != 0) std::abort();
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::close(fd[0]);
+    prepare();
     double r[2] = {bench::rss_mib(), 0};
     const double t0 = bench::now_s();
     f();
@@ -102,11 +112,13 @@ result in_child(F&& f) {
   }
   return {r[1], r[0], double(ru.ru_maxrss) / 1024.0};
 }
+template <class F>
+result in_child(F&& f) {
+  return in_child([] {}, std::forward<F>(f));
+}
 
-void load_all(const fs::path& ckpt) {
+void load_all(const fs::path& ckpt, std::vector<std::unique_ptr<std::byte[]>>& mem, std::vector<flat_view>& views) {
   checkpoint_reader<file_directory> r{file_directory(ckpt)};
-  std::vector<std::unique_ptr<std::byte[]>> mem;
-  std::vector<flat_view> views;
   for (const auto& [key, tm] : r.metadata().tensors) {
     const u64 n = tm.numel() * item_size(tm.type);
     mem.emplace_back(new std::byte[n]);  // uninitialised, as torch.empty
@@ -115,12 +127,18 @@ void load_all(const fs::path& ckpt) {
   r.load(views);
 }
 
+void load_all(const fs::path& ckpt) {
+  std::vector<std::unique_ptr<std::byte[]>> mem;
+  std::vector<flat_view> views;
+  load_all(ckpt, mem, views);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
-  bench::accept_only(a, "Reads a torch DCP checkpoint written by Debian's torch 1.13 with shardsafe and with torch itself\n"
-                        "(bench/README.md).",
+  bench::accept_only(a, "Reads a torch DCP checkpoint written by torch (1.13 or 2.x, /usr/bin/python3's) with shardsafe and\n"
+                        "with torch itself; with torch 2.x, also saves one with both (bench/README.md).",
                      {{"--quick", nullptr, "a small model, one round (a smoke run)"},
                       {"--reps", "N", "rounds of every case (default 3)"},
                       {"--dir", "DIR", "where the checkpoint is written (default the temporary folder)"}});
@@ -136,6 +154,9 @@ int main(int argc, char** argv) {
   fs::create_directories(base);
   const fs::path ckpt = base / "ckpt", out = base / "hf";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "dcp_peer.py").string();
+  std::string torch_version = run_capture(python + " " + peer + " version 2>/dev/null");
+  while (!torch_version.empty() && std::isspace(static_cast<unsigned char>(torch_version.back()))) torch_version.pop_back();
+  const bool torch2 = !torch_version.empty() && torch_version[0] >= '2' && torch_version[0] <= '9';
   const double tw = bench::now_s();
   const std::string w = run_capture(python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
                                     std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
@@ -158,13 +179,15 @@ int main(int argc, char** argv) {
     for (const auto& [k, tm] : r.metadata().tensors) tensor_bytes += tm.numel() * item_size(tm.type);
     tensors = r.metadata().tensors.size();
   }
-  std::printf("# bench_dcp: torch 1.13 DCP checkpoint of %zu F32 tensors, %.1f MiB of tensors in %.1f MiB of files, "
-              "saved by 2 Gloo ranks in %.1f s (single_file_per_rank); %d round(s); loadavg %s\n",
-              tensors, double(tensor_bytes) / bench::MiB, double(file_bytes) / bench::MiB, bench::now_s() - tw, reps,
-              bench::loadavg().c_str());
+  std::printf("# bench_dcp: torch %s DCP checkpoint of %zu F32 tensors, %.1f MiB of tensors in %.1f MiB of files, "
+              "saved by 2 Gloo ranks in %.1f s (%s); %d round(s); loadavg %s\n",
+              torch_version.c_str(), tensors, double(tensor_bytes) / bench::MiB, double(file_bytes) / bench::MiB,
+              bench::now_s() - tw, torch2 ? "DTensors Shard(0), dcp.save" : "single_file_per_rank", reps, bench::loadavg().c_str());
 
-  bench::samples torch_s, load_s, hf_s;
-  result torch_r, load_r, hf_r;
+  bench::samples torch_s, load_s, hf_s, tsave_s, ssave_s;
+  result torch_r, load_r, hf_r, tsave_r, ssave_r;
+  const fs::path saved = base / "saved";
+  bool saved_exact = true;
   for (int i = 0; i < reps; ++i) {
     const std::string line = run_capture(python + " " + peer + " load " + ckpt.string() + " 2>&1");
     if (field(line, "seconds") < 0) {
@@ -185,6 +208,38 @@ int main(int argc, char** argv) {
       export_hf(file_directory(ckpt), file_directory(out), opt);
     });
     hf_s.add(hf_r.seconds);
+    if (!torch2) continue;
+
+    fs::remove_all(saved);
+    ::sync();
+    const std::string sline = run_capture(python + " " + peer + " save " + saved.string() + " " + std::to_string(h) + " " +
+                                          std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
+    if (field(sline, "seconds") < 0) {
+      std::fprintf(stderr, "bench_dcp: torch's save failed:\n%s\n", sline.c_str());
+      return 1;
+    }
+    tsave_s.add(field(sline, "seconds"));
+    tsave_r = {field(sline, "seconds"), field(sline, "rss_before_mib"), field(sline, "peak_rss_mib")};
+    fs::remove_all(saved);
+    ::sync();
+    // the state in memory first (as torch's is), then only the save timed
+    std::vector<std::unique_ptr<std::byte[]>> mem;
+    std::vector<flat_view> views;
+    ssave_r = in_child([&] { load_all(ckpt, mem, views); }, [&] {
+      single_process one;
+      save_options so;
+      so.format = save_format::dcp;
+      save_flat_views(file_directory(saved), std::span<const flat_view>(views), one, so);
+    });
+    ssave_s.add(ssave_r.seconds);
+    // what shardsafe saved holds the checkpoint's tensors
+    checkpoint_reader<file_directory> a{file_directory(ckpt)}, b{file_directory(saved)};
+    for (const auto& [key, tm] : a.metadata().tensors) {
+      std::vector<std::byte> x(tm.numel() * item_size(tm.type)), y(x.size());
+      unshard_tensor(a, key, x);
+      unshard_tensor(b, key, y);
+      saved_exact = saved_exact && x == y;
+    }
   }
   bench::table t({"case", "best s", "median s", "GB/s", "x torch", "RSS before MiB", "peak RSS MiB"});
   auto row = [&](const char* name, const bench::samples& s, const result& r) {
@@ -196,6 +251,20 @@ int main(int argc, char** argv) {
   row("shardsafe: every tensor loaded whole into new memory", load_s, load_r);
   row("shardsafe: export_hf --preset dcp-to-hf, durable", hf_s, hf_r);
   t.print();
+  if (torch2) {
+    bench::table ts({"save (one process, the whole tensors)", "best s", "median s", "GB/s", "x torch", "RSS before MiB",
+                     "peak RSS MiB"});
+    auto srow = [&](const char* name, const bench::samples& s, const result& r) {
+      ts.add({name, bench::fmt("%.3f", s.best()), bench::fmt("%.3f", s.median()),
+              bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9), bench::fmt("%.2f", tsave_s.median() / s.median()),
+              bench::fmt("%.0f", r.rss_before), bench::fmt("%.0f", r.peak)});
+    };
+    std::printf("\n");
+    srow("torch: dcp.save (FileSystemWriter, fsync)", tsave_s, tsave_r);
+    srow("shardsafe: save_flat_views, format dcp (O_DIRECT, fsync)", ssave_s, ssave_r);
+    ts.print();
+    std::printf("shardsafe's DCP folder read back: %s\n", saved_exact ? "every tensor equal" : "WRONG");
+  }
 
   // resharded: 3 ranks of rows (the checkpoint holds the rows in 2 halves)
   std::map<std::string, std::vector<std::byte>> whole;
@@ -242,5 +311,5 @@ int main(int argc, char** argv) {
   bench::print_target(60, "bytes read / bytes needed, resharded into 3 ranks (<= 1.02)", double(syscalls) / double(need), "x",
                       double(syscalls) / double(need) <= 1.02);
   fs::remove_all(base);
-  return exact ? 0 : 1;
+  return exact && saved_exact ? 0 : 1;
 }

@@ -1,7 +1,9 @@
 // libFuzzer target: locate_torch_zip (the storage record of a torch.save archive, as each chunk of
 // a torch DCP .distcp file is) on arbitrary bytes, and parse_torch_tensor_pickle on the data.pkl
-// it finds, then index_dcp_data_file on the same bytes as a data file. Only shardsafe::error (invalid_metadata) may escape; a record it returns lies inside
-// the archive, before the central directory, and is stored.
+// it finds, then index_dcp_data_file on the same bytes as a data file; and the same bytes as a
+// non-tensor item (torch 2.x: a torch.save archive of a pickled value, read_dcp_object). Only
+// shardsafe::error (invalid_metadata) may escape; a record it returns lies inside the archive,
+// before the central directory, and is stored.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -36,6 +38,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                    h.tensors[0].nbytes() == z.storage.size);
       }
     }
+  } catch (const shardsafe::error& e) {
+    FUZZ_CHECK(e.code() == errc::invalid_metadata);
+    FUZZ_CHECK(std::string_view(e.what()).starts_with("f.distcp"));
+  }
+  // the same bytes as a non-tensor item (torch 2.x's DCP values: data.pkl alone, a plain value)
+  try {
+    const auto z = locate_torch_zip(bytes, "f.distcp", torch_zip_value);
+    FUZZ_CHECK(z.pickle && z.pickle->data_offset <= size && z.pickle->size <= size - z.pickle->data_offset);
+    const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+                            "f.distcp");
+    (void)read_dcp_object(st, dcp_storage_info{"f.distcp", 0, size}, "'k'");
   } catch (const shardsafe::error& e) {
     FUZZ_CHECK(e.code() == errc::invalid_metadata);
     FUZZ_CHECK(std::string_view(e.what()).starts_with("f.distcp"));

@@ -71,6 +71,11 @@ const std::string st113 = "torch.distributed._shard.sharded_tensor.metadata";
 
 struct meta_parts {
   std::string module = m113;
+  /// TensorProperties as torch >= 2.2 pickles it: torch.distributed.checkpoint.metadata's class,
+  /// its enum _MEM_FORMAT_ENCODING made by REDUCE of a value (mem_format) instead of getattr
+  bool torch2_properties = false;
+  std::int64_t mem_format = 0;
+  std::string storage_meta_path;  ///< a StorageMeta with checkpoint_id pathlib._local.PosixPath(this) in planner_data
   std::string dtype = "float32";
   std::vector<std::int64_t> size{4, 6};
   std::vector<std::int64_t> offsets{0, 0}, sizes{4, 6};
@@ -90,10 +95,14 @@ struct meta_parts {
 /// (or torch >= 2.0 with module torch.distributed.checkpoint.metadata).
 std::string metadata_pickle(const meta_parts& p) {
   const std::string props =
-      obj(st113, "TensorProperties",
-          tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
-               "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), pstr("TORCH_CONTIGUOUS_FORMAT")}) + "R",
-               "\x89"}));
+      p.torch2_properties
+          ? obj(p.module, "TensorProperties",
+                tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
+                     "\x89", glob(p.module, "_MEM_FORMAT_ENCODING") + tup({num(p.mem_format)}) + "R", "\x89"}))
+          : obj(st113, "TensorProperties",
+                tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
+                     "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), pstr("TORCH_CONTIGUOUS_FORMAT")}) + "R",
+                     "\x89"}));
   auto chunk_of = [&](const std::vector<std::int64_t>& off, const std::vector<std::int64_t>& sz) {
     return obj(p.module, "ChunkStorageMetadata", dict({{pstr("offsets"), tsize(off)}, {pstr("sizes"), tsize(sz)}}));
   };
@@ -116,7 +125,10 @@ std::string metadata_pickle(const meta_parts& p) {
   if (p.with_storage) storage.push_back({index("w", tsize(p.offsets)), info(10, 96)});
   for (std::size_t i = 0; i < p.more.size(); ++i)
     storage.push_back({index("w", tsize(p.more[i].offsets)), info(200 + 100 * static_cast<std::int64_t>(i), 96, p.more[i].path)});
-  const std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
+  std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
+  if (!p.storage_meta_path.empty())
+    planner = obj(p.module, "StorageMeta", dict({{pstr("checkpoint_id"), glob("pathlib._local", "PosixPath") + tup({pstr(p.storage_meta_path)}) + "R"},
+                                                 {pstr("save_id"), pstr("s")}, {pstr("load_id"), "N"}}));
   return pickle(obj(p.module, "Metadata",
                     dict({{pstr("state_dict_metadata"), dict({{pstr("w"), tsm}, {pstr("step"), bsm}})},
                           {pstr("planner_data"), planner},
@@ -208,6 +220,39 @@ TEST_CASE("dcp metadata: newer torch's extra fields are ignored, transformed byt
   CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").type == dtype::F32);
   p.info_extra = {{pstr("transform_descriptors"), list({pstr("zstd")})}};
   testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"transform_descriptors"});
+}
+
+TEST_CASE("dcp metadata: torch 2.x's classes: _MEM_FORMAT_ENCODING by value, pathlib._local paths; hostile values refused") {
+  meta_parts p;
+  p.module = "torch.distributed.checkpoint.metadata";
+  p.torch2_properties = true;
+  for (std::int64_t v : {0, 1, 2}) {
+    p.mem_format = v;
+    CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").type == dtype::F32);
+  }
+  for (std::int64_t v : {3, -1, 1000000}) {
+    CAPTURE(v);
+    p.mem_format = v;
+    testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "ckpt/.metadata"); }, errc::invalid_metadata,
+                          {"ckpt/.metadata", "_MEM_FORMAT_ENCODING", "a member's value (0, 1 or 2)"});
+  }
+  p.mem_format = 0;
+  // a StorageMeta whose checkpoint_id points anywhere is data: never opened, never followed
+  p.storage_meta_path = "/etc/../../root/.ssh";
+  CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.size() == 2);
+  p.storage_meta_path.clear();
+  // _StorageInfo paths that leave the folder are refused by rule
+  for (const char* bad : {"../w.distcp", "/etc/passwd", "sub/w.distcp", "..", ""}) {
+    CAPTURE(bad);
+    p.path = bad;
+    testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "ckpt/.metadata"); }, errc::invalid_metadata,
+                          {"ckpt/.metadata", "relative_path"});
+  }
+  p.path = "__0_0.distcp";
+  // a chunk (and its MetadataIndex) outside the tensor is refused
+  p.more = {{{9, 9}, {1, 1}, "__1_0.distcp"}};
+  testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "ckpt/.metadata"); }, errc::invalid_metadata,
+                        {"ckpt/.metadata", "pass the tensor's size"});
 }
 
 TEST_CASE("dcp metadata: globals outside the allowlist are refused by name, nothing is called") {

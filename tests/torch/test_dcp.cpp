@@ -94,8 +94,9 @@ WORKER_SCENARIO("dcp_load") {
 }
 
 TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of 1, 2 and 4, rows/cols/flat" *
-          testing::torch_check()) {
-  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+          testing::torch_major_check(1)) {
+  REQUIRE_MESSAGE(testing::torch_major() == 1, "the test command asks for torch 1.13 but " << testing::torch_python
+                                                   << " does not hold it");
   testing::temp_dir dir("dcp-c10d");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture_dist.py";
   const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});

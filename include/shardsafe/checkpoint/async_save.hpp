@@ -241,6 +241,11 @@ class async_saver {
                                  Copy copy = {}) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
+    // an option that exists is honoured or refused: the background writer writes shardsafe's
+    // layout only (a DCP save is a blocking save_flat_views for now)
+    if (opt.format != save_format::shardsafe)
+      fail(errc::invalid_argument, "async save: save_options::format dcp is not supported by the asynchronous saver; "
+                                   "save DCP with save_flat_views (blocking)");
     join();
     const auto t_waited = clock::now();
 

@@ -2,7 +2,8 @@
 //
 // A sharded checkpoint is a folder holding metadata.json (written last, by rank 0: its
 // presence is the commit mark) and one rank_R.safetensors per rank. A model + optimizer
-// checkpoint holds two such folders, model/ and optim/ (docs/FORMAT.md).
+// checkpoint holds two such folders, model/ and optim/ (docs/FORMAT.md). A torch.distributed.checkpoint
+// folder's commit mark is `.metadata`, its data files `__R_N.distcp` (docs/FORMAT.md §5).
 #pragma once
 
 #include <string>
@@ -15,6 +16,12 @@ inline constexpr std::string_view metadata_file_name = "metadata.json";
 
 /// The name rank R's file has in a checkpoint directory.
 inline std::string rank_file_name(int rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
+
+/// The name a torch DCP folder's description (and commit mark) has.
+inline constexpr std::string_view dcp_metadata_file_name = ".metadata";
+
+/// The data file rank R writes in a DCP folder (torch's __R_0.distcp: one file per rank).
+inline std::string dcp_data_file_name(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
 
 /// The sub-folders of a model + optimizer checkpoint.
 inline constexpr std::string_view model_folder_name = "model";

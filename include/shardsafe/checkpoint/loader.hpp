@@ -61,7 +61,9 @@
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/shard/overlap.hpp"
@@ -183,9 +185,31 @@ class checkpoint_reader {
     const auto it = data_files_.find(name);
     return it == data_files_.end() ? name : it->second.path;
   }
-  /// Items of the checkpoint that are not tensors (a DCP folder's non-tensor values): listed
-  /// here, never loaded.
+  /// Items of the checkpoint that are not tensors (a DCP folder's non-tensor values), by key.
   const std::vector<non_tensor_item>& non_tensors() const noexcept { return non_tensors_; }
+  /// Where `key` sits in the nested state dict a DCP folder was flattened from (its planner_data:
+  /// ('model', 'layers.0.weight')), or nullptr when the checkpoint does not say.
+  const pickle_value* path_in_state_dict(const std::string& key) const {
+    auto it = paths_.find(key);
+    return it == paths_.end() ? nullptr : &it->second;
+  }
+  /// The item `key` of non_tensors(), or nullptr.
+  const non_tensor_item* find_object(std::string_view key) const {
+    auto it = std::lower_bound(non_tensors_.begin(), non_tensors_.end(), key,
+                               [](const non_tensor_item& i, std::string_view k) { return i.key < k; });
+    return it != non_tensors_.end() && it->key == key ? &*it : nullptr;
+  }
+  /// The value of the non-tensor item `key` (a DCP folder's: format/dcp_data.hpp's
+  /// read_dcp_object), read from its data file; errc::not_found when there is none.
+  pickle_value read_object(std::string_view key) const {
+    const non_tensor_item* it = find_object(key);
+    if (!it)
+      fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " + described_by_);
+    reader_type s = open_or(it->file, [&] {
+      return std::string(dir_.name()) + "/" + it->file + ": missing: " + described_by_ + " lists it but it does not exist";
+    });
+    return read_dcp_object(s, dcp_storage_info{it->file, it->offset, it->bytes}, "'" + it->key + "'");
+  }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(std::string(key));
     return it == index_.end() ? nullptr : &md_.tensors[it->second].second;
@@ -440,6 +464,7 @@ class checkpoint_reader {
     for (auto& [n, f] : src.files) files_.try_emplace(n, std::move(f));
     data_files_ = std::move(src.data_files);
     non_tensors_ = std::move(src.non_tensors);
+    paths_ = std::move(src.paths);
     for (std::size_t i = 0; i < md_.tensors.size(); ++i) index_.emplace(md_.tensors[i].first, i);
   }
 
@@ -715,6 +740,7 @@ class checkpoint_reader {
   std::map<std::string, std::unique_ptr<open_file>> files_;
   std::map<std::string, dcp_data_file> data_files_;  // names indexed by index_dcp_data_file
   std::vector<non_tensor_item> non_tensors_;
+  std::map<std::string, pickle_value> paths_;
 };
 
 /// Loads views from the checkpoint in dir (a folder holding metadata.json).

@@ -41,6 +41,7 @@
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -49,7 +50,14 @@
 
 namespace shardsafe {
 
+/// Which layout a save writes.
+enum class save_format {
+  shardsafe,  ///< metadata.json + rank_R.safetensors (docs/FORMAT.md §2; OLMo-core's pre-1.0 layout)
+  dcp,        ///< torch.distributed.checkpoint: .metadata + __R_0.distcp (checkpoint/dcp_save.hpp)
+};
+
 struct save_options {
+  save_format format = save_format::shardsafe;
   bool overwrite = false;   ///< replace an existing non-empty directory
   unsigned threads = 0;     ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
@@ -215,7 +223,8 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
   std::vector<std::vector<replica_role>> file_roles;
   for (std::size_t r = 0; r < parts.size(); ++r) {
     for (std::size_t i = 0; i < parts[r].tensors.size(); ++i) {
-      const auto& [key, tm] = parts[r].tensors[i];
+      const std::string& key = parts[r].tensors[i].first;  // named, not bound: `disagree` captures it
+      const tensor_metadata& tm = parts[r].tensors[i].second;
       const replica_role role = r < roles.size() && i < roles[r].size() ? roles[r][i] : replica_role::none;
       auto it = where.find(key);
       if (it == where.end()) {
@@ -280,16 +289,17 @@ checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm,
   return merge_descriptions(parts, dname, roles);
 }
 
-/// Step 2, on rank 0: refuses a non-empty dir unless overwrite; otherwise empties it,
-/// metadata.json first (so the old checkpoint stops loading as complete); then makes it.
+/// Step 2, on rank 0: refuses a non-empty dir unless overwrite; otherwise empties it, its
+/// commit mark first (metadata.json; a DCP folder's .metadata), so the old checkpoint stops
+/// loading as complete; then makes it.
 template <WritableDirectory D, Comm C>
-void prepare_directory(const D& dir, bool overwrite, C& comm) {
+void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view commit_mark = metadata_file_name) {
   rank0_step(comm, [&] {
     if (!dir.list().empty()) {
       if (!overwrite)
         fail(errc::already_exists,
              std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
-      dir.remove(metadata_file_name);
+      dir.remove(commit_mark);
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
@@ -455,12 +465,23 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, chec
 
 }  // namespace detail
 
-/// Saves every rank's views into dir as one checkpoint. A collective: every rank calls it.
+struct dcp_object;
+/// Saves views as a torch DCP folder (defined in checkpoint/dcp_save.hpp, included below).
+template <WritableDirectory D, Comm C>
+save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
+                    std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths);
+
+/// Saves every rank's views into dir as one checkpoint, in opt.format's layout. A collective:
+/// every rank calls it.
 template <WritableDirectory D, Comm C>
 save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
+  if (opt.format == save_format::dcp) return save_dcp(dir, views, comm, opt, {}, {});
   const auto t0 = std::chrono::steady_clock::now();
   checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
   return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);                 // 2-4
 }
 
 }  // namespace shardsafe
+
+// the DCP layout's writer, which builds on the steps above (as Asio includes its impl/ headers)
+#include "shardsafe/checkpoint/dcp_save.hpp"

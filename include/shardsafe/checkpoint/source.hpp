@@ -22,7 +22,8 @@
 // each chunk's torch.save archive, never the chunk's data), so a load opens and indexes only
 // the files it reads from. A data file holding two chunks of one key (a rank with two shards of
 // a tensor) is listed as `FILE`, `FILE#1`, ...: one name per chunk of that key, the same file.
-// Non-tensor items (BytesStorageMetadata) are listed in non_tensors and never loaded.
+// Non-tensor items (BytesStorageMetadata) are listed in non_tensors, their values read only on
+// request (format/dcp_data.hpp's read_dcp_object).
 //
 // A folder is DCP-sharded when one of its safetensors files has DCP_SHARDING_INFO (rank files
 // without metadata.json, a save that did not finish, stay "no metadata.json"). Its checks
@@ -74,13 +75,25 @@ struct opened_file {
   safetensors_header header;
 };
 
-/// An item of a checkpoint that is not a tensor (a DCP folder's non-tensor values): listed,
-/// never loaded.
+/// An item of a checkpoint that is not a tensor (a DCP folder's non-tensor values: an optimizer's
+/// hyper-parameters, an epoch counter): listed, and read on request (checkpoint_reader::read_object).
 struct non_tensor_item {
   std::string key;
-  std::string file;         ///< the data file holding its bytes
-  std::uint64_t bytes = 0;  ///< how many (torch.save bytes)
+  std::string file;          ///< the data file holding its bytes
+  std::uint64_t offset = 0;  ///< where they start in it
+  std::uint64_t bytes = 0;   ///< how many (a torch.save archive of the pickled value)
 };
+
+/// How messages name file `name` of a tensor's files: itself, or for the internal name of a DCP
+/// data file's second (third, ...) chunk of one key, `FILE#k`, "FILE (chunk k+1 of this tensor in it)".
+inline std::string display_file_name(std::string_view name) {
+  const auto hash = name.rfind('#');
+  if (hash == std::string_view::npos || hash + 1 == name.size() ||
+      name.substr(hash + 1).find_first_not_of("0123456789") != std::string_view::npos)
+    return std::string(name);
+  return std::string(name.substr(0, hash)) + " (chunk " + std::to_string(std::stoull(std::string(name.substr(hash + 1))) + 1) +
+         " of this tensor in it)";
+}
 
 /// A checkpoint's description and the files opened while making it.
 template <ReadableDirectory D>
@@ -93,10 +106,9 @@ struct checkpoint_source {
   /// data files, format/dcp_data.hpp), by that name; the reader indexes each when it opens it.
   std::map<std::string, dcp_data_file> data_files;
   std::vector<non_tensor_item> non_tensors;  ///< by key
+  /// A DCP folder's planner_data: each key's path in the state dict torch flattened.
+  std::map<std::string, pickle_value> paths;
 };
-
-/// The name a torch DCP folder's description has.
-inline constexpr std::string_view dcp_metadata_file_name = ".metadata";
 
 namespace detail {
 
@@ -195,14 +207,16 @@ std::optional<checkpoint_source<D>> dcp_sharded_source(const D& dir, const std::
 template <ReadableDirectory D>
 checkpoint_source<D> dcp_source(const D& dir) {
   const std::string folder(dir.name());
-  const dcp_metadata md = parse_dcp_metadata(read_text(dir.open(dcp_metadata_file_name)), folder + "/.metadata");
+  const dcp_metadata md =
+      parse_dcp_metadata(read_text(dir.open(dcp_metadata_file_name), max_metadata_size, text_kind::pickle), folder + "/.metadata");
   checkpoint_source<D> s;
   s.format = checkpoint_format::dcp;
   s.described_by = std::string(dcp_metadata_file_name);
+  s.paths = md.planner_data;
   std::map<std::pair<std::string, std::string>, std::size_t> chunks_of;  // (file, key) -> chunks so far
   for (const auto& [key, item] : md.items) {
     if (item.is_bytes) {
-      s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.length});
+      s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.offset, item.bytes.length});
       continue;
     }
     tensor_metadata tm;

@@ -33,6 +33,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
 #include "shardsafe/detail/checked.hpp"
+#include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/torch_zip.hpp"
@@ -106,6 +107,30 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
 }
 
 }  // namespace detail
+
+/// The largest non-tensor item read from a DCP data file (its torch.save archive): an optimizer's
+/// param group, with its list of parameter names, is far smaller.
+inline constexpr std::uint64_t max_dcp_object_bytes = std::uint64_t(64) << 20;
+
+/// The value of a non-tensor item of a DCP folder: bytes [where.offset, +where.length) of st, a
+/// torch.save archive of a pickled plain value (None, bool, int, float, str, tuple, list, dict;
+/// any global, a tensor among them, is refused by name). `what` names the item in messages.
+template <ReadableStorage S>
+pickle_value read_dcp_object(const S& st, const dcp_storage_info& where, const std::string& what) {
+  const std::string ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) +
+                          ") (" + what + ")";
+  if (where.length > max_dcp_object_bytes)
+    fail(errc::invalid_metadata, ctx + ": a non-tensor item of " + std::to_string(where.length) + " bytes passes the limit of " +
+                                     std::to_string(max_dcp_object_bytes));
+  const auto end = detail::checked_add(where.offset, where.length);
+  if (!end || *end > st.size())
+    fail(errc::truncated, ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
+  const std::string archive = detail::read_string(st, where.offset, static_cast<std::size_t>(where.length));
+  const torch_zip_archive z = locate_torch_zip(archive, ctx, torch_zip_value);
+  return pickle_loads(std::string_view(archive).substr(static_cast<std::size_t>(z.pickle->data_offset),
+                                                       static_cast<std::size_t>(z.pickle->size)),
+                      ctx + ": data.pkl");
+}
 
 /// The index of data file f opened as st (rules at the top): one entry per chunk, named by its
 /// key, at its absolute offset in the file.

@@ -74,6 +74,9 @@ inline constexpr std::size_t max_dcp_chunks_per_tensor = std::size_t(1) << 16;
 /// A parsed `.metadata`: every key, sorted.
 struct dcp_metadata {
   std::map<std::string, dcp_item> items;
+  /// planner_data: each key's path in the nested state dict torch flattened (('optim',
+  /// 'param_groups', 0, 'lr')), tuples of str and int; entries of another shape are left out.
+  std::map<std::string, pickle_value> planner_data;
 };
 
 namespace detail {
@@ -182,6 +185,15 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
   }
 
   dcp_metadata out;
+  if (const auto* pd = root.find("planner_data"); pd && pd->type() == k::dict)
+    for (std::size_t i = 0; i < pd->dict_size(); ++i) {
+      const auto& key = pd->dict_key(i);
+      const auto& path = pd->dict_value(i);
+      if (key.type() != k::string || path.type() != k::tuple) continue;
+      bool plain = true;
+      for (const auto& part : path.as_sequence("")) plain = plain && (part.type() == k::string || part.type() == k::integer);
+      if (plain) out.planner_data.emplace(key.as_string(""), path);
+    }
   for (std::size_t i = 0; i < sdm->dict_size(); ++i) {
     if (sdm->dict_key(i).type() != k::string) p.bad("state_dict_metadata", "key " + std::to_string(i) + " is not a str");
     const std::string& fqn = sdm->dict_key(i).as_string("");
@@ -198,6 +210,8 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
       item.type = p.type_of(p.field(v, "properties", at), at);
       item.size = p.ints(p.field(v, "size", at), at + ": size");
       if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
+      if (!detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
+        p.bad(at, "size " + to_string(item.size) + " " + std::string(name(item.type)) + " has more than 2^64 bits of data");
       const auto& chunks = p.field(v, "chunks", at);
       std::map<std::vector<std::uint64_t>, std::vector<std::uint64_t>> seen;  // offsets -> sizes
       if (chunks.type() != k::list && chunks.type() != k::tuple) p.bad(at, "chunks is not a list");

@@ -77,6 +77,7 @@ inline dcp_block_offsets parse_dcp_sharding_info(const safetensors_header& h) {
   for (const auto& t : h.tensors)
     if (!out.count(t.name))
       fail(errc::invalid_metadata, f + ": tensor '" + t.name + "': not in " + std::string(dcp_sharding_info_key));
+  detail::require_unique_keys(root, ctx);  // after the rule above: saved_offsets twice, say
   return out;
 }
 

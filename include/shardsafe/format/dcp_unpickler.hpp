@@ -16,14 +16,16 @@
 // | or torch.distributed._shard.checkpoint.metadata and | (dict, slots) pair), another state under|
 // | ._shard.sharded_tensor.metadata (1.13); _StorageInfo| "__state__"; the first "__class__" is   |
 // | of either .filesystem                               | the class                               |
-// | MEM_FORMAT_ENCODING (either module)                 | REDUCE (value,): the value; getattr: a   |
-// |                                                     | marker {"__global__": "...NAME"}        |
+// | MEM_FORMAT_ENCODING (1.13, 2.0-2.2),                | REDUCE (value,): the value; getattr: a   |
+// | _MEM_FORMAT_ENCODING (2.2 and later), either module | marker {"__global__": "...NAME"}        |
 // | torch.Size                                          | REDUCE (seq,): a tuple                  |
 // | collections.OrderedDict                             | REDUCE (): an empty dict                |
 // | torch.serialization._get_layout                     | REDUCE (str,): the string               |
 // | builtins.getattr (__builtin__ in protocol 2)         | REDUCE (marker, name): the marker of    |
 // |                                                     | that attribute, itself allowlisted      |
-// | pathlib.PosixPath, pathlib.PurePosixPath            | REDUCE (str, ...): the parts joined by / |
+// | pathlib[._local].{Pure,}{Posix,Windows}Path         | REDUCE (str, ...): the parts joined by / |
+// | (StorageMeta.checkpoint_id; Python 3.13 writes      |                                         |
+// | pathlib._local)                                     |                                         |
 // | torch.<dtype>, torch.<memory format>, torch.strided | a marker {"__global__": "torch.name"}   |
 #pragma once
 
@@ -76,12 +78,15 @@ inline std::optional<dcp_global_kind> dcp_global(std::string_view full) noexcept
   static constexpr std::array<std::string_view, 7> classes{
       "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
       "MetadataIndex", "TensorProperties", "StorageMeta"};
-  static constexpr std::string_view enum_name = "MEM_FORMAT_ENCODING";
+  // the memory-format enum: MEM_FORMAT_ENCODING (torch 1.13, 2.0-2.2's sharded_tensor module),
+  // _MEM_FORMAT_ENCODING (torch.distributed.checkpoint.metadata, 2.2 and later)
   for (auto m : metadata_modules) {
     if (!full.starts_with(m)) continue;
-    const auto rest = full.substr(m.size());
+    auto rest = full.substr(m.size());
     for (auto c : classes)
       if (rest == c) return k::object_class;
+    if (rest.starts_with('_')) rest.remove_prefix(1);
+    static constexpr std::string_view enum_name = "MEM_FORMAT_ENCODING";
     if (rest == enum_name) return k::enum_class;
     if (rest.starts_with(enum_name) && rest.size() > enum_name.size() && rest[enum_name.size()] == '.') {
       const auto member = rest.substr(enum_name.size() + 1);
@@ -97,7 +102,11 @@ inline std::optional<dcp_global_kind> dcp_global(std::string_view full) noexcept
   if (full == "collections.OrderedDict") return k::ordered_dict;
   if (full == "torch.serialization._get_layout") return k::get_layout;
   if (full == "builtins.getattr" || full == "__builtin__.getattr") return k::getattr;  // protocol 2 spells it so
-  if (full == "pathlib.PosixPath" || full == "pathlib.PurePosixPath") return k::path;
+  // StorageMeta.checkpoint_id: a path, pickled under pathlib (Python <= 3.12) or pathlib._local (3.13+)
+  for (std::string_view m : {std::string_view("pathlib."), std::string_view("pathlib._local.")})
+    if (full.starts_with(m))
+      for (std::string_view c : {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"})
+        if (full.substr(m.size()) == c) return k::path;
   if (full.starts_with("torch.")) {
     const auto n = full.substr(6);
     if (dcp_torch_dtype(n) || n == "strided" || n == "contiguous_format" || n == "channels_last" ||
@@ -158,7 +167,9 @@ struct dcp_unpickle_policy {
         return true;
       }
       case 'b': {  // BUILD
-        if (r.string_entry_at(1, class_key).empty())
+        // the object's class is its first entry (object() puts it there): O(1), so that a pickle
+        // of many BUILDs on one object costs what its bytes cost, not their square
+        if (r.first_string_entry_at(1, class_key).empty())
           r.bad("BUILD at byte " + std::to_string(at) + " on a value that is not an allowlisted object");
         using k = pickle_value::kind;
         if (r.kind_at(0) == k::dict) {  // a dataclass's __dict__: its entries join the object, unbuilt
@@ -228,6 +239,8 @@ struct dcp_unpickle_policy {
       case dcp_global_kind::object_class: return object(name, args);
       case dcp_global_kind::enum_class:
         want(a.size() == 1 && a[0].type() == k::integer, "one int");
+        // TORCH_CONTIGUOUS_FORMAT, TORCH_CHANNELS_LAST, TORCH_PRESERVE_FORMAT: torch refuses any other
+        want(a[0].as_int("") >= 0 && a[0].as_int("") <= 2, "a member's value (0, 1 or 2)");
         return a[0];
       case dcp_global_kind::size:
         want(a.size() == 1 && (a[0].type() == k::tuple || a[0].type() == k::list), "one list or tuple");

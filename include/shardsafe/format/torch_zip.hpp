@@ -14,8 +14,9 @@
 //   - exactly one record named `*/data/*`; it is stored (method 0), not encrypted, its sizes
 //     agree, its local header carries the same name, and its bytes end before the central
 //     directory; when the caller knows the chunk's bytes, the record holds exactly that many;
-//   - data.pkl (read by torch_zip_tensor_info through an allowlist: torch._utils._rebuild_tensor_v2,
-//     torch.<T>Storage, collections.OrderedDict) describes a tensor at storage offset 0 with
+//   - data.pkl (read by torch_zip_tensor_info through an allowlist: torch._utils._rebuild_tensor_v2
+//     and _v3 (torch 2.x's float8 and wide unsigned types: an UntypedStorage and the dtype),
+//     torch.<T>Storage, torch.storage.UntypedStorage, torch.<dtype>, collections.OrderedDict) describes a tensor at storage offset 0 with
 //     row-major contiguous strides, whose storage is the record.
 #pragma once
 
@@ -64,10 +65,16 @@ struct zip_entry {
 
 }  // namespace detail
 
+/// The expected_size of an archive of a pickled value (a DCP non-tensor item: torch.save(obj)
+/// with no tensor), which holds data.pkl and no storage record.
+inline constexpr std::uint64_t torch_zip_value = UINT64_MAX;
+
 /// Locates the storage record of a torch.save archive of `length` bytes read through
 /// `read_at(offset, n)` (returning a std::string of exactly n bytes at that offset of the
 /// archive); `what` names the archive in messages ("ckpt/__0_0.distcp [0, 747)").
-/// With `expected_size`, the record must hold exactly that many bytes (numel x item size).
+/// With `expected_size`, the record must hold exactly that many bytes (numel x item size); with
+/// torch_zip_value, the archive must hold a pickled value (no storage record; then only
+/// `pickle` is set).
 template <class ReadAt>
 torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::string_view what,
                                    std::optional<std::uint64_t> expected_size = std::nullopt) {
@@ -171,6 +178,18 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
     if (storage) bad("holds two storage records, '" + storage->name + "' and '" + e.name + "' (a DCP chunk holds one tensor)");
     storage = &e;
   }
+  if (expected_size == torch_zip_value) {  // a pickled value: PREFIX/data.pkl alone
+    if (storage) bad("holds the storage record '" + storage->name + "', but a non-tensor item is a pickled value");
+    const detail::zip_entry* pkl = nullptr;
+    for (const auto& e : all)
+      if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
+        if (pkl) bad("holds two pickles, '" + pkl->name + "' and '" + e.name + "'");
+        pkl = &e;
+      }
+    if (!pkl) bad("holds no PREFIX/data.pkl");
+    out.pickle = place(*pkl);
+    return out;
+  }
   if (!storage) bad("holds no storage record (PREFIX/data/KEY)");
   out.storage = place(*storage);
   if (expected_size && out.storage.size != *expected_size)
@@ -196,6 +215,7 @@ struct torch_zip_tensor {
   std::uint64_t storage_numel = 0;
   std::uint64_t storage_offset = 0;
   std::vector<std::uint64_t> size, stride;
+  std::optional<dtype> view_type;  ///< the tensor's dtype when given apart from its storage (torch 2.x, v3)
 };
 
 /// The PickleOpcodePolicy of a torch.save data.pkl holding one tensor: the globals
@@ -211,7 +231,7 @@ struct torch_tensor_pickle_policy {
         {"BoolStorage", dtype::BOOL}, {"ComplexFloatStorage", dtype::C64}};
     for (const auto& [name, t] : table)
       if (n == name) return std::optional<dtype>(t);
-    if (n == "UntypedStorage") return std::optional<dtype>();
+    if (n == "UntypedStorage" || n == "storage.UntypedStorage") return std::optional<dtype>();
     if (auto t = dcp_torch_dtype(n); t && *t) return t;  // newer torch: the dtype itself
     return std::nullopt;
   }
@@ -234,7 +254,8 @@ struct torch_tensor_pickle_policy {
         if (n.type() != k::string || m.type() != k::string) r.bad("STACK_GLOBAL" + where + " needs two strings");
         full = m.as_string("") + "." + n.as_string("");
       }
-      const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "collections.OrderedDict" ||
+      const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
+                      full == "collections.OrderedDict" ||
                       (full.starts_with("torch.") && storage_type(std::string_view(full).substr(6)));
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
@@ -261,6 +282,13 @@ struct torch_tensor_pickle_policy {
       } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find("__storage__")) {
         r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
                                    {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}));
+      } else if (name == "torch._utils._rebuild_tensor_v3" && a.size() >= 7 && a[0].find("__storage__") &&
+                 dcp_unpickle_policy::marker_name(a[6]).starts_with("torch.")) {
+        // torch 2.x, dtypes without a typed storage (float8, uint16/32/64): an untyped (byte)
+        // storage and the dtype as the seventh argument
+        r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
+                                   {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
+                                   {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}));
       } else {
         r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
       }
@@ -293,6 +321,14 @@ inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::s
   if (!st_type) bad("storage type '" + type + "' is not a torch storage class");
   t.type = *st_type;
   t.storage_numel = uint(st->at("numel", what), "storage numel");
+  if (const auto* d = v.find("dtype")) {  // _rebuild_tensor_v3: the tensor's dtype over an untyped storage
+    const std::string& dn = d->as_string(what);
+    const auto dt = dcp_torch_dtype(std::string_view(dn).substr(6));
+    if (!dt) bad("dtype '" + dn + "' is not a torch dtype");
+    if (!*dt) fail(errc::unsupported_dtype, std::string(what) + ": dtype " + dn + " is not supported");
+    if (t.type) bad("_rebuild_tensor_v3 of a typed storage '" + type + "'");
+    t.view_type = **dt;
+  }
   t.storage_offset = uint(v.at("offset", what), "storage offset");
   t.size = ints(v.at("size", what), "size");
   t.stride = ints(v.at("stride", what), "stride");
@@ -306,6 +342,8 @@ inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_re
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": data.pkl: " + rule); };
   if (!storage.name.ends_with("/data/" + t.storage_key)) bad("tensor's storage '" + t.storage_key + "' is not the record '" + storage.name + "'");
   if (t.type && *t.type != type) bad("storage holds " + std::string(name(*t.type)) + " but .metadata says " + std::string(name(type)));
+  if (t.view_type && *t.view_type != type)
+    bad("tensor is " + std::string(name(*t.view_type)) + " but .metadata says " + std::string(name(type)));
   if (t.storage_offset != 0) bad("storage offset " + std::to_string(t.storage_offset) + " is not 0");
   if (t.size != sizes) bad("size " + to_string(t.size) + " is not the chunk's sizes " + to_string(sizes));
   if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));

@@ -1,8 +1,12 @@
 // shardsafe/torch/model_and_optim.hpp - what a training job calls every N steps:
-// the model's state in DIR/model and the optimizer's in DIR/optim (docs/FORMAT.md §2).
+// the model's state in DIR/model and the optimizer's in DIR/optim (docs/FORMAT.md §2), or, with
+// save_options::format = save_format::dcp, both in one torch.distributed.checkpoint folder laid
+// out as torch 2.x's get_state_dict does (torch/optim_dcp.hpp). Loading tells the two apart by
+// their commit marks (a DCP folder's .metadata).
 //
 // The optimizer is written first and model/metadata.json last: that file is the commit mark
-// of the pair, so a save killed at any point leaves a folder that does not load as complete.
+// of the pair, so a save killed at any point leaves a folder that does not load as complete
+// (a DCP folder's .metadata, written last, is its commit mark).
 // Saving and loading agree across ranks: if any rank fails, every rank throws the same error,
 // with the code the failing rank met (dist/agree.hpp).
 #pragma once
@@ -15,6 +19,7 @@
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/optim.hpp"
+#include "shardsafe/torch/optim_dcp.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
 namespace shardsafe {
@@ -61,11 +66,20 @@ template <WritableDirectory D, Comm C>
 train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
                                              C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
+  train_state_stats st;
+  if (opt.format == save_format::dcp) {  // one folder, get_state_dict's layout
+    dcp_train_state ts;
+    every_rank_step(comm, [&] { ts = dcp_train_state_of(model, optim); });
+    std::vector<at::Tensor> keep;
+    const auto views = detail::save_views(ts.tensors, keep, comm, dir.name());
+    st.model = save_dcp(dir, std::span<const flat_view>(views), comm, opt, std::span<const dcp_object>(ts.objects), ts.paths);
+    st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return st;
+  }
   detail::prepare_train_state_folder(dir, opt.overwrite, comm);
 
   save_options sub = opt;
   sub.overwrite = false;
-  train_state_stats st;
   if (optim) {
     state_dict flat;
     every_rank_step(comm, [&] { flat = flatten_optimizer_state(*optim, model); });
@@ -96,15 +110,24 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
       fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
     load_options lo = opt.load;
     lo.strict = opt.strict;
+    optim_load_options oo;
+    oo.load = opt.load;
+    oo.load.strict = true;
+    oo.strict = opt.strict;
+    oo.restore_hyperparameters = opt.restore_hyperparameters;
+    if (!dir.exists(model_folder_name) && dir.exists(dcp_metadata_file_name)) {  // a DCP folder (torch/optim_dcp.hpp)
+      checkpoint_reader<D> r(dir);
+      state_dict prefixed;  // the same tensors, under the DCP keys
+      for (const auto& [name, t] : model) prefixed.add(std::string(dcp_model_prefix) + name, t);
+      rep.model = load_state_dict(r, prefixed, lo);
+      std::erase_if(rep.model.unexpected_keys, [](const std::string& k) { return !k.starts_with(dcp_model_prefix); });
+      if (optim) rep.optim = load_optimizer_state_dcp(r, *optim, model, oo);
+      return;
+    }
     checkpoint_reader<D> mr(dir.sub(model_folder_name));
     rep.model = load_state_dict(mr, model, lo);
     if (optim) {
       checkpoint_reader<D> orr(dir.sub(optim_folder_name));
-      optim_load_options oo;
-      oo.load = opt.load;
-      oo.load.strict = true;
-      oo.strict = opt.strict;
-      oo.restore_hyperparameters = opt.restore_hyperparameters;
       rep.optim = load_optimizer_state(orr, *optim, model, oo);
     }
   });

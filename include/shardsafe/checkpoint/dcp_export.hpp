@@ -1,0 +1,218 @@
+// shardsafe/checkpoint/dcp_export.hpp - any checkpoint a checkpoint_reader reads written out, in
+// one process, as a torch.distributed.checkpoint folder that torch 2.x's dcp.load reads (the tool's
+// `to-dcp`, docs/FORMAT.md §4 and §5).
+//
+// Keys (before options.rename applies to them; "" drops a key, two alike are an error):
+//
+// | source                                   | keys written                                        |
+// |------------------------------------------|-----------------------------------------------------|
+// | a checkpoint, HF folder, safetensors     | the tensors' names                                  |
+// | file, DCP folder (prefix "")             | (a DCP folder's non-tensor items too, as values)    |
+// | model/ of a model + optimizer pair       | model.{key}                                         |
+// | optim/ of a pair (OLMo-core's layout,    | optim.state.{param}.{key} for state.{param}.__{key};|
+// | torch/optim.hpp)                         | optim.param_groups.{i}.{field} for each field of    |
+// |                                          | param_group{i} (params: its _param_names), as torch |
+// |                                          | 2.x's get_state_dict lays an optimizer out          |
+//
+// planner_data gives a pair's keys their nested paths (('model', fqn), ('optim', 'state', fqn, k),
+// ('optim', 'param_groups', i, field)), a DCP source's keys the paths its .metadata gives, other
+// keys their own path (key,).
+//
+// Everything goes into one data file, __0_0.distcp: the non-tensor items, then each tensor as one
+// chunk, whole, streamed from the sources in blocks of chunk_bytes (the CRC-32 computed as they
+// pass: memory is one block, whatever the tensor sizes). `.metadata` is written last (temporary
+// name, rename). The output folder must not exist or be empty; its writer must take writes at
+// offsets (a local folder).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/detail/crc32.hpp"
+#include "shardsafe/format/dcp_metadata_writer.hpp"
+#include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/format/pickle_writer.hpp"
+#include "shardsafe/format/rename.hpp"
+#include "shardsafe/format/torch_zip_writer.hpp"
+#include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
+
+namespace shardsafe {
+
+struct dcp_export_options {
+  rename_rules rename;  ///< applied to every key of the table at the top (first match wins; "" drops)
+  bool model_only = false;  ///< for a model + optimizer pair (or a DCP source), only model/ (model.*) keys
+  std::uint64_t chunk_bytes = std::uint64_t(16) << 20;  ///< memory of the tensor stream
+};
+
+struct dcp_export_stats {
+  std::size_t tensors = 0;  ///< tensors written
+  std::size_t objects = 0;  ///< non-tensor items written
+  std::uint64_t bytes = 0;  ///< size of the data file
+  double seconds = 0;
+};
+
+namespace detail {
+
+/// One key to export: a tensor of a source, or a value.
+template <ReadableDirectory S>
+struct dcp_export_item {
+  std::string key;  ///< before renaming
+  pickle_value path;
+  checkpoint_reader<S>* reader = nullptr;  ///< a tensor: where it is
+  std::string source_key;
+  pickle_value value;  ///< a value (reader == nullptr)
+};
+
+/// The keys of `sources` (the table at the top).
+template <ReadableDirectory S>
+std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<S>> sources, const dcp_export_options& opt) {
+  std::vector<dcp_export_item<S>> items;
+  auto str = [](std::string s) { return pickle_value::string(std::move(s)); };
+  for (const auto& src : sources) {
+    auto& r = *src.reader;
+    const std::string dname(r.directory().name());
+    if (src.prefix == std::string(optim_folder_name) + "/") {
+      if (opt.model_only) continue;
+      for (const auto& [key, tm] : r.metadata().tensors) {
+        if (!key.starts_with("state.")) continue;
+        const auto sep = key.rfind(".__");
+        if (sep == std::string::npos || sep <= 6) continue;
+        const std::string param = key.substr(6, sep - 6), k = key.substr(sep + 3);
+        items.push_back({"optim.state." + param + "." + k,
+                         pickle_value::tuple({str("optim"), str("state"), str(param), str(k)}), &r, key, {}});
+      }
+      // param groups: each field an item, params the names
+      std::vector<std::byte> n(8);
+      unshard_tensor(r, "num_param_groups", n);
+      std::int64_t groups = 0;
+      std::memcpy(&groups, n.data(), 8);
+      if (groups < 0 || groups > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(groups));
+      for (std::int64_t g = 0; g < groups; ++g) {
+        const std::string gkey = "param_group" + std::to_string(g);
+        const tensor_metadata* tm = r.find(gkey);
+        if (!tm || tm->type != dtype::U8) fail(errc::invalid_metadata, dname + ": '" + gkey + "' is not a U8 byte tensor");
+        std::string bytes(static_cast<std::size_t>(tm->numel()), '\0');
+        unshard_tensor(r, gkey, std::as_writable_bytes(std::span(bytes)));
+        const pickle_value group = pickle_loads(bytes, dname + ": '" + gkey + "'");
+        const std::string ctx = dname + ": '" + gkey + "'";
+        for (std::size_t i = 0; i < group.dict_size(); ++i) {
+          std::string field = group.dict_key(i).as_string(ctx);
+          pickle_value v = group.dict_value(i);
+          if (field == "params") continue;  // ids; the names follow
+          if (field == "_param_names") field = "params";
+          items.push_back({"optim.param_groups." + std::to_string(g) + "." + field,
+                           pickle_value::tuple({str("optim"), str("param_groups"), pickle_value::integer(g), str(field)}),
+                           nullptr, {}, std::move(v)});
+        }
+      }
+      continue;
+    }
+    const bool model = src.prefix == std::string(model_folder_name) + "/";
+    auto path_of = [&](const std::string& key) {  // a DCP source's own path, else (key,)
+      const pickle_value* p = r.path_in_state_dict(key);
+      return p ? *p : pickle_value::tuple({str(key)});
+    };
+    for (const auto& [key, tm] : r.metadata().tensors) {
+      if (!model && opt.model_only && !key.starts_with("model.")) continue;
+      items.push_back({model ? "model." + key : key, model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
+    }
+    for (const auto& obj : r.non_tensors()) {
+      if (model || (opt.model_only && !obj.key.starts_with("model."))) continue;
+      items.push_back({obj.key, path_of(obj.key), nullptr, {}, r.read_object(obj.key)});
+    }
+  }
+  return items;
+}
+
+}  // namespace detail
+
+/// Exports the tensors (and values) of `sources` into the DCP folder `out` (the top of this header).
+template <ReadableDirectory S, WritableDirectory D>
+  requires RandomAccessWritableStorage<typename D::writer_type>
+dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D& out, const dcp_export_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string oname(out.name());
+  if (!out.list().empty()) fail(errc::already_exists, oname + ": not empty; an export writes into a new or empty folder");
+  auto items = detail::dcp_export_items(sources, opt);
+  std::vector<std::string> names;
+  std::map<std::string, std::size_t> by_name;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (!by_name.emplace(items[i].key, i).second) fail(errc::invalid_argument, oname + ": the sources give '" + items[i].key + "' twice");
+    names.push_back(items[i].key);
+  }
+  const auto renamed = rename_keys(names, opt.rename, oname + ": rename");  // new name -> old, sorted
+
+  // the layout: values first, then each tensor as one chunk
+  const std::string file = dcp_data_file_name(0);
+  dcp_metadata md;
+  std::map<std::string, pickle_value> paths;
+  struct tensor_out {
+    const detail::dcp_export_item<S>* item;
+    torch_tensor_archive archive;
+    std::uint64_t at;
+  };
+  std::vector<std::pair<std::uint64_t, std::string>> values;  // offset, archive
+  std::vector<tensor_out> tensors;
+  std::uint64_t at = 0;
+  for (const auto& [to, from] : renamed) {
+    const auto& it = items[by_name.at(from)];
+    paths[to] = to == from ? it.path : pickle_value::tuple({pickle_value::string(to)});
+    if (it.reader) continue;
+    std::string a = torch_value_archive(pickle_dumps(it.value));
+    dcp_item& d = md.items[to];
+    d.is_bytes = true;
+    d.bytes = {file, at, a.size()};
+    at += a.size();
+    values.emplace_back(d.bytes.offset, std::move(a));
+  }
+  for (const auto& [to, from] : renamed) {
+    const auto& it = items[by_name.at(from)];
+    if (!it.reader) continue;
+    const tensor_metadata* tm = it.reader->find(it.source_key);
+    require_byte_sized(tm->type, std::string(it.reader->directory().name()) + ": tensor '" + it.source_key + "'");
+    tensor_out& t = tensors.emplace_back(tensor_out{&it, torch_tensor_archive(tm->type, tm->shape), at});
+    dcp_item& d = md.items[to];
+    d.type = tm->type;
+    d.size = tm->shape;
+    d.chunks.push_back({shape_t(tm->shape.size(), 0), tm->shape, {file, at, t.archive.size()}});
+    at += t.archive.size();
+  }
+
+  dcp_export_stats st;
+  st.bytes = at;
+  out.make();
+  auto w = out.create(file);
+  detail::abort_on_failure(w, [&] {
+    auto put = [&](std::uint64_t off, std::string_view s) { w.write_at(off, std::as_bytes(std::span<const char>(s.data(), s.size()))); };
+    for (const auto& [off, a] : values) put(off, a);
+    unshard_options uo;
+    uo.chunk_bytes = opt.chunk_bytes;
+    for (const auto& t : tensors) {
+      put(t.at, t.archive.head());
+      detail::crc32 crc;
+      const std::uint64_t data_at = t.at + t.archive.head().size();
+      for_each_full_chunk(*t.item->reader, t.item->source_key, [&](std::span<const std::byte> b, std::uint64_t at) {
+        crc.update(b);
+        w.write_at(data_at + at, b);
+      }, uo);
+      put(data_at + t.archive.data_size(), t.archive.tail(crc.value()));
+    }
+    w.sync();
+    w.commit();
+  });
+  st.tensors = tensors.size();
+  st.objects = values.size();
+  write_text(out, dcp_metadata_file_name, write_dcp_metadata(md, paths));  // the commit mark, last
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace shardsafe

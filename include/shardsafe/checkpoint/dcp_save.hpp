@@ -1,0 +1,234 @@
+// shardsafe/checkpoint/dcp_save.hpp - saves flat views from every rank as a torch.distributed.checkpoint
+// folder that torch 2.x's dcp.load reads (docs/FORMAT.md §5): `.metadata` and one data file per
+// rank, `__R_0.distcp`.
+//
+// The protocol is the sharded save's (checkpoint/saver.hpp), with DCP's files:
+//   1. the ranks' plans are all-gathered, merged and checked alike on every rank (one shape and
+//      dtype per key, shards covering each tensor, no two different shards overlapping);
+//   2. rank 0 prepares the folder: refuses a non-empty one unless overwrite, else removes
+//      `.metadata` first (the old checkpoint stops loading as complete), then the rest;
+//   3. every rank writes `__R_0.distcp` (temporary name, synced, renamed): rank 0 first the
+//      non-tensor items, then each rank the chunks it writes, each a torch.save archive
+//      (format/dcp_writer.hpp). A block shard is one chunk; a flat shard (FSDP's flattened
+//      offsets) is the N-D blocks that tile each of its ranges (shard/flat_blocks.hpp), since DCP
+//      records blocks; a tensor that is not sharded is one chunk, written by the lowest rank
+//      holding it; identical shards (replicas) are written once, by their writer replica or
+//      else the lowest rank holding them. A rank with nothing to write writes no file;
+//   4. the places of every chunk are all-gathered and rank 0 writes `.metadata` last, by rename:
+//      the commit mark. Each step runs under dist/agree.hpp: a failure anywhere is thrown on
+//      every rank.
+//
+// Non-tensor items (dcp_object: an optimizer's hyper-parameters, say) are given by rank 0 (other
+// ranks' are ignored) as plain values; each is a torch.save archive of its pickle. `paths` gives
+// a key's path in the nested state dict (`.metadata`'s planner_data: ('optim', 'param_groups',
+// 0, 'lr')); keys without one get (key,).
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/detail/crc32.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/dist/message.hpp"
+#include "shardsafe/format/dcp_metadata.hpp"
+#include "shardsafe/format/dcp_metadata_writer.hpp"
+#include "shardsafe/format/dcp_writer.hpp"
+#include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/format/pickle_writer.hpp"
+#include "shardsafe/shard/flat_blocks.hpp"
+#include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
+
+namespace shardsafe {
+
+/// A non-tensor item of a DCP checkpoint: written by rank 0 as torch.save of `value`.
+struct dcp_object {
+  std::string key;
+  pickle_value value;
+};
+
+namespace detail {
+
+/// The chunks this rank writes (rules at the top), their data in the views' memory.
+inline std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                       int rank) {
+  const std::string mine = rank_file_name(rank);
+  std::vector<dcp_chunk_data> out;
+  for (const auto& v : views) {
+    const tensor_metadata* tm = md.find(v.key);
+    // the file that writes this view's spec: the first in md's list with that spec
+    const shard_spec spec = v.effective_spec();
+    const std::string* writer = nullptr;
+    for (const auto& [fname, s] : tm->files)
+      if (s == spec) {
+        writer = &fname;
+        break;
+      }
+    if (!writer || *writer != mine) continue;
+    const std::uint64_t item = item_size(v.type);
+    auto add = [&](shape_t offsets, shape_t sizes, std::uint64_t local) {
+      out.push_back({v.key, v.type, std::move(offsets), std::move(sizes), v.data + local * item, 0});
+    };
+    if (tm->numel() == 0) {  // an empty tensor: one empty chunk, so that it is listed
+      if (&tm->files.front().first == writer) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
+      continue;
+    }
+    if (!v.spec) {
+      add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
+    } else if (v.spec->is_block()) {
+      const block_spec& b = v.spec->block();
+      if (b.local_numel() > 0) add(b.global_offset(), b.local_shape(), 0);
+    } else {
+      std::uint64_t local = 0;
+      for (const auto& r : v.spec->flat().ranges())
+        for (auto& blk : blocks_of_range(v.full_shape, r)) {
+          const std::uint64_t n = numel(blk.sizes);
+          add(std::move(blk.offsets), std::move(blk.sizes), local);
+          local += n;
+        }
+    }
+  }
+  return out;
+}
+
+/// CRC-32 of every chunk's bytes, in pieces of at most 8 MiB on the pool's threads, joined.
+inline void checksum_chunks(std::vector<dcp_chunk_data>& chunks, unsigned threads) {
+  constexpr std::uint64_t piece = std::uint64_t(8) << 20;
+  struct part {
+    std::size_t chunk;
+    std::uint64_t offset, len;
+    std::uint32_t crc = 0;
+  };
+  std::vector<part> parts;
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const std::uint64_t n = numel(chunks[i].sizes) * item_size(chunks[i].type);
+    for (std::uint64_t o = 0; o < n; o += piece) parts.push_back({i, o, std::min(piece, n - o)});
+  }
+  parallel_for(parts.size(), threads, [&](std::size_t k) {
+    part& p = parts[k];
+    p.crc = crc32_of({chunks[p.chunk].data + p.offset, static_cast<std::size_t>(p.len)});
+  });
+  for (auto& c : chunks) c.crc = 0;
+  for (const auto& p : parts) chunks[p.chunk].crc = crc32_combine(chunks[p.chunk].crc, p.crc, p.len);
+}
+
+/// Writes the laid-out file through dir's writer (blocks or write_at); aborted on failure.
+template <WritableDirectory D>
+void write_dcp_file(const D& dir, const dcp_file_layout& layout, const save_options& opt) {
+  auto w = dir.create(layout.file());
+  abort_on_failure(w, [&] {
+    if constexpr (BlockWritableStorage<typename D::writer_type>) {
+      block_write_options bo;
+      bo.threads = opt.threads;
+      bo.direct = opt.direct_io;
+      bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
+      w.write_blocks(layout.size(), [&](std::uint64_t off, std::span<std::byte> dst) { layout.render(off, dst); }, bo);
+    } else {
+      const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
+      const std::uint64_t n = (layout.size() + chunk - 1) / chunk;
+      parallel_for(static_cast<std::size_t>(n), opt.threads, [&](std::size_t i) {
+        const std::uint64_t off = i * chunk, len = std::min(chunk, layout.size() - off);
+        std::vector<std::byte> buf(static_cast<std::size_t>(len));
+        layout.render(off, buf);
+        w.write_at(off, buf);
+      });
+    }
+    w.sync();
+    w.commit();
+  });
+}
+
+/// What a rank sends after writing its file: its size, then each object and chunk with its place.
+inline std::string encode_dcp_places(const dcp_file_layout* layout) {
+  message_writer m;
+  if (!layout) return std::move(m.count(0).count(0).count(0)).str();
+  m.count(layout->size()).count(layout->objects().size());
+  for (std::size_t i = 0; i < layout->objects().size(); ++i)
+    m.text(layout->objects()[i].key).count(layout->object_place(i).offset).count(layout->object_place(i).length);
+  m.count(layout->chunks().size());
+  for (std::size_t i = 0; i < layout->chunks().size(); ++i) {
+    const auto& c = layout->chunks()[i];
+    m.text(c.key).counts(c.offsets).counts(c.sizes).count(layout->chunk_place(i).offset).count(layout->chunk_place(i).length);
+  }
+  return std::move(m).str();
+}
+
+}  // namespace detail
+
+/// Saves every rank's views (and rank 0's objects) into dir as a torch DCP folder. A collective:
+/// every rank calls it. opt.checksums does not apply (each archive carries its CRC-32);
+/// save_flat_views with opt.format == save_format::dcp calls it without objects.
+template <WritableDirectory D, Comm C>
+save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
+                    std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string dname(dir.name());
+  const int rank = comm.rank(), world = comm.world_size();
+  checkpoint_metadata md = detail::agree_on_metadata(views, comm, dname);  // 1
+  rank0_step(comm, [&] {
+    for (const auto& o : objects)
+      if (md.find(o.key)) fail(errc::invalid_argument, dname + ": '" + o.key + "' is both a tensor and a non-tensor item");
+  });
+  detail::prepare_directory(dir, opt.overwrite, comm, dcp_metadata_file_name);  // 2
+
+  std::unique_ptr<dcp_file_layout> layout;  // 3
+  const auto places = every_rank_step(comm, [&] {
+    std::vector<dcp_object_data> objs;
+    if (rank == 0)
+      for (const auto& o : objects) objs.push_back({o.key, torch_value_archive(pickle_dumps(o.value))});
+    auto chunks = detail::dcp_chunks_to_write(views, md, rank);
+    if (objs.empty() && chunks.empty()) return detail::encode_dcp_places(nullptr);
+    detail::checksum_chunks(chunks, opt.threads);
+    layout = std::make_unique<dcp_file_layout>(dcp_data_file_name(rank), std::move(objs), std::move(chunks));
+    detail::write_dcp_file(dir, *layout, opt);
+    return detail::encode_dcp_places(layout.get());
+  });
+
+  save_stats st;
+  st.tensors_written = layout ? layout->chunks().size() : 0;
+  st.bytes_written = layout ? layout->size() : 0;
+  dcp_metadata out;
+  for (const auto& [key, tm] : md.tensors) {
+    dcp_item& it = out.items[key];
+    it.type = tm.type;
+    it.size = tm.shape;
+  }
+  for (int r = 0; r < world; ++r) {
+    message_reader m(places[static_cast<std::size_t>(r)], dname + " (rank " + std::to_string(r) + "'s data file)");
+    st.total_bytes += m.count();
+    const std::string file = dcp_data_file_name(r);
+    for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
+      dcp_item& it = out.items[m.text()];
+      it.is_bytes = true;
+      it.bytes.relative_path = file;
+      it.bytes.offset = m.count();
+      it.bytes.length = m.count();
+    }
+    for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
+      const std::string key = m.text();
+      dcp_chunk c;
+      c.offsets = m.counts();
+      c.sizes = m.counts();
+      c.storage = {file, m.count(), 0};
+      c.storage.length = m.count();
+      auto it = out.items.find(key);
+      if (it == out.items.end()) m.malformed("a chunk of '" + key + "', which no rank planned");
+      it->second.chunks.push_back(std::move(c));
+    }
+    m.finish();
+  }
+  rank0_step(comm, [&] { write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths)); });  // 4
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace shardsafe
