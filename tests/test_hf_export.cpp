@@ -21,6 +21,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <variant>
 #include <vector>
 
@@ -417,23 +418,26 @@ void check_folder(const fs::path& dir, const std::map<std::string, std::map<std:
   }
 }
 
-/// The index Python writes for tensors (name, bytes) packed into max_size: shard_checkpoint's
-/// loop and json.dumps(indent=2, sort_keys=True); nullopt when python3 does not run.
-std::optional<std::string> python_index(const std::vector<std::pair<std::string, std::uint64_t>>& ts, std::uint64_t max) {
+/// The index Python writes for tensors (name, bytes, elements) packed into max_size: shard_checkpoint's
+/// loop and json.dumps(indent=2, sort_keys=True), with today's transformers' total_parameters;
+/// nullopt when python3 does not run.
+std::optional<std::string> python_index(const std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>>& ts,
+                                        std::uint64_t max) {
   temp_dir d("pyidx");
   std::string input = std::to_string(max) + "\n";
-  for (const auto& [n, b] : ts) input += n + "\t" + std::to_string(b) + "\n";
+  for (const auto& [n, b, e] : ts) input += n + "\t" + std::to_string(b) + "\t" + std::to_string(e) + "\n";
   testing::write_file(d.path / "in", input);
   const char* script =
       "import json,sys\n"
       "lines=open(sys.argv[1]).read().split('\\n')[:-1]\n"
       "mx=int(lines[0]); ts=sorted((l.split('\\t')[0],int(l.split('\\t')[1])) for l in lines[1:])\n"
+      "params=sum(int(l.split('\\t')[2]) for l in lines[1:])\n"
       "blocks=[[]]; cur=0\n"
       "for n,b in ts:\n"
       "  if blocks[-1] and cur+b>mx: blocks.append([]); cur=0\n"
       "  blocks[-1].append((n,b)); cur+=b\n"
       "wm={n:'model-%05d-of-%05d.safetensors'%(i+1,len(blocks)) for i,bl in enumerate(blocks) for n,b in bl}\n"
-      "sys.stdout.write(json.dumps({'metadata':{'total_size':sum(b for n,b in ts)},'weight_map':wm},"
+      "sys.stdout.write(json.dumps({'metadata':{'total_parameters':params,'total_size':sum(b for n,b in ts)},'weight_map':wm},"
       "indent=2,sort_keys=True)+'\\n')\n";
   const auto r = testing::run_program("python3", {"-I", "-c", script, (d.path / "in").string()});
   if (!r.exited || r.code != 0) return std::nullopt;
@@ -468,8 +472,8 @@ TEST_CASE("hf export: a 3-rank checkpoint round-trips at several shard sizes and
       CHECK(st.indexed == (want.size() > 1));
       if (max == 1000) CHECK(max < largest);
       if (want.size() > 1 && to.empty()) {
-        std::vector<std::pair<std::string, std::uint64_t>> sizes;
-        for (const auto& t : ts) sizes.emplace_back(t.name, t.bytes.size());
+        std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>> sizes;
+        for (const auto& t : ts) sizes.emplace_back(t.name, t.bytes.size(), numel(t.shape));
         if (auto py = python_index(sizes, max)) CHECK(testing::slurp(out / "model.safetensors.index.json") == *py);
       }
     }

@@ -411,6 +411,20 @@ TEST_CASE("rename: rule syntax errors name the rule and what is wrong") {
   }
 }
 
+TEST_CASE("rename: linear time (RE2): a 30,000-character name, and ^(a+)+$ that backtracking takes exponential time on") {
+  const std::string tail(30000, 'x'), name = "model." + tail;
+  CHECK(rename_rules({R"(^model\.(.*)=\1)"}).apply(name) == tail);  // the README's rule (std::regex recursed per character)
+  rename_rules preset;
+  add_preset(preset, "dcp-to-hf");
+  CHECK(preset.apply(name) == tail);
+  const std::string evil = std::string(5000, 'a') + "b";
+  CHECK(rename_rules({"^(a+)+$=x"}).apply(evil) == evil);
+  CHECK(rename_rules({"^(a+)+$=x"}).apply(std::string(5000, 'a')) == "x");
+  // what RE2 cannot run in linear time is refused by name: backreferences, lookarounds
+  CHECK_THROWS_WITH_AS(parse_rename_rule(R"((a)\1=x)"), doctest::Contains("rename rule '(a)\\1=x': bad regex"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(parse_rename_rule(R"(a(?\=b)=x)"), doctest::Contains("bad regex"), shardsafe::error);
+}
+
 TEST_CASE("rename: rules give the names Python's re.sub gives") {
   const std::vector<std::pair<std::string, std::string>> rules{
       {R"(^model\.model\.(.*))", R"(\1)"}, {R"(\.(\d+)\.)", R"(.n\1.)"}, {R"(^(enc|dec)oder\.)", R"(\1.)"},
@@ -590,23 +604,26 @@ TEST_CASE("hf export: the index text is what Python's json.dumps(indent=2, sort_
   for (std::uint64_t max : {std::uint64_t{1}, std::uint64_t{130}, std::uint64_t{1000}}) {
     CAPTURE(max);
     const auto p = plan_hf_export(t, max);
-    std::string input = std::to_string(p.total_size) + "\n";
+    std::string input = std::to_string(p.total_size) + "\t" + std::to_string(p.total_parameters) + "\n";
     for (const auto& [k, v] : p.weight_map()) input += k + "\t" + v + "\n";
     const std::string script =
         "import json,sys\n"
         "lines=open(sys.argv[1],encoding='utf-8').read().split('\\n')[:-1]\n"
         "wm=dict(l.split('\\t') for l in lines[1:])\n"
-        "sys.stdout.write(json.dumps({'metadata':{'total_size':int(lines[0])},'weight_map':wm},"
+        "sys.stdout.write(json.dumps({'metadata':{'total_size':int(lines[0].split('\\t')[0]),"
+        "'total_parameters':int(lines[0].split('\\t')[1])},'weight_map':wm},"
         "indent=2,sort_keys=True)+'\\n')\n";
     const std::string text = p.index_json();
     if (auto out = run_python("python3", script, input)) CHECK(text == *out);
     // and the library's own index parser reads it back
     const auto idx = parse_hf_index(text, "model.safetensors.index.json");
     CHECK(idx.total_size == p.total_size);
+    CHECK(idx.total_parameters == p.total_parameters);
     CHECK(idx.weight_map == p.weight_map());
     CHECK(idx.weight_map.size() == t.size());
   }
-  CHECK(plan_hf_export({}, 1).index_json() == "{\n  \"metadata\": {\n    \"total_size\": 0\n  },\n  \"weight_map\": {}\n}\n");
+  CHECK(plan_hf_export({}, 1).index_json() ==
+        "{\n  \"metadata\": {\n    \"total_parameters\": 0,\n    \"total_size\": 0\n  },\n  \"weight_map\": {}\n}\n");
 }
 
 TEST_CASE("convert: the bit-level BF16 <-> F32 paths agree with the F64 definition, NaNs included") {

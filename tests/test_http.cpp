@@ -697,6 +697,46 @@ TEST_CASE("http bad servers: malformed answers are clear errors after bounded at
   }
 }
 
+TEST_CASE("http deadlines: a stalled server, an endless Retry-After and a redirect out of HTTP end a request, naming what") {
+  http_options o = quick();
+  o.max_attempts = 100;  // the deadline, not the attempts, ends these
+  o.operation_timeout = std::chrono::milliseconds(1500);
+  o.read_timeout = std::chrono::milliseconds(60'000);  // longer than the deadline: the deadline cuts it
+  detail::http_request get;
+  {  // a server that takes the request and answers nothing for longer than the deadline
+    testing::raw_server srv([](const std::string&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      return std::string();
+    });
+    detail::http_client client(o);
+    get.url = parse_url(srv.url());
+    expect_error([&] { client.send(get); }, errc::io_error,
+                 {srv.url(), "no complete answer within the operation's 1.5 s (http_options::operation_timeout)",
+                  "waiting for: reading the response header failed"});
+    CHECK(srv.requests() == 1);  // the one attempt the deadline allowed
+  }
+  {  // 503 with Retry-After: 86400 (a day): given up at once, not waited for
+    testing::raw_server srv([](const std::string&) {
+      return std::string("HTTP/1.1 503 Busy\r\nRetry-After: 86400\r\nContent-Length: 0\r\n\r\n");
+    });
+    detail::http_client client(o);
+    get = {};
+    get.url = parse_url(srv.url());
+    expect_error([&] { client.send(get); }, errc::io_error,
+                 {srv.url(), "the server asks to be retried after 86400 s, past the deadline", "HTTP 503"});
+    CHECK(srv.requests() == 1);
+  }
+  {  // a redirect to s3:// is not fetched (as HTTP or otherwise)
+    testing::raw_server srv([](const std::string& head) {
+      if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 302 Found\r\nLocation: s3://bucket/key\r\nContent-Length: 0\r\n\r\n");
+      return std::string("HTTP/1.1 302 Found\r\nLocation: s3://bucket/key\r\nContent-Length: 0\r\n\r\n");
+    });
+    expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
+                 {srv.url(), "redirected to s3://bucket/key, which is not http:// or https://; not followed"});
+    CHECK(srv.requests() == 1);
+  }
+}
+
 #if SHARDSAFE_HTTP_TLS
 TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
   testing::nginx_server srv(true);

@@ -933,3 +933,27 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
     CHECK(r.err.find(url) != std::string::npos);
   }
 }
+
+TEST_CASE("s3: a listing that is always truncated ends at the operation deadline or the page cap, naming what") {
+  // a server that answers every ListObjectsV2 with one key and IsTruncated=true, forever
+  int page = 0;
+  testing::raw_server srv([&](const std::string& head) {
+    ++page;
+    const std::string body = "<?xml version=\"1.0\"?><ListBucketResult><IsTruncated>true</IsTruncated>"
+                             "<NextContinuationToken>t" + std::to_string(page) + "</NextContinuationToken>"
+                             "<Contents><Key>run/k" + std::to_string(page) + "</Key></Contents></ListBucketResult>";
+    if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+    return "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
+  });
+  s3_options o;
+  o.endpoint = "http://127.0.0.1:" + std::to_string(srv.port());
+  o.region = "us-east-1";
+  o.credentials = aws_credentials{"testing", "testing", ""};
+  o.addressing = s3_addressing::path;
+  o.http.operation_timeout = std::chrono::milliseconds(1500);
+  const s3_directory d("s3://bucket/run", o);
+  expect_error([&] { d.list(); }, errc::io_error, {"ListObjectsV2 of 'run/'", "still truncated after", "refusing to list further"});
+  // bounded work: within the deadline and below the page cap
+  CHECK(srv.requests() > 1);
+  CHECK(srv.requests() <= 10'000);
+}

@@ -7,6 +7,7 @@
 #include "test_util.hpp"
 
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1045,4 +1046,51 @@ TEST_CASE("thread_pool: every index once, threads kept across calls, nested call
   std::atomic<int> again{0};
   p.parallel_for(100, 4, [&](std::size_t) { ++again; });  // still usable
   CHECK(again.load() == 100);
+}
+
+TEST_CASE("file_storage: one descriptor per file, at most fd_cache::capacity() open, reopened on demand; a replaced file is refused") {
+  testing::temp_dir dir("fdcache");
+  auto& cache = detail::fd_cache::instance();
+  const std::size_t cap = cache.capacity();
+  REQUIRE(cap >= 16);
+  const std::size_t n = cap + 40;
+  std::vector<std::string> paths;
+  for (std::size_t i = 0; i < n; ++i) {
+    paths.push_back((dir.path / ("f" + std::to_string(i))).string());
+    testing::write_file(paths.back(), "file " + std::to_string(i) + " says hello");
+  }
+  {
+    std::vector<file_storage> open;
+    open.reserve(n + 8);
+    for (const auto& p : paths) open.emplace_back(p);
+    for (int k = 0; k < 8; ++k) open.emplace_back(paths[0]);  // the same file again: its descriptor, shared
+    CHECK(cache.open_descriptors() <= cap);
+    // every storage reads its own bytes, those closed for room reopened as they are read
+    for (std::size_t i = 0; i < n + 8; ++i) {
+      const std::size_t f = i < n ? i : 0;
+      std::string got(open[i].size(), '\0');
+      open[i].read_into(0, std::as_writable_bytes(std::span(got)));
+      CHECK(got == "file " + std::to_string(f) + " says hello");
+      CHECK(cache.open_descriptors() <= cap);
+    }
+    // the least recently read file is closed by now; another file put at its path is refused
+    const std::size_t victim = 1;
+    testing::write_file(dir.path / "new", "another file entirely!");
+    std::filesystem::rename(dir.path / "new", paths[victim]);
+    for (std::size_t i = 2; i < n; ++i) open[i].read_into(0, std::as_writable_bytes(std::span<char>(std::string(4, ' ').data(), 4)));
+    std::string buf(4, '\0');
+    CHECK_THROWS_WITH_AS(open[victim].read_into(0, std::as_writable_bytes(std::span(buf))),
+                         doctest::Contains("changed since it was opened"), shardsafe::error);
+  }
+  CHECK(cache.open_descriptors() == 0);  // every storage gone: every descriptor closed
+}
+
+TEST_CASE("file_storage and mmap_storage refuse a FIFO, a directory and a device at once, naming what it is") {
+  testing::temp_dir dir("nonregular");
+  const auto fifo = dir.path / "pipe.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  CHECK_THROWS_WITH_AS(file_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(mmap_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(file_storage("/dev/zero"), doctest::Contains("is a character device"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(file_storage(dir.path), doctest::Contains("is a directory"), shardsafe::error);
 }

@@ -1,6 +1,6 @@
 // shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders,
-// sharded checkpoints and torch's DCP-sharded HF files, and export any of them to a Hugging Face
-// folder (docs/FORMAT.md §4). A thin command line over the library: validation lives in
+// sharded checkpoints, torch DCP folders and torch's DCP-sharded HF files, and export any of them
+// to a Hugging Face folder or a torch DCP folder (docs/FORMAT.md §4). A thin command line over the library: validation lives in
 // checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the export in checkpoint/hf_export.hpp,
 // the arguments are parsed by CLI11. Any input ends in exit 0 or 1 with a message; a usage
 // error exits 2 with one line.
@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "sha256.hpp"
+#include "shardsafe/checkpoint/dcp_export.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
@@ -233,6 +234,9 @@ struct ckpt_part {
   std::unique_ptr<checkpoint_reader<D>> reader;
 };
 
+/// The checkpoint's parts, opened. One rule set for every command: every file the writer
+/// recorded (metadata.json's shardsafe.file_sizes) must be there, valid, with its size, as verify
+/// requires, whether or not a tensor of it is read.
 template <ReadableDirectory D>
 std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   std::vector<ckpt_part<D>> parts;
@@ -241,6 +245,8 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   } else {
     for (const auto& [name, dir] : in.parts) parts.push_back({name + "/", std::make_unique<checkpoint_reader<D>>(dir)});
   }
+  for (auto& p : parts)
+    for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
   return parts;
 }
 
@@ -275,9 +281,19 @@ struct row {
 };
 
 void print_rows(const std::string& title, std::vector<row> rows) {
-  for (auto& r : rows) r.name = one_line(r.name);
+  // every field that came from the input (names, file names) escaped, one way: no control
+  // byte from a checkpoint reaches the terminal
+  for (auto& r : rows)
+    for (std::string* f : {&r.name, &r.dtype, &r.shape, &r.bytes, &r.stored, &r.sharding}) *f = one_line(*f);
   std::sort(rows.begin(), rows.end(), [](const row& a, const row& b) { return a.name < b.name; });
-  std::cout << title << "\n";
+  // the title's lines, each escaped (a __metadata__ value may hold a newline)
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t nl = title.find('\n', start);
+    std::cout << one_line(title.substr(start, nl == std::string::npos ? std::string::npos : nl - start)) << "\n";
+    if (nl == std::string::npos) break;
+    start = nl + 1;
+  }
   row head{"NAME", "DTYPE", "SHAPE", "BYTES", "STORED", "SHARDING"};
   std::size_t w[5] = {4, 5, 5, 5, 6};
   for (const auto& r : rows) {
@@ -311,7 +327,7 @@ int cmd_inspect(const input<D>& in) {
     std::string title = "# " + in.path + ": safetensors file, " + std::to_string(h.tensors.size()) +
                         " tensors, " + std::to_string(total) + " bytes of data, header " +
                         std::to_string(h.header_size) + " bytes";
-    for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + k + " = " + v;
+    for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
     print_rows(title, rows);
     return 0;
   }
@@ -375,6 +391,8 @@ int cmd_verify(const input<D>& in) {
     std::size_t sharded = 0, unchecked = 0;
     for (auto& p : open_checkpoint(in)) {
       const checkpoint_report rep = verify_checkpoint(*p.reader);
+      // the optimizer's pickles through the loader's plain-data reader, and its layout's rules
+      if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
       n += rep.tensors;
       replicated += rep.replicated_tensors;
       if (p.reader->format() != checkpoint_format::sharded) continue;
@@ -391,10 +409,10 @@ int cmd_verify(const input<D>& in) {
                                     : "; no checksums recorded in " + std::to_string(unchecked) + " of " +
                                           std::to_string(sharded) + " parts (their tensor data not checked)";
     if (replicated > 0) notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
-    std::cout << "OK " << in.path << ": " << n << " tensors valid" << notes << "\n";
+    std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid" << one_line(notes) << "\n";
     return 0;
   }
-  std::cout << "OK " << in.path << ": " << n << " tensors valid\n";
+  std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid\n";
   return 0;
 }
 
@@ -456,6 +474,39 @@ int cmd_digest(const input<D>& in) {
   return 0;
 }
 
+/// Refuses a local output that would write over what is being read: the same file as an input
+/// (same inode: a link or another name of it), or anything inside the input's folder (a rank
+/// file, metadata.json, .metadata, a .distcp or a folder in the checkpoint), before anything is
+/// opened for writing.
+template <ReadableDirectory D>
+void refuse_output_over_input(const input<D>& in, const std::string& out_path, const char* what) {
+  if constexpr (std::is_same_v<D, file_directory>) {
+    if (is_url(out_path)) return;
+    std::error_code ec;
+    const fs::path out = fs::weakly_canonical(fs::absolute(out_path), ec);
+    if (ec) return;  // cannot say; the writer will report what is wrong with the path
+    if (in.k == kind::file) {
+      if (fs::exists(out, ec) && fs::equivalent(out, fs::path(in.path), ec))
+        fail(errc::invalid_argument, out_path + ": is the input file " + in.path + "; refusing to write " + what + " over it");
+      return;
+    }
+    const fs::path folder = fs::weakly_canonical(fs::absolute(in.dir.path()), ec);
+    if (ec) return;
+    const auto rel = out.lexically_relative(folder);
+    if (out == folder || (!rel.empty() && *rel.begin() != ".." && !rel.is_absolute()))
+      fail(errc::invalid_argument, out_path + ": lies inside the input folder " + in.path + "; refusing to write " + what +
+                                       " there (it could overwrite the checkpoint being read)");
+    // another name of one of the input's files (a hard link elsewhere)
+    if (fs::exists(out, ec) && fs::is_regular_file(out, ec))
+      for (const auto& e : fs::recursive_directory_iterator(folder, fs::directory_options::skip_permission_denied, ec))
+        if (e.is_regular_file(ec) && fs::equivalent(e.path(), out, ec))
+          fail(errc::invalid_argument, out_path + ": is the input's file " + e.path().string() + " under another name; refusing to write " +
+                                           what + " over it");
+  } else {
+    (void)in, (void)out_path, (void)what;
+  }
+}
+
 /// Refuses an output URL the tool cannot write: HTTP is read-only; without the remote backends
 /// no URL at all.
 void check_output_url(const std::string& out_path, const char* what) {
@@ -473,6 +524,7 @@ int cmd_unshard(const input<D>& in, const std::string& out_path) {
   if (in.k == kind::file)
     fail(errc::invalid_argument, in.path + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
   if (is_url(out_path)) check_output_url(out_path, "the unsharded file");
+  refuse_output_over_input(in, out_path, "the unsharded file");
   auto parts = open_checkpoint(in);
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
@@ -488,13 +540,15 @@ int cmd_unshard(const input<D>& in, const std::string& out_path) {
     size = unshard_to_safetensors(all, w);
 #endif
   }
-  std::cout << "wrote " << out_path << ": " << size << " bytes\n";
+  std::cout << "wrote " << one_line(out_path) << ": " << size << " bytes\n";
   return 0;
 }
 
-/// Prints on stderr, for each rule with a warning (a preset's), how many names it decided and
-/// the first few of them: `shardsafe: warning: N name(s) WARNING: OLD -> NEW, ...`.
-void warn_renames(const std::vector<std::string>& keys, const rename_rules& rules) {
+/// The warnings of the rules that have one (a preset's): for each, how many names it decided and
+/// the first few of them, `shardsafe: warning: N name(s) WARNING: OLD -> NEW, ...`, a line each;
+/// printed once the export succeeded (a failed one prints its one error line alone).
+std::string rename_warnings(const std::vector<std::string>& keys, const rename_rules& rules) {
+  std::string out;
   std::map<const rename_rule*, std::vector<std::string>> hits;
   for (const auto& k : keys) {
     const rename_rule* by = nullptr;
@@ -506,8 +560,9 @@ void warn_renames(const std::vector<std::string>& keys, const rename_rules& rule
       std::string list;
       for (std::size_t i = 0; i < it->second.size() && i < 5; ++i) list += (i ? ", " : "") + one_line(it->second[i]);
       if (it->second.size() > 5) list += ", ...";
-      std::cerr << "shardsafe: warning: " << it->second.size() << " name(s) " << r.warning << ": " << list << "\n";
+      out += "shardsafe: warning: " + std::to_string(it->second.size()) + " name(s) " + r.warning + ": " + list + "\n";
     }
+  return out;
 }
 
 template <ReadableDirectory D, WritableDirectory O>
@@ -523,6 +578,7 @@ hf_export_stats export_to(const input<D>& in, const O& out, const hf_export_opti
 template <ReadableDirectory D>
 int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options opt) {
   if (is_url(out_path)) check_output_url(out_path, "a Hugging Face folder");
+  refuse_output_over_input(in, out_path, "a Hugging Face folder");
   std::vector<std::string> keys;
   if (in.k == kind::file) {
     for (const auto& t : read_safetensors_header(open_file(in)).tensors) keys.push_back(t.name);
@@ -531,7 +587,7 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
       if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
         for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
   }
-  warn_renames(keys, opt.rename);
+  const std::string warnings = rename_warnings(keys, opt.rename);
   progress pr("to-hf", 0);
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
   hf_export_stats st;
@@ -542,8 +598,28 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
     st = export_to(in, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
 #endif
   }
-  std::cout << "wrote " << out_path << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
+  std::cerr << warnings;
+  std::cout << "wrote " << one_line(out_path) << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
             << ", " << st.tensors << " tensors, " << st.bytes << " bytes\n";
+  return 0;
+}
+
+template <ReadableDirectory D>
+int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export_options& opt) {
+  if (is_url(out_path))
+    fail(errc::invalid_argument, out_path + ": to-dcp writes a local folder (torch's DCP reader reads files)");
+  refuse_output_over_input(in, out_path, "a DCP folder");
+  std::vector<ckpt_part<D>> parts;
+  if (in.k == kind::file) {
+    parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
+  } else {
+    parts = open_checkpoint(in);
+  }
+  std::vector<unshard_source<D>> sources;
+  for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
+  const auto st = export_dcp(std::span<const unshard_source<D>>(sources), file_directory(out_path), opt);
+  std::cout << "wrote " << one_line(out_path) << ": " << st.tensors << " tensors" << (st.objects ? " and " + std::to_string(st.objects) + " non-tensor items" : "")
+            << " in " << dcp_data_file_name(0) << " (" << st.bytes << " bytes) and " << dcp_metadata_file_name << "\n";
   return 0;
 }
 
@@ -559,7 +635,7 @@ constexpr const char* path_help =
 
 int main(int argc, char** argv) {
   CLI::App app("Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
-               "checkpoints, and export them to Hugging Face folders (docs/FORMAT.md §4).",
+               "checkpoints, and export them to Hugging Face folders or torch DCP folders (docs/FORMAT.md §4).",
                "shardsafe");
   app.footer(path_help);
   app.set_version_flag("--version", "shardsafe " + std::string(library_version));
@@ -635,6 +711,24 @@ int main(int argc, char** argv) {
         }
       }, "REGEX=REPL"));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
+  CLI::App* to_dcp = command("to-dcp", "export to a torch.distributed.checkpoint folder (.metadata and __0_0.distcp) "
+                             "that torch 2.x's dcp.load reads; a model + optimizer pair keyed as get_state_dict does "
+                             "(model.*, optim.state.*, optim.param_groups.*)", "SRC", any_path);
+  to_dcp->add_option("OUTDIR", out_path, "the folder to write; it must not exist or be empty")->required();
+  std::vector<std::string> dcp_renames;
+  bool dcp_model_only = false;
+  to_dcp->add_option("--rename", dcp_renames, "REGEX=REPL: rename keys (as to-hf's --rename)")
+      ->allow_extra_args(false)
+      ->check(CLI::Validator([](std::string& s) -> std::string {
+        try {
+          parse_rename_rule(s);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      }, "REGEX=REPL"));
+  to_dcp->add_flag("--model-only", dcp_model_only, "only the model: model/ of a model + optimizer pair, model.* keys of a "
+                                                   "DCP folder");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -644,7 +738,7 @@ int main(int argc, char** argv) {
     const std::string first = argc > 1 ? argv[1] : "";
     if (!first.empty() && first[0] != '-' &&
         app.get_subcommands([&](const CLI::App* c) { return c->get_name() == first; }).empty())
-      why = "unknown command '" + first + "': the commands are inspect, verify, digest, unshard and to-hf";
+      why = "unknown command '" + first + "': the commands are inspect, verify, digest, unshard, to-hf and to-dcp";
     std::cerr << "shardsafe: " << one_line(why) << " (shardsafe --help lists the commands)\n";
     return 2;
   }
@@ -667,6 +761,12 @@ int main(int argc, char** argv) {
       for (const auto& r : stack_experts) opt.experts.add(r);
       opt.model_only = true;  // --model-only or not: HF folders hold model weights
       return with_input(path, [&](const auto& in) { return cmd_to_hf(in, out_path, opt); });
+    }
+    if (to_dcp->parsed()) {
+      dcp_export_options opt;
+      for (const auto& r : dcp_renames) opt.rename.add(r);
+      opt.model_only = dcp_model_only;
+      return with_input(path, [&](const auto& in) { return cmd_to_dcp(in, out_path, opt); });
     }
   } catch (const std::bad_alloc&) {
     std::cerr << "shardsafe: " << cmd << ": out of memory\n";

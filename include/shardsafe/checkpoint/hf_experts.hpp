@@ -40,7 +40,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
-#include <regex>
 #include <set>
 #include <span>
 #include <string>
@@ -78,13 +77,13 @@ class expert_stacking {
   /// The rule that stacks model key `key` (the first whose REGEX matches), or nullptr.
   const rename_rule* match(std::string_view key) const {
     for (const auto& r : rules_)
-      if (std::regex_search(key.begin(), key.end(), r.regex)) return &r;
+      if (r.matches(key)) return &r;
     return nullptr;
   }
 
   /// The name of expert i of stacked key `key` under rule r.
   static std::string expert_name(const rename_rule& r, std::string_view key, std::uint64_t i) {
-    std::string n = std::regex_replace(std::string(key), r.regex, r.format);
+    std::string n = r.replace_all(key);
     const std::string idx = std::to_string(i);
     for (std::size_t at = n.find("{i}"); at != std::string::npos; at = n.find("{i}", at + idx.size()))
       n.replace(at, 3, idx);
@@ -94,6 +93,10 @@ class expert_stacking {
  private:
   std::vector<rename_rule> rules_;
 };
+
+/// The most experts one stacked tensor may be split into (mixture-of-experts layers have tens to
+/// hundreds): a count read from a file is checked against it before anything is allocated.
+inline constexpr std::uint64_t max_experts = std::uint64_t(1) << 16;
 
 /// The per-expert views unstack_experts made, and where each came from.
 struct unstacked_views {
@@ -153,6 +156,8 @@ inline unstacked_views unstack_experts(std::span<const flat_view> views, const e
       fail(errc::invalid_argument, c + ": a 0-d tensor has no expert dimension to split");
     ++out.stacked;
     const std::uint64_t E = v.full_shape[0];
+    if (E > max_experts)
+      fail(errc::invalid_argument, c + ": " + std::to_string(E) + " experts pass the limit of " + std::to_string(max_experts));
     const shape_t rest(v.full_shape.begin() + 1, v.full_shape.end());
     const std::uint64_t S = numel(rest), item = item_size(v.type);
     std::vector<bool> held(static_cast<std::size_t>(E), false);

@@ -206,6 +206,11 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       if (tm.shape.empty())
         fail(errc::invalid_argument, std::string(out.name()) + ": tensor '" + name + "' (expert stacking rule '" +
                                          stack->text + "'): a 0-d tensor has no expert dimension to split");
+      if (tm.shape[0] > max_experts)
+        fail(errc::invalid_argument, std::string(out.name()) + ": tensor '" + name + "' " + to_string(tm.shape) +
+                                         " (expert stacking rule '" + stack->text + "'): " + std::to_string(tm.shape[0]) +
+                                         " experts pass the limit of " + std::to_string(max_experts) +
+                                         " (refused before anything is planned or written)");
       const shape_t rest(tm.shape.begin() + 1, tm.shape.end());
       for (std::uint64_t i = 0; i < tm.shape[0]; ++i) {
         inputs.push_back({expert_stacking::expert_name(*stack, name, i), tm.type, rest});
@@ -213,6 +218,21 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       }
     }
   const hf_export_layout l = plan_hf_export_layout(inputs, opt, out.name());
+  if (!inputs.empty() && l.plan.tensors.empty()) {  // an export that would export nothing
+    std::vector<std::string> rules;
+    for (const auto& in : inputs) {
+      const rename_rule* by = nullptr;
+      opt.rename.apply(in.name, &by);
+      const std::string t = by ? "'" + by->text + "'" : std::string("a rule that passes names on");
+      if (std::find(rules.begin(), rules.end(), t) == rules.end()) rules.push_back(t);
+    }
+    std::string list;
+    for (std::size_t i = 0; i < rules.size() && i < 4; ++i) list += (i ? ", " : "") + rules[i];
+    fail(errc::invalid_argument, std::string(out.name()) + ": the rename rules drop all " + std::to_string(inputs.size()) +
+                                     " tensors (dropped by " + list + (rules.size() > 4 ? ", ..." : "") +
+                                     "); an export that exports nothing is refused (e.g. --preset dcp-to-hf keeps only "
+                                     "'model.' keys)");
+  }
   detail::require_empty_output(out);
   out.make();
 

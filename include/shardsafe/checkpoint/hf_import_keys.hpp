@@ -109,8 +109,8 @@ inline hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<co
     std::string rule;
     std::string mk = fk;
     for (const auto& r : opt.renames.rules())
-      if (std::regex_search(fk, r.regex)) {
-        mk = std::regex_replace(fk, r.regex, r.format);
+      if (r.matches(fk)) {
+        mk = r.replace_all(fk);
         rule = "rename rule '" + r.text + "'";
         break;
       }

@@ -32,11 +32,12 @@ inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix =
   return std::string(prefix) + std::to_string(step);
 }
 
-/// True when dir holds a whole checkpoint (model/metadata.json, or metadata.json).
+/// True when dir holds a whole checkpoint (model/metadata.json, metadata.json, or a DCP folder's
+/// .metadata).
 template <ReadableDirectory D>
 bool is_complete_checkpoint(const D& dir) {
   if (dir.exists(model_folder_name)) return dir.sub(model_folder_name).exists(metadata_file_name);
-  return dir.exists(metadata_file_name);
+  return dir.exists(metadata_file_name) || dir.exists(dcp_metadata_file_name);
 }
 
 /// Checkpoint folders under root, by increasing step.
@@ -71,6 +72,7 @@ void remove_checkpoint(const D& root, const std::string& name) {
   const D dir = root.sub(name);
   if (dir.exists(model_folder_name)) dir.sub(model_folder_name).remove(metadata_file_name);
   dir.remove(metadata_file_name);
+  dir.remove(dcp_metadata_file_name);
   root.remove(name);
 }
 

@@ -59,22 +59,47 @@ struct unshard_options {
   std::uint64_t chunk_bytes = std::uint64_t(64) << 20;  ///< memory per chunk
 };
 
-/// Calls f(bytes, first_element) for consecutive chunks of the full tensor `key`, in order.
-/// A tensor with no elements gets no call.
+/// Calls f(bytes, byte_offset) for consecutive chunks of the full tensor `key`, in order (the
+/// offset of the chunk's first byte in the full tensor's bytes). A tensor with no elements gets
+/// no call. A sub-byte tensor (F4, F6) is streamed as its one file stores it, whole; held any
+/// other way (split over files, in part) it is errc::unsupported_dtype, as for every reader.
 template <ReadableDirectory D, class F>
 void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f, const unshard_options& opt = {}) {
   const tensor_metadata* tm = r.find(key);
-  if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
-  require_byte_sized(tm->type, std::string(r.directory().name()) + ": tensor '" + key + "'");
+  const std::string ctx = std::string(r.directory().name()) + ": tensor '" + key + "'";
+  if (!tm) fail(errc::not_found, ctx + " is not in the checkpoint");
+  if (!is_byte_sized(tm->type)) {
+    const std::uint64_t bytes = tm->numel() * bit_size(tm->type) / 8;  // whole bytes: checked when the metadata was read
+    if (tm->files.size() != 1 || tm->files.front().second.local_numel() != tm->numel())
+      fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm->type)) +
+                                        " is read only whole from one file, not split over " + std::to_string(tm->files.size()));
+    const auto& of = r.file(tm->files.front().first);
+    const tensor_entry& e = r.entry_in(of, key, *tm, tm->files.front().second);
+    const std::uint64_t step = std::max<std::uint64_t>(3, opt.chunk_bytes / 3 * 3);  // whole F6 groups
+    std::vector<std::byte> buf(static_cast<std::size_t>(std::min(bytes, step)));
+    for (std::uint64_t at = 0; at < bytes; at += step) {
+      const std::uint64_t len = std::min(step, bytes - at);
+      of.storage.read_into(of.header.offset_of(e) + at, std::span<std::byte>(buf.data(), static_cast<std::size_t>(len)));
+      f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(len)), at);
+    }
+    return;
+  }
   const std::uint64_t n = tm->numel(), item = item_size(tm->type);
   if (n == 0) return;
-  const std::uint64_t per = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
+  // A window's copy plan holds a run per contiguous piece of each file in it: for files whose
+  // runs are short (a column block: one row's slice a run), the window shrinks so that a plan
+  // holds at most about 2^20 runs per file, whatever the chunk's bytes.
+  std::uint64_t shortest = n;
+  for (const auto& [fname, spec] : tm->files)
+    if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
+  const std::uint64_t by_runs = std::max<std::uint64_t>(1, shortest) << 20;
+  const std::uint64_t per = std::max<std::uint64_t>(1, std::min(opt.chunk_bytes / item, by_runs));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
   for (std::uint64_t a = 0; a < n; a += per) {
     const std::uint64_t b = std::min(n, a + per);
     flat_view v{key, tm->type, tm->shape, shard_spec(flat_spec{{a, b}}), buf.data(), (b - a) * item};
     r.load(std::span<const flat_view>(&v, 1), opt.load);
-    f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>((b - a) * item)), a);
+    f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>((b - a) * item)), a * item);
   }
 }
 
@@ -95,11 +120,37 @@ struct unshard_source {
   std::string prefix;  ///< prepended to every tensor name in the output ("" or "model/")
 };
 
-/// Writes the full tensors of the sources into one safetensors file, chunk by chunk.
+namespace detail {
+/// Every tensor of the sources is covered by its files (errc::missing_coverage naming the first
+/// gap) and its files exist with valid headers holding it: checked before an output is sized or
+/// written, so that metadata claiming a tensor of terabytes that no file holds costs nothing.
+template <ReadableDirectory D>
+void require_unshardable(std::span<const unshard_source<D>> sources) {
+  for (const auto& s : sources)
+    for (const auto& [key, tm] : s.reader->metadata().tensors) {
+      std::vector<shard_spec> specs;
+      specs.reserve(tm.files.size());
+      for (const auto& [fname, spec] : tm.files) {
+        s.reader->entry_in(s.reader->file(fname), key, tm, spec);
+        specs.push_back(spec);
+      }
+      const shard_spec whole = flat_spec{{0, tm.numel()}};
+      const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
+      if (!missing.empty())
+        fail(errc::missing_coverage, std::string(s.reader->directory().name()) + ": tensor '" + key + "' " +
+                                         to_string(tm.shape) + ": elements " + to_string(missing.front()) + " (from index " +
+                                         multi_index_string(tm.shape, missing.front().begin) + ") are in no file");
+    }
+}
+}  // namespace detail
+
+/// Writes the full tensors of the sources into one safetensors file, chunk by chunk (after
+/// checking that every tensor is covered: nothing is sized or written before).
 template <ReadableDirectory D, RandomAccessWritableStorage W>
 std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources, W& out,
                                      const unshard_options& opt = {},
                                      const std::map<std::string, std::string>& metadata = {}) {
+  detail::require_unshardable(sources);
   std::vector<tensor_entry> entries;
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) entries.push_back({s.prefix + key, tm.type, tm.shape, 0, 0});
@@ -109,9 +160,8 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       const std::size_t idx = layout.index_of(s.prefix + key);
-      const std::uint64_t item = item_size(tm.type);
-      for_each_full_chunk(*s.reader, key, [&](std::span<const std::byte> bytes, std::uint64_t first) {
-        w.write_part(idx, first * item, bytes);
+      for_each_full_chunk(*s.reader, key, [&](std::span<const std::byte> bytes, std::uint64_t at) {
+        w.write_part(idx, at, bytes);
       }, opt);
     }
   w.finish();
@@ -139,6 +189,7 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
       origins.push_back({s.prefix + key, {s.reader, key}});
     }
   const safetensors_layout layout = plan_safetensors(std::move(entries), metadata, out.name());
+  detail::require_unshardable(sources);
   std::vector<const origin*> of(layout.tensors.size());
   for (const auto& [n, o] : origins) of[layout.index_of(n)] = &o;
   load_options lo = opt.load;

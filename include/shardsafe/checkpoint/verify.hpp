@@ -15,7 +15,10 @@
 //   - where two files hold some of the same elements of a tensor (replicas, or a damaged or
 //     hostile checkpoint), their bytes for those elements are equal (errc::invalid_metadata,
 //     naming both files and the first index that differs); equal ones are counted as
-//     replicas in the report;
+//     replicas in the report. The work is O(n log n) in a tensor's n shards, never pairwise:
+//     identical shards are grouped (each compared with its group's first), and the distinct
+//     ones' runs are merged in order of their first element, each element compared once, with
+//     the first file that held it (equality carries over);
 //   - a Hugging Face folder with an index: no safetensors file the index does not name holds
 //     a tensor it lists or bears the name of one of its shards (check_unlisted_hf_files);
 //   - when metadata.json records checksums (docs/FORMAT.md §2, "Checksums"): every file and
@@ -28,6 +31,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <optional>
+#include <map>
+#include <queue>
 #include <set>
 #include <span>
 #include <string>
@@ -36,6 +43,8 @@
 #include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/unshard.hpp"
+#include "shardsafe/format/pickle_reader.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/core/dtype.hpp"
@@ -71,8 +80,10 @@ namespace detail {
 template <ReadableDirectory D>
 std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string& key, const tensor_metadata& tm,
                                       std::size_t a, std::size_t b) {
-  const auto& [fa, sa] = tm.files[a];
-  const auto& [fb, sb] = tm.files[b];
+  const std::string& fa = tm.files[a].first;  // named, not bound: lambdas below capture them
+  const shard_spec& sa = tm.files[a].second;
+  const std::string& fb = tm.files[b].first;
+  const shard_spec& sb = tm.files[b].second;
   const auto& oa = r.file(fa);
   const auto& ob = r.file(fb);
   const tensor_entry& ea = r.entry_in(oa, key, tm, sa);
@@ -93,8 +104,9 @@ std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string
         std::uint64_t i = 0;
         while (std::memcmp(ba.data() + i * item, bb.data() + i * item, static_cast<std::size_t>(item)) == 0) ++i;
         fail(errc::invalid_metadata,
-             std::string(r.directory().name()) + ": tensor '" + key + "' " + to_string(tm.shape) + ": " + fa + " and " +
-                 fb + " both hold elements from index " + multi_index_string(full, p.global) +
+             std::string(r.directory().name()) + ": tensor '" + key + "' " + to_string(tm.shape) + ": " +
+                 display_file_name(fa) + " and " + display_file_name(fb) + " both hold elements from index " +
+                 multi_index_string(full, p.global) +
                  " but their bytes differ at index " + multi_index_string(full, p.global + done + i) +
                  ": two files claim the same elements with different values (which is right cannot be told)");
       }
@@ -102,6 +114,90 @@ std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string
     }
     shared += p.len;
   });
+  return shared;
+}
+
+/// Compares the elements that the distinct shards `reps` (indices into tm.files, no two with the
+/// same spec) hold more than once, each with the first file that held it: the shards' runs are
+/// merged in order of their first element (a heap of one cursor per shard), against the
+/// intervals already held (those that end past the current run; older ones are dropped). Returns
+/// the elements held a second time, or throws errc::invalid_metadata at the first that differs.
+/// O(R log n) for R runs over n shards, and memory O(n + the intervals alive at once).
+template <ReadableDirectory D>
+std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string& key, const tensor_metadata& tm,
+                                      const std::vector<std::size_t>& reps) {
+  const std::span<const std::uint64_t> full(tm.shape);
+  const std::uint64_t item = bit_size(tm.type) / 8;
+  struct shard {
+    const typename checkpoint_reader<D>::open_file* file;
+    std::uint64_t data;  ///< where its tensor's bytes start in the file
+    shard_spec::cursor_type cursor;
+  };
+  std::vector<shard> shards;
+  shards.reserve(reps.size());
+  for (const std::size_t i : reps) {
+    const auto& f = r.file(tm.files[i].first);
+    const tensor_entry& e = r.entry_in(f, key, tm, tm.files[i].second);
+    shards.push_back({&f, f.header.offset_of(e), tm.files[i].second.cursor(full)});
+  }
+  using item_t = std::pair<std::uint64_t, std::size_t>;  // run begin, shard
+  std::priority_queue<item_t, std::vector<item_t>, std::greater<>> heap;
+  for (std::size_t s = 0; s < shards.size(); ++s)
+    if (!shards[s].cursor.done()) heap.emplace(shards[s].cursor.run().begin, s);
+  struct held {
+    std::uint64_t end, local;
+    std::size_t shard;
+  };
+  std::map<std::uint64_t, held> covered;  // begin -> the interval and who held it first
+  std::vector<std::byte> ba, bb;
+  std::uint64_t shared = 0;
+  auto compare = [&](std::size_t a, std::uint64_t la, std::size_t b, std::uint64_t lb, std::uint64_t global, std::uint64_t n) {
+    constexpr std::uint64_t chunk = std::uint64_t(1) << 20;
+    for (std::uint64_t done = 0; done < n;) {
+      const std::uint64_t m = std::min(n - done, std::max<std::uint64_t>(1, chunk / std::max<std::uint64_t>(item, 1)));
+      ba.resize(static_cast<std::size_t>(m * item));
+      bb.resize(static_cast<std::size_t>(m * item));
+      shards[a].file->storage.read_into(shards[a].data + (la + done) * item, ba);
+      shards[b].file->storage.read_into(shards[b].data + (lb + done) * item, bb);
+      if (ba != bb) {
+        std::uint64_t i = 0;
+        while (std::memcmp(ba.data() + i * item, bb.data() + i * item, static_cast<std::size_t>(item)) == 0) ++i;
+        fail(errc::invalid_metadata,
+             std::string(r.directory().name()) + ": tensor '" + key + "' " + to_string(tm.shape) + ": " +
+                 display_file_name(tm.files[reps[a]].first) + " and " + display_file_name(tm.files[reps[b]].first) +
+                 " both hold elements from index " +
+                 multi_index_string(full, global) + " but their bytes differ at index " +
+                 multi_index_string(full, global + done + i) +
+                 ": two files claim the same elements with different values (which is right cannot be told)");
+      }
+      done += m;
+    }
+  };
+  while (!heap.empty()) {
+    const std::size_t s = heap.top().second;
+    heap.pop();
+    const spec_run run = shards[s].cursor.run();
+    shards[s].cursor.next();
+    if (!shards[s].cursor.done()) heap.emplace(shards[s].cursor.run().begin, s);
+    // intervals that end before this run can overlap nothing to come (runs arrive by begin)
+    while (!covered.empty() && covered.begin()->second.end <= run.begin) covered.erase(covered.begin());
+    std::uint64_t pos = run.begin;
+    auto it = covered.upper_bound(run.begin);
+    if (it != covered.begin()) --it;
+    std::vector<std::pair<std::uint64_t, held>> fresh;  // the parts of the run no one held before
+    for (; it != covered.end() && it->first < run.end; ++it) {
+      const std::uint64_t b = it->first, e = it->second.end;
+      if (e <= pos) continue;
+      if (b > pos) fresh.emplace_back(pos, held{b, run.local + (pos - run.begin), s});
+      const std::uint64_t lo = std::max(pos, b), hi = std::min(run.end, e);
+      compare(it->second.shard, it->second.local + (lo - b), s, run.local + (lo - run.begin), lo, hi - lo);
+      shared += hi - lo;
+      pos = hi;
+      if (pos >= run.end) break;
+    }
+    if (pos < run.end) fresh.emplace_back(pos, held{run.end, run.local + (pos - run.begin), s});
+    for (auto& [b, h] : fresh) covered.emplace(b, h);
+  }
   return shared;
 }
 
@@ -167,7 +263,9 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   const std::string dname(r.directory().name());
   checkpoint_report rep;
   std::set<std::string> opened;
-  for (const auto& [key, tm] : r.metadata().tensors) {
+  for (const auto& entry : r.metadata().tensors) {
+    const std::string& key = entry.first;  // named, not bound: lambdas below capture it
+    const tensor_metadata& tm = entry.second;
     std::vector<shard_spec> specs;
     specs.reserve(tm.files.size());
     std::uint64_t held = 0;
@@ -190,22 +288,17 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     if (held > tm.numel()) {
       std::uint64_t again = 0;
       // a file whose shard an earlier file holds identically is compared with that one only
-      // (equality carries over); the others with every earlier one they overlap
-      auto first_identical = [&](std::size_t b) {
-        for (std::size_t a = 0; a < b; ++a)
-          if (tm.files[a].second == tm.files[b].second) return a;
-        return b;
-      };
-      for (std::size_t b = 1; b < tm.files.size(); ++b) {
-        if (const std::size_t a = first_identical(b); a != b) {
-          again += detail::compare_shared_elements(r, key, tm, a, b);
-          continue;
-        }
-        for (std::size_t a = 0; a < b; ++a)
-          if (first_identical(a) == a &&
-              overlap_numel(tm.files[a].second, tm.files[b].second, std::span<const std::uint64_t>(tm.shape)) > 0)
-            again += detail::compare_shared_elements(r, key, tm, a, b);
+      // (equality carries over); the distinct shards are merged in order (compare_distinct_shards)
+      std::map<std::string, std::size_t> first_with;  // spec as text -> the first file holding it
+      std::vector<std::size_t> distinct;
+      for (std::size_t b = 0; b < tm.files.size(); ++b) {
+        const auto [it, fresh] = first_with.emplace(to_string(tm.files[b].second), b);
+        if (fresh)
+          distinct.push_back(b);
+        else
+          again += detail::compare_shared_elements(r, key, tm, it->second, b);
       }
+      again += detail::compare_distinct_shards(r, key, tm, distinct);
       if (again > 0) {
         ++rep.replicated_tensors;
         rep.replicated_elements += again;
@@ -225,6 +318,88 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));
   if (r.metadata().extras.checksums) detail::verify_all_checksums(r, opened, opt, rep);
   return rep;
+}
+
+/// The largest param group pickle or state_keys list verify reads (a group names its parameters).
+inline constexpr std::uint64_t max_optimizer_pickle_bytes = std::uint64_t(64) << 20;
+
+/// Checks the optimizer layout of an optim/ checkpoint (docs/FORMAT.md §2, torch/optim.hpp), as the
+/// loader reads it, without LibTorch: `num_param_groups` an I64 (or I32) scalar in [0, 1,000,000];
+/// `param_group{i}` for every i below it a U8 tensor whose bytes unpickle through the plain-data
+/// reader (no global, no call: what the loader runs them through) to a dict whose `_param_names`
+/// is a list of str; no `param_group{j}` past the count; `state_keys`, where present, a pickled
+/// list of str; every other tensor named `state.{param}.__{key}`. errc::invalid_metadata naming
+/// the file, the tensor and the rule. A folder holding none of num_param_groups, state_keys or a
+/// param_group{i} is not in this layout (a pair saved by other means): nothing is checked, and
+/// nullopt is returned; otherwise the number of param groups.
+template <ReadableDirectory D>
+std::optional<std::uint64_t> verify_optimizer_layout(checkpoint_reader<D>& r) {
+  const std::string dname(r.directory().name());
+  bool layout = false;
+  for (const auto& [key, tm] : r.metadata().tensors)
+    layout = layout || key == "num_param_groups" || key == "state_keys" || key.starts_with("param_group");
+  if (!layout) return std::nullopt;
+  auto bad = [&](const std::string& key, const std::string& rule) {
+    fail(errc::invalid_metadata, dname + ": tensor '" + key + "': " + rule + " (the optimizer layout of docs/FORMAT.md §2)");
+  };
+  auto whole = [&](const std::string& key) {
+    const tensor_metadata* tm = r.find(key);
+    if (!tm) bad(key, "missing");
+    const std::uint64_t bytes = tm->numel() * bit_size(tm->type) / 8;
+    if (bytes > max_optimizer_pickle_bytes)
+      bad(key, std::to_string(bytes) + " bytes pass the limit of " + std::to_string(max_optimizer_pickle_bytes));
+    std::string b(static_cast<std::size_t>(bytes), '\0');
+    unshard_tensor(r, key, std::as_writable_bytes(std::span(b)));
+    return std::pair{tm, b};
+  };
+  const auto [ntm, nbytes] = whole("num_param_groups");
+  if (!ntm->shape.empty() && !(ntm->shape.size() == 1 && ntm->shape[0] == 1))
+    bad("num_param_groups", "shape " + to_string(ntm->shape) + " is not a scalar");
+  std::int64_t n = 0;
+  if (ntm->type == dtype::I64) {
+    std::memcpy(&n, nbytes.data(), 8);
+  } else if (ntm->type == dtype::I32) {
+    std::int32_t v = 0;
+    std::memcpy(&v, nbytes.data(), 4);
+    n = v;
+  } else {
+    bad("num_param_groups", "dtype " + std::string(name(ntm->type)) + " is not an integer (I64)");
+  }
+  if (n < 0 || n > 1'000'000) bad("num_param_groups", "is " + std::to_string(n) + ", not a count in [0, 1000000]");
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::string key = "param_group" + std::to_string(i);
+    const auto [tm, bytes] = whole(key);
+    if (tm->type != dtype::U8) bad(key, "dtype " + std::string(name(tm->type)) + " is not U8 (pickled bytes)");
+    const pickle_value g = pickle_loads(bytes, dname + ": tensor '" + key + "'");
+    if (g.type() != pickle_value::kind::dict) bad(key, "does not unpickle to a dict");
+    const pickle_value* names = g.find("_param_names");
+    if (!names || (names->type() != pickle_value::kind::list && names->type() != pickle_value::kind::tuple))
+      bad(key, "has no list _param_names");
+    for (const auto& nm : names->as_sequence(key))
+      if (nm.type() != pickle_value::kind::string) bad(key, "_param_names holds a value that is not a str");
+  }
+  for (const auto& [key, tm] : r.metadata().tensors) {
+    if (key == "num_param_groups") continue;
+    if (key.starts_with("param_group")) {
+      const std::string digits = key.substr(11);
+      const bool index = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
+      if (!index || std::stoll(digits) >= n)
+        bad(key, "is past num_param_groups (" + std::to_string(n) + ")");
+      continue;
+    }
+    if (key == "state_keys") {
+      const auto [stm, bytes] = whole(key);
+      if (stm->type != dtype::U8) bad(key, "dtype " + std::string(name(stm->type)) + " is not U8 (pickled bytes)");
+      const pickle_value keys = pickle_loads(bytes, dname + ": tensor '" + key + "'");
+      if (keys.type() != pickle_value::kind::list) bad(key, "does not unpickle to a list");
+      for (const auto& k : keys.as_sequence(key))
+        if (k.type() != pickle_value::kind::string) bad(key, "holds a value that is not a str");
+      continue;
+    }
+    if (!key.starts_with("state.") || key.find(".__") == std::string::npos)
+      bad(key, "is neither num_param_groups, param_group{i}, state_keys nor state.{param}.__{key}");
+  }
+  return static_cast<std::uint64_t>(n);
 }
 
 /// Verifies the checkpoint in dir (a folder holding metadata.json and its rank files).

@@ -108,15 +108,31 @@ inline std::error_condition make_error_condition(errc e) noexcept {
   return {static_cast<int>(e), error_category()};
 }
 
+namespace detail {
+/// A message with every NUL byte written `\x00`: what() is a C string, and a name that holds a NUL
+/// (a tensor's, read from a file) would otherwise cut the message short there.
+inline std::string without_nul(const std::string& m) {
+  if (m.find('\0') == std::string::npos) return m;
+  std::string out;
+  out.reserve(m.size() + 8);
+  for (char c : m)
+    if (c == '\0')
+      out += "\\x00";
+    else
+      out += c;
+  return out;
+}
+}  // namespace detail
+
 /// The exception every shardsafe function throws for bad input or failed I/O.
-/// what() is the full message; code() compares equal to an errc (and, for operating-system
-/// failures, to errc::io_error and to the std::errc of its errno value).
+/// what() is the full message (NUL bytes written `\x00`); code() compares equal to an errc (and,
+/// for operating-system failures, to errc::io_error and to the std::errc of its errno value).
 class error : public std::system_error {
  public:
   error(errc code, const std::string& message)
-      : std::system_error(make_error_code(code), message), message_(message) {}
+      : std::system_error(make_error_code(code), detail::without_nul(message)), message_(detail::without_nul(message)) {}
   error(std::error_code code, const std::string& message)
-      : std::system_error(code, message), message_(message) {}
+      : std::system_error(code, detail::without_nul(message)), message_(detail::without_nul(message)) {}
   /// The message alone, without the ": category message" suffix std::system_error appends.
   const char* what() const noexcept override { return message_.c_str(); }
 

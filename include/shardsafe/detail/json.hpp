@@ -6,6 +6,7 @@
 
 #include <simdjson.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -161,6 +162,53 @@ inline std::string locate_bad_number(std::string_view text) {
     }
   }
   return {};
+}
+
+/// Refuses an object that holds a key twice, anywhere in the document (errc::invalid_json naming
+/// `what`, the key and where: `tensors.w`). JSON leaves duplicate keys to the reader, and readers
+/// differ (simdjson's DOM gives the first, Python's json the last): a file holding two values for
+/// one key would load as different tensors in two programs, so no shardsafe reader accepts one
+/// (the safetensors crate refuses them in headers too). O(n log n) in the document's keys, no
+/// recursion (objects and arrays are walked from an explicit stack).
+inline void require_unique_keys(simdjson::dom::element root, const std::string& what) {
+  struct frame {
+    simdjson::dom::element e;
+    std::string path;
+  };
+  std::vector<frame> todo{{root, ""}};
+  std::vector<std::string_view> keys;
+  while (!todo.empty()) {
+    frame f = std::move(todo.back());
+    todo.pop_back();
+    simdjson::dom::object o;
+    simdjson::dom::array a;
+    if (!f.e.get_object().get(o)) {
+      keys.clear();
+      for (auto kv : o) {
+        keys.push_back(kv.key);
+        const auto t = kv.value.type();
+        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY)
+          todo.push_back({kv.value, f.path.empty() ? std::string(kv.key) : f.path + "." + std::string(kv.key)});
+      }
+      std::sort(keys.begin(), keys.end());
+      if (auto d = std::adjacent_find(keys.begin(), keys.end()); d != keys.end()) {
+        std::string k(*d);
+        for (auto& c : k)
+          if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+        fail(errc::invalid_json, what + ": key '" + k + "' appears twice in one object" +
+                                     (f.path.empty() ? std::string(" (the top level)") : " (at " + f.path + ")") +
+                                     "; readers would disagree on its value");
+      }
+    } else if (!f.e.get_array().get(a)) {
+      std::size_t i = 0;
+      for (auto v : a) {
+        const auto t = v.type();
+        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY)
+          todo.push_back({v, f.path + "[" + std::to_string(i) + "]"});
+        ++i;
+      }
+    }
+  }
 }
 
 /// Parses `text` into a DOM held by `parser`; throws errc::invalid_json naming `what`.

@@ -62,6 +62,33 @@ inline unique_fd open_fd(const std::string& path, int flags, mode_t mode = 0644)
   return unique_fd(fd);
 }
 
+/// What a file that is not a regular one is, for messages.
+inline const char* file_type_name(mode_t m) noexcept {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISLNK(m)) return "a symbolic link";
+  return "not a regular file";
+}
+
+/// Opens a regular file for reading without ever blocking in open(): O_NONBLOCK, so that a FIFO
+/// (or a device) named where a checkpoint file should be returns at once; fstat; anything but a
+/// regular file is errc::invalid_argument naming the path and what it is; then O_NONBLOCK is
+/// cleared. Links are followed (the directory checks them before, storage/file.hpp).
+inline unique_fd open_regular_file(const std::string& path) {
+  unique_fd fd = open_fd(path, O_RDONLY | O_NONBLOCK);
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) fail_errno(errno, path + ": fstat");
+  if (!S_ISREG(st.st_mode))
+    throw error(errc::invalid_argument, path + ": is " + std::string(file_type_name(st.st_mode)) +
+                                            ", not a regular file; refusing to read it");
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) fail_errno(errno, path + ": fcntl");
+  return fd;
+}
+
 inline std::uint64_t file_size_of(int fd, const std::string& path) {
   struct stat st;
   if (::fstat(fd, &st) != 0) fail_errno(errno, path + ": fstat");

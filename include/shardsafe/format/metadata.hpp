@@ -244,6 +244,10 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
     std::string_view dt;
     if (v.get_string().get(dt)) fail(errc::invalid_metadata, ctx + ": dtype is not a string");
     tm.type = dtype_from_name(dt, ctx);
+    // its bytes must be countable too: every reader sizes and prints them
+    if (!detail::checked_mul(*detail::checked_numel(tm.shape), std::uint64_t(bit_size(tm.type))))
+      fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " " + std::string(name(tm.type)) +
+                                       " has more than 2^64 bits of data");
     if (!t["is_sharded"].get(v)) {
       bool b;
       if (v.get_bool().get(b)) fail(errc::invalid_metadata, ctx + ": is_sharded is not a boolean");
@@ -274,6 +278,12 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
     std::sort(names.begin(), names.end());
     if (auto d = std::adjacent_find(names.begin(), names.end()); d != names.end())
       fail(errc::invalid_metadata, ctx + ": file '" + std::string(*d) + "' is listed twice");
+    // one rule for every reader: a sub-byte dtype (F4, F6) has no element ranges, so it is stored
+    // whole, in one file
+    if (!is_byte_sized(tm.type) && (tm.files.size() != 1 || tm.files.front().second.local_numel() != tm.numel()))
+      fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm.type)) +
+                                        " must be stored whole in one file, not as " + std::to_string(tm.files.size()) +
+                                        " file(s) holding " + (tm.files.empty() ? std::string("nothing") : "shards"));
     md.tensors.emplace_back(key, std::move(tm));
   }
   std::sort(keys.begin(), keys.end());
@@ -301,6 +311,7 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
       if (!o["checksums"].get(cs)) md.extras.checksums = detail::parse_checksums(cs, f);
     }
   }
+  detail::require_unique_keys(root, f);  // after the rules above (a tensor or a file listed twice)
   return md;
 }
 
@@ -397,7 +408,7 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
 /// Reads and validates metadata.json from a storage.
 template <ReadableStorage S>
 checkpoint_metadata read_checkpoint_metadata(const S& s) {
-  return parse_checkpoint_metadata(read_text(s), s.name());
+  return parse_checkpoint_metadata(read_text(s, max_metadata_size, text_kind::json), s.name());
 }
 
 }  // namespace shardsafe

@@ -49,7 +49,8 @@ class basic_pickle_reader;
 /// |                           | then throws invalid_metadata naming the opcode and the byte        |
 /// |                           | (`r.refuse(op, at)`). It may throw through `r.bad(why)` itself.    |
 /// |                           | `r.pop_value()` pops a value (an opcode's operand), checked and   |
-/// |                           | built; `r.kind_at(i)`, `r.string_entry_at(i, key)` look at the     |
+/// |                           | built; `r.kind_at(i)`, `r.string_entry_at(i, key)` (and, in O(1),  |
+/// |                           | `r.first_string_entry_at(i, key)`) look at the                     |
 /// |                           | stack; `r.extend_top(key, v)` and `r.merge_top_into_below(op)` add |
 /// |                           | to a dict on the stack in place (BUILD on an object).              |
 /// | `P{}` or a `P` passed in  | the reader holds its own copy (pass a pointer for shared state).   |
@@ -260,6 +261,17 @@ class basic_pickle_reader {
         return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
     }
     return {};
+  }
+  /// The string value of the first entry of the dict `from_top` places below the top of the stack
+  /// when that entry's key is `key`, else "": O(1), where string_entry_at scans (an object a policy
+  /// made carries its class as its first entry; BUILD may add entries after it, many times over).
+  std::string first_string_entry_at(std::size_t from_top, std::string_view key) const {
+    const ptr t = at_(from_top);
+    if (t->k != pickle_value::kind::dict || t->children.size() < 2) return {};
+    const auto& k = t->children[0];
+    const auto& v = t->children[1];
+    if (k->k != pickle_value::kind::string || k->scalar.as_string("key") != key) return {};
+    return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
   }
   /// Pops the dict on top of the stack and adds its entries to the dict below it, in place, as
   /// SETITEMS would (BUILD with a state dict); the entries are shared, not copied.

@@ -8,18 +8,23 @@
 // no rule matches keeps its name; a key rewritten to the empty name is dropped.
 //
 // Rule text is `REGEX=REPL`:
-// - the text is split at its first `=` that is not written `\=`; a `\=` in REGEX stands for `=`
-//   (so a lookahead is written `(?\=...)`); REPL is everything after the split and may hold `=`;
-// - REGEX is an ECMAScript regex (std::regex), searched anywhere in the key: anchor it with `^`
-//   and `$` to match whole keys;
+// - the text is split at its first `=` that is not written `\=`; a `\=` in REGEX stands for `=`;
+//   REPL is everything after the split and may hold `=`;
+// - REGEX is an RE2 regex (Google's RE2: the syntax of Python's re and ECMAScript without
+//   backreferences and lookarounds), searched anywhere in the key: anchor it with `^` and `$` to
+//   match whole keys. RE2 matches in time linear in the key's length, whatever the pattern: a
+//   hostile rule (`^(a+)+$`) or a key of 30,000 characters costs what its length costs, where a
+//   backtracking engine recurses per character or backtracks exponentially;
 // - REPL is written as for Python's re.sub: `\1`..`\9` insert a group, `\\` a backslash; every
 //   other character is literal (`$` included).
 #pragma once
 
+#include <re2/re2.h>
+
 #include <cstddef>
 #include <map>
+#include <memory>
 #include <optional>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -33,9 +38,20 @@ namespace shardsafe {
 struct rename_rule {
   std::string text;         ///< the rule as written, `REGEX=REPL`, for messages
   std::string pattern;      ///< REGEX, with `\=` unescaped
-  std::string replacement;  ///< REPL as written (Python re.sub syntax)
-  std::regex regex;         ///< pattern, compiled (ECMAScript)
-  std::string format;       ///< replacement in std::regex_replace's `$n` syntax
+  std::string replacement;  ///< REPL as written (Python re.sub syntax, which is also RE2's rewrite syntax)
+  std::shared_ptr<const re2::RE2> regex;  ///< pattern, compiled (shared: RE2 is immutable and thread-safe)
+
+  /// Whether the regex matches anywhere in key.
+  bool matches(std::string_view key) const {
+    // (ptr, size): RE2's text type is re2::StringPiece before 2023, absl::string_view after
+    return re2::RE2::PartialMatch({key.data(), key.size()}, *regex);
+  }
+  /// key with every match of the regex replaced by REPL (Python's re.sub).
+  std::string replace_all(std::string_view key) const {
+    std::string out(key);
+    re2::RE2::GlobalReplace(&out, *regex, replacement);
+    return out;
+  }
   /// A rule of a preset may pass its result on to the rules after it instead of deciding the
   /// name (rules a user writes never do).
   bool then_continue = false;
@@ -44,8 +60,8 @@ struct rename_rule {
 };
 
 /// Parses `REGEX=REPL` (syntax at the top of this header). Throws errc::invalid_argument naming
-/// the rule: no `=`, an empty REGEX, a REGEX std::regex refuses (its message included), or a
-/// REPL with a bad escape.
+/// the rule: no `=`, an empty REGEX, a REGEX RE2 refuses (its message included: a backreference,
+/// a lookaround, a program larger than RE2's memory budget), or a REPL with a bad escape.
 inline rename_rule parse_rename_rule(std::string_view text) {
   const std::string t(text);
   auto bad = [&](const std::string& why) -> void {
@@ -68,30 +84,22 @@ inline rename_rule parse_rename_rule(std::string_view text) {
   if (split == std::string_view::npos) bad("no '=' between REGEX and REPL");
   if (r.pattern.empty()) bad("empty REGEX");
   r.replacement = std::string(text.substr(split + 1));
-  try {
-    r.regex = std::regex(r.pattern, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    bad("bad regex '" + r.pattern + "': " + e.what());
-  }
-  const std::size_t groups = r.regex.mark_count();
+  re2::RE2::Options opt;
+  opt.set_log_errors(false);
+  auto re = std::make_shared<re2::RE2>(r.pattern, opt);
+  if (!re->ok()) bad("bad regex '" + r.pattern + "': " + re->error());
+  r.regex = std::move(re);
+  const int groups = r.regex->NumberOfCapturingGroups();
   for (std::size_t i = 0; i < r.replacement.size(); ++i) {
-    const char c = r.replacement[i];
-    if (c == '$') {
-      r.format += "$$";
-    } else if (c != '\\') {
-      r.format += c;
-    } else if (i + 1 == r.replacement.size()) {
-      bad("REPL ends with a lone '\\'");
-    } else if (const char n = r.replacement[++i]; n == '\\') {
-      r.format += '\\';
-    } else if (n >= '1' && n <= '9') {
-      if (static_cast<std::size_t>(n - '0') > groups)
-        bad("REPL refers to group \\" + std::string(1, n) + " but the regex has " + std::to_string(groups));
-      r.format += '$';
-      r.format += n;
-    } else {
-      bad(std::string("unknown escape '\\") + n + "' in REPL (only \\1..\\9 and \\\\)");
+    if (r.replacement[i] != '\\') continue;
+    if (i + 1 == r.replacement.size()) bad("REPL ends with a lone '\\'");
+    const char n = r.replacement[++i];
+    if (n == '\\') continue;
+    if (n >= '1' && n <= '9') {
+      if (n - '0' > groups) bad("REPL refers to group \\" + std::string(1, n) + " but the regex has " + std::to_string(groups));
+      continue;
     }
+    bad(std::string("unknown escape '\\") + n + "' in REPL (only \\1..\\9 and \\\\)");
   }
   return r;
 }
@@ -116,8 +124,8 @@ class rename_rules {
     std::string k(key);
     if (decided) *decided = nullptr;
     for (const auto& r : rules_)
-      if (std::regex_search(k, r.regex)) {
-        k = std::regex_replace(k, r.regex, r.format);
+      if (r.matches(k)) {
+        k = r.replace_all(k);
         if (r.then_continue) continue;
         if (decided) *decided = &r;
         return k;

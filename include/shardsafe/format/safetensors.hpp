@@ -250,6 +250,7 @@ inline safetensors_header parse_safetensors_header(std::string_view json, std::u
                               std::to_string(*total) + ", file has " + std::to_string(file_size) + ")");
 
   h.index_names();
+  detail::require_unique_keys(root, f + ": header");  // after the rules above: "dtype" twice in a tensor, say
   return h;
 }
 

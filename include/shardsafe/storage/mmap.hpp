@@ -32,7 +32,7 @@ class mmap_storage {
  public:
   explicit mmap_storage(const std::filesystem::path& path, access_advice advice = access_advice::will_need)
       : path_(path.string()) {
-    detail::unique_fd fd = detail::open_fd(path_, O_RDONLY);
+    detail::unique_fd fd = detail::open_regular_file(path_);  // never a FIFO or a device
     size_ = detail::file_size_of(fd.get(), path_);
     if (size_ == 0) return;  // mmap of zero bytes is an error; an empty span serves
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);

@@ -626,7 +626,15 @@ class s3_directory {
   template <class Each>
   void list_keys(const std::string& pre, bool delimit, unsigned page, Each&& each) const {
     std::string token;
+    // a listing ends within the operation deadline and a bounded number of pages and keys,
+    // whatever the server answers (an endless IsTruncated=true)
+    const auto deadline = std::chrono::steady_clock::now() + ctx_->opt.http.operation_timeout;
+    std::uint64_t keys = 0;
     for (int pages = 0;; ++pages) {
+      if (pages >= max_list_pages || std::chrono::steady_clock::now() >= deadline)
+        throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': still truncated after " + std::to_string(pages) +
+                                        " pages and " + std::to_string(keys) + " keys (limits: " + std::to_string(max_list_pages) +
+                                        " pages, http_options::operation_timeout); refusing to list further");
       std::string q = "list-type=2&max-keys=" + std::to_string(page) + "&prefix=" + percent_encode(pre);
       if (delimit) q += "&delimiter=%2F";
       if (!token.empty()) q += "&continuation-token=" + percent_encode(token);
@@ -651,6 +659,9 @@ class s3_directory {
           if (!k) throw error(errc::io_error, name_ + ": ListObjectsV2: a " + open + " without its key");
           at = end + close.size();
           if (!k->starts_with(pre)) continue;
+          if (++keys > max_list_keys)
+            throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': more than " + std::to_string(max_list_keys) +
+                                            " keys; refusing to list further");
           if (!each(std::string_view(*k))) return;
         }
       }
@@ -664,6 +675,8 @@ class s3_directory {
       return;
     }
   }
+  static constexpr int max_list_pages = 10'000;                  ///< pages of one listing
+  static constexpr std::uint64_t max_list_keys = std::uint64_t(10'000'000);  ///< keys of one listing
   static bool xml_is_true(const std::string& x, const char* tag) {
     auto v = detail::xml_text(x, tag);
     return v && *v == "true";

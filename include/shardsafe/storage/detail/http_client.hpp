@@ -19,7 +19,11 @@
 // Retries (http_options): connection errors, timeouts, 5xx, 429 and responses that break the
 // range rules below are retried up to max_attempts times in all, after an exponential backoff
 // with jitter (at least Retry-After when the server sends one, in seconds or as an HTTP-date,
-// up to retry_after_max). A connection taken from the pool that fails before any byte of a
+// up to retry_after_max). Every request, its retries, backoffs and redirects included, ends
+// within operation_timeout (default 20 s): every socket operation's deadline is cut to it, so
+// a server that stalls, sends its header a byte at a time or its body never, or asks to be
+// retried past it (`503 Retry-After: 86400`) makes the request an error naming the URL and what
+// was waited for. A redirect is followed only to http:// or https:// (never to s3://). A connection taken from the pool that fails before any byte of a
 // response arrived is replaced without counting an attempt (the server closed it while idle).
 //
 // A range read (read_range) lands straight in the caller's memory and is checked before a
@@ -57,6 +61,8 @@
 #include <utility>
 #include <variant>
 #include <vector>
+
+#include "shardsafe/storage/detail/asio_config.hpp"  // before any Boost.Asio header
 
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/buffer.hpp>
@@ -113,6 +119,9 @@ struct http_options {
   std::chrono::milliseconds backoff_initial{200};     ///< first retry waits this, times [0.5, 1) jitter
   std::chrono::milliseconds backoff_max{10'000};      ///< the doubling stops here
   std::chrono::milliseconds retry_after_max{60'000};  ///< a longer Retry-After is cut to this
+  /// One request in all (every attempt, backoff and redirect of it) ends within this, or is an
+  /// error naming its URL and what was waited for; an S3 listing, all its pages, the same.
+  std::chrono::milliseconds operation_timeout{20'000};
   unsigned max_redirects = 5;                         ///< 301/302/303/307/308 followed for GET and HEAD
   unsigned requests_in_flight = 16;                   ///< per client (shared by copies of a directory)
   std::uint64_t part_bytes = std::uint64_t(8) << 20;  ///< read_batch splits longer reads into parts
@@ -139,6 +148,9 @@ namespace bhttp = boost::beast::http;
 /// A request as the backends build it; the body is the caller's memory.
 struct http_request {
   bhttp::verb method = bhttp::verb::get;
+  /// When the request (all its attempts) must be done; set by the first attempt from
+  /// http_options::operation_timeout.
+  std::chrono::steady_clock::time_point deadline{};
   url_parts url;
   std::vector<std::pair<std::string, std::string>> headers;
   std::span<const std::byte> body;
@@ -313,6 +325,7 @@ struct http_connection {
   }();
   std::string origin;
   bool reused = false;
+  std::chrono::steady_clock::time_point deadline{};  ///< of the request it serves now
 
   beast::tcp_stream& tcp() { return std::visit([](auto& s) -> beast::tcp_stream& { return beast::get_lowest_layer(s); }, stream); }
 };
@@ -430,6 +443,10 @@ class http_client {
   }
 
  private:
+  // Completion token: the error into ec, not thrown (defined before any use: clang wants a deduced
+  // return type seen first)
+  static auto into(boost::system::error_code& ec) { return net::redirect_error(net::use_awaitable, ec); }
+
   static bool is_redirect(unsigned s) { return s == 301 || s == 302 || s == 303 || s == 307 || s == 308; }
   static std::string excerpt(const std::string& body) {
     if (body.empty()) return "";
@@ -498,7 +515,9 @@ class http_client {
             if (!loc) co_return resp;
             if (++redirects > opt_.max_redirects)
               throw error(errc::io_error, req.url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
-            r.url = resolve_location(r.url, *loc);
+            const url_parts to = resolve_location(r.url, *loc);
+            require_http_redirect(r.url, to);
+            r.url = to;
             f = {true, "redirect", std::nullopt, true};
             f.retry_after = std::chrono::milliseconds(-1);  // marks: go again at once, no attempt used
             co_return std::nullopt;
@@ -536,6 +555,7 @@ class http_client {
           std::optional<url_parts> moved;
           const bool done = co_await exchange_range(lane, a, off, dst, total, got, f, moved, validator);
           if (moved) {
+            require_http_redirect(r.url, *moved);
             if (++redirects > opt_.max_redirects)
               throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
             r.url = *moved;
@@ -554,12 +574,18 @@ class http_client {
   task<T> with_retries(http_request& req, Attempt&& attempt, OnGiveUp&& on_give_up) {
     unsigned attempts = 0, free_retries = 0;
     attempt_failure f;
+    if (req.deadline == std::chrono::steady_clock::time_point{})
+      req.deadline = std::chrono::steady_clock::now() + opt_.operation_timeout;
+    const std::string within = "within the operation's " + seconds_of(opt_.operation_timeout) + " (http_options::operation_timeout)";
     for (;;) {
       f = {};
       auto r = co_await attempt(req, f);
       if (r) co_return std::move(*r);
-      if (f.retry_after && f.retry_after->count() < 0) continue;  // a redirect
       if (!f.retry) throw error(errc::io_error, req.url.str() + ": " + f.why);
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= req.deadline)
+        throw error(errc::io_error, req.url.str() + ": no complete answer " + within + "; waiting for: " + f.why);
+      if (f.retry_after && f.retry_after->count() < 0) continue;  // a redirect
       if (f.before_response && f.why.find("[reused]") != std::string::npos && free_retries < 64) {
         ++free_retries;  // a pooled connection the server had closed
         continue;
@@ -571,8 +597,14 @@ class http_client {
                                         " attempts; last: " + f.why);
       }
       ++stats_.retries;
+      const std::chrono::milliseconds pause = backoff(attempts, f.retry_after);
+      if (now + pause > req.deadline)
+        throw error(errc::io_error, req.url.str() + ": " +
+                                        (f.retry_after ? "the server asks to be retried after " + seconds_of(*f.retry_after)
+                                                       : "the next retry would come after " + seconds_of(pause)) +
+                                        ", past the deadline " + within + "; last: " + f.why);
       net::steady_timer wait(co_await net::this_coro::executor);
-      wait.expires_after(backoff(attempts, f.retry_after));
+      wait.expires_after(pause);
       boost::system::error_code ec;
       co_await wait.async_wait(into(ec));
     }
@@ -595,15 +627,34 @@ class http_client {
   static auto on_stream(http_connection& c, Op&& op) {
     return std::visit([&](auto& s) { return op(s); }, c.stream);
   }
-  static auto into(boost::system::error_code& ec) { return net::redirect_error(net::use_awaitable, ec); }
 
-  task<std::unique_ptr<http_connection>> take(http_lane& lane, const url_parts& u, attempt_failure& f) {
+  /// Sets c's socket deadline: `d` from now, but never past the request's own deadline.
+  static void arm(http_connection& c, std::chrono::steady_clock::duration d) {
+    auto at = std::chrono::steady_clock::now() + d;
+    if (c.deadline != std::chrono::steady_clock::time_point{} && c.deadline < at) at = c.deadline;
+    c.tcp().expires_at(at);
+  }
+
+  /// Whole seconds, for messages.
+  static std::string seconds_of(std::chrono::milliseconds d) {
+    return std::to_string(d.count() / 1000) + (d.count() % 1000 ? "." + std::to_string(d.count() % 1000 / 100) : "") + " s";
+  }
+
+  /// Refuses a redirect that leaves HTTP(S) (`Location: s3://...` is never fetched as HTTP).
+  static void require_http_redirect(const url_parts& from, const url_parts& to) {
+    if (to.scheme != "http" && to.scheme != "https")
+      throw error(errc::io_error, from.str() + ": redirected to " + to.str() + ", which is not http:// or https://; not followed");
+  }
+
+  task<std::unique_ptr<http_connection>> take(http_lane& lane, const url_parts& u, attempt_failure& f,
+                                              std::chrono::steady_clock::time_point deadline) {
     const std::string origin = u.origin();
     if (auto& v = lane.idle[origin]; !v.empty()) {
       auto c = std::move(v.back());
       v.pop_back();
       --idle_count_;
       c->reused = true;
+      c->deadline = deadline;
       co_return c;
     }
 #if SHARDSAFE_HTTP_TLS
@@ -614,6 +665,7 @@ class http_client {
     auto c = std::make_unique<http_connection>(lane.ioc, false, nullptr);
 #endif
     c->origin = origin;
+    c->deadline = deadline;
     boost::system::error_code ec;
     std::string host = u.host, via;
     std::uint16_t port = u.port;
@@ -633,7 +685,7 @@ class http_client {
       f = {true, "cannot resolve " + host + via + ": " + ec.message(), std::nullopt, true};
       co_return nullptr;
     }
-    c->tcp().expires_after(opt_.connect_timeout);
+    arm(*c, opt_.connect_timeout);
     co_await c->tcp().async_connect(endpoints, into(ec));
     if (ec) {
       f = {true, "cannot connect to " + u.host_header() + via + ": " + ec.message(), std::nullopt, true};
@@ -645,7 +697,7 @@ class http_client {
       if (!SSL_set_tlsext_host_name(s->native_handle(), u.host.c_str()))
         throw error(errc::io_error, u.str() + ": cannot set the TLS server name");
       if (opt_.verify_peer) s->set_verify_callback(net::ssl::host_name_verification(u.host));
-      c->tcp().expires_after(opt_.connect_timeout);
+      arm(*c, opt_.connect_timeout);
       co_await s->async_handshake(net::ssl::stream_base::client, into(ec));
       if (ec) {
         // a certificate that does not verify will not verify next time either
@@ -681,7 +733,7 @@ class http_client {
     if (!r.body.empty() || r.method == bhttp::verb::put || r.method == bhttp::verb::post)
       m.content_length(r.body.size());
     boost::system::error_code ec;
-    c.tcp().expires_after(opt_.read_timeout + std::chrono::milliseconds(r.body.size() / 1024));  // ~1 MB/s floor
+    arm(c, opt_.read_timeout + std::chrono::milliseconds(r.body.size() / 1024));  // ~1 MB/s floor
     co_await on_stream(c, [&](auto& s) { return bhttp::async_write(s, m, into(ec)); });
     ++stats_.requests;
     if (ec) {
@@ -696,7 +748,7 @@ class http_client {
   /// Reads the response header into p; false (with f filled) on a transport or parse error.
   task<bool> read_header(http_connection& c, parser_t& p, attempt_failure& f) {
     boost::system::error_code ec;
-    c.tcp().expires_after(opt_.read_timeout);
+    arm(c, opt_.read_timeout);
     co_await on_stream(c, [&](auto& s) { return bhttp::async_read_header(s, c.buffer, p, into(ec)); });
     if (ec) {
       const bool nothing = ec == bhttp::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset;
@@ -718,7 +770,7 @@ class http_client {
     p.get().body().data = data;
     p.get().body().size = cap;
     p.get().body().more = true;
-    c.tcp().expires_after(opt_.read_timeout);
+    arm(c, opt_.read_timeout);
     co_await on_stream(c, [&](auto& s) { return bhttp::async_read(s, c.buffer, p, into(ec)); });
     if (ec == bhttp::error::need_buffer) ec = {};
     const std::size_t n = cap - p.get().body().size;
@@ -729,7 +781,7 @@ class http_client {
   /// Reads exactly n bytes from c's socket into data (no parser, no copy), as far as it can:
   /// returns how many landed, with ec set if that is fewer than n.
   task<std::size_t> read_raw(http_connection& c, std::byte* data, std::size_t n, boost::system::error_code& ec) {
-    c.tcp().expires_after(opt_.read_timeout);
+    arm(c, opt_.read_timeout);
     // each socket read asks for all that is still missing (asio's default would be 64 KiB)
     auto all_missing = [n](const boost::system::error_code& e, std::size_t done) -> std::size_t { return e ? 0 : n - done; };
     const std::size_t k =
@@ -774,7 +826,7 @@ class http_client {
 
   /// One request and its whole answer; nothing on failure (f says why).
   task<std::optional<http_response>> exchange_whole(http_lane& lane, const http_request& r, attempt_failure& f) {
-    auto c = co_await take(lane, r.url, f);
+    auto c = co_await take(lane, r.url, f, r.deadline);
     if (!c) co_return std::nullopt;
     if (!co_await write_request(*c, r, f)) co_return std::nullopt;
     parser_t p;
@@ -801,7 +853,7 @@ class http_client {
   task<bool> exchange_range(http_lane& lane, const http_request& r, std::uint64_t off, std::span<std::byte> dst,
                             std::uint64_t total, std::uint64_t& got, attempt_failure& f, std::optional<url_parts>& moved,
                             const object_validator& validator) {
-    auto c = co_await take(lane, r.url, f);
+    auto c = co_await take(lane, r.url, f, r.deadline);
     if (!c) co_return false;
     if (!co_await write_request(*c, r, f)) co_return false;
     parser_t p;

@@ -1,0 +1,569 @@
+"""Hostile inputs against the shardsafe tool, each case a process measured on its own (issue 30).
+
+    python3 tests/hostile/hostile.py TOOL [CASE...]
+
+Every case builds its input in a temporary folder (nothing is committed but this script), runs
+the tool once (or a few times) and checks: the exit code (0 where the input is valid, 1 with one
+line on stderr naming what the case names; never a signal), the line's words, that nothing the
+case protects changed, and the limits of the issue: each command uses at most LIMIT_S seconds of CPU and
+its peak RSS (wait4's ru_maxrss of that process alone) stays under LIMIT_MIB. Time is the
+command's CPU time (user + system, from wait4): the work it did, not how busy the machine was; a
+command still running after WALL_FACTOR x LIMIT_S wall seconds (waiting, e.g. blocked on a FIFO)
+is killed and the case fails. The last lines are a table of every command: case, exit,
+CPU seconds, peak MiB, wall seconds. Exit 0 when every case passes.
+
+Cases: the names below (`python3 tests/hostile/hostile.py TOOL --list`).
+"""
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+LIMIT_S = 30.0      # CPU seconds per command
+WALL_FACTOR = 4     # wall seconds per command before it is killed, in multiples of LIMIT_S
+LIMIT_MIB = 256.0
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.dirname(os.path.dirname(HERE))
+TOOL = None
+RESULTS = []  # (case, argv summary, exit, seconds, MiB)
+
+
+class Failed(Exception):
+    pass
+
+
+def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB, nofile=None):
+    """Runs the tool once; checks exit, stderr words and the limits (the peak RSS is the tool
+    process's own: os.wait4); returns (stdout, stderr)."""
+    t0 = time.monotonic()
+    r, w = os.pipe()
+    e_r, e_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.close(e_r)
+        if nofile:
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(w, 1)
+        os.dup2(e_w, 2)
+        try:
+            os.execv(TOOL, [TOOL] + args)
+        finally:
+            os._exit(127)
+    os.close(w)
+    os.close(e_w)
+    # the limit is on CPU time (the work done, the same on a loaded machine); a command that
+    # waits (a hang in open() on a FIFO uses no CPU) is killed at WALL_FACTOR times the limit
+    deadline = t0 + WALL_FACTOR * limit_s + 5
+    out, err = b"", b""
+    import selectors
+    sel = selectors.DefaultSelector()
+    sel.register(r, selectors.EVENT_READ, "out")
+    sel.register(e_r, selectors.EVENT_READ, "err")
+    killed = False
+    open_fds = 2
+    while open_fds:
+        left = deadline - time.monotonic()
+        if left <= 0 and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+        for key, _ in sel.select(timeout=max(0.05, min(left, 1.0)) if not killed else 1.0):
+            data = os.read(key.fd, 65536)
+            if not data:
+                sel.unregister(key.fd)
+                os.close(key.fd)
+                open_fds -= 1
+            elif key.data == "out":
+                out += data
+            else:
+                err += data
+    _, status, ru = os.wait4(pid, 0)
+    wall = time.monotonic() - t0
+    secs = ru.ru_utime + ru.ru_stime
+    mib = ru.ru_maxrss / 1024.0
+    code = os.waitstatus_to_exitcode(status)
+    RESULTS.append((case, " ".join(a if len(a) < 40 else a[:37] + "..." for a in args[:3]), code, secs, mib, wall))
+    text = err.decode("utf-8", "replace")
+    if killed:
+        raise Failed(f"{args[0]} still running after {WALL_FACTOR * limit_s + 5:.0f} s: killed")
+    if code < 0:
+        raise Failed(f"{args[0]} died of signal {-code}: {text[-400:]}")
+    if secs > limit_s:
+        raise Failed(f"{args[0]} took {secs:.1f} CPU s (limit {limit_s} s)")
+    if mib > limit_mib:
+        raise Failed(f"{args[0]} peaked at {mib:.0f} MiB (limit {limit_mib} MiB)")
+    if code != expect_exit:
+        raise Failed(f"{args[0]} exited {code}, expected {expect_exit}; stderr: {text[-600:]}")
+    if expect_exit == 1:
+        lines = [l for l in text.split("\n") if l]
+        if len(lines) != 1:
+            raise Failed(f"{args[0]}: {len(lines)} lines on stderr, expected one: {text[-600:]}")
+    for w in words:
+        if w not in text:
+            raise Failed(f"{args[0]}: stderr lacks {w!r}: {text[-600:]}")
+    return out.decode("utf-8", "replace"), text
+
+
+
+# --- fixtures --------------------------------------------------------------------------------
+
+
+def safetensors_bytes(tensors, metadata=None):
+    """tensors: list of (name, dtype, shape, bytes)."""
+    header, off, data = {}, 0, b""
+    for name, dt, shape, b in tensors:
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(b)]}
+        off += len(b)
+        data += b
+    if metadata:
+        header["__metadata__"] = metadata
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    return struct.pack("<Q", len(h)) + h + data
+
+
+def write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def sharded_checkpoint(d, extra_rank1=()):
+    """A 2-rank checkpoint of w [4, 3] F32 (rows split) and b [3] (rank 0): metadata.json + rank files."""
+    w = struct.pack("<12f", *range(12))
+    b = struct.pack("<3f", 1, 2, 3)
+    write(os.path.join(d, "rank_0.safetensors"), safetensors_bytes([("w", "F32", [6], w[:24]), ("b", "F32", [3], b)]))
+    write(os.path.join(d, "rank_1.safetensors"), safetensors_bytes([("w", "F32", [6], w[24:])] + list(extra_rank1)))
+    md = {"tensors": {
+        "w": {"shape": [4, 3], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": {
+            "rank_0.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": None, "global_offset": None},
+            "rank_1.safetensors": {"flattened_offsets": [[6, 12]], "local_shape": None, "global_offset": None}}},
+        "b": {"shape": [3], "is_sharded": False, "dtype": "F32", "shard_spec_per_file": {
+            "rank_0.safetensors": {"flattened_offsets": [[0, 3]], "local_shape": None, "global_offset": None}}}}}
+    write(os.path.join(d, "metadata.json"), json.dumps(md).encode())
+
+
+def hf_folder(d, sharded):
+    t = [("a", "F32", [2], struct.pack("<2f", 1, 2)), ("b", "F32", [1], struct.pack("<f", 3))]
+    if not sharded:
+        write(os.path.join(d, "model.safetensors"), safetensors_bytes(t))
+        return
+    write(os.path.join(d, "model-00001-of-00002.safetensors"), safetensors_bytes(t[:1]))
+    write(os.path.join(d, "model-00002-of-00002.safetensors"), safetensors_bytes(t[1:]))
+    write(os.path.join(d, "model.safetensors.index.json"), json.dumps(
+        {"metadata": {"total_size": 12}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                         "b": "model-00002-of-00002.safetensors"}}).encode())
+
+
+def dcp_folder(d):
+    shutil.copytree(os.path.join(SOURCE, "tests", "fixtures", "dcp_torch2", "ckpt"), d)
+
+
+def digest_of_folder(d):
+    h = {}
+    for n in sorted(os.listdir(d)):
+        p = os.path.join(d, n)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                h[n] = hashlib.sha256(f.read()).hexdigest()
+    return h
+
+
+def replace_with_fifo(path):
+    os.remove(path)
+    os.mkfifo(path)
+
+
+# --- cases ----------------------------------------------------------------------------------
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def long_name_rename(t):
+    """to-hf of a 30,000-character name, with the preset and with the README's rule: no crash."""
+    name = "model." + "x" * 30000
+    write(os.path.join(t, "in.safetensors"), safetensors_bytes([(name, "F32", [1], struct.pack("<f", 1))]))
+    run("long_name_rename", ["to-hf", os.path.join(t, "in.safetensors"), os.path.join(t, "o1"), "--preset", "dcp-to-hf"], 0)
+    run("long_name_rename", ["to-hf", os.path.join(t, "in.safetensors"), os.path.join(t, "o2"), "--rename", r"^model\.(.*)=\1"], 0)
+
+
+@case
+def catastrophic_rename(t):
+    """--rename '^(a+)+$=x' on names a backtracking engine takes exponential time over."""
+    names = ["a" * 40 + "b", "a" * 20000 + "!"]
+    write(os.path.join(t, "in.safetensors"),
+          safetensors_bytes([(n, "F32", [1], struct.pack("<f", i)) for i, n in enumerate(names)]))
+    run("catastrophic_rename", ["to-hf", os.path.join(t, "in.safetensors"), os.path.join(t, "o"), "--rename", "^(a+)+$=x"], 0)
+
+
+@case
+def unshard_over_input(t):
+    """unshard onto a file of the checkpoint it reads: refused, nothing changed."""
+    ck = os.path.join(t, "ckpt")
+    sharded_checkpoint(ck)
+    before = digest_of_folder(ck)
+    for target in ("rank_0.safetensors", "metadata.json", "new.safetensors"):
+        run("unshard_over_input", ["unshard", ck, os.path.join(ck, target)], 1, ["inside the input folder"])
+    dc = os.path.join(t, "dcp")
+    dcp_folder(dc)
+    dbefore = digest_of_folder(dc)
+    for target in (".metadata", "__0_0.distcp"):
+        run("unshard_over_input", ["unshard", dc, os.path.join(dc, target)], 1, ["inside the input folder"])
+    run("unshard_over_input", ["to-hf", ck, os.path.join(ck, "hf")], 1, ["inside the input folder"])
+    run("unshard_over_input", ["to-dcp", ck, os.path.join(ck, "dcp")], 1, ["inside the input folder"])
+    # one of the checkpoint's files under another name (a hard link elsewhere) is refused too
+    alias = os.path.join(t, "alias.safetensors")
+    os.link(os.path.join(ck, "rank_0.safetensors"), alias)
+    run("unshard_over_input", ["unshard", ck, alias], 1, ["under another name"])
+    run("unshard_over_input", ["unshard", ck, os.path.join(t, "fine.safetensors")], 0)
+    if digest_of_folder(ck) != before or digest_of_folder(dc) != dbefore:
+        raise Failed("a refused command changed the checkpoint it read")
+
+
+@case
+def fifo_inputs(t):
+    """A FIFO where a file of each layout should be: every command ends at once, naming it."""
+    makers = [(sharded_checkpoint, "metadata.json"), (sharded_checkpoint, "rank_1.safetensors"),
+              (lambda d: hf_folder(d, False), "model.safetensors"),
+              (lambda d: hf_folder(d, True), "model.safetensors.index.json"),
+              (lambda d: hf_folder(d, True), "model-00002-of-00002.safetensors"),
+              (dcp_folder, ".metadata"), (dcp_folder, "__1_0.distcp")]
+    layouts = []
+    for i, (make, name) in enumerate(makers):
+        folder = os.path.join(t, "layout%d" % i)
+        make(folder)
+        layouts.append((folder, name))
+    for folder, name in layouts:
+        replace_with_fifo(os.path.join(folder, name))
+        for cmd in (["verify", folder], ["digest", folder]):
+            run("fifo_inputs", cmd, 1, [name, "FIFO"])
+    one = os.path.join(t, "pipe.safetensors")
+    os.mkfifo(one)
+    run("fifo_inputs", ["inspect", one], 1, ["not a regular file"])
+
+
+
+def pickle_metadata_many_builds(n_builds):
+    """A torch 2.x .metadata pickle whose Metadata object gets n BUILDs of one new entry each."""
+    mod = b"torch.distributed.checkpoint.metadata"
+    out = b"\x80\x02c" + mod + b"\nMetadata\n)\x81"
+    for i in range(n_builds):
+        k = b"k%d" % i
+        out += b"}X" + struct.pack("<I", len(k)) + k + b"Nsb"
+    # a valid state at last: no tensors
+    out += b"}X" + struct.pack("<I", 19) + b"state_dict_metadata" + b"}sb."
+    return out
+
+
+@case
+def repeated_build(t):
+    """A .metadata of ~900 KB whose object gets 90,000 BUILDs: every opcode O(1) amortized."""
+    d = os.path.join(t, "dcp")
+    os.makedirs(d)
+    write(os.path.join(d, ".metadata"), pickle_metadata_many_builds(90000))
+    run("repeated_build", ["inspect", d], 0)
+
+
+def dcp_overlapping(d, chunks):
+    """A DCP folder of one F32 tensor [chunks + 1, 4] whose chunks each hold 2 rows, overlapping
+    their neighbours by one row (every element but the first and last rows held twice, equal)."""
+    import zipfile
+    rows = chunks + 1
+    full = [float(i) for i in range(rows * 4)]
+    data, at = [], 0
+    places = []
+    for c in range(chunks):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
+                   b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x08tQK\x00K\x02K\x04\x86K\x04K\x01\x86\x89ccollections\n"
+                   b"OrderedDict\n)RtR.")
+            z.writestr("archive/data.pkl", pkl)
+            z.writestr("archive/data/0", struct.pack("<8f", *full[c * 4:(c + 2) * 4]))
+            z.writestr("archive/version", "3\n")
+        places.append((at, len(buf.getvalue())))
+        data.append(buf.getvalue())
+        at += len(buf.getvalue())
+    write(os.path.join(d, "__0_0.distcp"), b"".join(data))
+
+    def s(x):
+        x = x.encode()
+        return b"X" + struct.pack("<I", len(x)) + x
+
+    def i(v):
+        return b"J" + struct.pack("<i", v)
+
+    def size(vals):
+        return b"ctorch\nSize\n(" + b"".join(i(v) for v in vals) + b"t\x85R"
+    m = b"torch.distributed.checkpoint.metadata"
+    fsm = b"torch.distributed.checkpoint.filesystem"
+
+    def obj(mod, cls, state):
+        return b"c" + mod + b"\n" + cls + b"\n)\x81" + state + b"b"
+    props = obj(m, b"TensorProperties", b"(ctorch\nfloat32\nctorch.serialization\n_get_layout\n" + s("torch.strided") +
+                b"\x85R\x89c" + m + b"\n_MEM_FORMAT_ENCODING\nK\x00\x85R\x89t")
+    def batched(items, close):  # MARK ... APPENDS/SETITEMS per 1000 items, as Python's pickler
+        return b"".join(b"(" + b"".join(items[k:k + 1000]) + close for k in range(0, len(items), 1000))
+    chunk_objs = [obj(m, b"ChunkStorageMetadata", b"}(" + s("offsets") + size([c, 0]) + s("sizes") + size([2, 4]) + b"u")
+                  for c in range(chunks)]
+    tsm = obj(m, b"TensorStorageMetadata", b"}(" + s("properties") + props + s("size") + size([rows, 4]) + s("chunks") +
+              b"]" + batched(chunk_objs, b"e") + b"u")
+    storage = [obj(m, b"MetadataIndex", b"}(" + s("fqn") + s("w") + s("offset") + size([c, 0]) + b"u") +
+               obj(fsm, b"_StorageInfo", b"}(" + s("relative_path") + s("__0_0.distcp") + s("offset") +
+                   i(places[c][0]) + s("length") + i(places[c][1]) + b"u")
+               for c in range(chunks)]
+    md = b"\x80\x02" + obj(m, b"Metadata", b"}(" + s("state_dict_metadata") + b"}" + s("w") + tsm + b"s" +
+                           s("storage_data") + b"}" + batched(storage, b"u") + b"u") + b"."
+    write(os.path.join(d, ".metadata"), md)
+
+
+@case
+def verify_overlapping_chunks(t):
+    """verify of a DCP folder of 5,001 chunks overlapping their neighbours: O(n log n), not cubic."""
+    d = os.path.join(t, "dcp")
+    dcp_overlapping(d, 5001)
+    out, _ = run("verify_overlapping_chunks", ["verify", d], 0)
+    if "1 tensors valid" not in out or "replicas" not in out:
+        raise Failed("verify said: " + out)
+
+
+@case
+def stacked_experts_count(t):
+    """--stack-experts on a [2^62, 0] tensor (a 100-byte file) and on 1.3M experts: refused before allocating."""
+    write(os.path.join(t, "a.safetensors"), safetensors_bytes([("m.experts.w", "F32", [2 ** 62, 0], b"")]))
+    run("stacked_experts_count", ["to-hf", os.path.join(t, "a.safetensors"), os.path.join(t, "o1"), "--stack-experts",
+                                  r"^(.*\.experts)\.(w)$=\1.{i}.\2"], 1, ["experts pass the limit"])
+    write(os.path.join(t, "b.safetensors"), safetensors_bytes([("m.experts.w", "U8", [1300000, 1], b"\0" * 1300000)]))
+    run("stacked_experts_count", ["to-hf", os.path.join(t, "b.safetensors"), os.path.join(t, "o2"), "--stack-experts",
+                                  r"^(.*\.experts)\.(w)$=\1.{i}.\2"], 1, ["experts pass the limit"])
+
+
+@case
+def unshard_claimed_terabytes(t):
+    """metadata.json claiming a 1 TiB tensor no file covers: refused before the output is sized."""
+    ck = os.path.join(t, "ckpt")
+    sharded_checkpoint(ck, [("huge", "F32", [0], b"")])  # rank 1 holds none of its elements
+    with open(os.path.join(ck, "metadata.json")) as f:
+        md = json.load(f)
+    md["tensors"]["huge"] = {"shape": [2 ** 38], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": {
+        "rank_1.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": None, "global_offset": None}}}
+    md["tensors"]["huge"]["shard_spec_per_file"]["rank_1.safetensors"]["flattened_offsets"] = [[0, 0]]
+    write(os.path.join(ck, "metadata.json"), json.dumps(md).encode())
+    out = os.path.join(t, "out.safetensors")
+    run("unshard_claimed_terabytes", ["unshard", ck, out], 1, ["tensor 'huge'", "in no file"])
+    if os.path.exists(out):
+        raise Failed("unshard left " + out)
+    left = [n for n in os.listdir(t) if ".tmp." in n]
+    if left:
+        raise Failed("unshard left temporaries: " + ", ".join(left))
+
+
+@case
+def duplicate_json_keys(t):
+    """A key given twice (Python's json keeps the last, others the first): refused everywhere."""
+    ck = os.path.join(t, "ckpt")
+    sharded_checkpoint(ck)
+    text = open(os.path.join(ck, "metadata.json")).read()
+    write(os.path.join(ck, "metadata.json"),
+          text.replace('"dtype": "F32"', '"dtype": "F32", "dtype": "I32"', 1).encode())
+    for cmd in ("verify", "digest", "inspect"):
+        run("duplicate_json_keys", [cmd, ck], 1, ["dtype", "twice"])
+    hf = os.path.join(t, "hf")
+    hf_folder(hf, True)
+    idx = open(os.path.join(hf, "model.safetensors.index.json")).read()
+    write(os.path.join(hf, "model.safetensors.index.json"),
+          idx.replace('"weight_map"', '"weight_map": {"a": "model-00002-of-00002.safetensors"}, "weight_map"', 1).encode())
+    run("duplicate_json_keys", ["verify", hf], 1, ["weight_map", "twice"])
+
+
+@case
+def optim_pickles(t):
+    """verify of a model + optimizer pair whose optim/ pickles run code or break the layout: refused."""
+    base = os.path.join(t, "base")
+    sharded_checkpoint(os.path.join(base, "model"))
+
+    def optim(d, groups, n=None, extra=None):
+        ts = [("num_param_groups", "I64", [], struct.pack("<q", len(groups) if n is None else n))]
+        for i, g in enumerate(groups):
+            ts.append((f"param_group{i}", "U8", [len(g)], g))
+        for k, v in (extra or {}).items():
+            ts.append((k, "U8", [len(v)], v))
+        write(os.path.join(d, "rank_0.safetensors"), safetensors_bytes(ts))
+        md = {"tensors": {name: {"shape": shape, "is_sharded": False, "dtype": dt, "shard_spec_per_file": {
+            "rank_0.safetensors": {"flattened_offsets": [[0, max(1, shape[0] if shape else 1)]], "local_shape": None,
+                                   "global_offset": None}}} for name, dt, shape, _ in ts}}
+        write(os.path.join(d, "metadata.json"), json.dumps(md).encode())
+    good = b"\x80\x02}(X\x0c\x00\x00\x00_param_names](X\x01\x00\x00\x00wX\x01\x00\x00\x00beu."
+    evil = b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R."
+    cases = {"os_system": ([evil], None, ["param_group0", "GLOBAL", "classes and calls are refused"]), "truncated": ([good[:-5]], None, ["param_group0"]),
+             "huge_count": ([good], 2 ** 62, ["num_param_groups"]), "missing_group": ([], 1, ["param_group0", "missing"]),
+             "deep": ([b"\x80\x02" + b"]" * 100000 + b"."], None, ["param_group0"])}
+    ok = os.path.join(t, "ok")
+    shutil.copytree(base, ok)
+    optim(os.path.join(ok, "optim"), [good])
+    run("optim_pickles", ["verify", ok], 0)
+    for name, (groups, n, words) in cases.items():
+        d = os.path.join(t, name)
+        shutil.copytree(base, d)
+        optim(os.path.join(d, "optim"), groups, n)
+        run("optim_pickles", ["verify", d], 1, words)
+
+
+@case
+def control_bytes(t):
+    """Escape sequences and newlines in names and __metadata__ values never reach the terminal."""
+    bad = "a\x1b]0;owned\x07\nb"
+    write(os.path.join(t, "x.safetensors"), safetensors_bytes([(bad, "F32", [1], struct.pack("<f", 1))],
+                                                              {"k\x1b[2J": "v\ny\x07"}))
+    out, _ = run("control_bytes", ["inspect", os.path.join(t, "x.safetensors")], 0)
+    if any(ord(c) < 0x20 and c != "\n" or ord(c) == 0x7f for c in out) or "owned\x07" in out:
+        raise Failed("a control byte reached stdout: " + repr(out))
+    if out.count("\n") != 4:  # title, __metadata__ line, header row, one tensor row
+        raise Failed("a newline from the input split a line: " + repr(out))
+    out, _ = run("control_bytes", ["digest", os.path.join(t, "x.safetensors")], 0)
+    if "\x1b" in out or out.count("\n") != 1:
+        raise Failed("digest printed a raw control byte: " + repr(out))
+
+
+@case
+def export_drops_everything(t):
+    """to-hf --preset dcp-to-hf of keys that are not model.*: an export of nothing is an error."""
+    write(os.path.join(t, "x.safetensors"), safetensors_bytes([("optim.state.w", "F32", [1], struct.pack("<f", 1))]))
+    run("export_drops_everything", ["to-hf", os.path.join(t, "x.safetensors"), os.path.join(t, "o"), "--preset", "dcp-to-hf"],
+        1, ["drop all 1 tensors"])
+    if os.path.exists(os.path.join(t, "o", "model.safetensors")):
+        raise Failed("an empty model.safetensors was written")
+
+
+@case
+def nul_in_name(t):
+    """A name holding a NUL is written \\x00 in messages, not cut there."""
+    ck = os.path.join(t, "ckpt")
+    sharded_checkpoint(ck)
+    with open(os.path.join(ck, "metadata.json")) as f:
+        md = json.load(f)
+    md["tensors"]["x\u0000tail"] = md["tensors"].pop("b")
+    md["tensors"]["x\u0000tail"]["shape"] = [4]
+    write(os.path.join(ck, "metadata.json"), json.dumps(md).encode())
+    run("nul_in_name", ["verify", ck], 1, ["x\\x00tail"])
+
+
+@case
+def many_rank_files(t):
+    """A valid 1,100-rank checkpoint under `ulimit -n 1024` (and 256): one descriptor per file at most."""
+    ck = os.path.join(t, "ckpt")
+    n = 1100
+    specs = {}
+    for r in range(n):
+        write(os.path.join(ck, f"rank_{r}.safetensors"), safetensors_bytes([("w", "F32", [1], struct.pack("<f", r))]))
+        specs[f"rank_{r}.safetensors"] = {"flattened_offsets": [[r, r + 1]], "local_shape": None, "global_offset": None}
+    write(os.path.join(ck, "metadata.json"), json.dumps(
+        {"tensors": {"w": {"shape": [n], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": specs}}}).encode())
+    want = hashlib.sha256(struct.pack(f"<{n}f", *range(n))).hexdigest()
+    for nofile in (1024, 256):
+        run("many_rank_files", ["verify", ck], 0, nofile=nofile)
+        out, _ = run("many_rank_files", ["digest", ck], 0, nofile=nofile)
+        if want not in out:
+            raise Failed("digest under ulimit -n %d: %s" % (nofile, out))
+        run("many_rank_files", ["unshard", ck, os.path.join(t, f"out{nofile}.safetensors")], 0, nofile=nofile)
+
+
+@case
+def many_chunks_one_file(t):
+    """A DCP data file holding 1,100 chunks of one tensor, under `ulimit -n 256`: opened once."""
+    d = os.path.join(t, "dcp")
+    dcp_overlapping(d, 1100)
+    run("many_chunks_one_file", ["verify", d], 0, nofile=256)
+    run("many_chunks_one_file", ["digest", d], 0, nofile=256)
+
+
+@case
+def column_sharded(t):
+    """A [2^24, 2] U8 tensor kept as two column blocks (a copy-plan run per row): verify, digest and
+    unshard in bounded memory (plans are made a window of runs at a time), and the right bytes."""
+    ck = os.path.join(t, "ckpt")
+    rows = 1 << 24
+    write(os.path.join(ck, "rank_0.safetensors"), safetensors_bytes([("w", "U8", [rows], bytes(rows))]))
+    write(os.path.join(ck, "rank_1.safetensors"), safetensors_bytes([("w", "U8", [rows], b"\x01" * rows)]))
+    write(os.path.join(ck, "metadata.json"), json.dumps({"tensors": {"w": {
+        "shape": [rows, 2], "is_sharded": True, "dtype": "U8", "shard_spec_per_file": {
+            "rank_0.safetensors": {"flattened_offsets": None, "local_shape": [rows, 1], "global_offset": [0, 0]},
+            "rank_1.safetensors": {"flattened_offsets": None, "local_shape": [rows, 1], "global_offset": [0, 1]}}}}}).encode())
+    want = hashlib.sha256(b"\x00\x01" * rows).hexdigest()  # row-major: column 0 then column 1, each row
+    run("column_sharded", ["verify", ck], 0)
+    out, _ = run("column_sharded", ["digest", ck], 0)
+    if want not in out:
+        raise Failed("digest: " + out)
+    o = os.path.join(t, "full.safetensors")
+    run("column_sharded", ["unshard", ck, o], 0)
+    with open(o, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        f.seek(8 + n)
+        if hashlib.sha256(f.read()).hexdigest() != want:
+            raise Failed("unshard wrote other bytes")
+
+
+@case
+def sparse_nul_documents(t):
+    """metadata.json, an index or .metadata of 2^30 NUL bytes (sparse on disk): refused at once, in little memory."""
+    def sparse(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(1 << 30)
+    ck = os.path.join(t, "ckpt")
+    sharded_checkpoint(ck)
+    sparse(os.path.join(ck, "metadata.json"))
+    run("sparse_nul_documents", ["verify", ck], 1, ["metadata.json", "not valid JSON"])
+    hf = os.path.join(t, "hf")
+    hf_folder(hf, True)
+    sparse(os.path.join(hf, "model.safetensors.index.json"))
+    run("sparse_nul_documents", ["verify", hf], 1, ["model.safetensors.index.json", "not valid JSON"])
+    dc = os.path.join(t, "dcp")
+    dcp_folder(dc)
+    sparse(os.path.join(dc, ".metadata"))
+    run("sparse_nul_documents", ["verify", dc], 1, [".metadata", "PROTO"])
+
+def main(argv):
+    global TOOL
+    TOOL = argv[1]
+    if "--list" in argv:
+        print("\n".join(CASES))
+        return 0
+    names = [a for a in argv[2:] if not a.startswith("-")] or list(CASES)
+    failed = []
+    for n in names:
+        with tempfile.TemporaryDirectory(prefix="shardsafe-hostile-") as t:
+            try:
+                CASES[n](t)
+                print(f"ok      {n}")
+            except Failed as e:
+                failed.append(n)
+                print(f"FAILED  {n}: {e}")
+    print(f"\n{'case':24} {'command':52} {'exit':>4} {'CPU s':>7} {'MiB':>7} {'wall s':>7}")
+    for c, cmd, code, secs, mib, wall in RESULTS:
+        print(f"{c:24} {cmd:52} {code:4d} {secs:7.2f} {mib:7.1f} {wall:7.2f}")
+    worst_s = max((r[3] for r in RESULTS), default=0)
+    worst_m = max((r[4] for r in RESULTS), default=0)
+    print(f"\n{len(RESULTS)} commands in {len(names)} cases; slowest {worst_s:.2f} CPU s, largest {worst_m:.1f} MiB "
+          f"(limits {LIMIT_S:.0f} CPU s, {LIMIT_MIB:.0f} MiB); {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
