@@ -152,6 +152,37 @@ inline bool have_torch() {
 /// (then its first REQUIRE fails: REQUIRE_MESSAGE(have_torch(), ...)).
 inline doctest::skip torch_check() { return doctest::skip(!python_required() && !have_torch()); }
 
+/// The major version of torch_python's torch: 1 on Debian 12 (1.13), 2 in the Debian 13 root of
+/// scripts/env-debian13.sh (2.6); 0 without torch. Checked once.
+inline int torch_major() {
+  static const int v = [] {
+    for (int m : {1, 2})
+      if (std::system((torch_python + " -c 'import torch, sys; sys.exit(torch.__version__.split(\".\")[0] != \"" +
+                       std::to_string(m) + "\")' >/dev/null 2>&1")
+                          .c_str()) == 0)
+        return m;
+    return 0;
+  }();
+  return v;
+}
+
+/// SHARDSAFE_TORCH_PEER: the torch major version the test command runs the peer tests with (1 in
+/// the Debian 12 leg, 2 in the Debian 13 one); its tests then fail rather than skip when the
+/// interpreter holds another torch.
+inline int torch_peer_required() {
+  const char* v = std::getenv("SHARDSAFE_TORCH_PEER");
+  return v && (std::string(v) == "1" || std::string(v) == "2") ? v[0] - '0' : 0;
+}
+
+/// The decorator of a test whose peer is torch of major version `major` (the 1.13 fixtures need
+/// torch 1; DTensors, get_state_dict and torch 2.x's DCP need torch 2): run where torch_python
+/// holds it, or where the test command says it must; skipped elsewhere.
+/// `also_skip`: another reason to skip (doctest keeps only the last skip decorator of a test, so
+/// reasons are joined here).
+inline doctest::skip torch_major_check(int major, bool also_skip = false) {
+  return doctest::skip(also_skip || (torch_peer_required() != major && torch_major() != major));
+}
+
 /// A JSON string literal of s (only '"' and '\\' escaped: enough for what the tests write).
 inline std::string json_quoted(const std::string& s) {
   std::string r = "\"";

@@ -99,4 +99,27 @@ inline std::vector<std::exception_ptr> run_ranks(int n, const std::function<void
   return thrown;
 }
 
+/// What an exception a rank threw says: its message, and its code (errc::io_error for one that is
+/// not a shardsafe::error); "" and ok for no exception.
+inline std::string error_message_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "(not a std::exception)";
+  }
+}
+inline std::error_code error_code_of(const std::exception_ptr& e) {
+  if (!e) return {};
+  try {
+    std::rethrow_exception(e);
+  } catch (const shardsafe::error& x) {
+    return x.code();
+  } catch (...) {
+    return shardsafe::make_error_code(shardsafe::errc::io_error);
+  }
+}
+
 }  // namespace testing

@@ -17,8 +17,10 @@
 #include "shardsafe/core/shape.hpp"
 
 // file formats (docs/FORMAT.md)
-#include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/dcp_metadata.hpp"
+#include "shardsafe/format/dcp_metadata_writer.hpp"
+#include "shardsafe/format/dcp_writer.hpp"
 #include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/dcp_unpickler.hpp"
 #include "shardsafe/format/hf_export.hpp"
@@ -29,9 +31,11 @@
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/format/torch_zip_writer.hpp"
 
 // shard arithmetic: specs, overlaps, copy plans, read plans
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/flat_blocks.hpp"
 #include "shardsafe/shard/mesh.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/read_plan.hpp"
@@ -48,12 +52,15 @@
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/dist/launch.hpp"
+#include "shardsafe/dist/message.hpp"
 #include "shardsafe/dist/single.hpp"
 
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/async_save.hpp"
 #include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/configured.hpp"
+#include "shardsafe/checkpoint/dcp_export.hpp"
+#include "shardsafe/checkpoint/dcp_save.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf_experts.hpp"
 #include "shardsafe/checkpoint/hf_export.hpp"
