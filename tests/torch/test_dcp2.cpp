@@ -7,6 +7,7 @@
 //   non-tensor items) load into c10d worlds of 1, 2, 3 and 4 processes bit for bit; the tool's
 //   digest equals torch's hashes; to-hf is read back by Python's safetensors; a LibTorch AdamW,
 //   Adam and SGD (momentum) resume in 3 processes with torch's state, steps and hyper-parameters;
+// - the golden fixtures (tests/fixtures/dcp_torch2/), made again by this torch, still match;
 // - the tool's to-dcp of an HF folder (written by Python's safetensors) and of torch's own folder
 //   loads in torch's dcp.load bit for bit (tests/dcp2_tool_check.py);
 // - a folder 3 C++ processes save in get_state_dict's layout (examples/sharded_mlp.hpp's model
@@ -20,6 +21,7 @@
 #include <doctest/doctest.h>
 #include <simdjson.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -277,6 +279,29 @@ TEST_CASE("dcp2: the tool's digest of a torch 2.x folder is torch's; to-hf is re
   CHECK(r.out.find("False") == std::string::npos);
   CHECK(r.out.find("model.0.weight ") != std::string::npos);
   CHECK(r.out.find("extra.experts ") != std::string::npos);
+}
+
+TEST_CASE("dcp2: the golden fixtures, made again by this torch, still match the committed ones" *
+          testing::torch_major_check(2, !testing::have_tool())) {
+  REQUIRE(testing::torch_major() == 2);
+  const fs::path golden = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "dcp_torch2";
+  testing::temp_dir out("dcp2-golden");
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_fixture.py";
+  const auto r = testing::run_program(testing::torch_python, {script.string(), out.str(), "--small"});
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  // torch's own hashes of every tensor, and the tool's reading of the new folder, are the committed ones
+  CHECK(testing::slurp(out.path / "digest.txt") == testing::slurp(golden / "digest.txt"));
+  const auto d = testing::run_tool({"digest", (out.path / "ckpt").string()});
+  REQUIRE_MESSAGE(d.code == 0, d.err);
+  CHECK(d.out == testing::slurp(golden / "digest.txt"));
+  // the same files (a .metadata and one data file per rank)
+  auto names = [](const fs::path& d) {
+    std::vector<std::string> n;
+    for (const auto& e : fs::directory_iterator(d)) n.push_back(e.path().filename().string());
+    std::sort(n.begin(), n.end());
+    return n;
+  };
+  CHECK(names(out.path / "ckpt") == names(golden / "ckpt"));
 }
 
 TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loads in torch 2.x (dcp.load) bit for bit" *
