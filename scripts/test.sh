@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command of the README (and of CI): installs what is missing, then runs three legs,
-# each a real build and run:
+# The test command of the README (and of CI): installs what is missing, then runs the debian12
+# and debian13 legs (and the clang leg when named), each a real build and run:
 #
 #   debian12  GCC 12, LibTorch 1.13, Boost 1.74 (this machine): everything. Every test suite
 #             (format, shard, storage, remote, tool, c10d worlds, resume, examples, packaging),
@@ -12,8 +12,14 @@
 #   clang     clang 19 on this machine (-Dtorch=disabled): the torch-free core and the remote
 #             backends compile, and their suite passes.
 #
-#   scripts/test.sh                     # all three legs
-#   scripts/test.sh debian12 clang      # the legs named
+#   scripts/test.sh                     # debian12 and debian13 (what CI runs)
+#   scripts/test.sh debian12 debian13 clang   # all three
+#   scripts/test.sh clang               # the legs named
+#
+# The clang leg is not in the default: a fresh clone on 2 cores needs about 26 min for the
+# debian12 leg's build alone, the Debian 13 root about 16 min to make, and with all three legs
+# CI's 90-minute limit would be passed (measured in pieces; README, Status). LibTorch 2.x
+# (debian13) is never the one dropped.
 #   FUZZ_SECONDS=0 scripts/test.sh      # without the fuzz runs
 #
 # Nothing is skipped here: it fails when python3 (with pickle, pickletools and json, for the
@@ -24,7 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 legs=("$@")
-[ ${#legs[@]} -gt 0 ] || legs=(debian12 debian13 clang)
+[ ${#legs[@]} -gt 0 ] || legs=(debian12 debian13)
 for l in "${legs[@]}"; do
   case "$l" in debian12|debian13|clang) ;; *) echo "test.sh: unknown leg '$l' (debian12, debian13, clang)" >&2; exit 2 ;; esac
 done
