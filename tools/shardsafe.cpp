@@ -631,6 +631,20 @@ constexpr const char* path_help =
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"
     "environment variables); unshard and to-hf also write to s3://.";
 
+/// A CLI11 check that runs `parse` on the value: its exception's message is the error, none is
+/// success (one validator for --max-shard-size, --rename and --stack-experts).
+template <class Parse>
+CLI::Validator parsed_by(Parse parse, const char* what) {
+  return CLI::Validator([parse](std::string& s) -> std::string {
+    try {
+      parse(s);
+      return {};
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  }, what);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -668,14 +682,7 @@ int main(int argc, char** argv) {
   bool model_only = false;
   to_hf->add_option("--max-shard-size", max_size, "tensor bytes per file: 5GB, 500MB, 4KB (decimal), 4GiB (binary) or "
                                                   "a plain number of bytes")
-      ->check(CLI::Validator([](std::string& s) -> std::string {
-        try {
-          parse_size(s);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      }, "SIZE"))
+      ->check(parsed_by([](const std::string& v) { parse_size(v); }, "SIZE"))
       ->capture_default_str();
   to_hf->add_option("--dtype", to_dtype, "convert F16/BF16/F32/F64 tensors to this dtype (round to nearest even); "
                                          "integer, BOOL and F8 tensors are never converted")
@@ -683,14 +690,7 @@ int main(int argc, char** argv) {
   to_hf->add_option("--rename", renames, "REGEX=REPL: rename tensors (rules in order, the first that matches wins; "
                                          "REPL as Python's re.sub: \\1 for a group; a name renamed to nothing is dropped)")
       ->allow_extra_args(false)
-      ->check(CLI::Validator([](std::string& s) -> std::string {
-        try {
-          parse_rename_rule(s);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      }, "REGEX=REPL"));
+      ->check(parsed_by([](const std::string& v) { parse_rename_rule(v); }, "REGEX=REPL"));
   to_hf->add_option("--preset", preset, "dcp-to-hf: after the --rename rules, name a torch DCP model's keys as Hugging "
                                         "Face does: wrapper names (_orig_mod., _fsdp_wrapped_module., "
                                         "_checkpoint_wrapped_module.) removed, then model.model.X -> model.X, "
@@ -702,14 +702,7 @@ int main(int argc, char** argv) {
                     "[...] named by REPL, where {i} stands for the expert's index (as --rename; applied before "
                     "the --rename rules), e.g. '^(.*\\.experts)\\.([^.]+\\.weight)$=\\1.{i}.\\2'")
       ->allow_extra_args(false)
-      ->check(CLI::Validator([](std::string& s) -> std::string {
-        try {
-          expert_stacking().add(s);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      }, "REGEX=REPL"));
+      ->check(parsed_by([](const std::string& v) { expert_stacking().add(v); }, "REGEX=REPL"));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
   CLI::App* to_dcp = command("to-dcp", "export to a torch.distributed.checkpoint folder (.metadata and __0_0.distcp) "
                              "that torch 2.x's dcp.load reads; a model + optimizer pair keyed as get_state_dict does "
@@ -719,14 +712,7 @@ int main(int argc, char** argv) {
   bool dcp_model_only = false;
   to_dcp->add_option("--rename", dcp_renames, "REGEX=REPL: rename keys (as to-hf's --rename)")
       ->allow_extra_args(false)
-      ->check(CLI::Validator([](std::string& s) -> std::string {
-        try {
-          parse_rename_rule(s);
-          return {};
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-      }, "REGEX=REPL"));
+      ->check(parsed_by([](const std::string& v) { parse_rename_rule(v); }, "REGEX=REPL"));
   to_dcp->add_flag("--model-only", dcp_model_only, "only the model: model/ of a model + optimizer pair, model.* keys of a "
                                                    "DCP folder");
   try {
