@@ -280,6 +280,115 @@ def repeated_build(t):
     run("repeated_build", ["inspect", d], 0)
 
 
+def torch_like_metadata(tensors):
+    """The bytes of a `.metadata` pickled as torch 2.x pickles it (Python's own pickler, protocol 4,
+    every object memoized), for the classes of torch.distributed.checkpoint made here under their
+    torch module names. `tensors`: [(fqn, rows, chunks)], each an F32 [rows, 4] tensor split into
+    `chunks` row blocks, all in one data file; sizes only, no data file is written."""
+    import dataclasses
+    import enum
+    import pickle
+    import types
+    names = ["torch", "torch.serialization", "torch.distributed", "torch.distributed.checkpoint",
+             "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"]
+    saved = {n: sys.modules.get(n) for n in names}
+    mods = {n: types.ModuleType(n) for n in names}
+    sys.modules.update(mods)
+    try:
+        torch, ser, md, fs = (mods[n] for n in (names[0], names[1], names[4], names[5]))
+
+        def put(mod, obj, name):
+            obj.__module__, obj.__qualname__, obj.__name__ = mod.__name__, name, name
+            setattr(mod, name, obj)
+            return obj
+
+        class Size(tuple):
+            def __reduce__(self):
+                return (Size, (tuple(self),))
+        put(torch, Size, "Size")
+
+        class DType:
+            __module__ = "torch"
+
+            def __reduce__(self):
+                return "float32"
+        torch.float32 = DType()
+
+        def get_layout(name):
+            return name
+        put(ser, get_layout, "_get_layout")
+
+        class Layout:
+            def __reduce__(self):
+                return (get_layout, ("torch.strided",))
+
+        class Mem(enum.Enum):
+            TORCH_CONTIGUOUS_FORMAT = 0
+        put(md, Mem, "_MEM_FORMAT_ENCODING")
+
+        class TensorProperties:
+            def __getstate__(self):
+                return (torch.float32, Layout(), False, Mem.TORCH_CONTIGUOUS_FORMAT, False)
+        put(md, TensorProperties, "TensorProperties")
+        dc = {}
+        for name, fields, frozen in (("ChunkStorageMetadata", "offsets sizes", False),
+                                     ("TensorStorageMetadata", "properties size chunks", False),
+                                     ("MetadataIndex", "fqn offset index", True),
+                                     ("Metadata", "state_dict_metadata planner_data storage_data storage_meta", False)):
+            dc[name] = put(md, dataclasses.make_dataclass(name, fields.split(), frozen=frozen), name)
+        StorageInfo = put(fs, dataclasses.make_dataclass("_StorageInfo", ["relative_path", "offset", "length"]), "_StorageInfo")
+        sdm, storage = {}, {}
+        for fqn, rows, chunks in tensors:
+            step = rows // chunks
+            blocks = [(c * step, step if c < chunks - 1 else rows - c * step) for c in range(chunks)]
+            sdm[fqn] = dc["TensorStorageMetadata"](TensorProperties(), Size((rows, 4)),
+                                                   [dc["ChunkStorageMetadata"](Size((o, 0)), Size((n, 4))) for o, n in blocks])
+            for c, (o, n) in enumerate(blocks):
+                storage[dc["MetadataIndex"](fqn, Size((o, 0)), c)] = StorageInfo("__0_0.distcp", o * 16, n * 16)
+        return pickle.dumps(dc["Metadata"](sdm, None, storage, None), protocol=4)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+@case
+def metadata_memory(t):
+    """.metadata as torch writes it: 2 tensors of 60,000 chunks (15 MB, over a million memo entries)
+    read in a small multiple of its size; 100,000 chunks of one tensor refused, in the same bounds."""
+    d = os.path.join(t, "dcp")
+    os.makedirs(d)
+    write(os.path.join(d, ".metadata"), torch_like_metadata([("a", 120000, 60000), ("b", 120000, 60000)]))
+    out, _ = run("metadata_memory", ["inspect", d], 0)
+    if "60000" not in out:
+        raise Failed("inspect said: " + out[:300])
+    write(os.path.join(d, ".metadata"), torch_like_metadata([("a", 200000, 100000)]))
+    run("metadata_memory", ["inspect", d], 1, [".metadata", "'a'", "more than 65536 chunks"])
+
+
+@case
+def metadata_json_memory(t):
+    """A valid metadata.json of 31 MB (300 ranks x 1,000 tensors, OLMo-core's layout), read in a
+    small multiple of its size (the DOM and every spec's index cost 6x its size; now 4x)."""
+    ranks, tensors = 300, 1000
+    d = os.path.join(t, "ckpt")
+    names = [f"model.layers.{i}.mlp.weight" for i in range(tensors)]
+    for r in range(ranks):
+        write(os.path.join(d, f"rank_{r}.safetensors"),
+              safetensors_bytes([(n, "F32", [1], struct.pack("<f", r)) for n in names]))
+    md = {"tensors": {n: {"shape": [ranks], "is_sharded": True, "dtype": "F32", "shard_spec_per_file": {
+        f"rank_{r}.safetensors": {"flattened_offsets": [[r, r + 1]], "local_shape": None, "global_offset": None}
+        for r in range(ranks)}} for n in names}}
+    text = json.dumps(md).encode()
+    write(os.path.join(d, "metadata.json"), text)
+    out, _ = run("metadata_json_memory", ["inspect", d], 0)
+    if str(tensors) not in out:
+        raise Failed("inspect said: " + out[:300])
+    run("metadata_json_memory", ["verify", d], 0)
+
+
 def dcp_overlapping(d, chunks):
     """A DCP folder of one F32 tensor [chunks + 1, 4] whose chunks each hold 2 rows, overlapping
     their neighbours by one row (every element but the first and last rows held twice, equal)."""

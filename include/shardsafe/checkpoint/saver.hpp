@@ -416,8 +416,9 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
     if (nl == std::string_view::npos || std::from_chars(t.data(), t.data() + nl, w.size).ptr != t.data() + nl)
       fail(errc::comm_error, from + ": the size received is malformed");
     if (opt.checksums) {
-      simdjson::dom::parser parser;
-      w.checksums = parse_checksum_table(parse_json(parser, t.substr(nl + 1), from), from + ": checksums");
+      json_document doc(t.substr(nl + 1), from);
+      w.checksums = parse_checksum_table(doc.root("the checksums received are not an object"), from + ": checksums");
+      doc.require_unique_keys();
     }
     files.push_back(std::move(w));
   }

@@ -31,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -81,61 +82,71 @@ struct dcp_metadata {
 
 namespace detail {
 
+// The rules of the top of this file, over the pickle read in place (pickle_view).
 struct dcp_parse {
   std::string_view what;
+  using view = pickle_view;
+  using k = pickle_value::kind;
 
   [[noreturn]] void bad(const std::string& where, const std::string& rule) const {
     fail(errc::invalid_metadata, std::string(what) + ": " + where + ": " + rule);
   }
   // The class an object was made as: its first "__class__" entry (a state dict may add another).
-  static std::string class_name(const pickle_value& v) {
-    const pickle_value* c = nullptr;
-    for (std::size_t i = 0; i < v.dict_size() && !c; ++i)
-      if (v.dict_key(i) == pickle_value::string(std::string(dcp_unpickle_policy::class_key))) c = &v.dict_value(i);
-    if (!c || c->type() != pickle_value::kind::string) return {};
-    const auto& s = c->as_string("");
-    const auto dot = s.rfind('.');
-    return dot == std::string::npos ? s : s.substr(dot + 1);
+  static std::string_view class_name(view v) {
+    for (std::size_t i = 0; i < v.size() && v.type() == k::dict; ++i) {
+      const view key = v.key(i);
+      if (key.type() != k::string || key.as_string("") != dcp_unpickle_policy::class_key) continue;
+      const view c = v.value(i);
+      if (c.type() != k::string) return {};
+      const auto s = c.as_string("");
+      const auto dot = s.rfind('.');
+      return dot == std::string_view::npos ? s : s.substr(dot + 1);
+    }
+    return {};
   }
-  const pickle_value& object(const pickle_value& v, std::string_view cls, const std::string& where) const {
+  // The global a marker names ({"__global__": "module.name"}), or "".
+  static std::string_view marker_name(view v) {
+    if (v.type() != k::dict || v.size() != 1) return {};
+    const auto g = v.find(dcp_unpickle_policy::global_key);
+    return g && g->type() == k::string ? g->as_string("") : std::string_view();
+  }
+  view object(view v, std::string_view cls, const std::string& where) const {
     if (class_name(v) != cls) bad(where, "expected a " + std::string(cls) + " object");
     return v;
   }
-  const pickle_value& field(const pickle_value& obj, std::string_view name, const std::string& where) const {
-    if (const auto* f = obj.find(name)) return *f;
+  view field(view obj, std::string_view name, const std::string& where) const {
+    if (const auto f = obj.find(name)) return *f;
     bad(where, "has no field '" + std::string(name) + "'");
   }
-  std::uint64_t uint(const pickle_value& v, const std::string& where) const {
-    if (v.type() != pickle_value::kind::integer || v.as_int("") < 0) bad(where, "expected a non-negative int");
+  std::uint64_t uint(view v, const std::string& where) const {
+    if (v.type() != k::integer || v.as_int("") < 0) bad(where, "expected a non-negative int");
     return static_cast<std::uint64_t>(v.as_int(""));
   }
-  std::vector<std::uint64_t> ints(const pickle_value& v, const std::string& where) const {
-    if (v.type() != pickle_value::kind::tuple && v.type() != pickle_value::kind::list)
-      bad(where, "expected a torch.Size or a list of ints");
-    std::vector<std::uint64_t> out;
-    for (const auto& x : v.as_sequence("")) out.push_back(uint(x, where));
+  std::vector<std::uint64_t> ints(view v, const std::string& where) const {
+    if (!v.is_sequence()) bad(where, "expected a torch.Size or a list of ints");
+    std::vector<std::uint64_t> out(v.size());
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = uint(v.item(i), where);
     return out;
   }
-  dtype type_of(const pickle_value& props, const std::string& where) const {
+  dtype type_of(view props, const std::string& where) const {
     object(props, "TensorProperties", where + ": properties");
-    const pickle_value* d = props.find("dtype");
+    auto d = props.find("dtype");
     if (!d)
-      if (const auto* st = props.find("__state__"); st && (st->type() == pickle_value::kind::tuple) && !st->as_sequence("").empty())
-        d = &st->as_sequence("")[0];
+      if (const auto st = props.find("__state__"); st && st->type() == k::tuple && st->size() > 0) d = st->item(0);
     if (!d) bad(where, "properties record no dtype");
-    const auto name = dcp_unpickle_policy::marker_name(*d);
+    const std::string name(marker_name(*d));
     if (!name.starts_with("torch.")) bad(where, "properties.dtype is not a torch dtype");
     const auto t = dcp_torch_dtype(std::string_view(name).substr(6));
     if (!t) bad(where, "properties.dtype '" + name + "' is not a torch dtype");
     if (!*t) fail(errc::unsupported_dtype, std::string(what) + ": " + where + ": dtype " + name + " is not supported");
     return **t;
   }
-  dcp_storage_info storage(const pickle_value& v, const std::string& where) const {
+  dcp_storage_info storage(view v, const std::string& where) const {
     object(v, "_StorageInfo", where);
     dcp_storage_info s;
-    const auto& p = field(v, "relative_path", where);
-    if (p.type() != pickle_value::kind::string) bad(where, "relative_path is not a str");
-    s.relative_path = p.as_string("");
+    const view p = field(v, "relative_path", where);
+    if (p.type() != k::string) bad(where, "relative_path is not a str");
+    s.relative_path = std::string(p.as_string(""));
     const auto& n = s.relative_path;
     if (n.empty() || n == "." || n.find_first_of(std::string_view("/\\\0", 3)) != std::string::npos || n.find("..") != std::string::npos)
       bad(where, "relative_path '" + n + "' is not a plain file name");
@@ -143,113 +154,159 @@ struct dcp_parse {
     s.length = uint(field(v, "length", where), where + ": length");
     if (!detail::checked_add(s.offset, s.length)) bad(where, "offset + length overflows");
     // newer torch may compress or otherwise transform the stored bytes (StorageInfo.transform_descriptors)
-    if (const auto* t = v.find("transform_descriptors"); t && !t->is_none()) {
-      if (t->type() != pickle_value::kind::list && t->type() != pickle_value::kind::tuple) bad(where, "transform_descriptors is not a list");
-      if (!t->as_sequence("").empty()) bad(where, "bytes are transformed (transform_descriptors), which this reader does not undo");
+    if (const auto t = v.find("transform_descriptors"); t && !t->is_none()) {
+      if (!t->is_sequence()) bad(where, "transform_descriptors is not a list");
+      if (t->size() != 0) bad(where, "bytes are transformed (transform_descriptors), which this reader does not undo");
     }
     return s;
+  }
+
+  // storage_data: (fqn, offsets or none) -> the _StorageInfo, sorted for lookup (the last entry
+  // of a key given twice counts, as in Python's dict); each entry is checked once.
+  struct stored {
+    std::string_view fqn;
+    std::optional<std::vector<std::uint64_t>> offsets;
+    dcp_storage_info info;
+    bool operator<(const stored& o) const { return std::tie(fqn, offsets) < std::tie(o.fqn, o.offsets); }
+  };
+  std::vector<stored> storage_data(view sd) const {
+    std::vector<stored> out;
+    out.reserve(sd.size());
+    for (std::size_t i = 0; i < sd.size(); ++i) {
+      const view key = sd.key(i);
+      const std::string at = "storage_data entry " + std::to_string(i);
+      object(key, "MetadataIndex", at);
+      const view fqn = field(key, "fqn", at);
+      if (fqn.type() != k::string) bad(at, "MetadataIndex.fqn is not a str");
+      const std::string named = at + " ('" + std::string(fqn.as_string("")) + "')";
+      stored s{fqn.as_string(""), std::nullopt, storage(sd.value(i), named)};
+      if (const auto off = key.find("offset"); off && !off->is_none()) s.offsets = ints(*off, named + ": offset");
+      out.push_back(std::move(s));
+    }
+    std::stable_sort(out.begin(), out.end());
+    return out;
+  }
+  static const dcp_storage_info* find_stored(const std::vector<stored>& s, std::string_view fqn,
+                                             const std::optional<std::vector<std::uint64_t>>& offsets) {
+    const stored probe{fqn, offsets, {}};
+    const auto it = std::upper_bound(s.begin(), s.end(), probe);
+    if (it == s.begin() || std::prev(it)->fqn != fqn || std::prev(it)->offsets != offsets) return nullptr;
+    return &std::prev(it)->info;
+  }
+
+  // The chunks of tensor `fqn` (`at` names it) of size `size`, in torch's order, each listed once.
+  std::vector<dcp_chunk> chunks(view list, std::string_view fqn, const std::vector<std::uint64_t>& size,
+                                const std::vector<stored>& where_stored, const std::string& at) const {
+    if (!list.is_sequence()) bad(at, "chunks is not a list");
+    std::vector<dcp_chunk> out;
+    out.reserve(std::min<std::size_t>(list.size(), max_dcp_chunks_per_tensor + 1));
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string cat = at + ": chunk " + std::to_string(i);
+      const view c = object(list.item(i), "ChunkStorageMetadata", cat);
+      dcp_chunk ch;
+      ch.offsets = ints(field(c, "offsets", cat), cat + ": offsets");
+      ch.sizes = ints(field(c, "sizes", cat), cat + ": sizes");
+      if (ch.offsets.size() != size.size() || ch.sizes.size() != size.size())
+        bad(cat, "offsets " + to_string(ch.offsets) + " and sizes " + to_string(ch.sizes) + " need one entry per dimension of " +
+                     to_string(size));
+      for (std::size_t d = 0; d < size.size(); ++d) {
+        const auto end = detail::checked_add(ch.offsets[d], ch.sizes[d]);
+        if (!end || *end > size[d])
+          bad(cat, "offsets " + to_string(ch.offsets) + " + sizes " + to_string(ch.sizes) + " pass the tensor's size " +
+                       to_string(size) + " in dimension " + std::to_string(d));
+      }
+      const auto* s = find_stored(where_stored, fqn, ch.offsets);
+      if (!s) bad(cat, "at offsets " + to_string(ch.offsets) + " has no storage_data entry");
+      ch.storage = *s;
+      out.push_back(std::move(ch));
+    }
+    // torch finds a chunk's bytes by (fqn, offsets): a chunk listed twice is one chunk; two at the
+    // same offsets with other sizes are an error. Sorted positions find them in O(n log n).
+    std::vector<std::uint32_t> order(out.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::uint32_t>(i);
+    std::stable_sort(order.begin(), order.end(), [&](auto a, auto b) { return out[a].offsets < out[b].offsets; });
+    std::vector<bool> again(out.size(), false);
+    for (std::size_t j = 1; j < order.size(); ++j) {
+      const auto& first = out[order[j - 1]];
+      const auto& later = out[order[j]];
+      if (later.offsets != first.offsets) continue;
+      if (later.sizes != first.sizes)
+        bad(at + ": chunk " + std::to_string(order[j]), "at offsets " + to_string(later.offsets) + " has sizes " + to_string(later.sizes) +
+                                                        ", another chunk there " + to_string(first.sizes));
+      again[order[j]] = true;
+    }
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < out.size(); ++i)
+      if (!again[i]) {
+        if (kept != i) out[kept] = std::move(out[i]);
+        ++kept;
+      }
+    out.resize(kept);
+    if (out.size() > max_dcp_chunks_per_tensor) bad(at, "has more than " + std::to_string(max_dcp_chunks_per_tensor) + " chunks");
+    return out;
   }
 };
 
 }  // namespace detail
 
-/// Parses the bytes of a `.metadata` file; `what` names it in messages (rules at the top).
+/// Parses the bytes of a `.metadata` file; `what` names it in messages (rules at the top). The
+/// pickle is read in place (no copy of it is built), so memory stays a small multiple of its size.
 inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view what) {
   // Values are bounded by the input: each costs a byte or more, memo references a few.
   const std::size_t max_values = std::max<std::size_t>(std::size_t(1) << 20, bytes.size() * 4);
-  const pickle_value root = pickle_loads(bytes, what, dcp_unpickle_policy{}, max_values);
-  const detail::dcp_parse p{what};
-  using k = pickle_value::kind;
-  p.object(root, "Metadata", "top level");
-  const auto* sdm = root.find("state_dict_metadata");
-  if (const auto* a = root.find("__args__"); !sdm && a && a->type() == k::tuple && !a->as_sequence("").empty())
-    sdm = &a->as_sequence("")[0];  // Metadata made by REDUCE with positional arguments
-  if (!sdm || sdm->type() != k::dict) p.bad("Metadata", "state_dict_metadata is not a dict");
+  basic_pickle_reader<dcp_unpickle_policy> reader(bytes, std::string(what), dcp_unpickle_policy{}, max_values);
+  return reader.run([&](pickle_view root) {
+    const detail::dcp_parse p{what};
+    using k = pickle_value::kind;
+    p.object(root, "Metadata", "top level");
+    auto sdm = root.find("state_dict_metadata");
+    if (const auto a = root.find("__args__"); !sdm && a && a->type() == k::tuple && a->size() > 0)
+      sdm = a->item(0);  // Metadata made by REDUCE with positional arguments
+    if (!sdm || sdm->type() != k::dict) p.bad("Metadata", "state_dict_metadata is not a dict");
 
-  // storage_data: (fqn, offsets or None) -> where the bytes are
-  std::map<std::pair<std::string, std::optional<std::vector<std::uint64_t>>>, dcp_storage_info> where_stored;
-  const auto* sd = root.find("storage_data");
-  if (sd && !sd->is_none()) {
-    if (sd->type() != k::dict) p.bad("Metadata", "storage_data is not a dict");
-    for (std::size_t i = 0; i < sd->dict_size(); ++i) {
-      const auto& key = sd->dict_key(i);
-      const std::string at = "storage_data entry " + std::to_string(i);
-      p.object(key, "MetadataIndex", at);
-      const auto& fqn = p.field(key, "fqn", at);
-      if (fqn.type() != k::string) p.bad(at, "MetadataIndex.fqn is not a str");
-      const auto* off = key.find("offset");
-      std::optional<std::vector<std::uint64_t>> offsets;
-      if (off && !off->is_none()) offsets = p.ints(*off, at + " ('" + fqn.as_string("") + "'): offset");
-      where_stored[{fqn.as_string(""), std::move(offsets)}] = p.storage(sd->dict_value(i), at + " ('" + fqn.as_string("") + "')");
+    std::vector<detail::dcp_parse::stored> where_stored;
+    if (const auto sd = root.find("storage_data"); sd && !sd->is_none()) {
+      if (sd->type() != k::dict) p.bad("Metadata", "storage_data is not a dict");
+      where_stored = p.storage_data(*sd);
     }
-  }
 
-  dcp_metadata out;
-  if (const auto* pd = root.find("planner_data"); pd && pd->type() == k::dict)
-    for (std::size_t i = 0; i < pd->dict_size(); ++i) {
-      const auto& key = pd->dict_key(i);
-      const auto& path = pd->dict_value(i);
-      if (key.type() != k::string || path.type() != k::tuple) continue;
-      bool plain = true;
-      for (const auto& part : path.as_sequence("")) plain = plain && (part.type() == k::string || part.type() == k::integer);
-      if (plain) out.planner_data.emplace(key.as_string(""), path);
-    }
-  for (std::size_t i = 0; i < sdm->dict_size(); ++i) {
-    if (sdm->dict_key(i).type() != k::string) p.bad("state_dict_metadata", "key " + std::to_string(i) + " is not a str");
-    const std::string& fqn = sdm->dict_key(i).as_string("");
-    const std::string at = "'" + fqn + "'";
-    const auto& v = sdm->dict_value(i);
-    dcp_item item;
-    const auto cls = detail::dcp_parse::class_name(v);
-    if (cls == "BytesStorageMetadata") {
-      item.is_bytes = true;
-      const auto s = where_stored.find({fqn, std::nullopt});
-      if (s == where_stored.end()) p.bad(at, "bytes item has no storage_data entry");
-      item.bytes = s->second;
-    } else if (cls == "TensorStorageMetadata") {
-      item.type = p.type_of(p.field(v, "properties", at), at);
-      item.size = p.ints(p.field(v, "size", at), at + ": size");
-      if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
-      if (!detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
-        p.bad(at, "size " + to_string(item.size) + " " + std::string(name(item.type)) + " has more than 2^64 bits of data");
-      const auto& chunks = p.field(v, "chunks", at);
-      std::map<std::vector<std::uint64_t>, std::vector<std::uint64_t>> seen;  // offsets -> sizes
-      if (chunks.type() != k::list && chunks.type() != k::tuple) p.bad(at, "chunks is not a list");
-      for (const auto& c : chunks.as_sequence("")) {
-        const std::string cat = at + ": chunk " + std::to_string(item.chunks.size());
-        p.object(c, "ChunkStorageMetadata", cat);
-        dcp_chunk ch;
-        ch.offsets = p.ints(p.field(c, "offsets", cat), cat + ": offsets");
-        ch.sizes = p.ints(p.field(c, "sizes", cat), cat + ": sizes");
-        if (ch.offsets.size() != item.size.size() || ch.sizes.size() != item.size.size())
-          p.bad(cat, "offsets " + to_string(ch.offsets) + " and sizes " + to_string(ch.sizes) + " need one entry per dimension of " +
-                         to_string(item.size));
-        for (std::size_t d = 0; d < item.size.size(); ++d) {
-          const auto end = detail::checked_add(ch.offsets[d], ch.sizes[d]);
-          if (!end || *end > item.size[d])
-            p.bad(cat, "offsets " + to_string(ch.offsets) + " + sizes " + to_string(ch.sizes) + " pass the tensor's size " +
-                           to_string(item.size) + " in dimension " + std::to_string(d));
-        }
-        const auto s = where_stored.find({fqn, ch.offsets});
-        if (s == where_stored.end()) p.bad(cat, "at offsets " + to_string(ch.offsets) + " has no storage_data entry");
-        ch.storage = s->second;
-        // torch finds a chunk's bytes by (fqn, offsets): a chunk listed twice is one chunk
-        if (auto [at_offsets, fresh] = seen.emplace(ch.offsets, ch.sizes); !fresh) {
-          if (at_offsets->second != ch.sizes)
-            p.bad(cat, "at offsets " + to_string(ch.offsets) + " has sizes " + to_string(ch.sizes) + ", another chunk there " +
-                           to_string(at_offsets->second));
-          continue;
-        }
-        if (item.chunks.size() == max_dcp_chunks_per_tensor)
-          p.bad(at, "has more than " + std::to_string(max_dcp_chunks_per_tensor) + " chunks");
-        item.chunks.push_back(std::move(ch));
+    dcp_metadata out;
+    if (const auto pd = root.find("planner_data"); pd && pd->type() == k::dict)
+      for (std::size_t i = 0; i < pd->size(); ++i) {
+        const pickle_view key = pd->key(i);
+        const pickle_view path = pd->value(i);
+        if (key.type() != k::string || path.type() != k::tuple) continue;
+        bool plain = true;
+        for (std::size_t j = 0; j < path.size(); ++j) plain = plain && (path.item(j).type() == k::string || path.item(j).type() == k::integer);
+        if (plain) out.planner_data.emplace(std::string(key.as_string("")), path.build());
       }
-    } else {
-      p.bad(at, cls.empty() ? "is not a storage metadata object" : "is a " + cls + ", not a TensorStorageMetadata or BytesStorageMetadata");
+    for (std::size_t i = 0; i < sdm->size(); ++i) {
+      if (sdm->key(i).type() != k::string) p.bad("state_dict_metadata", "key " + std::to_string(i) + " is not a str");
+      const std::string_view fqn = sdm->key(i).as_string("");
+      const std::string at = "'" + std::string(fqn) + "'";
+      const pickle_view v = sdm->value(i);
+      dcp_item item;
+      const auto cls = detail::dcp_parse::class_name(v);
+      if (cls == "BytesStorageMetadata") {
+        item.is_bytes = true;
+        const auto* s = detail::dcp_parse::find_stored(where_stored, fqn, std::nullopt);
+        if (!s) p.bad(at, "bytes item has no storage_data entry");
+        item.bytes = *s;
+      } else if (cls == "TensorStorageMetadata") {
+        item.type = p.type_of(p.field(v, "properties", at), at);
+        item.size = p.ints(p.field(v, "size", at), at + ": size");
+        if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
+        if (!detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
+          p.bad(at, "size " + to_string(item.size) + " " + std::string(name(item.type)) + " has more than 2^64 bits of data");
+        item.chunks = p.chunks(p.field(v, "chunks", at), fqn, item.size, where_stored, at);
+      } else {
+        p.bad(at, cls.empty() ? "is not a storage metadata object"
+                              : "is a " + std::string(cls) + ", not a TensorStorageMetadata or BytesStorageMetadata");
+      }
+      if (!out.items.emplace(std::string(fqn), std::move(item)).second) p.bad(at, "is given twice");
     }
-    if (!out.items.emplace(fqn, std::move(item)).second) p.bad(at, "is given twice");
-  }
-  return out;
+    return out;
+  });
 }
 
 }  // namespace shardsafe

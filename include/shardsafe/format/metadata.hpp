@@ -71,56 +71,91 @@ struct checkpoint_metadata {
 
 namespace detail {
 
-inline shard_spec parse_spec_object(simdjson::dom::element e, const std::string& ctx) {
-  simdjson::dom::object o;
-  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + ": shard spec is not an object");
-  auto field = [&](std::string_view k) -> std::optional<simdjson::dom::element> {
-    simdjson::dom::element v;
-    if (o[k].get(v) || v.is_null()) return std::nullopt;
-    return v;
-  };
-  auto fo = field("flattened_offsets");
-  auto ls = field("local_shape");
-  auto go = field("global_offset");
+namespace od = simdjson::ondemand;
+
+// Calls f(key, value) for each field of object `o` (the document was checked whole by json_check,
+// so reading fails only on a value of an unexpected type, which f reports).
+template <class F>
+void for_fields(od::object o, const std::string& ctx, F&& f) {
+  for (auto field : o) {
+    od::field fl;
+    std::string_view k;
+    if (std::move(field).get(fl) || fl.unescaped_key().get(k)) fail(errc::invalid_metadata, ctx + ": unreadable object");
+    f(k, fl.value());
+  }
+}
+inline od::object json_object(od::value v, const std::string& what) {
+  od::object o;
+  if (v.get_object().get(o)) fail(errc::invalid_metadata, what);
+  return o;
+}
+inline bool json_null(od::value& v) {
+  bool n = false;
+  return !v.is_null().get(n) && n;
+}
+
+inline shard_spec parse_spec_object(od::value e, const std::string& ctx) {
+  od::object o = json_object(e, ctx + ": shard spec is not an object");
+  std::optional<std::vector<element_range>> fo;
+  std::optional<std::vector<std::uint64_t>> ls, go;
+  for_fields(o, ctx, [&](std::string_view k, od::value v) {
+    if (k == "flattened_offsets" && !fo && !json_null(v)) {
+      od::array arr;
+      if (v.get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": flattened_offsets is not a list");
+      fo.emplace();
+      for (auto r : arr) {
+        const std::string what = "flattened_offsets[" + std::to_string(fo->size()) + "]";
+        od::value rv;
+        if (std::move(r).get(rv)) fail(errc::invalid_metadata, ctx + ": " + what + " is not a [start, end] pair");
+        auto pair = parse_count_array(rv, ctx, what, errc::invalid_metadata);
+        if (pair.size() != 2) fail(errc::invalid_metadata, ctx + ": " + what + " is not a [start, end] pair");
+        fo->push_back({pair[0], pair[1]});
+      }
+    } else if (k == "local_shape" && !ls && !json_null(v)) {
+      ls = parse_count_array(v, ctx, "local_shape", errc::invalid_metadata);
+    } else if (k == "global_offset" && !go && !json_null(v)) {
+      go = parse_count_array(v, ctx, "global_offset", errc::invalid_metadata);
+    }
+  });
   if (fo) {
     if (ls || go)
       fail(errc::invalid_metadata, ctx + ": shard spec gives both flattened_offsets and local_shape/global_offset");
-    simdjson::dom::array arr;
-    if (fo->get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": flattened_offsets is not a list");
-    std::vector<element_range> ranges;
-    ranges.reserve(arr.size());
-    std::size_t i = 0;
-    for (auto r : arr) {
-      auto pair = parse_count_array(r, ctx, "flattened_offsets[" + std::to_string(i) + "]", errc::invalid_metadata);
-      if (pair.size() != 2)
-        fail(errc::invalid_metadata, ctx + ": flattened_offsets[" + std::to_string(i) + "] is not a [start, end] pair");
-      ranges.push_back({pair[0], pair[1]});
-      ++i;
-    }
-    return flat_spec(std::move(ranges));
+    return flat_spec(std::move(*fo));
   }
-  if (ls && go)
-    return block_spec(parse_count_array(*ls, ctx, "local_shape", errc::invalid_metadata),
-                      parse_count_array(*go, ctx, "global_offset", errc::invalid_metadata));
+  if (ls && go) return block_spec(std::move(*ls), std::move(*go));
   fail(errc::invalid_metadata, ctx + ": shard spec has neither flattened_offsets nor local_shape and global_offset");
 }
 
 // legacy: [s, e] or [[s, e], ...]
-inline shard_spec parse_legacy_offsets(simdjson::dom::element e, const std::string& ctx) {
-  simdjson::dom::array arr;
+inline shard_spec parse_legacy_offsets(od::value e, const std::string& ctx) {
+  od::array arr;
   if (e.get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not a list");
   std::vector<element_range> ranges;
-  bool pairs = arr.size() > 0 && (*arr.begin()).is_array();
-  if (!pairs) {
-    auto p = parse_count_array(e, ctx, "flattened_offsets_per_file entry", errc::invalid_metadata);
-    if (p.size() != 2) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not [start, end]");
-    ranges.push_back({p[0], p[1]});
-  } else {
-    for (auto r : arr) {
-      auto p = parse_count_array(r, ctx, "flattened_offsets_per_file range", errc::invalid_metadata);
+  std::vector<std::uint64_t> flat;
+  bool pairs = false;
+  std::size_t i = 0;
+  for (auto item : arr) {
+    od::value v;
+    if (std::move(item).get(v)) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not a list");
+    od::json_type type{};
+    if (i == 0 && !v.type().get(type)) pairs = type == od::json_type::array;
+    if (pairs) {
+      auto p = parse_count_array(v, ctx, "flattened_offsets_per_file range", errc::invalid_metadata);
       if (p.size() != 2) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file range is not [start, end]");
       ranges.push_back({p[0], p[1]});
+    } else {
+      std::string why = "not a non-negative integer";
+      const auto c = as_count(v, &why);
+      if (!c)
+        fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry[" + std::to_string(i) + "] is " + why +
+                                         ", not a non-negative integer");
+      flat.push_back(*c);
     }
+    ++i;
+  }
+  if (!pairs) {
+    if (flat.size() != 2) fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file entry is not [start, end]");
+    ranges.push_back({flat[0], flat[1]});
   }
   return flat_spec(std::move(ranges));
 }
@@ -153,166 +188,197 @@ inline void append_checksum_table(std::string& out, const std::map<std::string, 
 }
 
 /// Reads what append_checksum_table wrote; ctx names it in messages.
-inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(simdjson::dom::element e,
-                                                                            const std::string& ctx) {
-  simdjson::dom::object o;
-  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + ": not an object of tensors");
+inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od::value e, const std::string& ctx) {
+  od::object o = json_object(e, ctx + ": not an object of tensors");
   std::map<std::string, std::vector<std::uint64_t>> table;
-  for (auto kv : o) {
-    const std::string key(kv.key);
-    simdjson::dom::array arr;
-    if (kv.value.get_array().get(arr))
-      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': not a list of block hashes");
+  for_fields(o, ctx, [&](std::string_view k, od::value v) {
+    const std::string key(k);
+    od::array arr;
+    if (v.get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': not a list of block hashes");
     std::vector<std::uint64_t> hashes;
-    hashes.reserve(arr.size());
     for (auto h : arr) {
-      std::string_view t;
-      std::optional<std::uint64_t> v;
-      if (!h.get_string().get(t)) v = parse_hex64(t);
-      if (!v)
+      std::string_view s;
+      std::optional<std::uint64_t> x;
+      if (!h.get_string().get(s)) x = parse_hex64(s);
+      if (!x)
         fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': block " + std::to_string(hashes.size()) +
                                          " is not a hash of 16 hex digits");
-      hashes.push_back(*v);
+      hashes.push_back(*x);
     }
-    if (!table.emplace(key, std::move(hashes)).second)
-      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "' is listed twice");
-  }
+    if (!table.emplace(key, std::move(hashes)).second) fail(errc::invalid_metadata, ctx + ": tensor '" + key + "' is listed twice");
+  });
   return table;
 }
 
 /// Reads "shardsafe": {"checksums": ...}; malformed checksums are an error (not ignored: a
 /// damaged table must not pass for a checkpoint without one).
-inline checkpoint_checksums parse_checksums(simdjson::dom::element e, const std::string& f) {
+inline checkpoint_checksums parse_checksums(od::value e, const std::string& f) {
   const std::string ctx = f + ": shardsafe.checksums";
-  simdjson::dom::object o;
-  if (e.get_object().get(o)) fail(errc::invalid_metadata, ctx + " is not an object");
+  od::object o = json_object(e, ctx + " is not an object");
   checkpoint_checksums c;
-  std::string_view alg;
-  if (o["algorithm"].get_string().get(alg)) fail(errc::invalid_metadata, ctx + ": \"algorithm\" is not a string");
-  c.algorithm = std::string(alg);
-  simdjson::dom::element b;
+  bool alg = false, files = false;
   std::optional<std::uint64_t> bb;
-  if (!o["block_bytes"].get(b)) bb = as_count(b);
-  if (!bb || *bb == 0) fail(errc::invalid_metadata, ctx + ": \"block_bytes\" is not a positive count");
-  c.block_bytes = *bb;
-  simdjson::dom::object files;
-  if (o["files"].get_object().get(files)) fail(errc::invalid_metadata, ctx + ": \"files\" is not an object");
-  for (auto kv : files) {
-    const std::string fname(kv.key);
-    if (!is_plain_name(fname))
-      fail(errc::invalid_metadata, ctx + ": names '" + fname + "', not a plain file name (no '/', '\\' or '..')");
-    if (!c.files.emplace(fname, parse_checksum_table(kv.value, ctx + ": file '" + fname + "'")).second)
-      fail(errc::invalid_metadata, ctx + ": file '" + fname + "' is listed twice");
-  }
+  for_fields(o, ctx, [&](std::string_view k, od::value v) {
+    if (k == "algorithm" && !alg) {
+      std::string_view s;
+      if (v.get_string().get(s)) fail(errc::invalid_metadata, ctx + ": \"algorithm\" is not a string");
+      c.algorithm = std::string(s);
+      alg = true;
+    } else if (k == "block_bytes" && !bb) {
+      bb = as_count(v);
+      if (!bb || *bb == 0) fail(errc::invalid_metadata, ctx + ": \"block_bytes\" is not a positive count");
+      c.block_bytes = *bb;
+    } else if (k == "files" && !files) {
+      files = true;
+      for_fields(json_object(v, ctx + ": \"files\" is not an object"), ctx, [&](std::string_view fk, od::value tv) {
+        const std::string fname(fk);
+        if (!is_plain_name(fname))
+          fail(errc::invalid_metadata, ctx + ": names '" + fname + "', not a plain file name (no '/', '\\' or '..')");
+        if (!c.files.emplace(fname, parse_checksum_table(tv, ctx + ": file '" + fname + "'")).second)
+          fail(errc::invalid_metadata, ctx + ": file '" + fname + "' is listed twice");
+      });
+    }
+  });
+  if (!alg) fail(errc::invalid_metadata, ctx + ": \"algorithm\" is not a string");
+  if (!bb) fail(errc::invalid_metadata, ctx + ": \"block_bytes\" is not a positive count");
+  if (!files) fail(errc::invalid_metadata, ctx + ": \"files\" is not an object");
   return c;
 }
 
 }  // namespace detail
 
 /// Parses and validates metadata.json text. `file` names it in messages. Every shard spec is
-/// validated against its tensor's shape, and file names must be plain names.
-inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file) {
+/// validated against its tensor's shape, and file names must be plain names. The text is read
+/// On-Demand (no DOM), twice: checked whole, then read; memory stays near the text's size plus
+/// what is returned. `owner`: the string holding `json` when it has 64 spare bytes of capacity
+/// (read in place; else the text is copied once).
+inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file,
+                                                     const std::string* owner = nullptr) {
+  namespace od = simdjson::ondemand;
   const std::string f(file);
   if (json.size() > max_metadata_size)
     fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit of " +
                                      std::to_string(max_metadata_size));
-  simdjson::dom::parser parser;
-  auto root = detail::parse_json(parser, json, f);
-  simdjson::dom::object top;
-  if (root.get_object().get(top)) fail(errc::invalid_metadata, f + ": not a JSON object");
-  simdjson::dom::object tensors;
-  {
-    simdjson::dom::element t;
-    if (top["tensors"].get(t)) fail(errc::invalid_metadata, f + ": missing \"tensors\"");
-    if (t.get_object().get(tensors)) fail(errc::invalid_metadata, f + ": \"tensors\" is not an object");
-  }
+  detail::json_document doc(json, f, owner);
+  od::object top = detail::json_object(doc.root("not a JSON object"), f + ": not a JSON object");
   checkpoint_metadata md;
   std::vector<std::string_view> keys;
-  for (auto field : tensors) {
-    const std::string key(field.key);
-    keys.push_back(field.key);
-    const std::string ctx = f + ": tensor '" + key + "'";
-    simdjson::dom::object t;
-    if (field.value.get_object().get(t)) fail(errc::invalid_metadata, ctx + ": entry is not an object");
-    tensor_metadata tm;
-    simdjson::dom::element v;
-    if (t["shape"].get(v)) fail(errc::invalid_metadata, ctx + ": missing \"shape\"");
-    tm.shape = detail::parse_count_array(v, ctx, "shape", errc::invalid_metadata);
-    if (!detail::checked_numel(tm.shape))
-      fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " has more than 2^64 elements");
-    if (t["dtype"].get(v)) fail(errc::invalid_metadata, ctx + ": missing \"dtype\"");
-    std::string_view dt;
-    if (v.get_string().get(dt)) fail(errc::invalid_metadata, ctx + ": dtype is not a string");
-    tm.type = dtype_from_name(dt, ctx);
-    // its bytes must be countable too: every reader sizes and prints them
-    if (!detail::checked_mul(*detail::checked_numel(tm.shape), std::uint64_t(bit_size(tm.type))))
-      fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " " + std::string(name(tm.type)) +
-                                       " has more than 2^64 bits of data");
-    if (!t["is_sharded"].get(v)) {
-      bool b;
-      if (v.get_bool().get(b)) fail(errc::invalid_metadata, ctx + ": is_sharded is not a boolean");
-      tm.is_sharded = b;
+  bool have_tensors = false, have_extras = false;
+  detail::for_fields(top, f, [&](std::string_view topkey, od::value topval) {
+    if (topkey == "tensors" && !have_tensors) {
+      have_tensors = true;
+      od::object tensors = detail::json_object(topval, f + ": \"tensors\" is not an object");
+      detail::for_fields(tensors, f, [&](std::string_view k, od::value tv) {
+        const std::string key(k);
+        keys.push_back(k);
+        const std::string ctx = f + ": tensor '" + key + "'";
+        od::object t = detail::json_object(tv, ctx + ": entry is not an object");
+        tensor_metadata tm;
+        std::optional<shape_t> shape;
+        std::optional<dtype> type;
+        bool sharded = false, have_sharded = false, have_specs = false, have_legacy = false;
+        std::vector<std::pair<std::string, shard_spec>> specs, legacy;
+        auto read_files = [&](od::value v, bool old, std::vector<std::pair<std::string, shard_spec>>& into) {
+          od::object per_file = detail::json_object(
+              v, ctx + (old ? ": flattened_offsets_per_file is not an object" : ": shard_spec_per_file is not an object"));
+          detail::for_fields(per_file, ctx, [&](std::string_view fk, od::value sv) {
+            const std::string fname(fk);
+            const std::string fctx = ctx + ": file '" + fname + "'";
+            if (!is_plain_name(fname)) fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
+            into.emplace_back(fname, old ? detail::parse_legacy_offsets(sv, fctx) : detail::parse_spec_object(sv, fctx));
+          });
+        };
+        detail::for_fields(t, ctx, [&](std::string_view fk, od::value v) {
+          if (fk == "shape" && !shape) {
+            shape = detail::parse_count_array(v, ctx, "shape", errc::invalid_metadata);
+          } else if (fk == "dtype" && !type) {
+            std::string_view dt;
+            if (v.get_string().get(dt)) fail(errc::invalid_metadata, ctx + ": dtype is not a string");
+            type = dtype_from_name(dt, ctx);
+          } else if (fk == "is_sharded" && !have_sharded) {
+            if (v.get_bool().get(sharded)) fail(errc::invalid_metadata, ctx + ": is_sharded is not a boolean");
+            have_sharded = true;
+          } else if (fk == "shard_spec_per_file" && !have_specs) {
+            have_specs = true;
+            read_files(v, false, specs);
+          } else if (fk == "flattened_offsets_per_file" && !have_legacy) {
+            have_legacy = true;
+            read_files(v, true, legacy);
+          }
+        });
+        if (!shape) fail(errc::invalid_metadata, ctx + ": missing \"shape\"");
+        tm.shape = std::move(*shape);
+        if (!detail::checked_numel(tm.shape))
+          fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " has more than 2^64 elements");
+        if (!type) fail(errc::invalid_metadata, ctx + ": missing \"dtype\"");
+        tm.type = *type;
+        // its bytes must be countable too: every reader sizes and prints them
+        if (!detail::checked_mul(*detail::checked_numel(tm.shape), std::uint64_t(bit_size(tm.type))))
+          fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " " + std::string(name(tm.type)) +
+                                           " has more than 2^64 bits of data");
+        tm.is_sharded = sharded;
+        if (!have_specs && !have_legacy) fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
+        tm.files = std::move(have_specs ? specs : legacy);
+        std::vector<std::string_view> names;
+        names.reserve(tm.files.size());
+        for (const auto& [fname, s] : tm.files) {
+          s.validate(tm.shape, ctx + ": file '" + fname + "'");
+          names.push_back(fname);
+        }
+        std::sort(names.begin(), names.end());
+        if (auto d = std::adjacent_find(names.begin(), names.end()); d != names.end())
+          fail(errc::invalid_metadata, ctx + ": file '" + std::string(*d) + "' is listed twice");
+        // one rule for every reader: a sub-byte dtype (F4, F6) has no element ranges, so it is stored
+        // whole, in one file
+        if (!is_byte_sized(tm.type) && (tm.files.size() != 1 || tm.files.front().second.local_numel() != tm.numel()))
+          fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm.type)) +
+                                            " must be stored whole in one file, not as " + std::to_string(tm.files.size()) +
+                                            " file(s) holding " + (tm.files.empty() ? std::string("nothing") : "shards"));
+        md.tensors.emplace_back(key, std::move(tm));
+      });
+    } else if (topkey == "shardsafe" && !have_extras) {
+      have_extras = true;
+      od::object o;
+      if (topval.get_object().get(o)) return;  // unknown shapes of this key are ignored, as other readers would
+      bool writer = false, world = false, sizes = false, sums = false;
+      detail::for_fields(o, f, [&](std::string_view k, od::value v) {
+        if (k == "writer" && !writer) {
+          writer = true;
+          std::string_view w;
+          if (!v.get_string().get(w)) md.extras.writer = std::string(w);
+        } else if (k == "world_size" && !world) {
+          world = true;
+          if (auto n = detail::as_count(v)) md.extras.world_size = *n;
+        } else if (k == "file_sizes" && !sizes) {
+          sizes = true;
+          od::object so;
+          if (!v.get_object().get(so))
+            detail::for_fields(so, f, [&](std::string_view fk, od::value n) {
+              if (!is_plain_name(fk))
+                fail(errc::invalid_metadata, f + ": shardsafe.file_sizes names '" + std::string(fk) +
+                                                 "', not a plain file name (no '/', '\\' or '..')");
+              if (auto c = detail::as_count(n)) md.extras.file_sizes[std::string(fk)] = *c;
+            });
+        } else if (k == "checksums" && !sums) {
+          sums = true;
+          md.extras.checksums = detail::parse_checksums(v, f);
+        }
+      });
     }
-    simdjson::dom::object per_file;
-    bool legacy = false;
-    if (!t["shard_spec_per_file"].get(v)) {
-      if (v.get_object().get(per_file)) fail(errc::invalid_metadata, ctx + ": shard_spec_per_file is not an object");
-    } else if (!t["flattened_offsets_per_file"].get(v)) {
-      if (v.get_object().get(per_file))
-        fail(errc::invalid_metadata, ctx + ": flattened_offsets_per_file is not an object");
-      legacy = true;
-    } else {
-      fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
-    }
-    std::vector<std::string_view> names;
-    for (auto pf : per_file) {
-      const std::string fname(pf.key);
-      const std::string fctx = ctx + ": file '" + fname + "'";
-      if (!is_plain_name(fname))
-        fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
-      shard_spec s = legacy ? detail::parse_legacy_offsets(pf.value, fctx) : detail::parse_spec_object(pf.value, fctx);
-      s.validate(tm.shape, fctx);
-      tm.files.emplace_back(fname, std::move(s));
-      names.push_back(pf.key);
-    }
-    std::sort(names.begin(), names.end());
-    if (auto d = std::adjacent_find(names.begin(), names.end()); d != names.end())
-      fail(errc::invalid_metadata, ctx + ": file '" + std::string(*d) + "' is listed twice");
-    // one rule for every reader: a sub-byte dtype (F4, F6) has no element ranges, so it is stored
-    // whole, in one file
-    if (!is_byte_sized(tm.type) && (tm.files.size() != 1 || tm.files.front().second.local_numel() != tm.numel()))
-      fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm.type)) +
-                                        " must be stored whole in one file, not as " + std::to_string(tm.files.size()) +
-                                        " file(s) holding " + (tm.files.empty() ? std::string("nothing") : "shards"));
-    md.tensors.emplace_back(key, std::move(tm));
-  }
+  });
+  if (!have_tensors) fail(errc::invalid_metadata, f + ": missing \"tensors\"");
   std::sort(keys.begin(), keys.end());
   if (auto d = std::adjacent_find(keys.begin(), keys.end()); d != keys.end())
     fail(errc::invalid_metadata, f + ": tensor '" + std::string(*d) + "' is listed twice");
-
-  simdjson::dom::element ex;
-  if (!top["shardsafe"].get(ex)) {
-    simdjson::dom::object o;
-    if (!ex.get_object().get(o)) {  // unknown shapes of this key are ignored, as other readers would
-      std::string_view w;
-      if (!o["writer"].get_string().get(w)) md.extras.writer = std::string(w);
-      simdjson::dom::element ws;
-      if (!o["world_size"].get(ws))
-        if (auto n = detail::as_count(ws)) md.extras.world_size = *n;
-      simdjson::dom::object sizes;
-      if (!o["file_sizes"].get_object().get(sizes))
-        for (auto kv : sizes) {
-          if (!is_plain_name(kv.key))
-            fail(errc::invalid_metadata, f + ": shardsafe.file_sizes names '" + std::string(kv.key) +
-                                             "', not a plain file name (no '/', '\\' or '..')");
-          if (auto n = detail::as_count(kv.value)) md.extras.file_sizes[std::string(kv.key)] = *n;
-        }
-      simdjson::dom::element cs;
-      if (!o["checksums"].get(cs)) md.extras.checksums = detail::parse_checksums(cs, f);
-    }
-  }
-  detail::require_unique_keys(root, f);  // after the rules above (a tensor or a file listed twice)
+  doc.require_unique_keys();  // after the rules above (a tensor or a file listed twice)
   return md;
+}
+
+/// The same, reading `json` in place (read_text leaves the spare capacity simdjson needs).
+template <class S>
+  requires std::same_as<S, std::string>
+checkpoint_metadata parse_checkpoint_metadata(const S& json, std::string_view file) {
+  return parse_checkpoint_metadata(std::string_view(json), file, &json);
 }
 
 /// Renders metadata.json in Python's json.dumps layout.

@@ -9,18 +9,31 @@
 // the memo) stays shared in the result (one container, referred to twice, as in Python),
 // never copied into a tree; the values the result expands to when walked as a tree are at
 // most 64 per input byte (plus 4096, and at most max_values); the stack, the memo and the
-// nesting depth have limits; cycles and deep trees are refused or freed without recursion; a
-// FRAME that declares more bytes than follow is refused as truncated, as Python does.
+// nesting depth have limits; cycles and deep trees are refused; a FRAME that declares more
+// bytes than follow is refused as truncated, as Python does.
+//
+// Memory: the values are made in an arena the reader owns (32 bytes a value, strings read in
+// place from the input, a container's items 8 bytes each; a string the policy makes, such as a
+// class name, is held once however often it is made; ints 0-255, None and bools are shared), so
+// a reader holds a small multiple of its input. run() copies the result into a pickle_value;
+// run(f) hands f a pickle_view of it instead, read in place while the reader lives, for a
+// large pickle read once (DCP's `.metadata`).
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <concepts>
 #include <cstdint>
-#include <map>
+#include <deque>
+#include <limits>
 #include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -30,6 +43,173 @@
 #include "shardsafe/format/pickle_value.hpp"
 
 namespace shardsafe {
+
+namespace detail {
+
+/// One value a pickle reader made, in its arena: a scalar, or a container whose items (a dict's
+/// keys and values alternating) are in a vector the arena owns. 32 bytes.
+struct pickle_node {
+  struct text {
+    const char* data;
+    std::size_t size;
+  };
+  pickle_value::kind k = pickle_value::kind::none;
+  bool visiting = false;       // on the path being counted: reaching it again is a cycle
+  std::uint16_t height = 0;    // nesting levels below it (as counted in epoch `stamp`)
+  std::uint32_t stamp = 0;     // the reader's epoch when expanded and height were counted
+  std::uint64_t expanded = 0;  // values it becomes as a tree (as counted in epoch `stamp`)
+  struct slots {  // a container's items, in the reader's slot_pool
+    pickle_node** data;
+    std::uint32_t size;
+    std::uint32_t capacity;
+  };
+  union {
+    bool b;
+    std::int64_t i;
+    double d;
+    text s;
+    slots seq;
+  } u{};
+  bool container() const noexcept {
+    return k == pickle_value::kind::list || k == pickle_value::kind::tuple || k == pickle_value::kind::dict;
+  }
+  std::string_view str() const noexcept { return {u.s.data, u.s.size}; }
+  std::span<pickle_node* const> items() const noexcept { return {u.seq.data, u.seq.size}; }
+};
+
+// Where containers' items live: small runs bumped out of 16K-slot blocks, large ones on their
+// own (freed when their container moves to a larger run). A container that grows moves to a
+// run twice as large, so runs left behind cost at most what the items cost.
+class slot_pool {
+ public:
+  // Makes room for `extra` more items in s (at most 2^32 - 1 in all: false when more).
+  bool reserve(pickle_node::slots& s, std::size_t extra) {
+    const std::uint64_t need = std::uint64_t(s.size) + extra;
+    if (need <= s.capacity) return true;
+    if (need > UINT32_MAX) return false;
+    const std::uint64_t cap = std::min<std::uint64_t>(UINT32_MAX, std::max<std::uint64_t>(need, s.capacity ? 2 * std::uint64_t(s.capacity) : need));
+    pickle_node** run = take(static_cast<std::size_t>(cap));
+    if (s.size) std::copy(s.data, s.data + s.size, run);
+    if (s.capacity > small_) own_.erase(s.data);
+    s.data = run;
+    s.capacity = static_cast<std::uint32_t>(cap);
+    return true;
+  }
+
+ private:
+  static constexpr std::size_t block_ = std::size_t(1) << 14;
+  static constexpr std::size_t small_ = block_ / 16;
+  pickle_node** take(std::size_t n) {
+    if (n > small_) {
+      auto run = std::make_unique_for_overwrite<pickle_node*[]>(n);
+      pickle_node** p = run.get();
+      own_.emplace(p, std::move(run));
+      return p;
+    }
+    if (n > left_) {
+      blocks_.push_back(std::make_unique_for_overwrite<pickle_node*[]>(block_));
+      next_ = blocks_.back().get();
+      left_ = block_;
+    }
+    pickle_node** p = next_;
+    next_ += n;
+    left_ -= n;
+    return p;
+  }
+  std::vector<std::unique_ptr<pickle_node*[]>> blocks_;
+  pickle_node** next_ = nullptr;
+  std::size_t left_ = 0;
+  std::unordered_map<pickle_node**, std::unique_ptr<pickle_node*[]>> own_;
+};
+
+// Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
+// gives the value built the first time (`built`), so shared containers stay shared. Each
+// container built takes 1 + its items from `budget`; on running out, or past `max_depth`,
+// bad(why) is called (and must throw).
+template <class Bad>
+pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t& budget,
+                                std::unordered_map<const pickle_node*, pickle_value>& built, const Bad& bad) {
+  using k = pickle_value::kind;
+  if (depth > max_depth) bad("nests deeper than " + std::to_string(max_depth) + " (or refers to itself)");
+  switch (n->k) {
+    case k::none: return pickle_value::none();
+    case k::boolean: return pickle_value::boolean(n->u.b);
+    case k::integer: return pickle_value::integer(n->u.i);
+    case k::real: return pickle_value::real(n->u.d);
+    case k::string: return pickle_value::string(std::string(n->str()));
+    default: break;
+  }
+  if (auto it = built.find(n); it != built.end()) return it->second;
+  const auto items = n->items();
+  if (budget < 1 + items.size()) bad("expands to more than its limit of values");
+  budget -= 1 + items.size();
+  pickle_value v;
+  if (n->k == k::dict) {
+    std::vector<std::pair<pickle_value, pickle_value>> entries;
+    entries.reserve(items.size() / 2);
+    for (std::size_t i = 0; i + 1 < items.size(); i += 2)
+      entries.emplace_back(build_pickle_value(items[i], depth + 1, max_depth, budget, built, bad),
+                           build_pickle_value(items[i + 1], depth + 1, max_depth, budget, built, bad));
+    v = pickle_value::dict(std::move(entries));
+  } else {
+    std::vector<pickle_value> xs;
+    xs.reserve(items.size());
+    for (const auto* c : items) xs.push_back(build_pickle_value(c, depth + 1, max_depth, budget, built, bad));
+    v = n->k == k::list ? pickle_value::list(std::move(xs)) : pickle_value::tuple(std::move(xs));
+  }
+  built.emplace(n, v);
+  return v;
+}
+
+static_assert(sizeof(pickle_node) <= 32, "a value in the arena takes 32 bytes");
+
+}  // namespace detail
+
+/// A value a pickle reader read, seen in place (basic_pickle_reader::run(f)): valid while the
+/// reader lives. The same questions as pickle_value, without copying; build() copies.
+class pickle_view {
+ public:
+  explicit pickle_view(const detail::pickle_node* n) noexcept : n_(n) {}
+  pickle_value::kind type() const noexcept { return n_->k; }
+  bool is_none() const noexcept { return n_->k == pickle_value::kind::none; }
+  bool is_sequence() const noexcept { return n_->k == pickle_value::kind::list || n_->k == pickle_value::kind::tuple; }
+  bool as_bool(std::string_view ctx) const { return expect(pickle_value::kind::boolean, ctx).u.b; }
+  std::int64_t as_int(std::string_view ctx) const { return expect(pickle_value::kind::integer, ctx).u.i; }
+  std::string_view as_string(std::string_view ctx) const { return expect(pickle_value::kind::string, ctx).str(); }
+  /// Items of a list or tuple, entries of a dict; 0 for a scalar.
+  std::size_t size() const noexcept { return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0; }
+  /// Item i of a list or tuple; key and value of entry i of a dict (i < size()).
+  pickle_view item(std::size_t i) const { return at(i); }
+  pickle_view key(std::size_t i) const { return at(2 * i); }
+  pickle_view value(std::size_t i) const { return at(2 * i + 1); }
+  /// The value under string key `key` of a dict (the last, as Python keeps it), or nullopt.
+  std::optional<pickle_view> find(std::string_view key) const noexcept {
+    if (n_->k != pickle_value::kind::dict) return std::nullopt;
+    const auto items = n_->items();
+    for (std::size_t i = items.size() / 2; i-- > 0;)
+      if (items[2 * i]->k == pickle_value::kind::string && items[2 * i]->str() == key) return pickle_view(items[2 * i + 1]);
+    return std::nullopt;
+  }
+  /// A copy as a pickle_value (shared containers stay shared).
+  pickle_value build() const {
+    std::size_t budget = std::numeric_limits<std::size_t>::max();
+    std::unordered_map<const detail::pickle_node*, pickle_value> built;
+    return detail::build_pickle_value(n_, 0, std::numeric_limits<std::size_t>::max(), budget, built,
+                                      [](const std::string& why) { fail(errc::invalid_metadata, "pickle " + why); });
+  }
+
+ private:
+  const detail::pickle_node& expect(pickle_value::kind k, std::string_view ctx) const {
+    if (n_->k != k)
+      fail(errc::invalid_metadata, std::string(ctx) + ": expected " + pickle_value::kind_name(k) + ", got " + pickle_value::kind_name(n_->k));
+    return *n_;
+  }
+  pickle_view at(std::size_t i) const {
+    if (!n_->container() || i >= n_->items().size()) throw std::out_of_range("pickle_view: no item " + std::to_string(i));
+    return pickle_view(n_->items()[i]);
+  }
+  const detail::pickle_node* n_;
+};
 
 template <class Policy>
 class basic_pickle_reader;
@@ -84,133 +264,26 @@ class basic_pickle_reader {
         max_nodes_(std::min<std::uint64_t>(max_values, 64 * std::uint64_t(in.size()) + 4096)),
         popped_budget_(8 * max_nodes_),
         work_budget_(8 * max_nodes_),
-        policy_(std::move(policy)) {}
+        policy_(std::move(policy)) {
+    true_.u.b = true;
+    empty_tuple_.u.seq = {nullptr, 0, 0};
+  }
   /// The default bound on values: param groups hold dozens.
   static constexpr std::size_t default_max_values = std::size_t(1) << 20;
   basic_pickle_reader(const basic_pickle_reader&) = delete;
   basic_pickle_reader& operator=(const basic_pickle_reader&) = delete;
-  // Containers may hold themselves (APPEND of a DUP or BINGET) or nest deeper than the call
-  // stack can unwind: unlink every node first, so none is leaked in a cycle and none is freed
-  // recursively.
-  ~basic_pickle_reader() {
-    for (const auto& n : all_) n->children.clear();
-  }
 
   /// Reads the bytes up to STOP; the value is checked (cycles, depth, size) before it is built.
   pickle_value run() {
-    while (true) {
-      if (pos_ >= in_.size()) bad("ends without STOP");
-      const std::size_t at = pos_;
-      const unsigned char op = static_cast<unsigned char>(in_[pos_++]);
-      switch (op) {
-        case 0x80: {                                     // PROTO
-          const auto v = static_cast<unsigned char>(take(1)[0]);
-          if (v > 5) bad("protocol " + std::to_string(v) + " is newer than 5, the highest Python writes");
-          break;
-        }
-        case 0x95: {                                     // FRAME: its bytes must all be there
-          const std::uint64_t n = le(take(8));
-          if (n > in_.size() - pos_)
-            bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
-                " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
-          break;
-        }
-        case '(': marks_.push_back(stack_.size()); break;  // MARK
-        case '.': {                                      // STOP
-          if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
-          expanded_size(stack_.back(), 0);  // refuses cycles, deep nesting and blow-ups before building
-          budget_ = max_nodes_;
-          built_.clear();
-          return materialize(stack_.back(), 0);
-        }
-        case 'N': push(make(pickle_value::none())); break;
-        case 0x88: push(make(pickle_value::boolean(true))); break;
-        case 0x89: push(make(pickle_value::boolean(false))); break;
-        case 'K': push(make(pickle_value::integer(le(take(1))))); break;
-        case 'M': push(make(pickle_value::integer(le(take(2))))); break;
-        case 'J': push(make(pickle_value::integer(static_cast<std::int32_t>(static_cast<std::uint32_t>(le(take(4)))))));
-          break;
-        case 0x8a: push(make(pickle_value::integer(long_int(le(take(1)), at)))); break;  // LONG1
-        case 0x8b: push(make(pickle_value::integer(long_int(le(take(4)), at)))); break;  // LONG4
-        case 'G': {
-          std::uint64_t bits = 0;
-          for (unsigned char c : take(8)) bits = (bits << 8) | c;
-          push(make(pickle_value::real(std::bit_cast<double>(bits))));
-          break;
-        }
-        case 'X': push(make(pickle_value::string(text(le(take(4)))))); break;   // BINUNICODE
-        case 0x8c: push(make(pickle_value::string(text(le(take(1)))))); break;  // SHORT_BINUNICODE
-        case 0x8d: push(make(pickle_value::string(text(le(take(8)))))); break;  // BINUNICODE8
-        case ']': push(make(pickle_value::list())); break;
-        case ')': push(make(pickle_value::tuple())); break;
-        case '}': push(make(pickle_value::dict())); break;
-        case 'a': {  // APPEND
-          auto x = pop();
-          container(pickle_value::kind::list, "APPEND")->children.push_back(std::move(x));
-          break;
-        }
-        case 'e': {  // APPENDS
-          auto items = pop_mark();
-          auto& c = container(pickle_value::kind::list, "APPENDS")->children;
-          for (auto& x : items) c.push_back(std::move(x));
-          break;
-        }
-        case 's': {  // SETITEM
-          auto v = pop();
-          auto k = pop();
-          auto d = container(pickle_value::kind::dict, "SETITEM");
-          d->children.push_back(std::move(k));
-          d->children.push_back(std::move(v));
-          break;
-        }
-        case 'u': {  // SETITEMS
-          auto items = pop_mark();
-          if (items.size() % 2) bad("SETITEMS with an odd number of values");
-          auto& c = container(pickle_value::kind::dict, "SETITEMS")->children;
-          for (auto& x : items) c.push_back(std::move(x));
-          break;
-        }
-        case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
-          const std::size_t n = op - 0x84u;
-          if (stack_.size() < n + base()) bad("TUPLE" + std::to_string(n) + " with too few values");
-          auto t = make(pickle_value::tuple());
-          t->children.assign(stack_.end() - static_cast<std::ptrdiff_t>(n), stack_.end());
-          stack_.resize(stack_.size() - n);
-          push(std::move(t));
-          break;
-        }
-        case 't': {
-          auto t = make(pickle_value::tuple());
-          t->children = pop_mark();
-          push(std::move(t));
-          break;
-        }
-        case 'l': {  // LIST (protocol 0/1)
-          auto l = make(pickle_value::list());
-          l->children = pop_mark();
-          push(std::move(l));
-          break;
-        }
-        case 'd': {  // DICT (protocol 0/1)
-          auto items = pop_mark();
-          if (items.size() % 2) bad("DICT with an odd number of values");
-          auto d = make(pickle_value::dict());
-          d->children = std::move(items);
-          push(std::move(d));
-          break;
-        }
-        case 0x94: memo_put(memo_.size()); break;                // MEMOIZE
-        case 'q': memo_put(le(take(1))); break;                  // BINPUT
-        case 'r': memo_put(le(take(4))); break;                  // LONG_BINPUT
-        case 'h': memo_get(le(take(1))); break;                  // BINGET
-        case 'j': memo_get(le(take(4))); break;                  // LONG_BINGET
-        case '0': pop(); break;                                  // POP
-        case '2': push(top()); break;                            // DUP
-        default:
-          if (!policy_.on_opcode(*this, op, at)) refuse(op, at);
-      }
-      if (stack_.size() > max_stack_) bad("too many values on the stack");
-    }
+    return run([this](pickle_view) { return build(root_); });
+  }
+  /// Reads the bytes up to STOP, checks the value (cycles, depth, size) and returns f(view of
+  /// it): the value is read in place, not copied (the view is valid during the call).
+  template <class F>
+  decltype(auto) run(F&& f) {
+    read();
+    expanded_size(root_, 0);  // refuses cycles, deep nesting and blow-ups before anything walks it
+    return std::forward<F>(f)(pickle_view(root_));
   }
 
   // --- for a PickleOpcodePolicy handling an opcode ---
@@ -231,18 +304,19 @@ class basic_pickle_reader {
     return s;
   }
   /// Pushes a value onto the stack (later opcodes may add items to it if it is a list or dict).
-  void push(pickle_value v) { push(make(std::move(v))); }
+  void push(const pickle_value& v) {
+    std::unordered_map<const void*, node*> seen;
+    push(make(v, seen));
+  }
   /// Pops the value on top of the stack, built as the result would be (cycles, depth and size
   /// refused alike; shared references stay shared); all pops together may build at most
   /// 8 x max_values values.
   pickle_value pop_value() {
-    ptr n = pop();
+    node* n = pop();
     expanded_size(n, 0);
-    budget_ = max_nodes_;
-    built_.clear();
-    const std::size_t before = budget_;
-    pickle_value v = materialize(n, 0);
-    const std::size_t made = before - budget_;
+    std::size_t budget = max_nodes_;
+    pickle_value v = build(n, &budget);
+    const std::size_t made = max_nodes_ - budget;
     if (made > popped_budget_) bad("operands expand to more than " + std::to_string(8 * max_nodes_) + " values");
     popped_budget_ -= made;
     return v;
@@ -252,185 +326,159 @@ class basic_pickle_reader {
   /// The string under string key `key` of the dict `from_top` places below the top of the
   /// stack, or "" when that value is not a dict or has no such string entry (the last counts).
   std::string string_entry_at(std::size_t from_top, std::string_view key) const {
-    const ptr t = at_(from_top);
-    if (t->k != pickle_value::kind::dict) return {};
-    for (std::size_t i = t->children.size() / 2; i-- > 0;) {
-      const auto& k = t->children[2 * i];
-      const auto& v = t->children[2 * i + 1];
-      if (k->k == pickle_value::kind::string && k->scalar.as_string("key") == key)
-        return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
-    }
-    return {};
+    const auto v = pickle_view(at_(from_top)).find(key);
+    return v && v->type() == pickle_value::kind::string ? std::string(v->as_string("")) : std::string();
   }
   /// The string value of the first entry of the dict `from_top` places below the top of the stack
   /// when that entry's key is `key`, else "": O(1), where string_entry_at scans (an object a policy
   /// made carries its class as its first entry; BUILD may add entries after it, many times over).
   std::string first_string_entry_at(std::size_t from_top, std::string_view key) const {
-    const ptr t = at_(from_top);
-    if (t->k != pickle_value::kind::dict || t->children.size() < 2) return {};
-    const auto& k = t->children[0];
-    const auto& v = t->children[1];
-    if (k->k != pickle_value::kind::string || k->scalar.as_string("key") != key) return {};
-    return v->k == pickle_value::kind::string ? v->scalar.as_string("value") : std::string();
+    const node* t = at_(from_top);
+    if (t->k != pickle_value::kind::dict || t->items().size() < 2) return {};
+    const node* k = t->items()[0];
+    const node* v = t->items()[1];
+    if (k->k != pickle_value::kind::string || k->str() != key) return {};
+    return v->k == pickle_value::kind::string ? std::string(v->str()) : std::string();
   }
   /// Pops the dict on top of the stack and adds its entries to the dict below it, in place, as
   /// SETITEMS would (BUILD with a state dict); the entries are shared, not copied.
   void merge_top_into_below(const char* op) {
-    const ptr s = top();
+    const node* s = top();
     if (s->k != pickle_value::kind::dict) bad(std::string(op) + " of a " + pickle_value::kind_name(s->k) + " into a dict");
     stack_.pop_back();
-    auto d = container(pickle_value::kind::dict, op);
-    const auto items = s->children;  // a copy: s may be d itself
-    charge(items.size());
-    d->expanded = 0;
-    d->children.insert(d->children.end(), items.begin(), items.end());
+    node* d = container(pickle_value::kind::dict, op);
+    charge(s->items().size());
+    const std::vector<node*> items(s->items().begin(), s->items().end());  // a copy: s may be d itself
+    changed();
+    add(d, items.data(), items.size());
   }
   /// Adds entry (key, v) to the dict on top of the stack, in place (other references to it, from
   /// the memo, see the change), as SETITEM does.
-  void extend_top(pickle_value key, pickle_value v) {
-    auto d = container(pickle_value::kind::dict, "extend_top");
-    d->expanded = 0;
-    d->children.push_back(make(std::move(key)));
-    d->children.push_back(make(std::move(v)));
+  void extend_top(const pickle_value& key, const pickle_value& v) {
+    node* d = container(pickle_value::kind::dict, "extend_top");
+    std::unordered_map<const void*, node*> seen;
+    node* kn = make(key, seen);
+    node* vn = make(v, seen);
+    node* kv[2] = {kn, vn};
+    changed();
+    add(d, kv, 2);
   }
 
  private:
-  struct node {
-    pickle_value scalar;  // the value of a None, bool, int, float or str
-    pickle_value::kind k;
-    std::vector<std::shared_ptr<node>> children;
-    std::uint64_t expanded = 0;  // values this node becomes when materialized (0: not counted yet)
-    std::size_t height = 0;      // nesting levels below it
-    bool visiting = false;       // on the path being counted: reaching it again is a cycle
-  };
-  using ptr = std::shared_ptr<node>;
+  using node = detail::pickle_node;
+  using kind = pickle_value::kind;
 
   static constexpr std::size_t max_stack_ = 1 << 16;
-  static constexpr std::size_t max_memo_ = 1 << 20;
   static constexpr std::size_t max_depth_ = 200;
 
-  static std::string hex(unsigned v) {
-    const char* d = "0123456789abcdef";
-    return std::string{d[(v >> 4) & 15], d[v & 15]};
-  }
-  static std::uint64_t le(std::string_view b) {
-    std::uint64_t x = 0;
-    for (std::size_t i = b.size(); i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[i]);
-    return x;
-  }
-  std::int64_t long_int(std::uint64_t n, std::size_t at) {
-    if (n > 8) bad("integer of " + std::to_string(n) + " bytes at byte " + std::to_string(at) + " does not fit 64 bits");
-    auto b = take(n);
-    if (n == 0) return 0;
-    std::uint64_t x = le(b);
-    if (n < 8 && (static_cast<unsigned char>(b[n - 1]) & 0x80)) x |= ~std::uint64_t(0) << (8 * n);  // sign-extend
-    return static_cast<std::int64_t>(x);
-  }
-  std::string text(std::uint64_t n) {
-    auto b = take(n);
-    if (!detail::is_valid_utf8(b)) bad("string at byte " + std::to_string(pos_ - n) + " is not UTF-8");
-    return std::string(b);
-  }
-  // Counts n steps of work (nodes made, entries copied) against the budget of 8 x max_values.
-  void charge(std::size_t n) {
-    if (n > work_budget_) bad("needs more than " + std::to_string(8 * max_nodes_) + " steps to read");
-    work_budget_ -= n;
-  }
-  // The address of v's container (one shared by several values is one node), or nullptr.
-  static const void* container_of(const pickle_value& v) noexcept {
-    return std::visit(
-        [](const auto& x) -> const void* {
-          if constexpr (requires { x.get(); }) return x.get();
-          else return nullptr;
-        },
-        v.as_variant());
-  }
-  // A node for v; a container's items become nodes of their own, so opcodes can add to it. A
-  // container v refers to more than once becomes one node (`seen`), so sharing is kept.
-  ptr make(pickle_value v) {
-    std::map<const void*, ptr> seen;
-    return make(std::move(v), seen);
-  }
-  ptr make(pickle_value v, std::map<const void*, ptr>& seen) {
-    const void* c = container_of(v);
-    if (c)
-      if (auto it = seen.find(c); it != seen.end()) return it->second;
-    charge(1);
-    auto n = std::make_shared<node>();
-    n->k = v.type();
-    all_.push_back(n);
-    if (c) seen.emplace(c, n);
-    if (n->k == pickle_value::kind::dict) {
-      for (std::size_t i = 0; i < v.dict_size(); ++i) {
-        n->children.push_back(make(v.dict_key(i), seen));
-        n->children.push_back(make(v.dict_value(i), seen));
+  // Runs the opcodes up to STOP; root_ is then the value.
+  void read() {
+    while (true) {
+      if (pos_ >= in_.size()) bad("ends without STOP");
+      const std::size_t at = pos_;
+      const unsigned char op = static_cast<unsigned char>(in_[pos_++]);
+      switch (op) {
+        case 0x80: {                                     // PROTO
+          const auto v = static_cast<unsigned char>(take(1)[0]);
+          if (v > 5) bad("protocol " + std::to_string(v) + " is newer than 5, the highest Python writes");
+          break;
+        }
+        case 0x95: {                                     // FRAME: its bytes must all be there
+          const std::uint64_t n = le(take(8));
+          if (n > in_.size() - pos_)
+            bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
+                " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
+          break;
+        }
+        case '(': marks_.push_back(stack_.size()); break;  // MARK
+        case '.': {                                      // STOP
+          if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
+          root_ = stack_.back();
+          return;
+        }
+        case 'N': push(none_node()); break;
+        case 0x88: push(bool_node(true)); break;
+        case 0x89: push(bool_node(false)); break;
+        case 'K': push(int_node(static_cast<std::int64_t>(le(take(1))))); break;
+        case 'M': push(int_node(static_cast<std::int64_t>(le(take(2))))); break;
+        case 'J': push(int_node(static_cast<std::int32_t>(static_cast<std::uint32_t>(le(take(4)))))); break;
+        case 0x8a: push(int_node(long_int(le(take(1)), at))); break;  // LONG1
+        case 0x8b: push(int_node(long_int(le(take(4)), at))); break;  // LONG4
+        case 'G': {
+          std::uint64_t bits = 0;
+          for (unsigned char c : take(8)) bits = (bits << 8) | c;
+          node* n = new_node(kind::real);
+          n->u.d = std::bit_cast<double>(bits);
+          push(n);
+          break;
+        }
+        case 'X': push(input_string(text(le(take(4))))); break;   // BINUNICODE
+        case 0x8c: push(input_string(text(le(take(1))))); break;  // SHORT_BINUNICODE
+        case 0x8d: push(input_string(text(le(take(8))))); break;  // BINUNICODE8
+        case ']': push(new_node(kind::list)); break;
+        case ')': push(empty_tuple()); break;  // tuples never change: one empty tuple, as in Python
+        case '}': push(new_node(kind::dict)); break;
+        case 'a': {  // APPEND
+          node* x = pop();
+          node* c = container(kind::list, "APPEND");
+          changed();
+          add(c, &x, 1);
+          break;
+        }
+        case 'e': {  // APPENDS
+          const std::size_t m = mark();
+          node* c = container_below(m, kind::list, "APPENDS");
+          changed();
+          add(c, stack_.data() + m, stack_.size() - m);
+          stack_.resize(m);
+          break;
+        }
+        case 's': {  // SETITEM
+          node* v = pop();
+          node* k = pop();
+          node* c = container(kind::dict, "SETITEM");
+          node* kv[2] = {k, v};
+          changed();
+          add(c, kv, 2);
+          break;
+        }
+        case 'u': {  // SETITEMS
+          const std::size_t m = mark();
+          if ((stack_.size() - m) % 2) bad("SETITEMS with an odd number of values");
+          node* c = container_below(m, kind::dict, "SETITEMS");
+          changed();
+          add(c, stack_.data() + m, stack_.size() - m);
+          stack_.resize(m);
+          break;
+        }
+        case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
+          const std::size_t n = op - 0x84u;
+          if (stack_.size() < n + base()) bad("TUPLE" + std::to_string(n) + " with too few values");
+          collect(kind::tuple, stack_.size() - n);
+          break;
+        }
+        case 't': collect(kind::tuple, mark()); break;  // TUPLE
+        case 'l': collect(kind::list, mark()); break;   // LIST (protocol 0/1)
+        case 'd': {                                     // DICT (protocol 0/1)
+          const std::size_t m = mark();
+          if ((stack_.size() - m) % 2) bad("DICT with an odd number of values");
+          collect(kind::dict, m);
+          break;
+        }
+        case 0x94: memo_put(memo_.size()); break;                // MEMOIZE
+        case 'q': memo_put(le(take(1))); break;                  // BINPUT
+        case 'r': memo_put(le(take(4))); break;                  // LONG_BINPUT
+        case 'h': memo_get(le(take(1))); break;                  // BINGET
+        case 'j': memo_get(le(take(4))); break;                  // LONG_BINGET
+        case '0': pop(); break;                                  // POP
+        case '2': push(top()); break;                            // DUP
+        default:
+          if (!policy_.on_opcode(*this, op, at)) refuse(op, at);
       }
-    } else if (n->k == pickle_value::kind::list || n->k == pickle_value::kind::tuple) {
-      for (const auto& x : v.as_sequence("")) n->children.push_back(make(x, seen));
-    } else {
-      n->scalar = std::move(v);
+      if (stack_.size() > max_stack_) bad("too many values on the stack");
     }
-    return n;
   }
-  void push(ptr p) { stack_.push_back(std::move(p)); }
-  std::size_t base() const { return marks_.empty() ? 0 : marks_.back(); }
-  ptr top() const {
-    if (stack_.size() <= base()) bad("reads an empty stack");
-    return stack_.back();
-  }
-  ptr at_(std::size_t from_top) const {
-    if (stack_.size() <= base() + from_top) bad("reads past the bottom of the stack");
-    return stack_[stack_.size() - 1 - from_top];
-  }
-  ptr pop() {
-    ptr p = top();
-    stack_.pop_back();
-    return p;
-  }
-  std::vector<ptr> pop_mark() {
-    if (marks_.empty()) bad("needs a MARK that is not there");
-    const std::size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<ptr> items(stack_.begin() + static_cast<std::ptrdiff_t>(m), stack_.end());
-    stack_.resize(m);
-    return items;
-  }
-  ptr container(pickle_value::kind k, const char* op) {
-    ptr c = top();
-    if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
-    return c;
-  }
-  void memo_put(std::uint64_t i) {
-    if (i > max_memo_) bad("memo index " + std::to_string(i) + " is too large");
-    if (i >= memo_.size()) memo_.resize(static_cast<std::size_t>(i) + 1);
-    memo_[static_cast<std::size_t>(i)] = top();
-  }
-  void memo_get(std::uint64_t i) {
-    if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)]) bad("memo index " + std::to_string(i) + " was never stored");
-    push(memo_[static_cast<std::size_t>(i)]);
-  }
-  // Counts the values n expands to, once per node (shared references are cheap to count but
-  // are copied when materialized), so a memo blow-up is refused before anything is built.
-  std::uint64_t expanded_size(const ptr& n, std::size_t depth) {
-    if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
-    if (n->expanded) {
-      if (depth + n->height > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
-      return n->expanded;
-    }
-    if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
-    n->visiting = true;
-    std::uint64_t total = 1;
-    std::size_t height = 0;
-    for (const auto& c : n->children) {
-      total += expanded_size(c, depth + 1);
-      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values");
-      height = std::max(height, c->height + 1);
-    }
-    n->visiting = false;
-    n->height = height;
-    n->expanded = total;
-    return total;
-  }
+
   static std::string opcode_name(unsigned op) {
     const char* n = nullptr;
     switch (op) {
@@ -470,45 +518,247 @@ class basic_pickle_reader {
     }
     return std::string(" (") + n + ")";
   }
-  // Builds the value of n; a node reached again (a shared reference) gives the value built the
-  // first time, which shares its container: each node is built once (built_, cleared by the
-  // caller). The budget counts the nodes built.
-  pickle_value materialize(const ptr& n, std::size_t depth) {
-    if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_) + " (or refers to itself)");
-    using k = pickle_value::kind;
-    if (n->k != k::list && n->k != k::tuple && n->k != k::dict) return n->scalar;
-    if (auto it = built_.find(n.get()); it != built_.end()) return it->second;
-    if (budget_ < 1 + n->children.size()) bad("expands to more than " + std::to_string(max_nodes_) + " values");
-    budget_ -= 1 + n->children.size();
-    std::vector<pickle_value> items;
-    items.reserve(n->children.size());
-    for (const auto& c : n->children) items.push_back(materialize(c, depth + 1));
-    pickle_value v;
-    if (n->k == k::list) {
-      v = pickle_value::list(std::move(items));
-    } else if (n->k == k::tuple) {
-      v = pickle_value::tuple(std::move(items));
-    } else {
-      std::vector<std::pair<pickle_value, pickle_value>> entries;
-      for (std::size_t i = 0; i + 1 < items.size(); i += 2) entries.emplace_back(std::move(items[i]), std::move(items[i + 1]));
-      v = pickle_value::dict(std::move(entries));
+  static std::string hex(unsigned v) {
+    const char* d = "0123456789abcdef";
+    return std::string{d[(v >> 4) & 15], d[v & 15]};
+  }
+  static std::uint64_t le(std::string_view b) {
+    std::uint64_t x = 0;
+    for (std::size_t i = b.size(); i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[i]);
+    return x;
+  }
+  std::int64_t long_int(std::uint64_t n, std::size_t at) {
+    if (n > 8) bad("integer of " + std::to_string(n) + " bytes at byte " + std::to_string(at) + " does not fit 64 bits");
+    auto b = take(n);
+    if (n == 0) return 0;
+    std::uint64_t x = le(b);
+    if (n < 8 && (static_cast<unsigned char>(b[n - 1]) & 0x80)) x |= ~std::uint64_t(0) << (8 * n);  // sign-extend
+    return static_cast<std::int64_t>(x);
+  }
+  std::string_view text(std::uint64_t n) {
+    auto b = take(n);
+    if (!detail::is_valid_utf8(b)) bad("string at byte " + std::to_string(pos_ - n) + " is not UTF-8");
+    return b;
+  }
+  // Counts n steps of work (values made, entries copied) against the budget of 8 x max_values.
+  void charge(std::size_t n) {
+    if (n > work_budget_) bad("needs more than " + std::to_string(8 * max_nodes_) + " steps to read");
+    work_budget_ -= n;
+  }
+
+  // --- the arena: every value made lives until the reader goes ---
+  node* new_node(kind k) {
+    charge(1);
+    node* n = &nodes_.emplace_back();
+    n->k = k;
+    if (n->container()) n->u.seq = {nullptr, 0, 0};
+    return n;
+  }
+  node* none_node() {
+    charge(1);
+    return &none_;
+  }
+  node* bool_node(bool b) {
+    charge(1);
+    return b ? &true_ : &false_;
+  }
+  node* empty_tuple() {
+    charge(1);
+    return &empty_tuple_;
+  }
+  node* int_node(std::int64_t i) {
+    if (i >= 0 && i < static_cast<std::int64_t>(small_ints_.size())) {
+      charge(1);
+      node*& c = small_ints_[static_cast<std::size_t>(i)];
+      if (!c) {
+        c = &nodes_.emplace_back();
+        c->k = kind::integer;
+        c->u.i = i;
+      }
+      return c;
     }
-    built_.emplace(n.get(), v);
-    return v;
+    node* n = new_node(kind::integer);
+    n->u.i = i;
+    return n;
+  }
+  // A string of the input, read in place.
+  node* input_string(std::string_view s) {
+    node* n = new_node(kind::string);
+    n->u.s = {s.data(), s.size()};
+    return n;
+  }
+  // A string a policy made (a class name, a key): held once, however often it is made.
+  node* own_string(const std::string& s) {
+    charge(1);
+    if (auto it = owned_.find(s); it != owned_.end()) return it->second;
+    const std::string& kept = owned_text_.emplace_back(s);
+    node* n = &nodes_.emplace_back();
+    n->k = kind::string;
+    n->u.s = {kept.data(), kept.size()};
+    owned_.emplace(std::string_view(kept), n);
+    return n;
+  }
+  // A node for v; a container's items become nodes of their own, so opcodes can add to it. A
+  // container v refers to more than once becomes one node (`seen`), so sharing is kept.
+  node* make(const pickle_value& v, std::unordered_map<const void*, node*>& seen) {
+    return std::visit(
+        [&](const auto& x) -> node* {
+          using T = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<T, std::monostate>) {
+            return none_node();
+          } else if constexpr (std::is_same_v<T, bool>) {
+            return bool_node(x);
+          } else if constexpr (std::is_same_v<T, std::int64_t>) {
+            return int_node(x);
+          } else if constexpr (std::is_same_v<T, double>) {
+            node* n = new_node(kind::real);
+            n->u.d = x;
+            return n;
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            return own_string(x);
+          } else {
+            if (auto it = seen.find(x.get()); it != seen.end()) return it->second;
+            node* n = new_node(v.type());
+            seen.emplace(x.get(), n);
+            if constexpr (std::is_same_v<T, std::shared_ptr<pickle_dict>>) {
+              for (const auto& [key, val] : x->entries) {
+                node* kv[2] = {make(key, seen), make(val, seen)};
+                add(n, kv, 2);
+              }
+            } else {
+              for (const auto& item : x->items) {
+                node* c = make(item, seen);
+                add(n, &c, 1);
+              }
+            }
+            return n;
+          }
+        },
+        v.as_variant());
+  }
+
+  // --- the stack and the memo ---
+  void push(node* p) { stack_.push_back(p); }
+  std::size_t base() const { return marks_.empty() ? 0 : marks_.back(); }
+  node* top() const {
+    if (stack_.size() <= base()) bad("reads an empty stack");
+    return stack_.back();
+  }
+  node* at_(std::size_t from_top) const {
+    if (stack_.size() <= base() + from_top) bad("reads past the bottom of the stack");
+    return stack_[stack_.size() - 1 - from_top];
+  }
+  node* pop() {
+    node* p = top();
+    stack_.pop_back();
+    return p;
+  }
+  // Pops the innermost MARK; the values above it are stack_[mark, end).
+  std::size_t mark() {
+    if (marks_.empty()) bad("needs a MARK that is not there");
+    const std::size_t m = marks_.back();
+    marks_.pop_back();
+    return m;
+  }
+  // A new container of kind k holding stack_[from, end), which it replaces on the stack.
+  void collect(kind k, std::size_t from) {
+    node* c = new_node(k);
+    add(c, stack_.data() + from, stack_.size() - from);
+    stack_.resize(from);
+    push(c);
+  }
+  node* container(kind k, const char* op) {
+    node* c = top();
+    if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
+    return c;
+  }
+  // A container is about to change: every count of values made before is stale (it may be
+  // inside any container counted), so the epoch moves on.
+  void changed() {
+    if (++epoch_ == 0) {  // after 2^32 changes: no stamp may match by chance
+      for (auto& n : nodes_) n.stamp = 0;
+      epoch_ = 1;
+    }
+  }
+  // Appends items [p, p + n) to container c (p may point into the stack; not into c's own items).
+  void add(node* c, node* const* p, std::size_t n) {
+    if (!n) return;
+    if (!slots_.reserve(c->u.seq, n)) bad("container of more than " + std::to_string(UINT32_MAX) + " items");
+    std::copy(p, p + n, c->u.seq.data + c->u.seq.size);
+    c->u.seq.size += static_cast<std::uint32_t>(n);
+  }
+  // The container of kind k just below MARK m (what APPENDS and SETITEMS add to).
+  node* container_below(std::size_t m, kind k, const char* op) {
+    if (m <= base()) bad("reads an empty stack");
+    node* c = stack_[m - 1];
+    if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
+    return c;
+  }
+  void memo_put(std::uint64_t i) {
+    // Python's pickler memoizes each object once, after the opcode that made it: a pickle of n
+    // bytes has fewer than n / 2 entries (2^20 are allowed whatever the size)
+    if (i > std::max<std::size_t>(std::size_t(1) << 20, in_.size() / 2))
+      bad("memo index " + std::to_string(i) + " is too large for " + std::to_string(in_.size()) + " bytes");
+    if (i >= memo_.size()) memo_.resize(static_cast<std::size_t>(i) + 1);
+    memo_[static_cast<std::size_t>(i)] = top();
+  }
+  void memo_get(std::uint64_t i) {
+    if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)]) bad("memo index " + std::to_string(i) + " was never stored");
+    push(memo_[static_cast<std::size_t>(i)]);
+  }
+
+  // Counts the values n expands to, once per node (shared references are cheap to count but
+  // are copied when built), so a memo blow-up is refused before anything is built.
+  std::uint64_t expanded_size(node* n, std::size_t depth) {
+    if (!n->container()) return 1;
+    if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
+    if (n->stamp == epoch_) {
+      if (depth + n->height > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
+      return n->expanded;
+    }
+    if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
+    std::uint64_t total = 1;
+    std::size_t height = 0;
+    n->visiting = true;
+    for (node* c : n->items()) {
+      total += expanded_size(c, depth + 1);
+      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values");
+      height = std::max<std::size_t>(height, c->container() ? c->height + 1u : 1u);
+    }
+    n->visiting = false;
+    n->height = static_cast<std::uint16_t>(height);
+    n->expanded = total;
+    n->stamp = epoch_;
+    return total;
+  }
+  // The value of n as a pickle_value, each node built once (shared containers stay shared);
+  // `budget` (when given) counts the values built.
+  pickle_value build(const node* n, std::size_t* budget = nullptr) const {
+    std::size_t unlimited = max_nodes_;
+    std::unordered_map<const node*, pickle_value> built;
+    return detail::build_pickle_value(n, 0, max_depth_, budget ? *budget : unlimited, built, [this](const std::string& why) {
+      bad(why == "expands to more than its limit of values" ? "expands to more than " + std::to_string(max_nodes_) + " values" : why);
+    });
   }
 
   std::string_view in_;
   std::string what_;
   std::size_t pos_ = 0;
-  std::vector<ptr> stack_;
+  std::vector<node*> stack_;
   std::vector<std::size_t> marks_;
-  std::vector<ptr> memo_;
+  std::deque<node*> memo_;  // a deque: no spare capacity, however many entries
   std::size_t max_nodes_;      // values a result may expand to, as a tree
   std::size_t popped_budget_;  // values all pop_value calls together may still build
-  std::size_t work_budget_;    // nodes made and entries copied that are still allowed
-  std::size_t budget_ = 0;     // values the materialize under way may still build
-  std::map<const node*, pickle_value> built_;  // what the materialize under way built, by node
-  std::vector<ptr> all_;  // every node made, unlinked by the destructor
+  std::size_t work_budget_;    // values made and entries copied that are still allowed
+  std::uint32_t epoch_ = 1;    // counts of values made in this epoch (stamp) are current
+  node* root_ = nullptr;       // the value, after STOP
+  // the arena: nodes, containers' items, strings a policy made (once each), shared scalars
+  std::deque<node> nodes_;
+  detail::slot_pool slots_;
+  std::deque<std::string> owned_text_;
+  std::unordered_map<std::string_view, node*> owned_;
+  std::array<node*, 256> small_ints_{};
+  node none_{}, true_{pickle_value::kind::boolean}, false_{pickle_value::kind::boolean}, empty_tuple_{pickle_value::kind::tuple};
   Policy policy_;
 };
 

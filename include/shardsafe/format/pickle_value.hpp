@@ -32,7 +32,7 @@ struct pickle_dict;
 class pickle_value {
  public:
   /// The Python type; its order is the order of the variant's alternatives.
-  enum class kind { none, boolean, integer, real, string, list, tuple, dict };
+  enum class kind : unsigned char { none, boolean, integer, real, string, list, tuple, dict };
   using variant_type = std::variant<std::monostate, bool, std::int64_t, double, std::string, std::shared_ptr<pickle_list>,
                                     std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>>;
 

@@ -87,7 +87,7 @@ class flat_spec {
 
   /// The ranges as given (empty ones included).
   const std::vector<element_range>& ranges() const noexcept { return ranges_; }
-  std::uint64_t local_numel() const noexcept { return nonempty_.empty() ? 0 : local_[nonempty_.size()]; }
+  std::uint64_t local_numel() const noexcept { return local_at(count()); }
 
   /// Ranges must lie inside the flattened tensor, with begin <= end, and the non-empty ones
   /// must be in increasing order without overlap.
@@ -115,10 +115,10 @@ class flat_spec {
   class cursor_type {
    public:
     cursor_type(const flat_spec& s) : s_(&s) {}
-    bool done() const noexcept { return i_ >= s_->nonempty_.size(); }
+    bool done() const noexcept { return i_ >= s_->count(); }
     spec_run run() const noexcept {
-      const auto& r = s_->ranges_[s_->nonempty_[i_]];
-      return {r.begin, r.end, s_->local_[i_]};
+      const auto& r = s_->nth(i_);
+      return {r.begin, r.end, s_->local_at(i_)};
     }
     void next() noexcept {
       ++i_;
@@ -126,14 +126,16 @@ class flat_spec {
     }
     void seek(std::uint64_t pos) noexcept {
       ++steps_;
-      if (done() || s_->ranges_[s_->nonempty_[i_]].end > pos) return;
+      if (done() || s_->nth(i_).end > pos) return;
       // first non-empty range with end > pos, at or after i_ (ends increase strictly)
-      auto first = s_->nonempty_.begin() + static_cast<std::ptrdiff_t>(i_);
-      auto it = std::upper_bound(first, s_->nonempty_.end(), pos, [&](std::uint64_t p, std::uint32_t k) {
+      std::size_t lo = i_, hi = s_->count();
+      while (lo < hi) {
+        const std::size_t mid = lo + (hi - lo) / 2;
         ++steps_;
-        return p < s_->ranges_[k].end;
-      });
-      i_ = static_cast<std::size_t>(it - s_->nonempty_.begin());
+        if (pos < s_->nth(mid).end) hi = mid;
+        else lo = mid + 1;
+      }
+      i_ = lo;
     }
     /// Loop iterations of next() and seek() so far (ranges compared by the binary search).
     std::uint64_t steps() const noexcept { return steps_; }
@@ -148,18 +150,35 @@ class flat_spec {
   friend bool operator==(const flat_spec& a, const flat_spec& b) { return a.ranges_ == b.ranges_; }
 
  private:
+  // What the cursor needs beyond the ranges, kept only where the ranges do not say it: a spec of
+  // one non-empty range (one rank's piece, the common case) stores nothing more, so a
+  // metadata.json of a million of them costs no more than its ranges.
   void index() {
     nonempty_.clear();
-    local_.assign(1, 0);
-    for (std::uint32_t i = 0; i < ranges_.size(); ++i) {
-      if (ranges_[i].end <= ranges_[i].begin) continue;
-      nonempty_.push_back(i);
-      local_.push_back(local_.back() + (ranges_[i].end - ranges_[i].begin));
+    local_.clear();
+    std::size_t n = 0;
+    for (const auto& r : ranges_) n += r.end > r.begin;
+    dense_ = n == ranges_.size();
+    if (!dense_)
+      for (std::uint32_t i = 0; i < ranges_.size(); ++i)
+        if (ranges_[i].end > ranges_[i].begin) nonempty_.push_back(i);
+    if (n > 1) {
+      local_.reserve(n + 1);
+      local_.push_back(0);
+      for (std::size_t i = 0; i < n; ++i) local_.push_back(local_.back() + nth(i).size());
     }
   }
+  // The non-empty ranges: how many, the i-th, and the local offset of the i-th (i == count(): the total).
+  std::size_t count() const noexcept { return dense_ ? ranges_.size() : nonempty_.size(); }
+  const element_range& nth(std::size_t i) const noexcept { return ranges_[dense_ ? i : nonempty_[i]]; }
+  std::uint64_t local_at(std::size_t i) const noexcept {
+    if (!local_.empty()) return local_[i];
+    return i == 0 || count() == 0 ? 0 : nth(0).size();  // no range, or one
+  }
   std::vector<element_range> ranges_;
-  std::vector<std::uint32_t> nonempty_;  // indices of the non-empty ranges
-  std::vector<std::uint64_t> local_;     // local offset of each non-empty range, plus the total
+  std::vector<std::uint32_t> nonempty_;  // indices of the non-empty ranges, when some are empty
+  std::vector<std::uint64_t> local_;     // local offset of each non-empty range, plus the total, when more than one
+  bool dense_ = true;                    // every range is non-empty (nonempty_ unused)
 };
 
 // ---------------------------------------------------------------------------------------
