@@ -188,6 +188,34 @@ TEST_CASE("metadata: the legacy flattened_offsets_per_file, unknown keys, is_sha
   CHECK(md2.extras.writer.empty());
 }
 
+namespace {
+std::string repeated_text(std::string_view s, std::size_t n) {
+  std::string out;
+  out.reserve(s.size() * n);
+  for (std::size_t i = 0; i < n; ++i) out += s;
+  return out;
+}
+}  // namespace
+
+TEST_CASE("metadata: nesting is accepted exactly as deep as simdjson's DOM parser accepts it") {
+  // metadata.json is read On-Demand (no DOM); the DOM parser is the oracle for what is JSON
+  for (std::size_t depth = 1020; depth <= 1028; ++depth) {
+    const std::string text = R"({"tensors": {}, "x": )" + std::string(depth - 1, '[') + std::string(depth - 1, ']') + "}";
+    simdjson::dom::parser dom;
+    simdjson::dom::element root;
+    const bool dom_ok = !dom.parse(text).get(root);
+    bool ok = true;
+    try {
+      (void)parse_checkpoint_metadata(text, "m");
+    } catch (const shardsafe::error& e) {
+      ok = false;
+      CHECK(e.code() == make_error_code(errc::invalid_json));
+    }
+    CAPTURE(depth);
+    CHECK(ok == dom_ok);
+  }
+}
+
 TEST_CASE("metadata: malformed files give the right errc and name file, tensor and rule") {
   struct bad {
     std::string what;
@@ -198,6 +226,14 @@ TEST_CASE("metadata: malformed files give the right errc and name file, tensor a
   const std::string r0 = flat("rank_0.safetensors", "[[0, 6]]");
   const std::vector<bad> cases = {
       {"non-JSON", R"({"tensors": {"w": )", errc::invalid_json, {"not valid JSON"}},
+      {"nested 100,000 deep", R"({"tensors": {}, "x": )" + std::string(100000, '[') + std::string(100000, ']') + "}",
+       errc::invalid_json, {"not valid JSON", "too deep"}},
+      {"objects nested 100,000 deep", R"({"tensors": {}, "x": )" + repeated_text(R"({"a": )", 100000) + "1" + std::string(100000, '}') + "}",
+       errc::invalid_json, {"not valid JSON", "too deep"}},
+      {"trailing content", R"({"tensors": {}} x)", errc::invalid_json, {"not valid JSON", "trailing"}},
+      {"a second document", R"({"tensors": {}}{"tensors": {}})", errc::invalid_json, {"not valid JSON"}},
+      {"a bad literal in an unknown key", R"({"tensors": {}, "x": [tru]})", errc::invalid_json, {"not valid JSON"}},
+      {"a bad escape in an unknown key", R"({"tensors": {}, "x": "\q"})", errc::invalid_json, {"not valid JSON"}},
       {"non-UTF-8", "{\"tensors\": {\"w\xfe\": 1}}", errc::invalid_json, {"not valid UTF-8"}},
       {"integer past 2^64", R"({"tensors": {"w": {"shape": [2, 36893488147419103232]}}})", errc::invalid_json,
        {"not valid JSON", "36893488147419103232", "(tensors.w.shape[1])"}},

@@ -782,6 +782,45 @@ TEST_CASE("pickle: an opcode policy sees the opcodes outside plain data, and may
   CHECK(asked.empty());
 }
 
+TEST_CASE("pickle: a container changed after it was counted is counted again (run(f) reads in place)") {
+  // A policy that pops REDUCE's operands (counting them, as every pop does) and pushes None.
+  struct reduce_to_none {
+    bool on_opcode(basic_pickle_reader<reduce_to_none>& r, unsigned char op, std::size_t) {
+      if (op != 'R') return false;
+      (void)r.pop_value();
+      (void)r.pop_value();
+      r.push(pickle_value::none());
+      return true;
+    }
+  };
+  // L = []; REDUCE(None, (L,)) counts L (1 value); then L.append(D) where D is a chain of 40
+  // tuples (A, A), each doubling the one before: L now expands to 2^41 values. A count kept from
+  // before the APPEND would let the in-place walk below expand it.
+  std::vector<unsigned char> b{']', 'q', 0, 'N', 'h', 0, 0x85, 'R', '0', 'K', 0};
+  for (int i = 0; i < 40; ++i) b.insert(b.end(), {'q', 1, 'h', 1, 0x86});
+  b.push_back('a');
+  const std::string bytes = P(std::string(b.begin(), b.end()));
+  std::uint64_t walked = 0;
+  try {
+    basic_pickle_reader<reduce_to_none> r(bytes, what);
+    r.run([&](pickle_view v) {
+      walked = v.size();
+      return 0;
+    });
+    FAIL("no error");
+  } catch (const shardsafe::error& e) {
+    CHECK(e.code() == make_error_code(errc::invalid_metadata));
+    CHECK(std::string(e.what()).find("expands to more than") != std::string::npos);
+  }
+  CHECK(walked == 0);  // refused before the view is handed out
+  // the same list without the doubling chain is read, in place and as a copy
+  const std::string small = P(B({']', 'q', 0, 'N', 'h', 0, 0x85, 'R', '0', 'K', 7, 'a'}));
+  basic_pickle_reader<reduce_to_none> r(small, what);
+  const auto n = r.run([](pickle_view v) { return v.size() == 1 && v.item(0).as_int("") == 7; });
+  CHECK(n);
+  CHECK(pickle_loads(small, what, reduce_to_none{}) == L({I(7)}));
+}
+
 TEST_CASE("pickle: Python 3 loads what pickle_dumps writes" * python_check()) {
   REQUIRE_PYTHON();
   temp_dir dir;

@@ -309,13 +309,15 @@ struct json_check_result {
 };
 
 namespace ondemand_walk {
+// The nesting the DOM parser allows (simdjson's default); deeper is refused before it is walked.
+inline constexpr std::size_t max_depth = simdjson::DEFAULT_MAX_DEPTH;
 inline void value(simdjson::ondemand::value v, std::string& path, json_check_result& r, const std::string& what,
-                  std::string_view text);
+                  std::string_view text, std::size_t depth);
 inline void check(simdjson::error_code e, const std::string& what, std::string_view text) {
   if (e) json_error(what, e, text);
 }
 inline void object(simdjson::ondemand::object o, std::string& path, json_check_result& r, const std::string& what,
-                   std::string_view text) {
+                   std::string_view text, std::size_t depth) {
   std::vector<std::string_view> keys;
   for (auto field : o) {
     simdjson::ondemand::field f;
@@ -326,7 +328,7 @@ inline void object(simdjson::ondemand::object o, std::string& path, json_check_r
     const std::size_t at = path.size();
     path += path.empty() ? "" : ".";
     path += k;
-    value(f.value(), path, r, what, text);
+    value(f.value(), path, r, what, text, depth + 1);
     path.resize(at);
   }
   if (!r.duplicate.empty()) return;
@@ -340,7 +342,8 @@ inline void object(simdjson::ondemand::object o, std::string& path, json_check_r
   }
 }
 inline void value(simdjson::ondemand::value v, std::string& path, json_check_result& r, const std::string& what,
-                  std::string_view text) {
+                  std::string_view text, std::size_t depth) {
+  if (depth > max_depth) json_error(what, simdjson::DEPTH_ERROR, text);
   using jt = simdjson::ondemand::json_type;
   jt type;
   check(v.type().get(type), what, text);
@@ -348,7 +351,7 @@ inline void value(simdjson::ondemand::value v, std::string& path, json_check_res
     case jt::object: {
       simdjson::ondemand::object o;
       check(v.get_object().get(o), what, text);
-      object(o, path, r, what, text);
+      object(o, path, r, what, text, depth);
       break;
     }
     case jt::array: {
@@ -360,7 +363,7 @@ inline void value(simdjson::ondemand::value v, std::string& path, json_check_res
         check(std::move(item).get(x), what, text);
         const std::size_t at = path.size();
         path += "[" + std::to_string(i++) + "]";
-        value(x, path, r, what, text);
+        value(x, path, r, what, text, depth + 1);
         path.resize(at);
       }
       break;
@@ -395,7 +398,7 @@ inline json_check_result json_check(simdjson::ondemand::parser& parser, simdjson
   if (type == jt::object || type == jt::array) {
     simdjson::ondemand::value root;
     ondemand_walk::check(doc.get_value().get(root), what, raw);
-    ondemand_walk::value(root, path, r, what, raw);
+    ondemand_walk::value(root, path, r, what, raw, 1);
   } else {  // a scalar document: read as such
     switch (type) {
       case jt::number: ondemand_walk::check(doc.get_number().error(), what, raw); break;
