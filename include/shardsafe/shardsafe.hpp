@@ -51,7 +51,6 @@
 // who talks to whom
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
-#include "shardsafe/dist/launch.hpp"
 #include "shardsafe/dist/message.hpp"
 #include "shardsafe/dist/single.hpp"
 

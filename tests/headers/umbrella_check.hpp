@@ -11,6 +11,9 @@
 //   - a remote-storage header (is_remote_header: needs Boost) that either umbrella reaches:
 //     those are included on their own (shardsafe/storage/http.hpp, s3.hpp), so that no user of
 //     the umbrellas needs Boost;
+//   - a process launcher (is_launcher_header: shardsafe/dist/launch.hpp, which starts a world of
+//     local processes for examples, tests and benchmarks) that either umbrella reaches: it is not
+//     part of the library's API and is included on its own;
 //   - an include of a shardsafe/ header that exists in none of the include folders.
 #pragma once
 
@@ -80,6 +83,9 @@ inline bool is_remote_header(const std::string& include_path) {
   return name.rfind("http", 0) == 0 || name.rfind("s3", 0) == 0;
 }
 
+/// The process launcher: public (examples and benchmarks use it) but outside both umbrellas.
+inline bool is_launcher_header(const std::string& include_path) { return include_path == "shardsafe/dist/launch.hpp"; }
+
 inline constexpr const char* core_umbrella = "shardsafe/shardsafe.hpp";
 inline constexpr const char* torch_umbrella = "shardsafe/torch.hpp";
 
@@ -124,6 +130,13 @@ inline std::vector<std::string> check_umbrellas(const std::vector<fs::path>& roo
         if (u->contains(h))
           problems.push_back(h + ": a header that needs Boost, reached from " +
                              (u == &core ? core_umbrella : torch_umbrella) + "; include it on its own");
+      continue;
+    }
+    if (is_launcher_header(h)) {
+      for (const auto* u : {&core, &torch})
+        if (u->contains(h))
+          problems.push_back(h + ": the process launcher, reached from " + (u == &core ? core_umbrella : torch_umbrella) +
+                             "; it is not part of the library's API: include it on its own");
       continue;
     }
     if (!is_public(h) || h == core_umbrella || h == torch_umbrella) continue;

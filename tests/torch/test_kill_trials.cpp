@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "fixtures.hpp"
+#include "shardsafe/dist/launch.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/dist/single.hpp"

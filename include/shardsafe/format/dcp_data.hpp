@@ -42,11 +42,7 @@
 namespace shardsafe {
 
 /// One chunk of a tensor as `.metadata` places it in a data file.
-struct dcp_file_chunk {
-  std::string key;
-  dtype type = dtype::F32;
-  shape_t offsets;  ///< where the block starts in the full tensor
-  shape_t sizes;    ///< the block's shape
+struct dcp_file_chunk : dcp_block {
   std::uint64_t offset = 0;  ///< the archive's byte range in the file (.distcp)
   std::uint64_t length = 0;
 };

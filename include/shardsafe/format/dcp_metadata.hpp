@@ -52,6 +52,16 @@ struct dcp_storage_info {
   friend bool operator==(const dcp_storage_info&, const dcp_storage_info&) = default;
 };
 
+/// A block of one tensor of a DCP checkpoint, as a data file holds it: the tensor's key and
+/// dtype, and where the block lies in the full tensor (what format/dcp_data.hpp reads and
+/// format/dcp_writer.hpp writes, each adding where its bytes are).
+struct dcp_block {
+  std::string key;
+  dtype type = dtype::F32;
+  shape_t offsets;  ///< where the block starts in the full tensor
+  shape_t sizes;    ///< the block's shape
+};
+
 /// An N-D block of a tensor: its offsets and sizes, one per dimension, and where its bytes are.
 struct dcp_chunk {
   std::vector<std::uint64_t> offsets;

@@ -23,16 +23,13 @@
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
+#include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/torch_zip_writer.hpp"
 
 namespace shardsafe {
 
 /// One tensor chunk of a data file: a block of `key` and its bytes (row-major, little-endian).
-struct dcp_chunk_data {
-  std::string key;
-  dtype type = dtype::F32;
-  shape_t offsets;  ///< where the block starts in the full tensor
-  shape_t sizes;    ///< the block's shape
+struct dcp_chunk_data : dcp_block {
   const std::byte* data = nullptr;
   std::uint32_t crc = 0;  ///< CRC-32 of the block's bytes
 };

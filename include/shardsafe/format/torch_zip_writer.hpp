@@ -200,7 +200,8 @@ inline void zip_central_directory(std::string& out, std::uint64_t at, const std:
     out += extra;
   }
   const std::uint64_t cd_size = out.size() - before;
-  if (cd_at >= zip32_max || cd_at + cd_size >= zip32_max) {
+  const bool zip64 = cd_at >= zip32_max || cd_at + cd_size >= zip32_max;
+  if (zip64) {
     const std::uint64_t z = cd_at + cd_size;
     zip_put(out, 0x06064b50, 4);  // zip64 end of central directory
     zip_put(out, 44, 8);
@@ -216,21 +217,14 @@ inline void zip_central_directory(std::string& out, std::uint64_t at, const std:
     zip_put(out, 0, 4);
     zip_put(out, z, 8);
     zip_put(out, 1, 4);
-    zip_put(out, 0x06054b50, 4);
-    zip_put(out, 0, 4);
-    zip_put(out, 0xffff, 2);
-    zip_put(out, 0xffff, 2);
-    zip_put(out, zip32_max, 4);
-    zip_put(out, zip32_max, 4);
-    zip_put(out, 0, 2);
-    return;
   }
+  // the end of central directory; past 32 bits its fields are the zip64 record's markers
   zip_put(out, 0x06054b50, 4);
   zip_put(out, 0, 4);
-  zip_put(out, records.size(), 2);
-  zip_put(out, records.size(), 2);
-  zip_put(out, cd_size, 4);
-  zip_put(out, cd_at, 4);
+  zip_put(out, zip64 ? 0xffff : records.size(), 2);
+  zip_put(out, zip64 ? 0xffff : records.size(), 2);
+  zip_put(out, zip64 ? zip32_max : cd_size, 4);
+  zip_put(out, zip64 ? zip32_max : cd_at, 4);
   zip_put(out, 0, 2);
 }
 
