@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <chrono>
@@ -25,6 +26,7 @@
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <new>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -37,12 +39,35 @@
 
 extern char** environ;
 
+// Work is counted here, not timed: every allocation the test binary makes adds its size to
+// pickle_test_allocated (operator new replaced for the whole binary), so a refusal can be
+// checked to have allocated little where building what the input claims would take gigabytes.
+namespace {
+std::atomic<std::uint64_t> pickle_test_allocated{0};
+}  // namespace
+void* operator new(std::size_t n) {
+  pickle_test_allocated.fetch_add(n, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
 using namespace shardsafe;
 namespace fs = std::filesystem;
 
 namespace {
 
 using pv = pickle_value;
+
+/// Bytes allocated while f runs (this test's thread allocates alone while it does).
+template <class F>
+std::uint64_t allocated_by(F&& f) {
+  const std::uint64_t before = pickle_test_allocated.load();
+  f();
+  return pickle_test_allocated.load() - before;
+}
+constexpr std::uint64_t one_mib = std::uint64_t(1) << 20;
 
 // --- building values and bytes ----------------------------------------------------------
 
@@ -593,10 +618,8 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
     std::string b = B({']', 'K', 1, 'a', 'q', 0, '0'});
     for (int i = 1; i <= 30; ++i) b += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i, '0'});
     b += B({'h', 30});
-    const auto t0 = std::chrono::steady_clock::now();
-    expect_refused(P(b), {"expands to more than"});
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    CHECK_MESSAGE(s < 0.25, "took ", s, " s");
+    const auto used = allocated_by([&] { expect_refused(P(b), {"expands to more than"}); });
+    CHECK_MESSAGE(used < one_mib, "allocated ", used, " bytes");  // the tree: 2^31 values
     // the same with a wide list of references: 64 x 64 x 64 x 64 x 64
     std::string w = B({'K', 1, 'q', 0, '0'});
     for (int i = 1; i <= 5; ++i) {
@@ -605,9 +628,8 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
       w += B({'e', 'q', i, '0'});
     }
     w += B({'h', 5});
-    const auto t1 = std::chrono::steady_clock::now();
-    expect_refused(P(w), {"expands to more than"});
-    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 0.25);
+    const auto wide = allocated_by([&] { expect_refused(P(w), {"expands to more than"}); });
+    CHECK_MESSAGE(wide < one_mib, "allocated ", wide, " bytes");
     // a shared list within the budget is fine: 2^10 leaves
     std::string ok = B({']', 'K', 1, 'a', 'q', 0, '0'});
     for (int i = 1; i <= 10; ++i) ok += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i, '0'});
@@ -950,9 +972,9 @@ for i, e in enumerate(exprs):
     const auto& rc = refused[j];
     for (int p = rc.min_protocol; p <= rc.max_protocol; ++p) {
       INFO(rc.expr << " protocol " << p);
-      const auto t0 = std::chrono::steady_clock::now();
-      expect_refused(file(cs.size() + j, p), {rc.phrase});
-      CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 0.25);
+      const std::string bytes = file(cs.size() + j, p);
+      const auto used = allocated_by([&] { expect_refused(bytes, {rc.phrase}); });
+      CHECK_MESSAGE(used < one_mib + 256 * bytes.size(), "allocated ", used, " bytes for ", bytes.size());
       ++refusals;
     }
   }
@@ -1065,9 +1087,9 @@ TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain
   // 12 doublings in a 1 KB input: 8191 values as a tree, 12 containers in memory
   const std::string kb = doubling_chain(12, 1000);
   CHECK(kb.size() >= 997);
-  const auto t0 = std::chrono::steady_clock::now();
-  const pv v = pickle_loads(kb, what);
-  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 0.1);
+  pv v;
+  const auto used = allocated_by([&] { v = pickle_loads(kb, what); });
+  CHECK_MESSAGE(used < one_mib, "allocated ", used, " bytes");  // 12 tuples, not 8191 values
   const pv* x = &v;
   int depth = 0;
   while (x->type() == pv::kind::tuple) {
@@ -1093,9 +1115,9 @@ TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain
   for (const int n : {19, 16}) {
     const std::string bytes = n == 19 ? doubling_chain(19) : doubling_chain(16, 1000);
     INFO(n << " doublings in " << bytes.size() << " bytes");
-    const auto t1 = std::chrono::steady_clock::now();
-    expect_refused(bytes, {"expands to more than " + std::to_string(64 * bytes.size() + 4096) + " values"});
-    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count() < 0.1);
+    const auto refused = allocated_by(
+        [&] { expect_refused(bytes, {"expands to more than " + std::to_string(64 * bytes.size() + 4096) + " values"}); });
+    CHECK_MESSAGE(refused < one_mib, "allocated ", refused, " bytes");
   }
 }
 
