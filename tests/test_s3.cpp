@@ -168,6 +168,8 @@ print(auth.signature(auth.string_to_sign(req, cr), req))
                              testing::json_quoted(s.token) + ",\"region\":\"" + s.region + "\"}";
     const auto py = testing::run_program("python3", {"-c", script, json});
     if (!py.exited || py.code != 0) {
+      // the test command requires the Python peers (moto_server's Python has botocore): fail there
+      if (testing::python_required()) FAIL("botocore is required (SHARDSAFE_REQUIRE_PYTHON=1) but not usable: " << py.err);
       MESSAGE("botocore is not usable here (" << py.err << "): the botocore comparison is skipped");
       return;
     }
