@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The layering rule of the design: only include/shardsafe/torch/ (and the umbrella torch.hpp)
-# may include LibTorch. Fails, naming each offending line, when a header under core/ shard/
-# format/ storage/ detail/ checkpoint/ dist/ (or the torch-free umbrella) includes torch/,
-# <ATen, <torch or <c10. And the rule of LibTorch versions: only include/shardsafe/torch/compat.hpp
-# tests TORCH_VERSION_* (or SHARDSAFE_TORCH_VERSION) anywhere in the sources.
+# The layering rules of the design, each failing with the offending lines named:
+#  1. only include/shardsafe/torch/ (and the umbrella torch.hpp) may include LibTorch: no header
+#     under core/ shard/ format/ storage/ detail/ checkpoint/ dist/ (or the torch-free umbrella)
+#     includes torch/, <ATen, <torch or <c10;
+#  2. the folder order: a header includes its own folder and folders below it, never one beside
+#     or above it. Lowest first: core; detail; shard, storage and dist (side by side: none
+#     includes another); format; checkpoint; torch;
+#  3. LibTorch versions: only include/shardsafe/torch/compat.hpp tests TORCH_VERSION_* (or
+#     SHARDSAFE_TORCH_VERSION) anywhere in the sources.
 set -euo pipefail
 cd "$(dirname "$0")/../include/shardsafe"
 dirs=(core shard format storage detail checkpoint dist)
@@ -17,6 +21,28 @@ if [ -n "$bad" ]; then
   exit 1
 fi
 echo "layering: ${#files[@]} torch-free headers include no LibTorch"
+
+declare -A rank=([core]=0 [detail]=1 [shard]=2 [storage]=2 [dist]=2 [format]=3 [checkpoint]=4 [torch]=5)
+order_bad=""
+checked=0
+while IFS= read -r f; do
+  from="${f%%/*}"
+  [ -n "${rank[$from]+x}" ] || continue
+  checked=$((checked + 1))
+  while IFS=: read -r line inc; do
+    to="$(sed -E 's/.*shardsafe\/([a-z_]+)\/.*/\1/' <<<"$inc")"
+    [ "$to" != "$from" ] && [ -n "${rank[$to]+x}" ] || continue
+    if [ "${rank[$to]}" -ge "${rank[$from]}" ]; then
+      order_bad+="$f:$line: ${inc#*#} ($to/ is not below $from/)"$'\n'
+    fi
+  done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*[<"]shardsafe/[a-z_]+/' "$f" || true)
+done < <(find "${!rank[@]}" -name '*.hpp' 2>/dev/null | sort)
+if [ -n "$order_bad" ]; then
+  echo "layering: these headers include a folder beside or above their own (order: core < detail < shard, storage, dist < format < checkpoint < torch):" >&2
+  printf '%s' "$order_bad" >&2
+  exit 1
+fi
+echo "layering: $checked headers include only their own folder and those below it"
 
 cd ../..
 versioned=$(grep -rnE 'TORCH_VERSION' include tests examples bench tools fuzz \
