@@ -164,6 +164,30 @@ inline std::string locate_bad_number(std::string_view text) {
   return {};
 }
 
+/// Throws errc::invalid_json for a simdjson error in `what`: "not valid JSON (why)", with where a
+/// number that does not fit is.
+[[noreturn]] inline void json_error(const std::string& what, simdjson::error_code err, std::string_view text) {
+  std::string msg = what + ": not valid JSON (" + simdjson::error_message(err) + ")";
+  if (err == simdjson::NUMBER_ERROR) {
+    const std::string where = locate_bad_number(text);
+    if (!where.empty()) msg += ": " + where;
+  }
+  fail(errc::invalid_json, msg);
+}
+
+/// The message for an object at `path` ("" for the top level) of `what` whose `keys` (sorted
+/// here) hold one twice; "" when none does.
+inline std::string duplicate_key_problem(std::vector<std::string_view>& keys, const std::string& what, const std::string& path) {
+  std::sort(keys.begin(), keys.end());
+  const auto d = std::adjacent_find(keys.begin(), keys.end());
+  if (d == keys.end()) return {};
+  std::string k(*d);
+  for (auto& c : k)
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
+  return what + ": key '" + k + "' appears twice in one object" +
+         (path.empty() ? std::string(" (the top level)") : " (at " + path + ")") + "; readers would disagree on its value";
+}
+
 /// Refuses an object that holds a key twice, anywhere in the document (errc::invalid_json naming
 /// `what`, the key and where: `tensors.w`). JSON leaves duplicate keys to the reader, and readers
 /// differ (simdjson's DOM gives the first, Python's json the last): a file holding two values for
@@ -190,15 +214,8 @@ inline void require_unique_keys(simdjson::dom::element root, const std::string& 
         if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY)
           todo.push_back({kv.value, f.path.empty() ? std::string(kv.key) : f.path + "." + std::string(kv.key)});
       }
-      std::sort(keys.begin(), keys.end());
-      if (auto d = std::adjacent_find(keys.begin(), keys.end()); d != keys.end()) {
-        std::string k(*d);
-        for (auto& c : k)
-          if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-        fail(errc::invalid_json, what + ": key '" + k + "' appears twice in one object" +
-                                     (f.path.empty() ? std::string(" (the top level)") : " (at " + f.path + ")") +
-                                     "; readers would disagree on its value");
-      }
+      if (const std::string problem = duplicate_key_problem(keys, what, f.path); !problem.empty())
+        fail(errc::invalid_json, problem);
     } else if (!f.e.get_array().get(a)) {
       std::size_t i = 0;
       for (auto v : a) {
@@ -216,15 +233,7 @@ inline simdjson::dom::element parse_json(simdjson::dom::parser& parser, std::str
                                          const std::string& what) {
   if (!is_valid_utf8(text)) fail(errc::invalid_json, what + ": not valid UTF-8");
   simdjson::dom::element root;
-  auto err = parser.parse(text.data(), text.size(), /*realloc_if_needed=*/true).get(root);
-  if (err) {
-    std::string msg = what + ": not valid JSON (" + simdjson::error_message(err) + ")";
-    if (err == simdjson::NUMBER_ERROR) {
-      const std::string where = locate_bad_number(text);
-      if (!where.empty()) msg += ": " + where;
-    }
-    fail(errc::invalid_json, msg);
-  }
+  if (auto err = parser.parse(text.data(), text.size(), /*realloc_if_needed=*/true).get(root)) json_error(what, err, text);
   return root;
 }
 
@@ -293,16 +302,6 @@ inline simdjson::padded_string_view padded_json(std::string_view text, const std
   return copy;
 }
 
-/// Throws errc::invalid_json for a simdjson error in `what`: "not valid JSON (why)".
-[[noreturn]] inline void json_error(const std::string& what, simdjson::error_code err, std::string_view text) {
-  std::string msg = what + ": not valid JSON (" + simdjson::error_message(err) + ")";
-  if (err == simdjson::NUMBER_ERROR) {
-    const std::string where = locate_bad_number(text);
-    if (!where.empty()) msg += ": " + where;
-  }
-  fail(errc::invalid_json, msg);
-}
-
 /// The first duplicate key json_check met (empty: none), as the message require_unique_keys gives.
 struct json_check_result {
   std::string duplicate;
@@ -331,15 +330,7 @@ inline void object(simdjson::ondemand::object o, std::string& path, json_check_r
     value(f.value(), path, r, what, text, depth + 1);
     path.resize(at);
   }
-  if (!r.duplicate.empty()) return;
-  std::sort(keys.begin(), keys.end());
-  if (auto d = std::adjacent_find(keys.begin(), keys.end()); d != keys.end()) {
-    std::string k(*d);
-    for (auto& c : k)
-      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-    r.duplicate = what + ": key '" + k + "' appears twice in one object" +
-                  (path.empty() ? std::string(" (the top level)") : " (at " + path + ")") + "; readers would disagree on its value";
-  }
+  if (r.duplicate.empty()) r.duplicate = duplicate_key_problem(keys, what, path);
 }
 inline void value(simdjson::ondemand::value v, std::string& path, json_check_result& r, const std::string& what,
                   std::string_view text, std::size_t depth) {
@@ -473,7 +464,7 @@ class json_document {
  public:
   /// `owner`: the string `text` lies in, when it has 64 spare bytes of capacity (read in place).
   json_document(std::string_view text, std::string what, const std::string* owner = nullptr)
-      : what_(std::move(what)), raw_(text), text_(padded_json(text, owner, copy_)) {
+      : what_(std::move(what)), text_(padded_json(text, owner, copy_)) {
     check_ = json_check(parser_, text_, doc_, what_);
   }
   json_document(const json_document&) = delete;
@@ -487,11 +478,9 @@ class json_document {
   void require_unique_keys() const {
     if (!check_.duplicate.empty()) fail(errc::invalid_json, check_.duplicate);
   }
-  const std::string& what() const noexcept { return what_; }
 
  private:
   std::string what_;
-  std::string_view raw_;
   simdjson::padded_string copy_;
   simdjson::padded_string_view text_;
   simdjson::ondemand::parser parser_;

@@ -124,11 +124,12 @@ class slot_pool {
 
 // Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
 // gives the value built the first time (`built`), so shared containers stay shared. Each
-// container built takes 1 + its items from `budget`; on running out, or past `max_depth`,
-// bad(why) is called (and must throw).
+// container built takes 1 + its items from `budget` (which started at `limit`); on running out,
+// or past `max_depth`, bad(why) is called (and must throw).
 template <class Bad>
-pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t& budget,
-                                std::unordered_map<const pickle_node*, pickle_value>& built, const Bad& bad) {
+pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t limit,
+                                std::size_t& budget, std::unordered_map<const pickle_node*, pickle_value>& built,
+                                const Bad& bad) {
   using k = pickle_value::kind;
   if (depth > max_depth) bad("nests deeper than " + std::to_string(max_depth) + " (or refers to itself)");
   switch (n->k) {
@@ -141,20 +142,20 @@ pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::si
   }
   if (auto it = built.find(n); it != built.end()) return it->second;
   const auto items = n->items();
-  if (budget < 1 + items.size()) bad("expands to more than its limit of values");
+  if (budget < 1 + items.size()) bad("expands to more than " + std::to_string(limit) + " values");
   budget -= 1 + items.size();
   pickle_value v;
   if (n->k == k::dict) {
     std::vector<std::pair<pickle_value, pickle_value>> entries;
     entries.reserve(items.size() / 2);
     for (std::size_t i = 0; i + 1 < items.size(); i += 2)
-      entries.emplace_back(build_pickle_value(items[i], depth + 1, max_depth, budget, built, bad),
-                           build_pickle_value(items[i + 1], depth + 1, max_depth, budget, built, bad));
+      entries.emplace_back(build_pickle_value(items[i], depth + 1, max_depth, limit, budget, built, bad),
+                           build_pickle_value(items[i + 1], depth + 1, max_depth, limit, budget, built, bad));
     v = pickle_value::dict(std::move(entries));
   } else {
     std::vector<pickle_value> xs;
     xs.reserve(items.size());
-    for (const auto* c : items) xs.push_back(build_pickle_value(c, depth + 1, max_depth, budget, built, bad));
+    for (const auto* c : items) xs.push_back(build_pickle_value(c, depth + 1, max_depth, limit, budget, built, bad));
     v = n->k == k::list ? pickle_value::list(std::move(xs)) : pickle_value::tuple(std::move(xs));
   }
   built.emplace(n, v);
@@ -192,9 +193,10 @@ class pickle_view {
   }
   /// A copy as a pickle_value (shared containers stay shared).
   pickle_value build() const {
-    std::size_t budget = std::numeric_limits<std::size_t>::max();
+    constexpr std::size_t no_limit = std::numeric_limits<std::size_t>::max();  // the reader checked the value
+    std::size_t budget = no_limit;
     std::unordered_map<const detail::pickle_node*, pickle_value> built;
-    return detail::build_pickle_value(n_, 0, std::numeric_limits<std::size_t>::max(), budget, built,
+    return detail::build_pickle_value(n_, 0, no_limit, no_limit, budget, built,
                                       [](const std::string& why) { fail(errc::invalid_metadata, "pickle " + why); });
   }
 
@@ -732,13 +734,12 @@ class basic_pickle_reader {
     return total;
   }
   // The value of n as a pickle_value, each node built once (shared containers stay shared);
-  // `budget` (when given) counts the values built.
+  // at most max_values of them; `budget` (when given, starting at max_values) counts those built.
   pickle_value build(const node* n, std::size_t* budget = nullptr) const {
-    std::size_t unlimited = max_nodes_;
+    std::size_t whole = max_nodes_;
     std::unordered_map<const node*, pickle_value> built;
-    return detail::build_pickle_value(n, 0, max_depth_, budget ? *budget : unlimited, built, [this](const std::string& why) {
-      bad(why == "expands to more than its limit of values" ? "expands to more than " + std::to_string(max_nodes_) + " values" : why);
-    });
+    return detail::build_pickle_value(n, 0, max_depth_, max_nodes_, budget ? *budget : whole, built,
+                                      [this](const std::string& why) { bad(why); });
   }
 
   std::string_view in_;
