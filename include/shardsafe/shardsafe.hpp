@@ -72,5 +72,6 @@
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/source.hpp"
+#include "shardsafe/checkpoint/staged_load.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"

@@ -13,6 +13,7 @@
 
 #include "shardsafe/torch/async_save.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/device_copy.hpp"
 #include "shardsafe/torch/hf_import.hpp"
 #include "shardsafe/torch/mapped_state.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"

@@ -75,8 +75,9 @@ struct flat_view {
     return flat_spec{{0, numel(full_shape)}};
   }
 
-  /// Checks the spec against the full shape and the memory against the spec.
-  void validate(std::string_view ctx) const {
+  /// Checks the spec against the full shape and the memory against the spec (with
+  /// memory_later: data may be null, its bytes supplied by a copy while saving).
+  void validate(std::string_view ctx, bool memory_later = false) const {
     const std::string c = std::string(ctx) + ": tensor '" + key + "'";
     require_byte_sized(type, c);
     if (!detail::checked_numel(full_shape))
@@ -87,7 +88,7 @@ struct flat_view {
       fail(errc::invalid_argument, c + ": local memory is " + std::to_string(nbytes) + " bytes but the shard holds " +
                                        std::to_string(local_numel()) + " " + std::string(name(type)) +
                                        " elements (" + std::to_string(need) + " bytes)");
-    if (need > 0 && data == nullptr) fail(errc::invalid_argument, c + ": no memory given");
+    if (need > 0 && data == nullptr && !memory_later) fail(errc::invalid_argument, c + ": no memory given");
   }
 };
 

@@ -97,6 +97,17 @@ struct load_options {
   /// checksums (saved before them, or by another writer) loads unchecked: load_stats says
   /// how many blocks were checked.
   bool verify_checksums = false;
+  /// Loads into memory the reader cannot write itself (GPU tensors) go through a ring of this
+  /// many host buffers (pinned for a GPU) of this size: host memory stays at slots x
+  /// slot_bytes whatever the model's size (checkpoint/staged_load.hpp).
+  struct staging_ring {
+    std::size_t slots = 4;
+    std::uint64_t slot_bytes = std::uint64_t(64) << 20;
+  } staging{};
+  /// With convert_dtypes, a GPU tensor stored as another floating dtype is loaded as stored and
+  /// converted on the GPU (torch/state_dict.hpp; bench/bench_device measures both); false:
+  /// converted on the host as the bytes land in the staging ring.
+  bool convert_on_device = true;
 };
 
 /// The read settings a load uses with a storage whose hint is `hint`: load_options first,

@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -73,6 +74,12 @@ struct save_options {
   /// verify checks, and a load checks with load_options::verify_checksums.
   bool checksums = true;
   std::uint64_t checksum_block_bytes = default_checksum_block_bytes;  ///< recorded in metadata.json
+  /// The bytes of views given without memory (data == nullptr), copied while the rank file is
+  /// written: fetch(view, offset, dst) puts the view's bytes [offset, offset + dst.size()) into
+  /// dst, called from several writer threads at once for disjoint parts, so host memory stays at
+  /// the writer's blocks (save_state_dict sets it for CUDA tensors: device-to-host copies
+  /// overlapped with the writes). Empty: every view must have memory. save_format::shardsafe only.
+  std::function<void(const flat_view&, std::uint64_t, std::span<std::byte>)> fetch;
 };
 
 struct save_stats {
@@ -85,11 +92,12 @@ struct save_stats {
 namespace detail {
 
 /// This rank's part of the metadata: every view with this rank's file as its only file.
-inline checkpoint_metadata describe_views(std::span<const flat_view> views, int rank, std::string_view dir) {
+inline checkpoint_metadata describe_views(std::span<const flat_view> views, int rank, std::string_view dir,
+                                          bool memory_later = false) {
   checkpoint_metadata md;
   std::map<std::string_view, bool> seen;
   for (const auto& v : views) {
-    v.validate(dir);
+    v.validate(dir, memory_later);
     if (!seen.emplace(v.key, true).second)
       fail(errc::invalid_argument, std::string(dir) + ": tensor '" + v.key + "' is given twice");
     tensor_metadata tm;
@@ -272,10 +280,12 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
 /// Step 1: every rank describes its views; the descriptions are all-gathered, merged and
 /// checked on every rank alike. Returns the checkpoint's metadata (without its extras).
 template <Comm C>
-checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm, const std::string& dname) {
+checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm, const std::string& dname,
+                                      bool memory_later = false) {
   const int rank = comm.rank();
   const auto texts = every_rank_step(comm, [&] {
-    return encode_replica_roles(views, dname) + write_checkpoint_metadata(describe_views(views, rank, dname));
+    return encode_replica_roles(views, dname) +
+           write_checkpoint_metadata(describe_views(views, rank, dname, memory_later));
   });
   std::vector<checkpoint_metadata> parts;
   std::vector<std::vector<replica_role>> roles;
@@ -340,7 +350,16 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
     auto layout = plan_safetensors(std::move(entries), {}, w.name());
     if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(layout.file_size());
     std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
-    for (const flat_view* v : views) data[layout.index_of(v->key)] = v->data;
+    std::vector<const flat_view*> by_index(layout.tensors.size(), nullptr);
+    for (const flat_view* v : views) {
+      by_index[layout.index_of(v->key)] = v;
+      data[layout.index_of(v->key)] = v->data;
+    }
+    // the bytes of views without memory (opt.fetch), by layout index
+    auto fetch = [&](std::size_t i, std::uint64_t off, std::span<std::byte> dst) {
+      if (!opt.fetch) no_fetch{}(i, off, dst);
+      opt.fetch(*by_index[i], off, dst);
+    };
     std::optional<safetensors_checksummer> sums;
     if (opt.checksums) sums.emplace(layout, data, opt.checksum_block_bytes);
     if constexpr (BlockWritableStorage<typename D::writer_type>) {
@@ -350,13 +369,13 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
       bo.direct = opt.direct_io;
       bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
       w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        if (!sums) return render_safetensors_bytes(layout, data, off, dst);
+        if (!sums) return render_safetensors_bytes(layout, data, off, dst, fetch);
         // in steps of 1 MiB, each hashed (the blocks ending in it) while still in the cache
         constexpr std::uint64_t step = std::uint64_t(1) << 20;
         for (std::uint64_t p = 0; p < dst.size(); p += step) {
           const std::uint64_t n = std::min<std::uint64_t>(step, dst.size() - p);
-          render_safetensors_bytes(layout, data, off + p, dst.subspan(static_cast<std::size_t>(p), static_cast<std::size_t>(n)));
-          sums->hash_range(off + p, off + p + n);
+          render_safetensors_bytes(layout, data, off + p, dst.subspan(static_cast<std::size_t>(p), static_cast<std::size_t>(n)), fetch);
+          sums->hash_range(off + p, off + p + n, dst.first(static_cast<std::size_t>(p + n)), off, fetch);
         }
       }, bo);
       w.sync();
@@ -366,7 +385,7 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
       struct piece {
         std::size_t index;
         std::uint64_t offset, len;
-        const std::byte* src;
+        const std::byte* src;  // null: fetched
       };
       std::vector<piece> pieces;
       const std::uint64_t chunk = std::max<std::uint64_t>(opt.write_chunk_bytes, 1);
@@ -374,14 +393,21 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
         const std::size_t idx = layout.index_of(v->key);
         if (v->nbytes == 0) pieces.push_back({idx, 0, 0, v->data});
         for (std::uint64_t off = 0; off < v->nbytes; off += chunk)
-          pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data + off});
+          pieces.push_back({idx, off, std::min(chunk, v->nbytes - off), v->data ? v->data + off : nullptr});
       }
       parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
         const piece& p = pieces[i];
-        sw.write_part(p.index, p.offset, {p.src, static_cast<std::size_t>(p.len)});
+        std::vector<std::byte> fetched;  // a chunk of a view without memory
+        std::span<const std::byte> bytes(p.src, static_cast<std::size_t>(p.len));
+        if (!p.src && p.len) {
+          fetched.resize(static_cast<std::size_t>(p.len));
+          fetch(p.index, p.offset, std::span<std::byte>(fetched));
+          bytes = fetched;
+        }
+        sw.write_part(p.index, p.offset, bytes);
         if (sums) {
           const std::uint64_t at = layout.data_start() + layout.tensors[p.index].begin + p.offset;
-          sums->hash_range(at, at + p.len);
+          sums->hash_range(at, at + p.len, bytes, at, fetch);
         }
       });
       sw.finish();
@@ -478,7 +504,7 @@ template <WritableDirectory D, Comm C>
 save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
   if (opt.format == save_format::dcp) return save_dcp(dir, views, comm, opt, {}, {});
   const auto t0 = std::chrono::steady_clock::now();
-  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
+  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()), bool(opt.fetch));  // 1
   return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);                 // 2-4
 }
 

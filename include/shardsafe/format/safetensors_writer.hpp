@@ -232,12 +232,22 @@ class safetensors_writer {
   std::vector<std::map<std::uint64_t, std::uint64_t>> written_;  ///< per tensor: start -> end of written bytes
 };
 
+/// What the writers ask for the bytes of a tensor given without memory (data[i] == nullptr):
+/// fetch(i, offset, dst) puts tensor i's bytes [offset, offset + dst.size()) into dst (a
+/// device tensor's, copied on demand). This one refuses: every tensor must have memory.
+struct no_fetch {
+  void operator()(std::size_t i, std::uint64_t, std::span<std::byte>) const {
+    fail(errc::invalid_argument, "tensor #" + std::to_string(i) + " of a file being written has no memory");
+  }
+};
+
 /// Bytes [offset, offset + dst.size()) of the file `layout` describes, into dst: the header,
-/// then tensor i's bytes from data[i] (layout order; each holds layout.tensors[i].nbytes()).
-/// Lets a writer produce the file in blocks of its own choosing (file_writer::write_blocks)
-/// instead of tensor by tensor.
-inline void render_safetensors_bytes(const safetensors_layout& layout, std::span<const std::byte* const> data,
-                                     std::uint64_t offset, std::span<std::byte> dst) {
+/// then tensor i's bytes from data[i] (layout order; each holds layout.tensors[i].nbytes()),
+/// or from fetch where data[i] is null. Lets a writer produce the file in blocks of its own
+/// choosing (file_writer::write_blocks) instead of tensor by tensor.
+template <class Fetch = no_fetch>
+void render_safetensors_bytes(const safetensors_layout& layout, std::span<const std::byte* const> data,
+                              std::uint64_t offset, std::span<std::byte> dst, Fetch&& fetch = {}) {
   const std::uint64_t end = offset + dst.size(), hs = layout.header.size();
   if (data.size() != layout.tensors.size() || end < offset || end > layout.file_size())
     fail(errc::invalid_argument, layout.file + ": rendering bytes " + std::to_string(offset) + ".." +
@@ -256,8 +266,12 @@ inline void render_safetensors_bytes(const safetensors_layout& layout, std::span
   for (; pos < end && it != layout.tensors.end(); ++it) {
     const std::uint64_t b = hs + it->begin, e = hs + it->end;
     const std::uint64_t n = std::min(end, e) - pos;
-    const std::byte* src = data[static_cast<std::size_t>(it - layout.tensors.begin())];
-    detail::stream_copy(dst.data() + (pos - offset), src + (pos - b), static_cast<std::size_t>(n));
+    const std::size_t i = static_cast<std::size_t>(it - layout.tensors.begin());
+    std::byte* to = dst.data() + (pos - offset);
+    if (const std::byte* src = data[i])
+      detail::stream_copy(to, src + (pos - b), static_cast<std::size_t>(n));
+    else if (n)
+      fetch(i, pos - b, std::span<std::byte>(to, static_cast<std::size_t>(n)));
     pos += n;
   }
 }
@@ -285,13 +299,21 @@ class safetensors_checksummer {
   std::uint64_t block_bytes() const noexcept { return block_; }
 
   /// Hashes the blocks whose last byte is in file bytes [lo, hi).
-  void hash_range(std::uint64_t lo, std::uint64_t hi) {
+  void hash_range(std::uint64_t lo, std::uint64_t hi) { hash_range(lo, hi, {}, 0, no_fetch{}); }
+
+  /// The same where some tensors have no memory (data[i] null): their blocks' bytes come from
+  /// `have`, file bytes [have_at, have_at + have.size()) the writer has just produced, where it
+  /// holds the whole block, else from fetch(i, offset, dst) (render_safetensors_bytes's fetch).
+  template <class Fetch>
+  void hash_range(std::uint64_t lo, std::uint64_t hi, std::span<const std::byte> have, std::uint64_t have_at,
+                  Fetch&& fetch) {
     const std::uint64_t hs = layout_.data_start();
     if (hi <= hs || hi <= lo) return;
     // data-buffer offsets: a block ends in (a, b]
     const std::uint64_t a = lo < hs ? 0 : lo - hs, b = hi - hs;
     auto it = std::upper_bound(layout_.tensors.begin(), layout_.tensors.end(), a,
                                [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
+    std::vector<std::byte> fetched;  // a block only partly in `have`
     for (; it != layout_.tensors.end() && it->begin < b; ++it) {
       const std::size_t i = static_cast<std::size_t>(it - layout_.tensors.begin());
       const std::uint64_t n = it->nbytes();
@@ -301,7 +323,19 @@ class safetensors_checksummer {
         const std::uint64_t from = k * block_, to = std::min(n, from + block_);
         if (it->begin + to <= a) continue;
         if (it->begin + to > b) break;
-        hashes_[i][static_cast<std::size_t>(k)] = detail::xxh3_64(data_[i] + from, static_cast<std::size_t>(to - from));
+        const std::size_t len = static_cast<std::size_t>(to - from);
+        const std::byte* src = data_[i] ? data_[i] + from : nullptr;
+        if (!src) {
+          const std::uint64_t at = hs + it->begin + from;  // the block's file offset
+          if (at >= have_at && at + len <= have_at + have.size()) {
+            src = have.data() + (at - have_at);
+          } else {
+            fetched.resize(len);
+            fetch(i, from, std::span<std::byte>(fetched));
+            src = fetched.data();
+          }
+        }
+        hashes_[i][static_cast<std::size_t>(k)] = detail::xxh3_64(src, len);
       }
     }
   }

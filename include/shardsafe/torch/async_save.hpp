@@ -44,13 +44,7 @@ namespace detail {
 inline flat_view source_view_of(const std::string& key, const sharded_tensor& t, std::string_view dir) {
   if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
   if (is_viewable(t.local)) return view_of(key, t, t.local);
-  flat_view v;
-  v.key = key;
-  v.type = to_dtype(t.local.scalar_type(), std::string(dir) + ": tensor '" + key + "'");
-  v.full_shape = t.spec ? t.full_shape : shape_of(t.local);
-  v.spec = t.spec;
-  v.nbytes = static_cast<std::uint64_t>(t.local.numel()) * static_cast<std::uint64_t>(t.local.element_size());
-  return v;
+  return described_view(key, t, dir);
 }
 
 /// The snapshot copy of state dict tensors: memcpy for directly readable ones, ATen's copy_
@@ -73,11 +67,7 @@ struct copy_tensor_bytes {
 /// default huge-page-advised allocation.
 inline staging_buffer torch_staging() {
   if (!at::hasCUDA()) return {};
-  return staging_buffer([](std::uint64_t n) -> std::shared_ptr<std::byte> {
-    auto holder = std::make_shared<at::Tensor>(
-        at::empty({static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
-    return std::shared_ptr<std::byte>(holder, static_cast<std::byte*>(holder->data_ptr()));
-  });
+  return staging_buffer(pinned_host_bytes);
 }
 
 }  // namespace detail

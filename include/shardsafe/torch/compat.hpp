@@ -15,12 +15,15 @@
 // |                              |                                       | init_process_group does)                    |
 // | TCPStore                     | -                                     | useLibUV off when USE_LIBUV=0 is set (a     |
 // |                              |                                       | LibTorch built without libuv, as Debian's)  |
+// | waiting for a device event   | polls query(), yielding (c10::Event   | c10::Event::synchronize (2.6 and newer)     |
+// |                              | has no synchronize)                   |                                             |
 //
 // The files a checkpoint holds are the same under both: the optimizer's state is named by the
 // parameters' names in the model's state dict (torch/optim.hpp), never by these keys.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/optim/optimizer.h>
@@ -33,6 +36,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #ifndef TORCH_VERSION_MAJOR
 #error "shardsafe/torch/compat.hpp: torch/version.h did not define TORCH_VERSION_MAJOR"
@@ -72,6 +76,15 @@ inline void tcp_store_options(c10d::TCPStoreOptions& so) {
   if (const char* v = std::getenv("USE_LIBUV"); v && std::string_view(v) == "0") so.useLibUV = false;
 #else
   (void)so;
+#endif
+}
+
+/// Blocks until the work recorded by `e` is done (a device event: torch/device_copy.hpp).
+inline void synchronize_event(const c10::Event& e) {
+#if SHARDSAFE_TORCH_VERSION >= 206
+  e.synchronize();
+#else
+  while (!e.query()) std::this_thread::yield();
 #endif
 }
 

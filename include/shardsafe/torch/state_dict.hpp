@@ -9,6 +9,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <functional>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -20,6 +23,7 @@
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/dist/agree.hpp"
+#include "shardsafe/torch/device_copy.hpp"
 #include "shardsafe/torch/tensor_memory.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
 
@@ -83,20 +87,48 @@ inline flat_view view_of(const std::string& key, const sharded_tensor& t, const 
   v.replica = t.replica;
   return v;
 }
+/// The view of an entry without its memory (data: nullptr), for tensors a load or save reaches
+/// through a copy (a device's, a non-contiguous one).
+inline flat_view described_view(const std::string& key, const sharded_tensor& t, std::string_view dir) {
+  flat_view v;
+  v.key = key;
+  v.type = to_dtype(t.local.scalar_type(), std::string(dir) + ": tensor '" + key + "'");
+  v.full_shape = t.spec ? t.full_shape : shape_of(t.local);
+  v.spec = t.spec;
+  v.nbytes = static_cast<std::uint64_t>(t.local.numel()) * static_cast<std::uint64_t>(t.local.element_size());
+  v.replica = t.replica;
+  return v;
+}
+/// True for a tensor a load copies into through the staging ring: contiguous and dense, on a
+/// device that is not the CPU.
+inline bool is_device_loadable(const at::Tensor& t) {
+  return t.defined() && !t.device().is_cpu() && t.is_contiguous() && !t.is_sparse() && !t.is_quantized();
+}
 }  // namespace detail
 
 namespace detail {
-/// The views of sd's tensors for a save: each tensor's own memory, or a contiguous CPU copy
-/// (kept in `keep`) of one that is not viewable. A rank whose tensors cannot be viewed fails the
-/// save on every rank, before anything is written.
+/// Device tensors a save fetches while it writes, by key.
+using fetched_tensors = std::map<std::string, const at::Tensor*, std::less<>>;
+
+/// The views of sd's tensors for a save: each tensor's own memory; with `fetched` given (the
+/// shardsafe layout), for a contiguous tensor on a device, its description only (the tensor
+/// listed in `fetched`; its bytes are copied while the file is written); else a contiguous CPU
+/// copy (kept in `keep`). A rank whose tensors cannot be viewed fails the save on every rank,
+/// before anything is written.
 template <Comm C>
-std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>& keep, C& comm, std::string_view dir) {
+std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>& keep, C& comm, std::string_view dir,
+                                  fetched_tensors* fetched = nullptr) {
   std::vector<flat_view> views;
   keep.reserve(sd.size());
   views.reserve(sd.size());
   every_rank_step(comm, [&] {
     for (const auto& [key, t] : sd) {
       if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
+      if (fetched && is_device_loadable(t.local)) {
+        views.push_back(described_view(key, t, dir));
+        fetched->emplace(key, &t.local);
+        continue;
+      }
       at::Tensor mem = is_viewable(t.local) ? t.local : keep.emplace_back(t.local.detach().to(at::kCPU).contiguous());
       views.push_back(view_of(key, t, mem));
     }
@@ -107,43 +139,143 @@ std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>&
 
 /// Saves a state dict as one checkpoint in dir (opt.format: shardsafe's layout or torch DCP's). A
 /// collective over comm: an error on any rank is thrown, with its code, on every rank (dist/agree.hpp).
+/// In shardsafe's layout, contiguous device (CUDA) tensors are copied to the host block by block
+/// while the file is written (save_options::fetch, torch/device_copy.hpp), once the work queued
+/// on their devices is done: host memory stays at the writer's blocks. Other tensors that are
+/// not contiguous CPU tensors are copied whole first.
 template <WritableDirectory D, Comm C>
 save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
   std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
-  const auto views = detail::save_views(sd, keep, comm, dir.name());
-  return save_flat_views(dir, std::span<const flat_view>(views), comm, opt);
+  detail::fetched_tensors fetched;
+  const bool fetch = opt.format == save_format::shardsafe && !opt.fetch;
+  const auto views = detail::save_views(sd, keep, comm, dir.name(), fetch ? &fetched : nullptr);
+  if (fetched.empty()) return save_flat_views(dir, std::span<const flat_view>(views), comm, opt);
+  std::vector<c10::Device> devices;
+  for (const auto& [k, t] : fetched)
+    if (std::find(devices.begin(), devices.end(), t->device()) == devices.end()) devices.push_back(t->device());
+  for (const c10::Device d : devices) wait_for_queued_work(d);
+  save_options o = opt;
+  o.fetch = [&fetched](const flat_view& v, std::uint64_t off, std::span<std::byte> dst) {
+    copy_from_device(*fetched.find(v.key)->second, off, dst);
+  };
+  return save_flat_views(dir, std::span<const flat_view>(views), comm, o);
 }
 
-/// Loads a checkpoint into the state dict's tensors, in place. Tensors that are not CPU and
-/// contiguous (e.g. CUDA) go through a CPU tensor of their own size, one at a time.
+namespace detail {
+/// A device tensor a load reaches through the staging ring: its view and the tensor.
+struct device_entry {
+  staged_view<std::byte*> staged;
+  at::Tensor* tensor;
+};
+
+/// Loads entries that all live on `device` through one staging ring. With convert_dtypes and
+/// convert_on_device, a tensor stored as another floating dtype is loaded as stored into a
+/// scratch tensor on the device and converted there (copy_), a batch of at most 1 GiB of
+/// scratch (or one tensor) at a time; else the ring converts on the host.
+template <ReadableDirectory D>
+load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry>& entries, c10::Device device,
+                          const load_options& opt) {
+  std::vector<staged_view<std::byte*>> direct;
+  std::vector<const device_entry*> convert;
+  for (const auto& e : entries) {
+    const tensor_metadata* tm = reader.find(e.staged.view.key);
+    if (opt.convert_dtypes && opt.convert_on_device && tm && tm->type != e.staged.view.type &&
+        is_convertible_float(tm->type) && is_convertible_float(e.staged.view.type) && to_scalar_type(tm->type))
+      convert.push_back(&e);
+    else
+      direct.push_back(e.staged);
+  }
+  device_copy_engine engine(device);
+  staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(direct), engine, opt);
+  constexpr std::uint64_t scratch_limit = std::uint64_t(1) << 30;
+  for (std::size_t first = 0; first < convert.size();) {
+    std::vector<at::Tensor> scratch;
+    std::vector<staged_view<std::byte*>> views;
+    std::uint64_t bytes = 0;
+    std::size_t last = first;
+    for (; last < convert.size(); ++last) {
+      const device_entry& e = *convert[last];
+      const dtype stored = reader.find(e.staged.view.key)->type;
+      const std::uint64_t n = e.staged.view.local_numel() * item_size(stored);
+      if (last > first && bytes + n > scratch_limit) break;
+      bytes += n;
+      at::Tensor& t = scratch.emplace_back(at::empty(
+          {static_cast<std::int64_t>(e.staged.view.local_numel())},
+          at::TensorOptions().dtype(*to_scalar_type(stored)).device(device)));
+      staged_view<std::byte*> v = e.staged;
+      v.view.type = stored;
+      v.view.nbytes = n;
+      v.target = static_cast<std::byte*>(t.data_ptr());
+      views.push_back(std::move(v));
+    }
+    const staged_load_stats s = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, opt);
+    st.bytes_needed += s.bytes_needed;
+    st.bytes_read += s.bytes_read;
+    st.read_ops += s.read_ops;
+    st.checksum_blocks += s.checksum_blocks;
+    st.tensors += s.tensors;
+    {
+      at::NoGradGuard no_grad;
+      for (std::size_t i = first; i < last; ++i)
+        convert[i]->tensor->copy_(scratch[i - first].view(convert[i]->tensor->sizes()));  // on the device
+    }
+    first = last;
+  }
+  return st;
+}
+}  // namespace detail
+
+/// Loads a checkpoint into the state dict's tensors, in place. Contiguous tensors on a device
+/// (CUDA) are loaded through the staging ring (torch/device_copy.hpp: pinned host buffers,
+/// host-to-device copies overlapped with the reads; host memory is opt.staging's), converted on
+/// the device where they are stored as another floating dtype (load_options::convert_on_device);
+/// others that are not contiguous CPU tensors go through a CPU tensor of their own size, one at
+/// a time.
 template <ReadableDirectory D>
 load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const load_options& opt = {}) {
   std::vector<flat_view> direct;
+  std::vector<std::pair<c10::Device, detail::device_entry>> on_device;
   std::vector<std::pair<const std::string*, sharded_tensor*>> staged;
   for (auto& [key, t] : sd) {
     if (!t.local.defined())
       fail(errc::invalid_argument, std::string(reader.directory().name()) + ": tensor '" + key + "' is undefined");
     if (is_viewable(t.local))
       direct.push_back(detail::view_of(key, t, t.local));
+    else if (detail::is_device_loadable(t.local))
+      on_device.push_back({t.local.device(),
+                           {{detail::described_view(key, t, reader.directory().name()),
+                             static_cast<std::byte*>(t.local.data_ptr())},
+                            &t.local}});
     else
       staged.emplace_back(&key, &t);
   }
   load_stats st = reader.load(std::span<const flat_view>(direct), opt);
-  for (auto [key, t] : staged) {
-    at::Tensor tmp = at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
-    flat_view v = detail::view_of(*key, *t, tmp);
-    load_stats s = reader.load(std::span<const flat_view>(&v, 1), opt);
-    {
-      at::NoGradGuard no_grad;
-      t->local.copy_(tmp);
-    }
+  auto add = [&st](const load_stats& s) {
     st.tensors += s.tensors;
     st.bytes_needed += s.bytes_needed;
     st.bytes_read += s.bytes_read;
     st.read_ops += s.read_ops;
+    st.checksum_blocks += s.checksum_blocks;
     st.missing_keys.insert(st.missing_keys.end(), s.missing_keys.begin(), s.missing_keys.end());
+  };
+  while (!on_device.empty()) {  // one ring per device, in order of first use
+    const c10::Device dev = on_device.front().first;
+    std::vector<detail::device_entry> entries;
+    for (auto& [d, e] : on_device)
+      if (d == dev) entries.push_back(std::move(e));
+    std::erase_if(on_device, [&](const auto& p) { return p.first == dev; });
+    add(detail::load_on_device(reader, entries, dev, opt));
   }
-  if (!staged.empty()) {  // unexpected keys: recompute over all entries
+  for (auto [key, t] : staged) {
+    at::Tensor tmp = at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
+    flat_view v = detail::view_of(*key, *t, tmp);
+    add(reader.load(std::span<const flat_view>(&v, 1), opt));
+    {
+      at::NoGradGuard no_grad;
+      t->local.copy_(tmp);
+    }
+  }
+  if (direct.size() != sd.size()) {  // unexpected keys: recompute over all entries
     st.unexpected_keys.clear();
     for (const auto& [k, tm] : reader.metadata().tensors)
       if (!sd.find(k)) st.unexpected_keys.push_back(k);

@@ -41,6 +41,14 @@ namespace shardsafe {
 
 enum class tensor_memory { separate, arena, hugetlb_arena };
 
+/// n bytes of page-locked host memory (LibTorch's pinned allocator: CUDA must be available),
+/// which device copies read and write at the link's full speed, freed when the last owner goes.
+inline std::shared_ptr<std::byte> pinned_host_bytes(std::uint64_t n) {
+  auto holder = std::make_shared<at::Tensor>(
+      at::empty({static_cast<std::int64_t>(n)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)));
+  return std::shared_ptr<std::byte>(holder, static_cast<std::byte*>(holder->data_ptr()));
+}
+
 /// How tensor_arena::populate_ahead chooses between huge and small pages.
 struct arena_populate_options {
   /// Faulting backed huge pages costs 0.03-0.10 s per GiB on the machines measured; a step

@@ -1,0 +1,191 @@
+// tests/torch/test_device.cpp - loads into and saves from CUDA tensors (torch/device_copy.hpp,
+// the staging ring), bit-exact against torch's own indexing and conversion of the tensors
+// saved. Every case needs a CUDA device: without one (CI, a CPU-only LibTorch) each says so
+// and checks nothing; the ring itself is tested without a device in tests/test_staged_load.cpp.
+// scripts/device-check.sh builds this file alone against a CUDA LibTorch and runs it.
+#include <doctest/doctest.h>
+#include <stdlib.h>
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/device_copy.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+
+using namespace shardsafe;
+
+namespace {
+
+bool have_cuda() {
+  if (at::hasCUDA()) return true;
+  MESSAGE("no CUDA device: this case needs one (scripts/device-check.sh runs it on a GPU machine)");
+  return false;
+}
+
+struct device_dir {
+  std::filesystem::path path;
+  device_dir() {
+    std::string t = (std::filesystem::temp_directory_path() / "shardsafe-device-XXXXXX").string();
+    REQUIRE(::mkdtemp(t.data()) != nullptr);
+    path = t;
+  }
+  ~device_dir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  file_directory dir(const std::string& sub = "") const { return file_directory(sub.empty() ? path : path / sub); }
+};
+
+/// Same dtype, shape and bytes (a CUDA tensor is brought to the CPU first).
+bool same_bytes(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.cpu().contiguous(), w = want.cpu().contiguous();
+  return g.scalar_type() == w.scalar_type() && g.sizes() == w.sizes() &&
+         std::memcmp(g.data_ptr(), w.data_ptr(), static_cast<std::size_t>(g.nbytes())) == 0;
+}
+
+at::TensorOptions on_cuda(at::ScalarType t) { return at::TensorOptions().dtype(t).device(at::kCUDA); }
+
+/// a: BF16 [300, 257]; b: F32 [1000, 1000] (4 MB: several 1 MiB slots); c: F32 [7].
+state_dict dev_sample() {
+  state_dict sd;
+  sd.add("a", at::randn({300, 257}).to(at::kBFloat16));
+  sd.add("b", at::randn({1000, 1000}));
+  sd.add("c", at::randn({7}));
+  return sd;
+}
+
+load_options dev_small_ring() {
+  load_options o;
+  o.staging.slots = 3;
+  o.staging.slot_bytes = std::uint64_t(1) << 20;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: whole, flat, row and column shards load into CUDA tensors bit-exact") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  single_process comm;
+  const state_dict src = dev_sample();
+  save_state_dict(tmp.dir(), src, comm);
+  const at::Tensor a = src.find("a")->local, b = src.find("b")->local, c = src.find("c")->local;
+  for (const load_options& o : {dev_small_ring(), load_options{}}) {
+    state_dict whole, flat, rows, cols;
+    whole.add("a", at::empty({300, 257}, on_cuda(at::kBFloat16)));
+    whole.add("c", at::empty({7}, on_cuda(at::kFloat)));
+    flat.add("b", at::empty({654321 - 123457}, on_cuda(at::kFloat)), flat_spec{{123457, 654321}}, {1000, 1000});
+    rows.add("b", at::empty({444, 1000}, on_cuda(at::kFloat)), block_spec({444, 1000}, {333, 0}), {1000, 1000});
+    cols.add("a", at::empty({300, 129}, on_cuda(at::kBFloat16)), block_spec({300, 129}, {0, 100}), {300, 257});
+    const load_stats st = load_state_dict(tmp.dir(), whole, o);
+    CHECK(st.tensors == 2);
+    CHECK(st.unexpected_keys == std::vector<std::string>{"b"});
+    for (state_dict* sd : {&flat, &rows, &cols}) load_state_dict(tmp.dir(), *sd, o);
+    CHECK(same_bytes(whole.find("a")->local, a));
+    CHECK(same_bytes(whole.find("c")->local, c));
+    CHECK(same_bytes(flat.find("b")->local, b.flatten().narrow(0, 123457, 654321 - 123457)));
+    CHECK(same_bytes(rows.find("b")->local, b.narrow(0, 333, 444)));
+    CHECK(same_bytes(cols.find("a")->local, a.narrow(1, 100, 129)));
+  }
+}
+
+TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  single_process comm;
+  const state_dict src = dev_sample();
+  save_state_dict(tmp.dir(), src, comm);
+  checkpoint_reader<file_directory> reader(tmp.dir());
+  at::Tensor b = at::empty({1000, 1000}, on_cuda(at::kFloat));
+  staged_view<std::byte*> sv;
+  sv.view.key = "b";
+  sv.view.type = dtype::F32;
+  sv.view.full_shape = {1000, 1000};
+  sv.view.nbytes = b.nbytes();
+  sv.target = static_cast<std::byte*>(b.data_ptr());
+  device_copy_engine engine(b.device());
+  const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(&sv, 1), engine, dev_small_ring());
+  CHECK(st.host_bytes == 3 * (std::uint64_t(1) << 20));
+  CHECK(st.fills == 4);  // 4,000,000 bytes in 1 MiB slots
+  CHECK(same_bytes(b, src.find("b")->local));
+}
+
+TEST_CASE("cuda: a BF16 checkpoint loads into F32 CUDA tensors, converted as torch converts, on the GPU or the host") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  single_process comm;
+  const state_dict src = dev_sample();
+  save_state_dict(tmp.dir(), src, comm);
+  for (const bool on_device : {true, false}) {  // converted on the GPU, or on the host in the ring
+    state_dict d;
+    d.add("a", at::empty({300, 257}, on_cuda(at::kFloat)));
+    d.add("a_cols", at::empty({300, 129}, on_cuda(at::kFloat)));
+    state_dict cols;
+    cols.add("a", d.find("a_cols")->local, block_spec({300, 129}, {0, 100}), {300, 257});
+    load_options o = dev_small_ring();
+    o.convert_dtypes = true;
+    o.convert_on_device = on_device;
+    state_dict whole;
+    whole.add("a", d.find("a")->local);
+    const load_stats st = load_state_dict(tmp.dir(), whole, o);
+    CHECK(st.tensors == 1);
+    load_state_dict(tmp.dir(), cols, o);
+    CHECK(same_bytes(d.find("a")->local, src.find("a")->local.to(at::kFloat)));
+    CHECK(same_bytes(d.find("a_cols")->local, src.find("a")->local.narrow(1, 100, 129).to(at::kFloat)));
+  }
+}
+
+TEST_CASE("cuda: a save from CUDA tensors, whole and sharded, loads back bit-exact on the CPU") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  single_process comm;
+  const state_dict src = dev_sample();
+  state_dict on_gpu;
+  for (const auto& [k, t] : src) on_gpu.add(k, t.local.cuda());
+  // and one held as a flat shard (one rank: all of it)
+  const at::Tensor full = at::randn({1000, 1000});
+  on_gpu.add("flat", full.flatten().cuda(), flat_spec{{0, 1000000}}, {1000, 1000});
+  // shardsafe's layout (bytes fetched block by block while writing, checksums from them) and
+  // torch DCP's (a CPU copy first)
+  for (const save_format f : {save_format::shardsafe, save_format::dcp}) {
+    const std::string sub = f == save_format::dcp ? "dcp" : "st";
+    save_options so;
+    so.format = f;
+    so.write_chunk_bytes = 1 << 20;  // many blocks, checksum blocks straddling them
+    save_state_dict(tmp.dir(sub), on_gpu, comm, so);
+    state_dict back;
+    for (const auto& [k, t] : src) back.add(k, at::empty_like(t.local));
+    back.add("flat", at::empty({1000000}), flat_spec{{0, 1000000}}, {1000, 1000});
+    load_options lo;
+    lo.verify_checksums = true;
+    load_state_dict(tmp.dir(sub), back, lo);
+    for (const auto& [k, t] : src) CHECK_MESSAGE(same_bytes(back.find(k)->local, t.local), (sub + " " + k));
+    CHECK(same_bytes(back.find("flat")->local, full.flatten()));
+  }
+}
+
+TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards changes nothing saved") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  const state_dict src = dev_sample();
+  state_dict on_gpu;
+  for (const auto& [k, t] : src) on_gpu.add(k, t.local.cuda());
+  async_checkpointer<single_process> ckpt(single_process{});
+  async_save_handle h = ckpt.save_state_dict(tmp.dir("step1"), on_gpu);  // returns after the snapshot
+  {
+    at::NoGradGuard g;
+    for (auto& [k, t] : on_gpu) t.local.add_(1);  // the next training step, while the save writes
+  }
+  const async_save_result& r = h.wait();
+  CHECK(r.staged_bytes == 300 * 257 * 2 + 1000 * 1000 * 4 + 7 * 4);
+  state_dict back;
+  for (const auto& [k, t] : src) back.add(k, at::empty_like(t.local));
+  load_state_dict(tmp.dir("step1"), back, {});
+  for (const auto& [k, t] : src) CHECK_MESSAGE(same_bytes(back.find(k)->local, t.local), k);
+}
