@@ -189,3 +189,29 @@ TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards 
   load_state_dict(tmp.dir("step1"), back, {});
   for (const auto& [k, t] : src) CHECK_MESSAGE(same_bytes(back.find(k)->local, t.local), k);
 }
+
+TEST_CASE("cuda: the GPU snippet of docs/USAGE.md") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  const std::filesystem::path dir = tmp.path;
+  single_process comm;
+  {
+    state_dict f32;  // the checkpoint the snippet loads: F32, converted to the BF16 tensor
+    f32.add("w", at::randn({4096, 4096}));
+    save_state_dict(file_directory(dir / "ckpt"), f32, comm);
+  }
+  // [usage: gpu]
+  state_dict sd;
+  sd.add("w", at::empty({4096, 4096}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA)));
+  load_options opt;
+  opt.staging.slots = 4;                       // the ring: 4 pinned buffers of 64 MiB (the default)
+  opt.staging.slot_bytes = std::uint64_t(64) << 20;
+  opt.convert_dtypes = true;                   // a file in F32 converts on the GPU (convert_on_device)
+  load_state_dict(file_directory(dir / "ckpt"), sd, opt);
+  save_state_dict(file_directory(dir / "next"), sd, comm);  // device-to-host copies overlap the writes
+  // [/usage]
+  state_dict back;
+  back.add("w", at::empty({4096, 4096}, at::TensorOptions().dtype(at::kBFloat16)));
+  load_state_dict(file_directory(dir / "next"), back, {});
+  CHECK(same_bytes(back.find("w")->local, sd.find("w")->local));
+}

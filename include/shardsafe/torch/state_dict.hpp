@@ -99,10 +99,11 @@ inline flat_view described_view(const std::string& key, const sharded_tensor& t,
   v.replica = t.replica;
   return v;
 }
-/// True for a tensor a load copies into through the staging ring: contiguous and dense, on a
-/// device that is not the CPU.
+/// True for a tensor a load copies into through the staging ring (and a save fetches from):
+/// contiguous and dense, on a CUDA device. (The engine uses only LibTorch's device-generic
+/// streams and events, but only CUDA has been run; other devices take the CPU-copy path.)
 inline bool is_device_loadable(const at::Tensor& t) {
-  return t.defined() && !t.device().is_cpu() && t.is_contiguous() && !t.is_sparse() && !t.is_quantized();
+  return t.defined() && t.device().is_cuda() && t.is_contiguous() && !t.is_sparse() && !t.is_quantized();
 }
 }  // namespace detail
 
