@@ -56,13 +56,32 @@ constexpr std::string_view name(hf_import_mode m) noexcept {
   return m == hf_import_mode::every_rank_read ? "every_rank_read" : "rank0_broadcast";
 }
 
+/// How an import reads: threads and read merging (load_options' own), for every_rank_read's
+/// reads and rank 0's chunks. Strictness and dtype conversion are hf_key_options::strict and
+/// ::convert_dtypes (an import has one of each, not two).
+struct hf_import_reads {
+  unsigned threads = 0;     ///< reads in flight (0: the backend's hint, else the default)
+  read_overrides reads{};   ///< gap merging and read sizes
+};
+
 struct hf_import_options : hf_key_options {
   hf_import_mode mode = hf_import_mode::every_rank_read;
   std::uint64_t chunk_bytes = std::uint64_t(64) << 20;  ///< rank0_broadcast: bytes per broadcast
-  /// Reads (threads, merging) of every_rank_read and of rank 0's chunks. Its strict and
-  /// convert_dtypes are not used: hf_key_options::strict and ::convert_dtypes decide.
-  load_options load{};
+  hf_import_reads load{};
 };
+
+namespace detail {
+/// The load_options an import reads with: its read settings, strict (the import has checked
+/// every key itself), converting as `convert` says.
+inline load_options import_load_options(const hf_import_reads& r, bool convert) {
+  load_options lo;
+  lo.threads = r.threads;
+  lo.reads = r.reads;
+  lo.strict = true;
+  lo.convert_dtypes = convert;
+  return lo;
+}
+}  // namespace detail
 
 struct hf_import_result {
   hf_key_mapping keys;                ///< loads, missing / unexpected / dropped keys (this rank's views)
@@ -160,9 +179,7 @@ void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& c
       renamed.push_back(views[e.view]);
       renamed.back().key = table[e.tensor].name;
     }
-    load_options lo = opt.load;
-    lo.strict = true;
-    lo.convert_dtypes = opt.convert_dtypes;
+    const load_options lo = import_load_options(opt.load, opt.convert_dtypes);
     res.stats = reader.load(std::span<const flat_view>(renamed), lo);
     res.stats.unexpected_keys.clear();  // the loader's view of it; keys.unexpected_keys is the import's
   });
@@ -192,9 +209,7 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
   std::vector<std::vector<std::size_t>> loads_of(table.size());  // tensor -> my loads
   for (std::size_t i = 0; i < res.keys.loads.size(); ++i) loads_of[res.keys.loads[i].tensor].push_back(i);
 
-  load_options lo = opt.load;
-  lo.strict = true;
-  lo.convert_dtypes = false;
+  const load_options lo = import_load_options(opt.load, false);
   std::string buf;
   std::exception_ptr deferred;  // a failure while copying: reported once every chunk has gone by
   for (std::size_t t = 0; t < table.size(); ++t) {
