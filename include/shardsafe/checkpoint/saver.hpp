@@ -79,7 +79,7 @@ struct save_options {
   /// dst, called from several writer threads at once for disjoint parts, so host memory stays at
   /// the writer's blocks (save_state_dict sets it for CUDA tensors: device-to-host copies
   /// overlapped with the writes). Empty: every view must have memory. save_format::shardsafe only.
-  std::function<void(const flat_view&, std::uint64_t, std::span<std::byte>)> fetch;
+  std::function<void(const flat_view&, std::uint64_t, std::span<std::byte>)> fetch{};
 };
 
 struct save_stats {
