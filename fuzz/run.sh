@@ -28,7 +28,7 @@ targets=("$@")
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
-    -Dtorch=disabled -Dbuildtype=debugoptimized -Db_ndebug=false
+    -Dtorch=disabled -Doptimization=1 -Ddebug=false -Db_ndebug=false
 fi
 meson compile -C "$build" "${targets[@]/#/fuzz/}"
 

@@ -82,6 +82,10 @@ make_root() {
     debootstrap --variant=minbase trixie "$root" "$m" >"$root.debootstrap.log" 2>&1 ||
       { tail -20 "$root.debootstrap.log" >&2; die "debootstrap failed (log: $root.debootstrap.log)"; }
     printf 'deb %s trixie main\n' "$m" >"$root/etc/apt/sources.list"
+    # a scratch root: dpkg need not fsync each of the packages' files (the torch packages hold
+    # tens of thousands), and apt fetches no translations
+    printf 'force-unsafe-io\n' >"$root/etc/dpkg/dpkg.cfg.d/shardsafe-unsafe-io"
+    printf 'Acquire::Languages "none";\n' >"$root/etc/apt/apt.conf.d/99shardsafe"
     touch "$root/.shardsafe-root"
   fi
   local g todo=() groups=("$@")
