@@ -2,14 +2,14 @@
 # Installs the Debian 12 packages shardsafe builds and tests with (only those missing).
 # Everything comes from Debian: LibTorch 1.13 with c10d and Gloo, simdjson, xxHash, Boost, doctest, CLI11,
 # OpenSSL, Meson, clang with libFuzzer for the fuzz targets, and Python's torch (python3-torch, the
-# real PyTorch peer of the interop tests).
+# real PyTorch peer of the interop tests), iproute2 for the simulated cluster (scripts/cluster.sh).
 set -euo pipefail
 packages=(
   g++ meson ninja-build pkg-config cmake
   libtorch-dev libgloo-dev libsimdjson-dev libxxhash-dev libre2-dev libboost-dev doctest-dev libssl-dev libcli11-dev
   clang libclang-rt-14-dev clang-19 debootstrap
   python3 python3-torch
-  nginx-light openssl
+  nginx-light openssl iproute2
 )
 missing=()
 for p in "${packages[@]}"; do

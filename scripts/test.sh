@@ -40,6 +40,7 @@ python3 -c 'import json, pickle, pickletools' ||
 # units compile markedly faster without -g on a 2-core machine; CI starts from a fresh clone
 leg_debian12() {
   export SHARDSAFE_TORCH_PEER=1  # /usr/bin/python3's torch 1.13: its peer tests fail rather than skip
+  export SHARDSAFE_REQUIRE_CLUSTER=1  # the simulated cluster's tests (root, network namespaces) fail rather than skip
   [ -f build/build.ninja ] || meson setup build -Ddebug=false -Db_ndebug=false
   meson configure build -Dbench=true -Dtools=true
   meson compile -C build
@@ -107,9 +108,10 @@ leg_clang() {
   meson test -C build-clang --no-rebuild --print-errorlogs core hostile
 }
 
-case " ${legs[*]} " in
-  *" debian12 "*" debian13 "*) make_root >"$root_log" 2>&1 & root_pid=$! ;;
-esac
+if [[ " ${legs[*]} " == *" debian12 "* && " ${legs[*]} " == *" debian13 "* ]]; then
+  make_root >"$root_log" 2>&1 &
+  root_pid=$!
+fi
 
 summary=""
 for l in "${legs[@]}"; do

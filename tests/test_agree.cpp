@@ -415,3 +415,63 @@ TEST_CASE("rotate_checkpoints in a world of threads: one list everywhere, or ran
     for (const auto& t : e) CHECK(t.what.find("step20") != std::string::npos);
   }
 }
+
+namespace {
+
+/// A world of one whose n-th exchange fails as a c10d_comm fails when a rank is lost.
+struct losing_comm {
+  int fail_at;
+  int calls = 0;
+  int rank() const noexcept { return 0; }
+  int world_size() const noexcept { return 1; }
+  void barrier() { lose("barrier"); }
+  std::vector<std::string> all_gather_bytes(std::string_view s) {
+    lose("all_gather_bytes");
+    return {std::string(s)};
+  }
+  void broadcast_bytes(std::string&, int) { lose("broadcast_bytes"); }
+  void lose(const char* what) {
+    if (++calls == fail_at) fail(errc::comm_error, std::string("c10d ") + what + " on rank 0 of 1 failed: rank 7 lost");
+  }
+};
+static_assert(Comm<losing_comm>);
+
+/// What f throws: its message, and its code in *code.
+template <class F>
+std::string lost_error_of(F&& f, errc* code) {
+  try {
+    f();
+  } catch (const shardsafe::error& e) {
+    *code = static_cast<errc>(e.code().value());
+    return e.what();
+  }
+  return "(nothing thrown)";
+}
+
+}  // namespace
+
+TEST_CASE("a lost rank during a save: the error names the save and its step, and keeps comm_error") {
+  // save_flat_views' exchanges, in order: agree on the metadata (1), prepare the folder (2),
+  // write the rank files (3), commit metadata.json (4)
+  const char* steps[] = {"agreeing on the metadata", "preparing the folder", "writing the rank files",
+                         "committing metadata.json"};
+  for (int at = 1; at <= 4; ++at) {
+    CAPTURE(at);
+    testing::temp_dir dir("lost");
+    rank_state st(0, 1);
+    losing_comm comm{at};
+    errc code{};
+    const std::string msg = lost_error_of(
+        [&] { save_flat_views(file_directory(dir.path / "ckpt"), std::span<const flat_view>(st.views), comm); }, &code);
+    CHECK(code == errc::comm_error);
+    const std::string want = "save " + (dir.path / "ckpt").string() + ": " + steps[at - 1] +
+                             ": c10d " + (at % 2 ? "all_gather_bytes" : "broadcast_bytes") + " on rank 0 of 1 failed: rank 7 lost";
+    CHECK(msg == want);
+  }
+  // outside any scope the error is the Comm's own
+  losing_comm comm{1};
+  errc code{};
+  const std::string msg = lost_error_of([&] { every_rank_step(comm, [] {}); }, &code);
+  CHECK(code == errc::comm_error);
+  CHECK(msg == "c10d all_gather_bytes on rank 0 of 1 failed: rank 7 lost");
+}

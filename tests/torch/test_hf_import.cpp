@@ -17,6 +17,7 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "cluster.hpp"
 #include "world.hpp"
 
 using namespace shardsafe;
@@ -179,6 +180,18 @@ TEST_CASE("hf import into torch::nn::Module: 2-4 c10d ranks, row/column/flat sha
     }
   auto r4 = testing::run_world("hf_import_module", 4, {dir.str(), "rank0_broadcast"});
   CHECK_MESSAGE(r4.ok(), r4.report());
+}
+
+TEST_CASE("hf import on a simulated cluster: 6 ranks over 3 nodes, both modes, bit for bit" *
+          doctest::skip(testing::cluster_skipped())) {
+  testing::temp_dir dir("hf-import-cluster");
+  write_folder(dir.path);
+  testing::sim_cluster c(3);
+  for (const char* mode : {"every_rank_read", "rank0_broadcast"}) {
+    CAPTURE(mode);
+    auto r = testing::run_on(c, "hf_import_module", 6, 2, {dir.str(), mode}, dir.path / (std::string("log-") + mode));
+    CHECK_MESSAGE(r.ok(), r.report());
+  }
 }
 
 TEST_CASE("hf import into a state dict in one process: staging of non-contiguous tensors, tied staging") {

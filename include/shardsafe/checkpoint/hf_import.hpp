@@ -188,6 +188,7 @@ void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& c
 template <ReadableDirectory D, Comm C>
 void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
                             hf_import_result& res) {
+  const step_scope step("rank 0 reading and broadcasting");
   const bool root = comm.rank() == 0;
   std::optional<checkpoint_reader<D>> reader;  // rank 0 only
   const std::string table_bytes = rank0_step(comm, [&] {
@@ -230,12 +231,15 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
         res.stats.bytes_read += s.bytes_read;
         res.stats.read_ops += s.read_ops;
       });
-      if constexpr (buffer_broadcaster<C>) {
-        if (!root) buf.resize(static_cast<std::size_t>(len));
-        comm.broadcast_buffer(std::as_writable_bytes(std::span<char>(buf)), 0);
-      } else {
-        comm.broadcast_bytes(buf, 0);
-      }
+      detail::exchange_in_scope([&] {
+        if constexpr (buffer_broadcaster<C>) {
+          if (!root) buf.resize(static_cast<std::size_t>(len));
+          comm.broadcast_buffer(std::as_writable_bytes(std::span<char>(buf)), 0);
+        } else {
+          comm.broadcast_bytes(buf, 0);
+        }
+        return 0;
+      });
       res.bytes_broadcast += len;
       if (deferred) continue;
       try {
@@ -264,6 +268,7 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
 /// failure of any rank (see the top of this header).
 template <ReadableDirectory D, Comm C>
 hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt = {}) {
+  const step_scope scope("import " + std::string(dir.name()));
   const auto t0 = std::chrono::steady_clock::now();
   hf_import_result res;
   if (!opt.experts.empty()) {  // stacked experts: import into per-expert views of their memory

@@ -283,6 +283,7 @@ template <Comm C>
 checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm, const std::string& dname,
                                       bool memory_later = false) {
   const int rank = comm.rank();
+  const step_scope step("agreeing on the metadata");
   const auto texts = every_rank_step(comm, [&] {
     return encode_replica_roles(views, dname) +
            write_checkpoint_metadata(describe_views(views, rank, dname, memory_later));
@@ -304,6 +305,7 @@ checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm,
 /// loading as complete; then makes it.
 template <WritableDirectory D, Comm C>
 void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view commit_mark = metadata_file_name) {
+  const step_scope step("preparing the folder");
   rank0_step(comm, [&] {
     if (!dir.list().empty()) {
       if (!overwrite)
@@ -432,6 +434,7 @@ template <WritableDirectory D, Comm C>
 std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const flat_view* const> mine, C& comm,
                                                 const save_options& opt) {
   const std::string fname = rank_file_name(comm.rank());
+  const step_scope step("writing the rank files");
   const auto texts = every_rank_step(comm, [&] { return encode_written(write_rank_file(dir, fname, mine, opt), opt.checksums); });
   std::vector<written_rank_file> files;
   for (std::size_t r = 0; r < texts.size(); ++r) {
@@ -454,6 +457,7 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
 /// Step 4, on rank 0, once every rank file is written: metadata.json, by rename (the commit mark).
 template <WritableDirectory D, Comm C>
 void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
+  const step_scope step("committing metadata.json");
   rank0_step(comm, [&] {
     write_text(dir, metadata_file_name, write_checkpoint_metadata(md));
   });
@@ -503,6 +507,7 @@ save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, con
 template <WritableDirectory D, Comm C>
 save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
   if (opt.format == save_format::dcp) return save_dcp(dir, views, comm, opt, {}, {});
+  const step_scope scope("save " + std::string(dir.name()));
   const auto t0 = std::chrono::steady_clock::now();
   checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()), bool(opt.fetch));  // 1
   return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);                 // 2-4

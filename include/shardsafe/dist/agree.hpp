@@ -18,6 +18,10 @@
 // a shardsafe error with such a code (a std::bad_alloc, a std::system_error of another
 // category, an exception of any other type) arrives as errc::foreign_exception with its
 // what() (and the foreign category and value, if it had a code).
+//
+// When the exchange itself fails (a rank died, a link was cut: the Comm throws errc::comm_error),
+// the error says which step of what was exchanging: the step_scope objects alive on the thread
+// ("save /ckpt/step10: writing the rank files: c10d all_gather_bytes on rank 1 of 6 failed: ...").
 #pragma once
 
 #include <charconv>
@@ -131,7 +135,42 @@ inline void throw_if_any_failed(std::span<const step_outcome> outcomes) {
   throw error(o.code(), msg);
 }
 
+/// Names, for the errors of exchanges that fail, what the collective steps run on this thread
+/// are part of while it lives (nested scopes join with ": "). Thread-local; one string each.
+class step_scope {
+ public:
+  explicit step_scope(std::string what) { stack().push_back(std::move(what)); }
+  ~step_scope() { stack().pop_back(); }
+  step_scope(const step_scope&) = delete;
+  step_scope& operator=(const step_scope&) = delete;
+
+  /// The scopes alive on this thread, outermost first, joined with ": " (empty without any).
+  static std::string describe() {
+    std::string s;
+    for (const auto& w : stack()) s += (s.empty() ? "" : ": ") + w;
+    return s;
+  }
+
+ private:
+  static std::vector<std::string>& stack() {
+    static thread_local std::vector<std::string> s;
+    return s;
+  }
+};
+
 namespace detail {
+
+/// Runs an exchange of outcomes; a comm_error it throws gets the step scopes in front.
+template <class X>
+auto exchange_in_scope(X&& x) {
+  try {
+    return x();
+  } catch (const error& e) {
+    const std::string where = step_scope::describe();
+    if (e.code() != make_error_code(errc::comm_error) || where.empty()) throw;
+    throw error(e.code(), where + ": " + e.what());
+  }
+}
 
 template <class F>
 concept step_function = std::is_void_v<std::invoke_result_t<F&>> || std::same_as<std::invoke_result_t<F&>, std::string>;
@@ -160,7 +199,8 @@ step_outcome run_step(F& f) {
 template <Comm C, class F>
   requires detail::step_function<F>
 auto every_rank_step(C& comm, F&& f) {
-  const std::vector<std::string> gathered = comm.all_gather_bytes(detail::run_step(f).encode());
+  const std::string mine = detail::run_step(f).encode();
+  const std::vector<std::string> gathered = detail::exchange_in_scope([&] { return comm.all_gather_bytes(mine); });
   std::vector<step_outcome> outcomes;
   outcomes.reserve(gathered.size());
   for (std::size_t r = 0; r < gathered.size(); ++r)
@@ -180,7 +220,10 @@ template <Comm C, class F>
   requires detail::step_function<F>
 auto rank0_step(C& comm, F&& f) {
   std::string bytes = comm.rank() == 0 ? detail::run_step(f).encode() : std::string();
-  comm.broadcast_bytes(bytes, 0);
+  detail::exchange_in_scope([&] {
+    comm.broadcast_bytes(bytes, 0);
+    return 0;
+  });
   step_outcome o = step_outcome::decode(bytes, "rank 0");
   throw_if_any_failed(std::span<const step_outcome>(&o, 1));
   if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) return std::move(o.text);

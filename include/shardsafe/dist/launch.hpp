@@ -2,7 +2,9 @@
 //
 // local_world starts `n` copies of a program with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR
 // and MASTER_PORT set (a free port on 127.0.0.1 unless given), lets the caller watch them,
-// kill them, and collect their exit codes. POSIX only; no LibTorch needed.
+// kill them, and collect their exit codes. A rank may be started through a wrapper command
+// (launch_options::wrap: e.g. `ip netns exec NODE`, to place it on a node of
+// scripts/cluster.sh's cluster). POSIX only; no LibTorch needed.
 #pragma once
 
 #include <fcntl.h>
@@ -15,6 +17,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -51,6 +54,12 @@ struct launch_options {
   int master_port = 0;                              ///< 0: a free port
   std::map<std::string, std::string> env;           ///< more variables for every rank
   std::optional<std::filesystem::path> stderr_dir;  ///< rank R's stderr to DIR/rankR.err (else inherited)
+  /// Rank r runs `wrap(r)... program args...` when set and not empty for r (its first word
+  /// looked up in PATH), e.g. {"ip", "netns", "exec", "c-n1"}; the wrapper must exec the program
+  /// (so that the rank's process is the program: kill_all reaches it).
+  std::function<std::vector<std::string>(int rank)> wrap;
+  /// LOCAL_RANK of rank r (default r: one host); e.g. r % ranks_per_node on a cluster
+  std::function<int(int rank)> local_rank;
 };
 
 /// A running world of local processes.
@@ -73,11 +82,14 @@ class local_world {
     if (opt_.stderr_dir) std::filesystem::create_directories(*opt_.stderr_dir);
     for (int r = 0; r < n; ++r) {
       auto env = base;
-      env["RANK"] = env["LOCAL_RANK"] = std::to_string(r);
+      env["RANK"] = std::to_string(r);
+      env["LOCAL_RANK"] = std::to_string(opt_.local_rank ? opt_.local_rank(r) : r);
       std::vector<std::string> kvs;
       for (const auto& [k, v] : env) kvs.push_back(k + "=" + v);
       const std::vector<char*> envp = detail::c_string_array(kvs);
-      std::vector<std::string> argv_s{program};
+      std::vector<std::string> argv_s = opt_.wrap ? opt_.wrap(r) : std::vector<std::string>{};
+      const bool wrapped = !argv_s.empty();
+      argv_s.push_back(program);
       argv_s.insert(argv_s.end(), args.begin(), args.end());
       const std::vector<char*> argv = detail::c_string_array(argv_s);
       posix_spawn_file_actions_t fa;
@@ -88,12 +100,13 @@ class local_world {
         posix_spawn_file_actions_addopen(&fa, 2, errpath.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       }
       pid_t pid;
-      const int rc = posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), envp.data());
+      const int rc = wrapped ? posix_spawnp(&pid, argv_s[0].c_str(), &fa, nullptr, argv.data(), envp.data())
+                             : posix_spawn(&pid, program.c_str(), &fa, nullptr, argv.data(), envp.data());
       posix_spawn_file_actions_destroy(&fa);
       if (rc != 0) {
         kill_all(SIGKILL);
         wait();
-        fail_errno(rc, "local_world: cannot start " + program);
+        fail_errno(rc, "local_world: cannot start " + argv_s[0] + " (rank " + std::to_string(r) + ")");
       }
       pids_.push_back(pid);
       status_.push_back(-1);
@@ -142,6 +155,13 @@ class local_world {
     }
     return status_;
   }
+
+  /// Sends sig to rank r if it still runs.
+  void kill_rank(int r, int sig) {
+    if (r >= 0 && r < size() && status_[static_cast<std::size_t>(r)] == -1) ::kill(pids_[static_cast<std::size_t>(r)], sig);
+  }
+  /// Rank r's process id.
+  pid_t pid(int r) const { return pids_.at(static_cast<std::size_t>(r)); }
 
   /// Sends sig to every rank still running.
   void kill_all(int sig) {

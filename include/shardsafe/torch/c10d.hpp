@@ -14,9 +14,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,10 +36,22 @@ namespace shardsafe {
 
 /// A Comm over a c10d process group. Byte collectives travel as uint8 tensors on `device`
 /// (CPU for Gloo; the rank's CUDA device for NCCL).
+///
+/// A collective that fails (a peer died, a link is cut, the group's timeout passed) throws
+/// errc::comm_error naming the operation, this rank and the transport's reason. Given the store
+/// the world met through, the rank then calls a roll call there, at most `roll_call` long:
+/// every rank whose collective fails answers it, and the message names the ranks that did not
+/// answer (lost, or still blocked in another collective), or says that the store did not answer
+/// (its host, rank 0's, is the one lost or cut off). The rank that hosts the store
+/// (`hosts_store`) stays one roll call longer, so that ranks whose collectives failed a little
+/// later can finish theirs. So a rank ends at most the group's timeout plus `roll_call` (twice
+/// that for the store's host) after the failure.
 class c10d_comm {
  public:
-  explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU)
-      : pg_(std::move(pg)), device_(device) {}
+  explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU,
+                     c10::intrusive_ptr<c10d::Store> store = {},
+                     std::chrono::milliseconds roll_call = std::chrono::seconds(5), bool hosts_store = false)
+      : pg_(std::move(pg)), device_(device), store_(std::move(store)), roll_call_(roll_call), hosts_store_(hosts_store) {}
 
   int rank() const { return pg_->getRank(); }
   int world_size() const { return pg_->getSize(); }
@@ -123,16 +141,78 @@ class c10d_comm {
   }
   template <class F>
   void guard(const char* what, F&& f) {
+    std::string why;
     try {
       f();
+      return;
     } catch (const c10::Error& e) {
-      throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " failed: " +
-                                        e.what_without_backtrace());
+      why = e.what_without_backtrace();
+    } catch (const std::exception& e) {  // Gloo's transport errors (gloo::IoException) come as they are
+      why = e.what();
     }
+    if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
+    throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " of " +
+                                      std::to_string(world_size()) + " failed: " + why + roll_call());
+  }
+
+  /// The roll call after a failed collective (see the class comment); runs on a thread of its
+  /// own so that a store that does not answer (a cut link) costs at most roll_call_.
+  std::string roll_call() const {
+    if (!store_ || roll_call_.count() <= 0) return {};
+    struct result {
+      std::mutex m;
+      std::condition_variable cv;
+      bool done = false;
+      std::string text;
+    };
+    auto res = std::make_shared<result>();
+    const double secs = std::chrono::duration<double>(roll_call_).count();
+    char budget[32];
+    std::snprintf(budget, sizeof budget, "%.1f s", secs);
+    std::thread([res, store = store_, me = rank(), n = world_size(), limit = roll_call_, budget = std::string(budget)] {
+      std::string text;
+      auto key = [](int r) { return "shardsafe/roll_call/" + std::to_string(r); };
+      try {
+        store->set(key(me), std::vector<std::uint8_t>{1});
+        const auto deadline = std::chrono::steady_clock::now() + limit;
+        std::vector<int> silent;
+        for (;;) {
+          silent.clear();
+          for (int r = 0; r < n; ++r)
+            if (!store->check({key(r)})) silent.push_back(r);
+          if (silent.empty() || std::chrono::steady_clock::now() >= deadline) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        if (silent.empty()) {
+          text = "; every rank answered the roll call in the store (each saw a collective fail)";
+        } else {
+          text = "; rank" + std::string(silent.size() > 1 ? "s " : " ");
+          for (std::size_t i = 0; i < silent.size(); ++i) text += (i ? ", " : "") + std::to_string(silent[i]);
+          text += " did not answer the roll call in the store within " + budget + " (lost, or still blocked)";
+        }
+      } catch (const std::exception& e) {
+        std::string why = e.what();
+        if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
+        text = "; the store (rank 0's, where the world met) did not answer the roll call: " + why;
+      }
+      std::lock_guard<std::mutex> lk(res->m);
+      res->text = std::move(text);
+      res->done = true;
+      res->cv.notify_all();
+    }).detach();
+    std::unique_lock<std::mutex> lk(res->m);
+    if (!res->cv.wait_for(lk, roll_call_ + std::chrono::milliseconds(500), [&] { return res->done; }))
+      return "; the store (rank 0's, where the world met) did not answer the roll call within " + std::string(budget) +
+             " (rank 0's host lost, or this rank cut off)";
+    if (hosts_store_) std::this_thread::sleep_for(roll_call_);  // the others' roll calls still read the store
+    return res->text;
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds roll_call_;
+  bool hosts_store_ = false;
 };
 
 static_assert(Comm<c10d_comm>);
@@ -146,7 +226,13 @@ struct c10d_world {
 #ifdef USE_C10D_GLOO
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options;  ///< those pg was made with
 #endif
-  c10d_comm comm() const { return c10d_comm(pg); }
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< the store's and the group's
+  /// A Comm over pg whose failures call a roll call in the store (c10d_comm), a tenth of the
+  /// timeout long (1 to 10 s).
+  c10d_comm comm() const { return c10d_comm(pg, at::kCPU, store, roll_call(), rank == 0); }
+  std::chrono::milliseconds roll_call() const {
+    return std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::seconds(1), std::chrono::seconds(10));
+  }
 
 #ifdef USE_C10D_GLOO
   /// A second Gloo process group over the same ranks, through the same store under a prefix of
@@ -162,7 +248,7 @@ struct c10d_world {
       auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
       auto group = compat::make_gloo_process_group(ps, rank, world_size, gloo_options);
       group->barrier()->wait();  // every rank's side of every connection set up (init_world_from_env)
-      return c10d_comm(std::move(group));
+      return c10d_comm(std::move(group), at::kCPU, store, roll_call(), rank == 0);
     } catch (const c10::Error& e) {
       throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
                                         ": " + e.what_without_backtrace());
@@ -199,6 +285,9 @@ inline long env_number(const char* name, long lo, long hi) {
 /// a TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects, and a Gloo process group is
 /// built on it. Gloo's interface: GLOO_SOCKET_IFNAME if set, loopback when MASTER_ADDR is a
 /// loopback address, else the interface of this host's name.
+/// `timeout` bounds the store's operations and every collective of the group: a rank whose
+/// peer died or whose link was cut ends with errc::comm_error at most `timeout` plus the roll
+/// call (c10d_world::roll_call(), a tenth of it) after the failure, naming the ranks it lost.
 inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
   c10d_world w;
   const int world = static_cast<int>(detail::env_number("WORLD_SIZE", 1, 1 << 20));
@@ -238,6 +327,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
   }
   w.rank = rank;
   w.world_size = world;
+  w.timeout = timeout;
   return w;
 }
 #endif

@@ -104,6 +104,7 @@ template <ReadableDirectory D, Comm C>
 train_load_report load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
                                              const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
+  const step_scope scope("load " + std::string(dir.name()));
   train_load_report rep;
   every_rank_step(comm, [&] {
     if (!is_complete_checkpoint(dir))

@@ -1,0 +1,238 @@
+// bench_scale - what one rank pays for the checkpoint's metadata as the world grows: the
+// planner alone, on synthetic metadata of a 70B-parameter model, for worlds of 64 to 16,384 ranks.
+//
+//   meson compile -C build bench/bench_scale && ./build/bench/bench_scale [--quick] [--max-world N]
+//
+// The model: Llama-3-70B's 723 tensors (80 layers, hidden 8192, intermediate 28672, 64 query /
+// 8 key-value heads of 128, vocab 128,256; 70.6 billion parameters, BF16). Two layouts of the
+// saving world, as metadata.json describes them today (one entry per file per tensor):
+//   fsdp  every tensor flattened and split evenly over all W ranks (OLMo-core's FSDP: W files
+//         per tensor);
+//   3d    TP 8 x PP (min(W/8, 16) stages, layers split evenly) x DP (the rest): each tensor
+//         lives on one stage, split by rows (q, k, v, gate, up, embeddings, lm_head) or columns
+//         (o, down) over TP, norms whole; only data-parallel rank 0 writes (TP files per tensor).
+// For each W, one rank (rank W/2) of a loading world of the same layout and size, and one of a
+// world half the size (a resharded resume):
+//   entries     shard entries in metadata.json (tensors x files per tensor)
+//   json MB     metadata.json's size (write_checkpoint_metadata, as a save writes it)
+//   parse s     parse_checkpoint_metadata of that text: every rank reads all of it today
+//   parse MiB   heap the parsed metadata holds (glibc's mallinfo2, in use after minus before)
+//   plan s      plan_load of every tensor of the rank's shard against every file of the tensor
+//               (what checkpoint_reader::plan does after reading the file headers, which it
+//               reads for the files the rank needs only)
+//   files       distinct files the rank's plan reads from
+//   read MiB    bytes the plan reads (the rank's share of the model)
+// --max-world stops the doubling early (default 16384; --quick: 256). Above 1 GiB of text the
+// parser refuses metadata.json (storage/text.hpp, max_metadata_size): the table says so.
+#include "bench_common.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/shard/copy_plan.hpp"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace shardsafe;
+using u64 = std::uint64_t;
+
+namespace {
+
+struct model_tensor {
+  std::string name;
+  shape_t shape;
+  int kind;   // 0 rows over TP, 1 columns over TP, 2 whole (norms)
+  int layer;  // -1: embeddings (first stage), -2: final norm and lm_head (last stage)
+};
+
+std::vector<model_tensor> llama70b() {
+  const u64 hidden = 8192, inter = 28672, vocab = 128256, kv = 8 * 128;
+  std::vector<model_tensor> m{{"model.embed_tokens.weight", {vocab, hidden}, 0, -1}};
+  for (int l = 0; l < 80; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    m.push_back({p + "self_attn.q_proj.weight", {hidden, hidden}, 0, l});
+    m.push_back({p + "self_attn.k_proj.weight", {kv, hidden}, 0, l});
+    m.push_back({p + "self_attn.v_proj.weight", {kv, hidden}, 0, l});
+    m.push_back({p + "self_attn.o_proj.weight", {hidden, hidden}, 1, l});
+    m.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, 0, l});
+    m.push_back({p + "mlp.up_proj.weight", {inter, hidden}, 0, l});
+    m.push_back({p + "mlp.down_proj.weight", {hidden, inter}, 1, l});
+    m.push_back({p + "input_layernorm.weight", {hidden}, 2, l});
+    m.push_back({p + "post_attention_layernorm.weight", {hidden}, 2, l});
+  }
+  m.push_back({"model.norm.weight", {hidden}, 2, -2});
+  m.push_back({"lm_head.weight", {vocab, hidden}, 0, -2});
+  return m;
+}
+
+std::string rank_file(u64 r) { return "rank_" + std::to_string(r) + ".safetensors"; }
+
+/// [b, e) of part r of n over `len` elements, as even as possible
+std::pair<u64, u64> even_part(u64 len, u64 n, u64 r) { return {len * r / n, len * (r + 1) / n}; }
+
+// --- the 3-D layout: rank = (pp * dp_size + dp) * tp_size + tp
+struct grid {
+  u64 tp = 8, pp = 1, dp = 1;
+  explicit grid(u64 world) {
+    pp = std::max<u64>(1, std::min<u64>(16, world / tp));
+    dp = world / (tp * pp);
+  }
+  u64 rank(u64 p, u64 d, u64 t) const { return (p * dp + d) * tp + t; }
+  u64 stage_of(const model_tensor& t) const {
+    if (t.layer == -1) return 0;
+    if (t.layer == -2) return pp - 1;
+    return static_cast<u64>(t.layer) * pp / 80;
+  }
+};
+
+block_spec tp_block(const model_tensor& t, u64 tp, u64 i) {
+  if (t.kind == 2) return block_spec::whole(t.shape);
+  shape_t ext = t.shape, off(t.shape.size(), 0);
+  const std::size_t d = static_cast<std::size_t>(t.kind);
+  auto [b, e] = even_part(t.shape[d], tp, i);
+  off[d] = b;
+  ext[d] = e - b;
+  return block_spec(ext, off);
+}
+
+checkpoint_metadata make_metadata(const std::vector<model_tensor>& model, const std::string& layout, u64 world) {
+  checkpoint_metadata md;
+  md.tensors.reserve(model.size());
+  const grid g(world);
+  for (const auto& t : model) {
+    tensor_metadata tm;
+    tm.shape = t.shape;
+    tm.type = dtype::BF16;
+    tm.is_sharded = true;
+    if (layout == "fsdp") {
+      tm.files.reserve(world);
+      for (u64 r = 0; r < world; ++r) {
+        auto [b, e] = even_part(numel(t.shape), world, r);
+        tm.files.emplace_back(rank_file(r), shard_spec(flat_spec({element_range{b, e}})));
+      }
+    } else {
+      const u64 stage = g.stage_of(t);
+      const u64 parts = t.kind == 2 ? 1 : g.tp;
+      for (u64 i = 0; i < parts; ++i) tm.files.emplace_back(rank_file(g.rank(stage, 0, i)), shard_spec(tp_block(t, g.tp, i)));
+    }
+    md.tensors.emplace_back(t.name, std::move(tm));
+  }
+  md.extras.writer = "bench_scale";
+  md.extras.world_size = world;
+  return md;
+}
+
+/// rank r's shards in a loading world of `world` ranks of `layout`: (tensor index, spec)
+std::vector<std::pair<std::size_t, shard_spec>> my_shards(const std::vector<model_tensor>& model, const std::string& layout,
+                                                          u64 world, u64 r) {
+  std::vector<std::pair<std::size_t, shard_spec>> out;
+  const grid g(world);
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    const auto& t = model[i];
+    if (layout == "fsdp") {
+      auto [b, e] = even_part(numel(t.shape), world, r);
+      out.emplace_back(i, shard_spec(flat_spec({element_range{b, e}})));
+    } else {
+      const u64 tp = r % g.tp, rest = r / g.tp, stage = rest / g.dp;
+      if (g.stage_of(t) != stage) continue;
+      out.emplace_back(i, shard_spec(tp_block(t, g.tp, tp)));
+    }
+  }
+  return out;
+}
+
+struct plan_figures {
+  double seconds = 0;
+  std::size_t files = 0;
+  u64 bytes = 0;
+};
+
+plan_figures plan_rank(const checkpoint_metadata& md, const std::vector<model_tensor>& model,
+                       const std::vector<std::pair<std::size_t, shard_spec>>& mine) {
+  plan_figures f;
+  std::set<std::string_view> files;
+  const double t0 = bench::now_s();
+  for (const auto& [ti, spec] : mine) {
+    const tensor_metadata* tm = md.find(model[ti].name);  // as checkpoint_reader::plan looks it up
+    std::vector<shard_spec> specs;
+    specs.reserve(tm->files.size());
+    for (const auto& fe : tm->files) specs.push_back(fe.second);
+    const load_plan lp = plan_load(spec, std::span<const shard_spec>(specs), tm->shape);
+    if (!lp.missing.empty()) {
+      std::fprintf(stderr, "bench_scale: %s: the plan misses elements\n", model[ti].name.c_str());
+      std::exit(1);
+    }
+    for (const auto& fp : lp.files) {
+      files.insert(tm->files[fp.file].first);
+      f.bytes += fp.numel * 2;
+    }
+  }
+  f.seconds = bench::now_s() - t0;
+  f.files = files.size();
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::args a(argc, argv);
+  bench::accept_only(a, "What one rank pays for metadata.json as the world grows (a 70B model, synthetic metadata).",
+                     {{"--quick", nullptr, "worlds 64 to 256 (a smoke run)"},
+                      {"--max-world", "N", "the largest world (default 16384)"}});
+  const u64 max_world = static_cast<u64>(a.get_int("--max-world", a.has("--quick") ? 256 : 16384));
+  const auto model = llama70b();
+  u64 params = 0;
+  for (const auto& t : model) params += numel(t.shape);
+  std::printf("bench_scale: %zu tensors, %.2f billion parameters (BF16); one rank (W/2) of the loading world\n\n",
+              model.size(), double(params) / 1e9);
+  std::printf("%-6s %6s %10s %9s %8s %9s %9s | %-10s %8s %6s %9s\n", "layout", "world", "entries", "json MB", "write s",
+              "parse s", "parse MiB", "load on", "plan s", "files", "read MiB");
+  for (const std::string layout : {"3d", "fsdp"}) {
+    for (u64 w = 64; w <= max_world; w *= 2) {
+      u64 entries = 0;
+      std::string text;
+      double write_s = 0;
+      {
+        const checkpoint_metadata md = make_metadata(model, layout, w);
+        for (const auto& [k, t] : md.tensors) entries += t.files.size();
+        const double t0 = bench::now_s();
+        text = write_checkpoint_metadata(md);
+        write_s = bench::now_s() - t0;
+      }
+      const double json_mb = double(text.size()) / 1e6;
+      if (text.size() > max_metadata_size) {
+        std::printf("%-6s %6llu %10llu %9.1f %8.2f  refused: over max_metadata_size (1 GiB); nothing planned\n",
+                    layout.c_str(), (unsigned long long)w, (unsigned long long)entries, json_mb, write_s);
+        continue;
+      }
+      text.reserve(text.size() + 64);
+      const auto heap0 = mallinfo2().uordblks;
+      const double t0 = bench::now_s();
+      const checkpoint_metadata md = parse_checkpoint_metadata(text, "metadata.json");
+      const double parse_s = bench::now_s() - t0;
+      const double parse_mib = double(mallinfo2().uordblks - heap0) / double(bench::MiB);
+      bool first = true;
+      for (const u64 lw : {w, w / 2}) {
+        const plan_figures f = plan_rank(md, model, my_shards(model, layout, lw, lw / 2));
+        const std::string on = std::to_string(lw) + " ranks";
+        if (first)
+          std::printf("%-6s %6llu %10llu %9.1f %8.2f %9.3f %9.0f | %-10s %8.3f %6zu %9.0f\n", layout.c_str(),
+                      (unsigned long long)w, (unsigned long long)entries, json_mb, write_s, parse_s, parse_mib,
+                      on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
+        else
+          std::printf("%-6s %6s %10s %9s %8s %9s %9s | %-10s %8.3f %6zu %9.0f\n", "", "", "", "", "", "", "", on.c_str(),
+                      f.seconds, f.files, double(f.bytes) / double(bench::MiB));
+        first = false;
+      }
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nThe goal (issue 31): a rank reads and plans a 16,384-rank checkpoint in <= 1 s, with metadata read\n"
+              "and planning per rank growing no faster than O(log world) or O(tensors).\n");
+  return 0;
+}
