@@ -17,11 +17,12 @@ Prints "ok" and exits 0, or names what differs and exits 1.
 """
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
+
+import torch_peer_world
 
 DTYPE = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
          "I64": torch.int64, "BOOL": torch.bool}
@@ -120,8 +121,7 @@ def check_single(ckpt, ref):
 
 
 def mesh_worker(rank, port, ckpt, ref, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4", USE_LIBUV="0")
-    dist.init_process_group("gloo", rank=rank, world_size=4)
+    torch_peer_world.join(rank, 4, port)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -159,12 +159,11 @@ def mesh_worker(rank, port, ckpt, ref, results):
 
 def check_mesh(ckpt, ref):
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, port = torch_peer_world.serve()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     mp.spawn(mesh_worker, args=(port, ckpt, ref, q), nprocs=4, join=True)
+    del store
     bad = []
     for _ in range(4):
         rank, b = q.get()

@@ -25,11 +25,12 @@ groups.json each checkpoint's param groups as get_state_dict gave them.
 import hashlib
 import json
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
+
+import torch_peer_world
 
 WORLD = 4
 DTYPE = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -119,9 +120,7 @@ def distributed_state(kind, mesh):
 def worker(rank, port, out, small):
     global SMALL
     SMALL = small
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      USE_LIBUV="0")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch_peer_world.join(rank, WORLD, port)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -161,12 +160,6 @@ def worker(rank, port, out, small):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_reference(out, raw_dir, tensors, digest_name):
     os.makedirs(os.path.join(out, raw_dir), exist_ok=True)
     lines = []
@@ -185,7 +178,9 @@ def main(out, small):
     SMALL = small
     os.makedirs(out, exist_ok=True)
     import torch.multiprocessing as mp
-    mp.spawn(worker, args=(free_port(), out, small), nprocs=WORLD, join=True)
+    store, port = torch_peer_world.serve()
+    mp.spawn(worker, args=(port, out, small), nprocs=WORLD, join=True)
+    del store
     ref = reference("adamw")
     ref.update({"extra." + k: v for k, v in extras().items()})
     write_reference(out, "raw", ref, "digest.txt")

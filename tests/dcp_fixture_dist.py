@@ -22,12 +22,12 @@ The state dict, the same full tensors on every rank (seeded), each rank keeping 
 import hashlib
 import json
 import os
-import socket
 import sys
 
 # torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_compat  # noqa: E402,F401
+import torch_peer_world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._shard.checkpoint as dcp  # noqa: E402
@@ -64,8 +64,7 @@ def blocks(scale):
 
 
 def worker(rank, port, out, scale):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch_peer_world.join(rank, WORLD, port)
     full = full_tensors(scale)
     sd = {}
     for key, parts in blocks(scale).items():
@@ -87,17 +86,12 @@ def worker(rank, port, out, scale):
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(out, scale):
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
-    port = free_port()
+    store, port = torch_peer_world.serve()
     import torch.multiprocessing as mp
     mp.spawn(worker, args=(port, out, scale), nprocs=WORLD, join=True)
+    del store
     full = full_tensors(scale)
     lines = []
     for key, t in full.items():

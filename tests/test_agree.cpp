@@ -468,6 +468,12 @@ TEST_CASE("a lost rank during a save: the error names the save and its step, and
                              ": c10d " + (at % 2 ? "all_gather_bytes" : "broadcast_bytes") + " on rank 0 of 1 failed: rank 7 lost";
     CHECK(msg == want);
   }
+  // nested scopes join with ": ", a scope equal to the one it nests in said once; none when gone
+  {
+    const step_scope a("import /hf"), b("import /hf"), c("rank 0 reading and broadcasting");
+    CHECK(step_scope::describe() == "import /hf: rank 0 reading and broadcasting");
+  }
+  CHECK(step_scope::describe().empty());
   // outside any scope the error is the Comm's own
   losing_comm comm{1};
   errc code{};

@@ -7,8 +7,11 @@
 
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -112,8 +115,11 @@ void write_folder(const std::filesystem::path& dir) {
 
 }  // namespace
 
+// args: HF folder, mode[, ready folder, timeout in ms]: with the last two, after the first
+// import (checked) the rank marks itself ready and imports again and again until the world
+// breaks (tests/torch/test_cluster.cpp's kill cases).
 WORKER_SCENARIO("hf_import_module") {
-  auto w = init_world_from_env();
+  auto w = args.size() > 3 ? init_world_from_env(std::chrono::milliseconds(std::stol(args.at(3)))) : init_world_from_env();
   auto comm = w.comm();
   const bool broadcast = args.at(1) == "rank0_broadcast";
   holder model;
@@ -165,6 +171,10 @@ WORKER_SCENARIO("hf_import_module") {
   if (!broadcast && double(res.stats.bytes_read) > 1.1 * double(shard_bytes))
     complain("read " + std::to_string(res.stats.bytes_read) + " bytes for a shard of " + std::to_string(shard_bytes));
   if (broadcast && w.rank != 0 && res.stats.bytes_read != 0) complain("a rank other than 0 read the files");
+  if (bad == 0 && args.size() > 3) {
+    std::ofstream(std::filesystem::path(args.at(2)) / ("ready" + std::to_string(w.rank))) << "x";
+    for (;;) load_hf_module(file_directory(args.at(0)), model, comm, shards, opt);
+  }
   return bad == 0 ? 0 : 1;
 }
 
@@ -192,6 +202,25 @@ TEST_CASE("hf import on a simulated cluster: 6 ranks over 3 nodes, both modes, b
     auto r = testing::run_on(c, "hf_import_module", 6, 2, {dir.str(), mode}, dir.path / (std::string("log-") + mode));
     CHECK_MESSAGE(r.ok(), r.report());
   }
+}
+
+TEST_CASE("hf import on a simulated cluster: a rank SIGKILLed during rank 0's broadcast ends every rank, naming it" *
+          doctest::skip(testing::cluster_skipped())) {
+  testing::temp_dir dir("hf-import-cluster-kill");
+  std::filesystem::create_directories(dir.path / "hf");
+  write_folder(dir.path / "hf");
+  const auto ready = dir.path / "ready";
+  std::filesystem::create_directories(ready);
+  testing::sim_cluster c(3);
+  const int ranks = 6, timeout_ms = 10000;
+  const auto b = testing::break_world(c, "hf_import_module",
+                                      {(dir.path / "hf").string(), "rank0_broadcast", ready.string(), std::to_string(timeout_ms)},
+                                      ready, ranks, 2, timeout_ms, dir.path / "log",
+                                      [](const testing::sim_cluster&, shardsafe::local_world& w) {
+                                        w.kill_rank(3, SIGKILL);
+                                        return 3;
+                                      });
+  testing::check_broken(b, ranks, "import " + (dir.path / "hf").string() + ": ");
 }
 
 TEST_CASE("hf import into a state dict in one process: staging of non-contiguous tensors, tied staging") {

@@ -136,7 +136,8 @@ inline void throw_if_any_failed(std::span<const step_outcome> outcomes) {
 }
 
 /// Names, for the errors of exchanges that fail, what the collective steps run on this thread
-/// are part of while it lives (nested scopes join with ": "). Thread-local; one string each.
+/// are part of while it lives (nested scopes join with ": "; a scope equal to the one it nests
+/// in, as when one call of a library function wraps another, is said once). Thread-local.
 class step_scope {
  public:
   explicit step_scope(std::string what) { stack().push_back(std::move(what)); }
@@ -147,7 +148,9 @@ class step_scope {
   /// The scopes alive on this thread, outermost first, joined with ": " (empty without any).
   static std::string describe() {
     std::string s;
-    for (const auto& w : stack()) s += (s.empty() ? "" : ": ") + w;
+    const std::vector<std::string>& st = stack();
+    for (std::size_t i = 0; i < st.size(); ++i)
+      if (i == 0 || st[i] != st[i - 1]) s += (s.empty() ? "" : ": ") + st[i];
     return s;
   }
 

@@ -42,16 +42,21 @@ namespace shardsafe {
 /// the world met through, the rank then calls a roll call there, at most `roll_call` long:
 /// every rank whose collective fails answers it, and the message names the ranks that did not
 /// answer (lost, or still blocked in another collective), or says that the store did not answer
-/// (its host, rank 0's, is the one lost or cut off). The rank that hosts the store
-/// (`hosts_store`) stays one roll call longer, so that ranks whose collectives failed a little
-/// later can finish theirs. So a rank ends at most the group's timeout plus `roll_call` (twice
-/// that for the store's host) after the failure.
+/// (its host, rank 0's, is the one lost or cut off). The rank that hosts the store keeps it up
+/// after its own roll call (`store_host_wait`, the group's timeout, for init_world_from_env's
+/// rank 0) until every rank has answered or that long has passed, and then one roll call more:
+/// a rank blocked in a collective that waits on the lost rank only through others fails by the
+/// group's timeout, and still finds the store to answer and read. So a rank ends at most the
+/// group's timeout plus `roll_call` after the failure, the store's host at most twice the
+/// timeout plus twice `roll_call`.
 class c10d_comm {
  public:
   explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU,
                      c10::intrusive_ptr<c10d::Store> store = {},
-                     std::chrono::milliseconds roll_call = std::chrono::seconds(5), bool hosts_store = false)
-      : pg_(std::move(pg)), device_(device), store_(std::move(store)), roll_call_(roll_call), hosts_store_(hosts_store) {}
+                     std::chrono::milliseconds roll_call = std::chrono::seconds(5),
+                     std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
+      : pg_(std::move(pg)), device_(device), store_(std::move(store)), roll_call_(roll_call),
+        store_host_wait_(store_host_wait) {}
 
   int rank() const { return pg_->getRank(); }
   int world_size() const { return pg_->getSize(); }
@@ -204,15 +209,31 @@ class c10d_comm {
     if (!res->cv.wait_for(lk, roll_call_ + std::chrono::milliseconds(500), [&] { return res->done; }))
       return "; the store (rank 0's, where the world met) did not answer the roll call within " + std::string(budget) +
              " (rank 0's host lost, or this rank cut off)";
-    if (hosts_store_) std::this_thread::sleep_for(roll_call_);  // the others' roll calls still read the store
+    if (store_host_wait_.count() > 0) keep_store_up();
     return res->text;
+  }
+
+  /// On the store's host, after its roll call: until every rank has answered (at most
+  /// store_host_wait_), then one roll call more for the last to read the answers.
+  void keep_store_up() const {
+    const auto deadline = std::chrono::steady_clock::now() + store_host_wait_;
+    try {
+      for (bool all = false; !all && std::chrono::steady_clock::now() < deadline;) {
+        all = true;
+        for (int r = 0; r < world_size() && all; ++r) all = store_->check({"shardsafe/roll_call/" + std::to_string(r)});
+        if (!all) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    } catch (const std::exception&) {  // the store is this process's own: nothing more to keep up
+      return;
+    }
+    std::this_thread::sleep_for(roll_call_);
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds roll_call_;
-  bool hosts_store_ = false;
+  std::chrono::milliseconds store_host_wait_{0};
 };
 
 static_assert(Comm<c10d_comm>);
@@ -229,10 +250,12 @@ struct c10d_world {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< the store's and the group's
   /// A Comm over pg whose failures call a roll call in the store (c10d_comm), a tenth of the
   /// timeout long (1 to 10 s).
-  c10d_comm comm() const { return c10d_comm(pg, at::kCPU, store, roll_call(), rank == 0); }
+  c10d_comm comm() const { return c10d_comm(pg, at::kCPU, store, roll_call(), store_host_wait()); }
   std::chrono::milliseconds roll_call() const {
     return std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::seconds(1), std::chrono::seconds(10));
   }
+  /// Rank 0 serves the store (init_world_from_env): it keeps it up for the others' roll calls.
+  std::chrono::milliseconds store_host_wait() const { return rank == 0 ? timeout : std::chrono::milliseconds(0); }
 
 #ifdef USE_C10D_GLOO
   /// A second Gloo process group over the same ranks, through the same store under a prefix of
@@ -248,7 +271,7 @@ struct c10d_world {
       auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
       auto group = compat::make_gloo_process_group(ps, rank, world_size, gloo_options);
       group->barrier()->wait();  // every rank's side of every connection set up (init_world_from_env)
-      return c10d_comm(std::move(group), at::kCPU, store, roll_call(), rank == 0);
+      return c10d_comm(std::move(group), at::kCPU, store, roll_call(), store_host_wait());
     } catch (const c10::Error& e) {
       throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
                                         ": " + e.what_without_backtrace());
@@ -287,7 +310,8 @@ inline long env_number(const char* name, long lo, long hi) {
 /// loopback address, else the interface of this host's name.
 /// `timeout` bounds the store's operations and every collective of the group: a rank whose
 /// peer died or whose link was cut ends with errc::comm_error at most `timeout` plus the roll
-/// call (c10d_world::roll_call(), a tenth of it) after the failure, naming the ranks it lost.
+/// call (c10d_world::roll_call(), a tenth of it) after the failure, naming the ranks it lost;
+/// rank 0, which serves the store, keeps it up for the others' roll calls: at most twice that.
 inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
   c10d_world w;
   const int world = static_cast<int>(detail::env_number("WORLD_SIZE", 1, 1 << 20));

@@ -44,6 +44,7 @@ inline tensor_identity identity_of(const at::Tensor& t) {
 /// shards). Undefined tensors are an error on every rank.
 template <ReadableDirectory D, Comm C>
 hf_import_result load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const hf_import_options& opt = {}) {
+  const step_scope scope("import " + std::string(dir.name()));
   std::vector<flat_view> views;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (the caller's tensor, its CPU staging)
   std::map<detail::tensor_identity, std::size_t> staging_of;
@@ -79,6 +80,7 @@ hf_import_result load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const
 template <ReadableDirectory D, Comm C>
 hf_import_result load_hf_module(const D& dir, torch::nn::Module& m, C& comm, const shard_map& shards = {},
                                 const hf_import_options& opt = {}) {
+  const step_scope scope("import " + std::string(dir.name()));
   state_dict sd;
   every_rank_step(comm, [&] { sd = module_state_dict(m, shards); });
   return load_hf_state_dict(dir, sd, comm, opt);
