@@ -76,7 +76,7 @@ inline std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view
     if (!writer || *writer != mine) continue;
     const std::uint64_t item = item_size(v.type);
     auto add = [&](shape_t offsets, shape_t sizes, std::uint64_t local) {
-      out.push_back({v.key, v.type, std::move(offsets), std::move(sizes), v.data + local * item, 0});
+      out.push_back({{v.key, v.type, std::move(offsets), std::move(sizes)}, v.data + local * item, 0});
     };
     if (tm->numel() == 0) {  // an empty tensor: one empty chunk, so that it is listed
       if (&tm->files.front().first == writer) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);

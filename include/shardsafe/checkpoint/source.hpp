@@ -236,7 +236,7 @@ checkpoint_source<D> dcp_source(const D& dir) {
                                          df.path + "' and chunk " + std::to_string(k) + " of '" + path + "' in it");
       df.path = path;
       df.safetensors = path.ends_with(".safetensors");
-      df.chunks.push_back({key, item.type, c.offsets, c.sizes, c.storage.offset, c.storage.length});
+      df.chunks.push_back({{key, item.type, c.offsets, c.sizes}, c.storage.offset, c.storage.length});
       // a 0-d tensor's one chunk is its one element
       tm.files.emplace_back(fname, item.size.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(c.sizes, c.offsets)));
     }
