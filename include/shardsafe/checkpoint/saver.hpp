@@ -354,8 +354,9 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
     std::vector<const std::byte*> data(layout.tensors.size(), nullptr);
     std::vector<const flat_view*> by_index(layout.tensors.size(), nullptr);
     for (const flat_view* v : views) {
-      by_index[layout.index_of(v->key)] = v;
-      data[layout.index_of(v->key)] = v->data;
+      const std::size_t i = layout.index_of(v->key);
+      by_index[i] = v;
+      data[i] = v->data;
     }
     // the bytes of views without memory (opt.fetch), by layout index
     auto fetch = [&](std::size_t i, std::uint64_t off, std::span<std::byte> dst) {
