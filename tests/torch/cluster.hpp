@@ -14,7 +14,6 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -38,57 +37,58 @@ inline bool cluster_skipped() {
 }
 
 /// A cluster of `nodes` nodes made by scripts/cluster.sh for one test; removed (with whatever
-/// still runs on it) when the object goes, whatever way the test ends.
+/// still runs on it) when the object goes, whatever way the test ends. The script alone knows
+/// the nodes' names and addresses: ranks start through `cluster.sh run NAME NODE` (which execs
+/// into the node), and node 0's address comes from `cluster.sh addr`.
 struct sim_cluster {
   std::string script = std::string(SHARDSAFE_SOURCE_DIR) + "/scripts/cluster.sh";
   std::string name = "c" + std::to_string(::getpid() % 10000000);
   int nodes;
-  std::string links;
+  std::string links;  ///< what the links got (cluster.sh links)
+  std::string head;   ///< node 0's address
   mutable int worlds = 0;
   explicit sim_cluster(int n, const std::string& rate = "10gbit") : nodes(n) {
     REQUIRE_MESSAGE(::geteuid() == 0, "the cluster tests need root (network namespaces)");
     REQUIRE_MESSAGE(run("up " + name + " " + std::to_string(n) + " " + rate) == 0, "scripts/cluster.sh up failed");
-    std::ifstream f("/run/shardsafe-cluster/" + name + "/links");
-    std::getline(f, links);
+    links = line_of({"links", name});
+    head = line_of({"addr", name, "0"});
   }
   sim_cluster(const sim_cluster&) = delete;
   sim_cluster& operator=(const sim_cluster&) = delete;
   ~sim_cluster() { run("down " + name); }
   int run(const std::string& args) const { return std::system((script + " " + args + " >&2").c_str()); }
-  std::string addr(int node) const { return "10.213.0." + std::to_string(node + 1); }
-  std::string ns(int node) const { return name + "-n" + std::to_string(node); }
 
-  /// The launch options of a world of `ranks` ranks of `scenario`, `per_node` ranks on each
-  /// node from node 0 on: each rank started by `ip netns exec` on its node, Gloo on eth0, the
-  /// store on node 0's address.
+  /// The launch options of a world of `scenario`, `per_node` ranks on each node from node 0
+  /// on: the worker's (worker_options), each rank started on its node, Gloo on eth0, the
+  /// store on node 0.
   shardsafe::launch_options world(const std::string& scenario, const std::vector<std::string>& args, int per_node,
-                       const fs::path& logdir) const {
-    shardsafe::launch_options o;
-    o.master_addr = addr(0);
+                                  const fs::path& logdir) const {
+    shardsafe::launch_options o = worker_options(scenario, args, logdir, {{"GLOO_SOCKET_IFNAME", "eth0"}});
+    o.master_addr = head;
     o.master_port = 29500 + worlds++;  // node 0 is a network of its own: nothing else listens there
-    o.env["SHARDSAFE_WORKER"] = scenario;
-    o.env["SHARDSAFE_WORKER_ARGS"] = join_args(args);
-    o.env["OMP_NUM_THREADS"] = "1";
-    o.env["GLOO_SOCKET_IFNAME"] = "eth0";
-    o.stderr_dir = logdir;
-    o.wrap = [this, per_node](int r) { return std::vector<std::string>{"ip", "netns", "exec", ns(r / per_node)}; };
+    o.wrap = [this, per_node](int r) { return std::vector<std::string>{script, "run", name, std::to_string(r / per_node)}; };
     o.local_rank = [per_node](int r) { return r % per_node; };
     return o;
   }
-};
 
-inline std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
+ private:
+  std::string line_of(const std::vector<std::string>& args) const {
+    const program_result r = run_program(script, args);
+    REQUIRE_MESSAGE((r.exited && r.code == 0), "scripts/cluster.sh failed: " << r.err);
+    return r.out.substr(0, r.out.find('\n'));
+  }
+};
 
 /// Runs a world on the cluster to its end (at most `timeout`); each rank's exit code and stderr.
 inline world_result run_on(const sim_cluster& c, const std::string& scenario, int ranks, int per_node,
-                             const std::vector<std::string>& args, const fs::path& logdir,
-                             std::chrono::seconds timeout = std::chrono::seconds(300)) {
+                           const std::vector<std::string>& args, const fs::path& logdir,
+                           std::chrono::seconds timeout = std::chrono::seconds(300)) {
   world_result res;
   {
     shardsafe::local_world w(self_exe(), {}, ranks, c.world(scenario, args, per_node, logdir));
     res.status = w.wait(timeout);
   }
-  for (int r = 0; r < ranks; ++r) res.err.push_back(slurp(logdir / ("rank" + std::to_string(r) + ".err")));
+  res.err = rank_errors(logdir, ranks);
   return res;
 }
 
@@ -150,7 +150,7 @@ broken_world break_world(const sim_cluster& c, const std::string& scenario, cons
     if (b.victim >= 0) b.victim_pid = w.pid(b.victim);
     b.res.status = w.wait(std::chrono::milliseconds(2 * timeout_ms + 10000));
   }
-  for (int r = 0; r < ranks; ++r) b.res.err.push_back(slurp(logdir / ("rank" + std::to_string(r) + ".err")));
+  b.res.err = rank_errors(logdir, ranks);
   std::string s;
   for (int r = 0; r < ranks; ++r)
     s += "  rank " + std::to_string(r) + ": " + std::to_string(b.res.status[r]) + " " +

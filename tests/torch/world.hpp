@@ -84,30 +84,46 @@ struct world_result {
   }
 };
 
-/// Starts `n` ranks of scenario `name` and waits (at most timeout) for all of them.
-inline world_result run_world(const std::string& name, int n, const std::vector<std::string>& args = {},
-                              std::chrono::seconds timeout = std::chrono::seconds(240),
-                              std::map<std::string, std::string> extra_env = {}) {
+/// This test binary: what a world's ranks run.
+inline std::string self_exe() { return std::filesystem::read_symlink("/proc/self/exe").string(); }
+
+/// The launch options of a world of scenario `name` with `args`: the worker's variables (and
+/// `extra_env`), one OpenMP thread unless extra_env says otherwise, rank R's stderr to
+/// LOGDIR/rankR.err.
+inline shardsafe::launch_options worker_options(const std::string& name, const std::vector<std::string>& args,
+                                                const std::filesystem::path& logdir,
+                                                std::map<std::string, std::string> extra_env = {}) {
   shardsafe::launch_options opt;
   opt.env = std::move(extra_env);
   opt.env["SHARDSAFE_WORKER"] = name;
   opt.env["SHARDSAFE_WORKER_ARGS"] = join_args(args);
   if (!opt.env.count("OMP_NUM_THREADS")) opt.env["OMP_NUM_THREADS"] = "1";
-  opt.master_port = shardsafe::free_local_port();
-  const auto logdir = std::filesystem::temp_directory_path() /
-                      ("shardsafe-world-" + std::to_string(::getpid()) + "-" + std::to_string(opt.master_port));
   opt.stderr_dir = logdir;
+  return opt;
+}
+
+/// The stderr of each of n ranks, from the folder worker_options sent it to.
+inline std::vector<std::string> rank_errors(const std::filesystem::path& logdir, int n) {
+  std::vector<std::string> err;
+  for (int r = 0; r < n; ++r) err.push_back(slurp(logdir / ("rank" + std::to_string(r) + ".err")));
+  return err;
+}
+
+/// Starts `n` ranks of scenario `name` and waits (at most timeout) for all of them.
+inline world_result run_world(const std::string& name, int n, const std::vector<std::string>& args = {},
+                              std::chrono::seconds timeout = std::chrono::seconds(240),
+                              std::map<std::string, std::string> extra_env = {}) {
+  const int port = shardsafe::free_local_port();
+  const auto logdir = std::filesystem::temp_directory_path() /
+                      ("shardsafe-world-" + std::to_string(::getpid()) + "-" + std::to_string(port));
+  shardsafe::launch_options opt = worker_options(name, args, logdir, std::move(extra_env));
+  opt.master_port = port;
   world_result res;
   {
-    shardsafe::local_world w(std::filesystem::read_symlink("/proc/self/exe").string(), {}, n, opt);
+    shardsafe::local_world w(self_exe(), {}, n, opt);
     res.status = w.wait(timeout);
   }
-  for (int r = 0; r < n; ++r) {
-    std::ifstream f(logdir / ("rank" + std::to_string(r) + ".err"));
-    std::stringstream ss;
-    ss << f.rdbuf();
-    res.err.push_back(ss.str());
-  }
+  res.err = rank_errors(logdir, n);
   std::filesystem::remove_all(logdir);
   return res;
 }

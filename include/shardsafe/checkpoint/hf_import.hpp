@@ -238,7 +238,6 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
         } else {
           comm.broadcast_bytes(buf, 0);
         }
-        return 0;
       });
       res.bytes_broadcast += len;
       if (deferred) continue;

@@ -163,7 +163,8 @@ class step_scope {
 
 namespace detail {
 
-/// Runs an exchange of outcomes; a comm_error it throws gets the step scopes in front.
+/// Runs an exchange (returning what it returns, or nothing); a comm_error it throws gets the
+/// step scopes in front.
 template <class X>
 auto exchange_in_scope(X&& x) {
   try {
@@ -223,10 +224,7 @@ template <Comm C, class F>
   requires detail::step_function<F>
 auto rank0_step(C& comm, F&& f) {
   std::string bytes = comm.rank() == 0 ? detail::run_step(f).encode() : std::string();
-  detail::exchange_in_scope([&] {
-    comm.broadcast_bytes(bytes, 0);
-    return 0;
-  });
+  detail::exchange_in_scope([&] { comm.broadcast_bytes(bytes, 0); });
   step_outcome o = step_outcome::decode(bytes, "rank 0");
   throw_if_any_failed(std::span<const step_outcome>(&o, 1));
   if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) return std::move(o.text);

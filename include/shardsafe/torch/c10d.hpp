@@ -34,6 +34,23 @@
 
 namespace shardsafe {
 
+namespace detail {
+/// The roll call's record of rank r in the store (c10d_comm, below).
+inline std::string roll_call_key(int r) { return "shardsafe/roll_call/" + std::to_string(r); }
+/// The ranks of a world of n whose answer to the roll call is not in the store (yet).
+inline std::vector<int> roll_call_silent(c10d::Store& store, int n) {
+  std::vector<int> silent;
+  for (int r = 0; r < n; ++r)
+    if (!store.check({roll_call_key(r)})) silent.push_back(r);
+  return silent;
+}
+/// The first line of an exception's text (c10's carry a backtrace after it).
+inline std::string first_line(std::string s) {
+  if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
+  return s;
+}
+}  // namespace detail
+
 /// A Comm over a c10d process group. Byte collectives travel as uint8 tensors on `device`
 /// (CPU for Gloo; the rank's CUDA device for NCCL).
 ///
@@ -155,9 +172,8 @@ class c10d_comm {
     } catch (const std::exception& e) {  // Gloo's transport errors (gloo::IoException) come as they are
       why = e.what();
     }
-    if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
     throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " of " +
-                                      std::to_string(world_size()) + " failed: " + why + roll_call());
+                                      std::to_string(world_size()) + " failed: " + detail::first_line(why) + roll_call());
   }
 
   /// The roll call after a failed collective (see the class comment); runs on a thread of its
@@ -176,18 +192,12 @@ class c10d_comm {
     std::snprintf(budget, sizeof budget, "%.1f s", secs);
     std::thread([res, store = store_, me = rank(), n = world_size(), limit = roll_call_, budget = std::string(budget)] {
       std::string text;
-      auto key = [](int r) { return "shardsafe/roll_call/" + std::to_string(r); };
       try {
-        store->set(key(me), std::vector<std::uint8_t>{1});
+        store->set(detail::roll_call_key(me), std::vector<std::uint8_t>{1});
         const auto deadline = std::chrono::steady_clock::now() + limit;
         std::vector<int> silent;
-        for (;;) {
-          silent.clear();
-          for (int r = 0; r < n; ++r)
-            if (!store->check({key(r)})) silent.push_back(r);
-          if (silent.empty() || std::chrono::steady_clock::now() >= deadline) break;
+        while (!(silent = detail::roll_call_silent(*store, n)).empty() && std::chrono::steady_clock::now() < deadline)
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
         if (silent.empty()) {
           text = "; every rank answered the roll call in the store (each saw a collective fail)";
         } else {
@@ -196,9 +206,7 @@ class c10d_comm {
           text += " did not answer the roll call in the store within " + budget + " (lost, or still blocked)";
         }
       } catch (const std::exception& e) {
-        std::string why = e.what();
-        if (const auto nl = why.find('\n'); nl != std::string::npos) why.resize(nl);
-        text = "; the store (rank 0's, where the world met) did not answer the roll call: " + why;
+        text = "; the store (rank 0's, where the world met) did not answer the roll call: " + detail::first_line(e.what());
       }
       std::lock_guard<std::mutex> lk(res->m);
       res->text = std::move(text);
@@ -218,11 +226,8 @@ class c10d_comm {
   void keep_store_up() const {
     const auto deadline = std::chrono::steady_clock::now() + store_host_wait_;
     try {
-      for (bool all = false; !all && std::chrono::steady_clock::now() < deadline;) {
-        all = true;
-        for (int r = 0; r < world_size() && all; ++r) all = store_->check({"shardsafe/roll_call/" + std::to_string(r)});
-        if (!all) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
+      while (!detail::roll_call_silent(*store_, world_size()).empty() && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
     } catch (const std::exception&) {  // the store is this process's own: nothing more to keep up
       return;
     }
