@@ -49,9 +49,15 @@ struct sim_cluster {
   mutable int worlds = 0;
   explicit sim_cluster(int n, const std::string& rate = "10gbit") : nodes(n) {
     REQUIRE_MESSAGE(::geteuid() == 0, "the cluster tests need root (network namespaces)");
+    // (a failed up removes what it made itself)
     REQUIRE_MESSAGE(run("up " + name + " " + std::to_string(n) + " " + rate) == 0, "scripts/cluster.sh up failed");
-    links = line_of({"links", name});
-    head = line_of({"addr", name, "0"});
+    try {  // a constructor that throws runs no destructor: the cluster goes here
+      links = line_of({"links", name});
+      head = line_of({"addr", name, "0"});
+    } catch (...) {
+      run("down " + name);
+      throw;
+    }
   }
   sim_cluster(const sim_cluster&) = delete;
   sim_cluster& operator=(const sim_cluster&) = delete;
