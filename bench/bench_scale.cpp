@@ -1,25 +1,29 @@
 // bench_scale - what one rank pays for the checkpoint's metadata as the world grows: the
-// planner alone, on synthetic metadata of a 70B-parameter model, for worlds of 64 to 16,384 ranks.
+// planner alone, on synthetic metadata of a 70B-parameter model, for worlds of 64 to 16,384 ranks,
+// in both forms of metadata.json.
 //
 //   meson compile -C build bench/bench_scale && ./build/bench/bench_scale [--quick] [--max-world N]
 //
 // The model: Llama-3-70B's 723 tensors (80 layers, hidden 8192, intermediate 28672, 64 query /
 // 8 key-value heads of 128, vocab 128,256; 70.6 billion parameters, BF16). Two layouts of the
-// saving world, as metadata.json describes them today (one entry per file per tensor):
-//   fsdp  every tensor flattened and split evenly over all W ranks (OLMo-core's FSDP: W files
-//         per tensor);
+// saving world:
+//   fsdp  every tensor flattened and split over all W ranks in torch.chunk pieces of ceil(n / W)
+//         elements (FSDP's flat split: W files per tensor, the last ones short or empty);
 //   3d    TP 8 x PP (min(W/8, 16) stages, layers split evenly) x DP (the rest): each tensor
 //         lives on one stage, split by rows (q, k, v, gate, up, embeddings, lm_head) or columns
 //         (o, down) over TP, norms whole; only data-parallel rank 0 writes (TP files per tensor).
-// For each W, one rank (rank W/2) of a loading world of the same layout and size, and one of a
-// world half the size (a resharded resume):
-//   entries     shard entries in metadata.json (tensors x files per tensor)
+// Each in two forms of metadata.json (docs/FORMAT.md §2): listed (one entry per file per tensor,
+// OLMo-core's) and compact (each regular sharding a grid of O(dims) numbers, found by
+// detect_grid from the listed entries, as a save with metadata_form::compact does).
+// For each W and form, one rank (rank W/2) of a loading world of the same layout and size, and
+// one of a world half the size (a resharded resume):
+//   entries     shard entries the listed form holds (tensors x files per tensor)
 //   json MB     metadata.json's size (write_checkpoint_metadata, as a save writes it)
-//   parse s     parse_checkpoint_metadata of that text: every rank reads all of it today
+//   parse s     parse_checkpoint_metadata of that text: every rank reads all of it
 //   parse MiB   heap the parsed metadata holds (glibc's mallinfo2, in use after minus before)
-//   plan s      plan_load of every tensor of the rank's shard against every file of the tensor
-//               (what checkpoint_reader::plan does after reading the file headers, which it
-//               reads for the files the rank needs only)
+//   plan s      what checkpoint_reader::plan does per view before reading file headers: the
+//               files that may hold it (tensor_metadata::overlapping_files: every listed file,
+//               or a grid's by division) and plan_load over them
 //   files       distinct files the rank's plan reads from
 //   read MiB    bytes the plan reads (the rank's share of the model)
 // --max-world stops the doubling early (default 16384; --quick: 256). Above 1 GiB of text the
@@ -72,8 +76,11 @@ std::vector<model_tensor> llama70b() {
 
 std::string rank_file(u64 r) { return "rank_" + std::to_string(r) + ".safetensors"; }
 
-/// [b, e) of part r of n over `len` elements, as even as possible
-std::pair<u64, u64> even_part(u64 len, u64 n, u64 r) { return {len * r / n, len * (r + 1) / n}; }
+/// [b, e) of part r of n over `len` elements: torch.chunk's pieces of ceil(len / n)
+std::pair<u64, u64> even_part(u64 len, u64 n, u64 r) {
+  const u64 c = (len + n - 1) / n;
+  return {std::min(len, c * r), std::min(len, c * (r + 1))};
+}
 
 // --- the 3-D layout: rank = (pp * dp_size + dp) * tp_size + tp
 struct grid {
@@ -124,6 +131,11 @@ checkpoint_metadata make_metadata(const std::vector<model_tensor>& model, const 
   }
   md.extras.writer = "bench_scale";
   md.extras.world_size = world;
+  // as a save records them: every rank file's size (O(world) in both forms; the listed form's
+  // checksum tables, O(tensors x world) more, are left out here)
+  u64 bytes = 0;
+  for (const auto& t : model) bytes += numel(t.shape) * 2;
+  for (u64 r = 0; r < world; ++r) md.extras.file_sizes[rank_file(r)] = bytes / world;
   return md;
 }
 
@@ -155,20 +167,21 @@ struct plan_figures {
 plan_figures plan_rank(const checkpoint_metadata& md, const std::vector<model_tensor>& model,
                        const std::vector<std::pair<std::size_t, shard_spec>>& mine) {
   plan_figures f;
-  std::set<std::string_view> files;
+  std::set<std::string> files;
   const double t0 = bench::now_s();
   for (const auto& [ti, spec] : mine) {
     const tensor_metadata* tm = md.find(model[ti].name);  // as checkpoint_reader::plan looks it up
+    const auto list = tm->overlapping_files(spec);
     std::vector<shard_spec> specs;
-    specs.reserve(tm->files.size());
-    for (const auto& fe : tm->files) specs.push_back(fe.second);
+    specs.reserve(list.size());
+    for (const auto& fe : list) specs.push_back(fe.second);
     const load_plan lp = plan_load(spec, std::span<const shard_spec>(specs), tm->shape);
     if (!lp.missing.empty()) {
       std::fprintf(stderr, "bench_scale: %s: the plan misses elements\n", model[ti].name.c_str());
       std::exit(1);
     }
     for (const auto& fp : lp.files) {
-      files.insert(tm->files[fp.file].first);
+      files.insert(list[fp.file].first);
       f.bytes += fp.numel * 2;
     }
   }
@@ -190,49 +203,66 @@ int main(int argc, char** argv) {
   for (const auto& t : model) params += numel(t.shape);
   std::printf("bench_scale: %zu tensors, %.2f billion parameters (BF16); one rank (W/2) of the loading world\n\n",
               model.size(), double(params) / 1e9);
-  std::printf("%-6s %6s %10s %9s %8s %9s %9s | %-10s %8s %6s %9s\n", "layout", "world", "entries", "json MB", "write s",
-              "parse s", "parse MiB", "load on", "plan s", "files", "read MiB");
+  std::printf("%-6s %-7s %6s %10s %9s %8s %9s %9s | %-10s %8s %6s %9s\n", "layout", "form", "world", "entries", "json MB",
+              "write s", "parse s", "parse MiB", "load on", "plan s", "files", "read MiB");
   for (const std::string layout : {"3d", "fsdp"}) {
     for (u64 w = 64; w <= max_world; w *= 2) {
-      u64 entries = 0;
-      std::string text;
-      double write_s = 0;
+      u64 entries = 0, grids = 0;
+      std::string texts[2];
+      double write_s[2] = {0, 0};
       {
-        const checkpoint_metadata md = make_metadata(model, layout, w);
+        checkpoint_metadata md = make_metadata(model, layout, w);
         for (const auto& [k, t] : md.tensors) entries += t.files.size();
+        double t0 = bench::now_s();
+        texts[0] = write_checkpoint_metadata(md);
+        write_s[0] = bench::now_s() - t0;
+        for (auto& [k, t] : md.tensors)
+          if (auto g = detect_grid(t)) {
+            t.grid = std::move(g);
+            t.files.clear();
+            ++grids;
+          }
+        t0 = bench::now_s();
+        texts[1] = write_checkpoint_metadata(md);
+        write_s[1] = bench::now_s() - t0;
+      }
+      for (int form = 0; form < 2; ++form) {
+        std::string& text = texts[form];
+        const char* fname = form == 0 ? "listed" : "compact";
+        const double json_mb = double(text.size()) / 1e6;
+        if (text.size() > max_metadata_size) {
+          std::printf("%-6s %-7s %6llu %10llu %9.1f %8.2f  refused: over max_metadata_size (1 GiB); nothing planned\n",
+                      layout.c_str(), fname, (unsigned long long)w, (unsigned long long)entries, json_mb, write_s[form]);
+          continue;
+        }
+        text.reserve(text.size() + 64);
+        const auto heap0 = mallinfo2().uordblks;
         const double t0 = bench::now_s();
-        text = write_checkpoint_metadata(md);
-        write_s = bench::now_s() - t0;
+        const checkpoint_metadata md = parse_checkpoint_metadata(text, "metadata.json");
+        const double parse_s = bench::now_s() - t0;
+        const double parse_mib = double(mallinfo2().uordblks - heap0) / double(bench::MiB);
+        bool first = true;
+        for (const u64 lw : {w, w / 2}) {
+          const plan_figures f = plan_rank(md, model, my_shards(model, layout, lw, lw / 2));
+          const std::string on = std::to_string(lw) + " ranks";
+          if (first)
+            std::printf("%-6s %-7s %6llu %10llu %9.1f %8.2f %9.3f %9.0f | %-10s %8.3f %6zu %9.0f\n", layout.c_str(), fname,
+                        (unsigned long long)w, (unsigned long long)entries, json_mb, write_s[form], parse_s, parse_mib,
+                        on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
+          else
+            std::printf("%-6s %-7s %6s %10s %9s %8s %9s %9s | %-10s %8.3f %6zu %9.0f\n", "", "", "", "", "", "", "", "",
+                        on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
+          first = false;
+        }
+        if (form == 1 && grids != model.size())
+          std::printf("%-6s %-7s %6s  (%llu of %zu tensors are grids; the rest stay listed)\n", "", "", "",
+                      (unsigned long long)grids, model.size());
+        std::fflush(stdout);
       }
-      const double json_mb = double(text.size()) / 1e6;
-      if (text.size() > max_metadata_size) {
-        std::printf("%-6s %6llu %10llu %9.1f %8.2f  refused: over max_metadata_size (1 GiB); nothing planned\n",
-                    layout.c_str(), (unsigned long long)w, (unsigned long long)entries, json_mb, write_s);
-        continue;
-      }
-      text.reserve(text.size() + 64);
-      const auto heap0 = mallinfo2().uordblks;
-      const double t0 = bench::now_s();
-      const checkpoint_metadata md = parse_checkpoint_metadata(text, "metadata.json");
-      const double parse_s = bench::now_s() - t0;
-      const double parse_mib = double(mallinfo2().uordblks - heap0) / double(bench::MiB);
-      bool first = true;
-      for (const u64 lw : {w, w / 2}) {
-        const plan_figures f = plan_rank(md, model, my_shards(model, layout, lw, lw / 2));
-        const std::string on = std::to_string(lw) + " ranks";
-        if (first)
-          std::printf("%-6s %6llu %10llu %9.1f %8.2f %9.3f %9.0f | %-10s %8.3f %6zu %9.0f\n", layout.c_str(),
-                      (unsigned long long)w, (unsigned long long)entries, json_mb, write_s, parse_s, parse_mib,
-                      on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
-        else
-          std::printf("%-6s %6s %10s %9s %8s %9s %9s | %-10s %8.3f %6zu %9.0f\n", "", "", "", "", "", "", "", on.c_str(),
-                      f.seconds, f.files, double(f.bytes) / double(bench::MiB));
-        first = false;
-      }
-      std::fflush(stdout);
     }
   }
   std::printf("\nThe goal (issue 31): a rank reads and plans a 16,384-rank checkpoint in <= 1 s, with metadata read\n"
-              "and planning per rank growing no faster than O(log world) or O(tensors).\n");
+              "and planning per rank growing no faster than O(log world) or O(tensors): the compact form's parse and\n"
+              "plan columns.\n");
   return 0;
 }

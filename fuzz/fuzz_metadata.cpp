@@ -56,6 +56,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       FUZZ_CHECK(!complete || local == spec.local_numel());
     }
   }
+  // an accepted grid (the compact form): up to 4096 parts, expanded, each part a valid spec of
+  // the tensor at a distinct rank, the parts disjoint and covering it; the parts a query for the
+  // whole tensor finds are the non-empty ones
+  for (const auto& [key, tm] : md.tensors) {
+    if (!tm.grid || tm.grid->part_count() > 4096) continue;
+    const auto parts = expand(*tm.grid, tm.shape);
+    FUZZ_CHECK(parts.size() == tm.grid->part_count());
+    std::uint64_t held = 0, nonempty = 0;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      parts[i].second.validate(tm.shape, "part");
+      FUZZ_CHECK(i == 0 || parts[i].first > parts[i - 1].first);
+      held += parts[i].second.local_numel();
+      nonempty += parts[i].second.local_numel() > 0;
+    }
+    FUZZ_CHECK(held == tm.numel());
+    FUZZ_CHECK(overlapping(*tm.grid, tm.shape, shard_spec(flat_spec{{0, tm.numel()}})).size() == nonempty);
+  }
   // what was accepted is written and read back unchanged
   const std::string again = write_checkpoint_metadata(md);
   const checkpoint_metadata back = parse_checkpoint_metadata(again, "metadata.json (rewritten)");

@@ -23,6 +23,7 @@
 #include "shardsafe/checkpoint/hf_import.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
@@ -1075,4 +1076,140 @@ TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of
   CHECK(bad.code == 2);
   CHECK(bad.err.find("no '{i}'") != std::string::npos);
   CHECK_FALSE(fs::exists(dir.path / "hf2"));
+}
+
+// --- the compact form of metadata.json (shard/shard_grid.hpp, docs/FORMAT.md §2) -------------
+
+namespace {
+
+/// One rank of an 8-rank world [2 dp, 4 tp], its tensors sharded in the regular ways a save
+/// meets, each element's value its global flat index plus the tensor's base:
+///   emb  [37, 5]  flat, chunks of 24 over ranks 0-7 (FSDP's even flat split)
+///   tiny [5]      flat, chunks of 1: ranks 5-7 hold nothing
+///   m    [8, 6]   [shard(0), shard(1)]: rows over dp, columns over tp (tp 3's piece empty)
+///   q    [10, 6]  [replicate(), shard(0)], replicas declared (writers spread by the salt)
+///   norm [6]      not sharded: rank 0 writes it
+struct grid_rank {
+  std::vector<std::vector<float>> mem;
+  std::vector<flat_view> views;
+  explicit grid_rank(int rank) {
+    const device_mesh mesh({2, 4}, {"dp", "tp"}, static_cast<u64>(rank));
+    mem.reserve(5);
+    auto add = [&](const std::string& key, const shape_t& full, std::optional<shard_spec> spec, float base) {
+      auto& m = mem.emplace_back();
+      const shard_spec s = spec ? *spec : shard_spec(flat_spec{{0, numel(full)}});
+      for (auto c = s.cursor(full); !c.done(); c.next())
+        for (u64 e = c.run().begin; e < c.run().end; ++e) m.push_back(base + static_cast<float>(e));
+      views.push_back({key, dtype::F32, full, spec, reinterpret_cast<std::byte*>(m.data()), m.size() * sizeof(float)});
+    };
+    const u64 r = static_cast<u64>(rank);
+    add("emb", {37, 5}, shard_spec(flat_spec{{std::min<u64>(185, 24 * r), std::min<u64>(185, 24 * r + 24)}}), 0.f);
+    add("tiny", {5}, shard_spec(flat_spec{{std::min<u64>(5, r), std::min<u64>(5, r + 1)}}), 500.f);
+    const std::vector<placement> both{shard(0), shard(1)}, rows{replicate(), shard(0)};
+    add("m", {8, 6}, shard_spec(mesh_block(shape_t{8, 6}, mesh, both, "m")), 1000.f);
+    add("q", {10, 6}, shard_spec(mesh_block(shape_t{10, 6}, mesh, rows, "q")), 2000.f);
+    views.back().replica = mesh_replica_role(mesh, rows, 0);
+    add("norm", {6}, std::nullopt, 3000.f);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("mesh: the compact form - grids for regular shardings, checksums beside the files, the same loads") {
+  constexpr int n = 8;
+  testing::temp_dir tmp("grid");
+  const file_directory listed(tmp.path / "listed"), compact(tmp.path / "compact");
+  for (const auto form : {metadata_form::automatic, metadata_form::compact}) {
+    auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
+      grid_rank s(c.rank());
+      save_options opt;
+      opt.metadata = form;
+      save_flat_views(form == metadata_form::compact ? compact : listed, std::span<const flat_view>(s.views), c, opt);
+    });
+    for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
+  }
+  // a small world's automatic form is the listed one (OLMo-core reads it)
+  const auto lmd = read_checkpoint_metadata(listed.open(metadata_file_name));
+  const auto cmd = read_checkpoint_metadata(compact.open(metadata_file_name));
+  for (const auto& [k, t] : lmd.tensors) CHECK_MESSAGE(!t.grid, k);
+  CHECK(lmd.extras.checksums->files.size() == n);
+  for (const char* k : {"emb", "tiny", "m"}) {
+    CAPTURE(k);
+    REQUIRE(cmd.find(k)->grid);
+    CHECK(cmd.find(k)->files.empty());
+  }
+  CHECK(*cmd.find("emb")->grid == shard_grid{true, {24}, {8}, 0, {1}});
+  CHECK(*cmd.find("m")->grid == shard_grid{false, {4, 2}, {2, 4}, 0, {4, 1}});
+  CHECK(cmd.find("norm")->files.size() == 1);
+  REQUIRE(cmd.extras.checksums);
+  CHECK(cmd.extras.checksums->sidecars);
+  CHECK(cmd.extras.checksums->files.empty());
+  // the same rank files, byte for byte
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    CHECK(testing::slurp(tmp.path / "listed" / rank_file_name(r)) == testing::slurp(tmp.path / "compact" / rank_file_name(r)));
+  }
+  // an independent reading: Python expands each grid by docs/FORMAT.md's rule and compares it
+  // with the listed form, and the sidecars with the listed form's checksum tables
+  const auto py = testing::run_program("python3", {"-I", (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "grid_expand.py").string(),
+                                                   (tmp.path / "listed").string(), (tmp.path / "compact").string()});
+  if (py.exited) {
+    INFO(py.err);
+    REQUIRE(py.code == 0);
+    const std::string grids = py.out.substr(0, py.out.find('\n'));
+    CHECK(grids.rfind("grids: emb tiny m", 0) == 0);
+  } else {
+    CHECK_MESSAGE(!testing::python_required(), "python3 does not run but SHARDSAFE_REQUIRE_PYTHON=1");
+  }
+  // loaded in a 3-rank layout (rows / flat thirds), checksums checked: the same plan and the
+  // same values from both forms, each element its formula's
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    std::vector<std::vector<float>> mem;
+    std::vector<flat_view> want;
+    mem.reserve(5);
+    auto add = [&](const std::string& key, const shape_t& full, const shard_spec& spec) {
+      mem.emplace_back(spec.local_numel(), -1.f);
+      want.push_back({key, dtype::F32, full, spec, reinterpret_cast<std::byte*>(mem.back().data()), mem.back().size() * 4});
+    };
+    const u64 ur = static_cast<u64>(r);
+    add("emb", {37, 5}, flat_spec{{185 * ur / 3, 185 * (ur + 1) / 3}});
+    add("tiny", {5}, flat_spec{{5 * ur / 3, 5 * (ur + 1) / 3}});
+    add("m", {8, 6}, block_spec({3, 6}, {std::min<u64>(3 * ur, 8) - (r == 2 ? 1 : 0), 0}));
+    add("q", {10, 6}, block_spec({10, 2}, {0, 2 * ur}));
+    add("norm", {6}, flat_spec{{0, 6}});
+    load_options lo;
+    lo.verify_checksums = true;
+    const load_stats a = load_flat_views(listed, std::span<const flat_view>(want), lo);
+    std::vector<std::vector<float>> from_listed = mem;
+    for (auto& m : mem) std::fill(m.begin(), m.end(), -1.f);
+    const load_stats b = load_flat_views(compact, std::span<const flat_view>(want), lo);
+    CHECK(mem == from_listed);
+    CHECK(a.bytes_read == b.bytes_read);
+    CHECK(a.read_ops == b.read_ops);
+    CHECK(b.checksum_blocks > 0);
+    CHECK(a.checksum_blocks == b.checksum_blocks);
+    const float bases[] = {0.f, 500.f, 1000.f, 2000.f, 3000.f};
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      u64 k = 0;
+      const shard_spec spec = want[i].effective_spec();  // the cursor refers to it
+      for (auto c = spec.cursor(want[i].full_shape); !c.done(); c.next())
+        for (u64 e = c.run().begin; e < c.run().end; ++e) CHECK(mem[i][k++] == bases[i] + static_cast<float>(e));
+    }
+  }
+  const checkpoint_report rep = verify_checkpoint(compact);
+  CHECK(rep.checksums);
+  CHECK(rep.tensors == 5);
+  CHECK(rep.files == n);
+  // a sidecar gone: loads that check checksums, and verify, name it; other loads never read it
+  fs::remove(tmp.path / "compact" / "rank_7.checksums.json");
+  std::vector<float> emb(185);
+  const flat_view all{"emb", dtype::F32, {37, 5}, std::nullopt, reinterpret_cast<std::byte*>(emb.data()), 185 * 4};
+  load_flat_views(compact, std::span<const flat_view>(&all, 1));
+  CHECK(emb[184] == 184.f);
+  load_options lo;
+  lo.verify_checksums = true;
+  testing::expect_error([&] { load_flat_views(compact, std::span<const flat_view>(&all, 1), lo); }, errc::not_found,
+                        {"rank_7.checksums.json", "missing", "kept beside"});
+  testing::expect_error([&] { verify_checkpoint(compact); }, errc::not_found, {"rank_7.checksums.json"});
 }

@@ -56,10 +56,10 @@ const std::string format_example =
 
 checkpoint_metadata example_metadata() {
   checkpoint_metadata md;
-  tensor_metadata w{{16, 8}, dtype::BF16, true, {}};
+  tensor_metadata w{{16, 8}, dtype::BF16, true, {}, {}};
   w.files.emplace_back("rank_0.safetensors", block_spec({8, 8}, {0, 0}));
   w.files.emplace_back("rank_1.safetensors", block_spec({8, 8}, {8, 0}));
-  tensor_metadata b{{6}, dtype::F32, true, {}};
+  tensor_metadata b{{6}, dtype::F32, true, {}, {}};
   b.files.emplace_back("rank_0.safetensors", flat_spec{{0, 4}});
   b.files.emplace_back("rank_1.safetensors", flat_spec{{4, 6}});
   md.tensors.emplace_back("w", std::move(w));
@@ -71,6 +71,11 @@ checkpoint_metadata example_metadata() {
 std::string one_tensor(std::string_view specs, std::string_view shape = "[6]", std::string_view dt = "\"F32\"") {
   return R"({"tensors": {"w": {"shape": )" + std::string(shape) + R"(, "is_sharded": true, "dtype": )" +
          std::string(dt) + R"(, "shard_spec_per_file": {)" + std::string(specs) + "}}}}";
+}
+/// metadata.json with one sharded F32 tensor "w" of `shape` described by a grid of these fields.
+std::string grid_tensor(std::string_view shape, std::string_view fields) {
+  return R"({"tensors": {"w": {"shape": )" + std::string(shape) + R"(, "is_sharded": true, "dtype": "F32", )" +
+         R"("shardsafe_grid": {)" + std::string(fields) + "}}}}";
 }
 std::string flat(std::string_view file, std::string_view ranges) {
   return "\"" + std::string(file) + R"(": {"flattened_offsets": )" + std::string(ranges) +
@@ -109,7 +114,7 @@ TEST_CASE("metadata: round trip of flat and N-D block specs, 0-d tensors and ext
   checkpoint_metadata md;
   auto add = [&](std::string key, shape_t shape, dtype t, bool sharded,
                  std::vector<std::pair<std::string, shard_spec>> files) {
-    md.tensors.emplace_back(std::move(key), tensor_metadata{std::move(shape), t, sharded, std::move(files)});
+    md.tensors.emplace_back(std::move(key), tensor_metadata{std::move(shape), t, sharded, std::move(files), {}});
   };
   add("flat.multi", {10, 3}, dtype::F32, true,
       {{"rank_0.safetensors", flat_spec{{0, 4}, {4, 4}, {9, 12}}},
@@ -159,6 +164,73 @@ TEST_CASE("metadata: round trip of flat and N-D block specs, 0-d tensors and ext
           R"({"rank_0.safetensors": 1234, "rank_3.safetensors": 0}}})");
   else
     CHECK(text.find("shardsafe") == std::string::npos);
+}
+
+TEST_CASE("metadata: the compact form - grids detected from listed shards, written, read, expanded and queried") {
+  using u64 = std::uint64_t;
+  // a flat split in chunks of 7 over ranks 4, 6, 8, 10 (the last piece short), and a 2 x 3
+  // block grid with an empty last column piece, ranks 8 + 4 i + j
+  tensor_metadata f{{4, 6}, dtype::BF16, true, {}, {}};
+  for (u64 i = 0; i < 4; ++i) f.files.emplace_back(rank_file_name(4 + 2 * i), flat_spec{{std::min<u64>(24, 7 * i), std::min<u64>(24, 7 * i + 7)}});
+  tensor_metadata b{{10, 5}, dtype::F32, true, {}, {}};
+  for (u64 i = 0; i < 2; ++i)
+    for (u64 j = 0; j < 3; ++j) {
+      const u64 c0 = std::min<u64>(5, 3 * j), c1 = std::min<u64>(5, 3 * j + 3);
+      b.files.emplace_back(rank_file_name(8 + 4 * i + j), block_spec({5, c1 - c0}, {5 * i, c0}));
+    }
+  const auto gf = detect_grid(f), gb = detect_grid(b);
+  REQUIRE(gf);
+  REQUIRE(gb);
+  CHECK(*gf == shard_grid{true, {7}, {4}, 4, {2}});
+  CHECK(*gb == shard_grid{false, {5, 3}, {2, 3}, 8, {4, 1}});
+  // not grids: an irregular piece, files out of rank order, a name that is not a rank file, one file
+  auto changed = [](tensor_metadata t, auto&& edit) {
+    edit(t);
+    return detect_grid(t).has_value();
+  };
+  CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files[1].second = flat_spec{{7, 13}}; t.files[2].second = flat_spec{{13, 21}}; }));
+  CHECK_FALSE(changed(f, [](tensor_metadata& t) { std::swap(t.files[1].first, t.files[2].first); }));
+  CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files[0].first = "rank_04.safetensors"; }));
+  CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files.resize(1); }));
+
+  checkpoint_metadata md;
+  tensor_metadata cf = f, cb = b;
+  cf.grid = gf;
+  cb.grid = gb;
+  cf.files.clear();
+  cb.files.clear();
+  md.tensors.emplace_back("f", cf);
+  md.tensors.emplace_back("b", cb);
+  const std::string text = write_checkpoint_metadata(md);
+  CHECK(text == R"({"tensors": {"f": {"shape": [4, 6], "is_sharded": true, "dtype": "BF16", "shardsafe_grid": {"flat": true, )"
+                R"("chunks": [7], "parts": [4], "base": 4, "strides": [2]}}, "b": {"shape": [10, 5], "is_sharded": true, )"
+                R"("dtype": "F32", "shardsafe_grid": {"flat": false, "chunks": [5, 3], "parts": [2, 3], "base": 8, "strides": [4, 1]}}}})");
+  const checkpoint_metadata back = parse_checkpoint_metadata(std::string(text), "m.json");
+  REQUIRE(back.tensors.size() == 2);
+  CHECK(back.tensors[0].second.grid == gf);
+  CHECK(back.tensors[1].second.grid == gb);
+  CHECK(back.tensors[0].second.files.empty());
+  CHECK(back.tensors[0].second.file_specs() == f.files);
+  CHECK(back.tensors[1].second.file_specs() == b.files);
+  CHECK(back.tensors[1].second.file_count() == 6);
+  // queried by division: the parts a wanted shard meets, in rank order (never an empty one)
+  auto names = [](const std::vector<std::pair<std::string, shard_spec>>& v) {
+    std::vector<std::string> n;
+    for (const auto& [k, s] : v) n.push_back(k);
+    return n;
+  };
+  const tensor_metadata& qb = back.tensors[1].second;
+  CHECK(names(qb.overlapping_files(block_spec({2, 2}, {4, 2}))) ==
+        std::vector<std::string>{"rank_8.safetensors", "rank_9.safetensors", "rank_12.safetensors", "rank_13.safetensors"});
+  CHECK(names(qb.overlapping_files(block_spec({1, 5}, {9, 0}))) ==
+        std::vector<std::string>{"rank_12.safetensors", "rank_13.safetensors"});  // column piece 2 is empty
+  CHECK(names(qb.overlapping_files(flat_spec{{26, 27}})) ==
+        std::vector<std::string>{"rank_12.safetensors", "rank_13.safetensors"});  // row 5: all its columns
+  CHECK(names(back.tensors[0].second.overlapping_files(flat_spec{{6, 15}})) ==
+        std::vector<std::string>{"rank_4.safetensors", "rank_6.safetensors", "rank_8.safetensors"});
+  CHECK(names(back.tensors[0].second.overlapping_files(block_spec({1, 6}, {3, 0}))) ==
+        std::vector<std::string>{"rank_8.safetensors", "rank_10.safetensors"});  // elements 18-23
+  CHECK(qb.overlapping_files(flat_spec{{3, 3}}).empty());
 }
 
 TEST_CASE("metadata: the legacy flattened_offsets_per_file, unknown keys, is_sharded default") {
@@ -307,6 +379,35 @@ TEST_CASE("metadata: malformed files give the right errc and name file, tensor a
       {"legacy not an object", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
                                R"("flattened_offsets_per_file": [[0, 6]]}}})",
        errc::invalid_metadata, {"tensor 'w'", "flattened_offsets_per_file is not an object"}},
+      // the compact form's grid (shard/shard_grid.hpp)
+      {"grid: two parts, one rank", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [0])"),
+       errc::invalid_metadata, {"tensor 'w'", "stride 0 gives two parts the same rank"}},
+      {"grid: strides that repeat a rank", grid_tensor("[4, 6]", R"("flat": false, "chunks": [2, 3], "parts": [2, 2], "base": 0, "strides": [1, 1])"),
+       errc::invalid_metadata, {"tensor 'w'", "gives two parts the same rank"}},
+      {"grid: pieces short of the tensor", grid_tensor("[6]", R"("flat": true, "chunks": [2], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "do not cover its 6"}},
+      {"grid: 2^34 parts", grid_tensor("[6]", R"("flat": true, "chunks": [1], "parts": [17179869184], "base": 0, "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "more than 16777216 parts"}},
+      {"grid: ranks past 2^31", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 2147483647, "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "ranks past 2147483647"}},
+      {"grid: a stride overflowing", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [18446744073709551615])"),
+       errc::invalid_metadata, {"tensor 'w'", "ranks past"}},
+      {"grid: chunks of 0", grid_tensor("[6]", R"("flat": true, "chunks": [0], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "chunks of 0 elements"}},
+      {"grid: dimensions miscounted", grid_tensor("[2, 3]", R"("flat": false, "chunks": [1], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "for 2 dimensions"}},
+      {"grid: missing base", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "strides": [1])"),
+       errc::invalid_metadata, {"tensor 'w'", "missing \"base\""}},
+      {"grid: not sharded", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "shardsafe_grid": )"
+                            R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
+       errc::invalid_metadata, {"tensor 'w'", "not sharded"}},
+      {"grid and files both", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "is_sharded": true, "shardsafe_grid": )"
+                              R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}, )"
+                              R"("shard_spec_per_file": {}}}})",
+       errc::invalid_metadata, {"tensor 'w'", "both shardsafe_grid and a list of files"}},
+      {"grid of a sub-byte dtype", R"({"tensors": {"w": {"shape": [6], "dtype": "F4", "is_sharded": true, "shardsafe_grid": )"
+                                   R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
+       errc::unsupported_dtype, {"tensor 'w'", "sub-byte dtype F4"}},
   };
   for (const auto& c : cases) {
     INFO(c.what);

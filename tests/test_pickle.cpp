@@ -989,14 +989,15 @@ TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python'
   REQUIRE_PYTHON();
   temp_dir dir;
   checkpoint_metadata md;
-  md.tensors.emplace_back("w\xc3\xa9ight", tensor_metadata{{4}, dtype::F32, false, {{"rank_0.safetensors", flat_spec{{0, 4}}}}});
+  md.tensors.emplace_back("w\xc3\xa9ight", tensor_metadata{{4}, dtype::F32, false, {{"rank_0.safetensors", flat_spec{{0, 4}}}}, {}});
   md.tensors.emplace_back("\xe5\xb1\x82.bias",
                           tensor_metadata{{2, 3}, dtype::BF16, true,
                                           {{"rank_0.safetensors", block_spec({1, 3}, {0, 0})},
-                                           {"rank_1.safetensors", block_spec({1, 3}, {1, 0})}}});
-  md.tensors.emplace_back("emoji\xf0\x9f\x98\x80", tensor_metadata{{}, dtype::F64, false, {{"rank_0.safetensors", block_spec({}, {})}}});
-  md.tensors.emplace_back("ctl\x7f\x01\t\"\\/", tensor_metadata{{1}, dtype::I64, false, {{"rank_0.safetensors", flat_spec{{0, 1}}}}});
-  md.tensors.emplace_back("\xef\xbc\x81" "full\xc2\x80\xdf\xbf", tensor_metadata{{2}, dtype::U8, false, {{"rank_0.safetensors", flat_spec{{0, 2}}}}});
+                                           {"rank_1.safetensors", block_spec({1, 3}, {1, 0})}},
+                                          {}});
+  md.tensors.emplace_back("emoji\xf0\x9f\x98\x80", tensor_metadata{{}, dtype::F64, false, {{"rank_0.safetensors", block_spec({}, {})}}, {}});
+  md.tensors.emplace_back("ctl\x7f\x01\t\"\\/", tensor_metadata{{1}, dtype::I64, false, {{"rank_0.safetensors", flat_spec{{0, 1}}}}, {}});
+  md.tensors.emplace_back("\xef\xbc\x81" "full\xc2\x80\xdf\xbf", tensor_metadata{{2}, dtype::U8, false, {{"rank_0.safetensors", flat_spec{{0, 2}}}}, {}});
   md.extras.writer = "shardsafe 0.1.0 \xe2\x9c\x93";
   md.extras.world_size = 2;
   md.extras.file_sizes = {{"rank_0.safetensors", 123}, {"r\xc3\xa9.safetensors", 7}};

@@ -255,7 +255,7 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
 template <class Reader>
 std::vector<std::string> files_of(const tensor_metadata& tm, const Reader& r) {
   std::vector<std::string> out;
-  for (const auto& [f, s] : tm.files)
+  for (const auto& [f, s] : tm.file_specs())
     if (std::find(out.begin(), out.end(), r.path_of(f)) == out.end()) out.push_back(r.path_of(f));
   return out;
 }
@@ -263,6 +263,7 @@ std::vector<std::string> files_of(const tensor_metadata& tm, const Reader& r) {
 /// "blocks over 3 file(s)"; "blocks (4) over 3 file(s)" when a file holds two parts.
 std::string describe_sharding(const tensor_metadata& tm, std::size_t files) {
   if (!tm.is_sharded) return "not sharded";
+  if (tm.grid) return std::string(tm.grid->flat ? "flattened offsets" : "blocks") + " over " + std::to_string(files) + " file(s), a grid";
   bool flat = true, block = true;
   for (const auto& [f, s] : tm.files) {
     flat = flat && s.is_flat();

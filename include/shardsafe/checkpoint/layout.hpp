@@ -9,13 +9,12 @@
 #include <string>
 #include <string_view>
 
+#include "shardsafe/format/metadata.hpp"  // rank_file_name: a grid of the compact form names rank files too
+
 namespace shardsafe {
 
 /// The checkpoint's description, written last: a folder without it is not a checkpoint.
 inline constexpr std::string_view metadata_file_name = "metadata.json";
-
-/// The name rank R's file has in a checkpoint directory.
-inline std::string rank_file_name(int rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
 
 /// The name a torch DCP folder's description (and commit mark) has.
 inline constexpr std::string_view dcp_metadata_file_name = ".metadata";

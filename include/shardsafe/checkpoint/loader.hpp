@@ -250,6 +250,38 @@ class checkpoint_reader {
     for (std::size_t i = 0; i < todo.size(); ++i) files_.try_emplace(todo[i], std::move(opened[i]));
   }
 
+  /// The recorded checksums (nullptr: none): metadata.json's, with the tables of the files
+  /// `names` read from their sidecars first (once) when the checkpoint keeps them there
+  /// (checkpoint_checksums::sidecars, the compact form's), on up to `threads` threads.
+  const checkpoint_checksums* checksums_for(std::span<const std::string> names, unsigned threads = 0) {
+    if (!md_.extras.checksums) return nullptr;
+    checkpoint_checksums& cs = *md_.extras.checksums;
+    if (!cs.sidecars) return &cs;
+    std::vector<std::string> todo;
+    {
+      std::lock_guard lock(files_mutex_);
+      std::set<std::string_view> queued;
+      for (const auto& n : names)
+        if (!cs.files.count(n) && queued.insert(n).second) todo.push_back(n);
+    }
+    using table = std::map<std::string, std::vector<std::uint64_t>>;
+    std::vector<table> got(todo.size());
+    detail::parallel_for(todo.size(), threads, [&](std::size_t i) {
+      const std::string side = checksum_sidecar_name(todo[i]);
+      reader_type st = open_or(side, [&] {
+        return std::string(dir_.name()) + "/" + side + ": missing: " + described_by_ +
+               " says the checksums of " + todo[i] + " are kept beside it, in this file";
+      });
+      const std::string text = read_text(st, max_metadata_size, text_kind::json);
+      detail::json_document doc(text, std::string(st.name()), &text);
+      got[i] = detail::parse_checksum_table(doc.root("not an object of tensors"), std::string(st.name()));
+      doc.require_unique_keys();
+    });
+    std::lock_guard lock(files_mutex_);
+    for (std::size_t i = 0; i < todo.size(); ++i) cs.files.try_emplace(todo[i], std::move(got[i]));
+    return &cs;
+  }
+
   /// The entry of `key` in file `name`, checked against the metadata and the file's shard.
   const tensor_entry& entry_in(const open_file& f, const std::string& key, const tensor_metadata& tm,
                                const shard_spec& spec) const {
@@ -277,7 +309,9 @@ class checkpoint_reader {
       std::size_t view;
       const tensor_metadata* tm;
       load_plan lp;
-      std::vector<std::size_t> compare;  // files (indices into tm->files) whose shared elements are compared
+      std::vector<std::size_t> compare;  // files (indices into list()) whose shared elements are compared
+      std::vector<std::pair<std::string, shard_spec>> grid_files;  // a grid's parts that meet the view
+      const std::vector<std::pair<std::string, shard_spec>>& list() const { return tm->grid ? grid_files : tm->files; }
     };
     std::vector<planned> todo;
     std::vector<std::string> needed;  // file names, in the order first needed
@@ -306,10 +340,14 @@ class checkpoint_reader {
         s.converted.emplace_back(vi, tm->type);
       }
       const shard_spec mine = v.effective_spec();
+      planned p{vi, tm, {}, {}, {}};
+      if (tm->grid) p.grid_files = tm->overlapping_files(mine);  // by division, not a walk of every file
+      const auto& list = p.list();
       std::vector<shard_spec> specs;
-      specs.reserve(tm->files.size());
-      for (const auto& f : tm->files) specs.push_back(f.second);
-      load_plan lp = plan_load(mine, std::span<const shard_spec>(specs), tm->shape);
+      specs.reserve(list.size());
+      for (const auto& f : list) specs.push_back(f.second);
+      p.lp = plan_load(mine, std::span<const shard_spec>(specs), tm->shape);
+      const load_plan& lp = p.lp;
       if (!lp.missing.empty()) {
         const element_range m = lp.missing.front();
         auto g = global_index_of(mine, tm->shape, m.begin);
@@ -324,13 +362,13 @@ class checkpoint_reader {
       ++s.stats.tensors;
       if (opt.validate_nan && has_nan(v.type)) s.nan_checked.push_back(vi);
       for (const auto& fp : lp.files) {
-        const std::string& fname = tm->files[fp.file].first;
+        const std::string& fname = list[fp.file].first;
         if (file_index.emplace(fname, needed.size()).second) needed.push_back(fname);
       }
-      std::vector<std::size_t> compare = files_to_compare(v.key, *tm, mine, lp);
-      for (const std::size_t j : compare)
-        if (file_index.emplace(tm->files[j].first, needed.size()).second) needed.push_back(tm->files[j].first);
-      todo.push_back({vi, tm, std::move(lp), std::move(compare)});
+      if (!tm->grid) p.compare = files_to_compare(v.key, *tm, mine, lp);  // a grid's parts never overlap
+      for (const std::size_t j : p.compare)
+        if (file_index.emplace(list[j].first, needed.size()).second) needed.push_back(list[j].first);
+      todo.push_back(std::move(p));
     }
     for (const auto& [k, t] : md_.tensors)
       if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
@@ -345,8 +383,10 @@ class checkpoint_reader {
     if (!files.empty()) hint = read_defaults_of(files.front()->storage);
     s.threads = resolve_threads(opt.threads, hint);
     s.verify_checksums = opt.verify_checksums;
-    if (opt.verify_checksums && md_.extras.checksums)
+    if (opt.verify_checksums && md_.extras.checksums) {
       detail::require_known_checksums(*md_.extras.checksums, std::string(dir_.name()) + "/" + described_by_);
+      checksums_for(needed, opt.threads);
+    }
     s.files.resize(needed.size());
     for (std::size_t i = 0; i < needed.size(); ++i) {
       s.files[i].name = needed[i];
@@ -359,7 +399,7 @@ class checkpoint_reader {
       const std::uint64_t item = item_size(p.tm->type);
       const bool convert = p.tm->type != v.type;
       for (auto& fp : p.lp.files) {
-        const auto& [fname, fspec] = p.tm->files[fp.file];
+        const auto& [fname, fspec] = p.list()[fp.file];
         const std::size_t fi = file_index.at(fname);
         const open_file& f = *files[fi];
         const tensor_entry& e = entry_in(f, v.key, *p.tm, fspec);
@@ -373,7 +413,7 @@ class checkpoint_reader {
       }
       const shard_spec mine = v.effective_spec();
       for (const std::size_t j : p.compare) {
-        const auto& [fname, fspec] = p.tm->files[j];
+        const auto& [fname, fspec] = p.list()[j];
         const std::size_t fi = file_index.at(fname);
         const open_file& f = *files[fi];
         const tensor_entry& e = entry_in(f, v.key, *p.tm, fspec);

@@ -57,8 +57,24 @@ enum class save_format {
   dcp,        ///< torch.distributed.checkpoint: .metadata + __R_0.distcp (checkpoint/dcp_save.hpp)
 };
 
+/// How metadata.json describes sharded tensors (docs/FORMAT.md §2).
+enum class metadata_form {
+  /// compact when the listed form would hold more than compact_metadata_entries shard entries
+  /// (tensors x files each): past there a rank spends over a second reading the listed form
+  automatic,
+  listed,   ///< one entry per file per tensor, as OLMo-core writes and reads it
+  /// a regular sharding as a grid of O(dims) numbers ("shardsafe_grid", shard/shard_grid.hpp),
+  /// other tensors listed; checksums beside the rank files (rank_R.checksums.json). Readers
+  /// other than shardsafe (OLMo-core) cannot read it.
+  compact,
+};
+
+/// metadata_form::automatic's threshold: shard entries of the listed form.
+inline constexpr std::uint64_t compact_metadata_entries = std::uint64_t(1) << 18;
+
 struct save_options {
   save_format format = save_format::shardsafe;
+  metadata_form metadata = metadata_form::automatic;  ///< save_format::shardsafe only
   bool overwrite = false;   ///< replace an existing non-empty directory
   unsigned threads = 0;     ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
@@ -331,6 +347,14 @@ inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> v
   return out;
 }
 
+/// Whether a save writes metadata.json in the compact form (metadata_form).
+inline bool use_compact_form(const checkpoint_metadata& md, metadata_form form) {
+  if (form != metadata_form::automatic) return form == metadata_form::compact;
+  std::uint64_t entries = 0;
+  for (const auto& [key, tm] : md.tensors) entries += tm.file_count();
+  return entries > compact_metadata_entries;
+}
+
 /// A rank file written: its size, and (when asked) its checksum table (tensor -> block hashes).
 struct written_rank_file {
   std::uint64_t size = 0;
@@ -422,7 +446,7 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
 }
 
 /// What a rank sends after writing its file: its size on the first line, then (with
-/// checksums) its checksum table as JSON (format/metadata.hpp).
+/// checksums sent) its checksum table as JSON (format/metadata.hpp).
 inline std::string encode_written(const written_rank_file& w, bool checksums) {
   std::string t = std::to_string(w.size) + "\n";
   if (checksums) append_checksum_table(t, w.checksums);
@@ -430,13 +454,23 @@ inline std::string encode_written(const written_rank_file& w, bool checksums) {
 }
 
 /// Step 3: every rank writes rank_R.safetensors; returns every rank's file (size and
-/// checksums), by rank.
+/// checksums), by rank. sidecars: each rank writes its checksum table beside its file
+/// (checksum_sidecar_name) and sends only the size.
 template <WritableDirectory D, Comm C>
 std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const flat_view* const> mine, C& comm,
-                                                const save_options& opt) {
+                                                const save_options& opt, bool sidecars = false) {
   const std::string fname = rank_file_name(comm.rank());
   const step_scope step("writing the rank files");
-  const auto texts = every_rank_step(comm, [&] { return encode_written(write_rank_file(dir, fname, mine, opt), opt.checksums); });
+  const bool send_sums = opt.checksums && !sidecars;
+  const auto texts = every_rank_step(comm, [&] {
+    const written_rank_file w = write_rank_file(dir, fname, mine, opt);
+    if (opt.checksums && sidecars) {
+      std::string table;
+      append_checksum_table(table, w.checksums);
+      write_text(dir, checksum_sidecar_name(fname), table);
+    }
+    return encode_written(w, send_sums);
+  });
   std::vector<written_rank_file> files;
   for (std::size_t r = 0; r < texts.size(); ++r) {
     const std::string from = std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)";
@@ -445,7 +479,7 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
     written_rank_file w;
     if (nl == std::string_view::npos || std::from_chars(t.data(), t.data() + nl, w.size).ptr != t.data() + nl)
       fail(errc::comm_error, from + ": the size received is malformed");
-    if (opt.checksums) {
+    if (send_sums) {
       json_document doc(t.substr(nl + 1), from);
       w.checksums = parse_checksum_table(doc.root("the checksums received are not an object"), from + ": checksums");
       doc.require_unique_keys();
@@ -471,9 +505,10 @@ template <WritableDirectory D, Comm C>
 save_stats write_and_commit(const D& dir, std::span<const flat_view> views, checkpoint_metadata md, C& comm,
                             const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
+  const bool compact = use_compact_form(md, opt.metadata);  // alike on every rank: md is agreed
   prepare_directory(dir, opt.overwrite, comm);                                                // 2
   const auto mine = views_to_write(views, md, rank);
-  auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt);  // 3
+  auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt, compact);  // 3
 
   save_stats st;
   st.tensors_written = mine.size();
@@ -483,13 +518,20 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, chec
   if (opt.checksums) {
     md.extras.checksums.emplace();
     md.extras.checksums->block_bytes = opt.checksum_block_bytes;
+    md.extras.checksums->sidecars = compact;
   }
   for (int r = 0; r < world; ++r) {
     auto& w = written[static_cast<std::size_t>(r)];
     md.extras.file_sizes[rank_file_name(r)] = w.size;
     st.total_bytes += w.size;
-    if (opt.checksums) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
+    if (opt.checksums && !compact) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
   }
+  if (compact)
+    for (auto& [key, tm] : md.tensors)
+      if (auto g = detect_grid(tm)) {
+        tm.grid = std::move(g);
+        tm.files.clear();
+      }
   commit_metadata(dir, md, comm);  // 4
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;

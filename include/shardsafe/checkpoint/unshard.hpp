@@ -90,7 +90,7 @@ void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f,
   // runs are short (a column block: one row's slice a run), the window shrinks so that a plan
   // holds at most about 2^20 runs per file, whatever the chunk's bytes.
   std::uint64_t shortest = n;
-  for (const auto& [fname, spec] : tm->files)
+  for (const auto& [fname, spec] : tm->file_specs())
     if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
   const std::uint64_t by_runs = std::max<std::uint64_t>(1, shortest) << 20;
   const std::uint64_t per = std::max<std::uint64_t>(1, std::min(opt.chunk_bytes / item, by_runs));
@@ -129,8 +129,9 @@ void require_unshardable(std::span<const unshard_source<D>> sources) {
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       std::vector<shard_spec> specs;
-      specs.reserve(tm.files.size());
-      for (const auto& [fname, spec] : tm.files) {
+      const auto files = tm.file_specs();
+      specs.reserve(files.size());
+      for (const auto& [fname, spec] : files) {
         s.reader->entry_in(s.reader->file(fname), key, tm, spec);
         specs.push_back(spec);
       }

@@ -205,7 +205,7 @@ std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string
 template <ReadableDirectory D>
 void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& files, const verify_options& opt,
                           checkpoint_report& rep) {
-  const checkpoint_checksums& cs = *r.metadata().extras.checksums;
+  const checkpoint_checksums& cs = *r.checksums_for(std::vector<std::string>(files.begin(), files.end()), opt.threads);
   const std::string mdname = std::string(r.directory().name()) + "/" + r.described_by();
   require_known_checksums(cs, mdname);
   for (const auto& [fname, table] : cs.files)
@@ -265,7 +265,15 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   std::set<std::string> opened;
   for (const auto& entry : r.metadata().tensors) {
     const std::string& key = entry.first;  // named, not bound: lambdas below capture it
-    const tensor_metadata& tm = entry.second;
+    const tensor_metadata& listed = entry.second;
+    // a grid (the compact form) as the files it stands for: verify checks every one alike
+    tensor_metadata expanded;
+    if (listed.grid) {
+      expanded = listed;
+      expanded.files = listed.file_specs();
+      expanded.grid.reset();
+    }
+    const tensor_metadata& tm = listed.grid ? expanded : listed;
     std::vector<shard_spec> specs;
     specs.reserve(tm.files.size());
     std::uint64_t held = 0;

@@ -6,11 +6,15 @@
 //                          {"flattened_offsets": [[s, e], ...] | null,
 //                           "local_shape": [...] | null, "global_offset": [...] | null}}}}}
 // plus the older "flattened_offsets_per_file": {file: [s, e] | [[s, e], ...]}, which is read
-// and converted. shardsafe's own additions live under a top-level "shardsafe" object that
+// and converted, and shardsafe's compact form of a regular sharding (shard/shard_grid.hpp), which
+// stands in for shard_spec_per_file:
+//   "shardsafe_grid": {"flat": bool, "chunks": [...], "parts": [...], "base": R, "strides": [...]}
+// (files rank_R.safetensors; readers that do not know it refuse the tensor, as they should). shardsafe's own additions live under a top-level "shardsafe" object that
 // other readers ignore. We write in Python's json.dumps layout (separators, ASCII escapes) so
 // files diff cleanly with OLMo-core's.
 #pragma once
 
+#include <charconv>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -24,21 +28,66 @@
 #include "shardsafe/core/shape.hpp"
 #include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/detail/json.hpp"
+#include "shardsafe/shard/shard_grid.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
 
-/// One tensor of a checkpoint: its full shape and dtype, and which file holds which part.
+/// The name rank R's file has in a sharded checkpoint folder (and in a grid's parts).
+inline std::string rank_file_name(std::uint64_t rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
+
+/// One tensor of a checkpoint: its full shape and dtype, and which file holds which part:
+/// listed in `files`, or (a regular sharding in the compact form) described by `grid`, with
+/// `files` empty. file_specs() and overlapping_files() serve both.
 struct tensor_metadata {
   shape_t shape;
   dtype type = dtype::F32;
   bool is_sharded = false;
   std::vector<std::pair<std::string, shard_spec>> files;  ///< shard_spec_per_file, in file order
+  std::optional<shard_grid> grid;                         ///< the compact form (files empty)
 
   std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
+  /// Files holding a part of the tensor (empty ones too).
+  std::uint64_t file_count() const noexcept { return grid ? grid->part_count() : files.size(); }
+  /// Every file and its shard: `files`, or the grid's parts (O(files): for whole-checkpoint work).
+  std::vector<std::pair<std::string, shard_spec>> file_specs() const {
+    if (!grid) return files;
+    return named(expand(*grid, shape));
+  }
+  /// The files that may hold elements of `want` (all of `files`; a grid's by division, without
+  /// empty parts), in file order.
+  std::vector<std::pair<std::string, shard_spec>> overlapping_files(const shard_spec& want) const {
+    if (!grid) return files;
+    return named(overlapping(*grid, shape, want));
+  }
+
+ private:
+  static std::vector<std::pair<std::string, shard_spec>> named(std::vector<std::pair<std::uint64_t, shard_spec>> parts) {
+    std::vector<std::pair<std::string, shard_spec>> out;
+    out.reserve(parts.size());
+    for (auto& [r, s] : parts) out.emplace_back(rank_file_name(r), std::move(s));
+    return out;
+  }
 };
+
+/// The grid a sharded tensor's listed files are, when they are one and every file is a rank file.
+inline std::optional<shard_grid> detect_grid(const tensor_metadata& t) {
+  if (t.grid || !t.is_sharded || t.files.size() < 2 || !is_byte_sized(t.type)) return t.grid;
+  std::vector<std::pair<std::uint64_t, shard_spec>> ranked;
+  ranked.reserve(t.files.size());
+  for (const auto& [f, s] : t.files) {
+    std::uint64_t r = 0;
+    const std::string_view n(f);
+    if (!n.starts_with("rank_") || !n.ends_with(".safetensors")) return std::nullopt;
+    const std::string_view digits = n.substr(5, n.size() - 5 - 12);
+    auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
+    if (ec != std::errc() || p != digits.data() + digits.size() || digits.empty() || rank_file_name(r) != n) return std::nullopt;
+    ranked.emplace_back(r, s);
+  }
+  return detect_grid(ranked, t.shape);
+}
 
 /// The checksums of the tensor data in a checkpoint's files (docs/FORMAT.md §2, "Checksums";
 /// detail/checksum.hpp): per file, per tensor of that file, the hash of each block of
@@ -48,7 +97,18 @@ struct checkpoint_checksums {
   std::uint64_t block_bytes = default_checksum_block_bytes;
   /// file -> tensor -> one hash per block, in order
   std::map<std::string, std::map<std::string, std::vector<std::uint64_t>>> files;
+  /// The tables are kept beside the rank files (checksum_sidecar_name), not in `files`: the
+  /// compact form's, so that metadata.json stays O(tensors) (a reader adds what it reads to files).
+  bool sidecars = false;
 };
+
+/// Where a rank file's checksum table is kept when checkpoint_checksums::sidecars:
+/// rank_R.safetensors -> rank_R.checksums.json (the table alone, as in "files").
+inline std::string checksum_sidecar_name(std::string_view rank_file) {
+  std::string n(rank_file);
+  if (n.ends_with(".safetensors")) n.resize(n.size() - 12);
+  return n + ".checksums.json";
+}
 
 /// What shardsafe adds under "shardsafe" (all optional when reading).
 struct checkpoint_extras {
@@ -124,6 +184,37 @@ inline shard_spec parse_spec_object(od::value e, const std::string& ctx) {
   }
   if (ls && go) return block_spec(std::move(*ls), std::move(*go));
   fail(errc::invalid_metadata, ctx + ": shard spec has neither flattened_offsets nor local_shape and global_offset");
+}
+
+/// Reads "shardsafe_grid" (validated against the shape later, once the shape is known).
+inline shard_grid parse_grid(od::value e, const std::string& ctx) {
+  const std::string c = ctx + ": shardsafe_grid";
+  od::object o = json_object(e, c + " is not an object");
+  shard_grid g;
+  bool flat = false, chunks = false, parts = false, strides = false, base = false;
+  for_fields(o, c, [&](std::string_view k, od::value v) {
+    if (k == "flat" && !flat) {
+      if (v.get_bool().get(g.flat)) fail(errc::invalid_metadata, c + ": \"flat\" is not a boolean");
+      flat = true;
+    } else if (k == "chunks" && !chunks) {
+      g.chunks = parse_count_array(v, c, "chunks", errc::invalid_metadata);
+      chunks = true;
+    } else if (k == "parts" && !parts) {
+      g.parts = parse_count_array(v, c, "parts", errc::invalid_metadata);
+      parts = true;
+    } else if (k == "strides" && !strides) {
+      g.strides = parse_count_array(v, c, "strides", errc::invalid_metadata);
+      strides = true;
+    } else if (k == "base" && !base) {
+      const auto b = as_count(v);
+      if (!b) fail(errc::invalid_metadata, c + ": \"base\" is not a non-negative integer");
+      g.base = *b;
+      base = true;
+    }
+  });
+  for (const auto& [have, what] : {std::pair{flat, "flat"}, {chunks, "chunks"}, {parts, "parts"}, {strides, "strides"}, {base, "base"}})
+    if (!have) fail(errc::invalid_metadata, c + ": missing \"" + std::string(what) + "\"");
+  return g;
 }
 
 // legacy: [s, e] or [[s, e], ...]
@@ -228,6 +319,8 @@ inline checkpoint_checksums parse_checksums(od::value e, const std::string& f) {
       bb = as_count(v);
       if (!bb || *bb == 0) fail(errc::invalid_metadata, ctx + ": \"block_bytes\" is not a positive count");
       c.block_bytes = *bb;
+    } else if (k == "sidecars") {
+      if (v.get_bool().get(c.sidecars)) fail(errc::invalid_metadata, ctx + ": \"sidecars\" is not a boolean");
     } else if (k == "files" && !files) {
       files = true;
       for_fields(json_object(v, ctx + ": \"files\" is not an object"), ctx, [&](std::string_view fk, od::value tv) {
@@ -277,6 +370,7 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
         std::optional<shape_t> shape;
         std::optional<dtype> type;
         bool sharded = false, have_sharded = false, have_specs = false, have_legacy = false;
+        std::optional<shard_grid> grid;
         std::vector<std::pair<std::string, shard_spec>> specs, legacy;
         auto read_files = [&](od::value v, bool old, std::vector<std::pair<std::string, shard_spec>>& into) {
           od::object per_file = detail::json_object(
@@ -304,6 +398,8 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
           } else if (fk == "flattened_offsets_per_file" && !have_legacy) {
             have_legacy = true;
             read_files(v, true, legacy);
+          } else if (fk == "shardsafe_grid" && !grid) {
+            grid = detail::parse_grid(v, ctx);
           }
         });
         if (!shape) fail(errc::invalid_metadata, ctx + ": missing \"shape\"");
@@ -317,7 +413,19 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
           fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " " + std::string(name(tm.type)) +
                                            " has more than 2^64 bits of data");
         tm.is_sharded = sharded;
-        if (!have_specs && !have_legacy) fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
+        if (!have_specs && !have_legacy && !grid) fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
+        if (grid) {
+          if (have_specs || have_legacy)
+            fail(errc::invalid_metadata, ctx + ": gives both shardsafe_grid and a list of files");
+          if (!sharded) fail(errc::invalid_metadata, ctx + ": shardsafe_grid describes a tensor that is not sharded");
+          validate(*grid, tm.shape, ctx);
+          if (!is_byte_sized(tm.type))
+            fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm.type)) +
+                                              " must be stored whole in one file, not as a grid of shards");
+          tm.grid = std::move(grid);
+          md.tensors.emplace_back(key, std::move(tm));
+          return;
+        }
         tm.files = std::move(have_specs ? specs : legacy);
         std::vector<std::string_view> names;
         names.reserve(tm.files.size());
@@ -395,6 +503,19 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
     out += t.is_sharded ? "true" : "false";
     out += ", \"dtype\": \"";
     out += name(t.type);
+    if (t.grid) {
+      const shard_grid& g = *t.grid;
+      out += "\", \"shardsafe_grid\": {\"flat\": ";
+      out += g.flat ? "true" : "false";
+      out += ", \"chunks\": ";
+      detail::append_counts(out, g.chunks);
+      out += ", \"parts\": ";
+      detail::append_counts(out, g.parts);
+      out += ", \"base\": " + std::to_string(g.base) + ", \"strides\": ";
+      detail::append_counts(out, g.strides);
+      out += "}}";
+      continue;
+    }
     out += "\", \"shard_spec_per_file\": {";
     bool ff = true;
     for (const auto& [fname, spec] : t.files) {
@@ -454,7 +575,9 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
       sep();
       out += "\"checksums\": {\"algorithm\": ";
       detail::append_json_string(out, x.checksums->algorithm, /*ascii_only=*/true);
-      out += ", \"block_bytes\": " + std::to_string(x.checksums->block_bytes) + ", \"files\": {";
+      out += ", \"block_bytes\": " + std::to_string(x.checksums->block_bytes);
+      if (x.checksums->sidecars) out += ", \"sidecars\": true";
+      out += ", \"files\": {";
       bool cf = true;
       for (const auto& [fname, table] : x.checksums->files) {
         if (!cf) out += ", ";
