@@ -7,6 +7,7 @@
 #   scripts/cluster.sh addr NAME NODE                  the node's address
 #   scripts/cluster.sh cut NAME NODE | heal NAME NODE  take the node's link down (a partition) / up
 #   scripts/cluster.sh links NAME                      what the links were given (rate, delay)
+#   scripts/cluster.sh rate NAME NODE RATE             give one node's link another rate (a slow store)
 #
 # Node K is the namespace NAME-nK with one interface, eth0, at 10.213.0.(K+1)/24, and a loopback.
 # The switch is the namespace NAME-sw: a bridge with one port per node. Nothing is added to the
@@ -21,7 +22,7 @@
 set -euo pipefail
 
 die() { echo "cluster: $*" >&2; exit 1; }
-[ $# -ge 2 ] || { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cmd="$1"; name="$2"; shift 2
 case "$name" in *[!a-z0-9]*|"") die "NAME '$name': lowercase letters and digits only" ;; esac
 [ ${#name} -le 8 ] || die "NAME '$name': 8 characters at most (interface names are short)"
@@ -100,5 +101,11 @@ case "$cmd" in
   cut) [ $# -eq 1 ] || die "cut NAME NODE"; node_ns "$1" >/dev/null; ip -n "$name-sw" link set "p$1" down ;;
   heal) [ $# -eq 1 ] || die "heal NAME NODE"; node_ns "$1" >/dev/null; ip -n "$name-sw" link set "p$1" up ;;
   links) [ -f "$state/links" ] || die "no cluster '$name'"; cat "$state/links" ;;
+  rate)
+    [ $# -eq 2 ] || die "rate NAME NODE RATE"
+    ns=$(node_ns "$1")
+    limit_link "$ns" eth0 "$2" 1ms >/dev/null
+    limit_link "$name-sw" "p$1" "$2" 1ms
+    ;;
   *) die "unknown command '$cmd' (up, down, run, addr, cut, heal, links)" ;;
 esac

@@ -238,7 +238,8 @@ TEST_CASE("hf import: indexed folder into 1-4 thread ranks, row/column/flat shar
   const auto ts = hf_tensors();
   write_folder(root.sub("hf"), ts);
   const auto ms = model_tensors();
-  for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast})
+  // automatic: threads are ranks on one host, so every rank reads its own shards
+  for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast, hf_import_mode::automatic})
     for (int w = 1; w <= 4; ++w) {
       CAPTURE(name(mode));
       CAPTURE(w);
@@ -250,6 +251,8 @@ TEST_CASE("hf import: indexed folder into 1-4 thread ranks, row/column/flat shar
       });
       for (int r = 0; r < w; ++r) {
         REQUIRE_FALSE(thrown[r]);
+        CHECK(res[r].mode == (mode == hf_import_mode::automatic ? hf_import_mode::every_rank_read : mode));
+        CHECK(res[r].why == (mode == hf_import_mode::automatic ? "every rank runs on one host" : ""));
         const auto& k = res[r].keys;
         CHECK(k.loaded_views == 7);
         CHECK(k.tied_views == 1);
@@ -270,7 +273,7 @@ TEST_CASE("hf import: indexed folder into 1-4 thread ranks, row/column/flat shar
           for (const auto& t : ts)
             if (t.name == ms[i].file_key) shard_bytes += v.local_numel() * (t.dtype == "BF16" ? 2 : 4);
         }
-        if (mode == hf_import_mode::every_rank_read) {
+        if (res[r].mode == hf_import_mode::every_rank_read) {
           CHECK(res[r].stats.bytes_needed == shard_bytes);
           CHECK(double(res[r].stats.bytes_read) <= 1.1 * double(shard_bytes));
           CHECK(res[r].bytes_broadcast == 0);

@@ -71,7 +71,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
                                       mine.size() * 4}};
   hf_import_options io;
   io.renames.add("^model\\.weight$=w");  // the folder's names -> the model's
-  io.mode = hf_import_mode::every_rank_read;  // or rank0_broadcast
+  io.mode = hf_import_mode::automatic;  // the default: picks by what it measures (or every_rank_read, rank0_broadcast)
   hf_import_result ir = import_hf(file_directory(dir / "hf"), std::span<const flat_view>(model), comm, io);
   // [/usage]
   CHECK(ir.keys.unexpected_keys.size() == 1);  // "b", which no view asked for

@@ -77,6 +77,9 @@ struct sim_cluster {
     return o;
   }
 
+  /// The first line `cluster.sh CMD NAME ARG` prints (e.g. line("addr", "3")).
+  std::string line(const std::string& cmd, const std::string& arg) const { return line_of({cmd, name, arg}); }
+
  private:
   std::string line_of(const std::vector<std::string>& args) const {
     const program_result r = run_program(script, args);

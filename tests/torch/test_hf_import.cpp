@@ -121,7 +121,6 @@ void write_folder(const std::filesystem::path& dir) {
 WORKER_SCENARIO("hf_import_module") {
   auto w = args.size() > 3 ? init_world_from_env(std::chrono::milliseconds(std::stol(args.at(3)))) : init_world_from_env();
   auto comm = w.comm();
-  const bool broadcast = args.at(1) == "rank0_broadcast";
   holder model;
   shard_map shards;
   std::vector<at::Tensor> locals;
@@ -143,9 +142,14 @@ WORKER_SCENARIO("hf_import_module") {
   hf_import_options opt;
   opt.renames = rename_rules({R"(^model\.(.*)=\1)"});
   opt.strict = true;
-  opt.mode = broadcast ? hf_import_mode::rank0_broadcast : hf_import_mode::every_rank_read;
+  opt.mode = args.at(1) == "rank0_broadcast" ? hf_import_mode::rank0_broadcast
+             : args.at(1) == "automatic"     ? hf_import_mode::automatic
+                                             : hf_import_mode::every_rank_read;
   opt.chunk_bytes = 100;  // several chunks per tensor
   const hf_import_result res = load_hf_module(file_directory(args.at(0)), model, comm, shards, opt);
+  const bool broadcast = res.mode == hf_import_mode::rank0_broadcast;
+  // the mode used, for the test to compare across ranks (automatic: each rank's own pick)
+  std::fprintf(stderr, "mode used: %s (%s)\n", std::string(name(res.mode)).c_str(), res.why.c_str());
 
   int bad = 0;
   auto complain = [&](const std::string& what) {
@@ -188,19 +192,36 @@ TEST_CASE("hf import into torch::nn::Module: 2-4 c10d ranks, row/column/flat sha
       auto r = testing::run_world("hf_import_module", w, {dir.str(), mode});
       CHECK_MESSAGE(r.ok(), r.report());
     }
+  // automatic on one host: every rank reads its own shards, without measuring
+  auto ra = testing::run_world("hf_import_module", 3, {dir.str(), "automatic"});
+  CHECK_MESSAGE(ra.ok(), ra.report());
+  for (const auto& e : ra.err) CHECK_MESSAGE(e.find("mode used: every_rank_read (every rank runs on one host)") != std::string::npos, e);
   auto r4 = testing::run_world("hf_import_module", 4, {dir.str(), "rank0_broadcast"});
   CHECK_MESSAGE(r4.ok(), r4.report());
 }
 
-TEST_CASE("hf import on a simulated cluster: 6 ranks over 3 nodes, both modes, bit for bit" *
+TEST_CASE("hf import on a simulated cluster: 6 ranks over 3 nodes, both modes and automatic's pick, bit for bit" *
           doctest::skip(testing::cluster_skipped())) {
   testing::temp_dir dir("hf-import-cluster");
   write_folder(dir.path);
   testing::sim_cluster c(3);
-  for (const char* mode : {"every_rank_read", "rank0_broadcast"}) {
+  for (const char* mode : {"every_rank_read", "rank0_broadcast", "automatic"}) {
     CAPTURE(mode);
     auto r = testing::run_on(c, "hf_import_module", 6, 2, {dir.str(), mode}, dir.path / (std::string("log-") + mode));
     CHECK_MESSAGE(r.ok(), r.report());
+    if (std::string(mode) != "automatic") continue;
+    // ranks on three nodes measure; every rank picks the same mode from the same figures
+    std::string first;
+    for (const auto& e : r.err) {
+      const auto at = e.find("mode used: ");
+      REQUIRE_MESSAGE(at != std::string::npos, e);
+      const std::string line = e.substr(at, e.find('\n', at) - at);
+      CHECK_MESSAGE(line.find("estimated every_rank_read ") != std::string::npos, line);
+      const std::string picked = line.substr(0, line.find(" ("));
+      if (first.empty()) first = picked;
+      CHECK(picked == first);
+    }
+    MESSAGE("automatic on the cluster: " << r.err.front().substr(r.err.front().find("mode used: ")));
   }
 }
 

@@ -14,7 +14,14 @@
 // |                 | it, every rank keeps its slice      |                            |                |
 //
 // every_rank_read suits a local or parallel filesystem; rank0_broadcast suits storage that
-// many clients read slowly (one reader, the interconnect does the rest). In rank0_broadcast,
+// many clients read slowly (one reader, the interconnect does the rest). automatic (the
+// default) picks: every_rank_read when every rank runs on one host (one page cache, no
+// interconnect to spare: hostname and network namespace alike), else by what it measures -
+// each rank reads probe_bytes of the largest tensor at once with the others, rank 0 reads them
+// again alone and broadcasts them, and the mode whose estimate is smaller wins (every_rank_read:
+// the slowest rank's share at the rate it read with the others; rank0_broadcast: everything at
+// rank 0's rate alone, then at the slowest rank's broadcast rate). Every rank decides from the same all-gathered figures, so all
+// pick alike; hf_import_result says which and why. In rank0_broadcast,
 // rank 0 first broadcasts the tensor table (names, dtypes, shapes), so every rank maps names
 // and checks its views without opening anything; a tensor is sent only when some rank needs
 // it, and each rank copies out of each chunk the overlap of its spec with the chunk's flat
@@ -30,12 +37,16 @@
 // rank's message (naming folder, tensor and rule); no rank is left waiting in a collective.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <optional>
+#include <sstream>
 #include <span>
 #include <string>
 #include <string_view>
@@ -50,10 +61,12 @@
 namespace shardsafe {
 
 /// How the bytes of an import move (table at the top).
-enum class hf_import_mode { every_rank_read, rank0_broadcast };
+enum class hf_import_mode { every_rank_read, rank0_broadcast, automatic };
 
 constexpr std::string_view name(hf_import_mode m) noexcept {
-  return m == hf_import_mode::every_rank_read ? "every_rank_read" : "rank0_broadcast";
+  return m == hf_import_mode::every_rank_read ? "every_rank_read"
+         : m == hf_import_mode::rank0_broadcast ? "rank0_broadcast"
+                                                : "automatic";
 }
 
 /// How an import reads: threads and read merging (load_options' own), for every_rank_read's
@@ -65,8 +78,9 @@ struct hf_import_reads {
 };
 
 struct hf_import_options : hf_key_options {
-  hf_import_mode mode = hf_import_mode::every_rank_read;
+  hf_import_mode mode = hf_import_mode::automatic;
   std::uint64_t chunk_bytes = std::uint64_t(64) << 20;  ///< rank0_broadcast: bytes per broadcast
+  std::uint64_t probe_bytes = std::uint64_t(8) << 20;   ///< automatic: bytes read and broadcast to measure
   hf_import_reads load{};
 };
 
@@ -89,6 +103,8 @@ struct hf_import_result {
   load_stats stats;                   ///< this rank's reads (rank0_broadcast: only rank 0 reads)
   std::uint64_t bytes_broadcast = 0;  ///< rank0_broadcast: tensor bytes every rank received
   double seconds = 0;
+  hf_import_mode mode = hf_import_mode::every_rank_read;  ///< the mode used (automatic's pick)
+  std::string why;                                        ///< automatic: what decided it
 };
 
 namespace detail {
@@ -258,6 +274,86 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
   });
 }
 
+/// Where this process runs: its host name and network namespace (ranks in network namespaces
+/// of one machine - a simulated cluster - count as hosts of their own).
+inline std::string host_identity() {
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  std::error_code ec;
+  const auto ns = std::filesystem::read_symlink("/proc/self/ns/net", ec);
+  return std::string(host) + " " + (ec ? std::string() : ns.string());
+}
+
+/// hf_import_mode::automatic's pick (top of this header); res.why says what decided it.
+template <ReadableDirectory D, Comm C>
+hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
+                                hf_import_result& res) {
+  const step_scope step("choosing how to import");
+  const auto hosts = every_rank_step(comm, [&] { return host_identity(); });
+  if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); })) {
+    res.why = "every rank runs on one host";
+    return hf_import_mode::every_rank_read;
+  }
+  // each rank: its share (the bytes of its views) and its read rate, reading at once with the
+  // others; then rank 0's alone (what it reads at when it is the only reader)
+  std::string probe;
+  std::uint64_t total = 0;
+  std::optional<checkpoint_reader<D>> reader;
+  std::optional<flat_view> cv;
+  auto time_read = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    reader->load(std::span<const flat_view>(&*cv, 1), import_load_options(opt.load, false));
+    return double(cv->nbytes) / std::max(1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+  const auto figures = every_rank_step(comm, [&] {
+    reader.emplace(dir);
+    const std::pair<std::string, tensor_metadata>* big = nullptr;
+    for (const auto& t : reader->metadata().tensors) {
+      total += t.second.numel() * bit_size(t.second.type) / 8;
+      if (is_byte_sized(t.second.type) && (!big || t.second.numel() * item_size(t.second.type) > big->second.numel() * item_size(big->second.type)))
+        big = &t;
+    }
+    std::uint64_t share = 0;
+    for (const auto& v : views) share += v.nbytes;
+    double rate = 0;
+    if (big) {
+      const std::uint64_t item = item_size(big->second.type);
+      const std::uint64_t n = std::min(big->second.numel(), std::max<std::uint64_t>(1, opt.probe_bytes / item));
+      probe.resize(static_cast<std::size_t>(n * item));
+      cv.emplace(flat_view{big->first, big->second.type, big->second.shape, shard_spec(flat_spec{{0, n}}),
+                           reinterpret_cast<std::byte*>(probe.data()), n * item});
+      comm.barrier();
+      rate = time_read();
+    }
+    return std::to_string(share) + " " + std::to_string(rate);
+  });
+  const double read0 = std::stod(rank0_step(comm, [&] { return std::to_string(cv ? time_read() : 0.0); }));
+  // each rank's broadcast rate: rank 0 sends what it read
+  double got = 0;
+  detail::exchange_in_scope([&] {
+    comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    comm.broadcast_bytes(probe, 0);
+    got = double(probe.size()) / std::max(1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  });
+  const auto bcast = every_rank_step(comm, [&] { return std::to_string(got); });
+  double every = 0, slowest_bcast = 0;
+  for (std::size_t r = 0; r < figures.size(); ++r) {
+    double share = 0, rate = 0;
+    std::istringstream(figures[r]) >> share >> rate;
+    every = std::max(every, rate > 0 ? share / rate : 0.0);
+    const double b = std::stod(bcast[r]);
+    if (r > 0) slowest_bcast = slowest_bcast == 0 ? b : std::min(slowest_bcast, b);
+  }
+  const double broadcast = (read0 > 0 ? double(total) / read0 : 0.0) + (slowest_bcast > 0 ? double(total) / slowest_bcast : 0.0);
+  std::ostringstream why;
+  why.precision(3);
+  why << "estimated every_rank_read " << every << " s, rank0_broadcast " << broadcast << " s (rank 0 alone reads "
+      << read0 / 1e6 << " MB/s; the slowest rank receives " << slowest_bcast / 1e6 << " MB/s)";
+  res.why = why.str();
+  return broadcast < every ? hf_import_mode::rank0_broadcast : hf_import_mode::every_rank_read;
+}
+
 }  // namespace detail
 
 /// Imports the checkpoint in dir into this rank's views (every rank calls it, each with its
@@ -285,7 +381,8 @@ hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& co
     res.stats.seconds = res.seconds;
     return res;
   }
-  if (opt.mode == hf_import_mode::rank0_broadcast)
+  res.mode = opt.mode == hf_import_mode::automatic ? detail::pick_import_mode(dir, views, comm, opt, res) : opt.mode;
+  if (res.mode == hf_import_mode::rank0_broadcast)
     detail::import_rank0_broadcast(dir, views, comm, opt, res);
   else
     detail::import_every_rank_read(dir, views, comm, opt, res);
