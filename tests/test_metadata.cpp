@@ -387,7 +387,15 @@ TEST_CASE("metadata: malformed files give the right errc and name file, tensor a
       {"grid: pieces short of the tensor", grid_tensor("[6]", R"("flat": true, "chunks": [2], "parts": [2], "base": 0, "strides": [1])"),
        errc::invalid_metadata, {"tensor 'w'", "do not cover its 6"}},
       {"grid: 2^34 parts", grid_tensor("[6]", R"("flat": true, "chunks": [1], "parts": [17179869184], "base": 0, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "more than 16777216 parts"}},
+       errc::invalid_metadata, {"tensor 'w'", "more than 1048576 parts"}},
+      {"grids: 2^26 parts together", [] {
+         std::string t = R"({"tensors": {)";
+         for (int i = 0; i < 65; ++i)
+           t += std::string(i ? ", " : "") + "\"w" + std::to_string(i) + R"(": {"shape": [1048576], "is_sharded": true, "dtype": "U8", )" +
+                R"("shardsafe_grid": {"flat": true, "chunks": [1], "parts": [1048576], "base": 0, "strides": [1]}})";
+         return t + "}}";
+       }(),
+       errc::invalid_metadata, {"tensor 'w64'", "more than 67108864 parts together"}},
       {"grid: ranks past 2^31", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 2147483647, "strides": [1])"),
        errc::invalid_metadata, {"tensor 'w'", "ranks past 2147483647"}},
       {"grid: a stride overflowing", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [18446744073709551615])"),

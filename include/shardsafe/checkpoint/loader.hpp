@@ -347,6 +347,15 @@ class checkpoint_reader {
       specs.reserve(list.size());
       for (const auto& f : list) specs.push_back(f.second);
       p.lp = plan_load(mine, std::span<const shard_spec>(specs), tm->shape);
+      if (tm->grid) {  // keep only the parts it reads from (the rest met the bounding box only)
+        std::vector<std::pair<std::string, shard_spec>> kept;
+        kept.reserve(p.lp.files.size());
+        for (auto& fp : p.lp.files) {
+          kept.push_back(std::move(p.grid_files[fp.file]));
+          fp.file = kept.size() - 1;
+        }
+        p.grid_files = std::move(kept);
+      }
       const load_plan& lp = p.lp;
       if (!lp.missing.empty()) {
         const element_range m = lp.missing.front();

@@ -357,6 +357,7 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
   checkpoint_metadata md;
   std::vector<std::string_view> keys;
   bool have_tensors = false, have_extras = false;
+  std::uint64_t grid_parts = 0;  // of every grid so far (max_grid_parts_total)
   detail::for_fields(top, f, [&](std::string_view topkey, od::value topval) {
     if (topkey == "tensors" && !have_tensors) {
       have_tensors = true;
@@ -419,6 +420,10 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
             fail(errc::invalid_metadata, ctx + ": gives both shardsafe_grid and a list of files");
           if (!sharded) fail(errc::invalid_metadata, ctx + ": shardsafe_grid describes a tensor that is not sharded");
           validate(*grid, tm.shape, ctx);
+          grid_parts += grid->part_count();
+          if (grid_parts > max_grid_parts_total)
+            fail(errc::invalid_metadata, ctx + ": the grids so far have more than " + std::to_string(max_grid_parts_total) +
+                                             " parts together");
           if (!is_byte_sized(tm.type))
             fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm.type)) +
                                               " must be stored whole in one file, not as a grid of shards");

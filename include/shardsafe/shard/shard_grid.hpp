@@ -49,8 +49,13 @@ struct shard_grid {
   }
 };
 
-/// The most parts one tensor's grid may have (a 16,384-rank world has 16,384).
-inline constexpr std::uint64_t max_grid_parts = std::uint64_t(1) << 24;
+/// The most parts one tensor's grid may have (a 16,384-rank world has 16,384): what a reader
+/// may have to list for one tensor (verify, unshard; a load lists those its shard meets).
+inline constexpr std::uint64_t max_grid_parts = std::uint64_t(1) << 20;
+/// The most parts all grids of one metadata.json may have together (a 70B model's 723 tensors
+/// over 16,384 ranks: 11.8 million; the listed form's 1 GiB holds about 10 million entries), so
+/// a few bytes of grid cannot stand for unbounded work.
+inline constexpr std::uint64_t max_grid_parts_total = std::uint64_t(1) << 26;
 /// The highest rank a grid may name.
 inline constexpr std::uint64_t max_grid_rank = (std::uint64_t(1) << 31) - 1;
 
