@@ -40,6 +40,18 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // [/usage]
   CHECK(st.total_bytes > 48 * 4);
 
+  // [usage: threads]
+  // four ranks as four threads of this process, each saving its quarter of the rows of "w"
+  std::vector<std::exception_ptr> thrown = run_ranks(4, [&](thread_comm& rank_comm) {
+    const std::uint64_t r = static_cast<std::uint64_t>(rank_comm.rank());
+    const flat_view quarter{"w", dtype::F32, {8, 6}, block_spec({2, 6}, {2 * r, 0}),
+                            reinterpret_cast<std::byte*>(w.data() + 12 * r), 12 * 4};
+    save_flat_views(file_directory(dir / "by_threads"), std::span<const flat_view>(&quarter, 1), rank_comm);
+  });
+  // [/usage]
+  for (const auto& e : thrown) CHECK_FALSE(e);
+  CHECK(read_checkpoint_metadata(file_directory(dir / "by_threads").open(metadata_file_name)).find("w")->files.size() == 4);
+
   // [usage: load]
   // rows 2..5 of "w" straight into this buffer: only those bytes are read
   std::vector<float> rows(4 * 6);

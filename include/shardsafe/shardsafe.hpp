@@ -53,6 +53,7 @@
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/dist/message.hpp"
 #include "shardsafe/dist/single.hpp"
+#include "shardsafe/dist/threads.hpp"
 
 // sharded checkpoints of flat views
 #include "shardsafe/checkpoint/async_save.hpp"
