@@ -22,7 +22,7 @@
 set -euo pipefail
 
 die() { echo "cluster: $*" >&2; exit 1; }
-[ $# -ge 2 ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -ge 2 ] || { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 cmd="$1"; name="$2"; shift 2
 case "$name" in *[!a-z0-9]*|"") die "NAME '$name': lowercase letters and digits only" ;; esac
 [ ${#name} -le 8 ] || die "NAME '$name': 8 characters at most (interface names are short)"
