@@ -17,8 +17,8 @@
 // many clients read slowly (one reader, the interconnect does the rest). automatic (the
 // default) picks: every_rank_read when every rank runs on one host (one page cache, no
 // interconnect to spare: hostname and network namespace alike), else by what it measures -
-// each rank reads probe_bytes of the largest tensor at once with the others, rank 0 reads them
-// again alone and broadcasts them, and the mode whose estimate is smaller wins (every_rank_read:
+// each rank reads probe_bytes of the largest tensor at once with the others, rank 0 reads as
+// many again alone (the next ones, where the tensor has them) and broadcasts them, and the mode whose estimate is smaller wins (every_rank_read:
 // the slowest rank's share at the rate it read with the others; rank0_broadcast: everything at
 // rank 0's rate alone, then at the slowest rank's broadcast rate). Every rank decides from the same all-gathered figures, so all
 // pick alike; hf_import_result says which and why. In rank0_broadcast,
@@ -327,7 +327,13 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
     }
     return std::to_string(share) + " " + std::to_string(rate);
   });
-  const double read0 = std::stod(rank0_step(comm, [&] { return std::to_string(cv ? time_read() : 0.0); }));
+  // rank 0 alone reads the probe's next bytes where the tensor has them (not a cache's copy of the first)
+  const double read0 = std::stod(rank0_step(comm, [&] {
+    if (!cv) return std::string("0");
+    const std::uint64_t n = cv->local_numel(), all = numel(cv->full_shape);
+    if (all >= 2 * n) cv->spec = shard_spec(flat_spec{{n, 2 * n}});
+    return std::to_string(time_read());
+  }));
   // each rank's broadcast rate: rank 0 sends what it read
   double got = 0;
   detail::exchange_in_scope([&] {
