@@ -77,20 +77,22 @@ std::pair<u64, u64> piece(u64 n, u64 w, u64 r) {
 
 // --- the ranks --------------------------------------------------------------------------------
 
+/// How a rank holds each tensor: FSDP's flat pieces (ceil(n / w) elements a rank), row blocks
+/// (ceil(rows / w) rows a rank), or whole (every rank a replica).
+enum class layout { flat, rows, whole };
+
 /// One rank's tensors: memory and views, each element its value_at.
 struct rank_state {
   std::vector<std::vector<float>> mem;
   std::vector<flat_view> views;
-  /// row_blocks: ceil(rows / w) rows a rank; whole: every rank the whole tensor (replicas);
-  /// else FSDP's flat pieces.
-  rank_state(int tensors, u64 w, u64 r, bool row_blocks, bool fill, bool whole = false) {
+  rank_state(int tensors, u64 w, u64 r, layout how, bool fill) {
     mem.reserve(static_cast<std::size_t>(tensors));
     for (int t = 0; t < tensors; ++t) {
       const shape_t full{rows, cols};
       shard_spec spec;
-      if (whole) {
+      if (how == layout::whole) {
         spec = flat_spec{{0, rows * cols}};
-      } else if (row_blocks) {
+      } else if (how == layout::rows) {
         auto [b, e] = piece(rows, w, r);
         spec = block_spec({e - b, cols}, {b, 0});
       } else {
@@ -141,10 +143,10 @@ int curve_worker(const bench::args& a) {
   so.metadata = a.get("--form", "automatic") == "compact" ? metadata_form::compact : metadata_form::automatic;
   double save_s = 0, plan_s = 0, load_s = 0;
   {
-    rank_state s(tensors, W, R, false, true);
+    rank_state s(tensors, W, R, layout::flat, true);
     save_s = timed(comm, [&] { save_flat_views(dir, std::span<const flat_view>(s.views), comm, so); });
   }
-  rank_state l(tensors, W, R, true, false);
+  rank_state l(tensors, W, R, layout::rows, false);
   load_schedule sched;
   load_s = timed(comm, [&] {
     checkpoint_reader<file_directory> reader(dir);
@@ -167,7 +169,7 @@ int hf_worker(const bench::args& a) {
   auto w = init_world_from_env(std::chrono::seconds(120));
   auto comm = w.comm();
   const u64 W = static_cast<u64>(w.world_size), R = static_cast<u64>(w.rank);
-  rank_state l(tensors, W, R, true, false, a.get("--layout", "rows") == "whole");
+  rank_state l(tensors, W, R, a.get("--layout", "rows") == "whole" ? layout::whole : layout::rows, false);
   hf_import_options o;
   const std::string mode = a.get("--mode", "every_rank_read");
   o.mode = mode == "rank0_broadcast" ? hf_import_mode::rank0_broadcast
@@ -404,7 +406,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> stores{"-"};  // the file system first (no store link)
     if (http)
       for (const auto& sr : split(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit"))) stores.push_back(sr);
-    for (const std::string layout : {"rows", "whole"}) {
+    for (const std::string held : {"rows", "whole"}) {
       for (const auto& srate : stores) {
         const bool fs_source = srate == "-";
         if (!fs_source) sh(script + " rate " + c.name + " 4 " + srate);
@@ -414,7 +416,7 @@ int main(int argc, char** argv) {
           fs::create_directories(out);
           if (!run_world(c, 4, 1,
                          {"--worker", "hf", "--source", fs_source ? hf.string() : url, "--mode", mode, "--tensors", tensors,
-                          "--layout", layout, "--out", out.string()},
+                          "--layout", held, "--out", out.string()},
                          tmp / "hf-logs", port)) {
             status = 1;
             continue;
@@ -431,12 +433,12 @@ int main(int argc, char** argv) {
             wrong += bad;
             if (r == 0) used = m;
             if (r == 0 && mode == "automatic")
-              picks.push_back(layout + ", " + (fs_source ? std::string("file system") : "store link " + srate) + ": " + m +
+              picks.push_back(held + ", " + (fs_source ? std::string("file system") : "store link " + srate) + ": " + m +
                               " -" + why);
           }
           if (wrong > 0) status = 1;
-          const double mib = layout == "whole" ? 4 * model_mib : model_mib;
-          t.add({layout == "rows" ? "row blocks" : "whole (replicas)", fs_source ? "file system" : "store, " + srate, mode,
+          const double mib = held == "whole" ? 4 * model_mib : model_mib;
+          t.add({held == "rows" ? "row blocks" : "whole (replicas)", fs_source ? "file system" : "store, " + srate, mode,
                  bench::fmt("%.3f", secs), bench::fmt("%.0f", mib / secs), used, wrong == 0 ? "yes" : "NO"});
         }
       }

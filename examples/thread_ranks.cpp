@@ -96,7 +96,6 @@ int main(int argc, char** argv) {
                                                 " loaded as " + std::to_string(mine[i]));
     lines[r] = "rank " + std::to_string(r) + " of 3: rows [" + std::to_string(b) + ", " + std::to_string(e) + "), " +
                std::to_string(st.bytes_read) + " bytes read, " + std::to_string(st.checksum_blocks) + " checksum blocks checked";
-    comm.barrier();
   });
   for (std::size_t r = 0; r < loaded.size(); ++r)
     if (loaded[r]) {

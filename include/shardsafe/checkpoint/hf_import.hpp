@@ -18,10 +18,12 @@
 // default) picks: every_rank_read when every rank runs on one host (one page cache, no
 // interconnect to spare: hostname and network namespace alike), else by what it measures -
 // each rank reads probe_bytes of the largest tensor at once with the others, rank 0 reads as
-// many again alone (the next ones, where the tensor has them) and broadcasts them, and the mode whose estimate is smaller wins (every_rank_read:
-// the slowest rank's share at the rate it read with the others; rank0_broadcast: everything at
-// rank 0's rate alone, then at the slowest rank's broadcast rate). Every rank decides from the same all-gathered figures, so all
-// pick alike; hf_import_result says which and why. In rank0_broadcast,
+// many again alone (the next ones, where the tensor has them) and broadcasts them, and the
+// mode whose estimate is smaller wins (every_rank_read: the slowest rank's share at the rate
+// it read with the others; rank0_broadcast: everything at rank 0's rate alone, then at the
+// slowest rank's broadcast rate). Every rank decides from the same all-gathered figures, so
+// all pick alike; hf_import_result says which and why. The readers the probe opened serve the
+// import. In rank0_broadcast,
 // rank 0 first broadcasts the tensor table (names, dtypes, shapes), so every rank maps names
 // and checks its views without opening anything; a tensor is sent only when some rank needs
 // it, and each rank copies out of each chunk the overlap of its spec with the chunk's flat
@@ -56,6 +58,7 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/dist/message.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 
 namespace shardsafe {
@@ -180,13 +183,14 @@ inline void scatter_chunk(const flat_view& v, dtype stored, std::span<const std:
 template <class C>
 concept buffer_broadcaster = requires(C& c, std::span<std::byte> b) { c.broadcast_buffer(b, 0); };
 
+/// reader: this rank's, when one is open already (automatic's probe), else opened here.
 template <ReadableDirectory D, Comm C>
 void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                            hf_import_result& res) {
+                            hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
   every_rank_step(comm, [&] {
-    checkpoint_reader<D> reader(dir);
+    if (!reader) reader.emplace(dir);
     std::vector<hf_tensor_info> table;
-    for (const auto& [key, tm] : reader.metadata().tensors) table.push_back({key, tm.type, tm.shape});
+    for (const auto& [key, tm] : reader->metadata().tensors) table.push_back({key, tm.type, tm.shape});
     res.keys = map_hf_keys(views, table, opt, dir.name());
     std::vector<flat_view> renamed;  // the views to load, under the checkpoint's names
     renamed.reserve(res.keys.loads.size());
@@ -196,19 +200,20 @@ void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& c
       renamed.back().key = table[e.tensor].name;
     }
     const load_options lo = import_load_options(opt.load, opt.convert_dtypes);
-    res.stats = reader.load(std::span<const flat_view>(renamed), lo);
+    res.stats = reader->load(std::span<const flat_view>(renamed), lo);
     res.stats.unexpected_keys.clear();  // the loader's view of it; keys.unexpected_keys is the import's
   });
 }
 
+/// reader: rank 0's, when one is open already (automatic's probe), else opened here; only
+/// rank 0 reads.
 template <ReadableDirectory D, Comm C>
 void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                            hf_import_result& res) {
+                            hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
   const step_scope step("rank 0 reading and broadcasting");
   const bool root = comm.rank() == 0;
-  std::optional<checkpoint_reader<D>> reader;  // rank 0 only
   const std::string table_bytes = rank0_step(comm, [&] {
-    reader.emplace(dir);
+    if (!reader) reader.emplace(dir);
     return encode_tensor_table(reader->metadata());
   });
   std::vector<hf_tensor_info> table;
@@ -274,6 +279,12 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
   });
 }
 
+/// Nanoseconds since t0.
+inline std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+}
+
 /// Where this process runs: its host name and network namespace (ranks in network namespaces
 /// of one machine - a simulated cluster - count as hosts of their own).
 inline std::string host_identity() {
@@ -285,25 +296,26 @@ inline std::string host_identity() {
 }
 
 /// hf_import_mode::automatic's pick (top of this header); res.why says what decided it.
+/// reader: left open for the import (every rank's, when it measured).
 template <ReadableDirectory D, Comm C>
 hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                                hf_import_result& res) {
+                                hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
   const step_scope step("choosing how to import");
   const auto hosts = every_rank_step(comm, [&] { return host_identity(); });
   if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); })) {
     res.why = "every rank runs on one host";
     return hf_import_mode::every_rank_read;
   }
-  // each rank: its share (the bytes of its views) and its read rate, reading at once with the
-  // others; then rank 0's alone (what it reads at when it is the only reader)
+  // each rank: its share (the bytes of its views) and how long it took to read the probe, at
+  // once with the others; then rank 0's alone (how fast it reads when it is the only reader);
+  // figures travel as counts (bytes, nanoseconds: dist/message.hpp)
   std::string probe;
   std::uint64_t total = 0;
-  std::optional<checkpoint_reader<D>> reader;
   std::optional<flat_view> cv;
-  auto time_read = [&] {
+  auto timed_read = [&] {  // nanoseconds
     const auto t0 = std::chrono::steady_clock::now();
     reader->load(std::span<const flat_view>(&*cv, 1), import_load_options(opt.load, false));
-    return double(cv->nbytes) / std::max(1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return elapsed_ns(t0);
   };
   const auto figures = every_rank_step(comm, [&] {
     reader.emplace(dir);
@@ -313,9 +325,8 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
       if (is_byte_sized(t.second.type) && (!big || t.second.numel() * item_size(t.second.type) > big->second.numel() * item_size(big->second.type)))
         big = &t;
     }
-    std::uint64_t share = 0;
+    std::uint64_t share = 0, ns = 0;
     for (const auto& v : views) share += v.nbytes;
-    double rate = 0;
     if (big) {
       const std::uint64_t item = item_size(big->second.type);
       const std::uint64_t n = std::min(big->second.numel(), std::max<std::uint64_t>(1, opt.probe_bytes / item));
@@ -323,32 +334,38 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
       cv.emplace(flat_view{big->first, big->second.type, big->second.shape, shard_spec(flat_spec{{0, n}}),
                            reinterpret_cast<std::byte*>(probe.data()), n * item});
       comm.barrier();
-      rate = time_read();
+      ns = timed_read();
     }
-    return std::to_string(share) + " " + std::to_string(rate);
+    return message_writer().count(share).count(probe.size()).count(ns).str();
   });
   // rank 0 alone reads the probe's next bytes where the tensor has them (not a cache's copy of the first)
-  const double read0 = std::stod(rank0_step(comm, [&] {
-    if (!cv) return std::string("0");
-    const std::uint64_t n = cv->local_numel(), all = numel(cv->full_shape);
-    if (all >= 2 * n) cv->spec = shard_spec(flat_spec{{n, 2 * n}});
-    return std::to_string(time_read());
-  }));
-  // each rank's broadcast rate: rank 0 sends what it read
-  double got = 0;
+  const std::string alone = rank0_step(comm, [&] {
+    if (cv) {
+      const std::uint64_t n = cv->local_numel(), all = numel(cv->full_shape);
+      if (all >= 2 * n) cv->spec = shard_spec(flat_spec{{n, 2 * n}});
+    }
+    return message_writer().count(cv ? timed_read() : 0).str();
+  });
+  const std::uint64_t alone_ns = message_reader(alone, "rank 0's probe alone").count();
+  // each rank's broadcast time: rank 0 sends what it read
+  std::uint64_t got_ns = 0;
   detail::exchange_in_scope([&] {
     comm.barrier();
     const auto t0 = std::chrono::steady_clock::now();
     comm.broadcast_bytes(probe, 0);
-    got = double(probe.size()) / std::max(1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    got_ns = elapsed_ns(t0);
   });
-  const auto bcast = every_rank_step(comm, [&] { return std::to_string(got); });
-  double every = 0, slowest_bcast = 0;
+  const auto bcast = every_rank_step(comm, [&] { return message_writer().count(got_ns).str(); });
+  auto rate = [](std::uint64_t bytes, std::uint64_t ns) { return ns > 0 ? double(bytes) * 1e9 / double(ns) : 0.0; };
+  double every = 0, slowest_bcast = 0, read0 = 0;
   for (std::size_t r = 0; r < figures.size(); ++r) {
-    double share = 0, rate = 0;
-    std::istringstream(figures[r]) >> share >> rate;
-    every = std::max(every, rate > 0 ? share / rate : 0.0);
-    const double b = std::stod(bcast[r]);
+    message_reader m(figures[r], "rank " + std::to_string(r) + "'s probe");
+    const std::uint64_t share = m.count(), bytes = m.count(), ns = m.count();
+    m.finish();
+    const double rr = rate(bytes, ns);
+    every = std::max(every, rr > 0 ? double(share) / rr : 0.0);
+    if (r == 0) read0 = rate(bytes, alone_ns);
+    const double b = rate(bytes, message_reader(bcast[r], "rank " + std::to_string(r) + "'s broadcast").count());
     if (r > 0) slowest_bcast = slowest_bcast == 0 ? b : std::min(slowest_bcast, b);
   }
   const double broadcast = (read0 > 0 ? double(total) / read0 : 0.0) + (slowest_bcast > 0 ? double(total) / slowest_bcast : 0.0);
@@ -387,11 +404,12 @@ hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& co
     res.stats.seconds = res.seconds;
     return res;
   }
-  res.mode = opt.mode == hf_import_mode::automatic ? detail::pick_import_mode(dir, views, comm, opt, res) : opt.mode;
+  std::optional<checkpoint_reader<D>> reader;  // automatic's probe opens it; the import reads through it
+  res.mode = opt.mode == hf_import_mode::automatic ? detail::pick_import_mode(dir, views, comm, opt, res, reader) : opt.mode;
   if (res.mode == hf_import_mode::rank0_broadcast)
-    detail::import_rank0_broadcast(dir, views, comm, opt, res);
+    detail::import_rank0_broadcast(dir, views, comm, opt, res, reader);
   else
-    detail::import_every_rank_read(dir, views, comm, opt, res);
+    detail::import_every_rank_read(dir, views, comm, opt, res, reader);
   res.message = describe(res.keys, opt.examples);
   res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   res.stats.seconds = res.seconds;

@@ -9,8 +9,8 @@
 // and converted, and shardsafe's compact form of a regular sharding (shard/shard_grid.hpp), which
 // stands in for shard_spec_per_file:
 //   "shardsafe_grid": {"flat": bool, "chunks": [...], "parts": [...], "base": R, "strides": [...]}
-// (files rank_R.safetensors; readers that do not know it refuse the tensor, as they should). shardsafe's own additions live under a top-level "shardsafe" object that
-// other readers ignore. We write in Python's json.dumps layout (separators, ASCII escapes) so
+// (files rank_R.safetensors; readers that do not know it refuse the tensor, as they should).
+// shardsafe's own additions live under a top-level "shardsafe" object that other readers ignore. We write in Python's json.dumps layout (separators, ASCII escapes) so
 // files diff cleanly with OLMo-core's.
 #pragma once
 
@@ -78,12 +78,10 @@ inline std::optional<shard_grid> detect_grid(const tensor_metadata& t) {
   std::vector<std::pair<std::uint64_t, shard_spec>> ranked;
   ranked.reserve(t.files.size());
   for (const auto& [f, s] : t.files) {
+    // the rank whose file name this is: its digits after "rank_", named back exactly
     std::uint64_t r = 0;
-    const std::string_view n(f);
-    if (!n.starts_with("rank_") || !n.ends_with(".safetensors")) return std::nullopt;
-    const std::string_view digits = n.substr(5, n.size() - 5 - 12);
-    auto [p, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
-    if (ec != std::errc() || p != digits.data() + digits.size() || digits.empty() || rank_file_name(r) != n) return std::nullopt;
+    if (f.size() < 5 || std::from_chars(f.data() + 5, f.data() + f.size(), r).ec != std::errc() || rank_file_name(r) != f)
+      return std::nullopt;
     ranked.emplace_back(r, s);
   }
   return detect_grid(ranked, t.shape);

@@ -63,7 +63,7 @@ namespace detail {
 
 /// The extent along a cut dimension of n elements: piece i of chunk c.
 inline std::pair<std::uint64_t, std::uint64_t> grid_piece(std::uint64_t n, std::uint64_t c, std::uint64_t i) noexcept {
-  // c * i may pass 2^64 only when it passes n (validate bounds c * (parts - 1) by n + c)
+  // c * i may pass 2^64 (a grid of many empty trailing pieces): such a piece starts at n, empty
   const auto b = detail::checked_mul(c, i);
   const std::uint64_t begin = b && *b < n ? *b : n;
   const std::uint64_t end = begin == n ? n : std::min(n, begin + c);
@@ -126,10 +126,11 @@ inline void validate(const shard_grid& g, std::span<const std::uint64_t> full, s
     fail(errc::invalid_metadata, c + ": the grid names ranks past " + std::to_string(max_grid_rank));
 }
 
-/// Part `index` (one piece index per cut dimension) as a rank and a shard spec.
-inline std::pair<std::uint64_t, shard_spec> grid_part(const shard_grid& g, std::span<const std::uint64_t> full,
-                                                      std::span<const std::uint64_t> index) {
-  const shape_t dims = detail::grid_dims(g, full);
+namespace detail {
+
+/// grid_part with the grid's cut dimensions (grid_dims) given.
+inline std::pair<std::uint64_t, shard_spec> grid_part_of(const shard_grid& g, std::span<const std::uint64_t> dims,
+                                                         std::span<const std::uint64_t> index) {
   std::uint64_t rank = g.base;
   for (std::size_t d = 0; d < dims.size(); ++d) rank += index[d] * g.strides[d];
   if (g.flat) {
@@ -143,6 +144,14 @@ inline std::pair<std::uint64_t, shard_spec> grid_part(const shard_grid& g, std::
     ext[d] = e - b;
   }
   return {rank, shard_spec(block_spec(std::move(ext), std::move(off)))};
+}
+
+}  // namespace detail
+
+/// Part `index` (one piece index per cut dimension) as a rank and a shard spec.
+inline std::pair<std::uint64_t, shard_spec> grid_part(const shard_grid& g, std::span<const std::uint64_t> full,
+                                                      std::span<const std::uint64_t> index) {
+  return detail::grid_part_of(g, detail::grid_dims(g, full), index);
 }
 
 namespace detail {
@@ -174,7 +183,8 @@ inline std::vector<std::pair<std::uint64_t, shard_spec>> grid_box(const shard_gr
                                                                   std::span<const std::uint64_t> lo,
                                                                   std::span<const std::uint64_t> hi) {
   std::vector<std::pair<std::uint64_t, shard_spec>> out;
-  for_each_grid_index(lo, hi, [&](std::span<const std::uint64_t> i) { out.push_back(grid_part(g, full, i)); });
+  const shape_t dims = grid_dims(g, full);
+  for_each_grid_index(lo, hi, [&](std::span<const std::uint64_t> i) { out.push_back(grid_part_of(g, dims, i)); });
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   return out;
 }
