@@ -21,16 +21,16 @@
 //   json MB     metadata.json's size (write_checkpoint_metadata, as a save writes it)
 //   parse s     parse_checkpoint_metadata of that text: every rank reads all of it
 //   parse MiB   heap the parsed metadata holds (glibc's mallinfo2, in use after minus before)
-//   plan s      what checkpoint_reader::plan does per view before reading file headers: the
-//               files that may hold it (tensor_metadata::overlapping_files: every listed file,
-//               or a grid's by division) and plan_load over them
+//   plan s      checkpoint_reader::plan's step before reading file headers, the planner's
+//               plan_views (checkpoint/load_plan.hpp): each view checked, the files that may
+//               hold it (every listed file, or a grid's parts by division) and plan_load over them
 //   files       distinct files the rank's plan reads from
 //   read MiB    bytes the plan reads (the rank's share of the model)
 // --max-world stops the doubling early (default 16384; --quick: 256). Above 1 GiB of text the
 // parser refuses metadata.json (storage/text.hpp, max_metadata_size): the table says so.
 #include "bench_common.hpp"
+#include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/format/metadata.hpp"
-#include "shardsafe/shard/copy_plan.hpp"
 
 #include <malloc.h>
 
@@ -38,7 +38,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <map>
-#include <set>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -167,26 +167,20 @@ struct plan_figures {
 plan_figures plan_rank(const checkpoint_metadata& md, const std::vector<model_tensor>& model,
                        const std::vector<std::pair<std::size_t, shard_spec>>& mine) {
   plan_figures f;
-  std::set<std::string> files;
+  std::vector<flat_view> views;  // described only: the planner never touches their memory
+  views.reserve(mine.size());
+  for (const auto& [ti, spec] : mine)
+    views.push_back({model[ti].name, dtype::BF16, model[ti].shape, spec, nullptr, spec.local_numel() * 2});
+  std::unordered_map<std::string_view, const tensor_metadata*> index;  // as checkpoint_files keeps one
+  for (const auto& [k, t] : md.tensors) index.emplace(k, &t);
   const double t0 = bench::now_s();
-  for (const auto& [ti, spec] : mine) {
-    const tensor_metadata* tm = md.find(model[ti].name);  // as checkpoint_reader::plan looks it up
-    const auto list = tm->overlapping_files(spec);
-    std::vector<shard_spec> specs;
-    specs.reserve(list.size());
-    for (const auto& fe : list) specs.push_back(fe.second);
-    const load_plan lp = plan_load(spec, std::span<const shard_spec>(specs), tm->shape);
-    if (!lp.missing.empty()) {
-      std::fprintf(stderr, "bench_scale: %s: the plan misses elements\n", model[ti].name.c_str());
-      std::exit(1);
-    }
-    for (const auto& fp : lp.files) {
-      files.insert(list[fp.file].first);
-      f.bytes += fp.numel * 2;
-    }
-  }
+  const view_plans vp = plan_views(
+      md, [&](std::string_view k) { const auto it = index.find(k); return it == index.end() ? nullptr : it->second; },
+      std::span<const flat_view>(views), load_options{}, "bench_scale", /*memory_later=*/true);
   f.seconds = bench::now_s() - t0;
-  f.files = files.size();
+  for (const auto& p : vp.views)
+    for (const auto& fp : p.lp.files) f.bytes += fp.numel * 2;
+  f.files = vp.files.size();
   return f;
 }
 

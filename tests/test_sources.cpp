@@ -351,3 +351,92 @@ TEST_CASE("DCP-sharded folders: broken ones are refused naming file, tensor and 
     expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata, {".metadata"});
   }
 }
+
+// The planner alone (checkpoint/load_plan.hpp): a description and two headers made here, no
+// storage at all. Every read's file offset, length and destination is worked out by hand from
+// the layout below, not by the code under test.
+TEST_CASE("the load planner plans from a description and headers alone") {
+  // "w" [4, 6] F32: rank_0 holds rows 0-1, rank_1 rows 2-3; "r" [3] F32 whole in both files
+  checkpoint_metadata md;
+  tensor_metadata w{{4, 6}, dtype::F32, true, {}, {}};
+  w.files = {{"rank_0.safetensors", shard_spec(block_spec({2, 6}, {0, 0}))},
+             {"rank_1.safetensors", shard_spec(block_spec({2, 6}, {2, 0}))}};
+  tensor_metadata r{{3}, dtype::F32, true, {}, {}};
+  r.files = {{"rank_0.safetensors", shard_spec(flat_spec{{0, 3}})}, {"rank_1.safetensors", shard_spec(flat_spec{{0, 3}})}};
+  md.tensors = {{"r", r}, {"w", w}};
+  // rank_0: w's data at [0, 48), r's at [48, 60); rank_1: r at [0, 12), w at [12, 60)
+  const std::string j0 = R"({"w":{"dtype":"F32","shape":[12],"data_offsets":[0,48]},"r":{"dtype":"F32","shape":[3],"data_offsets":[48,60]}})";
+  const std::string j1 = R"({"r":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"w":{"dtype":"F32","shape":[12],"data_offsets":[12,60]}})";
+  const safetensors_header h0 = parse_safetensors_header(j0, 8 + j0.size() + 60, "rank_0.safetensors");
+  const safetensors_header h1 = parse_safetensors_header(j1, 8 + j1.size() + 60, "rank_1.safetensors");
+  const std::uint64_t d0 = 8 + j0.size(), d1 = 8 + j1.size();  // where each file's data starts
+  auto find = [&](std::string_view k) { return md.find(k); };
+
+  // my shard: columns 3-5 of every row of w ([4, 3] at [0, 3]), and r whole; no memory: the
+  // planner never touches it (memory_later)
+  const std::vector<flat_view> views{{"w", dtype::F32, {4, 6}, block_spec({4, 3}, {0, 3}), nullptr, 48},
+                                     {"r", dtype::F32, {3}, std::nullopt, nullptr, 12}};
+  load_options opt;
+  opt.reads.max_gap_bytes = 0;  // no merging: one read per row piece
+  auto plan = [&](const checkpoint_metadata& m) {
+    view_plans vp = plan_views(m, [&](std::string_view k) { return m.find(k); }, views, opt, "ckpt", true);
+    REQUIRE(vp.files == std::vector<std::string>{"rank_0.safetensors", "rank_1.safetensors"});
+    const read_options ro = resolve_read_options(opt.reads, read_hints{});
+    const std::vector<planned_file> files{{&h0, "rank_0.safetensors", ro}, {&h1, "rank_1.safetensors", ro}};
+    return schedule_reads(std::move(vp), views, files, opt, 3, "metadata.json");
+  };
+  const load_schedule s = plan(md);
+  CHECK(s.threads == 3);
+  CHECK(s.stats.tensors == 2);
+  CHECK(s.stats.bytes_needed == 48 + 12);
+  // (file, view, file offset, length, destination in the view) of every read, by hand:
+  // w's row i, columns 3-5, is elements 6i+3 .. 6i+5 of the full tensor; rank_0 holds rows 0-1
+  // (its elements 6i+3.. at byte 4(6i+3)), rank_1 rows 2-3 (at byte 4(6(i-2)+3) of its w)
+  using row = std::tuple<std::size_t, std::size_t, std::uint64_t, std::uint64_t, std::uint64_t>;
+  std::vector<row> got, want{{0, 0, d0 + 12, 12, 0}, {0, 0, d0 + 36, 12, 12},
+                             {1, 0, d1 + 12 + 12, 12, 24}, {1, 0, d1 + 12 + 36, 12, 36}};
+  std::vector<row> r_reads;
+  for (std::size_t f = 0; f < s.files.size(); ++f)
+    for (const auto& rd : s.files[f].reads) {
+      REQUIRE(rd.op.pieces.size() == 1);
+      (rd.view == 0 ? got : r_reads).push_back({f, rd.view, rd.op.file_offset, rd.op.len, rd.op.pieces[0].dst});
+    }
+  CHECK(got == want);
+  // r: read whole from one file, and compared with the other's copy (no checksums say they are equal)
+  REQUIRE(r_reads.size() == 1);
+  REQUIRE(s.compares.size() == 1);
+  const std::size_t from = std::get<0>(r_reads[0]), other = s.compares[0].first;
+  CHECK(from != other);
+  CHECK(std::get<2>(r_reads[0]) == (from == 0 ? d0 + 48 : d1));
+  CHECK(s.compares[0].second.op.file_offset == (other == 0 ? d0 + 48 : d1));
+  CHECK(s.compares[0].second.op.len == 12);
+  CHECK(s.stats.read_ops == 4 + 1 + 1);
+  CHECK(s.stats.bytes_read == 48 + 12 + 12);
+
+  SUBCASE("equal recorded checksums: the replica is not read twice") {
+    checkpoint_metadata m2 = md;
+    checkpoint_checksums cs;
+    cs.files["rank_0.safetensors"]["r"] = {42};
+    cs.files["rank_1.safetensors"]["r"] = {42};
+    m2.extras.checksums = cs;
+    CHECK(plan(m2).compares.empty());
+    cs.files["rank_1.safetensors"]["r"] = {43};
+    m2.extras.checksums = cs;
+    CHECK(plan(m2).compares.size() == 1);
+  }
+  SUBCASE("a gap in the files is missing coverage, found before any file is opened") {
+    checkpoint_metadata m2 = md;
+    m2.tensors[1].second.files.pop_back();  // rows 2-3 of w in no file
+    expect_error([&] { plan_views(m2, [&](std::string_view k) { return m2.find(k); }, views, opt, "ckpt", true); },
+                 errc::missing_coverage, {"ckpt: tensor 'w'", "6 of this shard's 12 elements are in no file"});
+  }
+  SUBCASE("a header that does not match the description is named") {
+    view_plans vp = plan_views(md, find, views, opt, "ckpt", true);
+    const read_options ro;
+    const std::string jbad = R"({"w":{"dtype":"F16","shape":[12],"data_offsets":[0,24]},"r":{"dtype":"F32","shape":[3],"data_offsets":[24,36]}})";
+    const safetensors_header hb = parse_safetensors_header(jbad, 8 + jbad.size() + 36, "rank_0.safetensors");
+    const std::vector<planned_file> bad{{&hb, "rank_0.safetensors", ro}, {&h1, "rank_1.safetensors", ro}};
+    expect_error([&] { schedule_reads(std::move(vp), views, bad, opt, 1, "metadata.json"); }, errc::dtype_mismatch,
+                 {"rank_0.safetensors: tensor 'w'", "file has dtype F16, metadata.json says F32"});
+  }
+}

@@ -79,20 +79,6 @@ inline std::string checksum_mismatch_message(std::string_view path, const tensor
   return m;
 }
 
-/// XXH3-64 of bytes [off, off + len) of storage s: from its mapping when it has one, else read
-/// into buf (resized as needed, reused by the caller).
-template <ReadableStorage S>
-std::uint64_t hash_stored(const S& s, std::uint64_t off, std::uint64_t len, std::vector<std::byte>& buf) {
-  if constexpr (MappableStorage<S>) {
-    check_read_range(s.name(), off, len, s.size());
-    return xxh3_64(s.bytes().data() + off, static_cast<std::size_t>(len));
-  } else {
-    buf.resize(static_cast<std::size_t>(len));
-    s.read_into(off, std::span<std::byte>(buf.data(), buf.size()));
-    return xxh3_64(buf.data(), buf.size());
-  }
-}
-
 /// The spec a file holds of tm (nullptr when tm does not name the file): for messages.
 inline const shard_spec* spec_in(const tensor_metadata* tm, std::string_view fname) {
   if (!tm) return nullptr;

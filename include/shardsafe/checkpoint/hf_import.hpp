@@ -247,10 +247,7 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
         buf.resize(static_cast<std::size_t>(len));
         flat_view cv{info.name, info.type, info.shape, shard_spec(flat_spec{{a, b}}),
                      reinterpret_cast<std::byte*>(buf.data()), len};
-        const load_stats s = reader->load(std::span<const flat_view>(&cv, 1), lo);
-        res.stats.bytes_needed += s.bytes_needed;
-        res.stats.bytes_read += s.bytes_read;
-        res.stats.read_ops += s.read_ops;
+        res.stats.add_reads(reader->load(std::span<const flat_view>(&cv, 1), lo));
       });
       detail::exchange_in_scope([&] {
         if constexpr (buffer_broadcaster<C>) {

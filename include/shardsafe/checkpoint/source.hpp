@@ -265,6 +265,50 @@ checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
   return s;
 }
 
+namespace detail {
+
+/// dir.open(n), with not_found reported as `missing()` says (there is no exists() check first:
+/// the open is the check, in one round trip).
+template <ReadableDirectory D, class Message>
+typename D::reader_type open_or(const D& dir, std::string_view n, Message&& missing) {
+  try {
+    return dir.open(n);
+  } catch (const error& e) {
+    if (e.code() == errc::not_found) fail(errc::not_found, missing());
+    throw;
+  }
+}
+
+}  // namespace detail
+
+/// The file a name of a tensor's files is in: itself, or for a DCP data file's second chunk of
+/// a key (`FILE#1`) the file it names.
+template <ReadableDirectory D>
+const std::string& path_of(const checkpoint_source<D>& src, const std::string& name) {
+  const auto it = src.data_files.find(name);
+  return it == src.data_files.end() ? name : it->second.path;
+}
+
+/// Opens file `name` of the checkpoint src describes, and indexes it as src says: a
+/// safetensors file by its header, a DCP data file by its archives' zip headers
+/// (format/dcp_data.hpp). A size metadata.json recorded must match.
+template <ReadableDirectory D>
+std::unique_ptr<opened_file<typename D::reader_type>> open_source_file(const D& dir, const checkpoint_source<D>& src,
+                                                                       const std::string& name) {
+  using R = typename D::reader_type;
+  const auto df = src.data_files.find(name);
+  const std::string& path = df == src.data_files.end() ? name : df->second.path;
+  R s = detail::open_or(dir, path, [&] {
+    return std::string(dir.name()) + "/" + path + ": missing: " + src.described_by + " lists it but it does not exist";
+  });
+  safetensors_header h = df == src.data_files.end() ? read_safetensors_header(s) : index_dcp_data_file(s, df->second);
+  const auto size_it = src.metadata.extras.file_sizes.find(name);
+  if (size_it != src.metadata.extras.file_sizes.end() && size_it->second != s.size())
+    fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) + " bytes but " +
+                              src.described_by + " recorded " + std::to_string(size_it->second));
+  return std::make_unique<opened_file<R>>(opened_file<R>{std::move(s), std::move(h)});
+}
+
 /// Opens the checkpoint in dir, whichever layout it has (table at the top), reading only
 /// descriptions and headers.
 template <ReadableDirectory D>

@@ -132,15 +132,11 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
                                      std::to_string(opt.staging.slot_bytes) + " bytes (at least 1 slot of 16 bytes)");
   staged_load_stats st;
   {
-    // plan() checks that memory is given and never touches it: a stand-in address will do
-    static std::byte described_only;
+    // the whole views are described, their memory is the ring's (each piece's, later)
     std::vector<flat_view> whole;
     whole.reserve(views.size());
-    for (const auto& sv : views) {
-      whole.push_back(sv.view);
-      whole.back().data = &described_only;
-    }
-    const load_schedule s = reader.plan(std::span<const flat_view>(whole), opt);
+    for (const auto& sv : views) whole.push_back(sv.view);
+    const load_schedule s = reader.plan(std::span<const flat_view>(whole), opt, /*memory_later=*/true);
     st.tensors = s.stats.tensors;
     st.missing_keys = s.stats.missing_keys;
     st.unexpected_keys = s.stats.unexpected_keys;
@@ -171,10 +167,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     std::byte* base = slots[next].get();
     for (std::size_t i = 0; i < batch.pieces.size(); ++i) batch.pieces[i].data = base + batch.copies[i].slot_offset;
     const load_stats s = reader.load(std::span<const flat_view>(batch.pieces), piece_opt);
-    st.bytes_needed += s.bytes_needed;
-    st.bytes_read += s.bytes_read;
-    st.read_ops += s.read_ops;
-    st.checksum_blocks += s.checksum_blocks;
+    st.add_reads(s);
     for (const auto& c : batch.copies)
       engine.copy(c.target, c.target_offset,
                   std::span<const std::byte>(base + c.slot_offset, static_cast<std::size_t>(c.bytes)));

@@ -43,6 +43,7 @@
 #include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/hf_folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/read_executor.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/format/pickle_reader.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -213,12 +214,15 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
       fail(errc::invalid_metadata, mdname + ": shardsafe.checksums names the file '" + fname +
                                        "', which is not a file of the checkpoint");
   struct block {
-    const typename checkpoint_reader<D>::open_file* file;
+    std::size_t file;  // index into storages
     std::string fname;
     const tensor_entry* e;
     std::uint64_t k, want;
   };
+  using R = typename D::reader_type;
+  std::vector<const R*> storages;
   std::vector<block> blocks;
+  std::vector<read_job> jobs;
   for (const auto& fname : files) {
     const auto& f = r.file(fname);
     const auto t = cs.files.find(fname);
@@ -227,29 +231,28 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
         if (!f.header.find(key))
           fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key +
                                            "': metadata.json records its checksums, but the file has no such tensor");
+    storages.push_back(&f.storage);
     for (const auto& e : f.header.tensors) {
       const auto& hashes = recorded_hashes(cs, fname, f.storage.name(), e);
-      for (std::uint64_t k = 0; k < hashes.size(); ++k) blocks.push_back({&f, fname, &e, k, hashes[k]});
+      for (std::uint64_t k = 0; k < hashes.size(); ++k) {
+        const auto sp = block_span(k, cs.block_bytes, e.nbytes());
+        blocks.push_back({storages.size() - 1, fname, &e, k, hashes[k]});
+        jobs.push_back({storages.size() - 1, f.header.offset_of(e) + sp.from, sp.to - sp.from, nullptr});
+      }
     }
   }
   std::vector<std::uint64_t> got(blocks.size());
-  buffer_pool spare;
-  parallel_for(blocks.size(), opt.threads, [&](std::size_t i) {
-    const block& bl = blocks[i];
-    const auto sp = block_span(bl.k, cs.block_bytes, bl.e->nbytes());
-    std::vector<std::byte> buf = spare.take();
-    got[i] = hash_stored(bl.file->storage, bl.file->header.offset_of(*bl.e) + sp.from, sp.to - sp.from, buf);
-    spare.give(std::move(buf));
+  execute_reads<R>(storages, jobs, opt.threads, [&](std::size_t i, const std::byte* bytes, bool) {
+    got[i] = xxh3_64(bytes, static_cast<std::size_t>(jobs[i].len));
   });
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const block& bl = blocks[i];
     if (got[i] != bl.want) {
       const tensor_metadata* tm = r.find(bl.e->name);
-      fail(errc::checksum_mismatch, checksum_mismatch_message(bl.file->storage.name(), *bl.e, bl.k, cs.block_bytes,
+      fail(errc::checksum_mismatch, checksum_mismatch_message(storages[bl.file]->name(), *bl.e, bl.k, cs.block_bytes,
                                                               bl.want, got[i], tm, spec_in(tm, bl.fname)));
     }
-    const auto sp = block_span(bl.k, cs.block_bytes, bl.e->nbytes());
-    rep.bytes_hashed += sp.to - sp.from;
+    rep.bytes_hashed += jobs[i].len;
   }
   rep.checksum_blocks = blocks.size();
   rep.checksums = true;

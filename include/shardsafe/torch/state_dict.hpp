@@ -177,12 +177,12 @@ template <ReadableDirectory D>
 load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry>& entries, c10::Device device,
                           const load_options& opt) {
   std::vector<staged_view<std::byte*>> direct;
-  std::vector<const device_entry*> convert;
+  std::vector<std::pair<const device_entry*, dtype>> convert;  // with the dtype stored
   for (const auto& e : entries) {
     const tensor_metadata* tm = reader.find(e.staged.view.key);
     if (opt.convert_dtypes && opt.convert_on_device && tm && tm->type != e.staged.view.type &&
         is_convertible_float(tm->type) && is_convertible_float(e.staged.view.type) && to_scalar_type(tm->type))
-      convert.push_back(&e);
+      convert.emplace_back(&e, tm->type);
     else
       direct.push_back(e.staged);
   }
@@ -195,8 +195,8 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
     std::uint64_t bytes = 0;
     std::size_t last = first;
     for (; last < convert.size(); ++last) {
-      const device_entry& e = *convert[last];
-      const dtype stored = reader.find(e.staged.view.key)->type;
+      const auto& [ep, stored] = convert[last];
+      const device_entry& e = *ep;
       const std::uint64_t n = e.staged.view.local_numel() * item_size(stored);
       if (last > first && bytes + n > scratch_limit) break;
       bytes += n;
@@ -210,15 +210,12 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
       views.push_back(std::move(v));
     }
     const staged_load_stats s = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, opt);
-    st.bytes_needed += s.bytes_needed;
-    st.bytes_read += s.bytes_read;
-    st.read_ops += s.read_ops;
-    st.checksum_blocks += s.checksum_blocks;
+    st.add_reads(s);
     st.tensors += s.tensors;
     {
       at::NoGradGuard no_grad;
       for (std::size_t i = first; i < last; ++i)
-        convert[i]->tensor->copy_(scratch[i - first].view(convert[i]->tensor->sizes()));  // on the device
+        convert[i].first->tensor->copy_(scratch[i - first].view(convert[i].first->tensor->sizes()));  // on the device
     }
     first = last;
   }
@@ -235,7 +232,7 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
 template <ReadableDirectory D>
 load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const load_options& opt = {}) {
   std::vector<flat_view> direct;
-  std::vector<std::pair<c10::Device, detail::device_entry>> on_device;
+  std::vector<detail::device_entry> on_device;  // each on its tensor's device
   std::vector<std::pair<const std::string*, sharded_tensor*>> staged;
   for (auto& [key, t] : sd) {
     if (!t.local.defined())
@@ -243,28 +240,24 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     if (is_viewable(t.local))
       direct.push_back(detail::view_of(key, t, t.local));
     else if (detail::is_device_loadable(t.local))
-      on_device.push_back({t.local.device(),
-                           {{detail::described_view(key, t, reader.directory().name()),
+      on_device.push_back({{detail::described_view(key, t, reader.directory().name()),
                              static_cast<std::byte*>(t.local.data_ptr())},
-                            &t.local}});
+                            &t.local});
     else
       staged.emplace_back(&key, &t);
   }
   load_stats st = reader.load(std::span<const flat_view>(direct), opt);
   auto add = [&st](const load_stats& s) {
     st.tensors += s.tensors;
-    st.bytes_needed += s.bytes_needed;
-    st.bytes_read += s.bytes_read;
-    st.read_ops += s.read_ops;
-    st.checksum_blocks += s.checksum_blocks;
+    st.add_reads(s);
     st.missing_keys.insert(st.missing_keys.end(), s.missing_keys.begin(), s.missing_keys.end());
   };
   while (!on_device.empty()) {  // one ring per device, in order of first use
-    const c10::Device dev = on_device.front().first;
+    const c10::Device dev = on_device.front().tensor->device();
     std::vector<detail::device_entry> entries;
-    for (auto& [d, e] : on_device)
-      if (d == dev) entries.push_back(std::move(e));
-    std::erase_if(on_device, [&](const auto& p) { return p.first == dev; });
+    for (auto& e : on_device)
+      if (e.tensor->device() == dev) entries.push_back(e);
+    std::erase_if(on_device, [&](const detail::device_entry& e) { return e.tensor->device() == dev; });
     add(detail::load_on_device(reader, entries, dev, opt));
   }
   for (auto [key, t] : staged) {

@@ -1,0 +1,382 @@
+// shardsafe/checkpoint/load_plan.hpp - what a load will do, planned before any tensor byte
+// moves: the load's settings and results, and the planner.
+//
+// The planner is pure: it reads a checkpoint's description (checkpoint_metadata) and the
+// headers of the files it names, never storage, so it is tested and benchmarked without any
+// (tests/test_sources.cpp, bench/bench_scale.cpp). It runs in two steps around the opening of
+// files, which is the reader's (checkpoint/reader.hpp):
+// 1. plan_views: each view checked against the description (shape, dtype, coverage) and
+//    resolved against every file's shard (shard/copy_plan.hpp's plan_load: each element from
+//    exactly one file, gaps reported as missing coverage); a grid tensor (the compact form) is
+//    resolved by division, keeping only the parts it reads. It says which files are needed.
+// 2. schedule_reads: with those files' headers, the copy runs become reads of byte ranges
+//    (shard/read_plan.hpp's make_read_plan): a load_schedule listing, per file, each read and
+//    the copies out of it, and the reads that compare replicas.
+//
+// No loaded value depends on an arbitrary choice: where several files hold the same elements
+// of a tensor (replicas saved by each holder, or a damaged or hostile checkpoint), the plan
+// takes each element from one file and also reads it from the others (load_schedule::compares);
+// identical shards whose recorded checksums are equal were written with the same bytes and are
+// not read twice.
+//
+// Read settings, each taken from the first place that sets it: load_options (reads.*,
+// threads), then the backend's hint (read_defaults(), storage/concepts.hpp), then the
+// library's defaults (read_options in shard/read_plan.hpp, detail::default_threads()).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/core/convert.hpp"
+#include "shardsafe/detail/nan.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/overlap.hpp"
+#include "shardsafe/shard/read_plan.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// Read settings a load may set; each one left empty comes from the backend's hint
+/// (read_defaults()) or else from read_options' defaults.
+struct read_overrides {
+  std::optional<std::uint64_t> max_gap_bytes;   ///< merge reads separated by at most this
+  std::optional<double> max_over_read;          ///< wasted bytes / needed bytes, per read
+  std::optional<std::uint64_t> max_read_bytes;  ///< split reads longer than this
+};
+
+struct load_options {
+  unsigned threads = 0;         ///< reads in flight; 0: the backend's hint, else detail::default_threads()
+  read_overrides reads{};       ///< gap merging and read sizes (unset: the backend's, else the defaults)
+  bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
+  bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
+  /// Load a floating tensor stored as another floating dtype (F16, BF16, F32, F64), converting
+  /// each element while copying, rounded to nearest even (core/convert.hpp); converted reads
+  /// go through a staging buffer of at most one read (reads.max_read_bytes), never a
+  /// tensor-sized one. Off: a dtype that differs is errc::dtype_mismatch.
+  bool convert_dtypes = false;
+  /// Check the bytes the load reads against the checksums metadata.json records (docs/FORMAT.md
+  /// §2, "Checksums"): every checksum block a read touches is hashed, from the tensor's memory
+  /// where one read landed the whole block there, else read again, and a mismatch is
+  /// errc::checksum_mismatch naming file, tensor and element range. A checkpoint without
+  /// checksums (saved before them, or by another writer) loads unchecked: load_stats says
+  /// how many blocks were checked.
+  bool verify_checksums = false;
+  /// Loads into memory the reader cannot write itself (GPU tensors) go through a ring of this
+  /// many host buffers (pinned for a GPU) of this size: host memory stays at slots x
+  /// slot_bytes whatever the model's size (checkpoint/staged_load.hpp).
+  struct staging_ring {
+    std::size_t slots = 4;
+    std::uint64_t slot_bytes = std::uint64_t(64) << 20;
+  } staging{};
+  /// With convert_dtypes, a GPU tensor stored as another floating dtype is loaded as stored and
+  /// converted on the GPU (torch/state_dict.hpp; bench/bench_device measures both); false:
+  /// converted on the host as the bytes land in the staging ring.
+  bool convert_on_device = true;
+};
+
+/// The read settings a load uses with a storage whose hint is `hint`: load_options first,
+/// then the hint, then read_options' defaults.
+inline read_options resolve_read_options(const read_overrides& o, const read_hints& hint) {
+  read_options r;
+  if (hint.max_gap_bytes) r.max_gap_bytes = *hint.max_gap_bytes;
+  if (hint.max_read_bytes) r.max_read_bytes = *hint.max_read_bytes;
+  if (o.max_gap_bytes) r.max_gap_bytes = *o.max_gap_bytes;
+  if (o.max_over_read) r.max_over_read = *o.max_over_read;
+  if (o.max_read_bytes) r.max_read_bytes = *o.max_read_bytes;
+  return r;
+}
+
+/// The reads in flight a load uses: load_options.threads, then the hint, then the default.
+inline unsigned resolve_threads(unsigned threads, const read_hints& hint) {
+  if (threads != 0) return threads;
+  if (hint.requests_in_flight && *hint.requests_in_flight != 0) return *hint.requests_in_flight;
+  return detail::default_threads();
+}
+
+struct load_stats {
+  std::uint64_t tensors = 0;        ///< views loaded
+  std::uint64_t bytes_needed = 0;   ///< bytes of stored data the views needed (as stored: before conversion)
+  std::uint64_t bytes_read = 0;     ///< bytes read from files (needed + merged gaps)
+  std::uint64_t read_ops = 0;       ///< reads issued
+  std::uint64_t checksum_blocks = 0;  ///< checksum blocks checked (load_options::verify_checksums)
+  std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
+  std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
+  double seconds = 0;
+
+  /// Adds another load's reads (bytes needed and read, read operations, checksum blocks): a
+  /// load made of several loads (an import's chunks, a staging ring's fills) counts them here.
+  load_stats& add_reads(const load_stats& o) noexcept {
+    bytes_needed += o.bytes_needed;
+    bytes_read += o.bytes_read;
+    read_ops += o.read_ops;
+    checksum_blocks += o.checksum_blocks;
+    return *this;
+  }
+};
+
+/// What a load will do, made by checkpoint_reader::plan() before any tensor byte moves:
+/// which files, which byte ranges of each, and which copies out of each range.
+struct load_schedule {
+  /// One read of a file: bytes [op.file_offset, op.file_offset + op.len); op.pieces are the
+  /// copies out of it into view `view` (pieces[i].dst: a byte offset in that view's memory).
+  struct file_read {
+    std::size_t view = 0;  ///< index into the views handed to plan()
+    read_op op;
+  };
+  /// The reads of one file, sorted by file offset.
+  struct file_reads {
+    std::string name;        ///< the file, as metadata.json names it
+    read_options settings;   ///< the merging settings its reads were planned with
+    std::vector<file_read> reads;
+  };
+  std::vector<file_reads> files;         ///< in the order the views first need them
+  /// Reads of elements that several files hold (replicas, or a damaged or hostile checkpoint)
+  /// from the files the load did not take them from: after the load, each piece's bytes must
+  /// equal what landed in the view (so no element's value depends on which file the plan
+  /// picked). (index into files, read). Replicas whose recorded checksums are equal need none.
+  std::vector<std::pair<std::size_t, file_read>> compares;
+  std::vector<std::size_t> nan_checked;  ///< views execute() fills with NaN and checks afterwards
+  /// The stored dtype of each view's data, where it differs from the view's (converted while
+  /// copying; read pieces then count bytes as stored); empty when nothing is converted.
+  std::vector<std::pair<std::size_t, dtype>> converted;
+  std::size_t views = 0;                 ///< how many views plan() was given
+  unsigned threads = 1;                  ///< reads in flight
+  bool verify_checksums = false;         ///< check the blocks read (load_options::verify_checksums)
+  load_stats stats;                      ///< all but seconds, known from the plan
+};
+
+
+/// Staging memory one batch of reads may hold for merged reads (a batch is split past it;
+/// checkpoint/read_executor.hpp), and so the most a compared read spans.
+inline constexpr std::uint64_t batch_staging_bytes = std::uint64_t(64) << 20;
+
+/// Step 1's result: each view resolved against its tensor's files, and the files needed.
+struct view_plans {
+  struct one {
+    std::size_t view = 0;
+    const tensor_metadata* tm = nullptr;
+    load_plan lp;
+    std::vector<std::size_t> compare;  ///< files (indices into files()) whose shared elements are compared
+    std::vector<std::pair<std::string, shard_spec>> grid_parts;  ///< a grid's parts the view reads
+    /// The tensor's files lp and compare index: its listed files, or a grid's parts kept.
+    const std::vector<std::pair<std::string, shard_spec>>& files() const { return tm->grid ? grid_parts : tm->files; }
+  };
+  std::vector<one> views;            ///< the views found in the checkpoint, in the order given
+  std::vector<std::string> files;    ///< file names, in the order first needed
+  std::map<std::string, std::size_t, std::less<>> file_index;  ///< name -> index in files
+  load_schedule partial;             ///< views, nan_checked, converted, stats.tensors / missing / unexpected
+};
+
+/// A file step 2 reads: its validated header, its name in messages (its storage's) and the
+/// read settings for its backend (resolve_read_options).
+struct planned_file {
+  const safetensors_header* header = nullptr;
+  std::string_view name;
+  read_options settings;
+};
+
+namespace detail {
+
+/// The entry of `key` in a file's header (named `file` in messages), checked against the
+/// description (described_by: "metadata.json", ...) and the file's shard.
+inline const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
+                                         const tensor_metadata& tm, const shard_spec& spec,
+                                         std::string_view described_by) {
+  const std::string ctx = std::string(file) + ": tensor '" + key + "'";
+  const tensor_entry* e = h.find(key);
+  if (!e) fail(errc::not_found, ctx + ": listed in " + std::string(described_by) + " but absent from the file");
+  if (e->type != tm.type)
+    fail(errc::dtype_mismatch, ctx + ": file has dtype " + std::string(name(e->type)) + ", " +
+                                   std::string(described_by) + " says " + std::string(name(tm.type)));
+  if (e->numel() != spec.local_numel())
+    fail(errc::shape_mismatch, ctx + ": file holds " + std::to_string(e->numel()) + " elements (shape " +
+                                   to_string(e->shape) + ") but its shard spec (" + to_string(spec) + ") holds " +
+                                   std::to_string(spec.local_numel()));
+  return *e;
+}
+
+/// The files of tm whose elements a load of `mine` (planned as lp) must compare
+/// (load_schedule::compares): where files overlap (the shards hold more elements than the
+/// tensor), each file that shares elements with another and holds elements of mine that the
+/// plan took from another file. (A file the plan took all its elements of mine from holds
+/// the loaded bytes; every other holder of those elements is compared with them.) A pair of
+/// identical shards whose recorded checksums (cs, may be null) are equal needs no comparing.
+inline std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm,
+                                                 const shard_spec& mine, const load_plan& lp,
+                                                 const checkpoint_checksums* cs) {
+  std::uint64_t held = 0;
+  for (const auto& [n, spec] : tm.files) held += spec.local_numel();
+  if (held <= tm.numel()) return {};
+  const std::span<const std::uint64_t> full(tm.shape);
+  auto same_checksums = [&](const std::string& a, const std::string& b) {
+    if (!cs) return false;
+    const auto fa = cs->files.find(a), fb = cs->files.find(b);
+    if (fa == cs->files.end() || fb == cs->files.end()) return false;
+    const auto ta = fa->second.find(key), tb = fb->second.find(key);
+    return ta != fa->second.end() && tb != fb->second.end() && ta->second == tb->second;
+  };
+  std::vector<bool> involved(tm.files.size(), false);
+  for (std::size_t a = 0; a < tm.files.size(); ++a)
+    for (std::size_t b = a + 1; b < tm.files.size(); ++b) {
+      if (overlap_numel(tm.files[a].second, tm.files[b].second, full) == 0) continue;
+      if (tm.files[a].second == tm.files[b].second && same_checksums(tm.files[a].first, tm.files[b].first)) continue;
+      involved[a] = involved[b] = true;
+    }
+  std::vector<std::uint64_t> supplied(tm.files.size(), 0);
+  for (const auto& fp : lp.files) supplied[fp.file] += fp.numel;
+  std::vector<std::size_t> out;
+  for (std::size_t j = 0; j < tm.files.size(); ++j)
+    if (involved[j] && overlap_numel(mine, tm.files[j].second, full) > supplied[j]) out.push_back(j);
+  return out;
+}
+
+}  // namespace detail
+
+/// Step 1: checks every view against the checkpoint described by md (find: a tensor by key,
+/// nullptr when absent; where: the folder, for messages) and resolves it against the files
+/// holding its tensor. memory_later: the views may have no memory yet (a plan made for
+/// describing, executed with other views: checkpoint/staged_load.hpp). Throws on the first
+/// problem, naming tensor and rule.
+inline view_plans plan_views(const checkpoint_metadata& md,
+                             const std::function<const tensor_metadata*(std::string_view)>& find,
+                             std::span<const flat_view> views, const load_options& opt, std::string_view where,
+                             bool memory_later = false) {
+  view_plans out;
+  load_schedule& s = out.partial;
+  s.views = views.size();
+  std::map<std::string_view, bool> asked;
+  auto need = [&](const std::string& fname) {
+    if (out.file_index.emplace(fname, out.files.size()).second) out.files.push_back(fname);
+  };
+  for (std::size_t vi = 0; vi < views.size(); ++vi) {
+    const flat_view& v = views[vi];
+    const std::string ctx = std::string(where) + ": tensor '" + v.key + "'";
+    v.validate(where, memory_later);
+    asked[v.key] = true;
+    const tensor_metadata* tm = find(v.key);
+    if (!tm) {
+      if (opt.strict) fail(errc::not_found, ctx + ": not in the checkpoint");
+      s.stats.missing_keys.push_back(v.key);
+      continue;
+    }
+    if (tm->shape != v.full_shape)
+      fail(errc::shape_mismatch, ctx + ": checkpoint has shape " + to_string(tm->shape) + ", the tensor to load has " +
+                                     to_string(v.full_shape));
+    if (tm->type != v.type) {
+      if (!opt.convert_dtypes || !is_convertible_float(tm->type) || !is_convertible_float(v.type))
+        fail(errc::dtype_mismatch, ctx + ": checkpoint has dtype " + std::string(name(tm->type)) +
+                                       ", the tensor to load has " + std::string(name(v.type)) +
+                                       (opt.convert_dtypes ? " (only F16, BF16, F32 and F64 convert)"
+                                                           : " (load_options::convert_dtypes is off)"));
+      s.converted.emplace_back(vi, tm->type);
+    }
+    const shard_spec mine = v.effective_spec();
+    view_plans::one p{vi, tm, {}, {}, {}};
+    if (tm->grid) p.grid_parts = tm->overlapping_files(mine);  // by division, not a walk of every file
+    std::vector<shard_spec> specs;
+    specs.reserve(p.files().size());
+    for (const auto& f : p.files()) specs.push_back(f.second);
+    p.lp = plan_load(mine, std::span<const shard_spec>(specs), tm->shape);
+    if (tm->grid) {  // keep only the parts it reads from (the rest met the bounding box only)
+      std::vector<std::pair<std::string, shard_spec>> kept;
+      kept.reserve(p.lp.files.size());
+      for (auto& fp : p.lp.files) {
+        kept.push_back(std::move(p.grid_parts[fp.file]));
+        fp.file = kept.size() - 1;
+      }
+      p.grid_parts = std::move(kept);
+    }
+    if (!p.lp.missing.empty()) {
+      const element_range m = p.lp.missing.front();
+      auto g = global_index_of(mine, tm->shape, m.begin);
+      std::uint64_t total = 0;
+      for (const auto& r : p.lp.missing) total += r.size();
+      fail(errc::missing_coverage,
+           ctx + ": " + std::to_string(total) + " of this shard's " + std::to_string(mine.local_numel()) +
+               " elements are in no file; the first gap is local elements " + to_string(m) +
+               (g ? " (global element " + std::to_string(*g) + ", index " + multi_index_string(tm->shape, *g) + ")"
+                  : std::string()));
+    }
+    ++s.stats.tensors;
+    if (opt.validate_nan && has_nan(v.type)) s.nan_checked.push_back(vi);
+    for (const auto& fp : p.lp.files) need(p.files()[fp.file].first);
+    if (!tm->grid)  // a grid's parts never overlap
+      p.compare = detail::files_to_compare(v.key, *tm, mine, p.lp, md.extras.checksums ? &*md.extras.checksums : nullptr);
+    for (const std::size_t j : p.compare) need(p.files()[j].first);
+    out.views.push_back(std::move(p));
+  }
+  for (const auto& [k, t] : md.tensors)
+    if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
+  return out;
+}
+
+/// Step 2: the reads of every view planned in vp, out of the files vp.files names (files[i]:
+/// vp.files[i]'s header, name and settings; described_by: for messages). threads: the reads
+/// in flight the schedule records.
+inline load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
+                                    const load_options& opt, unsigned threads, std::string_view described_by) {
+  if (files.size() != vp.files.size())
+    fail(errc::invalid_argument, "schedule_reads: " + std::to_string(files.size()) + " files given for the " +
+                                     std::to_string(vp.files.size()) + " the views need");
+  load_schedule s = std::move(vp.partial);
+  s.threads = threads;
+  s.verify_checksums = opt.verify_checksums;
+  s.files.resize(files.size());
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    s.files[i].name = vp.files[i];
+    s.files[i].settings = files[i].settings;
+  }
+  for (const auto& p : vp.views) {
+    const flat_view& v = views[p.view];
+    // stored elements: a converted view's pieces count bytes as stored, and its reads are cut
+    // at whole elements
+    const std::uint64_t item = item_size(p.tm->type);
+    const bool convert = p.tm->type != v.type;
+    auto reads_of = [&](std::size_t j, const copy_plan& runs, read_options ro, auto&& add) {
+      const auto& [fname, fspec] = p.files()[j];
+      const std::size_t fi = vp.file_index.find(fname)->second;
+      const planned_file& f = files[fi];
+      const tensor_entry& e = detail::checked_entry(*f.header, f.name, v.key, *p.tm, fspec, described_by);
+      read_plan rp = make_read_plan(runs, f.header->offset_of(e), item, ro);
+      s.stats.bytes_read += rp.bytes_read;
+      s.stats.read_ops += rp.ops.size();
+      for (auto& op : rp.ops) add(fi, std::move(op));
+      return rp.bytes_needed;
+    };
+    for (const auto& fp : p.lp.files) {
+      read_options ro = s.files[vp.file_index.find(p.files()[fp.file].first)->second].settings;
+      if (convert) ro.max_read_bytes = std::max(item, ro.max_read_bytes / item * item);
+      s.stats.bytes_needed += reads_of(fp.file, fp.runs, ro, [&](std::size_t fi, read_op op) {
+        s.files[fi].reads.push_back({p.view, std::move(op)});
+      });
+    }
+    const shard_spec mine = v.effective_spec();
+    for (const std::size_t j : p.compare) {
+      const shard_spec& fspec = p.files()[j].second;
+      read_options ro = s.files[vp.file_index.find(p.files()[j].first)->second].settings;
+      ro.max_read_bytes = std::max(item, std::min<std::uint64_t>(ro.max_read_bytes, batch_staging_bytes) / item * item);
+      for (const auto& fp : plan_load(mine, std::span<const shard_spec>(&fspec, 1), p.tm->shape).files)
+        reads_of(j, fp.runs, ro, [&](std::size_t fi, read_op op) { s.compares.push_back({fi, {p.view, std::move(op)}}); });
+    }
+  }
+  for (auto& f : s.files)
+    std::stable_sort(f.reads.begin(), f.reads.end(),
+                     [](const load_schedule::file_read& a, const load_schedule::file_read& b) {
+                       return a.op.file_offset < b.op.file_offset;
+                     });
+  return s;
+}
+
+}  // namespace shardsafe

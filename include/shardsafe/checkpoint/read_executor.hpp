@@ -1,0 +1,105 @@
+// shardsafe/checkpoint/read_executor.hpp - runs reads of byte ranges of open files, the one way
+// every load-side reader moves bytes: a load's reads, its comparison of replicas, checksum
+// checks (of a load and of verify), and so rank 0's reads for an HF import's broadcast (which
+// are loads).
+//
+// Each job is a byte range of one file, with optionally the memory it may land in straight
+// (the view's bytes, when the read is exactly one piece and needs no conversion). How the bytes
+// come depends on the storage (storage/concepts.hpp):
+// - a MappableStorage (mmap, memory): straight out of bytes(); no read call, no copy here;
+// - a BatchReadableStorage (HTTP, S3): the jobs of one file as one read_batch, split only
+//   where the staging of jobs that cannot land straight would pass batch_staging_bytes;
+// - any other ReadableStorage (a file): one read_into per job, staging buffers reused.
+// `done(i, bytes, landed)` is then called once per job i, on a pool thread, with the job's
+// bytes: landed says they are already in the job's `land` memory. Jobs of one call may run
+// concurrently; a throw from a read or from done is rethrown once all jobs have returned.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <span>
+#include <vector>
+
+#include "shardsafe/checkpoint/load_plan.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// A read of bytes [offset, offset + len) of file `file` (an index into the storages given).
+struct read_job {
+  std::size_t file = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t len = 0;
+  std::byte* land = nullptr;  ///< where the bytes may land straight (len bytes), or nullptr: staging
+};
+
+/// Runs every job on up to `threads` threads (see the top of this header).
+template <ReadableStorage R, class Done>
+void execute_reads(std::span<const R* const> files, std::span<const read_job> jobs, unsigned threads, Done&& done) {
+  if constexpr (MappableStorage<R>) {
+    detail::parallel_for(jobs.size(), threads, [&](std::size_t i) {
+      const read_job& j = jobs[i];
+      const R& st = *files[j.file];
+      detail::check_read_range(st.name(), j.offset, j.len, st.size());
+      done(i, st.bytes().data() + j.offset, false);
+    });
+  } else if constexpr (BatchReadableStorage<R>) {
+    // jobs by file (in the order given within a file), cut into batches of bounded staging
+    std::vector<std::size_t> order(jobs.size());
+    std::iota(order.begin(), order.end(), std::size_t(0));
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return jobs[a].file < jobs[b].file; });
+    struct batch {
+      std::size_t first, last;  // order[first, last)
+      std::uint64_t staging;
+    };
+    std::vector<batch> batches;
+    batch b{0, 0, 0};
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      const read_job& j = jobs[order[k]];
+      const std::uint64_t need = j.land ? 0 : j.len;
+      if (b.last > b.first && (jobs[order[b.first]].file != j.file || (need > 0 && b.staging + need > batch_staging_bytes))) {
+        batches.push_back(b);
+        b = batch{k, k, 0};
+      }
+      b.last = k + 1;
+      b.staging += need;
+    }
+    if (b.last > b.first) batches.push_back(b);
+    detail::parallel_for(batches.size(), threads, [&](std::size_t bi) {
+      const batch& bt = batches[bi];
+      std::vector<std::byte> staging(static_cast<std::size_t>(bt.staging));
+      std::vector<read_request> rq;
+      std::vector<std::byte*> at;
+      rq.reserve(bt.last - bt.first);
+      std::uint64_t used = 0;
+      for (std::size_t k = bt.first; k < bt.last; ++k) {
+        const read_job& j = jobs[order[k]];
+        std::byte* dst = j.land ? j.land : staging.data() + used;
+        if (!j.land) used += j.len;
+        rq.push_back({j.offset, {dst, static_cast<std::size_t>(j.len)}});
+        at.push_back(dst);
+      }
+      files[jobs[order[bt.first]].file]->read_batch(std::span<const read_request>(rq));
+      for (std::size_t k = bt.first; k < bt.last; ++k) done(order[k], at[k - bt.first], jobs[order[k]].land != nullptr);
+    });
+  } else {
+    detail::buffer_pool spare;  // pool threads outlive this call: buffers are not kept per thread
+    detail::parallel_for(jobs.size(), threads, [&](std::size_t i) {
+      const read_job& j = jobs[i];
+      if (j.land) {
+        files[j.file]->read_into(j.offset, {j.land, static_cast<std::size_t>(j.len)});
+        done(i, j.land, true);
+        return;
+      }
+      std::vector<std::byte> staging = spare.take();
+      staging.resize(static_cast<std::size_t>(j.len));
+      files[j.file]->read_into(j.offset, staging);
+      done(i, staging.data(), false);
+      spare.give(std::move(staging));
+    });
+  }
+}
+
+}  // namespace shardsafe

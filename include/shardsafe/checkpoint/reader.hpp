@@ -1,0 +1,186 @@
+// shardsafe/checkpoint/reader.hpp - a checkpoint opened for reading: its description and its
+// files, opened and indexed as the description says (checkpoint/source.hpp), kept open.
+//
+// checkpoint_files<D> is what every reader of a checkpoint shares (the loader's
+// checkpoint_reader, verify, unshard, export, the tool): the description (metadata.json, an HF
+// folder's index and headers, torch DCP's .metadata or DCP_SHARDING_INFO) read once, each file
+// opened once on first use (many at once, each in one round trip: open, then one speculative
+// read of its header), a DCP folder's non-tensor items, and the checksums of the files read.
+// Which format the folder has never matters past here: a file is opened and indexed by
+// checkpoint/source.hpp's open_source_file.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "shardsafe/checkpoint/checksums.hpp"
+#include "shardsafe/checkpoint/load_plan.hpp"
+#include "shardsafe/checkpoint/source.hpp"
+#include "shardsafe/detail/json.hpp"
+#include "shardsafe/detail/thread_pool.hpp"
+#include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/metadata.hpp"
+#include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
+
+namespace shardsafe {
+
+/// A checkpoint directory opened for reading: its description validated, its files opened (and
+/// their headers validated) on first use and kept open.
+template <ReadableDirectory D>
+class checkpoint_files {
+ public:
+  using reader_type = typename D::reader_type;
+  /// An opened file: its storage and validated header (or a DCP data file's index).
+  using open_file = opened_file<reader_type>;
+
+  /// Opens the checkpoint in dir, whichever layout it has (checkpoint/source.hpp).
+  explicit checkpoint_files(D dir) : dir_(std::move(dir)) { adopt(open_checkpoint_source(dir_)); }
+  /// Reads a checkpoint described by src (made by open_checkpoint_source or by the caller).
+  checkpoint_files(D dir, checkpoint_source<D> src) : dir_(std::move(dir)) { adopt(std::move(src)); }
+
+  const D& directory() const noexcept { return dir_; }
+  const checkpoint_metadata& metadata() const noexcept { return src_.metadata; }
+  /// Which layout the checkpoint has.
+  checkpoint_format format() const noexcept { return src_.format; }
+  /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
+  const std::string& described_by() const noexcept { return src_.described_by; }
+  /// The file a name of metadata().tensors[...].files is in: itself, or for a DCP data file's
+  /// second chunk of a key (`FILE#1`, checkpoint/source.hpp) the file it names.
+  const std::string& path_of(const std::string& name) const { return shardsafe::path_of(src_, name); }
+  /// Items of the checkpoint that are not tensors (a DCP folder's non-tensor values), by key.
+  const std::vector<non_tensor_item>& non_tensors() const noexcept { return src_.non_tensors; }
+  /// Where `key` sits in the nested state dict a DCP folder was flattened from (its planner_data:
+  /// ('model', 'layers.0.weight')), or nullptr when the checkpoint does not say.
+  const pickle_value* path_in_state_dict(const std::string& key) const {
+    auto it = src_.paths.find(key);
+    return it == src_.paths.end() ? nullptr : &it->second;
+  }
+  /// The item `key` of non_tensors(), or nullptr.
+  const non_tensor_item* find_object(std::string_view key) const {
+    const auto& items = src_.non_tensors;
+    auto it = std::lower_bound(items.begin(), items.end(), key,
+                               [](const non_tensor_item& i, std::string_view k) { return i.key < k; });
+    return it != items.end() && it->key == key ? &*it : nullptr;
+  }
+  /// The value of the non-tensor item `key` (a DCP folder's: format/dcp_data.hpp's
+  /// read_dcp_object), read from its data file; errc::not_found when there is none.
+  pickle_value read_object(std::string_view key) const {
+    const non_tensor_item* it = find_object(key);
+    if (!it)
+      fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
+                                described_by());
+    reader_type s = detail::open_or(dir_, it->file, [&] {
+      return std::string(dir_.name()) + "/" + it->file + ": missing: " + described_by() + " lists it but it does not exist";
+    });
+    return read_dcp_object(s, dcp_storage_info{it->file, it->offset, it->bytes}, "'" + it->key + "'");
+  }
+  const tensor_metadata* find(std::string_view key) const {
+    auto it = index_.find(key);
+    return it == index_.end() ? nullptr : &src_.metadata.tensors[it->second].second;
+  }
+
+  /// Opens (once) a file the metadata names.
+  const open_file& file(const std::string& name) {
+    open_files(std::span<const std::string>(&name, 1));
+    std::lock_guard lock(files_mutex_);
+    return *files_.at(name);
+  }
+  /// Opens (once) every file named, those not open yet all at once, on up to `threads`
+  /// threads (0: the default). The first failure is thrown once all attempts have returned.
+  void open_files(std::span<const std::string> names, unsigned threads = 0) {
+    const std::vector<std::string> todo = not_yet(names, [&](const std::string& n) { return files_.count(n) != 0; });
+    std::vector<std::unique_ptr<open_file>> opened(todo.size());
+    detail::parallel_for(todo.size(), threads, [&](std::size_t i) { opened[i] = open_source_file(dir_, src_, todo[i]); });
+    std::lock_guard lock(files_mutex_);
+    for (std::size_t i = 0; i < todo.size(); ++i) files_.try_emplace(todo[i], std::move(opened[i]));
+  }
+  /// The open files named (each opened by open_files or file() before), in that order.
+  std::vector<const open_file*> opened(std::span<const std::string> names) {
+    std::vector<const open_file*> out;
+    out.reserve(names.size());
+    std::lock_guard lock(files_mutex_);
+    for (const auto& n : names) {
+      const auto it = files_.find(n);
+      if (it == files_.end())
+        fail(errc::invalid_argument, std::string(dir_.name()) + "/" + n + ": used before this reader opened it");
+      out.push_back(it->second.get());
+    }
+    return out;
+  }
+
+  /// The recorded checksums (nullptr: none): metadata.json's, with the tables of the files
+  /// `names` read from their sidecars first (once) when the checkpoint keeps them there
+  /// (checkpoint_checksums::sidecars, the compact form's), on up to `threads` threads.
+  const checkpoint_checksums* checksums_for(std::span<const std::string> names, unsigned threads = 0) {
+    auto& checksums = src_.metadata.extras.checksums;
+    if (!checksums) return nullptr;
+    checkpoint_checksums& cs = *checksums;
+    if (!cs.sidecars) return &cs;
+    const std::vector<std::string> todo = not_yet(names, [&](const std::string& n) { return cs.files.count(n) != 0; });
+    using table = std::map<std::string, std::vector<std::uint64_t>>;
+    std::vector<table> got(todo.size());
+    detail::parallel_for(todo.size(), threads, [&](std::size_t i) {
+      const std::string side = checksum_sidecar_name(todo[i]);
+      reader_type st = detail::open_or(dir_, side, [&] {
+        return std::string(dir_.name()) + "/" + side + ": missing: " + described_by() +
+               " says the checksums of " + todo[i] + " are kept beside it, in this file";
+      });
+      const std::string text = read_text(st, max_metadata_size, text_kind::json);
+      detail::json_document doc(text, std::string(st.name()), &text);
+      got[i] = detail::parse_checksum_table(doc.root("not an object of tensors"), std::string(st.name()));
+      doc.require_unique_keys();
+    });
+    std::lock_guard lock(files_mutex_);
+    for (std::size_t i = 0; i < todo.size(); ++i) cs.files.try_emplace(todo[i], std::move(got[i]));
+    return &cs;
+  }
+
+  /// The entry of `key` in file `f`, checked against the metadata and the file's shard.
+  const tensor_entry& entry_in(const open_file& f, const std::string& key, const tensor_metadata& tm,
+                               const shard_spec& spec) const {
+    return detail::checked_entry(f.header, f.storage.name(), key, tm, spec, described_by());
+  }
+
+ private:
+  /// The names not yet done (by done(name), under the lock), each once.
+  template <class Done>
+  std::vector<std::string> not_yet(std::span<const std::string> names, Done&& done) {
+    std::vector<std::string> todo;
+    std::set<std::string_view> queued;
+    std::lock_guard lock(files_mutex_);
+    for (const auto& n : names)
+      if (!done(n) && queued.insert(n).second) todo.push_back(n);
+    return todo;
+  }
+
+  void adopt(checkpoint_source<D> src) {
+    src_ = std::move(src);
+    for (auto& [n, f] : src_.files) files_.try_emplace(n, std::move(f));
+    src_.files.clear();
+    for (std::size_t i = 0; i < src_.metadata.tensors.size(); ++i) index_.emplace(src_.metadata.tensors[i].first, i);
+  }
+
+  struct key_hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view k) const noexcept { return std::hash<std::string_view>{}(k); }
+  };
+
+  D dir_;
+  checkpoint_source<D> src_;  // its files moved into files_
+  std::unordered_map<std::string, std::size_t, key_hash, std::equal_to<>> index_;
+  std::mutex files_mutex_;
+  std::map<std::string, std::unique_ptr<open_file>, std::less<>> files_;
+};
+
+}  // namespace shardsafe
