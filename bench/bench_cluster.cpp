@@ -43,7 +43,7 @@
 #include <string>
 #include <vector>
 
-#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/launch.hpp"
@@ -176,7 +176,7 @@ int hf_worker(const bench::args& a) {
            : mode == "automatic"     ? hf_import_mode::automatic
                                      : hf_import_mode::every_rank_read;
   const std::string src = a.get("--source", "");
-  hf_import_result res;
+  hf_import_stats res;
   const double s = timed(comm, [&] {
 #if SHARDSAFE_BENCH_HTTP
     if (src.rfind("http://", 0) == 0) {

@@ -28,7 +28,7 @@
 #include "bench_common.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
-#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/async_checkpointer.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
 using namespace shardsafe;
@@ -275,7 +275,7 @@ int main(int argc, char** argv) {
     const double t0 = bench::now_s();
     async_save_handle h = ckpt.save_state_dict(file_directory(out / "async1"), sd, so);
     const double stall = bench::now_s() - t0;
-    const async_save_result& r = h.wait();
+    const async_save_stats& r = h.wait();
     const double all = bench::now_s() - t0;
     std::printf("async save from cuda: training stall %.3f s (snapshot %.3f s = %s, %.2fx the device->host limit); "
                 "whole save %.2f s\n",

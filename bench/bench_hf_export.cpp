@@ -1,5 +1,5 @@
 // bench/bench_hf_export.cpp - export of the ~1 GiB benchmark model (bench_checkpoint's shapes,
-// F32, 1018 MiB) from a sharded checkpoint to a Hugging Face folder (checkpoint/hf_export.hpp),
+// F32, 1018 MiB) from a sharded checkpoint to a Hugging Face folder (checkpoint/hf/export.hpp),
 // against the write limits of the same bytes, in one run. No LibTorch.
 //
 // The checkpoint is saved once (single_process: one rank file) and read once so that the page
@@ -28,7 +28,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
-#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/hf/export.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/detail/posix.hpp"
 #include "shardsafe/dist/single.hpp"

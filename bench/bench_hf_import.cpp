@@ -1,5 +1,5 @@
 // bench/bench_hf_import.cpp - a Hugging Face folder imported into a 2-rank row-sharded world
-// (checkpoint/hf_import.hpp), three ways, each in a fresh process:
+// (checkpoint/hf/import.hpp), three ways, each in a fresh process:
 //   every_rank_read  each rank reads only its rows' byte ranges (import_hf, every_rank_read)
 //   rank0_broadcast  rank 0 reads each tensor in 64 MiB chunks and broadcasts them; each rank
 //                    keeps its rows (import_hf, rank0_broadcast)
@@ -22,7 +22,7 @@
 
 #include "../tests/thread_world.hpp"
 #include "bench_common.hpp"
-#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"
 
@@ -183,7 +183,7 @@ int child(const std::string& mode, const std::filesystem::path& dir, bool quick)
       return;
     }
     hf_import_options o;
-    o.renames = rename_rules({R"(^model\.(.*)=\1)"});
+    o.rename = rename_rules({R"(^model\.(.*)=\1)"});
     o.strict = true;
     o.mode = mode == "every_rank_read" ? hf_import_mode::every_rank_read : hf_import_mode::rank0_broadcast;
     read[c.rank()] = import_hf(file_directory(dir), std::span<const flat_view>(st.views), c, o).stats.bytes_read;

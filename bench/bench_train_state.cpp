@@ -23,7 +23,7 @@
 // Loads read warm files (each read once before; resident % printed): shardsafe saves with
 // O_DIRECT, which leaves its files uncached. shardsafe's save is durable (fdatasync + rename +
 // folder fsync); torch::save is shown alone and + fsync.
-// Asynchronous saves (torch/async_save.hpp): the training thread's stall (plan + snapshot into
+// Asynchronous saves (torch/async_checkpointer.hpp): the training thread's stall (plan + snapshot into
 // staging) of the second of two saves (staging reused) and of the first (staging allocated),
 // and the time from the call to durable, for the whole state and for the parameters alone
 // (the ~1 GiB state, beside a blocking save_state_dict of them and one memcpy of their bytes).
@@ -32,7 +32,7 @@
 #include <torch/serialize.h>
 
 #include "bench_torch_common.hpp"
-#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/async_checkpointer.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"

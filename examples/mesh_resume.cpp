@@ -83,7 +83,7 @@ int worker(const std::string& role, const fs::path& dir) {
       state(i).exp_avg_sq().copy_(block_of(full_value(model[i].name + ".v", model[i].shape, 0.007), where[i].spec.block()).abs());
       state(i).step(100);
     }
-    const train_state_stats st = save_model_and_optim_state(ckpt, sd, &adam, comm, save_options{.overwrite = true});
+    const model_and_optim_save_stats st = save_model_and_optim_state(ckpt, sd, &adam, comm, save_options{.overwrite = true});
     const auto written = comm.all_gather_bytes(std::to_string(st.model.bytes_written) + " " + std::to_string(st.optim.bytes_written));
     if (w.rank == 0) {
       std::printf("saved by %d ranks on mesh %s, placements %s:\n", w.world_size, mesh.describe().c_str(),
@@ -97,7 +97,7 @@ int worker(const std::string& role, const fs::path& dir) {
     return 0;
   }
 
-  const train_load_report rep = load_model_and_optim_state(ckpt, sd, &adam, comm);
+  const model_and_optim_load_stats rep = load_model_and_optim_state(ckpt, sd, &adam, comm);
   int bad = 0;
   std::uint64_t need = 0;
   for (std::size_t i = 0; i < model.size(); ++i) {

@@ -26,12 +26,12 @@
 
 #include "sharded_mlp.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
-#include "shardsafe/checkpoint/hf_export.hpp"
-#include "shardsafe/checkpoint/hf_export_views.hpp"
+#include "shardsafe/checkpoint/hf/export.hpp"
+#include "shardsafe/checkpoint/hf/export_views.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/torch/c10d.hpp"
-#include "shardsafe/torch/hf_import.hpp"
+#include "shardsafe/torch/hf_state_dict.hpp"
 #include "shardsafe/dist/launch.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
@@ -122,11 +122,11 @@ hf_export_stats write_pretrained(const config& c) {
 template <class C>
 void import_pretrained(const config& c, demo::sharded_mlp& m, C& comm, int world_size, bool lead) {
   hf_import_options o;
-  o.renames.add(pretrained_rename);
+  o.rename.add(pretrained_rename);
   o.strict = true;  // every parameter must come from the folder
   state_dict sd = m.state();
   auto t0 = clock_type::now();
-  hf_import_result res = load_hf_state_dict(file_directory(c.dir / "pretrained"), sd, comm, o);
+  hf_import_stats res = load_hf_state_dict(file_directory(c.dir / "pretrained"), sd, comm, o);
   const double s = seconds_since(t0);
   std::uint64_t shard = 0;  // this rank's slice as stored: BF16
   for (const auto& [k, t] : sd) shard += static_cast<std::uint64_t>(t.local.numel()) * 2;

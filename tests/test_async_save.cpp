@@ -106,7 +106,7 @@ void check_values(const std::filesystem::path& p, float base) {
 TEST_CASE("async save: the snapshot taken before save() returns is what is saved, on its own comm") {
   testing::temp_dir tmp("async");
   testing::thread_world ckpt_world(3);  // the checkpoint traffic's own group
-  std::vector<async_save_result> res(3);
+  std::vector<async_save_stats> res(3);
   std::vector<std::uint64_t> file_sizes(3);
   auto thrown = testing::run_ranks(3, [&](testing::thread_comm& train) {
     const int r = train.rank();

@@ -1,11 +1,11 @@
-// Tests of the Hugging Face export (checkpoint/hf_export.hpp, checkpoint/hf_export_views.hpp):
+// Tests of the Hugging Face export (checkpoint/hf/export.hpp, checkpoint/hf/export_views.hpp):
 // checkpoints saved from known full tensors, exported at several shard sizes and dtypes, and the
 // files read back with this file's own plain safetensors and JSON parser (not the library's
 // reader); values checked bit for bit against conversions written here; the index checked
 // against Python's json.dumps with the packing loop written in Python; a 3-rank distributed
 // export against the single-process one, byte for byte; torch's DCP-sharded HF folders of every
 // byte-sized dtype consolidated bit for bit; the `to-hf` command of the tool.
-#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/hf/export.hpp"
 
 #include <doctest/doctest.h>
 
@@ -27,7 +27,7 @@
 
 #include "checkpoint_fixtures.hpp"
 #include "malformed_corpus.hpp"
-#include "shardsafe/checkpoint/hf_export_views.hpp"
+#include "shardsafe/checkpoint/hf/export_views.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"

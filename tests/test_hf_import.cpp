@@ -1,8 +1,8 @@
-// Tests of checkpoint/hf_import.hpp: Hugging Face folders written here byte by byte
+// Tests of checkpoint/hf/import.hpp: Hugging Face folders written here byte by byte
 // (tests/checkpoint_fixtures.hpp) imported into thread worlds of 1-4 ranks (tests/thread_world.hpp)
 // with row, column and flat shards, in both modes; the values expected are cut from the full
 // tensors by this file's own loops, and conversions computed here bit by bit.
-#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 
 #include <doctest/doctest.h>
 
@@ -224,7 +224,7 @@ std::string expected(const model_tensor& m, const std::vector<tensor>& ts, int w
 
 hf_import_options options(hf_import_mode mode) {
   hf_import_options o;
-  o.renames = rename_rules(rules);
+  o.rename = rename_rules(rules);
   o.lora_base_layer = true;
   o.mode = mode;
   o.chunk_bytes = 24;  // several chunks per tensor, cut mid-row
@@ -244,7 +244,7 @@ TEST_CASE("hf import: indexed folder into 1-4 thread ranks, row/column/flat shar
       CAPTURE(name(mode));
       CAPTURE(w);
       std::vector<rank_model> models;
-      std::vector<hf_import_result> res(static_cast<std::size_t>(w));
+      std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
       for (int r = 0; r < w; ++r) models.emplace_back(w, r);
       auto thrown = testing::run_ranks(w, [&](testing::thread_comm& c) {
         res[c.rank()] = import_hf(root.sub("hf"), std::span<const flat_view>(models[c.rank()].views), c, options(mode));
@@ -301,7 +301,7 @@ TEST_CASE("hf import: tied weights, both in the file or only one of them") {
       for (int w : {2, 3}) {  // with 3 ranks, rank 2's shards are empty (null data): still tied
         CAPTURE(w);
         std::vector<std::vector<std::byte>> mem(static_cast<std::size_t>(w));
-        std::vector<hf_import_result> res(static_cast<std::size_t>(w));
+        std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
         auto thrown = testing::run_ranks(w, [&](testing::thread_comm& c) {
           auto spec = spec_of(cut::rows, {4, 3}, w, c.rank());
           mem[c.rank()].assign(spec->local_numel() * 4, std::byte{0});
@@ -381,7 +381,7 @@ TEST_CASE("hf import: strict mode, LoRA adapter exemption, and errors every rank
                errc::dtype_mismatch, "tensor 'model.layers.0.norm.weight' (model tensor 'layers.0.norm.weight', by rename rule");
     // two file keys renamed to one name
     hf_import_options clash = o;
-    clash.renames = rename_rules({R"(^zz\.unused=layers.0.norm.weight)", R"(^model\.(.*)=\1)"});
+    clash.rename = rename_rules({R"(^zz\.unused=layers.0.norm.weight)", R"(^model\.(.*)=\1)"});
     same_error(run(2, clash), errc::invalid_argument, "both renamed to");
   }
   // a file the index names is gone: every rank (rank 0 alone, in rank0_broadcast) fails
@@ -411,7 +411,7 @@ TEST_CASE("hf import: key mapping alone") {
                         {"dir: strict import: 1 model tensor(s)", "excepted): a.base_layer.weight"});
   // rules rename file keys to model keys, first match wins
   o.strict = false;
-  o.renames = rename_rules({"^c$=x", "^a\\.(.*)=a.base_layer.\\1", "^a=never"});
+  o.rename = rename_rules({"^c$=x", "^a\\.(.*)=a.base_layer.\\1", "^a=never"});
   m = map_hf_keys(views, table, o, "dir");
   REQUIRE(m.loads.size() == 2);
   CHECK(m.loads[0].how == "rename rule '^a\\.(.*)=a.base_layer.\\1'");
@@ -425,7 +425,7 @@ TEST_CASE("hf import: a folder on files, read through the file backend") {
   write_folder(file_directory(tmp.path), ts);
   std::vector<rank_model> models;
   for (int r = 0; r < 2; ++r) models.emplace_back(2, r);
-  std::vector<hf_import_result> res(2);
+  std::vector<hf_import_stats> res(2);
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
     res[c.rank()] = import_hf(file_directory(tmp.path), std::span<const flat_view>(models[c.rank()].views), c,
                               options(hf_import_mode::every_rank_read));

@@ -13,7 +13,7 @@
 
 #include "checkpoint_fixtures.hpp"
 #include "servers.hpp"
-#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/storage/file.hpp"

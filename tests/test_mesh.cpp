@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "checkpoint_fixtures.hpp"
-#include "shardsafe/checkpoint/hf_experts.hpp"
-#include "shardsafe/checkpoint/hf_export_views.hpp"
-#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf/experts.hpp"
+#include "shardsafe/checkpoint/hf/export_views.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
@@ -917,7 +917,7 @@ TEST_CASE("mesh: an HF folder of per-expert tensors imports into stacked EP shar
   make_per_expert_folder(hf);
   for (const auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast}) {
     CAPTURE(name(mode));
-    std::vector<hf_import_result> res(8);
+    std::vector<hf_import_stats> res(8);
     std::vector<std::unique_ptr<moe_rank>> ranks(8);
     auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {
       auto& r = ranks[c.rank()] = std::make_unique<moe_rank>(shape_t{4, 2}, c.rank(), false);

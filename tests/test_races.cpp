@@ -226,7 +226,7 @@ TEST_CASE("races: the async saver while training changes other memory, then wait
       for (auto& x : w.v) x = -1.f;
       for (auto& x : b.v) x = -1.f;
       trainer.join();
-      const async_save_result& r = h.wait();
+      const async_save_stats& r = h.wait();
       CHECK(r.folders.size() == 1);
       CHECK(r.staged_bytes == 200000 * 4 + 333 * 4);
       // the next step's values

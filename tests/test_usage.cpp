@@ -82,9 +82,9 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   const std::vector<flat_view> model{{"w", dtype::F32, {8, 6}, std::nullopt, reinterpret_cast<std::byte*>(mine.data()),
                                       mine.size() * 4}};
   hf_import_options io;
-  io.renames.add("^model\\.weight$=w");  // the folder's names -> the model's
+  io.rename.add("^model\\.weight$=w");  // the folder's names -> the model's
   io.mode = hf_import_mode::automatic;  // the default: picks by what it measures (or every_rank_read, rank0_broadcast)
-  hf_import_result ir = import_hf(file_directory(dir / "hf"), std::span<const flat_view>(model), comm, io);
+  hf_import_stats ir = import_hf(file_directory(dir / "hf"), std::span<const flat_view>(model), comm, io);
   // [/usage]
   CHECK(ir.keys.unexpected_keys.size() == 1);  // "b", which no view asked for
   CHECK(std::memcmp(mine.data(), w.data(), w.size() * 4) == 0);
@@ -104,7 +104,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   async_saver<single_process> saver(comm);  // keeps its staging memory from save to save
   async_save_handle h = saver.save(file_directory(dir / "async"), std::span<const flat_view>(views));
   // ... training goes on: the views were copied, the files are written in the background ...
-  const async_save_result& done = h.wait();  // rethrows the save's error, on every rank
+  const async_save_stats& done = h.wait();  // rethrows the save's error, on every rank
   // [/usage]
   CHECK(done.staged_bytes == 54 * 4);
 

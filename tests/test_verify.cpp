@@ -1,8 +1,8 @@
-// Tests of checkpoint/hf_folder.hpp and checkpoint/verify.hpp: Hugging Face folders and sharded
+// Tests of checkpoint/hf/folder.hpp and checkpoint/verify.hpp: Hugging Face folders and sharded
 // checkpoints built by hand (tests/checkpoint_fixtures.hpp), valid and broken in every way the
 // shardsafe tool reports, on the file and the memory backends.
 #include "shardsafe/checkpoint/verify.hpp"
-#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
 
 #include <doctest/doctest.h>
 

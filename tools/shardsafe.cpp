@@ -1,7 +1,7 @@
 // shardsafe - inspect, verify, digest and unshard safetensors files, Hugging Face folders,
 // sharded checkpoints, torch DCP folders and torch's DCP-sharded HF files, and export any of them
 // to a Hugging Face folder or a torch DCP folder (docs/FORMAT.md §4). A thin command line over the library: validation lives in
-// checkpoint/hf_folder.hpp and checkpoint/verify.hpp, the export in checkpoint/hf_export.hpp,
+// checkpoint/hf/folder.hpp and checkpoint/verify.hpp, the export in checkpoint/hf/export.hpp,
 // the arguments are parsed by CLI11. Any input ends in exit 0 or 1 with a message; a usage
 // error exits 2 with one line.
 #include <unistd.h>
@@ -24,8 +24,8 @@
 
 #include "sha256.hpp"
 #include "shardsafe/checkpoint/dcp_export.hpp"
-#include "shardsafe/checkpoint/hf_export.hpp"
-#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf/export.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
@@ -221,7 +221,7 @@ typename D::reader_type open_file(const input<D>& in) {
   else return in.dir.open(in.file);
 }
 
-/// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf_folder.hpp).
+/// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf/folder.hpp).
 template <ReadableDirectory D>
 hf_folder<D> open_hf(const input<D>& in) { return open_hf_folder(in.dir); }
 

@@ -11,10 +11,10 @@
 
 #include "shardsafe/shardsafe.hpp"
 
-#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/async_checkpointer.hpp"
 #include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/torch/device_copy.hpp"
-#include "shardsafe/torch/hf_import.hpp"
+#include "shardsafe/torch/hf_state_dict.hpp"
 #include "shardsafe/torch/mapped_state.hpp"
 #include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/torch/module.hpp"

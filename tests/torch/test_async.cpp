@@ -1,8 +1,8 @@
-// Asynchronous saves of model + optimizer state (torch/async_save.hpp) in real c10d worlds:
+// Asynchronous saves of model + optimizer state (torch/async_checkpointer.hpp) in real c10d worlds:
 // the checkpoint traffic on a group of its own while the training group's collectives and
 // optimizer steps go on; what is saved is the state at the call, byte for byte what a blocking
 // save of the same state writes.
-#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/async_checkpointer.hpp"
 
 #include <doctest/doctest.h>
 #include <torch/optim/adam.h>
@@ -67,7 +67,7 @@ WORKER_SCENARIO("async_save_while_training") {
     step(float(i + 2));
   }
   tr.fill_(-1.f);
-  const async_save_result& res = h.wait();
+  const async_save_stats& res = h.wait();
   expect(res.folders.size() == 2, "two folders (optim, model) expected");
   expect(res.stall_seconds <= res.seconds, "stall longer than the whole save");
   // a blocking save after the steps differs: the async one saved the state at the call

@@ -14,7 +14,7 @@
 
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
-#include "shardsafe/torch/async_save.hpp"
+#include "shardsafe/torch/async_checkpointer.hpp"
 #include "shardsafe/torch/device_copy.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
@@ -182,7 +182,7 @@ TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards 
     at::NoGradGuard g;
     for (auto& [k, t] : on_gpu) t.local.add_(1);  // the next training step, while the save writes
   }
-  const async_save_result& r = h.wait();
+  const async_save_stats& r = h.wait();
   CHECK(r.staged_bytes == 300 * 257 * 2 + 1000 * 1000 * 4 + 7 * 4);
   state_dict back;
   for (const auto& [k, t] : src) back.add(k, at::empty_like(t.local));

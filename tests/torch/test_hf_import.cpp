@@ -1,9 +1,9 @@
 // Hugging Face folders imported into torch::nn::Modules in real multi-process c10d worlds
-// (torch/hf_import.hpp): row, column and flat shards, a transposed (non-contiguous) parameter
+// (torch/hf_state_dict.hpp): row, column and flat shards, a transposed (non-contiguous) parameter
 // that goes through staging, a BF16 file tensor into an F32 parameter, a buffer, and a tied
 // output embedding; every-rank-read and rank-0-broadcast. Expected values are the full
 // tensors sliced with ATen (fixtures.hpp), never the library's own cursors.
-#include "shardsafe/torch/hf_import.hpp"
+#include "shardsafe/torch/hf_state_dict.hpp"
 
 #include <doctest/doctest.h>
 
@@ -140,13 +140,13 @@ WORKER_SCENARIO("hf_import_module") {
   shards["lm_head.weight"] = shards.at("embed_tokens.weight");
 
   hf_import_options opt;
-  opt.renames = rename_rules({R"(^model\.(.*)=\1)"});
+  opt.rename = rename_rules({R"(^model\.(.*)=\1)"});
   opt.strict = true;
   opt.mode = args.at(1) == "rank0_broadcast" ? hf_import_mode::rank0_broadcast
              : args.at(1) == "automatic"     ? hf_import_mode::automatic
                                              : hf_import_mode::every_rank_read;
   opt.chunk_bytes = 100;  // several chunks per tensor
-  const hf_import_result res = load_hf_module(file_directory(args.at(0)), model, comm, shards, opt);
+  const hf_import_stats res = load_hf_module(file_directory(args.at(0)), model, comm, shards, opt);
   const bool broadcast = res.mode == hf_import_mode::rank0_broadcast;
   // the mode used, for the test to compare across ranks (automatic: each rank's own pick)
   std::fprintf(stderr, "mode used: %s (%s)\n", std::string(name(res.mode)).c_str(), res.why.c_str());
@@ -254,7 +254,7 @@ TEST_CASE("hf import into a state dict in one process: staging of non-contiguous
   sd.add("model.layers.0.o_proj.weight", o).add("alias.o_proj", o);  // tied, both staged
   hf_import_options opt;
   opt.lora_base_layer = true;
-  const hf_import_result res = load_hf_state_dict(file_directory(dir.path), sd, comm, opt);
+  const hf_import_stats res = load_hf_state_dict(file_directory(dir.path), sd, comm, opt);
   CHECK(testing::same_bits(o.contiguous(), file_tensor(ps[2]).contiguous()));
   CHECK(res.keys.tied_views == 1);
   CHECK(res.keys.unexpected_keys.size() == ps.size() - 1);
@@ -269,7 +269,7 @@ WORKER_SCENARIO("hf_import_bad_rank") {
   const std::uint64_t n = w.rank == 1 ? 10 : 9;
   put(model, "layers.0.norm.weight", at::zeros({static_cast<std::int64_t>(n)}));
   hf_import_options opt;
-  opt.renames = rename_rules({R"(^model\.(.*)=\1)"});
+  opt.rename = rename_rules({R"(^model\.(.*)=\1)"});
   opt.mode = args.at(1) == "rank0_broadcast" ? hf_import_mode::rank0_broadcast : hf_import_mode::every_rank_read;
   try {
     load_hf_module(file_directory(args.at(0)), model, comm, {}, opt);

@@ -20,7 +20,7 @@
 //
 // Staging memory belongs to the saver and is reused from save to save; it grows (never
 // shrinks) to the largest state saved, is 2 MiB aligned with transparent huge pages advised,
-// and its allocation can be replaced (pinned host memory for CUDA tensors: torch/async_save.hpp).
+// and its allocation can be replaced (pinned host memory for CUDA tensors: torch/async_checkpointer.hpp).
 //
 // Rules a caller relies on:
 // - One save of a saver at a time: save() first waits for the one in flight (its errors are
@@ -120,7 +120,7 @@ class staging_buffer {
 };
 
 /// What an asynchronous save did.
-struct async_save_result {
+struct async_save_stats {
   std::vector<save_stats> folders;   ///< one per folder saved, in commit order
   double waited_seconds = 0;         ///< caller: waiting for the previous save of the saver
   double stall_seconds = 0;          ///< caller: all of save() (waiting, agreement, snapshot)
@@ -137,7 +137,7 @@ struct async_save_state {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
-  async_save_result result;
+  async_save_stats result;
 
   void finish(std::exception_ptr e) {
     {
@@ -189,7 +189,7 @@ class async_save_handle {
     return s_->done;
   }
   /// Waits for the background part; returns what it did, or rethrows its error (every call).
-  const async_save_result& wait() const {
+  const async_save_stats& wait() const {
     if (!s_) fail(errc::invalid_argument, "async save: wait() on a handle that holds no save");
     s_->wait_done();
     if (s_->error) std::rethrow_exception(s_->error);

@@ -1,7 +1,5 @@
 // shardsafe/checkpoint/loader.hpp - load a sharded checkpoint into caller memory, in place,
-// under any sharding.
-//
-// A load is planned, then executed, in three parts:
+// under any sharding. A load is planned, then executed, in three parts:
 // - the reader (checkpoint/reader.hpp): the description and the files, opened and indexed as
 //   the description says, whichever layout the folder has (checkpoint/source.hpp);
 // - the planner (checkpoint/load_plan.hpp), pure: each view checked and resolved against the
@@ -11,14 +9,12 @@
 // A read with one piece lands straight in the view's memory; a merged read lands in a bounded
 // staging buffer that is scattered at once. With load_options::convert_dtypes, a floating
 // tensor stored as another floating dtype (an HF file's BF16 into F32 parameters) is converted
-// as its pieces are scattered: its reads always go through staging. Nothing the size of a
-// tensor or a file is allocated.
+// as its pieces are scattered. Nothing the size of a tensor or a file is allocated.
 //
-// After the reads: replicas are compared (load_schedule::compares: the load is refused if two
-// files hold different bytes for an element it loaded), and with
-// load_options::verify_checksums every checksum block the reads touched is checked
-// (checkpoint/checksums.hpp), from the view where one read landed the block whole, else read
-// again through the executor.
+// After the reads, replicas are compared (load_schedule::compares: the load is refused if two
+// files hold different bytes for an element it loaded), and with verify_checksums every
+// checksum block the reads touched is checked (checkpoint/checksums.hpp), from the view where
+// one read landed the block whole, else read again through the executor.
 #pragma once
 
 #include <chrono>

@@ -8,7 +8,7 @@
 // |-----------------|---------------------------------------------|----------------------------------|
 // | sharded         | metadata.json (shardsafe, OLMo-core)        | shard_spec_per_file              |
 // | hf              | model.safetensors.index.json, or            | the one file holding it, whole   |
-// |                 | model.safetensors (checkpoint/hf_folder.hpp)| (flat spec [0, numel))           |
+// |                 | model.safetensors (checkpoint/hf/folder.hpp)| (flat spec [0, numel))           |
 // | dcp             | .metadata (torch.distributed.checkpoint,    | one block per chunk, at the      |
 // |                 | format/dcp_metadata.hpp)                    | storage record of its archive    |
 // | dcp_sharded_hf  | *.safetensors whose __metadata__ holds      | one block per file: its local    |
@@ -42,7 +42,7 @@
 #include <utility>
 #include <vector>
 
-#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/dcp_data.hpp"

@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/checksums.hpp"
-#include "shardsafe/checkpoint/hf_folder.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"

@@ -265,7 +265,7 @@ struct c10d_world {
 #ifdef USE_C10D_GLOO
   /// A second Gloo process group over the same ranks, through the same store under a prefix of
   /// its own ("shardsafe/group/N", N counting the groups this world made): its collectives never
-  /// interleave with pg's. For checkpoint traffic of asynchronous saves (torch/async_save.hpp),
+  /// interleave with pg's. For checkpoint traffic of asynchronous saves (torch/async_checkpointer.hpp),
   /// as torch's async checkpointing uses a group of its own. A collective: every rank calls it,
   /// in the same order.
   c10d_comm new_group() {

@@ -24,7 +24,7 @@
 
 namespace shardsafe {
 
-struct train_state_stats {
+struct model_and_optim_save_stats {
   save_stats model;
   save_stats optim;
   double seconds = 0;
@@ -37,9 +37,9 @@ struct train_load_options {
   bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
 };
 
-struct train_load_report {
+struct model_and_optim_load_stats {
   load_stats model;
-  optim_load_report optim;
+  optim_load_stats optim;
   double seconds = 0;
 };
 
@@ -49,7 +49,7 @@ namespace detail {
 /// On rank 0: refuses a non-empty folder for a model + optimizer pair unless overwrite;
 /// otherwise empties it, model/metadata.json (the pair's commit mark) first; then makes it.
 template <WritableDirectory D, Comm C>
-void prepare_train_state_folder(const D& dir, bool overwrite, C& comm) {
+void prepare_model_and_optim_folder(const D& dir, bool overwrite, C& comm) {
   rank0_step(comm, [&] {
     if (!dir.list().empty()) {
       if (!overwrite)
@@ -63,10 +63,10 @@ void prepare_train_state_folder(const D& dir, bool overwrite, C& comm) {
 }  // namespace detail
 
 template <WritableDirectory D, Comm C>
-train_state_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
+model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
                                              C& comm, const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
-  train_state_stats st;
+  model_and_optim_save_stats st;
   if (opt.format == save_format::dcp) {  // one folder, get_state_dict's layout
     dcp_train_state ts;
     every_rank_step(comm, [&] { ts = dcp_train_state_of(model, optim); });
@@ -76,7 +76,7 @@ train_state_stats save_model_and_optim_state(const D& dir, const state_dict& mod
     st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return st;
   }
-  detail::prepare_train_state_folder(dir, opt.overwrite, comm);
+  detail::prepare_model_and_optim_folder(dir, opt.overwrite, comm);
 
   save_options sub = opt;
   sub.overwrite = false;
@@ -92,7 +92,7 @@ train_state_stats save_model_and_optim_state(const D& dir, const state_dict& mod
 
 /// The same for a module: its parameters and buffers, sharded as `shards` says.
 template <WritableDirectory D, Comm C>
-train_state_stats save_model_and_optim_state(const D& dir, const torch::nn::Module& module,
+model_and_optim_save_stats save_model_and_optim_state(const D& dir, const torch::nn::Module& module,
                                              torch::optim::Optimizer* optim, C& comm, const save_options& opt = {},
                                              const shard_map& shards = {}) {
   return save_model_and_optim_state(dir, module_state_dict(module, shards), optim, comm, opt);
@@ -101,11 +101,11 @@ train_state_stats save_model_and_optim_state(const D& dir, const torch::nn::Modu
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
 /// under any change of world size or sharding. A collective over comm (for agreement only).
 template <ReadableDirectory D, Comm C>
-train_load_report load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
+model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
                                              const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const step_scope scope("load " + std::string(dir.name()));
-  train_load_report rep;
+  model_and_optim_load_stats rep;
   every_rank_step(comm, [&] {
     if (!is_complete_checkpoint(dir))
       fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
@@ -137,7 +137,7 @@ train_load_report load_model_and_optim_state(const D& dir, state_dict& model, to
 }
 
 template <ReadableDirectory D, Comm C>
-train_load_report load_model_and_optim_state(const D& dir, torch::nn::Module& module, torch::optim::Optimizer* optim,
+model_and_optim_load_stats load_model_and_optim_state(const D& dir, torch::nn::Module& module, torch::optim::Optimizer* optim,
                                              C& comm, const train_load_options& opt = {}, const shard_map& shards = {}) {
   state_dict model = module_state_dict(module, shards);
   return load_model_and_optim_state(dir, model, optim, comm, opt);

@@ -197,7 +197,7 @@ std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>&
 /// Loads the optimizer state of a DCP checkpoint laid out as get_state_dict lays it out (table at
 /// the top) into `opt`, in place, sharded as `model` is.
 template <ReadableDirectory D>
-optim_load_report load_optimizer_state_dcp(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+optim_load_stats load_optimizer_state_dcp(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
                                            const optim_load_options& o = {}) {
   std::set<std::string> used;
   auto groups = detail::dcp_param_groups(r, used);

@@ -34,7 +34,7 @@ struct optim_load_options {
   bool restore_hyperparameters = true;  ///< set lr, betas, ... of each group from the checkpoint
 };
 
-struct optim_load_report {
+struct optim_load_stats {
   load_stats stats;
   std::vector<std::string> missing_params;   ///< parameters the checkpoint has no state for (strict = false)
   std::vector<std::string> unexpected_keys;  ///< checkpoint entries this optimizer has no use for
@@ -88,10 +88,10 @@ struct optim_state_keys {
 /// groups matched by their parameters' names, hyper-parameters set (o.restore_hyperparameters),
 /// state tensors read in one batch; `used` names entries already accounted for.
 template <ReadableDirectory D>
-optim_load_report restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
                                     const optim_load_options& o, const std::vector<checkpoint_param_group>& ckpt_groups,
                                     const optim_state_keys& layout, std::set<std::string> used) {
-  optim_load_report rep;
+  optim_load_stats rep;
   const std::string dname(r.directory().name());
   auto groups = name_optimizer_params(opt, model);
   // match the checkpoint's groups to the optimizer's by parameter names
@@ -184,7 +184,7 @@ optim_load_report restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optim
 /// `opt`, in place: state tensors are the optimizer's own (created with the parameter's shape
 /// where missing), read in one batch.
 template <ReadableDirectory D>
-optim_load_report load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
+optim_load_stats load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
                                        const optim_load_options& o = {}) {
   const std::string dname(r.directory().name());
   const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();

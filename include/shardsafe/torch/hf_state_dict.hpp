@@ -1,6 +1,6 @@
-// shardsafe/torch/hf_import.hpp - a Hugging Face folder imported into a LibTorch state dict or
+// shardsafe/torch/hf_state_dict.hpp - a Hugging Face folder imported into a LibTorch state dict or
 // torch::nn::Module, sharded as the caller says, collectively over a Comm
-// (checkpoint/hf_import.hpp does the work: key mapping, every-rank-read or rank-0-broadcast,
+// (checkpoint/hf/import.hpp does the work: key mapping, every-rank-read or rank-0-broadcast,
 // dtype conversion, errors every rank agrees on).
 //
 // Tied tensors are found by storage identity: entries whose tensors share storage, offset,
@@ -22,7 +22,7 @@
 #include <utility>
 #include <vector>
 
-#include "shardsafe/checkpoint/hf_import.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
@@ -43,7 +43,7 @@ inline tensor_identity identity_of(const at::Tensor& t) {
 /// Imports the checkpoint in dir into sd's tensors, in place (every rank calls it with its own
 /// shards). Undefined tensors are an error on every rank.
 template <ReadableDirectory D, Comm C>
-hf_import_result load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const hf_import_options& opt = {}) {
+hf_import_stats load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const hf_import_options& opt = {}) {
   const step_scope scope("import " + std::string(dir.name()));
   std::vector<flat_view> views;
   std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (the caller's tensor, its CPU staging)
@@ -62,7 +62,7 @@ hf_import_result load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const
       views.push_back(detail::view_of(key, t, staged[it->second].second));
     }
   });
-  hf_import_result res = import_hf(dir, std::span<const flat_view>(views), comm, opt);
+  hf_import_stats res = import_hf(dir, std::span<const flat_view>(views), comm, opt);
   // copy back only what was loaded: a staged tensor nothing fed keeps its values
   std::vector<bool> fed(staged.size(), false);
   for (const auto& e : res.keys.loads)
@@ -78,7 +78,7 @@ hf_import_result load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const
 /// and named_buffers() name them), sharded as `shards` says (a name not in it: the whole
 /// tensor). Tied parameters (two names, one tensor) are loaded once and stay tied.
 template <ReadableDirectory D, Comm C>
-hf_import_result load_hf_module(const D& dir, torch::nn::Module& m, C& comm, const shard_map& shards = {},
+hf_import_stats load_hf_module(const D& dir, torch::nn::Module& m, C& comm, const shard_map& shards = {},
                                 const hf_import_options& opt = {}) {
   const step_scope scope("import " + std::string(dir.name()));
   state_dict sd;

@@ -1,9 +1,9 @@
-// shardsafe/checkpoint/hf_import.hpp - a Hugging Face folder (or any checkpoint a
+// shardsafe/checkpoint/hf/import.hpp - a Hugging Face folder (or any checkpoint a
 // checkpoint_reader reads) imported into this rank's flat views, collectively over a Comm.
 //
-// Names are mapped first (checkpoint/hf_import_keys.hpp: rename rules, LoRA base layers, tied
+// Names are mapped first (checkpoint/hf/import_keys.hpp: rename rules, LoRA base layers, tied
 // views, missing / unexpected keys, strict mode; stacked expert weights fed by per-expert
-// tensors, checkpoint/hf_experts.hpp). Then the bytes move in one of two ways:
+// tensors, checkpoint/hf/experts.hpp). Then the bytes move in one of two ways:
 //
 // | mode            | who reads                          | memory per rank            | traffic        |
 // |-----------------|------------------------------------|----------------------------|----------------|
@@ -22,7 +22,7 @@
 // mode whose estimate is smaller wins (every_rank_read: the slowest rank's share at the rate
 // it read with the others; rank0_broadcast: everything at rank 0's rate alone, then at the
 // slowest rank's broadcast rate). Every rank decides from the same all-gathered figures, so
-// all pick alike; hf_import_result says which and why. The readers the probe opened serve the
+// all pick alike; hf_import_stats says which and why. The readers the probe opened serve the
 // import. In rank0_broadcast,
 // rank 0 first broadcasts the tensor table (names, dtypes, shapes), so every rank maps names
 // and checks its views without opening anything; a tensor is sent only when some rank needs
@@ -54,7 +54,7 @@
 #include <string_view>
 #include <vector>
 
-#include "shardsafe/checkpoint/hf_import_keys.hpp"
+#include "shardsafe/checkpoint/hf/import_keys.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
@@ -100,7 +100,7 @@ inline load_options import_load_options(const hf_import_reads& r, bool convert) 
 }
 }  // namespace detail
 
-struct hf_import_result {
+struct hf_import_stats {
   hf_key_mapping keys;                ///< loads, missing / unexpected / dropped keys (this rank's views)
   std::string message;                ///< describe(keys): counts and a few examples of each
   load_stats stats;                   ///< this rank's reads (rank0_broadcast: only rank 0 reads)
@@ -186,7 +186,7 @@ concept buffer_broadcaster = requires(C& c, std::span<std::byte> b) { c.broadcas
 /// reader: this rank's, when one is open already (automatic's probe), else opened here.
 template <ReadableDirectory D, Comm C>
 void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                            hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
+                            hf_import_stats& res, std::optional<checkpoint_reader<D>>& reader) {
   every_rank_step(comm, [&] {
     if (!reader) reader.emplace(dir);
     std::vector<hf_tensor_info> table;
@@ -209,7 +209,7 @@ void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& c
 /// rank 0 reads.
 template <ReadableDirectory D, Comm C>
 void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                            hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
+                            hf_import_stats& res, std::optional<checkpoint_reader<D>>& reader) {
   const step_scope step("rank 0 reading and broadcasting");
   const bool root = comm.rank() == 0;
   const std::string table_bytes = rank0_step(comm, [&] {
@@ -296,7 +296,7 @@ inline std::string host_identity() {
 /// reader: left open for the import (every rank's, when it measured).
 template <ReadableDirectory D, Comm C>
 hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
-                                hf_import_result& res, std::optional<checkpoint_reader<D>>& reader) {
+                                hf_import_stats& res, std::optional<checkpoint_reader<D>>& reader) {
   const step_scope step("choosing how to import");
   const auto hosts = every_rank_step(comm, [&] { return host_identity(); });
   if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); })) {
@@ -378,14 +378,14 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
 
 /// Imports the checkpoint in dir into this rank's views (every rank calls it, each with its
 /// own views and the same options). With opt.experts, the views those rules stack are split
-/// into per-expert views first (checkpoint/hf_experts.hpp) and `keys` speaks of those. Views nothing feeds are left as they are (listed in
+/// into per-expert views first (checkpoint/hf/experts.hpp) and `keys` speaks of those. Views nothing feeds are left as they are (listed in
 /// keys.missing_keys; an error with opt.strict). Throws, on every rank alike, the first
 /// failure of any rank (see the top of this header).
 template <ReadableDirectory D, Comm C>
-hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt = {}) {
+hf_import_stats import_hf(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt = {}) {
   const step_scope scope("import " + std::string(dir.name()));
   const auto t0 = std::chrono::steady_clock::now();
-  hf_import_result res;
+  hf_import_stats res;
   if (!opt.experts.empty()) {  // stacked experts: import into per-expert views of their memory
     unstacked_views u;
     every_rank_step(comm, [&] { u = unstack_experts(views, opt.experts, dir.name()); });
@@ -393,7 +393,7 @@ hf_import_result import_hf(const D& dir, std::span<const flat_view> views, C& co
     per_expert.experts = expert_stacking{};
     res = import_hf(dir, std::span<const flat_view>(u.views), comm, per_expert);
     std::erase_if(res.keys.unexpected_keys, [&](const std::string& k) {  // other ranks' experts
-      const std::string model_key = opt.renames.apply(k);
+      const std::string model_key = opt.rename.apply(k);
       return std::binary_search(u.elsewhere.begin(), u.elsewhere.end(), model_key);
     });
     res.message = describe(res.keys, opt.examples);

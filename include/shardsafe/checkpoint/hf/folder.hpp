@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/hf_folder.hpp - a Hugging Face folder opened and validated (docs/FORMAT.md §3):
+// shardsafe/checkpoint/hf/folder.hpp - a Hugging Face folder opened and validated (docs/FORMAT.md §3):
 // one model.safetensors, or model.safetensors.index.json with the shard files it names.
 //
 // open_hf_folder(dir) reads every file's header and checks the folder as a whole, in this

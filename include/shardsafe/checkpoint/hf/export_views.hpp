@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/hf_export_views.hpp - a Hugging Face folder (docs/FORMAT.md §3) written
+// shardsafe/checkpoint/hf/export_views.hpp - a Hugging Face folder (docs/FORMAT.md §3) written
 // straight from a running job's flat views: every rank writes its own shard's bytes into the
 // final files at their computed offsets. No gather to one rank, no consolidation pass, no second
 // copy of the model.
@@ -22,7 +22,7 @@
 //   4. rank 0 renames every file into place, fsyncs the folder and writes
 //      model.safetensors.index.json last (for more than one file).
 // A failure in 2 or 3 leaves no file behind (rank 0 removes the temporaries). The files are
-// byte for byte those export_hf (checkpoint/hf_export.hpp) writes from a checkpoint of the same
+// byte for byte those export_hf (checkpoint/hf/export.hpp) writes from a checkpoint of the same
 // tensors with the same options.
 #pragma once
 
@@ -40,7 +40,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
-#include "shardsafe/checkpoint/hf_export.hpp"
+#include "shardsafe/checkpoint/hf/export.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/posix.hpp"
@@ -158,7 +158,7 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
 /// collective: every rank calls it with its own views. options.model_only and direct_io do not
 /// apply; threads and chunk_bytes bound each rank's writes (one conversion buffer of chunk_bytes
 /// per thread). With options.experts, the views those rules stack are split into per-expert
-/// views of their memory first (checkpoint/hf_experts.hpp; the rename rules then apply to the
+/// views of their memory first (checkpoint/hf/experts.hpp; the rename rules then apply to the
 /// per-expert names): one Hugging Face tensor per expert, each rank writing its own slices.
 template <Comm C>
 hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,

@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/hf_export.hpp - any checkpoint a checkpoint_reader reads (a sharded
+// shardsafe/checkpoint/hf/export.hpp - any checkpoint a checkpoint_reader reads (a sharded
 // checkpoint, a Hugging Face folder, torch's DCP-sharded HF files) written out as a Hugging Face
 // folder (docs/FORMAT.md §3; the tool's `to-hf`, §4).
 //
@@ -6,7 +6,7 @@
 //   1. every tensor of the sources, named `prefix + key`, is renamed by the rules (first match
 //      wins; a key renamed to "" is dropped; two keys renamed alike are an error naming both);
 //      (with options.experts, a stacked expert tensor is first split into one tensor per
-//      expert, checkpoint/hf_experts.hpp, and those are renamed);
+//      expert, checkpoint/hf/experts.hpp, and those are renamed);
 //   2. its output dtype is options.convert_to for F16/BF16/F32/F64 tensors, its own otherwise
 //      (integer, BOOL and F8 tensors are never converted);
 //   3. format/hf_export.hpp packs the tensors, in name order, into files of at most
@@ -23,7 +23,7 @@
 //
 // The output folder must not exist or be empty (errc::already_exists).
 //
-// hf_export_views.hpp writes the same files from a running job, every rank its own shard.
+// hf/export_views.hpp writes the same files from a running job, every rank its own shard.
 #pragma once
 
 #include <algorithm>
@@ -40,7 +40,7 @@
 #include <string_view>
 #include <vector>
 
-#include "shardsafe/checkpoint/hf_experts.hpp"
+#include "shardsafe/checkpoint/hf/experts.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
@@ -69,7 +69,7 @@ struct hf_export_options {
   /// Called as blocks are written, from one thread at a time, with the bytes written so far
   /// and the bytes of all the files (headers included).
   std::function<void(std::uint64_t done, std::uint64_t total)> progress;
-  /// Stacked expert weights (checkpoint/hf_experts.hpp): a tensor `…experts.NAME` [E, ...]
+  /// Stacked expert weights (checkpoint/hf/experts.hpp): a tensor `…experts.NAME` [E, ...]
   /// these rules match (by its name before renaming) is written as E tensors
   /// `…experts.{i}.NAME` [...], each read from its slice of the stacked tensor; the rename
   /// rules then apply to the per-expert names.

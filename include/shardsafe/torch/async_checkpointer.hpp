@@ -1,4 +1,4 @@
-// shardsafe/torch/async_save.hpp - asynchronous saves of LibTorch state: the training thread
+// shardsafe/torch/async_checkpointer.hpp - asynchronous saves of LibTorch state: the training thread
 // pays for the plan agreement and a snapshot of its tensors into staging memory; the writing,
 // fsync and commit run in the background (checkpoint/async_save.hpp has the rules).
 //
@@ -110,7 +110,7 @@ class async_checkpointer {
     sub.overwrite = false;  // the pair's folder is prepared as a whole, first
     const bool overwrite = opt.overwrite;
     return saver_.save_folders(std::span<const async_folder<D>>(folders), sub,
-                               [dir, overwrite](C& comm) { detail::prepare_train_state_folder(dir, overwrite, comm); },
+                               [dir, overwrite](C& comm) { detail::prepare_model_and_optim_folder(dir, overwrite, comm); },
                                detail::copy_tensor_bytes{&tensors});
   }
 

@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/hf_import_keys.hpp - which tensor of a Hugging Face folder feeds which
+// shardsafe/checkpoint/hf/import_keys.hpp - which tensor of a Hugging Face folder feeds which
 // of the caller's flat views, decided from names and memory alone (no I/O, no communication).
 //
 // A file key is renamed by the rules (format/rename.hpp: first match wins, as transformers'
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
-#include "shardsafe/checkpoint/hf_experts.hpp"
+#include "shardsafe/checkpoint/hf/experts.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/hf_export.hpp"  // hf_tensor_info: name, dtype, full shape of a tensor
@@ -42,12 +42,12 @@ namespace shardsafe {
 
 /// How an import maps names; see the top of this header.
 struct hf_key_options {
-  rename_rules renames;          ///< file key -> model key, first match wins; "" drops the key
+  rename_rules rename;           ///< file key -> model key, first match wins; "" drops the key
   bool lora_base_layer = false;  ///< feed `x.base_layer.w` from file key `x.w`
-  bool strict = false;           ///< missing keys (LoRA adapter weights excepted) are errc::not_found
+  bool strict = true;            ///< missing keys (LoRA adapter weights excepted) are errc::not_found (as load_options::strict)
   bool convert_dtypes = true;    ///< F16/BF16/F32/F64 files load into views of another of them
   std::size_t examples = 5;      ///< keys named in messages, per list
-  /// Stacked expert weights (checkpoint/hf_experts.hpp): a view these rules match is fed by
+  /// Stacked expert weights (checkpoint/hf/experts.hpp): a view these rules match is fed by
   /// the file's per-expert tensors, each rank reading only its own experts' slices. The
   /// mapping (and its missing / unexpected keys) is then in per-expert names.
   expert_stacking experts;
@@ -108,7 +108,7 @@ inline hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<co
     const std::string& fk = table[t].name;
     std::string rule;
     std::string mk = fk;
-    for (const auto& r : opt.renames.rules())
+    for (const auto& r : opt.rename.rules())
       if (r.matches(fk)) {
         mk = r.replace_all(fk);
         rule = "rename rule '" + r.text + "'";

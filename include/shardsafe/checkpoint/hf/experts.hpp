@@ -1,4 +1,4 @@
-// shardsafe/checkpoint/hf_experts.hpp - stacked expert weights of a mixture-of-experts model
+// shardsafe/checkpoint/hf/experts.hpp - stacked expert weights of a mixture-of-experts model
 // against a Hugging Face folder's per-expert tensors.
 //
 // A model with expert parallelism keeps the weights of a layer's E experts as one stacked
