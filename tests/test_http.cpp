@@ -1,4 +1,4 @@
-// Tests of storage/http.hpp and storage/detail/url.hpp: URL parsing, checkpoints and HF folders
+// Tests of storage/http.hpp and storage/url.hpp: URL parsing, checkpoints and HF folders
 // read from nginx on 127.0.0.1 (started by the test), and a scripted server that breaks the
 // range rules: every fault is retried or an error, and the bytes are checked against the
 // object itself.

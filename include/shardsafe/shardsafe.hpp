@@ -42,11 +42,13 @@
 #include "shardsafe/shard/shard_spec.hpp"
 
 // storage: the concepts and the backends
+#include "shardsafe/storage/aws.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "shardsafe/storage/mmap.hpp"
 #include "shardsafe/storage/text.hpp"
+#include "shardsafe/storage/url.hpp"
 
 // who talks to whom
 #include "shardsafe/dist/agree.hpp"

@@ -42,13 +42,16 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/checked.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/detail/http_client.hpp"
-#include "shardsafe/storage/detail/url.hpp"
+#include "shardsafe/storage/http_options.hpp"
+#include "shardsafe/storage/url.hpp"
 
 namespace shardsafe {
 
 namespace detail {
+inline namespace SHARDSAFE_HTTP_ABI {
 /// The parts one read is cut into: [off, off + part) pieces of at most part bytes.
 inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_t part, std::vector<read_request>& out) {
   for (std::uint64_t at = 0; at < dst.size(); at += part) {
@@ -82,19 +85,10 @@ remote_object remote_head(http_client& c, url_parts& u, const Sign& sign = {}) {
     obj.validator.etag = *et;
   else if (auto lm = r.header("Last-Modified"); lm && parse_http_date(*lm))
     obj.validator.last_modified = *lm;
-  auto parse = [&](const std::string& v, std::uint64_t& n) {
-    if (v.empty() || v.size() > 19) return false;
-    n = 0;
-    for (char ch : v) {
-      if (ch < '0' || ch > '9') return false;
-      n = n * 10 + std::uint64_t(ch - '0');
-    }
-    return true;
-  };
-  std::uint64_t n = 0;
   if (auto cl = r.header("Content-Length")) {
-    if (!parse(*cl, n)) throw error(errc::io_error, u.str() + ": HEAD gave Content-Length '" + *cl + "', not a number");
-    obj.size = n;
+    const auto n = detail::parse_decimal(*cl, 19);
+    if (!n) throw error(errc::io_error, u.str() + ": HEAD gave Content-Length '" + *cl + "', not a number");
+    obj.size = *n;
     return obj;
   }
   http_request get;
@@ -111,7 +105,10 @@ remote_object remote_head(http_client& c, url_parts& u, const Sign& sign = {}) {
   obj.size = *total;
   return obj;
 }
+}  // namespace SHARDSAFE_HTTP_ABI
 }  // namespace detail
+
+inline namespace SHARDSAFE_HTTP_ABI {
 
 /// One object on an HTTP(S) server, read by range requests, each request passed through
 /// sign (no_signing for plain HTTP; s3.hpp's SigV4 signer). Copies share the client.
@@ -230,4 +227,5 @@ static_assert(ReadableStorage<http_storage> && BatchReadableStorage<http_storage
               "http_storage reads single ranges and batches, and hints its merging");
 static_assert(ReadableDirectory<http_directory>, "http_directory is a read-only directory");
 
+}  // namespace SHARDSAFE_HTTP_ABI
 }  // namespace shardsafe

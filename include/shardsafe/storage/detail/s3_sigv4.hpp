@@ -1,5 +1,5 @@
 // shardsafe/storage/detail/s3_sigv4.hpp - AWS Signature Version 4 for S3 requests (libcrypto's
-// SHA-256 and HMAC), and where the credentials come from.
+// SHA-256 and HMAC). The credentials: storage/aws.hpp.
 //
 // sigv4_sign follows the AWS reference ("Create a signed AWS API request"):
 //   canonical request = METHOD \n URI \n QUERY \n lower(name):trim(value)\n... \n signed;names \n payload hash
@@ -15,10 +15,7 @@
 #include <openssl/hmac.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <ctime>
-#include <filesystem>
-#include <fstream>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -26,15 +23,9 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/storage/aws.hpp"
 
 namespace shardsafe {
-
-/// An access key pair, and the session token of temporary credentials.
-struct aws_credentials {
-  std::string access_key_id;
-  std::string secret_access_key;
-  std::string session_token;  ///< empty for long-term keys
-};
 
 namespace detail {
 
@@ -65,21 +56,6 @@ inline std::string hmac_sha256(std::string_view key, std::string_view data) {
             data.size(), md, &n))
     throw error(errc::io_error, "HMAC-SHA256 failed (OpenSSL)");
   return std::string(reinterpret_cast<const char*>(md), n);
-}
-
-inline std::string trim_spaces(std::string_view v) {
-  std::string r;
-  bool space = false;
-  for (char c : v) {
-    if (c == ' ' || c == '\t') {
-      space = !r.empty();
-      continue;
-    }
-    if (space) r += ' ';
-    space = false;
-    r += c;
-  }
-  return r;
 }
 
 /// The pieces of one signature, kept for tests and error messages.
@@ -148,61 +124,6 @@ inline std::string amz_date_now() {
   return b;
 }
 
-inline std::optional<std::string> env(const char* name) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return std::nullopt;
-  return std::string(v);
-}
-
-/// The keys of [profile] in an AWS credentials file (INI: "key = value" lines), or nothing
-/// when the file or the profile is absent.
-inline std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile) {
-  std::ifstream in(file);
-  if (!in) return std::nullopt;
-  bool in_profile = false, found = false;
-  aws_credentials c;
-  for (std::string line; std::getline(in, line);) {
-    const std::string t = trim_spaces(line);
-    if (t.empty() || t[0] == '#' || t[0] == ';') continue;
-    if (t.front() == '[') {
-      std::string name = trim_spaces(t.substr(1, t.find(']') - 1));
-      if (name.starts_with("profile ")) name = trim_spaces(name.substr(8));
-      in_profile = name == profile;
-      found = found || in_profile;
-      continue;
-    }
-    if (!in_profile) continue;
-    const std::size_t eq = t.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string k = trim_spaces(t.substr(0, eq)), v = trim_spaces(t.substr(eq + 1));
-    if (k == "aws_access_key_id") c.access_key_id = v;
-    if (k == "aws_secret_access_key") c.secret_access_key = v;
-    if (k == "aws_session_token") c.session_token = v;
-  }
-  if (!found || c.access_key_id.empty()) return std::nullopt;
-  return c;
-}
-
 }  // namespace detail
-
-/// Credentials as the AWS tools find them: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
-/// AWS_SESSION_TOKEN, else profile `profile` (empty: AWS_PROFILE, else "default") of
-/// AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials. errc::not_found when there are none.
-inline aws_credentials aws_credentials_from_environment(std::string profile = "") {
-  if (auto id = detail::env("AWS_ACCESS_KEY_ID")) {
-    auto secret = detail::env("AWS_SECRET_ACCESS_KEY");
-    if (!secret) throw error(errc::invalid_argument, "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not");
-    return {*id, *secret, detail::env("AWS_SESSION_TOKEN").value_or("")};
-  }
-  if (profile.empty()) profile = detail::env("AWS_PROFILE").value_or("default");
-  std::filesystem::path file;
-  if (auto f = detail::env("AWS_SHARED_CREDENTIALS_FILE")) file = *f;
-  else if (auto h = detail::env("HOME")) file = std::filesystem::path(*h) / ".aws" / "credentials";
-  if (!file.empty())
-    if (auto c = detail::credentials_from_file(file, profile)) return *c;
-  throw error(errc::not_found, "no AWS credentials: AWS_ACCESS_KEY_ID is not set and " +
-                                   (file.empty() ? std::string("there is no HOME") : file.string()) + " has no profile '" +
-                                   profile + "' with aws_access_key_id");
-}
 
 }  // namespace shardsafe

@@ -1,4 +1,4 @@
-// shardsafe/storage/detail/url.hpp - the URLs the remote backends take, parsed and joined
+// shardsafe/storage/url.hpp - the URLs the remote backends take, parsed and joined
 // without any network library: http(s)://HOST[:PORT]/PATH[?QUERY] and s3://BUCKET/PREFIX.
 //
 // parse_url accepts only what the backends can use and says why it refuses the rest: a scheme
@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/checked.hpp"
 
 namespace shardsafe {
 
@@ -117,14 +118,9 @@ inline url_parts parse_url(std::string_view url) {
     }
   }
   if (u.explicit_port) {
-    if (port_text.empty() || port_text.size() > 5) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
-    unsigned p = 0;
-    for (char c : port_text) {
-      if (c < '0' || c > '9') detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
-      p = p * 10 + static_cast<unsigned>(c - '0');
-    }
-    if (p == 0 || p > 65535) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
-    u.port = static_cast<std::uint16_t>(p);
+    const auto p = detail::parse_decimal(port_text, 5);
+    if (!p || *p == 0 || *p > 65535) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
+    u.port = static_cast<std::uint16_t>(*p);
   } else {
     u.port = u.scheme == "https" ? 443 : 80;
   }

@@ -1,0 +1,137 @@
+// shardsafe/storage/aws.hpp - AWS credentials and the settings of an AWS profile, found as the
+// AWS tools find them (no network, no OpenSSL): environment variables first, then the INI
+// files ~/.aws/credentials and ~/.aws/config (or AWS_SHARED_CREDENTIALS_FILE /
+// AWS_CONFIG_FILE).
+//
+// An AWS INI file: "[name]" (or "[profile name]") starts a profile; "key = value" lines set its
+// settings; "key =" with nothing after starts a block whose indented lines are its settings
+// (the config file's "s3 =" then "  addressing_style = virtual"), read here as "s3.key"; an
+// indented line with no such block above is a plain setting.
+// Lines starting with '#' or ';' are comments.
+#pragma once
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "shardsafe/core/error.hpp"
+
+namespace shardsafe {
+
+/// An access key pair, and the session token of temporary credentials.
+struct aws_credentials {
+  std::string access_key_id;
+  std::string secret_access_key;
+  std::string session_token;  ///< empty for long-term keys
+};
+
+namespace detail {
+
+/// An environment variable's value; nothing when unset or empty.
+inline std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+/// v without leading and trailing blanks (spaces, tabs), each inner run of them one space.
+inline std::string trim_spaces(std::string_view v) {
+  std::string r;
+  bool space = false;
+  for (char c : v) {
+    if (c == ' ' || c == '\t') {
+      space = !r.empty();
+      continue;
+    }
+    if (space) r += ' ';
+    space = false;
+    r += c;
+  }
+  return r;
+}
+
+}  // namespace detail
+
+/// The settings of profile `profile` in the AWS INI file `file` (top of this header), by key
+/// ("region", "s3.addressing_style"); nothing when the file or the profile is absent.
+inline std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
+                                                                               std::string_view profile) {
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
+  std::optional<std::map<std::string, std::string>> out;
+  bool in_profile = false;
+  std::string block;  // the "key =" block the indented lines belong to
+  for (std::string line; std::getline(in, line);) {
+    const std::string t = detail::trim_spaces(line);
+    if (t.empty() || t[0] == '#' || t[0] == ';') continue;
+    if (t.front() == '[') {
+      std::string name = detail::trim_spaces(t.substr(1, t.find(']') - 1));
+      if (name.starts_with("profile ")) name = detail::trim_spaces(name.substr(8));
+      in_profile = name == profile;
+      if (in_profile && !out) out.emplace();
+      block.clear();
+      continue;
+    }
+    if (!in_profile) continue;
+    const std::size_t eq = t.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string k = detail::trim_spaces(t.substr(0, eq)), v = detail::trim_spaces(t.substr(eq + 1));
+    const bool indented = line[0] == ' ' || line[0] == '\t';
+    if (indented && !block.empty()) {  // a setting of the block above
+      (*out)[block + "." + k] = v;
+    } else {  // (an indented line with no block above is a plain setting, as Python's configparser reads it)
+      block = v.empty() ? k : std::string();
+      if (!v.empty()) (*out)[k] = v;
+    }
+  }
+  return out;
+}
+
+namespace detail {
+
+/// The credentials of [profile] in an AWS credentials file, or nothing when the file or the
+/// profile is absent or the profile has no aws_access_key_id.
+inline std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile) {
+  const auto s = aws_profile_settings(file, profile);
+  if (!s) return std::nullopt;
+  auto get = [&](const char* k) {
+    const auto it = s->find(k);
+    return it == s->end() ? std::string() : it->second;
+  };
+  aws_credentials c{get("aws_access_key_id"), get("aws_secret_access_key"), get("aws_session_token")};
+  if (c.access_key_id.empty()) return std::nullopt;
+  return c;
+}
+
+}  // namespace detail
+
+/// The profile the AWS tools use: `profile` when given, else AWS_PROFILE, else "default".
+inline std::string aws_profile_name(std::string_view profile = "") {
+  return !profile.empty() ? std::string(profile) : detail::env("AWS_PROFILE").value_or("default");
+}
+
+/// Credentials as the AWS tools find them: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+/// AWS_SESSION_TOKEN, else profile `profile` (empty: AWS_PROFILE, else "default") of
+/// AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials. errc::not_found when there are none.
+inline aws_credentials aws_credentials_from_environment(std::string profile = "") {
+  if (auto id = detail::env("AWS_ACCESS_KEY_ID")) {
+    auto secret = detail::env("AWS_SECRET_ACCESS_KEY");
+    if (!secret) throw error(errc::invalid_argument, "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not");
+    return {*id, *secret, detail::env("AWS_SESSION_TOKEN").value_or("")};
+  }
+  profile = aws_profile_name(profile);
+  std::filesystem::path file;
+  if (auto f = detail::env("AWS_SHARED_CREDENTIALS_FILE")) file = *f;
+  else if (auto h = detail::env("HOME")) file = std::filesystem::path(*h) / ".aws" / "credentials";
+  if (!file.empty())
+    if (auto c = detail::credentials_from_file(file, profile)) return *c;
+  throw error(errc::not_found, "no AWS credentials: AWS_ACCESS_KEY_ID is not set and " +
+                                   (file.empty() ? std::string("there is no HOME") : file.string()) + " has no profile '" +
+                                   profile + "' with aws_access_key_id");
+}
+
+}  // namespace shardsafe
