@@ -24,7 +24,7 @@ jobs="${FUZZ_JOBS:-1}"
 export CXX="${CXX:-clang++}"
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip fuzz_remote)
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
@@ -48,6 +48,7 @@ dict_of() {
   case "$1" in
     fuzz_safetensors) echo "$here/safetensors.dict" ;;
     fuzz_pickle | fuzz_dcp_metadata | fuzz_torch_zip) echo "$here/pickle.dict" ;;
+    fuzz_remote) echo "$here/remote.dict" ;;
     *) echo "$here/json.dict" ;;
   esac
 }

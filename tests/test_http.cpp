@@ -117,6 +117,7 @@ TEST_CASE("parse_url: refusals name the URL and the rule") {
   bad("http://h/a#frag", "fragment");
   bad("http://[::1/a", "closing ']'");
   bad("http://[zz]/a", "not an IPv6 address");
+  bad("http://[B]/a", "not an IPv6 address");  // hex digits without a colon: fuzz_remote's finding
   bad("http://h%41/", "character a host name cannot");
   bad("s3://bucket:9000/x", "names a bucket");
 }
@@ -158,6 +159,8 @@ TEST_CASE("parse_content_range and parse_retry_after") {
   CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now) == ms(30'000));
   CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now + ms(200)) == ms(29'800));
   CHECK(detail::parse_retry_after("Wednesday, 21-Oct-15 07:29:00 GMT", now) == ms(60'000));  // RFC 850
+  // a date far ahead (fuzz_remote's finding: the wait in nanoseconds overflowed) is cut to 10^9 s
+  CHECK(detail::parse_retry_after("Sun, 06 Nov 5994 08:49:37 GMT", now) == ms(1'000'000'000'000));
   CHECK(detail::parse_retry_after("Wed Oct 21 07:28:05 2015", now) == ms(5000));              // asctime
   CHECK(detail::parse_retry_after("Thu, 22 Oct 2015 07:28:00 GMT", now) == ms(86'400'000));
   CHECK(detail::parse_retry_after("Tue, 20 Oct 2015 07:28:00 GMT", now) == ms(0));  // past

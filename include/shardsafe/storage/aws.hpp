@@ -56,21 +56,23 @@ inline std::string trim_spaces(std::string_view v) {
 
 }  // namespace detail
 
-/// The settings of profile `profile` in the AWS INI file `file` (top of this header), by key
-/// ("region", "s3.addressing_style"); nothing when the file or the profile is absent.
-inline std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
-                                                                               std::string_view profile) {
-  std::ifstream in(file);
-  if (!in) return std::nullopt;
+/// The settings of profile `profile` in the text of an AWS INI file (top of this header), by
+/// key ("region", "s3.addressing_style"); nothing when the profile is absent.
+inline std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
+                                                                                  std::string_view profile) {
   std::optional<std::map<std::string, std::string>> out;
   bool in_profile = false;
   std::string block;  // the "key =" block the indented lines belong to
-  for (std::string line; std::getline(in, line);) {
+  while (!text.empty()) {
+    const std::size_t nl = text.find('\n');
+    std::string_view line = text.substr(0, nl);
+    text.remove_prefix(nl == std::string_view::npos ? text.size() : nl + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     const std::string t = detail::trim_spaces(line);
     if (t.empty() || t[0] == '#' || t[0] == ';') continue;
     if (t.front() == '[') {
-      std::string name = detail::trim_spaces(t.substr(1, t.find(']') - 1));
-      if (name.starts_with("profile ")) name = detail::trim_spaces(name.substr(8));
+      std::string name = detail::trim_spaces(std::string_view(t).substr(1, t.find(']') - 1));
+      if (name.starts_with("profile ")) name = detail::trim_spaces(std::string_view(name).substr(8));
       in_profile = name == profile;
       if (in_profile && !out) out.emplace();
       block.clear();
@@ -78,8 +80,9 @@ inline std::optional<std::map<std::string, std::string>> aws_profile_settings(co
     }
     if (!in_profile) continue;
     const std::size_t eq = t.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string k = detail::trim_spaces(t.substr(0, eq)), v = detail::trim_spaces(t.substr(eq + 1));
+    if (eq == std::string::npos || eq == 0) continue;  // not a setting (no key)
+    const std::string k = detail::trim_spaces(std::string_view(t).substr(0, eq)),
+                      v = detail::trim_spaces(std::string_view(t).substr(eq + 1));
     const bool indented = line[0] == ' ' || line[0] == '\t';
     if (indented && !block.empty()) {  // a setting of the block above
       (*out)[block + "." + k] = v;
@@ -89,6 +92,21 @@ inline std::optional<std::map<std::string, std::string>> aws_profile_settings(co
     }
   }
   return out;
+}
+
+/// aws_profile_settings_of the AWS INI file `file` (at most 1 MiB is read: a larger file is
+/// errc::invalid_argument); nothing when the file or the profile is absent.
+inline std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
+                                                                               std::string_view profile) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return std::nullopt;
+  constexpr std::size_t max_bytes = std::size_t(1) << 20;
+  std::string text(max_bytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > max_bytes)
+    throw error(errc::invalid_argument, file.string() + ": over 1 MiB: not an AWS credentials or config file");
+  return aws_profile_settings_of(text, profile);
 }
 
 namespace detail {

@@ -94,9 +94,13 @@ inline url_parts parse_url(std::string_view url) {
     if (close == std::string_view::npos) detail::bad_url(url, "an IPv6 address without its closing ']'");
     u.host = std::string(authority.substr(1, close - 1));
     if (u.host.empty()) detail::bad_url(url, "an empty IPv6 address");
-    for (char c : u.host)
+    for (char& c : u.host) {
       if (!(std::isxdigit(static_cast<unsigned char>(c)) || c == ':' || c == '.'))
         detail::bad_url(url, "'" + u.host + "' is not an IPv6 address");
+      c = detail::ascii_lower(c);  // as host names are: one spelling of each address
+    }
+    if (u.host.find(':') == std::string::npos)  // (fuzz_remote's finding: "[B]" was taken as an address)
+      detail::bad_url(url, "'" + u.host + "' is not an IPv6 address");
     std::string_view after = authority.substr(close + 1);
     if (!after.empty()) {
       if (after.front() != ':') detail::bad_url(url, "text after the IPv6 address that is not ':PORT'");

@@ -109,8 +109,12 @@ inline std::optional<std::chrono::milliseconds> parse_retry_after(
   }
   const auto at = parse_http_date(v);
   if (!at) return std::nullopt;
-  const auto wait = std::chrono::sys_seconds(std::chrono::seconds(*at)) - now;
-  return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(wait));
+  // in whole seconds first: a date up to year 9999 in the system clock's nanoseconds would
+  // overflow (fuzz_remote found a Retry-After in 5994); the wait is cut to 10^9 s here (and to
+  // http_options::retry_after_max where it is used)
+  const std::int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count();
+  const std::int64_t wait_ms = std::min<std::int64_t>(*at, now_ms / 1000 + 1'000'000'000) * 1000 - now_ms;
+  return std::chrono::milliseconds(std::max<std::int64_t>(0, wait_ms));
 }
 
 }  // namespace shardsafe::detail
