@@ -42,6 +42,17 @@ inline int free_port() {
   return ntohs(a.sin_port);
 }
 
+/// The contents of a small file (a /proc table); empty when it cannot be read.
+inline std::string read_small_file(const char* path) {
+  std::string out;
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[65536];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+  ::close(fd);
+  return out;
+}
+
 /// Whether something accepts connections on 127.0.0.1:port.
 inline bool port_open(int port) {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -55,6 +66,36 @@ inline bool port_open(int port) {
   return ok;
 }
 
+
+/// Whether process `pid` itself holds the socket that listens on 127.0.0.1:port (or on any
+/// address of that port): the listening socket's inode from /proc/net/tcp, found among the
+/// process's descriptors. A server started on a port chosen by free_port() checks this, for
+/// between choosing and binding another process may have taken the port.
+inline bool listens_on(pid_t pid, int port) {
+  std::vector<std::string> inodes;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::istringstream in(read_small_file(table));
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, st, queues, tr, retr, uid, timeout, inode;
+      f >> sl >> local >> remote >> st >> queues >> tr >> retr >> uid >> timeout >> inode;
+      const auto colon = local.rfind(':');
+      if (st != "0A" || colon == std::string::npos) continue;  // 0A: LISTEN
+      if (std::stoi(local.substr(colon + 1), nullptr, 16) == port) inodes.push_back("socket:[" + inode + "]");
+    }
+  }
+  if (inodes.empty()) return false;
+  std::error_code ec;
+  for (const auto& fd : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
+    std::error_code lec;
+    const auto target = std::filesystem::read_symlink(fd.path(), lec).string();
+    for (const auto& i : inodes)
+      if (!lec && target == i) return true;
+  }
+  return false;
+}
 
 /// A program run in the background (stdin /dev/null, stdout and stderr to a log file) that
 /// cannot outlive the process that started it: stopped (SIGTERM to its process group, after

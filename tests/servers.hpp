@@ -66,12 +66,41 @@ class child_process {
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
+  /// Waits until the program itself listens on port (listens_on: not another process that
+  /// took the port between free_port() and the program's bind); false when the program exits
+  /// first (it could not bind: try another port).
+  bool serves_on(int port, std::chrono::seconds limit = std::chrono::seconds(30)) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (!(port_open(port) && listens_on(p_->pid(), port))) {
+      if (!p_->running()) return false;
+      REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "the server did not listen on ", port, ": ", slurp(log_));
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return true;
+  }
   std::string log() const { return slurp(log_); }
 
  private:
   std::filesystem::path log_;
   std::unique_ptr<guarded_process> p_;
 };
+
+/// A server started on a free port of 127.0.0.1 (argv_for(port) gives its command line; its log
+/// in log_dir): a port another process took before the server could bind it is given up for
+/// another (five tries).
+template <class ArgvFor>
+std::unique_ptr<child_process> start_server(int& port, ArgvFor&& argv_for, const std::filesystem::path& log_dir,
+                                            std::chrono::seconds limit = std::chrono::seconds(30)) {
+  std::string last;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    port = free_port();
+    auto p = std::make_unique<child_process>(argv_for(port), log_dir);
+    if (p->serves_on(port, limit)) return p;
+    last = p->log();
+  }
+  FAIL("the server exited on five ports in a row; its last log: " << last);
+  return nullptr;
+}
 
 /// A test CA and a certificate for 127.0.0.1 (and localhost) that it signed, made with the
 /// openssl command: ca.pem, server.pem, server.key in dir.
@@ -95,7 +124,7 @@ inline void make_test_certificates(const std::filesystem::path& dir) {
 struct nginx_server {
   temp_dir dir{"nginx"};
   std::filesystem::path www = dir.path / "www";
-  int port = free_port();
+  int port = 0;
   bool tls = false;
   std::unique_ptr<child_process> proc;
 
@@ -104,35 +133,70 @@ struct nginx_server {
     std::filesystem::create_directories(www);
     std::filesystem::create_directories(dir.path / "tmp");
     const std::string d = dir.str();
-    write_file(dir.path / "nginx.conf",
-               "worker_processes 1;\n"
-               "user root;\n"
-               "error_log " + d + "/error.log;\n"
-               "pid " + d + "/nginx.pid;\n"
-               "events { worker_connections 512; }\n"
-               "http {\n"
-               "  default_type application/octet-stream;\n"
-               "  log_format bytes '$request_method $uri $http_range $status $body_bytes_sent';\n"
-               "  access_log " + d + "/access.log bytes;\n"
-               "  client_body_temp_path " + d + "/tmp/body; proxy_temp_path " + d + "/tmp/proxy;\n"
-               "  fastcgi_temp_path " + d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d + "/tmp/scgi;\n"
-               "  keepalive_requests 100000;\n"
-               "  server {\n"
-               "    listen 127.0.0.1:" + std::to_string(port) + (tls ? " ssl" : "") + ";\n" +
-               (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
-                    : std::string()) +
-               "    root " + www.string() + ";\n"
-               "    location / { }\n"
-               "  }\n"
-               "}\n");
-    proc = std::make_unique<child_process>(
-        std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"}, dir.path);
-    proc->wait_for_port(port);
+    proc = start_server(port, [&](int p) {
+      write_file(dir.path / "nginx.conf",
+                 "worker_processes 1;\n"
+                 "user root;\n"
+                 "error_log " + d + "/error.log;\n"
+                 "pid " + d + "/nginx.pid;\n"
+                 "events { worker_connections 512; }\n"
+                 "http {\n"
+                 "  default_type application/octet-stream;\n"
+                 "  log_format bytes '$request_method $uri $http_range $status $body_bytes_sent';\n"
+                 "  access_log " + d + "/access.log bytes;\n"
+                 "  client_body_temp_path " + d + "/tmp/body; proxy_temp_path " + d + "/tmp/proxy;\n"
+                 "  fastcgi_temp_path " + d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d + "/tmp/scgi;\n"
+                 "  keepalive_requests 100000;\n"
+                 "  server {\n"
+                 "    listen 127.0.0.1:" + std::to_string(p) + (tls ? " ssl" : "") + ";\n" +
+                 (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
+                      : std::string()) +
+                 "    root " + www.string() + ";\n"
+                 "    location / { }\n"
+                 "  }\n"
+                 "}\n");
+      return std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"};
+    }, dir.path);
   }
   std::string url(const std::string& path = "") const {
     return (tls ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(port) + "/" + path;
   }
   std::string ca_file() const { return (dir.path / "ca.pem").string(); }
+};
+
+/// The one nginx (of each kind: plain or TLS) of a test binary, started by the first case that
+/// asks and stopped when the binary exits (and by guarded_process if it dies).
+inline nginx_server& shared_nginx(bool tls = false) {
+  static std::unique_ptr<nginx_server> servers[2];
+  auto& s = servers[tls ? 1 : 0];
+  if (!s) s = std::make_unique<nginx_server>(tls);
+  return *s;
+}
+
+/// A test case's own folder on the binary's shared nginx: www (a fresh folder, removed
+/// afterwards) served at url(); port and ca_file() the server's.
+struct nginx_site {
+  nginx_server& server;
+  std::string name;
+  std::filesystem::path www;
+  int port;
+
+  explicit nginx_site(bool tls = false) : server(shared_nginx(tls)), name(next_name()), www(server.www / name), port(server.port) {
+    std::filesystem::create_directories(www);
+  }
+  nginx_site(const nginx_site&) = delete;
+  ~nginx_site() {
+    std::error_code ec;
+    std::filesystem::remove_all(www, ec);
+  }
+  std::string url(const std::string& path = "") const { return server.url(name + "/" + path); }
+  std::string ca_file() const { return server.ca_file(); }
+
+ private:
+  static std::string next_name() {
+    static int n = 0;
+    return "site" + std::to_string(++n);
+  }
 };
 
 /// How the scripted server answers one GET (HEAD is always answered correctly).
@@ -311,18 +375,19 @@ class scripted_server {
 /// injecting the faults of a seeded schedule (see the script); faults() lists those injected.
 struct fault_proxy {
   temp_dir dir{"proxy"};
-  int port = free_port();
+  int port = 0;
   std::unique_ptr<child_process> proc;
 
   /// extra: more arguments of the script (--faults, --stall, --kill-parts-after).
   fault_proxy(int upstream_port, std::uint64_t seed, double rate, std::vector<std::string> extra = {}) {
-    std::vector<std::string> argv{"python3", (std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fault_proxy.py").string(),
-                                  "--port", std::to_string(port), "--upstream", "127.0.0.1:" + std::to_string(upstream_port),
-                                  "--seed", std::to_string(seed), "--rate", std::to_string(rate),
-                                  "--log", (dir.path / "faults.log").string()};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    proc = std::make_unique<child_process>(argv, dir.path);
-    proc->wait_for_port(port);
+    proc = start_server(port, [&](int p) {
+      std::vector<std::string> argv{"python3", (std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fault_proxy.py").string(),
+                                    "--port", std::to_string(p), "--upstream", "127.0.0.1:" + std::to_string(upstream_port),
+                                    "--seed", std::to_string(seed), "--rate", std::to_string(rate),
+                                    "--log", (dir.path / "faults.log").string()};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      return argv;
+    }, dir.path);
   }
   std::string url(const std::string& path = "") const { return "http://127.0.0.1:" + std::to_string(port) + "/" + path; }
   /// The faults injected so far, one "FAULT METHOD TARGET RANGE" line each.

@@ -193,7 +193,7 @@ TEST_CASE("parse_http_date: the three forms, against Python's email.utils for ra
 // nginx
 
 TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 ranks in another sharding, bit-exact") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   // w: F32 [96, 3000] saved in rows halves; e: BF16 [40, 24] saved in column halves
   const std::string w = random_text(96 * 3000 * 4, 1), e = random_text(40 * 24 * 2, 2);
   const fs::path ckpt = srv.www / "ckpt";
@@ -246,7 +246,7 @@ TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 r
 }
 
 TEST_CASE("http: a Hugging Face folder read through nginx holds the fixture's tensors") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
   const http_directory d(srv.url("hf/"));
@@ -265,7 +265,7 @@ TEST_CASE("http: a Hugging Face folder read through nginx holds the fixture's te
 }
 
 TEST_CASE("http_directory: exists, open, sub, list and names against nginx") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   fs::create_directories(srv.www / "d" / "inner");
   testing::write_file(srv.www / "d" / "a.bin", "hello");
   testing::write_file(srv.www / "d" / "x y.bin", "spaced");
@@ -288,7 +288,7 @@ TEST_CASE("http_directory: exists, open, sub, list and names against nginx") {
 }
 
 TEST_CASE("http_storage: large reads split into parts read in parallel, and batches") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const std::string body = random_text((5 << 20) + 1234, 3);
   testing::write_file(srv.www / "big.bin", body);
   http_options o;
@@ -306,7 +306,7 @@ TEST_CASE("http_storage: large reads split into parts read in parallel, and batc
 }
 
 TEST_CASE("http_storage: batches and single reads from several threads at once share one client's request slots") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const std::string body = random_text((3 << 20) + 777, 11);
   testing::write_file(srv.www / "big.bin", body);
   http_options o;
@@ -456,7 +456,7 @@ TEST_CASE("http: nothing listening is a clear error after bounded attempts") {
 // an object that changes while it is read
 
 TEST_CASE("http: an object replaced between reads is an error naming it, never bytes of two versions") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const std::string v1 = random_text(300'000, 30), v2 = random_text(300'000, 31);
   testing::write_file(srv.www / "obj.bin", v1);
   const http_storage s(srv.url("obj.bin"), quick());
@@ -570,7 +570,7 @@ http_options through_proxy() {
 }  // namespace
 
 TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land bit-exact, or fail with a clear error") {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const std::string w = random_text(64 * 3000 * 4, 40), e = random_text(40 * 24 * 2, 41);
   save_resharded_fixture(srv.www / "ckpt", w, e);
   std::map<std::string, int> kinds;
@@ -587,7 +587,7 @@ TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land b
     CAPTURE(seed);
     testing::fault_proxy px(srv.port, seed, 0.12,
                             {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "2"});
-    const http_directory d(px.url("ckpt"), through_proxy());
+    const http_directory d(px.url(srv.name + "/ckpt"), through_proxy());
     load_resharded_fixture(d, w, e);
     count(px);
     CHECK(d.client().stats().retries.load() > 0u);
@@ -602,7 +602,7 @@ TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land b
   for (std::uint64_t seed = 11; seed <= 14; ++seed) {
     CAPTURE(seed);
     testing::fault_proxy px(srv.port, seed, 0.12, {"--stall", "2"});
-    const http_directory d(px.url("ckpt"), through_proxy());
+    const http_directory d(px.url(srv.name + "/ckpt"), through_proxy());
     try {
       load_resharded_fixture(d, w, e);
       ++completed;
@@ -610,7 +610,7 @@ TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land b
       ++failed;
       const std::string m = x.what();
       CHECK(x.code() == errc::io_error);
-      CHECK_MESSAGE(m.find(px.url("ckpt/")) != std::string::npos, m);
+      CHECK_MESSAGE(m.find(px.url(srv.name + "/ckpt/")) != std::string::npos, m);
       CHECK_MESSAGE(m.find("ignored the Range header") != std::string::npos, m);
     }
     count(px);
@@ -740,7 +740,7 @@ TEST_CASE("http deadlines: a stalled server, an endless Retry-After and a redire
 
 #if SHARDSAFE_HTTP_TLS
 TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
-  testing::nginx_server srv(true);
+  testing::nginx_site srv(true);
   const std::string body = random_text(300'000, 17);
   testing::write_file(srv.www / "obj.bin", body);
   http_options o;
@@ -759,7 +759,7 @@ TEST_CASE("https: nginx with a test CA: verified with the CA file, refused witho
                {srv.url("obj.bin"), "TLS handshake with 127.0.0.1:" + std::to_string(srv.port) + " failed", "certificate verify failed"});
   // a CA file that is not there
   http_options missing;
-  missing.ca_file = (srv.dir.path / "absent.pem").string();
+  missing.ca_file = (srv.server.dir.path / "absent.pem").string();
   expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument, {"absent.pem", "cannot load CA file"});
 }
 #endif
@@ -796,7 +796,7 @@ void check_same_output(const std::string& local, const std::string& url) {
 
 TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as from the local folder" *
           doctest::skip(!have_remote_tool())) {
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   testing::save_two_rank_checkpoint(11, file_directory(srv.www / "ckpt"));
   testing::save_two_rank_checkpoint(11, file_directory(srv.www / "pair" / "model"));
   testing::save_two_rank_checkpoint(11, file_directory(srv.www / "pair" / "optim"));
@@ -865,7 +865,7 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
 TEST_CASE("http: the tool reads torch DCP folders from nginx as from the local folder" * testing::torch_check() *
           doctest::skip(!have_remote_tool())) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
-  testing::nginx_server srv;
+  testing::nginx_site srv;
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
   const auto pr = testing::run_program(testing::torch_python, {script.string(), (srv.www / "dcp").string()});
   REQUIRE_MESSAGE(pr.code == 0, pr.err);

@@ -47,15 +47,16 @@ struct saved_env {
   }
 };
 
-/// moto_server on a free port of 127.0.0.1, and a bucket in it.
+/// moto_server on a free port of 127.0.0.1 (one for the whole binary: moto_shared()), and
+/// buckets in it.
 struct moto {
   testing::temp_dir dir{"moto"};
-  int port = testing::free_port();
+  int port = 0;
   std::unique_ptr<testing::child_process> proc;
   moto() {
-    proc = std::make_unique<testing::child_process>(
-        std::vector<std::string>{"moto_server", "-H", "127.0.0.1", "-p", std::to_string(port)}, dir.path);
-    proc->wait_for_port(port, std::chrono::seconds(60));
+    proc = testing::start_server(port, [](int p) {
+      return std::vector<std::string>{"moto_server", "-H", "127.0.0.1", "-p", std::to_string(p)};
+    }, dir.path, std::chrono::seconds(60));
   }
   s3_options options() const {
     s3_options o;
@@ -65,12 +66,24 @@ struct moto {
     o.http.backoff_initial = std::chrono::milliseconds(10);
     return o;
   }
+  /// The bucket `name`, made if it is not there yet (a case runs again for each of its
+  /// subcases, on the same shared server; the cases' buckets have names of their own).
   s3_directory bucket(const std::string& name, s3_options o) const {
     s3_directory root("s3://" + name, o);
-    root.create_bucket();
+    try {
+      root.create_bucket();
+    } catch (const shardsafe::error& e) {
+      if (std::string(e.what()).find("BucketAlreadyOwnedByYou") == std::string::npos) throw;
+    }
     return root;
   }
 };
+
+/// The binary's one moto_server, started by the first case that asks, stopped at exit.
+moto& moto_shared() {
+  static moto m;
+  return m;
+}
 
 }  // namespace
 
@@ -308,7 +321,7 @@ std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, 
 }  // namespace
 
 TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) loads resharded on 3 ranks, bit-exact") {
-  moto m;
+  moto& m = moto_shared();
   s3_options o = m.options();
   o.single_put_max = 1 << 20;  // rank files (~6 MiB) go up in 5 MiB parts
   o.part_bytes = 5 << 20;
@@ -351,7 +364,7 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
 }
 
 TEST_CASE("s3: objects, folders, listing across pages, removal and errors against moto") {
-  moto m;
+  moto& m = moto_shared();
   s3_options o = m.options();
   o.list_page = 2;
   const s3_directory root = m.bucket("objs", o);
@@ -390,7 +403,7 @@ TEST_CASE("s3: objects, folders, listing across pages, removal and errors agains
 }
 
 TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no upload left") {
-  moto m;
+  moto& m = moto_shared();
   s3_options o = m.options();
   o.single_put_max = 1 << 20;
   o.part_bytes = 5 << 20;
@@ -430,7 +443,7 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
 }
 
 TEST_CASE("s3: an object overwritten while a reader has it open is an error, not bytes of two versions") {
-  moto m;
+  moto& m = moto_shared();
   const s3_directory d = m.bucket("change", m.options());
   const std::string v1 = random_text(100'000, 50), v2 = random_text(100'000, 51);
   write_text(d, "obj.bin", v1);
@@ -447,7 +460,7 @@ TEST_CASE("s3: an object overwritten while a reader has it open is an error, not
 }
 
 TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exact; an upload cut off leaves nothing") {
-  moto m;
+  moto& m = moto_shared();
   s3_options direct = m.options();
   direct.single_put_max = 1 << 20;
   direct.part_bytes = 5 << 20;
@@ -528,7 +541,7 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
 }
 
 TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when the object has our multipart ETag") {
-  moto m;
+  moto& m = moto_shared();
   s3_options direct = m.options();
   direct.single_put_max = 1 << 20;
   direct.part_bytes = 5 << 20;
@@ -618,7 +631,7 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
 }
 
 TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected through connect_to): save and load bit-exact") {
-  moto m;
+  moto& m = moto_shared();
   const s3_options direct = m.options();
   m.bucket("virt", direct);
   s3_options o = direct;
@@ -692,7 +705,7 @@ TEST_CASE("servers: orphan helper (runs only as a child of the next test)" *
           doctest::skip(std::getenv("SHARDSAFE_TEST_ORPHAN_PIDS") == nullptr)) {
   const char* out = std::getenv("SHARDSAFE_TEST_ORPHAN_PIDS");
   testing::nginx_server web;
-  moto m;
+  moto& m = moto_shared();
   testing::fault_proxy px(m.port, 1, 0.0);
   std::string lines;
   for (const testing::child_process* c : {web.proc.get(), m.proc.get(), px.proc.get()})
@@ -743,7 +756,7 @@ TEST_CASE("servers: a test process killed with SIGKILL leaves no nginx, moto_ser
 }
 
 TEST_CASE("s3: rotation keeps the newest complete checkpoints on S3, as on a local disk") {
-  moto m;
+  moto& m = moto_shared();
   const s3_directory root = m.bucket("rot", m.options()).sub("run");
   testing::temp_dir local("rot");
   const file_directory lroot(local.path);
@@ -853,7 +866,7 @@ std::string object_text(const s3_directory& d, const std::string& name) {
 }  // namespace
 
 TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" * doctest::skip(!testing::have_tool())) {
-  moto m;
+  moto& m = moto_shared();
   saved_env env;  // the tool process inherits these
   const std::string endpoint = "http://127.0.0.1:" + std::to_string(m.port);
   env.set("AWS_ENDPOINT_URL", endpoint.c_str());
