@@ -10,7 +10,7 @@
 // Columns: seconds (best and median of --reps), bytes read by each rank (x shard: the larger
 // over one rank's shard bytes), peak RSS of the process above the
 // model shards (the world is 2 threads of one process: its peak is both ranks' together).
-// The ranks are threads joined by tests/thread_world.hpp plus a broadcast_buffer that copies
+// The ranks are threads joined by tests/support/thread_world.hpp plus a broadcast_buffer that copies
 // straight out of rank 0's chunk (an interconnect at memory speed: the cost of reading is what
 // is compared). Files are read warm (from the page cache, read once before).
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "../tests/thread_world.hpp"
+#include "../tests/support/thread_world.hpp"
 #include "bench_common.hpp"
 #include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"

@@ -46,7 +46,7 @@
 #include <random>
 #include <thread>
 
-#include "../tests/net_ports.hpp"
+#include "../tests/support/net_ports.hpp"
 #include "bench_common.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"

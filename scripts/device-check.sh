@@ -51,7 +51,7 @@ LIBS=(-Wl,--no-as-needed -lstdc++ -Wl,--as-needed -L"$LIBDIR" -Wl,-rpath,"$LIBDI
 
 log "build (test_device, bench_device) and the checkpoint for the bench, at once"
 t0=$(date +%s)
-$CXX "${FLAGS[@]}" -Itests tests/main.cpp tests/torch/test_device.cpp -o "$WORK/test_device" "${LIBS[@]}" \
+$CXX "${FLAGS[@]}" -Itests tests/support/main.cpp tests/torch/test_device.cpp -o "$WORK/test_device" "${LIBS[@]}" \
   > "$OUT/build_test.log" 2>&1 &
 p1=$!
 $CXX "${FLAGS[@]}" -Ibench bench/bench_device.cpp -o "$WORK/bench_device" "${LIBS[@]}" > "$OUT/build_bench.log" 2>&1 &

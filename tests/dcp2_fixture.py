@@ -19,7 +19,7 @@ grid [4, 4], hsdp [4, 2], mask [3, 2], epoch): the golden fixtures of tests/fixt
 
 Beside them, torch's own values: OUT_DIR/digest.txt (`KEY DTYPE [SHAPE] SHA256`, sorted, a line
 per tensor of ckpt, as `shardsafe digest` prints) and raw/KEY.bin (each full tensor's bytes,
-row-major, as tests/dcp_digest.hpp reads them); raw_adam/, raw_sgd/ the same for the other two;
+row-major, as tests/support/dcp_digest.hpp reads them); raw_adam/, raw_sgd/ the same for the other two;
 groups.json each checkpoint's param groups as get_state_dict gave them.
 """
 import hashlib

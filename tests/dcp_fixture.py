@@ -1,5 +1,5 @@
 """Writes a torch DCP checkpoint with the torch found by this interpreter (Debian's 1.13 under
-/usr/bin/python3), for tests/test_dcp_format.cpp.
+/usr/bin/python3), for tests/format/test_dcp_format.cpp.
 
     python3 tests/dcp_fixture.py OUT_DIR
 

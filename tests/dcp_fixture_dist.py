@@ -1,5 +1,5 @@
 """Writes a torch DCP checkpoint from a 3-process Gloo world with the torch found by this
-interpreter (Debian's 1.13 under /usr/bin/python3), for tests/test_dcp_load.cpp and the tool's tests.
+interpreter (Debian's 1.13 under /usr/bin/python3), for tests/checkpoint/test_dcp_load.cpp and the tool's tests.
 
     python3 tests/dcp_fixture_dist.py OUT_DIR [SCALE]
 

@@ -1,7 +1,7 @@
 """Reads a torch.distributed.checkpoint folder with Python alone (no torch): pickle with stand-in
 classes for torch's, zipfile for the torch.save archives (CRC-32 checked), each tensor's chunks
 reassembled into its full row-major bytes. The independent reader of the torch-free tests of
-shardsafe's DCP writer (tests/test_dcp_write.cpp); the torch 2.x tests check the same folders
+shardsafe's DCP writer (tests/checkpoint/test_dcp_write.cpp); the torch 2.x tests check the same folders
 with torch itself.
 
     python3 tests/dcp_stub_read.py FOLDER

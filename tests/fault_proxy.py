@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A faulty HTTP/1.1 proxy for the remote-storage tests (tests/test_http.cpp, tests/test_s3.cpp).
+"""A faulty HTTP/1.1 proxy for the remote-storage tests (tests/remote/test_http.cpp, tests/remote/test_s3.cpp).
 
     fault_proxy.py --port P --upstream HOST:PORT --seed N --rate R --log FILE
                    [--faults drop,stall,...] [--stall S] [--kill-parts-after K]

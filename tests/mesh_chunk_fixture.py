@@ -1,5 +1,5 @@
 """Each rank's piece of a tensor on a device mesh, computed with torch's own torch.chunk (Debian's
-torch 1.13 under /usr/bin/python3), for tests/test_mesh.cpp.
+torch 1.13 under /usr/bin/python3), for tests/shard/test_mesh.cpp.
 
     python3 tests/mesh_chunk_fixture.py CASES_FILE
 

@@ -106,7 +106,7 @@ inline shardsafe::shard_spec block_part(const shardsafe::shape_t& shape, std::si
 
 }  // namespace testing
 
-#include "../test_util.hpp"
+#include "support/test_util.hpp"
 
 namespace testing {
 

@@ -45,7 +45,7 @@
 #include "cluster.hpp"
 #include "world.hpp"
 #if SHARDSAFE_TEST_REMOTE
-#include "../servers.hpp"
+#include "support/servers.hpp"
 #include "shardsafe/storage/s3.hpp"
 #endif
 

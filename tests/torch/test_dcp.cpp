@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "../dcp_digest.hpp"
+#include "support/dcp_digest.hpp"
 #include "fixtures.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
@@ -30,7 +30,7 @@ struct full_tensor {
   at::Tensor t;
 };
 
-/// The full tensors torch wrote out (tests/dcp_digest.hpp).
+/// The full tensors torch wrote out (tests/support/dcp_digest.hpp).
 std::vector<full_tensor> torch_tensors(const fs::path& dir) {
   std::vector<full_tensor> out;
   for (const auto& e : testing::read_torch_digest(dir)) {

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "../../examples/sharded_mlp.hpp"
-#include "../dcp_digest.hpp"
+#include "support/dcp_digest.hpp"
 #include "fixtures.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "../checkpoint_fixtures.hpp"
+#include "support/checkpoint_fixtures.hpp"
 #include "fixtures.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"

@@ -15,7 +15,7 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/state_dict.hpp"
-#include "../thread_world.hpp"
+#include "support/thread_world.hpp"
 
 using namespace shardsafe;
 namespace fs = std::filesystem;

@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "../test_util.hpp"
+#include "support/test_util.hpp"
 #include "shardsafe/dist/launch.hpp"
 
 namespace testing {

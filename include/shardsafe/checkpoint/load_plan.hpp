@@ -3,7 +3,7 @@
 //
 // The planner is pure: it reads a checkpoint's description (checkpoint_metadata) and the
 // headers of the files it names, never storage, so it is tested and benchmarked without any
-// (tests/test_sources.cpp, bench/bench_scale.cpp). It runs in two steps around the opening of
+// (tests/checkpoint/test_sources.cpp, bench/bench_scale.cpp). It runs in two steps around the opening of
 // files, which is the reader's (checkpoint/reader.hpp):
 // 1. plan_views: each view checked against the description (shape, dtype, coverage) and
 //    resolved against every file's shard (shard/copy_plan.hpp's plan_load: each element from

@@ -104,7 +104,7 @@
 // |   |                |                     | d = parent.sub(n), even while d holds nothing (S3: a   |
 // |   |                |                     | "n/" marker object), until parent.remove(n)            |
 //
-// Copy and move (pinned down by tests/test_storage.cpp):
+// Copy and move (pinned down by tests/storage/test_storage.cpp):
 // - Directories are cheap to copy; a copy names the same place (file: the same folder,
 //   memory: the same memory_store), so what one writes the other sees.
 // - memory_storage is copyable; copies share the same immutable bytes. file_storage and

@@ -60,7 +60,7 @@
 // The TLS switch names the namespace of the remote layer's classes and functions (an inline
 // namespace: code never spells it), so that translation units built with and without TLS
 // link into one program with a definition each, not two definitions of one class (which the
-// one-definition rule forbids: tests/remote_odr/ links the two).
+// one-definition rule forbids: tests/remote/odr/ links the two).
 #if SHARDSAFE_HTTP_TLS
 #define SHARDSAFE_HTTP_ABI http_tls
 #else
