@@ -79,7 +79,7 @@ std::uint16_t f32_to_bf16_bits(std::uint32_t u) {
   return std::uint16_t((u + 0x7fffu + lsb) >> 16);
 }
 
-std::string random_bytes(std::size_t n, std::mt19937_64& rng) { return fixtures::random_string(n, rng); }
+using testing::random_bytes;
 
 }  // namespace
 

@@ -22,7 +22,7 @@
 
 using namespace shardsafe;
 using testing::expect_error;
-using testing::random_text;
+using testing::random_bytes;
 using testing::temp_dir;
 namespace fs = std::filesystem;
 
@@ -195,7 +195,7 @@ TEST_CASE("parse_http_date: the three forms, against Python's email.utils for ra
 TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 ranks in another sharding, bit-exact") {
   testing::nginx_site srv;
   // w: F32 [96, 3000] saved in rows halves; e: BF16 [40, 24] saved in column halves
-  const std::string w = random_text(96 * 3000 * 4, 1), e = random_text(40 * 24 * 2, 2);
+  const std::string w = random_bytes(96 * 3000 * 4, 1), e = random_bytes(40 * 24 * 2, 2);
   const fs::path ckpt = srv.www / "ckpt";
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
@@ -289,7 +289,7 @@ TEST_CASE("http_directory: exists, open, sub, list and names against nginx") {
 
 TEST_CASE("http_storage: large reads split into parts read in parallel, and batches") {
   testing::nginx_site srv;
-  const std::string body = random_text((5 << 20) + 1234, 3);
+  const std::string body = random_bytes((5 << 20) + 1234, 3);
   testing::write_file(srv.www / "big.bin", body);
   http_options o;
   o.part_bytes = 256 << 10;
@@ -307,7 +307,7 @@ TEST_CASE("http_storage: large reads split into parts read in parallel, and batc
 
 TEST_CASE("http_storage: batches and single reads from several threads at once share one client's request slots") {
   testing::nginx_site srv;
-  const std::string body = random_text((3 << 20) + 777, 11);
+  const std::string body = random_bytes((3 << 20) + 777, 11);
   testing::write_file(srv.www / "big.bin", body);
   http_options o;
   o.part_bytes = 64 << 10;
@@ -342,7 +342,7 @@ TEST_CASE("http_storage: batches and single reads from several threads at once s
 // a server that breaks the rules
 
 TEST_CASE("http faults: each one retried with only the missing bytes asked again, or an error; never wrong bytes") {
-  const std::string body = random_text(100'000, 9);
+  const std::string body = random_bytes(100'000, 9);
   testing::scripted_server srv(body);
   using testing::fault;
   auto client = std::make_shared<detail::http_client>(quick());
@@ -436,7 +436,7 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
 }
 
 TEST_CASE("http: a HEAD without Content-Length: the size from a 1-byte GET's Content-Range") {
-  const std::string body = random_text(4321, 10);
+  const std::string body = random_bytes(4321, 10);
   testing::scripted_server srv(body, false);
   const http_storage s(srv.url(), quick());
   CHECK(s.size() == body.size());
@@ -457,7 +457,7 @@ TEST_CASE("http: nothing listening is a clear error after bounded attempts") {
 
 TEST_CASE("http: an object replaced between reads is an error naming it, never bytes of two versions") {
   testing::nginx_site srv;
-  const std::string v1 = random_text(300'000, 30), v2 = random_text(300'000, 31);
+  const std::string v1 = random_bytes(300'000, 30), v2 = random_bytes(300'000, 31);
   testing::write_file(srv.www / "obj.bin", v1);
   const http_storage s(srv.url("obj.bin"), quick());
   REQUIRE(s.validator().etag.size() > 2);  // nginx's strong ETag of the file
@@ -480,7 +480,7 @@ TEST_CASE("http: an object replaced between reads is an error naming it, never b
 }
 
 TEST_CASE("http: a server that ignores If-Match but answers with another ETag; Last-Modified when there is no ETag") {
-  const std::string body = random_text(1000, 32);
+  const std::string body = random_bytes(1000, 32);
   auto answer = [&](const std::string& etag_head, const std::string& etag_get, bool lm) {
     return [=](const std::string& head) {
       const std::string v = lm ? "Last-Modified: Wed, 21 Oct 2015 07:28:00 GMT\r\n" : "";
@@ -571,7 +571,7 @@ http_options through_proxy() {
 
 TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land bit-exact, or fail with a clear error") {
   testing::nginx_site srv;
-  const std::string w = random_text(64 * 3000 * 4, 40), e = random_text(40 * 24 * 2, 41);
+  const std::string w = random_bytes(64 * 3000 * 4, 40), e = random_bytes(40 * 24 * 2, 41);
   save_resharded_fixture(srv.www / "ckpt", w, e);
   std::map<std::string, int> kinds;
   int faults = 0;
@@ -741,7 +741,7 @@ TEST_CASE("http deadlines: a stalled server, an endless Retry-After and a redire
 #if SHARDSAFE_HTTP_TLS
 TEST_CASE("https: nginx with a test CA: verified with the CA file, refused without it, bytes exact") {
   testing::nginx_site srv(true);
-  const std::string body = random_text(300'000, 17);
+  const std::string body = random_bytes(300'000, 17);
   testing::write_file(srv.www / "obj.bin", body);
   http_options o;
   o.ca_file = srv.ca_file();

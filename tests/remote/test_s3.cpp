@@ -23,7 +23,7 @@
 
 using namespace shardsafe;
 using testing::expect_error;
-using testing::random_text;
+using testing::random_bytes;
 namespace fs = std::filesystem;
 
 namespace {
@@ -328,7 +328,7 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
   m.bucket("ckpts", o);
   const s3_directory d("s3://ckpts/run_1/step_10", o);
   // w: F32 [1536, 2048] saved in row halves; b: BF16 [1000] saved in halves
-  const std::string w = random_text(1536 * 2048 * 4, 1), b = random_text(1000 * 2, 2);
+  const std::string w = random_bytes(1536 * 2048 * 4, 1), b = random_bytes(1000 * 2, 2);
   for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
   CHECK(d.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
   CHECK(d.open("rank_0.safetensors").size() > o.part_bytes);
@@ -445,7 +445,7 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
 TEST_CASE("s3: an object overwritten while a reader has it open is an error, not bytes of two versions") {
   moto& m = moto_shared();
   const s3_directory d = m.bucket("change", m.options());
-  const std::string v1 = random_text(100'000, 50), v2 = random_text(100'000, 51);
+  const std::string v1 = random_bytes(100'000, 50), v2 = random_bytes(100'000, 51);
   write_text(d, "obj.bin", v1);
   const auto r = d.open("obj.bin");
   REQUIRE(r.validator().etag.size() > 2);
@@ -465,7 +465,7 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
   direct.single_put_max = 1 << 20;
   direct.part_bytes = 5 << 20;
   const s3_directory root = m.bucket("faults", direct);
-  const std::string w = random_text(1536 * 2048 * 4, 60), b = random_text(1000 * 2, 61);
+  const std::string w = random_bytes(1536 * 2048 * 4, 60), b = random_bytes(1000 * 2, 61);
   auto via = [&](const testing::fault_proxy& px) {
     s3_options o = direct;
     o.endpoint = "http://127.0.0.1:" + std::to_string(px.port);
@@ -555,7 +555,7 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
     return o;
   };
   // the rule against Python's hashlib: md5 of the parts' binary md5s, "-", their count
-  const std::string data = random_text((11 << 20) + 12345, 90);  // 3 parts of 5 MiB
+  const std::string data = random_bytes((11 << 20) + 12345, 90);  // 3 parts of 5 MiB
   testing::write_file(m.dir.path / "data.bin", data);
   const auto py = testing::run_program(
       "python3", {"-c",
@@ -596,7 +596,7 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
     SUBCASE(("the answer to the first Complete " + mode + "ped: the save succeeds, the checkpoint loads bit-exact").c_str()) {
       testing::fault_proxy px(m.port, 1, 0.0, {"--lose-complete", mode, "--stall", "3"});
       const s3_directory d("s3://lost/run-" + mode, via(px));
-      const std::string w = random_text(1536 * 2048 * 4, 91), b = random_text(1000 * 2, 92);
+      const std::string w = random_bytes(1536 * 2048 * 4, 91), b = random_bytes(1000 * 2, 92);
       for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
       const auto faults = px.faults();  // the answer lost, the retry told NoSuchUpload
       REQUIRE(faults.size() == 2u);
@@ -648,7 +648,7 @@ TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected thro
   // the objects are where a path-style client finds them: bucket virt, keys ckpt/...
   const s3_directory p("s3://virt/ckpt", direct);
   CHECK(p.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
-  const std::string w = random_text(64 * 30 * 4, 70), e = random_text(10 * 8 * 2, 71);
+  const std::string w = random_bytes(64 * 30 * 4, 70), e = random_bytes(10 * 8 * 2, 71);
   std::string wm(w.size(), '\x5a'), em(e.size(), '\x5a');
   std::vector<flat_view> v{{"w", dtype::F32, {64, 30}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
                            {"e", dtype::BF16, {10, 8}, std::nullopt, reinterpret_cast<std::byte*>(em.data()), em.size()}};

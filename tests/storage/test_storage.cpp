@@ -34,30 +34,19 @@
 #endif
 
 using namespace shardsafe;
+using testing::expect_error;
 using testing::temp_dir;
 namespace fs = std::filesystem;
 
 namespace {
 
 std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<std::byte> b(n);
-  for (auto& x : b) x = static_cast<std::byte>(rng());
-  return b;
+  const std::string s = testing::random_bytes(n, seed);
+  const auto b = std::as_bytes(std::span(s.data(), s.size()));
+  return {b.begin(), b.end()};
 }
 
 std::span<const std::byte> sv_bytes(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
-
-template <class F>
-void expect_errc(F&& f, errc code, std::string_view phrase) {
-  try {
-    f();
-    FAIL("no error thrown");
-  } catch (const shardsafe::error& e) {
-    CHECK(e.code() == code);
-    CHECK_MESSAGE(std::string(e.what()).find(phrase) != std::string::npos, e.what(), " lacks ", phrase);
-  }
-}
 
 // How to get a storage holding given bytes, for each ReadableStorage backend.
 template <class S>
@@ -318,10 +307,10 @@ TEST_CASE_TEMPLATE("ReadableStorage conformance", S, SHARDSAFE_READABLE_BACKENDS
   }
   SUBCASE("reads past the end throw errc::truncated naming the storage") {
     std::vector<std::byte> dst(10, std::byte{0x5a});
-    expect_errc([&] { s.read_into(bytes.size() - 9, dst); }, errc::truncated, sname);
-    expect_errc([&] { s.read_into(bytes.size(), std::span(dst).first(1)); }, errc::truncated, sname);
-    expect_errc([&] { s.read_into(~std::uint64_t(0) - 3, dst); }, errc::truncated, "passes the end");
-    expect_errc([&] { s.read_into(~std::uint64_t(0), std::span(dst).first(1)); }, errc::truncated, sname);
+    expect_error([&] { s.read_into(bytes.size() - 9, dst); }, errc::truncated, {sname});
+    expect_error([&] { s.read_into(bytes.size(), std::span(dst).first(1)); }, errc::truncated, {sname});
+    expect_error([&] { s.read_into(~std::uint64_t(0) - 3, dst); }, errc::truncated, {"passes the end"});
+    expect_error([&] { s.read_into(~std::uint64_t(0), std::span(dst).first(1)); }, errc::truncated, {sname});
   }
   SUBCASE("concurrent reads from 8 threads") {
     std::atomic<int> bad{0};
@@ -346,7 +335,7 @@ TEST_CASE_TEMPLATE("ReadableStorage conformance", S, SHARDSAFE_READABLE_BACKENDS
     std::span<std::byte> none;
     e.read_into(0, none);
     std::byte one[1];
-    expect_errc([&] { e.read_into(0, one); }, errc::truncated, maker.name_of(1));
+    expect_error([&] { e.read_into(0, one); }, errc::truncated, {maker.name_of(1)});
     if constexpr (MappableStorage<S>) CHECK(e.bytes().empty());
   }
   SUBCASE("copy and move") {
@@ -381,10 +370,10 @@ TEST_CASE_TEMPLATE("ReadableStorage conformance", S, SHARDSAFE_READABLE_BACKENDS
 
 TEST_CASE("storage: opening what is not there") {
   temp_dir tmp;
-  expect_errc([&] { file_storage(tmp.path / "absent"); }, errc::not_found, (tmp.path / "absent").string());
-  expect_errc([&] { mmap_storage(tmp.path / "absent"); }, errc::not_found, "absent");
-  expect_errc([&] { file_storage{tmp.path}; }, errc::invalid_argument, "is a directory");
-  expect_errc([&] { mmap_storage{tmp.path}; }, errc::invalid_argument, "is a directory");
+  expect_error([&] { file_storage(tmp.path / "absent"); }, errc::not_found, {(tmp.path / "absent").string()});
+  expect_error([&] { mmap_storage(tmp.path / "absent"); }, errc::not_found, {"absent"});
+  expect_error([&] { file_storage{tmp.path}; }, errc::invalid_argument, {"is a directory"});
+  expect_error([&] { mmap_storage{tmp.path}; }, errc::invalid_argument, {"is a directory"});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -401,11 +390,11 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
       auto w = d.create("obj");
       w.write_at(0, sv_bytes("hello"));
       CHECK_FALSE(d.exists("obj"));
-      expect_errc([&] { d.open("obj"); }, errc::not_found, "obj");
+      expect_error([&] { d.open("obj"); }, errc::not_found, {"obj"});
       w.sync();
       w.commit();
       CHECK(std::string_view(w.name()).find("obj") != std::string_view::npos);
-      expect_errc([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, "obj");
+      expect_error([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, {"obj"});
     }
     CHECK(d.exists("obj"));
     CHECK(byte_str(read_all(d, "obj")) == "hello");
@@ -482,7 +471,7 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     d.remove("never-there");  // absent is no error
     CHECK_FALSE(d.exists("alpha"));
     CHECK(d.list() == std::vector<std::string>{"Mid", "beta.json", "zeta"});
-    expect_errc([&] { d.open("alpha"); }, errc::not_found, "alpha");
+    expect_error([&] { d.open("alpha"); }, errc::not_found, {"alpha"});
   }
   SUBCASE("abort: nothing under the final name, no temporary, and no use afterwards") {
     put(d, "keep", "v1");
@@ -491,8 +480,8 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
       w.write_at(0, sv_bytes("v2 that never lands"));
       w.abort();
       w.abort();  // a second abort does nothing
-      expect_errc([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, "after abort");
-      expect_errc([&] { w.commit(); }, errc::invalid_argument, "keep");
+      expect_error([&] { w.write_at(0, sv_bytes("x")); }, errc::invalid_argument, {"after abort"});
+      expect_error([&] { w.commit(); }, errc::invalid_argument, {"keep"});
     }
     {
       auto w = d.create("fresh");
@@ -505,7 +494,7 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     CHECK(m.files_on_disk() == 1);
     auto w = d.create("done");
     w.commit();
-    expect_errc([&] { w.abort(); }, errc::invalid_argument, "abort after commit");
+    expect_error([&] { w.abort(); }, errc::invalid_argument, {"abort after commit"});
     CHECK(d.exists("done"));
   }
   SUBCASE("a made sub-directory exists and is listed while empty, until removed") {
@@ -555,11 +544,11 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
     for (std::string_view bad : {std::string_view("a/b"), std::string_view(".."), std::string_view("a\\b"),
                                  std::string_view(""), std::string_view("../x"), std::string_view(".")}) {
       INFO("name '" << std::string(bad) << "'");
-      expect_errc([&] { d.open(bad); }, errc::invalid_argument, "not a plain");
-      expect_errc([&] { d.create(bad); }, errc::invalid_argument, std::string(d.name()));
-      expect_errc([&] { (void)d.exists(bad); }, errc::invalid_argument, "not a plain");
-      expect_errc([&] { d.remove(bad); }, errc::invalid_argument, "not a plain");
-      expect_errc([&] { d.sub(bad); }, errc::invalid_argument, "not a plain");
+      expect_error([&] { d.open(bad); }, errc::invalid_argument, {"not a plain"});
+      expect_error([&] { d.create(bad); }, errc::invalid_argument, {std::string(d.name())});
+      expect_error([&] { (void)d.exists(bad); }, errc::invalid_argument, {"not a plain"});
+      expect_error([&] { d.remove(bad); }, errc::invalid_argument, {"not a plain"});
+      expect_error([&] { d.sub(bad); }, errc::invalid_argument, {"not a plain"});
     }
     CHECK(d.list().empty());
   }
@@ -570,7 +559,7 @@ TEST_CASE("storage: memory_writer without a store, and a mapping outliving its f
   w.write_at(2, sv_bytes("cd"));
   w.write_at(0, sv_bytes("ab"));
   w.commit();
-  expect_errc([&] { w.commit(); }, errc::invalid_argument, "standalone");
+  expect_error([&] { w.commit(); }, errc::invalid_argument, {"standalone"});
   CHECK(byte_str(w.take()) == "abcd");
 
   temp_dir tmp;
@@ -839,8 +828,8 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
   SUBCASE("a part that fails aborts the rank file; nothing is committed") {
     block_directory failing{memory_directory(std::make_shared<memory_store>(), "mem:failing"),
                             std::make_shared<io_counts>(), 2};
-    expect_errc([&] { save_flat_views(failing, std::span<const flat_view>(t.views), comm, so); }, errc::io_error,
-                "upload of a part failed");
+    expect_error([&] { save_flat_views(failing, std::span<const flat_view>(t.views), comm, so); }, errc::io_error,
+                {"upload of a part failed"});
     CHECK(failing.n->aborts.load() == 1);
     CHECK(failing.inner.store()->objects.empty());
   }
@@ -851,8 +840,8 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
     w.write_at(0, sv_bytes("abc"));
     fs::remove(tmp.path / fs::directory_iterator(tmp.path)->path().filename());  // the temporary vanishes
     // abort of an already missing temporary is no error: the original error comes back alone
-    expect_errc([&] { detail::abort_on_failure(w, [] { fail(errc::truncated, "first failure"); }); }, errc::truncated,
-                "first failure");
+    expect_error([&] { detail::abort_on_failure(w, [] { fail(errc::truncated, "first failure"); }); }, errc::truncated,
+                {"first failure"});
     memory_writer done("committed-already");
     done.commit();
     // abort after commit throws: both messages, the first error's code
@@ -902,7 +891,7 @@ TEST_CASE("checkpoint_reader: plan() lists files, byte ranges and copies; execut
     std::vector<std::byte> want = expect(w0 + 40, 10), second = expect(w0 + 120, 10);
     want.insert(want.end(), second.begin(), second.end());
     CHECK(out == want);
-    expect_errc([&] { r.execute({}, s); }, errc::invalid_argument, "planned for 1 views");
+    expect_error([&] { r.execute({}, s); }, errc::invalid_argument, {"planned for 1 views"});
   }
   SUBCASE("load_options over the backend's hint over the defaults") {
     counted_directory<false> cd{mem};
@@ -970,11 +959,11 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
   SUBCASE("a missing rank file: not_found naming it, from open") {
     store->objects.erase("mem:ckpt/rank_0.safetensors");
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
-    expect_errc([&] { load_flat_views(d, std::span<const flat_view>(into)); }, errc::not_found,
-                "mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist");
+    expect_error([&] { load_flat_views(d, std::span<const flat_view>(into)); }, errc::not_found,
+                {"mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist"});
     CHECK(d.n->exists.load() == 0);
     store->objects.erase("mem:ckpt/metadata.json");
-    expect_errc([&] { checkpoint_reader<counted_directory<true>> r(d); }, errc::not_found, "no metadata.json");
+    expect_error([&] { checkpoint_reader<counted_directory<true>> r(d); }, errc::not_found, {"no metadata.json"});
   }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "malformed_corpus.hpp"
+#include "test_util.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -45,11 +46,7 @@ inline std::string build_file(const std::vector<tensor>& ts) {
   return corpus::file_bytes(json, data);
 }
 
-inline std::string random_string(std::size_t n, std::mt19937_64& rng) {
-  std::string s(n, '\0');
-  for (auto& c : s) c = static_cast<char>(rng());
-  return s;
-}
+inline std::string random_string(std::size_t n, std::mt19937_64& rng) { return testing::random_bytes(n, rng); }
 
 /// Seven tensors of assorted dtypes and shapes, a 0-d, an empty and a sub-byte one among them.
 inline std::vector<tensor> sample_tensors() {

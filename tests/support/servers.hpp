@@ -31,14 +31,6 @@
 
 namespace testing {
 
-/// n bytes of a seeded mt19937_64, for objects whose every byte is checked.
-inline std::string random_text(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::string s(n, '\0');
-  for (auto& c : s) c = static_cast<char>(rng());
-  return s;
-}
-
 /// A program run in the background, stdout and stderr to child.log in `log_dir`; stopped
 /// (SIGTERM, after 5 s SIGKILL, its whole process group) and reaped when destroyed, and also
 /// when the test process dies in any way (SIGKILL, abort): see guarded_process (net_ports.hpp).
@@ -469,7 +461,7 @@ class raw_server {
 template <shardsafe::WritableDirectory... Ds>
 void save_two_rank_checkpoint(std::uint64_t seed, const Ds&... dirs) {
   using namespace shardsafe;
-  const std::string w = random_text(64 * 30 * 4, seed), e = random_text(10 * 8 * 2, seed + 1);
+  const std::string w = random_bytes(64 * 30 * 4, seed), e = random_bytes(10 * 8 * 2, seed + 1);
   auto thrown = run_ranks(2, [&](thread_comm& comm) {
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
     std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;

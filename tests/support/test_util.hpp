@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <span>
+#include <random>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -115,6 +116,19 @@ inline std::string sha256_hex(const void* data, std::size_t n) {
   unsigned char md[SHA256_DIGEST_LENGTH];
   SHA256(static_cast<const unsigned char*>(data), n, md);
   return hex({reinterpret_cast<const char*>(md), sizeof md});
+}
+
+/// n bytes, each the low byte of one draw of rng: the one source of random test data (the
+/// same draws as before it was one: seeded fixtures keep their bytes).
+inline std::string random_bytes(std::size_t n, std::mt19937_64& rng) {
+  std::string s(n, '\0');
+  for (auto& c : s) c = static_cast<char>(rng());
+  return s;
+}
+/// random_bytes of a generator seeded with seed.
+inline std::string random_bytes(std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  return random_bytes(n, rng);
 }
 
 /// f() must throw a shardsafe::error with this code whose message holds every phrase.
