@@ -420,13 +420,11 @@ void check_folder(const fs::path& dir, const std::map<std::string, std::map<std:
 
 /// The index Python writes for tensors (name, bytes, elements) packed into max_size: shard_checkpoint's
 /// loop and json.dumps(indent=2, sort_keys=True), with today's transformers' total_parameters;
-/// nullopt when python3 does not run.
+/// nullopt when python3 does not run (a failure instead where Python is required).
 std::optional<std::string> python_index(const std::vector<std::tuple<std::string, std::uint64_t, std::uint64_t>>& ts,
                                         std::uint64_t max) {
-  temp_dir d("pyidx");
   std::string input = std::to_string(max) + "\n";
   for (const auto& [n, b, e] : ts) input += n + "\t" + std::to_string(b) + "\t" + std::to_string(e) + "\n";
-  testing::write_file(d.path / "in", input);
   const char* script =
       "import json,sys\n"
       "lines=open(sys.argv[1]).read().split('\\n')[:-1]\n"
@@ -439,9 +437,7 @@ std::optional<std::string> python_index(const std::vector<std::tuple<std::string
       "wm={n:'model-%05d-of-%05d.safetensors'%(i+1,len(blocks)) for i,bl in enumerate(blocks) for n,b in bl}\n"
       "sys.stdout.write(json.dumps({'metadata':{'total_parameters':params,'total_size':sum(b for n,b in ts)},'weight_map':wm},"
       "indent=2,sort_keys=True)+'\\n')\n";
-  const auto r = testing::run_program("python3", {"-I", "-c", script, (d.path / "in").string()});
-  if (!r.exited || r.code != 0) return std::nullopt;
-  return r.out;
+  return testing::run_python("python3", script, input);  // (with SHARDSAFE_REQUIRE_PYTHON=1, never skipped)
 }
 
 }  // namespace

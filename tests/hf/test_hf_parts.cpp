@@ -134,22 +134,7 @@ std::vector<float> to_floats(const std::vector<double>& v) {
 
 using testing::python_required;
 
-/// Runs `exe -I -c script file` with `input` written to file; nullopt when exe does not run.
-std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
-  testing::temp_dir dir("hfparts");
-  testing::write_file(dir.path / "in", input);
-  const auto r = testing::run_program(exe, {"-I", "-c", script, (dir.path / "in").string()});
-  if (!r.exited) {
-    CHECK_MESSAGE(!python_required(), exe << " does not run but SHARDSAFE_REQUIRE_PYTHON=1");
-    return std::nullopt;
-  }
-  if (r.code != 0 && r.err.find("ModuleNotFoundError") != std::string::npos && !python_required()) {
-    MESSAGE(exe << " lacks a module; cross-check skipped: " << r.err);
-    return std::nullopt;
-  }
-  REQUIRE_MESSAGE(r.code == 0, exe << " failed: " << r.err);
-  return r.out;
-}
+using testing::run_python;
 
 std::vector<std::uint32_t> parse_hex_lines(const std::string& text) {
   std::vector<std::uint32_t> v;

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <span>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -149,6 +150,26 @@ inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(byte
 inline bool python_required() {
   const char* v = std::getenv("SHARDSAFE_REQUIRE_PYTHON");
   return v && std::string(v) == "1";
+}
+
+/// The tests' one way to ask Python (the oracle of JSON, pickle, float and packing rules):
+/// runs `exe -I -c script FILE` with `input` written to FILE and gives its standard output.
+/// Nothing when exe does not run or lacks a module, and the cross-check is then skipped, unless
+/// SHARDSAFE_REQUIRE_PYTHON=1, where that fails the test; a script that fails fails the test.
+inline std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
+  temp_dir dir("python");
+  write_file(dir.path / "in", input);
+  const auto r = run_program(exe, {"-I", "-c", script, (dir.path / "in").string()});
+  if (!r.exited) {
+    CHECK_MESSAGE(!python_required(), exe << " does not run but SHARDSAFE_REQUIRE_PYTHON=1");
+    return std::nullopt;
+  }
+  if (r.code != 0 && r.err.find("ModuleNotFoundError") != std::string::npos && !python_required()) {
+    MESSAGE(exe << " lacks a module; cross-check skipped: " << r.err);
+    return std::nullopt;
+  }
+  REQUIRE_MESSAGE(r.code == 0, exe << " failed: " << r.err);
+  return r.out;
 }
 
 /// The interpreter with Debian's python3-torch (1.13): the real PyTorch peer of the tests.
