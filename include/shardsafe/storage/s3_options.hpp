@@ -3,6 +3,7 @@
 // are at the top of storage/s3.hpp): the option, then the AWS environment (storage/aws.hpp).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
