@@ -344,10 +344,15 @@ inline load_schedule schedule_reads(view_plans vp, std::span<const flat_view> vi
     // at whole elements
     const std::uint64_t item = item_size(p.tm->type);
     const bool convert = p.tm->type != v.type;
-    auto reads_of = [&](std::size_t j, const copy_plan& runs, read_options ro, auto&& add) {
+    // the reads of runs out of file j of the tensor's files, with that file's settings; a
+    // compare's reads are cut to what one batch may stage
+    auto reads_of = [&](std::size_t j, const copy_plan& runs, bool compare, auto&& add) {
       const auto& [fname, fspec] = p.files()[j];
       const std::size_t fi = vp.file_index.find(fname)->second;
       const planned_file& f = files[fi];
+      read_options ro = s.files[fi].settings;
+      if (compare) ro.max_read_bytes = std::min<std::uint64_t>(ro.max_read_bytes, batch_staging_bytes);
+      if (compare || convert) ro.max_read_bytes = std::max(item, ro.max_read_bytes / item * item);
       const tensor_entry& e = detail::checked_entry(*f.header, f.name, v.key, *p.tm, fspec, described_by);
       read_plan rp = make_read_plan(runs, f.header->offset_of(e), item, ro);
       s.stats.bytes_read += rp.bytes_read;
@@ -355,20 +360,15 @@ inline load_schedule schedule_reads(view_plans vp, std::span<const flat_view> vi
       for (auto& op : rp.ops) add(fi, std::move(op));
       return rp.bytes_needed;
     };
-    for (const auto& fp : p.lp.files) {
-      read_options ro = s.files[vp.file_index.find(p.files()[fp.file].first)->second].settings;
-      if (convert) ro.max_read_bytes = std::max(item, ro.max_read_bytes / item * item);
-      s.stats.bytes_needed += reads_of(fp.file, fp.runs, ro, [&](std::size_t fi, read_op op) {
+    for (const auto& fp : p.lp.files)
+      s.stats.bytes_needed += reads_of(fp.file, fp.runs, false, [&](std::size_t fi, read_op op) {
         s.files[fi].reads.push_back({p.view, std::move(op)});
       });
-    }
     const shard_spec mine = v.effective_spec();
     for (const std::size_t j : p.compare) {
       const shard_spec& fspec = p.files()[j].second;
-      read_options ro = s.files[vp.file_index.find(p.files()[j].first)->second].settings;
-      ro.max_read_bytes = std::max(item, std::min<std::uint64_t>(ro.max_read_bytes, batch_staging_bytes) / item * item);
       for (const auto& fp : plan_load(mine, std::span<const shard_spec>(&fspec, 1), p.tm->shape).files)
-        reads_of(j, fp.runs, ro, [&](std::size_t fi, read_op op) { s.compares.push_back({fi, {p.view, std::move(op)}}); });
+        reads_of(j, fp.runs, true, [&](std::size_t fi, read_op op) { s.compares.push_back({fi, {p.view, std::move(op)}}); });
     }
   }
   for (auto& f : s.files)

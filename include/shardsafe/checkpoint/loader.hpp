@@ -214,16 +214,17 @@ class checkpoint_reader : public checkpoint_files<D> {
     }
     std::vector<block> blocks;
     std::vector<std::uint64_t> got;
-    std::vector<read_job> jobs;  // blocks not in a view, read again
+    std::vector<read_job> jobs;        // blocks not in a view, read again
+    std::vector<std::size_t> block_of;  // jobs[j] reads blocks[block_of[j]]
     for (auto& [id, bl] : todo) {
       const auto sp = detail::block_span(bl.k, cs.block_bytes, bl.e->nbytes());
-      blocks.push_back(bl);
       got.push_back(bl.in_view ? detail::xxh3_64(bl.in_view, static_cast<std::size_t>(sp.to - sp.from)) : 0);
-      if (!bl.in_view) jobs.push_back({bl.file, files[bl.file]->header.offset_of(*bl.e) + sp.from, sp.to - sp.from, nullptr});
+      if (!bl.in_view) {
+        block_of.push_back(blocks.size());
+        jobs.push_back({bl.file, files[bl.file]->header.offset_of(*bl.e) + sp.from, sp.to - sp.from, nullptr});
+      }
+      blocks.push_back(bl);
     }
-    std::vector<std::size_t> block_of;
-    for (std::size_t i = 0; i < blocks.size(); ++i)
-      if (!blocks[i].in_view) block_of.push_back(i);
     execute_reads<reader_type>(storages, jobs, s.threads, [&](std::size_t j, const std::byte* bytes, bool) {
       got[block_of[j]] = detail::xxh3_64(bytes, static_cast<std::size_t>(jobs[j].len));
     });
