@@ -13,6 +13,7 @@
 #include <string>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 
 namespace shardsafe::tool {
 
@@ -32,13 +33,7 @@ class sha256 {
     std::array<unsigned char, EVP_MAX_MD_SIZE> md{};
     unsigned int len = 0;
     if (EVP_DigestFinal_ex(ctx_.get(), md.data(), &len) != 1) fail(errc::invalid_argument, "SHA-256: final failed");
-    static constexpr char digits[] = "0123456789abcdef";
-    std::string s;
-    for (unsigned i = 0; i < len; ++i) {
-      s += digits[md[i] >> 4];
-      s += digits[md[i] & 15];
-    }
-    return s;
+    return shardsafe::detail::to_hex(md.data(), len);
   }
 
  private:

@@ -52,13 +52,12 @@ constexpr std::uint64_t chunk_bytes = std::uint64_t(64) << 20;
 /// A message as one line of text: control characters (a newline or an escape sequence in a
 /// tensor or file name read from the input) are written as \n, \r, \t or \xHH.
 std::string one_line(std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
   std::string r;
   for (unsigned char c : s) {
     if (c == '\n') r += "\\n";
     else if (c == '\r') r += "\\r";
     else if (c == '\t') r += "\\t";
-    else if (c < 0x20 || c == 0x7f) r += std::string("\\x") + hex[c >> 4] + hex[c & 15];
+    else if (c < 0x20 || c == 0x7f) { r += "\\x"; shardsafe::detail::append_hex(r, c, 2); }
     else r += static_cast<char>(c);
   }
   return r;
@@ -119,6 +118,7 @@ bool is_url(std::string_view s) {
 }
 bool is_http_url(std::string_view s) { return is_url(s) && std::tolower(static_cast<unsigned char>(s[0])) == 'h'; }
 
+#if SHARDSAFE_TOOL_REMOTE
 /// A URL cut at its last '/' into the folder URL and the object name ("s3://b/x/y.st" ->
 /// "s3://b/x", "y.st"); a URL with no path below its host is a usage error.
 std::pair<std::string, std::string> split_url(const std::string& url) {
@@ -127,11 +127,49 @@ std::pair<std::string, std::string> split_url(const std::string& url) {
     fail(errc::invalid_argument, url + ": a URL of a file needs a name after the last '/'");
   return {url.substr(0, slash), url.substr(slash + 1)};
 }
+#endif
 
 /// How local folders treat symbolic links (--follow-links: all followed; else links that leave
 /// the folder are refused, storage/file.hpp).
 link_policy g_links = link_policy::inside;
 
+/// Whether D can list a folder (a local one and s3 can; an HTTP server cannot, so its objects
+/// are probed by name).
+template <class D>
+constexpr bool lists = true;
+#if SHARDSAFE_TOOL_REMOTE
+template <>
+constexpr bool lists<http_directory> = false;
+#endif
+
+/// The folder p names, classified by which objects exist in it (one rule for local folders and
+/// URLs: an object store has no folders to stat): metadata.json makes a checkpoint; model/ or
+/// optim/ with a description (or, where the folder lists, anything in it) a model + optimizer
+/// pair; an index or model.safetensors a Hugging Face folder; .metadata a DCP folder; where
+/// the folder lists, safetensors or .distcp files make a checkpoint for the reader to name.
+template <ReadableDirectory D>
+input<D> classify_folder(const std::string& p, D dir) {
+  if (dir.exists(metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
+  input<D> in{kind::checkpoint_pair, p, dir, {}, {}};
+  for (const std::string_view part : {model_folder_name, optim_folder_name}) {
+    D sub = dir.sub(part);
+    bool has = sub.exists(metadata_file_name) || sub.exists(dcp_metadata_file_name);
+    if constexpr (lists<D>) has = has || !sub.list().empty();
+    if (has) in.parts.emplace_back(std::string(part), sub);
+  }
+  if (!in.parts.empty()) return in;
+  if (is_hf_folder(dir)) return {kind::hf, p, dir, {}, {}};
+  if (dir.exists(dcp_metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
+  if constexpr (lists<D>)
+    for (const auto& n : dir.list())
+      if (n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
+  fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/, optim/, " +
+                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " +
+                            std::string(dcp_metadata_file_name) + ", *.safetensors or *.distcp in it" +
+                            (lists<D> ? "" : " (an HTTP server is probed for these names; it cannot list a folder)"));
+}
+
+/// A local PATH classified: a regular file is one safetensors file, a folder as classify_folder.
 input<file_directory> classify(const std::string& p) {
   fs::path path(p);
   std::error_code ec;
@@ -139,36 +177,12 @@ input<file_directory> classify(const std::string& p) {
   if (ec || !fs::exists(st)) fail(errc::not_found, p + ": no such file or directory");
   if (fs::is_regular_file(st)) return {kind::file, p, file_directory(path.parent_path(), g_links), path.filename().string(), {}};
   if (!fs::is_directory(st)) fail(errc::invalid_argument, p + ": not a regular file or directory");
-  if (fs::exists(path / std::string(metadata_file_name))) return {kind::checkpoint, p, file_directory(path, g_links), {}, {}};
-  const std::string parts[] = {std::string(model_folder_name), std::string(optim_folder_name)};
-  if (fs::is_directory(path / parts[0]) || fs::is_directory(path / parts[1])) {
-    input<file_directory> in{kind::checkpoint_pair, p, file_directory(path, g_links), {}, {}};
-    for (const auto& part : parts)
-      if (fs::is_directory(path / part)) in.parts.emplace_back(part, file_directory(path, g_links).sub(part));
-    return in;
-  }
-  if (is_hf_folder(file_directory(path, g_links))) return {kind::hf, p, file_directory(path, g_links), {}, {}};
-  // torch's DCP-sharded HF files (or rank files without metadata.json, or a torch DCP folder:
-  // the checkpoint reader names what it found)
-  for (const auto& e : fs::directory_iterator(path, ec)) {
-    const std::string n = e.path().filename().string();
-    if (n == ".metadata" || n.ends_with(".safetensors") || n.ends_with(".distcp"))
-      return {kind::checkpoint, p, file_directory(path, g_links), {}, {}};
-  }
-  fail(errc::not_found, p + ": a directory with neither metadata.json, model/ and optim/, " + std::string(hf_index_file) +
-                            " nor " + std::string(hf_single_file));
+  return classify_folder(p, file_directory(path, g_links));
 }
 
 #if SHARDSAFE_TOOL_REMOTE
-/// Whether D can list a folder (s3 can; an HTTP server cannot, so its objects are probed).
-template <class D>
-constexpr bool lists = !std::is_same_v<D, http_directory>;
-
-/// A URL classified by which objects exist under it (an object store has no folders to stat):
-/// a name ending in .safetensors is one file; otherwise metadata.json makes a checkpoint,
-/// model/ or optim/ with a description a model + optimizer pair, an index or model.safetensors
-/// a Hugging Face folder, .metadata a DCP folder; where the store lists, safetensors or .distcp
-/// objects make a checkpoint for the reader to name.
+/// A URL classified: a name ending in .safetensors is one file, anything else a folder
+/// (classify_folder).
 template <ReadableDirectory D>
 input<D> classify_url(const std::string& p) {
   const std::string_view url_path = std::string_view(p).substr(0, p.find('?'));
@@ -178,24 +192,7 @@ input<D> classify_url(const std::string& p) {
     if (!dir.exists(name)) fail(errc::not_found, p + ": no such object");
     return {kind::file, p, std::move(dir), name, {}};
   }
-  D dir(p);
-  if (dir.exists(metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
-  input<D> in{kind::checkpoint_pair, p, dir, {}, {}};
-  for (const std::string_view part : {model_folder_name, optim_folder_name}) {
-    D sub = dir.sub(part);
-    if (sub.exists(metadata_file_name) || sub.exists(dcp_metadata_file_name)) in.parts.emplace_back(std::string(part), sub);
-  }
-  if (!in.parts.empty()) return in;
-  if (is_hf_folder(dir)) return {kind::hf, p, dir, {}, {}};
-  if (dir.exists(dcp_metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
-  if constexpr (lists<D>)
-    for (const auto& n : dir.list())
-      if (n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
-  fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/" +
-                            std::string(metadata_file_name) + ", optim/" + std::string(metadata_file_name) + ", " +
-                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + " or " +
-                            std::string(dcp_metadata_file_name) + " under this URL" +
-                            (lists<D> ? "" : " (an HTTP server is probed for these names; it cannot list a folder)"));
+  return classify_folder(p, D(p));
 }
 #endif
 

@@ -71,6 +71,7 @@
 #include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/checkpoint/hf/import_keys.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/load.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"

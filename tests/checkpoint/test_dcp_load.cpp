@@ -33,7 +33,7 @@ const fs::path& dist_fixture() {
   static testing::temp_dir dir("dcp-dist");
   static const bool made = [] {
     const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture_dist.py";
-    const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+    const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
     REQUIRE_MESSAGE(r.code == 0, r.err);
     return true;
   }();
@@ -176,7 +176,7 @@ TEST_CASE("dcp: the 1-process torch checkpoint of every dtype loads whole and re
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp1");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto pr = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(pr.code == 0, pr.err);
   for (const std::string folder : folders) {
     CAPTURE(folder);
@@ -354,7 +354,7 @@ for k, v in ren.items():
     assert x.dtype == want.dtype and torch.equal(x, want), k
 print("torch agrees")
 )";
-  const auto r = testing::run_program(testing::torch_python,
+  const auto r = testing::peer(testing::torch_python,
                                       {"-c", script, (fs::path(SHARDSAFE_SOURCE_DIR) / "tests").string(), file.string(), to});
   return r.code == 0 ? r.out : r.out + r.err;
 }

@@ -41,7 +41,7 @@ const fs::path source_dir = SHARDSAFE_SOURCE_DIR;
 
 /// tests/dcp_stub_read.py's lines for a folder (Python without torch).
 std::string stub_read(const fs::path& dir) {
-  const auto r = testing::run_program("python3", {(source_dir / "tests" / "dcp_stub_read.py").string(), dir.string()});
+  const auto r = testing::peer("python3", {(source_dir / "tests" / "dcp_stub_read.py").string(), dir.string()});
   REQUIRE_MESSAGE(r.code == 0, r.out << r.err);
   return r.out;
 }
@@ -113,7 +113,7 @@ TEST_CASE("crc32: the check value, Python's zlib on random bytes, and pieces joi
   const std::uint32_t whole = detail::crc32_of(bytes);
   testing::temp_dir dir("crc");
   testing::write_file(dir.path / "r.bin", data);
-  const auto py = testing::run_program(
+  const auto py = testing::peer(
       "python3", {"-c", "import sys, zlib; print(zlib.crc32(open(sys.argv[1], 'rb').read()))", (dir.path / "r.bin").string()});
   REQUIRE_MESSAGE(py.code == 0, py.err);
   CHECK(py.out == std::to_string(whole) + "\n");
@@ -144,7 +144,7 @@ TEST_CASE("torch.save archives: Python's zipfile reads every record (CRC-32 chec
     testing::write_file(dir.path / (std::string(c.name) + ".pt"), all);
     // Python's zipfile: every CRC, the names, data/0 holding the bytes, a pickle naming the storage class
     testing::write_file(dir.path / "data.bin", data);
-    const auto py2 = testing::run_program(
+    const auto py2 = testing::peer(
         "python3", {"-c",
                     "import sys, zipfile, pickletools, io\n"
                     "z = zipfile.ZipFile(sys.argv[1]); assert z.testzip() is None\n"
@@ -205,7 +205,7 @@ TEST_CASE("torch.save archives past 4 GiB are written in zip64 form that Python'
     ::close(fd);
   }
   CHECK(fs::file_size(f) == a.size());
-  const auto py = testing::run_program(
+  const auto py = testing::peer(
       "python3", {"-c",
                   "import sys, zipfile\n"
                   "z = zipfile.ZipFile(sys.argv[1])\n"

@@ -63,6 +63,29 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   CHECK(ls.bytes_needed == 96);
   CHECK(rows[0] == 12.0f);
 
+  // [usage: load_collective]
+  // the collective load: every rank its own views; a failure on any rank is thrown on all
+  std::vector<std::exception_ptr> failed = run_ranks(2, [&](thread_comm& rank_comm) {
+    std::vector<float> half(4 * 6);
+    const flat_view mine{"w", dtype::F32, {8, 6}, block_spec({4, 6}, {4 * std::uint64_t(rank_comm.rank()), 0}),
+                         reinterpret_cast<std::byte*>(half.data()), half.size() * 4};
+    load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&mine, 1), rank_comm);
+    if (half[0] != 24.0f * float(rank_comm.rank())) throw std::runtime_error("not the rows of this rank");
+  });
+  // [/usage]
+  for (const auto& e : failed) CHECK_FALSE(e);
+  // a rank that fails (a view the checkpoint lacks) fails the load on every rank, with its code
+  failed = run_ranks(2, [&](thread_comm& rank_comm) {
+    std::vector<float> buf(6);
+    const flat_view v{rank_comm.rank() == 1 ? "nope" : "b", dtype::F32, {6}, std::nullopt,
+                      reinterpret_cast<std::byte*>(buf.data()), buf.size() * 4};
+    load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&v, 1), rank_comm);
+  });
+  for (const auto& e : failed) {
+    REQUIRE(e);
+    testing::expect_error([&] { std::rethrow_exception(e); }, errc::not_found, {"rank 1: ", "tensor 'nope'"});
+  }
+
   // [usage: verify]
   checkpoint_report rep = verify_checkpoint(file_directory(dir / "ckpt"));  // every rule, every checksum
   // [/usage]
@@ -107,6 +130,27 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   const async_save_stats& done = h.wait();  // rethrows the save's error, on every rank
   // [/usage]
   CHECK(done.staged_bytes == 54 * 4);
+
+  // [usage: folder_set]
+  // several folders as one checkpoint, committed in order (a model + optimizer pair: optim/,
+  // then model/, whose metadata.json is the pair's mark); async_saver::save_folder_set alike
+  const std::vector<flat_view> optim_state{views[1]};  // (here: any views)
+  const std::vector<folder_views> pair = model_and_optim_folders(views, optim_state, /*with_optim=*/true);
+  std::vector<save_stats> each = save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm);
+  // [/usage]
+  REQUIRE(each.size() == 2);
+  CHECK(each[0].tensors_written == 1);
+  CHECK(each[1].tensors_written == 2);
+  CHECK(is_complete_checkpoint(file_directory(dir / "pair")));
+  // refused when the parent holds anything, unless overwrite; the async counterpart replaces it
+  testing::expect_error([&] { save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm); },
+                        errc::already_exists, {"pair: not empty"});
+  save_options replace;
+  replace.overwrite = true;
+  const std::vector<folder_views> model_only = model_and_optim_folders(views, {}, /*with_optim=*/false);
+  saver.save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(model_only), replace).wait();
+  CHECK(file_directory(dir / "pair").list() == std::vector<std::string>{"model"});
+  CHECK(is_complete_checkpoint(file_directory(dir / "pair")));
 
   // [usage: mesh]
   // HSDP on a [2, 2] mesh ("replicate", "shard"): this rank's block of a [8, 6] tensor and its role

@@ -457,7 +457,7 @@ print(blocks)
   }
   for (const char* name : {"direct", "buffered"}) {
     INFO(name);
-    const auto r = testing::run_program("python3", {(tmp.path / "check.py").string(), (tmp.path / name).string()});
+    const auto r = testing::peer("python3", {(tmp.path / "check.py").string(), (tmp.path / name).string()});
     CHECK_MESSAGE(r.code == 0, r.err);
     CHECK(r.out == std::to_string(want_blocks) + "\n");
     const checkpoint_report rep = verify_checkpoint(file_directory(tmp.path / name));

@@ -375,7 +375,7 @@ TEST_CASE("dcp: checkpoints written by torch 1.13 parse as torch reports them, c
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+  const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   MESSAGE("torch 1.13's dataclass shim " << std::string(r.err.find("shim") != std::string::npos ? "was" : "was not") << " needed by this Python");
   for (const std::string folder : {"ckpt", "ckpt_single"}) {

@@ -148,45 +148,25 @@ using testing::slurp;
 using testing::temp_dir;
 using testing::write_file;
 
-struct py_result {
-  int code = -1;  // exit status; -1: did not run or was killed
-  std::string err;
-};
+/// The modules the scripts import.
+const std::string py_modules = "pickle pickletools json struct functools";
 
-/// Runs `python3 -I -c script args...` (no shell); stderr kept.
-py_result python(const std::string& script, const std::vector<std::string>& args) {
+/// Runs `python3 -I -c script args...` through testing::python (a script that fails, fails the
+/// test); an empty result where the peer is missing (the decorator skips those tests).
+testing::program_result python(const std::string& script, const std::vector<std::string>& args) {
   std::vector<std::string> all{"-I", "-c", script};
   all.insert(all.end(), args.begin(), args.end());
-  const testing::program_result p = testing::run_program("python3", all);
-  return {p.exited ? p.code : -1, p.err};
+  auto r = testing::python("python3", all);
+  return r ? *r : testing::program_result{};
 }
 
-/// Whether python3 runs with the modules the scripts import. Asked while the tests are being
-/// registered (for their skip decorator), so without doctest's assertions: a plain spawn.
-bool have_python() {
-  static const bool ok = [] {
-    posix_spawn_file_actions_t fa;
-    if (posix_spawn_file_actions_init(&fa) != 0) return false;
-    for (int fd : {0, 1, 2}) posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", fd ? O_WRONLY : O_RDONLY, 0);
-    std::vector<std::string> all{"python3", "-I", "-c", "import pickle, pickletools, json, struct, functools"};
-    const std::vector<char*> argv = shardsafe::detail::c_string_array(all);
-    pid_t pid;
-    const int rc = posix_spawnp(&pid, "python3", &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    if (rc != 0) return false;
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0)
-      if (errno != EINTR) return false;
-    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  }();
-  return ok;
-}
+bool have_python() { return testing::python_has("python3", py_modules); }
 
 using testing::python_required;
 
 /// The decorator of a Python cross-check: skipped (and counted as skipped) without python3,
 /// unless python3 is required.
-doctest::skip python_check() { return doctest::skip(!python_required() && !have_python()); }
+doctest::skip python_check() { return testing::python_check("python3", py_modules); }
 
 /// First statement of a Python cross-check: fails when python3 is required and missing.
 #define REQUIRE_PYTHON() \

@@ -14,6 +14,9 @@
 //   - a process launcher (is_launcher_header: shardsafe/dist/launch.hpp, which starts a world of
 //     local processes for examples, tests and benchmarks) that either umbrella reaches: it is not
 //     part of the library's API and is included on its own;
+//   - the unit of separate compilation (is_compiled_unit_header: shardsafe/compiled.hpp, compiled
+//     once in a separately compiled program, core/config.hpp) that either umbrella reaches, or
+//     that does not reach shardsafe/shardsafe.hpp (whose definitions it compiles);
 //   - an include of a shardsafe/ header that exists in none of the include folders.
 #pragma once
 
@@ -86,6 +89,9 @@ inline bool is_remote_header(const std::string& include_path) {
 /// The process launcher: public (examples and benchmarks use it) but outside both umbrellas.
 inline bool is_launcher_header(const std::string& include_path) { return include_path == "shardsafe/dist/launch.hpp"; }
 
+/// The unit of separate compilation: it includes the core umbrella; neither umbrella includes it.
+inline bool is_compiled_unit_header(const std::string& include_path) { return include_path == "shardsafe/compiled.hpp"; }
+
 inline constexpr const char* core_umbrella = "shardsafe/shardsafe.hpp";
 inline constexpr const char* torch_umbrella = "shardsafe/torch.hpp";
 
@@ -137,6 +143,16 @@ inline std::vector<std::string> check_umbrellas(const std::vector<fs::path>& roo
         if (u->contains(h))
           problems.push_back(h + ": the process launcher, reached from " + (u == &core ? core_umbrella : torch_umbrella) +
                              "; it is not part of the library's API: include it on its own");
+      continue;
+    }
+    if (is_compiled_unit_header(h)) {
+      for (const auto* u : {&core, &torch})
+        if (u->contains(h))
+          problems.push_back(h + ": the unit of separate compilation, reached from " +
+                             (u == &core ? core_umbrella : torch_umbrella) + "; it is compiled once, on its own");
+      std::set<std::string> unused;
+      if (!reach(headers, h, unused).contains(core_umbrella))
+        problems.push_back(h + ": the unit of separate compilation does not include " + core_umbrella);
       continue;
     }
     if (!is_public(h) || h == core_umbrella || h == torch_umbrella) continue;

@@ -176,7 +176,7 @@ TEST_CASE("parse_http_date: the three forms, against Python's email.utils for ra
   CHECK(detail::parse_http_date("Sun Nov  6 08:49:37 1994") == 784111777);
   CHECK(detail::parse_http_date("Thu, 29 Feb 2024 23:59:59 GMT") == 1709251199);
   CHECK(detail::parse_http_date("Thu, 01 Jan 1970 00:00:00 GMT") == 0);
-  const auto py = testing::run_program(
+  const auto py = testing::peer(
       "python3", {"-c", "import random, email.utils\nr = random.Random(7)\nfor _ in range(300):\n"
                         "    t = r.randrange(0, 4102444800)\n    print(t, email.utils.formatdate(t, usegmt=True))"});
   REQUIRE_MESSAGE(py.code == 0, py.err);
@@ -867,7 +867,7 @@ TEST_CASE("http: the tool reads torch DCP folders from nginx as from the local f
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::nginx_site srv;
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto pr = testing::run_program(testing::torch_python, {script.string(), (srv.www / "dcp").string()});
+  const auto pr = testing::peer(testing::torch_python, {script.string(), (srv.www / "dcp").string()});
   REQUIRE_MESSAGE(pr.code == 0, pr.err);
   for (const std::string f : {"ckpt", "ckpt_single"}) check_same_output((srv.www / "dcp" / f).string(), srv.url("dcp/" + f));
 }

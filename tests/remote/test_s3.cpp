@@ -179,17 +179,13 @@ print(auth.signature(auth.string_to_sign(req, cr), req))
                              ",\"headers\":{" + hj + "},\"date\":\"" + date + "\",\"ak\":\"" + c.access_key_id +
                              "\",\"sk\":" + testing::json_quoted(c.secret_access_key) + ",\"token\":" +
                              testing::json_quoted(s.token) + ",\"region\":\"" + s.region + "\"}";
-    const auto py = testing::run_program("python3", {"-c", script, json});
-    if (!py.exited || py.code != 0) {
-      // the test command requires the Python peers (moto_server's Python has botocore): fail there
-      if (testing::python_required()) FAIL("botocore is required (SHARDSAFE_REQUIRE_PYTHON=1) but not usable: " << py.err);
-      MESSAGE("botocore is not usable here (" << py.err << "): the botocore comparison is skipped");
-      return;
-    }
+    // the test command requires the Python peers (moto_server's Python has botocore)
+    const auto py = testing::python("python3", {"-c", script, json});
+    if (!py) return;
     auto signed_headers = headers;
     signed_headers.emplace_back("host", virt ? vhost : std::string("127.0.0.1:9000"));
     const auto mine = detail::sigv4_sign(s.method, path, s.query, signed_headers, hash, c, s.region, "s3", date);
-    CHECK(mine.signature + "\n" == py.out);
+    CHECK(mine.signature + "\n" == py->out);
   }
 }
 
@@ -557,7 +553,7 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
   // the rule against Python's hashlib: md5 of the parts' binary md5s, "-", their count
   const std::string data = random_bytes((11 << 20) + 12345, 90);  // 3 parts of 5 MiB
   testing::write_file(m.dir.path / "data.bin", data);
-  const auto py = testing::run_program(
+  const auto py = testing::peer(
       "python3", {"-c",
                   "import hashlib,sys\n"
                   "d=open(sys.argv[1],'rb').read(); p=5<<20\n"

@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <mutex>
 #include <span>
 #include <optional>
 #include <random>
@@ -152,40 +154,72 @@ inline bool python_required() {
   return v && std::string(v) == "1";
 }
 
-/// The tests' one way to ask Python (the oracle of JSON, pickle, float and packing rules):
-/// runs `exe -I -c script FILE` with `input` written to FILE and gives its standard output.
-/// Nothing when exe does not run or lacks a module, and the cross-check is then skipped, unless
-/// SHARDSAFE_REQUIRE_PYTHON=1, where that fails the test; a script that fails fails the test.
-inline std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
-  temp_dir dir("python");
-  write_file(dir.path / "in", input);
-  const auto r = run_program(exe, {"-I", "-c", script, (dir.path / "in").string()});
+/// The tests' one way to run a Python peer (the oracle of JSON, pickle, float, packing, hashing
+/// and signing rules; real torch): `exe args...`, no shell. The run when the script exits 0.
+/// Nothing when exe does not run or lacks a module the script imports: the cross-check is then
+/// skipped with a message, unless SHARDSAFE_REQUIRE_PYTHON=1, where that fails the test. A
+/// script that fails otherwise fails the test (its stderr in the message).
+inline std::optional<program_result> python(const std::string& exe, const std::vector<std::string>& args) {
+  program_result r = run_program(exe, args);
   if (!r.exited) {
     CHECK_MESSAGE(!python_required(), exe << " does not run but SHARDSAFE_REQUIRE_PYTHON=1");
+    if (!python_required()) MESSAGE(exe << " does not run: cross-check skipped");
     return std::nullopt;
   }
   if (r.code != 0 && r.err.find("ModuleNotFoundError") != std::string::npos && !python_required()) {
     MESSAGE(exe << " lacks a module; cross-check skipped: " << r.err);
     return std::nullopt;
   }
-  REQUIRE_MESSAGE(r.code == 0, exe << " failed: " << r.err);
-  return r.out;
+  REQUIRE_MESSAGE(r.code == 0, exe << " failed: " << r.out << r.err);
+  return r;
+}
+
+/// python() where the test cannot go on without its peer (one its decorator requires, or the
+/// image's python3 that the test command requires): the run, or the test fails here.
+inline program_result peer(const std::string& exe, const std::vector<std::string>& args) {
+  auto r = python(exe, args);
+  REQUIRE_MESSAGE(r.has_value(), exe << " is this test's peer and is not usable");
+  return std::move(*r);
+}
+
+/// python() of `exe -I -c script FILE` with `input` written to FILE: its standard output.
+inline std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
+  temp_dir dir("python");
+  write_file(dir.path / "in", input);
+  auto r = python(exe, {"-I", "-c", script, (dir.path / "in").string()});
+  if (!r) return std::nullopt;
+  return std::move(r->out);
+}
+
+/// Whether exe runs and finds every module named (space-separated; found, not imported: an
+/// import of torch costs seconds). Checked once per question, with std::system, not run_program:
+/// this runs while tests are registered, outside any test.
+inline bool python_has(const std::string& exe, const std::string& modules) {
+  static std::mutex mu;
+  static std::map<std::string, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  const std::string key = exe + "\n" + modules;
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  const std::string cmd = exe + " -I -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))' " +
+                          modules + " >/dev/null 2>&1";
+  return known[key] = std::system(cmd.c_str()) == 0;
+}
+
+/// The decorator of a test whose peer is exe with these modules: skipped without them unless
+/// Python is required (then the test's first REQUIRE_MESSAGE(python_has(...)) fails).
+inline doctest::skip python_check(const std::string& exe, const std::string& modules) {
+  return doctest::skip(!python_required() && !python_has(exe, modules));
 }
 
 /// The interpreter with Debian's python3-torch (1.13): the real PyTorch peer of the tests.
 inline const std::string torch_python = "/usr/bin/python3";
 
-/// Whether torch_python can import torch (checked once; std::system, not run_program: this
-/// runs while tests are registered, outside any test).
-inline bool have_torch() {
-  static const bool ok =
-      std::system((torch_python + " -c 'import importlib.util as u; assert u.find_spec(\"torch\")' >/dev/null 2>&1").c_str()) == 0;
-  return ok;
-}
+/// Whether torch_python has torch.
+inline bool have_torch() { return python_has(torch_python, "torch"); }
 
 /// The decorator of a test with the torch peer: skipped without it unless Python is required
 /// (then its first REQUIRE fails: REQUIRE_MESSAGE(have_torch(), ...)).
-inline doctest::skip torch_check() { return doctest::skip(!python_required() && !have_torch()); }
+inline doctest::skip torch_check() { return python_check(torch_python, "torch"); }
 
 /// The major version of torch_python's torch: 1 on Debian 12 (1.13), 2 in the Debian 13 root of
 /// scripts/env-debian13.sh (2.6); 0 without torch. Checked once.

@@ -99,7 +99,7 @@ TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of
                                                    << " does not hold it");
   testing::temp_dir dir("dcp-c10d");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture_dist.py";
-  const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+  const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   for (const char* folder : {"ckpt", "ckpt_single"})
     for (const char* how : {"rows", "cols", "flat"})

@@ -47,7 +47,7 @@ const fs::path& torch2_fixture() {
   static testing::temp_dir dir("dcp2-fixture");
   static const bool made = [] {
     const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_fixture.py";
-    const auto r = testing::run_program(testing::torch_python, {script.string(), dir.str()});
+    const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
     if (r.code != 0) throw std::runtime_error("tests/dcp2_fixture.py failed:\n" + r.err);
     return true;
   }();
@@ -274,7 +274,7 @@ TEST_CASE("dcp2: the tool's digest of a torch 2.x folder is torch's; to-hf is re
       "    v = t[k].contiguous().reshape(-1)\n"
       "    b = v.view(__import__('torch').uint8).numpy().tobytes() if v.numel() else b''\n"
       "    print(k, hashlib.sha256(b).hexdigest(), b == open(os.path.join(sys.argv[2], 'raw', k + '.bin'), 'rb').read())\n";
-  const auto r = testing::run_program(testing::torch_python, {"-c", py, (out.path / "hf").string(), dir.string()});
+  const auto r = testing::peer(testing::torch_python, {"-c", py, (out.path / "hf").string(), dir.string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   CHECK(r.out.find("False") == std::string::npos);
   CHECK(r.out.find("model.0.weight ") != std::string::npos);
@@ -287,7 +287,7 @@ TEST_CASE("dcp2: the golden fixtures, made again by this torch, still match the 
   const fs::path golden = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "dcp_torch2";
   testing::temp_dir out("dcp2-golden");
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_fixture.py";
-  const auto r = testing::run_program(testing::torch_python, {script.string(), out.str(), "--small"});
+  const auto r = testing::peer(testing::torch_python, {script.string(), out.str(), "--small"});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   // torch's own hashes of every tensor, and the tool's reading of the new folder, are the committed ones
   CHECK(testing::slurp(out.path / "digest.txt") == testing::slurp(golden / "digest.txt"));
@@ -310,7 +310,7 @@ TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loa
   const fs::path& fixture = torch2_fixture();
   testing::temp_dir out("dcp2-to-dcp");
   const auto script = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_tool_check.py").string();
-  const auto made = testing::run_program(testing::torch_python, {script, "hf", out.str()});
+  const auto made = testing::peer(testing::torch_python, {script, "hf", out.str()});
   REQUIRE_MESSAGE(made.code == 0, made.err);
   struct conversion {
     fs::path from, to, raw;
@@ -320,7 +320,7 @@ TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loa
     CAPTURE(c.from);
     const auto t = testing::run_tool({"to-dcp", c.from.string(), c.to.string()});
     REQUIRE_MESSAGE(t.code == 0, t.err);
-    const auto r = testing::run_program(testing::torch_python, {script, "check", c.to.string(), c.raw.string()});
+    const auto r = testing::peer(testing::torch_python, {script, "check", c.to.string(), c.raw.string()});
     CHECK_MESSAGE(r.code == 0, r.out << r.err);
     CHECK(r.out.starts_with("ok "));
   }
@@ -352,7 +352,7 @@ TEST_CASE("dcp2: a 3-rank C++ save in get_state_dict layout loads in torch 2.x (
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_check.py";
   for (const char* mode : {"single", "mesh"}) {
     CAPTURE(mode);
-    const auto r = testing::run_program(testing::torch_python,
+    const auto r = testing::peer(testing::torch_python,
                                         {script.string(), (out.path / "ckpt").string(), (out.path / "ref").string(), mode});
     CHECK_MESSAGE(r.code == 0, r.out << r.err);
     CHECK(r.out == "ok\n");

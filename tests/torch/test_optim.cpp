@@ -426,7 +426,7 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
               "        d['_param_names'] = names[g]\n"
               "        out.write(pickletools.optimize(pickle.dumps(d, 2)).hex() + '\\n')\n";
   testing::write_file(dir.path / "groups.py", script);
-  const auto r = testing::run_program("/usr/bin/python3", {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
+  const auto r = testing::peer("/usr/bin/python3", {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   std::istringstream lines(slurp(dir.path / "out.txt"));
   for (const auto& f : cases) {

@@ -34,8 +34,6 @@
 //   only complete folders, so it keeps the newest complete one while a save is in flight.
 #pragma once
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -56,6 +54,7 @@
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/detail/huge_pages.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
@@ -101,17 +100,13 @@ class staging_buffer {
     capacity_ = 0;
   }
 
-  static constexpr std::uint64_t huge_page = std::uint64_t(2) << 20;
+  static constexpr std::uint64_t huge_page = detail::huge_page_region::page;
 
  private:
   static std::uint64_t round_up(std::uint64_t n, std::uint64_t a) { return (n + a - 1) / a * a; }
   static std::shared_ptr<std::byte> default_allocate(std::uint64_t n) {
-    void* p = std::aligned_alloc(huge_page, static_cast<std::size_t>(n));
-    if (!p) return nullptr;
-#ifdef MADV_HUGEPAGE
-    ::madvise(p, static_cast<std::size_t>(n), MADV_HUGEPAGE);  // advice only: failure is harmless
-#endif
-    return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+    auto r = detail::huge_page_region::map(n, false, "async save: staging memory");
+    return std::shared_ptr<std::byte>(r, r->data());  // shares the region's ownership
   }
 
   allocator alloc_;
@@ -200,13 +195,6 @@ class async_save_handle {
   std::shared_ptr<detail::async_save_state> s_;
 };
 
-/// One folder of an asynchronous save and the views saved into it.
-template <WritableDirectory D>
-struct async_folder {
-  D dir;
-  std::span<const flat_view> views;
-};
-
 /// Runs saves in the background over its own comm, one at a time, snapshotting into staging
 /// memory it keeps. Not thread-safe: one thread (the training loop) calls save().
 template <Comm C>
@@ -225,20 +213,61 @@ class async_saver {
   /// save() returns.
   template <WritableDirectory D, class Copy = detail::copy_view_bytes>
   async_save_handle save(const D& dir, std::span<const flat_view> views, const save_options& opt = {}, Copy copy = {}) {
-    async_folder<D> f{dir, views};
-    return save_folders(std::span<const async_folder<D>>(&f, 1), opt, [](C&) {}, std::move(copy));
+    return start(std::vector<D>{dir}, std::vector<std::span<const flat_view>>{views}, opt, [](C&) {}, std::move(copy));
   }
 
-  /// Saves several folders, committed in the given order (the last one's metadata.json is the
-  /// commit mark of them all, e.g. optim then model). before(comm) runs first in the
-  /// background (a collective, e.g. preparing the folders' parent). copy(i, src, off, dst)
-  /// copies bytes [off, off + dst.size()) of view i (numbered across folders, in order) into
-  /// dst, its staging; it runs on the caller's thread and the pool's, for the views this rank
-  /// writes: views with memory (src.data) in pieces of 16 MiB, views without it whole (off 0),
-  /// their bytes supplied by copy (e.g. from a CUDA tensor).
-  template <WritableDirectory D, class Before, class Copy = detail::copy_view_bytes>
-  async_save_handle save_folders(std::span<const async_folder<D>> folders, const save_options& opt, Before before,
-                                 Copy copy = {}) {
+  /// save_folder_set's asynchronous counterpart (checkpoint/saver.hpp): several folders under
+  /// parent, committed in the given order (the last one's commit mark is that of them all,
+  /// e.g. model_and_optim_folders: optim, then model), the parent prepared first, in the
+  /// background. copy as for save(), with the views numbered across folders, in order.
+  template <WritableDirectory D, class Copy = detail::copy_view_bytes>
+  async_save_handle save_folder_set(const D& parent, std::span<const folder_views> folders, const save_options& opt = {},
+                                    Copy copy = {}) {
+    if (folders.empty()) fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
+    std::vector<D> dirs;
+    std::vector<std::span<const flat_view>> views;
+    for (const folder_views& f : folders) {
+      dirs.push_back(parent.sub(f.name));
+      views.push_back(f.views);
+    }
+    save_options each = opt;
+    each.overwrite = false;  // (the parent is prepared as a whole)
+    return start(std::move(dirs), std::move(views), each,
+                 [parent, last = folders.back().name, overwrite = opt.overwrite](C& comm) {
+                   detail::prepare_folder_set(parent, last, overwrite, comm);
+                 },
+                 std::move(copy));
+  }
+
+  /// Waits for the save in flight, if any; rethrows its error.
+  void wait() {
+    auto s = in_flight_;
+    join();
+    if (s && s->error) std::rethrow_exception(s->error);
+  }
+  /// Whether a save is in flight (its background part not finished).
+  bool busy() const {
+    if (!in_flight_) return false;
+    std::lock_guard lock(in_flight_->m);
+    return !in_flight_->done;
+  }
+  C& comm() noexcept { return comm_; }
+  const staging_buffer& staging() const noexcept { return staging_; }
+  /// Gives the staging memory back (waits for the save in flight first).
+  void release_staging() {
+    join();
+    staging_.release();
+  }
+
+ private:
+  /// Saves views[i] into dirs[i], committed in order, before(comm) first in the background (a
+  /// collective). copy(i, src, off, dst) copies bytes [off, off + dst.size()) of view i
+  /// (numbered across folders, in order) into dst, its staging; it runs on the caller's thread
+  /// and the pool's, for the views this rank writes: views with memory (src.data) in pieces of
+  /// 16 MiB, views without it whole (off 0), their bytes supplied by copy (e.g. from a CUDA tensor).
+  template <WritableDirectory D, class Before, class Copy>
+  async_save_handle start(std::vector<D> dirs, std::vector<std::span<const flat_view>> folders, const save_options& opt,
+                          Before before, Copy copy) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
     // an option that exists is honoured or refused: the background writer writes shardsafe's
@@ -253,7 +282,7 @@ class async_saver {
     std::vector<std::uint64_t> offset;
     std::uint64_t total = 0;
     for (const auto& f : folders)
-      for (const auto& v : f.views) {
+      for (const auto& v : f) {
         offset.push_back(total);
         total = (total + v.nbytes + 63) / 64 * 64;
       }
@@ -266,7 +295,7 @@ class async_saver {
     std::vector<const flat_view*> source;
     std::size_t k = 0;
     for (std::size_t i = 0; i < folders.size(); ++i)
-      for (const auto& v : folders[i].views) {
+      for (const auto& v : folders[i]) {
         flat_view s = v;
         s.data = base + offset[k++];
         staged[i].push_back(std::move(s));
@@ -277,7 +306,7 @@ class async_saver {
     std::vector<checkpoint_metadata> mds;
     for (std::size_t i = 0; i < folders.size(); ++i)
       mds.push_back(detail::agree_on_metadata(std::span<const flat_view>(staged[i]), comm_,
-                                              std::string(folders[i].dir.name())));
+                                              std::string(dirs[i].name())));
 
     // the snapshot of what this rank writes, in pieces of at most 16 MiB, agreed
     const auto t_snap = clock::now();
@@ -321,8 +350,6 @@ class async_saver {
     state->result.snapshot_seconds = std::chrono::duration<double>(t_done - t_snap).count();
     state->result.stall_seconds = std::chrono::duration<double>(t_done - t0).count();
     state->result.staged_bytes = staged_bytes;
-    std::vector<D> dirs;
-    for (const auto& f : folders) dirs.push_back(f.dir);
     in_flight_ = state;
     worker_ = std::thread([this, state, dirs = std::move(dirs), staged = std::move(staged), mds = std::move(mds), opt,
                            before = std::move(before), t0]() mutable {
@@ -341,27 +368,6 @@ class async_saver {
     return async_save_handle(state);
   }
 
-  /// Waits for the save in flight, if any; rethrows its error.
-  void wait() {
-    auto s = in_flight_;
-    join();
-    if (s && s->error) std::rethrow_exception(s->error);
-  }
-  /// Whether a save is in flight (its background part not finished).
-  bool busy() const {
-    if (!in_flight_) return false;
-    std::lock_guard lock(in_flight_->m);
-    return !in_flight_->done;
-  }
-  C& comm() noexcept { return comm_; }
-  const staging_buffer& staging() const noexcept { return staging_; }
-  /// Gives the staging memory back (waits for the save in flight first).
-  void release_staging() {
-    join();
-    staging_.release();
-  }
-
- private:
   void join() {
     if (worker_.joinable()) worker_.join();
     in_flight_.reset();

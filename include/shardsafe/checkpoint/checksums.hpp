@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/checksum.hpp"
@@ -62,9 +63,10 @@ inline checksum_block_span block_span(std::uint64_t k, std::uint64_t block, std:
 
 /// The message of block k of tensor e (in the file `path`) not matching its hash. tm and spec,
 /// when given, place the block in the full tensor (the index of its first element).
-inline std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
-                                             std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
-                                             const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
+                                                     std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
+                                                     const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr) {
   const auto [from, to] = block_span(k, block, e.nbytes());
   const std::uint64_t bits = bit_size(e.type);
   const std::uint64_t first = from * 8 / bits, last = (to * 8 + bits - 1) / bits;  // elements [first, last)
@@ -78,6 +80,11 @@ inline std::string checksum_mismatch_message(std::string_view path, const tensor
        std::string(checksum_algorithm) + "): the file is damaged";
   return m;
 }
+#else
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
+                                                     std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
+                                                     const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr);
+#endif
 
 /// The spec a file holds of tm (nullptr when tm does not name the file): for messages.
 inline const shard_spec* spec_in(const tensor_metadata* tm, std::string_view fname) {

@@ -128,31 +128,17 @@ class configured_loader {
     opt_.strict = Policy.strict;
     opt_.validate_nan = Policy.validate_nan;
     opt_.convert_dtypes = Policy.convert_dtypes;
+    if constexpr (Policy.views.fixed) opt_.view_dtype = Policy.views.type;
   }
 
   /// The load_options every load runs with.
   const load_options& options() const noexcept { return opt_; }
   const Dir& directory() const noexcept { return dir_; }
 
-  /// Loads this rank's views (a collective: every rank calls it). Throws on every rank the
-  /// first failure of any rank, with its code.
-  load_stats load(std::span<const flat_view> views) {
-    load_stats st;
-    every_rank_step(*comm_, [&] {
-      const auto t0 = std::chrono::steady_clock::now();
-      if constexpr (Policy.views.fixed) {
-        for (const flat_view& v : views)
-          if (v.type != Policy.views.type)
-            fail(errc::dtype_mismatch, std::string(dir_.name()) + ": tensor '" + v.key + "': the view has dtype " +
-                                           std::string(name(v.type)) + " but this loader's policy takes only " +
-                                           std::string(name(Policy.views.type)) + " views");
-      }
-      if (!reader_) reader_.emplace(dir_);
-      st = reader_->load(views, opt_);
-      st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    });
-    return st;
-  }
+  /// Loads this rank's views: the collective load_flat_views (checkpoint/loader.hpp) with
+  /// options(), the reader opened on first use and kept. Throws on every rank the first failure
+  /// of any rank, with its code.
+  load_stats load(std::span<const flat_view> views) { return load_flat_views(dir_, views, *comm_, opt_, &reader_); }
 
  private:
   Dir dir_;

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
@@ -59,8 +60,9 @@ struct dcp_object {
 namespace detail {
 
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
-inline std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                       int rank) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                               int rank) {
   const std::string mine = rank_file_name(rank);
   std::vector<dcp_chunk_data> out;
   for (const auto& v : views) {
@@ -99,6 +101,10 @@ inline std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view
   }
   return out;
 }
+#else
+SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                               int rank);
+#endif
 
 /// CRC-32 of every chunk's bytes, in pieces of at most 8 MiB on the pool's threads, joined.
 inline void checksum_chunks(std::vector<dcp_chunk_data>& chunks, unsigned threads) {

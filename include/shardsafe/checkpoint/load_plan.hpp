@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/nan.hpp"
@@ -84,6 +85,9 @@ struct load_options {
   /// converted on the GPU (torch/state_dict.hpp; bench/bench_device measures both); false:
   /// converted on the host as the bytes land in the staging ring.
   bool convert_on_device = true;
+  /// Every view must have this dtype (errc::dtype_mismatch before a byte moves): what a
+  /// configured loader's policy fixes (checkpoint/configured.hpp, load_policy::views).
+  std::optional<dtype> view_dtype{};
 };
 
 /// The read settings a load uses with a storage whose hint is `hint`: load_options first,
@@ -191,9 +195,10 @@ namespace detail {
 
 /// The entry of `key` in a file's header (named `file` in messages), checked against the
 /// description (described_by: "metadata.json", ...) and the file's shard.
-inline const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
-                                         const tensor_metadata& tm, const shard_spec& spec,
-                                         std::string_view described_by) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
+                                                 const tensor_metadata& tm, const shard_spec& spec,
+                                                 std::string_view described_by) {
   const std::string ctx = std::string(file) + ": tensor '" + key + "'";
   const tensor_entry* e = h.find(key);
   if (!e) fail(errc::not_found, ctx + ": listed in " + std::string(described_by) + " but absent from the file");
@@ -206,6 +211,11 @@ inline const tensor_entry& checked_entry(const safetensors_header& h, std::strin
                                    std::to_string(spec.local_numel()));
   return *e;
 }
+#else
+SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
+                                                 const tensor_metadata& tm, const shard_spec& spec,
+                                                 std::string_view described_by);
+#endif
 
 /// The files of tm whose elements a load of `mine` (planned as lp) must compare
 /// (load_schedule::compares): where files overlap (the shards hold more elements than the
@@ -213,9 +223,10 @@ inline const tensor_entry& checked_entry(const safetensors_header& h, std::strin
 /// plan took from another file. (A file the plan took all its elements of mine from holds
 /// the loaded bytes; every other holder of those elements is compared with them.) A pair of
 /// identical shards whose recorded checksums (cs, may be null) are equal needs no comparing.
-inline std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm,
-                                                 const shard_spec& mine, const load_plan& lp,
-                                                 const checkpoint_checksums* cs) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm,
+                                                         const shard_spec& mine, const load_plan& lp,
+                                                         const checkpoint_checksums* cs) {
   std::uint64_t held = 0;
   for (const auto& [n, spec] : tm.files) held += spec.local_numel();
   if (held <= tm.numel()) return {};
@@ -241,6 +252,11 @@ inline std::vector<std::size_t> files_to_compare(const std::string& key, const t
     if (involved[j] && overlap_numel(mine, tm.files[j].second, full) > supplied[j]) out.push_back(j);
   return out;
 }
+#else
+SHARDSAFE_DECL std::vector<std::size_t> files_to_compare(const std::string& key, const tensor_metadata& tm,
+                                                         const shard_spec& mine, const load_plan& lp,
+                                                         const checkpoint_checksums* cs);
+#endif
 
 }  // namespace detail
 
@@ -249,10 +265,11 @@ inline std::vector<std::size_t> files_to_compare(const std::string& key, const t
 /// holding its tensor. memory_later: the views may have no memory yet (a plan made for
 /// describing, executed with other views: checkpoint/staged_load.hpp). Throws on the first
 /// problem, naming tensor and rule.
-inline view_plans plan_views(const checkpoint_metadata& md,
-                             const std::function<const tensor_metadata*(std::string_view)>& find,
-                             std::span<const flat_view> views, const load_options& opt, std::string_view where,
-                             bool memory_later = false) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
+                                     const std::function<const tensor_metadata*(std::string_view)>& find,
+                                     std::span<const flat_view> views, const load_options& opt, std::string_view where,
+                                     bool memory_later = false) {
   view_plans out;
   load_schedule& s = out.partial;
   s.views = views.size();
@@ -264,6 +281,10 @@ inline view_plans plan_views(const checkpoint_metadata& md,
     const flat_view& v = views[vi];
     const std::string ctx = std::string(where) + ": tensor '" + v.key + "'";
     v.validate(where, memory_later);
+    if (opt.view_dtype && v.type != *opt.view_dtype)
+      fail(errc::dtype_mismatch, ctx + ": the view has dtype " + std::string(name(v.type)) +
+                                     " but this loader's policy takes only " + std::string(name(*opt.view_dtype)) +
+                                     " views (load_options::view_dtype)");
     asked[v.key] = true;
     const tensor_metadata* tm = find(v.key);
     if (!tm) {
@@ -321,12 +342,19 @@ inline view_plans plan_views(const checkpoint_metadata& md,
     if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
   return out;
 }
+#else
+SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
+                                     const std::function<const tensor_metadata*(std::string_view)>& find,
+                                     std::span<const flat_view> views, const load_options& opt, std::string_view where,
+                                     bool memory_later = false);
+#endif
 
 /// Step 2: the reads of every view planned in vp, out of the files vp.files names (files[i]:
 /// vp.files[i]'s header, name and settings; described_by: for messages). threads: the reads
 /// in flight the schedule records.
-inline load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
-                                    const load_options& opt, unsigned threads, std::string_view described_by) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
+                                            const load_options& opt, unsigned threads, std::string_view described_by) {
   if (files.size() != vp.files.size())
     fail(errc::invalid_argument, "schedule_reads: " + std::to_string(files.size()) + " files given for the " +
                                      std::to_string(vp.files.size()) + " the views need");
@@ -378,5 +406,9 @@ inline load_schedule schedule_reads(view_plans vp, std::span<const flat_view> vi
                      });
   return s;
 }
+#else
+SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
+                                            const load_options& opt, unsigned threads, std::string_view described_by);
+#endif
 
 }  // namespace shardsafe

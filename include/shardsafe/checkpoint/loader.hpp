@@ -32,9 +32,15 @@
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"
 #include "shardsafe/checkpoint/reader.hpp"
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
+#if defined(SHARDSAFE_SEPARATE_COMPILATION)  // (the backends of the instantiations at the end)
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/storage/memory.hpp"
+#include "shardsafe/storage/mmap.hpp"
+#endif
 
 namespace shardsafe {
 
@@ -240,11 +246,15 @@ class checkpoint_reader : public checkpoint_files<D> {
   }
 };
 
-/// Loads views from the checkpoint in dir (a folder holding metadata.json).
-template <ReadableDirectory D>
-load_stats load_flat_views(const D& dir, std::span<const flat_view> views, const load_options& opt = {}) {
-  checkpoint_reader<D> r(dir);
-  return r.load(views, opt);
-}
+// the readers of the local backends, compiled once in separate compilation (core/config.hpp)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<file_directory>)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<file_directory>)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<mmap_directory>)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<mmap_directory>)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<memory_directory>)
+SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<memory_directory>)
 
 }  // namespace shardsafe
+
+// the two loads of flat views, per rank and collective, built on the reader above
+#include "shardsafe/checkpoint/load.hpp"

@@ -36,6 +36,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -129,7 +130,8 @@ inline checkpoint_metadata describe_views(std::span<const flat_view> views, int 
 /// The replica roles of a rank's views, sent ahead of its description: a line with the count,
 /// then "INDEX w" or "INDEX c" per view declared a replica (INDEX: its place among the views).
 /// A view without a spec cannot be a replica (unsharded tensors are written once already).
-inline std::string encode_replica_roles(std::span<const flat_view> views, std::string_view dir) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string encode_replica_roles(std::span<const flat_view> views, std::string_view dir) {
   std::string lines;
   std::size_t n = 0;
   for (std::size_t i = 0; i < views.size(); ++i) {
@@ -144,10 +146,14 @@ inline std::string encode_replica_roles(std::span<const flat_view> views, std::s
   }
   return std::to_string(n) + "\n" + lines;
 }
+#else
+SHARDSAFE_DECL std::string encode_replica_roles(std::span<const flat_view> views, std::string_view dir);
+#endif
 
 /// Reads what encode_replica_roles wrote from the front of text (which is left holding the
 /// rest): the role of each view, by index (views past the end: none).
-inline std::vector<replica_role> decode_replica_roles(std::string_view& text, std::string_view from) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<replica_role> decode_replica_roles(std::string_view& text, std::string_view from) {
   auto malformed = [&] { fail(errc::comm_error, "the replica roles received from " + std::string(from) + " are malformed"); };
   auto line = [&] {
     const auto nl = text.find('\n');
@@ -177,6 +183,9 @@ inline std::vector<replica_role> decode_replica_roles(std::string_view& text, st
   }
   return roles;
 }
+#else
+SHARDSAFE_DECL std::vector<replica_role> decode_replica_roles(std::string_view& text, std::string_view from);
+#endif
 
 /// The shards of one sharded tensor, checked: every copy replica has a writer with its spec,
 /// no shard has two writers, and no two shards overlap unless they are identical (the distinct
@@ -184,10 +193,11 @@ inline std::vector<replica_role> decode_replica_roles(std::string_view& text, st
 /// each element is held by exactly one distinct shard). Identical shards that are not declared
 /// replicas (a replicated DTensor saved by every rank) stay accepted and are each written, as
 /// before roles existed. Returns the files to list: the shards written, in rank order.
-inline std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
-                                                                    const std::vector<int>& ranks,
-                                                                    const std::vector<replica_role>& roles,
-                                                                    std::string_view dir) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
+                                                                            const std::vector<int>& ranks,
+                                                                            const std::vector<replica_role>& roles,
+                                                                            std::string_view dir) {
   const std::string c = std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape);
   std::map<std::string, std::size_t> writer_of;  // spec text -> index of its writer
   for (std::size_t i = 0; i < tm.files.size(); ++i) {
@@ -233,12 +243,19 @@ inline std::vector<std::pair<std::string, shard_spec>> check_shards(const std::s
   }
   return files;
 }
+#else
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
+                                                                            const std::vector<int>& ranks,
+                                                                            const std::vector<replica_role>& roles,
+                                                                            std::string_view dir);
+#endif
 
 /// Merges the ranks' descriptions into the checkpoint's metadata, checking they agree, that
 /// every sharded tensor is covered, and that its shards do not overlap (but as replicas).
 /// roles[r][i]: rank r's role for its i-th tensor (missing: none).
-inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
-                                              const std::vector<std::vector<replica_role>>& roles = {}) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
+                                                      const std::vector<std::vector<replica_role>>& roles = {}) {
   checkpoint_metadata out;
   std::map<std::string, std::size_t> where;   // key -> index in out.tensors
   std::map<std::string, int> first_rank;      // key -> lowest rank holding it
@@ -292,6 +309,10 @@ inline checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metad
   }
   return out;
 }
+#else
+SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
+                                                      const std::vector<std::vector<replica_role>>& roles = {});
+#endif
 
 /// Step 1: every rank describes its views; the descriptions are all-gathered, merged and
 /// checked on every rank alike. Returns the checkpoint's metadata (without its extras).
@@ -331,6 +352,28 @@ void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view c
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
+  });
+}
+
+/// On rank 0, the parent of a multi-folder save (save_folder_set): refuses it when not empty
+/// unless overwrite; otherwise removes the commit folder's commit mark first (its metadata.json
+/// or DCP .metadata, the set's commit mark), then everything; then makes it.
+template <WritableDirectory D, Comm C>
+void prepare_folder_set(const D& parent, std::string_view commit_folder, bool overwrite, C& comm) {
+  const step_scope step("preparing the folder");
+  rank0_step(comm, [&] {
+    if (!parent.list().empty()) {
+      if (!overwrite)
+        fail(errc::already_exists,
+             std::string(parent.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
+      // the commit mark goes first (removing a name that is not there is no error; an object
+      // store has no folder to ask about)
+      const D last = parent.sub(commit_folder);
+      last.remove(metadata_file_name);
+      last.remove(dcp_metadata_file_name);
+      for (const auto& n : parent.list()) parent.remove(n);
+    }
+    parent.make();
   });
 }
 
@@ -545,6 +588,23 @@ template <WritableDirectory D, Comm C>
 save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
                     std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths);
 
+/// One folder of a multi-folder save (save_folder_set): its name under the parent and this
+/// rank's views of it.
+struct folder_views {
+  std::string name;
+  std::span<const flat_view> views;
+};
+
+/// The folders of a model + optimizer pair (docs/FORMAT.md §2) in their commit order: optim/
+/// (when with_optim), then model/, whose metadata.json is the pair's commit mark.
+inline std::vector<folder_views> model_and_optim_folders(std::span<const flat_view> model,
+                                                         std::span<const flat_view> optim, bool with_optim) {
+  std::vector<folder_views> f;
+  if (with_optim) f.push_back({std::string(optim_folder_name), optim});
+  f.push_back({std::string(model_folder_name), model});
+  return f;
+}
+
 /// Saves every rank's views into dir as one checkpoint, in opt.format's layout. A collective:
 /// every rank calls it.
 template <WritableDirectory D, Comm C>
@@ -556,7 +616,40 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
   return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);                 // 2-4
 }
 
+/// Saves several folders under `parent` as one checkpoint (a model + optimizer pair:
+/// model_and_optim_folders), each as save_flat_views does, in the order given: the last
+/// folder's commit mark is the commit mark of them all, so a save killed at any point leaves a
+/// parent that does not load as complete. The parent is prepared first (prepare_folder_set:
+/// refused when not empty unless opt.overwrite). A collective; the stats in folder order. The
+/// asynchronous counterpart is async_saver::save_folder_set (checkpoint/async_save.hpp).
+template <WritableDirectory D, Comm C>
+std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_views> folders, C& comm,
+                                        const save_options& opt = {}) {
+  if (folders.empty()) fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
+  detail::prepare_folder_set(parent, folders.back().name, opt.overwrite, comm);
+  save_options each = opt;
+  each.overwrite = false;  // (the parent is prepared as a whole)
+  std::vector<save_stats> st;
+  for (const folder_views& f : folders) st.push_back(save_flat_views(parent.sub(f.name), f.views, comm, each));
+  return st;
+}
+
 }  // namespace shardsafe
 
 // the DCP layout's writer, which builds on the steps above (as Asio includes its impl/ headers)
 #include "shardsafe/checkpoint/dcp_save.hpp"
+
+// the saves most programs make (local folders or memory; one process, or ranks as threads),
+// compiled once in separate compilation (core/config.hpp)
+#if defined(SHARDSAFE_SEPARATE_COMPILATION)
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/dist/threads.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/storage/memory.hpp"
+namespace shardsafe {
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, single_process&, const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, thread_comm&, const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, single_process&, const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, thread_comm&, const save_options&))
+}  // namespace shardsafe
+#endif

@@ -25,31 +25,23 @@ namespace detail {
 /// count, dst bytes) (whole elements; a block edge inside an element goes through a scratch).
 template <class Load>
 void fill_layout_block(const safetensors_layout& layout, std::uint64_t off, std::span<std::byte> dst, Load&& load) {
-  const std::uint64_t end = off + dst.size(), hs = layout.data_start();
-  std::uint64_t pos = off;
-  if (pos < hs) {
-    const std::uint64_t n = std::min(end, hs) - pos;
-    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
-    pos += n;
-  }
-  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
-                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
-  for (; pos < end && it != layout.tensors.end(); ++it) {
-    const std::size_t idx = static_cast<std::size_t>(it - layout.tensors.begin());
-    const std::uint64_t item = item_size(it->type), tb = hs + it->begin;
-    const std::uint64_t lo = pos - tb, hi = std::min(end, hs + it->end) - tb;  // bytes of the tensor
-    if (hi == lo) continue;  // an empty tensor
-    const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
-    std::byte* out = dst.data() + (pos - off);
-    if (lo % item == 0 && hi % item == 0) {
-      load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(hi - lo)));
-    } else {
-      std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
-      load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
-      std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(hi - lo));
-    }
-    pos = tb + hi;
-  }
+  layout.for_each_piece(
+      off, off + dst.size(),
+      [&](std::uint64_t pos, std::uint64_t n) {
+        std::memcpy(dst.data() + (pos - off), layout.header.data() + pos, static_cast<std::size_t>(n));
+      },
+      [&](std::size_t idx, std::uint64_t lo, std::uint64_t n, std::uint64_t pos) {
+        const std::uint64_t item = item_size(layout.tensors[idx].type), hi = lo + n;  // bytes of the tensor
+        const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
+        std::byte* out = dst.data() + (pos - off);
+        if (lo % item == 0 && hi % item == 0) {
+          load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(n)));
+        } else {
+          std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
+          load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
+          std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(n));
+        }
+      });
 }
 
 }  // namespace detail

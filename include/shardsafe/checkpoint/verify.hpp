@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
@@ -419,5 +420,9 @@ checkpoint_report verify_checkpoint(const D& dir, const verify_options& opt = {}
   checkpoint_reader<D> r(dir);
   return verify_checkpoint(r, opt);
 }
+
+// the verification of local folders, compiled once in separate compilation (core/config.hpp)
+SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<file_directory>&, const verify_options&))
+SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<memory_directory>&, const verify_options&))
 
 }  // namespace shardsafe

@@ -16,6 +16,8 @@
 #include <string_view>
 
 #include <xxhash.h>
+
+#include "shardsafe/detail/hex.hpp"
 // On x86-64, xxHash's dispatcher picks the widest XXH3 kernel the CPU has (AVX2, AVX-512) at
 // run time, where the library ships it (Debian's libxxhash does; the wrap builds it too):
 // about twice the speed of the SSE2 kernel a baseline x86-64 build compiles. The hashes are
@@ -59,11 +61,7 @@ constexpr std::uint64_t checksum_block_count(std::uint64_t nbytes, std::uint64_t
 }
 
 /// 16 lowercase hex digits.
-inline std::string hex64(std::uint64_t v) {
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<std::size_t>(i)] = "0123456789abcdef"[v & 15];
-  return s;
-}
+inline std::string hex64(std::uint64_t v) { return hex_digits(v, 16); }
 
 /// The value of exactly 16 hex digits (either case), or nothing.
 inline std::optional<std::uint64_t> parse_hex64(std::string_view s) noexcept {

@@ -19,7 +19,9 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 
 namespace shardsafe::detail {
 
@@ -27,10 +29,9 @@ namespace shardsafe::detail {
 /// names from users); control characters are escaped. With ascii_only, DEL and every non-ASCII
 /// character is written as \uXXXX (surrogate pairs past U+FFFF), as Python's json.dumps does.
 inline void append_json_string(std::string& out, std::string_view s, bool ascii_only = false) {
-  static constexpr char hex[] = "0123456789abcdef";
   auto u16 = [&](unsigned v) {
     out += "\\u";
-    for (int sh = 12; sh >= 0; sh -= 4) out += hex[(v >> sh) & 15];
+    append_hex(out, v, 4);
   };
   out += '"';
   for (std::size_t i = 0; i < s.size(); ++i) {
@@ -60,9 +61,7 @@ inline void append_json_string(std::string& out, std::string_view s, bool ascii_
       case '\f': out += "\\f"; break;
       default:
         if (c < 0x20 || (ascii_only && c == 0x7f)) {  // json.dumps' ensure_ascii escapes DEL too
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 15];
+          u16(c);
         } else {
           out += static_cast<char>(c);
         }
@@ -80,7 +79,8 @@ inline bool is_valid_utf8(std::string_view s) noexcept {
 /// and indices (`w.data_offsets[1]`: tensor `w`, field `data_offsets`, second element) and a
 /// byte offset. Empty when no such literal is found (the number error is then a malformed
 /// literal, which the parser's own message covers). One pass, no allocation beyond the path.
-inline std::string locate_bad_number(std::string_view text) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string locate_bad_number(std::string_view text) {
   struct level {
     bool object;
     std::string key;
@@ -163,6 +163,9 @@ inline std::string locate_bad_number(std::string_view text) {
   }
   return {};
 }
+#else
+SHARDSAFE_DECL std::string locate_bad_number(std::string_view text);
+#endif
 
 /// Throws errc::invalid_json for a simdjson error in `what`: "not valid JSON (why)", with where a
 /// number that does not fit is.
@@ -194,7 +197,8 @@ inline std::string duplicate_key_problem(std::vector<std::string_view>& keys, co
 /// one key would load as different tensors in two programs, so no shardsafe reader accepts one
 /// (the safetensors crate refuses them in headers too). O(n log n) in the document's keys, no
 /// recursion (objects and arrays are walked from an explicit stack).
-inline void require_unique_keys(simdjson::dom::element root, const std::string& what) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL void require_unique_keys(simdjson::dom::element root, const std::string& what) {
   struct frame {
     simdjson::dom::element e;
     std::string path;
@@ -227,6 +231,9 @@ inline void require_unique_keys(simdjson::dom::element root, const std::string& 
     }
   }
 }
+#else
+SHARDSAFE_DECL void require_unique_keys(simdjson::dom::element root, const std::string& what);
+#endif
 
 /// Parses `text` into a DOM held by `parser`; throws errc::invalid_json naming `what`.
 inline simdjson::dom::element parse_json(simdjson::dom::parser& parser, std::string_view text,

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
@@ -261,7 +262,8 @@ struct dcp_parse {
 
 /// Parses the bytes of a `.metadata` file; `what` names it in messages (rules at the top). The
 /// pickle is read in place (no copy of it is built), so memory stays a small multiple of its size.
-inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view what) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view what) {
   // Values are bounded by the input: each costs a byte or more, memo references a few.
   const std::size_t max_values = std::max<std::size_t>(std::size_t(1) << 20, bytes.size() * 4);
   basic_pickle_reader<dcp_unpickle_policy> reader(bytes, std::string(what), dcp_unpickle_policy{}, max_values);
@@ -318,5 +320,8 @@ inline dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view 
     return out;
   });
 }
+#else
+SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view what);
+#endif
 
 }  // namespace shardsafe

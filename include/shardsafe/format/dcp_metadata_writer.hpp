@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/dcp_metadata.hpp"
 #include "shardsafe/format/pickle_value.hpp"
@@ -78,7 +79,8 @@ inline void pickle_storage_info(std::string& out, const dcp_storage_info& s) {
 
 /// The bytes of a `.metadata` describing `md` (rules at the top). `planner_data` gives each key's
 /// path tuple; keys it lacks get (key,). Offsets and lengths must fit 63 bits (checked).
-inline std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data = {}) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data = {}) {
   using namespace detail;
   std::string out = "\x80\x02";
   pickle_new(out, dcp_meta_module, "Metadata");
@@ -178,5 +180,8 @@ inline std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std
   out += "ub.";
   return out;
 }
+#else
+SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data = {});
+#endif
 
 }  // namespace shardsafe

@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
 #include "shardsafe/detail/json.hpp"
@@ -43,7 +44,8 @@ using dcp_block_offsets = std::map<std::string, shape_t>;
 
 /// Parses and checks the DCP_SHARDING_INFO of header h (rules at the top). `h.file` names the
 /// file in messages. errc::invalid_metadata when the header has no DCP_SHARDING_INFO.
-inline dcp_block_offsets parse_dcp_sharding_info(const safetensors_header& h) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL dcp_block_offsets parse_dcp_sharding_info(const safetensors_header& h) {
   const std::string& f = h.file;
   auto it = h.metadata.find(std::string(dcp_sharding_info_key));
   if (it == h.metadata.end())
@@ -80,5 +82,8 @@ inline dcp_block_offsets parse_dcp_sharding_info(const safetensors_header& h) {
   detail::require_unique_keys(root, ctx);  // after the rule above: saved_offsets twice, say
   return out;
 }
+#else
+SHARDSAFE_DECL dcp_block_offsets parse_dcp_sharding_info(const safetensors_header& h);
+#endif
 
 }  // namespace shardsafe

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
@@ -45,7 +46,8 @@ inline constexpr std::uint64_t hf_default_max_shard_size = 5'000'000'000;
 /// KB, MB, GB (powers of 1000, as the Hugging Face writers count) or KiB, MiB, GiB (powers of
 /// 1024); no sign, space or fraction. Throws errc::invalid_argument naming the input for
 /// anything else, and for a size past 2^64 - 1.
-inline std::uint64_t parse_size(std::string_view text) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::uint64_t parse_size(std::string_view text) {
   auto bad = [&](const std::string& why) -> void {
     fail(errc::invalid_argument, "size '" + std::string(text) + "': " + why);
   };
@@ -78,6 +80,9 @@ inline std::uint64_t parse_size(std::string_view text) {
   bad("unknown unit '" + std::string(unit) + "' (KB, MB, GB, KiB, MiB or GiB, or none for bytes)");
   return 0;  // not reached
 }
+#else
+SHARDSAFE_DECL std::uint64_t parse_size(std::string_view text);
+#endif
 
 /// What the plan needs to know of a tensor.
 struct hf_tensor_info {
@@ -148,7 +153,8 @@ inline std::string hf_shard_file_name(std::size_t index, std::size_t count) {
 /// name, and errc::invalid_shape for a size past 2^64 - 1; errc::unsupported_dtype for a
 /// sub-byte dtype (their files are not split by element here). No tensors give one empty
 /// model.safetensors.
-inline hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors, std::uint64_t max_shard_size) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors, std::uint64_t max_shard_size) {
   std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   hf_export_plan plan;
   plan.bytes.reserve(tensors.size());
@@ -182,5 +188,8 @@ inline hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors, std::u
   plan.files = std::move(files);
   return plan;
 }
+#else
+SHARDSAFE_DECL hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors, std::uint64_t max_shard_size);
+#endif
 
 }  // namespace shardsafe

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -40,7 +41,8 @@ struct hf_index {
   }
 };
 
-inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL hf_index parse_hf_index(std::string_view json, std::string_view file) {
   const std::string f(file);
   if (json.size() > max_metadata_size)
     fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit");
@@ -82,9 +84,13 @@ inline hf_index parse_hf_index(std::string_view json, std::string_view file) {
   detail::require_unique_keys(root, f);  // after the rule above: "metadata" or "weight_map" twice
   return idx;
 }
+#else
+SHARDSAFE_DECL hf_index parse_hf_index(std::string_view json, std::string_view file);
+#endif
 
 /// Renders the index as Hugging Face does (indent 2, sorted keys, trailing newline).
-inline std::string write_hf_index(const hf_index& idx) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string write_hf_index(const hf_index& idx) {
   std::string out = "{\n  \"metadata\": {";
   bool first = true;
   auto entry = [&](const std::string& k, const std::string& rendered) {
@@ -120,6 +126,9 @@ inline std::string write_hf_index(const hf_index& idx) {
   out += "\n}\n";
   return out;
 }
+#else
+SHARDSAFE_DECL std::string write_hf_index(const hf_index& idx);
+#endif
 
 template <ReadableStorage S>
 hf_index read_hf_index(const S& s) {

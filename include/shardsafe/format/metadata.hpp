@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
@@ -343,8 +344,9 @@ inline checkpoint_checksums parse_checksums(od::value e, const std::string& f) {
 /// On-Demand (no DOM), twice: checked whole, then read; memory stays near the text's size plus
 /// what is returned. `owner`: the string holding `json` when it has 64 spare bytes of capacity
 /// (read in place; else the text is copied once).
-inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file,
-                                                     const std::string* owner = nullptr) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file,
+                                                             const std::string* owner = nullptr) {
   namespace od = simdjson::ondemand;
   const std::string f(file);
   if (json.size() > max_metadata_size)
@@ -484,6 +486,10 @@ inline checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std:
   doc.require_unique_keys();  // after the rules above (a tensor or a file listed twice)
   return md;
 }
+#else
+SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view json, std::string_view file,
+                                                             const std::string* owner = nullptr);
+#endif
 
 /// The same, reading `json` in place (read_text leaves the spare capacity simdjson needs).
 template <class S>
@@ -493,7 +499,8 @@ checkpoint_metadata parse_checkpoint_metadata(const S& json, std::string_view fi
 }
 
 /// Renders metadata.json in Python's json.dumps layout.
-inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
   std::string out = "{\"tensors\": {";
   bool first = true;
   for (const auto& [key, t] : md.tensors) {
@@ -596,6 +603,9 @@ inline std::string write_checkpoint_metadata(const checkpoint_metadata& md) {
   out += '}';
   return out;
 }
+#else
+SHARDSAFE_DECL std::string write_checkpoint_metadata(const checkpoint_metadata& md);
+#endif
 
 /// Reads and validates metadata.json from a storage.
 template <ReadableStorage S>

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 
@@ -293,7 +294,7 @@ class basic_pickle_reader {
   /// Refuses opcode `op` at byte `at`, naming it: what happens to every opcode outside plain
   /// data that the policy does not handle.
   [[noreturn]] void refuse(unsigned op, std::size_t at) const {
-    bad("unsupported opcode 0x" + hex(op) + opcode_name(op) + " at byte " + std::to_string(at) +
+    bad("unsupported opcode 0x" + detail::hex_digits(op, 2) + opcode_name(op) + " at byte " + std::to_string(at) +
         " (only plain data is read: None, bool, int, float, str, list, tuple, dict; classes and calls are refused)");
   }
   /// Throws errc::invalid_metadata: "<what>: pickle <why>".
@@ -519,10 +520,6 @@ class basic_pickle_reader {
       default: return "";
     }
     return std::string(" (") + n + ")";
-  }
-  static std::string hex(unsigned v) {
-    const char* d = "0123456789abcdef";
-    return std::string{d[(v >> 4) & 15], d[v & 15]};
   }
   static std::uint64_t le(std::string_view b) {
     std::uint64_t x = 0;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 
 namespace shardsafe {
@@ -106,11 +107,15 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
 }  // namespace detail
 
 /// Pickles a plain value with protocol 2 (strings must be UTF-8).
-inline std::string pickle_dumps(const pickle_value& v) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string pickle_dumps(const pickle_value& v) {
   std::string out = "\x80\x02";
   detail::pickle_put(out, v);
   out += '.';
   return out;
 }
+#else
+SHARDSAFE_DECL std::string pickle_dumps(const pickle_value& v);
+#endif
 
 }  // namespace shardsafe

@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 
 namespace shardsafe {
@@ -62,7 +63,8 @@ struct rename_rule {
 /// Parses `REGEX=REPL` (syntax at the top of this header). Throws errc::invalid_argument naming
 /// the rule: no `=`, an empty REGEX, a REGEX RE2 refuses (its message included: a backreference,
 /// a lookaround, a program larger than RE2's memory budget), or a REPL with a bad escape.
-inline rename_rule parse_rename_rule(std::string_view text) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL rename_rule parse_rename_rule(std::string_view text) {
   const std::string t(text);
   auto bad = [&](const std::string& why) -> void {
     fail(errc::invalid_argument, "rename rule '" + t + "': " + why);
@@ -103,6 +105,9 @@ inline rename_rule parse_rename_rule(std::string_view text) {
   }
   return r;
 }
+#else
+SHARDSAFE_DECL rename_rule parse_rename_rule(std::string_view text);
+#endif
 
 /// Ordered rename rules; see the top of this header.
 class rename_rules {

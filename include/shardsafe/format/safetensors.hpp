@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/byte_range.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
@@ -122,8 +123,9 @@ inline std::string tensor_context(std::string_view file, std::string_view tensor
 
 /// Validates the JSON header `json` (the N bytes after the length prefix) of a file of
 /// `file_size` bytes. `file` names the file in messages.
-inline safetensors_header parse_safetensors_header(std::string_view json, std::uint64_t file_size,
-                                                   std::string_view file) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json, std::uint64_t file_size,
+                                                           std::string_view file) {
   safetensors_header h;
   h.file = std::string(file);
   h.header_size = json.size();
@@ -253,6 +255,10 @@ inline safetensors_header parse_safetensors_header(std::string_view json, std::u
   detail::require_unique_keys(root, f + ": header");  // after the rules above: "dtype" twice in a tensor, say
   return h;
 }
+#else
+SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json, std::uint64_t file_size,
+                                                           std::string_view file);
+#endif
 
 /// Decodes the little-endian header length from the first 8 bytes.
 inline std::uint64_t decode_header_length(std::span<const std::byte, 8> b) noexcept {
@@ -274,7 +280,8 @@ inline std::uint64_t check_header_length(std::uint64_t n, std::uint64_t file_siz
 }
 
 /// Parses a whole safetensors file held in memory.
-inline safetensors_header parse_safetensors(std::span<const std::byte> file_bytes, std::string_view file) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL safetensors_header parse_safetensors(std::span<const std::byte> file_bytes, std::string_view file) {
   if (file_bytes.size() < 8)
     fail(errc::truncated, std::string(file) + ": file is " + std::to_string(file_bytes.size()) +
                               " bytes, shorter than the 8-byte header length");
@@ -283,6 +290,9 @@ inline safetensors_header parse_safetensors(std::span<const std::byte> file_byte
   std::string_view json(reinterpret_cast<const char*>(file_bytes.data()) + 8, n);
   return parse_safetensors_header(json, file_bytes.size(), file);
 }
+#else
+SHARDSAFE_DECL safetensors_header parse_safetensors(std::span<const std::byte> file_bytes, std::string_view file);
+#endif
 
 /// Bytes read_safetensors_header asks for in its first read: enough for the headers of most
 /// files (8 + N; a header with a few thousand tensors), so opening one costs one read.

@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/format/safetensors.hpp"
@@ -52,6 +53,31 @@ class safetensors_layout {
       fail(errc::not_found, file + ": the layout has no tensor '" + std::string(name) + "'");
     return *it;
   }
+  /// Index of the first tensor (file order) whose bytes end past data-buffer offset p
+  /// (tensors.size() when none does): where a walk over the data from p starts.
+  std::size_t first_ending_after(std::uint64_t p) const noexcept {
+    auto it = std::upper_bound(tensors.begin(), tensors.end(), p,
+                               [](std::uint64_t q, const tensor_entry& t) { return q < t.end; });
+    return static_cast<std::size_t>(it - tensors.begin());
+  }
+  /// The walk over file bytes [offset, end) (end <= file_size()), in file order: the header's
+  /// part as header(file offset, length), then each tensor's part as piece(tensor index, byte
+  /// offset in the tensor, length, file offset); empty tensors are skipped.
+  template <class Header, class Piece>
+  void for_each_piece(std::uint64_t offset, std::uint64_t end, Header&& header_part, Piece&& piece) const {
+    const std::uint64_t hs = data_start();
+    std::uint64_t pos = offset;
+    if (pos < hs && pos < end) {
+      const std::uint64_t n = std::min(end, hs) - pos;
+      header_part(pos, n);
+      pos += n;
+    }
+    for (std::size_t i = first_ending_after(pos - std::min(pos, hs)); pos < end && i < tensors.size(); ++i) {
+      const std::uint64_t b = hs + tensors[i].begin, n = std::min(end, hs + tensors[i].end) - pos;
+      if (n) piece(i, pos - b, n, pos);
+      pos += n;
+    }
+  }
 
  private:
   friend safetensors_layout plan_safetensors(std::vector<tensor_entry>, const std::map<std::string, std::string>&,
@@ -61,9 +87,10 @@ class safetensors_layout {
 
 /// Orders the tensors (begin/end are ignored and recomputed), checks names, shapes and
 /// metadata, and renders the header.
-inline safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
-                                           const std::map<std::string, std::string>& metadata,
-                                           std::string_view file) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
+                                                   const std::map<std::string, std::string>& metadata,
+                                                   std::string_view file) {
   safetensors_layout l;
   l.file = std::string(file);
   for (const auto& t : tensors) {
@@ -146,6 +173,11 @@ inline safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
             [&](std::size_t a, std::size_t b) { return l.tensors[a].name < l.tensors[b].name; });
   return l;
 }
+#else
+SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> tensors,
+                                                   const std::map<std::string, std::string>& metadata,
+                                                   std::string_view file);
+#endif
 
 /// Streams one safetensors file into a RandomAccessWritableStorage: the header at construction, then
 /// tensor bytes by write()/write_part() in any order (from several threads for different
@@ -248,32 +280,24 @@ struct no_fetch {
 template <class Fetch = no_fetch>
 void render_safetensors_bytes(const safetensors_layout& layout, std::span<const std::byte* const> data,
                               std::uint64_t offset, std::span<std::byte> dst, Fetch&& fetch = {}) {
-  const std::uint64_t end = offset + dst.size(), hs = layout.header.size();
+  const std::uint64_t end = offset + dst.size();
   if (data.size() != layout.tensors.size() || end < offset || end > layout.file_size())
     fail(errc::invalid_argument, layout.file + ": rendering bytes " + std::to_string(offset) + ".." +
                                      std::to_string(end) + " of a " + std::to_string(layout.file_size()) +
                                      "-byte file from " + std::to_string(data.size()) + " of " +
                                      std::to_string(layout.tensors.size()) + " tensors");
-  std::uint64_t pos = offset;
-  if (pos < hs) {
-    const std::uint64_t n = std::min(end, hs) - pos;
-    std::memcpy(dst.data(), layout.header.data() + pos, static_cast<std::size_t>(n));
-    pos += n;
-  }
-  // the tensors tile the data buffer in layout order: start at the one holding pos
-  auto it = std::upper_bound(layout.tensors.begin(), layout.tensors.end(), pos - std::min(pos, hs),
-                             [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
-  for (; pos < end && it != layout.tensors.end(); ++it) {
-    const std::uint64_t b = hs + it->begin, e = hs + it->end;
-    const std::uint64_t n = std::min(end, e) - pos;
-    const std::size_t i = static_cast<std::size_t>(it - layout.tensors.begin());
-    std::byte* to = dst.data() + (pos - offset);
-    if (const std::byte* src = data[i])
-      detail::stream_copy(to, src + (pos - b), static_cast<std::size_t>(n));
-    else if (n)
-      fetch(i, pos - b, std::span<std::byte>(to, static_cast<std::size_t>(n)));
-    pos += n;
-  }
+  layout.for_each_piece(
+      offset, end,
+      [&](std::uint64_t pos, std::uint64_t n) {
+        std::memcpy(dst.data() + (pos - offset), layout.header.data() + pos, static_cast<std::size_t>(n));
+      },
+      [&](std::size_t i, std::uint64_t in_tensor, std::uint64_t n, std::uint64_t pos) {
+        std::byte* to = dst.data() + (pos - offset);
+        if (const std::byte* src = data[i])
+          detail::stream_copy(to, src + in_tensor, static_cast<std::size_t>(n));
+        else
+          fetch(i, in_tensor, std::span<std::byte>(to, static_cast<std::size_t>(n)));
+      });
 }
 
 /// The checksums of a file's tensors (detail/checksum.hpp), computed as the file is written:
@@ -311,11 +335,9 @@ class safetensors_checksummer {
     if (hi <= hs || hi <= lo) return;
     // data-buffer offsets: a block ends in (a, b]
     const std::uint64_t a = lo < hs ? 0 : lo - hs, b = hi - hs;
-    auto it = std::upper_bound(layout_.tensors.begin(), layout_.tensors.end(), a,
-                               [](std::uint64_t p, const tensor_entry& t) { return p < t.end; });
     std::vector<std::byte> fetched;  // a block only partly in `have`
-    for (; it != layout_.tensors.end() && it->begin < b; ++it) {
-      const std::size_t i = static_cast<std::size_t>(it - layout_.tensors.begin());
+    for (std::size_t i = layout_.first_ending_after(a); i < layout_.tensors.size() && layout_.tensors[i].begin < b; ++i) {
+      const auto* it = &layout_.tensors[i];
       const std::uint64_t n = it->nbytes();
       // the first block of this tensor ending past a (a block k ends at begin + min((k+1)B, n))
       std::uint64_t k = a <= it->begin ? 0 : (a - it->begin) / block_;

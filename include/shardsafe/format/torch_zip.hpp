@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/shape.hpp"
@@ -299,7 +300,8 @@ struct torch_tensor_pickle_policy {
 };
 
 /// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
-inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
   const auto v = pickle_loads(bytes, what, torch_tensor_pickle_policy{});
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
   const auto* st = v.find("__tensor__");
@@ -334,6 +336,9 @@ inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::s
   t.stride = ints(v.at("stride", what), "stride");
   return t;
 }
+#else
+SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what);
+#endif
 
 /// Checks that data.pkl's tensor is the DCP chunk `sizes` of dtype `type` stored whole, row-major
 /// and contiguous from the first byte of `storage`: the rules at the top, named in the message.

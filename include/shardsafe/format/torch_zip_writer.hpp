@@ -30,6 +30,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
@@ -159,7 +160,8 @@ inline zip_record_out zip_small_record(std::string& out, std::string name, std::
 }
 
 /// The central directory and end records of `records`, appended at `at` (== the archive's size so far).
-inline void zip_central_directory(std::string& out, std::uint64_t at, const std::vector<zip_record_out>& records) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at, const std::vector<zip_record_out>& records) {
   const std::uint64_t cd_at = at;
   const std::size_t before = out.size();
   for (const auto& r : records) {
@@ -227,12 +229,16 @@ inline void zip_central_directory(std::string& out, std::uint64_t at, const std:
   zip_put(out, zip64 ? zip32_max : cd_at, 4);
   zip_put(out, 0, 2);
 }
+#else
+SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at, const std::vector<zip_record_out>& records);
+#endif
 
 }  // namespace detail
 
 /// data.pkl of a tensor of `type` and `shape` (row-major, contiguous), as torch 2.x's torch.save
 /// writes it (table at the top). errc::unsupported_dtype for a dtype torch cannot hold.
-inline std::string torch_tensor_pickle(dtype type, const shape_t& shape) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::string torch_tensor_pickle(dtype type, const shape_t& shape) {
   const std::string_view cls = detail::torch_storage_class(type);
   const std::string_view tname = detail::torch_dtype_name(type);
   if (cls.empty() && tname.empty())
@@ -270,6 +276,9 @@ inline std::string torch_tensor_pickle(dtype type, const shape_t& shape) {
   out += "tR.";
   return out;
 }
+#else
+SHARDSAFE_DECL std::string torch_tensor_pickle(dtype type, const shape_t& shape);
+#endif
 
 /// The bytes of a torch.save archive around one tensor's data: head() precedes the data,
 /// tail(crc) follows it. head().size() + data_size() + tail_size() is the archive's length.

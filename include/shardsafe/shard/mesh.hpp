@@ -54,6 +54,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
 #include "shardsafe/detail/checked.hpp"
@@ -284,8 +285,9 @@ inline block_spec mesh_block(std::span<const std::uint64_t> full, const device_m
 
 /// Every rank's block, indexed by rank (row-major coordinates): what a save under this mesh
 /// writes, or what each rank of a load under it asks for (planning, benchmarks, tests).
-inline std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, std::span<const std::uint64_t> mesh_shape,
-                                           std::span<const placement> placements, std::string_view ctx) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, std::span<const std::uint64_t> mesh_shape,
+                                                   std::span<const placement> placements, std::string_view ctx) {
   validate_placements(full, mesh_shape, placements, ctx);
   const std::uint64_t n = numel(mesh_shape);
   std::vector<block_spec> out;
@@ -300,6 +302,10 @@ inline std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, 
   }
   return out;
 }
+#else
+SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, std::span<const std::uint64_t> mesh_shape,
+                                                   std::span<const placement> placements, std::string_view ctx);
+#endif
 
 /// Whether a block holds no element (an empty torch.chunk piece somewhere, or an empty tensor).
 inline bool holds_nothing(const block_spec& b) noexcept { return b.local_numel() == 0; }

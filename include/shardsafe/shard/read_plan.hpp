@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
 
 namespace shardsafe {
@@ -53,8 +54,9 @@ struct read_plan {
 
 /// Reads for one file's copy runs. `data_offset` is the file offset of element 0 of the
 /// file's flat shard; `item` the element size in bytes.
-inline read_plan make_read_plan(const copy_plan& runs, std::uint64_t data_offset, std::uint64_t item,
-                                const read_options& opt = {}) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t data_offset, std::uint64_t item,
+                                        const read_options& opt = {}) {
   read_plan plan;
   // runs are sorted by src when they come from compute_copy_plan or plan_load; sort a copy
   // of the indices otherwise
@@ -110,5 +112,9 @@ inline read_plan make_read_plan(const copy_plan& runs, std::uint64_t data_offset
   flush();
   return plan;
 }
+#else
+SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t data_offset, std::uint64_t item,
+                                        const read_options& opt = {});
+#endif
 
 }  // namespace shardsafe

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
 #include "shardsafe/detail/checked.hpp"
@@ -83,7 +84,8 @@ inline shape_t grid_dims(const shard_grid& g, std::span<const std::uint64_t> ful
 /// the end of their dimension; at most max_grid_parts parts; ranks at most max_grid_rank and
 /// distinct (each dimension's stride passes everything the dimensions of smaller stride reach,
 /// the rule a row-major sub-mesh follows). errc::invalid_metadata naming ctx and the rule.
-inline void validate(const shard_grid& g, std::span<const std::uint64_t> full, std::string_view ctx) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL void validate(const shard_grid& g, std::span<const std::uint64_t> full, std::string_view ctx) {
   const std::string c(ctx);
   const shape_t dims = detail::grid_dims(g, full);
   if (g.chunks.size() != dims.size() || g.parts.size() != dims.size() || g.strides.size() != dims.size())
@@ -125,6 +127,9 @@ inline void validate(const shard_grid& g, std::span<const std::uint64_t> full, s
   if (g.base > max_grid_rank || g.base + reach > max_grid_rank)
     fail(errc::invalid_metadata, c + ": the grid names ranks past " + std::to_string(max_grid_rank));
 }
+#else
+SHARDSAFE_DECL void validate(const shard_grid& g, std::span<const std::uint64_t> full, std::string_view ctx);
+#endif
 
 namespace detail {
 
@@ -201,8 +206,9 @@ inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid
 /// The parts of a (validated) grid that may hold elements of `want` (a superset: the parts its
 /// bounding box, or bounding flat range, meets; never an empty part), in rank order. Costs the
 /// dimensions plus the parts returned.
-inline std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g, std::span<const std::uint64_t> full,
-                                                                     const shard_spec& want) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g, std::span<const std::uint64_t> full,
+                                                                             const shard_spec& want) {
   const shape_t dims = detail::grid_dims(g, full);
   const std::size_t nd = dims.size();
   if (want.local_numel() == 0) return {};
@@ -257,12 +263,17 @@ inline std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard
   }
   return detail::grid_box(g, full, lo, hi);
 }
+#else
+SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g, std::span<const std::uint64_t> full,
+                                                                             const shard_spec& want);
+#endif
 
 /// The grid that `listed` (rank, spec) in rank order is, if it is one: every part listed once,
 /// each as grid_part gives it. The guess (chunks from the parts at offset 0, strides from the
 /// parts one step along each dimension) is validated and expanded, and must equal `listed`.
-inline std::optional<shard_grid> detect_grid(std::span<const std::pair<std::uint64_t, shard_spec>> listed,
-                                             std::span<const std::uint64_t> full) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::optional<shard_grid> detect_grid(std::span<const std::pair<std::uint64_t, shard_spec>> listed,
+                                                     std::span<const std::uint64_t> full) {
   if (listed.size() < 2) return std::nullopt;
   shard_grid g;
   g.flat = listed.front().second.is_flat();
@@ -327,5 +338,9 @@ inline std::optional<shard_grid> detect_grid(std::span<const std::pair<std::uint
   if (!std::equal(parts.begin(), parts.end(), listed.begin(), listed.end())) return std::nullopt;
   return g;
 }
+#else
+SHARDSAFE_DECL std::optional<shard_grid> detect_grid(std::span<const std::pair<std::uint64_t, shard_spec>> listed,
+                                                     std::span<const std::uint64_t> full);
+#endif
 
 }  // namespace shardsafe

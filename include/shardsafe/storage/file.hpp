@@ -314,6 +314,8 @@ class file_writer {
   }
 
   std::string_view name() const noexcept { return final_; }
+  /// The temporary name it writes under until commit() (file_part_writer opens it by that).
+  const std::string& temp_path() const noexcept { return temp_; }
 
   /// Sets the final size up front (lets the file system allocate in one go).
   void reserve(std::uint64_t size) {
@@ -400,6 +402,32 @@ class file_writer {
   detail::unique_fd fd_;
   bool done_ = false;       ///< committed or aborted: no temporary left to remove
   bool committed_ = false;
+};
+
+/// Positional writes into a file that a file_writer of another process (or thread) created and
+/// will commit: the ranks of one job filling one file on a shared file system, each its own
+/// byte ranges, open it by the creator's temp_path(). It never renames or removes the file;
+/// finish() makes its writes durable (fdatasync) and closes. Move-only.
+class file_part_writer {
+ public:
+  /// temp_path: the creator's file_writer::temp_path(); name: the final name, for messages.
+  file_part_writer(std::string temp_path, std::string name)
+      : name_(std::move(name)), fd_(detail::open_fd(temp_path, O_WRONLY)) {}
+
+  std::string_view name() const noexcept { return name_; }
+  void write_at(std::uint64_t off, std::span<const std::byte> src) {
+    if (!fd_) throw error(errc::invalid_argument, name_ + ": write after finish");
+    detail::pwrite_full(fd_.get(), off, src, name_);
+  }
+  void finish() {
+    if (!fd_) return;
+    if (::fdatasync(fd_.get()) != 0) fail_errno(errno, name_ + ": fdatasync");
+    fd_.close_checked(name_);
+  }
+
+ private:
+  std::string name_;
+  detail::unique_fd fd_;
 };
 
 /// What a folder-backed Directory does with a symbolic link it is asked to open (a rank file,

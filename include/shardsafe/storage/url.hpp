@@ -12,8 +12,10 @@
 #include <string>
 #include <string_view>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/checked.hpp"
+#include "shardsafe/detail/hex.hpp"
 
 namespace shardsafe {
 
@@ -54,7 +56,6 @@ inline bool is_unreserved(unsigned char c) noexcept {
 /// Percent-encodes every byte but the unreserved ones (RFC 3986 §2.3), and '/' too unless
 /// keep_slash: how object names go into a URL path (and, keeping '/', how S3 signs them).
 inline std::string percent_encode(std::string_view s, bool keep_slash = false) {
-  static const char* hex = "0123456789ABCDEF";
   std::string r;
   r.reserve(s.size());
   for (unsigned char c : s) {
@@ -62,8 +63,7 @@ inline std::string percent_encode(std::string_view s, bool keep_slash = false) {
       r += static_cast<char>(c);
     } else {
       r += '%';
-      r += hex[c >> 4];
-      r += hex[c & 15];
+      detail::append_hex(r, c, 2, /*upper=*/true);
     }
   }
   return r;
@@ -71,7 +71,8 @@ inline std::string percent_encode(std::string_view s, bool keep_slash = false) {
 
 /// Parses an absolute URL (see the top of this file); throws errc::invalid_argument naming the
 /// URL and the rule it breaks.
-inline url_parts parse_url(std::string_view url) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL url_parts parse_url(std::string_view url) {
   for (unsigned char c : url)
     if (c <= 0x20 || c == 0x7f) detail::bad_url(url, "it holds a space or a control character");
   const std::size_t colon = url.find("://");
@@ -132,6 +133,9 @@ inline url_parts parse_url(std::string_view url) {
   u.target = tail.empty() ? "/" : (tail.front() == '?' ? "/" + std::string(tail) : std::string(tail));
   return u;
 }
+#else
+SHARDSAFE_DECL url_parts parse_url(std::string_view url);
+#endif
 
 /// The URL of object `name` inside the folder u: u's path with one '/' then name
 /// percent-encoded ('/' included); any query of u is dropped.

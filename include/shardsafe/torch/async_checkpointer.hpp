@@ -103,15 +103,8 @@ class async_checkpointer {
       }
       describe(model, dir.name(), model_views, tensors);
     });
-    std::vector<async_folder<D>> folders;
-    if (optim) folders.push_back({dir.sub(optim_folder_name), optim_views});
-    folders.push_back({dir.sub(model_folder_name), model_views});
-    save_options sub = opt;
-    sub.overwrite = false;  // the pair's folder is prepared as a whole, first
-    const bool overwrite = opt.overwrite;
-    return saver_.save_folders(std::span<const async_folder<D>>(folders), sub,
-                               [dir, overwrite](C& comm) { detail::prepare_model_and_optim_folder(dir, overwrite, comm); },
-                               detail::copy_tensor_bytes{&tensors});
+    const auto folders = model_and_optim_folders(model_views, optim_views, optim != nullptr);
+    return saver_.save_folder_set(dir, std::span<const folder_views>(folders), opt, detail::copy_tensor_bytes{&tensors});
   }
 
   /// Waits for the save in flight; rethrows its error.

@@ -44,24 +44,9 @@ struct model_and_optim_load_stats {
 };
 
 /// Saves `model` (this rank's tensors and how each is sharded) and, if given, the state of
-/// `optim`, whose parameters must be tensors of `model`. A collective over comm.
-namespace detail {
-/// On rank 0: refuses a non-empty folder for a model + optimizer pair unless overwrite;
-/// otherwise empties it, model/metadata.json (the pair's commit mark) first; then makes it.
-template <WritableDirectory D, Comm C>
-void prepare_model_and_optim_folder(const D& dir, bool overwrite, C& comm) {
-  rank0_step(comm, [&] {
-    if (!dir.list().empty()) {
-      if (!overwrite)
-        fail(errc::already_exists, std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite)");
-      if (dir.exists("model")) dir.sub(model_folder_name).remove(metadata_file_name);  // the commit mark goes first
-      for (const auto& n : dir.list()) dir.remove(n);
-    }
-    dir.make();
-  });
-}
-}  // namespace detail
-
+/// `optim`, whose parameters must be tensors of `model`: DIR/optim, then DIR/model, whose
+/// metadata.json is the pair's commit mark (save_folder_set of model_and_optim_folders,
+/// checkpoint/saver.hpp); with opt.format dcp, one DCP folder. A collective over comm.
 template <WritableDirectory D, Comm C>
 model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
                                              C& comm, const save_options& opt = {}) {
@@ -76,16 +61,15 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_
     st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return st;
   }
-  detail::prepare_model_and_optim_folder(dir, opt.overwrite, comm);
-
-  save_options sub = opt;
-  sub.overwrite = false;
-  if (optim) {
-    state_dict flat;
-    every_rank_step(comm, [&] { flat = flatten_optimizer_state(*optim, model); });
-    st.optim = save_state_dict(dir.sub(optim_folder_name), flat, comm, sub);
-  }
-  st.model = save_state_dict(dir.sub(model_folder_name), model, comm, sub);
+  state_dict flat;
+  if (optim) every_rank_step(comm, [&] { flat = flatten_optimizer_state(*optim, model); });
+  detail::state_dict_save_source src;
+  const auto optim_views = optim ? src.add(flat, comm, dir.name(), opt) : std::span<const flat_view>();
+  const auto model_views = src.add(model, comm, dir.name(), opt);
+  const auto folders = model_and_optim_folders(model_views, optim_views, optim != nullptr);
+  const auto sts = save_folder_set(dir, std::span<const folder_views>(folders), comm, src.options(opt));
+  if (optim) st.optim = sts.front();
+  st.model = sts.back();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -136,6 +137,41 @@ std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>&
   });
   return views;
 }
+
+/// The views of one or more state dicts for a blocking save, and how the save reaches the bytes
+/// of their device tensors: add() each state dict (save_views's rules, device tensors fetched
+/// in shardsafe's layout unless opt has a fetch of its own), then save with options(opt).
+class state_dict_save_source {
+ public:
+  template <Comm C>
+  std::span<const flat_view> add(const state_dict& sd, C& comm, std::string_view dir, const save_options& opt) {
+    fetched_tensors fetched;
+    const bool fetch = opt.format == save_format::shardsafe && !opt.fetch;
+    const auto& views = views_.emplace_back(save_views(sd, keep_, comm, dir, fetch ? &fetched : nullptr));
+    for (const flat_view& v : views)
+      if (auto it = fetched.find(v.key); it != fetched.end()) by_view_.emplace(&v, it->second);
+    return views;
+  }
+  /// opt, with the fetch of the device tensors added where there are any (once the work queued
+  /// on their devices is done). Valid while this object lives.
+  save_options options(const save_options& opt) const {
+    if (by_view_.empty()) return opt;
+    std::vector<c10::Device> devices;
+    for (const auto& [v, t] : by_view_)
+      if (std::find(devices.begin(), devices.end(), t->device()) == devices.end()) devices.push_back(t->device());
+    for (const c10::Device d : devices) wait_for_queued_work(d);
+    save_options o = opt;
+    o.fetch = [this](const flat_view& v, std::uint64_t off, std::span<std::byte> dst) {
+      copy_from_device(*by_view_.at(&v), off, dst);
+    };
+    return o;
+  }
+
+ private:
+  std::vector<at::Tensor> keep_;                // contiguous CPU copies of tensors that are not
+  std::deque<std::vector<flat_view>> views_;    // (a deque: the views' addresses stay put)
+  std::map<const flat_view*, const at::Tensor*> by_view_;  // the device tensors fetched
+};
 }  // namespace detail
 
 /// Saves a state dict as one checkpoint in dir (opt.format: shardsafe's layout or torch DCP's). A
@@ -146,20 +182,9 @@ std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>&
 /// not contiguous CPU tensors are copied whole first.
 template <WritableDirectory D, Comm C>
 save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
-  std::vector<at::Tensor> keep;  // contiguous CPU copies of tensors that are not
-  detail::fetched_tensors fetched;
-  const bool fetch = opt.format == save_format::shardsafe && !opt.fetch;
-  const auto views = detail::save_views(sd, keep, comm, dir.name(), fetch ? &fetched : nullptr);
-  if (fetched.empty()) return save_flat_views(dir, std::span<const flat_view>(views), comm, opt);
-  std::vector<c10::Device> devices;
-  for (const auto& [k, t] : fetched)
-    if (std::find(devices.begin(), devices.end(), t->device()) == devices.end()) devices.push_back(t->device());
-  for (const c10::Device d : devices) wait_for_queued_work(d);
-  save_options o = opt;
-  o.fetch = [&fetched](const flat_view& v, std::uint64_t off, std::span<std::byte> dst) {
-    copy_from_device(*fetched.find(v.key)->second, off, dst);
-  };
-  return save_flat_views(dir, std::span<const flat_view>(views), comm, o);
+  detail::state_dict_save_source src;
+  const auto views = src.add(sd, comm, dir.name(), opt);
+  return save_flat_views(dir, views, comm, src.options(opt));
 }
 
 namespace detail {

@@ -35,6 +35,7 @@
 
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/huge_pages.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
 
 namespace shardsafe {
@@ -63,7 +64,7 @@ struct arena_populate_options {
 /// that faults the region in, front to back, while the caller reads into it from the front.
 class tensor_arena {
  public:
-  static constexpr std::uint64_t huge_page = std::uint64_t(2) << 20;
+  static constexpr std::uint64_t huge_page = detail::huge_page_region::page;
   static constexpr std::uint64_t align = 64;  ///< each tensor's start
 
   /// Space for tensors of these byte sizes, each 64-byte aligned. With from_hugetlb_pool, the
@@ -78,29 +79,7 @@ class tensor_arena {
       offsets_.push_back(bytes_);
       bytes_ += (n + align - 1) / align * align;
     }
-    const std::uint64_t cap = std::max<std::uint64_t>((bytes_ + huge_page - 1) / huge_page * huge_page, huge_page);
-#ifdef MAP_HUGETLB
-    if (from_hugetlb_pool) {  // private hugetlb mappings reserve their pages here, or fail (ENOMEM)
-      void* p = ::mmap(nullptr, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
-      if (p != MAP_FAILED) {
-        auto* base = static_cast<std::byte*>(p);
-        region_ = std::shared_ptr<region>(new region{base, cap, base, cap});
-        hugetlb_ = true;
-        return;
-      }
-    }
-#else
-    (void)from_hugetlb_pool;
-#endif
-    // mmap aligns to 4 KiB only; huge pages need 2 MiB alignment: map one huge page more and
-    // start the region at the first 2 MiB boundary inside
-    void* p = ::mmap(nullptr, cap + huge_page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) fail_errno(errno, "tensor_arena: cannot map " + std::to_string(cap) + " bytes");
-    auto* base = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(p) + huge_page - 1) / huge_page * huge_page);
-#ifdef MADV_HUGEPAGE
-    ::madvise(base, cap, MADV_HUGEPAGE);
-#endif
-    region_ = std::shared_ptr<region>(new region{static_cast<std::byte*>(p), cap + huge_page, base, cap});
+    region_ = detail::huge_page_region::map(bytes_, from_hugetlb_pool, "tensor_arena");
   }
   tensor_arena(const tensor_arena&) = delete;
   tensor_arena& operator=(const tensor_arena&) = delete;
@@ -108,7 +87,7 @@ class tensor_arena {
 
   std::uint64_t bytes() const noexcept { return bytes_; }
   /// Whether the region came from the reserved huge pages (see the constructor).
-  bool from_hugetlb_pool() const noexcept { return hugetlb_; }
+  bool from_hugetlb_pool() const noexcept { return region_->from_hugetlb_pool(); }
   /// Free pages of the machine's reserved huge page pool now (HugePages_Free of /proc/meminfo,
   /// 2 MiB each on x86-64); 0 where there is none or it cannot be read.
   static long hugetlb_pages_free() {
@@ -121,7 +100,7 @@ class tensor_arena {
     std::fclose(f);
     return n;
   }
-  std::byte* data(std::size_t i) const noexcept { return region_->base + offsets_[i]; }
+  std::byte* data(std::size_t i) const noexcept { return region_->data() + offsets_[i]; }
 
   /// Tensor i as an at::Tensor of these sizes and dtype; it holds the region alive.
   at::Tensor tensor(std::size_t i, at::IntArrayRef sizes, at::ScalarType type) const {
@@ -148,10 +127,10 @@ class tensor_arena {
     stop_populating();
     small_pages_from_ = 0;
     trials_ = 0;
-    std::uint64_t start = std::min(trial_bytes, region_->size);
+    std::uint64_t start = std::min(trial_bytes, region_->size());
     const double t0 = thread_cpu_seconds();
-    if (::madvise(region_->base, start, MADV_POPULATE_WRITE) != 0) return false;  // (an old kernel)
-    if (!hugetlb_) try_small_pages(start, (thread_cpu_seconds() - t0) / double(start), opt);
+    if (::madvise(region_->data(), start, MADV_POPULATE_WRITE) != 0) return false;  // (an old kernel)
+    if (!region_->from_hugetlb_pool()) try_small_pages(start, (thread_cpu_seconds() - t0) / double(start), opt);
     stop_ = false;
     populator_ = std::thread([this, start, opt] { populate(start, opt); });
     return true;
@@ -176,7 +155,7 @@ class tensor_arena {
   double fault(std::uint64_t off, std::uint64_t n) {
 #ifdef MADV_POPULATE_WRITE
     const double t0 = thread_cpu_seconds();
-    ::madvise(region_->base + off, n, MADV_POPULATE_WRITE);
+    ::madvise(region_->data() + off, n, MADV_POPULATE_WRITE);
     return (thread_cpu_seconds() - t0) / double(n);
 #else
     (void)off, (void)n;
@@ -189,13 +168,13 @@ class tensor_arena {
   /// them small. Moves `off` past what it faulted; true when it switched.
   bool try_small_pages(std::uint64_t& off, double huge, const arena_populate_options& opt) {
 #ifdef MADV_NOHUGEPAGE
-    if (huge <= opt.backed_huge_seconds_per_gib / double(1 << 30) || off + trial_bytes >= region_->size) return false;
+    if (huge <= opt.backed_huge_seconds_per_gib / double(1 << 30) || off + trial_bytes >= region_->size()) return false;
     ++trials_;
-    ::madvise(region_->base + off, trial_bytes, MADV_NOHUGEPAGE);
+    ::madvise(region_->data() + off, trial_bytes, MADV_NOHUGEPAGE);
     const double small = fault(off, trial_bytes);
     off += trial_bytes;
     if (!(small < huge * opt.small_pages_if_cheaper_by)) return false;
-    ::madvise(region_->base + off, region_->size - off, MADV_NOHUGEPAGE);
+    ::madvise(region_->data() + off, region_->size() - off, MADV_NOHUGEPAGE);
     small_pages_from_ = off;
     return true;
 #else
@@ -207,8 +186,8 @@ class tensor_arena {
   /// The populating thread's work: [start, end of the tensors) in 32 MiB steps.
   void populate(std::uint64_t start, arena_populate_options opt) {
     constexpr std::uint64_t step = std::uint64_t(32) << 20;
-    const std::uint64_t end = std::min(region_->size, (bytes_ + huge_page - 1) / huge_page * huge_page);
-    bool small = small_pages_from_ != 0 || hugetlb_;  // (reserved huge pages: nothing to choose)
+    const std::uint64_t end = std::min(region_->size(), (bytes_ + huge_page - 1) / huge_page * huge_page);
+    bool small = small_pages_from_ != 0 || region_->from_hugetlb_pool();  // (reserved huge pages: nothing to choose)
     for (std::uint64_t off = start; off < end && !stop_.load(std::memory_order_relaxed);) {
       const std::uint64_t n = std::min(step, end - off);
       const double cost = fault(off, n);
@@ -223,21 +202,13 @@ class tensor_arena {
     return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
   }
 
-  struct region {
-    std::byte* mapped;
-    std::uint64_t mapped_size;
-    std::byte* base;  ///< 2 MiB aligned, inside the mapping
-    std::uint64_t size;
-    ~region() { ::munmap(mapped, mapped_size); }
-  };
   std::vector<std::uint64_t> offsets_;
   std::uint64_t bytes_ = 0;
-  std::shared_ptr<region> region_;
+  std::shared_ptr<detail::huge_page_region> region_;
   std::thread populator_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> small_pages_from_{0};
   int trials_ = 0;        ///< small-page trials made (the first before the thread starts)
-  bool hugetlb_ = false;  ///< the region came from the reserved huge pages
 };
 
 }  // namespace shardsafe

@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/rename.hpp"
@@ -138,8 +139,9 @@ inline std::optional<std::pair<flat_spec, std::uint64_t>> expert_part(const flat
 /// message. Throws errc::invalid_argument for a stacked 0-d view (no expert dimension) or
 /// two resulting views of one name, and whatever flat_view::validate throws for a view that
 /// does not fit its spec.
-inline unstacked_views unstack_experts(std::span<const flat_view> views, const expert_stacking& rules,
-                                       std::string_view ctx) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL unstacked_views unstack_experts(std::span<const flat_view> views, const expert_stacking& rules,
+                                               std::string_view ctx) {
   unstacked_views out;
   for (std::size_t vi = 0; vi < views.size(); ++vi) {
     const flat_view& v = views[vi];
@@ -203,5 +205,9 @@ inline unstacked_views unstack_experts(std::span<const flat_view> views, const e
                                        "' once experts are unstacked; expert stacking rules must keep names distinct");
   return out;
 }
+#else
+SHARDSAFE_DECL unstacked_views unstack_experts(std::span<const flat_view> views, const expert_stacking& rules,
+                                               std::string_view ctx);
+#endif
 
 }  // namespace shardsafe

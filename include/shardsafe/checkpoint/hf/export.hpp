@@ -40,6 +40,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/hf/experts.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
@@ -102,8 +103,9 @@ struct hf_export_layout {
 /// Plans an export of `inputs` (steps 1-3 at the top). `out` names the output folder in file
 /// names and messages. Throws errc::invalid_argument for a rename collision or convert_to that
 /// is not F16/BF16/F32/F64, and what plan_hf_export and plan_safetensors throw.
-inline hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
-                                              std::string_view out) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
+                                                      std::string_view out) {
   if (opt.convert_to && !is_convertible_float(*opt.convert_to))
     fail(errc::invalid_argument, std::string(out) + ": export dtype " + std::string(name(*opt.convert_to)) +
                                      " is not one tensors convert to (F16, BF16, F32 or F64)");
@@ -131,6 +133,10 @@ inline hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>
   }
   return l;
 }
+#else
+SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
+                                                      std::string_view out);
+#endif
 
 namespace detail {
 

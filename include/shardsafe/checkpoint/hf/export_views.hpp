@@ -12,28 +12,26 @@
 //      as a save does (checkpoint/saver.hpp: one shape and dtype per key, every sharded tensor
 //      covered); every rank then computes the same export plan from that alone
 //      (plan_hf_export_layout: renames, dtype, packing, every file's header and offsets);
-//   2. rank 0 checks out_dir is absent or empty, creates it, and creates every output file
-//      under a temporary name (`NAME.tmp.TOKEN`, TOKEN broadcast), at its full size, with its
-//      header;
-//   3. every rank writes the bytes of its shards (converted when asked) with pwrite at their
-//      offsets: its spec's runs against the whole tensor's flat layout (compute_copy_plan of the
-//      whole tensor against its spec); a tensor that is not sharded is written by the lowest
-//      rank holding it only; then fdatasync;
-//   4. rank 0 renames every file into place, fsyncs the folder and writes
+//   2. rank 0 checks out_dir is absent or empty, creates it, and creates every output file as a
+//      file_writer (storage/file.hpp: under a temporary name, broadcast), at its full size, with
+//      its header;
+//   3. every rank writes the bytes of its shards (converted when asked) at their offsets through
+//      file_part_writers of those files: its spec's runs against the whole tensor's flat layout
+//      (compute_copy_plan of the whole tensor against its spec); a tensor that is not sharded is
+//      written by the lowest rank holding it only; then fdatasync;
+//   4. rank 0 commits every file_writer (rename into place, folder fsynced) and writes
 //      model.safetensors.index.json last (for more than one file).
-// A failure in 2 or 3 leaves no file behind (rank 0 removes the temporaries). The files are
+// A failure in 2 or 3 leaves no file behind (rank 0's file_writers remove the temporaries). The files are
 // byte for byte those export_hf (checkpoint/hf/export.hpp) writes from a checkpoint of the same
 // tensors with the same options.
 #pragma once
-
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <system_error>
@@ -43,7 +41,6 @@
 #include "shardsafe/checkpoint/hf/export.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/core/convert.hpp"
-#include "shardsafe/detail/posix.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
@@ -54,37 +51,24 @@ namespace shardsafe {
 
 namespace detail {
 
-/// Temporary path of output file `name` under dir for the export `token`.
-inline std::string hf_export_temp(const std::filesystem::path& dir, const std::string& name, const std::string& token) {
-  return (dir / (name + ".tmp." + token)).string();
-}
-
-/// Removes the temporaries of an export that failed (those that exist).
-inline void remove_export_temps(const std::filesystem::path& dir, const hf_export_layout& l, const std::string& token) {
-  for (const auto& f : l.plan.files) ::unlink(hf_export_temp(dir, f.name, token).c_str());
-}
-
-/// Step 2 on rank 0: the folder and every file at full size with its header. Returns the token.
-inline std::string create_export_files(const std::filesystem::path& dir, const hf_export_layout& l) {
+/// Step 2 on rank 0: the folder and every file at full size with its header, as file_writers
+/// (committed in step 4; destroyed uncommitted, they remove their temporaries). Returns their
+/// temporary paths, '\0'-separated, in file order.
+inline std::string create_export_files(const std::filesystem::path& dir, const hf_export_layout& l,
+                                       std::vector<file_writer>& writers) {
   detail::require_empty_output(file_directory(dir));
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw error(ec, dir.string() + ": create directory: " + ec.message());
-  std::string token = temp_name_for("x");  // "x.tmp.PID.TIME.N": unique to this process and moment
-  token = token.substr(token.find(".tmp.") + 5);
-  try {
-    for (std::size_t f = 0; f < l.files.size(); ++f) {
-      const std::string path = hf_export_temp(dir, l.plan.files[f].name, token);
-      unique_fd fd = open_fd(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
-      if (::ftruncate(fd.get(), static_cast<off_t>(l.files[f].file_size())) != 0) fail_errno(errno, path + ": ftruncate");
-      pwrite_full(fd.get(), 0, std::as_bytes(std::span(l.files[f].header)), path);
-      fd.close_checked(path);
-    }
-  } catch (...) {
-    remove_export_temps(dir, l, token);
-    throw;
+  std::string temps;
+  for (std::size_t f = 0; f < l.files.size(); ++f) {
+    file_writer& w = writers.emplace_back(dir / l.plan.files[f].name);
+    w.reserve(l.files[f].file_size());
+    w.write_at(0, std::as_bytes(std::span(l.files[f].header)));
+    temps += w.temp_path();
+    temps += '\0';
   }
-  return token;
+  return temps;
 }
 
 /// One pwrite of step 3: n elements of a view from element `src`, at byte `at` of file `file`.
@@ -98,7 +82,7 @@ struct export_piece {
 
 /// Step 3 on every rank: this rank's pieces written and synced. Returns the bytes written.
 inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const hf_export_layout& l,
-                                         const std::string& token, std::span<const flat_view> views,
+                                         std::span<const std::string> temps, std::span<const flat_view> views,
                                          const checkpoint_metadata& md, int rank, const hf_export_options& opt) {
   std::map<std::string, std::size_t> plan_index;  // input name -> plan tensor
   for (std::size_t t = 0; t < l.source.size(); ++t) plan_index.emplace(md.tensors[l.source[t]].first, t);
@@ -123,13 +107,9 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
       for (std::uint64_t k = 0; k < r.len; k += per)
         pieces.push_back({f, layout.data_start() + e.begin + (r.dst + k) * oi, &v, r.src + k, std::min(per, r.len - k), e.type});
   }
-  std::vector<unique_fd> fds(l.files.size());
-  std::vector<std::string> paths(l.files.size());
+  std::vector<std::optional<file_part_writer>> out(l.files.size());
   for (const auto& p : pieces)
-    if (!fds[p.file]) {
-      paths[p.file] = hf_export_temp(dir, l.plan.files[p.file].name, token);
-      fds[p.file] = open_fd(paths[p.file], O_WRONLY);
-    }
+    if (!out[p.file]) out[p.file].emplace(temps[p.file], (dir / l.plan.files[p.file].name).string());
   std::uint64_t written = 0;
   for (const auto& p : pieces) written += p.n * item_size(p.out);
   parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
@@ -137,18 +117,15 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
     const std::uint64_t ii = item_size(p.view->type);
     const std::span<const std::byte> src(p.view->data + p.src * ii, static_cast<std::size_t>(p.n * ii));
     if (p.out == p.view->type) {
-      pwrite_full(fds[p.file].get(), p.at, src, paths[p.file]);
+      out[p.file]->write_at(p.at, src);
       return;
     }
     std::vector<std::byte> buf(static_cast<std::size_t>(p.n * item_size(p.out)));
     convert_elements(p.view->type, src, p.out, buf);
-    pwrite_full(fds[p.file].get(), p.at, buf, paths[p.file]);
+    out[p.file]->write_at(p.at, buf);
   });
-  for (std::size_t f = 0; f < fds.size(); ++f)
-    if (fds[f]) {
-      if (::fdatasync(fds[f].get()) != 0) fail_errno(errno, paths[f] + ": fdatasync");
-      fds[f].close_checked(paths[f]);
-    }
+  for (auto& w : out)
+    if (w) w->finish();
   return written;
 }
 
@@ -179,19 +156,14 @@ hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::
     for (const auto& [key, tm] : md.tensors) inputs.push_back({key, tm.type, tm.shape});
     l = plan_hf_export_layout(inputs, opt, dname);
   });
-  const std::string token = rank0_step(comm, [&] { return detail::create_export_files(out_dir, l); });  // 2
-  try {
-    every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, token, views, md, comm.rank(), opt); });  // 3
-  } catch (...) {
-    if (comm.rank() == 0) detail::remove_export_temps(out_dir, l, token);
-    throw;
-  }
+  std::vector<file_writer> writers;  // rank 0's, from step 2 to step 4
+  const std::string joined = rank0_step(comm, [&] { return detail::create_export_files(out_dir, l, writers); });  // 2
+  std::vector<std::string> temps;
+  for (std::size_t at = 0, z; (z = joined.find('\0', at)) != std::string::npos; at = z + 1)
+    temps.push_back(joined.substr(at, z - at));
+  every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, temps, views, md, comm.rank(), opt); });  // 3
   rank0_step(comm, [&] {  // 4
-    for (const auto& f : l.plan.files) {
-      const std::string tmp = detail::hf_export_temp(out_dir, f.name, token), fin = (out_dir / f.name).string();
-      if (::rename(tmp.c_str(), fin.c_str()) != 0) fail_errno(errno, fin + ": rename from " + tmp);
-    }
-    detail::fsync_dir(dname);
+    for (file_writer& w : writers) w.commit();
     if (l.plan.indexed()) write_text(file_directory(out_dir), hf_index_file, l.plan.index_json());
   });
   hf_export_stats st;

@@ -31,6 +31,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf/experts.hpp"
 #include "shardsafe/core/convert.hpp"
@@ -96,8 +97,9 @@ inline bool same_memory(const flat_view& a, const flat_view& b) {
 /// Maps views to the checkpoint's tensors (rules at the top). `ctx` (the folder) starts every
 /// message. Throws errc::invalid_argument when two file keys are renamed to one name, and
 /// errc::not_found for a strict import with missing keys.
-inline hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<const hf_tensor_info> table,
-                                  const hf_key_options& opt, std::string_view ctx) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<const hf_tensor_info> table,
+                                          const hf_key_options& opt, std::string_view ctx) {
   hf_key_mapping m;
   struct fed {
     std::size_t tensor;
@@ -181,6 +183,10 @@ inline hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<co
   }
   return m;
 }
+#else
+SHARDSAFE_DECL hf_key_mapping map_hf_keys(std::span<const flat_view> views, std::span<const hf_tensor_info> table,
+                                          const hf_key_options& opt, std::string_view ctx);
+#endif
 
 /// Checks one load of a mapping: the view against its spec and memory, and against the
 /// checkpoint tensor's shape and dtype. Messages name the folder, both keys and the rule.

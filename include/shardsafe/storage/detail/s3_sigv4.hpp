@@ -23,21 +23,12 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 #include "shardsafe/storage/aws.hpp"
 
 namespace shardsafe {
 
 namespace detail {
-
-inline std::string to_hex(const unsigned char* p, std::size_t n) {
-  static const char* d = "0123456789abcdef";
-  std::string s(2 * n, '0');
-  for (std::size_t i = 0; i < n; ++i) {
-    s[2 * i] = d[p[i] >> 4];
-    s[2 * i + 1] = d[p[i] & 15];
-  }
-  return s;
-}
 
 /// Lowercase hex SHA-256 of bytes.
 inline std::string sha256_hex(std::string_view bytes) {

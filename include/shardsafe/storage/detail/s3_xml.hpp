@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 #include "shardsafe/storage/detail/s3_sigv4.hpp"
 
 namespace shardsafe::detail {
