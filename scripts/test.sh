@@ -2,16 +2,24 @@
 # The test command of the README (and of CI): installs what is missing, then runs the debian12,
 # debian13 and clang legs, each a real build and run:
 #
-#   debian12  GCC 12, LibTorch 1.13, Boost 1.74 (this machine): everything. Every test suite
-#             (format, shard, storage, remote, tool, c10d worlds, resume, examples, packaging),
-#             the benchmarks' smoke runs, then the fuzz targets under ASan/UBSan for a bounded time.
+# Each check runs in the one leg it belongs to (none twice):
+#
+#   debian12  GCC 12, LibTorch 1.13, Boost 1.74 (this machine), against the separately compiled
+#             library: the core suite (format, shard, storage, remote against nginx and
+#             moto_server, the tool, the interop suites against Python and torch 1.13), the
+#             LibTorch suite (c10d worlds, resume, kill trials, the simulated cluster), the race
+#             tests under ThreadSanitizer, the USAGE snippets.
 #   debian13  GCC 14, LibTorch 2.6, Boost 1.83, Python's torch 2.6, in a Debian 13 root made by
-#             scripts/env-debian13.sh (made once, reused after): the LibTorch suites, the
-#             examples, the tool, the interop suites against torch 2.6, packaging, the LibTorch
-#             benchmarks' smoke runs, and checkpoints crossing LibTorch versions. The root is made
-#             while the debian12 leg compiles.
-#   clang     clang 19 on this machine (-Dtorch=disabled): the torch-free core and the remote
-#             backends compile, and their suite passes.
+#             scripts/env-debian13.sh (made once, reused after; made while the debian12 leg
+#             compiles): the LibTorch suite and the interop suites against torch 2.6, every
+#             header compiled on its own (the torch/ ones against LibTorch 2.6), the examples,
+#             packaging (install, pkg-config, CMake, Meson subproject), the LibTorch benchmarks'
+#             smoke runs, and checkpoints crossing LibTorch versions.
+#   clang     clang 19 on this machine (-Dtorch=disabled), header-only as users build by default
+#             (-Dseparate_compilation=false): the core suite again under another compiler and
+#             mode, the tool's hostile inputs, the compile-fail cases, the remote layer's
+#             one-definition check (TLS and plain units in one program), the torch-free
+#             benchmarks' smoke runs, then the fuzz targets under ASan/UBSan for a bounded time.
 #
 #   scripts/test.sh                     # all three (what CI runs)
 #   scripts/test.sh debian13 clang      # the legs named
@@ -41,17 +49,17 @@ python3 -c 'import json, pickle, pickletools' ||
 leg_debian12() {
   export SHARDSAFE_TORCH_PEER=1  # /usr/bin/python3's torch 1.13: its peer tests fail rather than skip
   export SHARDSAFE_REQUIRE_CLUSTER=1  # the simulated cluster's tests (root, network namespaces) fail rather than skip
-  [ -f build/build.ninja ] || meson setup build -Ddebug=false -Db_ndebug=false
-  meson configure build -Dbench=true -Dtools=true
-  meson compile -C build
+  # -O1 throughout: this leg runs no benchmark (the tests are -O1 in any build)
+  [ -f build/build.ninja ] || meson setup build -Ddebug=false -Doptimization=1 -Db_ndebug=false
+  meson configure build -Dbench=false -Dexamples=false -Dtools=true
+  # the programs of this leg's suites (a plain `meson compile` builds every test's programs,
+  # the headers suite's too)
+  meson compile -C build tests/core_tests tests/torch_tests tests/race_tests tools/shardsafe
   [ -x build/tools/shardsafe ] ||
     { echo "test.sh: build/tools/shardsafe was not built; the tool's tests need it" >&2; exit 1; }
-  meson test -C build --print-errorlogs
-  # the benchmarks, once each with --quick: a smoke run that they build and work, not a measurement
-  meson test -C build --benchmark --print-errorlogs
-  if [ "${FUZZ_SECONDS:-15}" != "0" ]; then
-    FUZZ_SECONDS="${FUZZ_SECONDS:-15}" fuzz/run.sh
-  fi
+  # (headers and packaging are the debian13 leg's; hostile, compile_fail and odr the clang leg's)
+  meson test -C build --no-rebuild --print-errorlogs --no-suite headers --no-suite packaging \
+    --no-suite hostile --no-suite compile_fail --no-suite odr
 }
 
 # The Debian 13 root: its build packages and Python's torch 2.6 (and moto for the S3 peers).
@@ -75,13 +83,12 @@ leg_debian13() {
     [ -f build-debian13/build.ninja ] ||
       meson setup build-debian13 -Ddebug=false -Db_ndebug=false -Dtorch=enabled -Dtorch_free_tests=false \
         -Dbench=true -Dtools=true -Dexamples=true
-    # what this leg checks: the LibTorch suites, the tool, the examples, the LibTorch benchmarks and
-    # bench_dcp under GCC 14 and LibTorch 2.6. Every torch/ header compiles here through
-    # shardsafe/torch.hpp (examples/quickstart.cpp); each header on its own is the debian12 leg'"'"'s
-    # headers suite, which sees LibTorch through the same precompiled header whatever its version,
-    # so compiling each again here would check nothing more (and cost some 20 CPU-minutes)
+    # what this leg checks: the LibTorch suites, the tool, the examples, every header on its own,
+    # packaging, the LibTorch benchmarks and bench_dcp under GCC 14 and LibTorch 2.6 (the headers
+    # suite'"'"'s objects are not built by default: meson test builds them)
     meson compile -C build-debian13
-    meson test -C build-debian13 --no-rebuild --print-errorlogs --no-suite headers
+    meson test -C build-debian13 --print-errorlogs
+    # the benchmarks, once each with --quick: a smoke run that they build and work, not a measurement
     meson test -C build-debian13 --no-rebuild --benchmark --print-errorlogs
   '
   # checkpoints written under one LibTorch version resume under the other (both builds needed)
@@ -101,11 +108,17 @@ leg_clang() {
   }
   [ -f build-clang/build.ninja ] ||
     CXX=clang++-19 meson setup build-clang -Ddebug=false -Doptimization=1 -Db_ndebug=false -Dtorch=disabled -Dremote=enabled \
-      -Dbench=false -Dexamples=false -Dtools=true
-  # the torch-free core and the remote backends: their suite and the tool's hostile cases (the
-  # race, header and packaging checks are the debian12 leg's)
-  meson compile -C build-clang tests/core_tests tools/shardsafe
-  meson test -C build-clang --no-rebuild --print-errorlogs core hostile
+      -Dbench=true -Dexamples=false -Dtools=true -Dseparate_compilation=false
+  # the torch-free core and the remote backends, header-only as users build them by default:
+  # their suite, the tool's hostile inputs and the compile-fail cases
+  meson compile -C build-clang tests/core_tests tools/shardsafe tests/remote_odr
+  meson test -C build-clang --no-rebuild --print-errorlogs core hostile compile_fail remote_odr
+  # the torch-free benchmarks, once each with --quick: a smoke run that they build and work, not a
+  # measurement (meson test builds them)
+  meson test -C build-clang --benchmark --print-errorlogs
+  if [ "${FUZZ_SECONDS:-15}" != "0" ]; then
+    FUZZ_SECONDS="${FUZZ_SECONDS:-15}" fuzz/run.sh
+  fi
 }
 
 if [[ " ${legs[*]} " == *" debian12 "* && " ${legs[*]} " == *" debian13 "* ]]; then
