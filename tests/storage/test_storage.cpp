@@ -648,6 +648,52 @@ TEST_CASE("file_writer::write_blocks: an error in fill leaves no file") {
   CHECK(fs::is_empty(tmp.path));
 }
 
+TEST_CASE("file_part_writer: writers of one file_writer's temporary each write their ranges; the creator commits or removes it") {
+  temp_dir tmp;
+  const std::string bytes = testing::random_bytes(3 * 4096 + 17, 41);
+  const auto part = [&](std::size_t a, std::size_t b) {
+    return std::as_bytes(std::span<const char>(bytes.data() + a, b - a));
+  };
+  {
+    file_writer w(tmp.path / "shared");
+    w.reserve(bytes.size());
+    w.write_at(0, part(0, 100));
+    // two more writers of the same file (as ranks of one job are), each its own ranges, at once
+    std::thread t1([&] {
+      file_part_writer p(w.temp_path(), "shared");
+      p.write_at(100, part(100, 5000));
+      p.finish();
+    });
+    std::thread t2([&] {
+      file_part_writer p(w.temp_path(), "shared");
+      p.write_at(5000, part(5000, bytes.size()));
+      p.finish();
+      testing::expect_error([&] { p.write_at(0, part(0, 1)); }, errc::invalid_argument, {"shared", "write after finish"});
+    });
+    t1.join();
+    t2.join();
+    CHECK(!fs::exists(tmp.path / "shared"));  // not there until the creator commits
+    w.commit();
+  }
+  CHECK(testing::slurp(tmp.path / "shared") == bytes);
+  CHECK(fs::file_size(tmp.path / "shared") == bytes.size());
+  {
+    file_writer w(tmp.path / "dropped");
+    file_part_writer p(w.temp_path(), "dropped");
+    p.write_at(0, part(0, 10));
+    p.finish();
+  }  // the creator gone without commit: the temporary goes with it
+  CHECK(!fs::exists(tmp.path / "dropped"));
+  CHECK(fs::directory_iterator(tmp.path) == fs::directory_iterator());
+  // a temporary that is not there (its creator gone) is an error naming the file
+  try {
+    file_part_writer(tmp.path / "gone.tmp", "gone");
+    FAIL("opened a file that is not there");
+  } catch (const error& e) {
+    CHECK(e.code() == errc::io_error);
+  }
+}
+
 TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files are byte-identical") {
   // odd sizes, so that tensors straddle the 8 KiB blocks and the file ends mid-block
   std::mt19937_64 rng(9);

@@ -70,7 +70,7 @@ class checkpoint_files {
   const non_tensor_item* find_object(std::string_view key) const {
     const auto& items = src_.non_tensors;
     auto it = std::lower_bound(items.begin(), items.end(), key,
-                               [](const non_tensor_item& i, std::string_view k) { return i.key < k; });
+                               [](const non_tensor_item& i, std::string_view k) { return std::string_view(i.key) < k; });
     return it != items.end() && it->key == key ? &*it : nullptr;
   }
   /// The value of the non-tensor item `key` (a DCP folder's: format/dcp_data.hpp's

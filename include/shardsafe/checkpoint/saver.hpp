@@ -337,43 +337,38 @@ checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm,
   return merge_descriptions(parts, dname, roles);
 }
 
-/// Step 2, on rank 0: refuses a non-empty dir unless overwrite; otherwise empties it, its
-/// commit mark first (metadata.json; a DCP folder's .metadata), so the old checkpoint stops
-/// loading as complete; then makes it.
-template <WritableDirectory D, Comm C>
-void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view commit_mark = metadata_file_name) {
+/// On rank 0: refuses a non-empty dir unless overwrite; otherwise empties it, its commit mark
+/// first (remove_mark(dir)), so the old checkpoint stops loading as complete; then makes it.
+template <WritableDirectory D, Comm C, class RemoveMark>
+void prepare_emptied(const D& dir, bool overwrite, C& comm, RemoveMark&& remove_mark) {
   const step_scope step("preparing the folder");
   rank0_step(comm, [&] {
     if (!dir.list().empty()) {
       if (!overwrite)
         fail(errc::already_exists,
              std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
-      dir.remove(commit_mark);
+      remove_mark(dir);
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();
   });
 }
 
-/// On rank 0, the parent of a multi-folder save (save_folder_set): refuses it when not empty
-/// unless overwrite; otherwise removes the commit folder's commit mark first (its metadata.json
-/// or DCP .metadata, the set's commit mark), then everything; then makes it.
+/// Step 2: dir prepared (prepare_emptied), its commit mark metadata.json (a DCP folder's .metadata).
+template <WritableDirectory D, Comm C>
+void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view commit_mark = metadata_file_name) {
+  prepare_emptied(dir, overwrite, comm, [&](const D& d) { d.remove(commit_mark); });
+}
+
+/// The parent of a multi-folder save (save_folder_set) prepared: its commit mark is the commit
+/// folder's metadata.json or DCP .metadata (removing a name that is not there is no error; an
+/// object store has no folder to ask about).
 template <WritableDirectory D, Comm C>
 void prepare_folder_set(const D& parent, std::string_view commit_folder, bool overwrite, C& comm) {
-  const step_scope step("preparing the folder");
-  rank0_step(comm, [&] {
-    if (!parent.list().empty()) {
-      if (!overwrite)
-        fail(errc::already_exists,
-             std::string(parent.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
-      // the commit mark goes first (removing a name that is not there is no error; an object
-      // store has no folder to ask about)
-      const D last = parent.sub(commit_folder);
-      last.remove(metadata_file_name);
-      last.remove(dcp_metadata_file_name);
-      for (const auto& n : parent.list()) parent.remove(n);
-    }
-    parent.make();
+  prepare_emptied(parent, overwrite, comm, [&](const D& d) {
+    const D last = d.sub(commit_folder);
+    last.remove(metadata_file_name);
+    last.remove(dcp_metadata_file_name);
   });
 }
 
