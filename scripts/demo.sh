@@ -11,9 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh demo
 # a build of its own, of the two programs the demo runs: the tool without the remote backends
-# (Boost.Beast doubles its compile time; the demo reads local folders), no tests or benchmarks
+# (Boost.Beast doubles its compile time; the demo reads local folders), no tests or benchmarks;
+# header-only (two units on two cores: a separately compiled library would be a third)
 b=build-demo
-[ -f $b/build.ninja ] || meson setup $b -Dremote=disabled -Dtests=false -Dbench=false -Dfuzz=false >/dev/null
+[ -f $b/build.ninja ] || meson setup $b -Dremote=disabled -Dtests=false -Dbench=false -Dfuzz=false \
+  -Dseparate_compilation=false >/dev/null
 meson compile -C $b train_demo shardsafe
 run=demo-run
 $b/examples/train_demo --dir "$run" "$@"
