@@ -265,6 +265,16 @@ SHARDSAFE_DECL std::vector<std::size_t> files_to_compare(const std::string& key,
 /// holding its tensor. memory_later: the views may have no memory yet (a plan made for
 /// describing, executed with other views: checkpoint/staged_load.hpp). Throws on the first
 /// problem, naming tensor and rule.
+namespace detail {
+/// Refuses (errc::dtype_mismatch) a view whose dtype is not load_options::view_dtype, when set.
+inline void require_view_dtype(const flat_view& v, const load_options& opt, std::string_view where) {
+  if (opt.view_dtype && v.type != *opt.view_dtype)
+    fail(errc::dtype_mismatch, std::string(where) + ": tensor '" + v.key + "': the view has dtype " +
+                                   std::string(name(v.type)) + " but this loader's policy takes only " +
+                                   std::string(name(*opt.view_dtype)) + " views (load_options::view_dtype)");
+}
+}  // namespace detail
+
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
                                      const std::function<const tensor_metadata*(std::string_view)>& find,
@@ -281,10 +291,7 @@ SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
     const flat_view& v = views[vi];
     const std::string ctx = std::string(where) + ": tensor '" + v.key + "'";
     v.validate(where, memory_later);
-    if (opt.view_dtype && v.type != *opt.view_dtype)
-      fail(errc::dtype_mismatch, ctx + ": the view has dtype " + std::string(name(v.type)) +
-                                     " but this loader's policy takes only " + std::string(name(*opt.view_dtype)) +
-                                     " views (load_options::view_dtype)");
+    detail::require_view_dtype(v, opt, where);
     asked[v.key] = true;
     const tensor_metadata* tm = find(v.key);
     if (!tm) {

@@ -203,6 +203,11 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
                           const load_options& opt) {
   std::vector<staged_view<std::byte*>> direct;
   std::vector<std::pair<const device_entry*, dtype>> convert;  // with the dtype stored
+  // the views' dtype is checked here, on the tensors' own dtypes: the scratch views converted on
+  // the device have the stored dtype
+  for (const auto& e : entries) detail::require_view_dtype(e.staged.view, opt, reader.directory().name());
+  load_options scratch_opt = opt;
+  scratch_opt.view_dtype.reset();
   for (const auto& e : entries) {
     const tensor_metadata* tm = reader.find(e.staged.view.key);
     if (opt.convert_dtypes && opt.convert_on_device && tm && tm->type != e.staged.view.type &&
@@ -234,7 +239,7 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
       v.target = static_cast<std::byte*>(t.data_ptr());
       views.push_back(std::move(v));
     }
-    const staged_load_stats s = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, opt);
+    const staged_load_stats s = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, scratch_opt);
     st.add_reads(s);
     st.tensors += s.tensors;
     {

@@ -13,8 +13,8 @@
 //      covered); every rank then computes the same export plan from that alone
 //      (plan_hf_export_layout: renames, dtype, packing, every file's header and offsets);
 //   2. rank 0 checks out_dir is absent or empty, creates it, and creates every output file as a
-//      file_writer (storage/file.hpp: under a temporary name, broadcast), at its full size, with
-//      its header;
+//      file_writer (storage/file.hpp: under a temporary name, broadcast; each rank finds it in
+//      its own out_dir), at its full size, with its header;
 //   3. every rank writes the bytes of its shards (converted when asked) at their offsets through
 //      file_part_writers of those files: its spec's runs against the whole tensor's flat layout
 //      (compute_copy_plan of the whole tensor against its spec); a tensor that is not sharded is
@@ -53,7 +53,8 @@ namespace detail {
 
 /// Step 2 on rank 0: the folder and every file at full size with its header, as file_writers
 /// (committed in step 4; destroyed uncommitted, they remove their temporaries). Returns their
-/// temporary paths, '\0'-separated, in file order.
+/// temporaries' file names, '\0'-separated, in file order (each rank finds them in its own
+/// out_dir: ranks on other machines may mount the shared folder elsewhere).
 inline std::string create_export_files(const std::filesystem::path& dir, const hf_export_layout& l,
                                        std::vector<file_writer>& writers) {
   detail::require_empty_output(file_directory(dir));
@@ -65,7 +66,7 @@ inline std::string create_export_files(const std::filesystem::path& dir, const h
     file_writer& w = writers.emplace_back(dir / l.plan.files[f].name);
     w.reserve(l.files[f].file_size());
     w.write_at(0, std::as_bytes(std::span(l.files[f].header)));
-    temps += w.temp_path();
+    temps += std::filesystem::path(w.temp_path()).filename().string();
     temps += '\0';
   }
   return temps;
@@ -109,7 +110,7 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
   }
   std::vector<std::optional<file_part_writer>> out(l.files.size());
   for (const auto& p : pieces)
-    if (!out[p.file]) out[p.file].emplace(temps[p.file], (dir / l.plan.files[p.file].name).string());
+    if (!out[p.file]) out[p.file].emplace((dir / temps[p.file]).string(), (dir / l.plan.files[p.file].name).string());
   std::uint64_t written = 0;
   for (const auto& p : pieces) written += p.n * item_size(p.out);
   parallel_for(pieces.size(), opt.threads, [&](std::size_t i) {
