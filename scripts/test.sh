@@ -122,7 +122,9 @@ leg_clang() {
 }
 
 if [[ " ${legs[*]} " == *" debian12 "* && " ${legs[*]} " == *" debian13 "* ]]; then
-  make_root >"$root_log" 2>&1 &
+  # at the lowest priority: the debian12 leg's compiles come first; the root takes what they
+  # leave (its downloads and disk writes, and the test phase's idle time)
+  nice -n 19 scripts/env-debian13.sh make base build moto >"$root_log" 2>&1 &
   root_pid=$!
 fi
 
