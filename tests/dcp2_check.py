@@ -154,7 +154,10 @@ def mesh_worker(rank, port, ckpt, ref, results):
             bad.append(f"optim.state.{n}.step")
     results.put((rank, bad))
     dist.barrier()
-    dist.destroy_process_group()
+    # every rank's result is in: leave without Gloo's teardown, which once left one of the four
+    # workers waiting on a futex for good in torch 2.6 (the test then waited on it until killed)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def check_mesh(ckpt, ref):
