@@ -8,7 +8,8 @@
 #             library: the core suite (format, shard, storage, remote against nginx and
 #             moto_server, the tool, the interop suites against Python and torch 1.13), the
 #             LibTorch suite (c10d worlds, resume, kill trials, the simulated cluster), the race
-#             tests under ThreadSanitizer, the USAGE snippets.
+#             tests under ThreadSanitizer, the USAGE snippets, the remote layer's one-definition
+#             check separately compiled (a TLS and a plain compiled unit in one program).
 #   debian13  GCC 14, LibTorch 2.6, Boost 1.83, Python's torch 2.6, in a Debian 13 root made by
 #             scripts/env-debian13.sh (made once, reused after; made while the debian12 leg
 #             compiles): the LibTorch suite and the interop suites against torch 2.6, every
@@ -54,7 +55,7 @@ leg_debian12() {
   meson configure build -Dbench=false -Dexamples=false -Dtools=true
   # the programs of this leg's suites (a plain `meson compile` builds every test's programs,
   # the headers suite's too)
-  meson compile -C build tests/core_tests tests/torch_tests tests/race_tests tools/shardsafe
+  meson compile -C build tests/core_tests tests/torch_tests tests/race_tests tools/shardsafe tests/remote_odr_compiled
   [ -x build/tools/shardsafe ] ||
     { echo "test.sh: build/tools/shardsafe was not built; the tool's tests need it" >&2; exit 1; }
   # (headers and packaging are the debian13 leg's; hostile, compile_fail and odr the clang leg's)

@@ -9,7 +9,8 @@
 // library is that unit (dependency `shardsafe-compiled`). It holds the definitions of the
 // functions the headers only declare in that mode, and the explicit instantiations of the
 // shared templates, for everything in the torch-free umbrella shardsafe/shardsafe.hpp. The
-// LibTorch parts (shardsafe/torch.hpp) and the remote backends stay header-only.
+// remote backends have a unit of their own (shardsafe/compiled_remote.hpp); the LibTorch parts
+// (shardsafe/torch.hpp) stay header-only.
 #pragma once
 
 #if !defined(SHARDSAFE_SEPARATE_COMPILATION)

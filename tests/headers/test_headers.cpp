@@ -95,6 +95,22 @@ TEST_CASE("the umbrella check finds each kind of mistake in a made-up tree") {
     CHECK_FALSE(is_remote_header("shardsafe/storage/url.hpp"));
     CHECK_FALSE(is_remote_header("shardsafe/format/http.hpp"));
   }
+  SUBCASE("the units of separate compilation: outside the umbrellas, each reaching what it compiles") {
+    t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
+    t.write("shardsafe/storage/http.hpp", "");
+    t.write("shardsafe/storage/s3.hpp", "#include \"shardsafe/storage/http.hpp\"\n");
+    t.write("shardsafe/compiled.hpp", "#include \"shardsafe/shardsafe.hpp\"\n");
+    t.write("shardsafe/compiled_remote.hpp", "#include \"shardsafe/storage/s3.hpp\"\n");
+    CHECK(check_umbrellas({t.root}).empty());
+    t.write("shardsafe/compiled_remote.hpp", "#include \"shardsafe/storage/http.hpp\"\n");  // s3 left out
+    auto problems = check_umbrellas({t.root});
+    REQUIRE(problems.size() == 1);
+    CHECK(has_line_with(problems, "shardsafe/compiled_remote.hpp", "does not include shardsafe/storage/s3.hpp"));
+    t.write("shardsafe/compiled_remote.hpp", "#include \"shardsafe/storage/s3.hpp\"\n");
+    t.write("shardsafe/a/w.hpp", "#include \"shardsafe/compiled_remote.hpp\"\n");  // an umbrella reaches it
+    problems = check_umbrellas({t.root});
+    CHECK(has_line_with(problems, "shardsafe/compiled_remote.hpp", "the unit of separate compilation, reached from shardsafe/shardsafe.hpp"));
+  }
   SUBCASE("a header named only in a comment is not reached") {
     t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
     t.write("shardsafe/a/w.hpp", "// #include \"shardsafe/a/v.hpp\"\n");

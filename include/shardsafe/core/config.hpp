@@ -25,6 +25,13 @@
 // SHARDSAFE_DECL is `inline` header-only, and nothing when separately compiled; SHARDSAFE_DEFINE
 // is 1 where the definitions are compiled (header-only: everywhere; separately: the one unit
 // of shardsafe/compiled.hpp, which defines SHARDSAFE_COMPILING_LIBRARY first).
+//
+// The remote backends (storage/http.hpp, storage/s3.hpp: Boost.Beast, OpenSSL) are a second
+// unit, shardsafe/compiled_remote.hpp, compiled once per value of SHARDSAFE_HTTP_TLS that the
+// program uses (the Meson build's shardsafe_remote_compiled library: the dependency
+// `shardsafe-remote-compiled`). Their functions compiled once are guarded by
+// SHARDSAFE_REMOTE_DEFINE instead, 1 header-only and in that unit (which defines
+// SHARDSAFE_COMPILING_REMOTE first), so that neither unit defines what the other does.
 #pragma once
 
 #if defined(SHARDSAFE_SEPARATE_COMPILATION)
@@ -38,8 +45,14 @@
 #define SHARDSAFE_DEFINE 0
 #define SHARDSAFE_EXTERN_TEMPLATE(...) extern template __VA_ARGS__;
 #endif
+#if defined(SHARDSAFE_COMPILING_REMOTE)
+#define SHARDSAFE_REMOTE_DEFINE 1
+#else
+#define SHARDSAFE_REMOTE_DEFINE 0
+#endif
 #else
 #define SHARDSAFE_DECL inline
 #define SHARDSAFE_DEFINE 1
+#define SHARDSAFE_REMOTE_DEFINE 1
 #define SHARDSAFE_EXTERN_TEMPLATE(...)
 #endif

@@ -41,6 +41,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/checked.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -69,8 +70,8 @@ struct remote_object {
 /// The size of the object at u from HEAD (following redirects; u becomes the URL that answered),
 /// or from the Content-Range total of a 1-byte GET when HEAD gives no Content-Length; and its
 /// validator, from the ETag (strong ones only: If-Match compares strongly) or Last-Modified.
-template <class Sign = no_signing>
-remote_object remote_head(http_client& c, url_parts& u, const Sign& sign = {}) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL remote_object remote_head(http_client& c, url_parts& u, request_signer sign = {}) {
   http_request head;
   head.method = bhttp::verb::head;
   head.url = u;
@@ -105,6 +106,9 @@ remote_object remote_head(http_client& c, url_parts& u, const Sign& sign = {}) {
   obj.size = *total;
   return obj;
 }
+#else
+SHARDSAFE_DECL remote_object remote_head(http_client& c, url_parts& u, request_signer sign = {});
+#endif
 }  // namespace SHARDSAFE_HTTP_ABI
 }  // namespace detail
 

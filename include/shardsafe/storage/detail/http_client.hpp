@@ -59,10 +59,12 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/storage/detail/http_exchange.hpp"
 #include "shardsafe/storage/detail/http_fields.hpp"
+#include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/detail/http_pool.hpp"
 #include "shardsafe/storage/http_options.hpp"
 #include "shardsafe/storage/url.hpp"
@@ -74,7 +76,8 @@ inline namespace SHARDSAFE_HTTP_ABI {
 
 class http_client {
  public:
-  explicit http_client(http_options o = {}) : opt_(normalized(std::move(o))), pool_(opt_, stats_), wire_(pool_, opt_, stats_) {}
+  explicit http_client(http_options o = {});
+  ~http_client();
   http_client(const http_client&) = delete;
   http_client& operator=(const http_client&) = delete;
 
@@ -84,73 +87,21 @@ class http_client {
   /// Sends req and reads the whole answer into memory, retrying as the top of the file says
   /// and following redirects for GET and HEAD. sign(req) is applied before every attempt.
   /// The caller judges the final status (a 404 comes back as a response, not an error).
-  template <class Sign = no_signing>
-  http_response send(http_request req, const Sign& sign = {}) {
-    http_pool::slot_guard slot(pool_.slots());
-    http_pool::lane_lease lane(pool_);
-    return http_pool::run_on(*lane, [&]() -> task<http_response> { co_return co_await send_on(*lane, std::move(req), sign); });
-  }
+  http_response send(http_request req, request_signer sign = {});
 
   /// Reads bytes [off, off + dst.size()) of the object at url (whose size is total) into dst,
   /// as the top of the file says. errc::not_found for a 404, errc::truncated for a 416; with a
   /// validator, errc::io_error "changed while reading" for a 412 or an answer of another ETag.
-  template <class Sign = no_signing>
   void read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst, std::uint64_t total,
-                  const Sign& sign = {}, const object_validator& validator = {}) {
-    if (dst.empty()) return;
-    http_pool::slot_guard slot(pool_.slots());
-    http_pool::lane_lease lane(pool_);
-    http_pool::run_on(*lane, [&]() -> task<bool> {
-      co_await read_range_on(*lane, url, off, dst, total, sign, validator);
-      co_return true;
-    });
-  }
+                  request_signer sign = {}, const object_validator& validator = {});
 
-  /// read_range of every part (each with .offset and .dst), as many at once as there are free
-  /// request slots (at least one; at most requests_in_flight): the requests of a batch are
-  /// coroutines on at most default_threads() threads (the calling thread and the shared pool's),
-  /// each thread running its own lane, so a batch costs no thread per request. The first error
-  /// stops parts from starting and is thrown once the parts under way have ended.
-  template <class Sign = no_signing, class Parts>
-  void read_ranges(const url_parts& url, const Parts& parts, std::uint64_t total, const Sign& sign = {},
-                   const object_validator& validator = {}) {
-    const std::size_t n = std::size(parts);
-    if (n == 0) return;
-    http_pool::slot_guard slots(pool_.slots());
-    const unsigned held = slots.take_free(static_cast<unsigned>(std::min<std::size_t>(n, opt_.requests_in_flight)));
-    const unsigned threads = std::min(held, default_threads());
-    std::vector<http_pool::lane_lease> lanes;
-    lanes.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t) lanes.emplace_back(pool_);
-    std::atomic<std::size_t> next{0};
-    std::atomic<bool> failed{false};
-    std::mutex error_mutex;
-    std::exception_ptr first_error;
-    parallel_for(threads, threads, [&](std::size_t t) {
-      http_lane& lane = *lanes[t];
-      for (unsigned w = static_cast<unsigned>(t); w < held; w += threads)
-        net::co_spawn(
-            lane.ioc,
-            [&]() -> task<void> {
-              for (;;) {
-                if (failed.load()) co_return;
-                const std::size_t i = next.fetch_add(1);
-                if (i >= n) co_return;
-                const auto& part = parts[i];
-                co_await read_range_on(lane, url, part.offset, part.dst, total, sign, validator);
-              }
-            },
-            [&](std::exception_ptr e) {
-              if (!e) return;
-              failed = true;
-              std::lock_guard lock(error_mutex);
-              if (!first_error) first_error = e;
-            });
-      lane.ioc.restart();
-      lane.ioc.run();
-    });
-    if (first_error) std::rethrow_exception(first_error);
-  }
+  /// read_range of every part, as many at once as there are free request slots (at least one;
+  /// at most requests_in_flight): the requests of a batch are coroutines on at most
+  /// default_threads() threads (the calling thread and the shared pool's), each thread running
+  /// its own lane, so a batch costs no thread per request. The first error stops parts from
+  /// starting and is thrown once the parts under way have ended.
+  void read_ranges(const url_parts& url, std::span<const read_request> parts, std::uint64_t total,
+                   request_signer sign = {}, const object_validator& validator = {});
 
  private:
   static http_options normalized(http_options o) {
@@ -160,72 +111,9 @@ class http_client {
     return o;
   }
 
-  template <class Sign>
-  task<http_response> send_on(http_lane& lane, http_request req, const Sign& sign) {
-    unsigned redirects = 0;
-    std::optional<http_response> last;
-    co_return co_await with_retries<http_response>(
-        req,
-        [&](http_request& r, attempt_failure& f) -> task<std::optional<http_response>> {
-          last.reset();
-          http_request signed_req = r;
-          sign(signed_req);
-          std::optional<http_response> resp = co_await wire_.exchange_whole(lane, signed_req, f);
-          if (!resp) co_return std::nullopt;
-          if (http_wire::is_redirect(resp->status) && (r.method == bhttp::verb::get || r.method == bhttp::verb::head)) {
-            auto loc = resp->header("Location");
-            if (!loc) co_return resp;
-            if (++redirects > opt_.max_redirects)
-              throw error(errc::io_error, req.url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
-            const url_parts to = resolve_location(r.url, *loc);
-            require_http_redirect(r.url, to);
-            r.url = to;
-            f = {next_step::follow, "redirect", std::nullopt};
-            co_return std::nullopt;
-          }
-          if (resp->status >= 500 || resp->status == 429) {
-            f = {next_step::retry, "HTTP " + std::to_string(resp->status) + http_wire::excerpt(resp->body), std::nullopt};
-            if (auto ra = resp->header("Retry-After")) f.retry_after = parse_retry_after(*ra);
-            last = std::move(resp);
-            co_return std::nullopt;
-          }
-          co_return resp;
-        },
-        [&] { return std::move(last); });
-  }
-
-  template <class Sign>
+  task<http_response> send_on(http_lane& lane, http_request req, request_signer sign);
   task<void> read_range_on(http_lane& lane, const url_parts& url, std::uint64_t off, std::span<std::byte> dst,
-                           std::uint64_t total, const Sign& sign, const object_validator& validator) {
-    if (dst.empty()) co_return;
-    std::uint64_t got = 0;
-    http_request req;
-    req.method = bhttp::verb::get;
-    req.url = url;
-    unsigned redirects = 0;
-    co_await with_retries<bool>(
-        req,
-        [&](http_request& r, attempt_failure& f) -> task<std::optional<bool>> {
-          http_request a = r;
-          a.headers.emplace_back("Range", "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
-          if (!validator.etag.empty()) a.headers.emplace_back("If-Match", validator.etag);
-          else if (!validator.last_modified.empty()) a.headers.emplace_back("If-Unmodified-Since", validator.last_modified);
-          sign(a);
-          std::optional<url_parts> moved;
-          const bool done = co_await wire_.exchange_range(lane, a, off, dst, total, got, f, moved, validator);
-          if (moved) {
-            require_http_redirect(r.url, *moved);
-            if (++redirects > opt_.max_redirects)
-              throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
-            r.url = *moved;
-            f = {next_step::follow, "redirect", std::nullopt};
-            co_return std::nullopt;
-          }
-          if (!done) co_return std::nullopt;
-          co_return true;
-        },
-        [] { return std::optional<bool>(); });
-  }
+                           std::uint64_t total, request_signer sign, const object_validator& validator);
 
   /// Runs attempt(req, failure) until it gives an answer, throws, or attempts run out; the
   /// backoff between attempts is a timer on the lane (other requests of the lane go on).
@@ -295,6 +183,136 @@ class http_client {
   http_pool pool_;
   http_wire wire_;
 };
+
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL http_client::http_client(http_options o)
+    : opt_(normalized(std::move(o))), pool_(opt_, stats_), wire_(pool_, opt_, stats_) {}
+
+SHARDSAFE_DECL http_client::~http_client() = default;
+
+SHARDSAFE_DECL http_response http_client::send(http_request req, request_signer sign) {
+  http_pool::slot_guard slot(pool_.slots());
+  http_pool::lane_lease lane(pool_);
+  return http_pool::run_on(*lane, [&]() -> task<http_response> { co_return co_await send_on(*lane, std::move(req), sign); });
+}
+
+SHARDSAFE_DECL void http_client::read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst,
+                                            std::uint64_t total, request_signer sign, const object_validator& validator) {
+  if (dst.empty()) return;
+  http_pool::slot_guard slot(pool_.slots());
+  http_pool::lane_lease lane(pool_);
+  http_pool::run_on(*lane, [&]() -> task<bool> {
+    co_await read_range_on(*lane, url, off, dst, total, sign, validator);
+    co_return true;
+  });
+}
+
+SHARDSAFE_DECL void http_client::read_ranges(const url_parts& url, std::span<const read_request> parts, std::uint64_t total,
+                                             request_signer sign, const object_validator& validator) {
+  const std::size_t n = parts.size();
+  if (n == 0) return;
+  http_pool::slot_guard slots(pool_.slots());
+  const unsigned held = slots.take_free(static_cast<unsigned>(std::min<std::size_t>(n, opt_.requests_in_flight)));
+  const unsigned threads = std::min(held, default_threads());
+  std::vector<http_pool::lane_lease> lanes;
+  lanes.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) lanes.emplace_back(pool_);
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex error_mutex;
+  std::exception_ptr first_error;
+  parallel_for(threads, threads, [&](std::size_t t) {
+    http_lane& lane = *lanes[t];
+    for (unsigned w = static_cast<unsigned>(t); w < held; w += threads)
+      net::co_spawn(
+          lane.ioc,
+          [&]() -> task<void> {
+            for (;;) {
+              if (failed.load()) co_return;
+              const std::size_t i = next.fetch_add(1);
+              if (i >= n) co_return;
+              const read_request& part = parts[i];
+              co_await read_range_on(lane, url, part.offset, part.dst, total, sign, validator);
+            }
+          },
+          [&](std::exception_ptr e) {
+            if (!e) return;
+            failed = true;
+            std::lock_guard lock(error_mutex);
+            if (!first_error) first_error = e;
+          });
+    lane.ioc.restart();
+    lane.ioc.run();
+  });
+  if (first_error) std::rethrow_exception(first_error);
+}
+
+SHARDSAFE_DECL task<http_response> http_client::send_on(http_lane& lane, http_request req, request_signer sign) {
+  unsigned redirects = 0;
+  std::optional<http_response> last;
+  co_return co_await with_retries<http_response>(
+      req,
+      [&](http_request& r, attempt_failure& f) -> task<std::optional<http_response>> {
+        last.reset();
+        http_request signed_req = r;
+        sign(signed_req);
+        std::optional<http_response> resp = co_await wire_.exchange_whole(lane, signed_req, f);
+        if (!resp) co_return std::nullopt;
+        if (http_wire::is_redirect(resp->status) && (r.method == bhttp::verb::get || r.method == bhttp::verb::head)) {
+          auto loc = resp->header("Location");
+          if (!loc) co_return resp;
+          if (++redirects > opt_.max_redirects)
+            throw error(errc::io_error, req.url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
+          const url_parts to = resolve_location(r.url, *loc);
+          require_http_redirect(r.url, to);
+          r.url = to;
+          f = {next_step::follow, "redirect", std::nullopt};
+          co_return std::nullopt;
+        }
+        if (resp->status >= 500 || resp->status == 429) {
+          f = {next_step::retry, "HTTP " + std::to_string(resp->status) + http_wire::excerpt(resp->body), std::nullopt};
+          if (auto ra = resp->header("Retry-After")) f.retry_after = parse_retry_after(*ra);
+          last = std::move(resp);
+          co_return std::nullopt;
+        }
+        co_return resp;
+      },
+      [&] { return std::move(last); });
+}
+
+SHARDSAFE_DECL task<void> http_client::read_range_on(http_lane& lane, const url_parts& url, std::uint64_t off,
+                                                     std::span<std::byte> dst, std::uint64_t total, request_signer sign,
+                                                     const object_validator& validator) {
+  if (dst.empty()) co_return;
+  std::uint64_t got = 0;
+  http_request req;
+  req.method = bhttp::verb::get;
+  req.url = url;
+  unsigned redirects = 0;
+  co_await with_retries<bool>(
+      req,
+      [&](http_request& r, attempt_failure& f) -> task<std::optional<bool>> {
+        http_request a = r;
+        a.headers.emplace_back("Range", "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
+        if (!validator.etag.empty()) a.headers.emplace_back("If-Match", validator.etag);
+        else if (!validator.last_modified.empty()) a.headers.emplace_back("If-Unmodified-Since", validator.last_modified);
+        sign(a);
+        std::optional<url_parts> moved;
+        const bool done = co_await wire_.exchange_range(lane, a, off, dst, total, got, f, moved, validator);
+        if (moved) {
+          require_http_redirect(r.url, *moved);
+          if (++redirects > opt_.max_redirects)
+            throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
+          r.url = *moved;
+          f = {next_step::follow, "redirect", std::nullopt};
+          co_return std::nullopt;
+        }
+        if (!done) co_return std::nullopt;
+        co_return true;
+      },
+      [] { return std::optional<bool>(); });
+}
+#endif  // SHARDSAFE_REMOTE_DEFINE
 
 }  // namespace SHARDSAFE_HTTP_ABI
 }  // namespace detail

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,26 @@ inline std::string_view sv(boost::beast::string_view s) noexcept { return {s.dat
 /// Signs nothing: the plain HTTP backend's request hook.
 struct no_signing {
   void operator()(http_request&) const noexcept {}
+};
+
+/// The request hook the client applies before every attempt (no_signing, s3_signer), passed
+/// by reference and called through one function pointer: the client's code is one whatever
+/// signs (compiled once in a separately compiled program: core/config.hpp), not one copy of
+/// its coroutines per hook. It refers to the hook it was made from, which outlives the call.
+class request_signer {
+ public:
+  request_signer() noexcept = default;  ///< signs nothing
+  template <class Sign>
+    requires(!std::is_same_v<std::remove_cvref_t<Sign>, request_signer> && std::is_invocable_v<const Sign&, http_request&>)
+  request_signer(const Sign& sign) noexcept  // NOLINT(google-explicit-constructor): a hook is a signer
+      : hook_(&sign), call_([](const void* h, http_request& r) { (*static_cast<const Sign*>(h))(r); }) {}
+  void operator()(http_request& r) const {
+    if (call_) call_(hook_, r);
+  }
+
+ private:
+  const void* hook_ = nullptr;
+  void (*call_)(const void*, http_request&) = nullptr;
 };
 
 /// What a range read checks that the object is still the one that was opened: its strong

@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/hex.hpp"
 #include "shardsafe/storage/aws.hpp"
@@ -31,16 +32,21 @@ namespace shardsafe {
 namespace detail {
 
 /// Lowercase hex SHA-256 of bytes.
-inline std::string sha256_hex(std::string_view bytes) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::string sha256_hex(std::string_view bytes) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   if (!EVP_Digest(bytes.data(), bytes.size(), md, &n, EVP_sha256(), nullptr))
     throw error(errc::io_error, "SHA-256 failed (OpenSSL)");
   return to_hex(md, n);
 }
+#else
+SHARDSAFE_DECL std::string sha256_hex(std::string_view bytes);
+#endif
 
 /// HMAC-SHA256(key, data), raw bytes.
-inline std::string hmac_sha256(std::string_view key, std::string_view data) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::string hmac_sha256(std::string_view key, std::string_view data) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int n = 0;
   if (!HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
@@ -48,6 +54,9 @@ inline std::string hmac_sha256(std::string_view key, std::string_view data) {
     throw error(errc::io_error, "HMAC-SHA256 failed (OpenSSL)");
   return std::string(reinterpret_cast<const char*>(md), n);
 }
+#else
+SHARDSAFE_DECL std::string hmac_sha256(std::string_view key, std::string_view data);
+#endif
 
 /// The pieces of one signature, kept for tests and error messages.
 struct sigv4_result {
@@ -59,10 +68,11 @@ struct sigv4_result {
 
 /// Signs one request (see the top of the file). amz_date is "YYYYMMDDTHHMMSSZ"; headers are
 /// (name, value) pairs, every one of them signed (host and x-amz-date among them).
-inline sigv4_result sigv4_sign(std::string_view method, std::string_view uri, std::string_view query,
-                               std::vector<std::pair<std::string, std::string>> headers, std::string_view payload_hash,
-                               const aws_credentials& creds, std::string_view region, std::string_view service,
-                               std::string_view amz_date) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view uri, std::string_view query,
+                                       std::vector<std::pair<std::string, std::string>> headers, std::string_view payload_hash,
+                                       const aws_credentials& creds, std::string_view region, std::string_view service,
+                                       std::string_view amz_date) {
   if (amz_date.size() != 16) throw error(errc::invalid_argument, "sigv4: x-amz-date '" + std::string(amz_date) + "' is not YYYYMMDDTHHMMSSZ");
   for (auto& [k, v] : headers) {
     for (char& c : k) c = (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
@@ -104,9 +114,16 @@ inline sigv4_result sigv4_sign(std::string_view method, std::string_view uri, st
                     ",SignedHeaders=" + signed_headers + ",Signature=" + r.signature;
   return r;
 }
+#else
+SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view uri, std::string_view query,
+                                       std::vector<std::pair<std::string, std::string>> headers, std::string_view payload_hash,
+                                       const aws_credentials& creds, std::string_view region, std::string_view service,
+                                       std::string_view amz_date);
+#endif
 
 /// The current UTC time as x-amz-date wants it.
-inline std::string amz_date_now() {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::string amz_date_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
   gmtime_r(&t, &tm);
@@ -114,6 +131,9 @@ inline std::string amz_date_now() {
   std::strftime(b, sizeof b, "%Y%m%dT%H%M%SZ", &tm);
   return b;
 }
+#else
+SHARDSAFE_DECL std::string amz_date_now();
+#endif
 
 }  // namespace detail
 

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/hex.hpp"
 #include "shardsafe/storage/detail/s3_sigv4.hpp"
@@ -18,8 +19,9 @@
 namespace shardsafe::detail {
 
 /// The text of the first <tag>...</tag> in xml at or after `from`, entities decoded.
-inline std::optional<std::string> xml_text(std::string_view xml, std::string_view tag, std::size_t from = 0,
-                                           std::size_t* end = nullptr) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::optional<std::string> xml_text(std::string_view xml, std::string_view tag, std::size_t from = 0,
+                                                   std::size_t* end = nullptr) {
   const std::string open = "<" + std::string(tag) + ">", close = "</" + std::string(tag) + ">";
   const std::size_t a = xml.find(open, from);
   if (a == std::string_view::npos) return std::nullopt;
@@ -60,12 +62,17 @@ inline std::optional<std::string> xml_text(std::string_view xml, std::string_vie
   }
   return out;
 }
+#else
+SHARDSAFE_DECL std::optional<std::string> xml_text(std::string_view xml, std::string_view tag, std::size_t from = 0,
+                                                   std::size_t* end = nullptr);
+#endif
 
 /// The ETag S3 gives the object of a completed multipart upload: "hex(md5(concatenation of
 /// the binary MD5s of the parts))-N" for N parts, quotes included. Each part's ETag is the MD5
 /// of its bytes when the bucket does not encrypt with SSE-KMS (and in moto); nothing when one
 /// of part_etags is not a quoted (or bare) 32-digit hex MD5, for then the rule does not apply.
-inline std::optional<std::string> multipart_etag(const std::vector<std::string>& part_etags) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::optional<std::string> multipart_etag(const std::vector<std::string>& part_etags) {
   std::string binary;
   for (std::string_view e : part_etags) {
     if (e.size() == 34 && e.front() == '"' && e.back() == '"') e = e.substr(1, 32);
@@ -89,5 +96,8 @@ inline std::optional<std::string> multipart_etag(const std::vector<std::string>&
     throw error(errc::io_error, "MD5 failed (OpenSSL)");
   return "\"" + to_hex(md, n) + "-" + std::to_string(part_etags.size()) + "\"";
 }
+#else
+SHARDSAFE_DECL std::optional<std::string> multipart_etag(const std::vector<std::string>& part_etags);
+#endif
 
 }  // namespace shardsafe::detail

@@ -1,0 +1,38 @@
+// shardsafe/compiled_remote.hpp - the compiled part of the remote backends in a separately
+// compiled shardsafe (core/config.hpp).
+//
+// A program built with SHARDSAFE_SEPARATE_COMPILATION defined for every translation unit that
+// uses storage/http.hpp or storage/s3.hpp compiles, once, a .cpp that holds only
+//
+//   #include <shardsafe/compiled_remote.hpp>
+//
+// (with the same flags as the rest, SHARDSAFE_HTTP_TLS included), and links it in beside the
+// unit of shardsafe/compiled.hpp; the Meson build's shardsafe_remote_compiled library is that
+// unit (dependency `shardsafe-remote-compiled`). It holds the HTTP client (its connections,
+// exchanges and retries: the coroutines and the Boost.Asio and Beast code under them), the
+// HEAD that opens an object, SigV4 and the S3 requests, errors and XML. With
+// SHARDSAFE_HTTP_TLS=1 (the default where OpenSSL is found by the build) it holds the s3
+// backend too; with 0, the http backend alone (plain http://). A program whose units use both
+// values compiles this unit once per value: the two are apart by their inline namespace
+// (http_plain, http_tls), as header-only units are (tests/remote/odr/).
+#pragma once
+
+#if !defined(SHARDSAFE_SEPARATE_COMPILATION)
+#error "shardsafe/compiled_remote.hpp is the compiled part of a separately compiled shardsafe's remote backends: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
+#endif
+#if defined(SHARDSAFE_DEFINE)
+#error "shardsafe/compiled_remote.hpp must be the first shardsafe header of its translation unit"
+#endif
+#define SHARDSAFE_COMPILING_REMOTE 1
+
+// The client's coroutines are defined here once, not inline, so the lambdas inside them have no
+// linkage, and GCC warns that the coroutine frames (types with linkage, from a header) hold
+// them; nothing outside this unit ever sees those frames.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wsubobject-linkage"
+#endif
+
+#include "shardsafe/storage/http.hpp"
+#if SHARDSAFE_HTTP_TLS
+#include "shardsafe/storage/s3.hpp"
+#endif
