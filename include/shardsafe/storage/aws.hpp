@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 
 namespace shardsafe {
@@ -58,8 +59,9 @@ inline std::string trim_spaces(std::string_view v) {
 
 /// The settings of profile `profile` in the text of an AWS INI file (top of this header), by
 /// key ("region", "s3.addressing_style"); nothing when the profile is absent.
-inline std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
-                                                                                  std::string_view profile) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
+                                                                                          std::string_view profile) {
   std::optional<std::map<std::string, std::string>> out;
   bool in_profile = false;
   std::string block;  // the "key =" block the indented lines belong to
@@ -93,11 +95,16 @@ inline std::optional<std::map<std::string, std::string>> aws_profile_settings_of
   }
   return out;
 }
+#else
+SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
+                                                                                          std::string_view profile);
+#endif
 
 /// aws_profile_settings_of the AWS INI file `file` (at most 1 MiB is read: a larger file is
 /// errc::invalid_argument); nothing when the file or the profile is absent.
-inline std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
-                                                                               std::string_view profile) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
+                                                                                       std::string_view profile) {
   std::ifstream in(file, std::ios::binary);
   if (!in) return std::nullopt;
   constexpr std::size_t max_bytes = std::size_t(1) << 20;
@@ -108,12 +115,17 @@ inline std::optional<std::map<std::string, std::string>> aws_profile_settings(co
     throw error(errc::invalid_argument, file.string() + ": over 1 MiB: not an AWS credentials or config file");
   return aws_profile_settings_of(text, profile);
 }
+#else
+SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
+                                                                                       std::string_view profile);
+#endif
 
 namespace detail {
 
 /// The credentials of [profile] in an AWS credentials file, or nothing when the file or the
 /// profile is absent or the profile has no aws_access_key_id.
-inline std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile) {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile) {
   const auto s = aws_profile_settings(file, profile);
   if (!s) return std::nullopt;
   auto get = [&](const char* k) {
@@ -124,6 +136,9 @@ inline std::optional<aws_credentials> credentials_from_file(const std::filesyste
   if (c.access_key_id.empty()) return std::nullopt;
   return c;
 }
+#else
+SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile);
+#endif
 
 }  // namespace detail
 
@@ -135,7 +150,8 @@ inline std::string aws_profile_name(std::string_view profile = "") {
 /// Credentials as the AWS tools find them: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
 /// AWS_SESSION_TOKEN, else profile `profile` (empty: AWS_PROFILE, else "default") of
 /// AWS_SHARED_CREDENTIALS_FILE or ~/.aws/credentials. errc::not_found when there are none.
-inline aws_credentials aws_credentials_from_environment(std::string profile = "") {
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL aws_credentials aws_credentials_from_environment(std::string profile = "") {
   if (auto id = detail::env("AWS_ACCESS_KEY_ID")) {
     auto secret = detail::env("AWS_SECRET_ACCESS_KEY");
     if (!secret) throw error(errc::invalid_argument, "AWS_ACCESS_KEY_ID is set but AWS_SECRET_ACCESS_KEY is not");
@@ -151,5 +167,8 @@ inline aws_credentials aws_credentials_from_environment(std::string profile = ""
                                    (file.empty() ? std::string("there is no HOME") : file.string()) + " has no profile '" +
                                    profile + "' with aws_access_key_id");
 }
+#else
+SHARDSAFE_DECL aws_credentials aws_credentials_from_environment(std::string profile = "");
+#endif
 
 }  // namespace shardsafe

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/storage/aws.hpp"
 #include "shardsafe/storage/http_options.hpp"
@@ -58,7 +59,8 @@ namespace detail {
 /// The addressing_style of the `s3 =` block of profile `profile` in an AWS config file, as the
 /// AWS CLI writes it ("s3 =" then indented "addressing_style = virtual"); nothing when the file,
 /// the profile or the setting is absent. An unknown value is an error.
-inline std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile) {
+#if SHARDSAFE_REMOTE_DEFINE
+SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile) {
   const auto settings = aws_profile_settings(file, profile);
   if (!settings) return std::nullopt;
   const auto it = settings->find("s3.addressing_style");
@@ -70,6 +72,9 @@ inline std::optional<s3_addressing> addressing_from_config(const std::filesystem
   throw error(errc::invalid_argument, file.string() + ": profile '" + std::string(profile) + "': s3 addressing_style '" + v +
                                           "' is none of auto, path, virtual");
 }
+#else
+SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile);
+#endif
 
 }  // namespace detail
 
