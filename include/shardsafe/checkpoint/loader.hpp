@@ -36,11 +36,6 @@
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
-#if defined(SHARDSAFE_SEPARATE_COMPILATION)  // (the backends of the instantiations at the end)
-#include "shardsafe/storage/file.hpp"
-#include "shardsafe/storage/memory.hpp"
-#include "shardsafe/storage/mmap.hpp"
-#endif
 
 namespace shardsafe {
 
@@ -72,9 +67,8 @@ class checkpoint_reader : public checkpoint_files<D> {
     return schedule_reads(std::move(vp), views, pf, opt, resolve_threads(opt.threads, hint), this->described_by());
   }
 
-  /// Runs a schedule that plan() made for these views (the same views, in the same order):
-  /// the reads, the copies, the comparisons, the checksums and the NaN check. Throws on the
-  /// first problem.
+  /// Runs a schedule plan() made for these views (the same views, in the same order): the
+  /// reads, copies, comparisons, checksums and the NaN check. Throws on the first problem.
   load_stats execute(std::span<const flat_view> views, const load_schedule& s) {
     const auto t0 = std::chrono::steady_clock::now();
     if (views.size() != s.views)
@@ -246,15 +240,11 @@ class checkpoint_reader : public checkpoint_files<D> {
   }
 };
 
-// the readers of the local backends, compiled once in separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<file_directory>)
+// the readers of the local backends, compiled once when separately compiled (core/config.hpp)
 SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<file_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<mmap_directory>)
 SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<mmap_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<memory_directory>)
 SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<memory_directory>)
 
 }  // namespace shardsafe
 
-// the two loads of flat views, per rank and collective, built on the reader above
-#include "shardsafe/checkpoint/load.hpp"
+#include "shardsafe/checkpoint/load.hpp"  // the two loads of flat views (per rank, collective), on the reader above
