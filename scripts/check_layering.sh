@@ -7,7 +7,8 @@
 #     or above it. Lowest first: core; detail; shard, storage and dist (side by side: none
 #     includes another); format; checkpoint; torch;
 #  3. LibTorch versions: only include/shardsafe/torch/compat.hpp tests TORCH_VERSION_* (or
-#     SHARDSAFE_TORCH_VERSION) anywhere in the sources.
+#     SHARDSAFE_TORCH_VERSION) anywhere in the sources;
+#  4. checkpoint/loader.hpp stays within 250 lines (issue 29).
 set -euo pipefail
 cd "$(dirname "$0")/../include/shardsafe"
 dirs=(core shard format storage detail checkpoint dist)
@@ -53,3 +54,12 @@ if [ -n "$versioned" ]; then
   exit 1
 fi
 echo "layering: only torch/compat.hpp tests LibTorch's version"
+
+# the loader stays a loader (issue 29): reading, planning and executing live in reader.hpp,
+# load_plan.hpp and read_executor.hpp; loader.hpp only puts them together
+loader_lines=$(wc -l < include/shardsafe/checkpoint/loader.hpp)
+if [ "$loader_lines" -gt 250 ]; then
+  echo "layering: include/shardsafe/checkpoint/loader.hpp has $loader_lines lines, over 250: move what is not the loader's own into reader.hpp, load_plan.hpp or read_executor.hpp" >&2
+  exit 1
+fi
+echo "layering: checkpoint/loader.hpp has $loader_lines lines (at most 250)"
