@@ -192,6 +192,41 @@ TEST_CASE("parse_http_date: the three forms, against Python's email.utils for ra
 // ---------------------------------------------------------------------------------------
 // nginx
 
+namespace {
+void http_test_add_header(detail::http_request& r) { r.headers.emplace_back("X-Hook", "function"); }
+}  // namespace
+
+TEST_CASE("request_signer calls the hook it refers to, once per call: a function object, a pointer to a function, none") {
+  struct counting_hook {
+    int* calls;
+    void operator()(detail::http_request& r) const { r.headers.emplace_back("X-Hook", std::to_string(++*calls)); }
+  };
+  int calls = 0;
+  const counting_hook hook{&calls};
+  const detail::request_signer by_object(hook);
+  detail::http_request r;
+  by_object(r);
+  by_object(r);
+  CHECK(calls == 2);  // the object itself, not a copy made when the signer was
+  REQUIRE(r.headers.size() == 2);
+  CHECK(r.headers[1].second == "2");
+  const detail::request_signer by_pointer(&http_test_add_header);  // a prvalue: held by value
+  by_pointer(r);
+  REQUIRE(r.headers.size() == 3);
+  CHECK(r.headers[2] == std::pair<std::string, std::string>("X-Hook", "function"));
+  const detail::request_signer by_name(http_test_add_header);
+  by_name(r);
+  REQUIRE(r.headers.size() == 4);
+  CHECK(r.headers[3].second == "function");
+  const detail::request_signer none;
+  none(r);
+  const detail::no_signing nothing;
+  const detail::request_signer by_no_signing(nothing);
+  by_no_signing(r);
+  CHECK(r.headers.size() == 4);
+  CHECK(calls == 2);
+}
+
 TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 ranks in another sharding, bit-exact") {
   testing::nginx_site srv;
   // w: F32 [96, 3000] saved in rows halves; e: BF16 [40, 24] saved in column halves

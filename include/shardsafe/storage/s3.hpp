@@ -5,7 +5,8 @@
 // large one.
 //
 // Needs Boost (Asio, Beast) and OpenSSL; not in the umbrella shardsafe.hpp (include it where
-// used, with meson's shardsafe_remote_dep). Its parts: the settings (storage/s3_options.hpp,
+// used, with meson's shardsafe_remote_dep; separately compiled, shardsafe-remote-compiled,
+// whose unit holds s3 only with SHARDSAFE_HTTP_TLS=1: shardsafe/compiled_remote.hpp). Its parts: the settings (storage/s3_options.hpp,
 // plain data), the writer (storage/s3_writer.hpp), one signed request and S3's errors
 // (storage/detail/s3_request.hpp), S3's XML (storage/detail/s3_xml.hpp), SigV4
 // (storage/detail/s3_sigv4.hpp); here, the directory.
@@ -62,6 +63,10 @@
 #include "shardsafe/storage/s3_options.hpp"
 #include "shardsafe/storage/s3_writer.hpp"
 #include "shardsafe/storage/url.hpp"
+
+#if defined(SHARDSAFE_SEPARATE_COMPILATION) && !SHARDSAFE_HTTP_TLS
+#error "shardsafe: the s3 backend separately compiled needs SHARDSAFE_HTTP_TLS=1 (the unit of shardsafe/compiled_remote.hpp holds s3 only with TLS); build header-only, or with TLS"
+#endif
 
 namespace shardsafe {
 inline namespace SHARDSAFE_HTTP_ABI {

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -66,21 +67,28 @@ struct no_signing {
 /// The request hook the client applies before every attempt (no_signing, s3_signer), passed
 /// by reference and called through one function pointer: the client's code is one whatever
 /// signs (compiled once in a separately compiled program: core/config.hpp), not one copy of
-/// its coroutines per hook. It refers to the hook it was made from, which outlives the call.
+/// its coroutines per hook. Made from a function object it refers to that object, which must
+/// outlive the signer (a temporary in the call that takes the signer does); made from a
+/// function, it holds the function's address.
 class request_signer {
  public:
   request_signer() noexcept = default;  ///< signs nothing
+  request_signer(void (*sign)(http_request&)) noexcept  // NOLINT(google-explicit-constructor)
+      : fn_(sign) {}
   template <class Sign>
-    requires(!std::is_same_v<std::remove_cvref_t<Sign>, request_signer> && std::is_invocable_v<const Sign&, http_request&>)
+    requires(std::is_class_v<Sign> && !std::is_same_v<std::remove_cv_t<Sign>, request_signer> &&
+             std::is_invocable_v<const Sign&, http_request&>)
   request_signer(const Sign& sign) noexcept  // NOLINT(google-explicit-constructor): a hook is a signer
-      : hook_(&sign), call_([](const void* h, http_request& r) { (*static_cast<const Sign*>(h))(r); }) {}
+      : hook_(std::addressof(sign)), call_([](const void* h, http_request& r) { (*static_cast<const Sign*>(h))(r); }) {}
   void operator()(http_request& r) const {
     if (call_) call_(hook_, r);
+    else if (fn_) fn_(r);
   }
 
  private:
   const void* hook_ = nullptr;
   void (*call_)(const void*, http_request&) = nullptr;
+  void (*fn_)(http_request&) = nullptr;
 };
 
 /// What a range read checks that the object is still the one that was opened: its strong
