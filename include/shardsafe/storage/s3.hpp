@@ -6,10 +6,10 @@
 //
 // Needs Boost (Asio, Beast) and OpenSSL; not in the umbrella shardsafe.hpp (include it where
 // used, with meson's shardsafe_remote_dep; separately compiled, shardsafe-remote-compiled,
-// whose unit holds s3 only with SHARDSAFE_HTTP_TLS=1: shardsafe/compiled_remote.hpp). Its parts: the settings (storage/s3_options.hpp,
-// plain data), the writer (storage/s3_writer.hpp), one signed request and S3's errors
-// (storage/detail/s3_request.hpp), S3's XML (storage/detail/s3_xml.hpp), SigV4
-// (storage/detail/s3_sigv4.hpp); here, the directory.
+// whose unit holds s3 only with SHARDSAFE_HTTP_TLS=1: shardsafe/compiled_remote.hpp). Its
+// parts: the settings (storage/s3_options.hpp, plain data), the writer (storage/s3_writer.hpp),
+// one signed request and S3's errors (storage/detail/s3_request.hpp), S3's XML
+// (storage/detail/s3_xml.hpp), SigV4 (storage/detail/s3_sigv4.hpp); here, the directory.
 //
 //   s3_directory d("s3://bucket/runs/step_100");        // settings from the AWS environment
 //   save_flat_views(d, views, comm);                     // rank files as multipart uploads
