@@ -25,13 +25,6 @@
 #endif
 #define SHARDSAFE_COMPILING_REMOTE 1
 
-// The client's coroutines are defined here once, not inline, so the lambdas inside them have no
-// linkage, and GCC warns that the coroutine frames (types with linkage, from a header) hold
-// them; nothing outside this unit ever sees those frames.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wsubobject-linkage"
-#endif
-
 #include "shardsafe/storage/http.hpp"
 #if SHARDSAFE_HTTP_TLS
 #include "shardsafe/storage/s3.hpp"

@@ -16,6 +16,7 @@
 #include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/detail/http_fields.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "support/test_util.hpp"
 #include "support/thread_world.hpp"

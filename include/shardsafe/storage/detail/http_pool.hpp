@@ -47,24 +47,13 @@
 #include <boost/beast/http/span_body.hpp>
 #include <boost/beast/http/write.hpp>
 
-#ifndef SHARDSAFE_HTTP_TLS
-#define SHARDSAFE_HTTP_TLS 0
-#endif
+#include "shardsafe/storage/detail/http_message.hpp"  // SHARDSAFE_HTTP_TLS, SHARDSAFE_HTTP_ABI
+
 #if SHARDSAFE_HTTP_TLS
 #include <boost/asio/ssl/context.hpp>
 #include <boost/asio/ssl/error.hpp>
 #include <boost/asio/ssl/host_name_verification.hpp>
 #include <boost/beast/ssl/ssl_stream.hpp>
-#endif
-
-// The TLS switch names the namespace of the remote layer's classes and functions (an inline
-// namespace: code never spells it), so that translation units built with and without TLS
-// link into one program with a definition each, not two definitions of one class (which the
-// one-definition rule forbids: tests/remote/odr/ links the two).
-#if SHARDSAFE_HTTP_TLS
-#define SHARDSAFE_HTTP_ABI http_tls
-#else
-#define SHARDSAFE_HTTP_ABI http_plain
 #endif
 
 #include "shardsafe/core/error.hpp"
@@ -79,7 +68,6 @@ inline namespace SHARDSAFE_HTTP_ABI {
 
 namespace net = boost::asio;
 namespace beast = boost::beast;
-namespace bhttp = boost::beast::http;
 
 /// A coroutine of the client (Asio's awaitable, on a lane's io_context).
 template <class T>
