@@ -36,7 +36,7 @@ namespace detail {
 inline namespace SHARDSAFE_HTTP_ABI {
 
 /// What an http_client does, behind its declarations: the client holds one, made with the
-/// client's (normalized) options and statistics, which it outlives.
+/// client's (normalized) options and statistics, which outlive it.
 class http_engine {
  public:
   http_engine(const http_options& opt, http_stats& stats) : opt_(opt), stats_(stats), pool_(opt_, stats_), wire_(pool_, opt_, stats_) {}

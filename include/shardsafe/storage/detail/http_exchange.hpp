@@ -2,7 +2,8 @@
 // connection (storage/detail/http_pool.hpp): a request written and its answer read whole into
 // memory (bounded), or a range GET landing straight in the caller's memory, every rule of a
 // range answer checked (the top of storage/detail/http_client.hpp). An attempt that gives no
-// final answer says what comes next (next_step); the retries are the client's.
+// final answer says what comes next (next_step); the retries are the engine's
+// (storage/detail/http_engine.hpp).
 #pragma once
 
 #include <algorithm>

@@ -1,9 +1,9 @@
 // shardsafe/storage/detail/http_message.hpp - what the HTTP client (storage/detail/
 // http_client.hpp) and its callers hand each other: a request, a response, the hook that signs
-// a request, what a range read checks the object against. Of Boost it takes only Beast's verb:
-// a separately compiled program's units see these and the client's declarations, not Asio or
-// Beast's streams, parsers and coroutines (those are in the remote unit alone:
-// shardsafe/compiled_remote.hpp).
+// a request, what a range read checks the object against. Of Boost it takes only Beast's verb
+// (and the string_view that comes with it): a separately compiled program's units see these and
+// the client's declarations, not Asio or Beast's streams, parsers and coroutines (those are in
+// the remote unit alone: shardsafe/compiled_remote.hpp).
 #pragma once
 
 #include <algorithm>

@@ -1,8 +1,9 @@
 // shardsafe/storage/detail/http_pool.hpp - the connections of the HTTP client
-// (storage/detail/http_client.hpp): kept-alive connections pooled per origin on lanes (an
-// io_context each, run by one thread at a time), the request slots that bound the requests of
-// a client on the wire, and the opening of a connection (http_options::connect_to, resolve,
-// connect, TLS handshake with the server's name checked), each step bounded by its deadline.
+// (storage/detail/http_client.hpp, whose engine holds the pool: http_engine.hpp): kept-alive
+// connections pooled per origin on lanes (an io_context each, run by one thread at a time), the
+// request slots that bound the requests of a client on the wire, and the opening of a
+// connection (http_options::connect_to, resolve, connect, TLS handshake with the server's name
+// checked), each step bounded by its deadline.
 #pragma once
 
 #include <algorithm>
