@@ -39,7 +39,8 @@ inline namespace SHARDSAFE_HTTP_ABI {
 /// client's (normalized) options and statistics, which outlive it.
 class http_engine {
  public:
-  http_engine(const http_options& opt, http_stats& stats) : opt_(opt), stats_(stats), pool_(opt_, stats_), wire_(pool_, opt_, stats_) {}
+  http_engine(const http_options& opt, http_stats& stats)
+      : opt_(opt), stats_(stats), pool_(opt_, stats_), wire_(pool_, opt_, stats_) {}
   http_engine(const http_engine&) = delete;
   http_engine& operator=(const http_engine&) = delete;
 
