@@ -553,6 +553,75 @@ TEST_CASE("http: a server that ignores If-Match but answers with another ETag; L
   }
 }
 
+TEST_CASE("http redirects: max_redirects hops are followed, one more is an error naming the limit; HEAD and range reads alike") {
+  const std::string body = random_bytes(1000, 33);
+  // /obj redirects to /hop1, /hop1 to /hop2, ...: /hopN answers once N reaches `hops`.
+  // HEADs get absolute Locations, GETs relative ones (both resolved by the client).
+  auto chain = [&](int head_hops, int get_hops) {
+    return [=](const std::string& head) {
+      const std::size_t p = head.find(' ') + 1;
+      const std::string path = head.substr(p, head.find(' ', p) - p);
+      const int at = path.starts_with("/hop") ? std::stoi(path.substr(4)) : 0;
+      const bool is_head = head.starts_with("HEAD ");
+      const int hops = is_head ? head_hops : get_hops;
+      if (at < hops) {
+        const std::string next = "/hop" + std::to_string(at + 1);
+        const std::size_t host = head.find("\r\nHost: ") + 8;
+        const std::string to = is_head ? "http://" + head.substr(host, head.find("\r\n", host) - host) + next : next;
+        return "HTTP/1.1 302 Found\r\nLocation: " + to + "\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+      }
+      if (is_head) return std::string("HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n");
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/1000\r\nContent-Length: 100\r\nConnection: close\r\n\r\n" +
+             body.substr(100, 100);
+    };
+  };
+  auto paths = [](testing::raw_server& srv) {
+    std::vector<std::string> out;
+    for (const std::string& h : srv.heads()) out.push_back(h.substr(0, h.find(" HTTP/1.1")));
+    return out;
+  };
+  http_options o = quick();
+  REQUIRE(o.max_redirects == 5u);  // the default
+  SUBCASE("HEAD: 5 hops are followed; the object's size comes from the last") {
+    testing::raw_server srv(chain(5, 0));
+    CHECK(http_storage(srv.url(), o).size() == 1000u);
+    CHECK(paths(srv) == std::vector<std::string>{"HEAD /obj", "HEAD /hop1", "HEAD /hop2", "HEAD /hop3", "HEAD /hop4", "HEAD /hop5"});
+  }
+  SUBCASE("HEAD: a sixth hop is refused after 6 requests, naming the URL asked for and the limit") {
+    testing::raw_server srv(chain(6, 0));
+    expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
+                 {srv.url() + ": more than 5 redirects (http_options::max_redirects); the last to " + srv.url("hop6")});
+    CHECK(srv.requests() == 6);
+  }
+  SUBCASE("a range read: 5 hops are followed, the range kept on each; a loop is refused at the limit") {
+    testing::raw_server srv(chain(0, 6));
+    const http_storage s(srv.url(), o);
+    expect_error([&] { read_string(s, 100, 100); }, errc::io_error,
+                 {srv.url() + ": more than 5 redirects (http_options::max_redirects); the last to " + srv.url("hop6")});
+    const auto heads = srv.heads();
+    REQUIRE(heads.size() == 1u + 6u);
+    for (std::size_t i = 1; i < heads.size(); ++i) CHECK(heads[i].find("\r\nRange: bytes=100-199") != std::string::npos);
+    o.max_redirects = 6;
+    const http_storage more(srv.url(), o);
+    CHECK(read_string(more, 100, 100) == body.substr(100, 100));
+    CHECK(srv.requests() == 7 + 1 + 7);
+  }
+  SUBCASE("max_redirects = 0: the first redirect is an error, of a HEAD and of a range read") {
+    o.max_redirects = 0;
+    {
+      testing::raw_server srv(chain(1, 0));
+      expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
+                   {srv.url() + ": more than 0 redirects (http_options::max_redirects); the last to " + srv.url("hop1")});
+      CHECK(srv.requests() == 1);
+    }
+    testing::raw_server srv(chain(0, 1));
+    const http_storage s(srv.url(), o);
+    expect_error([&] { read_string(s, 100, 100); }, errc::io_error,
+                 {srv.url() + ": more than 0 redirects (http_options::max_redirects); the last to " + srv.url("hop1")});
+    CHECK(srv.requests() == 2);
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // faults injected by a proxy (tests/fault_proxy.py) between the client and nginx
 

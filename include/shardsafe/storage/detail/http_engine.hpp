@@ -112,10 +112,18 @@ class http_engine {
     return std::to_string(d.count() / 1000) + (d.count() % 1000 ? "." + std::to_string(d.count() % 1000 / 100) : "") + " s";
   }
 
-  /// Refuses a redirect that leaves HTTP(S) (`Location: s3://...` is never fetched as HTTP).
-  static void require_http_redirect(const url_parts& from, const url_parts& to) {
+  /// Points the attempt r at the redirect's target `to` and has it made again at once. Refuses a
+  /// target outside HTTP(S) (`Location: s3://...` is never fetched as HTTP), then a redirect past
+  /// max_redirects, counted in `redirects` over the whole request that began at `origin`.
+  void follow_redirect(const url_parts& origin, http_request& r, const url_parts& to, unsigned& redirects,
+                       attempt_failure& f) const {
     if (to.scheme != "http" && to.scheme != "https")
-      throw error(errc::io_error, from.str() + ": redirected to " + to.str() + ", which is not http:// or https://; not followed");
+      throw error(errc::io_error, r.url.str() + ": redirected to " + to.str() + ", which is not http:// or https://; not followed");
+    if (++redirects > opt_.max_redirects)
+      throw error(errc::io_error, origin.str() + ": more than " + std::to_string(opt_.max_redirects) +
+                                      " redirects (http_options::max_redirects); the last to " + to.str());
+    r.url = to;
+    f = {next_step::follow, "redirect", std::nullopt};
   }
 
   const http_options& opt_;
@@ -182,6 +190,7 @@ inline void http_engine::read_ranges(const url_parts& url, std::span<const read_
 }
 
 inline task<http_response> http_engine::send_on(http_lane& lane, http_request req, request_signer sign) {
+  const url_parts origin = req.url;  // req follows the redirects
   unsigned redirects = 0;
   std::optional<http_response> last;
   co_return co_await with_retries<http_response>(
@@ -195,12 +204,7 @@ inline task<http_response> http_engine::send_on(http_lane& lane, http_request re
         if (http_wire::is_redirect(resp->status) && (r.method == bhttp::verb::get || r.method == bhttp::verb::head)) {
           auto loc = resp->header("Location");
           if (!loc) co_return resp;
-          if (++redirects > opt_.max_redirects)
-            throw error(errc::io_error, req.url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
-          const url_parts to = resolve_location(r.url, *loc);
-          require_http_redirect(r.url, to);
-          r.url = to;
-          f = {next_step::follow, "redirect", std::nullopt};
+          follow_redirect(origin, r, resolve_location(r.url, *loc), redirects, f);
           co_return std::nullopt;
         }
         if (resp->status >= 500 || resp->status == 429) {
@@ -234,11 +238,7 @@ inline task<void> http_engine::read_range_on(http_lane& lane, const url_parts& u
         std::optional<url_parts> moved;
         const bool done = co_await wire_.exchange_range(lane, a, off, dst, total, got, f, moved, validator);
         if (moved) {
-          require_http_redirect(r.url, *moved);
-          if (++redirects > opt_.max_redirects)
-            throw error(errc::io_error, url.str() + ": more than " + std::to_string(opt_.max_redirects) + " redirects");
-          r.url = *moved;
-          f = {next_step::follow, "redirect", std::nullopt};
+          follow_redirect(url, r, *moved, redirects, f);
           co_return std::nullopt;
         }
         if (!done) co_return std::nullopt;
