@@ -466,7 +466,16 @@ TEST_CASE("torch zip: data.pkl describing a strided or offset view is refused by
   CHECK_NOTHROW(check_torch_zip_tensor(t, rec, dtype::F32, {2, 3}, "f"));
   auto t2 = t;
   t2.stride = {1, 2};
-  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata, {"not row-major contiguous"});
+  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata,
+                        {"stride [1,2] is not row-major contiguous", "(its dimensions stored in another order", ".contiguous() copy"});
+  t2.stride = {3, 2};  // neither row-major nor a dense permutation
+  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata,
+                        {"stride [3,2] is not row-major contiguous for size [2,3]"});
+  try {
+    check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f");
+  } catch (const error& e) {
+    CHECK(std::string(e.what()).find("another order") == std::string::npos);
+  }
   t2 = t;
   t2.storage_offset = 2;
   testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata, {"storage offset 2"});
@@ -479,6 +488,15 @@ TEST_CASE("torch zip: data.pkl describing a strided or offset view is refused by
   // a pickle naming something else
   const std::string evil = pickle(glob("posix", "system") + tup({pstr("ls")}) + "R");
   testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata, {"'posix.system'", "torch.save tensor allowlist"});
+  // plain opcodes can build what _rebuild_tensor_v3 would, with a dtype name that is not torch's
+  for (const std::string dn : {"ab", "float32", "torch.nosuch"}) {
+    const std::string plain = pickle(dict({{pstr("__tensor__"), dict({{pstr("__storage__"), pstr("0")},
+                                                                      {pstr("type"), pstr("torch.UntypedStorage")},
+                                                                      {pstr("numel"), "K\x01"}})},
+                                           {pstr("dtype"), pstr(dn)}}));
+    testing::expect_error([&] { parse_torch_tensor_pickle(plain, "f data.pkl"); }, errc::invalid_metadata,
+                          {"f data.pkl", "dtype '" + dn + "' is not a torch dtype"});
+  }
 }
 
 TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS format) are read through their headers") {

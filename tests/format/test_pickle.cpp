@@ -610,6 +610,26 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
     w += B({'h', 5});
     const auto wide = allocated_by([&] { expect_refused(P(w), {"expands to more than"}); });
     CHECK_MESSAGE(wide < one_mib, "allocated ", wide, " bytes");
+    // a long str held once by the memo and referred to many times: each reference is a copy
+    // when the tree is built, so its bytes count (one value per 8): 2000 x 64 KiB = 128 MiB
+    const std::string text(64 * 1024, 's');
+    std::string lots = B({'X', 0, 0, 1, 0}) + text + B({'q', 0, '0', ']', '('});
+    for (int i = 0; i < 2000; ++i) lots += B({'h', 0});
+    lots += B({'e'});
+    const std::string lots_pickle = P(lots);
+    const std::string bound = std::to_string((std::size_t(1) << 20) + lots_pickle.size() / 8);  // max_values + the input's strings
+    const auto strings = allocated_by([&] { expect_refused(lots_pickle, {"expands to more than " + bound + " values (strings count 1 per 8 bytes)"}); });
+    CHECK_MESSAGE(strings < 4 * one_mib, "allocated ", strings, " bytes");
+    // one str of 9 MiB, read once: its bytes are the input's, never what the bound refuses
+    const std::string big(9 * one_mib, 'b');
+    const pv one = pickle_loads(P(B({'X', 0, 0, 0x90, 0}) + big), what);
+    CHECK(one.as_string("") == big);
+    // 16 references of it are within the bound, each a copy equal to it
+    std::string few = B({'X', 0, 0, 1, 0}) + text + B({'q', 0, '0', ']', '('});
+    for (int i = 0; i < 16; ++i) few += B({'h', 0});
+    const pv copies = pickle_loads(P(few + B({'e'})), what);
+    REQUIRE(copies.as_sequence("").size() == 16u);
+    for (const pv& c : copies.as_sequence("")) CHECK(c.as_string("") == text);
     // a shared list within the budget is fine: 2^10 leaves
     std::string ok = B({']', 'K', 1, 'a', 'q', 0, '0'});
     for (int i = 1; i <= 10; ++i) ok += B({'(', 'h', i - 1, 'h', i - 1, 'l', 'q', i, '0'});

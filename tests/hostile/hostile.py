@@ -280,11 +280,13 @@ def repeated_build(t):
     run("repeated_build", ["inspect", d], 0)
 
 
-def torch_like_metadata(tensors):
+def torch_like_metadata(tensors, path="__0_0.distcp", one_chunk=False):
     """The bytes of a `.metadata` pickled as torch 2.x pickles it (Python's own pickler, protocol 4,
     every object memoized), for the classes of torch.distributed.checkpoint made here under their
     torch module names. `tensors`: [(fqn, rows, chunks)], each an F32 [rows, 4] tensor split into
-    `chunks` row blocks, all in one data file; sizes only, no data file is written."""
+    `chunks` row blocks, all in the data file `path` (one str object: the memo holds it once);
+    with one_chunk, `chunks` references to one chunk of all the rows instead. Sizes only, no data
+    file is written."""
     import dataclasses
     import enum
     import pickle
@@ -339,12 +341,17 @@ def torch_like_metadata(tensors):
         StorageInfo = put(fs, dataclasses.make_dataclass("_StorageInfo", ["relative_path", "offset", "length"]), "_StorageInfo")
         sdm, storage = {}, {}
         for fqn, rows, chunks in tensors:
+            if one_chunk:
+                whole = dc["ChunkStorageMetadata"](Size((0, 0)), Size((rows, 4)))
+                sdm[fqn] = dc["TensorStorageMetadata"](TensorProperties(), Size((rows, 4)), [whole] * chunks)
+                storage[dc["MetadataIndex"](fqn, Size((0, 0)), 0)] = StorageInfo(path, 0, rows * 16)
+                continue
             step = rows // chunks
             blocks = [(c * step, step if c < chunks - 1 else rows - c * step) for c in range(chunks)]
             sdm[fqn] = dc["TensorStorageMetadata"](TensorProperties(), Size((rows, 4)),
                                                    [dc["ChunkStorageMetadata"](Size((o, 0)), Size((n, 4))) for o, n in blocks])
             for c, (o, n) in enumerate(blocks):
-                storage[dc["MetadataIndex"](fqn, Size((o, 0)), c)] = StorageInfo("__0_0.distcp", o * 16, n * 16)
+                storage[dc["MetadataIndex"](fqn, Size((o, 0)), c)] = StorageInfo(path, o * 16, n * 16)
         return pickle.dumps(dc["Metadata"](sdm, None, storage, None), protocol=4)
     finally:
         for n, m in saved.items():
@@ -387,6 +394,43 @@ def metadata_json_memory(t):
     if str(tensors) not in out:
         raise Failed("inspect said: " + out[:300])
     run("metadata_json_memory", ["verify", d], 0)
+
+
+@case
+def named_again_and_again(t):
+    """Long names that small bytes name many times (a key in every file's context, a str the
+    pickle memo holds once and each entry refers to, paths kept per object met): read in time and
+    memory bounded by the input, or refused as expanding too far."""
+    # a safetensors header: a tensor of a 64 KiB name with 16,000 empty objects in a field readers
+    # ignore (valid): the duplicate-key walk once kept each object's path, 1 GB in all
+    name = "n" * 65536
+    h = json.dumps({name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": [{}] * 16000}},
+                   separators=(",", ":")).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    st = os.path.join(t, "long.safetensors")
+    write(st, struct.pack("<Q", len(h)) + h + b"\x07")
+    out, _ = run("named_again_and_again", ["digest", st], 0)
+    if "U8 [1]" not in out:
+        raise Failed("digest said: " + out[:200])
+    # metadata.json: a 4 MB tensor key over 8,000 files (its context once copied the key for
+    # each: 100 CPU s), the last file's range past the tensor
+    ck = os.path.join(t, "ckpt")
+    files = {f"r{i}": {"flattened_offsets": [[0, 1]]} for i in range(8000)}
+    files["r7999"] = {"flattened_offsets": [[0, 2]]}
+    write(os.path.join(ck, "metadata.json"), json.dumps(
+        {"tensors": {"k" * 4_000_000: {"shape": [1], "dtype": "U8", "is_sharded": True, "shard_spec_per_file": files}}}).encode())
+    run("named_again_and_again", ["inspect", ck], 1, ["metadata.json", "file 'r7999'", "(4000000 bytes)"])
+    # DCP .metadata: a 1 MB data file name that 1,000 chunks refer to (copied into each: 2 GB)
+    d = os.path.join(t, "dcp_path")
+    write(os.path.join(d, ".metadata"), torch_like_metadata([("w", 1000, 1000)], path="p" * 1_000_000))
+    run("named_again_and_again", ["inspect", d], 1, [".metadata", "expands to more than", "strings count 1 per 8 bytes"])
+    # DCP .metadata: a 16 MB tensor name whose one chunk is listed 60,000 times (the chunks' contexts
+    # once copied the name for each, and looking each up compared it again: 2 TB of both)
+    d = os.path.join(t, "dcp_fqn")
+    write(os.path.join(d, ".metadata"), torch_like_metadata([("f" * 16_000_000, 8, 60000)], one_chunk=True))
+    out, _ = run("named_again_and_again", ["inspect", d], 0)
+    if "[8,4]" not in out and "[8, 4]" not in out:
+        raise Failed("inspect said: " + out[:300])
 
 
 def dcp_overlapping(d, chunks):
@@ -522,7 +566,10 @@ def optim_pickles(t):
     evil = b"\x80\x02cposix\nsystem\nX\x04\x00\x00\x00true\x85R."
     cases = {"os_system": ([evil], None, ["param_group0", "GLOBAL", "classes and calls are refused"]), "truncated": ([good[:-5]], None, ["param_group0"]),
              "huge_count": ([good], 2 ** 62, ["num_param_groups"]), "missing_group": ([], 1, ["param_group0", "missing"]),
-             "deep": ([b"\x80\x02" + b"]" * 100000 + b"."], None, ["param_group0"])}
+             "deep": ([b"\x80\x02" + b"]" * 100000 + b"."], None, ["param_group0"]),
+             # a 1 MB str the memo holds once, in a list 1,000 times: 1 GB as a tree of copies
+             "memo_string": ([b"\x80\x02X" + struct.pack("<I", 1 << 20) + b"s" * (1 << 20) + b"q\x000](" + b"h\x00" * 1000 + b"e."],
+                             None, ["param_group0", "expands to more than", "strings count 1 per 8 bytes"])}
     ok = os.path.join(t, "ok")
     shutil.copytree(base, ok)
     optim(os.path.join(ok, "optim"), [good])

@@ -151,6 +151,13 @@ inline std::vector<malformed_case> malformed() {
        errc::invalid_header, {"'__metadata__' appears twice"}},
       {"duplicate_metadata_key.safetensors", file_bytes("{\"__metadata__\":{\"k\":\"v\",\"k\":\"w\"}}"),
        errc::invalid_header, {"__metadata__", "'k' twice"}},
+      // in fields readers ignore, named by where they are
+      {"duplicate_key_in_array.safetensors",
+       file_bytes("{\"w\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4],\"x\":[{},[{\"a\":1}],{\"a\":1,\"a\":2}]}}", d4),
+       errc::invalid_json, {"key 'a' appears twice in one object (at w.x[2])"}},
+      {"duplicate_key_nested.safetensors",
+       file_bytes("{\"w\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4],\"x\":[[{\"y\":{\"k\":1,\"k\":2}}]]}}", d4),
+       errc::invalid_json, {"key 'k' appears twice in one object (at w.x[0][0].y)"}},
       // __metadata__ that is not string -> string
       {"metadata_list.safetensors", file_bytes("{\"__metadata__\":[\"a\"]}"), errc::invalid_header,
        {"__metadata__ is not an object of strings"}},
@@ -195,6 +202,7 @@ inline std::vector<valid_case> valid_edges() {
       {"leading_whitespace.safetensors", file_bytes(" \t\r\n{" + w2 + "}", "ab"), 1},
       {"empty_header_padded.safetensors", file_bytes("{}      "), 0},
       {"empty_header_unpadded.safetensors", file_bytes("{}"), 0},
+      {"metadata_is_null.safetensors", file_bytes("{\"__metadata__\":null," + w2 + "}", "ab"), 1},
       {"trailing_spaces.safetensors", file_bytes("{" + w2 + "}" + std::string(37, ' '), "ab"), 1},
       {"empty_tensors_shared_offset.safetensors",
        file_bytes("{" + entry("a", "U8", "[0]", "[0,0]") + "," + entry("b", "F32", "[3,0]", "[0,0]") + "," +

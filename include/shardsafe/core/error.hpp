@@ -13,6 +13,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 
@@ -121,6 +122,14 @@ inline std::string without_nul(const std::string& m) {
     else
       out += c;
   return out;
+}
+
+/// A name (a tensor's, a file's, read from input) as messages quote it: whole up to 256 bytes, a
+/// longer one cut to its first 192 and its length. A context string built for each of many
+/// entries then costs a bounded amount, whatever names a hostile file holds.
+inline std::string shown_name(std::string_view n) {
+  if (n.size() <= 256) return std::string(n);
+  return std::string(n.substr(0, 192)) + "...(" + std::to_string(n.size()) + " bytes)";
 }
 }  // namespace detail
 

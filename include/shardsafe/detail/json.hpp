@@ -178,12 +178,14 @@ SHARDSAFE_DECL std::string locate_bad_number(std::string_view text);
   fail(errc::invalid_json, msg);
 }
 
-/// The message for an object at `path` ("" for the top level) of `what` whose `keys` (sorted
-/// here) hold one twice; "" when none does.
-inline std::string duplicate_key_problem(std::vector<std::string_view>& keys, const std::string& what, const std::string& path) {
+/// The message for an object of `what` whose `keys` (sorted here) hold one twice; "" when none
+/// does. path_of() gives where the object is ("" for the top level), asked only for the message.
+template <class PathOf>
+std::string duplicate_key_problem(std::vector<std::string_view>& keys, const std::string& what, PathOf&& path_of) {
   std::sort(keys.begin(), keys.end());
   const auto d = std::adjacent_find(keys.begin(), keys.end());
   if (d == keys.end()) return {};
+  const std::string path = path_of();
   std::string k(*d);
   for (auto& c : k)
     if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
@@ -199,33 +201,57 @@ inline std::string duplicate_key_problem(std::vector<std::string_view>& keys, co
 /// recursion (objects and arrays are walked from an explicit stack).
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL void require_unique_keys(simdjson::dom::element root, const std::string& what) {
-  struct frame {
+  // Every object and array met, with its parent and its key in it (or its index): the path of
+  // one is built only for a message, so memory stays linear in the document whatever its depth
+  // and its keys' lengths.
+  constexpr std::size_t none = std::size_t(-1);
+  struct container {
     simdjson::dom::element e;
-    std::string path;
+    std::size_t parent;
+    std::string_view key;  // in the parent object; empty with index when the parent is an array
+    std::size_t index;
   };
-  std::vector<frame> todo{{root, ""}};
+  std::vector<container> seen{{root, none, {}, 0}};
+  std::vector<std::size_t> todo{0};
+  auto path_of = [&](std::size_t at) {
+    std::vector<std::size_t> chain;
+    for (std::size_t i = at; seen[i].parent != none; i = seen[i].parent) chain.push_back(i);
+    std::string path;
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      const container& c = seen[*it];
+      const bool in_array = seen[c.parent].e.type() == simdjson::dom::element_type::ARRAY;
+      if (in_array) path += "[" + std::to_string(c.index) + "]";
+      else path += (path.empty() ? "" : ".") + std::string(c.key);
+    }
+    return path;
+  };
   std::vector<std::string_view> keys;
   while (!todo.empty()) {
-    frame f = std::move(todo.back());
+    const std::size_t at = todo.back();
     todo.pop_back();
+    const simdjson::dom::element e = seen[at].e;
     simdjson::dom::object o;
     simdjson::dom::array a;
-    if (!f.e.get_object().get(o)) {
+    if (!e.get_object().get(o)) {
       keys.clear();
       for (auto kv : o) {
         keys.push_back(kv.key);
         const auto t = kv.value.type();
-        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY)
-          todo.push_back({kv.value, f.path.empty() ? std::string(kv.key) : f.path + "." + std::string(kv.key)});
+        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY) {
+          todo.push_back(seen.size());
+          seen.push_back({kv.value, at, kv.key, 0});
+        }
       }
-      if (const std::string problem = duplicate_key_problem(keys, what, f.path); !problem.empty())
+      if (const std::string problem = duplicate_key_problem(keys, what, [&] { return path_of(at); }); !problem.empty())
         fail(errc::invalid_json, problem);
-    } else if (!f.e.get_array().get(a)) {
+    } else if (!e.get_array().get(a)) {
       std::size_t i = 0;
       for (auto v : a) {
         const auto t = v.type();
-        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY)
-          todo.push_back({v, f.path + "[" + std::to_string(i) + "]"});
+        if (t == simdjson::dom::element_type::OBJECT || t == simdjson::dom::element_type::ARRAY) {
+          todo.push_back(seen.size());
+          seen.push_back({v, at, {}, i});
+        }
         ++i;
       }
     }
@@ -337,7 +363,7 @@ inline void object(simdjson::ondemand::object o, std::string& path, json_check_r
     value(f.value(), path, r, what, text, depth + 1);
     path.resize(at);
   }
-  if (r.duplicate.empty()) r.duplicate = duplicate_key_problem(keys, what, path);
+  if (r.duplicate.empty()) r.duplicate = duplicate_key_problem(keys, what, [&] { return path; });
 }
 inline void value(simdjson::ondemand::value v, std::string& path, json_check_result& r, const std::string& what,
                   std::string_view text, std::size_t depth) {

@@ -30,6 +30,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <span>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -189,7 +190,7 @@ struct dcp_parse {
       object(key, "MetadataIndex", at);
       const view fqn = field(key, "fqn", at);
       if (fqn.type() != k::string) bad(at, "MetadataIndex.fqn is not a str");
-      const std::string named = at + " ('" + std::string(fqn.as_string("")) + "')";
+      const std::string named = at + " ('" + detail::shown_name(fqn.as_string("")) + "')";
       stored s{fqn.as_string(""), std::nullopt, storage(sd.value(i), named)};
       if (const auto off = key.find("offset"); off && !off->is_none()) s.offsets = ints(*off, named + ": offset");
       out.push_back(std::move(s));
@@ -197,11 +198,22 @@ struct dcp_parse {
     std::stable_sort(out.begin(), out.end());
     return out;
   }
-  static const dcp_storage_info* find_stored(const std::vector<stored>& s, std::string_view fqn,
+  // The entries of key fqn, found once per key: a long name is compared O(log n) times, not
+  // once per chunk (a hostile .metadata may list 60,000 chunks under a 1 MB name).
+  struct by_fqn {
+    bool operator()(const stored& a, std::string_view b) const { return a.fqn < b; }
+    bool operator()(std::string_view a, const stored& b) const { return a < b.fqn; }
+  };
+  static std::span<const stored> entries_of(const std::vector<stored>& s, std::string_view fqn) {
+    const auto [lo, hi] = std::equal_range(s.begin(), s.end(), fqn, by_fqn{});
+    return {lo, hi};
+  }
+  // The entry at `offsets` among one key's entries (the last when given twice), or nullptr.
+  static const dcp_storage_info* find_stored(std::span<const stored> same_key,
                                              const std::optional<std::vector<std::uint64_t>>& offsets) {
-    const stored probe{fqn, offsets, {}};
-    const auto it = std::upper_bound(s.begin(), s.end(), probe);
-    if (it == s.begin() || std::prev(it)->fqn != fqn || std::prev(it)->offsets != offsets) return nullptr;
+    const auto it = std::upper_bound(same_key.begin(), same_key.end(), offsets,
+                                     [](const auto& o, const stored& s) { return o < s.offsets; });
+    if (it == same_key.begin() || std::prev(it)->offsets != offsets) return nullptr;
     return &std::prev(it)->info;
   }
 
@@ -211,6 +223,7 @@ struct dcp_parse {
     if (!list.is_sequence()) bad(at, "chunks is not a list");
     std::vector<dcp_chunk> out;
     out.reserve(std::min<std::size_t>(list.size(), max_dcp_chunks_per_tensor + 1));
+    const std::span<const stored> mine = entries_of(where_stored, fqn);
     for (std::size_t i = 0; i < list.size(); ++i) {
       const std::string cat = at + ": chunk " + std::to_string(i);
       const view c = object(list.item(i), "ChunkStorageMetadata", cat);
@@ -226,7 +239,7 @@ struct dcp_parse {
           bad(cat, "offsets " + to_string(ch.offsets) + " + sizes " + to_string(ch.sizes) + " pass the tensor's size " +
                        to_string(size) + " in dimension " + std::to_string(d));
       }
-      const auto* s = find_stored(where_stored, fqn, ch.offsets);
+      const auto* s = find_stored(mine, ch.offsets);
       if (!s) bad(cat, "at offsets " + to_string(ch.offsets) + " has no storage_data entry");
       ch.storage = *s;
       out.push_back(std::move(ch));
@@ -295,13 +308,13 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
     for (std::size_t i = 0; i < sdm->size(); ++i) {
       if (sdm->key(i).type() != k::string) p.bad("state_dict_metadata", "key " + std::to_string(i) + " is not a str");
       const std::string_view fqn = sdm->key(i).as_string("");
-      const std::string at = "'" + std::string(fqn) + "'";
+      const std::string at = "'" + detail::shown_name(fqn) + "'";  // built into each chunk's context
       const pickle_view v = sdm->value(i);
       dcp_item item;
       const auto cls = detail::dcp_parse::class_name(v);
       if (cls == "BytesStorageMetadata") {
         item.is_bytes = true;
-        const auto* s = detail::dcp_parse::find_stored(where_stored, fqn, std::nullopt);
+        const auto* s = detail::dcp_parse::find_stored(detail::dcp_parse::entries_of(where_stored, fqn), std::nullopt);
         if (!s) p.bad(at, "bytes item has no storage_data entry");
         item.bytes = *s;
       } else if (cls == "TensorStorageMetadata") {

@@ -365,7 +365,7 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
       detail::for_fields(tensors, f, [&](std::string_view k, od::value tv) {
         const std::string key(k);
         keys.push_back(k);
-        const std::string ctx = f + ": tensor '" + key + "'";
+        const std::string ctx = f + ": tensor '" + detail::shown_name(key) + "'";  // built into each file's context
         od::object t = detail::json_object(tv, ctx + ": entry is not an object");
         tensor_metadata tm;
         std::optional<shape_t> shape;

@@ -8,7 +8,9 @@
 // bounded by the input's size: each opcode makes at most one value, a shared reference (DUP,
 // the memo) stays shared in the result (one container, referred to twice, as in Python),
 // never copied into a tree; the values the result expands to when walked as a tree are at
-// most 64 per input byte (plus 4096, and at most max_values); the stack, the memo and the
+// most 64 per input byte (plus 4096, and at most max_values), a str counting one more per 8 of
+// its bytes (pickle_string_cost: a string the memo holds once is copied at each reference when
+// the tree is built, so its bytes count there too); the stack, the memo and the
 // nesting depth have limits; cycles and deep trees are refused; a FRAME that declares more
 // bytes than follow is refused as truncated, as Python does.
 //
@@ -123,10 +125,15 @@ class slot_pool {
   std::unordered_map<pickle_node**, std::unique_ptr<pickle_node*[]>> own_;
 };
 
+/// What a str of `bytes` bytes counts as against a pickle's bound on values: 1, and 1 more per 8
+/// of its bytes (a pickle_value is 40 bytes; a copied string about its length).
+constexpr std::uint64_t pickle_string_cost(std::uint64_t bytes) noexcept { return 1 + bytes / 8; }
+
 // Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
 // gives the value built the first time (`built`), so shared containers stay shared. Each
-// container built takes 1 + its items from `budget` (which started at `limit`); on running out,
-// or past `max_depth`, bad(why) is called (and must throw).
+// container built takes 1 + its items from `budget` (which started at `limit`), each str
+// copied its bytes / 8 more; on running out, or past `max_depth`, bad(why) is called (and must
+// throw).
 template <class Bad>
 pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t limit,
                                 std::size_t& budget, std::unordered_map<const pickle_node*, pickle_value>& built,
@@ -138,12 +145,17 @@ pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::si
     case k::boolean: return pickle_value::boolean(n->u.b);
     case k::integer: return pickle_value::integer(n->u.i);
     case k::real: return pickle_value::real(n->u.d);
-    case k::string: return pickle_value::string(std::string(n->str()));
+    case k::string: {
+      const std::uint64_t extra = pickle_string_cost(n->u.s.size) - 1;  // its 1 is in its container's items
+      if (budget < extra) bad("expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)");
+      budget -= static_cast<std::size_t>(extra);
+      return pickle_value::string(std::string(n->str()));
+    }
     default: break;
   }
   if (auto it = built.find(n); it != built.end()) return it->second;
   const auto items = n->items();
-  if (budget < 1 + items.size()) bad("expands to more than " + std::to_string(limit) + " values");
+  if (budget < 1 + items.size()) bad("expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)");
   budget -= 1 + items.size();
   pickle_value v;
   if (n->k == k::dict) {
@@ -260,11 +272,14 @@ class basic_pickle_reader {
  public:
   /// Reads `in`; `what` names the bytes in messages.
   /// `max_values` bounds the values the result (and every pop_value) may expand to, as a tree;
-  /// the reader lowers it to 64 per input byte plus 4096.
+  /// the strings the input holds come on top (their bytes / 8: a str read once is never what
+  /// the bound refuses, only one copied at each of many references); the reader lowers the sum
+  /// to 64 per input byte plus 4096.
   basic_pickle_reader(std::string_view in, std::string what, Policy policy = {}, std::size_t max_values = default_max_values)
       : in_(in),
         what_(std::move(what)),
-        max_nodes_(std::min<std::uint64_t>(max_values, 64 * std::uint64_t(in.size()) + 4096)),
+        max_nodes_(std::min<std::uint64_t>(max_values > SIZE_MAX - in.size() / 8 ? SIZE_MAX : max_values + in.size() / 8,
+                                           64 * std::uint64_t(in.size()) + 4096)),
         popped_budget_(8 * max_nodes_),
         work_budget_(8 * max_nodes_),
         policy_(std::move(policy)) {
@@ -709,6 +724,7 @@ class basic_pickle_reader {
   // Counts the values n expands to, once per node (shared references are cheap to count but
   // are copied when built), so a memo blow-up is refused before anything is built.
   std::uint64_t expanded_size(node* n, std::size_t depth) {
+    if (n->k == kind::string) return detail::pickle_string_cost(n->u.s.size);
     if (!n->container()) return 1;
     if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
     if (n->stamp == epoch_) {
@@ -721,7 +737,7 @@ class basic_pickle_reader {
     n->visiting = true;
     for (node* c : n->items()) {
       total += expanded_size(c, depth + 1);
-      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values");
+      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values (strings count 1 per 8 bytes)");
       height = std::max<std::size_t>(height, c->container() ? c->height + 1u : 1u);
     }
     n->visiting = false;

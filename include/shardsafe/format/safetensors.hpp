@@ -142,6 +142,7 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
     std::string_view key = field.key;
     seen.push_back(key);
     if (key == "__metadata__") {
+      if (field.value.is_null()) continue;  // no metadata, as the safetensors crate reads it (an Option)
       simdjson::dom::object md;
       if (field.value.get_object().get(md))
         fail(errc::invalid_header, f + ": __metadata__ is not an object of strings");

@@ -325,7 +325,7 @@ SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes
   t.storage_numel = uint(st->at("numel", what), "storage numel");
   if (const auto* d = v.find("dtype")) {  // _rebuild_tensor_v3: the tensor's dtype over an untyped storage
     const std::string& dn = d->as_string(what);
-    const auto dt = dcp_torch_dtype(std::string_view(dn).substr(6));
+    const auto dt = dn.starts_with("torch.") ? dcp_torch_dtype(std::string_view(dn).substr(6)) : std::nullopt;
     if (!dt) bad("dtype '" + dn + "' is not a torch dtype");
     if (!*dt) fail(errc::unsupported_dtype, std::string(what) + ": dtype " + dn + " is not supported");
     if (t.type) bad("_rebuild_tensor_v3 of a typed storage '" + type + "'");
@@ -356,8 +356,22 @@ inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_re
   if (!n) bad("size " + to_string(t.size) + " overflows");
   std::uint64_t want = 1;
   for (std::size_t d = t.size.size(); *n != 0 && d-- > 0;) {
-    if (t.size[d] > 1 && t.stride[d] != want)
-      bad("stride " + to_string(t.stride) + " is not row-major contiguous for size " + to_string(t.size));
+    if (t.size[d] > 1 && t.stride[d] != want) {
+      // the dimensions in another order, dense (channels_last, a transposed tensor): torch.save keeps it
+      std::vector<std::size_t> order(t.size.size());
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return t.stride[a] > t.stride[b]; });
+      std::uint64_t dense = 1;
+      bool permuted = true;
+      for (std::size_t i = order.size(); i-- > 0;) {
+        if (t.size[order[i]] > 1 && t.stride[order[i]] != dense) permuted = false;
+        dense *= t.size[order[i]];
+      }
+      bad("stride " + to_string(t.stride) + " is not row-major contiguous for size " + to_string(t.size) +
+          (permuted ? " (its dimensions stored in another order, as torch.save keeps a channels_last or transposed "
+                      "tensor; chunks are read row-major: save a .contiguous() copy)"
+                    : ""));
+    }
     want *= t.size[d];
   }
   const std::uint64_t item = t.type ? item_size(*t.type) : 1;
