@@ -23,8 +23,10 @@
 
 #include "shardsafe/checkpoint/dcp_export.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/detail/crc32.hpp"
+#include "shardsafe/dist/single.hpp"
 #include "shardsafe/format/torch_zip.hpp"
 #include "shardsafe/format/torch_zip_writer.hpp"
 #include "shardsafe/shard/flat_blocks.hpp"
@@ -339,6 +341,94 @@ TEST_CASE("dcp save: ranks that disagree fail on every rank and leave no .metada
     CHECK(testing::error_message_of(e).find("tensor 'w': rank 0 saves shape [3,4] but rank 1 saves [4,3]") != std::string::npos);
   }
   CHECK(!fs::exists(dir.path / "ckpt" / ".metadata"));
+}
+
+namespace {
+/// A file_directory that logs every remove(n) as its path under the root: the order a save that
+/// overwrites, or a rotation, takes things away.
+struct removal_log_directory {
+  using reader_type = file_storage;
+  using writer_type = file_writer;
+  file_directory d;
+  std::string at;  // under the root: "" or "a/b/"
+  std::vector<std::string>* log;
+  std::string_view name() const noexcept { return d.name(); }
+  reader_type open(std::string_view n) const { return d.open(n); }
+  writer_type create(std::string_view n) const { return d.create(n); }
+  bool exists(std::string_view n) const { return d.exists(n); }
+  std::vector<std::string> list() const { return d.list(); }
+  void remove(std::string_view n) const {
+    if (d.exists(n)) log->push_back(at + std::string(n));
+    d.remove(n);
+  }
+  removal_log_directory sub(std::string_view n) const { return {d.sub(n), at + std::string(n) + "/", log}; }
+  void make() const { d.make(); }
+};
+}  // namespace
+
+TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as complete, is rotated as one, and loses its mark first") {
+  testing::temp_dir dir("dcp-rotation");
+  single_process comm;
+  std::vector<float> w(12), m(12);
+  auto views_of = [&](float base) {
+    for (std::size_t i = 0; i < 12; ++i) w[i] = base + float(i), m[i] = -base - float(i);
+    return std::vector<flat_view>{{"w", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48}};
+  };
+  auto optim_of = [&] {
+    return std::vector<flat_view>{{"state.w.exp_avg", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 48}};
+  };
+  save_options dcp;
+  dcp.format = save_format::dcp;
+  const file_directory root(dir.path);
+  // step1: a pair as DCP folders; step2: a plain checkpoint; step3: a pair in shardsafe's layout;
+  // step4: a DCP folder; step5: a pair killed before its commit (optim/ written, model/ not)
+  {
+    const auto v = views_of(1), o = optim_of();
+    save_folder_set(root.sub("step1"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm, dcp);
+  }
+  save_flat_views(root.sub("step2"), std::span<const flat_view>(views_of(2)), comm);
+  {
+    const auto v = views_of(3), o = optim_of();
+    save_folder_set(root.sub("step3"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm);
+  }
+  save_flat_views(root.sub("step4"), std::span<const flat_view>(views_of(4)), comm, dcp);
+  save_flat_views(root.sub("step5").sub(std::string(optim_folder_name)), std::span<const flat_view>(optim_of()), comm, dcp);
+  root.sub("step5").sub(std::string(model_folder_name)).make();
+  REQUIRE(fs::exists(dir.path / "step1" / "model" / ".metadata"));
+
+  std::vector<std::uint64_t> steps;
+  std::vector<bool> complete;
+  for (const auto& e : list_checkpoints(root)) steps.push_back(e.step), complete.push_back(e.complete);
+  CHECK(steps == std::vector<std::uint64_t>{1, 2, 3, 4, 5});
+  CHECK(complete == std::vector<bool>{true, true, true, true, false});
+  CHECK(latest_checkpoint(root)->name == "step4");
+  // keep 4: nothing goes (step5, unfinished, is newer than the newest complete one)
+  CHECK(rotate_checkpoints(root, 4, comm).empty());
+  std::vector<float> back(12);
+  std::vector<flat_view> into{{"w", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(back.data()), 48}};
+  load_flat_views(root.sub("step1").sub(std::string(model_folder_name)), std::span<const flat_view>(into));
+  for (std::size_t i = 0; i < 12; ++i) REQUIRE(back[i] == 1.f + float(i));
+  // a removal takes the pair's commit mark first
+  std::vector<std::string> log;
+  const removal_log_directory logged{root, "", &log};
+  CHECK(rotate_checkpoints(logged, 3, comm) == std::vector<std::string>{"step1"});
+  REQUIRE(log.size() == 2u);
+  CHECK(log[0] == "step1/model/.metadata");
+  CHECK(log[1] == "step1");
+  CHECK(latest_checkpoint(root)->name == "step4");
+
+  // an overwrite takes the old checkpoint's marks first, whatever its layout: a pair's
+  // model/metadata.json goes before the folders (a cut there leaves nothing that looks complete)
+  log.clear();
+  save_options replace;
+  replace.overwrite = true;
+  save_flat_views(logged.sub("step3"), std::span<const flat_view>(views_of(5)), comm, replace);
+  REQUIRE(log.size() >= 3u);
+  CHECK(log[0] == "step3/model/metadata.json");
+  CHECK(std::find(log.begin(), log.end(), "step3/model") > log.begin());
+  CHECK(is_complete_checkpoint(root.sub("step3")));
+  CHECK(fs::exists(dir.path / "step3" / "metadata.json"));
+  CHECK(!fs::exists(dir.path / "step3" / "model"));
 }
 
 TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors) reads as torch computed it, values included") {

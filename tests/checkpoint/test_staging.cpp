@@ -323,4 +323,9 @@ TEST_CASE("fetched save: a view without memory and no fetch is refused before an
   CHECK_THROWS_WITH_AS(save_flat_views(dir, std::span<const flat_view>(fv), comm), doctest::Contains("tensor 'x': no memory given"),
                        error);
   CHECK_FALSE(dir.exists("rank_0.safetensors"));
+  // a shard whose bytes pass 2^64 (2^62 F32 elements) is refused as such, not as 0 bytes of memory
+  const std::vector<flat_view> huge{{"h", dtype::F32, {std::uint64_t(1) << 62}, std::nullopt, nullptr, 0}};
+  testing::expect_error([&] { save_flat_views(dir, std::span<const flat_view>(huge), comm); }, errc::invalid_shape,
+                        {"tensor 'h'", "4611686018427387904 F32 elements have more than 2^64 bytes"});
+  CHECK_FALSE(dir.exists("rank_0.safetensors"));
 }

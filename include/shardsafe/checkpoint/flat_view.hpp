@@ -83,7 +83,11 @@ struct flat_view {
     if (!detail::checked_numel(full_shape))
       fail(errc::invalid_shape, c + ": shape " + to_string(full_shape) + " has more than 2^64 elements");
     if (spec) spec->validate(full_shape, c);
-    const std::uint64_t need = local_numel() * item_size(type);
+    const auto bytes = detail::checked_mul(local_numel(), std::uint64_t(item_size(type)));
+    if (!bytes)
+      fail(errc::invalid_shape, c + ": the shard's " + std::to_string(local_numel()) + " " + std::string(name(type)) +
+                                    " elements have more than 2^64 bytes");
+    const std::uint64_t need = *bytes;
     if (nbytes != need)
       fail(errc::invalid_argument, c + ": local memory is " + std::to_string(nbytes) + " bytes but the shard holds " +
                                        std::to_string(local_numel()) + " " + std::string(name(type)) +

@@ -6,6 +6,7 @@
 // folder's commit mark is `.metadata`, its data files `__R_N.distcp` (docs/FORMAT.md §5).
 #pragma once
 
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -25,5 +26,20 @@ inline std::string dcp_data_file_name(int rank) { return "__" + std::to_string(r
 /// The sub-folders of a model + optimizer checkpoint.
 inline constexpr std::string_view model_folder_name = "model";
 inline constexpr std::string_view optim_folder_name = "optim";
+
+/// Removes every commit mark a checkpoint folder may hold, whatever its layout: a model +
+/// optimizer pair's (model/metadata.json, model/.metadata), then a plain or DCP folder's own
+/// (metadata.json, .metadata). What a removal or an overwrite does first, so that if it is cut
+/// short, no folder of any layout is left that looks complete but lacks files. Removing a name
+/// that is not there is no error.
+template <class D>
+void remove_commit_marks(const D& dir) {
+  const auto remove_marks = [](const D& d) {
+    for (std::string_view mark : {metadata_file_name, dcp_metadata_file_name})
+      if (d.exists(mark)) d.remove(mark);  // asked first: `model` may be a file, not a folder
+  };
+  if (dir.exists(model_folder_name)) remove_marks(dir.sub(model_folder_name));
+  remove_marks(dir);
+}
 
 }  // namespace shardsafe

@@ -1,9 +1,10 @@
 // shardsafe/checkpoint/rotation.hpp - keep the last N checkpoints under a root folder.
 //
 // Checkpoints are sub-folders named PREFIX + step number ("step120"). One is complete when
-// its commit mark exists: model/metadata.json (a model + optimizer checkpoint) or
-// metadata.json (a plain one). Removal deletes the commit mark first, so a removal cut short
-// never leaves a folder that looks complete but lacks files.
+// its commit mark exists: model/metadata.json or model/.metadata (a model + optimizer
+// checkpoint, in shardsafe's layout or as DCP folders), metadata.json or .metadata (a plain
+// one). Removal deletes the commit marks first, so a removal cut short never leaves a folder
+// that looks complete but lacks files.
 #pragma once
 
 #include <algorithm>
@@ -32,12 +33,13 @@ inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix =
   return std::string(prefix) + std::to_string(step);
 }
 
-/// True when dir holds a whole checkpoint (model/metadata.json, metadata.json, or a DCP folder's
-/// .metadata).
+/// True when dir holds a whole checkpoint: its commit mark exists (in model/ when dir has a
+/// model/ folder): metadata.json, or a DCP folder's .metadata.
 template <ReadableDirectory D>
 bool is_complete_checkpoint(const D& dir) {
-  if (dir.exists(model_folder_name)) return dir.sub(model_folder_name).exists(metadata_file_name);
-  return dir.exists(metadata_file_name) || dir.exists(dcp_metadata_file_name);
+  const auto committed = [](const D& d) { return d.exists(metadata_file_name) || d.exists(dcp_metadata_file_name); };
+  if (dir.exists(model_folder_name)) return committed(dir.sub(model_folder_name));
+  return committed(dir);
 }
 
 /// Checkpoint folders under root, by increasing step.
@@ -66,13 +68,10 @@ std::optional<checkpoint_entry> latest_checkpoint(const D& root, std::string_vie
   return std::nullopt;
 }
 
-/// Removes a checkpoint folder, commit mark first.
+/// Removes a checkpoint folder, its commit marks first (remove_commit_marks).
 template <ReadableDirectory D>
 void remove_checkpoint(const D& root, const std::string& name) {
-  const D dir = root.sub(name);
-  if (dir.exists(model_folder_name)) dir.sub(model_folder_name).remove(metadata_file_name);
-  dir.remove(metadata_file_name);
-  dir.remove(dcp_metadata_file_name);
+  remove_commit_marks(root.sub(name));
   root.remove(name);
 }
 

@@ -337,8 +337,9 @@ checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm,
   return merge_descriptions(parts, dname, roles);
 }
 
-/// On rank 0: refuses a non-empty dir unless overwrite; otherwise empties it, its commit mark
-/// first (remove_mark(dir)), so the old checkpoint stops loading as complete; then makes it.
+/// On rank 0: refuses a non-empty dir unless overwrite; otherwise empties it, commit marks
+/// first (remove_mark(dir), the new layout's, then those of any layout: remove_commit_marks),
+/// so the old checkpoint stops loading as complete whatever its layout; then makes it.
 template <WritableDirectory D, Comm C, class RemoveMark>
 void prepare_emptied(const D& dir, bool overwrite, C& comm, RemoveMark&& remove_mark) {
   const step_scope step("preparing the folder");
@@ -348,6 +349,7 @@ void prepare_emptied(const D& dir, bool overwrite, C& comm, RemoveMark&& remove_
         fail(errc::already_exists,
              std::string(dir.name()) + ": not empty; refusing to save over it (pass overwrite to replace it)");
       remove_mark(dir);
+      remove_commit_marks(dir);
       for (const auto& n : dir.list()) dir.remove(n);
     }
     dir.make();

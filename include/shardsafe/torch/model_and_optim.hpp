@@ -92,7 +92,7 @@ model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& 
   model_and_optim_load_stats rep;
   every_rank_step(comm, [&] {
     if (!is_complete_checkpoint(dir))
-      fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json: not a complete checkpoint");
+      fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
     load_options lo = opt.load;
     lo.strict = opt.strict;
     optim_load_options oo;
