@@ -490,3 +490,42 @@ TEST_CASE("dcp export: a model + optimizer pair and a DCP folder written as DCP,
   CHECK_THROWS_WITH_AS(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model")),
                        doctest::Contains("not empty"), error);
 }
+
+TEST_CASE("dcp export: a DCP item that is not plain data (bytes, as torchtitan keeps its dataloader's state) is copied byte for byte") {
+  using namespace std::string_literals;
+  testing::temp_dir dir("dcp-export-raw");
+  // Python's pickle of b"abc" (protocol 2): a call of _codecs.encode, which plain data refuses
+  const std::string pk = "\x80\x02" "c_codecs\nencode\n" "q\x00" "X\x03\x00\x00\x00" "abc" "q\x01" "X\x06\x00\x00\x00" "latin1"
+                         "q\x02" "\x86" "q\x03" "R" "q\x04" "."s;
+  const std::string archive = torch_value_archive(pk);
+  fs::create_directories(dir.path / "src");
+  testing::write_file(dir.path / "src" / "__0_0.distcp", archive);
+  testing::write_file(dir.path / "src" / "__1_0.distcp", std::string(64, 'z'));  // not an archive
+  dcp_metadata md;
+  dcp_item& blob = md.items["extra.blob"];
+  blob.is_bytes = true;
+  blob.bytes = {"__0_0.distcp", 0, archive.size()};
+  dcp_item& junk = md.items["extra.junk"];
+  junk.is_bytes = true;
+  junk.bytes = {"__1_0.distcp", 0, 64};
+  testing::write_file(dir.path / "src" / ".metadata", write_dcp_metadata(md));
+  checkpoint_reader<file_directory> r(file_directory{dir.path / "src"});
+  REQUIRE(r.non_tensors().size() == 2u);
+  testing::expect_error([&] { (void)r.read_object("extra.blob"); }, errc::invalid_metadata, {"'extra.blob'", "GLOBAL"});
+  CHECK(r.read_object_archive("extra.blob") == archive);
+  const unshard_source<file_directory> src{&r, ""};
+  // the item that is not an archive is refused when copied, and left unread when dropped
+  testing::expect_error([&] { export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "all")); },
+                        errc::invalid_metadata, {"__1_0.distcp", "'extra.junk'"});
+  dcp_export_options keep_blob;
+  keep_blob.rename.add("^extra\\.junk$=");
+  const auto st = export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"), keep_blob);
+  CHECK(st.objects == 1u);
+  checkpoint_reader<file_directory> out(file_directory{dir.path / "out"});
+  CHECK(out.read_object_archive("extra.blob") == archive);
+  CHECK(stub_read(dir.path / "out").find("extra.blob = b'abc'\n") != std::string::npos);  // Python's own pickle reads it
+  // both dropped: nothing to copy
+  dcp_export_options drop;
+  drop.rename.add("^extra\\..*$=");
+  CHECK(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop).objects == 0u);
+}

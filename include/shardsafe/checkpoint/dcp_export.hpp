@@ -7,7 +7,8 @@
 // | source                                   | keys written                                        |
 // |------------------------------------------|-----------------------------------------------------|
 // | a checkpoint, HF folder, safetensors     | the tensors' names                                  |
-// | file, DCP folder (prefix "")             | (a DCP folder's non-tensor items too, as values)    |
+// | file, DCP folder (prefix "")             | (a DCP folder's non-tensor items too, their         |
+// |                                          | torch.save archives copied byte for byte)           |
 // | model/ of a model + optimizer pair       | model.{key}                                         |
 // | optim/ of a pair (OLMo-core's layout,    | optim.state.{param}.{key} for state.{param}.__{key};|
 // | torch/optim.hpp)                         | optim.param_groups.{i}.{field} for each field of    |
@@ -61,14 +62,16 @@ struct dcp_export_stats {
 
 namespace detail {
 
-/// One key to export: a tensor of a source, or a value.
+/// One key to export: a tensor of a source, a DCP source's non-tensor item, or a value.
 template <ReadableDirectory S>
 struct dcp_export_item {
   std::string key;  ///< before renaming
   pickle_value path;
-  checkpoint_reader<S>* reader = nullptr;  ///< a tensor: where it is
+  checkpoint_reader<S>* reader = nullptr;  ///< a tensor or an item: where it is
   std::string source_key;
-  pickle_value value;  ///< a value (reader == nullptr)
+  pickle_value value;   ///< a value (reader == nullptr)
+  bool object = false;  ///< source_key is a non-tensor item of reader: its archive is copied as it is
+  bool tensor() const noexcept { return reader && !object; }
 };
 
 /// The keys of `sources` (the table at the top).
@@ -126,7 +129,7 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     }
     for (const auto& obj : r.non_tensors()) {
       if (model || (opt.model_only && !obj.key.starts_with("model."))) continue;
-      items.push_back({obj.key, path_of(obj.key), nullptr, {}, r.read_object(obj.key)});
+      items.push_back({obj.key, path_of(obj.key), &r, obj.key, {}, true});
     }
   }
   return items;
@@ -165,8 +168,9 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
   for (const auto& [to, from] : renamed) {
     const auto& it = items[by_name.at(from)];
     paths[to] = to == from ? it.path : pickle_value::tuple({pickle_value::string(to)});
-    if (it.reader) continue;
-    std::string a = torch_value_archive(pickle_dumps(it.value));
+    if (it.tensor()) continue;
+    // a DCP item's archive goes across byte for byte (torch.save may have pickled any object)
+    std::string a = it.object ? it.reader->read_object_archive(it.source_key) : torch_value_archive(pickle_dumps(it.value));
     dcp_item& d = md.items[to];
     d.is_bytes = true;
     d.bytes = {file, at, a.size()};
@@ -175,7 +179,7 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
   }
   for (const auto& [to, from] : renamed) {
     const auto& it = items[by_name.at(from)];
-    if (!it.reader) continue;
+    if (!it.tensor()) continue;
     const tensor_metadata* tm = it.reader->find(it.source_key);
     require_byte_sized(tm->type, std::string(it.reader->directory().name()) + ": tensor '" + it.source_key + "'");
     tensor_out& t = tensors.emplace_back(tensor_out{&it, torch_tensor_archive(tm->type, tm->shape), at});

@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "shardsafe/checkpoint/checksums.hpp"
@@ -82,14 +83,16 @@ class checkpoint_files {
   /// The value of the non-tensor item `key` (a DCP folder's: format/dcp_data.hpp's
   /// read_dcp_object), read from its data file; errc::not_found when there is none.
   pickle_value read_object(std::string_view key) const {
-    const non_tensor_item* it = find_object(key);
-    if (!it)
-      fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
-                                described_by());
-    reader_type s = detail::open_or(dir_, it->file, [&] {
-      return std::string(dir_.name()) + "/" + it->file + ": missing: " + described_by() + " lists it but it does not exist";
+    return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
+      return read_dcp_object(s, where, what);
     });
-    return read_dcp_object(s, dcp_storage_info{it->file, it->offset, it->bytes}, "'" + it->key + "'");
+  }
+  /// The item's torch.save archive as its data file holds it, not decoded
+  /// (read_dcp_object_archive): what an export copies, whatever the value pickles.
+  std::string read_object_archive(std::string_view key) const {
+    return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
+      return read_dcp_object_archive(s, where, what);
+    });
   }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(key);
@@ -159,6 +162,19 @@ class checkpoint_files {
   }
 
  private:
+  /// f(storage, where, what) on the data file of the non-tensor item `key` (errc::not_found when
+  /// there is none, or its file is missing).
+  template <class F>
+  decltype(auto) with_object(std::string_view key, F&& f) const {
+    const non_tensor_item* it = find_object(key);
+    if (!it)
+      fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
+                                described_by());
+    reader_type s = detail::open_or(dir_, it->file, [&] {
+      return std::string(dir_.name()) + "/" + it->file + ": missing: " + described_by() + " lists it but it does not exist";
+    });
+    return std::forward<F>(f)(s, dcp_storage_info{it->file, it->offset, it->bytes}, "'" + it->key + "'");
+  }
   /// The names not yet done (by done(name), under the lock), each once.
   template <class Done>
   std::vector<std::string> not_yet(std::span<const std::string> names, Done&& done) {

@@ -108,20 +108,39 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
 /// param group, with its list of parameter names, is far smaller.
 inline constexpr std::uint64_t max_dcp_object_bytes = std::uint64_t(64) << 20;
 
-/// The value of a non-tensor item of a DCP folder: bytes [where.offset, +where.length) of st, a
-/// torch.save archive of a pickled plain value (None, bool, int, float, str, tuple, list, dict;
-/// any global, a tensor among them, is refused by name). `what` names the item in messages.
+namespace detail {
+/// How messages name the non-tensor item `what` at `where` of st.
 template <ReadableStorage S>
-pickle_value read_dcp_object(const S& st, const dcp_storage_info& where, const std::string& what) {
-  const std::string ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) +
-                          ") (" + what + ")";
+std::string dcp_object_context(const S& st, const dcp_storage_info& where, const std::string& what) {
+  return std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" + what + ")";
+}
+}  // namespace detail
+
+/// The bytes of a non-tensor item of a DCP folder as its data file holds them: [where.offset,
+/// +where.length) of st, checked to be a torch.save archive of a pickled value (its data.pkl
+/// alone: no storage record), not decoded. What an export copies unchanged, whatever the value
+/// pickles (torch.save keeps any Python object). `what` names the item in messages.
+template <ReadableStorage S>
+std::string read_dcp_object_archive(const S& st, const dcp_storage_info& where, const std::string& what) {
+  const std::string ctx = detail::dcp_object_context(st, where, what);
   if (where.length > max_dcp_object_bytes)
     fail(errc::invalid_metadata, ctx + ": a non-tensor item of " + std::to_string(where.length) + " bytes passes the limit of " +
                                      std::to_string(max_dcp_object_bytes));
   const auto end = detail::checked_add(where.offset, where.length);
   if (!end || *end > st.size())
     fail(errc::truncated, ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
-  const std::string archive = detail::read_string(st, where.offset, static_cast<std::size_t>(where.length));
+  std::string archive = detail::read_string(st, where.offset, static_cast<std::size_t>(where.length));
+  (void)locate_torch_zip(archive, ctx, torch_zip_value);
+  return archive;
+}
+
+/// The value of a non-tensor item of a DCP folder (read_dcp_object_archive), decoded: a pickled
+/// plain value (None, bool, int, float, str, tuple, list, dict; any global, a tensor among them,
+/// is refused by name).
+template <ReadableStorage S>
+pickle_value read_dcp_object(const S& st, const dcp_storage_info& where, const std::string& what) {
+  const std::string archive = read_dcp_object_archive(st, where, what);
+  const std::string ctx = detail::dcp_object_context(st, where, what);
   const torch_zip_archive z = locate_torch_zip(archive, ctx, torch_zip_value);
   return pickle_loads(std::string_view(archive).substr(static_cast<std::size_t>(z.pickle->data_offset),
                                                        static_cast<std::size_t>(z.pickle->size)),

@@ -3,7 +3,10 @@
 //   {"metadata": {"total_parameters": ELEMENTS, "total_size": BYTES},
 //    "weight_map": {"tensor.name": "model-00001-of-00002.safetensors"}}
 // (total_parameters is what today's transformers adds beside total_size; older files lack it.)
-// File names must be plain names in the same folder; every tensor is listed once.
+// File names must be plain names in the same folder; every tensor is listed once. The totals
+// are advisory, as for transformers, which never reads them: writers count them their own way
+// (total_parameters without buffers; total_size with a bool as 1/8 byte, a float then), so a
+// total that is not a count is left unread, and none is compared with the files.
 #pragma once
 
 #include <algorithm>
@@ -26,8 +29,8 @@ inline constexpr std::string_view hf_single_file = "model.safetensors";
 inline constexpr std::string_view hf_index_file = "model.safetensors.index.json";
 
 struct hf_index {
-  std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given
-  std::optional<std::uint64_t> total_parameters;     ///< metadata.total_parameters, if given
+  std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given as a count (advisory)
+  std::optional<std::uint64_t> total_parameters;     ///< metadata.total_parameters, if given as a count (advisory)
   std::map<std::string, std::string> metadata;       ///< other string entries of "metadata"
   std::map<std::string, std::string> weight_map;     ///< tensor name -> file name
 
@@ -57,9 +60,8 @@ SHARDSAFE_DECL hf_index parse_hf_index(std::string_view json, std::string_view f
     if (md.get_object().get(o)) fail(errc::invalid_metadata, f + ": \"metadata\" is not an object");
     for (auto kv : o) {
       if (kv.key == "total_size" || kv.key == "total_parameters") {
-        auto n = detail::as_count(kv.value);
-        if (!n) fail(errc::invalid_metadata, f + ": metadata." + std::string(kv.key) + " is " + detail::count_problem(kv.value));
-        (kv.key == "total_size" ? idx.total_size : idx.total_parameters) = *n;
+        // advisory, as for transformers (which never reads them): kept when a count, else left
+        if (auto n = detail::as_count(kv.value)) (kv.key == "total_size" ? idx.total_size : idx.total_parameters) = *n;
       } else {
         std::string_view s;
         if (!kv.value.get_string().get(s)) idx.metadata[std::string(kv.key)] = std::string(s);

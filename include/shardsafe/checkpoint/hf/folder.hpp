@@ -9,8 +9,9 @@
 //   - every file the index names exists (errc::not_found) and has a valid header;
 //   - every tensor the index lists is in the file it names (errc::not_found);
 //   - every tensor of every file is listed, and listed in that file (errc::invalid_metadata);
-//   - metadata.total_size, when given, is the sum of the tensors' bytes, and metadata.total_parameters
-//     (today's transformers writes it) the sum of their elements (errc::invalid_metadata);
+//   (metadata.total_size and metadata.total_parameters are not compared with the files: no
+//   reader uses them, and writers count them otherwise, e.g. transformers' total_parameters
+//   counts parameters without buffers, older transformers' total_size a bool as 1/8 byte);
 //   - no tensor is in two files (errc::invalid_metadata).
 // check_unlisted_hf_files (run by verify) adds: no safetensors file the index does not name
 // holds a tensor the index lists, or is named as one of the index's set of shards.
@@ -105,14 +106,11 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
     while (h.files[i].name != name) ++i;  // every name of weight_map is in files
     return i;
   };
-  std::uint64_t total = 0, parameters = 0;
   for (const auto& [tensor, fname] : idx.weight_map) {
     const tensor_entry* e = h.files[file_index(fname)].header.find(tensor);
     if (!e)
       fail(errc::not_found, object_path(dir, fname) + ": tensor '" + tensor + "': listed in " + index_name +
                                 " but absent from the file");
-    total += e->nbytes();
-    parameters += e->numel();
   }
   for (const auto& f : h.files)
     for (const auto& t : f.header.tensors) {
@@ -122,14 +120,6 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
       if (it->second != f.name)
         fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': the index places it in " + it->second);
     }
-  if (idx.total_size && *idx.total_size != total)
-    fail(errc::invalid_metadata, object_path(dir, hf_index_file) + ": metadata.total_size is " +
-                                     std::to_string(*idx.total_size) + " but the tensors hold " + std::to_string(total) +
-                                     " bytes");
-  if (idx.total_parameters && *idx.total_parameters != parameters)
-    fail(errc::invalid_metadata, object_path(dir, hf_index_file) + ": metadata.total_parameters is " +
-                                     std::to_string(*idx.total_parameters) + " but the tensors hold " +
-                                     std::to_string(parameters) + " elements");
 }
 
 /// The "-of-MMMMM.safetensors" ending and the part before "-NNNNN" of a shard name in the
