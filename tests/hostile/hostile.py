@@ -118,11 +118,11 @@ def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB,
 # --- fixtures --------------------------------------------------------------------------------
 
 
-def safetensors_bytes(tensors, metadata=None):
-    """tensors: list of (name, dtype, shape, bytes)."""
+def safetensors_bytes(tensors, metadata=None, fields=None):
+    """tensors: list of (name, dtype, shape, bytes); fields: more of each entry (that readers ignore)."""
     header, off, data = {}, 0, b""
     for name, dt, shape, b in tensors:
-        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(b)]}
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(b)], **(fields or {})}
         off += len(b)
         data += b
     if metadata:
@@ -403,12 +403,8 @@ def named_again_and_again(t):
     memory bounded by the input, or refused as expanding too far."""
     # a safetensors header: a tensor of a 64 KiB name with 16,000 empty objects in a field readers
     # ignore (valid): the duplicate-key walk once kept each object's path, 1 GB in all
-    name = "n" * 65536
-    h = json.dumps({name: {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": [{}] * 16000}},
-                   separators=(",", ":")).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
     st = os.path.join(t, "long.safetensors")
-    write(st, struct.pack("<Q", len(h)) + h + b"\x07")
+    write(st, safetensors_bytes([("n" * 65536, "U8", [1], b"\x07")], fields={"x": [{}] * 16000}))
     out, _ = run("named_again_and_again", ["digest", st], 0)
     if "U8 [1]" not in out:
         raise Failed("digest said: " + out[:200])

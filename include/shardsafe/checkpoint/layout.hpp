@@ -6,7 +6,7 @@
 // folder's commit mark is `.metadata`, its data files `__R_N.distcp` (docs/FORMAT.md §5).
 #pragma once
 
-#include <initializer_list>
+#include <array>
 #include <string>
 #include <string_view>
 
@@ -27,15 +27,18 @@ inline std::string dcp_data_file_name(int rank) { return "__" + std::to_string(r
 inline constexpr std::string_view model_folder_name = "model";
 inline constexpr std::string_view optim_folder_name = "optim";
 
+/// The names a folder's commit mark may have: shardsafe's metadata.json, a DCP folder's .metadata.
+inline constexpr std::array<std::string_view, 2> commit_mark_names{metadata_file_name, dcp_metadata_file_name};
+
 /// Removes every commit mark a checkpoint folder may hold, whatever its layout: a model +
 /// optimizer pair's (model/metadata.json, model/.metadata), then a plain or DCP folder's own
 /// (metadata.json, .metadata). What a removal or an overwrite does first, so that if it is cut
-/// short, no folder of any layout is left that looks complete but lacks files. Removing a name
-/// that is not there is no error.
+/// short, no folder of any layout is left that looks complete but lacks files. A mark that is
+/// not there is left alone.
 template <class D>
 void remove_commit_marks(const D& dir) {
   const auto remove_marks = [](const D& d) {
-    for (std::string_view mark : {metadata_file_name, dcp_metadata_file_name})
+    for (std::string_view mark : commit_mark_names)
       if (d.exists(mark)) d.remove(mark);  // asked first: `model` may be a file, not a folder
   };
   if (dir.exists(model_folder_name)) remove_marks(dir.sub(model_folder_name));

@@ -37,7 +37,9 @@ inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix =
 /// model/ folder): metadata.json, or a DCP folder's .metadata.
 template <ReadableDirectory D>
 bool is_complete_checkpoint(const D& dir) {
-  const auto committed = [](const D& d) { return d.exists(metadata_file_name) || d.exists(dcp_metadata_file_name); };
+  const auto committed = [](const D& d) {
+    return std::any_of(commit_mark_names.begin(), commit_mark_names.end(), [&](std::string_view m) { return d.exists(m); });
+  };
   if (dir.exists(model_folder_name)) return committed(dir.sub(model_folder_name));
   return committed(dir);
 }

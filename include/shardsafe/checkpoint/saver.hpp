@@ -369,8 +369,7 @@ template <WritableDirectory D, Comm C>
 void prepare_folder_set(const D& parent, std::string_view commit_folder, bool overwrite, C& comm) {
   prepare_emptied(parent, overwrite, comm, [&](const D& d) {
     const D last = d.sub(commit_folder);
-    last.remove(metadata_file_name);
-    last.remove(dcp_metadata_file_name);
+    for (std::string_view mark : commit_mark_names) last.remove(mark);
   });
 }
 

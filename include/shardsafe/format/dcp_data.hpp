@@ -109,29 +109,37 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
 inline constexpr std::uint64_t max_dcp_object_bytes = std::uint64_t(64) << 20;
 
 namespace detail {
-/// How messages name the non-tensor item `what` at `where` of st.
+/// A non-tensor item's archive, read and located once: what read_dcp_object_archive returns and
+/// read_dcp_object decodes.
+struct dcp_object_bytes {
+  std::string ctx;      ///< how messages name the item
+  std::string archive;  ///< the torch.save archive, as the data file holds it
+  torch_zip_archive z;  ///< where its data.pkl is
+};
+
 template <ReadableStorage S>
-std::string dcp_object_context(const S& st, const dcp_storage_info& where, const std::string& what) {
-  return std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" + what + ")";
+dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& where, const std::string& what) {
+  dcp_object_bytes b;
+  b.ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" + what + ")";
+  if (where.length > max_dcp_object_bytes)
+    fail(errc::invalid_metadata, b.ctx + ": a non-tensor item of " + std::to_string(where.length) + " bytes passes the limit of " +
+                                     std::to_string(max_dcp_object_bytes));
+  const auto end = checked_add(where.offset, where.length);
+  if (!end || *end > st.size())
+    fail(errc::truncated, b.ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
+  b.archive = read_string(st, where.offset, static_cast<std::size_t>(where.length));
+  b.z = locate_torch_zip(b.archive, b.ctx, torch_zip_value);
+  return b;
 }
 }  // namespace detail
 
 /// The bytes of a non-tensor item of a DCP folder as its data file holds them: [where.offset,
 /// +where.length) of st, checked to be a torch.save archive of a pickled value (its data.pkl
-/// alone: no storage record), not decoded. What an export copies unchanged, whatever the value
-/// pickles (torch.save keeps any Python object). `what` names the item in messages.
+/// alone: no storage record), not decoded. What an export copies unchanged, whatever object
+/// without tensors the value pickles. `what` names the item in messages.
 template <ReadableStorage S>
 std::string read_dcp_object_archive(const S& st, const dcp_storage_info& where, const std::string& what) {
-  const std::string ctx = detail::dcp_object_context(st, where, what);
-  if (where.length > max_dcp_object_bytes)
-    fail(errc::invalid_metadata, ctx + ": a non-tensor item of " + std::to_string(where.length) + " bytes passes the limit of " +
-                                     std::to_string(max_dcp_object_bytes));
-  const auto end = detail::checked_add(where.offset, where.length);
-  if (!end || *end > st.size())
-    fail(errc::truncated, ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
-  std::string archive = detail::read_string(st, where.offset, static_cast<std::size_t>(where.length));
-  (void)locate_torch_zip(archive, ctx, torch_zip_value);
-  return archive;
+  return std::move(detail::read_dcp_object_bytes(st, where, what).archive);
 }
 
 /// The value of a non-tensor item of a DCP folder (read_dcp_object_archive), decoded: a pickled
@@ -139,12 +147,10 @@ std::string read_dcp_object_archive(const S& st, const dcp_storage_info& where, 
 /// is refused by name).
 template <ReadableStorage S>
 pickle_value read_dcp_object(const S& st, const dcp_storage_info& where, const std::string& what) {
-  const std::string archive = read_dcp_object_archive(st, where, what);
-  const std::string ctx = detail::dcp_object_context(st, where, what);
-  const torch_zip_archive z = locate_torch_zip(archive, ctx, torch_zip_value);
-  return pickle_loads(std::string_view(archive).substr(static_cast<std::size_t>(z.pickle->data_offset),
-                                                       static_cast<std::size_t>(z.pickle->size)),
-                      ctx + ": data.pkl");
+  const detail::dcp_object_bytes b = detail::read_dcp_object_bytes(st, where, what);
+  return pickle_loads(std::string_view(b.archive).substr(static_cast<std::size_t>(b.z.pickle->data_offset),
+                                                         static_cast<std::size_t>(b.z.pickle->size)),
+                      b.ctx + ": data.pkl");
 }
 
 /// The index of data file f opened as st (rules at the top): one entry per chunk, named by its

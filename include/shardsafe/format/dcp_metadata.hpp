@@ -29,8 +29,8 @@
 #include <cstdint>
 #include <map>
 #include <optional>
-#include <string>
 #include <span>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <utility>

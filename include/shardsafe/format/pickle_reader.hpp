@@ -129,6 +129,11 @@ class slot_pool {
 /// of its bytes (a pickle_value is 40 bytes; a copied string about its length).
 constexpr std::uint64_t pickle_string_cost(std::uint64_t bytes) noexcept { return 1 + bytes / 8; }
 
+/// Why a pickle whose tree passes `limit` values is refused.
+inline std::string pickle_expansion_problem(std::uint64_t limit) {
+  return "expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)";
+}
+
 // Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
 // gives the value built the first time (`built`), so shared containers stay shared. Each
 // container built takes 1 + its items from `budget` (which started at `limit`), each str
@@ -147,7 +152,7 @@ pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::si
     case k::real: return pickle_value::real(n->u.d);
     case k::string: {
       const std::uint64_t extra = pickle_string_cost(n->u.s.size) - 1;  // its 1 is in its container's items
-      if (budget < extra) bad("expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)");
+      if (budget < extra) bad(pickle_expansion_problem(limit));
       budget -= static_cast<std::size_t>(extra);
       return pickle_value::string(std::string(n->str()));
     }
@@ -155,7 +160,7 @@ pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::si
   }
   if (auto it = built.find(n); it != built.end()) return it->second;
   const auto items = n->items();
-  if (budget < 1 + items.size()) bad("expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)");
+  if (budget < 1 + items.size()) bad(pickle_expansion_problem(limit));
   budget -= 1 + items.size();
   pickle_value v;
   if (n->k == k::dict) {
@@ -737,7 +742,7 @@ class basic_pickle_reader {
     n->visiting = true;
     for (node* c : n->items()) {
       total += expanded_size(c, depth + 1);
-      if (total > max_nodes_) bad("expands to more than " + std::to_string(max_nodes_) + " values (strings count 1 per 8 bytes)");
+      if (total > max_nodes_) bad(detail::pickle_expansion_problem(max_nodes_));
       height = std::max<std::size_t>(height, c->container() ? c->height + 1u : 1u);
     }
     n->visiting = false;
