@@ -12,10 +12,15 @@ OUT_DIR/ckpt/ is dcp.save({"model": ..., "optim": ..., "extra": ...}) of
 - extra: grid F32 [6, 9] on a 2 x 2 mesh [Shard(0), Shard(1)]; hsdp BF16 [10, 4] [Replicate(),
   Shard(0)] (replicas the planner writes once); half F16 [5, 3] Shard(1); ids I64 [9] Shard(0);
   mask BOOL [3, 5] Shard(0) (an empty piece); experts F32 [4, 3, 2] on an ("ep", "ep_fsdp") mesh
-  [Shard(0), Shard(1)]; and the non-tensor items epoch (7) and name ("run-a").
+  [Shard(0), Shard(1)]; chunks whose data files keep another order of dimensions, as torch.save
+  keeps a tensor's strides: conv F32 [8, 5, 3, 3] Shard(0) and conv_cols BF16 [4, 8, 3, 3]
+  Shard(1), their local pieces channels_last; tied BF16 [8, 6] on the 2 x 2 mesh, its pieces
+  transposed; whole_t F16 [3, 5], a plain transposed tensor; and the non-tensor items epoch (7)
+  and name ("run-a").
 OUT_DIR/ckpt_adam/ and OUT_DIR/ckpt_sgd/ hold the same model trained two steps of Adam and of SGD
 with momentum (model and optim only). --small writes ckpt alone, of a smaller state (Linear(4, 3),
-grid [4, 4], hsdp [4, 2], mask [3, 2], epoch): the golden fixtures of tests/fixtures/dcp_torch2/.
+grid [4, 4], hsdp [4, 2], mask [3, 2], conv [4, 3, 2, 2], tied [4, 6], whole_t [3, 5], epoch): the
+golden fixtures of tests/fixtures/dcp_torch2/.
 
 Beside them, torch's own values: OUT_DIR/digest.txt (`KEY DTYPE [SHAPE] SHA256`, sorted, a line
 per tensor of ckpt, as `shardsafe digest` prints) and raw/KEY.bin (each full tensor's bytes,
@@ -72,11 +77,17 @@ def trained(kind):
 def extras():
     g = torch.Generator().manual_seed(11)
     if SMALL:
-        return {
+        e = {
             "grid": torch.randn(4, 4, generator=g),
             "hsdp": torch.randn(4, 2, generator=g).to(torch.bfloat16),
             "mask": torch.rand(3, 2, generator=g) > 0.5,
         }
+        e.update({  # drawn after the others, which keep their values
+            "conv": torch.randn(4, 3, 2, 2, generator=g),
+            "tied": torch.randn(4, 6, generator=g).to(torch.bfloat16),
+            "whole_t": torch.randn(5, 3, generator=g).to(torch.float16).t(),
+        })
+        return e
     return {
         "grid": torch.randn(6, 9, generator=g),
         "hsdp": torch.randn(10, 4, generator=g).to(torch.bfloat16),
@@ -84,7 +95,27 @@ def extras():
         "ids": torch.randint(-1000, 1000, (9,), generator=g, dtype=torch.int64),
         "mask": torch.rand(3, 5, generator=g) > 0.5,
         "experts": torch.randn(4, 3, 2, generator=g),
+        "conv": torch.randn(8, 5, 3, 3, generator=g),
+        "conv_cols": torch.randn(4, 8, 3, 3, generator=g).to(torch.bfloat16),
+        "tied": torch.randn(8, 6, generator=g).to(torch.bfloat16),
+        "whole_t": torch.randn(5, 3, generator=g).to(torch.float16).t(),
     }
+
+
+def channels_last(t):
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def transposed(t):
+    return t.t().contiguous().t()
+
+
+def kept_layout(full, mesh, placements, layout):
+    """A DTensor whose local pieces have `layout`'s strides (channels_last, transposed), as a model
+    trained in that memory format holds them: torch.save keeps them in the data files."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    local = layout(distribute_tensor(full, mesh, placements).to_local())
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 def reference(kind):
@@ -136,6 +167,9 @@ def worker(rank, port, out, small):
                 "grid": distribute_tensor(e["grid"], mesh2, [Shard(0), Shard(1)]),
                 "hsdp": distribute_tensor(e["hsdp"], mesh2, [Replicate(), Shard(0)]),
                 "mask": distribute_tensor(e["mask"], mesh1, [Shard(0)]),
+                "conv": kept_layout(e["conv"], mesh1, [Shard(0)], channels_last),
+                "tied": kept_layout(e["tied"], mesh2, [Shard(0), Shard(1)], transposed),
+                "whole_t": e["whole_t"],
                 "epoch": 7,
             }
         elif kind == "adamw":
@@ -147,6 +181,10 @@ def worker(rank, port, out, small):
                 "ids": distribute_tensor(e["ids"], mesh1, [Shard(0)]),
                 "mask": distribute_tensor(e["mask"], mesh1, [Shard(0)]),
                 "experts": distribute_tensor(e["experts"], ep, [Shard(0), Shard(1)]),
+                "conv": kept_layout(e["conv"], mesh1, [Shard(0)], channels_last),
+                "conv_cols": kept_layout(e["conv_cols"], mesh1, [Shard(1)], channels_last),
+                "tied": kept_layout(e["tied"], mesh2, [Shard(0), Shard(1)], transposed),
+                "whole_t": e["whole_t"],
                 "epoch": 7,
                 "name": "run-a",
             }

@@ -17,6 +17,9 @@ The state dict, the same full tensors on every rank (seeded), each rank keeping 
   in one file);
 - model.lm_head.weight: F16 [8, 4] rows (3, 3, 2);
 - model.norm: F32 [6] replicated (a plain tensor on every rank: written once);
+- model.conv: F32 [6, 3, 2, 2] channels_last and model.proj: F16 [6, 4] transposed, plain
+  tensors written once: torch.save keeps their strides, so their data files hold the dimensions
+  in another order (1.13's ShardedTensor takes contiguous pieces only);
 - optim.step: I64 [] (0-d) and a non-tensor item `extra.epoch` (an int).
 """
 import hashlib
@@ -48,7 +51,17 @@ def full_tensors(scale):
         "model.lm_head.weight": torch.randn(8, 4, generator=g).to(torch.float16),
         "model.norm": torch.randn(6, generator=g),
         "optim.step": torch.tensor(42, dtype=torch.int64),
+        "model.conv": torch.randn(6, 3, 2, 2, generator=g),
+        "model.proj": torch.randn(6, 4, generator=g).to(torch.float16),
     }
+
+
+# plain tensors in the layout a model trained in that memory format holds (torch.save keeps it in
+# the data files; 1.13's ShardedTensor takes contiguous pieces only)
+LAYOUT = {
+    "model.conv": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "model.proj": lambda t: t.t().contiguous().t(),
+}
 
 
 def blocks(scale):
@@ -77,6 +90,8 @@ def worker(rank, port, out, scale):
             shards.append(Shard.from_tensor_and_offsets(local, list(off), rank))
         sd[key] = sharded_tensor.init_from_local_shards(shards, *t.shape)
     sd["model.norm"] = full["model.norm"]
+    for key, layout in LAYOUT.items():
+        sd[key] = layout(full[key])
     sd["optim.step"] = full["optim.step"]
     sd["extra.epoch"] = 3
     dcp.save_state_dict(sd, dcp.FileSystemWriter(os.path.join(out, "ckpt")))

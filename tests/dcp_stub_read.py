@@ -1,6 +1,7 @@
 """Reads a torch.distributed.checkpoint folder with Python alone (no torch): pickle with stand-in
 classes for torch's, zipfile for the torch.save archives (CRC-32 checked), each tensor's chunks
-reassembled into its full row-major bytes. The independent reader of the torch-free tests of
+reassembled into its full row-major bytes (a chunk torch.save kept with other strides, channels_last
+or transposed, gathered in row-major order first). The independent reader of the torch-free tests of
 shardsafe's DCP writer (tests/checkpoint/test_dcp_write.cpp); the torch 2.x tests check the same folders
 with torch itself.
 
@@ -148,6 +149,19 @@ def main(folder):
                 fail(f"{key}: the archive at {off} holds {len(rec)} bytes, the chunk {n * item_size}")
             if n == 0:
                 continue
+            rm = [1] * len(sz)
+            for d in range(len(sz) - 2, -1, -1):
+                rm[d] = rm[d + 1] * sz[d + 1]
+            st = t["stride"]
+            if any(s > 1 and a != b for s, a, b in zip(sz, st, rm)):
+                # torch.save kept the tensor's strides (channels_last, transposed): gathered row-major
+                if sum((s - 1) * a for s, a in zip(sz, st)) >= n:
+                    fail(f"{key}: the archive at {off} has stride {st} past its {n} elements")
+                out = bytearray(len(rec))
+                for k in range(n):
+                    at = sum((k // rm[d]) % sz[d] * st[d] for d in range(len(sz)))
+                    out[k * item_size:(k + 1) * item_size] = rec[at * item_size:(at + 1) * item_size]
+                rec = bytes(out)
             # every row (all dimensions but the last) of the chunk, copied to its place
             inner = sz[-1] if sz else 1
             rows = n // inner

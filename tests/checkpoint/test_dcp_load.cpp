@@ -104,7 +104,7 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   const fs::path& dir = dist_fixture();
   const auto want = expected(dir);
-  REQUIRE(want.size() == 6);
+  REQUIRE(want.size() == 8);
   for (const std::string folder : folders) {
     CAPTURE(folder);
     checkpoint_reader<file_directory> r(file_directory(dir / folder));
@@ -125,7 +125,7 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
       CHECK(std::count_if(files.begin(), files.end(), [](const auto& f) { return f.first == "__1_0.distcp#1"; }) == 1);
     }
     const checkpoint_report rep = verify_checkpoint(r);
-    CHECK(rep.tensors == 6);
+    CHECK(rep.tensors == 8);
 
     for (const std::uint64_t world : {1, 2, 4})
       for (const std::string how : {"flat", "rows", "cols"})
@@ -339,7 +339,7 @@ import dcp_fixture_dist as f
 import torch
 full = f.full_tensors(1)
 ren = {"model.model.rows": "model.rows", "model.model.cols": "model.cols", "model.model.grid": "model.grid",
-       "model.lm_head.weight": "lm_head.weight", "model.norm": "norm"}
+       "model.lm_head.weight": "lm_head.weight", "model.norm": "norm", "model.conv": "conv", "model.proj": "proj"}
 DT = {"F32": torch.float32, "BF16": torch.bfloat16, "F64": torch.float64, "F16": torch.float16, "I64": torch.int64}
 b = open(sys.argv[2], "rb").read()
 n = struct.unpack("<Q", b[:8])[0]
@@ -375,7 +375,7 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
     CHECK(d.out == torch_digest);
     const auto i = testing::run_tool({"inspect", ck});
     CHECK(i.code == 0);
-    CHECK(i.out.find(": torch.distributed.checkpoint folder, 6 tensors, ") != std::string::npos);
+    CHECK(i.out.find(": torch.distributed.checkpoint folder, 8 tensors, ") != std::string::npos);
     CHECK(i.out.find(", 1 non-tensor item") != std::string::npos);
     CHECK(i.out.find("extra.epoch") != std::string::npos);
     CHECK(i.out.find("non-tensor item (not loaded)") != std::string::npos);
@@ -383,7 +383,7 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
     CHECK(i.out.find(folder == "ckpt" ? "blocks over 4 file(s)" : "blocks (4) over 3 file(s)") != std::string::npos);
     const auto v = testing::run_tool({"verify", ck});
     CHECK(v.code == 0);
-    CHECK(v.out == "OK " + ck + ": 6 tensors valid\n");
+    CHECK(v.out == "OK " + ck + ": 8 tensors valid\n");
     const fs::path un = tmp.path / (folder + ".safetensors");
     CHECK(testing::run_tool({"unshard", ck, un.string()}).code == 0);
     CHECK(testing::run_tool({"digest", un.string()}).out == torch_digest);
@@ -394,8 +394,8 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
       if (!to.empty()) args.insert(args.end(), {"--dtype", to});
       const auto t = testing::run_tool(args);
       CHECK_MESSAGE(t.code == 0, t.err);
-      CHECK(t.err.find("warning: 1 name(s) a 'model.' key") != std::string::npos);
-      CHECK(t.err.find("model.norm -> norm") != std::string::npos);
+      CHECK(t.err.find("warning: 3 name(s) a 'model.' key") != std::string::npos);
+      CHECK(t.err.find("model.conv -> conv, model.norm -> norm, model.proj -> proj") != std::string::npos);
       CHECK(t.err.find("warning: 1 name(s) not a 'model.' key (optimizer or extra state): dropped: optim.step") !=
             std::string::npos);
       CHECK(torch_check_hf(hf / "model.safetensors", to) == "torch agrees\n");

@@ -431,7 +431,8 @@ TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as c
   CHECK(!fs::exists(dir.path / "step3" / "model"));
 }
 
-TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors) reads as torch computed it, values included") {
+TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces channels_last and transposed) reads as torch "
+          "computed it, values included") {
   const fs::path golden = source_dir / "tests" / "fixtures" / "dcp_torch2";
   checkpoint_reader<file_directory> r(file_directory{golden / "ckpt"});
   CHECK(r.format() == checkpoint_format::dcp);
@@ -451,6 +452,17 @@ TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors) reads as
   REQUIRE(p);
   CHECK(*p == pickle_value::tuple({pickle_value::string("optim"), pickle_value::string("param_groups"), pickle_value::integer(0),
                                    pickle_value::string("lr")}));
+  // the pieces torch.save kept channels_last (conv) and transposed (tied, whole_t) are read in
+  // their order: their digest lines above are torch's
+  for (const auto& [key, order] : {std::pair<std::string, std::vector<std::size_t>>{"extra.conv", {0, 2, 3, 1}},
+                                   {"extra.tied", {1, 0}}, {"extra.whole_t", {1, 0}}}) {
+    CAPTURE(key);
+    const tensor_metadata* tm = r.find(key);
+    REQUIRE(tm);
+    const auto& f = r.file(tm->files.front().first);
+    const auto got = f.header.stored_order(f.header.at(key));
+    CHECK(std::vector<std::size_t>(got.begin(), got.end()) == order);
+  }
   // HSDP replicas: torch wrote each [Replicate(), Shard(0)] piece once
   const tensor_metadata* hsdp = r.find("extra.hsdp");
   REQUIRE(hsdp);

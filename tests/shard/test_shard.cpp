@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <ostream>
@@ -482,8 +483,9 @@ std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, co
   }
   // file byte (relative to data_offset) -> my byte, or -1
   std::vector<long long> want(src_end, -1), seen(src_end, 0);
-  for (auto x : runs)
-    for (u64 b = 0; b < x.len * item; ++b) want[x.src * item + b] = static_cast<long long>(x.dst * item + b);
+  for (auto x : runs)  // a stepped run's element k lands at dst + k * dst_step
+    for (u64 b = 0; b < x.len * item; ++b)
+      want[x.src * item + b] = static_cast<long long>((x.dst + b / item * x.dst_step) * item + b % item);
   u64 read = 0, got = 0, prev_end = 0;
   for (std::size_t i = 0; i < rp.ops.size(); ++i) {
     const auto& op = rp.ops[i];
@@ -504,15 +506,18 @@ std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, co
       for (u64 b = 0; b < ps[k].len; ++b) {
         const u64 f = op.file_offset + ps[k].offset + b - data_offset;
         if (f >= src_end || want[f] < 0) return at + "reads a byte nobody needs into memory";
-        if (want[f] != static_cast<long long>(ps[k].dst + b)) return at + "byte lands at the wrong place";
+        const u64 lands = ps[k].dst_step == 0 ? ps[k].dst + b : ps[k].dst + b / item * ps[k].dst_step + b % item;
+        if (ps[k].dst_step != 0 && ps[k].len % item != 0) return at + "a stepped piece cuts an element";
+        if (want[f] != static_cast<long long>(lands)) return at + "byte lands at the wrong place";
         if (seen[f]++) return at + "byte delivered twice";
       }
     }
     if (op_needed != op.needed()) return at + "needed()";
     const double wasted = double(op.len - op_needed);
-    if (wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))
+    const bool permuted = std::any_of(runs.begin(), runs.end(), [](const copy_run& x) { return x.dst_step != 1; });
+    if (!permuted && wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))  // a permuted block's merge on the gap alone
       return at + "over-read " + std::to_string(wasted) + " of " + std::to_string(op_needed) + " needed";
-    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len;
+    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len && op.pieces[0].dst_step == 0;
     if (op.direct() != whole) return at + "direct() wrong";
     read += op.len;
     got += op_needed;
@@ -575,6 +580,115 @@ TEST_CASE("property: read plans deliver every needed byte once, within their bou
                             " ratio=" + std::to_string(opt.max_over_read) + " max=" + std::to_string(opt.max_read_bytes);
     if (!budget.check(read_plan_error(runs, data_offset, item, opt, rp), ctx)) break;
   }
+}
+
+/// The brute force of a permuted block's plan: each element of `mine` that `chunk` holds, as
+/// (its offset in the chunk's bytes, stored with its dimensions in `order`) -> my local offset.
+std::map<u64, u64> bf_permuted(const shard_spec& mine, const block_spec& chunk, const std::vector<std::size_t>& order,
+                               const shape_t& full) {
+  const auto lm = bf_local_of(bf_elements(mine, full), full);
+  const auto gc = bf_elements(chunk, full);  // the chunk's global indices in logical row-major order
+  const shape_t& cs = chunk.local_shape();
+  shape_t stride(full.size());
+  u64 t = 1;
+  for (std::size_t i = order.size(); i-- > 0;) {
+    stride[order[i]] = t;
+    t *= cs[order[i]];
+  }
+  std::map<u64, u64> out;
+  for (u64 k = 0; k < gc.size(); ++k) {
+    u64 rem = k, at = 0;
+    for (std::size_t d = full.size(); d-- > 0;) {
+      at += rem % cs[d] * stride[d];
+      rem /= cs[d];
+    }
+    if (lm[gc[k]] >= 0) out[at] = static_cast<u64>(lm[gc[k]]);
+  }
+  return out;
+}
+
+TEST_CASE("property: a block stored with its dimensions in another order: every shared element once, from its stored "
+          "place; the reads deliver it") {
+  rng_t r(kSeed + 7);
+  failure_budget budget;
+  u64 stepped = 0, cases = 0;
+  for (u64 i = 0; i < 6000; ++i) {
+    const shape_t full = random_shape(r);
+    if (full.empty()) continue;
+    const shard_spec mine = random_spec(r, full);
+    const block_spec chunk = random_block(r, full);
+    std::vector<std::size_t> order(full.size());
+    std::iota(order.begin(), order.end(), std::size_t(0));
+    std::shuffle(order.begin(), order.end(), r);
+    const copy_plan runs = permuted_copy_plan(mine, chunk, order, full);
+    std::string ctx = case_ctx(kSeed + 7, i, full) + " mine=" + to_string(mine) + " chunk=" + to_string(chunk) + " order=" +
+                      to_string(shape_t(order.begin(), order.end()));
+    std::string err;
+    std::map<u64, u64> got;
+    for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
+      const copy_run& x = runs[k];
+      if (x.len == 0) err = "empty run";
+      if (k && runs[k - 1].src + runs[k - 1].len > x.src) err = "runs not sorted by src, or overlapping";
+      if (k && runs[k - 1].src + runs[k - 1].len == x.src && runs[k - 1].dst_step == x.dst_step &&
+          runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
+        err = "runs not coalesced";
+      for (u64 j = 0; j < x.len; ++j)
+        if (!got.emplace(x.src + j, x.dst + j * x.dst_step).second) err = "an element moved twice";
+      if (x.dst_step != 1 && x.len > 1) ++stepped;
+    }
+    if (err.empty() && got != bf_permuted(mine, chunk, order, full)) err = "moves other elements than the brute force";
+    if (err.empty()) {  // and the reads of those runs
+      read_options opt;
+      opt.max_gap_bytes = pick(r, 0, 1) ? 0 : 64;
+      opt.max_over_read = pick(r, 0, 1) ? 0.0 : 1.0;
+      opt.max_read_bytes = chance(r, 2) ? pick(r, 1, 40) : u64(64) << 20;
+      const u64 item = u64(1) << pick(r, 0, 3), data_offset = pick(r, 0, 100);
+      err = read_plan_error(runs, data_offset, item, opt, make_read_plan(runs, data_offset, item, opt));
+      ctx += " item=" + std::to_string(item) + " max=" + std::to_string(opt.max_read_bytes);
+    }
+    ++cases;
+    if (!budget.check(err, ctx + " runs=" + str(runs))) break;
+  }
+  CHECK(cases > 4000);
+  CHECK(stepped > 1000);  // the property saw runs that land apart
+}
+
+TEST_CASE("permuted copy plan: a transposed and a channels_last block, one run per stored row") {
+  // [2, 3] stored transposed (order 1, 0): stored row j holds column j, landing 3 apart
+  const shape_t t{2, 3};
+  const std::vector<std::size_t> tr{1, 0};
+  const copy_plan p = permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), tr, t);
+  CHECK(p == copy_plan{{0, 0, 2, 3}, {1, 2, 2, 3}, {2, 4, 2, 3}});
+  // my second row only, as a flat range: one element per stored row
+  const copy_plan q = permuted_copy_plan(shard_spec(flat_spec{{3, 6}}), block_spec::whole(t), tr, t);
+  CHECK(q == copy_plan{{0, 1, 1, 3}, {1, 3, 1, 3}, {2, 5, 1, 3}});
+  // channels_last [N, C, H, W] = [2, 3, 2, 2], stored N, H, W, C: a run of C per (n, h, w), H*W apart
+  const shape_t cl{2, 3, 2, 2};
+  const copy_plan c = permuted_copy_plan(shard_spec(block_spec::whole(cl)), block_spec::whole(cl), std::vector<std::size_t>{0, 2, 3, 1}, cl);
+  REQUIRE(c.size() == 8);
+  CHECK(c[0] == copy_run{0, 0, 3, 4});
+  CHECK(c[1] == copy_run{1, 3, 3, 4});
+  CHECK(c[4] == copy_run{12, 12, 3, 4});
+  // the runs' reads: one read of the whole block, pieces that land 4 elements (16 bytes) apart
+  const read_plan rp = make_read_plan(c, 100, 4);
+  REQUIRE(rp.ops.size() == 1);
+  CHECK(rp.ops[0].len == 96);
+  CHECK_FALSE(rp.ops[0].direct());
+  CHECK(rp.ops[0].pieces[1].dst == 4);
+  CHECK(rp.ops[0].pieces[1].dst_step == 16);
+  // reads cut at whole elements: 10 bytes a read of 4-byte elements take 2 at most
+  for (const auto& op : make_read_plan(c, 0, 4, {.max_read_bytes = 10}).ops)
+    for (const auto& piece : op.pieces) CHECK(piece.len % 4 == 0);
+  CHECK_THROWS_AS(permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), std::vector<std::size_t>{1, 1}, t), error);
+  // a view that cuts the dimension stored innermost: a run per element, merged on the gap alone
+  // (every other element of the chunk is needed: 100% over-read, one read, not 1000)
+  const shape_t wide{2, 1000};
+  const copy_plan row = permuted_copy_plan(shard_spec(block_spec({1, 1000}, {0, 0})), block_spec::whole(wide), tr, wide);
+  CHECK(row.size() == 1000);
+  const read_plan one = make_read_plan(row, 0, 4);
+  REQUIRE(one.ops.size() == 1);
+  CHECK(one.ops[0].len == (999 * 2 + 1) * 4);
+  CHECK(one.bytes_needed == 4000);
 }
 
 TEST_CASE("read plan: small gaps merge into one staged read; a lone run is read in place") {

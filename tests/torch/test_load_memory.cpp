@@ -100,6 +100,31 @@ TEST_CASE("map_state: tensors split over rank files are assembled; the others ma
     CHECK(testing::same_bits(t, testing::expected_full(k, dtype::F32, k == "w" ? shape_t{64, 64} : shape_t{64})));
 }
 
+TEST_CASE("map_state: a torch DCP folder's tensors, those torch.save kept transposed mapped with its strides, values torch's") {
+  // the golden folder torch 2.6 wrote (tests/dcp2_fixture.py --small): extra.whole_t is a plain
+  // transposed F16 tensor, written whole in one chunk with strides (1, 3)
+  const fs::path golden = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "dcp_torch2";
+  map_stats st;
+  const auto state = map_state(golden / "ckpt", &st);
+  std::string digest;
+  std::vector<std::string> lines;
+  for (const auto& [k, t] : state) {
+    const at::Tensor c = t.contiguous();
+    const std::string hash = testing::sha256_hex(c.data_ptr(), static_cast<std::size_t>(c.nbytes()));
+    std::string shape = "[";
+    for (std::int64_t d = 0; d < t.dim(); ++d) shape += (d ? "," : "") + std::to_string(t.size(d));
+    lines.push_back(k + " " + std::string(name(to_dtype(t.scalar_type()))) + " " + shape + "] " + hash + "\n");
+    if (k == "extra.whole_t") {
+      CHECK(t.strides().vec() == std::vector<std::int64_t>{1, 3});
+      CHECK_FALSE(t.is_contiguous());
+    }
+  }
+  std::sort(lines.begin(), lines.end());
+  for (const auto& l : lines) digest += l;
+  CHECK(digest == testing::slurp(golden / "digest.txt"));
+  CHECK(st.mapped >= 1);  // extra.whole_t and the other tensors one chunk holds
+}
+
 TEST_CASE("unshard_state into a huge-page arena: the same tensors; one kept alive keeps the memory") {
   testing::temp_dir dir("arena");
   single_process one;

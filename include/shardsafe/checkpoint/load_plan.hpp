@@ -217,6 +217,30 @@ SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, st
                                                  std::string_view described_by);
 #endif
 
+/// The runs out of file `file`'s chunk `fspec` of tensor `key`, whose bytes hold its dimensions
+/// in `order` (a DCP chunk torch.save kept channels_last or transposed): every element of
+/// `mine` the chunk holds, which must be the `planned` elements plan_load took from it (a chunk
+/// sharing elements with another file's is refused: its elements are not read in part).
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL copy_plan permuted_runs(std::string_view file, const std::string& key, const shard_spec& mine,
+                                       const shard_spec& fspec, std::span<const std::size_t> order,
+                                       std::span<const std::uint64_t> full, std::uint64_t planned) {
+  const std::string ctx = std::string(file) + ": tensor '" + key + "'";
+  const std::string stored = "stores its dimensions in the order " + to_string(shape_t(order.begin(), order.end()));
+  if (!fspec.is_block()) fail(errc::invalid_metadata, ctx + ": a flat shard (" + to_string(fspec) + ") " + stored);
+  copy_plan runs = permuted_copy_plan(mine, fspec.block(), order, full);
+  if (plan_numel(runs) != planned)
+    fail(errc::invalid_metadata, ctx + ": its chunk " + to_string(fspec) + " " + stored +
+                                     " and shares elements with another file's chunk; a load reads such a chunk only where no "
+                                     "other file holds its elements (torch's planner writes each element once)");
+  return runs;
+}
+#else
+SHARDSAFE_DECL copy_plan permuted_runs(std::string_view file, const std::string& key, const shard_spec& mine,
+                                       const shard_spec& fspec, std::span<const std::size_t> order,
+                                       std::span<const std::uint64_t> full, std::uint64_t planned);
+#endif
+
 /// The files of tm whose elements a load of `mine` (planned as lp) must compare
 /// (load_schedule::compares): where files overlap (the shards hold more elements than the
 /// tensor), each file that shares elements with another and holds elements of mine that the
@@ -379,6 +403,7 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
     // at whole elements
     const std::uint64_t item = item_size(p.tm->type);
     const bool convert = p.tm->type != v.type;
+    const shard_spec mine = v.effective_spec();
     // the reads of runs out of file j of the tensor's files, with that file's settings; a
     // compare's reads are cut to what one batch may stage
     auto reads_of = [&](std::size_t j, const copy_plan& runs, bool compare, auto&& add) {
@@ -389,7 +414,10 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
       if (compare) ro.max_read_bytes = std::min<std::uint64_t>(ro.max_read_bytes, batch_staging_bytes);
       if (compare || convert) ro.max_read_bytes = std::max(item, ro.max_read_bytes / item * item);
       const tensor_entry& e = detail::checked_entry(*f.header, f.name, v.key, *p.tm, fspec, described_by);
-      read_plan rp = make_read_plan(runs, f.header->offset_of(e), item, ro);
+      const auto order = f.header->stored_order(e);
+      read_plan rp = make_read_plan(
+          order.empty() ? runs : detail::permuted_runs(f.name, v.key, mine, fspec, order, p.tm->shape, plan_numel(runs)),
+          f.header->offset_of(e), item, ro);
       s.stats.bytes_read += rp.bytes_read;
       s.stats.read_ops += rp.ops.size();
       for (auto& op : rp.ops) add(fi, std::move(op));
@@ -399,7 +427,6 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
       s.stats.bytes_needed += reads_of(fp.file, fp.runs, false, [&](std::size_t fi, read_op op) {
         s.files[fi].reads.push_back({p.view, std::move(op)});
       });
-    const shard_spec mine = v.effective_spec();
     for (const std::size_t j : p.compare) {
       const shard_spec& fspec = p.files()[j].second;
       for (const auto& fp : plan_load(mine, std::span<const shard_spec>(&fspec, 1), p.tm->shape).files)

@@ -34,7 +34,6 @@
 #include "shardsafe/checkpoint/reader.hpp"
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/core/convert.hpp"
-#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/nan.hpp"
 
 namespace shardsafe {
@@ -96,7 +95,7 @@ class checkpoint_reader : public checkpoint_files<D> {
       }
     execute_reads<reader_type>(storages, jobs, s.threads, [&](std::size_t i, const std::byte* bytes, bool landed) {
       const load_schedule::file_read& rd = *of_job[i];
-      if (!landed) scatter(rd.op, bytes, views[rd.view].data, stored[rd.view], views[rd.view].type);
+      if (!landed) scatter_pieces(rd.op, bytes, views[rd.view].data, stored[rd.view], views[rd.view].type);
     });
     compare_replicas(views, s, storages, stored);
     const std::uint64_t checked =
@@ -130,19 +129,6 @@ class checkpoint_reader : public checkpoint_files<D> {
  private:
   std::string_view where() const { return this->directory().name(); }
 
-  /// Copies the pieces of a read out of src (the read's bytes) into base; `from` set: the
-  /// pieces hold `from` elements (offsets count stored bytes), converted to `to`.
-  static void scatter(const read_op& op, const std::byte* src, std::byte* base, std::optional<dtype> from, dtype to) {
-    if (!from) {
-      for (const auto& p : op.pieces) detail::stream_copy(base + p.dst, src + p.offset, static_cast<std::size_t>(p.len));
-      return;
-    }
-    const std::uint64_t si = item_size(*from), di = item_size(to);
-    for (const auto& p : op.pieces)
-      convert_elements(*from, {src + p.offset, static_cast<std::size_t>(p.len)}, to,
-                       {base + p.dst / si * di, static_cast<std::size_t>(p.len / si * di)});
-  }
-
   /// Runs the schedule's compares (after the reads): each piece's bytes, as stored (converted
   /// where the view's dtype differs), must equal the view's; errc::invalid_metadata otherwise.
   void compare_replicas(std::span<const flat_view> views, const load_schedule& s,
@@ -155,26 +141,26 @@ class checkpoint_reader : public checkpoint_files<D> {
       const flat_view& v = views[rd.view];
       const std::uint64_t di = item_size(v.type), si = stored[rd.view] ? item_size(*stored[rd.view]) : di;
       std::vector<std::byte> conv;
-      for (const auto& p : rd.op.pieces) {
-        const std::byte* have = src + p.offset;
-        const std::size_t n = static_cast<std::size_t>(p.len / si * di);
+      for (const auto& p : rd.op.pieces) for_each_contiguous(p, si, [&](std::uint64_t dst, std::uint64_t off, std::uint64_t len) {
+        const std::byte* have = src + off;
+        const std::size_t n = static_cast<std::size_t>(len / si * di);
         if (stored[rd.view]) {
           conv.resize(n);
-          convert_elements(*stored[rd.view], {have, static_cast<std::size_t>(p.len)}, v.type, conv);
+          convert_elements(*stored[rd.view], {have, static_cast<std::size_t>(len)}, v.type, conv);
           have = conv.data();
         }
-        const std::byte* loaded = v.data + p.dst / si * di;
-        if (std::memcmp(have, loaded, n) == 0) continue;
+        const std::byte* loaded = v.data + dst / si * di;
+        if (std::memcmp(have, loaded, n) == 0) return;
         std::uint64_t at = 0;
         while (std::memcmp(have + at * di, loaded + at * di, static_cast<std::size_t>(di)) == 0) ++at;
-        const std::uint64_t local = p.dst / si + at;
+        const std::uint64_t local = dst / si + at;
         auto g = global_index_of(v.effective_spec(), v.full_shape, local);
         fail(errc::invalid_metadata,
              std::string(storages[f]->name()) + ": tensor '" + v.key + "': holds other bytes for element " +
                  (g ? "index " + multi_index_string(v.full_shape, *g) : "local " + std::to_string(local)) +
                  " than the file it was loaded from: two files claim the same elements with different values, and a "
                  "load cannot choose between them (shardsafe verify names both files)");
-      }
+      });
     });
   }
 

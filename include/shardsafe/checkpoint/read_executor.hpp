@@ -13,15 +13,20 @@
 // `done(i, bytes, landed)` is then called once per job i, on a pool thread, with the job's
 // bytes: landed says they are already in the job's `land` memory. Jobs of one call may run
 // concurrently; a throw from a read or from done is rethrown once all jobs have returned.
+// scatter_pieces then copies a staged read's pieces into a view (converting, or scattering the
+// runs of a chunk stored in another order of dimensions).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "shardsafe/checkpoint/load_plan.hpp"
+#include "shardsafe/core/convert.hpp"
+#include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -34,6 +39,24 @@ struct read_job {
   std::uint64_t len = 0;
   std::byte* land = nullptr;  ///< where the bytes may land straight (len bytes), or nullptr: staging
 };
+
+/// Copies the pieces of a read out of src (the read's bytes) into base; `from` set: the pieces
+/// hold `from` elements (offsets count stored bytes), converted to `to`.
+inline void scatter_pieces(const read_op& op, const std::byte* src, std::byte* base, std::optional<dtype> from, dtype to) {
+  const std::uint64_t di = item_size(to), si = from ? item_size(*from) : di;
+  for (const auto& p : op.pieces) {
+    if (!from && p.dst_step != 0) {  // a run of a chunk stored in another order of dimensions
+      detail::scatter_copy(base + p.dst, static_cast<std::size_t>(p.dst_step), src + p.offset, static_cast<std::size_t>(p.len / si),
+                           static_cast<std::size_t>(si));
+      continue;
+    }
+    for_each_contiguous(p, si, [&](std::uint64_t dst, std::uint64_t off, std::uint64_t len) {
+      const std::span<const std::byte> in(src + off, static_cast<std::size_t>(len));
+      if (!from) return detail::stream_copy(base + dst, in.data(), in.size());
+      convert_elements(*from, in, to, {base + dst / si * di, static_cast<std::size_t>(len / si * di)});
+    });
+  }
+}
 
 /// Runs every job on up to `threads` threads (see the top of this header).
 template <ReadableStorage R, class Done>

@@ -4,9 +4,10 @@
 // `.metadata` (format/dcp_metadata.hpp) says which byte range of which data file holds each
 // chunk. A `.distcp` range is one torch.save archive (format/torch_zip.hpp): its storage record
 // is found by the archive's zip headers and checked against its data.pkl, and then the chunk is
-// an N-D block of row-major bytes at a known offset of the file, which is all the overlap engine
-// and the read plans need. Newer torch can write the data files as safetensors instead
-// (SerializationFormat.SAFETENSORS): then the file's own header places each chunk, and its
+// an N-D block of dense bytes at a known offset of the file, which is all the overlap engine and
+// the read plans need (row-major, or in the order of dimensions torch.save kept for a
+// channels_last or transposed tensor: safetensors_header::stored_order). Newer torch can write
+// the data files as safetensors instead (SerializationFormat.SAFETENSORS): then the file's own header places each chunk, and its
 // DCP_SHARDING_INFO (format/dcp_sharding.hpp), when present, must agree with `.metadata`.
 //
 // The index is a safetensors_header made with of_records (offsets absolute in the file), one
@@ -25,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,9 +68,11 @@ std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
   return out;
 }
 
-/// The index entry of one torch.save archive holding chunk c (rules at the top).
+/// The index entry of one torch.save archive holding chunk c (rules at the top); stored_order:
+/// the order of dimensions its bytes hold (check_torch_zip_tensor).
 template <ReadableStorage S>
-tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std::string& file) {
+tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std::string& file,
+                                 std::vector<std::size_t>& stored_order) {
   const std::string what = file + " [" + std::to_string(c.offset) + ", +" + std::to_string(c.length) + ") ('" + c.key + "')";
   if (c.length < 22) fail(errc::invalid_metadata, what + ": " + std::to_string(c.length) + " bytes are too few for a zip archive");
   const auto end = checked_add(c.offset, c.length);
@@ -92,7 +96,7 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
                                      std::to_string(max_torch_tensor_pickle) + " (one tensor's pickle is far smaller)");
   const torch_zip_tensor t =
       parse_torch_tensor_pickle(read_at(z.pickle->data_offset, static_cast<std::size_t>(z.pickle->size)), what + ": data.pkl");
-  check_torch_zip_tensor(t, z.storage, c.type, c.sizes, what);
+  stored_order = check_torch_zip_tensor(t, z.storage, c.type, c.sizes, what);
   tensor_entry e;
   e.name = c.key;
   e.type = c.type;
@@ -176,8 +180,13 @@ safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
   }
   std::vector<tensor_entry> entries;
   entries.reserve(f.chunks.size());
-  for (const auto& c : f.chunks) entries.push_back(detail::index_torch_archive(st, c, file));
-  return safetensors_header::of_records(file, st.size(), std::move(entries));
+  std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
+  for (const auto& c : f.chunks) {
+    std::vector<std::size_t> order;
+    entries.push_back(detail::index_torch_archive(st, c, file, order));
+    if (!order.empty()) orders.emplace(c.key, std::move(order));
+  }
+  return safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders));
 }
 
 }  // namespace shardsafe

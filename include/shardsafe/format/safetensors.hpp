@@ -71,6 +71,14 @@ class safetensors_header {
   /// Absolute file offset of a tensor's first byte.
   std::uint64_t offset_of(const tensor_entry& t) const noexcept { return data_start() + t.begin; }
 
+  /// The dimensions of tensor t, outermost first, in the order its bytes hold them, where that
+  /// is not row-major: a chunk of a DCP data file that torch.save kept channels_last or
+  /// transposed (of_records); empty for every safetensors file.
+  std::span<const std::size_t> stored_order(const tensor_entry& t) const noexcept {
+    const auto it = stored_orders_.find(t.name);
+    return it == stored_orders_.end() ? std::span<const std::size_t>() : std::span<const std::size_t>(it->second);
+  }
+
   /// Tensor names in sorted order.
   std::vector<std::string_view> names() const {
     std::vector<std::string_view> r;
@@ -82,9 +90,12 @@ class safetensors_header {
   /// An index of tensors stored at absolute offsets of a file that is not a safetensors file
   /// (each chunk of a torch DCP data file, format/dcp_data.hpp): data_start() is 0, so
   /// offset_of(t) is t.begin, and file_size() is file_size. Names must be distinct
-  /// (errc::invalid_metadata, naming `file`).
-  static safetensors_header of_records(std::string file, std::uint64_t file_size, std::vector<tensor_entry> records) {
+  /// (errc::invalid_metadata, naming `file`). stored_orders: by name, the records whose bytes
+  /// hold their dimensions in another order (stored_order()).
+  static safetensors_header of_records(std::string file, std::uint64_t file_size, std::vector<tensor_entry> records,
+                                       std::map<std::string, std::vector<std::size_t>, std::less<>> stored_orders = {}) {
     safetensors_header h;
+    h.stored_orders_ = std::move(stored_orders);
     h.file = std::move(file);
     h.prefix_ = 0;
     h.data_size = file_size;
@@ -107,6 +118,7 @@ class safetensors_header {
   }
   std::uint64_t prefix_ = 8;            // bytes before the header: the length prefix, or 0 (of_records)
   std::vector<std::uint32_t> by_name_;  // indices into tensors, sorted by name
+  std::map<std::string, std::vector<std::size_t>, std::less<>> stored_orders_;  // of_records': stored_order()
 };
 
 namespace detail {

@@ -16,8 +16,9 @@
 //     directory; when the caller knows the chunk's bytes, the record holds exactly that many;
 //   - data.pkl (read by torch_zip_tensor_info through an allowlist: torch._utils._rebuild_tensor_v2
 //     and _v3 (torch 2.x's float8 and wide unsigned types: an UntypedStorage and the dtype),
-//     torch.<T>Storage, torch.storage.UntypedStorage, torch.<dtype>, collections.OrderedDict) describes a tensor at storage offset 0 with
-//     row-major contiguous strides, whose storage is the record.
+//     torch.<T>Storage, torch.storage.UntypedStorage, torch.<dtype>, collections.OrderedDict) describes a tensor at storage offset 0,
+//     dense (row-major, or its dimensions stored in another order: channels_last, transposed),
+//     whose storage is the record.
 #pragma once
 
 #include <algorithm>
@@ -340,10 +341,14 @@ SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes
 SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what);
 #endif
 
-/// Checks that data.pkl's tensor is the DCP chunk `sizes` of dtype `type` stored whole, row-major
-/// and contiguous from the first byte of `storage`: the rules at the top, named in the message.
-inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_record& storage, dtype type,
-                                   const std::vector<std::uint64_t>& sizes, std::string_view what) {
+/// Checks that data.pkl's tensor is the DCP chunk `sizes` of dtype `type` stored whole and dense
+/// from the first byte of `storage`: the rules at the top, named in the message. Returns the
+/// order its dimensions are stored in, outermost first, when it is not row-major (torch.save
+/// keeps a channels_last or transposed tensor's strides: each dimension's stride is then the
+/// product of the sizes stored inside it); empty for row-major. Dimensions of size 1 come first
+/// in such an order (where they lie does not move a byte).
+inline std::vector<std::size_t> check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_record& storage, dtype type,
+                                                       const std::vector<std::uint64_t>& sizes, std::string_view what) {
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": data.pkl: " + rule); };
   if (!storage.name.ends_with("/data/" + t.storage_key)) bad("tensor's storage '" + t.storage_key + "' is not the record '" + storage.name + "'");
   if (t.type && *t.type != type) bad("storage holds " + std::string(name(*t.type)) + " but .metadata says " + std::string(name(type)));
@@ -354,25 +359,23 @@ inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_re
   if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
   const auto n = detail::checked_numel(t.size);
   if (!n) bad("size " + to_string(t.size) + " overflows");
-  std::uint64_t want = 1;
-  for (std::size_t d = t.size.size(); *n != 0 && d-- > 0;) {
-    if (t.size[d] > 1 && t.stride[d] != want) {
-      // the dimensions in another order, dense (channels_last, a transposed tensor): torch.save keeps it
-      std::vector<std::size_t> order(t.size.size());
-      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return t.stride[a] > t.stride[b]; });
-      std::uint64_t dense = 1;
-      bool permuted = true;
-      for (std::size_t i = order.size(); i-- > 0;) {
-        if (t.size[order[i]] > 1 && t.stride[order[i]] != dense) permuted = false;
-        dense *= t.size[order[i]];
-      }
-      bad("stride " + to_string(t.stride) + " is not row-major contiguous for size " + to_string(t.size) +
-          (permuted ? " (its dimensions stored in another order, as torch.save keeps a channels_last or transposed "
-                      "tensor; chunks are read row-major: save a .contiguous() copy)"
-                    : ""));
-    }
-    want *= t.size[d];
+  // the dimensions of size > 1 by decreasing stride (no two are equal in a dense layout), each
+  // stride the product of the sizes after it in that order
+  std::vector<std::size_t> order, ones;
+  for (std::size_t d = 0; d < t.size.size(); ++d) (t.size[d] > 1 ? order : ones).push_back(d);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return t.stride[a] > t.stride[b]; });
+  std::uint64_t dense = 1;
+  for (std::size_t i = order.size(); *n != 0 && i-- > 0;) {
+    if (t.stride[order[i]] != dense)
+      bad("stride " + to_string(t.stride) + " is not dense for size " + to_string(t.size) +
+          " (a chunk's elements fill its storage in some order of its dimensions, each stride the product of the sizes "
+          "stored inside it)");
+    dense *= t.size[order[i]];
+  }
+  std::vector<std::size_t> stored;
+  if (*n != 0 && !std::is_sorted(order.begin(), order.end())) {
+    stored = std::move(ones);
+    stored.insert(stored.end(), order.begin(), order.end());
   }
   const std::uint64_t item = t.type ? item_size(*t.type) : 1;
   const auto bytes = detail::checked_mul(t.storage_numel, item);
@@ -381,6 +384,7 @@ inline void check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_re
   const auto need = detail::checked_mul(*n, item_size(type));
   if (!need || *need != storage.size)
     bad("record '" + storage.name + "' holds " + std::to_string(storage.size) + " bytes, not the chunk's " + to_string(sizes) + " " + std::string(name(type)));
+  return stored;
 }
 
 }  // namespace shardsafe

@@ -7,6 +7,11 @@
 // plan_load resolves a whole tensor against every file that holds part of it: each of my
 // elements is taken from exactly one file (a file that holds my whole shard is preferred,
 // then files in the order given), and elements no file holds are reported as missing.
+//
+// A file's block whose bytes hold its dimensions in another order (a DCP chunk torch.save kept
+// channels_last or transposed: safetensors_header::stored_order) is read by permuted_copy_plan: runs
+// along the dimension stored innermost, contiguous in the file and `dst_step` elements apart
+// in my view, so its reads stay ranges of the file and its plan one run per stored row.
 #pragma once
 
 #include <algorithm>
@@ -18,16 +23,19 @@
 #include <vector>
 
 #include "shardsafe/core/config.hpp"
+#include "shardsafe/shard/flat_blocks.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 
 namespace shardsafe {
 
-/// Copy len elements from offset src of a file's flat shard to offset dst of my flat view.
+/// Copy len elements from offset src of a file's flat shard to offset dst of my flat view; the
+/// k-th goes to dst + k * dst_step (1 but for a permuted block: permuted_copy_plan).
 struct copy_run {
   std::uint64_t dst = 0;
   std::uint64_t src = 0;
   std::uint64_t len = 0;
+  std::uint64_t dst_step = 1;
   friend constexpr bool operator==(const copy_run&, const copy_run&) = default;
 };
 
@@ -38,7 +46,7 @@ inline void append_coalesced(copy_plan& plan, const copy_run& r) {
   if (r.len == 0) return;
   if (!plan.empty()) {
     copy_run& b = plan.back();
-    if (b.dst + b.len == r.dst && b.src + b.len == r.src) {
+    if (b.dst_step == r.dst_step && b.dst + b.len * b.dst_step == r.dst && b.src + b.len == r.src) {
       b.len += r.len;
       return;
     }
@@ -61,6 +69,90 @@ copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::
                      [&](const overlap_piece& p) { append_coalesced(plan, copy_run{p.mine, p.other, p.len}); });
     return plan;
   }
+}
+
+/// The runs that move every element of `mine` that block `chunk` holds, out of the chunk's bytes
+/// stored with its dimensions in `order` (outermost first, a permutation of the dimensions):
+/// one run per row along the dimension stored innermost, contiguous in the chunk, dst_step
+/// apart in my flat view; sorted by src, coalesced where both continue.
+template <ShardSpec A>
+copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<const std::size_t> order,
+                             std::span<const std::uint64_t> full) {
+  const std::size_t nd = full.size();
+  std::vector<bool> seen(nd, false);
+  bool permutation = order.size() == nd && nd != 0 && chunk.local_shape().size() == nd;
+  for (std::size_t i = 0; permutation && i < nd; ++i) {
+    permutation = order[i] < nd && !seen[order[i]];
+    if (permutation) seen[order[i]] = true;
+  }
+  if (!permutation)
+    fail(errc::invalid_argument, "permuted_copy_plan: order " + to_string(shape_t(order.begin(), order.end())) +
+                                     " is not a permutation of the " + std::to_string(nd) + " dimensions");
+  shape_t stored(nd);  // the chunk's strides as stored
+  std::uint64_t t = 1;
+  for (std::size_t i = nd; i-- > 0;) {
+    stored[order[i]] = t;
+    t *= chunk.local_shape()[order[i]];
+  }
+  const std::size_t inner = order[nd - 1];
+  copy_plan runs;
+  // the part of the chunk inside `piece`, where my offset of global index x is base + sum x_d * step_d
+  // (mod 2^64), in stored order
+  auto add_box = [&](const block_spec& piece, std::uint64_t base, const shape_t& step) {
+    const auto bx = detail::intersect(piece, chunk);
+    if (!bx) return;
+    std::uint64_t src = 0, dst = base;
+    for (std::size_t d = 0; d < nd; ++d) {
+      src += (bx->offset[d] - chunk.global_offset()[d]) * stored[d];
+      dst += bx->offset[d] * step[d];
+    }
+    shape_t j(nd - 1, 0);  // the odometer over order[0 .. nd - 2]
+    while (true) {
+      append_coalesced(runs, copy_run{dst, src, bx->extent[inner], step[inner]});
+      std::size_t i = nd - 1;
+      while (i-- > 0) {
+        const std::size_t d = order[i];
+        src += stored[d];
+        dst += step[d];
+        if (++j[i] < bx->extent[d]) break;
+        src -= bx->extent[d] * stored[d];
+        dst -= bx->extent[d] * step[d];
+        j[i] = 0;
+      }
+      if (i == static_cast<std::size_t>(-1)) return;
+    }
+  };
+  auto strides_of = [&](std::span<const std::uint64_t> shape) {
+    shape_t s(nd, 1);
+    for (std::size_t d = nd; d-- > 1;) s[d - 1] = s[d] * shape[d];
+    return s;
+  };
+  auto of_spec = [&](const auto& m) {
+    using M = std::remove_cvref_t<decltype(m)>;
+    if constexpr (std::is_same_v<M, block_spec>) {
+      const shape_t step = strides_of(m.local_shape());
+      std::uint64_t base = 0;
+      for (std::size_t d = 0; d < nd; ++d) base -= m.global_offset()[d] * step[d];
+      add_box(m, base, step);
+    } else {  // a flat range is linear in the global index: the blocks that tile it
+      const shape_t step = strides_of(full);
+      std::uint64_t local = 0;
+      for (const element_range& r : m.ranges()) {
+        for (const tensor_block& b : blocks_of_range(full, r)) add_box(block_spec(b.sizes, b.offsets), local - r.begin, step);
+        local += r.size();
+      }
+    }
+  };
+  if constexpr (detail::is_variant_spec<A>)
+    std::visit(of_spec, mine.variant());
+  else
+    of_spec(mine);
+  if (std::is_sorted(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; })) return runs;
+  std::sort(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; });
+  copy_plan out;
+  out.reserve(runs.size());
+  for (const copy_run& r : runs) append_coalesced(out, r);
+  return out;
 }
 
 /// Total elements a plan moves.

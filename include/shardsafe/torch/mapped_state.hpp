@@ -69,7 +69,8 @@ struct cow_mapping {
 }  // namespace detail
 
 /// Every tensor of the checkpoint in folder dir (any layout checkpoint_reader opens: shardsafe,
-/// OLMo-core, Hugging Face, torch DCP), whole: mapped where one file holds it, else loaded.
+/// OLMo-core, Hugging Face, torch DCP), whole: mapped where one file holds it (with the strides
+/// torch.save kept, for a DCP chunk stored channels_last or transposed), else loaded.
 /// Tensors in the checkpoint's order. stats (if given) says which were mapped.
 inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::filesystem::path& dir, map_stats* stats = nullptr,
                                                                  const load_options& opt = {}) {
@@ -98,9 +99,21 @@ inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::file
       if (off + nbytes > m->size)
         fail(errc::truncated, ctx + ": its bytes [" + std::to_string(off) + ", " + std::to_string(off + nbytes) +
                                   ") run past the end of " + on_disk + " (" + std::to_string(m->size) + " bytes)");
+      // row-major, or the order of dimensions torch.save kept (a DCP chunk, channels_last or
+      // transposed): mapped with those strides
+      const auto kept = f.header.stored_order(e);
+      std::vector<std::size_t> order(kept.begin(), kept.end());
+      if (order.empty())
+        for (std::size_t d = 0; d < sizes.size(); ++d) order.push_back(d);
+      std::vector<std::int64_t> strides(sizes.size(), 1);
+      std::int64_t step = 1;
+      for (std::size_t i = order.size(); i-- > 0;) {
+        strides[order[i]] = step;
+        step *= sizes[order[i]];
+      }
       auto keep = m;
       at::Tensor t = nbytes == 0 ? at::empty(sizes, type)
-                                 : at::from_blob(m->base + off, sizes, [keep](void*) mutable { keep.reset(); },
+                                 : at::from_blob(m->base + off, sizes, strides, [keep](void*) mutable { keep.reset(); },
                                                  at::TensorOptions().dtype(type));
       out.emplace_back(key, std::move(t));
       ++st.mapped;
