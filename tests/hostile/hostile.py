@@ -429,27 +429,11 @@ def named_again_and_again(t):
         raise Failed("inspect said: " + out[:300])
 
 
-def dcp_overlapping(d, chunks):
-    """A DCP folder of one F32 tensor [chunks + 1, 4] whose chunks each hold 2 rows, overlapping
-    their neighbours by one row (every element but the first and last rows held twice, equal)."""
+def dcp_f32_folder(d, shape, chunks):
+    """A DCP folder of one F32 tensor 'w' of `shape`, pickled as torch writes it, its chunks
+    [(offsets, sizes, stride, values)] one torch.save archive each in __0_0.distcp, in order: the
+    archive's data.pkl gives `stride`, its storage holds `values` (floats, in storage order)."""
     import zipfile
-    rows = chunks + 1
-    full = [float(i) for i in range(rows * 4)]
-    data, at = [], 0
-    places = []
-    for c in range(chunks):
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-            pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
-                   b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x08tQK\x00K\x02K\x04\x86K\x04K\x01\x86\x89ccollections\n"
-                   b"OrderedDict\n)RtR.")
-            z.writestr("archive/data.pkl", pkl)
-            z.writestr("archive/data/0", struct.pack("<8f", *full[c * 4:(c + 2) * 4]))
-            z.writestr("archive/version", "3\n")
-        places.append((at, len(buf.getvalue())))
-        data.append(buf.getvalue())
-        at += len(buf.getvalue())
-    write(os.path.join(d, "__0_0.distcp"), b"".join(data))
 
     def s(x):
         x = x.encode()
@@ -457,6 +441,23 @@ def dcp_overlapping(d, chunks):
 
     def i(v):
         return b"J" + struct.pack("<i", v)
+
+    def tup(vals):
+        return b"(" + b"".join(i(v) for v in vals) + b"t"
+    data, at, places = [], 0, []
+    for _, sizes, stride, values in chunks:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
+                   b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + i(len(values)) + b"tQK\x00" + tup(sizes) + tup(stride) +
+                   b"\x89ccollections\nOrderedDict\n)RtR.")
+            z.writestr("archive/data.pkl", pkl)
+            z.writestr("archive/data/0", values.tobytes() if hasattr(values, "tobytes") else struct.pack(f"<{len(values)}f", *values))
+            z.writestr("archive/version", "3\n")
+        places.append((at, len(buf.getvalue())))
+        data.append(buf.getvalue())
+        at += len(buf.getvalue())
+    write(os.path.join(d, "__0_0.distcp"), b"".join(data))
 
     def size(vals):
         return b"ctorch\nSize\n(" + b"".join(i(v) for v in vals) + b"t\x85R"
@@ -467,19 +468,27 @@ def dcp_overlapping(d, chunks):
         return b"c" + mod + b"\n" + cls + b"\n)\x81" + state + b"b"
     props = obj(m, b"TensorProperties", b"(ctorch\nfloat32\nctorch.serialization\n_get_layout\n" + s("torch.strided") +
                 b"\x85R\x89c" + m + b"\n_MEM_FORMAT_ENCODING\nK\x00\x85R\x89t")
+
     def batched(items, close):  # MARK ... APPENDS/SETITEMS per 1000 items, as Python's pickler
         return b"".join(b"(" + b"".join(items[k:k + 1000]) + close for k in range(0, len(items), 1000))
-    chunk_objs = [obj(m, b"ChunkStorageMetadata", b"}(" + s("offsets") + size([c, 0]) + s("sizes") + size([2, 4]) + b"u")
-                  for c in range(chunks)]
-    tsm = obj(m, b"TensorStorageMetadata", b"}(" + s("properties") + props + s("size") + size([rows, 4]) + s("chunks") +
+    chunk_objs = [obj(m, b"ChunkStorageMetadata", b"}(" + s("offsets") + size(off) + s("sizes") + size(sz) + b"u")
+                  for off, sz, _, _ in chunks]
+    tsm = obj(m, b"TensorStorageMetadata", b"}(" + s("properties") + props + s("size") + size(shape) + s("chunks") +
               b"]" + batched(chunk_objs, b"e") + b"u")
-    storage = [obj(m, b"MetadataIndex", b"}(" + s("fqn") + s("w") + s("offset") + size([c, 0]) + b"u") +
+    storage = [obj(m, b"MetadataIndex", b"}(" + s("fqn") + s("w") + s("offset") + size(off) + b"u") +
                obj(fsm, b"_StorageInfo", b"}(" + s("relative_path") + s("__0_0.distcp") + s("offset") +
                    i(places[c][0]) + s("length") + i(places[c][1]) + b"u")
-               for c in range(chunks)]
+               for c, (off, _, _, _) in enumerate(chunks)]
     md = b"\x80\x02" + obj(m, b"Metadata", b"}(" + s("state_dict_metadata") + b"}" + s("w") + tsm + b"s" +
                            s("storage_data") + b"}" + batched(storage, b"u") + b"u") + b"."
     write(os.path.join(d, ".metadata"), md)
+
+
+def dcp_overlapping(d, chunks):
+    """A DCP folder of one F32 tensor [chunks + 1, 4] whose chunks each hold 2 rows, overlapping
+    their neighbours by one row (every element but the first and last rows held twice, equal)."""
+    full = [float(i) for i in range((chunks + 1) * 4)]
+    dcp_f32_folder(d, [chunks + 1, 4], [([c, 0], [2, 4], [4, 1], full[c * 4:(c + 2) * 4]) for c in range(chunks)])
 
 
 @case
@@ -490,6 +499,62 @@ def verify_overlapping_chunks(t):
     out, _ = run("verify_overlapping_chunks", ["verify", d], 0)
     if "1 tensors valid" not in out or "replicas" not in out:
         raise Failed("verify said: " + out)
+
+
+@case
+def permuted_chunks(t):
+    """DCP chunks whose bytes hold their dimensions in another order (torch.save keeps a transposed
+    tensor's strides), beside row-major ones: read as Python computes them; a transposed chunk of
+    [2, 2^22] cut into one-element runs in bounded memory; shared elements of a transposed chunk
+    refused by name where they cannot be compared or taken in part."""
+    def transposed(values, rows, cols):  # row-major [rows, cols] values, stored column by column
+        return [values[r * cols + c] for c in range(cols) for r in range(rows)]
+
+    def digest_line(shape, values):
+        raw = struct.pack(f"<{len(values)}f", *values)
+        return f"w F32 [{','.join(map(str, shape))}] {hashlib.sha256(raw).hexdigest()}"
+    full = [float(i) * 0.5 - 3 for i in range(16)]
+    rows = lambda a, b: full[a * 4:b * 4]  # noqa: E731
+    # A: rows 0-1 transposed; B: rows 2-3; C: row 3 again (B and C overlap, equal)
+    d = os.path.join(t, "mixed")
+    dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [1, 2], transposed(rows(0, 2), 2, 4)), ([2, 0], [2, 4], [4, 1], rows(2, 4)),
+                               ([3, 0], [1, 4], [4, 1], rows(3, 4))])
+    out, _ = run("permuted_chunks", ["digest", d], 0)
+    if out.strip() != digest_line([4, 4], full):
+        raise Failed("digest said " + out.strip() + ", Python " + digest_line([4, 4], full))
+    out, _ = run("permuted_chunks", ["verify", d], 0)  # B and C compared; A shares nothing
+    if "1 tensors valid" not in out:
+        raise Failed("verify said: " + out)
+    # A': rows 2-3 transposed, overlapping C: loaded whole from A' (C compared), not compared by verify
+    d = os.path.join(t, "shared")
+    dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [4, 1], rows(0, 2)), ([3, 0], [1, 4], [4, 1], rows(3, 4)),
+                               ([2, 0], [2, 4], [1, 2], transposed(rows(2, 4), 2, 4))])
+    out, _ = run("permuted_chunks", ["digest", d], 0)
+    if out.strip() != digest_line([4, 4], full):
+        raise Failed("digest of the shared folder said " + out.strip())
+    run("permuted_chunks", ["verify", d], 1, ["tensor 'w'", "stores its dimensions in the order [1,0]",
+                                              "verify compares shared elements of row-major chunks only"])
+    # A'': rows 1-2 transposed between rows 0-1 and row 3: a load would take only its row 2
+    d = os.path.join(t, "partial")
+    dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [4, 1], rows(0, 2)), ([1, 0], [2, 4], [1, 2], transposed(rows(1, 3), 2, 4)),
+                               ([3, 0], [1, 4], [4, 1], rows(3, 4))])
+    run("permuted_chunks", ["digest", d], 1, ["__0_0.distcp: tensor 'w'", "block [2,4] at [1,0]",
+                                              "shares elements with another file's chunk"])
+    # [2, 2^22] stored transposed: every window of the digest cuts its stored-innermost dimension
+    # (arrays, freed before the run: the tool is forked from this process, whose memory its peak
+    # RSS would count)
+    import array
+    n = 1 << 22
+    wide = array.array("f", (float(i % 1000) for i in range(2 * n)))  # row-major [2, n]
+    stored = array.array("f", bytes(8 * n))
+    stored[0::2], stored[1::2] = wide[:n], wide[n:]  # column j of the rows at 2j, 2j + 1
+    want = f"w F32 [2,{n}] {hashlib.sha256(wide.tobytes()).hexdigest()}"
+    d = os.path.join(t, "wide")
+    dcp_f32_folder(d, [2, n], [([0, 0], [2, n], [1, 2], stored)])
+    del wide, stored
+    out, _ = run("permuted_chunks", ["digest", d], 0)
+    if out.strip() != want:
+        raise Failed("digest of the wide tensor said " + out.strip() + ", Python " + want)
 
 
 @case

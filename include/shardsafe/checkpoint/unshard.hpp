@@ -82,14 +82,15 @@ void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f,
   // runs are short (a column block: one row's slice a run), the window shrinks so that a plan
   // holds at most about 2^20 runs per file, whatever the chunk's bytes. A DCP chunk stored in
   // another order of dimensions may give a run per element (a window inside one index of the
-  // dimension stored innermost): 2^20 elements a window then.
+  // dimension stored innermost), and its reads a piece per element: 2^18 elements a window then.
   std::uint64_t shortest = n;
   for (const auto& [fname, spec] : tm->file_specs())
     if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
+  bool permuted = false;
   if (r.format() == checkpoint_format::dcp)
     for (const auto& [fname, spec] : tm->files)
-      if (const auto& of = r.file(fname); !of.header.stored_order(r.entry_in(of, key, *tm, spec)).empty()) shortest = 1;
-  const std::uint64_t by_runs = std::max<std::uint64_t>(1, shortest) << 20;
+      if (const auto& of = r.file(fname); !of.header.stored_order(r.entry_in(of, key, *tm, spec)).empty()) permuted = true;
+  const std::uint64_t by_runs = permuted ? std::uint64_t(1) << 18 : std::max<std::uint64_t>(1, shortest) << 20;
   const std::uint64_t per = std::max<std::uint64_t>(1, std::min(opt.chunk_bytes / item, by_runs));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
   for (std::uint64_t a = 0; a < n; a += per) {
