@@ -525,6 +525,15 @@ def permuted_chunks(t):
     out, _ = run("permuted_chunks", ["verify", d], 0)  # B and C compared; A shares nothing
     if "1 tensors valid" not in out:
         raise Failed("verify said: " + out)
+    # converted while scattered: F16 as Python's struct rounds it (every value here is exact in F16)
+    run("permuted_chunks", ["to-hf", d, os.path.join(t, "hf16"), "--dtype", "f16"], 0)
+    with open(os.path.join(t, "hf16", "model.safetensors"), "rb") as f:
+        b = f.read()
+    n = struct.unpack("<Q", b[:8])[0]
+    e = json.loads(b[8:8 + n])["w"]
+    got = b[8 + n + e["data_offsets"][0]:8 + n + e["data_offsets"][1]]
+    if e["dtype"] != "F16" or got != struct.pack("<16e", *full):
+        raise Failed(f"to-hf --dtype f16 wrote {e['dtype']} {got.hex()}")
     # A': rows 2-3 transposed, overlapping C: loaded whole from A' (C compared), not compared by verify
     d = os.path.join(t, "shared")
     dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [4, 1], rows(0, 2)), ([3, 0], [1, 4], [4, 1], rows(3, 4)),
