@@ -510,18 +510,18 @@ def permuted_chunks(t):
     def transposed(values, rows, cols):  # row-major [rows, cols] values, stored column by column
         return [values[r * cols + c] for c in range(cols) for r in range(rows)]
 
-    def digest_line(shape, values):
-        raw = struct.pack(f"<{len(values)}f", *values)
+    def digest_line(shape, raw):  # `shardsafe digest`'s line for F32 tensor w of these bytes
         return f"w F32 [{','.join(map(str, shape))}] {hashlib.sha256(raw).hexdigest()}"
     full = [float(i) * 0.5 - 3 for i in range(16)]
+    full_bytes = struct.pack("<16f", *full)
     rows = lambda a, b: full[a * 4:b * 4]  # noqa: E731
     # A: rows 0-1 transposed; B: rows 2-3; C: row 3 again (B and C overlap, equal)
     d = os.path.join(t, "mixed")
     dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [1, 2], transposed(rows(0, 2), 2, 4)), ([2, 0], [2, 4], [4, 1], rows(2, 4)),
                                ([3, 0], [1, 4], [4, 1], rows(3, 4))])
     out, _ = run("permuted_chunks", ["digest", d], 0)
-    if out.strip() != digest_line([4, 4], full):
-        raise Failed("digest said " + out.strip() + ", Python " + digest_line([4, 4], full))
+    if out.strip() != digest_line([4, 4], full_bytes):
+        raise Failed("digest said " + out.strip() + ", Python " + digest_line([4, 4], full_bytes))
     out, _ = run("permuted_chunks", ["verify", d], 0)  # B and C compared; A shares nothing
     if "1 tensors valid" not in out:
         raise Failed("verify said: " + out)
@@ -539,7 +539,7 @@ def permuted_chunks(t):
     dcp_f32_folder(d, [4, 4], [([0, 0], [2, 4], [4, 1], rows(0, 2)), ([3, 0], [1, 4], [4, 1], rows(3, 4)),
                                ([2, 0], [2, 4], [1, 2], transposed(rows(2, 4), 2, 4))])
     out, _ = run("permuted_chunks", ["digest", d], 0)
-    if out.strip() != digest_line([4, 4], full):
+    if out.strip() != digest_line([4, 4], full_bytes):
         raise Failed("digest of the shared folder said " + out.strip())
     run("permuted_chunks", ["verify", d], 1, ["tensor 'w'", "stores its dimensions in the order [1,0]",
                                               "verify compares shared elements of row-major chunks only"])
@@ -557,7 +557,7 @@ def permuted_chunks(t):
     wide = array.array("f", (float(i % 1000) for i in range(2 * n)))  # row-major [2, n]
     stored = array.array("f", bytes(8 * n))
     stored[0::2], stored[1::2] = wide[:n], wide[n:]  # column j of the rows at 2j, 2j + 1
-    want = f"w F32 [2,{n}] {hashlib.sha256(wide.tobytes()).hexdigest()}"
+    want = digest_line([2, n], wide.tobytes())
     d = os.path.join(t, "wide")
     dcp_f32_folder(d, [2, n], [([0, 0], [2, n], [1, 2], stored)])
     del wide, stored

@@ -82,8 +82,8 @@ namespace detail {
 /// the comparisons below walk both files' bytes in row-major order. torch's planner writes each
 /// element once, so its folders never ask for this.
 inline void require_row_major_shared(std::string_view where, const std::string& key, const std::string& file,
-                                     const safetensors_header& h, const tensor_entry& e) {
-  if (const auto order = h.stored_order(e); !order.empty())
+                                     std::span<const std::size_t> order) {
+  if (!order.empty())
     fail(errc::invalid_metadata, std::string(where) + ": tensor '" + key + "': " + display_file_name(file) +
                                      " shares elements with another file and stores its dimensions in the order " +
                                      to_string(shape_t(order.begin(), order.end())) +
@@ -103,8 +103,8 @@ std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string
   const auto& ob = r.file(fb);
   const tensor_entry& ea = r.entry_in(oa, key, tm, sa);
   const tensor_entry& eb = r.entry_in(ob, key, tm, sb);
-  require_row_major_shared(r.directory().name(), key, fa, oa.header, ea);
-  require_row_major_shared(r.directory().name(), key, fb, ob.header, eb);
+  require_row_major_shared(r.directory().name(), key, fa, oa.header.stored_order(ea));
+  require_row_major_shared(r.directory().name(), key, fb, ob.header.stored_order(eb));
   const std::uint64_t item = bit_size(tm.type) / 8;  // sharded tensors are byte-sized (checked before)
   const std::span<const std::uint64_t> full(tm.shape);
   constexpr std::uint64_t chunk = std::uint64_t(1) << 20;
@@ -149,14 +149,14 @@ std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string
     const typename checkpoint_reader<D>::open_file* file;
     std::uint64_t data;  ///< where its tensor's bytes start in the file
     shard_spec::cursor_type cursor;
-    const tensor_entry* entry;
+    std::span<const std::size_t> stored_order;  ///< its header's stored_order(): empty for row-major
   };
   std::vector<shard> shards;
   shards.reserve(reps.size());
   for (const std::size_t i : reps) {
     const auto& f = r.file(tm.files[i].first);
     const tensor_entry& e = r.entry_in(f, key, tm, tm.files[i].second);
-    shards.push_back({&f, f.header.offset_of(e), tm.files[i].second.cursor(full), &e});
+    shards.push_back({&f, f.header.offset_of(e), tm.files[i].second.cursor(full), f.header.stored_order(e)});
   }
   using item_t = std::pair<std::uint64_t, std::size_t>;  // run begin, shard
   std::priority_queue<item_t, std::vector<item_t>, std::greater<>> heap;
@@ -171,7 +171,7 @@ std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string
   std::uint64_t shared = 0;
   auto compare = [&](std::size_t a, std::uint64_t la, std::size_t b, std::uint64_t lb, std::uint64_t global, std::uint64_t n) {
     for (const std::size_t x : {a, b})
-      require_row_major_shared(r.directory().name(), key, tm.files[reps[x]].first, shards[x].file->header, *shards[x].entry);
+      require_row_major_shared(r.directory().name(), key, tm.files[reps[x]].first, shards[x].stored_order);
     constexpr std::uint64_t chunk = std::uint64_t(1) << 20;
     for (std::uint64_t done = 0; done < n;) {
       const std::uint64_t m = std::min(n - done, std::max<std::uint64_t>(1, chunk / std::max<std::uint64_t>(item, 1)));

@@ -1,6 +1,8 @@
-// shardsafe/core/shape.hpp - tensor shapes, their element counts and their printing in messages.
+// shardsafe/core/shape.hpp - tensor shapes, their element counts, dense strides and their printing
+// in messages.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -18,6 +20,20 @@ constexpr std::uint64_t numel(std::span<const std::uint64_t> shape) noexcept {
   std::uint64_t n = 1;
   for (auto d : shape) n *= d;
   return n;
+}
+
+/// The strides, in elements, of a dense tensor of this shape whose dimensions are stored in
+/// `order` (outermost first, a permutation of the dimensions: a DCP chunk torch.save kept
+/// channels_last or transposed); an empty order is row-major.
+inline shape_t dense_strides(std::span<const std::uint64_t> shape, std::span<const std::size_t> order = {}) {
+  shape_t s(shape.size(), 1);
+  std::uint64_t t = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    const std::size_t d = order.empty() ? i : order[i];
+    s[d] = t;
+    t *= shape[d];
+  }
+  return s;
 }
 
 /// "[4,5]" - the form every message uses.

@@ -7,8 +7,9 @@
 // an N-D block of dense bytes at a known offset of the file, which is all the overlap engine and
 // the read plans need (row-major, or in the order of dimensions torch.save kept for a
 // channels_last or transposed tensor: safetensors_header::stored_order). Newer torch can write
-// the data files as safetensors instead (SerializationFormat.SAFETENSORS): then the file's own header places each chunk, and its
-// DCP_SHARDING_INFO (format/dcp_sharding.hpp), when present, must agree with `.metadata`.
+// the data files as safetensors instead (SerializationFormat.SAFETENSORS): then the file's own
+// header places each chunk, and its DCP_SHARDING_INFO (format/dcp_sharding.hpp), when present,
+// must agree with `.metadata`.
 //
 // The index is a safetensors_header made with of_records (offsets absolute in the file), one
 // entry per chunk named by its key: a file holding two chunks of one key is described as two

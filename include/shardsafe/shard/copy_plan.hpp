@@ -88,12 +88,7 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
   if (!permutation)
     fail(errc::invalid_argument, "permuted_copy_plan: order " + to_string(shape_t(order.begin(), order.end())) +
                                      " is not a permutation of the " + std::to_string(nd) + " dimensions");
-  shape_t stored(nd);  // the chunk's strides as stored
-  std::uint64_t t = 1;
-  for (std::size_t i = nd; i-- > 0;) {
-    stored[order[i]] = t;
-    t *= chunk.local_shape()[order[i]];
-  }
+  const shape_t stored = dense_strides(chunk.local_shape(), order);  // the chunk's strides as stored
   const std::size_t inner = order[nd - 1];
   copy_plan runs;
   // the part of the chunk inside `piece`, where my offset of global index x is base + sum x_d * step_d
@@ -122,20 +117,15 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
       if (i == static_cast<std::size_t>(-1)) return;
     }
   };
-  auto strides_of = [&](std::span<const std::uint64_t> shape) {
-    shape_t s(nd, 1);
-    for (std::size_t d = nd; d-- > 1;) s[d - 1] = s[d] * shape[d];
-    return s;
-  };
   auto of_spec = [&](const auto& m) {
     using M = std::remove_cvref_t<decltype(m)>;
     if constexpr (std::is_same_v<M, block_spec>) {
-      const shape_t step = strides_of(m.local_shape());
+      const shape_t step = dense_strides(m.local_shape());
       std::uint64_t base = 0;
       for (std::size_t d = 0; d < nd; ++d) base -= m.global_offset()[d] * step[d];
       add_box(m, base, step);
     } else {  // a flat range is linear in the global index: the blocks that tile it
-      const shape_t step = strides_of(full);
+      const shape_t step = dense_strides(full);
       std::uint64_t local = 0;
       for (const element_range& r : m.ranges()) {
         for (const tensor_block& b : blocks_of_range(full, r)) add_box(block_spec(b.sizes, b.offsets), local - r.begin, step);

@@ -101,16 +101,8 @@ inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::file
                                   ") run past the end of " + on_disk + " (" + std::to_string(m->size) + " bytes)");
       // row-major, or the order of dimensions torch.save kept (a DCP chunk, channels_last or
       // transposed): mapped with those strides
-      const auto kept = f.header.stored_order(e);
-      std::vector<std::size_t> order(kept.begin(), kept.end());
-      if (order.empty())
-        for (std::size_t d = 0; d < sizes.size(); ++d) order.push_back(d);
-      std::vector<std::int64_t> strides(sizes.size(), 1);
-      std::int64_t step = 1;
-      for (std::size_t i = order.size(); i-- > 0;) {
-        strides[order[i]] = step;
-        step *= sizes[order[i]];
-      }
+      const shape_t dense = dense_strides(tm.shape, f.header.stored_order(e));
+      const std::vector<std::int64_t> strides(dense.begin(), dense.end());
       auto keep = m;
       at::Tensor t = nbytes == 0 ? at::empty(sizes, type)
                                  : at::from_blob(m->base + off, sizes, strides, [keep](void*) mutable { keep.reset(); },
