@@ -10,7 +10,8 @@ by torch's DCP writer in one process: as laid out (channels_last / transposed) a
 - conv: 16 convolution weights [512, 512, 3, 3] F32 (151 MB), channels_last: a run of 512
   elements per stored row;
 - wide: one [2, 40M] F32 tensor (320 MB) stored transposed: the dimension stored innermost has
-  2 elements, so the tool's windows (2^20 elements) cut it to one index, a run per element.
+  2 elements, so the tool's windows (2^18 elements) cut it to one index: each window's runs gather
+  every other element of the file (a run per tile of 2^16 chunk elements).
 Rows, each in a fresh process, the checkpoint in the page cache: the tool's `unshard` into a
 safetensors file (every tensor whole, written to page cache), torch's load of the same folder
 into freshly allocated full tensors (1.13: FileSystemReader + load_state_dict(no_dist=True); 2.x:

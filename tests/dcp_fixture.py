@@ -7,7 +7,10 @@ OUT_DIR/ckpt/ holds the checkpoint (.metadata + *.distcp, one file per item) and
 the same state dict with single_file_per_rank=True (every item in one file, at offsets);
 OUT_DIR/<name>.json says what torch read back: per key its dtype, size, chunks and storage
 entries, or "bytes"; OUT_DIR/<name>.metadata_p2 is the same Metadata pickled with protocol 2;
-OUT_DIR/raw/<key>.bin holds each tensor's little-endian row-major bytes.
+OUT_DIR/raw/<key>.bin holds each tensor's little-endian row-major bytes. OUT_DIR/ckpt_nested/ holds
+{"model": {"w": ..., "b": ...}, "step": 3}: torch 1.13 does not flatten a nested dict, so "model" is
+a non-tensor item whose pickled value holds two tensors (torch's own load_state_dict reads it
+back, checked here).
 Prints "shim" on stderr when the dataclass shim (tests/torch_compat.py) was needed.
 """
 import json
@@ -60,6 +63,18 @@ def main(out):
             pickle.dump(md, f, protocol=2)
         with open(os.path.join(out, name + ".json"), "w") as f:
             json.dump(describe(md), f, indent=1, sort_keys=True)
+    save_nested(out)
+
+
+def save_nested(out):
+    """A nested dict, saved as torch 1.13 does: one pickled item holding tensors."""
+    ckpt = os.path.join(out, "ckpt_nested")
+    os.makedirs(ckpt, exist_ok=True)
+    model = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([1.5, -2.0])}
+    dcp.save_state_dict({"model": model, "step": 3}, dcp.FileSystemWriter(ckpt), no_dist=True)
+    back = {"model": {"w": torch.zeros(2, 3), "b": torch.zeros(2)}, "step": 0}
+    dcp.load_state_dict(back, dcp.FileSystemReader(ckpt), no_dist=True)
+    assert back["step"] == 3 and all(torch.equal(back["model"][k], v) for k, v in model.items()), back
 
 
 def describe(md):

@@ -235,7 +235,7 @@ struct ckpt_part {
 /// recorded (metadata.json's shardsafe.file_sizes) must be there, valid, with its size, as verify
 /// requires, whether or not a tensor of it is read.
 template <ReadableDirectory D>
-std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
+std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, bool check_items = false) {
   std::vector<ckpt_part<D>> parts;
   if (in.k == kind::checkpoint || in.k == kind::hf) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir)});
@@ -244,6 +244,11 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   }
   for (auto& p : parts)
     for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
+  // what reads every tensor (digest, unshard, to-hf) first reads each non-tensor item's archive:
+  // a value that holds tensors (torch 1.13's nested dict) is refused, not left out
+  if (check_items)
+    for (auto& p : parts)
+      for (const auto& item : p.reader->non_tensors()) p.reader->read_object_archive(item.key);
   return parts;
 }
 
@@ -452,7 +457,7 @@ int cmd_digest(const input<D>& in) {
       out.push_back({n, t.type, t.shape, hash_range(f.storage, f.header.offset_of(t), t.nbytes(), pr)});
     }
   } else {
-    auto parts = open_checkpoint(in);
+    auto parts = open_checkpoint(in, true);
     std::uint64_t total = 0;
     for (auto& p : parts)
       for (const auto& [k, tm] : p.reader->metadata().tensors) total += tm.numel() * bit_size(tm.type) / 8;
@@ -523,7 +528,7 @@ int cmd_unshard(const input<D>& in, const std::string& out_path) {
     fail(errc::invalid_argument, in.path + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
   if (is_url(out_path)) check_output_url(out_path, "the unsharded file");
   refuse_output_over_input(in, out_path, "the unsharded file");
-  auto parts = open_checkpoint(in);
+  auto parts = open_checkpoint(in, true);
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
   const std::span<const unshard_source<D>> all(sources);
@@ -581,7 +586,7 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
   if (in.k == kind::file) {
     for (const auto& t : read_safetensors_header(open_file(in)).tensors) keys.push_back(t.name);
   } else {
-    for (auto& p : open_checkpoint(in))
+    for (auto& p : open_checkpoint(in, true))
       if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
         for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
   }

@@ -324,6 +324,38 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
   }
 }
 
+TEST_CASE("dcp: a non-tensor item whose value holds tensors (torch 1.13's nested dict) is refused by name, not left "
+          "out" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  testing::temp_dir dir("dcp-nested");
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
+  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
+  REQUIRE_MESSAGE(pr.code == 0, pr.err);  // torch 1.13 read its own folder back
+  const fs::path ck = dir.path / "ckpt_nested";
+  checkpoint_reader<file_directory> r{file_directory(ck)};
+  CHECK(r.metadata().tensors.empty());
+  REQUIRE(r.non_tensors().size() == 2);
+  CHECK(r.read_object("step").as_int("step") == 3);
+  const std::vector<std::string> why{"'model'", "2 storage records", "holds tensors", "flattened"};
+  testing::expect_error([&] { r.read_object_archive("model"); }, errc::invalid_metadata, why);
+  testing::expect_error([&] { verify_checkpoint(r); }, errc::invalid_metadata, why);
+  if (!testing::have_tool()) return;
+  // every command that reads every tensor refuses it, one line; inspect lists it
+  for (const std::string cmd : {"verify", "digest", "unshard", "to-hf", "to-dcp"}) {
+    CAPTURE(cmd);
+    std::vector<std::string> args{cmd, ck.string()};
+    if (cmd == "unshard" || cmd == "to-hf" || cmd == "to-dcp") args.push_back((dir.path / ("out-" + cmd)).string());
+    const auto t = testing::run_tool(args);
+    CHECK(t.code == 1);
+    CHECK(t.out.empty());
+    CHECK(std::count(t.err.begin(), t.err.end(), '\n') == 1);
+    for (const auto& p : why) CHECK_MESSAGE(t.err.find(p) != std::string::npos, t.err);
+  }
+  const auto i = testing::run_tool({"inspect", ck.string()});
+  CHECK(i.code == 0);
+  CHECK(i.out.find("model") != std::string::npos);
+}
+
 // ============================================================ the tool on DCP folders
 
 namespace {

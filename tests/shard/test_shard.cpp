@@ -477,47 +477,58 @@ namespace {
 std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, const read_options& opt,
                             const read_plan& rp) {
   u64 src_end = 0, needed = 0;
+  bool stepped = false;
   for (auto x : runs) {
-    src_end = std::max(src_end, (x.src + x.len) * item);
+    src_end = std::max(src_end, (x.src + (x.len - 1) * x.src_step + 1) * item);
     needed += x.len * item;
+    stepped = stepped || x.dst_step != 1 || x.src_step != 1;
   }
-  // file byte (relative to data_offset) -> my byte, or -1
+  // file byte (relative to data_offset) -> my byte, or -1: element k of a run from src + k * src_step
+  // to dst + k * dst_step
   std::vector<long long> want(src_end, -1), seen(src_end, 0);
-  for (auto x : runs)  // a stepped run's element k lands at dst + k * dst_step
-    for (u64 b = 0; b < x.len * item; ++b)
-      want[x.src * item + b] = static_cast<long long>((x.dst + b / item * x.dst_step) * item + b % item);
-  u64 read = 0, got = 0, prev_end = 0;
+  for (auto x : runs)
+    for (u64 k = 0; k < x.len; ++k)
+      for (u64 b = 0; b < item; ++b) want[(x.src + k * x.src_step) * item + b] = static_cast<long long>((x.dst + k * x.dst_step) * item + b);
+  u64 read = 0, got = 0, prev_start = 0;
   for (std::size_t i = 0; i < rp.ops.size(); ++i) {
     const auto& op = rp.ops[i];
     const std::string at = "op " + std::to_string(i) + ": ";
     if (op.pieces.empty() || op.len == 0) return at + "empty";
-    if (op.file_offset < data_offset || op.file_offset < prev_end) return at + "out of order or overlapping";
-    prev_end = op.file_offset + op.len;
+    if (op.file_offset < data_offset || op.file_offset < prev_start) return at + "out of order";
+    // reads of a plan without steps never overlap; a stepped run cut at max_read may start its
+    // rest after the next run's start (each byte is still delivered once: `seen`)
+    if (!stepped && i && op.file_offset < rp.ops[i - 1].file_offset + rp.ops[i - 1].len) return at + "overlapping";
+    prev_start = op.file_offset;
     if (op.len > std::max(opt.max_read_bytes, item)) return at + "longer than max_read_bytes";
-    auto ps = op.pieces;
-    std::sort(ps.begin(), ps.end(), [](const read_piece& a, const read_piece& b) { return a.offset < b.offset; });
-    if (ps.front().offset != 0 || ps.back().offset + ps.back().len != op.len) return at + "reads bytes at its edges for nothing";
-    u64 op_needed = 0;
-    for (std::size_t k = 0; k < ps.size(); ++k) {
-      if (ps[k].len == 0) return at + "empty piece";
-      if (k && ps[k].offset < ps[k - 1].offset + ps[k - 1].len) return at + "pieces overlap";
-      if (k && ps[k].offset - (ps[k - 1].offset + ps[k - 1].len) > opt.max_gap_bytes) return at + "gap over max_gap_bytes";
-      op_needed += ps[k].len;
-      for (u64 b = 0; b < ps[k].len; ++b) {
-        const u64 f = op.file_offset + ps[k].offset + b - data_offset;
+    u64 op_needed = 0, lo = UINT64_MAX, hi = 0;
+    std::vector<u64> delivered;  // the op's bytes that reach memory, as offsets in the read
+    for (const auto& p : op.pieces) {
+      if (p.len == 0) return at + "empty piece";
+      if (p.stepped() && p.len % item != 0) return at + "a stepped piece cuts an element";
+      lo = std::min(lo, p.offset);
+      hi = std::max(hi, p.offset + p.span(item));
+      op_needed += p.len;
+      const u64 ds = p.dst_step ? p.dst_step : item, ss = p.src_step ? p.src_step : item;
+      for (u64 b = 0; b < p.len; ++b) {
+        const u64 off = p.stepped() ? p.offset + b / item * ss + b % item : p.offset + b;
+        const u64 lands = p.stepped() ? p.dst + b / item * ds + b % item : p.dst + b;
+        const u64 f = op.file_offset + off - data_offset;
+        if (off >= op.len) return at + "a piece reaches past its read";
         if (f >= src_end || want[f] < 0) return at + "reads a byte nobody needs into memory";
-        const u64 lands = ps[k].dst_step == 0 ? ps[k].dst + b : ps[k].dst + b / item * ps[k].dst_step + b % item;
-        if (ps[k].dst_step != 0 && ps[k].len % item != 0) return at + "a stepped piece cuts an element";
         if (want[f] != static_cast<long long>(lands)) return at + "byte lands at the wrong place";
         if (seen[f]++) return at + "byte delivered twice";
+        delivered.push_back(off);
       }
     }
+    if (lo != 0 || hi != op.len) return at + "reads bytes at its edges for nothing";
+    std::sort(delivered.begin(), delivered.end());
+    for (std::size_t k = 1; k < delivered.size(); ++k)
+      if (delivered[k] - delivered[k - 1] - 1 > opt.max_gap_bytes) return at + "gap over max_gap_bytes";
     if (op_needed != op.needed()) return at + "needed()";
     const double wasted = double(op.len - op_needed);
-    const bool permuted = std::any_of(runs.begin(), runs.end(), [](const copy_run& x) { return x.dst_step != 1; });
-    if (!permuted && wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))  // a permuted block's merge on the gap alone
+    if (!stepped && wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))  // a permuted block's merge on the gap alone
       return at + "over-read " + std::to_string(wasted) + " of " + std::to_string(op_needed) + " needed";
-    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len && op.pieces[0].dst_step == 0;
+    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len && !op.pieces[0].stepped();
     if (op.direct() != whole) return at + "direct() wrong";
     read += op.len;
     got += op_needed;
@@ -611,7 +622,7 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
           "place; the reads deliver it") {
   rng_t r(kSeed + 7);
   failure_budget budget;
-  u64 stepped = 0, cases = 0;
+  u64 stepped = 0, gathered = 0, cases = 0;
   for (u64 i = 0; i < 6000; ++i) {
     const shape_t full = random_shape(r);
     if (full.empty()) continue;
@@ -628,14 +639,17 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
     for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
       const copy_run& x = runs[k];
       if (x.len == 0) err = "empty run";
-      if (k && runs[k - 1].src + runs[k - 1].len > x.src) err = "runs not sorted by src, or overlapping";
-      if (k && runs[k - 1].src + runs[k - 1].len == x.src && runs[k - 1].dst_step == x.dst_step &&
-          runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
+      if (k && runs[k - 1].src >= x.src) err = "runs not sorted by src";
+      if (k && runs[k - 1].src + runs[k - 1].len * x.src_step == x.src && runs[k - 1].dst_step == x.dst_step &&
+          runs[k - 1].src_step == x.src_step && runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
         err = "runs not coalesced";
+      if (x.src_step != 1 && x.dst_step != 1 && x.len > 1) err = "a run with neither side contiguous";
       for (u64 j = 0; j < x.len; ++j)
-        if (!got.emplace(x.src + j, x.dst + j * x.dst_step).second) err = "an element moved twice";
+        if (!got.emplace(x.src + j * x.src_step, x.dst + j * x.dst_step).second) err = "an element moved twice";
       if (x.dst_step != 1 && x.len > 1) ++stepped;
+      if (x.src_step != 1 && x.len > 1) ++gathered;
     }
+
     if (err.empty() && got != bf_permuted(mine, chunk, order, full)) err = "moves other elements than the brute force";
     if (err.empty()) {  // and the reads of those runs
       read_options opt;
@@ -651,17 +665,23 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
   }
   CHECK(cases > 4000);
   CHECK(stepped > 1000);  // the property saw runs that land apart
+  CHECK(gathered > 1000);  // and runs that gather from apart
 }
 
-TEST_CASE("permuted copy plan: a transposed and a channels_last block, one run per stored row") {
-  // [2, 3] stored transposed (order 1, 0): stored row j holds column j, landing 3 apart
+TEST_CASE("permuted copy plan: a transposed and a channels_last block, a run per row of the longer side") {
+  // [2, 3] stored transposed (order 1, 0): my rows (3 elements) are longer than the stored ones
+  // (2), so each run gathers a row of mine, its elements 2 apart in the chunk
   const shape_t t{2, 3};
   const std::vector<std::size_t> tr{1, 0};
   const copy_plan p = permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), tr, t);
-  CHECK(p == copy_plan{{0, 0, 2, 3}, {1, 2, 2, 3}, {2, 4, 2, 3}});
-  // my second row only, as a flat range: one element per stored row
+  CHECK(p == copy_plan{{0, 0, 3, 1, 2}, {3, 1, 3, 1, 2}});
+  // my second row only, as a flat range: one run
   const copy_plan q = permuted_copy_plan(shard_spec(flat_spec{{3, 6}}), block_spec::whole(t), tr, t);
-  CHECK(q == copy_plan{{0, 1, 1, 3}, {1, 3, 1, 3}, {2, 5, 1, 3}});
+  CHECK(q == copy_plan{{0, 1, 3, 1, 2}});
+  // [3, 2] stored transposed: the stored rows (3) are the longer, each lands 2 apart in mine
+  const shape_t t2{3, 2};
+  CHECK(permuted_copy_plan(shard_spec(block_spec::whole(t2)), block_spec::whole(t2), tr, t2) ==
+        copy_plan{{0, 0, 3, 2, 1}, {1, 3, 3, 2, 1}});
   // channels_last [N, C, H, W] = [2, 3, 2, 2], stored N, H, W, C: a run of C per (n, h, w), H*W apart
   const shape_t cl{2, 3, 2, 2};
   const copy_plan c = permuted_copy_plan(shard_spec(block_spec::whole(cl)), block_spec::whole(cl), std::vector<std::size_t>{0, 2, 3, 1}, cl);
@@ -676,19 +696,59 @@ TEST_CASE("permuted copy plan: a transposed and a channels_last block, one run p
   CHECK_FALSE(rp.ops[0].direct());
   CHECK(rp.ops[0].pieces[1].dst == 4);
   CHECK(rp.ops[0].pieces[1].dst_step == 16);
+  CHECK(rp.ops[0].pieces[1].src_step == 0);
   // reads cut at whole elements: 10 bytes a read of 4-byte elements take 2 at most
   for (const auto& op : make_read_plan(c, 0, 4, {.max_read_bytes = 10}).ops)
     for (const auto& piece : op.pieces) CHECK(piece.len % 4 == 0);
   CHECK_THROWS_AS(permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), std::vector<std::size_t>{1, 1}, t), error);
-  // a view that cuts the dimension stored innermost: a run per element, merged on the gap alone
-  // (every other element of the chunk is needed: 100% over-read, one read, not 1000)
+}
+
+TEST_CASE("permuted copy plan: a view that cuts the dimension stored innermost gathers, a run per row, not per element") {
+  const std::vector<std::size_t> tr{1, 0};
+  // row 0 of [2, 1000] stored transposed: one run gathering every other element of the chunk;
+  // one read of the span (the other row's elements between are read for nothing)
   const shape_t wide{2, 1000};
   const copy_plan row = permuted_copy_plan(shard_spec(block_spec({1, 1000}, {0, 0})), block_spec::whole(wide), tr, wide);
-  CHECK(row.size() == 1000);
+  CHECK(row == copy_plan{{0, 0, 1000, 1, 2}});
   const read_plan one = make_read_plan(row, 0, 4);
   REQUIRE(one.ops.size() == 1);
+  REQUIRE(one.ops[0].pieces.size() == 1);
   CHECK(one.ops[0].len == (999 * 2 + 1) * 4);
+  CHECK(one.ops[0].pieces[0].src_step == 8);
+  CHECK(one.ops[0].pieces[0].dst_step == 0);
   CHECK(one.bytes_needed == 4000);
+  CHECK(read_plan_error(row, 0, 4, {}, one).empty());
+  // both rows of [2, 100000]: runs in tiles of 2^16 chunk elements (32768 of a row), the rows of
+  // a tile side by side, so the file is read once, in one read, though every run's elements
+  // interleave with another's
+  const shape_t big{2, 100000};
+  const copy_plan both = permuted_copy_plan(shard_spec(block_spec::whole(big)), block_spec::whole(big), tr, big);
+  REQUIRE(both.size() == 8);
+  CHECK(both[0] == copy_run{0, 0, 32768, 1, 2});
+  CHECK(both[1] == copy_run{100000, 1, 32768, 1, 2});
+  CHECK(both[2] == copy_run{32768, 65536, 32768, 1, 2});
+  CHECK(both[7] == copy_run{100000 + 98304, 196609, 1696, 1, 2});
+  const read_plan once = make_read_plan(both, 16, 4);
+  REQUIRE(once.ops.size() == 1);
+  CHECK(once.bytes_read == 800000);
+  CHECK(read_plan_error(both, 16, 4, {}, once).empty());
+  read_plan tampered = once;  // the checker itself: a piece whose elements lie elsewhere is caught
+  tampered.ops[0].pieces[1].src_step += 4;
+  CHECK(read_plan_error(both, 16, 4, {}, tampered) == "op 0: byte lands at the wrong place");
+  // cut at 100,000 bytes a read: a tile's second row may start before its first row's rest; what
+  // is read twice stays within a tile per read
+  const read_options small{.max_read_bytes = 100000};
+  const read_plan cut = make_read_plan(both, 16, 4, small);
+  CHECK(read_plan_error(both, 16, 4, small, cut).empty());
+  CHECK(cut.bytes_read <= 800000 + cut.ops.size() * (u64(1) << 16) * 4);
+  // elements further apart than max_gap_bytes: read one by one, nothing between them
+  const shape_t tall{3000, 4};
+  const copy_plan sparse = permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(tall), tr, tall);
+  CHECK(sparse == copy_plan{{0, 5, 4, 1, 3000}});
+  const read_plan each = make_read_plan(sparse, 0, 4);
+  CHECK(each.ops.size() == 4);
+  CHECK(each.bytes_read == 16);
+  CHECK(read_plan_error(sparse, 0, 4, {}, each).empty());
 }
 
 TEST_CASE("read plan: small gaps merge into one staged read; a lone run is read in place") {

@@ -19,6 +19,9 @@
 //     identical shards are grouped (each compared with its group's first), and the distinct
 //     ones' runs are merged in order of their first element, each element compared once, with
 //     the first file that held it (equality carries over);
+//   - a DCP folder's non-tensor items: each is a torch.save archive of a pickled value with no
+//     storage record (format/dcp_data.hpp's read_dcp_object_archive; a value holding tensors,
+//     as torch 1.13 saves a nested dict, is errc::invalid_metadata naming the item);
 //   - a Hugging Face folder with an index: no safetensors file the index does not name holds
 //     a tensor it lists or bears the name of one of its shards (check_unlisted_hf_files);
 //   - when metadata.json records checksums (docs/FORMAT.md §2, "Checksums"): every file and
@@ -343,6 +346,9 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     opened.insert(fname);
   }
   rep.files = opened.size();
+  // a DCP folder's non-tensor items: each a torch.save archive of a plain pickled value, none a
+  // value holding tensors (as torch 1.13 saves a nested dict), which no reader here would load
+  for (const auto& item : r.non_tensors()) r.read_object_archive(item.key);
   // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
   if (r.format() == checkpoint_format::hf && r.described_by() == hf_index_file)
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));

@@ -78,14 +78,15 @@ inline void stream_copy(void* dst, const void* src, std::size_t n) noexcept {
   std::memcpy(dst, src, n);
 }
 
-/// Copies n elements of `item` bytes from src, where they lie side by side, to dst, element k
-/// at dst + k * step bytes: a run of a chunk stored with its dimensions in another order
-/// (shard/read_plan.hpp's dst_step). A loop per element size, so each copy is one move.
-inline void scatter_copy(void* dst, std::size_t step, const void* src, std::size_t n, std::size_t item) noexcept {
+/// Copies n elements of `item` bytes, element k from src + k * src_step bytes to dst + k *
+/// dst_step bytes: a run of a chunk stored with its dimensions in another order (shard/read_plan.hpp's
+/// read_piece steps). A loop per element size, so each copy is one move.
+inline void strided_copy(void* dst, std::size_t dst_step, const void* src, std::size_t src_step, std::size_t n,
+                         std::size_t item) noexcept {
   auto* d = static_cast<unsigned char*>(dst);
   const auto* s = static_cast<const unsigned char*>(src);
   auto each = [&]<std::size_t B>() {
-    for (std::size_t k = 0; k < n; ++k) std::memcpy(d + k * step, s + k * B, B);
+    for (std::size_t k = 0; k < n; ++k) std::memcpy(d + k * dst_step, s + k * src_step, B);
   };
   switch (item) {
     case 1: return each.template operator()<1>();
@@ -93,7 +94,7 @@ inline void scatter_copy(void* dst, std::size_t step, const void* src, std::size
     case 4: return each.template operator()<4>();
     case 8: return each.template operator()<8>();
     default:
-      for (std::size_t k = 0; k < n; ++k) std::memcpy(d + k * step, s + k * item, item);
+      for (std::size_t k = 0; k < n; ++k) std::memcpy(d + k * dst_step, s + k * src_step, item);
   }
 }
 

@@ -173,15 +173,19 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
   };
 
   torch_zip_archive out;
-  const detail::zip_entry* storage = nullptr;
+  std::vector<const detail::zip_entry*> storages;
   for (const auto& e : all) {
     const auto d = e.name.find("/data/");
     if (d == std::string::npos || d == 0 || e.name.find('/', d + 6) != std::string::npos || e.name.size() == d + 6) continue;
-    if (storage) bad("holds two storage records, '" + storage->name + "' and '" + e.name + "' (a DCP chunk holds one tensor)");
-    storage = &e;
+    storages.push_back(&e);
   }
   if (expected_size == torch_zip_value) {  // a pickled value: PREFIX/data.pkl alone
-    if (storage) bad("holds the storage record '" + storage->name + "', but a non-tensor item is a pickled value");
+    if (!storages.empty())
+      bad("holds " + std::to_string(storages.size()) + " storage record" + (storages.size() > 1 ? "s" : "") + " ('" +
+          storages.front()->name + "'" + (storages.size() > 1 ? ", ..." : "") +
+          "): a non-tensor item whose value holds tensors, which only torch can unpickle (torch 1.13 saves a nested dict, "
+          "and torch 2.x one saved with flatten_state_dict=False, as such an item): shardsafe reads tensors from a DCP "
+          "folder's tensor entries only; save the state dict flattened");
     const detail::zip_entry* pkl = nullptr;
     for (const auto& e : all)
       if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
@@ -192,7 +196,10 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
     out.pickle = place(*pkl);
     return out;
   }
-  if (!storage) bad("holds no storage record (PREFIX/data/KEY)");
+  if (storages.size() > 1)
+    bad("holds two storage records, '" + storages[0]->name + "' and '" + storages[1]->name + "' (a DCP chunk holds one tensor)");
+  if (storages.empty()) bad("holds no storage record (PREFIX/data/KEY)");
+  const detail::zip_entry* storage = storages.front();
   out.storage = place(*storage);
   if (expected_size && out.storage.size != *expected_size)
     bad("record '" + out.storage.name + "' holds " + std::to_string(out.storage.size) + " bytes but the chunk needs " + std::to_string(*expected_size));

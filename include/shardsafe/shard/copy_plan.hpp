@@ -9,9 +9,10 @@
 // then files in the order given), and elements no file holds are reported as missing.
 //
 // A file's block whose bytes hold its dimensions in another order (a DCP chunk torch.save kept
-// channels_last or transposed: safetensors_header::stored_order) is read by permuted_copy_plan: runs
-// along the dimension stored innermost, contiguous in the file and `dst_step` elements apart
-// in my view, so its reads stay ranges of the file and its plan one run per stored row.
+// channels_last or transposed: safetensors_header::stored_order) is read by permuted_copy_plan:
+// runs with steps, along the dimension stored innermost (contiguous in the file, `dst_step`
+// elements apart in my view) or along my innermost one (`src_step` apart in the file, side by
+// side in my view), whichever is longer, so that a plan holds a run per row of the longer side.
 #pragma once
 
 #include <algorithm>
@@ -30,12 +31,14 @@
 namespace shardsafe {
 
 /// Copy len elements from offset src of a file's flat shard to offset dst of my flat view; the
-/// k-th goes to dst + k * dst_step (1 but for a permuted block: permuted_copy_plan).
+/// k-th from src + k * src_step to dst + k * dst_step (steps of 1 but for a permuted block:
+/// permuted_copy_plan).
 struct copy_run {
   std::uint64_t dst = 0;
   std::uint64_t src = 0;
   std::uint64_t len = 0;
   std::uint64_t dst_step = 1;
+  std::uint64_t src_step = 1;
   friend constexpr bool operator==(const copy_run&, const copy_run&) = default;
 };
 
@@ -46,7 +49,8 @@ inline void append_coalesced(copy_plan& plan, const copy_run& r) {
   if (r.len == 0) return;
   if (!plan.empty()) {
     copy_run& b = plan.back();
-    if (b.dst_step == r.dst_step && b.dst + b.len * b.dst_step == r.dst && b.src + b.len == r.src) {
+    if (b.dst_step == r.dst_step && b.src_step == r.src_step && b.dst + b.len * b.dst_step == r.dst &&
+        b.src + b.len * b.src_step == r.src) {
       b.len += r.len;
       return;
     }
@@ -73,8 +77,11 @@ copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::
 
 /// The runs that move every element of `mine` that block `chunk` holds, out of the chunk's bytes
 /// stored with its dimensions in `order` (outermost first, a permutation of the dimensions):
-/// one run per row along the dimension stored innermost, contiguous in the chunk, dst_step
-/// apart in my flat view; sorted by src, coalesced where both continue.
+/// in each box of mine, one run per row along the dimension stored innermost (contiguous in the
+/// chunk, dst_step apart in my flat view) or along my innermost dimension (src_step apart in
+/// the chunk, contiguous in my view), whichever row is longer (the stored one on a tie): a view
+/// that cuts the dimension stored innermost to one index still gets a run per row, not per
+/// element. Sorted by src, coalesced where both continue.
 template <ShardSpec A>
 copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<const std::size_t> order,
                              std::span<const std::uint64_t> full) {
@@ -89,32 +96,47 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
     fail(errc::invalid_argument, "permuted_copy_plan: order " + to_string(shape_t(order.begin(), order.end())) +
                                      " is not a permutation of the " + std::to_string(nd) + " dimensions");
   const shape_t stored = dense_strides(chunk.local_shape(), order);  // the chunk's strides as stored
-  const std::size_t inner = order[nd - 1];
   copy_plan runs;
+  std::vector<std::size_t> outer;  // the dimensions a box's odometer turns, in stored order
   // the part of the chunk inside `piece`, where my offset of global index x is base + sum x_d * step_d
-  // (mod 2^64), in stored order
+  // (mod 2^64), in stored order; my innermost dimension has step 1
   auto add_box = [&](const block_spec& piece, std::uint64_t base, const shape_t& step) {
     const auto bx = detail::intersect(piece, chunk);
     if (!bx) return;
+    const std::size_t inner = order[nd - 1];  // the dimension stored innermost
+    const std::size_t along = bx->extent[nd - 1] > bx->extent[inner] ? nd - 1 : inner;
+    outer.clear();
+    for (const std::size_t d : order)
+      if (d != along) outer.push_back(d);
     std::uint64_t src = 0, dst = base;
     for (std::size_t d = 0; d < nd; ++d) {
       src += (bx->offset[d] - chunk.global_offset()[d]) * stored[d];
       dst += bx->offset[d] * step[d];
     }
-    shape_t j(nd - 1, 0);  // the odometer over order[0 .. nd - 2]
-    while (true) {
-      append_coalesced(runs, copy_run{dst, src, bx->extent[inner], step[inner]});
-      std::size_t i = nd - 1;
-      while (i-- > 0) {
-        const std::size_t d = order[i];
-        src += stored[d];
-        dst += step[d];
-        if (++j[i] < bx->extent[d]) break;
-        src -= bx->extent[d] * stored[d];
-        dst -= bx->extent[d] * step[d];
-        j[i] = 0;
+    // runs that gather from the chunk are cut into tiles spanning about 2^16 of its elements,
+    // the runs of each tile taken together: rows whose elements interleave in the file then
+    // interleave in the plan too, and its reads go through the file once
+    const std::uint64_t extent = bx->extent[along];
+    const std::uint64_t tile = along == inner ? extent : std::max<std::uint64_t>(1, (std::uint64_t(1) << 16) / stored[along]);
+    shape_t j(outer.size(), 0);
+    for (std::uint64_t t = 0; t < extent; t += tile) {
+      const std::uint64_t len = std::min(tile, extent - t);
+      while (true) {
+        append_coalesced(runs, copy_run{dst, src, len, step[along], stored[along]});
+        std::size_t i = outer.size();
+        while (i-- > 0) {
+          const std::size_t d = outer[i];
+          src += stored[d];
+          dst += step[d];
+          if (++j[i] < bx->extent[d]) break;
+          src -= bx->extent[d] * stored[d];
+          dst -= bx->extent[d] * step[d];
+          j[i] = 0;
+        }
+        if (i == static_cast<std::size_t>(-1)) break;
       }
-      if (i == static_cast<std::size_t>(-1)) return;
+      src += len * stored[along];
+      dst += len * step[along];
     }
   };
   auto of_spec = [&](const auto& m) {

@@ -1,13 +1,19 @@
 // shardsafe/shard/read_plan.hpp - turn a copy plan into reads of byte ranges.
 //
 // Each copy run is a contiguous byte range in the file and in my memory, so it can be read
-// straight into place (a run of a permuted block is contiguous in the file only: its elements
-// are scattered, dst_step apart, and its runs merge on max_gap_bytes alone). Runs close together in the file are merged into one read when the
+// straight into place. Runs close together in the file are merged into one read when the
 // gap is small (max_gap_bytes) and the bytes read for nothing stay a bounded fraction of
 // the bytes needed (max_over_read): a remote or cold read then issues few large requests.
 // A merged read lands in a staging buffer and is scattered; a single-run read needs none.
 // Reads are also split at max_read_bytes so that one huge run can go to several threads
 // and a staging buffer stays bounded.
+//
+// A run of a permuted block (shard/copy_plan.hpp's permuted_copy_plan) has steps: its elements
+// lie src_step apart in the file or land dst_step apart in my memory. Its reads are cut at whole
+// elements and merge on max_gap_bytes alone (the elements a view needs are spread by the order
+// they are stored in); a run whose elements lie further apart in the file than max_gap_bytes is
+// read element by element, and the holes between the elements of one closer together are read
+// with them, as are other runs' elements that lie in those holes.
 #pragma once
 
 #include <algorithm>
@@ -26,24 +32,32 @@ struct read_options {
 };
 
 /// A piece of a read: bytes [offset, offset + len) of the read go to dst (a byte offset in
-/// my flat view), contiguous; or, with dst_step, element k of them to dst + k * dst_step (a
-/// run of a permuted block: shard/copy_plan.hpp's permuted_copy_plan).
+/// my flat view), contiguous; or, with a step (a run of a permuted block: shard/copy_plan.hpp's
+/// permuted_copy_plan), element k (`item` bytes) from offset + k * src_step to dst + k * dst_step,
+/// len bytes in all.
 struct read_piece {
   std::uint64_t dst = 0;
   std::uint64_t offset = 0;
-  std::uint64_t len = 0;
-  std::uint64_t dst_step = 0;  ///< bytes between the places of consecutive elements; 0: contiguous
+  std::uint64_t len = 0;       ///< bytes delivered
+  std::uint64_t dst_step = 0;  ///< bytes between the places of consecutive elements; 0: side by side
+  std::uint64_t src_step = 0;  ///< bytes between consecutive elements in the read; 0: side by side
+  bool stepped() const noexcept { return dst_step != 0 || src_step != 0; }
+  /// Bytes of the read the piece spans, from offset: len, or to the end of its last element.
+  std::uint64_t span(std::uint64_t item) const noexcept {
+    return src_step == 0 || len <= item ? len : (len / item - 1) * src_step + item;
+  }
 };
 
 /// Calls f(dst, offset, len) for each contiguous part of piece p (whose elements are `item`
 /// bytes): the whole piece, or each element of a stepped one.
 template <class F>
 void for_each_contiguous(const read_piece& p, std::uint64_t item, F&& f) {
-  if (p.dst_step == 0) {
+  if (!p.stepped()) {
     f(p.dst, p.offset, p.len);
     return;
   }
-  for (std::uint64_t k = 0, n = p.len / item; k < n; ++k) f(p.dst + k * p.dst_step, p.offset + k * item, item);
+  const std::uint64_t ds = p.dst_step != 0 ? p.dst_step : item, ss = p.src_step != 0 ? p.src_step : item;
+  for (std::uint64_t k = 0, n = p.len / item; k < n; ++k) f(p.dst + k * ds, p.offset + k * ss, item);
 }
 
 /// One read of the file: bytes [file_offset, file_offset + len).
@@ -53,7 +67,7 @@ struct read_op {
   std::vector<read_piece> pieces;
   /// True when the read can land straight in my memory (one contiguous piece, the whole read).
   bool direct() const noexcept {
-    return pieces.size() == 1 && pieces[0].offset == 0 && pieces[0].len == len && pieces[0].dst_step == 0;
+    return pieces.size() == 1 && pieces[0].offset == 0 && pieces[0].len == len && !pieces[0].stepped();
   }
   std::uint64_t needed() const noexcept {
     std::uint64_t n = 0;
@@ -91,46 +105,81 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
     cur = read_op{};
     cur_needed = 0;
   };
+  // whether a piece from file offset src may join the current read, and if so where: src may
+  // lie inside it (the holes of a stepped piece hold other runs' elements), not before it (runs
+  // are sorted by where they start; a stepped run cut at max_read continues further on)
+  auto joins = [&](std::uint64_t src, std::uint64_t& gap) {
+    if (cur.pieces.empty() || src < cur.file_offset) return false;
+    const std::uint64_t cur_end = cur.file_offset + cur.len;
+    gap = src >= cur_end ? src - cur_end : 0;
+    return gap <= opt.max_gap_bytes;
+  };
+  // a run with steps (copy_run::dst_step, src_step): n elements from file offset src, ss bytes
+  // apart, to dst, ds bytes apart; cut at whole elements, merged on the gap alone
+  auto add_stepped = [&](std::uint64_t src, std::uint64_t dst, std::uint64_t n, std::uint64_t ss, std::uint64_t ds) {
+    while (n > 0) {
+      std::uint64_t gap = 0;
+      if (!joins(src, gap) || src - cur.file_offset > max_read - item) flush();
+      if (cur.pieces.empty()) cur.file_offset = src;
+      const std::uint64_t at = src - cur.file_offset;
+      const std::uint64_t take = std::min(n, (max_read - item - at) / std::max<std::uint64_t>(ss, 1) + 1);  // ending within max_read
+      const read_piece p{dst, at, take * item, take > 1 && ds != item ? ds : 0, take > 1 && ss != item ? ss : 0};
+      cur.pieces.push_back(p);
+      cur.len = std::max(cur.len, at + p.span(item));
+      cur_needed += p.len;
+      src += take * ss;
+      dst += take * ds;
+      n -= take;
+      if (cur.len >= max_read) flush();
+    }
+  };
   for (std::size_t k : order) {
     const copy_run& r = runs[k];
     std::uint64_t src = data_offset + r.src * item;
     std::uint64_t dst = r.dst * item;
+    plan.bytes_needed += r.len * item;
+    if (r.dst_step != 1 || r.src_step != 1) {
+      // elements further apart in the file than a gap that merges are read one by one
+      if (r.len > 1 && r.src_step != 1 && (r.src_step - 1) * item > opt.max_gap_bytes) {
+        for (std::uint64_t e = 0; e < r.len; ++e) add_stepped(src + e * r.src_step * item, dst + e * r.dst_step * item, 1, item, item);
+      } else {
+        add_stepped(src, dst, r.len, r.src_step * item, r.dst_step * item);
+      }
+      continue;
+    }
     std::uint64_t left = r.len * item;
-    const std::uint64_t step = r.dst_step == 1 || r.len == 1 ? 0 : r.dst_step * item;  // a stepped run is cut at whole elements
-    plan.bytes_needed += left;
     while (left > 0) {
-      if (!cur.pieces.empty()) {
-        const std::uint64_t cur_end = cur.file_offset + cur.len;
-        const std::uint64_t gap = src >= cur_end ? src - cur_end : UINT64_MAX;
+      std::uint64_t gap = 0;
+      if (joins(src, gap)) {
+        const std::uint64_t at = src - cur.file_offset;
         const std::uint64_t wasted = cur.len - cur_needed + gap;
         // judge the over-read by what this read would actually take of the run: a read
         // near max_read takes only a piece of it, and the rest goes to the next read
-        const std::uint64_t takes = gap < max_read - cur.len ? std::min(left, max_read - cur.len - gap) : 0;
-        // a permuted block's runs (dst_step) merge on the gap alone: its elements are spread by
-        // the order they are stored in, and one read per run would be a read per element where a
-        // view cuts the dimension stored innermost
-        const bool merge = gap <= opt.max_gap_bytes && takes > 0 &&
-                           (r.dst_step != 1 || double(wasted) <= opt.max_over_read * double(cur_needed + takes));
-        if (!merge) flush();
+        const std::uint64_t takes = at < max_read ? std::min(left, max_read - at) : 0;
+        if (takes == 0 || double(wasted) > opt.max_over_read * double(cur_needed + takes)) flush();
+      } else {
+        flush();
       }
       if (cur.pieces.empty()) cur.file_offset = src;
       const std::uint64_t at = src - cur.file_offset;
-      std::uint64_t take = std::min(left, max_read - std::min(max_read, at));
-      if (step != 0) take -= take % item;
+      const std::uint64_t take = std::min(left, max_read - std::min(max_read, at));
       if (take == 0) {
         flush();
         continue;
       }
-      cur.pieces.push_back({dst, at, take, take > item ? step : 0});
-      cur.len = at + take;
+      cur.pieces.push_back({dst, at, take});
+      cur.len = std::max(cur.len, at + take);
       cur_needed += take;
       src += take;
-      dst += step != 0 ? take / item * step : take;
+      dst += take;
       left -= take;
       if (cur.len >= max_read) flush();
     }
   }
   flush();
+  // a stepped run cut at max_read leaves reads that start after the next run's
+  const auto by_offset = [](const read_op& a, const read_op& b) { return a.file_offset < b.file_offset; };
+  if (!std::is_sorted(plan.ops.begin(), plan.ops.end(), by_offset)) std::stable_sort(plan.ops.begin(), plan.ops.end(), by_offset);
   return plan;
 }
 #else
