@@ -616,7 +616,7 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   if (in.k == kind::file) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
   } else {
-    parts = open_checkpoint(in);
+    parts = open_checkpoint(in, true);  // --model-only would skip an item keyed "model" unread
   }
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});

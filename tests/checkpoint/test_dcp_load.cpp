@@ -351,6 +351,10 @@ TEST_CASE("dcp: a non-tensor item whose value holds tensors (torch 1.13's nested
     CHECK(std::count(t.err.begin(), t.err.end(), '\n') == 1);
     for (const auto& p : why) CHECK_MESSAGE(t.err.find(p) != std::string::npos, t.err);
   }
+  // to-dcp --model-only skips items not under "model.": the item keyed "model" is still refused
+  const auto m = testing::run_tool({"to-dcp", "--model-only", ck.string(), (dir.path / "out-model-only").string()});
+  CHECK(m.code == 1);
+  CHECK(m.err.find("'model'") != std::string::npos);
   const auto i = testing::run_tool({"inspect", ck.string()});
   CHECK(i.code == 0);
   CHECK(i.out.find("model") != std::string::npos);

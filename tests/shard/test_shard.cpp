@@ -741,6 +741,22 @@ TEST_CASE("permuted copy plan: a view that cuts the dimension stored innermost g
   const read_plan cut = make_read_plan(both, 16, 4, small);
   CHECK(read_plan_error(both, 16, 4, small, cut).empty());
   CHECK(cut.bytes_read <= 800000 + cut.ops.size() * (u64(1) << 16) * 4);
+  // the rows of a tile fill each other's holes: one read even where no gap may merge
+  const read_options no_gap{.max_gap_bytes = 0};
+  const read_plan tight = make_read_plan(both, 16, 4, no_gap);
+  CHECK(tight.ops.size() == 1);
+  CHECK(read_plan_error(both, 16, 4, no_gap, tight).empty());
+  // stored rows of 16 elements or more are read as stored, however long my rows: a transposed
+  // [1100, 1200] (elements 1100 apart along my rows) is 1200 runs and one read, not a read per
+  // element; a [260, 260, 300] stored (2, 0, 1) seen as 10 x 260 x 300 is 300 runs
+  const shape_t sq{1100, 1200};
+  const copy_plan rows = permuted_copy_plan(shard_spec(block_spec::whole(sq)), block_spec::whole(sq), tr, sq);
+  CHECK(rows.size() == 1200);
+  CHECK(make_read_plan(rows, 0, 4).ops.size() == 1);
+  const shape_t cube{260, 260, 300};
+  CHECK(permuted_copy_plan(shard_spec(block_spec({10, 260, 300}, {0, 0, 0})), block_spec::whole(cube),
+                           std::vector<std::size_t>{2, 0, 1}, cube)
+            .size() == 300);
   // elements further apart than max_gap_bytes: read one by one, nothing between them
   const shape_t tall{3000, 4};
   const copy_plan sparse = permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(tall), tr, tall);

@@ -11,8 +11,8 @@
 // A file's block whose bytes hold its dimensions in another order (a DCP chunk torch.save kept
 // channels_last or transposed: safetensors_header::stored_order) is read by permuted_copy_plan:
 // runs with steps, along the dimension stored innermost (contiguous in the file, `dst_step`
-// elements apart in my view) or along my innermost one (`src_step` apart in the file, side by
-// side in my view), whichever is longer, so that a plan holds a run per row of the longer side.
+// elements apart in my view) or, where those rows are short, along my innermost one (`src_step`
+// apart in the file, side by side in my view), so that a plan holds a run per row, not per element.
 #pragma once
 
 #include <algorithm>
@@ -79,9 +79,9 @@ copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::
 /// stored with its dimensions in `order` (outermost first, a permutation of the dimensions):
 /// in each box of mine, one run per row along the dimension stored innermost (contiguous in the
 /// chunk, dst_step apart in my flat view) or along my innermost dimension (src_step apart in
-/// the chunk, contiguous in my view), whichever row is longer (the stored one on a tie): a view
-/// that cuts the dimension stored innermost to one index still gets a run per row, not per
-/// element. Sorted by src, coalesced where both continue.
+/// the chunk, contiguous in my view; `gathers` below says where): a view that cuts the dimension
+/// stored innermost to one index still gets a run per row, not per element. Sorted by src,
+/// coalesced where both continue.
 template <ShardSpec A>
 copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<const std::size_t> order,
                              std::span<const std::uint64_t> full) {
@@ -96,6 +96,14 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
     fail(errc::invalid_argument, "permuted_copy_plan: order " + to_string(shape_t(order.begin(), order.end())) +
                                      " is not a permutation of the " + std::to_string(nd) + " dimensions");
   const shape_t stored = dense_strides(chunk.local_shape(), order);  // the chunk's strides as stored
+  // whether a box's runs go along my innermost dimension (`last`), gathering from the chunk,
+  // rather than along the dimension stored innermost: only where the stored rows in the box are
+  // short (under 16 elements: a run per few elements otherwise) and mine longer, and the
+  // gathered elements lie at most 4096 apart in the chunk (tiles of 16 or more, and rows whose
+  // elements interleave within a read's reach; longer stored rows read as well as they are)
+  auto gathers = [&](const detail::box& bx, std::size_t inner, std::size_t last) {
+    return bx.extent[inner] < 16 && bx.extent[last] > bx.extent[inner] && stored[last] <= 4096;
+  };
   copy_plan runs;
   std::vector<std::size_t> outer;  // the dimensions a box's odometer turns, in stored order
   // the part of the chunk inside `piece`, where my offset of global index x is base + sum x_d * step_d
@@ -104,7 +112,7 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
     const auto bx = detail::intersect(piece, chunk);
     if (!bx) return;
     const std::size_t inner = order[nd - 1];  // the dimension stored innermost
-    const std::size_t along = bx->extent[nd - 1] > bx->extent[inner] ? nd - 1 : inner;
+    const std::size_t along = gathers(*bx, inner, nd - 1) ? nd - 1 : inner;
     outer.clear();
     for (const std::size_t d : order)
       if (d != along) outer.push_back(d);

@@ -133,18 +133,58 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
       if (cur.len >= max_read) flush();
     }
   };
-  for (std::size_t k : order) {
-    const copy_run& r = runs[k];
+  for (std::size_t p = 0; p < order.size();) {
+    const copy_run& r = runs[order[p]];
+    if (r.src_step != 1 && r.len > 1) {
+      // Runs that gather at one stride, of one length, starting within one stride of each other
+      // (the rows of a tile of permuted_copy_plan): they fill each other's holes, so they are
+      // read together in the file's order, K elements of each at a time, where the holes left
+      // between them all pass for a gap; otherwise (or where a stride passes max_read) element
+      // by element, in the file's order too.
+      std::size_t q = p + 1;
+      std::uint64_t hole = 0, last = r.src;  // the widest hole between the group's starts, in elements
+      for (; q < order.size(); ++q) {
+        const copy_run& x = runs[order[q]];
+        if (x.src_step != r.src_step || x.len != r.len || x.src - r.src >= r.src_step) break;
+        hole = std::max(hole, x.src - last - 1);
+        last = x.src;
+      }
+      hole = std::max(hole, r.src + r.src_step - last - 1);
+      const std::uint64_t ss = r.src_step * item;
+      auto src_of = [&](std::size_t i, std::uint64_t k) { return data_offset + (runs[order[i]].src + k * r.src_step) * item; };
+      auto dst_of = [&](std::size_t i, std::uint64_t k) { return (runs[order[i]].dst + k * runs[order[i]].dst_step) * item; };
+      plan.bytes_needed += (q - p) * r.len * item;
+      if (hole > opt.max_gap_bytes / item || ss > max_read) {
+        for (std::uint64_t k = 0; k < r.len; ++k)
+          for (std::size_t i = p; i < q; ++i) add_stepped(src_of(i, k), dst_of(i, k), 1, item, item);
+      } else {
+        const std::uint64_t per = max_read / ss;  // elements of each run a read takes at a time: its span fits
+        for (std::uint64_t k = 0; k < r.len; k += per) {
+          const std::uint64_t n = std::min(per, r.len - k);
+          const std::uint64_t start = src_of(p, k), end = src_of(q - 1, k + n - 1) + item;
+          std::uint64_t gap = 0;
+          if (!joins(start, gap) || end - cur.file_offset > max_read) flush();
+          if (cur.pieces.empty()) cur.file_offset = start;
+          for (std::size_t i = p; i < q; ++i) {
+            const std::uint64_t ds = runs[order[i]].dst_step * item;
+            const read_piece piece{dst_of(i, k), src_of(i, k) - cur.file_offset, n * item, n > 1 && ds != item ? ds : 0,
+                                   n > 1 ? ss : 0};
+            cur.pieces.push_back(piece);
+            cur.len = std::max(cur.len, piece.offset + piece.span(item));
+            cur_needed += piece.len;
+          }
+          if (cur.len >= max_read) flush();
+        }
+      }
+      p = q;
+      continue;
+    }
+    ++p;
     std::uint64_t src = data_offset + r.src * item;
     std::uint64_t dst = r.dst * item;
     plan.bytes_needed += r.len * item;
-    if (r.dst_step != 1 || r.src_step != 1) {
-      // elements further apart in the file than a gap that merges are read one by one
-      if (r.len > 1 && r.src_step != 1 && (r.src_step - 1) * item > opt.max_gap_bytes) {
-        for (std::uint64_t e = 0; e < r.len; ++e) add_stepped(src + e * r.src_step * item, dst + e * r.dst_step * item, 1, item, item);
-      } else {
-        add_stepped(src, dst, r.len, r.src_step * item, r.dst_step * item);
-      }
+    if (r.dst_step != 1 || r.src_step != 1) {  // a stepped run that reads contiguously (or one element)
+      add_stepped(src, dst, r.len, r.src_step * item, r.dst_step * item);
       continue;
     }
     std::uint64_t left = r.len * item;
