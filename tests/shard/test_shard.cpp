@@ -640,9 +640,10 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
       const copy_run& x = runs[k];
       if (x.len == 0) err = "empty run";
       if (k && runs[k - 1].src >= x.src) err = "runs not sorted by src";
-      if (k && runs[k - 1].src + runs[k - 1].len * x.src_step == x.src && runs[k - 1].dst_step == x.dst_step &&
-          runs[k - 1].src_step == x.src_step && runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
-        err = "runs not coalesced";
+      if (k && x.src_step == 1 && runs[k - 1].src + runs[k - 1].len == x.src && runs[k - 1].dst_step == x.dst_step &&
+          runs[k - 1].src_step == 1 && runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
+        err = "runs not coalesced";  // (a gathering run is kept to its tile)
+      if (x.src_step != 1 && x.len * x.src_step > (u64(1) << 16) + x.src_step) err = "a gathering run spans more than a tile";
       if (x.src_step != 1 && x.dst_step != 1 && x.len > 1) err = "a run with neither side contiguous";
       for (u64 j = 0; j < x.len; ++j)
         if (!got.emplace(x.src + j * x.src_step, x.dst + j * x.dst_step).second) err = "an element moved twice";
@@ -757,14 +758,32 @@ TEST_CASE("permuted copy plan: a view that cuts the dimension stored innermost g
   CHECK(permuted_copy_plan(shard_spec(block_spec({10, 260, 300}, {0, 0, 0})), block_spec::whole(cube),
                            std::vector<std::size_t>{2, 0, 1}, cube)
             .size() == 300);
+  // a flat window over a transposed chunk: a partial row, whole rows, a partial row; stored rows
+  // 1100 long are read as stored (one read, as before runs gathered), and a chunk whose rows are
+  // short gathers each box in tiles that interleave with the other boxes' in the file
+  const shape_t t1100{1100, 20};
+  const copy_plan win = permuted_copy_plan(shard_spec(flat_spec{{10, 22000}}), block_spec::whole(t1100), tr, t1100);
+  CHECK(std::none_of(win.begin(), win.end(), [](const copy_run& x) { return x.src_step != 1; }));
+  CHECK(make_read_plan(win, 0, 4).ops.size() == 1);
+  const shape_t t500{500, 2000};
+  const copy_plan win2 = permuted_copy_plan(shard_spec(flat_spec{{600, 600 + (1 << 18)}}), block_spec::whole(t500), tr, t500);
+  CHECK(std::any_of(win2.begin(), win2.end(), [](const copy_run& x) { return x.src_step != 1; }));
+  const read_plan wp = make_read_plan(win2, 0, 4);
+  CHECK(wp.ops.size() == 1);
+  CHECK(read_plan_error(win2, 0, 4, {}, wp).empty());
   // elements further apart than max_gap_bytes: read one by one, nothing between them
-  const shape_t tall{3000, 4};
+  const shape_t tall{300, 4};
   const copy_plan sparse = permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(tall), tr, tall);
-  CHECK(sparse == copy_plan{{0, 5, 4, 1, 3000}});
-  const read_plan each = make_read_plan(sparse, 0, 4);
+  CHECK(sparse == copy_plan{{0, 5, 4, 1, 300}});
+  const read_options gap64{.max_gap_bytes = 64};
+  const read_plan each = make_read_plan(sparse, 0, 4, gap64);
   CHECK(each.ops.size() == 4);
   CHECK(each.bytes_read == 16);
-  CHECK(read_plan_error(sparse, 0, 4, {}, each).empty());
+  CHECK(read_plan_error(sparse, 0, 4, gap64, each).empty());
+  // elements over 512 apart are not gathered: a run per stored row (here of one element)
+  const shape_t taller{3000, 4};
+  CHECK(permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(taller), tr, taller) ==
+        copy_plan{{0, 5, 1, 4}, {1, 3005, 1, 4}, {2, 6005, 1, 4}, {3, 9005, 1, 4}});
 }
 
 TEST_CASE("read plan: small gaps merge into one staged read; a lone run is read in place") {

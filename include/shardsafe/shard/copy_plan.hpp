@@ -99,12 +99,21 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
   // whether a box's runs go along my innermost dimension (`last`), gathering from the chunk,
   // rather than along the dimension stored innermost: only where the stored rows in the box are
   // short (under 16 elements: a run per few elements otherwise) and mine longer, and the
-  // gathered elements lie at most 4096 apart in the chunk (tiles of 16 or more, and rows whose
-  // elements interleave within a read's reach; longer stored rows read as well as they are)
+  // gathered elements lie at most 512 apart in the chunk (the holes between them, 4088 bytes of
+  // 8-byte elements at most, then pass for a gap under the default read_options, whatever other
+  // runs fill them; longer stored rows read as well as they are)
   auto gathers = [&](const detail::box& bx, std::size_t inner, std::size_t last) {
-    return bx.extent[inner] < 16 && bx.extent[last] > bx.extent[inner] && stored[last] <= 4096;
+    return bx.extent[inner] < 16 && bx.extent[last] > bx.extent[inner] && stored[last] <= 512;
   };
   copy_plan runs;
+  // a gathering run is kept to its tile (not joined to the next tile's): sorted by where they
+  // start, the tiles of all boxes then interleave as their elements do in the file
+  auto add = [](copy_plan& plan, const copy_run& r) {
+    if (r.src_step == 1)
+      append_coalesced(plan, r);
+    else if (r.len != 0)
+      plan.push_back(r);
+  };
   std::vector<std::size_t> outer;  // the dimensions a box's odometer turns, in stored order
   // the part of the chunk inside `piece`, where my offset of global index x is base + sum x_d * step_d
   // (mod 2^64), in stored order; my innermost dimension has step 1
@@ -130,7 +139,7 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
     for (std::uint64_t t = 0; t < extent; t += tile) {
       const std::uint64_t len = std::min(tile, extent - t);
       while (true) {
-        append_coalesced(runs, copy_run{dst, src, len, step[along], stored[along]});
+        add(runs, copy_run{dst, src, len, step[along], stored[along]});
         std::size_t i = outer.size();
         while (i-- > 0) {
           const std::size_t d = outer[i];
@@ -171,7 +180,7 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
   std::sort(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; });
   copy_plan out;
   out.reserve(runs.size());
-  for (const copy_run& r : runs) append_coalesced(out, r);
+  for (const copy_run& r : runs) add(out, r);
   return out;
 }
 
