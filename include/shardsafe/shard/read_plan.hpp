@@ -11,9 +11,10 @@
 // A run of a permuted block (shard/copy_plan.hpp's permuted_copy_plan) has steps: its elements
 // lie src_step apart in the file or land dst_step apart in my memory. Its reads are cut at whole
 // elements and merge on max_gap_bytes alone (the elements a view needs are spread by the order
-// they are stored in); a run whose elements lie further apart in the file than max_gap_bytes is
-// read element by element, and the holes between the elements of one closer together are read
-// with them, as are other runs' elements that lie in those holes.
+// they are stored in). Gathering runs of one stride and length that start within one stride of
+// each other (the rows of a tile) fill each other's holes: they are read together in the file's
+// order, K elements of each a read, or element by element where the holes left between them all
+// would pass max_gap_bytes.
 #pragma once
 
 #include <algorithm>
