@@ -247,8 +247,7 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, bool check_items =
   // what reads every tensor (digest, unshard, to-hf) first reads each non-tensor item's archive:
   // a value that holds tensors (torch 1.13's nested dict) is refused, not left out
   if (check_items)
-    for (auto& p : parts)
-      for (const auto& item : p.reader->non_tensors()) p.reader->read_object_archive(item.key);
+    for (auto& p : parts) p.reader->check_objects();
   return parts;
 }
 
@@ -616,7 +615,9 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   if (in.k == kind::file) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
   } else {
-    parts = open_checkpoint(in, true);  // --model-only would skip an item keyed "model" unread
+    // the export reads (and checks) every item it copies; --model-only skips those not under
+    // "model.", an item keyed "model" among them: checked here, unread otherwise
+    parts = open_checkpoint(in, opt.model_only);
   }
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});

@@ -508,7 +508,7 @@ std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, co
       lo = std::min(lo, p.offset);
       hi = std::max(hi, p.offset + p.span(item));
       op_needed += p.len;
-      const u64 ds = p.dst_step ? p.dst_step : item, ss = p.src_step ? p.src_step : item;
+      const u64 ds = p.dst_stride(item), ss = p.src_stride(item);
       for (u64 b = 0; b < p.len; ++b) {
         const u64 off = p.stepped() ? p.offset + b / item * ss + b % item : p.offset + b;
         const u64 lands = p.stepped() ? p.dst + b / item * ds + b % item : p.dst + b;

@@ -46,8 +46,8 @@ inline void scatter_pieces(const read_op& op, const std::byte* src, std::byte* b
   const std::uint64_t di = item_size(to), si = from ? item_size(*from) : di;
   for (const auto& p : op.pieces) {
     if (!from && p.stepped()) {  // a run of a chunk stored in another order of dimensions
-      detail::strided_copy(base + p.dst, static_cast<std::size_t>(p.dst_step != 0 ? p.dst_step : si), src + p.offset,
-                           static_cast<std::size_t>(p.src_step != 0 ? p.src_step : si), static_cast<std::size_t>(p.len / si),
+      detail::strided_copy(base + p.dst, static_cast<std::size_t>(p.dst_stride(si)), src + p.offset,
+                           static_cast<std::size_t>(p.src_stride(si)), static_cast<std::size_t>(p.len / si),
                            static_cast<std::size_t>(si));
       continue;
     }

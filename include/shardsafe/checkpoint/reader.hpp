@@ -94,6 +94,11 @@ class checkpoint_files {
       return read_dcp_object_archive(s, where, what);
     });
   }
+  /// Reads every non-tensor item's archive by read_object_archive's rules: one whose value holds
+  /// tensors (as torch 1.13 saves a nested dict), which no reader here loads, is refused naming it.
+  void check_objects() const {
+    for (const auto& item : src_.non_tensors) read_object_archive(item.key);
+  }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(key);
     return it == index_.end() ? nullptr : &src_.metadata.tensors[it->second].second;

@@ -346,9 +346,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     opened.insert(fname);
   }
   rep.files = opened.size();
-  // a DCP folder's non-tensor items: each a torch.save archive of a plain pickled value, none a
-  // value holding tensors (as torch 1.13 saves a nested dict), which no reader here would load
-  for (const auto& item : r.non_tensors()) r.read_object_archive(item.key);
+  r.check_objects();  // a DCP folder's non-tensor items
   // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
   if (r.format() == checkpoint_format::hf && r.described_by() == hf_index_file)
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));

@@ -102,7 +102,8 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
   // gathered elements lie at most 512 apart in the chunk (the holes between them, 4088 bytes of
   // 8-byte elements at most, then pass for a gap under the default read_options, whatever other
   // runs fill them; longer stored rows read as well as they are)
-  auto gathers = [&](const detail::box& bx, std::size_t inner, std::size_t last) {
+  const std::size_t inner = order[nd - 1], last = nd - 1;  // the dimension stored innermost; mine
+  auto gathers = [&](const detail::box& bx) {
     return bx.extent[inner] < 16 && bx.extent[last] > bx.extent[inner] && stored[last] <= 512;
   };
   copy_plan runs;
@@ -120,8 +121,7 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
   auto add_box = [&](const block_spec& piece, std::uint64_t base, const shape_t& step) {
     const auto bx = detail::intersect(piece, chunk);
     if (!bx) return;
-    const std::size_t inner = order[nd - 1];  // the dimension stored innermost
-    const std::size_t along = gathers(*bx, inner, nd - 1) ? nd - 1 : inner;
+    const std::size_t along = gathers(*bx) ? last : inner;
     outer.clear();
     for (const std::size_t d : order)
       if (d != along) outer.push_back(d);

@@ -43,6 +43,9 @@ struct read_piece {
   std::uint64_t dst_step = 0;  ///< bytes between the places of consecutive elements; 0: side by side
   std::uint64_t src_step = 0;  ///< bytes between consecutive elements in the read; 0: side by side
   bool stepped() const noexcept { return dst_step != 0 || src_step != 0; }
+  /// Bytes between consecutive elements of `item` bytes in my memory, and in the read.
+  std::uint64_t dst_stride(std::uint64_t item) const noexcept { return dst_step != 0 ? dst_step : item; }
+  std::uint64_t src_stride(std::uint64_t item) const noexcept { return src_step != 0 ? src_step : item; }
   /// Bytes of the read the piece spans, from offset: len, or to the end of its last element.
   std::uint64_t span(std::uint64_t item) const noexcept {
     return src_step == 0 || len <= item ? len : (len / item - 1) * src_step + item;
@@ -57,7 +60,7 @@ void for_each_contiguous(const read_piece& p, std::uint64_t item, F&& f) {
     f(p.dst, p.offset, p.len);
     return;
   }
-  const std::uint64_t ds = p.dst_step != 0 ? p.dst_step : item, ss = p.src_step != 0 ? p.src_step : item;
+  const std::uint64_t ds = p.dst_stride(item), ss = p.src_stride(item);
   for (std::uint64_t k = 0, n = p.len / item; k < n; ++k) f(p.dst + k * ds, p.offset + k * ss, item);
 }
 
@@ -115,6 +118,14 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
     gap = src >= cur_end ? src - cur_end : 0;
     return gap <= opt.max_gap_bytes;
   };
+  // the piece of n elements at `at` of the current read, ss bytes apart there, landing at dst, ds
+  // bytes apart (a step of one element, or of a single element, is none), added to it
+  auto add_piece = [&](std::uint64_t dst, std::uint64_t at, std::uint64_t n, std::uint64_t ss, std::uint64_t ds) {
+    const read_piece p{dst, at, n * item, n > 1 && ds != item ? ds : 0, n > 1 && ss != item ? ss : 0};
+    cur.pieces.push_back(p);
+    cur.len = std::max(cur.len, at + p.span(item));
+    cur_needed += p.len;
+  };
   // a run with steps (copy_run::dst_step, src_step): n elements from file offset src, ss bytes
   // apart, to dst, ds bytes apart; cut at whole elements, merged on the gap alone
   auto add_stepped = [&](std::uint64_t src, std::uint64_t dst, std::uint64_t n, std::uint64_t ss, std::uint64_t ds) {
@@ -124,10 +135,7 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
       if (cur.pieces.empty()) cur.file_offset = src;
       const std::uint64_t at = src - cur.file_offset;
       const std::uint64_t take = std::min(n, (max_read - item - at) / std::max<std::uint64_t>(ss, 1) + 1);  // ending within max_read
-      const read_piece p{dst, at, take * item, take > 1 && ds != item ? ds : 0, take > 1 && ss != item ? ss : 0};
-      cur.pieces.push_back(p);
-      cur.len = std::max(cur.len, at + p.span(item));
-      cur_needed += p.len;
+      add_piece(dst, at, take, ss, ds);
       src += take * ss;
       dst += take * ds;
       n -= take;
@@ -166,14 +174,8 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
           std::uint64_t gap = 0;
           if (!joins(start, gap) || end - cur.file_offset > max_read) flush();
           if (cur.pieces.empty()) cur.file_offset = start;
-          for (std::size_t i = p; i < q; ++i) {
-            const std::uint64_t ds = runs[order[i]].dst_step * item;
-            const read_piece piece{dst_of(i, k), src_of(i, k) - cur.file_offset, n * item, n > 1 && ds != item ? ds : 0,
-                                   n > 1 ? ss : 0};
-            cur.pieces.push_back(piece);
-            cur.len = std::max(cur.len, piece.offset + piece.span(item));
-            cur_needed += piece.len;
-          }
+          for (std::size_t i = p; i < q; ++i)
+            add_piece(dst_of(i, k), src_of(i, k) - cur.file_offset, n, ss, runs[order[i]].dst_step * item);
           if (cur.len >= max_read) flush();
         }
       }
