@@ -5,13 +5,17 @@ side by side with the same tensors stored row-major, in one run (docs/FORMAT.md 
     /usr/bin/python3 bench/dcp_permuted.py TOOL [--quick] [--reps N] [--dir DIR]
 
 TOOL is a built `shardsafe` (build/tools/shardsafe). The torch is /usr/bin/python3's (Debian 12's
-1.13: plain tensors, written once; the same code runs on torch 2.x). Two models, each saved twice
+1.13: plain tensors, written once; the same code runs on torch 2.x). Three models, each saved twice
 by torch's DCP writer in one process: as laid out (channels_last / transposed) and row-major:
 - conv: 16 convolution weights [512, 512, 3, 3] F32 (151 MB), channels_last: a run of 512
   elements per stored row;
 - wide: one [2, 40M] F32 tensor (320 MB) stored transposed: the dimension stored innermost has
   2 elements, so the tool's windows (2^18 elements) cut it to one index: each window's runs gather
-  every other element of the file (a run per tile of 2^16 chunk elements).
+  every other element of the file (a run per tile of 2^16 chunk elements);
+- tall: one [1030, 20000] F32 tensor (82 MB) stored transposed: stored rows of 1030 elements, a
+  window of the full tensor's rows takes a piece of each (the tool's windows cover as much of
+  the 1030 as 64 MiB allow: two windows, each stored row read twice; with 2^18-element windows it
+  was read 79 times).
 Rows, each in a fresh process, the checkpoint in the page cache: the tool's `unshard` into a
 safetensors file (every tensor whole, written to page cache), torch's load of the same folder
 into freshly allocated full tensors (1.13: FileSystemReader + load_state_dict(no_dist=True); 2.x:
@@ -95,12 +99,13 @@ def main(argv):
                             dir=argv[argv.index("--dir") + 1] if "--dir" in argv else None)
     tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
     g = torch.Generator().manual_seed(3)
-    n_conv, wide = (2, 1_000_000) if quick else (16, 40_000_000)
+    n_conv, wide, tall = (2, 1_000_000, 2000) if quick else (16, 40_000_000, 20000)
     conv = {f"conv{i}": torch.randn(512, 512, 3, 3, generator=g) for i in range(n_conv)}
     models = {
         "conv": ({k: v.contiguous(memory_format=torch.channels_last) for k, v in conv.items()}, conv,
                  f"{n_conv} x [512,512,3,3] F32 channels_last"),
         "wide": ({"w": torch.randn(2, wide, generator=g).t().contiguous().t()}, None, f"[2,{wide}] F32 transposed"),
+        "tall": ({"w": torch.randn(tall, 1030, generator=g).t()}, None, f"[1030,{tall}] F32 transposed"),
     }
     print(f"# dcp_permuted: torch {torch.__version__}, {reps} round(s), page cache; tool {tool}")
     print(f"{'model':<44} {'layout':<10} {'reader':<16} {'median s':>9} {'peak MiB':>9} {'x row-major':>12}")

@@ -10,7 +10,10 @@ entries, or "bytes"; OUT_DIR/<name>.metadata_p2 is the same Metadata pickled wit
 OUT_DIR/raw/<key>.bin holds each tensor's little-endian row-major bytes. OUT_DIR/ckpt_nested/ holds
 {"model": {"w": ..., "b": ...}, "step": 3}: torch 1.13 does not flatten a nested dict, so "model" is
 a non-tensor item whose pickled value holds two tensors (torch's own load_state_dict reads it
-back, checked here).
+back, checked here). OUT_DIR/ckpt_transposed/ holds "w", a [1030, 2000] F32 tensor that torch.save
+keeps transposed (stored as [2000, 1030]), its row-major bytes in OUT_DIR/raw_transposed.bin.
+OUT_DIR/ckpt_foreign/ holds "w" (F32 [3, 4], its bytes in OUT_DIR/raw_foreign_w.bin) beside tensors
+of dtypes no safetensors type holds, "freqs" (complex128 [4, 2]) and "q" (qint8 [3]), and "step".
 Prints "shim" on stderr when the dataclass shim (tests/torch_compat.py) was needed.
 """
 import json
@@ -64,6 +67,32 @@ def main(out):
         with open(os.path.join(out, name + ".json"), "w") as f:
             json.dump(describe(md), f, indent=1, sort_keys=True)
     save_nested(out)
+    save_transposed(out)
+    save_foreign(out)
+
+
+def save_foreign(out):
+    """Tensors of dtypes safetensors has no name for, beside one it has."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4) - 5.5
+    r = torch.arange(8, dtype=torch.float64).reshape(4, 2)
+    sd = {"w": w, "freqs": torch.complex(r, -r), "q": torch.quantize_per_tensor(torch.tensor([0.5, -1.0, 2.0]), 0.1, 0, torch.qint8),
+          "step": 5}
+    ckpt = os.path.join(out, "ckpt_foreign")
+    dcp.save_state_dict(sd, dcp.FileSystemWriter(ckpt), no_dist=True)
+    md = dcp.FileSystemReader(ckpt).read_metadata()
+    assert md.state_dict_metadata["freqs"].properties.dtype == torch.complex128
+    assert md.state_dict_metadata["q"].properties.dtype == torch.qint8
+    with open(os.path.join(out, "raw_foreign_w.bin"), "wb") as f:
+        f.write(w.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def save_transposed(out):
+    """A tensor whose storage holds its dimensions in the other order (torch.save keeps strides)."""
+    t = torch.arange(1030 * 2000, dtype=torch.float32).reshape(2000, 1030).t()
+    assert t.stride() == (1, 1030)
+    dcp.save_state_dict({"w": t}, dcp.FileSystemWriter(os.path.join(out, "ckpt_transposed")), no_dist=True)
+    with open(os.path.join(out, "raw_transposed.bin"), "wb") as f:
+        f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def save_nested(out):

@@ -244,10 +244,14 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, bool check_items =
   }
   for (auto& p : parts)
     for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
-  // what reads every tensor (digest, unshard, to-hf) first reads each non-tensor item's archive:
-  // a value that holds tensors (torch 1.13's nested dict) is refused, not left out
+  // what reads every tensor (digest) first reads each non-tensor item's archive: a value that
+  // holds tensors (torch 1.13's nested dict) is refused, not left out, as is a tensor of a dtype
+  // shardsafe has no type for (unshard and the exports check the same in the library)
   if (check_items)
-    for (auto& p : parts) p.reader->check_objects();
+    for (auto& p : parts) {
+      p.reader->check_objects();
+      p.reader->refuse_foreign();
+    }
   return parts;
 }
 
@@ -366,11 +370,17 @@ int cmd_inspect(const input<D>& in) {
   }
   const std::size_t tensors = rows.size();
   for (auto& p : parts)
+    for (const auto& t : p.reader->foreign_tensors())
+      rows.push_back({p.prefix + t.key, t.dtype, shape_str(t.shape), "-", p.reader->described_by(),
+                      std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"});
+  const std::size_t foreign = rows.size() - tensors;
+  for (auto& p : parts)
     for (const auto& item : p.reader->non_tensors())
       rows.push_back({p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
-  const std::size_t others = rows.size() - tensors;
+  const std::size_t others = rows.size() - tensors - foreign;
   print_rows("# " + in.path + ": " + what + ", " + std::to_string(tensors) + " tensors, " +
                  std::to_string(total) + " bytes" +
+                 (foreign ? ", " + std::to_string(foreign) + " tensor(s) of a dtype shardsafe has no type for" : "") +
                  (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
                  (writer.empty() ? "" : ", written by " + writer),
              rows);
@@ -527,7 +537,7 @@ int cmd_unshard(const input<D>& in, const std::string& out_path) {
     fail(errc::invalid_argument, in.path + ": unshard needs a folder (a checkpoint or a Hugging Face folder)");
   if (is_url(out_path)) check_output_url(out_path, "the unsharded file");
   refuse_output_over_input(in, out_path, "the unsharded file");
-  auto parts = open_checkpoint(in, true);
+  auto parts = open_checkpoint(in);
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
   const std::span<const unshard_source<D>> all(sources);
@@ -585,7 +595,7 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
   if (in.k == kind::file) {
     for (const auto& t : read_safetensors_header(open_file(in)).tensors) keys.push_back(t.name);
   } else {
-    for (auto& p : open_checkpoint(in, true))
+    for (auto& p : open_checkpoint(in))
       if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
         for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
   }
@@ -615,9 +625,7 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   if (in.k == kind::file) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
   } else {
-    // the export reads (and checks) every item it copies; --model-only skips those not under
-    // "model.", an item keyed "model" among them: checked here, unread otherwise
-    parts = open_checkpoint(in, opt.model_only);
+    parts = open_checkpoint(in);  // the export checks every item, and refuses what it cannot write
   }
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});

@@ -41,6 +41,19 @@ const fs::path& dist_fixture() {
   return dir.path;
 }
 
+/// The 1-process fixture's output (tests/dcp_fixture.py), written once per run of the test executable.
+const fs::path& single_fixture() {
+  static testing::temp_dir dir("dcp1");
+  static const bool made = [] {
+    const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
+    const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
+    REQUIRE_MESSAGE(r.code == 0, r.err);  // torch read its own folders back (the script checks)
+    return true;
+  }();
+  (void)made;
+  return dir.path;
+}
+
 /// What torch says about each tensor (tests/support/dcp_digest.hpp), by name.
 using expected_tensor = testing::torch_digest_entry;
 
@@ -174,19 +187,16 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
 
 TEST_CASE("dcp: the 1-process torch checkpoint of every dtype loads whole and resharded" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
-  testing::temp_dir dir("dcp1");
-  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
-  REQUIRE_MESSAGE(pr.code == 0, pr.err);
+  const fs::path& fixture = single_fixture();
   for (const std::string folder : folders) {
     CAPTURE(folder);
-    checkpoint_reader<file_directory> r(file_directory(dir.path / folder));
+    checkpoint_reader<file_directory> r(file_directory(fixture / folder));
     REQUIRE(r.non_tensors().size() == 1);
     CHECK(r.non_tensors()[0].key == "step");
     std::size_t n = 0;
     for (const auto& [key, tm] : r.metadata().tensors) {
       CAPTURE(key);
-      const std::string raw = testing::slurp(dir.path / "raw" / (key + ".bin"));
+      const std::string raw = testing::slurp(fixture / "raw" / (key + ".bin"));
       const expected_tensor t{key, tm.type, tm.shape, "", raw};
       REQUIRE(raw.size() == numel(tm.shape) * item_size(tm.type));
       std::string full(raw.size(), '\0');
@@ -328,10 +338,7 @@ TEST_CASE("dcp: a non-tensor item whose value holds tensors (torch 1.13's nested
           "out" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp-nested");
-  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
-  REQUIRE_MESSAGE(pr.code == 0, pr.err);  // torch 1.13 read its own folder back
-  const fs::path ck = dir.path / "ckpt_nested";
+  const fs::path ck = single_fixture() / "ckpt_nested";  // torch 1.13 read it back
   checkpoint_reader<file_directory> r{file_directory(ck)};
   CHECK(r.metadata().tensors.empty());
   REQUIRE(r.non_tensors().size() == 2);
@@ -358,6 +365,125 @@ TEST_CASE("dcp: a non-tensor item whose value holds tensors (torch 1.13's nested
   const auto i = testing::run_tool({"inspect", ck.string()});
   CHECK(i.code == 0);
   CHECK(i.out.find("model") != std::string::npos);
+}
+
+TEST_CASE("dcp: a chunk torch kept transposed is unsharded reading each stored row once, not once a window" *
+          testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  // "w" is [1030, 2000] F32 stored as [2000, 1030]: a window of full rows takes a piece of every
+  // stored row. Windows of 2^18 elements (131 rows) read the whole chunk each, 8 times in all.
+  const fs::path& fixture = single_fixture();
+  const std::string raw = testing::slurp(fixture / "raw_transposed.bin");
+  REQUIRE(raw.size() == 1030u * 2000u * 4u);
+  checkpoint_reader<file_directory> r(file_directory(fixture / "ckpt_transposed"));
+  const auto& f = r.file(r.find("w")->files.front().first);
+  const auto order = f.header.stored_order(f.header.at("w"));
+  REQUIRE(std::vector<std::size_t>(order.begin(), order.end()) == std::vector<std::size_t>{1, 0});
+  for (const std::uint64_t chunk : {std::uint64_t(64) << 20, std::uint64_t(4) << 20}) {
+    CAPTURE(chunk);
+    unshard_options o;
+    o.chunk_bytes = chunk;
+    std::string got;
+    std::size_t windows = 0;
+    const load_stats st = for_each_full_chunk(
+        r, "w",
+        [&](std::span<const std::byte> b, std::uint64_t at) {
+          CHECK(at == got.size());
+          got.append(reinterpret_cast<const char*>(b.data()), b.size());
+          ++windows;
+        },
+        o);
+    CHECK(got == raw);  // bit for bit as torch made it contiguous
+    CHECK(st.bytes_needed == raw.size());
+    if (chunk == (std::uint64_t(64) << 20)) {
+      CHECK(windows == 1);  // the whole chunk fits: each stored row read once, whole
+      CHECK(st.bytes_read == raw.size());
+    } else {
+      CHECK(windows == 2);  // 1 MiB elements: 524 of 1030 indices, the rows read once a window
+      CHECK(st.bytes_read <= 2 * raw.size());
+    }
+  }
+}
+
+TEST_CASE("dcp: tensors of a dtype safetensors has no name for (complex128, qint8) are listed and refused by name where "
+          "read; the rest of the folder reads, and an export that drops them by a rename runs" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  testing::temp_dir dir("dcp-foreign");
+  const fs::path ck = single_fixture() / "ckpt_foreign";
+  const std::string raw = testing::slurp(single_fixture() / "raw_foreign_w.bin");
+  checkpoint_reader<file_directory> r{file_directory(ck)};
+  REQUIRE(r.metadata().tensors.size() == 1);
+  REQUIRE(r.foreign_tensors().size() == 2);
+  CHECK(r.foreign_tensors()[0].key == "freqs");
+  CHECK(r.foreign_tensors()[0].dtype == "torch.complex128");
+  CHECK(r.foreign_tensors()[0].shape == shape_t{4, 2});
+  CHECK(r.foreign_tensors()[1].key == "q");
+  CHECK(r.foreign_tensors()[1].dtype == "torch.qint8");
+  CHECK(r.read_object("step").as_int("step") == 5);
+  // "w" loads as torch wrote it; asking for "freqs" is refused by name, strict or not
+  std::string w(raw.size(), '\0');
+  unshard_tensor(r, "w", std::as_writable_bytes(std::span(w)));
+  CHECK(testing::hex(w) == testing::hex(raw));
+  std::string c(4 * 2 * 8, '\0');
+  flat_view v{"freqs", dtype::C64, {4, 2}, std::nullopt, reinterpret_cast<std::byte*>(c.data()), c.size()};
+  const std::vector<std::string> why{"'freqs'", "[4,2]", "torch.complex128", "no type for"};
+  for (const bool strict : {true, false}) {
+    load_options lo;
+    lo.strict = strict;
+    testing::expect_error([&] { r.load(std::span<const flat_view>(&v, 1), lo); }, errc::unsupported_dtype, why);
+  }
+  // what would vouch for or write every tensor refuses them
+  testing::expect_error([&] { verify_checkpoint(r); }, errc::unsupported_dtype, why);
+  const unshard_source<file_directory> src{&r, ""};
+  testing::expect_error(
+      [&] {
+        file_writer fw((dir.path / "lib.safetensors").string());
+        unshard_to_safetensors(std::span<const unshard_source<file_directory>>(&src, 1), fw);
+      },
+      errc::unsupported_dtype, why);
+  if (!testing::have_tool()) return;
+  const std::string out = (dir.path / "out").string();
+  for (const std::string cmd : {"verify", "digest", "unshard", "to-hf", "to-dcp"}) {
+    CAPTURE(cmd);
+    std::vector<std::string> args{cmd, ck.string()};
+    if (cmd == "unshard" || cmd == "to-hf" || cmd == "to-dcp") args.push_back(out + "-" + cmd);
+    const auto t = testing::run_tool(args);
+    CHECK(t.code == 1);
+    CHECK(std::count(t.err.begin(), t.err.end(), '\n') == 1);
+    for (const auto& p : why) CHECK_MESSAGE(t.err.find(p) != std::string::npos, t.err);
+    CHECK_FALSE(fs::exists(out + "-" + cmd));
+  }
+  const auto i = testing::run_tool({"inspect", ck.string()});
+  CHECK(i.code == 0);
+  CHECK(i.out.find("2 tensor(s) of a dtype shardsafe has no type for") != std::string::npos);
+  CHECK(i.out.find("torch.qint8") != std::string::npos);
+  // dropping one by a rename is not enough; dropping both exports the rest
+  auto t = testing::run_tool({"to-hf", ck.string(), out + "-one", "--rename", "^freqs$="});
+  CHECK(t.code == 1);
+  CHECK(t.err.find("'q'") != std::string::npos);
+  t = testing::run_tool({"to-hf", ck.string(), out + "-hf", "--rename", "^(freqs|q)$="});
+  REQUIRE_MESSAGE(t.code == 0, t.err);
+  t = testing::run_tool({"to-dcp", ck.string(), out + "-dcp", "--rename", "^(freqs|q)$="});
+  REQUIRE_MESSAGE(t.code == 0, t.err);
+  // read back by Python alone: the safetensors file parsed by hand; the DCP folder by
+  // tests/dcp_stub_read.py (torch 1.13 does not read torch 2.x's DCP: the Debian 13 leg's suites do)
+  const std::string check = R"(
+import json, struct, sys
+b = open(sys.argv[1] + "/model.safetensors", "rb").read()
+n = struct.unpack("<Q", b[:8])[0]
+h = json.loads(b[8:8 + n])
+h.pop("__metadata__", None)
+assert list(h) == ["w"] and h["w"]["dtype"] == "F32" and h["w"]["shape"] == [3, 4], h
+s, e = h["w"]["data_offsets"]
+assert b[8 + n + s:8 + n + e] == open(sys.argv[2], "rb").read()
+print("ok")
+)";
+  const auto pr = testing::peer("python3", {"-c", check, out + "-hf", (single_fixture() / "raw_foreign_w.bin").string()});
+  CHECK_MESSAGE(pr.code == 0, pr.err);
+  CHECK(pr.out == "ok\n");
+  const auto st = testing::peer("python3", {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_stub_read.py").string(), out + "-dcp"});
+  REQUIRE_MESSAGE(st.code == 0, st.err);
+  CHECK(st.out.starts_with("step = 5\nw F32 [3,4] " + testing::sha256_hex(raw) + " 1\n"));
 }
 
 // ============================================================ the tool on DCP folders

@@ -304,9 +304,19 @@ TEST_CASE("dcp metadata: rules on tensors, chunks and storage entries") {
     p.path = bad_path;
     refused(p, errc::invalid_metadata, {"relative_path", "not a plain file name"});
   }
+  // a torch dtype shardsafe has no type for: the tensor is foreign, its chunks checked all the same
   p = {};
   p.dtype = "complex128";
-  refused(p, errc::unsupported_dtype, {"'w'", "torch.complex128"});
+  const dcp_metadata fm = parse_dcp_metadata(metadata_pickle(p), "ckpt/.metadata");
+  REQUIRE(fm.items.count("w") == 1);
+  CHECK(fm.items.at("w").foreign_dtype == "torch.complex128");
+  CHECK(fm.items.at("w").size == shape_t{4, 6});
+  CHECK(fm.items.at("w").chunks.size() == 1);
+  p.sizes = {4, 7};
+  refused(p, errc::invalid_metadata, {"'w': chunk 0", "pass the tensor's size [4,6] in dimension 1"});
+  p = {};
+  p.dtype = "float32";
+  CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").foreign_dtype.empty());
   p = {};
   p.dtype = "qint4";
   refused(p, errc::invalid_metadata, {"'torch.qint4'"});

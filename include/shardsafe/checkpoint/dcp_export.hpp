@@ -123,12 +123,22 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       const pickle_value* p = r.path_in_state_dict(key);
       return p ? *p : pickle_value::tuple({str(key)});
     };
-    for (const auto& [key, tm] : r.metadata().tensors) {
-      if (!model && opt.model_only && !key.starts_with("model.")) continue;
-      items.push_back({model ? "model." + key : key, model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
-    }
+    auto kept = [&](const std::string& key) {  // before renaming
+      return model || !opt.model_only || key.starts_with("model.");
+    };
+    for (const auto& [key, tm] : r.metadata().tensors)
+      if (kept(key))
+        items.push_back({model ? "model." + key : key, model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
+    // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
+    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(model ? "model." + key : key).empty(); });
     for (const auto& obj : r.non_tensors()) {
-      if (model || (opt.model_only && !obj.key.starts_with("model."))) continue;
+      if (model) continue;
+      if (!kept(obj.key)) {
+        // one left out is still read by the rules of check_objects: an item keyed "model" whose
+        // value holds the model's tensors (torch 1.13's nested dict) is refused, not left out
+        r.read_object_archive(obj.key);
+        continue;
+      }
       items.push_back({obj.key, path_of(obj.key), &r, obj.key, {}, true});
     }
   }

@@ -51,7 +51,7 @@ class checkpoint_reader : public checkpoint_files<D> {
   /// Throws on the first problem, naming file, tensor and rule.
   load_schedule plan(std::span<const flat_view> views, const load_options& opt = {}, bool memory_later = false) {
     const checkpoint_metadata& md = this->metadata();
-    view_plans vp = plan_views(md, [&](std::string_view k) { return this->find(k); }, views, opt, where(), memory_later);
+    view_plans vp = plan_views(md, [&](std::string_view k) { return this->find_readable(k); }, views, opt, where(), memory_later);
     this->open_files(vp.files, opt.threads);
     const std::vector<const open_file*> files = this->opened(vp.files);
     std::vector<planned_file> pf;

@@ -99,9 +99,32 @@ class checkpoint_files {
   void check_objects() const {
     for (const auto& item : src_.non_tensors) read_object_archive(item.key);
   }
+  /// Tensors of a torch dtype shardsafe has no type for (a DCP folder's complex128 or quantized
+  /// tensors: checkpoint/source.hpp), by key: not in metadata(), never read.
+  const std::vector<foreign_tensor>& foreign_tensors() const noexcept { return src_.foreign_tensors; }
+  /// Refuses (errc::unsupported_dtype, naming it) the first foreign tensor whose key keep(key)
+  /// accepts: what would read it, or vouch for it, stops there, not leave it out unsaid.
+  template <class Keep>
+  void refuse_foreign(Keep&& keep) const {
+    for (const auto& t : src_.foreign_tensors)
+      if (keep(t.key))
+        fail(errc::unsupported_dtype, std::string(dir_.name()) + "/" + src_.described_by + ": tensor '" + t.key + "' " +
+                                          to_string(t.shape) + " has dtype " + t.dtype +
+                                          ", which shardsafe has no type for: it is not read (an export may drop it by a "
+                                          "rename to nothing)");
+  }
+  void refuse_foreign() const {
+    refuse_foreign([](const std::string&) { return true; });
+  }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(key);
     return it == index_.end() ? nullptr : &src_.metadata.tensors[it->second].second;
+  }
+  /// find(key), where a foreign tensor of that key is refused (refuse_foreign), not absent.
+  const tensor_metadata* find_readable(std::string_view key) const {
+    if (const tensor_metadata* t = find(key)) return t;
+    refuse_foreign([&](const std::string& k) { return k == key; });
+    return nullptr;
   }
 
   /// Opens (once) a file the metadata names.

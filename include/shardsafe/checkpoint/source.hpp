@@ -23,7 +23,10 @@
 // the files it reads from. A data file holding two chunks of one key (a rank with two shards of
 // a tensor) is listed as `FILE`, `FILE#1`, ...: one name per chunk of that key, the same file.
 // Non-tensor items (BytesStorageMetadata) are listed in non_tensors, their values read only on
-// request (format/dcp_data.hpp's read_dcp_object).
+// request (format/dcp_data.hpp's read_dcp_object). Tensors of a torch dtype shardsafe has no type
+// for (complex128, quantized: dcp_item::foreign_dtype) are listed in foreign_tensors, not in the
+// metadata: the loader, unshard, verify and the exports refuse them by name where they would
+// read them (checkpoint_files::refuse_foreign), and a rename that drops them lets an export by.
 //
 // A folder is DCP-sharded when one of its safetensors files has DCP_SHARDING_INFO (rank files
 // without metadata.json, a save that did not finish, stay "no metadata.json"). Its checks
@@ -84,6 +87,14 @@ struct non_tensor_item {
   std::uint64_t bytes = 0;   ///< how many (a torch.save archive of the pickled value)
 };
 
+/// A tensor of a DCP folder whose torch dtype shardsafe has no type for: listed, never read.
+struct foreign_tensor {
+  std::string key;
+  std::string dtype;  ///< torch's name: "torch.complex128"
+  shape_t shape;
+  std::size_t chunks = 0;
+};
+
 /// How messages name file `name` of a tensor's files: itself, or for the internal name of a DCP
 /// data file's second (third, ...) chunk of one key, `FILE#k`, "FILE (chunk k+1 of this tensor in it)".
 inline std::string display_file_name(std::string_view name) {
@@ -106,6 +117,7 @@ struct checkpoint_source {
   /// data files, format/dcp_data.hpp), by that name; the reader indexes each when it opens it.
   std::map<std::string, dcp_data_file> data_files;
   std::vector<non_tensor_item> non_tensors;  ///< by key
+  std::vector<foreign_tensor> foreign_tensors;  ///< by key
   /// A DCP folder's planner_data: each key's path in the state dict torch flattened.
   std::map<std::string, pickle_value> paths;
 };
@@ -217,6 +229,10 @@ checkpoint_source<D> dcp_source(const D& dir) {
   for (const auto& [key, item] : md.items) {
     if (item.is_bytes) {
       s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.offset, item.bytes.length});
+      continue;
+    }
+    if (!item.foreign_dtype.empty()) {
+      s.foreign_tensors.push_back({key, item.foreign_dtype, item.size, item.chunks.size()});
       continue;
     }
     tensor_metadata tm;

@@ -55,8 +55,10 @@ struct unshard_options {
 /// offset of the chunk's first byte in the full tensor's bytes). A tensor with no elements gets
 /// no call. A sub-byte tensor (F4, F6) is streamed as its one file stores it, whole; held any
 /// other way (split over files, in part) it is errc::unsupported_dtype, as for every reader.
+/// Returns the reads made (load_stats::add_reads of every chunk's load).
 template <ReadableDirectory D, class F>
-void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f, const unshard_options& opt = {}) {
+load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f, const unshard_options& opt = {}) {
+  load_stats stats;
   const tensor_metadata* tm = r.find(key);
   const std::string ctx = std::string(r.directory().name()) + ": tensor '" + key + "'";
   if (!tm) fail(errc::not_found, ctx + " is not in the checkpoint");
@@ -73,32 +75,53 @@ void for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f,
       const std::uint64_t len = std::min(step, bytes - at);
       of.storage.read_into(of.header.offset_of(e) + at, std::span<std::byte>(buf.data(), static_cast<std::size_t>(len)));
       f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(len)), at);
+      stats.bytes_needed += len;
+      stats.bytes_read += len;
+      ++stats.read_ops;
     }
-    return;
+    return stats;
   }
   const std::uint64_t n = tm->numel(), item = item_size(tm->type);
-  if (n == 0) return;
+  if (n == 0) return stats;
   // A window's copy plan holds a run per contiguous piece of each file in it: for files whose
   // runs are short (a column block: one row's slice a run), the window shrinks so that a plan
-  // holds at most about 2^20 runs per file, whatever the chunk's bytes. A DCP chunk stored in
-  // another order of dimensions may give a run per element (a window inside one index of the
-  // dimension stored innermost), and its reads a piece per element: 2^18 elements a window then.
-  std::uint64_t shortest = n;
-  for (const auto& [fname, spec] : tm->file_specs())
-    if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
-  bool permuted = false;
-  if (r.format() == checkpoint_format::dcp)
-    for (const auto& [fname, spec] : tm->files)
-      if (const auto& of = r.file(fname); !of.header.stored_order(r.entry_in(of, key, *tm, spec)).empty()) permuted = true;
-  const std::uint64_t by_runs = permuted ? std::uint64_t(1) << 18 : std::max<std::uint64_t>(1, shortest) << 20;
-  const std::uint64_t per = std::max<std::uint64_t>(1, std::min(opt.chunk_bytes / item, by_runs));
+  // holds at most about 2^20 runs per file, whatever the chunk's bytes.
+  // A DCP chunk stored in another order of dimensions is read along the dimension it stores
+  // innermost, s: a window covering few indices of s reads a piece of every stored row, and
+  // merged reads pass over the rest (a [1030, 20000] chunk stored transposed, in 2^18-element
+  // windows, was read 79 times over). So the window grows to cover the chunk's whole extent
+  // along s (or as much of it as the chunk bytes allow), as long as its runs along s stay at
+  // most 2^20; otherwise (a window inside one index of s: runs of single elements, which
+  // permuted_copy_plan gathers) it is 2^18 elements.
+  const std::uint64_t cap = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
+  std::uint64_t shortest = n, permuted = 0;
+  for (const auto& [fname, spec] : tm->file_specs()) {
+    const auto order = r.format() == checkpoint_format::dcp && spec.is_block()
+                           ? r.file(fname).header.stored_order(r.entry_in(r.file(fname), key, *tm, spec))
+                           : std::span<const std::size_t>();
+    if (order.empty()) {
+      if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
+      continue;
+    }
+    const std::size_t s = order.back();
+    std::uint64_t after = 1;  // elements of the full tensor per index of s
+    for (std::size_t d = s + 1; d < tm->shape.size(); ++d) after *= tm->shape[d];
+    const std::uint64_t extent = spec.block().local_shape()[s];
+    const std::uint64_t want = std::min(cap, std::max<std::uint64_t>(std::uint64_t(1) << 18, extent * after));
+    const std::uint64_t along = std::min(extent, want / after);  // indices of s a window covers
+    const std::uint64_t w = along > 0 && want / along <= (std::uint64_t(1) << 20) ? want : std::uint64_t(1) << 18;
+    permuted = permuted == 0 ? w : std::min(permuted, w);
+  }
+  const std::uint64_t by_runs = std::max<std::uint64_t>(1, shortest) << 20;
+  const std::uint64_t per = std::max<std::uint64_t>(1, std::min({cap, by_runs, permuted == 0 ? by_runs : permuted}));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
   for (std::uint64_t a = 0; a < n; a += per) {
     const std::uint64_t b = std::min(n, a + per);
     flat_view v{key, tm->type, tm->shape, shard_spec(flat_spec{{a, b}}), buf.data(), (b - a) * item};
-    r.load(std::span<const flat_view>(&v, 1), opt.load);
+    stats.add_reads(r.load(std::span<const flat_view>(&v, 1), opt.load));
     f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>((b - a) * item)), a * item);
   }
+  return stats;
 }
 
 /// Loads the full tensor `key` into out (numel * itemsize bytes).
@@ -122,8 +145,14 @@ namespace detail {
 /// Every tensor of the sources is covered by its files (errc::missing_coverage naming the first
 /// gap) and its files exist with valid headers holding it: checked before an output is sized or
 /// written, so that metadata claiming a tensor of terabytes that no file holds costs nothing.
+/// What the output cannot hold is refused, not left out: a tensor of a dtype shardsafe has no
+/// type for, and a non-tensor item whose value holds tensors (checkpoint_files::check_objects).
 template <ReadableDirectory D>
 void require_unshardable(std::span<const unshard_source<D>> sources) {
+  for (const auto& s : sources) {
+    s.reader->refuse_foreign();
+    s.reader->check_objects();
+  }
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       std::vector<shard_spec> specs;

@@ -347,6 +347,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   }
   rep.files = opened.size();
   r.check_objects();  // a DCP folder's non-tensor items
+  r.refuse_foreign();  // and tensors of a dtype shardsafe has no type for: not vouched for
   // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
   if (r.format() == checkpoint_format::hf && r.described_by() == hf_index_file)
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));

@@ -11,12 +11,14 @@
 // It is read through the allowlist of format/dcp_unpickler.hpp: no other class, no code.
 // Fields this reader does not know (newer torch adds some) are ignored.
 //
-// Rules checked here (errc::invalid_metadata, naming the file, the key and the rule; an unknown
-// dtype is errc::unsupported_dtype):
+// Rules checked here (errc::invalid_metadata, naming the file, the key and the rule):
 //   - the pickle is a Metadata whose state_dict_metadata is a dict of str keys, each a
 //     TensorStorageMetadata or a BytesStorageMetadata;
-//   - a tensor has a known dtype, a size of non-negative ints whose product fits 64 bits, and
-//     chunks whose offsets and sizes have one entry per dimension and lie inside the tensor;
+//   - a tensor has a torch dtype, a size of non-negative ints whose product fits 64 bits, and
+//     chunks whose offsets and sizes have one entry per dimension and lie inside the tensor; a
+//     torch dtype shardsafe has no type for (complex128, complex32, the quantized ones) makes the
+//     tensor foreign (dcp_item::foreign_dtype): checked all the same, listed, its bytes never
+//     read, so that the rest of the folder still reads;
 //   - a chunk listed twice (same offsets and sizes) counts once; two chunks at the same offsets
 //     with other sizes are an error; a tensor has at most max_dcp_chunks_per_tensor chunks;
 //   - storage_data maps MetadataIndex to _StorageInfo with a plain relative_path (no '/', '\',
@@ -75,6 +77,9 @@ struct dcp_chunk {
 struct dcp_item {
   bool is_bytes = false;
   dtype type = dtype::F32;
+  /// A tensor of a torch dtype shardsafe has no type for: its name ("torch.complex128"), and
+  /// `type` means nothing. Empty for every other item.
+  std::string foreign_dtype;
   std::vector<std::uint64_t> size;
   std::vector<dcp_chunk> chunks;  ///< tensors: in the order torch recorded them
   dcp_storage_info bytes;         ///< bytes items: where the torch.save bytes are
@@ -140,7 +145,9 @@ struct dcp_parse {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = uint(v.item(i), where);
     return out;
   }
-  dtype type_of(view props, const std::string& where) const {
+  /// The dtype of TensorProperties props, or nullopt for a torch dtype shardsafe has no type for
+  /// (its name in foreign).
+  std::optional<dtype> type_of(view props, const std::string& where, std::string& foreign) const {
     object(props, "TensorProperties", where + ": properties");
     auto d = props.find("dtype");
     if (!d)
@@ -150,8 +157,8 @@ struct dcp_parse {
     if (!name.starts_with("torch.")) bad(where, "properties.dtype is not a torch dtype");
     const auto t = dcp_torch_dtype(std::string_view(name).substr(6));
     if (!t) bad(where, "properties.dtype '" + name + "' is not a torch dtype");
-    if (!*t) fail(errc::unsupported_dtype, std::string(what) + ": " + where + ": dtype " + name + " is not supported");
-    return **t;
+    if (!*t) foreign = name;
+    return *t;
   }
   dcp_storage_info storage(view v, const std::string& where) const {
     object(v, "_StorageInfo", where);
@@ -318,10 +325,11 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
         if (!s) p.bad(at, "bytes item has no storage_data entry");
         item.bytes = *s;
       } else if (cls == "TensorStorageMetadata") {
-        item.type = p.type_of(p.field(v, "properties", at), at);
+        const auto t = p.type_of(p.field(v, "properties", at), at, item.foreign_dtype);
+        if (t) item.type = *t;
         item.size = p.ints(p.field(v, "size", at), at + ": size");
         if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
-        if (!detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
+        if (t && !detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
           p.bad(at, "size " + to_string(item.size) + " " + std::string(name(item.type)) + " has more than 2^64 bits of data");
         item.chunks = p.chunks(p.field(v, "chunks", at), fqn, item.size, where_stored, at);
       } else {

@@ -96,6 +96,8 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std:
       pickle_new(out, dcp_meta_module, "BytesStorageMetadata");
       return;
     }
+    if (!item.foreign_dtype.empty())
+      fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': dtype " + item.foreign_dtype + " is not written");
     const std::string_view tname = torch_dtype_name(item.type);
     if (tname.empty()) fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': torch has no dtype for " + std::string(name(item.type)));
     pickle_new(out, dcp_meta_module, "TensorStorageMetadata");

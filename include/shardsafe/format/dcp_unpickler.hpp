@@ -46,7 +46,8 @@ namespace shardsafe {
 enum class dcp_global_kind { object_class, enum_class, size, ordered_dict, get_layout, getattr, path, value };
 
 /// The torch dtypes DCP may record, by the name after `torch.`, with shardsafe's dtype (nullopt:
-/// a dtype torch has that shardsafe cannot hold, refused as errc::unsupported_dtype when used).
+/// a dtype torch has that shardsafe cannot hold: a DCP folder's tensor of it is foreign,
+/// dcp_item::foreign_dtype, listed and never read).
 inline std::optional<std::optional<dtype>> dcp_torch_dtype(std::string_view n) noexcept {
   struct entry {
     std::string_view name;

@@ -200,6 +200,13 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   };
   std::vector<hf_export_input> inputs;
   std::vector<origin> origins;
+  // what the export cannot write is refused, not left out: a tensor of a dtype shardsafe has no
+  // type for that the rename keeps, and a non-tensor item whose value holds tensors (torch 1.13's
+  // nested dict: checkpoint_files::check_objects; other items have no place in the layout)
+  for (const auto& s : sources) {
+    s.reader->refuse_foreign([&](const std::string& key) { return !opt.rename.apply(s.prefix + key).empty(); });
+    s.reader->check_objects();
+  }
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       const std::string name = s.prefix + key;
