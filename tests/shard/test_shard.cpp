@@ -622,7 +622,7 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
           "place; the reads deliver it") {
   rng_t r(kSeed + 7);
   failure_budget budget;
-  u64 stepped = 0, gathered = 0, cases = 0;
+  u64 stepped = 0, gathered = 0, cases = 0, tiled = 0;
   for (u64 i = 0; i < 6000; ++i) {
     const shape_t full = random_shape(r);
     if (full.empty()) continue;
@@ -631,9 +631,11 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
     std::vector<std::size_t> order(full.size());
     std::iota(order.begin(), order.end(), std::size_t(0));
     std::shuffle(order.begin(), order.end(), r);
-    const copy_plan runs = permuted_copy_plan(mine, chunk, order, full);
+    // tiles of gathering runs as the library cuts them, or small enough to cut these blocks
+    const u64 tile = chance(r, 2) ? u64(1) << 16 : pick(r, 1, 64);
+    const copy_plan runs = permuted_copy_plan(mine, chunk, order, full, tile);
     std::string ctx = case_ctx(kSeed + 7, i, full) + " mine=" + to_string(mine) + " chunk=" + to_string(chunk) + " order=" +
-                      to_string(shape_t(order.begin(), order.end()));
+                      to_string(shape_t(order.begin(), order.end())) + " tile=" + std::to_string(tile);
     std::string err;
     std::map<u64, u64> got;
     for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
@@ -643,7 +645,8 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
       if (k && x.src_step == 1 && runs[k - 1].src + runs[k - 1].len == x.src && runs[k - 1].dst_step == x.dst_step &&
           runs[k - 1].src_step == 1 && runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
         err = "runs not coalesced";  // (a gathering run is kept to its tile)
-      if (x.src_step != 1 && x.len * x.src_step > (u64(1) << 16) + x.src_step) err = "a gathering run spans more than a tile";
+      if (x.src_step != 1 && x.len > 1 && x.len > std::max<u64>(1, tile / x.src_step)) err = "a gathering run spans more than a tile";
+      if (x.src_step != 1 && x.len > 1 && tile < (u64(1) << 16) && x.len == tile / x.src_step) ++tiled;
       if (x.src_step != 1 && x.dst_step != 1 && x.len > 1) err = "a run with neither side contiguous";
       for (u64 j = 0; j < x.len; ++j)
         if (!got.emplace(x.src + j * x.src_step, x.dst + j * x.dst_step).second) err = "an element moved twice";
@@ -667,6 +670,7 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
   CHECK(cases > 4000);
   CHECK(stepped > 1000);  // the property saw runs that land apart
   CHECK(gathered > 1000);  // and runs that gather from apart
+  CHECK(tiled > 300);  // and gathering runs a small tile cut
 }
 
 TEST_CASE("permuted copy plan: a transposed and a channels_last block, a run per row of the longer side") {

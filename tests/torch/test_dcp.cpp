@@ -1,7 +1,8 @@
 // torch DCP folders written by a 3-process Gloo world of Debian's torch 1.13
 // (tests/dcp_fixture_dist.py) loaded with load_state_dict into real c10d worlds of 1, 2 and 4
 // processes, by rows, by columns and by flattened ranges. Expected values are torch's own bytes
-// of the full tensors cut with ATen (fixtures.hpp), never the library's cursors.
+// of the full tensors cut with ATen (fixtures.hpp), never the library's cursors. Also a 1-process
+// folder (tests/dcp_fixture.py) with tensors of dtypes no safetensors name holds.
 #include "shardsafe/torch/state_dict.hpp"
 
 #include <doctest/doctest.h>
@@ -18,6 +19,8 @@
 #include "fixtures.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/mapped_state.hpp"
+#include "support/test_util.hpp"
 #include "world.hpp"
 
 using namespace shardsafe;
@@ -110,4 +113,30 @@ TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of
         auto res = testing::run_world("dcp_load", n, {dir.str(), folder, how});
         CHECK_MESSAGE(res.ok(), res.report());
       }
+}
+
+TEST_CASE("dcp: tensors of a dtype no safetensors name holds (torch 1.13's complex128, qint8): unshard_state and "
+          "map_state refuse them by name, load_state_dict loads the rest and reports them unexpected" *
+          testing::torch_major_check(1)) {
+  REQUIRE_MESSAGE(testing::torch_major() == 1, "the test command asks for torch 1.13 but " << testing::torch_python
+                                                   << " does not hold it");
+  testing::temp_dir dir("dcp-foreign");
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
+  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
+  REQUIRE_MESSAGE(pr.code == 0, pr.err);
+  const fs::path ck = dir.path / "ckpt_foreign";
+  const std::vector<std::string> why{"'freqs'", "torch.complex128", "no type for"};
+  checkpoint_reader<file_directory> r{file_directory(ck)};
+  testing::expect_error([&] { unshard_state(r); }, errc::unsupported_dtype, why);
+  testing::expect_error([&] { map_state(ck); }, errc::unsupported_dtype, why);
+  at::Tensor w = at::zeros({3, 4}, at::kFloat);
+  state_dict sd;
+  sd.add("w", w);
+  load_options lo;
+  lo.strict = false;
+  const load_stats st = load_state_dict(r, sd, lo);
+  const std::string raw = testing::slurp(dir.path / "raw_foreign_w.bin");
+  REQUIRE(raw.size() == 48u);
+  CHECK(std::memcmp(w.data_ptr(), raw.data(), raw.size()) == 0);  // the bytes torch wrote
+  CHECK(st.unexpected_keys == std::vector<std::string>{"freqs", "q"});
 }

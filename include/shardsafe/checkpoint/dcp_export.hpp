@@ -29,6 +29,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -84,14 +85,22 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     const std::string dname(r.directory().name());
     if (src.prefix == std::string(optim_folder_name) + "/") {
       if (opt.model_only) continue;
-      for (const auto& [key, tm] : r.metadata().tensors) {
-        if (!key.starts_with("state.")) continue;
+      // state.{param}.__{key} -> (param, key), or nothing for another tensor
+      auto state_of = [](const std::string& key) -> std::optional<std::pair<std::string, std::string>> {
         const auto sep = key.rfind(".__");
-        if (sep == std::string::npos || sep <= 6) continue;
-        const std::string param = key.substr(6, sep - 6), k = key.substr(sep + 3);
-        items.push_back({"optim.state." + param + "." + k,
-                         pickle_value::tuple({str("optim"), str("state"), str(param), str(k)}), &r, key, {}});
-      }
+        if (!key.starts_with("state.") || sep == std::string::npos || sep <= 6) return std::nullopt;
+        return std::pair{key.substr(6, sep - 6), key.substr(sep + 3)};
+      };
+      r.refuse_foreign(
+          [&](const std::string& key) {
+            const auto s = state_of(key);
+            return s && !opt.rename.apply("optim.state." + s->first + "." + s->second).empty();
+          },
+          r.foreign_export_remedy);
+      for (const auto& [key, tm] : r.metadata().tensors)
+        if (const auto s = state_of(key))
+          items.push_back({"optim.state." + s->first + "." + s->second,
+                           pickle_value::tuple({str("optim"), str("state"), str(s->first), str(s->second)}), &r, key, {}});
       // param groups: each field an item, params the names
       std::vector<std::byte> n(8);
       unshard_tensor(r, "num_param_groups", n);
@@ -130,7 +139,8 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       if (kept(key))
         items.push_back({model ? "model." + key : key, model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
     // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
-    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(model ? "model." + key : key).empty(); });
+    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(model ? "model." + key : key).empty(); },
+                     r.foreign_export_remedy);
     for (const auto& obj : r.non_tensors()) {
       if (model) continue;
       if (!kept(obj.key)) {

@@ -103,16 +103,19 @@ class checkpoint_files {
   /// tensors: checkpoint/source.hpp), by key: not in metadata(), never read.
   const std::vector<foreign_tensor>& foreign_tensors() const noexcept { return src_.foreign_tensors; }
   /// Refuses (errc::unsupported_dtype, naming it) the first foreign tensor whose key keep(key)
-  /// accepts: what would read it, or vouch for it, stops there, not leave it out unsaid.
+  /// accepts: what would read it, or vouch for it, stops there, not leave it out unsaid. remedy,
+  /// when given, ends the message in parentheses.
   template <class Keep>
-  void refuse_foreign(Keep&& keep) const {
+  void refuse_foreign(Keep&& keep, std::string_view remedy = {}) const {
     for (const auto& t : src_.foreign_tensors)
       if (keep(t.key))
         fail(errc::unsupported_dtype, std::string(dir_.name()) + "/" + src_.described_by + ": tensor '" + t.key + "' " +
                                           to_string(t.shape) + " has dtype " + t.dtype +
-                                          ", which shardsafe has no type for: it is not read (an export may drop it by a "
-                                          "rename to nothing)");
+                                          ", which shardsafe has no type for: it is not read" +
+                                          (remedy.empty() ? "" : " (" + std::string(remedy) + ")"));
   }
+  /// What an export gives refuse_foreign: how to export the rest.
+  static constexpr std::string_view foreign_export_remedy = "a rename rule that drops it exports the rest";
   void refuse_foreign() const {
     refuse_foreign([](const std::string&) { return true; });
   }

@@ -90,9 +90,10 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   // innermost, s: a window covering few indices of s reads a piece of every stored row, and
   // merged reads pass over the rest (a [1030, 20000] chunk stored transposed, in 2^18-element
   // windows, was read 79 times over). So the window grows to cover the chunk's whole extent
-  // along s (or as much of it as the chunk bytes allow), as long as its runs along s stay at
-  // most 2^20; otherwise (a window inside one index of s: runs of single elements, which
-  // permuted_copy_plan gathers) it is 2^18 elements.
+  // along s (or as much of it as the chunk bytes allow), in whole indices of s (windows start at
+  // one, so no box of a window is a piece of a stored row's element set: runs of one element),
+  // as long as its runs along s stay at most 2^20; otherwise (a window inside one index of s:
+  // runs of single elements, which permuted_copy_plan gathers) it is 2^18 elements.
   const std::uint64_t cap = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
   std::uint64_t shortest = n, permuted = 0;
   for (const auto& [fname, spec] : tm->file_specs()) {
@@ -108,11 +109,13 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
     for (std::size_t d = s + 1; d < tm->shape.size(); ++d) after *= tm->shape[d];
     const std::uint64_t extent = spec.block().local_shape()[s];
     const std::uint64_t want = std::min(cap, std::max<std::uint64_t>(std::uint64_t(1) << 18, extent * after));
-    const std::uint64_t along = std::min(extent, want / after);  // indices of s a window covers
-    const std::uint64_t w = along > 0 && want / along <= (std::uint64_t(1) << 20) ? want : std::uint64_t(1) << 18;
+    const std::uint64_t rows = want / after, along = std::min(extent, rows);  // indices of s a window covers
+    const std::uint64_t w = along > 0 && after <= (std::uint64_t(1) << 20) && rows * after / along <= (std::uint64_t(1) << 20)
+                                ? rows * after
+                                : std::uint64_t(1) << 18;
     permuted = permuted == 0 ? w : std::min(permuted, w);
   }
-  const std::uint64_t by_runs = std::max<std::uint64_t>(1, shortest) << 20;
+  const std::uint64_t by_runs = shortest >= (std::uint64_t(1) << 44) ? n : std::max<std::uint64_t>(1, shortest) << 20;
   const std::uint64_t per = std::max<std::uint64_t>(1, std::min({cap, by_runs, permuted == 0 ? by_runs : permuted}));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
   for (std::uint64_t a = 0; a < n; a += per) {

@@ -81,10 +81,11 @@ copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::
 /// chunk, dst_step apart in my flat view) or along my innermost dimension (src_step apart in
 /// the chunk, contiguous in my view; `gathers` below says where): a view that cuts the dimension
 /// stored innermost to one index still gets a run per row, not per element. Sorted by src,
-/// coalesced where both continue.
+/// coalesced where both continue. tile_elements: how many of the chunk's elements the gathering
+/// runs of a tile span (below; tests make it small to cut small blocks).
 template <ShardSpec A>
 copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<const std::size_t> order,
-                             std::span<const std::uint64_t> full) {
+                             std::span<const std::uint64_t> full, std::uint64_t tile_elements = std::uint64_t(1) << 16) {
   const std::size_t nd = full.size();
   std::vector<bool> seen(nd, false);
   bool permutation = order.size() == nd && nd != 0 && chunk.local_shape().size() == nd;
@@ -130,11 +131,12 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
       src += (bx->offset[d] - chunk.global_offset()[d]) * stored[d];
       dst += bx->offset[d] * step[d];
     }
-    // runs that gather from the chunk are cut into tiles spanning about 2^16 of its elements,
+    // runs that gather from the chunk are cut into tiles spanning about 2^16 of its elements
+    // (tile_elements),
     // the runs of each tile taken together: rows whose elements interleave in the file then
     // interleave in the plan too, and its reads go through the file once
     const std::uint64_t extent = bx->extent[along];
-    const std::uint64_t tile = along == inner ? extent : std::max<std::uint64_t>(1, (std::uint64_t(1) << 16) / stored[along]);
+    const std::uint64_t tile = along == inner ? extent : std::max<std::uint64_t>(1, tile_elements / stored[along]);
     shape_t j(outer.size(), 0);
     for (std::uint64_t t = 0; t < extent; t += tile) {
       const std::uint64_t len = std::min(tile, extent - t);

@@ -71,11 +71,13 @@ struct cow_mapping {
 /// Every tensor of the checkpoint in folder dir (any layout checkpoint_reader opens: shardsafe,
 /// OLMo-core, Hugging Face, torch DCP), whole: mapped where one file holds it (with the strides
 /// torch.save kept, for a DCP chunk stored channels_last or transposed), else loaded.
-/// Tensors in the checkpoint's order. stats (if given) says which were mapped.
+/// Tensors in the checkpoint's order. stats (if given) says which were mapped. A tensor of a
+/// dtype shardsafe has no type for (a DCP folder's complex128) is refused, not left out.
 inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::filesystem::path& dir, map_stats* stats = nullptr,
                                                                  const load_options& opt = {}) {
   const file_directory d(dir);
   checkpoint_reader<file_directory> reader(d);
+  reader.refuse_foreign();  // every tensor, or none
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::map<std::string, std::shared_ptr<detail::cow_mapping>> maps;  // by file name on disk
   std::vector<flat_view> to_load;

@@ -303,6 +303,8 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     st.unexpected_keys.clear();
     for (const auto& [k, tm] : reader.metadata().tensors)
       if (!sd.find(k)) st.unexpected_keys.push_back(k);
+    for (const auto& f : reader.foreign_tensors())
+      if (!sd.find(f.key)) st.unexpected_keys.push_back(f.key);
   }
   return st;
 }
@@ -316,9 +318,11 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt
 /// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool), in
 /// tensors it allocates: one at::empty each, or all in one huge-page arena populated ahead of
 /// the reads (torch/tensor_memory.hpp: much less page-fault time for a load into new memory).
+/// A tensor of a dtype shardsafe has no type for (a DCP folder's complex128) is refused.
 template <ReadableDirectory D>
 std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader, const load_options& opt = {},
                                                               tensor_memory memory = tensor_memory::separate) {
+  reader.refuse_foreign();  // every tensor, or none
   std::vector<std::pair<std::string, at::Tensor>> out;
   std::vector<flat_view> views;
   std::vector<at::ScalarType> types;

@@ -204,7 +204,8 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   // type for that the rename keeps, and a non-tensor item whose value holds tensors (torch 1.13's
   // nested dict: checkpoint_files::check_objects; other items have no place in the layout)
   for (const auto& s : sources) {
-    s.reader->refuse_foreign([&](const std::string& key) { return !opt.rename.apply(s.prefix + key).empty(); });
+    s.reader->refuse_foreign([&](const std::string& key) { return !opt.rename.apply(s.prefix + key).empty(); },
+                             s.reader->foreign_export_remedy);
     s.reader->check_objects();
   }
   for (const auto& s : sources)
