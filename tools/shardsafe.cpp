@@ -235,7 +235,7 @@ struct ckpt_part {
 /// recorded (metadata.json's shardsafe.file_sizes) must be there, valid, with its size, as verify
 /// requires, whether or not a tensor of it is read.
 template <ReadableDirectory D>
-std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, bool check_items = false) {
+std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   std::vector<ckpt_part<D>> parts;
   if (in.k == kind::checkpoint || in.k == kind::hf) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir)});
@@ -244,14 +244,6 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, bool check_items =
   }
   for (auto& p : parts)
     for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
-  // what reads every tensor (digest) first reads each non-tensor item's archive: a value that
-  // holds tensors (torch 1.13's nested dict) is refused, not left out, as is a tensor of a dtype
-  // shardsafe has no type for (unshard and the exports check the same in the library)
-  if (check_items)
-    for (auto& p : parts) {
-      p.reader->check_objects();
-      p.reader->refuse_foreign();
-    }
   return parts;
 }
 
@@ -466,7 +458,10 @@ int cmd_digest(const input<D>& in) {
       out.push_back({n, t.type, t.shape, hash_range(f.storage, f.header.offset_of(t), t.nbytes(), pr)});
     }
   } else {
-    auto parts = open_checkpoint(in, true);
+    auto parts = open_checkpoint(in);
+    // an item whose value holds tensors, or a tensor of a dtype shardsafe has no type for, is
+    // refused, not left out of the digest (unshard and the exports check the same in the library)
+    for (auto& p : parts) p.reader->check_all_readable();
     std::uint64_t total = 0;
     for (auto& p : parts)
       for (const auto& [k, tm] : p.reader->metadata().tensors) total += tm.numel() * bit_size(tm.type) / 8;

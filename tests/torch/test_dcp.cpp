@@ -96,14 +96,20 @@ WORKER_SCENARIO("dcp_load") {
   return bad == 0 ? 0 : 1;
 }
 
-TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of 1, 2 and 4, rows/cols/flat" *
-          testing::torch_major_check(1)) {
+namespace {
+/// Writes the folders of tests/SCRIPT with Debian's torch 1.13 into dir.
+void write_torch113_fixture(const char* script, const testing::temp_dir& dir) {
   REQUIRE_MESSAGE(testing::torch_major() == 1, "the test command asks for torch 1.13 but " << testing::torch_python
                                                    << " does not hold it");
-  testing::temp_dir dir("dcp-c10d");
-  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture_dist.py";
-  const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
+  const auto r = testing::peer(testing::torch_python, {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / script).string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
+}
+}  // namespace
+
+TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of 1, 2 and 4, rows/cols/flat" *
+          testing::torch_major_check(1)) {
+  testing::temp_dir dir("dcp-c10d");
+  write_torch113_fixture("dcp_fixture_dist.py", dir);
   for (const char* folder : {"ckpt", "ckpt_single"})
     for (const char* how : {"rows", "cols", "flat"})
       for (int n : {1, 2, 4}) {
@@ -118,12 +124,8 @@ TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of
 TEST_CASE("dcp: tensors of a dtype no safetensors name holds (torch 1.13's complex128, qint8): unshard_state and "
           "map_state refuse them by name, load_state_dict loads the rest and reports them unexpected" *
           testing::torch_major_check(1)) {
-  REQUIRE_MESSAGE(testing::torch_major() == 1, "the test command asks for torch 1.13 but " << testing::torch_python
-                                                   << " does not hold it");
   testing::temp_dir dir("dcp-foreign");
-  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
-  const auto pr = testing::peer(testing::torch_python, {script.string(), dir.str()});
-  REQUIRE_MESSAGE(pr.code == 0, pr.err);
+  write_torch113_fixture("dcp_fixture.py", dir);
   const fs::path ck = dir.path / "ckpt_foreign";
   const std::vector<std::string> why{"'freqs'", "torch.complex128", "no type for"};
   checkpoint_reader<file_directory> r{file_directory(ck)};

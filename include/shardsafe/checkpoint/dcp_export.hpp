@@ -85,22 +85,22 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     const std::string dname(r.directory().name());
     if (src.prefix == std::string(optim_folder_name) + "/") {
       if (opt.model_only) continue;
-      // state.{param}.__{key} -> (param, key), or nothing for another tensor
+      // state.{param}.__{key} -> (param, key), or nothing for another tensor; and its key here
       auto state_of = [](const std::string& key) -> std::optional<std::pair<std::string, std::string>> {
         const auto sep = key.rfind(".__");
         if (!key.starts_with("state.") || sep == std::string::npos || sep <= 6) return std::nullopt;
         return std::pair{key.substr(6, sep - 6), key.substr(sep + 3)};
       };
+      auto out_key = [](const std::pair<std::string, std::string>& s) { return "optim.state." + s.first + "." + s.second; };
       r.refuse_foreign(
           [&](const std::string& key) {
             const auto s = state_of(key);
-            return s && !opt.rename.apply("optim.state." + s->first + "." + s->second).empty();
+            return s && !opt.rename.apply(out_key(*s)).empty();
           },
           r.foreign_export_remedy);
       for (const auto& [key, tm] : r.metadata().tensors)
         if (const auto s = state_of(key))
-          items.push_back({"optim.state." + s->first + "." + s->second,
-                           pickle_value::tuple({str("optim"), str("state"), str(s->first), str(s->second)}), &r, key, {}});
+          items.push_back({out_key(*s), pickle_value::tuple({str("optim"), str("state"), str(s->first), str(s->second)}), &r, key, {}});
       // param groups: each field an item, params the names
       std::vector<std::byte> n(8);
       unshard_tensor(r, "num_param_groups", n);
@@ -135,11 +135,12 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     auto kept = [&](const std::string& key) {  // before renaming
       return model || !opt.model_only || key.starts_with("model.");
     };
+    auto out_key = [&](const std::string& key) { return model ? "model." + key : key; };
     for (const auto& [key, tm] : r.metadata().tensors)
       if (kept(key))
-        items.push_back({model ? "model." + key : key, model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
+        items.push_back({out_key(key), model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
     // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
-    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(model ? "model." + key : key).empty(); },
+    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(out_key(key)).empty(); },
                      r.foreign_export_remedy);
     for (const auto& obj : r.non_tensors()) {
       if (model) continue;

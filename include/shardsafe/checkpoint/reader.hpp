@@ -119,6 +119,12 @@ class checkpoint_files {
   void refuse_foreign() const {
     refuse_foreign([](const std::string&) { return true; });
   }
+  /// What reads or vouches for every tensor and item (verify, digest, unshard) first checks that
+  /// nothing would be left out: check_objects, then refuse_foreign.
+  void check_all_readable() const {
+    check_objects();
+    refuse_foreign();
+  }
   const tensor_metadata* find(std::string_view key) const {
     auto it = index_.find(key);
     return it == index_.end() ? nullptr : &src_.metadata.tensors[it->second].second;

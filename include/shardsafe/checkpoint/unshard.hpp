@@ -97,9 +97,11 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   const std::uint64_t cap = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
   std::uint64_t shortest = n, permuted = 0;
   for (const auto& [fname, spec] : tm->file_specs()) {
-    const auto order = r.format() == checkpoint_format::dcp && spec.is_block()
-                           ? r.file(fname).header.stored_order(r.entry_in(r.file(fname), key, *tm, spec))
-                           : std::span<const std::size_t>();
+    std::span<const std::size_t> order;
+    if (r.format() == checkpoint_format::dcp && spec.is_block()) {
+      const auto& of = r.file(fname);
+      order = of.header.stored_order(r.entry_in(of, key, *tm, spec));
+    }
     if (order.empty()) {
       if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
       continue;
@@ -152,10 +154,7 @@ namespace detail {
 /// type for, and a non-tensor item whose value holds tensors (checkpoint_files::check_objects).
 template <ReadableDirectory D>
 void require_unshardable(std::span<const unshard_source<D>> sources) {
-  for (const auto& s : sources) {
-    s.reader->refuse_foreign();
-    s.reader->check_objects();
-  }
+  for (const auto& s : sources) s.reader->check_all_readable();
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       std::vector<shard_spec> specs;

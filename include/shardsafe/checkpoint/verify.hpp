@@ -346,8 +346,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     opened.insert(fname);
   }
   rep.files = opened.size();
-  r.check_objects();  // a DCP folder's non-tensor items
-  r.refuse_foreign();  // and tensors of a dtype shardsafe has no type for: not vouched for
+  r.check_all_readable();  // a DCP folder's non-tensor items, and tensors of a dtype with no type here
   // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
   if (r.format() == checkpoint_format::hf && r.described_by() == hf_index_file)
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));
