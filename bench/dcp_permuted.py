@@ -33,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import torch_compat  # noqa: E402,F401  (torch 1.13 on Python 3.11, imported before torch)
+from peak import peak_mib_of  # noqa: E402  (bench/peak.py, beside this script)
 try:
     import torch  # noqa: E402
 except ImportError:
@@ -68,18 +69,6 @@ else:
     t = time.perf_counter(); dcp.load_state_dict(sd, dcp.FileSystemReader(sys.argv[1]), no_dist=True)
 print(time.perf_counter() - t)
 """
-
-
-def peak_mib_of(args):
-    """Runs args alone under /usr/bin/time and returns its peak RSS in MiB (NaN without it: a
-    child's own rusage would count the memory of this process it was forked from)."""
-    if not os.access("/usr/bin/time", os.X_OK):
-        subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-        return float("nan")
-    r = subprocess.run(["/usr/bin/time", "-f", "%M"] + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if r.returncode != 0:
-        sys.exit("dcp_permuted: " + " ".join(args) + " failed:\n" + r.stderr.decode())
-    return int(r.stderr.split()[-1]) / 1024.0
 
 
 def warm(folder):

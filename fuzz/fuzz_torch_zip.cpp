@@ -1,15 +1,18 @@
 // libFuzzer target: locate_torch_zip (the storage record of a torch.save archive, as each chunk of
 // a torch DCP .distcp file is) on arbitrary bytes, and parse_torch_tensor_pickle on the data.pkl
 // it finds, then index_dcp_data_file on the same bytes as a data file; and the same bytes as a
-// non-tensor item (torch 2.x: a torch.save archive of a pickled value, read_dcp_object). Only
-// shardsafe::error (invalid_metadata) may escape; a record it returns lies inside the archive,
-// before the central directory, and is stored.
+// non-tensor item (torch 2.x: a torch.save archive of a pickled value, read_dcp_object); and
+// the same bytes as a torch.save file of a state dict (pytorch_model.bin, index_torch_save_file).
+// Only shardsafe::error (invalid_metadata; unsupported_dtype for a state dict's tensor) may
+// escape; a record it returns lies inside the archive, before the central directory, and is
+// stored; a state dict's tensors lie inside the file.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 #include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/format/torch_zip.hpp"
 #include "shardsafe/storage/memory.hpp"
 
@@ -52,6 +55,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const shardsafe::error& e) {
     FUZZ_CHECK(e.code() == errc::invalid_metadata);
     FUZZ_CHECK(std::string_view(e.what()).starts_with("f.distcp"));
+  }
+  // the same bytes as a torch.save file of a state dict
+  try {
+    const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+                            "f.bin");
+    const torch_save_index x = index_torch_save_file(st);
+    for (const auto& e : x.header.tensors) {
+      FUZZ_CHECK(e.begin <= e.end && e.end <= size);
+      FUZZ_CHECK(e.nbytes() == e.numel() * item_size(e.type));
+    }
+  } catch (const shardsafe::error& e) {
+    FUZZ_CHECK(e.code() == errc::invalid_metadata || e.code() == errc::unsupported_dtype);
+    FUZZ_CHECK(std::string_view(e.what()).starts_with("f.bin"));
   }
   return 0;
 }

@@ -164,12 +164,13 @@ input<D> classify_folder(const std::string& p, D dir) {
     for (const auto& n : dir.list())
       if (n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
   fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/, optim/, " +
-                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " +
+                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " + std::string(hf_bin_index_file) +
+                            ", " + std::string(hf_bin_single_file) + ", " +
                             std::string(dcp_metadata_file_name) + ", *.safetensors or *.distcp in it" +
                             (lists<D> ? "" : " (an HTTP server is probed for these names; it cannot list a folder)"));
 }
 
-/// A local PATH classified: a regular file is one safetensors file, a folder as classify_folder.
+/// A local PATH classified: a regular file is one safetensors (or torch.save) file, a folder as classify_folder.
 input<file_directory> classify(const std::string& p) {
   fs::path path(p);
   std::error_code ec;
@@ -181,12 +182,12 @@ input<file_directory> classify(const std::string& p) {
 }
 
 #if SHARDSAFE_TOOL_REMOTE
-/// A URL classified: a name ending in .safetensors is one file, anything else a folder
+/// A URL classified: a name ending in .safetensors (or a torch.save file's .bin, .pt, .pth) is one file, anything else a folder
 /// (classify_folder).
 template <ReadableDirectory D>
 input<D> classify_url(const std::string& p) {
   const std::string_view url_path = std::string_view(p).substr(0, p.find('?'));
-  if (url_path.ends_with(".safetensors")) {
+  if (url_path.ends_with(".safetensors") || url_path.ends_with(".bin") || url_path.ends_with(".pt") || url_path.ends_with(".pth")) {
     auto [folder, name] = split_url(std::string(url_path));
     D dir(folder);
     if (!dir.exists(name)) fail(errc::not_found, p + ": no such object");
@@ -218,9 +219,26 @@ typename D::reader_type open_file(const input<D>& in) {
   else return in.dir.open(in.file);
 }
 
+/// The index of a kind::file input: its safetensors header, or a torch.save file's (tensors
+/// only, format/torch_save.hpp).
+template <ReadableStorage S>
+safetensors_header read_file_header(const S& s) {
+  return is_torch_save_file(s) ? read_torch_save_header(s) : read_safetensors_header(s);
+}
+
 /// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf/folder.hpp).
 template <ReadableDirectory D>
 hf_folder<D> open_hf(const input<D>& in) { return open_hf_folder(in.dir); }
+
+/// Whether a file of h stores a tensor's dimensions in another order than row-major (a
+/// torch.save file's transposed tensor), so that its bytes are not the tensor's in order.
+template <ReadableDirectory D>
+bool stores_permuted(const hf_folder<D>& h) {
+  for (const auto& f : h.files)
+    for (const auto& t : f.header.tensors)
+      if (!f.header.stored_order(t).empty()) return true;
+  return false;
+}
 
 // ---------------------------------------------------------------------------------------
 // checkpoints
@@ -231,13 +249,15 @@ struct ckpt_part {
   std::unique_ptr<checkpoint_reader<D>> reader;
 };
 
-/// The checkpoint's parts, opened. One rule set for every command: every file the writer
+/// The checkpoint's parts, opened (a single file: itself, every tensor whole). One rule set for every command: every file the writer
 /// recorded (metadata.json's shardsafe.file_sizes) must be there, valid, with its size, as verify
 /// requires, whether or not a tensor of it is read.
 template <ReadableDirectory D>
 std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   std::vector<ckpt_part<D>> parts;
-  if (in.k == kind::checkpoint || in.k == kind::hf) {
+  if (in.k == kind::file) {
+    parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
+  } else if (in.k == kind::checkpoint || in.k == kind::hf) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir)});
   } else {
     for (const auto& [name, dir] : in.parts) parts.push_back({name + "/", std::make_unique<checkpoint_reader<D>>(dir)});
@@ -315,16 +335,19 @@ int cmd_inspect(const input<D>& in) {
   std::vector<row> rows;
   if (in.k == kind::file) {
     const auto s = open_file(in);
-    auto h = read_safetensors_header(s);
+    const bool torch_save = is_torch_save_file(s);
+    auto h = read_file_header(s);
     std::uint64_t total = 0;
     for (const auto& t : h.tensors) {
       total += t.nbytes();
+      const auto order = h.stored_order(t);
       rows.push_back({t.name, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
-                      "@" + std::to_string(h.offset_of(t)), "-"});
+                      "@" + std::to_string(h.offset_of(t)),
+                      order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
     }
-    std::string title = "# " + in.path + ": safetensors file, " + std::to_string(h.tensors.size()) +
-                        " tensors, " + std::to_string(total) + " bytes of data, header " +
-                        std::to_string(h.header_size) + " bytes";
+    std::string title = "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") + std::to_string(h.tensors.size()) +
+                        " tensors, " + std::to_string(total) + " bytes of data" +
+                        (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
     for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
     print_rows(title, rows);
     return 0;
@@ -337,6 +360,7 @@ int cmd_inspect(const input<D>& in) {
                       "-"});
     }
     print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
+                   (h.torch_bin ? "torch.save files (" + h.described_by + "), " : std::string()) +
                    std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
                    std::to_string(h.tensor_bytes()) + " bytes",
                rows);
@@ -384,7 +408,7 @@ int cmd_verify(const input<D>& in) {
   std::size_t n = 0;
   if (in.k == kind::file) {
     const auto s = open_file(in);
-    n = read_safetensors_header(s).tensors.size();
+    n = read_file_header(s).tensors.size();
   } else if (in.k == kind::hf) {
     const auto h = open_hf(in);
     check_unlisted_hf_files(in.dir, h);
@@ -442,15 +466,20 @@ int cmd_digest(const input<D>& in) {
     }
     return h.hex();
   };
-  if (in.k == kind::file) {
+  // a Hugging Face folder's tensors are hashed as raw ranges, as its files hold each tensor in
+  // order; one whose torch.save file holds a transposed tensor goes through the reader below
+  std::optional<hf_folder<D>> hf;
+  if (in.k == kind::hf)
+    if (auto h = open_hf(in); !stores_permuted(h)) hf.emplace(std::move(h));
+  if (in.k == kind::file && !is_torch_save_file(open_file(in))) {
     const auto s = open_file(in);
     auto h = read_safetensors_header(s);
     progress pr("digest", h.data_size);
     for (const auto& t : h.tensors) out.push_back({t.name, t.type, t.shape, hash_range(s, h.offset_of(t), t.nbytes(), pr)});
-  } else if (in.k == kind::hf) {
-    const auto h = open_hf(in);
+  } else if (hf) {
+    const auto& h = *hf;
     std::uint64_t total = 0;
-    for (const auto& f : h.files) total += f.header.data_size;
+    for (const auto& [n, at] : h.tensors) total += h.entry(at).nbytes();
     progress pr("digest", total);
     for (const auto& [n, at] : h.tensors) {
       const tensor_entry& t = h.entry(at);
@@ -572,37 +601,34 @@ std::string rename_warnings(const std::vector<std::string>& keys, const rename_r
   return out;
 }
 
-template <ReadableDirectory D, WritableDirectory O>
-hf_export_stats export_to(const input<D>& in, const O& out, const hf_export_options& opt) {
-  if (in.k == kind::file) {
-    checkpoint_reader<D> r(in.dir, single_file_source(in.dir, in.file));
-    const unshard_source<D> src{&r, ""};
-    return export_hf(std::span<const unshard_source<D>>(&src, 1), out, opt);
-  }
-  return export_hf(in.dir, out, opt);
-}
-
 template <ReadableDirectory D>
 int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options opt) {
   if (is_url(out_path)) check_output_url(out_path, "a Hugging Face folder");
   refuse_output_over_input(in, out_path, "a Hugging Face folder");
+  // the parts opened once, for the rename warnings' keys and the export (as export_hf(dir) takes
+  // them: a pair's model/, and its optim/ unless model_only, which also drops the prefixes)
+  auto parts = open_checkpoint(in);
+  const bool pair = in.k == kind::checkpoint_pair;
+  if (pair && std::none_of(parts.begin(), parts.end(), [](const auto& p) { return p.prefix == std::string(model_folder_name) + "/"; }))
+    fail(errc::not_found, in.path + ": a model + optimizer checkpoint without model/; nothing to export");
   std::vector<std::string> keys;
-  if (in.k == kind::file) {
-    for (const auto& t : read_safetensors_header(open_file(in)).tensors) keys.push_back(t.name);
-  } else {
-    for (auto& p : open_checkpoint(in))
-      if (p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/")
-        for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
+  std::vector<unshard_source<D>> sources;
+  for (auto& p : parts) {
+    const bool model = p.prefix.empty() || p.prefix == std::string(model_folder_name) + "/";
+    if (model)
+      for (const auto& [k, tm] : p.reader->metadata().tensors) keys.push_back(k);
+    if (model || !opt.model_only) sources.push_back({p.reader.get(), pair && !opt.model_only ? p.prefix : ""});
   }
+  const std::span<const unshard_source<D>> src(sources);
   const std::string warnings = rename_warnings(keys, opt.rename);
   progress pr("to-hf", 0);
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
   hf_export_stats st;
   if (!is_url(out_path)) {
-    st = export_to(in, file_directory(out_path), opt);
+    st = export_hf(src, file_directory(out_path), opt);
   } else {
 #if SHARDSAFE_TOOL_REMOTE
-    st = export_to(in, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
+    st = export_hf(src, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
 #endif
   }
   std::cerr << warnings;
@@ -616,12 +642,7 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   if (is_url(out_path))
     fail(errc::invalid_argument, out_path + ": to-dcp writes a local folder (torch's DCP reader reads files)");
   refuse_output_over_input(in, out_path, "a DCP folder");
-  std::vector<ckpt_part<D>> parts;
-  if (in.k == kind::file) {
-    parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
-  } else {
-    parts = open_checkpoint(in);  // the export checks every item, and refuses what it cannot write
-  }
+  auto parts = open_checkpoint(in);  // the export checks every item, and refuses what it cannot write
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
   const auto st = export_dcp(std::span<const unshard_source<D>>(sources), file_directory(out_path), opt);
@@ -632,7 +653,8 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
 
 /// What --help prints after the commands.
 constexpr const char* path_help =
-    "PATH is a safetensors file, a Hugging Face folder (model.safetensors or an index), a\n"
+    "PATH is a safetensors file, a torch.save file of tensors (pytorch_model.bin, read without\n"
+    "running its pickle), a Hugging Face folder (model.safetensors, pytorch_model.bin or an index), a\n"
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
     "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO). Any of these may be a\n"
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"

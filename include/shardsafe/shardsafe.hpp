@@ -30,6 +30,7 @@
 #include "shardsafe/format/rename.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
+#include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/format/torch_zip.hpp"
 #include "shardsafe/format/torch_zip_writer.hpp"
 

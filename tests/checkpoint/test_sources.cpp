@@ -131,6 +131,11 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     // columns of a row-major tensor are strided: merged reads may take the small gaps
     CHECK(double(st.bytes_read) <= 1.1 * double(st.bytes_needed) + 64);
     CHECK(st.unexpected_keys == std::vector<std::string>{"a.bias", "z.flags"});
+    // a caller loading a piece at a time asks for no list (each would walk every tensor)
+    opt.list_unexpected = false;
+    const load_stats quiet = r.load(views, opt);
+    CHECK(quiet.unexpected_keys.empty());
+    CHECK(quiet.bytes_needed == st.bytes_needed);
   }
   SUBCASE("a single model.safetensors") {
     src_backend<D> b2;

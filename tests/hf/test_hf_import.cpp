@@ -1,14 +1,19 @@
 // Tests of checkpoint/hf/import.hpp: Hugging Face folders written here byte by byte
 // (tests/support/checkpoint_fixtures.hpp) imported into thread worlds of 1-4 ranks (tests/support/thread_world.hpp)
 // with row, column and flat shards, in both modes; the values expected are cut from the full
-// tensors by this file's own loops, and conversions computed here bit by bit.
+// tensors by this file's own loops, and conversions computed here bit by bit. Folders in the
+// torch.save layout (pytorch_model.bin, format/torch_save.hpp) are written by torch itself
+// (tests/torch_save_fixture.py), their tensors' bytes as torch gives them.
 #include "shardsafe/checkpoint/hf/import.hpp"
+#include "shardsafe/checkpoint/verify.hpp"
 
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -438,4 +443,188 @@ TEST_CASE("hf import: a folder on files, read through the file backend") {
         CHECK(std::string(reinterpret_cast<const char*>(models[r].views[i].data), models[r].views[i].nbytes) ==
               expected(ms[i], ts, 2, r));
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// the torch.save layout: pytorch_model.bin written by torch
+
+namespace {
+
+namespace fs = std::filesystem;
+
+/// tests/torch_save_fixture.py's output, written once per run of the test executable.
+const fs::path& torch_save_fixture() {
+  static testing::temp_dir dir("torch-save");
+  static const bool made = [] {
+    const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py";
+    const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
+    REQUIRE_MESSAGE(r.code == 0, r.err);  // torch read each file back (the script checks)
+    return true;
+  }();
+  (void)made;
+  return dir.path;
+}
+
+struct torch_tensor_bytes {
+  std::string dtype;
+  shape_t shape;
+  std::string bytes;  ///< row-major, as torch gave them
+  std::string sha256;
+};
+
+/// What torch wrote into folder `name` of the fixture, by flattened name.
+std::map<std::string, torch_tensor_bytes> torch_expected(const std::string& name) {
+  const std::string json = testing::slurp(torch_save_fixture() / "expected.json");
+  const std::string blob = testing::slurp(torch_save_fixture() / "expected.bin");
+  simdjson::dom::parser parser;
+  const simdjson::dom::element root = parser.parse(json);
+  std::map<std::string, torch_tensor_bytes> out;
+  const simdjson::dom::object folder = root[name].get_object();
+  for (auto [key, v] : folder) {
+    torch_tensor_bytes t;
+    t.dtype = std::string(std::string_view(v["dtype"]));
+    const simdjson::dom::array shape = v["shape"].get_array();
+    for (auto d : shape) t.shape.push_back(std::uint64_t(d));
+    t.bytes = blob.substr(std::uint64_t(v["offset"]), std::uint64_t(v["len"]));
+    t.sha256 = std::string(std::string_view(v["sha256"]));
+    out.emplace(std::string(key), std::move(t));
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
+  for (const std::string folder : {"single", "sharded", "nested"}) {
+    CAPTURE(folder);
+    const auto want = torch_expected(folder);
+    checkpoint_reader<file_directory> r(file_directory(torch_save_fixture() / folder));
+    CHECK(r.format() == checkpoint_format::hf);
+    CHECK(r.described_by() == (folder == "sharded" ? "pytorch_model.bin.index.json" : "pytorch_model.bin"));
+    REQUIRE(r.metadata().tensors.size() == want.size());
+    std::uint64_t bytes = 0;
+    for (const auto& [key, tm] : r.metadata().tensors) {
+      CAPTURE(key);
+      const auto it = want.find(key);
+      REQUIRE(it != want.end());
+      CHECK(std::string(name(tm.type)) == it->second.dtype);
+      CHECK(tm.shape == it->second.shape);
+      std::string got(it->second.bytes.size(), '\xee');
+      const flat_view v{key, tm.type, tm.shape, std::nullopt, reinterpret_cast<std::byte*>(got.data()), got.size()};
+      r.load(std::span<const flat_view>(&v, 1));
+      CHECK(got == it->second.bytes);
+      bytes += got.size();
+    }
+    const checkpoint_report rep = verify_checkpoint(r);
+    CHECK(rep.tensors == want.size());
+    CHECK(rep.tensor_bytes == bytes);
+  }
+}
+
+TEST_CASE("torch.save folders: imported into 2 and 3 ranks, row, column and flat shards, both modes" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
+  const auto want = torch_expected("single");
+  const file_directory dir(torch_save_fixture() / "single");
+  for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast})
+    for (int w : {2, 3}) {
+      CAPTURE(w);
+      std::vector<std::vector<std::string>> mem(static_cast<std::size_t>(w));
+      std::vector<std::vector<cut>> cuts(static_cast<std::size_t>(w));
+      std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
+      auto thrown = testing::run_ranks(w, [&](testing::thread_comm& c) {
+        std::vector<flat_view> views;
+        auto& m = mem[c.rank()];
+        m.reserve(want.size());
+        std::size_t i = 0;
+        for (const auto& [key, t] : want) {
+          const cut how = t.shape.size() == 2 ? (i++ % 2 ? cut::cols : cut::rows) : cut::flat;
+          cuts[c.rank()].push_back(how);
+          const auto spec = t.shape.empty() ? std::nullopt : spec_of(how, t.shape, w, c.rank());
+          const std::uint64_t n = spec ? spec->local_numel() : 1;
+          const dtype type = *parse_dtype(t.dtype);
+          m.emplace_back(n * item_size(type), '\0');
+          views.push_back({key, type, t.shape, spec, m.back().empty() ? nullptr : reinterpret_cast<std::byte*>(m.back().data()),
+                           m.back().size()});
+        }
+        hf_import_options o;
+        o.strict = true;
+        o.mode = mode;
+        res[c.rank()] = import_hf(dir, std::span<const flat_view>(views), c, o);
+      });
+      for (int r = 0; r < w; ++r) {
+        REQUIRE_FALSE(thrown[r]);
+        CHECK(res[r].keys.missing_keys.empty());
+        std::size_t i = 0;
+        for (const auto& [key, t] : want) {
+          CAPTURE(key);
+          const std::size_t item = item_size(*parse_dtype(t.dtype));
+          CHECK(mem[r][i] == (t.shape.empty() ? t.bytes : cut_bytes(t.bytes, item, cuts[r][i], t.shape, w, r)));
+          ++i;
+        }
+      }
+    }
+}
+
+TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as torch wrote them" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
+  if (!testing::have_tool()) return;
+  testing::temp_dir out("torch-save-out");
+  // the folders, and the single file given as a path of its own
+  for (const std::string folder : {"single", "sharded", "single/pytorch_model.bin"}) {
+    CAPTURE(folder);
+    const auto want = torch_expected(folder.substr(0, folder.find('/')));
+    const std::string in = (torch_save_fixture() / folder).string();
+    const auto ins = testing::run_tool({"inspect", in});
+    CHECK_MESSAGE(ins.code == 0, ins.err);
+    CHECK(ins.out.find(folder.ends_with(".bin") ? ": torch.save file, 18 tensors" : "torch.save files") != std::string::npos);
+    std::string digest;
+    for (const auto& [key, t] : want) digest += key + " " + t.dtype + " " + to_string(t.shape) + " " + t.sha256 + "\n";
+    const auto d = testing::run_tool({"digest", in});
+    CHECK_MESSAGE(d.code == 0, d.err);
+    CHECK(d.out == digest);
+    const fs::path hf = out.path / (folder.ends_with(".bin") ? "file" : folder);
+    const auto x = testing::run_tool({"to-hf", in, hf.string()});
+    REQUIRE_MESSAGE(x.code == 0, x.err);
+    const file_storage st(hf / "model.safetensors");
+    const safetensors_header h = read_safetensors_header(st);
+    REQUIRE(h.tensors.size() == want.size());
+    for (const auto& e : h.tensors) {
+      CAPTURE(e.name);
+      const auto it = want.find(e.name);
+      REQUIRE(it != want.end());
+      std::string got(e.nbytes(), '\0');
+      st.read_into(h.offset_of(e), std::as_writable_bytes(std::span<char>(got.data(), got.size())));
+      CHECK(got == it->second.bytes);
+    }
+  }
+}
+
+TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor and rule" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
+  const fs::path& fx = torch_save_fixture();
+  auto open = [](const fs::path& p) { return checkpoint_reader<file_directory>(file_directory(p)); };
+  testing::expect_error([&] { open(fx / "others"); }, errc::invalid_metadata, {"pytorch_model.bin", "'epoch'", "not a tensor"});
+  testing::expect_error([&] { open(fx / "gappy"); }, errc::invalid_metadata, {"pytorch_model.bin", "tensor 'g'", "not dense"});
+  testing::expect_error([&] { open(fx / "legacy"); }, errc::invalid_metadata, {"pytorch_model.bin", "legacy format"});
+  // the single file with one global renamed (the same length: the zip's sizes still agree), and cut short
+  testing::temp_dir tmp("torch-save-bad");
+  std::string bytes = testing::slurp(fx / "single" / "pytorch_model.bin");
+  const auto at = bytes.find("OrderedDict\n");
+  REQUIRE(at != std::string::npos);
+  std::string evil = bytes;
+  evil.replace(at, 12, "OrderedDixx\n");
+  fs::create_directories(tmp.path / "evil");
+  testing::write_file(tmp.path / "evil" / "pytorch_model.bin", evil);
+  testing::expect_error([&] { open(tmp.path / "evil"); }, errc::invalid_metadata,
+                        {"data.pkl", "'collections.OrderedDixx'", "allowlist"});
+  // verify: a .bin of the index's set that the index does not name
+  fs::copy(fx / "sharded", tmp.path / "sharded");
+  fs::copy_file(fx / "sharded" / "pytorch_model-00001-of-00002.bin", tmp.path / "sharded" / "pytorch_model-00003-of-00002.bin");
+  checkpoint_reader<file_directory> extra{file_directory(tmp.path / "sharded")};
+  testing::expect_error([&] { verify_checkpoint(extra); }, errc::invalid_metadata,
+                        {"pytorch_model-00003-of-00002.bin", "pytorch_model.bin.index.json", "does not name"});
+  fs::create_directories(tmp.path / "short");
+  testing::write_file(tmp.path / "short" / "pytorch_model.bin", bytes.substr(0, bytes.size() - 100));
+  testing::expect_error([&] { open(tmp.path / "short"); }, errc::invalid_metadata, {"pytorch_model.bin", "end-of-central-directory"});
 }

@@ -765,6 +765,95 @@ def sparse_nul_documents(t):
     sparse(os.path.join(dc, ".metadata"))
     run("sparse_nul_documents", ["verify", dc], 1, [".metadata", "PROTO"])
 
+def torch_save_bytes(tensors, storages, prefix="archive"):
+    """A torch.save zip (stored records, as torch writes them) without torch: tensors maps a name
+    to (storage key, storage offset, size, stride); storages a key to (class name, numel, bytes).
+    The pickle is made by Python's pickler with stand-ins that pickle under torch's names."""
+    import collections
+    import pickle
+    import types
+    import zipfile
+
+    torch = types.ModuleType("torch")
+    utils = types.ModuleType("torch._utils")
+    torch._utils = utils
+    saved = {m: sys.modules.get(m) for m in ("torch", "torch._utils")}
+    sys.modules["torch"], sys.modules["torch._utils"] = torch, utils
+    try:
+        def _rebuild_tensor_v2(*a):
+            raise AssertionError("never called")
+        _rebuild_tensor_v2.__module__ = "torch._utils"
+        _rebuild_tensor_v2.__qualname__ = "_rebuild_tensor_v2"
+        utils._rebuild_tensor_v2 = _rebuild_tensor_v2
+        classes = {}
+        for cls, _, _ in storages.values():
+            classes[cls] = type(cls, (), {"__module__": "torch"})
+            setattr(torch, cls, classes[cls])
+
+        class Storage:
+            def __init__(self, key):
+                self.key = key
+
+        class Tensor:
+            def __init__(self, key, offset, size, stride):
+                self.args = (Storage(key), offset, tuple(size), tuple(stride), False, collections.OrderedDict())
+
+            def __reduce__(self):
+                return (_rebuild_tensor_v2, self.args)
+
+        class Pickler(pickle.Pickler):
+            def persistent_id(self, obj):
+                if isinstance(obj, Storage):
+                    cls, numel, _ = storages[obj.key]
+                    return ("storage", classes[cls], obj.key, "cpu", numel)
+                return None
+
+        sd = collections.OrderedDict((n, Tensor(*v)) for n, v in tensors.items())
+        buf = io.BytesIO()
+        Pickler(buf, protocol=2).dump(sd)
+    finally:
+        for m, v in saved.items():
+            if v is None:
+                sys.modules.pop(m, None)
+            else:
+                sys.modules[m] = v
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(prefix + "/data.pkl", buf.getvalue())
+        for key, (_, _, data) in storages.items():
+            if data is not None:  # None: a storage the pickle names and the archive lacks
+                z.writestr(prefix + "/data/" + key, data)
+        z.writestr(prefix + "/version", b"3\n")
+    return out.getvalue()
+
+
+@case
+def torch_save_files(t):
+    """pytorch_model.bin folders: 100,000 tensors over one shared storage (listed, digested and
+    converted in bounded time and memory), a tensor claiming 2^80 elements of a 4-byte storage,
+    a slice past its storage's end, a storage the archive lacks: exit 1 naming each."""
+    d = os.path.join(t, "many")
+    os.makedirs(d)
+    n = 100000  # about 1.5 KiB of memory each (the pickle's values and the index): 160 MiB
+    write(os.path.join(d, "pytorch_model.bin"),
+          torch_save_bytes({f"layers.{i}.w": ("0", i % 4, (1,), (1,)) for i in range(n)},
+                           {"0": ("FloatStorage", 4, struct.pack("<4f", 1, 2, 3, 4))}))
+    out, _ = run("torch_save_files", ["inspect", d], 0)
+    if out.count("\n") != n + 2:
+        raise Failed(f"inspect listed {out.count(chr(10)) - 2} tensors, not {n}")
+    run("torch_save_files", ["digest", d], 0)
+    run("torch_save_files", ["to-hf", d, os.path.join(t, "many-hf")], 0)
+    four = {"0": ("FloatStorage", 1, b"\0\0\x80\x3f"), "7": ("FloatStorage", 1, None)}
+    for name, tensors, words in (
+            ("huge", {"w": ("0", 0, (1 << 40, 1 << 40), (1 << 40, 1))}, ["tensor 'w'", "overflows"]),
+            ("past", {"w": ("0", 1, (1,), (1,))}, ["tensor 'w'", "pass the end of its storage"]),
+            ("lost", {"w": ("7", 0, (1,), (1,))}, ["tensor 'w'", "storage '7' has no record"])):
+        d = os.path.join(t, name)
+        os.makedirs(d)
+        write(os.path.join(d, "pytorch_model.bin"), torch_save_bytes(tensors, four))
+        run("torch_save_files", ["inspect", d], 1, ["pytorch_model.bin"] + words)
+
+
 def main(argv):
     global TOOL
     TOOL = argv[1]

@@ -62,6 +62,10 @@ struct load_options {
   read_overrides reads{};       ///< gap merging and read sizes (unset: the backend's, else the defaults)
   bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
   bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
+  /// List the checkpoint's tensors no view asks for (load_stats::unexpected_keys): a walk of
+  /// every tensor, so a caller that loads a piece at a time (unshard, the exports, the import's
+  /// chunks) turns it off, or N loads of N tensors would cost N^2.
+  bool list_unexpected = true;
   /// Load a floating tensor stored as another floating dtype (F16, BF16, F32, F64), converting
   /// each element while copying, rounded to nearest even (core/convert.hpp); converted reads
   /// go through a staging buffer of at most one read (reads.max_read_bytes), never a
@@ -369,8 +373,9 @@ SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
     for (const std::size_t j : p.compare) need(p.files()[j].first);
     out.views.push_back(std::move(p));
   }
-  for (const auto& [k, t] : md.tensors)
-    if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
+  if (opt.list_unexpected)
+    for (const auto& [k, t] : md.tensors)
+      if (!asked.count(k)) s.stats.unexpected_keys.push_back(k);
   return out;
 }
 #else

@@ -54,7 +54,7 @@ class checkpoint_reader : public checkpoint_files<D> {
     const checkpoint_metadata& md = this->metadata();
     view_plans vp = plan_views(md, [&](std::string_view k) { return this->find_readable(k); }, views, opt, where(), memory_later);
     for (const auto& f : this->foreign_tensors())  // not loaded and not asked for: unexpected too
-      if (std::none_of(views.begin(), views.end(), [&](const flat_view& v) { return v.key == f.key; }))
+      if (opt.list_unexpected && std::none_of(views.begin(), views.end(), [&](const flat_view& v) { return v.key == f.key; }))
         vp.partial.stats.unexpected_keys.push_back(f.key);
     this->open_files(vp.files, opt.threads);
     const std::vector<const open_file*> files = this->opened(vp.files);

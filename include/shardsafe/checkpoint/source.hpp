@@ -9,6 +9,7 @@
 // | sharded         | metadata.json (shardsafe, OLMo-core)        | shard_spec_per_file              |
 // | hf              | model.safetensors.index.json, or            | the one file holding it, whole   |
 // |                 | model.safetensors (checkpoint/hf/folder.hpp)| (flat spec [0, numel))           |
+// |                 | (pytorch_model.bin[.index.json]: torch.save)|                                  |
 // | dcp             | .metadata (torch.distributed.checkpoint,    | one block per chunk, at the      |
 // |                 | format/dcp_metadata.hpp)                    | storage record of its archive    |
 // | dcp_sharded_hf  | *.safetensors whose __metadata__ holds      | one block per file: its local    |
@@ -124,12 +125,15 @@ struct checkpoint_source {
 
 namespace detail {
 
-/// A tensor stored whole in one file: a flat spec [0, numel) there.
-inline tensor_metadata whole_tensor(const tensor_entry& e, const std::string& file) {
+/// A tensor stored whole in one file: a flat spec [0, numel) there, or the whole block where
+/// the file stores its dimensions in another order (`permuted`: a torch.save file's transposed
+/// tensor), as the read plans of such bytes need.
+inline tensor_metadata whole_tensor(const tensor_entry& e, const std::string& file, bool permuted = false) {
   tensor_metadata tm;
   tm.shape = e.shape;
   tm.type = e.type;
-  tm.files.emplace_back(file, shard_spec(flat_spec{{0, e.numel()}}));
+  tm.files.emplace_back(file, permuted ? shard_spec(block_spec(e.shape, shape_t(e.shape.size(), 0)))
+                                       : shard_spec(flat_spec{{0, e.numel()}}));
   return tm;
 }
 
@@ -138,10 +142,11 @@ checkpoint_source<D> hf_source(const D& dir) {
   hf_folder<D> h = open_hf_folder(dir);
   checkpoint_source<D> s;
   s.format = checkpoint_format::hf;
-  s.described_by = std::string(h.sharded() ? hf_index_file : hf_single_file);
+  s.described_by = h.described_by;
   // tensors in name order (the index's order; a single file's by name too)
   for (const auto& [key, at] : h.tensors)
-    s.metadata.tensors.emplace_back(key, whole_tensor(h.entry(at), h.files[at.file].name));
+    s.metadata.tensors.emplace_back(key, whole_tensor(h.entry(at), h.files[at.file].name,
+                                                      !h.files[at.file].header.stored_order(h.entry(at)).empty()));
   for (auto& f : h.files) {
     s.metadata.extras.file_sizes.emplace(f.name, f.header.file_size());
     s.files.emplace_back(f.name, std::make_unique<opened_file<typename D::reader_type>>(
@@ -265,7 +270,8 @@ checkpoint_source<D> dcp_source(const D& dir) {
 }  // namespace detail
 
 /// One safetensors file `name` of dir read as a checkpoint: every tensor whole in that file
-/// (what `shardsafe to-hf FILE` exports), in name order.
+/// (what `shardsafe to-hf FILE` exports), in name order. A torch.save file of tensors
+/// (format/torch_save.hpp: is_torch_save_file) is read the same way.
 template <ReadableDirectory D>
 checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
   using R = typename D::reader_type;
@@ -273,8 +279,8 @@ checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
   s.format = checkpoint_format::hf;
   s.described_by = name;
   R st = dir.open(name);
-  safetensors_header h = read_safetensors_header(st);
-  for (const auto& e : h.tensors) s.metadata.tensors.emplace_back(e.name, detail::whole_tensor(e, name));
+  safetensors_header h = is_torch_save_file(st) ? read_torch_save_header(st) : read_safetensors_header(st);
+  for (const auto& e : h.tensors) s.metadata.tensors.emplace_back(e.name, detail::whole_tensor(e, name, !h.stored_order(e).empty()));
   std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   s.files.emplace_back(name, std::make_unique<opened_file<R>>(opened_file<R>{std::move(st), std::move(h)}));
@@ -337,7 +343,7 @@ checkpoint_source<D> open_checkpoint_source(const D& dir) {
   } catch (const error& e) {
     if (e.code() != errc::not_found) throw;
   }
-  if (dir.exists(hf_index_file) || dir.exists(hf_single_file)) return detail::hf_source(dir);
+  if (is_hf_folder(dir)) return detail::hf_source(dir);
   if (dir.exists(dcp_metadata_file_name)) return detail::dcp_source(dir);
   std::vector<std::string> tensors_files;
   bool distcp = false;

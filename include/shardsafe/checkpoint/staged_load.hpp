@@ -144,6 +144,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
   // pieces are loaded by key; the checks above are done and missing keys already listed
   load_options piece_opt = opt;
   piece_opt.strict = false;
+  piece_opt.list_unexpected = false;  // the whole plan above listed them
   if (!piece_opt.reads.max_read_bytes)  // a slot's reads spread over the threads
     piece_opt.reads.max_read_bytes = std::max<std::uint64_t>(
         std::uint64_t(1) << 20, opt.staging.slot_bytes / std::max(1u, resolve_threads(opt.threads, {})));

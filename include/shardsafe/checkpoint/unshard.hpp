@@ -20,11 +20,21 @@ namespace shardsafe {
 
 namespace detail {
 
+/// Elements [first, first + n) of tensor idx of a layout, landing in bytes.
+struct layout_piece {
+  std::size_t idx;
+  std::uint64_t first, n;
+  std::span<std::byte> bytes;
+};
+
 /// The bytes [off, off + dst.size()) of a file laid out as `layout`: its header, then for each
-/// tensor it crosses, the elements there, got by load(layout index, first element, element
-/// count, dst bytes) (whole elements; a block edge inside an element goes through a scratch).
+/// tensor it crosses, the elements there, got by load(std::span<const layout_piece>): once with
+/// every piece that lands in dst in whole elements (one load for the many small tensors a block
+/// may hold), and once for each piece a block edge cuts inside an element (loaded into a scratch,
+/// then copied).
 template <class Load>
 void fill_layout_block(const safetensors_layout& layout, std::uint64_t off, std::span<std::byte> dst, Load&& load) {
+  std::vector<layout_piece> whole;
   layout.for_each_piece(
       off, off + dst.size(),
       [&](std::uint64_t pos, std::uint64_t n) {
@@ -35,13 +45,30 @@ void fill_layout_block(const safetensors_layout& layout, std::uint64_t off, std:
         const std::uint64_t e0 = lo / item, e1 = (hi + item - 1) / item;
         std::byte* out = dst.data() + (pos - off);
         if (lo % item == 0 && hi % item == 0) {
-          load(idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(n)));
+          whole.push_back({idx, e0, e1 - e0, std::span<std::byte>(out, static_cast<std::size_t>(n))});
         } else {
           std::vector<std::byte> scratch(static_cast<std::size_t>((e1 - e0) * item));
-          load(idx, e0, e1 - e0, std::span<std::byte>(scratch));
+          const layout_piece p{idx, e0, e1 - e0, std::span<std::byte>(scratch)};
+          load(std::span<const layout_piece>(&p, 1));
           std::memcpy(out, scratch.data() + (lo - e0 * item), static_cast<std::size_t>(n));
         }
       });
+  if (!whole.empty()) load(std::span<const layout_piece>(whole));
+}
+
+/// Loads pieces with one load per reader they come from: reader_of(idx) says which,
+/// view_of(piece) gives each its view.
+template <class ReaderOf, class ViewOf>
+void load_pieces(std::span<const layout_piece> pieces, ReaderOf&& reader_of, ViewOf&& view_of, const load_options& lo) {
+  using reader_ptr = decltype(reader_of(std::size_t(0)));
+  std::vector<std::pair<reader_ptr, std::vector<flat_view>>> by_reader;
+  for (const layout_piece& p : pieces) {
+    const reader_ptr r = reader_of(p.idx);
+    auto it = std::find_if(by_reader.begin(), by_reader.end(), [&](const auto& g) { return g.first == r; });
+    if (it == by_reader.end()) it = by_reader.insert(by_reader.end(), {r, {}});
+    it->second.push_back(view_of(p));
+  }
+  for (auto& [r, views] : by_reader) r->load(std::span<const flat_view>(views), lo);
 }
 
 }  // namespace detail
@@ -86,7 +113,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   // A window's copy plan holds a run per contiguous piece of each file in it: for files whose
   // runs are short (a column block: one row's slice a run), the window shrinks so that a plan
   // holds at most about 2^20 runs per file, whatever the chunk's bytes.
-  // A DCP chunk stored in another order of dimensions is read along the dimension it stores
+  // A DCP chunk (or a torch.save file's tensor) stored in another order of dimensions is read along the dimension it stores
   // innermost, s: a window covering few indices of s reads a piece of every stored row, and
   // merged reads pass over the rest (a [1030, 20000] chunk stored transposed, in 2^18-element
   // windows, was read 79 times over). So the window grows to cover the chunk's whole extent
@@ -98,7 +125,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   std::uint64_t shortest = n, permuted = 0;
   for (const auto& [fname, spec] : tm->file_specs()) {
     std::span<const std::size_t> order;
-    if (r.format() == checkpoint_format::dcp && spec.is_block()) {
+    if (spec.is_block() && r.format() != checkpoint_format::sharded) {  // torch.save'd: a DCP chunk, a .bin's tensor
       const auto& of = r.file(fname);
       order = of.header.stored_order(r.entry_in(of, key, *tm, spec));
     }
@@ -120,10 +147,12 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   const std::uint64_t by_runs = shortest >= (std::uint64_t(1) << 44) ? n : std::max<std::uint64_t>(1, shortest) << 20;
   const std::uint64_t per = std::max<std::uint64_t>(1, std::min({cap, by_runs, permuted == 0 ? by_runs : permuted}));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
+  load_options lo = opt.load;
+  lo.list_unexpected = false;  // a window at a time
   for (std::uint64_t a = 0; a < n; a += per) {
     const std::uint64_t b = std::min(n, a + per);
     flat_view v{key, tm->type, tm->shape, shard_spec(flat_spec{{a, b}}), buf.data(), (b - a) * item};
-    stats.add_reads(r.load(std::span<const flat_view>(&v, 1), opt.load));
+    stats.add_reads(r.load(std::span<const flat_view>(&v, 1), lo));
     f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>((b - a) * item)), a * item);
   }
   return stats;
@@ -136,7 +165,9 @@ void unshard_tensor(checkpoint_reader<D>& r, const std::string& key, std::span<s
   const tensor_metadata* tm = r.find(key);
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
   flat_view v{key, tm->type, tm->shape, std::nullopt, out.data(), out.size()};
-  r.load(std::span<const flat_view>(&v, 1), opt);
+  load_options lo = opt;
+  lo.list_unexpected = false;  // nothing returns them; a caller unsharding tensor by tensor would pay N^2
+  r.load(std::span<const flat_view>(&v, 1), lo);
 }
 
 /// One source of full tensors for unshard_to_safetensors: a checkpoint and a name prefix.
@@ -224,15 +255,20 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
   for (const auto& [n, o] : origins) of[layout.index_of(n)] = &o;
   load_options lo = opt.load;
   lo.threads = 1;  // blocks are the parallelism
+  lo.list_unexpected = false;  // a block at a time
   block_write_options bo;
   bo.block_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 1);
   detail::abort_on_failure(out, [&] {
     out.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-      detail::fill_layout_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
-                                                      std::span<std::byte> bytes) {
-        const tensor_entry& e = layout.tensors[idx];
-        flat_view v{of[idx]->key, e.type, e.shape, shard_spec(flat_spec{{first, first + n}}), bytes.data(), bytes.size()};
-        of[idx]->reader->load(std::span<const flat_view>(&v, 1), lo);
+      detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
+        detail::load_pieces(
+            pieces, [&](std::size_t idx) { return of[idx]->reader; },
+            [&](const detail::layout_piece& p) {
+              const tensor_entry& e = layout.tensors[p.idx];
+              return flat_view{of[p.idx]->key, e.type, e.shape, shard_spec(flat_spec{{p.first, p.first + p.n}}), p.bytes.data(),
+                               p.bytes.size()};
+            },
+            lo);
       });
     }, bo);
     out.sync();

@@ -348,7 +348,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   rep.files = opened.size();
   r.check_all_readable();  // a DCP folder's non-tensor items, and tensors of a dtype with no type here
   // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
-  if (r.format() == checkpoint_format::hf && r.described_by() == hf_index_file)
+  if (r.format() == checkpoint_format::hf && (r.described_by() == hf_index_file || r.described_by() == hf_bin_index_file))
     check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));
   if (r.metadata().extras.checksums) detail::verify_all_checksums(r, opened, opt, rep);
   return rep;

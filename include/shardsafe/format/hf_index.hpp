@@ -27,6 +27,10 @@ namespace shardsafe {
 
 inline constexpr std::string_view hf_single_file = "model.safetensors";
 inline constexpr std::string_view hf_index_file = "model.safetensors.index.json";
+/// The older layout: torch.save files (format/torch_save.hpp), read where a folder has no
+/// safetensors weights; the index has the same form.
+inline constexpr std::string_view hf_bin_single_file = "pytorch_model.bin";
+inline constexpr std::string_view hf_bin_index_file = "pytorch_model.bin.index.json";
 
 struct hf_index {
   std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given as a count (advisory)

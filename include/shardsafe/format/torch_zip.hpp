@@ -77,12 +77,21 @@ inline constexpr std::uint64_t torch_zip_value = UINT64_MAX;
 /// With `expected_size`, the record must hold exactly that many bytes (numel x item size); with
 /// torch_zip_value, the archive must hold a pickled value (no storage record; then only
 /// `pickle` is set).
-template <class ReadAt>
-torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::string_view what,
-                                   std::optional<std::uint64_t> expected_size = std::nullopt) {
-  using detail::zip_le;
-  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
-  constexpr std::uint64_t eocd_size = 22, max_comment = 65535, max_entries = 1024, max_cd = 1 << 20;
+namespace detail {
+
+/// The central directory of a zip archive of `length` bytes read through read_at: its records
+/// and where it starts (the first byte no record's bytes may reach).
+struct zip_directory {
+  std::vector<zip_entry> entries;
+  std::uint64_t at = 0;
+};
+
+/// Reads the central directory (the end record first: zip64 too), refusing more than
+/// max_entries records or a directory over max_bytes; `bad` throws naming the archive.
+template <class ReadAt, class Bad>
+zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad, std::uint64_t max_entries,
+                                 std::uint64_t max_bytes, std::string_view kind) {
+  constexpr std::uint64_t eocd_size = 22, max_comment = 65535;
   if (length < eocd_size) bad("zip archive of " + std::to_string(length) + " bytes is shorter than its end record");
   // torch writes no archive comment, so the end record is in the last few bytes: look there
   // first (a reader that caches the archive's ends then serves it), then in the largest tail a
@@ -118,16 +127,21 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
     cd_at = zip_le(rec, 48, 8);
     cd_end_limit = z;
   }
-  const auto cd_end = detail::checked_add(cd_at, cd_size);
+  const auto cd_end = checked_add(cd_at, cd_size);
   if (!cd_end || *cd_end > cd_end_limit) bad("central directory [" + std::to_string(cd_at) + ", +" + std::to_string(cd_size) + ") lies outside the archive");
-  if (entries > max_entries || cd_size > max_cd) bad("central directory of " + std::to_string(entries) + " records is too large for a torch.save archive");
+  if (entries > max_entries || cd_size > max_bytes)
+    bad("central directory of " + std::to_string(entries) + " records (" + std::to_string(cd_size) + " bytes) is too large for " +
+        std::string(kind) + " (at most " + std::to_string(max_entries) + " records, " + std::to_string(max_bytes) + " bytes)");
   const std::string cd = read_at(cd_at, static_cast<std::size_t>(cd_size));
 
-  std::vector<detail::zip_entry> all;
+  zip_directory out;
+  out.at = cd_at;
+  std::vector<zip_entry>& all = out.entries;
+  all.reserve(static_cast<std::size_t>(entries));
   std::size_t p = 0;
   for (std::uint64_t i = 0; i < entries; ++i) {
     if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50) bad("central directory record " + std::to_string(i) + " is damaged");
-    detail::zip_entry e;
+    zip_entry e;
     e.flags = zip_le(cd, p + 8, 2);
     e.method = zip_le(cd, p + 10, 2);
     e.csize = zip_le(cd, p + 20, 4);
@@ -154,23 +168,40 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
     all.push_back(std::move(e));
     p += 46 + n + x + c;
   }
+  return out;
+}
 
-  auto place = [&](const detail::zip_entry& e) {
-    const std::string rec = "record '" + e.name + "'";
-    if (e.flags & 1) bad(rec + " is encrypted");
-    if (e.method != 0) bad(rec + " is compressed (method " + std::to_string(e.method) + "); torch.save stores records uncompressed");
-    if (e.csize != e.usize) bad(rec + " is stored with compressed size " + std::to_string(e.csize) + " != size " + std::to_string(e.usize));
-    if (e.local > cd_at || cd_at - e.local < 30) bad(rec + ": local header at " + std::to_string(e.local) + " lies outside the archive");
-    const std::string h = read_at(e.local, 30);
-    if (zip_le(h, 0, 4) != 0x04034b50) bad(rec + ": no local header at byte " + std::to_string(e.local));
-    if (zip_le(h, 8, 2) != e.method) bad(rec + ": local header disagrees on the compression method");
-    const std::uint64_t n = zip_le(h, 26, 2), x = zip_le(h, 28, 2);
-    const std::uint64_t data = e.local + 30 + n + x;
-    if (data > cd_at || cd_at - data < e.usize)
-      bad(rec + ": bytes [" + std::to_string(data) + ", +" + std::to_string(e.usize) + ") run into the central directory at " + std::to_string(cd_at));
-    if (read_at(e.local + 30, static_cast<std::size_t>(n)) != e.name) bad(rec + ": local header names another record");
-    return torch_zip_record{e.name, data, e.usize};
-  };
+/// Where record e's bytes lie, checked against its local header (one read of the header and
+/// its name): stored, not encrypted, sizes agreeing, ending before the central directory at cd_at.
+template <class ReadAt, class Bad>
+torch_zip_record place_zip_record(const zip_entry& e, std::uint64_t cd_at, ReadAt& read_at, Bad& bad) {
+  const std::string rec = "record '" + e.name + "'";
+  if (e.flags & 1) bad(rec + " is encrypted");
+  if (e.method != 0) bad(rec + " is compressed (method " + std::to_string(e.method) + "); torch.save stores records uncompressed");
+  if (e.csize != e.usize) bad(rec + " is stored with compressed size " + std::to_string(e.csize) + " != size " + std::to_string(e.usize));
+  if (e.local > cd_at || cd_at - e.local < 30 + e.name.size())
+    bad(rec + ": local header at " + std::to_string(e.local) + " lies outside the archive");
+  const std::string h = read_at(e.local, 30 + e.name.size());
+  if (zip_le(h, 0, 4) != 0x04034b50) bad(rec + ": no local header at byte " + std::to_string(e.local));
+  if (zip_le(h, 8, 2) != e.method) bad(rec + ": local header disagrees on the compression method");
+  const std::uint64_t n = zip_le(h, 26, 2), x = zip_le(h, 28, 2);
+  if (n != e.name.size() || std::string_view(h).substr(30) != e.name) bad(rec + ": local header names another record");
+  const std::uint64_t data = e.local + 30 + n + x;
+  if (data > cd_at || cd_at - data < e.usize)
+    bad(rec + ": bytes [" + std::to_string(data) + ", +" + std::to_string(e.usize) + ") run into the central directory at " + std::to_string(cd_at));
+  return torch_zip_record{e.name, data, e.usize};
+}
+
+}  // namespace detail
+
+template <class ReadAt>
+torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::string_view what,
+                                   std::optional<std::uint64_t> expected_size = std::nullopt) {
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
+  const detail::zip_directory dir = detail::read_zip_directory(length, read_at, bad, 1024, 1 << 20, "a torch.save archive of one value");
+  const std::vector<detail::zip_entry>& all = dir.entries;
+  const std::uint64_t cd_at = dir.at;
+  auto place = [&](const detail::zip_entry& e) { return detail::place_zip_record(e, cd_at, read_at, bad); };
 
   torch_zip_archive out;
   std::vector<const detail::zip_entry*> storages;
@@ -230,7 +261,11 @@ struct torch_zip_tensor {
 /// The PickleOpcodePolicy of a torch.save data.pkl holding one tensor: the globals
 /// torch._utils._rebuild_tensor_v2, collections.OrderedDict, torch.<T>Storage, torch.UntypedStorage
 /// and torch.<dtype>; BINPERSID of ('storage', type, key, location, numel). Nothing is called.
+/// With state_dict (a whole state dict's pickle, format/torch_save.hpp) it also takes
+/// torch._utils._rebuild_parameter (a Parameter: its tensor) and BUILD on a dict (a state dict's
+/// `_metadata` attribute, dropped).
 struct torch_tensor_pickle_policy {
+  bool state_dict = false;
   /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
   static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
     static constexpr std::pair<std::string_view, dtype> table[] = {
@@ -265,6 +300,7 @@ struct torch_tensor_pickle_policy {
       }
       const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
                       full == "collections.OrderedDict" ||
+                      (state_dict && (full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state")) ||
                       (full.starts_with("torch.") && storage_type(std::string_view(full).substr(6)));
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
@@ -298,19 +334,26 @@ struct torch_tensor_pickle_policy {
         r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
                                    {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
                                    {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}));
+      } else if (name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find("__tensor__")) {
+        r.push(a[0]);  // a Parameter is its tensor here (requires_grad and hooks are not data)
       } else {
         r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
       }
+      return true;
+    }
+    if (op == 'b' && state_dict) {  // BUILD: an OrderedDict's attributes (a state dict's _metadata)
+      if (r.kind_at(1) != k::dict) r.bad("BUILD" + where + " on a value that is not a dict");
+      r.pop_value();
       return true;
     }
     return false;
   }
 };
 
-/// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
+/// The tensor a torch.save pickle's value v describes (what torch_tensor_pickle_policy makes of
+/// _rebuild_tensor_v2 / _v3); `what` names it in messages.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
-  const auto v = pickle_loads(bytes, what, torch_tensor_pickle_policy{});
+SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what) {
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
   const auto* st = v.find("__tensor__");
   if (!st) bad("does not hold one tensor (torch._utils._rebuild_tensor_v2)");
@@ -345,8 +388,42 @@ SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes
   return t;
 }
 #else
-SHARDSAFE_DECL torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what);
+SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what);
 #endif
+
+/// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
+inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
+  return torch_tensor_of(pickle_loads(bytes, what, torch_tensor_pickle_policy{}), what);
+}
+
+/// The order t's dimensions are stored in, outermost first, when it is dense (its elements fill
+/// numel consecutive elements of its storage) but not row-major: each dimension's stride is the
+/// product of the sizes stored inside it (torch.save keeps a channels_last or transposed
+/// tensor's strides). Empty for row-major. Dimensions of size 1 come first in such an order
+/// (where they lie does not move a byte). `bad` throws naming the rule.
+template <class Bad>
+std::vector<std::size_t> dense_stored_order(const torch_zip_tensor& t, std::uint64_t n, Bad&& bad) {
+  if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
+  // the dimensions of size > 1 by decreasing stride (no two are equal in a dense layout), each
+  // stride the product of the sizes after it in that order
+  std::vector<std::size_t> order, ones;
+  for (std::size_t d = 0; d < t.size.size(); ++d) (t.size[d] > 1 ? order : ones).push_back(d);
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return t.stride[a] > t.stride[b]; });
+  std::uint64_t dense = 1;
+  for (std::size_t i = order.size(); n != 0 && i-- > 0;) {
+    if (t.stride[order[i]] != dense)
+      bad("stride " + to_string(t.stride) + " is not dense for size " + to_string(t.size) +
+          " (a tensor read here fills its bytes in some order of its dimensions, each stride the product of the sizes "
+          "stored inside it)");
+    dense *= t.size[order[i]];
+  }
+  std::vector<std::size_t> stored;
+  if (n != 0 && !std::is_sorted(order.begin(), order.end())) {
+    stored = std::move(ones);
+    stored.insert(stored.end(), order.begin(), order.end());
+  }
+  return stored;
+}
 
 /// Checks that data.pkl's tensor is the DCP chunk `sizes` of dtype `type` stored whole and dense
 /// from the first byte of `storage`: the rules at the top, named in the message. Returns the
@@ -363,27 +440,9 @@ inline std::vector<std::size_t> check_torch_zip_tensor(const torch_zip_tensor& t
     bad("tensor is " + std::string(name(*t.view_type)) + " but .metadata says " + std::string(name(type)));
   if (t.storage_offset != 0) bad("storage offset " + std::to_string(t.storage_offset) + " is not 0");
   if (t.size != sizes) bad("size " + to_string(t.size) + " is not the chunk's sizes " + to_string(sizes));
-  if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
   const auto n = detail::checked_numel(t.size);
   if (!n) bad("size " + to_string(t.size) + " overflows");
-  // the dimensions of size > 1 by decreasing stride (no two are equal in a dense layout), each
-  // stride the product of the sizes after it in that order
-  std::vector<std::size_t> order, ones;
-  for (std::size_t d = 0; d < t.size.size(); ++d) (t.size[d] > 1 ? order : ones).push_back(d);
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return t.stride[a] > t.stride[b]; });
-  std::uint64_t dense = 1;
-  for (std::size_t i = order.size(); *n != 0 && i-- > 0;) {
-    if (t.stride[order[i]] != dense)
-      bad("stride " + to_string(t.stride) + " is not dense for size " + to_string(t.size) +
-          " (a chunk's elements fill its storage in some order of its dimensions, each stride the product of the sizes "
-          "stored inside it)");
-    dense *= t.size[order[i]];
-  }
-  std::vector<std::size_t> stored;
-  if (*n != 0 && !std::is_sorted(order.begin(), order.end())) {
-    stored = std::move(ones);
-    stored.insert(stored.end(), order.begin(), order.end());
-  }
+  std::vector<std::size_t> stored = dense_stored_order(t, *n, bad);
   const std::uint64_t item = t.type ? item_size(*t.type) : 1;
   const auto bytes = detail::checked_mul(t.storage_numel, item);
   if (!bytes || *bytes != storage.size)

@@ -48,7 +48,9 @@ at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const loa
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
   at::Tensor t = at::empty(to_sizes(tm->shape), require_scalar_type(tm->type, std::string(r.directory().name()) + ": '" + key + "'"));
   flat_view v = make_flat_view(key, t);
-  r.load(std::span<const flat_view>(&v, 1), opt);
+  load_options lo = opt;
+  lo.list_unexpected = false;  // one small tensor of many
+  r.load(std::span<const flat_view>(&v, 1), lo);
   return t;
 }
 

@@ -290,10 +290,12 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     std::erase_if(on_device, [&](const detail::device_entry& e) { return e.tensor->device() == dev; });
     add(detail::load_on_device(reader, entries, dev, opt));
   }
+  load_options one = opt;
+  one.list_unexpected = false;  // the first load listed them; these come one tensor at a time
   for (auto [key, t] : staged) {
     at::Tensor tmp = at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
     flat_view v = detail::view_of(*key, *t, tmp);
-    add(reader.load(std::span<const flat_view>(&v, 1), opt));
+    add(reader.load(std::span<const flat_view>(&v, 1), one));
     {
       at::NoGradGuard no_grad;
       t->local.copy_(tmp);

@@ -253,6 +253,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
   load_options lo;
   lo.convert_dtypes = true;
   lo.threads = 1;  // blocks are the parallelism
+  lo.list_unexpected = false;  // a block at a time
   lo.reads.max_read_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 4096);  // converted reads stage this much
   hf_export_stats st;
   std::vector<std::string> committed;
@@ -265,13 +266,15 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       for (std::size_t t : l.plan.files[f].tensors) plan_of[layout.index_of(l.plan.tensors[t].name)] = t;
       auto w = out.create(l.plan.files[f].name);
       detail::write_export_file(w, layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        detail::fill_layout_block(layout, off, dst, [&](std::size_t idx, std::uint64_t first, std::uint64_t n,
-                                                        std::span<std::byte> bytes) {
-          const tensor_entry& e = layout.tensors[idx];
-          const origin& o = origins[l.source[plan_of[idx]]];
-          flat_view v{o.key, e.type, o.shape, shard_spec(flat_spec{{o.first + first, o.first + first + n}}), bytes.data(),
-                      bytes.size()};
-          o.reader->load(std::span<const flat_view>(&v, 1), lo);
+        detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
+          detail::load_pieces(
+              pieces, [&](std::size_t idx) { return origins[l.source[plan_of[idx]]].reader; },
+              [&](const detail::layout_piece& p) {
+                const origin& o = origins[l.source[plan_of[p.idx]]];
+                return flat_view{o.key, layout.tensors[p.idx].type, o.shape,
+                                 shard_spec(flat_spec{{o.first + p.first, o.first + p.first + p.n}}), p.bytes.data(), p.bytes.size()};
+              },
+              lo);
         });
       }, opt, written, l.bytes);
       committed.push_back(l.plan.files[f].name);
@@ -301,7 +304,7 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
 /// checkpoint: model/ is exported (and optim/ too when options.model_only is false).
 template <ReadableDirectory S, WritableDirectory D>
 hf_export_stats export_hf(const S& src, const D& out, const hf_export_options& opt = {}) {
-  const bool pair = !src.exists(metadata_file_name) && !src.exists(hf_index_file) && !src.exists(hf_single_file) &&
+  const bool pair = !src.exists(metadata_file_name) && !is_hf_folder(src) &&
                     (src.exists(model_folder_name) || src.exists(optim_folder_name));
   std::vector<std::unique_ptr<checkpoint_reader<S>>> readers;
   std::vector<unshard_source<S>> sources;

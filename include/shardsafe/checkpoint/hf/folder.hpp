@@ -1,5 +1,8 @@
 // shardsafe/checkpoint/hf/folder.hpp - a Hugging Face folder opened and validated (docs/FORMAT.md §3):
-// one model.safetensors, or model.safetensors.index.json with the shard files it names.
+// one model.safetensors, or model.safetensors.index.json with the shard files it names; where
+// the folder has neither, the older torch.save layout in the same two forms, pytorch_model.bin
+// or pytorch_model.bin.index.json and its files, each indexed without running its pickle
+// (format/torch_save.hpp; a value that is not a tensor is refused, naming it).
 //
 // open_hf_folder(dir) reads every file's header and checks the folder as a whole, in this
 // order, throwing at the first problem with a message that names the file, the tensor and the
@@ -27,12 +30,14 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
@@ -57,6 +62,8 @@ struct hf_folder {
   std::optional<hf_index> index;                      ///< the index of a sharded folder; none for model.safetensors
   std::vector<file> files;                            ///< the index's files sorted by name, or model.safetensors alone
   std::map<std::string, hf_tensor_location> tensors;  ///< every tensor of every file, by name
+  std::string described_by;                           ///< the index or single file read (hf_index_file, ...)
+  bool torch_bin = false;                             ///< torch.save files (pytorch_model.bin), not safetensors
 
   /// Whether the folder is sharded (model.safetensors.index.json and its files).
   bool sharded() const noexcept { return index.has_value(); }
@@ -72,10 +79,11 @@ struct hf_folder {
   }
 };
 
-/// Whether dir holds a Hugging Face checkpoint: an index or a model.safetensors.
+/// Whether dir holds a Hugging Face checkpoint: an index or a model.safetensors (or, the older
+/// layout, pytorch_model.bin or its index).
 template <ReadableDirectory D>
 bool is_hf_folder(const D& dir) {
-  return dir.exists(hf_index_file) || dir.exists(hf_single_file);
+  return dir.exists(hf_index_file) || dir.exists(hf_single_file) || dir.exists(hf_bin_index_file) || dir.exists(hf_bin_single_file);
 }
 
 namespace detail {
@@ -89,10 +97,12 @@ std::string object_path(const D& dir, std::string_view name) {
   return p + std::string(name);
 }
 
+/// Opens file `name` of dir with its header: a safetensors file's own, or a torch.save file's
+/// index (torch_bin), which must hold tensors only.
 template <ReadableDirectory D>
-typename hf_folder<D>::file open_hf_file(const D& dir, std::string name) {
+typename hf_folder<D>::file open_hf_file(const D& dir, std::string name, bool torch_bin = false) {
   typename D::reader_type s = dir.open(name);
-  safetensors_header h = read_safetensors_header(s);
+  safetensors_header h = torch_bin ? read_torch_save_header(s) : read_safetensors_header(s);
   return {std::move(name), std::move(s), std::move(h)};
 }
 
@@ -100,7 +110,7 @@ typename hf_folder<D>::file open_hf_file(const D& dir, std::string name) {
 template <ReadableDirectory D>
 void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
   const hf_index& idx = *h.index;
-  const std::string index_name(hf_index_file);
+  const std::string& index_name = h.described_by;
   auto file_index = [&](const std::string& name) {
     std::size_t i = 0;
     while (h.files[i].name != name) ++i;  // every name of weight_map is in files
@@ -124,9 +134,9 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
 
 /// The "-of-MMMMM.safetensors" ending and the part before "-NNNNN" of a shard name in the
 /// transformers style ("model-00001-of-00002.safetensors" -> {"model", "-of-00002.safetensors"}),
-/// or nothing.
-inline std::optional<std::pair<std::string, std::string>> shard_name_pattern(std::string_view n) {
-  constexpr std::string_view ext = ".safetensors";
+/// or nothing; `ext` is the files' extension (".bin" in the torch.save layout).
+inline std::optional<std::pair<std::string, std::string>> shard_name_pattern(std::string_view n,
+                                                                            std::string_view ext = ".safetensors") {
   if (!n.ends_with(ext)) return std::nullopt;
   const std::size_t of = n.rfind("-of-");
   if (of == std::string_view::npos || of < 2) return std::nullopt;
@@ -159,21 +169,22 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
     if (e.code() == errc::invalid_argument) return;  // no listing (HTTP)
     throw;
   }
+  const std::string_view ext = h.torch_bin ? ".bin" : ".safetensors";
   std::set<std::pair<std::string, std::string>> patterns;
   std::set<std::string> named;
   for (const auto& f : h.files) {
     named.insert(f.name);
-    if (auto p = detail::shard_name_pattern(f.name)) patterns.insert(*p);
+    if (auto p = detail::shard_name_pattern(f.name, ext)) patterns.insert(*p);
   }
-  const std::string index_name(hf_index_file);
+  const std::string& index_name = h.described_by;
   for (const auto& n : names) {
-    if (!n.ends_with(".safetensors") || named.count(n)) continue;
-    const auto f = detail::open_hf_file(dir, n);
+    if (!n.ends_with(ext) || named.count(n)) continue;
+    const auto f = detail::open_hf_file(dir, n, h.torch_bin);
     for (const auto& t : f.header.tensors)
       if (auto it = h.index->weight_map.find(t.name); it != h.index->weight_map.end())
         fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': " + index_name + " places it in " +
                                          it->second + ", but this file, which the index does not name, holds it too");
-    if (auto p = detail::shard_name_pattern(n); p && patterns.count(*p))
+    if (auto p = detail::shard_name_pattern(n, ext); p && patterns.count(*p))
       fail(errc::invalid_metadata, f.header.file + ": a shard of this folder's set (" + p->first + "-*" + p->second +
                                        ") that " + index_name + " does not name: its " +
                                        std::to_string(f.header.tensors.size()) + " tensor(s)" +
@@ -183,25 +194,36 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
 }
 
 /// Opens the Hugging Face checkpoint in dir and validates it (see the list at the top): the
-/// index and its files when dir holds model.safetensors.index.json, else model.safetensors.
-/// errc::not_found when dir holds neither.
+/// index and its files when dir holds model.safetensors.index.json, else model.safetensors;
+/// where it holds neither, pytorch_model.bin.index.json and its files, else pytorch_model.bin
+/// (the safetensors files first, as transformers reads them). errc::not_found when it holds none.
 template <ReadableDirectory D>
 hf_folder<D> open_hf_folder(const D& dir) {
   hf_folder<D> h;
-  if (dir.exists(hf_index_file)) {
-    h.index = read_hf_index(dir.open(hf_index_file));
-    for (const auto& f : h.index->files()) {
-      if (!dir.exists(f))
-        fail(errc::not_found, detail::object_path(dir, f) + ": listed in " + std::string(hf_index_file) + " but missing");
-      h.files.push_back(detail::open_hf_file(dir, f));
+  for (const auto& [index_name, single_name, bin] : {std::tuple{hf_index_file, hf_single_file, false},
+                                                     std::tuple{hf_bin_index_file, hf_bin_single_file, true}}) {
+    if (dir.exists(index_name)) {
+      h.described_by = std::string(index_name);
+      h.torch_bin = bin;
+      h.index = read_hf_index(dir.open(index_name));
+      for (const auto& f : h.index->files()) {
+        if (!dir.exists(f))
+          fail(errc::not_found, detail::object_path(dir, f) + ": listed in " + h.described_by + " but missing");
+        h.files.push_back(detail::open_hf_file(dir, f, bin));
+      }
+      detail::check_hf_index_against_files(dir, h);
+      break;
     }
-    detail::check_hf_index_against_files(dir, h);
-  } else if (dir.exists(hf_single_file)) {
-    h.files.push_back(detail::open_hf_file(dir, std::string(hf_single_file)));
-  } else {
-    fail(errc::not_found, std::string(dir.name()) + ": neither " + std::string(hf_index_file) + " nor " +
-                              std::string(hf_single_file));
+    if (dir.exists(single_name)) {
+      h.described_by = std::string(single_name);
+      h.torch_bin = bin;
+      h.files.push_back(detail::open_hf_file(dir, std::string(single_name), bin));
+      break;
+    }
   }
+  if (h.described_by.empty())
+    fail(errc::not_found, std::string(dir.name()) + ": none of " + std::string(hf_index_file) + ", " + std::string(hf_single_file) +
+                              ", " + std::string(hf_bin_index_file) + ", " + std::string(hf_bin_single_file));
   for (std::size_t i = 0; i < h.files.size(); ++i) {
     const auto& ts = h.files[i].header.tensors;
     for (std::size_t k = 0; k < ts.size(); ++k)

@@ -96,6 +96,7 @@ inline load_options import_load_options(const hf_import_reads& r, bool convert) 
   lo.reads = r.reads;
   lo.strict = true;
   lo.convert_dtypes = convert;
+  lo.list_unexpected = false;  // the import's own mapping lists them (hf_key_mapping); its chunks load one at a time
   return lo;
 }
 }  // namespace detail

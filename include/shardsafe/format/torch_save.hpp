@@ -1,0 +1,222 @@
+// shardsafe/format/torch_save.hpp - the tensors of a torch.save file of a state dict (a Hugging
+// Face pytorch_model.bin, a .pt of model.state_dict()), indexed so that they are read in place,
+// as a safetensors file's are, and its pickle never run (docs/FORMAT.md §3).
+//
+// torch.save (zip format, torch >= 1.6) writes a zip of PREFIX/data.pkl, the pickled value, and
+// one record PREFIX/data/KEY per storage, stored uncompressed; newer torch adds PREFIX/version,
+// PREFIX/byteorder and a few more. A tensor is _rebuild_tensor_v2(storage, offset, size,
+// stride, ...) over one of those storages: tensors may share a storage (tied weights) or take
+// a slice of it (storage_offset). The index gives each tensor the byte range of the file its
+// elements fill, with the order its dimensions are stored in when torch kept a transposed or
+// channels_last layout (safetensors_header::stored_order), so the loaders, unshard, verify and
+// the exports read it as any other file.
+//
+// data.pkl goes through the torch.save allowlist (format/torch_zip.hpp's
+// torch_tensor_pickle_policy with state_dict: OrderedDict, _rebuild_tensor_v2/_v3,
+// _rebuild_parameter, storage classes, dtypes; any other global is refused by name and nothing
+// is called). Its value is a dict; nested dicts, lists and tuples are flattened with '.' (keys
+// str or int), as torch's flatten_state_dict does: {"model": {"w": T}} is "model.w".
+//
+// Rules (errc::invalid_metadata, naming the file, the tensor and the rule; errc::unsupported_dtype
+// for a dtype shardsafe has no type for):
+//   - the file is a zip archive, not torch.save's legacy format (refused by name), with the
+//     checks of format/torch_zip.hpp's records (stored, sizes, local headers), of at most 2^20
+//     records, its central directory at most 256 MiB;
+//   - one PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little";
+//   - every tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
+//   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
+//     some order of its dimensions) and lies inside its storage;
+//   - flattened names are distinct.
+// Values that are not tensors (an epoch counter, None) are listed by name in `others`; what a
+// caller does with them is its own rule (a Hugging Face folder refuses them).
+//
+// Reads: the archive's last KiB and its central directory, the local header of data.pkl, of
+// byteorder and of each storage a tensor uses (one read each), data.pkl. No tensor data.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/config.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/core/shape.hpp"
+#include "shardsafe/detail/checked.hpp"
+#include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/storage/concepts.hpp"
+
+namespace shardsafe {
+
+/// The largest data.pkl of a state dict read (torch pickles a tensor in about 150 bytes: a
+/// million tensors fit).
+inline constexpr std::uint64_t max_torch_save_pickle = std::uint64_t(64) << 20;
+
+/// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
+/// order, and the names of its other values.
+struct torch_state_dict_pickle {
+  std::vector<std::pair<std::string, torch_zip_tensor>> tensors;
+  std::vector<std::string> others;
+};
+
+/// Reads a torch.save data.pkl holding a state dict (rules at the top); `what` names it.
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what) {
+  const std::string w(what);
+  // values: about one per 8 bytes of a state dict's pickle; the reader's own bound applies too
+  basic_pickle_reader<torch_tensor_pickle_policy> reader(bytes, w, torch_tensor_pickle_policy{true},
+                                                         std::max<std::size_t>(basic_pickle_reader<torch_tensor_pickle_policy>::default_max_values,
+                                                                               bytes.size()));
+  return reader.run([&](pickle_view root) {
+    torch_state_dict_pickle out;
+    if (root.type() != pickle_value::kind::dict)
+      fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
+    auto is_tensor = [](const pickle_view& v) {
+      const auto t = v.find("__tensor__");
+      return t && t->find("__storage__").has_value();
+    };
+    auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
+      if (is_tensor(v)) {
+        out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
+      } else if (v.type() == pickle_value::kind::dict) {
+        for (std::size_t i = 0; i < v.size(); ++i) {
+          const pickle_view k = v.key(i);
+          std::string part;
+          if (k.type() == pickle_value::kind::string) part = std::string(k.as_string(""));
+          else if (k.type() == pickle_value::kind::integer) part = std::to_string(k.as_int(""));
+          else
+            fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
+                                             pickle_value::kind_name(k.type()) + " (keys are str or int)");
+          self(self, v.value(i), name.empty() ? part : name + "." + part);
+        }
+      } else if (v.is_sequence()) {
+        for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), name + "." + std::to_string(i));
+      } else {
+        out.others.push_back(name);
+      }
+    };
+    walk(walk, root, "");
+    return out;
+  });
+}
+#else
+SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what);
+#endif
+
+/// The index of a torch.save file of a state dict and the names of its values that are not tensors.
+struct torch_save_index {
+  safetensors_header header;        ///< every tensor, at its absolute offset in the file (of_records)
+  std::vector<std::string> others;  ///< flattened names of values that are not tensors
+};
+
+/// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
+/// reading only the archive's directory, local headers and data.pkl.
+template <ReadableStorage S>
+torch_save_index index_torch_save_file(const S& st) {
+  const std::string file(st.name());
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
+  auto read_at = [&](std::uint64_t off, std::size_t n) {
+    std::string out(n, '\0');
+    st.read_into(off, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+    return out;
+  };
+  // torch.save's format before 1.6 (and with _use_new_zipfile_serialization=False): a pickled
+  // magic number, then the pickles and raw storages one after another
+  constexpr std::string_view legacy_magic("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 14);
+  if (st.size() >= legacy_magic.size() && read_at(0, legacy_magic.size()) == legacy_magic)
+    bad("a torch.save file in the legacy format (torch < 1.6, or _use_new_zipfile_serialization=False), which is not read "
+        "here: save it again with torch.save's default (zip) format");
+  const detail::zip_directory dir =
+      detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file");
+  const detail::zip_entry* pkl = nullptr;
+  for (const auto& e : dir.entries)
+    if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
+      if (pkl) bad("holds two pickles, '" + pkl->name + "' and '" + e.name + "' (not a torch.save file)");
+      pkl = &e;
+    }
+  if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
+  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);  // "PREFIX/"
+  std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
+  for (const auto& e : dir.entries) {
+    if (e.name == prefix + "byteorder") {
+      const torch_zip_record r = detail::place_zip_record(e, dir.at, read_at, bad);
+      const std::string order = r.size <= 16 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string("?");
+      if (order != "little") bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
+    }
+    if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
+      storages.emplace(e.name.substr(prefix.size() + 5), &e);
+  }
+  const torch_zip_record p = detail::place_zip_record(*pkl, dir.at, read_at, bad);
+  if (p.size > max_torch_save_pickle)
+    bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
+  torch_state_dict_pickle sd = parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
+
+  std::map<std::string, torch_zip_record, std::less<>> placed;
+  std::vector<tensor_entry> entries;
+  std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
+  entries.reserve(sd.tensors.size());
+  for (auto& [key, t] : sd.tensors) {
+    const std::string ctx = "tensor '" + key + "'";
+    auto tbad = [&](const std::string& rule) { bad(ctx + ": " + rule); };
+    const auto s = storages.find(t.storage_key);
+    if (s == storages.end()) tbad("its storage '" + t.storage_key + "' has no record '" + prefix + "data/" + t.storage_key + "'");
+    auto pl = placed.find(t.storage_key);
+    if (pl == placed.end()) pl = placed.emplace(t.storage_key, detail::place_zip_record(*s->second, dir.at, read_at, bad)).first;
+    const torch_zip_record& rec = pl->second;
+    if (!t.type && !t.view_type) tbad("an untyped storage without a dtype");
+    const dtype type = t.view_type ? *t.view_type : *t.type;
+    const std::uint64_t item = item_size(type);
+    const auto storage_bytes = detail::checked_mul(t.storage_numel, t.type ? item_size(*t.type) : 1);
+    if (!storage_bytes || *storage_bytes != rec.size)
+      tbad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(rec.size) + " bytes of '" + rec.name + "'");
+    const auto n = detail::checked_numel(t.size);
+    if (!n) tbad("size " + to_string(t.size) + " overflows");
+    std::vector<std::size_t> order = dense_stored_order(t, *n, tbad);
+    const auto at = detail::checked_mul(t.storage_offset, item);
+    const auto bytes = detail::checked_mul(*n, item);
+    const auto end = at && bytes ? detail::checked_add(*at, *bytes) : std::nullopt;
+    if (!end || (*n != 0 && *end > rec.size))
+      tbad("elements [" + std::to_string(t.storage_offset) + ", +" + std::to_string(*n) + ") of " + std::string(name(type)) +
+           " pass the end of its storage '" + rec.name + "' (" + std::to_string(rec.size) + " bytes)");
+    tensor_entry e;
+    e.name = key;
+    e.type = type;
+    e.shape = t.size;
+    e.begin = rec.data_offset + (*n == 0 ? 0 : *at);
+    e.end = e.begin + *bytes;
+    if (!order.empty()) orders.emplace(key, std::move(order));
+    entries.push_back(std::move(e));
+  }
+  return {safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders)), std::move(sd.others)};
+}
+
+/// Whether st begins as a torch.save file does (a zip's first local header, its method bytes
+/// not a safetensors header's '{', or the legacy format's magic number): one read of 14 bytes.
+template <ReadableStorage S>
+bool is_torch_save_file(const S& st) {
+  if (st.size() < 14) return false;
+  std::string b(14, '\0');
+  st.read_into(0, std::as_writable_bytes(std::span<char>(b.data(), b.size())));
+  return (b.starts_with("PK\x03\x04") && b[8] != '{') || b.starts_with("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46");
+}
+
+/// The index of a torch.save file that holds tensors only (index_torch_save_file); a value that
+/// is not a tensor is refused (errc::invalid_metadata, naming it and how many more there are).
+template <ReadableStorage S>
+safetensors_header read_torch_save_header(const S& st) {
+  torch_save_index x = index_torch_save_file(st);
+  if (!x.others.empty())
+    fail(errc::invalid_metadata, x.header.file + ": '" + x.others.front() + "'" +
+                                     (x.others.size() > 1 ? " (and " + std::to_string(x.others.size() - 1) + " more values)" : std::string()) +
+                                     " is not a tensor: a torch.save file is read here when it holds tensors only (a state dict, "
+                                     "nested dicts and lists of tensors); save the tensors apart from other values");
+  return std::move(x.header);
+}
+
+}  // namespace shardsafe
