@@ -28,12 +28,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import torch_compat  # noqa: E402,F401  (torch 1.13 on Python 3.11, imported before torch)
-from peak import peak_mib_of  # noqa: E402  (bench/peak.py, beside this script)
+from pybench import bench_args, peak_mib_of  # noqa: E402  (bench/pybench.py, beside this script)
 try:
     import torch  # noqa: E402
 except ImportError:
@@ -79,14 +78,7 @@ def warm(folder):
 
 
 def main(argv):
-    if len(argv) < 1 or not os.access(argv[0], os.X_OK):
-        sys.exit(__doc__)
-    tool = argv[0]
-    quick = "--quick" in argv
-    reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else (1 if quick else 3)
-    base = tempfile.mkdtemp(prefix="shardsafe-bench-permuted-",
-                            dir=argv[argv.index("--dir") + 1] if "--dir" in argv else None)
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    tool, quick, reps, base, tests = bench_args(argv, __doc__, "permuted")
     g = torch.Generator().manual_seed(3)
     n_conv, wide, tall = (2, 1_000_000, 2000) if quick else (16, 40_000_000, 20000)
     conv = {f"conv{i}": torch.randn(512, 512, 3, 3, generator=g) for i in range(n_conv)}

@@ -23,12 +23,11 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import torch_compat  # noqa: E402,F401  (torch 1.13 on Python 3.11, imported before torch)
-from peak import peak_mib_of  # noqa: E402  (bench/peak.py, beside this script)
+from pybench import bench_args, peak_mib_of  # noqa: E402  (bench/pybench.py, beside this script)
 try:
     import torch  # noqa: E402
 except ImportError:
@@ -96,13 +95,7 @@ def timed(args, reps, out, own_clock=False):
 
 
 def main(argv):
-    if len(argv) < 1 or not os.access(argv[0], os.X_OK):
-        sys.exit(__doc__)
-    tool = argv[0]
-    quick = "--quick" in argv
-    reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else (1 if quick else 3)
-    base = tempfile.mkdtemp(prefix="shardsafe-bench-torch-bin-", dir=argv[argv.index("--dir") + 1] if "--dir" in argv else None)
-    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    tool, quick, reps, base, tests = bench_args(argv, __doc__, "torch-bin")
     g = torch.Generator().manual_seed(5)
     n_big, n_many = (2, 2000) if quick else (32, 40000)
     embed = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
