@@ -618,8 +618,14 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   testing::write_file(tmp.path / "evil" / "pytorch_model.bin", evil);
   testing::expect_error([&] { open(tmp.path / "evil"); }, errc::invalid_metadata,
                         {"data.pkl", "'collections.OrderedDixx'", "allowlist"});
-  // verify: a .bin of the index's set that the index does not name
+  // verify: a .bin of the index's set that the index does not name; another pickle beside the
+  // weights (transformers' training_args.bin) is not the folder's and is left alone
   fs::copy(fx / "sharded", tmp.path / "sharded");
+  fs::copy_file(fx / "others" / "pytorch_model.bin", tmp.path / "sharded" / "training_args.bin");
+  {
+    checkpoint_reader<file_directory> beside{file_directory(tmp.path / "sharded")};
+    CHECK(verify_checkpoint(beside).tensors == 7);
+  }
   fs::copy_file(fx / "sharded" / "pytorch_model-00001-of-00002.bin", tmp.path / "sharded" / "pytorch_model-00003-of-00002.bin");
   checkpoint_reader<file_directory> extra{file_directory(tmp.path / "sharded")};
   testing::expect_error([&] { verify_checkpoint(extra); }, errc::invalid_metadata,

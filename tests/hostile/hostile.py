@@ -765,10 +765,12 @@ def sparse_nul_documents(t):
     sparse(os.path.join(dc, ".metadata"))
     run("sparse_nul_documents", ["verify", dc], 1, [".metadata", "PROTO"])
 
-def torch_save_bytes(tensors, storages, prefix="archive"):
+def torch_save_bytes(tensors, storages, prefix="archive", value=None):
     """A torch.save zip (stored records, as torch writes them) without torch: tensors maps a name
-    to (storage key, storage offset, size, stride); storages a key to (class name, numel, bytes).
-    The pickle is made by Python's pickler with stand-ins that pickle under torch's names."""
+    to (storage key, storage offset, size, stride[, state]: a BUILD on the tensor); storages a key
+    to (class name, numel, bytes, or None for a record left out); value, when given, is pickled
+    instead of the state dict. The pickle is made by Python's pickler with stand-ins that pickle
+    under torch's names."""
     import collections
     import pickle
     import types
@@ -795,11 +797,12 @@ def torch_save_bytes(tensors, storages, prefix="archive"):
                 self.key = key
 
         class Tensor:
-            def __init__(self, key, offset, size, stride):
+            def __init__(self, key, offset, size, stride, state=None):
                 self.args = (Storage(key), offset, tuple(size), tuple(stride), False, collections.OrderedDict())
+                self.state = state
 
             def __reduce__(self):
-                return (_rebuild_tensor_v2, self.args)
+                return (_rebuild_tensor_v2, self.args) if self.state is None else (_rebuild_tensor_v2, self.args, self.state)
 
         class Pickler(pickle.Pickler):
             def persistent_id(self, obj):
@@ -808,7 +811,7 @@ def torch_save_bytes(tensors, storages, prefix="archive"):
                     return ("storage", classes[cls], obj.key, "cpu", numel)
                 return None
 
-        sd = collections.OrderedDict((n, Tensor(*v)) for n, v in tensors.items())
+        sd = value if value is not None else collections.OrderedDict((n, Tensor(*v)) for n, v in tensors.items())
         buf = io.BytesIO()
         Pickler(buf, protocol=2).dump(sd)
     finally:
@@ -831,7 +834,9 @@ def torch_save_bytes(tensors, storages, prefix="archive"):
 def torch_save_files(t):
     """pytorch_model.bin folders: 100,000 tensors over one shared storage (listed, digested and
     converted in bounded time and memory), a tensor claiming 2^80 elements of a 4-byte storage,
-    a slice past its storage's end, a storage the archive lacks: exit 1 naming each."""
+    a slice past its storage's end, a storage the archive lacks, a BUILD on a tensor (torch would
+    move it to other bytes), a 1 MiB key over 200,000 values (200 GB of flattened names): exit 1
+    naming each."""
     d = os.path.join(t, "many")
     os.makedirs(d)
     n = 100000  # about 1.5 KiB of memory each (the pickle's values and the index): 160 MiB
@@ -847,11 +852,16 @@ def torch_save_files(t):
     for name, tensors, words in (
             ("huge", {"w": ("0", 0, (1 << 40, 1 << 40), (1 << 40, 1))}, ["tensor 'w'", "overflows"]),
             ("past", {"w": ("0", 1, (1,), (1,))}, ["tensor 'w'", "pass the end of its storage"]),
-            ("lost", {"w": ("7", 0, (1,), (1,))}, ["tensor 'w'", "storage '7' has no record"])):
+            ("lost", {"w": ("7", 0, (1,), (1,))}, ["tensor 'w'", "storage '7' has no record"]),
+            ("moved", {"w": ("0", 0, (1,), (1,), ({}, 0, (1,), (1,)))}, ["BUILD", "not a state dict"])):
         d = os.path.join(t, name)
         os.makedirs(d)
         write(os.path.join(d, "pytorch_model.bin"), torch_save_bytes(tensors, four))
         run("torch_save_files", ["inspect", d], 1, ["pytorch_model.bin"] + words)
+    d = os.path.join(t, "names")
+    os.makedirs(d)
+    write(os.path.join(d, "pytorch_model.bin"), torch_save_bytes({}, four, value={"k" * (1 << 20): {i: None for i in range(200000)}}))
+    run("torch_save_files", ["inspect", d], 1, ["pytorch_model.bin", "flattened names pass"])
 
 
 def main(argv):

@@ -363,6 +363,13 @@ class basic_pickle_reader {
     if (k->k != pickle_value::kind::string || k->str() != key) return {};
     return v->k == pickle_value::kind::string ? std::string(v->str()) : std::string();
   }
+  /// The key of the first entry of the dict `from_top` places below the top of the stack, when
+  /// that key is a str, else "": O(1) (a dict a policy made carries its marker as its first key).
+  std::string first_key_at(std::size_t from_top) const {
+    const node* t = at_(from_top);
+    if (t->k != pickle_value::kind::dict || t->items().size() < 2 || t->items()[0]->k != pickle_value::kind::string) return {};
+    return std::string(t->items()[0]->str());
+  }
   /// Pops the dict on top of the stack and adds its entries to the dict below it, in place, as
   /// SETITEMS would (BUILD with a state dict); the entries are shared, not copied.
   void merge_top_into_below(const char* op) {

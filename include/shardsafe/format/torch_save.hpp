@@ -27,8 +27,10 @@
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
 //   - flattened names are distinct.
-// Values that are not tensors (an epoch counter, None) are listed by name in `others`; what a
-// caller does with them is its own rule (a Hugging Face folder refuses them).
+// Values that are not tensors (an epoch counter, None) are counted, the first few named in
+// `others`; what a caller does with them is its own rule (a Hugging Face folder refuses them).
+// The values flattened are at most one per 8 bytes of pickle (plus 1024), their names' bytes at
+// most 4x its size (plus 1 MiB): the memo cannot make one key or tensor stand at a million places.
 //
 // Reads: the archive's last KiB and its central directory, the local header of data.pkl, of
 // byteorder and of each storage a tensor uses (one read each), data.pkl. No tensor data.
@@ -59,10 +61,11 @@ namespace shardsafe {
 inline constexpr std::uint64_t max_torch_save_pickle = std::uint64_t(64) << 20;
 
 /// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
-/// order, and the names of its other values.
+/// order, and its other values (the first few by name, and how many).
 struct torch_state_dict_pickle {
   std::vector<std::pair<std::string, torch_zip_tensor>> tensors;
-  std::vector<std::string> others;
+  std::vector<std::string> others;  ///< the first 8 values that are not tensors, by flattened name
+  std::size_t other_count = 0;      ///< how many values are not tensors
 };
 
 /// Reads a torch.save data.pkl holding a state dict (rules at the top); `what` names it.
@@ -81,8 +84,26 @@ SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string
       const auto t = v.find("__tensor__");
       return t && t->find("__storage__").has_value();
     };
+    // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
+    // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
+    // about 150 bytes a tensor), checked before a name is made.
+    const std::uint64_t max_values = bytes.size() / 8 + 1024, max_name_bytes = 4 * std::uint64_t(bytes.size()) + (1 << 20);
+    std::uint64_t values = 0, name_bytes = 0;
+    auto leaf = [&](const std::string& name) {
+      if (++values > max_values)
+        fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" +
+                                         std::to_string(bytes.size()) + " bytes of pickle; torch writes about 150 bytes a tensor)");
+      name_bytes += name.size();
+    };
+    auto child = [&](const std::string& name, std::string_view part) {
+      if (name_bytes + name.size() + 1 + part.size() > max_name_bytes)
+        fail(errc::invalid_metadata, w + ": its flattened names pass " + std::to_string(max_name_bytes) +
+                                         " bytes, 4x the pickle's size (one key repeated through the memo?)");
+      return name.empty() ? std::string(part) : name + "." + std::string(part);
+    };
     auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
       if (is_tensor(v)) {
+        leaf(name);
         out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
       } else if (v.type() == pickle_value::kind::dict) {
         for (std::size_t i = 0; i < v.size(); ++i) {
@@ -93,12 +114,14 @@ SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string
           else
             fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
                                              pickle_value::kind_name(k.type()) + " (keys are str or int)");
-          self(self, v.value(i), name.empty() ? part : name + "." + part);
+          self(self, v.value(i), child(name, part));
         }
       } else if (v.is_sequence()) {
-        for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), name + "." + std::to_string(i));
+        for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), child(name, std::to_string(i)));
       } else {
-        out.others.push_back(name);
+        leaf(name);
+        if (out.others.size() < 8) out.others.push_back(name);
+        ++out.other_count;
       }
     };
     walk(walk, root, "");
@@ -109,10 +132,11 @@ SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string
 SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what);
 #endif
 
-/// The index of a torch.save file of a state dict and the names of its values that are not tensors.
+/// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
   safetensors_header header;        ///< every tensor, at its absolute offset in the file (of_records)
-  std::vector<std::string> others;  ///< flattened names of values that are not tensors
+  std::vector<std::string> others;  ///< the first 8 values that are not tensors, by flattened name
+  std::size_t other_count = 0;      ///< how many values are not tensors
 };
 
 /// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
@@ -193,7 +217,7 @@ torch_save_index index_torch_save_file(const S& st) {
     if (!order.empty()) orders.emplace(key, std::move(order));
     entries.push_back(std::move(e));
   }
-  return {safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders)), std::move(sd.others)};
+  return {safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders)), std::move(sd.others), sd.other_count};
 }
 
 /// Whether st begins as a torch.save file does (a zip's first local header, its method bytes
@@ -211,9 +235,9 @@ bool is_torch_save_file(const S& st) {
 template <ReadableStorage S>
 safetensors_header read_torch_save_header(const S& st) {
   torch_save_index x = index_torch_save_file(st);
-  if (!x.others.empty())
+  if (x.other_count > 0)
     fail(errc::invalid_metadata, x.header.file + ": '" + x.others.front() + "'" +
-                                     (x.others.size() > 1 ? " (and " + std::to_string(x.others.size() - 1) + " more values)" : std::string()) +
+                                     (x.other_count > 1 ? " (and " + std::to_string(x.other_count - 1) + " more values)" : std::string()) +
                                      " is not a tensor: a torch.save file is read here when it holds tensors only (a state dict, "
                                      "nested dicts and lists of tensors); save the tensors apart from other values");
   return std::move(x.header);

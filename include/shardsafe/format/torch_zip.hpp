@@ -137,7 +137,7 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
   zip_directory out;
   out.at = cd_at;
   std::vector<zip_entry>& all = out.entries;
-  all.reserve(static_cast<std::size_t>(entries));
+  all.reserve(static_cast<std::size_t>(std::min(entries, cd_size / 46)));  // a record takes at least 46 bytes
   std::size_t p = 0;
   for (std::uint64_t i = 0; i < entries; ++i) {
     if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50) bad("central directory record " + std::to_string(i) + " is damaged");
@@ -334,16 +334,20 @@ struct torch_tensor_pickle_policy {
         r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
                                    {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
                                    {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}));
-      } else if (name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find("__tensor__")) {
+      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find("__tensor__")) {
         r.push(a[0]);  // a Parameter is its tensor here (requires_grad and hooks are not data)
       } else {
         r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
       }
       return true;
     }
-    if (op == 'b' && state_dict) {  // BUILD: an OrderedDict's attributes (a state dict's _metadata)
-      if (r.kind_at(1) != k::dict) r.bad("BUILD" + where + " on a value that is not a dict");
-      r.pop_value();
+    if (op == 'b' && state_dict) {  // BUILD: an OrderedDict's attributes (a state dict's _metadata), dropped
+      // torch applies BUILD on a tensor (set_: another storage, offset, size): refused, as is
+      // any state but {'_metadata': ...}, so that no byte range here differs from torch's load
+      if (r.kind_at(1) != k::dict || r.first_key_at(1) == "__tensor__") r.bad("BUILD" + where + " on a value that is not a state dict");
+      const auto state = r.pop_value();
+      if (state.type() != k::dict || state.dict_size() != 1 || state.dict_key(0) != pickle_value::string("_metadata"))
+        r.bad("BUILD" + where + " with a state other than {'_metadata': ...}");
       return true;
     }
     return false;

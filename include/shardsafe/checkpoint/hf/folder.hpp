@@ -16,8 +16,9 @@
 //   reader uses them, and writers count them otherwise, e.g. transformers' total_parameters
 //   counts parameters without buffers, older transformers' total_size a bool as 1/8 byte);
 //   - no tensor is in two files (errc::invalid_metadata).
-// check_unlisted_hf_files (run by verify) adds: no safetensors file the index does not name
-// holds a tensor the index lists, or is named as one of the index's set of shards.
+// check_unlisted_hf_files (run by verify) adds: no safetensors file (.bin in the torch.save
+// layout) the index does not name holds a tensor the index lists, or is named as one of the
+// index's set of shards (a .bin that is no file of tensors, training_args.bin, is left alone).
 // What comes back holds the opened files and a map from tensor name to where it lives, so a
 // caller (the shardsafe tool's inspect and digest) reads tensors without opening anything again.
 #pragma once
@@ -179,12 +180,23 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
   const std::string& index_name = h.described_by;
   for (const auto& n : names) {
     if (!n.ends_with(ext) || named.count(n)) continue;
-    const auto f = detail::open_hf_file(dir, n, h.torch_bin);
+    const auto p = detail::shard_name_pattern(n, ext);
+    const bool of_the_set = p && patterns.count(*p);
+    // beside a torch.save layout lie other pickles (transformers' training_args.bin, an
+    // optimizer.bin): one that is not of the set and not a file of tensors is not the folder's
+    std::optional<typename hf_folder<D>::file> opened;
+    try {
+      opened.emplace(detail::open_hf_file(dir, n, h.torch_bin));
+    } catch (const error& e) {
+      if (!h.torch_bin || of_the_set || (e.code() != errc::invalid_metadata && e.code() != errc::unsupported_dtype)) throw;
+      continue;
+    }
+    const auto& f = *opened;
     for (const auto& t : f.header.tensors)
       if (auto it = h.index->weight_map.find(t.name); it != h.index->weight_map.end())
         fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': " + index_name + " places it in " +
                                          it->second + ", but this file, which the index does not name, holds it too");
-    if (auto p = detail::shard_name_pattern(n, ext); p && patterns.count(*p))
+    if (of_the_set)
       fail(errc::invalid_metadata, f.header.file + ": a shard of this folder's set (" + p->first + "-*" + p->second +
                                        ") that " + index_name + " does not name: its " +
                                        std::to_string(f.header.tensors.size()) + " tensor(s)" +
