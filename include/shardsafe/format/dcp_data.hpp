@@ -62,13 +62,6 @@ inline constexpr std::uint64_t max_torch_tensor_pickle = std::uint64_t(1) << 20;
 
 namespace detail {
 
-template <ReadableStorage S>
-std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
-  std::string out(n, '\0');
-  st.read_into(off, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
-  return out;
-}
-
 /// The index entry of one torch.save archive holding chunk c (rules at the top); stored_order:
 /// the order of dimensions its bytes hold (check_torch_zip_tensor).
 template <ReadableStorage S>

@@ -60,6 +60,10 @@ namespace shardsafe {
 /// million tensors fit).
 inline constexpr std::uint64_t max_torch_save_pickle = std::uint64_t(64) << 20;
 
+/// What a torch.save file in the legacy format (torch < 1.6, or
+/// _use_new_zipfile_serialization=False) begins with: its pickled magic number.
+inline constexpr std::string_view torch_save_legacy_magic("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 14);
+
 /// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
 /// order, and its other values (the first few by name, and how many).
 struct torch_state_dict_pickle {
@@ -145,15 +149,9 @@ template <ReadableStorage S>
 torch_save_index index_torch_save_file(const S& st) {
   const std::string file(st.name());
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
-  auto read_at = [&](std::uint64_t off, std::size_t n) {
-    std::string out(n, '\0');
-    st.read_into(off, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
-    return out;
-  };
-  // torch.save's format before 1.6 (and with _use_new_zipfile_serialization=False): a pickled
-  // magic number, then the pickles and raw storages one after another
-  constexpr std::string_view legacy_magic("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 14);
-  if (st.size() >= legacy_magic.size() && read_at(0, legacy_magic.size()) == legacy_magic)
+  auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
+  // the legacy format: the magic number's pickle, then the pickles and raw storages in turn
+  if (st.size() >= torch_save_legacy_magic.size() && read_at(0, torch_save_legacy_magic.size()) == torch_save_legacy_magic)
     bad("a torch.save file in the legacy format (torch < 1.6, or _use_new_zipfile_serialization=False), which is not read "
         "here: save it again with torch.save's default (zip) format");
   const detail::zip_directory dir =
@@ -225,9 +223,8 @@ torch_save_index index_torch_save_file(const S& st) {
 template <ReadableStorage S>
 bool is_torch_save_file(const S& st) {
   if (st.size() < 14) return false;
-  std::string b(14, '\0');
-  st.read_into(0, std::as_writable_bytes(std::span<char>(b.data(), b.size())));
-  return (b.starts_with("PK\x03\x04") && b[8] != '{') || b.starts_with("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46");
+  const std::string b = detail::read_string(st, 0, 14);
+  return (b.starts_with("PK\x03\x04") && b[8] != '{') || b.starts_with(torch_save_legacy_magic.substr(0, 8));
 }
 
 /// The index of a torch.save file that holds tensors only (index_torch_save_file); a value that

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -36,6 +37,7 @@
 #include "shardsafe/detail/checked.hpp"
 #include "shardsafe/format/dcp_unpickler.hpp"
 #include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
 
@@ -53,6 +55,14 @@ struct torch_zip_archive {
 };
 
 namespace detail {
+
+/// n bytes of st at off, as a string (what a zip reader parses its headers from).
+template <ReadableStorage S>
+std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
+  std::string out(n, '\0');
+  st.read_into(off, std::as_writable_bytes(std::span<char>(out.data(), out.size())));
+  return out;
+}
 
 inline std::uint64_t zip_le(std::string_view b, std::size_t at, std::size_t n) {
   std::uint64_t x = 0;
