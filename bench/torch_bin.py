@@ -6,7 +6,8 @@ file, the floor of any conversion that reads and writes every byte, in one run.
     /usr/bin/python3 bench/torch_bin.py TOOL [--quick] [--reps N] [--dir DIR]
 
 TOOL is a built `shardsafe` (build/tools/shardsafe). The torch is /usr/bin/python3's (Debian 12's
-1.13; the same code runs on torch 2.x). Two folders, written once by torch.save:
+1.13; the same code runs on torch 2.x). Two folders, each written by torch.save in its zip
+format and in its legacy one (torch < 1.6, `_use_new_zipfile_serialization=False`):
 - large: 32 BF16 tensors [4096, 4096] and a tied embedding (one storage, two names): 1 GiB;
 - many: 40,000 F32 tensors of 16 elements (2.6 MB): the cost per tensor (the tool's loads each
   walked every tensor name before `load_options::list_unexpected`: 71 s for this folder).
@@ -105,12 +106,14 @@ def main(argv):
     print(f"# torch_bin: torch {torch.__version__}, {reps} round(s), page cache; tool {tool}")
     print(f"{'folder':<40} {'converter':<28} {'median s':>9} {'peak MiB':>9} {'x cp':>7}")
     try:
-        for name, sd, what in (("large", large, f"{n_big + 1} x [4096,4096] BF16 + tied"),
-                               ("many", many, f"{n_many} x [16] F32")):
+        for name, sd, what, kw in ((n + f, sd, w + " " + f, kw)
+                                   for n, sd, w in (("large", large, f"{n_big + 1} x [4096,4096] BF16 + tied"),
+                                                    ("many", many, f"{n_many} x [16] F32"))
+                                   for f, kw in (("zip", {}), ("legacy", {"_use_new_zipfile_serialization": False}))):
             folder = os.path.join(base, name)
             os.makedirs(folder)
             src = os.path.join(folder, "pytorch_model.bin")
-            torch.save(sd, src)
+            torch.save(sd, src, **kw)
             with open(src, "rb") as f:
                 while f.read(1 << 24):
                     pass

@@ -9,15 +9,22 @@ keeps of a tensor's storage: a tied pair (one storage, two names), slices of one
 (a storage offset), a transposed tensor and a channels_last weight (strides kept), a 0-d and an
 empty tensor, an nn.Parameter. OUT_DIR/sharded/: two files and pytorch_model.bin.index.json, as
 transformers shards. OUT_DIR/nested/: {"model": {...}, "layers": [...]}, names flattened with '.'.
+OUT_DIR/single_legacy/, sharded_legacy/, nested_legacy/: the same in torch.save's legacy format
+(torch < 1.6, _use_new_zipfile_serialization=False).
 OUT_DIR/expected.json: per folder, per flattened name, its dtype, shape and where its row-major
 bytes are in OUT_DIR/expected.bin (computed by torch, not by shardsafe), and their sha256.
 Refused inputs: OUT_DIR/others/ (an int beside a tensor), OUT_DIR/gappy/ (a slice whose
-elements are not consecutive in its storage), OUT_DIR/legacy/ (torch.save's pre-1.6 format).
+elements are not consecutive in its storage), OUT_DIR/legacy_size/ (a legacy file whose first
+storage's size in the file is one more than its pickle says), OUT_DIR/legacy_short/ (a legacy
+file cut 100 bytes short): torch.load refuses the last two as well.
 Each file is read back by torch.load before the script ends.
 """
 import hashlib
+import io
 import json
 import os
+import pickletools
+import struct
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,19 +74,20 @@ def main(out):
     nested = {"model": {"w": torch.randn(3, 3), "b": torch.randn(3)},
               "layers": [torch.randn(2, 2), torch.randn(2, 2).t()]}
     expected, blob = {}, bytearray()
-    for folder, sd in (("single", single), ("nested", nested)):
-        os.makedirs(os.path.join(out, folder))
-        torch.save(sd, os.path.join(out, folder, "pytorch_model.bin"))
-    os.makedirs(os.path.join(out, "sharded"))
     parts = [{k: single[k] for k in ("embed.weight", "proj.weight", "scale")},
              {k: single[k] for k in ("fused", "q", "conv.weight", "mask")}]
-    weight_map = {}
-    for i, part in enumerate(parts):
-        name = f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin"
-        torch.save(part, os.path.join(out, "sharded", name))
-        weight_map.update({k: name for k in part})
-    with open(os.path.join(out, "sharded", "pytorch_model.bin.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f, indent=2)
+    for suffix, kw in (("", {}), ("_legacy", {"_use_new_zipfile_serialization": False})):
+        for folder, sd in (("single", single), ("nested", nested)):
+            os.makedirs(os.path.join(out, folder + suffix))
+            torch.save(sd, os.path.join(out, folder + suffix, "pytorch_model.bin"), **kw)
+        os.makedirs(os.path.join(out, "sharded" + suffix))
+        weight_map = {}
+        for i, part in enumerate(parts):
+            name = f"pytorch_model-{i + 1:05d}-of-{len(parts):05d}.bin"
+            torch.save(part, os.path.join(out, "sharded" + suffix, name), **kw)
+            weight_map.update({k: name for k in part})
+        with open(os.path.join(out, "sharded" + suffix, "pytorch_model.bin.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f, indent=2)
     for folder, sd in (("single", single), ("nested", nested), ("sharded", {k: v for p in parts for k, v in p.items()})):
         flat = {}
         flatten(sd, "", flat)
@@ -90,18 +98,37 @@ def main(out):
                                    "sha256": hashlib.sha256(b).hexdigest()}
             blob += b
     # torch reads each back as written
-    for folder in ("single", "nested"):
-        back = {}
+    for folder in ("single", "nested", "single_legacy", "nested_legacy"):
+        back, want = {}, expected[folder.replace("_legacy", "")]
         flatten(torch.load(os.path.join(out, folder, "pytorch_model.bin")), "", back)
-        assert sorted(back) == sorted(expected[folder]), folder
+        assert sorted(back) == sorted(want), folder
         for k, t in back.items():
-            e = expected[folder][k]
+            e = want[k]
             assert raw(t) == bytes(blob[e["offset"]:e["offset"] + e["len"]]), (folder, k)
-    for folder, sd, kw in (("others", {"w": torch.randn(2), "epoch": 3}, {}),
-                           ("gappy", {"g": torch.randn(4, 4)[:, :2]}, {}),
-                           ("legacy", {"w": torch.randn(2)}, {"_use_new_zipfile_serialization": False})):
+    for folder, sd in (("others", {"w": torch.randn(2), "epoch": 3}), ("gappy", {"g": torch.randn(4, 4)[:, :2]})):
         os.makedirs(os.path.join(out, folder))
-        torch.save(sd, os.path.join(out, folder, "pytorch_model.bin"), **kw)
+        torch.save(sd, os.path.join(out, folder, "pytorch_model.bin"))
+    # a legacy file damaged: its first storage's size (the int64 after the five pickles) one
+    # more, and the file cut short; torch refuses both
+    legacy = open(os.path.join(out, "single_legacy", "pytorch_model.bin"), "rb").read()
+    f = io.BytesIO(legacy)
+    for _ in range(5):  # each pickle's opcodes up to its STOP (nothing is unpickled)
+        for _ in pickletools.genops(f):
+            pass
+    data = f.tell()
+    numel = struct.unpack_from("<q", legacy, data)[0]
+    for folder, damaged in (("legacy_size", legacy[:data] + struct.pack("<q", numel + 1) + legacy[data + 8:]),
+                            ("legacy_short", legacy[:-100])):
+        os.makedirs(os.path.join(out, folder))
+        path = os.path.join(out, folder, "pytorch_model.bin")
+        with open(path, "wb") as g:
+            g.write(damaged)
+        try:
+            torch.load(path)
+        except Exception:
+            pass
+        else:
+            raise AssertionError(f"torch loads {folder}")
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     with open(os.path.join(out, "expected.bin"), "wb") as f:

@@ -492,16 +492,19 @@ std::map<std::string, torch_tensor_bytes> torch_expected(const std::string& name
   return out;
 }
 
+/// The fixture's folder of the same tensors in the zip format ("single" for "single_legacy").
+std::string zip_twin(const std::string& folder) { return folder.substr(0, folder.find("_legacy")); }
+
 }  // namespace
 
-TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it" * testing::torch_check()) {
+TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it, both formats" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
-  for (const std::string folder : {"single", "sharded", "nested"}) {
+  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy"}) {
     CAPTURE(folder);
-    const auto want = torch_expected(folder);
+    const auto want = torch_expected(zip_twin(folder));
     checkpoint_reader<file_directory> r(file_directory(torch_save_fixture() / folder));
     CHECK(r.format() == checkpoint_format::hf);
-    CHECK(r.described_by() == (folder == "sharded" ? "pytorch_model.bin.index.json" : "pytorch_model.bin"));
+    CHECK(r.described_by() == (folder.starts_with("sharded") ? "pytorch_model.bin.index.json" : "pytorch_model.bin"));
     REQUIRE(r.metadata().tensors.size() == want.size());
     std::uint64_t bytes = 0;
     for (const auto& [key, tm] : r.metadata().tensors) {
@@ -525,10 +528,12 @@ TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as 
 TEST_CASE("torch.save folders: imported into 2 and 3 ranks, row, column and flat shards, both modes" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   const auto want = torch_expected("single");
-  const file_directory dir(torch_save_fixture() / "single");
+  for (const std::string folder : {"single", "single_legacy"})
   for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast})
     for (int w : {2, 3}) {
+      CAPTURE(folder);
       CAPTURE(w);
+      const file_directory dir(torch_save_fixture() / folder);
       std::vector<std::vector<std::string>> mem(static_cast<std::size_t>(w));
       std::vector<std::vector<cut>> cuts(static_cast<std::size_t>(w));
       std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
@@ -571,9 +576,9 @@ TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as
   if (!testing::have_tool()) return;
   testing::temp_dir out("torch-save-out");
   // the folders, and the single file given as a path of its own
-  for (const std::string folder : {"single", "sharded", "single/pytorch_model.bin"}) {
+  for (const std::string folder : {"single", "sharded", "single/pytorch_model.bin", "sharded_legacy", "single_legacy/pytorch_model.bin"}) {
     CAPTURE(folder);
-    const auto want = torch_expected(folder.substr(0, folder.find('/')));
+    const auto want = torch_expected(zip_twin(folder.substr(0, folder.find('/'))));
     const std::string in = (torch_save_fixture() / folder).string();
     const auto ins = testing::run_tool({"inspect", in});
     CHECK_MESSAGE(ins.code == 0, ins.err);
@@ -583,7 +588,7 @@ TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as
     const auto d = testing::run_tool({"digest", in});
     CHECK_MESSAGE(d.code == 0, d.err);
     CHECK(d.out == digest);
-    const fs::path hf = out.path / (folder.ends_with(".bin") ? "file" : folder);
+    const fs::path hf = out.path / (folder.substr(0, folder.find('/')) + (folder.ends_with(".bin") ? "_file" : ""));
     const auto x = testing::run_tool({"to-hf", in, hf.string()});
     REQUIRE_MESSAGE(x.code == 0, x.err);
     const file_storage st(hf / "model.safetensors");
@@ -606,7 +611,11 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   auto open = [](const fs::path& p) { return checkpoint_reader<file_directory>(file_directory(p)); };
   testing::expect_error([&] { open(fx / "others"); }, errc::invalid_metadata, {"pytorch_model.bin", "'epoch'", "not a tensor"});
   testing::expect_error([&] { open(fx / "gappy"); }, errc::invalid_metadata, {"pytorch_model.bin", "tensor 'g'", "not dense"});
-  testing::expect_error([&] { open(fx / "legacy"); }, errc::invalid_metadata, {"pytorch_model.bin", "legacy format"});
+  // the legacy format: a storage's size in the file other than its pickle's, a file cut short
+  // (torch refuses both: the fixture checks)
+  testing::expect_error([&] { open(fx / "legacy_size"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin", "storage '", "the file says", "elements at byte", "its tensors' pickle"});
+  testing::expect_error([&] { open(fx / "legacy_short"); }, errc::invalid_metadata, {"pytorch_model.bin", "storage '", "past the file's end"});
   // the single file with one global renamed (the same length: the zip's sizes still agree), and cut short
   testing::temp_dir tmp("torch-save-bad");
   std::string bytes = testing::slurp(fx / "single" / "pytorch_model.bin");
@@ -618,6 +627,14 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   testing::write_file(tmp.path / "evil" / "pytorch_model.bin", evil);
   testing::expect_error([&] { open(tmp.path / "evil"); }, errc::invalid_metadata,
                         {"data.pkl", "'collections.OrderedDixx'", "allowlist"});
+  std::string legacy = testing::slurp(fx / "single_legacy" / "pytorch_model.bin");
+  const auto lat = legacy.find("OrderedDict\n");
+  REQUIRE(lat != std::string::npos);
+  legacy.replace(lat, 12, "OrderedDixx\n");
+  fs::create_directories(tmp.path / "evil_legacy");
+  testing::write_file(tmp.path / "evil_legacy" / "pytorch_model.bin", legacy);
+  testing::expect_error([&] { open(tmp.path / "evil_legacy"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin: pickle", "'collections.OrderedDixx'", "allowlist"});
   // verify: a .bin of the index's set that the index does not name; another pickle beside the
   // weights (transformers' training_args.bin) is not the folder's and is left alone
   fs::copy(fx / "sharded", tmp.path / "sharded");

@@ -765,16 +765,16 @@ def sparse_nul_documents(t):
     sparse(os.path.join(dc, ".metadata"))
     run("sparse_nul_documents", ["verify", dc], 1, [".metadata", "PROTO"])
 
-def torch_save_bytes(tensors, storages, prefix="archive", value=None):
-    """A torch.save zip (stored records, as torch writes them) without torch: tensors maps a name
-    to (storage key, storage offset, size, stride[, state]: a BUILD on the tensor); storages a key
-    to (class name, numel, bytes, or None for a record left out); value, when given, is pickled
-    instead of the state dict. The pickle is made by Python's pickler with stand-ins that pickle
-    under torch's names."""
+def torch_save_pickle(tensors, storages, value=None, legacy=False):
+    """A torch.save state dict's pickle without torch: tensors maps a name to (storage, storage
+    offset, size, stride[, state]: a BUILD on the tensor), the storage a key or (key, class name)
+    for a class other than its entry's; storages a key to (class name, numel, bytes); value,
+    when given, is pickled instead of the state dict. Python's pickler makes it, with stand-ins
+    that pickle under torch's names. A legacy persistent id has a sixth field, view_metadata:
+    None, or the storages entry's fourth field where it has one."""
     import collections
     import pickle
     import types
-    import zipfile
 
     torch = types.ModuleType("torch")
     utils = types.ModuleType("torch._utils")
@@ -788,13 +788,14 @@ def torch_save_bytes(tensors, storages, prefix="archive", value=None):
         _rebuild_tensor_v2.__qualname__ = "_rebuild_tensor_v2"
         utils._rebuild_tensor_v2 = _rebuild_tensor_v2
         classes = {}
-        for cls, _, _ in storages.values():
+        names = [v[0] for v in storages.values()] + [v[0][1] for v in tensors.values() if isinstance(v[0], tuple)]
+        for cls in names:
             classes[cls] = type(cls, (), {"__module__": "torch"})
             setattr(torch, cls, classes[cls])
 
         class Storage:
             def __init__(self, key):
-                self.key = key
+                self.key, self.cls = key if isinstance(key, tuple) else (key, None)
 
         class Tensor:
             def __init__(self, key, offset, size, stride, state=None):
@@ -807,26 +808,54 @@ def torch_save_bytes(tensors, storages, prefix="archive", value=None):
         class Pickler(pickle.Pickler):
             def persistent_id(self, obj):
                 if isinstance(obj, Storage):
-                    cls, numel, _ = storages[obj.key]
-                    return ("storage", classes[cls], obj.key, "cpu", numel)
+                    entry = storages[obj.key]
+                    pid = ("storage", classes[obj.cls or entry[0]], obj.key, "cpu", entry[1])
+                    return pid + (entry[3] if len(entry) > 3 else None,) if legacy else pid
                 return None
 
         sd = value if value is not None else collections.OrderedDict((n, Tensor(*v)) for n, v in tensors.items())
         buf = io.BytesIO()
         Pickler(buf, protocol=2).dump(sd)
+        return buf.getvalue()
     finally:
         for m, v in saved.items():
             if v is None:
                 sys.modules.pop(m, None)
             else:
                 sys.modules[m] = v
+
+
+def torch_save_bytes(tensors, storages, prefix="archive", value=None):
+    """A torch.save zip (stored records, as torch writes them) of torch_save_pickle's pickle;
+    a storage whose bytes are None is left out of the archive."""
+    import zipfile
+
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        z.writestr(prefix + "/data.pkl", buf.getvalue())
-        for key, (_, _, data) in storages.items():
-            if data is not None:  # None: a storage the pickle names and the archive lacks
-                z.writestr(prefix + "/data/" + key, data)
+        z.writestr(prefix + "/data.pkl", torch_save_pickle(tensors, storages, value))
+        for key, entry in storages.items():
+            if entry[2] is not None:  # None: a storage the pickle names and the archive lacks
+                z.writestr(prefix + "/data/" + key, entry[2])
         z.writestr(prefix + "/version", b"3\n")
+    return out.getvalue()
+
+
+def torch_save_legacy_bytes(tensors, storages, keys=None, sizes=None):
+    """A torch.save file in the legacy format (torch < 1.6) of torch_save_pickle's legacy pickle:
+    the magic number, protocol version and sys_info pickles, the state dict, the storage keys
+    (keys, else the storages' sorted), then each listed storage's int64 size (sizes[key], else
+    its numel) and bytes."""
+    import pickle
+
+    keys = sorted(storages) if keys is None else keys
+    out = io.BytesIO()
+    for v in (0x1950A86A20F9469CFC6C, 1001, {"protocol_version": 1001, "little_endian": True,
+                                               "type_sizes": {"short": 2, "int": 4, "long": 8}}):
+        pickle.dump(v, out, protocol=2)
+    out.write(torch_save_pickle(tensors, storages, legacy=True))
+    pickle.dump(keys, out, protocol=2)
+    for k in keys:
+        out.write(struct.pack("<q", (sizes or {}).get(k, storages[k][1])) + storages[k][2])
     return out.getvalue()
 
 
@@ -862,6 +891,54 @@ def torch_save_files(t):
     os.makedirs(d)
     write(os.path.join(d, "pytorch_model.bin"), torch_save_bytes({}, four, value={"k" * (1 << 20): {i: None for i in range(200000)}}))
     run("torch_save_files", ["inspect", d], 1, ["pytorch_model.bin", "flattened names pass"])
+
+
+@case
+def torch_save_legacy(t):
+    """pytorch_model.bin in torch.save's legacy format: 100,000 tensors over one storage (a 16 MiB
+    pickle, read through growing windows of the file's head: listed, digested and converted in
+    bounded time and memory); a 100 MiB file whose pickle never ends (a string of 4 GiB): refused
+    after 64 MiB; a storage whose size in the file is not its pickle's, one of 2^62 elements, one
+    listed twice, one no tensor uses, a tensor whose storage is not listed, a storage view, two
+    types over one storage: exit 1 naming each."""
+    d = os.path.join(t, "many")
+    os.makedirs(d)
+    n = 100000
+    one = {"0": ("FloatStorage", 4, struct.pack("<4f", 1, 2, 3, 4))}
+    write(os.path.join(d, "pytorch_model.bin"),
+          torch_save_legacy_bytes({f"layers.{i}.w": ("0", i % 4, (1,), (1,)) for i in range(n)}, one))
+    out, _ = run("torch_save_legacy", ["inspect", d], 0)
+    if out.count("\n") != n + 2:
+        raise Failed(f"inspect listed {out.count(chr(10)) - 2} tensors, not {n}")
+    out, _ = run("torch_save_legacy", ["digest", d], 0)
+    want = {f"layers.{i}.w F32 [1] " + hashlib.sha256(struct.pack("<f", i % 4 + 1)).hexdigest() for i in range(n)}
+    if set(out.splitlines()) != want:
+        raise Failed("digest gave other bytes than the storage's")
+    run("torch_save_legacy", ["to-hf", d, os.path.join(t, "many-hf")], 0)
+    d = os.path.join(t, "endless")
+    os.makedirs(d)
+    head = torch_save_legacy_bytes({}, {})
+    head = head[:head.index(b"\x80\x02", 21 + 1)]  # magic, version and sys_info
+    with open(os.path.join(d, "pytorch_model.bin"), "wb") as f:
+        f.write(head + b"\x80\x02X\xf0\xff\xff\xff")
+        f.truncate(100 << 20)
+    run("torch_save_legacy", ["inspect", d], 1, ["pytorch_model.bin", "pickles run past the first 67108864 bytes"])
+    f32 = {"0": ("FloatStorage", 2, b"\0" * 8), "1": ("FloatStorage", 1, b"\0" * 4)}
+    w = {"w": ("0", 0, (2,), (1,)), "v": ("1", 0, (1,), (1,))}
+    for name, data, words in (
+            ("size", torch_save_legacy_bytes(w, f32, sizes={"1": 2}), ["storage '1'", "the file says 2 elements", "pickle 1"]),
+            ("huge", torch_save_legacy_bytes({"w": ("0", 0, (1,), (1,))}, {"0": ("FloatStorage", 1 << 62, b"")}),
+             ["storage '0'", "4611686018427387904 elements", "past the file's end"]),
+            ("twice", torch_save_legacy_bytes(w, f32, keys=["0", "1", "1"]), ["storage '1' is listed twice"]),
+            ("unused", torch_save_legacy_bytes({"w": w["w"]}, f32), ["storage '1'", "no tensor's"]),
+            ("unlisted", torch_save_legacy_bytes(w, f32, keys=["0"]), ["tensor 'v'", "storage '1' is not in the file's storage list"]),
+            ("view", torch_save_legacy_bytes(w, {**f32, "1": f32["1"] + (("2", 0, 1),)}), ["BINPERSID", "view into another storage"]),
+            ("types", torch_save_legacy_bytes({**w, "i": (("0", "IntStorage"), 0, (2,), (1,))}, f32),
+             ["tensor 'i'", "views storage '0' as I32", "tensor 'w' as F32"])):
+        d = os.path.join(t, name)
+        os.makedirs(d)
+        write(os.path.join(d, "pytorch_model.bin"), data)
+        run("torch_save_legacy", ["inspect", d], 1, ["pytorch_model.bin"] + words)
 
 
 def main(argv):

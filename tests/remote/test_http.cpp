@@ -976,3 +976,15 @@ TEST_CASE("http: the tool reads torch DCP folders from nginx as from the local f
   REQUIRE_MESSAGE(pr.code == 0, pr.err);
   for (const std::string f : {"ckpt", "ckpt_single"}) check_same_output((srv.www / "dcp" / f).string(), srv.url("dcp/" + f));
 }
+
+TEST_CASE("http: the tool reads pytorch_model.bin folders and files, zip and legacy, from nginx as from the local folder" *
+          testing::torch_check() * doctest::skip(!have_remote_tool())) {
+  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
+  testing::nginx_site srv;
+  const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py";
+  const auto pr = testing::peer(testing::torch_python, {script.string(), (srv.www / "bin").string()});
+  REQUIRE_MESSAGE(pr.code == 0, pr.err);
+  for (const std::string f : {"single", "sharded", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy/pytorch_model.bin",
+                              "sharded_legacy/pytorch_model-00002-of-00002.bin"})
+    check_same_output((srv.www / "bin" / f).string(), srv.url("bin/" + f));
+}

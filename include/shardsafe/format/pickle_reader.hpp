@@ -309,6 +309,13 @@ class basic_pickle_reader {
     return std::forward<F>(f)(pickle_view(root_));
   }
 
+  /// The bytes read up to and with STOP, after run(): where a next pickle of the same stream
+  /// begins (torch.save's legacy format writes several in turn).
+  std::size_t consumed() const { return pos_; }
+  /// Whether run() failed because the input ended before the pickle did (a caller reading a
+  /// stream a window at a time then reads a larger window), not because of what it holds.
+  bool ran_out() const { return ran_out_; }
+
   // --- for a PickleOpcodePolicy handling an opcode ---
 
   /// Refuses opcode `op` at byte `at`, naming it: what happens to every opcode outside plain
@@ -321,6 +328,7 @@ class basic_pickle_reader {
   [[noreturn]] void bad(const std::string& why) const { fail(errc::invalid_metadata, what_ + ": pickle " + why); }
   /// The next n bytes of the input (an opcode's argument); refuses input that ends before them.
   std::string_view take(std::uint64_t n) {
+    if (n > in_.size() - pos_) ran_out_ = true;
     if (n > in_.size() - pos_) bad("is truncated (needs " + std::to_string(n) + " bytes at byte " + std::to_string(pos_) + ")");
     auto s = in_.substr(pos_, static_cast<std::size_t>(n));
     pos_ += static_cast<std::size_t>(n);
@@ -404,7 +412,10 @@ class basic_pickle_reader {
   // Runs the opcodes up to STOP; root_ is then the value.
   void read() {
     while (true) {
-      if (pos_ >= in_.size()) bad("ends without STOP");
+      if (pos_ >= in_.size()) {
+        ran_out_ = true;
+        bad("ends without STOP");
+      }
       const std::size_t at = pos_;
       const unsigned char op = static_cast<unsigned char>(in_[pos_++]);
       switch (op) {
@@ -415,6 +426,7 @@ class basic_pickle_reader {
         }
         case 0x95: {                                     // FRAME: its bytes must all be there
           const std::uint64_t n = le(take(8));
+          if (n > in_.size() - pos_) ran_out_ = true;
           if (n > in_.size() - pos_)
             bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
                 " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
@@ -770,6 +782,7 @@ class basic_pickle_reader {
   std::string_view in_;
   std::string what_;
   std::size_t pos_ = 0;
+  bool ran_out_ = false;  // the input ended before the pickle did
   std::vector<node*> stack_;
   std::vector<std::size_t> marks_;
   std::deque<node*> memo_;  // a deque: no spare capacity, however many entries

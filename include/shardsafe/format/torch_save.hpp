@@ -11,6 +11,13 @@
 // channels_last layout (safetensors_header::stored_order), so the loaders, unshard, verify and
 // the exports read it as any other file.
 //
+// The legacy format (torch < 1.6, or _use_new_zipfile_serialization=False; old Hugging Face
+// checkpoints) is a stream: five pickles (the magic number, the protocol version 1001, sys_info,
+// the value, the list of storage keys), then each listed storage in turn, an int64 of its
+// elements (little-endian) before its bytes. A tensor's storage is the persistent id
+// ('storage', type, key, location, numel, None); the storages' places follow from the list, the
+// element size of each storage's type and the sizes in the file.
+//
 // data.pkl goes through the torch.save allowlist (format/torch_zip.hpp's
 // torch_tensor_pickle_policy with state_dict: OrderedDict, _rebuild_tensor_v2/_v3,
 // _rebuild_parameter, storage classes, dtypes; any other global is refused by name and nothing
@@ -19,11 +26,16 @@
 //
 // Rules (errc::invalid_metadata, naming the file, the tensor and the rule; errc::unsupported_dtype
 // for a dtype shardsafe has no type for):
-//   - the file is a zip archive, not torch.save's legacy format (refused by name), with the
-//     checks of format/torch_zip.hpp's records (stored, sizes, local headers), of at most 2^20
-//     records, its central directory at most 256 MiB;
-//   - one PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little";
-//   - every tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
+//   - a zip archive: the checks of format/torch_zip.hpp's records (stored, sizes, local
+//     headers), at most 2^20 records, its central directory at most 256 MiB; one
+//     PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little"; every
+//     tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
+//   - the legacy format: its pickles (protocol 2, as torch writes them) end within the file's
+//     first 64 MiB; the protocol version is 1001; sys_info does not say big-endian; no storage
+//     is a view (view_metadata None); the storage list holds at most 2^20 distinct str keys,
+//     each some tensor's, and every tensor's storage is listed; each storage's size in the file
+//     is the elements its persistent id says, and its bytes end inside the file;
+//   - the tensors sharing a storage give it one type (torch views it as the first one's);
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
 //   - flattened names are distinct.
@@ -33,7 +45,9 @@
 // most 4x its size (plus 1 MiB): the memo cannot make one key or tensor stand at a million places.
 //
 // Reads: the archive's last KiB and its central directory, the local header of data.pkl, of
-// byteorder and of each storage a tensor uses (one read each), data.pkl. No tensor data.
+// byteorder and of each storage a tensor uses (one read each), data.pkl. The legacy format: the
+// file's first MiB (more while the pickles run on), each storage's size (64 KiB at a time). No
+// tensor data.
 #pragma once
 
 #include <algorithm>
@@ -72,69 +86,80 @@ struct torch_state_dict_pickle {
   std::size_t other_count = 0;      ///< how many values are not tensors
 };
 
-/// Reads a torch.save data.pkl holding a state dict (rules at the top); `what` names it.
+namespace detail {
+
+/// The state dict a torch.save pickle's value `root` holds, flattened (rules at the top);
+/// `pickle_bytes` is the pickle's size (what bounds the values and names), `w` names it.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what) {
-  const std::string w(what);
-  // values: about one per 8 bytes of a state dict's pickle; the reader's own bound applies too
-  basic_pickle_reader<torch_tensor_pickle_policy> reader(bytes, w, torch_tensor_pickle_policy{true},
-                                                         std::max<std::size_t>(basic_pickle_reader<torch_tensor_pickle_policy>::default_max_values,
-                                                                               bytes.size()));
-  return reader.run([&](pickle_view root) {
-    torch_state_dict_pickle out;
-    if (root.type() != pickle_value::kind::dict)
-      fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
-    auto is_tensor = [](const pickle_view& v) {
-      const auto t = v.find("__tensor__");
-      return t && t->find("__storage__").has_value();
-    };
-    // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
-    // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
-    // about 150 bytes a tensor), checked before a name is made.
-    const std::uint64_t max_values = bytes.size() / 8 + 1024, max_name_bytes = 4 * std::uint64_t(bytes.size()) + (1 << 20);
-    std::uint64_t values = 0, name_bytes = 0;
-    auto leaf = [&](const std::string& name) {
-      if (++values > max_values)
-        fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" +
-                                         std::to_string(bytes.size()) + " bytes of pickle; torch writes about 150 bytes a tensor)");
-      name_bytes += name.size();
-    };
-    auto child = [&](const std::string& name, std::string_view part) {
-      if (name_bytes + name.size() + 1 + part.size() > max_name_bytes)
-        fail(errc::invalid_metadata, w + ": its flattened names pass " + std::to_string(max_name_bytes) +
-                                         " bytes, 4x the pickle's size (one key repeated through the memo?)");
-      return name.empty() ? std::string(part) : name + "." + std::string(part);
-    };
-    auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
-      if (is_tensor(v)) {
-        leaf(name);
-        out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
-      } else if (v.type() == pickle_value::kind::dict) {
-        for (std::size_t i = 0; i < v.size(); ++i) {
-          const pickle_view k = v.key(i);
-          std::string part;
-          if (k.type() == pickle_value::kind::string) part = std::string(k.as_string(""));
-          else if (k.type() == pickle_value::kind::integer) part = std::to_string(k.as_int(""));
-          else
-            fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
-                                             pickle_value::kind_name(k.type()) + " (keys are str or int)");
-          self(self, v.value(i), child(name, part));
-        }
-      } else if (v.is_sequence()) {
-        for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), child(name, std::to_string(i)));
-      } else {
-        leaf(name);
-        if (out.others.size() < 8) out.others.push_back(name);
-        ++out.other_count;
+SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w) {
+  torch_state_dict_pickle out;
+  if (root.type() != pickle_value::kind::dict)
+    fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
+  auto is_tensor = [](const pickle_view& v) {
+    const auto t = v.find("__tensor__");
+    return t && t->find("__storage__").has_value();
+  };
+  // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
+  // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
+  // about 150 bytes a tensor), checked before a name is made.
+  const std::uint64_t max_values = pickle_bytes / 8 + 1024, max_name_bytes = 4 * std::uint64_t(pickle_bytes) + (1 << 20);
+  std::uint64_t values = 0, name_bytes = 0;
+  auto leaf = [&](const std::string& name) {
+    if (++values > max_values)
+      fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" + std::to_string(pickle_bytes) +
+                                       " bytes of pickle; torch writes about 150 bytes a tensor)");
+    name_bytes += name.size();
+  };
+  auto child = [&](const std::string& name, std::string_view part) {
+    if (name_bytes + name.size() + 1 + part.size() > max_name_bytes)
+      fail(errc::invalid_metadata, w + ": its flattened names pass " + std::to_string(max_name_bytes) +
+                                       " bytes, 4x the pickle's size (one key repeated through the memo?)");
+    return name.empty() ? std::string(part) : name + "." + std::string(part);
+  };
+  auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
+    if (is_tensor(v)) {
+      leaf(name);
+      out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
+    } else if (v.type() == pickle_value::kind::dict) {
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const pickle_view k = v.key(i);
+        std::string part;
+        if (k.type() == pickle_value::kind::string) part = std::string(k.as_string(""));
+        else if (k.type() == pickle_value::kind::integer) part = std::to_string(k.as_int(""));
+        else
+          fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
+                                           pickle_value::kind_name(k.type()) + " (keys are str or int)");
+        self(self, v.value(i), child(name, part));
       }
-    };
-    walk(walk, root, "");
-    return out;
-  });
+    } else if (v.is_sequence()) {
+      for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), child(name, std::to_string(i)));
+    } else {
+      leaf(name);
+      if (out.others.size() < 8) out.others.push_back(name);
+      ++out.other_count;
+    }
+  };
+  walk(walk, root, "");
+  return out;
 }
 #else
-SHARDSAFE_DECL torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what);
+SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w);
 #endif
+
+/// The reader of a state dict's pickle: the values it may make are bounded by its size.
+inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(std::string_view bytes, const std::string& w, bool legacy) {
+  using reader = basic_pickle_reader<torch_tensor_pickle_policy>;
+  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy}, std::max<std::size_t>(reader::default_max_values, bytes.size()));
+}
+
+}  // namespace detail
+
+/// Reads a torch.save data.pkl holding a state dict (rules at the top); `what` names it.
+inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what) {
+  const std::string w(what);
+  auto reader = detail::state_dict_pickle_reader(bytes, w, false);
+  return reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
+}
 
 /// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
@@ -143,54 +168,28 @@ struct torch_save_index {
   std::size_t other_count = 0;      ///< how many values are not tensors
 };
 
-/// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
-/// reading only the archive's directory, local headers and data.pkl.
-template <ReadableStorage S>
-torch_save_index index_torch_save_file(const S& st) {
-  const std::string file(st.name());
-  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
-  auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
-  // the legacy format: the magic number's pickle, then the pickles and raw storages in turn
-  if (st.size() >= torch_save_legacy_magic.size() && read_at(0, torch_save_legacy_magic.size()) == torch_save_legacy_magic)
-    bad("a torch.save file in the legacy format (torch < 1.6, or _use_new_zipfile_serialization=False), which is not read "
-        "here: save it again with torch.save's default (zip) format");
-  const detail::zip_directory dir =
-      detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file");
-  const detail::zip_entry* pkl = nullptr;
-  for (const auto& e : dir.entries)
-    if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
-      if (pkl) bad("holds two pickles, '" + pkl->name + "' and '" + e.name + "' (not a torch.save file)");
-      pkl = &e;
-    }
-  if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
-  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);  // "PREFIX/"
-  std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
-  for (const auto& e : dir.entries) {
-    if (e.name == prefix + "byteorder") {
-      const torch_zip_record r = detail::place_zip_record(e, dir.at, read_at, bad);
-      const std::string order = r.size <= 16 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string("?");
-      if (order != "little") bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
-    }
-    if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
-      storages.emplace(e.name.substr(prefix.size() + 5), &e);
-  }
-  const torch_zip_record p = detail::place_zip_record(*pkl, dir.at, read_at, bad);
-  if (p.size > max_torch_save_pickle)
-    bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
-  torch_state_dict_pickle sd = parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
+namespace detail {
 
-  std::map<std::string, torch_zip_record, std::less<>> placed;
+/// The index of a state dict's tensors, each over the storage record storage_of(key, tbad)
+/// gives (tbad throws naming the tensor): the rules of a tensor inside its storage.
+template <class StorageOf>
+torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t file_size, torch_state_dict_pickle sd,
+                                          StorageOf&& storage_of) {
   std::vector<tensor_entry> entries;
   std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
+  // torch makes a storage once, with the type its first tensor gives, and later tensors view it
+  // as that type: a tensor giving another type would read other values here than in torch
+  std::map<std::string_view, std::pair<const std::string*, std::optional<dtype>>> storage_type;
   entries.reserve(sd.tensors.size());
   for (auto& [key, t] : sd.tensors) {
     const std::string ctx = "tensor '" + key + "'";
-    auto tbad = [&](const std::string& rule) { bad(ctx + ": " + rule); };
-    const auto s = storages.find(t.storage_key);
-    if (s == storages.end()) tbad("its storage '" + t.storage_key + "' has no record '" + prefix + "data/" + t.storage_key + "'");
-    auto pl = placed.find(t.storage_key);
-    if (pl == placed.end()) pl = placed.emplace(t.storage_key, detail::place_zip_record(*s->second, dir.at, read_at, bad)).first;
-    const torch_zip_record& rec = pl->second;
+    auto tbad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + ctx + ": " + rule); };
+    const auto [first, fresh] = storage_type.try_emplace(t.storage_key, &key, t.type);
+    if (!fresh && first->second.second != t.type)
+      tbad("views storage '" + t.storage_key + "' as " + (t.type ? std::string(name(*t.type)) : std::string("bytes")) + ", tensor '" +
+           *first->second.first + "' as " + (first->second.second ? std::string(name(*first->second.second)) : std::string("bytes")) +
+           " (torch gives a storage one type)");
+    const torch_zip_record& rec = storage_of(t.storage_key, tbad);
     if (!t.type && !t.view_type) tbad("an untyped storage without a dtype");
     const dtype type = t.view_type ? *t.view_type : *t.type;
     const std::uint64_t item = item_size(type);
@@ -215,7 +214,159 @@ torch_save_index index_torch_save_file(const S& st) {
     if (!order.empty()) orders.emplace(key, std::move(order));
     entries.push_back(std::move(e));
   }
-  return {safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders)), std::move(sd.others), sd.other_count};
+  return {safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)), std::move(sd.others), sd.other_count};
+}
+
+/// The legacy format (rules at the top): five pickles, then each storage in the order the
+/// last lists them, an int64 of its elements before its bytes.
+template <ReadableStorage S>
+torch_save_index index_torch_save_legacy(const S& st) {
+  const std::string file(st.name());
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
+  auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
+  struct pickles {
+    torch_state_dict_pickle sd;
+    std::vector<std::string> keys;  // the storages, in the order their bytes follow
+    std::uint64_t data = 0;         // where the first storage's size is
+  };
+  // The pickles are read from a window of the file's head, 1 MiB first, 8x larger while they
+  // run past its end, up to max_torch_save_pickle.
+  const std::uint64_t limit = std::min<std::uint64_t>(st.size(), max_torch_save_pickle);
+  auto read_pickles = [&](std::string_view b, bool& ran_out) {
+    pickles out;
+    std::size_t at = torch_save_legacy_magic.size();
+    if (b.size() <= at) {
+      ran_out = true;
+      bad("ends in its magic number's pickle");
+    }
+    if (b[at++] != '.') bad("the magic number's pickle does not end at byte 14");
+    auto next = [&](auto& reader, auto&& f) {
+      try {
+        auto v = reader.run(f);
+        at += reader.consumed();
+        return v;
+      } catch (const shardsafe::error&) {
+        ran_out = reader.ran_out();
+        throw;
+      }
+    };
+    auto plain = [&](const char* what) {
+      pickle_reader r(b.substr(at), file + ": " + what);
+      return next(r, [](pickle_view v) { return v.build(); });
+    };
+    const pickle_value version = plain("protocol version");
+    if (version != pickle_value::integer(1001))
+      bad("protocol version " + (version.type() == pickle_value::kind::integer ? std::to_string(version.as_int("")) : std::string("?")) +
+          " is not 1001 (torch.save's legacy format)");
+    const pickle_value info = plain("sys_info");
+    if (const auto* le = info.find("little_endian"); le && *le == pickle_value::boolean(false))
+      bad("was written on a big-endian machine (sys_info little_endian False); only little-endian files are read");
+    const std::string w = file + ": pickle";
+    auto reader = state_dict_pickle_reader(b.substr(at), w, true);
+    const std::size_t left = b.size() - at;
+    out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, left, w); });
+    const pickle_value keys = plain("storage keys");
+    if (keys.type() != pickle_value::kind::list) bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
+    const auto& ks = keys.as_sequence("");
+    if (ks.size() > (std::size_t(1) << 20)) bad("lists " + std::to_string(ks.size()) + " storages (at most 2^20 are read)");
+    for (const auto& k : ks) {
+      if (k.type() != pickle_value::kind::string) bad("a storage key is a " + std::string(pickle_value::kind_name(k.type())) + ", not a str");
+      out.keys.push_back(k.as_string(""));
+    }
+    out.data = at;
+    return out;
+  };
+  pickles p;
+  for (std::uint64_t window = std::min<std::uint64_t>(limit, std::uint64_t(1) << 20);; window = std::min(limit, window * 8)) {
+    const std::string b = read_at(0, static_cast<std::size_t>(window));
+    bool ran_out = false;
+    try {
+      p = read_pickles(b, ran_out);
+      break;
+    } catch (const shardsafe::error&) {
+      if (!ran_out || window == st.size()) throw;
+      if (window == limit)
+        bad("its pickles run past the first " + std::to_string(limit) + " bytes (at most " + std::to_string(max_torch_save_pickle) +
+            " bytes of pickle are read)");
+    }
+  }
+  // each storage's bytes, in the listed order: the element size is its tensors' storage type
+  std::map<std::string_view, std::pair<std::uint64_t, std::uint64_t>> need;  // key -> element size, elements
+  for (const auto& [key, t] : p.sd.tensors) need.try_emplace(t.storage_key, t.type ? item_size(*t.type) : 1, t.storage_numel);
+  std::map<std::string, torch_zip_record, std::less<>> storages;
+  std::string buf;  // the sizes are read 64 KiB at a time: small storages lie close together
+  std::uint64_t buf_at = 0, pos = p.data;
+  for (const std::string& key : p.keys) {
+    const std::string rec = "storage '" + key + "'";
+    const auto n = need.find(key);
+    if (n == need.end()) bad(rec + " of the storage list is no tensor's (only tensors are read)");
+    if (st.size() - pos < 8) bad(rec + ": its size at byte " + std::to_string(pos) + " runs past the file's end (truncated?)");
+    if (pos < buf_at || pos + 8 > buf_at + buf.size()) {
+      buf_at = pos;
+      buf = read_at(pos, static_cast<std::size_t>(std::min<std::uint64_t>(st.size() - pos, 64 << 10)));
+    }
+    const std::uint64_t numel = zip_le(buf, static_cast<std::size_t>(pos - buf_at), 8);
+    if (numel != n->second.second)
+      bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) + ", its tensors' pickle " +
+          std::to_string(n->second.second));
+    const auto bytes = checked_mul(numel, n->second.first);
+    if (!bytes || *bytes > st.size() - pos - 8)
+      bad(rec + ": its " + std::to_string(numel) + " elements at byte " + std::to_string(pos + 8) + " run past the file's end (" +
+          std::to_string(st.size()) + " bytes: truncated?)");
+    if (!storages.try_emplace(key, torch_zip_record{rec, pos + 8, *bytes}).second) bad(rec + " is listed twice");
+    pos += 8 + *bytes;
+  }
+  return index_state_dict_tensors(file, st.size(), std::move(p.sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+    const auto s = storages.find(key);
+    if (s == storages.end()) tbad("its storage '" + key + "' is not in the file's storage list");
+    return s->second;
+  });
+}
+
+}  // namespace detail
+
+/// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
+/// reading only the archive's directory, local headers and data.pkl (the legacy format: its
+/// pickles and each storage's size).
+template <ReadableStorage S>
+torch_save_index index_torch_save_file(const S& st) {
+  const std::string file(st.name());
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
+  auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
+  if (st.size() >= torch_save_legacy_magic.size() && read_at(0, torch_save_legacy_magic.size()) == torch_save_legacy_magic)
+    return detail::index_torch_save_legacy(st);
+  const detail::zip_directory dir =
+      detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file");
+  const detail::zip_entry* pkl = nullptr;
+  for (const auto& e : dir.entries)
+    if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
+      if (pkl) bad("holds two pickles, '" + pkl->name + "' and '" + e.name + "' (not a torch.save file)");
+      pkl = &e;
+    }
+  if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
+  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);  // "PREFIX/"
+  std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
+  for (const auto& e : dir.entries) {
+    if (e.name == prefix + "byteorder") {
+      const torch_zip_record r = detail::place_zip_record(e, dir.at, read_at, bad);
+      const std::string order = r.size <= 16 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string("?");
+      if (order != "little") bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
+    }
+    if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
+      storages.emplace(e.name.substr(prefix.size() + 5), &e);
+  }
+  const torch_zip_record p = detail::place_zip_record(*pkl, dir.at, read_at, bad);
+  if (p.size > max_torch_save_pickle)
+    bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
+  torch_state_dict_pickle sd = parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
+  std::map<std::string, torch_zip_record, std::less<>> placed;
+  return detail::index_state_dict_tensors(file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+    const auto s = storages.find(key);
+    if (s == storages.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
+    auto pl = placed.find(key);
+    if (pl == placed.end()) pl = placed.emplace(key, detail::place_zip_record(*s->second, dir.at, read_at, bad)).first;
+    return pl->second;
+  });
 }
 
 /// Whether st begins as a torch.save file does (a zip's first local header, its method bytes

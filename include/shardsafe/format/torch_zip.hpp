@@ -273,9 +273,11 @@ struct torch_zip_tensor {
 /// and torch.<dtype>; BINPERSID of ('storage', type, key, location, numel). Nothing is called.
 /// With state_dict (a whole state dict's pickle, format/torch_save.hpp) it also takes
 /// torch._utils._rebuild_parameter (a Parameter: its tensor) and BUILD on a dict (a state dict's
-/// `_metadata` attribute, dropped).
+/// `_metadata` attribute, dropped); with legacy, a storage's persistent id is the legacy
+/// format's six-tuple, its view_metadata None.
 struct torch_tensor_pickle_policy {
   bool state_dict = false;
+  bool legacy = false;  ///< torch.save's legacy format: BINPERSID of ('storage', type, key, location, numel, None)
   /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
   static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
     static constexpr std::pair<std::string_view, dtype> table[] = {
@@ -319,9 +321,12 @@ struct torch_tensor_pickle_policy {
     if (op == 'Q') {  // BINPERSID
       const auto pid = r.pop_value();
       const auto* t = pid.type() == k::tuple ? &pid.as_sequence("") : nullptr;
-      if (!t || t->size() != 5 || (*t)[0] != pickle_value::string("storage") || (*t)[2].type() != k::string ||
+      if (!t || t->size() != (legacy ? 6 : 5) || (*t)[0] != pickle_value::string("storage") || (*t)[2].type() != k::string ||
           (*t)[4].type() != k::integer || (*t)[4].as_int("") < 0 || dcp_unpickle_policy::marker_name((*t)[1]).empty())
-        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel)");
+        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel" + (legacy ? ", view_metadata)" : ")"));
+      if (legacy && (*t)[5].type() != k::none)
+        r.bad("BINPERSID" + where + " is a view into another storage (its view_metadata is not None), which torch.save "
+              "does not write; not read here");
       r.push(pickle_value::dict({{pickle_value::string("__storage__"), (*t)[2]},
                                  {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
                                  {pickle_value::string("numel"), (*t)[4]}}));
