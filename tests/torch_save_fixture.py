@@ -10,13 +10,16 @@ keeps of a tensor's storage: a tied pair (one storage, two names), slices of one
 empty tensor, an nn.Parameter. OUT_DIR/sharded/: two files and pytorch_model.bin.index.json, as
 transformers shards. OUT_DIR/nested/: {"model": {...}, "layers": [...]}, names flattened with '.'.
 OUT_DIR/single_legacy/, sharded_legacy/, nested_legacy/: the same in torch.save's legacy format
-(torch < 1.6, _use_new_zipfile_serialization=False).
+(torch < 1.6, _use_new_zipfile_serialization=False); OUT_DIR/single_legacy4/ too, its pickles
+of protocol 4.
 OUT_DIR/expected.json: per folder, per flattened name, its dtype, shape and where its row-major
 bytes are in OUT_DIR/expected.bin (computed by torch, not by shardsafe), and their sha256.
 Refused inputs: OUT_DIR/others/ (an int beside a tensor), OUT_DIR/gappy/ (a slice whose
 elements are not consecutive in its storage), OUT_DIR/legacy_size/ (a legacy file whose first
 storage's size in the file is one more than its pickle says), OUT_DIR/legacy_short/ (a legacy
-file cut 100 bytes short): torch.load refuses the last two as well.
+file cut 100 bytes short): torch.load refuses the last two as well. OUT_DIR/popped/ and
+popped_legacy/: a persistent id, popped at once, names the F16 tensor's storage as F32 first
+(torch then gives the tensor as F32).
 Each file is read back by torch.load before the script ends.
 """
 import hashlib
@@ -26,6 +29,7 @@ import os
 import pickletools
 import struct
 import sys
+import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_compat  # noqa: E402,F401  (torch 1.13 on Python 3.11)
@@ -76,6 +80,8 @@ def main(out):
     expected, blob = {}, bytearray()
     parts = [{k: single[k] for k in ("embed.weight", "proj.weight", "scale")},
              {k: single[k] for k in ("fused", "q", "conv.weight", "mask")}]
+    os.makedirs(os.path.join(out, "single_legacy4"))  # pickles of protocol 4 (FRAME, MEMOIZE, ...)
+    torch.save(single, os.path.join(out, "single_legacy4", "pytorch_model.bin"), _use_new_zipfile_serialization=False, pickle_protocol=4)
     for suffix, kw in (("", {}), ("_legacy", {"_use_new_zipfile_serialization": False})):
         for folder, sd in (("single", single), ("nested", nested)):
             os.makedirs(os.path.join(out, folder + suffix))
@@ -98,8 +104,8 @@ def main(out):
                                    "sha256": hashlib.sha256(b).hexdigest()}
             blob += b
     # torch reads each back as written
-    for folder in ("single", "nested", "single_legacy", "nested_legacy"):
-        back, want = {}, expected[folder.replace("_legacy", "")]
+    for folder in ("single", "nested", "single_legacy", "nested_legacy", "single_legacy4"):
+        back, want = {}, expected[folder.split("_")[0]]
         flatten(torch.load(os.path.join(out, folder, "pytorch_model.bin")), "", back)
         assert sorted(back) == sorted(want), folder
         for k, t in back.items():
@@ -129,6 +135,37 @@ def main(out):
             pass
         else:
             raise AssertionError(f"torch loads {folder}")
+    # a persistent id no tensor holds (popped at once, before the state dict) naming a tensor's
+    # storage as F32: torch makes the storage from it and gives the F16 tensor as F32
+    def pid(key, numel):
+        return (b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX" + struct.pack("<I", len(key)) + key +
+                b"X\x03\x00\x00\x00cpu" + bytes([0x4b, numel]))
+    half = {"b": torch.arange(4, dtype=torch.float16)}
+    buf = io.BytesIO()
+    torch.save(half, buf, _use_new_zipfile_serialization=False)
+    leg = buf.getvalue()
+    f, ends = io.BytesIO(leg), []
+    for _ in range(5):
+        for _ in pickletools.genops(f):
+            pass
+        ends.append(f.tell())
+    # the storage list's one key
+    key = [a for op, a, _ in pickletools.genops(io.BytesIO(leg[ends[3]:ends[4]])) if op.name == "BINUNICODE"][0].encode()
+    popped_legacy = leg[:ends[2] + 2] + pid(key, 4) + b"NtQ0" + leg[ends[2] + 2:] + b"\0" * 8
+    buf = io.BytesIO()
+    torch.save({"b": half["b"][:2]}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out_zip = io.BytesIO()
+    with zipfile.ZipFile(out_zip, "w", zipfile.ZIP_STORED) as z:
+        for n in src.namelist():
+            data = src.read(n)
+            z.writestr(n, data[:2] + pid(b"0", 2) + b"tQ0" + data[2:] if n.endswith("/data.pkl") else data)
+    for folder, data in (("popped_legacy", popped_legacy), ("popped", out_zip.getvalue())):
+        os.makedirs(os.path.join(out, folder))
+        path = os.path.join(out, folder, "pytorch_model.bin")
+        with open(path, "wb") as g:
+            g.write(data)
+        assert torch.load(path, weights_only=False)["b"].dtype == torch.float32, folder  # its restricted unpickler refuses POP
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     with open(os.path.join(out, "expected.bin"), "wb") as f:

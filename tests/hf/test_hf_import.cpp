@@ -499,7 +499,7 @@ std::string zip_twin(const std::string& folder) { return folder.substr(0, folder
 
 TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it, both formats" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
-  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy"}) {
+  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy4"}) {
     CAPTURE(folder);
     const auto want = torch_expected(zip_twin(folder));
     checkpoint_reader<file_directory> r(file_directory(torch_save_fixture() / folder));
@@ -614,8 +614,13 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   // the legacy format: a storage's size in the file other than its pickle's, a file cut short
   // (torch refuses both: the fixture checks)
   testing::expect_error([&] { open(fx / "legacy_size"); }, errc::invalid_metadata,
-                        {"pytorch_model.bin", "storage '", "the file says", "elements at byte", "its tensors' pickle"});
+                        {"pytorch_model.bin", "storage '", "the file says", "elements at byte", "but its persistent id says"});
   testing::expect_error([&] { open(fx / "legacy_short"); }, errc::invalid_metadata, {"pytorch_model.bin", "storage '", "past the file's end"});
+  // a persistent id that no tensor holds names a tensor's F16 storage as F32 first: torch gives
+  // the tensor as F32 (the fixture checks), so it is refused, in both formats
+  for (const std::string f : {"popped", "popped_legacy"})
+    testing::expect_error([&] { open(fx / f); }, errc::invalid_metadata,
+                          {"pytorch_model.bin", "BINPERSID at byte", "as 4 of torch.HalfStorage", "of torch.FloatStorage", "torch would view"});
   // the single file with one global renamed (the same length: the zip's sizes still agree), and cut short
   testing::temp_dir tmp("torch-save-bad");
   std::string bytes = testing::slurp(fx / "single" / "pytorch_model.bin");
@@ -634,7 +639,7 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   fs::create_directories(tmp.path / "evil_legacy");
   testing::write_file(tmp.path / "evil_legacy" / "pytorch_model.bin", legacy);
   testing::expect_error([&] { open(tmp.path / "evil_legacy"); }, errc::invalid_metadata,
-                        {"pytorch_model.bin: pickle", "'collections.OrderedDixx'", "allowlist"});
+                        {"pytorch_model.bin: state dict: pickle", "'collections.OrderedDixx'", "allowlist"});
   // verify: a .bin of the index's set that the index does not name; another pickle beside the
   // weights (transformers' training_args.bin) is not the folder's and is left alone
   fs::copy(fx / "sharded", tmp.path / "sharded");

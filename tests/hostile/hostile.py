@@ -899,8 +899,8 @@ def torch_save_legacy(t):
     pickle, read through growing windows of the file's head: listed, digested and converted in
     bounded time and memory); a 100 MiB file whose pickle never ends (a string of 4 GiB): refused
     after 64 MiB; a storage whose size in the file is not its pickle's, one of 2^62 elements, one
-    listed twice, one no tensor uses, a tensor whose storage is not listed, a storage view, two
-    types over one storage: exit 1 naming each."""
+    listed twice, one the pickle never names, a tensor whose storage is not listed, a storage
+    view, two types over one storage: exit 1 naming each."""
     d = os.path.join(t, "many")
     os.makedirs(d)
     n = 100000
@@ -926,15 +926,15 @@ def torch_save_legacy(t):
     f32 = {"0": ("FloatStorage", 2, b"\0" * 8), "1": ("FloatStorage", 1, b"\0" * 4)}
     w = {"w": ("0", 0, (2,), (1,)), "v": ("1", 0, (1,), (1,))}
     for name, data, words in (
-            ("size", torch_save_legacy_bytes(w, f32, sizes={"1": 2}), ["storage '1'", "the file says 2 elements", "pickle 1"]),
+            ("size", torch_save_legacy_bytes(w, f32, sizes={"1": 2}), ["storage '1'", "the file says 2 elements", "its persistent id says 1"]),
             ("huge", torch_save_legacy_bytes({"w": ("0", 0, (1,), (1,))}, {"0": ("FloatStorage", 1 << 62, b"")}),
              ["storage '0'", "4611686018427387904 elements", "past the file's end"]),
             ("twice", torch_save_legacy_bytes(w, f32, keys=["0", "1", "1"]), ["storage '1' is listed twice"]),
-            ("unused", torch_save_legacy_bytes({"w": w["w"]}, f32), ["storage '1'", "no tensor's"]),
+            ("unnamed", torch_save_legacy_bytes({"w": w["w"]}, f32), ["storage '1'", "named nowhere in the pickle"]),
             ("unlisted", torch_save_legacy_bytes(w, f32, keys=["0"]), ["tensor 'v'", "storage '1' is not in the file's storage list"]),
             ("view", torch_save_legacy_bytes(w, {**f32, "1": f32["1"] + (("2", 0, 1),)}), ["BINPERSID", "view into another storage"]),
             ("types", torch_save_legacy_bytes({**w, "i": (("0", "IntStorage"), 0, (2,), (1,))}, f32),
-             ["tensor 'i'", "views storage '0' as I32", "tensor 'w' as F32"])):
+             ["BINPERSID at byte", "names storage '0' as 2 of torch.IntStorage", "as 2 of torch.FloatStorage"])):
         d = os.path.join(t, name)
         os.makedirs(d)
         write(os.path.join(d, "pytorch_model.bin"), data)

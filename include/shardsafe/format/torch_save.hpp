@@ -30,12 +30,15 @@
 //     headers), at most 2^20 records, its central directory at most 256 MiB; one
 //     PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little"; every
 //     tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
-//   - the legacy format: its pickles (protocol 2, as torch writes them) end within the file's
-//     first 64 MiB; the protocol version is 1001; sys_info does not say big-endian; no storage
-//     is a view (view_metadata None); the storage list holds at most 2^20 distinct str keys,
-//     each some tensor's, and every tensor's storage is listed; each storage's size in the file
-//     is the elements its persistent id says, and its bytes end inside the file;
-//   - the tensors sharing a storage give it one type (torch views it as the first one's);
+//   - the legacy format: its pickles (protocol 2 as torch writes them by default, or 3 to 5)
+//     end within the file's first 64 MiB; the protocol version is 1001; sys_info does not say
+//     big-endian; no storage is a view (view_metadata None); the storage list holds at most
+//     2^20 distinct str keys, each named in the pickle, and every tensor's storage is listed;
+//     each storage's size in the file is the elements its persistent id says (of the element
+//     size of its type), and its bytes end inside the file;
+//   - every persistent id naming one storage key gives it the same type and size, wherever it
+//     stands (a tensor's, or one the reader drops): torch makes the storage from the first and
+//     views it so at every later use;
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
 //   - flattened names are distinct.
@@ -45,7 +48,8 @@
 // most 4x its size (plus 1 MiB): the memo cannot make one key or tensor stand at a million places.
 //
 // Reads: the archive's last KiB and its central directory, the local header of data.pkl, of
-// byteorder and of each storage a tensor uses (one read each), data.pkl. The legacy format: the
+// byteorder and of each storage a tensor uses (in the archive's order: one read for a record of
+// 64 KiB or more, one 64 KiB window for small ones that lie together), data.pkl. The legacy format: the
 // file's first MiB (more while the pickles run on), each storage's size (64 KiB at a time). No
 // tensor data.
 #pragma once
@@ -75,8 +79,22 @@ namespace shardsafe {
 inline constexpr std::uint64_t max_torch_save_pickle = std::uint64_t(64) << 20;
 
 /// What a torch.save file in the legacy format (torch < 1.6, or
-/// _use_new_zipfile_serialization=False) begins with: its pickled magic number.
-inline constexpr std::string_view torch_save_legacy_magic("\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 14);
+/// _use_new_zipfile_serialization=False) begins with, after PROTO (and, from protocol 4 on, a
+/// FRAME): its pickled magic number, LONG1 of 0x1950a86a20f9469cfc6c.
+inline constexpr std::string_view torch_save_legacy_magic("\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19", 12);
+
+/// The bytes of the legacy format's first pickle (the magic number, with PROTO 2 to 5, a FRAME
+/// where protocol 4 or 5 writes one, and STOP) when b begins with it, else 0: at most 24 bytes
+/// are looked at.
+inline std::size_t torch_save_legacy_magic_size(std::string_view b) {
+  if (b.size() < 2 || b[0] != '\x80' || b[1] < 2 || b[1] > 5) return 0;
+  std::size_t at = 2;
+  if (b.size() > at && b[at] == '\x95') at += 9;  // FRAME and its 8-byte length
+  if (b.size() < at + torch_save_legacy_magic.size() + 1 || b.substr(at, torch_save_legacy_magic.size()) != torch_save_legacy_magic ||
+      b[at + torch_save_legacy_magic.size()] != '.')
+    return 0;
+  return at + torch_save_legacy_magic.size() + 1;
+}
 
 /// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
 /// order, and its other values (the first few by name, and how many).
@@ -99,6 +117,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
     const auto t = v.find("__tensor__");
     return t && t->find("__storage__").has_value();
   };
+  auto is_storage = [](const pickle_view& v) { return v.find("__storage__").has_value(); };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
@@ -120,7 +139,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
     if (is_tensor(v)) {
       leaf(name);
       out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
-    } else if (v.type() == pickle_value::kind::dict) {
+    } else if (v.type() == pickle_value::kind::dict && !is_storage(v)) {  // a bare storage is one value, not a tensor
       for (std::size_t i = 0; i < v.size(); ++i) {
         const pickle_view k = v.key(i);
         std::string part;
@@ -146,10 +165,12 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
 SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w);
 #endif
 
-/// The reader of a state dict's pickle: the values it may make are bounded by its size.
-inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(std::string_view bytes, const std::string& w, bool legacy) {
+/// The reader of a state dict's pickle: the values it may make are bounded by its size; every
+/// storage it names is recorded in `storages` (torch_tensor_pickle_policy::storages).
+inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(std::string_view bytes, const std::string& w, bool legacy,
+                                                                                std::map<std::string, torch_storage_id, std::less<>>& storages) {
   using reader = basic_pickle_reader<torch_tensor_pickle_policy>;
-  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy}, std::max<std::size_t>(reader::default_max_values, bytes.size()));
+  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages}, std::max<std::size_t>(reader::default_max_values, bytes.size()));
 }
 
 }  // namespace detail
@@ -157,7 +178,8 @@ inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(
 /// Reads a torch.save data.pkl holding a state dict (rules at the top); `what` names it.
 inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what) {
   const std::string w(what);
-  auto reader = detail::state_dict_pickle_reader(bytes, w, false);
+  std::map<std::string, torch_storage_id, std::less<>> storages;
+  auto reader = detail::state_dict_pickle_reader(bytes, w, false, storages);
   return reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
 }
 
@@ -177,18 +199,10 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
                                           StorageOf&& storage_of) {
   std::vector<tensor_entry> entries;
   std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
-  // torch makes a storage once, with the type its first tensor gives, and later tensors view it
-  // as that type: a tensor giving another type would read other values here than in torch
-  std::map<std::string_view, std::pair<const std::string*, std::optional<dtype>>> storage_type;
   entries.reserve(sd.tensors.size());
   for (auto& [key, t] : sd.tensors) {
     const std::string ctx = "tensor '" + key + "'";
     auto tbad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + ctx + ": " + rule); };
-    const auto [first, fresh] = storage_type.try_emplace(t.storage_key, &key, t.type);
-    if (!fresh && first->second.second != t.type)
-      tbad("views storage '" + t.storage_key + "' as " + (t.type ? std::string(name(*t.type)) : std::string("bytes")) + ", tensor '" +
-           *first->second.first + "' as " + (first->second.second ? std::string(name(*first->second.second)) : std::string("bytes")) +
-           " (torch gives a storage one type)");
     const torch_zip_record& rec = storage_of(t.storage_key, tbad);
     if (!t.type && !t.view_type) tbad("an untyped storage without a dtype");
     const dtype type = t.view_type ? *t.view_type : *t.type;
@@ -226,6 +240,7 @@ torch_save_index index_torch_save_legacy(const S& st) {
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
   struct pickles {
     torch_state_dict_pickle sd;
+    std::map<std::string, torch_storage_id, std::less<>> ids;  // every storage the pickle names
     std::vector<std::string> keys;  // the storages, in the order their bytes follow
     std::uint64_t data = 0;         // where the first storage's size is
   };
@@ -234,12 +249,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
   const std::uint64_t limit = std::min<std::uint64_t>(st.size(), max_torch_save_pickle);
   auto read_pickles = [&](std::string_view b, bool& ran_out) {
     pickles out;
-    std::size_t at = torch_save_legacy_magic.size();
-    if (b.size() <= at) {
-      ran_out = true;
-      bad("ends in its magic number's pickle");
-    }
-    if (b[at++] != '.') bad("the magic number's pickle does not end at byte 14");
+    std::size_t at = torch_save_legacy_magic_size(b);
+    if (at == 0) bad("does not begin with the legacy format's magic number");
     auto next = [&](auto& reader, auto&& f) {
       try {
         auto v = reader.run(f);
@@ -251,7 +262,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
       }
     };
     auto plain = [&](const char* what) {
-      pickle_reader r(b.substr(at), file + ": " + what);
+      // a value of the storage list's 2^20 keys is the named rule's to refuse
+      pickle_reader r(b.substr(at), file + ": " + what, {}, std::size_t(1) << 21);
       return next(r, [](pickle_view v) { return v.build(); });
     };
     const pickle_value version = plain("protocol version");
@@ -261,10 +273,9 @@ torch_save_index index_torch_save_legacy(const S& st) {
     const pickle_value info = plain("sys_info");
     if (const auto* le = info.find("little_endian"); le && *le == pickle_value::boolean(false))
       bad("was written on a big-endian machine (sys_info little_endian False); only little-endian files are read");
-    const std::string w = file + ": pickle";
-    auto reader = state_dict_pickle_reader(b.substr(at), w, true);
-    const std::size_t left = b.size() - at;
-    out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, left, w); });
+    const std::string w = file + ": state dict";  // "FILE: state dict: pickle <rule>"
+    auto reader = state_dict_pickle_reader(b.substr(at), w, true, out.ids);
+    out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, reader.consumed(), w); });
     const pickle_value keys = plain("storage keys");
     if (keys.type() != pickle_value::kind::list) bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
     const auto& ks = keys.as_sequence("");
@@ -290,26 +301,29 @@ torch_save_index index_torch_save_legacy(const S& st) {
             " bytes of pickle are read)");
     }
   }
-  // each storage's bytes, in the listed order: the element size is its tensors' storage type
-  std::map<std::string_view, std::pair<std::uint64_t, std::uint64_t>> need;  // key -> element size, elements
-  for (const auto& [key, t] : p.sd.tensors) need.try_emplace(t.storage_key, t.type ? item_size(*t.type) : 1, t.storage_numel);
+  // each storage's bytes, in the listed order: its elements of the type its first persistent id
+  // gives (where it stands: torch reads every listed storage, a tensor's or not)
   std::map<std::string, torch_zip_record, std::less<>> storages;
   std::string buf;  // the sizes are read 64 KiB at a time: small storages lie close together
   std::uint64_t buf_at = 0, pos = p.data;
   for (const std::string& key : p.keys) {
     const std::string rec = "storage '" + key + "'";
-    const auto n = need.find(key);
-    if (n == need.end()) bad(rec + " of the storage list is no tensor's (only tensors are read)");
+    const auto id = p.ids.find(key);
+    if (id == p.ids.end()) bad(rec + " of the storage list is named nowhere in the pickle");
+    const auto type = id->second.type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(id->second.type).substr(6))
+                                                           : std::nullopt;
+    if (!type) bad(rec + ": its type '" + id->second.type + "' is not a torch storage class");
+    const std::uint64_t item = *type ? item_size(**type) : 1;
     if (st.size() - pos < 8) bad(rec + ": its size at byte " + std::to_string(pos) + " runs past the file's end (truncated?)");
     if (pos < buf_at || pos + 8 > buf_at + buf.size()) {
       buf_at = pos;
       buf = read_at(pos, static_cast<std::size_t>(std::min<std::uint64_t>(st.size() - pos, 64 << 10)));
     }
     const std::uint64_t numel = zip_le(buf, static_cast<std::size_t>(pos - buf_at), 8);
-    if (numel != n->second.second)
-      bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) + ", its tensors' pickle " +
-          std::to_string(n->second.second));
-    const auto bytes = checked_mul(numel, n->second.first);
+    if (numel != id->second.numel)
+      bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) + " but its persistent id says " +
+          std::to_string(id->second.numel));
+    const auto bytes = checked_mul(numel, item);
     if (!bytes || *bytes > st.size() - pos - 8)
       bad(rec + ": its " + std::to_string(numel) + " elements at byte " + std::to_string(pos + 8) + " run past the file's end (" +
           std::to_string(st.size()) + " bytes: truncated?)");
@@ -333,7 +347,7 @@ torch_save_index index_torch_save_file(const S& st) {
   const std::string file(st.name());
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
-  if (st.size() >= torch_save_legacy_magic.size() && read_at(0, torch_save_legacy_magic.size()) == torch_save_legacy_magic)
+  if (torch_save_legacy_magic_size(read_at(0, static_cast<std::size_t>(std::min<std::uint64_t>(st.size(), 24)))) != 0)
     return detail::index_torch_save_legacy(st);
   const detail::zip_directory dir =
       detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file");
@@ -359,23 +373,45 @@ torch_save_index index_torch_save_file(const S& st) {
   if (p.size > max_torch_save_pickle)
     bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
   torch_state_dict_pickle sd = parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
-  std::map<std::string, torch_zip_record, std::less<>> placed;
+  // The storages the tensors use, placed in the archive's order through a 64 KiB window: a
+  // small record's successor lies in the same window (40,000 storages of 64 bytes: 117 reads in
+  // all, not 40,000 requests over HTTP); a large record's header is read alone.
+  std::vector<const detail::zip_entry*> used;
+  for (const auto& t : sd.tensors)
+    if (const auto s = storages.find(t.second.storage_key); s != storages.end()) used.push_back(s->second);
+  std::sort(used.begin(), used.end(), [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
+  used.erase(std::unique(used.begin(), used.end()), used.end());
+  std::string win;
+  std::uint64_t win_at = 0;
+  bool small = false;
+  auto header_read = [&](std::uint64_t off, std::size_t n) {
+    if (win_at <= off && off - win_at <= win.size() && n <= win.size() - (off - win_at))
+      return win.substr(static_cast<std::size_t>(off - win_at), n);
+    if (!small || off >= dir.at) return read_at(off, n);
+    win_at = off;
+    win = read_at(off, static_cast<std::size_t>(std::max<std::uint64_t>(n, std::min<std::uint64_t>(64 << 10, dir.at - off))));
+    return win.substr(0, n);
+  };
+  std::map<std::string_view, torch_zip_record> placed;
+  for (const detail::zip_entry* e : used) {
+    small = e->usize < (64 << 10);
+    placed.emplace(std::string_view(e->name).substr(prefix.size() + 5), detail::place_zip_record(*e, dir.at, header_read, bad));
+  }
   return detail::index_state_dict_tensors(file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
-    const auto s = storages.find(key);
-    if (s == storages.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
-    auto pl = placed.find(key);
-    if (pl == placed.end()) pl = placed.emplace(key, detail::place_zip_record(*s->second, dir.at, read_at, bad)).first;
+    const auto pl = placed.find(key);
+    if (pl == placed.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
     return pl->second;
   });
 }
 
 /// Whether st begins as a torch.save file does (a zip's first local header, its method bytes
-/// not a safetensors header's '{', or the legacy format's magic number): one read of 14 bytes.
+/// not a safetensors header's '{', or the legacy format's pickled magic number): one read of
+/// at most 24 bytes.
 template <ReadableStorage S>
 bool is_torch_save_file(const S& st) {
   if (st.size() < 14) return false;
-  const std::string b = detail::read_string(st, 0, 14);
-  return (b.starts_with("PK\x03\x04") && b[8] != '{') || b.starts_with(torch_save_legacy_magic.substr(0, 8));
+  const std::string b = detail::read_string(st, 0, static_cast<std::size_t>(std::min<std::uint64_t>(st.size(), 24)));
+  return (b.starts_with("PK\x03\x04") && b[8] != '{') || torch_save_legacy_magic_size(b) != 0;
 }
 
 /// The index of a torch.save file that holds tensors only (index_torch_save_file); a value that

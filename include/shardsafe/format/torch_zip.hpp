@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <span>
 #include <string>
@@ -268,6 +269,14 @@ struct torch_zip_tensor {
   std::optional<dtype> view_type;  ///< the tensor's dtype when given apart from its storage (torch 2.x, v3)
 };
 
+/// A storage as the first persistent id naming its key gave it (torch makes it then, and every
+/// later use of the key is that storage, whatever it says).
+struct torch_storage_id {
+  std::string type;  ///< its class or dtype, "torch.FloatStorage"
+  std::uint64_t numel = 0;
+  std::size_t at = 0;  ///< the byte of that BINPERSID
+};
+
 /// The PickleOpcodePolicy of a torch.save data.pkl holding one tensor: the globals
 /// torch._utils._rebuild_tensor_v2, collections.OrderedDict, torch.<T>Storage, torch.UntypedStorage
 /// and torch.<dtype>; BINPERSID of ('storage', type, key, location, numel). Nothing is called.
@@ -278,6 +287,10 @@ struct torch_zip_tensor {
 struct torch_tensor_pickle_policy {
   bool state_dict = false;
   bool legacy = false;  ///< torch.save's legacy format: BINPERSID of ('storage', type, key, location, numel, None)
+  /// When set, every storage the pickle names, by key, wherever it stands (a tensor's, one
+  /// popped, one in an argument the reader drops): a later id naming the key with another type
+  /// or size is refused (torch would view the first storage as its type and size).
+  std::map<std::string, torch_storage_id, std::less<>>* storages = nullptr;
   /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
   static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
     static constexpr std::pair<std::string_view, dtype> table[] = {
@@ -327,6 +340,15 @@ struct torch_tensor_pickle_policy {
       if (legacy && (*t)[5].type() != k::none)
         r.bad("BINPERSID" + where + " is a view into another storage (its view_metadata is not None), which torch.save "
               "does not write; not read here");
+      if (storages) {
+        const std::string& key = (*t)[2].as_string("");
+        const torch_storage_id id{dcp_unpickle_policy::marker_name((*t)[1]), static_cast<std::uint64_t>((*t)[4].as_int("")), at};
+        const auto [first, fresh] = storages->try_emplace(key, id);
+        if (!fresh && (first->second.type != id.type || first->second.numel != id.numel))
+          r.bad("BINPERSID" + where + " names storage '" + key + "' as " + std::to_string(id.numel) + " of " + id.type +
+                ", the one at byte " + std::to_string(first->second.at) + " as " + std::to_string(first->second.numel) + " of " +
+                first->second.type + " (torch would view the first as both)");
+      }
       r.push(pickle_value::dict({{pickle_value::string("__storage__"), (*t)[2]},
                                  {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
                                  {pickle_value::string("numel"), (*t)[4]}}));
