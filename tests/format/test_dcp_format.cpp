@@ -506,15 +506,19 @@ TEST_CASE("torch zip: data.pkl of a dense tensor in any order of its dimensions 
   // a pickle naming something else
   const std::string evil = pickle(glob("posix", "system") + tup({pstr("ls")}) + "R");
   testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata, {"'posix.system'", "torch.save tensor allowlist"});
-  // plain opcodes can build what _rebuild_tensor_v3 would, with a dtype name that is not torch's
+  // plain opcodes cannot build what _rebuild_tensor_v3 would: the keys the policy gives a
+  // tensor and a storage are no str a pickle can spell (not UTF-8), so a dict of the same shape
+  // under readable names is a dict, not a tensor (torch would load it as a dict)
   for (const std::string dn : {"ab", "float32", "torch.nosuch"}) {
     const std::string plain = pickle(dict({{pstr("__tensor__"), dict({{pstr("__storage__"), pstr("0")},
                                                                       {pstr("type"), pstr("torch.UntypedStorage")},
                                                                       {pstr("numel"), "K\x01"}})},
                                            {pstr("dtype"), pstr(dn)}}));
     testing::expect_error([&] { parse_torch_tensor_pickle(plain, "f data.pkl"); }, errc::invalid_metadata,
-                          {"f data.pkl", "dtype '" + dn + "' is not a torch dtype"});
+                          {"f data.pkl", "does not hold one tensor"});
   }
+  const std::string unspellable = pickle(dict({{std::string("X\x07\x00\x00\x00\xfftensor", 12), dict({})}}));
+  testing::expect_error([&] { parse_torch_tensor_pickle(unspellable, "f data.pkl"); }, errc::invalid_metadata, {"f data.pkl", "not UTF-8"});
 }
 
 TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS format) are read through their headers") {

@@ -941,6 +941,80 @@ def torch_save_legacy(t):
         run("torch_save_legacy", ["inspect", d], 1, ["pytorch_model.bin"] + words)
 
 
+def pickled_tensor(key, numel, cls=b"FloatStorage", fn=b"_rebuild_tensor_v2", extra=b""):
+    """Protocol-2 opcodes of torch._utils.<fn>(storage KEY of numel elements, 0, (numel,), (1,),
+    False, OrderedDict()<, extra arguments>), as torch pickles a tensor (zip format's persistent id)."""
+    return (b"ctorch._utils\n" + fn + b"\n(" +
+            b"(X\x07\x00\x00\x00storagectorch\n" + cls + b"\nX" + struct.pack("<I", len(key)) + key +
+            b"X\x03\x00\x00\x00cpuK" + bytes([numel]) + b"tQ" +
+            b"K\x00K" + bytes([numel]) + b"\x85K\x01\x85\x89ccollections\nOrderedDict\n)R" + extra + b"tR")
+
+
+def torch_zip_of(pkl, records):
+    """A torch.save zip of data.pkl `pkl` (opcodes between PROTO 2 and STOP) and records {name: bytes} under archive/."""
+    import zipfile
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02" + pkl + b".")
+        for name, data in records.items():
+            z.writestr("archive/" + name, data)
+    return out.getvalue()
+
+
+@case
+def torch_save_applied(t):
+    """torch.save files in which torch.load would change a tensor after making it, or read other
+    bytes than the stream shardsafe reads: SETITEM on a tensor (its __setitem__), conj metadata
+    (torch 2.x), a Parameter's state, records named alike but for case, a popped persistent id
+    whose record is missing, a legacy magic number in a 100-byte FRAME, a legacy state dict whose
+    FRAME runs past its STOP, a legacy file whose first 512 bytes pass tarfile's checksum: exit 1
+    naming each; the same file without the change is read."""
+    four = {"data/0": struct.pack("<4f", 1, 2, 3, 4)}
+    w = b"X\x01\x00\x00\x00w"
+    sd = lambda body: b"}(" + body + b"u"  # noqa: E731  a dict of the pairs in body
+    ok = os.path.join(t, "ok")
+    os.makedirs(ok)
+    write(os.path.join(ok, "pytorch_model.bin"), torch_zip_of(sd(w + pickled_tensor(b"0", 4)), four))
+    out, _ = run("torch_save_applied", ["digest", ok], 0)
+    if out != "w F32 [4] " + hashlib.sha256(four["data/0"]).hexdigest() + "\n":
+        raise Failed(f"digest of the plain file: {out!r}")
+    popped = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x009X\x03\x00\x00\x00cpuK\x01tQ0"
+    cases = [
+        ("setitem", torch_zip_of(sd(w + pickled_tensor(b"0", 4) + b"2K\x00G" + struct.pack(">d", 100.0) + b"s"), four),
+         ["SETITEM on a tensor", "__setitem__"]),
+        ("conj", torch_zip_of(sd(w + pickled_tensor(b"0", 4, extra=b"}X\x04\x00\x00\x00conj\x88s")), four),
+         ["_rebuild_tensor_v2", "metadata that is not empty"]),
+        ("state", torch_zip_of(sd(w + b"ctorch._utils\n_rebuild_parameter_with_state\n(" + pickled_tensor(b"0", 4) +
+                                  b"\x89ccollections\nOrderedDict\n)R}X\x01\x00\x00\x00xK\x01stR"), four),
+         ["_rebuild_parameter_with_state", "a state that is not empty"]),
+        ("case", torch_zip_of(sd(w + pickled_tensor(b"a", 4)), {"data/a": four["data/0"], "data/A": four["data/0"]}),
+         ["two records named", "alike, but for case"]),
+        ("popped", torch_zip_of(popped + sd(w + pickled_tensor(b"0", 4)), four), ["storage '9'", "no record 'archive/data/9'"]),
+    ]
+    # legacy files: the magic number in a FRAME of 100 bytes; a state dict in a FRAME reaching
+    # past its STOP; a tar header's checksum over the first 512 bytes
+    f32 = {"0": ("FloatStorage", 4, four["data/0"])}
+    legacy = torch_save_legacy_bytes({"w": ("0", 0, (4,), (1,))}, f32)
+    framed = b"\x80\x04\x95" + struct.pack("<Q", 100) + legacy[2:]
+    cases.append(("magic_frame", framed, ["magic number's pickle lies in a FRAME of 100 bytes"]))
+    main_at = legacy.index(b"\x80\x02", 21 + 1)  # after magic, version, sys_info
+    keys_at = legacy.index(b"\x80\x02", main_at + 2)
+    body = legacy[main_at + 2:keys_at]  # the state dict's opcodes through STOP
+    past = legacy[:main_at] + b"\x80\x04\x95" + struct.pack("<Q", len(body) + 8) + body + legacy[keys_at:]
+    cases.append(("frame_past_stop", past, ["STOP at byte", "inside a FRAME"]))
+    import pickle
+    info = pickle.dumps({"protocol_version": 1001, "little_endian": True, "pad": "a" * 600}, protocol=2)
+    tar = bytearray(legacy[:21] + info + legacy[legacy.index(b"\x80\x02", 21 + 1):])
+    tar[148:156] = b" " * 8
+    tar[148:156] = b"%06o\0 " % sum(tar[:512])
+    cases.append(("tar", bytes(tar), ["first 512 bytes are also a tar header"]))
+    for name, data, words in cases:
+        d = os.path.join(t, name)
+        os.makedirs(d)
+        write(os.path.join(d, "pytorch_model.bin"), data)
+        run("torch_save_applied", ["inspect", d], 1, ["pytorch_model.bin"] + words)
+
+
 def main(argv):
     global TOOL
     TOOL = argv[1]

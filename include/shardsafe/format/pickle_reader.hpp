@@ -12,7 +12,9 @@
 // its bytes (pickle_string_cost: a string the memo holds once is copied at each reference when
 // the tree is built, so its bytes count there too); the stack, the memo and the
 // nesting depth have limits; cycles and deep trees are refused; a FRAME that declares more
-// bytes than follow is refused as truncated, as Python does.
+// bytes than follow is refused as truncated, as Python does, and one that runs past STOP too
+// (Python would read the rest of it, so a stream's next pickle would begin elsewhere for it).
+// A policy's value pushed with push_sealed (a tensor) takes no SETITEM or SETITEMS.
 //
 // Memory: the values are made in an arena the reader owns (32 bytes a value, strings read in
 // place from the input, a container's items 8 bytes each; a string the policy makes, such as a
@@ -339,6 +341,13 @@ class basic_pickle_reader {
     std::unordered_map<const void*, node*> seen;
     push(make(v, seen));
   }
+  /// Pushes a value that stands for an object the policy made (a tensor, a storage): SETITEM
+  /// and SETITEMS on it are refused (Python would call the object's __setitem__, which can
+  /// change it), wherever the memo or DUP take it.
+  void push_sealed(const pickle_value& v, const char* what) {
+    push(v);
+    sealed_.emplace(top(), what);
+  }
   /// Pops the value on top of the stack, built as the result would be (cycles, depth and size
   /// refused alike; shared references stay shared); all pops together may build at most
   /// 8 x max_values values.
@@ -430,11 +439,16 @@ class basic_pickle_reader {
           if (n > in_.size() - pos_)
             bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
                 " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
+          frame_end_ = pos_ + static_cast<std::size_t>(n);
           break;
         }
         case '(': marks_.push_back(stack_.size()); break;  // MARK
         case '.': {                                      // STOP
           if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
+          // Python reads a whole frame before its opcodes: a frame reaching past STOP hides
+          // bytes a stream's next pickle would start with here, and Python after them
+          if (frame_end_ > pos_)
+            bad("STOP at byte " + std::to_string(at) + " lies inside a FRAME that runs to byte " + std::to_string(frame_end_));
           root_ = stack_.back();
           return;
         }
@@ -708,7 +722,12 @@ class basic_pickle_reader {
   node* container(kind k, const char* op) {
     node* c = top();
     if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
+    unsealed(c, op);
     return c;
+  }
+  void unsealed(const node* c, const char* op) const {
+    if (const auto s = sealed_.find(c); s != sealed_.end())
+      bad(std::string(op) + " on a " + s->second + " (Python would call its __setitem__, which may change its values)");
   }
   // A container is about to change: every count of values made before is stale (it may be
   // inside any container counted), so the epoch moves on.
@@ -730,6 +749,7 @@ class basic_pickle_reader {
     if (m <= base()) bad("reads an empty stack");
     node* c = stack_[m - 1];
     if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
+    unsealed(c, op);
     return c;
   }
   void memo_put(std::uint64_t i) {
@@ -782,7 +802,9 @@ class basic_pickle_reader {
   std::string_view in_;
   std::string what_;
   std::size_t pos_ = 0;
+  std::size_t frame_end_ = 0;  // where the last FRAME's bytes end
   bool ran_out_ = false;  // the input ended before the pickle did
+  std::unordered_map<const node*, const char*> sealed_;  // values push_sealed made: what each stands for
   std::vector<node*> stack_;
   std::vector<std::size_t> marks_;
   std::deque<node*> memo_;  // a deque: no spare capacity, however many entries

@@ -38,7 +38,11 @@
 //     size of its type), and its bytes end inside the file;
 //   - every persistent id naming one storage key gives it the same type and size, wherever it
 //     stands (a tensor's, or one the reader drops): torch makes the storage from the first and
-//     views it so at every later use;
+//     views it so at every later use; a zip holds every such storage's record, of its size;
+//   - nothing torch applies to a tensor after making it: no SETITEM(S) on a tensor or storage,
+//     no _rebuild_tensor metadata (conj, neg) or Parameter state that is not empty; no two
+//     records named alike but for case; no FRAME past its pickle's STOP; a legacy file's first
+//     512 bytes are no tar header (torch.load would read that format instead);
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
 //   - flattened names are distinct.
@@ -89,7 +93,7 @@ inline constexpr std::string_view torch_save_legacy_magic("\x8a\x0a\x6c\xfc\x9c\
 inline std::size_t torch_save_legacy_magic_size(std::string_view b) {
   if (b.size() < 2 || b[0] != '\x80' || b[1] < 2 || b[1] > 5) return 0;
   std::size_t at = 2;
-  if (b.size() > at && b[at] == '\x95') at += 9;  // FRAME and its 8-byte length
+  if (b.size() > at && b[at] == '\x95') at += 9;  // FRAME and its 8-byte length (index_torch_save_legacy checks it)
   if (b.size() < at + torch_save_legacy_magic.size() + 1 || b.substr(at, torch_save_legacy_magic.size()) != torch_save_legacy_magic ||
       b[at + torch_save_legacy_magic.size()] != '.')
     return 0;
@@ -100,6 +104,7 @@ inline std::size_t torch_save_legacy_magic_size(std::string_view b) {
 /// order, and its other values (the first few by name, and how many).
 struct torch_state_dict_pickle {
   std::vector<std::pair<std::string, torch_zip_tensor>> tensors;
+  std::map<std::string, torch_storage_id, std::less<>> storages;  ///< every storage its persistent ids name, by key
   std::vector<std::string> others;  ///< the first 8 values that are not tensors, by flattened name
   std::size_t other_count = 0;      ///< how many values are not tensors
 };
@@ -114,10 +119,10 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   if (root.type() != pickle_value::kind::dict)
     fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
   auto is_tensor = [](const pickle_view& v) {
-    const auto t = v.find("__tensor__");
-    return t && t->find("__storage__").has_value();
+    const auto t = v.find(torch_tensor_key);
+    return t && t->find(torch_storage_key).has_value();
   };
-  auto is_storage = [](const pickle_view& v) { return v.find("__storage__").has_value(); };
+  auto is_storage = [](const pickle_view& v) { return v.find(torch_storage_key).has_value(); };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
@@ -180,7 +185,9 @@ inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view by
   const std::string w(what);
   std::map<std::string, torch_storage_id, std::less<>> storages;
   auto reader = detail::state_dict_pickle_reader(bytes, w, false, storages);
-  return reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
+  torch_state_dict_pickle out = reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
+  out.storages = std::move(storages);
+  return out;
 }
 
 /// The index of a torch.save file of a state dict and its values that are not tensors.
@@ -233,14 +240,55 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
 
 /// The legacy format (rules at the top): five pickles, then each storage in the order the
 /// last lists them, an int64 of its elements before its bytes.
+/// Whether Python's tarfile takes b, 512 bytes, as a tar header: its checksum field, read as
+/// tarfile reads it, equals the sum of its bytes (unsigned or signed) with that field as spaces.
+inline bool passes_tar_checksum(std::string_view b) {
+  if (b.size() != 512 || b.find_first_not_of('\0') == std::string_view::npos) return false;
+  std::int64_t sum_u = 256, sum_s = 256;
+  for (std::size_t i = 0; i < 512; ++i)
+    if (i < 148 || i >= 156) {
+      sum_u += static_cast<unsigned char>(b[i]);
+      sum_s += static_cast<signed char>(b[i]);
+    }
+  const std::string_view f = b.substr(148, 8);
+  std::int64_t n = 0;
+  if (f[0] == '\x80' || f[0] == '\xff') {  // base-256
+    for (std::size_t i = 1; i < 8; ++i) n = (n << 8) | static_cast<unsigned char>(f[i]);
+    if (f[0] == '\xff') n -= std::int64_t(1) << 56;
+  } else {  // octal text up to a NUL, blanks around it; int(s, 8) also takes a sign, 0o and _
+    std::string_view t = f.substr(0, f.find('\0'));
+    while (!t.empty() && std::string_view(" \t\n\r\v\f").find(t.front()) != std::string_view::npos) t.remove_prefix(1);
+    while (!t.empty() && std::string_view(" \t\n\r\v\f").find(t.back()) != std::string_view::npos) t.remove_suffix(1);
+    bool neg = false;
+    if (!t.empty() && (t[0] == '+' || t[0] == '-')) {
+      neg = t[0] == '-';
+      t.remove_prefix(1);
+    }
+    if (t.size() >= 2 && t[0] == '0' && (t[1] == 'o' || t[1] == 'O')) t.remove_prefix(2);
+    bool digit = false;
+    for (const char ch : t) {
+      if (ch == '_') continue;
+      if (ch < '0' || ch > '7') return false;
+      n = n * 8 + (ch - '0');
+      digit = true;
+    }
+    if (!digit && !t.empty()) return false;
+    if (neg) n = -n;
+  }
+  return n == sum_u || n == sum_s;
+}
+
 template <ReadableStorage S>
 torch_save_index index_torch_save_legacy(const S& st) {
   const std::string file(st.name());
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
+  // torch.load tries torch < 0.4's tar format first, on a file whose first block tarfile takes
+  // as a tar header, and then reads no pickle of this stream
+  if (st.size() >= 512 && passes_tar_checksum(read_at(0, 512)))
+    bad("its first 512 bytes are also a tar header, which torch.load reads first (the tar format of torch < 0.4): not read here");
   struct pickles {
     torch_state_dict_pickle sd;
-    std::map<std::string, torch_storage_id, std::less<>> ids;  // every storage the pickle names
     std::vector<std::string> keys;  // the storages, in the order their bytes follow
     std::uint64_t data = 0;         // where the first storage's size is
   };
@@ -251,6 +299,10 @@ torch_save_index index_torch_save_legacy(const S& st) {
     pickles out;
     std::size_t at = torch_save_legacy_magic_size(b);
     if (at == 0) bad("does not begin with the legacy format's magic number");
+    // Python reads a FRAME whole: one longer than the 13 bytes to STOP would hide the start of
+    // the next pickle from torch (the reader checks the later pickles' frames itself)
+    if (at > 15 && b.substr(3, 8) != std::string_view("\x0d\0\0\0\0\0\0\0", 8))
+      bad("the magic number's pickle lies in a FRAME of " + std::to_string(zip_le(b, 3, 8)) + " bytes, not 13 (Python would skip the rest of it)");
     auto next = [&](auto& reader, auto&& f) {
       try {
         auto v = reader.run(f);
@@ -274,8 +326,10 @@ torch_save_index index_torch_save_legacy(const S& st) {
     if (const auto* le = info.find("little_endian"); le && *le == pickle_value::boolean(false))
       bad("was written on a big-endian machine (sys_info little_endian False); only little-endian files are read");
     const std::string w = file + ": state dict";  // "FILE: state dict: pickle <rule>"
-    auto reader = state_dict_pickle_reader(b.substr(at), w, true, out.ids);
+    std::map<std::string, torch_storage_id, std::less<>> ids;
+    auto reader = state_dict_pickle_reader(b.substr(at), w, true, ids);
     out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, reader.consumed(), w); });
+    out.sd.storages = std::move(ids);
     const pickle_value keys = plain("storage keys");
     if (keys.type() != pickle_value::kind::list) bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
     const auto& ks = keys.as_sequence("");
@@ -308,8 +362,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
   std::uint64_t buf_at = 0, pos = p.data;
   for (const std::string& key : p.keys) {
     const std::string rec = "storage '" + key + "'";
-    const auto id = p.ids.find(key);
-    if (id == p.ids.end()) bad(rec + " of the storage list is named nowhere in the pickle");
+    const auto id = p.sd.storages.find(key);
+    if (id == p.sd.storages.end()) bad(rec + " of the storage list is named nowhere in the pickle");
     const auto type = id->second.type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(id->second.type).substr(6))
                                                            : std::nullopt;
     if (!type) bad(rec + ": its type '" + id->second.type + "' is not a torch storage class");
@@ -377,10 +431,9 @@ torch_save_index index_torch_save_file(const S& st) {
   // small record's successor lies in the same window (40,000 storages of 64 bytes: 117 reads in
   // all, not 40,000 requests over HTTP); a large record's header is read alone.
   std::vector<const detail::zip_entry*> used;
-  for (const auto& t : sd.tensors)
-    if (const auto s = storages.find(t.second.storage_key); s != storages.end()) used.push_back(s->second);
+  for (const auto& id : sd.storages)
+    if (const auto s = storages.find(id.first); s != storages.end()) used.push_back(s->second);
   std::sort(used.begin(), used.end(), [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
-  used.erase(std::unique(used.begin(), used.end()), used.end());
   std::string win;
   std::uint64_t win_at = 0;
   bool small = false;
@@ -397,11 +450,25 @@ torch_save_index index_torch_save_file(const S& st) {
     small = e->usize < (64 << 10);
     placed.emplace(std::string_view(e->name).substr(prefix.size() + 5), detail::place_zip_record(*e, dir.at, header_read, bad));
   }
-  return detail::index_state_dict_tensors(file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+  const auto ids = std::move(sd.storages);
+  torch_save_index x =
+      detail::index_state_dict_tensors(file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+        const auto pl = placed.find(key);
+        if (pl == placed.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
+        return pl->second;
+      });
+  // a persistent id no tensor holds still makes torch load its storage: without its record, or
+  // with one of another size, torch.load refuses the file
+  for (const auto& [key, id] : ids) {
     const auto pl = placed.find(key);
-    if (pl == placed.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
-    return pl->second;
-  });
+    const auto type = id.type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(id.type).substr(6)) : std::nullopt;
+    const auto bytes = type ? detail::checked_mul(id.numel, *type ? item_size(**type) : 1) : std::nullopt;
+    if (pl == placed.end() || !bytes || *bytes != pl->second.size)
+      bad("storage '" + key + "' (its persistent id at byte " + std::to_string(id.at) + " of data.pkl: " + std::to_string(id.numel) + " of " +
+          id.type + ") has " + (pl == placed.end() ? "no record '" + prefix + "data/" + key + "'" : "a record of " + std::to_string(pl->second.size) + " bytes") +
+          " (torch.load would refuse the file)");
+  }
+  return x;
 }
 
 /// Whether st begins as a torch.save file does (a zip's first local header, its method bytes

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <optional>
 #include <span>
 #include <string>
@@ -179,6 +180,16 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
     all.push_back(std::move(e));
     p += 46 + n + x + c;
   }
+  // torch's zip reader finds a record by its name without telling case apart (and of two alike,
+  // not always the first): two names alike so would be read as other records than torch's
+  std::set<std::string> names;
+  for (const auto& e : all) {
+    std::string folded = e.name;
+    for (char& ch : folded)
+      if (ch >= 'A' && ch <= 'Z') ch = static_cast<char>(ch - 'A' + 'a');
+    if (!names.insert(std::move(folded)).second)
+      bad("holds two records named '" + e.name + "' alike, but for case (torch's reader does not tell them apart)");
+  }
   return out;
 }
 
@@ -269,6 +280,10 @@ struct torch_zip_tensor {
   std::optional<dtype> view_type;  ///< the tensor's dtype when given apart from its storage (torch 2.x, v3)
 };
 
+/// The first keys of the dicts torch_tensor_pickle_policy makes for a tensor and for a storage:
+/// not UTF-8, so that no str a pickle spells is one (a plain dict cannot pass for a tensor).
+inline constexpr std::string_view torch_tensor_key = "\xff" "tensor", torch_storage_key = "\xff" "storage";
+
 /// A storage as the first persistent id naming its key gave it (torch makes it then, and every
 /// later use of the key is that storage, whatever it says).
 struct torch_storage_id {
@@ -349,9 +364,10 @@ struct torch_tensor_pickle_policy {
                 ", the one at byte " + std::to_string(first->second.at) + " as " + std::to_string(first->second.numel) + " of " +
                 first->second.type + " (torch would view the first as both)");
       }
-      r.push(pickle_value::dict({{pickle_value::string("__storage__"), (*t)[2]},
-                                 {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
-                                 {pickle_value::string("numel"), (*t)[4]}}));
+      r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_storage_key)), (*t)[2]},
+                                        {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
+                                        {pickle_value::string("numel"), (*t)[4]}}),
+                    "storage");
       return true;
     }
     if (op == 'R') {
@@ -359,20 +375,44 @@ struct torch_tensor_pickle_policy {
       const auto name = dcp_unpickle_policy::marker_name(fn);
       if (args.type() != k::tuple) r.bad("REDUCE" + where + " without an argument tuple");
       const auto& a = args.as_sequence("");
+      // what torch applies after making a tensor and would change its values (torch 2.x's
+      // metadata: the conj and neg bits; a Parameter's state: setattr, `data` among them) must be
+      // absent, None or empty
+      auto inert = [](const pickle_value& v, auto& self) -> bool {
+        if (v.type() == k::none) return true;
+        if (v.type() == k::dict) return v.dict_size() == 0;
+        if (v.type() == k::tuple || v.type() == k::list) {
+          for (const auto& x : v.as_sequence(""))
+            if (!self(x, self)) return false;
+          return true;
+        }
+        return false;
+      };
+      auto inert_from = [&](std::size_t i, const char* what) {
+        for (; i < a.size(); ++i)
+          if (!inert(a[i], inert))
+            r.bad("REDUCE" + where + " of '" + name + "' with " + what + " that is not empty (torch would apply it to the tensor: " +
+                  "a conjugate or negative view, or a changed attribute); not read here");
+      };
       if (name == "collections.OrderedDict" && a.empty()) {
         r.push(pickle_value::dict());
-      } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find("__storage__")) {
-        r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
-                                   {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}));
-      } else if (name == "torch._utils._rebuild_tensor_v3" && a.size() >= 7 && a[0].find("__storage__") &&
+      } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find(torch_storage_key)) {
+        inert_from(6, "metadata");
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}),
+                      "tensor");
+      } else if (name == "torch._utils._rebuild_tensor_v3" && a.size() >= 7 && a[0].find(torch_storage_key) &&
                  dcp_unpickle_policy::marker_name(a[6]).starts_with("torch.")) {
         // torch 2.x, dtypes without a typed storage (float8, uint16/32/64): an untyped (byte)
         // storage and the dtype as the seventh argument
-        r.push(pickle_value::dict({{pickle_value::string("__tensor__"), a[0]}, {pickle_value::string("offset"), a[1]},
-                                   {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
-                                   {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}));
-      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find("__tensor__")) {
-        r.push(a[0]);  // a Parameter is its tensor here (requires_grad and hooks are not data)
+        inert_from(7, "metadata");
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
+                                          {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}),
+                      "tensor");
+      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find(torch_tensor_key)) {
+        inert_from(3, "a state");
+        r.push_sealed(a[0], "tensor");  // a Parameter is its tensor here (requires_grad and hooks are not data)
       } else {
         r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
       }
@@ -381,7 +421,8 @@ struct torch_tensor_pickle_policy {
     if (op == 'b' && state_dict) {  // BUILD: an OrderedDict's attributes (a state dict's _metadata), dropped
       // torch applies BUILD on a tensor (set_: another storage, offset, size): refused, as is
       // any state but {'_metadata': ...}, so that no byte range here differs from torch's load
-      if (r.kind_at(1) != k::dict || r.first_key_at(1) == "__tensor__") r.bad("BUILD" + where + " on a value that is not a state dict");
+      if (r.kind_at(1) != k::dict || r.first_key_at(1) == torch_tensor_key || r.first_key_at(1) == torch_storage_key)
+        r.bad("BUILD" + where + " on a value that is not a state dict");
       const auto state = r.pop_value();
       if (state.type() != k::dict || state.dict_size() != 1 || state.dict_key(0) != pickle_value::string("_metadata"))
         r.bad("BUILD" + where + " with a state other than {'_metadata': ...}");
@@ -396,7 +437,7 @@ struct torch_tensor_pickle_policy {
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what) {
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
-  const auto* st = v.find("__tensor__");
+  const auto* st = v.find(torch_tensor_key);
   if (!st) bad("does not hold one tensor (torch._utils._rebuild_tensor_v2)");
   auto uint = [&](const pickle_value& x, const char* field) {
     if (x.type() != pickle_value::kind::integer || x.as_int("") < 0) bad(std::string(field) + " is not a non-negative int");
@@ -409,7 +450,7 @@ SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::stri
     return out;
   };
   torch_zip_tensor t;
-  t.storage_key = st->at("__storage__", what).as_string(what);
+  t.storage_key = st->at(torch_storage_key, what).as_string(what);
   const std::string& type = st->at("type", what).as_string(what);
   const auto st_type = type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(type).substr(6)) : std::nullopt;
   if (!st_type) bad("storage type '" + type + "' is not a torch storage class");
