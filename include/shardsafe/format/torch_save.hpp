@@ -238,8 +238,6 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
   return {safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)), std::move(sd.others), sd.other_count};
 }
 
-/// The legacy format (rules at the top): five pickles, then each storage in the order the
-/// last lists them, an int64 of its elements before its bytes.
 /// Whether Python's tarfile takes b, 512 bytes, as a tar header: its checksum field, read as
 /// tarfile reads it, equals the sum of its bytes (unsigned or signed) with that field as spaces.
 inline bool passes_tar_checksum(std::string_view b) {
@@ -278,6 +276,8 @@ inline bool passes_tar_checksum(std::string_view b) {
   return n == sum_u || n == sum_s;
 }
 
+/// The legacy format (rules at the top): five pickles, then each storage in the order the
+/// last lists them, an int64 of its elements before its bytes.
 template <ReadableStorage S>
 torch_save_index index_torch_save_legacy(const S& st) {
   const std::string file(st.name());
@@ -358,22 +358,17 @@ torch_save_index index_torch_save_legacy(const S& st) {
   // each storage's bytes, in the listed order: its elements of the type its first persistent id
   // gives (where it stands: torch reads every listed storage, a tensor's or not)
   std::map<std::string, torch_zip_record, std::less<>> storages;
-  std::string buf;  // the sizes are read 64 KiB at a time: small storages lie close together
-  std::uint64_t buf_at = 0, pos = p.data;
+  read_window<decltype(read_at)> sizes{read_at};  // 64 KiB at a time: small storages lie close together
+  std::uint64_t pos = p.data;
   for (const std::string& key : p.keys) {
     const std::string rec = "storage '" + key + "'";
     const auto id = p.sd.storages.find(key);
     if (id == p.sd.storages.end()) bad(rec + " of the storage list is named nowhere in the pickle");
-    const auto type = id->second.type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(id->second.type).substr(6))
-                                                           : std::nullopt;
+    const auto type = torch_tensor_pickle_policy::storage_type_of(id->second.type);
     if (!type) bad(rec + ": its type '" + id->second.type + "' is not a torch storage class");
     const std::uint64_t item = *type ? item_size(**type) : 1;
     if (st.size() - pos < 8) bad(rec + ": its size at byte " + std::to_string(pos) + " runs past the file's end (truncated?)");
-    if (pos < buf_at || pos + 8 > buf_at + buf.size()) {
-      buf_at = pos;
-      buf = read_at(pos, static_cast<std::size_t>(std::min<std::uint64_t>(st.size() - pos, 64 << 10)));
-    }
-    const std::uint64_t numel = zip_le(buf, static_cast<std::size_t>(pos - buf_at), 8);
+    const std::uint64_t numel = zip_le(sizes(pos, 8, st.size()), 0, 8);
     if (numel != id->second.numel)
       bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) + " but its persistent id says " +
           std::to_string(id->second.numel));
@@ -434,17 +429,9 @@ torch_save_index index_torch_save_file(const S& st) {
   for (const auto& id : sd.storages)
     if (const auto s = storages.find(id.first); s != storages.end()) used.push_back(s->second);
   std::sort(used.begin(), used.end(), [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
-  std::string win;
-  std::uint64_t win_at = 0;
+  detail::read_window<decltype(read_at)> headers{read_at};
   bool small = false;
-  auto header_read = [&](std::uint64_t off, std::size_t n) {
-    if (win_at <= off && off - win_at <= win.size() && n <= win.size() - (off - win_at))
-      return win.substr(static_cast<std::size_t>(off - win_at), n);
-    if (!small || off >= dir.at) return read_at(off, n);
-    win_at = off;
-    win = read_at(off, static_cast<std::size_t>(std::max<std::uint64_t>(n, std::min<std::uint64_t>(64 << 10, dir.at - off))));
-    return win.substr(0, n);
-  };
+  auto header_read = [&](std::uint64_t off, std::size_t n) { return headers(off, n, dir.at, small); };
   std::map<std::string_view, torch_zip_record> placed;
   for (const detail::zip_entry* e : used) {
     small = e->usize < (64 << 10);
@@ -461,7 +448,7 @@ torch_save_index index_torch_save_file(const S& st) {
   // with one of another size, torch.load refuses the file
   for (const auto& [key, id] : ids) {
     const auto pl = placed.find(key);
-    const auto type = id.type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(id.type).substr(6)) : std::nullopt;
+    const auto type = torch_tensor_pickle_policy::storage_type_of(id.type);
     const auto bytes = type ? detail::checked_mul(id.numel, *type ? item_size(**type) : 1) : std::nullopt;
     if (pl == placed.end() || !bytes || *bytes != pl->second.size)
       bad("storage '" + key + "' (its persistent id at byte " + std::to_string(id.at) + " of data.pkl: " + std::to_string(id.numel) + " of " +

@@ -66,6 +66,23 @@ std::string read_string(const S& st, std::uint64_t off, std::size_t n) {
   return out;
 }
 
+/// Reads through one window kept between calls (headers and sizes that lie close together in a
+/// file): n bytes at off come from the window when it holds them; else, with `ahead`, a new
+/// window of up to 64 KiB at off (never past `end`) is read, or without it the n bytes alone.
+template <class ReadAt>
+struct read_window {
+  ReadAt& read_at;
+  std::string buf;
+  std::uint64_t at = 0;
+  std::string operator()(std::uint64_t off, std::size_t n, std::uint64_t end, bool ahead = true) {
+    if (at <= off && off - at <= buf.size() && n <= buf.size() - (off - at)) return buf.substr(static_cast<std::size_t>(off - at), n);
+    if (!ahead || off >= end) return read_at(off, n);
+    at = off;
+    buf = read_at(off, static_cast<std::size_t>(std::max<std::uint64_t>(n, std::min<std::uint64_t>(64 << 10, end - off))));
+    return buf.substr(0, n);
+  }
+};
+
 inline std::uint64_t zip_le(std::string_view b, std::size_t at, std::size_t n) {
   std::uint64_t x = 0;
   for (std::size_t i = n; i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[at + i]);
@@ -319,6 +336,10 @@ struct torch_tensor_pickle_policy {
     if (auto t = dcp_torch_dtype(n); t && *t) return t;  // newer torch: the dtype itself
     return std::nullopt;
   }
+  /// The same for a full name, "torch.FloatStorage": nullopt unless it is torch's.
+  static std::optional<std::optional<dtype>> storage_type_of(std::string_view full) {
+    return full.starts_with("torch.") ? storage_type(full.substr(6)) : std::nullopt;
+  }
   template <class Reader>
   bool on_opcode(Reader& r, unsigned char op, std::size_t at) const {
     const auto where = " at byte " + std::to_string(at);
@@ -341,7 +362,7 @@ struct torch_tensor_pickle_policy {
       const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
                       full == "collections.OrderedDict" ||
                       (state_dict && (full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state")) ||
-                      (full.starts_with("torch.") && storage_type(std::string_view(full).substr(6)));
+                      storage_type_of(full);
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
       return true;
@@ -452,7 +473,7 @@ SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::stri
   torch_zip_tensor t;
   t.storage_key = st->at(torch_storage_key, what).as_string(what);
   const std::string& type = st->at("type", what).as_string(what);
-  const auto st_type = type.starts_with("torch.") ? torch_tensor_pickle_policy::storage_type(std::string_view(type).substr(6)) : std::nullopt;
+  const auto st_type = torch_tensor_pickle_policy::storage_type_of(type);
   if (!st_type) bad("storage type '" + type + "' is not a torch storage class");
   t.type = *st_type;
   t.storage_numel = uint(st->at("numel", what), "storage numel");
