@@ -5,13 +5,15 @@
 // the same bytes as a torch.save file of a state dict (pytorch_model.bin, index_torch_save_file).
 // Only shardsafe::error (invalid_metadata; unsupported_dtype for a state dict's tensor) may
 // escape; a record it returns lies inside the archive, before the central directory, and is
-// stored; a state dict's tensors lie inside the file.
+// stored; a state dict's tensors lie inside the file; its other values print within the bound
+// asked, and each one written again (pickle_dumps, as to-dcp does) reads back as itself.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 #include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/pickle_writer.hpp"
 #include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/format/torch_zip.hpp"
 #include "shardsafe/storage/memory.hpp"
@@ -64,6 +66,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (const auto& e : x.header.tensors) {
       FUZZ_CHECK(e.begin <= e.end && e.end <= size);
       FUZZ_CHECK(e.nbytes() == e.numel() * item_size(e.type));
+    }
+    // a value that is not a tensor: shown in at most the characters asked; one written again
+    // (to-dcp) reads back as itself
+    for (const auto& v : x.values) {
+      FUZZ_CHECK(pickle_repr(v.value, 60).size() <= 60);
+      if (!v.unwritable.empty()) continue;
+      const std::string again = pickle_dumps(v.value);
+      if (again.size() <= (std::size_t(1) << 16)) FUZZ_CHECK(pickle_loads(again, "f.bin: again") == v.value);
     }
   } catch (const shardsafe::error& e) {
     FUZZ_CHECK(e.code() == errc::invalid_metadata || e.code() == errc::unsupported_dtype);

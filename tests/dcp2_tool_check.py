@@ -2,12 +2,18 @@
 
     python3 tests/dcp2_tool_check.py hf OUT          # an HF folder made here: OUT/hf, OUT/hf_raw/KEY.bin
     python3 tests/dcp2_tool_check.py check DCP RAW   # dcp.load every tensor of DCP; each must equal RAW/KEY.bin
+    python3 tests/dcp2_tool_check.py train PT DCP    # DCP (to-dcp of the torch.save file PT) is torch's dcp.save of it
 
 hf: two safetensors shards and their index, written by Python's safetensors (F32, BF16, F16, I64,
 BOOL, a 0-d and an empty tensor), and every tensor's row-major bytes beside them.
 check: torch's own reader (dcp.load in one process, into tensors allocated from the folder's
 metadata) loads every tensor of DCP; every one must equal RAW/KEY.bin bit for bit, every file of
 RAW must be a tensor of DCP. Prints "ok N tensors" and exits 0, or names what differs.
+train: torch's own dcp.save of torch.load(PT) (one process) is the reference: the same keys, each
+a tensor of the same dtype and size or a value, the same planner_data, and the nested state
+dicts torch's dcp_to_torch_save makes of the two folders equal (types, values, tensors' bytes;
+a dict's keys in any order: the tool writes them in name order, torch in its dict's).
+Prints "ok N keys", or names what differs.
 """
 import json
 import os
@@ -78,8 +84,67 @@ def check(folder, raw):
     return 0
 
 
+def same(a, b, where, bad):
+    """a and b equal: the same types all through, tensors of the same dtype, shape and bytes, dicts
+    of the same keys (in any order)."""
+    if type(a) is not type(b):
+        bad.append("%s: %s against %s" % (where, type(a).__name__, type(b).__name__))
+    elif isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or raw_bytes(a) != raw_bytes(b):
+            bad.append(where + ": tensors differ")
+    elif isinstance(a, dict):
+        if sorted(a) != sorted(b):  # a dict's order is not compared: the tool writes keys in name order
+            bad.append("%s: keys %s against %s" % (where, sorted(a), sorted(b)))
+        for k in a:
+            if k in b:
+                same(a[k], b[k], "%s.%s" % (where, k), bad)
+    elif isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            bad.append("%s: %d items against %d" % (where, len(a), len(b)))
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, "%s.%d" % (where, i), bad)
+    elif a != b and not (a != a and b != b):
+        bad.append("%s: %r against %r" % (where, a, b))
+
+
+def check_train(pt, folder):
+    """FOLDER (the tool's to-dcp of the torch.save file PT) against torch's own dcp.save of
+    torch.load(PT): the same keys, each a tensor (its dtype and size) or a value alike, the same
+    planner_data; and the state dicts torch's dcp_to_torch_save makes of the two are equal."""
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    tmp = tempfile.mkdtemp()
+    ref = os.path.join(tmp, "ref")
+    dcp.save(torch.load(pt, weights_only=True), checkpoint_id=ref)  # no process group: one process
+    ours_md, ref_md = (dcp.FileSystemReader(d).read_metadata() for d in (folder, ref))
+    bad = []
+    a, b = ours_md.state_dict_metadata, ref_md.state_dict_metadata
+    if set(a) != set(b):
+        bad.append("keys differ: only the tool's %s, only torch's %s" % (sorted(set(a) - set(b)), sorted(set(b) - set(a))))
+    for k in sorted(set(a) & set(b)):
+        ta, tb = isinstance(a[k], TensorStorageMetadata), isinstance(b[k], TensorStorageMetadata)
+        if ta != tb or (ta and (a[k].size != b[k].size or a[k].properties.dtype != b[k].properties.dtype)):
+            bad.append(k + ": the item differs: %r against %r" % (a[k], b[k]))
+    if ours_md.planner_data != ref_md.planner_data:
+        bad.append("planner_data differs: %r against %r" % (ours_md.planner_data, ref_md.planner_data))
+    back = []
+    for d in (folder, ref):
+        dcp_to_torch_save(d, d + ".pt")
+        back.append(torch.load(d + ".pt", weights_only=True))
+    same(back[0], back[1], "state dict", bad)
+    if bad:
+        print("\n".join(bad))
+        return 1
+    print("ok %d keys" % len(a))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "hf":
         make_hf(sys.argv[2])
         sys.exit(0)
+    if sys.argv[1] == "train":
+        sys.exit(check_train(sys.argv[2], sys.argv[3]))
     sys.exit(check(sys.argv[2], sys.argv[3]))

@@ -20,12 +20,18 @@ storage's size in the file is one more than its pickle says), OUT_DIR/legacy_sho
 file cut 100 bytes short): torch.load refuses the last two as well. OUT_DIR/popped/ and
 popped_legacy/: a persistent id, popped at once, names the F16 tensor's storage as F32 first
 (torch then gives the tensor as F32).
+OUT_DIR/train/train.pt and train_legacy/train.pt: a training checkpoint (a model's, an AdamW
+optimizer's and an LR scheduler's state dicts after two steps, an epoch, a loss, plain values);
+its tensors in expected.json under "train" (with their paths), its other values in
+OUT_DIR/expected_values.json: per name as torch.distributed.checkpoint flattens them, the path,
+the value pickled by Python (protocol 2, hex) and its repr().
 Each file is read back by torch.load before the script ends.
 """
 import hashlib
 import io
 import json
 import os
+import pickle
 import pickletools
 import struct
 import sys
@@ -53,6 +59,35 @@ def flatten(v, name, out):
     else:
         for i, x in enumerate(v):
             flatten(x, f"{name}.{i}", out)
+
+
+def dcp_flatten(sd):
+    """The leaves of a nested state dict as torch.distributed.checkpoint's flatten_state_dict
+    takes them (torch 2.x's _traverse rules, written out for torch 1.13, which has no DCP): a dict
+    is walked by str(key); a list by index when an item is a tensor, a dict or a list so walked;
+    anything else (a tuple, a list of plain values, a scalar, a tensor) is one leaf. Returns
+    {name: (path, value)}, name the path's parts joined by '.'."""
+    out = {}
+
+    def whole(v):
+        if isinstance(v, dict):
+            return False
+        if not isinstance(v, list):
+            return True
+        return all(not isinstance(e, torch.Tensor) and not (isinstance(e, (dict, list)) and not whole(e)) for e in v)
+
+    def walk(path, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(path + (str(k),), x)
+        elif whole(v):
+            out[".".join(map(str, path))] = (path, v)
+        else:
+            for i, x in enumerate(v):
+                walk(path + (i,), x)
+
+    walk((), sd)
+    return out
 
 
 def main(out):
@@ -167,6 +202,41 @@ def main(out):
         with open(path, "wb") as g:
             g.write(data)
         assert torch.load(path, weights_only=False)["b"].dtype == torch.float32, folder  # its restricted unpickler refuses POP
+    # a training checkpoint: a model, its AdamW optimizer and LR scheduler after two steps, and
+    # plain values; its tensors as flattened, its values as torch.distributed.checkpoint keeps
+    # them (dcp_flatten), each pickled by Python (protocol 2) with its repr() and path
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        loss = model(torch.randn(5, 4)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    train = {"model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(),
+             "scheduler": sched.state_dict(), "epoch": 3, "loss": loss.item(), "note": "adam w", "none": None,
+             "grid": [[1, 2], [3]], "flags": (True, False), "mixed": [torch.arange(3), 5, {"k": 1.5}], "empty": [],
+             "big": 2 ** 62, "inf": float("-inf")}
+    values = {}
+    for suffix, kw in (("", {}), ("_legacy", {"_use_new_zipfile_serialization": False})):
+        os.makedirs(os.path.join(out, "train" + suffix))
+        torch.save(train, os.path.join(out, "train" + suffix, "train.pt"), **kw)
+    expected["train"] = {}
+    for name, (path, v) in sorted(dcp_flatten(train).items()):
+        if isinstance(v, torch.Tensor):
+            b = raw(v)
+            expected["train"][name] = {"dtype": DTYPE[v.dtype], "shape": list(v.shape), "offset": len(blob), "len": len(b),
+                                       "sha256": hashlib.sha256(b).hexdigest(), "path": list(path)}
+            blob += b
+        else:
+            values[name] = {"path": list(path), "pickle": pickle.dumps(v, protocol=2).hex(), "repr": repr(v)}
+    for folder in ("train", "train_legacy"):
+        back = dcp_flatten(torch.load(os.path.join(out, folder, "train.pt")))
+        assert sorted(back) == sorted(list(expected["train"]) + list(values)), folder
+    with open(os.path.join(out, "expected_values.json"), "w") as f:
+        json.dump(values, f, indent=1, sort_keys=True)
     with open(os.path.join(out, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1, sort_keys=True)
     with open(os.path.join(out, "expected.bin"), "wb") as f:

@@ -219,11 +219,12 @@ typename D::reader_type open_file(const input<D>& in) {
   else return in.dir.open(in.file);
 }
 
-/// The index of a kind::file input: its safetensors header, or a torch.save file's (tensors
-/// only, format/torch_save.hpp).
+/// The index of a kind::file input: its safetensors header, or a torch.save file's with the
+/// values of a training checkpoint that are not tensors (format/torch_save.hpp).
 template <ReadableStorage S>
-safetensors_header read_file_header(const S& s) {
-  return is_torch_save_file(s) ? read_torch_save_header(s) : read_safetensors_header(s);
+torch_save_index index_file(const S& s) {
+  if (is_torch_save_file(s)) return index_torch_save_file(s);
+  return {read_safetensors_header(s), {}, {}};
 }
 
 /// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf/folder.hpp).
@@ -336,7 +337,8 @@ int cmd_inspect(const input<D>& in) {
   if (in.k == kind::file) {
     const auto s = open_file(in);
     const bool torch_save = is_torch_save_file(s);
-    auto h = read_file_header(s);
+    const torch_save_index x = index_file(s);
+    const safetensors_header& h = x.header;
     std::uint64_t total = 0;
     for (const auto& t : h.tensors) {
       total += t.nbytes();
@@ -345,8 +347,10 @@ int cmd_inspect(const input<D>& in) {
                       "@" + std::to_string(h.offset_of(t)),
                       order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
     }
+    for (const auto& v : x.values) rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(pickle_repr(v.value, 60))});
     std::string title = "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") + std::to_string(h.tensors.size()) +
                         " tensors, " + std::to_string(total) + " bytes of data" +
+                        (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
                         (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
     for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
     print_rows(title, rows);
@@ -408,7 +412,7 @@ int cmd_verify(const input<D>& in) {
   std::size_t n = 0;
   if (in.k == kind::file) {
     const auto s = open_file(in);
-    n = read_file_header(s).tensors.size();
+    n = index_file(s).header.tensors.size();
   } else if (in.k == kind::hf) {
     const auto h = open_hf(in);
     check_unlisted_hf_files(in.dir, h);
@@ -576,8 +580,16 @@ int cmd_unshard(const input<D>& in, const std::string& out_path) {
     size = unshard_to_safetensors(all, w);
 #endif
   }
-  std::cout << "wrote " << one_line(out_path) << ": " << size << " bytes\n";
+  std::cout << "wrote " << one_line(out_path) << ": " << size << " bytes" << left_out(parts) << "\n";
   return 0;
+}
+
+/// What a safetensors output leaves out of parts: "; N non-tensor item(s) left out (...)", or "".
+template <ReadableDirectory D>
+std::string left_out(const std::vector<ckpt_part<D>>& parts) {
+  std::size_t n = 0;
+  for (const auto& p : parts) n += p.reader->non_tensors().size();
+  return n ? "; " + std::to_string(n) + " non-tensor item(s) left out (safetensors holds tensors; to-dcp keeps them)" : std::string();
 }
 
 /// The warnings of the rules that have one (a preset's): for each, how many names it decided and
@@ -633,7 +645,7 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
   }
   std::cerr << warnings;
   std::cout << "wrote " << one_line(out_path) << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
-            << ", " << st.tensors << " tensors, " << st.bytes << " bytes\n";
+            << ", " << st.tensors << " tensors, " << st.bytes << " bytes" << left_out(parts) << "\n";
   return 0;
 }
 
@@ -653,8 +665,8 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
 
 /// What --help prints after the commands.
 constexpr const char* path_help =
-    "PATH is a safetensors file, a torch.save file of tensors (pytorch_model.bin, read without\n"
-    "running its pickle), a Hugging Face folder (model.safetensors, pytorch_model.bin or an index), a\n"
+    "PATH is a safetensors file, a torch.save file (pytorch_model.bin, or a training checkpoint's\n"
+    ".pt with its epoch and optimizer values; read without running its pickle), a Hugging Face folder (model.safetensors, pytorch_model.bin or an index), a\n"
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
     "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO). Any of these may be a\n"
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"

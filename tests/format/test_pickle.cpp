@@ -985,6 +985,44 @@ for i, e in enumerate(exprs):
 
 // --- metadata.json and model.safetensors.index.json against json.dumps -------------------
 
+TEST_CASE("pickle_repr: a value as Python's repr() writes it, cut to the characters asked" * python_check()) {
+  REQUIRE_PYTHON();
+  // each value pickled by Python and its repr(), both as hex: the pickle read here must print so
+  const std::string script = R"PY(
+values = [None, True, False, 0, -7, 2 ** 62, -2 ** 63, 0.0, -0.0, 1.0, 0.1, 1e-05, 0.0001, 0.00025, 100000.0, 1e15,
+          1e16, 1.5e16, 1.2345678901234568e+17, 123.456, -2.5e-07, 5e-324, 1.7976931348623157e+308, float("inf"),
+          float("-inf"), float("nan"), "adam", "it's", 'say "hi"', "both ' and \"", "tab\tnew\nline\r", "back\\slash",
+          "\x01\x7f", "\u00e9t\u00e9", "", [], (), {}, (1,), (0.9, 0.999), [0, 1, [2, (3,)]], {"a": 1, 2: [None]},
+          {"lr": 0.001, "betas": (0.9, 0.95), "params": [0, 1, 2]}]
+for v in values:
+    print(pickle.dumps(v, protocol=2).hex(), repr(v).encode("utf-8").hex())
+)PY";
+  const auto r = python("import pickle\n" + script, {});
+  REQUIRE_MESSAGE(r.code == 0, r.err);
+  auto unhex = [](std::string_view h) {
+    std::string b;
+    for (std::size_t i = 0; i + 1 < h.size(); i += 2) b += static_cast<char>(std::stoi(std::string(h.substr(i, 2)), nullptr, 16));
+    return b;
+  };
+  std::size_t n = 0;
+  for (const auto& line : lines_of(r.out)) {
+    const auto sp = line.find(' ');
+    REQUIRE(sp != std::string::npos);
+    const pickle_value v = pickle_loads(unhex(std::string_view(line).substr(0, sp)), "Python's pickle");
+    const std::string want = unhex(std::string_view(line).substr(sp + 1));
+    CHECK(pickle_repr(v, 1000) == want);
+    // cut: at most the characters asked, "..." at the end where it is cut and 3 or more are asked
+    for (std::size_t cap : {0, 2, 3, 5, 12}) {
+      const std::string cut = pickle_repr(v, cap);
+      CHECK(cut.size() <= cap);
+      if (want.size() <= cap) CHECK(cut == want);
+      else if (cap >= 3) CHECK(cut == want.substr(0, cap - 3) + "...");
+    }
+    ++n;
+  }
+  CHECK(n == 43);
+}
+
 TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python's json.dumps does" * python_check()) {
   REQUIRE_PYTHON();
   temp_dir dir;

@@ -605,6 +605,97 @@ TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as
   }
 }
 
+TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python pickles them, paths as DCP flattens them; "
+          "the tool lists the values and to-hf says it leaves them out, both formats" * testing::torch_check()) {
+  REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
+  const auto want = torch_expected("train");
+  // the values: name -> (path, Python's pickle of the value, its repr())
+  struct value {
+    pickle_value path, value;
+    std::string repr;
+  };
+  std::map<std::string, value> values;
+  auto path_of = [](simdjson::dom::array a) {
+    std::vector<pickle_value> parts;
+    for (auto p : a)
+      parts.push_back(p.is_string() ? pickle_value::string(std::string(std::string_view(p))) : pickle_value::integer(std::int64_t(p)));
+    return pickle_value::tuple(std::move(parts));
+  };
+  simdjson::dom::parser parser;
+  const std::string vjson = testing::slurp(torch_save_fixture() / "expected_values.json");
+  for (auto [key, v] : simdjson::dom::object(parser.parse(vjson))) {
+    const std::string_view hex(v["pickle"]);
+    std::string bytes;
+    for (std::size_t i = 0; i + 1 < hex.size(); i += 2) bytes += char(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16));
+    values.emplace(std::string(key), value{path_of(v["path"].get_array()), pickle_loads(bytes, "Python's pickle"),
+                                           std::string(std::string_view(v["repr"]))});
+  }
+  std::map<std::string, pickle_value> tensor_paths;
+  const std::string tjson = testing::slurp(torch_save_fixture() / "expected.json");
+  for (auto [key, v] : simdjson::dom::object(parser.parse(tjson)["train"])) tensor_paths.emplace(std::string(key), path_of(v["path"].get_array()));
+  REQUIRE(values.size() >= 20);
+  REQUIRE(values.count("optimizer_state_dict.param_groups.0.betas") == 1);  // a tuple: one value
+  REQUIRE(want.count("optimizer_state_dict.state.0.exp_avg") == 1);
+  for (const std::string folder : {"train", "train_legacy"}) {
+    CAPTURE(folder);
+    const file_directory dir(torch_save_fixture() / folder);
+    checkpoint_reader<file_directory> r(dir, single_file_source(dir, "train.pt"));
+    CHECK(r.metadata().tensors.size() == want.size());
+    // a path is kept where it is not (name,): a nested dict's, a list index's
+    auto check_path = [&](const std::string& key, const pickle_value& path) {
+      const pickle_value* got = r.path_in_state_dict(key);
+      if (path == pickle_value::tuple({pickle_value::string(key)})) CHECK(got == nullptr);
+      else CHECK((got && *got == path));
+    };
+    for (const auto& [key, t] : want) {
+      CAPTURE(key);
+      const tensor_metadata* tm = r.find(key);
+      REQUIRE(tm);
+      CHECK(std::string(name(tm->type)) == t.dtype);
+      CHECK(tm->shape == t.shape);
+      std::string got(t.bytes.size(), '\0');
+      unshard_tensor(r, key, std::as_writable_bytes(std::span<char>(got.data(), got.size())));
+      CHECK(got == t.bytes);
+      check_path(key, tensor_paths.at(key));
+    }
+    CHECK(r.non_tensors().size() == values.size());
+    for (const auto& [key, v] : values) {
+      CAPTURE(key);
+      CHECK(r.read_object(key) == v.value);
+      const std::string a = r.read_object_archive(key);  // as to-dcp writes it: decoded as a DCP item's
+      CHECK(read_dcp_object(memory_storage(byte_buffer(reinterpret_cast<const std::byte*>(a.data()), reinterpret_cast<const std::byte*>(a.data()) + a.size())),
+                            dcp_storage_info{"<memory>", 0, a.size()}, key) == v.value);
+      check_path(key, v.path);
+    }
+    if (!testing::have_tool()) continue;
+    const std::string pt = (torch_save_fixture() / folder / "train.pt").string();
+    const auto ins = testing::run_tool({"inspect", pt});
+    REQUIRE_MESSAGE(ins.code == 0, ins.err);
+    CHECK(ins.out.find(std::to_string(want.size()) + " tensors") != std::string::npos);
+    for (const auto& [key, v] : values)
+      if (v.repr.size() <= 60) CHECK_MESSAGE(ins.out.find("  value: " + v.repr + "\n") != std::string::npos, key << " = " << v.repr);
+    testing::temp_dir out("torch-save-train");
+    const auto x = testing::run_tool({"to-hf", pt, (out.path / "hf").string()});
+    REQUIRE_MESSAGE(x.code == 0, x.err);
+    CHECK(x.out.find(std::to_string(want.size()) + " tensors") != std::string::npos);
+    CHECK(x.out.find(std::to_string(values.size()) + " non-tensor item(s) left out") != std::string::npos);
+  }
+  {
+    // [usage: torch_save_train]
+    // torch.save({"model_state_dict": ..., "optimizer_state_dict": ..., "epoch": 3, ...}), read in place
+    const file_directory folder(torch_save_fixture() / "train");
+    checkpoint_reader<file_directory> ckpt(folder, single_file_source(folder, "train.pt"));
+    std::vector<float> w(8 * 4);
+    unshard_tensor(ckpt, "model_state_dict.0.weight", std::as_writable_bytes(std::span(w)));
+    const std::int64_t epoch = ckpt.read_object("epoch").as_int("epoch");
+    const double lr = ckpt.read_object("optimizer_state_dict.param_groups.0.lr").as_real("lr");
+    // [/usage]
+    CHECK(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4) == want.at("model_state_dict.0.weight").bytes);
+    CHECK(epoch == values.at("epoch").value.as_int(""));
+    CHECK(lr == values.at("optimizer_state_dict.param_groups.0.lr").value.as_real(""));
+  }
+}
+
 TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor and rule" * testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   const fs::path& fx = torch_save_fixture();

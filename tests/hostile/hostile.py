@@ -1015,6 +1015,48 @@ def torch_save_applied(t):
         run("torch_save_applied", ["inspect", d], 1, ["pytorch_model.bin"] + words)
 
 
+@case
+def torch_save_values(t):
+    """A training checkpoint's values that are not tensors, read from a .pt file of its own: a
+    4 MiB str held 17 times by a list through the memo, beside 8 MB of other str (68 MiB written
+    out without a memo: listed,
+    left out by to-hf, refused by to-dcp unless renamed away), a list doubled 60 times through
+    the memo (refused by the pickle's bound), a storage class as a value (refused by to-dcp),
+    100,000 values in a list of dicts (listed), two values flattened to one name (refused): each
+    named, in bounded time and memory."""
+    doubled = [1]
+    for _ in range(60):
+        doubled = [doubled, doubled]
+    big = "s" * (4 << 20)
+    pad = ["%07d" % i + "p" * 993 for i in range(8000)]  # 8 MB of distinct str: a pickle large enough to hold x
+    files = {"repeated": torch_save_bytes({}, {}, value={"epoch": 3, "x": [big] * 17, "pad": pad}),
+             "doubled": torch_save_bytes({}, {}, value={"x": doubled}),
+             "storage_class": torch_zip_of(b"}(X\x01\x00\x00\x00yctorch\nFloatStorage\nu", {}),
+             "many": torch_save_bytes({}, {}, value={"v": [{"k": i} for i in range(100000)]}),
+             "twice": torch_save_bytes({}, {}, value={"a.b": 1, "a": {"b": 2}})}
+    for name, data in files.items():
+        write(os.path.join(t, name + ".pt"), data)
+    pt = lambda name: os.path.join(t, name + ".pt")  # noqa: E731
+    out, _ = run("torch_save_values", ["inspect", pt("repeated")], 0)
+    if "value: ['sssss" not in out or "value: 3" not in out:
+        raise Failed(f"inspect of the repeated str: {out!r}")
+    out, _ = run("torch_save_values", ["to-hf", pt("repeated"), os.path.join(t, "repeated-hf")], 0)
+    if "3 non-tensor item(s) left out" not in out:
+        raise Failed(f"to-hf of the repeated str: {out!r}")
+    run("torch_save_values", ["to-dcp", pt("repeated"), os.path.join(t, "repeated-dcp")], 1,
+        ["repeated.pt", "value 'x'", "without a memo"])
+    out, _ = run("torch_save_values", ["to-dcp", pt("repeated"), os.path.join(t, "renamed-dcp"), "--rename", "^x$="], 0)
+    if "0 tensors and 2 non-tensor items" not in out:
+        raise Failed(f"to-dcp of the repeated str, x renamed away: {out!r}")
+    run("torch_save_values", ["inspect", pt("doubled")], 1, ["doubled.pt", "expands to more than"])
+    run("torch_save_values", ["to-dcp", pt("storage_class"), os.path.join(t, "storage-dcp")], 1,
+        ["storage_class.pt", "value 'y'", "holds a storage or a torch global"])
+    out, _ = run("torch_save_values", ["inspect", pt("many")], 0)
+    if out.count("  value: ") != 100000:
+        raise Failed(f"inspect listed {out.count('  value: ')} values, not 100000")
+    run("torch_save_values", ["inspect", pt("twice")], 1, ["twice.pt", "'a.b'", "given twice"])
+
+
 def main(argv):
     global TOOL
     TOOL = argv[1]

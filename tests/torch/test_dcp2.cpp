@@ -9,7 +9,8 @@
 //   Adam and SGD (momentum) resume in 3 processes with torch's state, steps and hyper-parameters;
 // - the golden fixtures (tests/fixtures/dcp_torch2/), made again by this torch, still match;
 // - the tool's to-dcp of an HF folder (written by Python's safetensors) and of torch's own folder
-//   loads in torch's dcp.load bit for bit (tests/dcp2_tool_check.py);
+//   loads in torch's dcp.load bit for bit (tests/dcp2_tool_check.py); its to-dcp of a training
+//   checkpoint torch.save wrote (tests/torch_save_fixture.py) is torch's own dcp.save of it;
 // - a folder 3 C++ processes save in get_state_dict's layout (examples/sharded_mlp.hpp's model
 //   and AdamW, flat shards) is read by torch's dcp.load + set_state_dict in one process (and
 //   resumes AdamW: tests/dcp2_check.py) and into DTensors on a 2 x 2 mesh.
@@ -321,6 +322,26 @@ TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loa
     const auto t = testing::run_tool({"to-dcp", c.from.string(), c.to.string()});
     REQUIRE_MESSAGE(t.code == 0, t.err);
     const auto r = testing::peer(testing::torch_python, {script, "check", c.to.string(), c.raw.string()});
+    CHECK_MESSAGE(r.code == 0, r.out << r.err);
+    CHECK(r.out.starts_with("ok "));
+  }
+}
+
+TEST_CASE("dcp2: the tool's to-dcp of a torch 2.x training checkpoint (.pt: model, AdamW, scheduler, plain values) is torch's own "
+          "dcp.save of it, both formats" * testing::torch_major_check(2, !testing::have_tool())) {
+  REQUIRE(testing::torch_major() == 2);
+  testing::temp_dir out("dcp2-train");
+  const auto fixture = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py").string();
+  const auto made = testing::peer(testing::torch_python, {fixture, (out.path / "fx").string()});
+  REQUIRE_MESSAGE(made.code == 0, made.err);
+  const auto script = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_tool_check.py").string();
+  for (const std::string folder : {"train", "train_legacy"}) {
+    CAPTURE(folder);
+    const fs::path to = out.path / (folder + "_dcp");
+    const auto t = testing::run_tool({"to-dcp", (out.path / "fx" / folder / "train.pt").string(), to.string()});
+    REQUIRE_MESSAGE(t.code == 0, t.err);
+    // the reference: torch.load of the zip file, saved by torch's dcp.save
+    const auto r = testing::peer(testing::torch_python, {script, "train", (out.path / "fx" / "train" / "train.pt").string(), to.string()});
     CHECK_MESSAGE(r.code == 0, r.out << r.err);
     CHECK(r.out.starts_with("ok "));
   }

@@ -147,7 +147,7 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       if (!kept(obj.key)) {
         // one left out is still read by the rules of check_objects: an item keyed "model" whose
         // value holds the model's tensors (torch 1.13's nested dict) is refused, not left out
-        r.read_object_archive(obj.key);
+        if (!obj.value) r.read_object_archive(obj.key);
         continue;
       }
       items.push_back({obj.key, path_of(obj.key), &r, obj.key, {}, true});

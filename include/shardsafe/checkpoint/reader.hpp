@@ -32,6 +32,8 @@
 #include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/format/pickle_writer.hpp"
+#include "shardsafe/format/torch_zip_writer.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
 #if defined(SHARDSAFE_SEPARATE_COMPILATION)  // (the backends of the instantiations at the end)
@@ -80,24 +82,37 @@ class checkpoint_files {
                                [](const non_tensor_item& i, std::string_view k) { return std::string_view(i.key) < k; });
     return it != items.end() && it->key == key ? &*it : nullptr;
   }
-  /// The value of the non-tensor item `key` (a DCP folder's: format/dcp_data.hpp's
-  /// read_dcp_object), read from its data file; errc::not_found when there is none.
+  /// The value of the non-tensor item `key`: a DCP folder's read from its data file
+  /// (format/dcp_data.hpp's read_dcp_object), a torch.save file's as its pickle held it;
+  /// errc::not_found when there is none.
   pickle_value read_object(std::string_view key) const {
+    if (const non_tensor_item* it = find_object(key); it && it->value) return it->value->value;
     return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
       return read_dcp_object(s, where, what);
     });
   }
-  /// The item's torch.save archive as its data file holds it, not decoded
-  /// (read_dcp_object_archive): what an export copies, whatever the value pickles.
+  /// The item's torch.save archive: a DCP folder's as its data file holds it, not decoded
+  /// (read_dcp_object_archive), what an export copies whatever the value pickles; a torch.save
+  /// file's value pickled again, refused (errc::invalid_metadata, naming it) when it cannot be
+  /// (torch_save_value::unwritable).
   std::string read_object_archive(std::string_view key) const {
+    if (const non_tensor_item* it = find_object(key); it && it->value) {
+      if (!it->value->unwritable.empty())
+        fail(errc::invalid_metadata, std::string(dir_.name()) + "/" + it->file + ": value '" + it->key + "' (" +
+                                         pickle_repr(it->value->value, 80) + ") " + it->value->unwritable + " (a rename rule may drop it)");
+      return torch_value_archive(pickle_dumps(it->value->value));
+    }
     return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
       return read_dcp_object_archive(s, where, what);
     });
   }
-  /// Reads every non-tensor item's archive by read_object_archive's rules: one whose value holds
-  /// tensors (as torch 1.13 saves a nested dict), which no reader here loads, is refused naming it.
+  /// Reads every DCP item's archive by read_object_archive's rules: one whose value holds
+  /// tensors (as torch 1.13 saves a nested dict), which no reader here loads, is refused naming
+  /// it. (A torch.save file's values hold no tensors: its tensors are read by name wherever they
+  /// stand.)
   void check_objects() const {
-    for (const auto& item : src_.non_tensors) read_object_archive(item.key);
+    for (const auto& item : src_.non_tensors)
+      if (!item.value) read_object_archive(item.key);
   }
   /// Tensors of a torch dtype shardsafe has no type for (a DCP folder's complex128 or quantized
   /// tensors: checkpoint/source.hpp), by key: not in metadata(), never read.

@@ -54,6 +54,7 @@
 #include "shardsafe/format/dcp_sharding.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/safetensors.hpp"
+#include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
 
@@ -79,13 +80,17 @@ struct opened_file {
   safetensors_header header;
 };
 
-/// An item of a checkpoint that is not a tensor (a DCP folder's non-tensor values: an optimizer's
-/// hyper-parameters, an epoch counter): listed, and read on request (checkpoint_reader::read_object).
+/// An item of a checkpoint that is not a tensor (a DCP folder's non-tensor values, a torch.save
+/// file's: an optimizer's hyper-parameters, an epoch counter): listed, and read on request
+/// (checkpoint_reader::read_object).
 struct non_tensor_item {
   std::string key;
-  std::string file;          ///< the data file holding its bytes
+  std::string file;          ///< the data file holding its bytes (a torch.save file: that file)
   std::uint64_t offset = 0;  ///< where they start in it
-  std::uint64_t bytes = 0;   ///< how many (a torch.save archive of the pickled value)
+  std::uint64_t bytes = 0;   ///< how many (a torch.save archive of the pickled value; 0 for a torch.save file's)
+  /// A torch.save file's value, read with the file's pickle (it has no bytes of its own); nullopt
+  /// for a DCP item.
+  std::optional<torch_save_value> value;
 };
 
 /// A tensor of a DCP folder whose torch dtype shardsafe has no type for: listed, never read.
@@ -233,7 +238,7 @@ checkpoint_source<D> dcp_source(const D& dir) {
   std::map<std::pair<std::string, std::string>, std::size_t> chunks_of;  // (file, key) -> chunks so far
   for (const auto& [key, item] : md.items) {
     if (item.is_bytes) {
-      s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.offset, item.bytes.length});
+      s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.offset, item.bytes.length, std::nullopt});
       continue;
     }
     if (!item.foreign_dtype.empty()) {
@@ -270,8 +275,10 @@ checkpoint_source<D> dcp_source(const D& dir) {
 }  // namespace detail
 
 /// One safetensors file `name` of dir read as a checkpoint: every tensor whole in that file
-/// (what `shardsafe to-hf FILE` exports), in name order. A torch.save file of tensors
-/// (format/torch_save.hpp: is_torch_save_file) is read the same way.
+/// (what `shardsafe to-hf FILE` exports), in name order. A torch.save file (format/torch_save.hpp:
+/// is_torch_save_file) is read the same way, a training checkpoint's values that are not tensors
+/// (an epoch, an optimizer's hyper-parameters) as non-tensor items, each key's place in the
+/// nested dict as a DCP folder's (paths).
 template <ReadableDirectory D>
 checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
   using R = typename D::reader_type;
@@ -279,7 +286,15 @@ checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
   s.format = checkpoint_format::hf;
   s.described_by = name;
   R st = dir.open(name);
-  safetensors_header h = is_torch_save_file(st) ? read_torch_save_header(st) : read_safetensors_header(st);
+  safetensors_header h;
+  if (is_torch_save_file(st)) {
+    torch_save_index x = index_torch_save_file(st);
+    h = std::move(x.header);
+    for (auto& v : x.values) s.non_tensors.push_back({v.name, name, 0, 0, std::move(v)});  // by name already
+    s.paths = std::move(x.paths);
+  } else {
+    h = read_safetensors_header(st);
+  }
   for (const auto& e : h.tensors) s.metadata.tensors.emplace_back(e.name, detail::whole_tensor(e, name, !h.stored_order(e).empty()));
   std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });

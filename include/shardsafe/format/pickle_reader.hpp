@@ -211,11 +211,20 @@ class pickle_view {
       if (items[2 * i]->k == pickle_value::kind::string && items[2 * i]->str() == key) return pickle_view(items[2 * i + 1]);
     return std::nullopt;
   }
+  /// What identifies the value: one container the pickle holds at several places (through its
+  /// memo) has one id there.
+  const void* id() const noexcept { return n_; }
+  /// The containers built so far, by node: values of one reader built with one cache share the
+  /// containers they share in the pickle (each is copied once, however many values hold it).
+  using build_cache = std::unordered_map<const detail::pickle_node*, pickle_value>;
   /// A copy as a pickle_value (shared containers stay shared).
   pickle_value build() const {
+    build_cache built;
+    return build(built);
+  }
+  pickle_value build(build_cache& built) const {
     constexpr std::size_t no_limit = std::numeric_limits<std::size_t>::max();  // the reader checked the value
     std::size_t budget = no_limit;
-    std::unordered_map<const detail::pickle_node*, pickle_value> built;
     return detail::build_pickle_value(n_, 0, no_limit, no_limit, budget, built,
                                       [](const std::string& why) { fail(errc::invalid_metadata, "pickle " + why); });
   }

@@ -21,8 +21,8 @@
 // data.pkl goes through the torch.save allowlist (format/torch_zip.hpp's
 // torch_tensor_pickle_policy with state_dict: OrderedDict, _rebuild_tensor_v2/_v3,
 // _rebuild_parameter, storage classes, dtypes; any other global is refused by name and nothing
-// is called). Its value is a dict; nested dicts, lists and tuples are flattened with '.' (keys
-// str or int), as torch's flatten_state_dict does: {"model": {"w": T}} is "model.w".
+// is called). Its value is a dict; a tensor is named by its path through nested dicts, lists
+// and tuples, joined with '.' (keys str or int): {"model": {"w": T}} is "model.w".
 //
 // Rules (errc::invalid_metadata, naming the file, the tensor and the rule; errc::unsupported_dtype
 // for a dtype shardsafe has no type for):
@@ -46,8 +46,15 @@
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
 //   - flattened names are distinct.
-// Values that are not tensors (an epoch counter, None) are counted, the first few named in
-// `others`; what a caller does with them is its own rule (a Hugging Face folder refuses them).
+// Values that are not tensors (a training checkpoint's epoch, loss, optimizer param_groups,
+// scheduler state) are kept as torch.distributed.checkpoint's flatten_state_dict keeps them: a
+// dict is walked by str(key); a list by index when an item is a dict, a list so walked, or holds
+// a tensor; anything else is one value (a tuple, a list of plain values, a scalar). Each value
+// and tensor keeps its path in the nested dict where it is not just (name,). What a caller does
+// with the values is its own rule (a Hugging Face folder refuses them; a file read alone lists
+// them, and to-dcp writes them again: checkpoint/source.hpp's single_file_source). Tensors are
+// found wherever they stand: a tuple holding one, and a list around such a tuple, are walked for
+// them here, where DCP would pickle each whole as one item.
 // The values flattened are at most one per 8 bytes of pickle (plus 1024), their names' bytes at
 // most 4x its size (plus 1 MiB): the memo cannot make one key or tensor stand at a million places.
 //
@@ -63,6 +70,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -100,13 +108,26 @@ inline std::size_t torch_save_legacy_magic_size(std::string_view b) {
   return at + torch_save_legacy_magic.size() + 1;
 }
 
+/// A value of a torch.save file that is not a tensor (an epoch counter, an optimizer's
+/// hyper-parameters), as torch.distributed.checkpoint would keep it: one value per item.
+struct torch_save_value {
+  std::string name;    ///< its flattened name
+  pickle_value value;  ///< what the pickle holds (a torch global as {"__global__": NAME}, a storage as a sealed dict)
+  /// Why it is not pickled again here, or "" when it is (plain data: None, bool, int, float,
+  /// str, lists, tuples, dicts): it holds a storage or a torch global (a dtype), or shares
+  /// containers that would pickle to over max_torch_save_pickle bytes written out without a memo.
+  std::string unwritable;
+};
+
 /// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
-/// order, and its other values (the first few by name, and how many).
+/// order, and its other values.
 struct torch_state_dict_pickle {
   std::vector<std::pair<std::string, torch_zip_tensor>> tensors;
   std::map<std::string, torch_storage_id, std::less<>> storages;  ///< every storage its persistent ids name, by key
-  std::vector<std::string> others;  ///< the first 8 values that are not tensors, by flattened name
-  std::size_t other_count = 0;      ///< how many values are not tensors
+  std::vector<torch_save_value> values;  ///< the values that are not tensors, in pickle order
+  /// Where each tensor and value sits in the nested dict (("model", "layers.0.weight"): dict keys
+  /// as str, list indices as int), for those whose path is not just (name,).
+  std::map<std::string, pickle_value> paths;
 };
 
 namespace detail {
@@ -115,14 +136,18 @@ namespace detail {
 /// `pickle_bytes` is the pickle's size (what bounds the values and names), `w` names it.
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w) {
+  using k = pickle_value::kind;
   torch_state_dict_pickle out;
-  if (root.type() != pickle_value::kind::dict)
+  if (root.type() != k::dict)
     fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
   auto is_tensor = [](const pickle_view& v) {
     const auto t = v.find(torch_tensor_key);
     return t && t->find(torch_storage_key).has_value();
   };
   auto is_storage = [](const pickle_view& v) { return v.find(torch_storage_key).has_value(); };
+  auto is_marker = [](const pickle_view& v) {
+    return v.type() == k::dict && v.size() == 1 && v.find(dcp_unpickle_policy::global_key).has_value();
+  };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
@@ -140,27 +165,87 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
                                        " bytes, 4x the pickle's size (one key repeated through the memo?)");
     return name.empty() ? std::string(part) : name + "." + std::string(part);
   };
+  // What a container holds, found once per container (the memo shares them): a tensor anywhere
+  // in it; whether torch.distributed.checkpoint keeps it as one item (a list is, when none of
+  // its items is a tensor, a dict or a list that is not; a tuple always is; a dict never); a
+  // storage or a torch global anywhere in it (a value not pickled again here); about how many
+  // bytes it pickles to written out without a memo, and how many values a reader bounds it by
+  // (pickle_string_cost; both saturating: shared containers repeat).
+  struct traits {
+    bool tensor = false, whole = true, foreign = false;
+    std::uint64_t bytes = 0, cost = 1;
+  };
+  constexpr std::uint64_t saturated = std::uint64_t(1) << 62;
+  std::unordered_map<const void*, traits> seen;
+  auto scan = [&](auto& self, const pickle_view& v) -> traits {
+    if (is_tensor(v)) return {true, false, false, 0, 1};
+    if (is_storage(v) || is_marker(v)) return {false, true, true, 0, 1};
+    if (v.type() == k::string) {
+      const std::size_t n = v.as_string("").size();
+      return {false, true, false, 5 + n, pickle_string_cost(n)};
+    }
+    if (v.type() != k::dict && !v.is_sequence()) return {false, true, false, 10, 1};
+    if (const auto it = seen.find(v.id()); it != seen.end()) return it->second;
+    traits t;
+    t.whole = v.type() != k::dict;
+    t.bytes = 2 + 2 * (v.size() / 1000 + 1);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const pickle_view x = v.type() == k::dict ? v.value(i) : v.item(i);
+      const traits c = self(self, x);
+      const traits key = v.type() == k::dict ? self(self, v.key(i)) : traits{false, true, false, 0, 0};
+      t.tensor |= c.tensor;
+      t.foreign |= c.foreign;
+      t.bytes = std::min(saturated, t.bytes + c.bytes + key.bytes);
+      t.cost = std::min(saturated, t.cost + c.cost + key.cost);
+      if (v.type() == k::list && (c.tensor || (x.type() == k::dict && !is_storage(x) && !is_marker(x)) || (x.type() == k::list && !c.whole)))
+        t.whole = false;
+    }
+    return seen[v.id()] = t;
+  };
+  pickle_view::build_cache built;  // the values' containers, each copied once however many values share it
+  std::vector<pickle_value> path;
+  auto record_path = [&](const std::string& name) {
+    if (path.size() != 1 || path.front().type() != k::string) out.paths.emplace(name, pickle_value::tuple(path));
+  };
   auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
     if (is_tensor(v)) {
       leaf(name);
       out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
-    } else if (v.type() == pickle_value::kind::dict && !is_storage(v)) {  // a bare storage is one value, not a tensor
+      record_path(name);
+      return;
+    }
+    const bool dict = v.type() == k::dict && !is_storage(v) && !is_marker(v);
+    const traits t = dict ? traits{false, false, false} : scan(scan, v);
+    if (dict) {
       for (std::size_t i = 0; i < v.size(); ++i) {
-        const pickle_view k = v.key(i);
+        const pickle_view key = v.key(i);
         std::string part;
-        if (k.type() == pickle_value::kind::string) part = std::string(k.as_string(""));
-        else if (k.type() == pickle_value::kind::integer) part = std::to_string(k.as_int(""));
+        if (key.type() == k::string) part = std::string(key.as_string(""));
+        else if (key.type() == k::integer) part = std::to_string(key.as_int(""));
         else
           fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
-                                           pickle_value::kind_name(k.type()) + " (keys are str or int)");
+                                           pickle_value::kind_name(key.type()) + " (keys are str or int)");
+        path.push_back(pickle_value::string(part));  // torch.distributed.checkpoint's path holds str(key)
         self(self, v.value(i), child(name, part));
+        path.pop_back();
       }
-    } else if (v.is_sequence()) {
-      for (std::size_t i = 0; i < v.size(); ++i) self(self, v.item(i), child(name, std::to_string(i)));
+    } else if (v.is_sequence() && (t.tensor || !t.whole)) {
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        path.push_back(pickle_value::integer(static_cast<std::int64_t>(i)));
+        self(self, v.item(i), child(name, std::to_string(i)));
+        path.pop_back();
+      }
     } else {
       leaf(name);
-      if (out.others.size() < 8) out.others.push_back(name);
-      ++out.other_count;
+      // written again (to-dcp), a value must read back here: its archive within the 64 MiB of a
+      // DCP item (a few KiB of zip headers aside), its values within pickle_loads' bound
+      std::string unwritable;
+      if (t.foreign) unwritable = "holds a storage or a torch global (a dtype, a storage class), which shardsafe does not pickle again";
+      else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) || t.cost > basic_pickle_reader<>::default_max_values)
+        unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" + std::to_string(t.cost) +
+                     " values) written out without a memo";
+      out.values.push_back({name, v.build(built), std::move(unwritable)});
+      record_path(name);
     }
   };
   walk(walk, root, "");
@@ -192,9 +277,9 @@ inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view by
 
 /// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
-  safetensors_header header;        ///< every tensor, at its absolute offset in the file (of_records)
-  std::vector<std::string> others;  ///< the first 8 values that are not tensors, by flattened name
-  std::size_t other_count = 0;      ///< how many values are not tensors
+  safetensors_header header;             ///< every tensor, at its absolute offset in the file (of_records)
+  std::vector<torch_save_value> values;  ///< the values that are not tensors, by name
+  std::map<std::string, pickle_value> paths;  ///< torch_state_dict_pickle::paths
 };
 
 namespace detail {
@@ -235,7 +320,15 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     if (!order.empty()) orders.emplace(key, std::move(order));
     entries.push_back(std::move(e));
   }
-  return {safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)), std::move(sd.others), sd.other_count};
+  torch_save_index x{safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)), std::move(sd.values),
+                     std::move(sd.paths)};
+  // a value's name is no tensor's or other value's either (torch.distributed.checkpoint refuses
+  // such a dict: "duplicated flatten key")
+  std::sort(x.values.begin(), x.values.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (std::size_t i = 0; i < x.values.size(); ++i)
+    if ((i > 0 && x.values[i - 1].name == x.values[i].name) || x.header.find(x.values[i].name))
+      fail(errc::invalid_metadata, file + ": the flattened name '" + x.values[i].name + "' is given twice");
+  return x;
 }
 
 /// Whether Python's tarfile takes b, 512 bytes, as a tar header: its checksum field, read as
@@ -358,7 +451,7 @@ torch_save_index index_torch_save_legacy(const S& st) {
   // each storage's bytes, in the listed order: its elements of the type its first persistent id
   // gives (where it stands: torch reads every listed storage, a tensor's or not)
   std::map<std::string, torch_zip_record, std::less<>> storages;
-  read_window<decltype(read_at)> sizes{read_at};  // 64 KiB at a time: small storages lie close together
+  read_window<decltype(read_at)> sizes{read_at, {}, 0};  // 64 KiB at a time: small storages lie close together
   std::uint64_t pos = p.data;
   for (const std::string& key : p.keys) {
     const std::string rec = "storage '" + key + "'";
@@ -429,7 +522,7 @@ torch_save_index index_torch_save_file(const S& st) {
   for (const auto& id : sd.storages)
     if (const auto s = storages.find(id.first); s != storages.end()) used.push_back(s->second);
   std::sort(used.begin(), used.end(), [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
-  detail::read_window<decltype(read_at)> headers{read_at};
+  detail::read_window<decltype(read_at)> headers{read_at, {}, 0};
   bool small = false;
   auto header_read = [&](std::uint64_t off, std::size_t n) { return headers(off, n, dir.at, small); };
   std::map<std::string_view, torch_zip_record> placed;
@@ -468,16 +561,18 @@ bool is_torch_save_file(const S& st) {
   return (b.starts_with("PK\x03\x04") && b[8] != '{') || torch_save_legacy_magic_size(b) != 0;
 }
 
-/// The index of a torch.save file that holds tensors only (index_torch_save_file); a value that
-/// is not a tensor is refused (errc::invalid_metadata, naming it and how many more there are).
+/// The index of a torch.save file that holds tensors only (index_torch_save_file), as a Hugging
+/// Face folder's pytorch_model.bin does; a value that is not a tensor is refused
+/// (errc::invalid_metadata, naming it and how many more there are).
 template <ReadableStorage S>
 safetensors_header read_torch_save_header(const S& st) {
   torch_save_index x = index_torch_save_file(st);
-  if (x.other_count > 0)
-    fail(errc::invalid_metadata, x.header.file + ": '" + x.others.front() + "'" +
-                                     (x.other_count > 1 ? " (and " + std::to_string(x.other_count - 1) + " more values)" : std::string()) +
-                                     " is not a tensor: a torch.save file is read here when it holds tensors only (a state dict, "
-                                     "nested dicts and lists of tensors); save the tensors apart from other values");
+  if (!x.values.empty())
+    fail(errc::invalid_metadata, x.header.file + ": '" + x.values.front().name + "'" +
+                                     (x.values.size() > 1 ? " (and " + std::to_string(x.values.size() - 1) + " more values)" : std::string()) +
+                                     " is not a tensor: a Hugging Face folder's torch.save file holds tensors only (a state dict, "
+                                     "nested dicts and lists of tensors); a training checkpoint with other values is read as a file "
+                                     "of its own");
   return std::move(x.header);
 }
 
