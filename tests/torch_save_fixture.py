@@ -218,7 +218,7 @@ def main(out):
     train = {"model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict(),
              "scheduler": sched.state_dict(), "epoch": 3, "loss": loss.item(), "note": "adam w", "none": None,
              "grid": [[1, 2], [3]], "flags": (True, False), "mixed": [torch.arange(3), 5, {"k": 1.5}], "empty": [],
-             "big": 2 ** 62, "inf": float("-inf")}
+             "big": 2 ** 62, "inf": float("-inf"), "keys": {True: 1, None: torch.ones(2), 0.5: "half", 7: [8]}}
     values = {}
     for suffix, kw in (("", {}), ("_legacy", {"_use_new_zipfile_serialization": False})):
         os.makedirs(os.path.join(out, "train" + suffix))

@@ -9,8 +9,10 @@
 //   Adam and SGD (momentum) resume in 3 processes with torch's state, steps and hyper-parameters;
 // - the golden fixtures (tests/fixtures/dcp_torch2/), made again by this torch, still match;
 // - the tool's to-dcp of an HF folder (written by Python's safetensors) and of torch's own folder
-//   loads in torch's dcp.load bit for bit (tests/dcp2_tool_check.py); its to-dcp of a training
-//   checkpoint torch.save wrote (tests/torch_save_fixture.py) is torch's own dcp.save of it;
+//   loads in torch's dcp.load bit for bit (tests/dcp2_tool_check.py);
+// - torch.save files this torch writes (tests/torch_save_fixture.py: zip, legacy and protocol-4
+//   state dicts, a training checkpoint) digest as torch gives their tensors; the tool's to-dcp of
+//   the training checkpoint is torch's own dcp.save of it;
 // - a folder 3 C++ processes save in get_state_dict's layout (examples/sharded_mlp.hpp's model
 //   and AdamW, flat shards) is read by torch's dcp.load + set_state_dict in one process (and
 //   resumes AdamW: tests/dcp2_check.py) and into DTensors on a 2 x 2 mesh.
@@ -327,13 +329,32 @@ TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loa
   }
 }
 
-TEST_CASE("dcp2: the tool's to-dcp of a torch 2.x training checkpoint (.pt: model, AdamW, scheduler, plain values) is torch's own "
-          "dcp.save of it, both formats" * testing::torch_major_check(2, !testing::have_tool())) {
+TEST_CASE("dcp2: torch 2.x's torch.save files (zip, legacy, protocol 4, a training checkpoint) digest as torch wrote them; to-dcp "
+          "of the training checkpoint is torch's own dcp.save of it" * testing::torch_major_check(2, !testing::have_tool())) {
   REQUIRE(testing::torch_major() == 2);
   testing::temp_dir out("dcp2-train");
   const auto fixture = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py").string();
   const auto made = testing::peer(testing::torch_python, {fixture, (out.path / "fx").string()});
   REQUIRE_MESSAGE(made.code == 0, made.err);
+  // every folder's digest from torch's own bytes (expected.json: sha256 of each tensor's
+  // row-major bytes as torch gives them), the legacy and protocol-4 twins against their zip's
+  simdjson::dom::parser parser;
+  const std::string json = testing::slurp(out.path / "fx" / "expected.json");
+  const simdjson::dom::element expected = parser.parse(json);
+  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy4",
+                                   "train/train.pt", "train_legacy/train.pt"}) {
+    CAPTURE(folder);
+    std::string want;
+    for (auto [key, v] : simdjson::dom::object(expected[folder.substr(0, folder.find_first_of("_/"))])) {
+      std::string shape = "[";
+      for (auto d : simdjson::dom::array(v["shape"])) shape += (shape.size() > 1 ? "," : "") + std::to_string(std::uint64_t(d));
+      want += std::string(key) + " " + std::string(std::string_view(v["dtype"])) + " " + shape + "] " +
+              std::string(std::string_view(v["sha256"])) + "\n";
+    }
+    const auto d = testing::run_tool({"digest", (out.path / "fx" / folder).string()});
+    REQUIRE_MESSAGE(d.code == 0, d.err);
+    CHECK(d.out == want);
+  }
   const auto script = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp2_tool_check.py").string();
   for (const std::string folder : {"train", "train_legacy"}) {
     CAPTURE(folder);

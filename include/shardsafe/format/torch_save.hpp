@@ -22,7 +22,8 @@
 // torch_tensor_pickle_policy with state_dict: OrderedDict, _rebuild_tensor_v2/_v3,
 // _rebuild_parameter, storage classes, dtypes; any other global is refused by name and nothing
 // is called). Its value is a dict; a tensor is named by its path through nested dicts, lists
-// and tuples, joined with '.' (keys str or int): {"model": {"w": T}} is "model.w".
+// and tuples, joined with '.' (keys str, int, bool, float or None, as Python's str() writes
+// them): {"model": {"w": T}} is "model.w".
 //
 // Rules (errc::invalid_metadata, naming the file, the tensor and the rule; errc::unsupported_dtype
 // for a dtype shardsafe has no type for):
@@ -48,8 +49,8 @@
 //   - flattened names are distinct.
 // Values that are not tensors (a training checkpoint's epoch, loss, optimizer param_groups,
 // scheduler state) are kept as torch.distributed.checkpoint's flatten_state_dict keeps them: a
-// dict is walked by str(key); a list by index when an item is a dict, a list so walked, or holds
-// a tensor; anything else is one value (a tuple, a list of plain values, a scalar). Each value
+// dict is walked by str(key); a list by index when an item is a dict, a list so walked, or
+// holds a tensor; anything else is one value (a tuple, a list of plain values, a scalar). Each value
 // and tensor keeps its path in the nested dict where it is not just (name,). What a caller does
 // with the values is its own rule (a Hugging Face folder refuses them; a file read alone lists
 // them, and to-dcp writes them again: checkpoint/source.hpp's single_file_source). Tensors are
@@ -222,9 +223,11 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
         std::string part;
         if (key.type() == k::string) part = std::string(key.as_string(""));
         else if (key.type() == k::integer) part = std::to_string(key.as_int(""));
+        else if (key.type() == k::boolean || key.type() == k::none || key.type() == k::real)
+          part = pickle_repr(key.build(), 64);  // Python's str() of it, as DCP's path holds: "True", "None", "0.5"
         else
           fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
-                                           pickle_value::kind_name(key.type()) + " (keys are str or int)");
+                                           pickle_value::kind_name(key.type()) + " (keys are str, int, bool, float or None)");
         path.push_back(pickle_value::string(part));  // torch.distributed.checkpoint's path holds str(key)
         self(self, v.value(i), child(name, part));
         path.pop_back();
