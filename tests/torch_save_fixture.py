@@ -232,6 +232,12 @@ def main(out):
             blob += b
         else:
             values[name] = {"path": list(path), "pickle": pickle.dumps(v, protocol=2).hex(), "repr": repr(v)}
+    try:  # torch 2.x: dcp_flatten is torch's own flatten_state_dict
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        _, mapping = flatten_state_dict(train)
+        assert {k: tuple(p) for k, p in mapping.items()} == {k: p for k, (p, _) in dcp_flatten(train).items()}
+    except ImportError:  # torch 1.13 has no torch.distributed.checkpoint
+        pass
     for folder in ("train", "train_legacy"):
         back = dcp_flatten(torch.load(os.path.join(out, folder, "train.pt")))
         assert sorted(back) == sorted(list(expected["train"]) + list(values)), folder

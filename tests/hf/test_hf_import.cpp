@@ -672,8 +672,17 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
     const auto ins = testing::run_tool({"inspect", pt});
     REQUIRE_MESSAGE(ins.code == 0, ins.err);
     CHECK(ins.out.find(std::to_string(want.size()) + " tensors") != std::string::npos);
-    for (const auto& [key, v] : values)
-      if (v.repr.size() <= 60) CHECK_MESSAGE(ins.out.find("  value: " + v.repr + "\n") != std::string::npos, key << " = " << v.repr);
+    // each value's row: its name first, Python's repr() last
+    std::map<std::string, std::string> rows;
+    for (std::size_t at = 0, nl; (nl = ins.out.find('\n', at)) != std::string::npos; at = nl + 1) {
+      const std::string line = ins.out.substr(at, nl - at);
+      rows.emplace(line.substr(0, line.find(' ')), line);
+    }
+    for (const auto& [key, v] : values) {
+      CAPTURE(key);
+      REQUIRE(rows.count(key) == 1);
+      if (v.repr.size() <= 60) CHECK(rows.at(key).ends_with("  pickle  value: " + v.repr));
+    }
     testing::temp_dir out("torch-save-train");
     const auto x = testing::run_tool({"to-hf", pt, (out.path / "hf").string()});
     REQUIRE_MESSAGE(x.code == 0, x.err);

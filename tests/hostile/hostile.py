@@ -1022,8 +1022,8 @@ def torch_save_values(t):
     out without a memo: listed,
     left out by to-hf, refused by to-dcp unless renamed away), a list doubled 60 times through
     the memo (refused by the pickle's bound), a storage class as a value (refused by to-dcp),
-    100,000 values in a list of dicts (listed), two values flattened to one name (refused): each
-    named, in bounded time and memory."""
+    100,000 values in a list of dicts (listed), two values flattened to one name, a tuple key, a
+    dict of keys 1 and True (one key to Python) (refused): each named, in bounded time and memory."""
     doubled = [1]
     for _ in range(60):
         doubled = [doubled, doubled]
@@ -1033,7 +1033,10 @@ def torch_save_values(t):
              "doubled": torch_save_bytes({}, {}, value={"x": doubled}),
              "storage_class": torch_zip_of(b"}(X\x01\x00\x00\x00yctorch\nFloatStorage\nu", {}),
              "many": torch_save_bytes({}, {}, value={"v": [{"k": i} for i in range(100000)]}),
-             "twice": torch_save_bytes({}, {}, value={"a.b": 1, "a": {"b": 2}})}
+             "twice": torch_save_bytes({}, {}, value={"a.b": 1, "a": {"b": 2}}),
+             "tuple_key": torch_save_bytes({}, {}, value={"k": {(1, 2): 3}}),
+             # {1: 1, True: 2}, which Python's pickler cannot write (the dict has one entry)
+             "equal_keys": torch_zip_of(b"}(X\x01\x00\x00\x00k}(K\x01K\x01\x88K\x02uu", {})}
     for name, data in files.items():
         write(os.path.join(t, name + ".pt"), data)
     pt = lambda name: os.path.join(t, name + ".pt")  # noqa: E731
@@ -1055,6 +1058,8 @@ def torch_save_values(t):
     if out.count("  value: ") != 100000:
         raise Failed(f"inspect listed {out.count('  value: ')} values, not 100000")
     run("torch_save_values", ["inspect", pt("twice")], 1, ["twice.pt", "'a.b'", "given twice"])
+    run("torch_save_values", ["inspect", pt("tuple_key")], 1, ["tuple_key.pt", "'k' has a key of type tuple"])
+    run("torch_save_values", ["inspect", pt("equal_keys")], 1, ["equal_keys.pt", "'k' has two keys Python holds equal", "'True'"])
 
 
 def main(argv):

@@ -46,7 +46,8 @@
 //     512 bytes are no tar header (torch.load would read that format instead);
 //   - every tensor is dense (its elements fill numel consecutive elements of the storage, in
 //     some order of its dimensions) and lies inside its storage;
-//   - flattened names are distinct.
+//   - flattened names are distinct, and no dict holds two keys Python holds equal (1, True, 1.0);
+//     dict keys are str, int, bool, float or None;
 // Values that are not tensors (a training checkpoint's epoch, loss, optimizer param_groups,
 // scheduler state) are kept as torch.distributed.checkpoint's flatten_state_dict keeps them: a
 // dict is walked by str(key); a list by index when an item is a dict, a list so walked, or
@@ -67,8 +68,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -218,6 +222,10 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
     const bool dict = v.type() == k::dict && !is_storage(v) && !is_marker(v);
     const traits t = dict ? traits{false, false, false} : scan(scan, v);
     if (dict) {
+      const std::string where = name.empty() ? std::string("the state dict") : "'" + name + "'";
+      // Python merges keys that compare equal (1, True and 1.0; 0, False, 0.0 and -0.0) into one
+      // entry, where their names here differ: such a dict is refused
+      std::set<std::pair<bool, std::int64_t>> numbers;  // (not integral, the int or the double's bits)
       for (std::size_t i = 0; i < v.size(); ++i) {
         const pickle_view key = v.key(i);
         std::string part;
@@ -226,8 +234,19 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
         else if (key.type() == k::boolean || key.type() == k::none || key.type() == k::real)
           part = pickle_repr(key.build(), 64);  // Python's str() of it, as DCP's path holds: "True", "None", "0.5"
         else
-          fail(errc::invalid_metadata, w + ": " + (name.empty() ? std::string("the state dict") : "'" + name + "'") + " has a key of type " +
-                                           pickle_value::kind_name(key.type()) + " (keys are str, int, bool, float or None)");
+          fail(errc::invalid_metadata, w + ": " + where + " has a key of type " + pickle_value::kind_name(key.type()) +
+                                           " (keys are str, int, bool, float or None)");
+        if (key.type() == k::integer || key.type() == k::boolean || key.type() == k::real) {
+          std::pair<bool, std::int64_t> n{false, 0};
+          const double d = key.type() == k::real ? key.build().as_real("") : 0;
+          if (key.type() == k::integer) n.second = key.as_int("");
+          else if (key.type() == k::boolean) n.second = key.as_bool("") ? 1 : 0;
+          else if (d == std::trunc(d) && d >= -0x1p63 && d < 0x1p63) n.second = static_cast<std::int64_t>(d);
+          else n = {true, std::bit_cast<std::int64_t>(d)};
+          if (d == d && !numbers.insert(n).second)  // NaN equals no key, not even another NaN
+            fail(errc::invalid_metadata, w + ": " + where + " has two keys Python holds equal (1, True and 1.0 are one key), the second '" +
+                                             part + "': torch.load keeps one entry of them");
+        }
         path.push_back(pickle_value::string(part));  // torch.distributed.checkpoint's path holds str(key)
         self(self, v.value(i), child(name, part));
         path.pop_back();
