@@ -86,8 +86,9 @@ class checkpoint_files {
   /// (format/dcp_data.hpp's read_dcp_object), a torch.save file's as its pickle held it;
   /// errc::not_found when there is none.
   pickle_value read_object(std::string_view key) const {
-    if (const non_tensor_item* it = find_object(key); it && it->value) return it->value->value;
-    return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
+    const non_tensor_item& it = object(key);
+    if (it.value) return it.value->value;
+    return with_object(it, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
       return read_dcp_object(s, where, what);
     });
   }
@@ -96,13 +97,14 @@ class checkpoint_files {
   /// file's value pickled again, refused (errc::invalid_metadata, naming it) when it cannot be
   /// (torch_save_value::unwritable).
   std::string read_object_archive(std::string_view key) const {
-    if (const non_tensor_item* it = find_object(key); it && it->value) {
-      if (!it->value->unwritable.empty())
-        fail(errc::invalid_metadata, std::string(dir_.name()) + "/" + it->file + ": value '" + it->key + "' (" +
-                                         pickle_repr(it->value->value, 80) + ") " + it->value->unwritable + " (a rename rule may drop it)");
-      return torch_value_archive(pickle_dumps(it->value->value));
+    const non_tensor_item& it = object(key);
+    if (it.value) {
+      if (!it.value->unwritable.empty())
+        fail(errc::invalid_metadata, std::string(dir_.name()) + "/" + it.file + ": value '" + it.key + "' (" +
+                                         pickle_repr(it.value->value, 80) + ") " + it.value->unwritable + " (a rename rule may drop it)");
+      return torch_value_archive(pickle_dumps(it.value->value));
     }
-    return with_object(key, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
+    return with_object(it, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
       return read_dcp_object_archive(s, where, what);
     });
   }
@@ -214,18 +216,22 @@ class checkpoint_files {
   }
 
  private:
-  /// f(storage, where, what) on the data file of the non-tensor item `key` (errc::not_found when
-  /// there is none, or its file is missing).
-  template <class F>
-  decltype(auto) with_object(std::string_view key, F&& f) const {
+  /// The non-tensor item `key` (errc::not_found when there is none).
+  const non_tensor_item& object(std::string_view key) const {
     const non_tensor_item* it = find_object(key);
     if (!it)
       fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
                                 described_by());
-    reader_type s = detail::open_or(dir_, it->file, [&] {
-      return std::string(dir_.name()) + "/" + it->file + ": missing: " + described_by() + " lists it but it does not exist";
+    return *it;
+  }
+  /// f(storage, where, what) on the data file of DCP item `it` (errc::not_found when its file is
+  /// missing).
+  template <class F>
+  decltype(auto) with_object(const non_tensor_item& it, F&& f) const {
+    reader_type s = detail::open_or(dir_, it.file, [&] {
+      return std::string(dir_.name()) + "/" + it.file + ": missing: " + described_by() + " lists it but it does not exist";
     });
-    return std::forward<F>(f)(s, dcp_storage_info{it->file, it->offset, it->bytes}, "'" + it->key + "'");
+    return std::forward<F>(f)(s, dcp_storage_info{it.file, it.offset, it.bytes}, "'" + it.key + "'");
   }
   /// The names not yet done (by done(name), under the lock), each once.
   template <class Done>

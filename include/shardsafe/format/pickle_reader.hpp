@@ -196,6 +196,7 @@ class pickle_view {
   bool is_sequence() const noexcept { return n_->k == pickle_value::kind::list || n_->k == pickle_value::kind::tuple; }
   bool as_bool(std::string_view ctx) const { return expect(pickle_value::kind::boolean, ctx).u.b; }
   std::int64_t as_int(std::string_view ctx) const { return expect(pickle_value::kind::integer, ctx).u.i; }
+  double as_real(std::string_view ctx) const { return expect(pickle_value::kind::real, ctx).u.d; }
   std::string_view as_string(std::string_view ctx) const { return expect(pickle_value::kind::string, ctx).str(); }
   /// Items of a list or tuple, entries of a dict; 0 for a scalar.
   std::size_t size() const noexcept { return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0; }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/detail/hex.hpp"
 
 namespace shardsafe {
 
@@ -259,8 +260,8 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
           else if (c == '\t') t += "\\t";
           else if (c >= 0x20 && c != 0x7f) t += char(c);
           else {
-            static constexpr char hex[] = "0123456789abcdef";
-            t += "\\x", t += hex[c >> 4], t += hex[c & 15];
+            t += "\\x";
+            detail::append_hex(t, c, 2);
           }
         }
         put(t + q);

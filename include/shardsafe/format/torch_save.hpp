@@ -153,6 +153,8 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   auto is_marker = [](const pickle_view& v) {
     return v.type() == k::dict && v.size() == 1 && v.find(dcp_unpickle_policy::global_key).has_value();
   };
+  // a dict of the state dict's own (a tensor's, a storage's and a global's dicts are not)
+  auto is_mapping = [&](const pickle_view& v) { return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v); };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
@@ -202,7 +204,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       t.foreign |= c.foreign;
       t.bytes = std::min(saturated, t.bytes + c.bytes + key.bytes);
       t.cost = std::min(saturated, t.cost + c.cost + key.cost);
-      if (v.type() == k::list && (c.tensor || (x.type() == k::dict && !is_storage(x) && !is_marker(x)) || (x.type() == k::list && !c.whole)))
+      if (v.type() == k::list && (c.tensor || is_mapping(x) || (x.type() == k::list && !c.whole)))
         t.whole = false;
     }
     return seen[v.id()] = t;
@@ -219,7 +221,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       record_path(name);
       return;
     }
-    const bool dict = v.type() == k::dict && !is_storage(v) && !is_marker(v);
+    const bool dict = is_mapping(v);
     const traits t = dict ? traits{false, false, false} : scan(scan, v);
     if (dict) {
       const std::string where = name.empty() ? std::string("the state dict") : "'" + name + "'";
@@ -238,7 +240,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
                                            " (keys are str, int, bool, float or None)");
         if (key.type() == k::integer || key.type() == k::boolean || key.type() == k::real) {
           std::pair<bool, std::int64_t> n{false, 0};
-          const double d = key.type() == k::real ? key.build().as_real("") : 0;
+          const double d = key.type() == k::real ? key.as_real("") : 0;
           if (key.type() == k::integer) n.second = key.as_int("");
           else if (key.type() == k::boolean) n.second = key.as_bool("") ? 1 : 0;
           else if (d == std::trunc(d) && d >= -0x1p63 && d < 0x1p63) n.second = static_cast<std::int64_t>(d);
