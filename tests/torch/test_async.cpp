@@ -61,9 +61,9 @@ WORKER_SCENARIO("async_save_while_training") {
   // training goes on at once: collectives on the training group, steps changing w, bias, and
   // Adam's state in place, tr overwritten
   for (int i = 0; i < 20; ++i) {
-    std::vector<at::Tensor> one{at::ones({4})};
-    train.process_group()->allreduce(one)->wait();
-    expect(one[0].equal(at::full({4}, float(n))), "allreduce on the training group gave wrong sums");
+    const std::vector<std::string> all = train.all_gather_bytes("step " + std::to_string(i) + " rank " + std::to_string(r));
+    for (int q = 0; q < n; ++q)
+      expect(all.at(q) == "step " + std::to_string(i) + " rank " + std::to_string(q), "all-gather on the training group gave wrong bytes");
     step(float(i + 2));
   }
   tr.fill_(-1.f);

@@ -653,3 +653,125 @@ TEST_CASE("a save killed part way never leaves a checkpoint that loads as comple
   MESSAGE("killed saves: " << complete << " complete, " << refused << " refused as incomplete");
   CHECK(refused > 0);
 }
+
+namespace {
+void require(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+/// What rank q contributes to the store-transport all-gathers below: lengths differ by rank,
+/// rank 0's is empty, rank 1's is over 9 MiB (three pieces of the store's keys: one key of a
+/// TCPStore served with libuv holds at most 8 MiB).
+std::string gathered_bytes(int q, int i) {
+  if (q == 0) return {};
+  std::string s((q == 1 ? (std::size_t(9) << 20) : 0) + std::size_t(q + i), char('a' + q));
+  for (std::size_t k = 0; k < s.size(); k += 4093) s[k] = static_cast<char>(k / 4093 + q);
+  s[0] = static_cast<char>(i);
+  return s;
+}
+}  // namespace
+
+// The store transport's collectives, checked against what each rank sent: all-gathers of
+// lengths 0 to 9 MiB, broadcasts from every root (the last one's 5 MiB), a buffer and a tensor
+// broadcast, a second group (made from a copy of the world) used from another thread while the
+// world's and a third run, and the store holding only the keys of the collectives under way
+// after hundreds of them.
+WORKER_SCENARIO("store_collectives") {
+  c10d_world w = init_world_from_env();
+  require(w.transport == c10d_transport::store && !w.pg, "SHARDSAFE_C10D_TRANSPORT=store did not give a store world");
+  c10d_comm comm = w.comm();
+  const int r = w.rank, n = w.world_size;
+  for (int i = 0; i < 3; ++i) {
+    const auto all = comm.all_gather_bytes(gathered_bytes(r, i));
+    require(static_cast<int>(all.size()) == n, "all_gather_bytes gave " + std::to_string(all.size()) + " strings");
+    for (int q = 0; q < n; ++q) require(all[q] == gathered_bytes(q, i), "all_gather_bytes: rank " + std::to_string(q) + "'s bytes differ");
+  }
+  for (int root = 0; root < n; ++root) {
+    const std::string want = "from rank " + std::to_string(root) + (root == n - 1 ? std::string(std::size_t(5) << 20, 'z') : "");
+    std::string s = r == root ? want : std::string(100, 'x');
+    comm.broadcast_bytes(s, root);
+    require(s == want, "broadcast_bytes from " + std::to_string(root) + " gave " + std::to_string(s.size()) + " bytes");
+  }
+  std::vector<std::byte> buf(1000, std::byte{0});
+  if (r == n - 1)
+    for (std::size_t k = 0; k < buf.size(); ++k) buf[k] = static_cast<std::byte>(k * 7 + 3);
+  comm.broadcast_buffer(buf, n - 1);
+  for (std::size_t k = 0; k < buf.size(); ++k) require(buf[k] == static_cast<std::byte>(k * 7 + 3), "broadcast_buffer differs");
+  at::Tensor t = r == 1 ? at::arange(12, at::kFloat).mul_(0.5) : at::zeros({12});
+  comm.broadcast_tensor(t, 1);
+  require(t.equal(at::arange(12, at::kFloat).mul_(0.5)), "broadcast_tensor differs");
+
+  comm.barrier();
+  const std::int64_t before = w.store->getNumKeys();
+  c10d_comm again = w.comm();  // another comm of the world: the same group, one sequence
+  for (int i = 0; i < 100; ++i) {
+    c10d_comm& c = i % 2 ? again : comm;
+    require(c.all_gather_bytes(std::to_string(i * n + r)).at((r + 1) % n) == std::to_string(i * n + (r + 1) % n),
+            "all_gather_bytes " + std::to_string(i) + " differs");
+    c.barrier();
+    std::string s = std::to_string(i);
+    c.broadcast_bytes(s, i % n);
+  }
+  const std::int64_t after = w.store->getNumKeys();
+  // the last collectives' keys may wait for a slower rank: at most the n + 2 of two of them
+  require(after <= before + 2 * (n + 2), "the store grew from " + std::to_string(before) + " to " + std::to_string(after) +
+                                             " keys over 300 collectives");
+
+  c10d_world copy = w;                 // a copy's groups are counted with the world's:
+  c10d_comm group = copy.new_group();  // this is group 1, the one below group 2
+  c10d_comm third = w.new_group();
+  std::string group_error;
+  std::thread other([&] {
+    try {
+      for (int i = 0; i < 50; ++i)
+        require(group.all_gather_bytes("g" + std::to_string(i) + "/" + std::to_string(r)).at(0) == "g" + std::to_string(i) + "/0",
+                "the second group's all-gather differs");
+    } catch (const std::exception& e) {
+      group_error = e.what();
+    }
+  });
+  for (int i = 0; i < 50; ++i)  // the world's group and the third, beside the second
+    require((i % 2 ? third : comm).all_gather_bytes("c" + std::to_string(i) + "/" + std::to_string(r)).at(n - 1) ==
+                "c" + std::to_string(i) + "/" + std::to_string(n - 1),
+            "an all-gather beside the second group differs");
+  other.join();
+  require(group_error.empty(), group_error);
+  return 0;
+}
+
+// args: the timeout in ms. The last rank leaves without a collective; the others' all-gather
+// then fails within the timeout and the roll call names it.
+WORKER_SCENARIO("store_rank_lost") {
+  c10d_world w = init_world_from_env(std::chrono::milliseconds(std::stol(args.at(0))));
+  if (w.rank == w.world_size - 1) return 0;
+  c10d_comm comm = w.comm();
+  try {
+    comm.all_gather_bytes("x");
+  } catch (const shardsafe::error& e) {
+    std::fprintf(stderr, "rank %d: %s\n", w.rank, e.what());
+    return e.code() == errc::comm_error ? 3 : 4;
+  }
+  return 0;
+}
+
+TEST_CASE("the store transport (no Gloo): collectives, a save on 2 ranks loaded on 3 bit for bit, a lost rank named") {
+  const std::map<std::string, std::string> store{{"SHARDSAFE_C10D_TRANSPORT", "store"}};
+  auto col = testing::run_world("store_collectives", 3, {}, std::chrono::seconds(240), store);
+  CHECK_MESSAGE(col.ok(), col.report());
+
+  testing::temp_dir dir("store_transport");
+  const std::string ckpt = (dir.path / "model").string();
+  auto saved = testing::run_world("save_catalogue", 2, {ckpt}, std::chrono::seconds(240), store);
+  REQUIRE_MESSAGE(saved.ok(), saved.report());
+  auto loaded = testing::run_world("load_catalogue", 3, {ckpt}, std::chrono::seconds(240), store);
+  CHECK_MESSAGE(loaded.ok(), loaded.report());
+
+  auto lost = testing::run_world("store_rank_lost", 3, {"2000"}, std::chrono::seconds(240), store);
+  REQUIRE(lost.status.size() == 3);
+  CHECK(lost.status[2] == 0);
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK_MESSAGE(lost.status[r] == 3, lost.report());
+    CHECK_MESSAGE(lost.err[r].find("c10d all_gather_bytes on rank " + std::to_string(r) + " of 3 failed") != std::string::npos, lost.err[r]);
+    CHECK_MESSAGE(lost.err[r].find("rank 2 did not answer the roll call") != std::string::npos, lost.err[r]);
+  }
+}

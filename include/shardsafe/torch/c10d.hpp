@@ -1,9 +1,14 @@
-// shardsafe/torch/c10d.hpp - Comm over a LibTorch c10d::ProcessGroup (Gloo on CPU; NCCL on
-// GPUs, with the byte collectives on a CUDA device), and the world built from the variables
-// torchrun sets: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+// shardsafe/torch/c10d.hpp - Comm over LibTorch's c10d: a process group (Gloo on CPU; NCCL on
+// GPUs, with the byte collectives on a CUDA device) or, where no Gloo is compiled in, the
+// store the ranks met through; and the world built from the variables torchrun sets: RANK,
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 //
-// Define USE_C10D_GLOO (the Meson dependency shardsafe-torch does) for init_world_from_env,
-// which needs ProcessGroupGloo.
+// Define USE_C10D_GLOO (the Meson dependency shardsafe-torch does where LibTorch's Gloo is
+// installed) for worlds over ProcessGroupGloo. Without it (a LibTorch that ships no Gloo
+// headers: Python's torch wheels), init_world_from_env builds a world whose collectives travel
+// through c10d's TCPStore (c10d_transport::store): the same Comm, with no process group.
+// Every translation unit of a program must agree on USE_C10D_GLOO (c10d_world's members and
+// init_world_from_env differ between the two).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -49,10 +55,41 @@ inline std::string first_line(std::string s) {
   if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
   return s;
 }
+
+/// A group whose collectives travel through a c10d store (c10d_transport::store): the store
+/// (the world's, or a PrefixStore of it for a group of its own) and the number of collectives
+/// the group has begun. Every c10d_comm of the group shares it, as the comms of a process group
+/// share the group: collective k of every rank uses the keys "shardsafe/c/k/...".
+/// The most bytes one key of a store collective holds: a value is split into pieces of this
+/// size (libuv's TCPStore server, the default of torch 2.4 and newer, refuses values over 8 MiB).
+inline constexpr std::size_t store_piece_bytes = std::size_t(4) << 20;
+
+struct store_channel {
+  c10::intrusive_ptr<c10d::Store> store;
+  /// the rank whose process serves the store: it leaves a collective only once every rank has
+  /// read its keys, so that it never takes the store away (by exiting) from a rank still reading
+  int host = 0;
+  std::atomic<std::uint64_t> begun{0};
+};
 }  // namespace detail
 
-/// A Comm over a c10d process group. Byte collectives travel as uint8 tensors on `device`
-/// (CPU for Gloo; the rank's CUDA device for NCCL).
+/// How a world's ranks move the bytes of their collectives (init_world_from_env).
+enum class c10d_transport {
+  /// SHARDSAFE_C10D_TRANSPORT ("gloo" or "store") where set; else Gloo where this build has it
+  /// (USE_C10D_GLOO), else the store
+  automatic,
+  gloo,   ///< a ProcessGroupGloo (needs USE_C10D_GLOO)
+  /// the TCPStore the ranks met through: each collective is a few keys set and read there and
+  /// removed by the last rank to read them. Needs nothing beyond c10d's store, so it works with
+  /// a LibTorch that ships no Gloo headers; every byte passes through rank 0's store, so it
+  /// suits the checkpoint's own traffic (plans, metadata), not large broadcasts on many ranks.
+  store,
+};
+
+/// A Comm over a c10d process group, or over a store (c10d_transport::store). Over a group, byte
+/// collectives travel as uint8 tensors on `device` (CPU for Gloo; the rank's CUDA device for
+/// NCCL); over a store, as keys of the store (every rank's bytes pass through the store's host)
+/// and process_group() is null.
 ///
 /// A collective that fails (a peer died, a link is cut, the group's timeout passed) throws
 /// errc::comm_error naming the operation, this rank and the transport's reason. Given the store
@@ -74,18 +111,35 @@ class c10d_comm {
                      std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
       : pg_(std::move(pg)), device_(device), store_(std::move(store)), roll_call_(roll_call),
         store_host_wait_(store_host_wait) {}
+  /// Over a store: rank `rank` of `size`, its collectives as keys of channel->store, the roll call
+  /// (as above) in `store`, the world's.
+  c10d_comm(std::shared_ptr<detail::store_channel> channel, int rank, int size, c10::intrusive_ptr<c10d::Store> store,
+            std::chrono::milliseconds roll_call = std::chrono::seconds(5),
+            std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
+      : device_(at::kCPU), channel_(std::move(channel)), rank_(rank), size_(size), store_(std::move(store)),
+        roll_call_(roll_call), store_host_wait_(store_host_wait) {}
 
-  int rank() const { return pg_->getRank(); }
-  int world_size() const { return pg_->getSize(); }
+  int rank() const { return pg_ ? pg_->getRank() : rank_; }
+  int world_size() const { return pg_ ? pg_->getSize() : size_; }
+  /// The process group; null over a store.
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
 
   void barrier() {
-    guard("barrier", [&] { pg_->barrier()->wait(); });
+    guard("barrier", [&] {
+      if (pg_)
+        pg_->barrier()->wait();
+      else
+        store_all_gather({});
+    });
   }
 
   std::vector<std::string> all_gather_bytes(std::string_view s) {
     std::vector<std::string> out;
     guard("all_gather_bytes", [&] {
+      if (!pg_) {
+        out = store_all_gather(s);
+        return;
+      }
       const int n = world_size();
       // lengths first, then the bytes padded to the longest
       std::vector<at::Tensor> len_in{at::full({1}, static_cast<std::int64_t>(s.size()), opts(at::kLong))};
@@ -115,6 +169,10 @@ class c10d_comm {
 
   void broadcast_bytes(std::string& s, int root) {
     guard("broadcast_bytes", [&] {
+      if (!pg_) {
+        s = store_broadcast(s, root);
+        return;
+      }
       std::vector<at::Tensor> len{at::full({1}, static_cast<std::int64_t>(s.size()), opts(at::kLong))};
       bcast(len, root);
       const std::int64_t n = len[0].cpu().item<std::int64_t>();
@@ -133,6 +191,7 @@ class c10d_comm {
 
   void broadcast_buffer(std::span<std::byte> b, int root) {
     if (b.empty()) return;
+    if (!pg_) return store_broadcast_into("broadcast_buffer", b, root);
     guard("broadcast_buffer", [&] {
       at::Tensor t = at::from_blob(b.data(), {static_cast<std::int64_t>(b.size())}, at::kByte);
       if (device_.is_cpu()) {
@@ -148,6 +207,13 @@ class c10d_comm {
 
   /// Broadcasts a (contiguous) tensor in place, on whatever device it lives.
   void broadcast_tensor(at::Tensor& t, int root) {
+    if (!t.is_contiguous()) fail(errc::invalid_argument, "c10d broadcast_tensor: the tensor is not contiguous");
+    if (!pg_) {  // through host bytes
+      at::Tensor host = t.is_cpu() ? t : t.cpu();
+      store_broadcast_into("broadcast_tensor", {static_cast<std::byte*>(host.data_ptr()), host.nbytes()}, root);
+      if (!t.is_cpu()) t.copy_(host);
+      return;
+    }
     guard("broadcast_tensor", [&] {
       std::vector<at::Tensor> v{t};
       bcast(v, root);
@@ -156,6 +222,114 @@ class c10d_comm {
 
  private:
   at::TensorOptions opts(at::ScalarType st) const { return at::TensorOptions().dtype(st).device(device_); }
+
+  // --- over a store: collective k's keys are "shardsafe/c/k/..."; a rank's bytes are the key
+  // NAME (their length, 8 bytes, then the first piece) and NAME.1, NAME.2, ... (the other
+  // pieces, detail::store_piece_bytes each). Each rank, once it has read what it needs, adds 1 to
+  // ".../read", and the rank that makes it world_size() removes the keys (so the store holds the
+  // keys of the collectives under way only). The store's host waits for that (".../done")
+  // before it leaves.
+  std::string begin_collective() { return "shardsafe/c/" + std::to_string(channel_->begun++) + "/"; }
+  /// The keys `name` and its pieces take for a value of `len` bytes.
+  static void piece_keys(const std::string& name, std::uint64_t len, std::vector<std::string>& keys) {
+    keys.push_back(name);
+    const std::uint64_t first = detail::store_piece_bytes - 8;
+    for (std::uint64_t k = 1, at = first; at < len; ++k, at += detail::store_piece_bytes) keys.push_back(name + "." + std::to_string(k));
+  }
+  void put(const std::string& name, std::string_view s) {
+    c10d::Store& st = *channel_->store;
+    std::vector<std::string> keys;
+    piece_keys(name, s.size(), keys);
+    const std::size_t first = std::min(s.size(), detail::store_piece_bytes - 8);
+    std::vector<std::uint8_t> v(8 + first);
+    for (int b = 0; b < 8; ++b) v[b] = static_cast<std::uint8_t>(std::uint64_t(s.size()) >> (8 * b));
+    std::memcpy(v.data() + 8, s.data(), first);
+    // the pieces first: a reader that has the first key finds the others there
+    for (std::size_t k = 1, at = first; k < keys.size(); ++k, at += detail::store_piece_bytes) {
+      const std::string_view p = s.substr(at, detail::store_piece_bytes);
+      st.set(keys[k], std::vector<std::uint8_t>(p.begin(), p.end()));
+    }
+    st.set(name, v);
+  }
+  /// The bytes under `name`; adds the keys they took to `keys`.
+  std::string take(const std::string& name, std::vector<std::string>& keys) {
+    c10d::Store& st = *channel_->store;
+    const std::vector<std::uint8_t> head = st.get(name);
+    if (head.size() < 8) fail(errc::comm_error, "c10d store collective: key '" + name + "' holds " + std::to_string(head.size()) + " bytes, not a length");
+    std::uint64_t len = 0;
+    for (int b = 0; b < 8; ++b) len |= std::uint64_t(head[b]) << (8 * b);
+    if (len > (std::uint64_t(1) << 40) || head.size() - 8 != std::min<std::uint64_t>(len, detail::store_piece_bytes - 8))
+      fail(errc::comm_error, "c10d store collective: key '" + name + "' is malformed (length " + std::to_string(len) +
+                                 ", first piece " + std::to_string(head.size() - 8) + " bytes)");
+    const std::size_t at0 = keys.size();
+    piece_keys(name, len, keys);
+    std::string out(reinterpret_cast<const char*>(head.data()) + 8, head.size() - 8);
+    for (std::size_t k = at0 + 1; k < keys.size(); ++k) {
+      const std::vector<std::uint8_t> p = st.get(keys[k]);
+      out.append(reinterpret_cast<const char*>(p.data()), p.size());
+    }
+    if (out.size() != len)
+      fail(errc::comm_error, "c10d store collective: key '" + name + "' says " + std::to_string(len) + " bytes, its pieces hold " +
+                                 std::to_string(out.size()));
+    return out;
+  }
+  void end_collective(const std::string& base, const std::vector<std::string>& keys) {
+    c10d::Store& st = *channel_->store;
+    const bool host = rank() == channel_->host;
+    if (st.add(base + "read", 1) < world_size()) {
+      if (host) {
+        st.wait({base + "done"});
+        st.deleteKey(base + "done");
+      }
+      return;
+    }
+    for (const auto& k : keys) st.deleteKey(k);
+    st.deleteKey(base + "read");
+    if (!host) st.set(base + "done", std::vector<std::uint8_t>{});
+  }
+  std::vector<std::string> store_all_gather(std::string_view s) {
+    const std::string base = begin_collective();
+    const int n = world_size();
+    std::vector<std::string> out(static_cast<std::size_t>(n)), keys;
+    put(base + std::to_string(rank()), s);
+    for (int r = 0; r < n; ++r) {
+      if (r == rank()) {
+        out[r] = std::string(s);
+        piece_keys(base + std::to_string(r), s.size(), keys);
+      } else {
+        out[r] = take(base + std::to_string(r), keys);
+      }
+    }
+    end_collective(base, keys);
+    return out;
+  }
+  /// root's bytes (s on root) on every rank.
+  std::string store_broadcast(std::string_view s, int root) {
+    const std::string base = begin_collective(), name = base + "v";
+    std::vector<std::string> keys;
+    std::string v;
+    if (rank() == root) {
+      put(name, s);
+      v = std::string(s);
+      piece_keys(name, s.size(), keys);
+    } else {
+      v = take(name, keys);
+    }
+    end_collective(base, keys);
+    return v;
+  }
+  /// A broadcast into b (root's b on every rank); a rank whose b has another size than root's
+  /// fails alone, without a roll call (the others succeeded).
+  void store_broadcast_into(const char* what, std::span<std::byte> b, int root) {
+    std::string v;
+    guard(what, [&] {
+      v = store_broadcast(rank() == root ? std::string_view(reinterpret_cast<const char*>(b.data()), b.size()) : std::string_view{}, root);
+    });
+    if (v.size() != b.size())
+      fail(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + ": " +
+                                 std::to_string(b.size()) + " bytes expected, rank " + std::to_string(root) + " sent " + std::to_string(v.size()));
+    if (rank() != root) std::memcpy(b.data(), v.data(), v.size());
+  }
   void bcast(std::vector<at::Tensor>& v, int root) {
     c10d::BroadcastOptions o;
     o.rootRank = root;
@@ -236,6 +410,8 @@ class c10d_comm {
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
+  std::shared_ptr<detail::store_channel> channel_;  ///< over a store only
+  int rank_ = 0, size_ = 1;                          ///< over a store only
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds roll_call_;
   std::chrono::milliseconds store_host_wait_{0};
@@ -243,40 +419,73 @@ class c10d_comm {
 
 static_assert(Comm<c10d_comm>);
 
-/// A process's place in a world: the store it rendezvoused through and its process group.
+struct c10d_world;
+/// Joins the world of RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (defined below).
+inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                                      c10d_transport transport = c10d_transport::automatic);
+
+/// A process's place in a world: the store it rendezvoused through and its process group (null
+/// over c10d_transport::store).
 struct c10d_world {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   int rank = 0;
   int world_size = 1;
+  c10d_transport transport = c10d_transport::gloo;  ///< gloo or store: how comm()'s collectives travel
 #ifdef USE_C10D_GLOO
   c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> gloo_options;  ///< those pg was made with
 #endif
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};  ///< the store's and the group's
-  /// A Comm over pg whose failures call a roll call in the store (c10d_comm), a tenth of the
-  /// timeout long (1 to 10 s).
-  c10d_comm comm() const { return c10d_comm(pg, at::kCPU, store, roll_call(), store_host_wait()); }
+  /// A Comm over pg (or the store) whose failures call a roll call in the store (c10d_comm), a
+  /// tenth of the timeout long (1 to 10 s). Every comm() of a world is the same group.
+  c10d_comm comm() const {
+    if (transport == c10d_transport::store) return c10d_comm(channel_, rank, world_size, store, roll_call(), store_host_wait());
+    return c10d_comm(pg, at::kCPU, store, roll_call(), store_host_wait());
+  }
   std::chrono::milliseconds roll_call() const {
     return std::clamp<std::chrono::milliseconds>(timeout / 10, std::chrono::seconds(1), std::chrono::seconds(10));
   }
   /// Rank 0 serves the store (init_world_from_env): it keeps it up for the others' roll calls.
   std::chrono::milliseconds store_host_wait() const { return rank == 0 ? timeout : std::chrono::milliseconds(0); }
 
-#ifdef USE_C10D_GLOO
-  /// A second Gloo process group over the same ranks, through the same store under a prefix of
-  /// its own ("shardsafe/group/N", N counting the groups this world made): its collectives never
-  /// interleave with pg's. For checkpoint traffic of asynchronous saves (torch/async_checkpointer.hpp),
-  /// as torch's async checkpointing uses a group of its own. A collective: every rank calls it,
-  /// in the same order.
+  /// A second group over the same ranks (a Gloo process group, or a store channel over a
+  /// connection of its own to the store), through the same store under a prefix of its own
+  /// ("shardsafe/group/N", N counting the groups this world made): its collectives never
+  /// interleave with comm()'s, and the two may run at once from two threads. For checkpoint traffic of
+  /// asynchronous saves (torch/async_checkpointer.hpp), as torch's async checkpointing uses a
+  /// group of its own. A collective: every rank calls it, in the same order.
   c10d_comm new_group() {
-    if (!store || !gloo_options)
-      fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
-    const std::string prefix = "shardsafe/group/" + std::to_string(++groups_made_);
+    if (!store) fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
+    const std::string prefix = "shardsafe/group/" + std::to_string(++*groups_made_);
     try {
+      if (transport == c10d_transport::store) {
+        // a connection of its own: a TCPStore client serves one operation at a time, and a
+        // rank waiting for a key of one group must not hold up its keys of the other
+        if (store_port_ == 0)
+          fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
+        c10d::TCPStoreOptions so;
+        so.port = store_port_;
+        so.isServer = false;
+        so.waitWorkers = false;
+        so.timeout = timeout;
+        compat::tcp_store_options(so);
+        auto client = c10::make_intrusive<c10d::TCPStore>(store_addr_, so);
+        auto ch = std::make_shared<detail::store_channel>();
+        ch->store = c10::make_intrusive<c10d::PrefixStore>(prefix, client);
+        c10d_comm group(std::move(ch), rank, world_size, client, roll_call(), store_host_wait());
+        group.barrier();
+        return group;
+      }
+#ifdef USE_C10D_GLOO
+      if (!gloo_options)
+        fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
       auto ps = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
       auto group = compat::make_gloo_process_group(ps, rank, world_size, gloo_options);
       group->barrier()->wait();  // every rank's side of every connection set up (init_world_from_env)
       return c10d_comm(std::move(group), at::kCPU, store, roll_call(), store_host_wait());
+#else
+      fail(errc::invalid_argument, "c10d_world::new_group: a Gloo world in a build without USE_C10D_GLOO");
+#endif
     } catch (const c10::Error& e) {
       throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
                                         ": " + e.what_without_backtrace());
@@ -284,8 +493,12 @@ struct c10d_world {
   }
 
  private:
-  int groups_made_ = 0;
-#endif
+  friend c10d_world init_world_from_env(std::chrono::milliseconds, c10d_transport);
+  std::shared_ptr<detail::store_channel> channel_;  ///< comm()'s, over a store
+  std::string store_addr_;                          ///< where the store is served (new_group's
+  std::uint16_t store_port_ = 0;                    ///< connections, over a store)
+  /// new_group's count, shared by the world's copies (two groups of one name would share keys)
+  std::shared_ptr<std::atomic<int>> groups_made_ = std::make_shared<std::atomic<int>>(0);
 };
 
 namespace detail {
@@ -308,21 +521,54 @@ inline long env_number(const char* name, long lo, long hi) {
 }
 }  // namespace detail
 
+namespace detail {
+/// The transport `t` names, automatic resolved: SHARDSAFE_C10D_TRANSPORT, else Gloo where built in.
+inline c10d_transport resolve_transport(c10d_transport t) {
+  if (t == c10d_transport::automatic) {
+    const char* v = std::getenv("SHARDSAFE_C10D_TRANSPORT");
+    const std::string_view name = v ? v : "";
+    if (name == "gloo")
+      t = c10d_transport::gloo;
+    else if (name == "store")
+      t = c10d_transport::store;
+    else if (!name.empty())
+      fail(errc::invalid_argument, "world from environment: SHARDSAFE_C10D_TRANSPORT='" + std::string(name) +
+                                       "' is neither 'gloo' nor 'store'");
+    else
 #ifdef USE_C10D_GLOO
+      t = c10d_transport::gloo;
+#else
+      t = c10d_transport::store;
+#endif
+  }
+#ifndef USE_C10D_GLOO
+  if (t == c10d_transport::gloo)
+    fail(errc::invalid_argument, "world from environment: Gloo was asked for, but this program was built without "
+                                 "USE_C10D_GLOO (its LibTorch has no Gloo headers): use the store transport");
+#endif
+  return t;
+}
+}  // namespace detail
+
 /// Joins the world described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: rank 0 serves
-/// a TCPStore at MASTER_ADDR:MASTER_PORT, every rank connects, and a Gloo process group is
-/// built on it. Gloo's interface: GLOO_SOCKET_IFNAME if set, loopback when MASTER_ADDR is a
-/// loopback address, else the interface of this host's name.
+/// a TCPStore at MASTER_ADDR:MASTER_PORT and every rank connects. With Gloo (`transport`,
+/// resolved as c10d_transport::automatic says) a Gloo process group is built on the store; its
+/// interface: GLOO_SOCKET_IFNAME if set, loopback when MASTER_ADDR is a loopback address, else
+/// the interface of this host's name. With the store, the collectives travel through it.
 /// `timeout` bounds the store's operations and every collective of the group: a rank whose
 /// peer died or whose link was cut ends with errc::comm_error at most `timeout` plus the roll
 /// call (c10d_world::roll_call(), a tenth of it) after the failure, naming the ranks it lost;
 /// rank 0, which serves the store, keeps it up for the others' roll calls: at most twice that.
-inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::chrono::minutes(5)) {
+inline c10d_world init_world_from_env(std::chrono::milliseconds timeout, c10d_transport transport) {
   c10d_world w;
   const int world = static_cast<int>(detail::env_number("WORLD_SIZE", 1, 1 << 20));
   const int rank = static_cast<int>(detail::env_number("RANK", 0, world - 1));
   const std::string addr = detail::required_env("MASTER_ADDR");
   const auto port = static_cast<std::uint16_t>(detail::env_number("MASTER_PORT", 1, 65535));
+  w.transport = detail::resolve_transport(transport);
+  w.rank = rank;
+  w.world_size = world;
+  w.timeout = timeout;
   try {
     c10d::TCPStoreOptions so;
     so.port = port;
@@ -332,6 +578,14 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     so.timeout = timeout;
     compat::tcp_store_options(so);
     w.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    if (w.transport == c10d_transport::store) {
+      w.store_addr_ = addr;
+      w.store_port_ = port;
+      w.channel_ = std::make_shared<detail::store_channel>();
+      w.channel_->store = w.store;
+      return w;
+    }
+#ifdef USE_C10D_GLOO
     auto go = c10d::ProcessGroupGloo::Options::create(timeout);
     if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
       go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
@@ -346,6 +600,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     // as torch's init_process_group waits on a barrier for the same reason.
     w.pg->barrier()->wait();
     w.gloo_options = go;
+#endif
   } catch (const c10::Error& e) {
     throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
                                       " could not join " + addr + ":" + std::to_string(port) + ": " +
@@ -354,11 +609,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout = std::c
     throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
                                       " could not join " + addr + ":" + std::to_string(port) + ": " + e.what());
   }
-  w.rank = rank;
-  w.world_size = world;
-  w.timeout = timeout;
   return w;
 }
-#endif
 
 }  // namespace shardsafe
