@@ -86,9 +86,11 @@ WORKER_SCENARIO("cluster_save_forever") {
   if (w.rank == 0) demo::write_params(args.at(2), params);
   comm.barrier();
   std::ofstream(root / ("ready" + std::to_string(w.rank))) << "x";
+  save_options again;
+  again.overwrite = true;  // a save done before the break must not end the loop (the next would refuse its folder)
   for (;;) {
     m.step(comm);
-    save_model_and_optim_state(file_directory(root / "next"), m.state(), &m.optimizer(), comm);
+    save_model_and_optim_state(file_directory(root / "next"), m.state(), &m.optimizer(), comm, again);
   }
 }
 
