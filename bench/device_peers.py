@@ -38,8 +38,9 @@ def llama_shapes(gib):
 
 def write(root, gib, with_pt=True):
     shapes, total = llama_shapes(gib)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sd = {n: torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16).cpu() for n, s in shapes}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a rehearsal on a machine without a GPU
+    gen = torch.Generator(device=dev).manual_seed(0)
+    sd = {n: torch.randn(s, device=dev, generator=gen).to(torch.bfloat16).cpu() for n, s in shapes}
     os.makedirs(os.path.join(root, "st"), exist_ok=True)
     os.makedirs(os.path.join(root, "pt"), exist_ok=True)
     from safetensors.torch import save_file

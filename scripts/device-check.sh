@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# scripts/device-check.sh - the GPU machine's check, one run (issue 32): builds the CUDA tests
-# (tests/torch/test_device.cpp) and bench/bench_device.cpp against the LibTorch inside Python's
-# torch wheel, checks that every LibTorch-facing test and example compiles against it, runs the
-# CUDA tests, writes a ~GIB GiB BF16 checkpoint, and runs the Python peers and bench_device on
-# it. Everything it prints is also written under OUT (default /tmp/device-check).
+# scripts/device-check.sh - the GPU machine's check, one run (issue 32): builds the whole torch
+# suite (tests/torch/, the CUDA cases of test_device.cpp among them) and bench/bench_device.cpp
+# against the LibTorch inside Python's torch wheel, compiles every LibTorch example against it,
+# writes a ~GIB GiB BF16 checkpoint, runs the CUDA cases, the Python peers and bench_device on
+# it, then the rest of the torch suite. Everything it prints is also written under OUT
+# (default /tmp/device-check).
 #
 #   bash scripts/device-check.sh [GIB]        (GIB: the benchmark model's size, default 10)
 #
-# PEERS=0 skips the Python peers (PEER_RATES=name=GB/s,... passes rates measured before), and
-# SYNTAX=0 the compile-only checks. A program that crashes is run again under cuda-gdb for a
-# backtrace.
+# The wheel ships no Gloo headers, so the suite builds without USE_C10D_GLOO and every world of
+# its multi-process tests is a store world (torch/c10d.hpp, c10d_transport::store); GLOO=1 or 0
+# forces the choice. PEERS=0 skips the Python peers (PEER_RATES=name=GB/s,... passes rates
+# measured before); SUITE=0 skips the suite past its CUDA cases; UNITS="tests/torch/a.cpp ..."
+# builds only those units of the suite (with torch_main.cpp; a quick rehearsal). A program that
+# crashes is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
 #
-# Needs python3 with torch (CUDA) and safetensors, a C++20 g++, and the torch-free
-# dependencies (simdjson, xxHash, RE2, doctest; OpenSSL's headers for the syntax checks) as
-# Debian 12 packages in DEBS (default .devdeps), unpacked here into a folder of their own:
+# Needs python3 with torch and safetensors, a C++20 g++, and the torch-free dependencies
+# (simdjson, xxHash, RE2, doctest, OpenSSL) as Debian 12 packages in DEBS (default .devdeps),
+# unpacked here into a folder of their own:
 #   mkdir -p .devdeps && (cd .devdeps && apt-get download libsimdjson-dev libsimdjson14 \
-#     libxxhash-dev libxxhash0 libre2-dev libre2-9 doctest-dev libssl-dev)
-# The GPU machine builds without meson: its Python wheel's LibTorch has no pkg-config or
-# system paths, and compiling the few units this check needs directly is quicker.
-set -u
+#     libxxhash-dev libxxhash0 libre2-dev libre2-9 doctest-dev libssl-dev libssl3)
+# (DEBS=none: the system's own). The GPU machine builds without meson: its Python wheel's
+# LibTorch has no pkg-config or system paths, and compiling the units directly is quicker.
+# Without a CUDA device (a rehearsal: TORCH_INCLUDE and TORCH_LIBDIR name a CPU LibTorch) it
+# builds and runs the same, links no CUDA library, and the CUDA cases and the bench say that
+# they measured nothing.
+set -u -o pipefail
 cd "$(dirname "$0")/.."
 GIB=${1:-10}
 OUT=${OUT:-/tmp/device-check}
@@ -26,50 +33,81 @@ DEBS=${DEBS:-.devdeps}
 WORK=${WORK:-$PWD/.device-work}   # on disk: the checkpoint and the saves take ~3 x GIB
 mkdir -p "$OUT" "$WORK"
 log() { echo "== $(date +%T) $*"; }
+failed=()   # what went wrong, said again at the end (and the exit status)
 exec > >(tee "$OUT/device-check.log") 2>&1
 
 log "device"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
-python3 -c 'import torch, safetensors; print("torch", torch.__version__, "cuda", torch.version.cuda, "safetensors", safetensors.__version__, "device", torch.cuda.get_device_name(0))'
-nproc; free -g | head -2; ${CXX:-g++} --version | head -1
-python3 -c 'import torch; print("cxx11 abi", torch._C._GLIBCXX_USE_CXX11_ABI)'
+python3 -c 'import torch, safetensors; print("torch", torch.__version__, "cuda", torch.version.cuda, "safetensors", safetensors.__version__, "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)'
+nproc; free -g | head -2; df -h /dev/shm "$WORK" | tail -2; ${CXX:-g++} --version | head -1
 
 T=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 ABI=$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
+TINC=${TORCH_INCLUDE:-$T/include}
+TLIB=${TORCH_LIBDIR:-$T/lib}
 DEPS="$WORK/deps"
 mkdir -p "$DEPS"
-for f in "$DEBS"/*.deb; do dpkg -x "$f" "$DEPS"; done
+[ "$DEBS" != none ] && for f in "$DEBS"/*.deb; do dpkg -x "$f" "$DEPS"; done
 LIBDIR="$DEPS/usr/lib/x86_64-linux-gnu"
 CXX=${CXX:-g++}
-FLAGS=(-std=c++20 -O2 -g -DNDEBUG -D_GLIBCXX_USE_CXX11_ABI="$ABI" -Iinclude -I"$DEPS/usr/include"
-       -isystem "$T/include" -isystem "$T/include/torch/csrc/api/include" -Wno-deprecated-declarations)
-[ -d "$T/include/gloo" ] && FLAGS+=(-DUSE_C10D_GLOO=1)
+FLAGS=(-std=c++20 -D_GLIBCXX_USE_CXX11_ABI="$ABI" -Iinclude -I"$DEPS/usr/include"
+       -isystem "$TINC/torch/csrc/api/include" -Wno-deprecated-declarations)
+[ "$TINC" != /usr/include ] && FLAGS+=(-isystem "$TINC")
+GLOO=${GLOO:-$([ -d "$TINC/gloo" ] && echo 1 || echo 0)}
+[ "$GLOO" = 1 ] && FLAGS+=(-DUSE_C10D_GLOO=1)
+CUDA_LIBS=()
+[ -e "$TLIB/libtorch_cuda.so" ] && CUDA_LIBS=(-ltorch_cuda -lc10_cuda)
 # libstdc++ first: the wheel's libtorch.so exports std::filesystem functions of its own, and
 # a program that binds to them crashes (std::filesystem::remove_all jumps to address 0)
-LIBS=(-Wl,--no-as-needed -lstdc++ -Wl,--as-needed -L"$LIBDIR" -Wl,-rpath,"$LIBDIR" -lsimdjson -lxxhash -lre2
-      -L"$T/lib" -Wl,-rpath,"$T/lib" -Wl,--no-as-needed -ltorch_cuda -lc10_cuda -Wl,--as-needed -ltorch -ltorch_cpu -lc10 -pthread)
+LIBS=(-Wl,--no-as-needed -lstdc++ -Wl,--as-needed -L"$LIBDIR" -Wl,-rpath,"$LIBDIR" -lsimdjson -lxxhash -lre2 -lcrypto
+      -L"$TLIB" -Wl,-rpath,"$TLIB" -Wl,--no-as-needed "${CUDA_LIBS[@]}" -Wl,--as-needed -ltorch -ltorch_cpu -lc10 -pthread)
+echo "LibTorch $TINC, $TLIB; Gloo headers: $GLOO; CUDA libraries: ${CUDA_LIBS[*]:-none}"
 
-log "build (test_device, bench_device) and the checkpoint for the bench, at once"
+log "build: the torch suite (a unit a job), bench_device, and the checkpoint for the bench, at once"
 t0=$(date +%s)
-$CXX "${FLAGS[@]}" -Itests tests/support/main.cpp tests/torch/test_device.cpp -o "$WORK/test_device" "${LIBS[@]}" \
-  > "$OUT/build_test.log" 2>&1 &
+TFLAGS=("${FLAGS[@]}" -O1 -Itests -DSHARDSAFE_TOOL='""' -DSHARDSAFE_SOURCE_DIR="\"$PWD\"" -DSHARDSAFE_TEST_REMOTE=0)
+if [ -n "${UNITS:-}" ]; then read -ra units <<< "tests/torch/torch_main.cpp $UNITS"; else units=(tests/torch/*.cpp); fi
+rm -rf "$WORK/obj"
+mkdir -p "$WORK/obj"
+# compile_unit SRC (the flags travel %q-quoted and are read back by bash's eval): FAILS: SRC if it fails
+CC_TEST=$(printf '%q ' "$CXX" "${TFLAGS[@]}")
+CC_SYNTAX=$(printf '%q ' "$CXX" "${FLAGS[@]}" -Iexamples -fsyntax-only)
+export CC_TEST CC_SYNTAX WORK
+compile_unit() {
+  local b
+  b=$(basename "$1" .cpp)
+  eval "$CC_TEST"' -c "$1" -o "$WORK/obj/$b.o"' > "$WORK/obj/$b.log" 2>&1 || echo "FAILS: $1"
+}
+syntax_unit() {
+  eval "$CC_SYNTAX"' "$1"' > "$WORK/syntax_$(basename "$1").log" 2>&1 && echo "compiles: $1" || echo "FAILS: $1"
+}
+export -f compile_unit syntax_unit
+printf '%s\n' "${units[@]}" | xargs -P "$(nproc)" -I{} bash -c 'compile_unit "$1"' _ {} > "$WORK/compile.out" &
 p1=$!
-$CXX "${FLAGS[@]}" -Ibench bench/bench_device.cpp -o "$WORK/bench_device" "${LIBS[@]}" > "$OUT/build_bench.log" 2>&1 &
+$CXX "${FLAGS[@]}" -O2 -DNDEBUG -Ibench bench/bench_device.cpp -o "$WORK/bench_device" "${LIBS[@]}" > "$OUT/build_bench.log" 2>&1 &
 p2=$!
 rm -rf "$WORK/ckpt"
 python3 bench/device_peers.py write "$WORK/ckpt" "$GIB" "${PEERS:-1}" &
 p3=$!
-# every LibTorch-facing test unit, example and the umbrella header, compiled (not linked)
-# against this LibTorch, 6 at a time beside the builds
+wait $p1
+cat "$WORK/compile.out"
+cat "$WORK"/obj/*.log > "$OUT/build_tests.log"
+r1=1
+if ! grep -q FAILS "$WORK/compile.out"; then
+  $CXX -o "$WORK/torch_tests" "$WORK"/obj/*.o "${LIBS[@]}" >> "$OUT/build_tests.log" 2>&1
+  r1=$?
+fi
+# every LibTorch example and the umbrella header, compiled (not linked) against this LibTorch
 echo '#include "shardsafe/torch.hpp"' > "$WORK/umbrella_torch.cpp"
-[ "${SYNTAX:-1}" = 1 ] && ls tests/torch/test_*.cpp examples/*.cpp "$WORK/umbrella_torch.cpp" | xargs -P 6 -I{} sh -c \
-  "$CXX ${FLAGS[*]} -Itests -Iexamples -DSHARDSAFE_TOOL='\"\"' -DSHARDSAFE_SOURCE_DIR='\"\"' -fsyntax-only {} > '$WORK/syntax_'\$(basename {}).log 2>&1 && echo 'compiles: {}' || echo 'FAILS: {}'"
+ls examples/*.cpp "$WORK/umbrella_torch.cpp" | xargs -P "$(nproc)" -I{} bash -c 'syntax_unit "$1"' _ {} | tee "$WORK/syntax.out"
+grep -q FAILS "$WORK/syntax.out" && failed+=("an example or torch.hpp does not compile (syntax.log)")
 for f in "$WORK"/syntax_*.log; do [ -s "$f" ] && { echo "== $f"; head -60 "$f"; }; done > "$OUT/syntax.log"
-wait $p1; r1=$?
 wait $p2; r2=$?
 wait $p3; r3=$?
-log "built in $(( $(date +%s) - t0 )) s: test_device rc=$r1, bench_device rc=$r2; checkpoint rc=$r3"
-tail -n 20 "$OUT/build_test.log" "$OUT/build_bench.log"
+log "built in $(( $(date +%s) - t0 )) s: torch_tests rc=$r1, bench_device rc=$r2; checkpoint rc=$r3"
+[ $r1 = 0 ] || { failed+=("the torch suite did not build"); grep -m 40 -B2 -A8 'error' "$OUT/build_tests.log"; }
+[ $r2 = 0 ] || { failed+=("bench_device did not build"); tail -n 40 "$OUT/build_bench.log"; }
+[ $r3 = 0 ] || failed+=("the benchmark's checkpoint was not written")
 
 # run_or_trace SECONDS PROGRAM ARGS...: runs it; if it crashes, again under cuda-gdb for a backtrace
 run_or_trace() {
@@ -77,28 +115,40 @@ run_or_trace() {
   shift
   timeout "$limit" "$@"
   local rc=$?
-  if [ $rc -ge 128 ] && command -v cuda-gdb > /dev/null; then
+  if [ $rc -ge 128 ] && [ $rc != 137 ] && command -v cuda-gdb > /dev/null; then
     echo "== crashed (rc $rc): again under cuda-gdb"
-    timeout 300 cuda-gdb -q -batch -ex 'set pagination off' -ex run -ex bt -ex 'info threads' \
+    timeout 200 cuda-gdb -q -batch -ex 'set pagination off' -ex run -ex bt -ex 'info threads' \
       -ex 'thread apply all bt 12' --args "$@" 2>&1 | grep -v '^\[New Thread\|^\[Thread .* exited' | tail -150
   fi
   return $rc
 }
 
-log "CUDA tests"
-[ $r1 = 0 ] && run_or_trace 300 "$WORK/test_device"
+log "CUDA cases of the torch suite"
+[ $r1 = 0 ] && { run_or_trace 200 "$WORK/torch_tests" -tc='cuda:*' | tee "$WORK/cuda.out" || failed+=("the CUDA cases"); }
+[ $r1 = 0 ] && ! grep -q '^\[doctest\] test cases: *[1-9]' "$WORK/cuda.out" && failed+=("no CUDA case ran")
+[ $r1 = 0 ] && command -v nvidia-smi > /dev/null && grep -q 'no CUDA device' "$WORK/cuda.out" &&
+  failed+=("the CUDA cases found no device (is libtorch_cuda linked?)")
 
 log "peers (a fresh process each)"
 peers="${PEER_RATES:-}"
-[ "${PEERS:-1}" = 1 ] && for m in st st pt pt_mmap; do
-  line=$(timeout 300 python3 bench/device_peers.py $m "$WORK/ckpt" 2>&1 | tail -1)
+[ "${PEERS:-1}" = 1 ] && [ $r3 = 0 ] && for m in st pt pt_mmap; do
+  line=$(timeout 200 python3 bench/device_peers.py $m "$WORK/ckpt" 2>&1 | tail -1)
   echo "$line"
   set -- $line
   [ "${1:-}" = PEER ] && peers="$peers${peers:+,}$2=$3"
 done
-
 rm -rf "$WORK/ckpt/pt"   # room for the saves
 
 log "bench_device"
-[ $r2 = 0 ] && [ $r3 = 0 ] && run_or_trace 400 "$WORK/bench_device" --dir "$WORK/ckpt/st" --out "$WORK/out" --peers "$peers"
-log "done"
+[ $r2 = 0 ] && [ $r3 = 0 ] && { run_or_trace 300 "$WORK/bench_device" --dir "$WORK/ckpt/st" --out "$WORK/out" --peers "$peers" ||
+  failed+=("bench_device"); }
+rm -rf "$WORK/ckpt" "$WORK/out"
+
+log "the rest of the torch suite (every world a store world unless Gloo's headers were there)"
+[ $r1 = 0 ] && [ "${SUITE:-1}" = 1 ] && { (cd "$WORK" && run_or_trace "${SUITE_LIMIT:-240}" "$WORK/torch_tests" -tce='cuda:*') ||
+  failed+=("the torch suite"); }
+if [ ${#failed[@]} -gt 0 ]; then
+  log "done; FAILED: $(IFS=';'; echo "${failed[*]}")"
+  exit 1
+fi
+log "done; everything passed"

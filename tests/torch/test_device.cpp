@@ -1,8 +1,10 @@
 // tests/torch/test_device.cpp - loads into and saves from CUDA tensors (torch/device_copy.hpp,
 // the staging ring), bit-exact against torch's own indexing and conversion of the tensors
 // saved. Every case needs a CUDA device: without one (CI, a CPU-only LibTorch) each says so
-// and checks nothing; the ring itself is tested without a device in tests/test_staged_load.cpp.
-// scripts/device-check.sh builds this file alone against a CUDA LibTorch and runs it.
+// and checks nothing; the ring itself is tested without a device in tests/checkpoint/test_staging.cpp.
+// scripts/device-check.sh builds the torch suite against a CUDA LibTorch (torch's wheel) and runs
+// these cases first; the last one runs multi-process worlds (store worlds there: the wheel has
+// no Gloo headers).
 #include <doctest/doctest.h>
 #include <stdlib.h>
 
@@ -15,8 +17,10 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/async_checkpointer.hpp"
+#include "shardsafe/torch/c10d.hpp"
 #include "shardsafe/torch/device_copy.hpp"
 #include "shardsafe/torch/state_dict.hpp"
+#include "world.hpp"
 
 using namespace shardsafe;
 
@@ -214,4 +218,56 @@ TEST_CASE("cuda: the GPU snippet of docs/USAGE.md") {
   back.add("w", at::empty({4096, 4096}, at::TensorOptions().dtype(at::kBFloat16)));
   load_state_dict(file_directory(dir / "next"), back, {});
   CHECK(same_bytes(back.find("w")->local, sd.find("w")->local));
+}
+
+namespace {
+/// The tensor the CUDA worlds below shard: F32 [96, 40], element i = i / 4 - 100 (exact in F32).
+at::Tensor world_full() { return at::arange(96 * 40, at::kFloat).mul_(0.25).sub_(100).view({96, 40}); }
+}  // namespace
+
+// args: folder, "save" or "load". save: rank r of n holds rows [96r/n, 96(r+1)/n) of w on its
+// CUDA device and saves them. load: rank r of 3 loads a flat third of w and a column block
+// (columns [0, 14), [14, 27), [27, 40)) into CUDA tensors, compared with torch's own slicing.
+WORKER_SCENARIO("cuda_world") {
+  c10d_world w = init_world_from_env();
+  c10d_comm comm = w.comm();
+  const std::int64_t r = w.rank, n = w.world_size;
+  const at::Tensor full = world_full();
+  const file_directory dir(args.at(0));
+  if (args.at(1) == "save") {
+    const std::int64_t lo = 96 * r / n, hi = 96 * (r + 1) / n;
+    state_dict sd;
+    sd.add("w", full.narrow(0, lo, hi - lo).cuda(), block_spec{{std::uint64_t(hi - lo), 40}, {std::uint64_t(lo), 0}}, {96, 40});
+    save_state_dict(dir, sd, comm);
+    return 0;
+  }
+  const std::int64_t flo = 3840 * r / n, fhi = 3840 * (r + 1) / n;
+  const std::int64_t cols[] = {0, 14, 27, 40};
+  const std::int64_t clo = cols[r], chi = cols[r + 1];
+  state_dict flat, block;
+  flat.add("w", at::full({fhi - flo}, -1.f, on_cuda(at::kFloat)), flat_spec{{std::uint64_t(flo), std::uint64_t(fhi)}}, {96, 40});
+  block.add("w", at::full({96, chi - clo}, -1.f, on_cuda(at::kFloat)),
+            block_spec{{96, std::uint64_t(chi - clo)}, {0, std::uint64_t(clo)}}, {96, 40});
+  load_state_dict(dir, flat);  // a load is each rank's own: no collective
+  load_state_dict(dir, block);
+  int bad = 0;
+  if (!flat.find("w")->local.is_cuda() || !same_bytes(flat.find("w")->local, full.flatten().narrow(0, flo, fhi - flo))) {
+    std::fprintf(stderr, "rank %lld: the flat shard differs\n", static_cast<long long>(r));
+    ++bad;
+  }
+  if (!same_bytes(block.find("w")->local, full.narrow(1, clo, chi - clo))) {
+    std::fprintf(stderr, "rank %lld: the column block differs\n", static_cast<long long>(r));
+    ++bad;
+  }
+  return bad;
+}
+
+TEST_CASE("cuda: 2 ranks save row blocks from CUDA; 3 ranks load flat and column shards into CUDA, bit-exact") {
+  if (!have_cuda()) return;
+  device_dir tmp;
+  const std::string ckpt = (tmp.path / "c").string();
+  auto saved = testing::run_world("cuda_world", 2, {ckpt, "save"});
+  REQUIRE_MESSAGE(saved.ok(), saved.report());
+  auto loaded = testing::run_world("cuda_world", 3, {ckpt, "load"});
+  CHECK_MESSAGE(loaded.ok(), loaded.report());
 }
