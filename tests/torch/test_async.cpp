@@ -19,10 +19,6 @@ using namespace shardsafe;
 
 namespace {
 
-void expect(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
 /// Every file under a and b, relative to them, with their bytes.
 std::map<std::string, std::string> files_under(const std::filesystem::path& root) {
   std::map<std::string, std::string> out;
@@ -63,19 +59,19 @@ WORKER_SCENARIO("async_save_while_training") {
   for (int i = 0; i < 20; ++i) {
     const std::vector<std::string> all = train.all_gather_bytes("step " + std::to_string(i) + " rank " + std::to_string(r));
     for (int q = 0; q < n; ++q)
-      expect(all.at(q) == "step " + std::to_string(i) + " rank " + std::to_string(q), "all-gather on the training group gave wrong bytes");
+      testing::worker_check(all.at(q) == "step " + std::to_string(i) + " rank " + std::to_string(q), "all-gather on the training group gave wrong bytes");
     step(float(i + 2));
   }
   tr.fill_(-1.f);
   const async_save_stats& res = h.wait();
-  expect(res.folders.size() == 2, "two folders (optim, model) expected");
-  expect(res.stall_seconds <= res.seconds, "stall longer than the whole save");
+  testing::worker_check(res.folders.size() == 2, "two folders (optim, model) expected");
+  testing::worker_check(res.stall_seconds <= res.seconds, "stall longer than the whole save");
   // a blocking save after the steps differs: the async one saved the state at the call
   save_model_and_optim_state(file_directory(root / "later"), model, &adam, train);
   // a second async save reuses staging
   const std::byte* staging = ckpt.saver().staging().data();
   ckpt.save_model_and_optim_state(file_directory(root / "async2"), model, &adam).wait();
-  expect(ckpt.saver().staging().data() == staging, "staging was not reused");
+  testing::worker_check(ckpt.saver().staging().data() == staging, "staging was not reused");
   return 0;
 }
 

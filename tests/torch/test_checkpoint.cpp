@@ -655,9 +655,6 @@ TEST_CASE("a save killed part way never leaves a checkpoint that loads as comple
 }
 
 namespace {
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
 /// What rank q contributes to the store-transport all-gathers below: lengths differ by rank,
 /// rank 0's is empty, rank 1's is over 9 MiB (three pieces of the store's keys: one key of a
 /// TCPStore served with libuv holds at most 8 MiB).
@@ -677,35 +674,35 @@ std::string gathered_bytes(int q, int i) {
 // after hundreds of them.
 WORKER_SCENARIO("store_collectives") {
   c10d_world w = init_world_from_env();
-  require(w.transport == c10d_transport::store && !w.pg, "SHARDSAFE_C10D_TRANSPORT=store did not give a store world");
+  testing::worker_check(w.transport == c10d_transport::store && !w.pg, "SHARDSAFE_C10D_TRANSPORT=store did not give a store world");
   c10d_comm comm = w.comm();
   const int r = w.rank, n = w.world_size;
   for (int i = 0; i < 3; ++i) {
     const auto all = comm.all_gather_bytes(gathered_bytes(r, i));
-    require(static_cast<int>(all.size()) == n, "all_gather_bytes gave " + std::to_string(all.size()) + " strings");
-    for (int q = 0; q < n; ++q) require(all[q] == gathered_bytes(q, i), "all_gather_bytes: rank " + std::to_string(q) + "'s bytes differ");
+    testing::worker_check(static_cast<int>(all.size()) == n, "all_gather_bytes gave " + std::to_string(all.size()) + " strings");
+    for (int q = 0; q < n; ++q) testing::worker_check(all[q] == gathered_bytes(q, i), "all_gather_bytes: rank " + std::to_string(q) + "'s bytes differ");
   }
   for (int root = 0; root < n; ++root) {
     const std::string want = "from rank " + std::to_string(root) + (root == n - 1 ? std::string(std::size_t(5) << 20, 'z') : "");
     std::string s = r == root ? want : std::string(100, 'x');
     comm.broadcast_bytes(s, root);
-    require(s == want, "broadcast_bytes from " + std::to_string(root) + " gave " + std::to_string(s.size()) + " bytes");
+    testing::worker_check(s == want, "broadcast_bytes from " + std::to_string(root) + " gave " + std::to_string(s.size()) + " bytes");
   }
   std::vector<std::byte> buf(1000, std::byte{0});
   if (r == n - 1)
     for (std::size_t k = 0; k < buf.size(); ++k) buf[k] = static_cast<std::byte>(k * 7 + 3);
   comm.broadcast_buffer(buf, n - 1);
-  for (std::size_t k = 0; k < buf.size(); ++k) require(buf[k] == static_cast<std::byte>(k * 7 + 3), "broadcast_buffer differs");
+  for (std::size_t k = 0; k < buf.size(); ++k) testing::worker_check(buf[k] == static_cast<std::byte>(k * 7 + 3), "broadcast_buffer differs");
   at::Tensor t = r == 1 ? at::arange(12, at::kFloat).mul_(0.5) : at::zeros({12});
   comm.broadcast_tensor(t, 1);
-  require(t.equal(at::arange(12, at::kFloat).mul_(0.5)), "broadcast_tensor differs");
+  testing::worker_check(t.equal(at::arange(12, at::kFloat).mul_(0.5)), "broadcast_tensor differs");
 
   comm.barrier();
   const std::int64_t before = w.store->getNumKeys();
   c10d_comm again = w.comm();  // another comm of the world: the same group, one sequence
   for (int i = 0; i < 100; ++i) {
     c10d_comm& c = i % 2 ? again : comm;
-    require(c.all_gather_bytes(std::to_string(i * n + r)).at((r + 1) % n) == std::to_string(i * n + (r + 1) % n),
+    testing::worker_check(c.all_gather_bytes(std::to_string(i * n + r)).at((r + 1) % n) == std::to_string(i * n + (r + 1) % n),
             "all_gather_bytes " + std::to_string(i) + " differs");
     c.barrier();
     std::string s = std::to_string(i);
@@ -713,7 +710,7 @@ WORKER_SCENARIO("store_collectives") {
   }
   const std::int64_t after = w.store->getNumKeys();
   // the last collectives' keys may wait for a slower rank: at most the n + 2 of two of them
-  require(after <= before + 2 * (n + 2), "the store grew from " + std::to_string(before) + " to " + std::to_string(after) +
+  testing::worker_check(after <= before + 2 * (n + 2), "the store grew from " + std::to_string(before) + " to " + std::to_string(after) +
                                              " keys over 300 collectives");
 
   c10d_world copy = w;                 // a copy's groups are counted with the world's:
@@ -723,18 +720,18 @@ WORKER_SCENARIO("store_collectives") {
   std::thread other([&] {
     try {
       for (int i = 0; i < 50; ++i)
-        require(group.all_gather_bytes("g" + std::to_string(i) + "/" + std::to_string(r)).at(0) == "g" + std::to_string(i) + "/0",
+        testing::worker_check(group.all_gather_bytes("g" + std::to_string(i) + "/" + std::to_string(r)).at(0) == "g" + std::to_string(i) + "/0",
                 "the second group's all-gather differs");
     } catch (const std::exception& e) {
       group_error = e.what();
     }
   });
   for (int i = 0; i < 50; ++i)  // the world's group and the third, beside the second
-    require((i % 2 ? third : comm).all_gather_bytes("c" + std::to_string(i) + "/" + std::to_string(r)).at(n - 1) ==
+    testing::worker_check((i % 2 ? third : comm).all_gather_bytes("c" + std::to_string(i) + "/" + std::to_string(r)).at(n - 1) ==
                 "c" + std::to_string(i) + "/" + std::to_string(n - 1),
             "an all-gather beside the second group differs");
   other.join();
-  require(group_error.empty(), group_error);
+  testing::worker_check(group_error.empty(), group_error);
   return 0;
 }
 

@@ -48,6 +48,12 @@ struct scenario_registrar {
   static ::testing::scenario_registrar SHARDSAFE_CAT(worker_reg_, id)(name, SHARDSAFE_CAT(worker_fn_, id)); \
   static int SHARDSAFE_CAT(worker_fn_, id)([[maybe_unused]] const std::vector<std::string>& args)
 
+/// A check inside a worker scenario: throws `what`, which torch_main.cpp prints with the rank
+/// and turns into exit code 98.
+inline void worker_check(bool ok, const std::string& what) {
+  if (!ok) throw std::runtime_error(what);
+}
+
 inline std::string join_args(const std::vector<std::string>& args) {
   std::string s;
   for (const auto& a : args) s += a + '\x1f';

@@ -34,6 +34,7 @@
 #include <string_view>
 #include <vector>
 
+#include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/torch/compat.hpp"
@@ -56,14 +57,29 @@ inline std::string first_line(std::string s) {
   return s;
 }
 
-/// A group whose collectives travel through a c10d store (c10d_transport::store): the store
-/// (the world's, or a PrefixStore of it for a group of its own) and the number of collectives
-/// the group has begun. Every c10d_comm of the group shares it, as the comms of a process group
-/// share the group: collective k of every rank uses the keys "shardsafe/c/k/...".
+/// The TCPStore at addr:port, `timeout` for its operations, served by this process where
+/// `serve`. With `world` > 0 it is a world's rendezvous: every rank counts itself in and the
+/// server waits until all `world` have; with 0, one more connection to a store already met at.
+inline c10::intrusive_ptr<c10d::TCPStore> open_tcp_store(const std::string& addr, std::uint16_t port,
+                                                          std::chrono::milliseconds timeout, bool serve, int world) {
+  c10d::TCPStoreOptions so;
+  so.port = port;
+  so.isServer = serve;
+  if (world > 0) so.numWorkers = static_cast<std::size_t>(world);
+  so.waitWorkers = world > 0;
+  so.timeout = timeout;
+  compat::tcp_store_options(so);
+  return c10::make_intrusive<c10d::TCPStore>(addr, so);
+}
+
 /// The most bytes one key of a store collective holds: a value is split into pieces of this
 /// size (libuv's TCPStore server, the default of torch 2.4 and newer, refuses values over 8 MiB).
 inline constexpr std::size_t store_piece_bytes = std::size_t(4) << 20;
 
+/// A group whose collectives travel through a c10d store (c10d_transport::store): the store
+/// (the world's, or a PrefixStore of it for a group of its own) and the number of collectives
+/// the group has begun. Every c10d_comm of the group shares it, as the comms of a process group
+/// share the group: collective k of every rank uses the keys "shardsafe/c/k/...".
 struct store_channel {
   c10::intrusive_ptr<c10d::Store> store;
   /// the rank whose process serves the store: it leaves a collective only once every rank has
@@ -236,16 +252,17 @@ class c10d_comm {
     const std::uint64_t first = detail::store_piece_bytes - 8;
     for (std::uint64_t k = 1, at = first; at < len; ++k, at += detail::store_piece_bytes) keys.push_back(name + "." + std::to_string(k));
   }
-  void put(const std::string& name, std::string_view s) {
+  /// Sets s under `name`; adds the keys it took to `keys`.
+  void put(const std::string& name, std::string_view s, std::vector<std::string>& keys) {
     c10d::Store& st = *channel_->store;
-    std::vector<std::string> keys;
+    const std::size_t at0 = keys.size();
     piece_keys(name, s.size(), keys);
     const std::size_t first = std::min(s.size(), detail::store_piece_bytes - 8);
     std::vector<std::uint8_t> v(8 + first);
-    for (int b = 0; b < 8; ++b) v[b] = static_cast<std::uint8_t>(std::uint64_t(s.size()) >> (8 * b));
+    detail::store_le(reinterpret_cast<std::byte*>(v.data()), 8, s.size());
     std::memcpy(v.data() + 8, s.data(), first);
     // the pieces first: a reader that has the first key finds the others there
-    for (std::size_t k = 1, at = first; k < keys.size(); ++k, at += detail::store_piece_bytes) {
+    for (std::size_t k = at0 + 1, at = first; k < keys.size(); ++k, at += detail::store_piece_bytes) {
       const std::string_view p = s.substr(at, detail::store_piece_bytes);
       st.set(keys[k], std::vector<std::uint8_t>(p.begin(), p.end()));
     }
@@ -256,8 +273,7 @@ class c10d_comm {
     c10d::Store& st = *channel_->store;
     const std::vector<std::uint8_t> head = st.get(name);
     if (head.size() < 8) fail(errc::comm_error, "c10d store collective: key '" + name + "' holds " + std::to_string(head.size()) + " bytes, not a length");
-    std::uint64_t len = 0;
-    for (int b = 0; b < 8; ++b) len |= std::uint64_t(head[b]) << (8 * b);
+    const std::uint64_t len = detail::load_le(reinterpret_cast<const std::byte*>(head.data()), 8);
     if (len > (std::uint64_t(1) << 40) || head.size() - 8 != std::min<std::uint64_t>(len, detail::store_piece_bytes - 8))
       fail(errc::comm_error, "c10d store collective: key '" + name + "' is malformed (length " + std::to_string(len) +
                                  ", first piece " + std::to_string(head.size() - 8) + " bytes)");
@@ -291,15 +307,8 @@ class c10d_comm {
     const std::string base = begin_collective();
     const int n = world_size();
     std::vector<std::string> out(static_cast<std::size_t>(n)), keys;
-    put(base + std::to_string(rank()), s);
-    for (int r = 0; r < n; ++r) {
-      if (r == rank()) {
-        out[r] = std::string(s);
-        piece_keys(base + std::to_string(r), s.size(), keys);
-      } else {
-        out[r] = take(base + std::to_string(r), keys);
-      }
-    }
+    put(base + std::to_string(rank()), s, keys);
+    for (int r = 0; r < n; ++r) out[r] = r == rank() ? std::string(s) : take(base + std::to_string(r), keys);
     end_collective(base, keys);
     return out;
   }
@@ -309,9 +318,8 @@ class c10d_comm {
     std::vector<std::string> keys;
     std::string v;
     if (rank() == root) {
-      put(name, s);
+      put(name, s, keys);
       v = std::string(s);
-      piece_keys(name, s.size(), keys);
     } else {
       v = take(name, keys);
     }
@@ -463,13 +471,7 @@ struct c10d_world {
         // rank waiting for a key of one group must not hold up its keys of the other
         if (store_port_ == 0)
           fail(errc::invalid_argument, "c10d_world::new_group: this world was not made by init_world_from_env");
-        c10d::TCPStoreOptions so;
-        so.port = store_port_;
-        so.isServer = false;
-        so.waitWorkers = false;
-        so.timeout = timeout;
-        compat::tcp_store_options(so);
-        auto client = c10::make_intrusive<c10d::TCPStore>(store_addr_, so);
+        auto client = detail::open_tcp_store(store_addr_, store_port_, timeout, false, 0);
         auto ch = std::make_shared<detail::store_channel>();
         ch->store = c10::make_intrusive<c10d::PrefixStore>(prefix, client);
         c10d_comm group(std::move(ch), rank, world_size, client, roll_call(), store_host_wait());
@@ -570,14 +572,7 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout, c10d_tr
   w.world_size = world;
   w.timeout = timeout;
   try {
-    c10d::TCPStoreOptions so;
-    so.port = port;
-    so.isServer = rank == 0;
-    so.numWorkers = static_cast<std::size_t>(world);
-    so.waitWorkers = true;
-    so.timeout = timeout;
-    compat::tcp_store_options(so);
-    w.store = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    w.store = detail::open_tcp_store(addr, port, timeout, rank == 0, world);
     if (w.transport == c10d_transport::store) {
       w.store_addr_ = addr;
       w.store_port_ = port;
