@@ -21,13 +21,13 @@ peak_rss_mib=P` (RSS after importing torch and, for save, making the tensors; pe
 import hashlib
 import os
 import resource
-import socket
 import sys
 import time
 
 # torch 1.13 on Python 3.11: tests/torch_compat.py, imported before torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import torch_compat  # noqa: E402,F401
+import torch_peer_world  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -58,8 +58,7 @@ def tensor_of(i, shape):
 
 
 def worker(rank, port, out, h, vocab, layers):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch_peer_world.join(rank, WORLD, port)
     if TORCH2:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard as DShard, distribute_tensor
@@ -86,11 +85,12 @@ def worker(rank, port, out, h, vocab, layers):
 
 
 def write(out, h, vocab, layers):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # the world's store bound here on a port the kernel picks, before the ranks start (a port
+    # found free and closed again could be taken in between)
+    store, port = torch_peer_world.serve()
     import torch.multiprocessing as mp
     mp.spawn(worker, args=(port, out, h, vocab, layers), nprocs=WORLD, join=True)
+    del store
     lines = []
     for i, (key, shape) in enumerate(shapes(h, vocab, layers)):
         b = tensor_of(i, shape).reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -8,6 +8,8 @@
 
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1078,6 +1080,40 @@ TEST_CASE("thread_pool: every index once, threads kept across calls, nested call
   std::atomic<int> again{0};
   p.parallel_for(100, 4, [&](std::size_t) { ++again; });  // still usable
   CHECK(again.load() == 100);
+}
+
+TEST_CASE("thread_pool: a child made by fork() just after a parallel_for runs its own (pthread_atfork)") {
+  // Before the fix the child's first parallel_for blocked for ever in about half of these forks
+  // (its copy of the condition variable still counted the parent's waiting threads). A child
+  // that still hangs is ended by its alarm (a bound on a hang, not on speed: the child's work is
+  // 2 x 64 additions and starting 3 threads) and the test stops at the first.
+  detail::thread_pool own;
+  for (int round = 0; round < 40; ++round) {
+    std::atomic<std::uint64_t> before{0};
+    own.parallel_for(64, 4, [&](std::size_t i) { before += i; });
+    detail::parallel_for(64, 4, [&](std::size_t i) { before += i; });
+    REQUIRE(before.load() == 2 * 64 * 63 / 2);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::alarm(60);
+      std::atomic<std::uint64_t> sum{0};
+      own.parallel_for(64, 4, [&](std::size_t i) { sum += i; });
+      detail::parallel_for(64, 4, [&](std::size_t i) { sum += i; });
+      ::_exit(sum.load() == 2 * 64 * 63 / 2 && own.size() == 3 ? 0 : 3);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    REQUIRE_MESSAGE((WIFEXITED(status) && WEXITSTATUS(status) == 0),
+                  "round " << round << ": the child "
+                            << (WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                                                    : "exited " + std::to_string(WEXITSTATUS(status))));
+  }
+  // the parent's pools go on as before
+  std::atomic<int> after{0};
+  own.parallel_for(100, 4, [&](std::size_t) { ++after; });
+  CHECK(after.load() == 100);
+  CHECK(own.size() == 3);
 }
 
 TEST_CASE("file_storage: one descriptor per file, at most fd_cache::capacity() open, reopened on demand; a replaced file is refused") {

@@ -5,9 +5,18 @@
 // parallel_for called from inside a task (write_blocks under a save, a backend's read_batch
 // under a load) therefore always finishes, on the calling thread alone if every pool thread
 // is busy. Pool threads are started when first needed and stay until the pool is destroyed
-// (shared_pool(): at exit), so a load issues no thread creation after the first. (In a child
-// made by fork() the pool's threads are gone; its parallel_for then runs on the caller alone.)
+// (shared_pool(): at exit), so a load issues no thread creation after the first.
+//
+// fork(): a child has none of its parent's pool threads, yet a copy of the pool's mutex and
+// condition variable as they were, the latter with those threads' waits still registered in it,
+// so that the child's first parallel_for could block for ever (it did, in about half the forks
+// made just after a parallel_for). Every pool therefore takes part in fork through
+// pthread_atfork: before the fork its mutex is taken (no pool thread is then between two of its
+// steps), after it the parent lets go, and the child starts the pool afresh (no threads, new
+// mutex and condition variable; its threads are started again when needed).
 #pragma once
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +26,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -36,10 +46,11 @@ class thread_pool {
   /// The most pool threads one pool starts (a request for more threads gets this many helpers).
   static constexpr unsigned max_workers = 63;
 
-  thread_pool() = default;
+  thread_pool() { fork_registry::get().add(this); }
   thread_pool(const thread_pool&) = delete;
   thread_pool& operator=(const thread_pool&) = delete;
   ~thread_pool() {
+    fork_registry::get().remove(this);
     {
       std::lock_guard lock(m_);
       stopping_ = true;
@@ -131,6 +142,62 @@ class thread_pool {
       lock.lock();
       if (--j->running == 0) j->done.notify_all();
     }
+  }
+
+  /// The pools alive in the process, and the pthread_atfork handlers that carry them over a fork.
+  class fork_registry {
+   public:
+    static fork_registry& get() {
+      static fork_registry* r = [] {
+        auto* made = new fork_registry;  // never destroyed: a fork may come during exit
+        ::pthread_atfork(&prepare, &parent, &child);
+        return made;
+      }();
+      return *r;
+    }
+    void add(thread_pool* p) {
+      std::lock_guard lock(m_);
+      pools_.push_back(p);
+    }
+    void remove(thread_pool* p) {
+      std::lock_guard lock(m_);
+      std::erase(pools_, p);
+    }
+
+   private:
+    static void prepare() {
+      auto& r = get();
+      r.m_.lock();
+      for (thread_pool* p : r.pools_) p->m_.lock();
+    }
+    static void parent() {
+      auto& r = get();
+      for (thread_pool* p : r.pools_) p->m_.unlock();
+      r.m_.unlock();
+    }
+    static void child() {
+      auto& r = get();
+      for (thread_pool* p : r.pools_) p->restart_in_child();
+      // the forking thread held this mutex: a new one in its place (a mutex is not unlocked
+      // by a copy of its owner, and nothing else can hold it in the child)
+      new (&r.m_) std::mutex;
+    }
+
+    std::mutex m_;
+    std::vector<thread_pool*> pools_;
+  };
+
+  /// In the child of a fork (the pool's mutex held by the forking thread, which is the child's
+  /// only thread): the old mutex and condition variable are overwritten, not destroyed (the
+  /// condition variable's destructor would wait for the parent's threads), and the handles of
+  /// threads that do not exist here are dropped without join or detach (their vector's storage
+  /// is left allocated, a few bytes a fork). Jobs other parent threads had queued are forgotten:
+  /// those threads are not in the child either.
+  void restart_in_child() noexcept {
+    new (&m_) std::mutex;
+    new (&wake_) std::condition_variable;
+    new (&workers_) std::vector<std::thread>;
+    queue_.clear();
   }
 
   mutable std::mutex m_;
