@@ -12,8 +12,11 @@
 # its multi-process tests is a store world (torch/c10d.hpp, c10d_transport::store); GLOO=1 or 0
 # forces the choice. PEERS=0 skips the Python peers (PEER_RATES=name=GB/s,... passes rates
 # measured before); SUITE=0 skips the suite past its CUDA cases; UNITS="tests/torch/a.cpp ..."
-# builds only those units of the suite (with torch_main.cpp; a quick rehearsal). A program that
-# crashes is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
+# builds only those units of the suite (with torch_main.cpp; a quick rehearsal); SUITE_ARGS adds
+# doctest options to the suite's run (-tc=... to pick cases); BENCH_ARGS adds bench_device options
+# (--threads N, --slots N, ...). The suite's torch peer tests run with TORCH_PYTHON (default: the
+# python3 on PATH, the wheel's torch; the tests' SHARDSAFE_TORCH_PYTHON). A program that crashes
+# is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
 #
 # Needs python3 with torch and safetensors, a C++20 g++, and the torch-free dependencies
 # (simdjson, xxHash, RE2, doctest, OpenSSL) as Debian 12 packages in DEBS (default .devdeps),
@@ -33,6 +36,8 @@ DEBS=${DEBS:-.devdeps}
 WORK=${WORK:-$PWD/.device-work}   # on disk: the checkpoint and the saves take ~3 x GIB
 mkdir -p "$OUT" "$WORK"
 log() { echo "== $(date +%T) $*"; }
+# the Python peer of the suite's torch tests: the one with the wheel's torch (torch 2.x)
+export SHARDSAFE_TORCH_PYTHON="${TORCH_PYTHON:-$(command -v python3)}"
 failed=()   # what went wrong, said again at the end (and the exit status)
 exec > >(tee "$OUT/device-check.log") 2>&1
 
@@ -140,12 +145,12 @@ done
 rm -rf "$WORK/ckpt/pt"   # room for the saves
 
 log "bench_device"
-[ $r2 = 0 ] && [ $r3 = 0 ] && { run_or_trace 300 "$WORK/bench_device" --dir "$WORK/ckpt/st" --out "$WORK/out" --peers "$peers" ||
+[ $r2 = 0 ] && [ $r3 = 0 ] && { run_or_trace 300 "$WORK/bench_device" --dir "$WORK/ckpt/st" --out "$WORK/out" --peers "$peers" ${BENCH_ARGS:-} ||
   failed+=("bench_device"); }
 rm -rf "$WORK/ckpt" "$WORK/out"
 
 log "the rest of the torch suite (every world a store world unless Gloo's headers were there)"
-[ $r1 = 0 ] && [ "${SUITE:-1}" = 1 ] && { (cd "$WORK" && run_or_trace "${SUITE_LIMIT:-240}" "$WORK/torch_tests" -tce='cuda:*') ||
+[ $r1 = 0 ] && [ "${SUITE:-1}" = 1 ] && { (cd "$WORK" && run_or_trace "${SUITE_LIMIT:-240}" "$WORK/torch_tests" -tce='cuda:*' ${SUITE_ARGS:-}) ||
   failed+=("the torch suite"); }
 if [ ${#failed[@]} -gt 0 ]; then
   log "done; FAILED: $(IFS=';'; echo "${failed[*]}")"

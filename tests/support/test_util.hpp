@@ -211,8 +211,13 @@ inline doctest::skip python_check(const std::string& exe, const std::string& mod
   return doctest::skip(!python_required() && !python_has(exe, modules));
 }
 
-/// The interpreter with Debian's python3-torch (1.13): the real PyTorch peer of the tests.
-inline const std::string torch_python = "/usr/bin/python3";
+/// The interpreter with the real PyTorch peer of the tests: /usr/bin/python3 (Debian 12's
+/// python3-torch 1.13, or 2.6 in the Debian 13 root), or SHARDSAFE_TORCH_PYTHON where it is set
+/// (scripts/device-check.sh: the GPU machine's Python, whose torch is the wheel's).
+inline const std::string torch_python = [] {
+  const char* p = std::getenv("SHARDSAFE_TORCH_PYTHON");
+  return std::string(p && *p ? p : "/usr/bin/python3");
+}();
 
 /// Whether torch_python has torch.
 inline bool have_torch() { return python_has(torch_python, "torch"); }

@@ -10,10 +10,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <map>
 #include <memory>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "../../examples/sharded_mlp.hpp"
 #include "shardsafe/torch/c10d.hpp"
@@ -373,6 +376,36 @@ std::array<std::string, 2> param_group_bytes(const family_case& f) {
 
 }  // namespace
 
+TEST_CASE("the DCP layout's param groups hold every key torch's optimizers keep, decoupled_weight_decay (torch 2.7+) too") {
+  // The keys of torch.optim's param groups (torch 2.11: Adam's and AdamW's defaults dicts, AdamW
+  // an Adam with decoupled_weight_decay=True), which dcp.load asks the checkpoint for one by one:
+  // one missing fails the whole load ("Missing key in checkpoint state_dict"), as torch 2.11 did
+  // on the GPU machine before decoupled_weight_decay was written.
+  const std::vector<std::string> torch_keys = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize",
+                                               "capturable", "differentiable", "fused", "decoupled_weight_decay"};
+  for (const bool adamw : {false, true}) {
+    CAPTURE(adamw);
+    const auto f = family_cases()[adamw ? 1 : 0];
+    auto w = torch::ones({2, 3});
+    w.set_requires_grad(true);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{w}, f.options(0));
+    auto opt = f.make(std::move(groups));
+    state_dict model;
+    model.add("w", w);
+    const dcp_train_state st = dcp_train_state_of(model, opt.get());
+    std::map<std::string, pickle_value> got;
+    for (const auto& o : st.objects) got.emplace(o.key, o.value);
+    for (const auto& k : torch_keys) {
+      CAPTURE(k);
+      REQUIRE(got.count("optim.param_groups.0." + k) == 1);
+      CHECK(st.paths.count("optim.param_groups.0." + k) == 1);
+    }
+    CHECK(got.at("optim.param_groups.0.decoupled_weight_decay").as_bool("") == adamw);
+    CHECK(got.at("optim.param_groups.0.maximize").as_bool("") == false);
+  }
+}
+
 TEST_CASE("param group pickles of every optimizer family keep their bytes, and equal Python's") {
   const auto cases = family_cases();
   for (const auto& f : cases) {
@@ -401,12 +434,28 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
     CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"),
                       "optim: param_group3: amsgrad: expected bool, got int");
   }
+  // torch 2.7+'s decoupled_weight_decay (Adam's switch; AdamW's groups hold true): Adam and AdamW
+  // each take the groups of their own rule and refuse the other's, which would train differently
+  for (const bool adamw : {false, true}) {
+    CAPTURE(adamw);
+    auto o = family_cases()[adamw ? 1 : 0].options(0);
+    const auto& tr = shardsafe::detail::traits_of(*o);
+    auto group = [](bool decoupled) {
+      return pickle_value::dict({{pickle_value::string("lr"), pickle_value::real(0.25)},
+                                 {pickle_value::string("decoupled_weight_decay"), pickle_value::boolean(decoupled)}});
+    };
+    tr.set_hyper(*o, group(adamw), "optim: param_group0");
+    CHECK(o->get_lr() == 0.25);
+    CHECK_THROWS_WITH(tr.set_hyper(*o, group(!adamw), "optim: param_group0"),
+                      adamw ? "optim: param_group0: 'decoupled_weight_decay' is false, the rule of torch::optim::Adam; this optimizer is AdamW"
+                            : "optim: param_group0: 'decoupled_weight_decay' is true, the rule of torch::optim::AdamW; this optimizer is Adam");
+  }
   // Python: the same optimizers built by torch.optim, their param groups cut to the keys
   // shardsafe writes (in its order), plus params and _param_names, pickled with protocol 2
   // less the memo PUTs.
-  if (std::system("/usr/bin/python3 -c 'import torch, pickle, pickletools' >/dev/null 2>&1") != 0) {
+  if (!testing::have_torch()) {
     REQUIRE_MESSAGE(std::getenv("SHARDSAFE_REQUIRE_PYTHON") == nullptr,
-                    "/usr/bin/python3 with torch (python3-torch) is required (SHARDSAFE_REQUIRE_PYTHON)");
+                    testing::torch_python << " with torch (python3-torch) is required (SHARDSAFE_REQUIRE_PYTHON)");
     MESSAGE("python3 with torch not available: the comparison with Python is skipped");
     return;
   }
@@ -426,7 +475,7 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
               "        d['_param_names'] = names[g]\n"
               "        out.write(pickletools.optimize(pickle.dumps(d, 2)).hex() + '\\n')\n";
   testing::write_file(dir.path / "groups.py", script);
-  const auto r = testing::peer("/usr/bin/python3", {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
+  const auto r = testing::peer(testing::torch_python, {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   std::istringstream lines(slurp(dir.path / "out.txt"));
   for (const auto& f : cases) {

@@ -12,15 +12,17 @@
 // | optim.state.{fqn}.step                | the step count, a 0-d F32 tensor (as torch 2.x keeps it)|
 // | optim.param_groups.{i}.{field}        | each hyper-parameter of group i (a non-tensor item:    |
 // |                                       | lr, betas, ...; Python's own fields too: maximize,     |
-// |                                       | foreach, capturable, differentiable, fused, with       |
-// |                                       | torch 2.6's defaults), and `params`: the list of the   |
+// |                                       | foreach, capturable, differentiable, fused and, for    |
+// |                                       | Adam(W), torch 2.7+'s decoupled_weight_decay, with     |
+// |                                       | torch's defaults), and `params`: the list of the       |
 // |                                       | group's parameter names                                |
 //
 // Read also: torch 2.0-2.3's layout (`optim.param_groups` one item: the list of group dicts) and
 // that of get_state_dict's flatten_optimizer_state_dict=True (`optim.param_groups.{fqn}.{field}`
 // per parameter, no `params`). Parameters are matched by name, never by position; the step may
 // be stored as any numeric dtype holding a whole number. Python-only options that are on
-// (maximize, capturable, differentiable) are refused, as for OLMo-core's layout.
+// (maximize, capturable, differentiable) are refused, as for OLMo-core's layout, and so is an
+// Adam(W) group whose decoupled_weight_decay is not the optimizer's rule.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,14 +54,19 @@ inline constexpr std::string_view dcp_optim_prefix = "optim.";
 
 namespace detail {
 
-/// The fields torch 2.6's optimizers keep in a param group that LibTorch's do not, with their
-/// defaults: written so that Python's set_state_dict finds every key it expects.
+/// The fields torch's optimizers keep in a param group that LibTorch's do not, with their
+/// defaults: written so that Python's dcp.load + set_state_dict finds every key it expects.
+/// `decoupled_weight_decay` is torch 2.7's and later (Adam's rule switch; AdamW's is true there):
+/// without it torch 2.11's dcp.load refused a C++ AdamW checkpoint ("Missing key in checkpoint
+/// state_dict: optim.param_groups.0.decoupled_weight_decay"); torch 2.6 loads only the keys its
+/// optimizer has and passes over it.
 inline std::vector<std::pair<std::string, pickle_value>> python_only_fields(optimizer_kind k) {
   const pickle_value f = pickle_value::boolean(false), none = pickle_value::none();
   switch (k) {
     case optimizer_kind::adam:
     case optimizer_kind::adamw:
-      return {{"foreach", none}, {"maximize", f}, {"capturable", f}, {"differentiable", f}, {"fused", none}};
+      return {{"foreach", none},      {"maximize", f}, {"capturable", f}, {"differentiable", f}, {"fused", none},
+              {"decoupled_weight_decay", pickle_value::boolean(k == optimizer_kind::adamw)}};
     case optimizer_kind::sgd:
     case optimizer_kind::adagrad: return {{"maximize", f}, {"foreach", none}, {"differentiable", f}, {"fused", none}};
     case optimizer_kind::rmsprop: return {{"capturable", f}, {"foreach", none}, {"maximize", f}, {"differentiable", f}};

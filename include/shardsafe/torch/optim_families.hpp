@@ -102,10 +102,27 @@ pickle_value hyper_dict(const typename F::options& o) {
   return pickle_value::dict(std::move(entries));
 }
 
+/// torch 2.7 and later keep `decoupled_weight_decay` in Adam's and AdamW's groups (AdamW's true:
+/// the decay applied to the weights, not added to the gradient). A group whose rule is not the
+/// optimizer's would go on training by the other rule: refused, naming the optimizer to use.
+template <class F>
+void refuse_other_decay_rule(const pickle_value& d, const std::string& ctx) {
+  if constexpr (F::kind == optimizer_kind::adam || F::kind == optimizer_kind::adamw) {
+    const pickle_value* v = d.find("decoupled_weight_decay");
+    if (!v) return;  // torch before 2.7: the optimizer's class says the rule
+    const bool decoupled = v->as_bool(ctx + ": decoupled_weight_decay");
+    if (decoupled != (F::kind == optimizer_kind::adamw))
+      fail(errc::invalid_argument, ctx + ": 'decoupled_weight_decay' is " + (decoupled ? "true" : "false") +
+                                       ", the rule of torch::optim::" + (decoupled ? "AdamW" : "Adam") +
+                                       "; this optimizer is " + (decoupled ? "Adam" : "AdamW"));
+  }
+}
+
 /// Sets the hyper-parameters the dict `d` has; the others keep their values.
 template <class F>
 void set_hyper(typename F::options& o, const pickle_value& d, const std::string& ctx) {
   refuse_python_only(d, ctx);
+  refuse_other_decay_rule<F>(d, ctx);
   std::apply(
       [&](const auto&... f) {
         ((void)[&] {
