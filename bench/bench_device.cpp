@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
   opt.staging.slots = static_cast<std::size_t>(a.get_int("--slots", 4));
   opt.staging.slot_bytes = std::uint64_t(a.get_int("--slot-mib", 64)) * MiB;
   opt.threads = static_cast<unsigned>(a.get_int("--threads", 0));
-  const unsigned threads = opt.threads ? opt.threads : shardsafe::detail::default_threads();
+  const unsigned threads = opt.threads ? opt.threads : shardsafe::staged_default_threads();  // a load into CUDA tensors is staged
   const c10::Device dev(at::kCUDA, 0);
 
   checkpoint_reader<file_directory> reader{file_directory(dir)};

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <thread>
 #include <optional>
 #include <span>
 #include <string>
@@ -114,6 +115,13 @@ std::vector<element_range> ranges_of_local(C& cur, std::uint64_t a, std::uint64_
 
 }  // namespace detail
 
+/// The reads in flight of a staged load whose load_options::threads is 0: the hardware's threads,
+/// at most 16 (the library's default elsewhere stops at 8, detail::default_threads(), because
+/// other loads and saves may hold a buffer per thread; here reads land in the ring's slots and
+/// nothing else). On a 16-core H200 host, 9.9 GiB from the page cache into CUDA tensors went at
+/// 22.3 GB/s with 8 threads and 37.3 GB/s with 16 (bench_device --threads, bench/HISTORY.md).
+inline unsigned staged_default_threads() noexcept { return std::clamp(std::thread::hardware_concurrency(), 1u, 16u); }
+
 /// Loads `views` through a ring of opt.staging.slots host buffers of opt.staging.slot_bytes
 /// each: every check a load makes is made first (reader.plan over the whole views: nothing is
 /// read or copied when one fails); then the slots are filled in turn, each by one reader.load
@@ -145,9 +153,10 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
   load_options piece_opt = opt;
   piece_opt.strict = false;
   piece_opt.list_unexpected = false;  // the whole plan above listed them
+  if (!piece_opt.threads) piece_opt.threads = staged_default_threads();
   if (!piece_opt.reads.max_read_bytes)  // a slot's reads spread over the threads
     piece_opt.reads.max_read_bytes = std::max<std::uint64_t>(
-        std::uint64_t(1) << 20, opt.staging.slot_bytes / std::max(1u, resolve_threads(opt.threads, {})));
+        std::uint64_t(1) << 20, opt.staging.slot_bytes / std::max(1u, resolve_threads(piece_opt.threads, {})));
 
   const std::uint64_t slot_bytes = opt.staging.slot_bytes / 16 * 16;
   std::vector<std::shared_ptr<std::byte>> slots;
