@@ -21,6 +21,8 @@
 // process read (/proc/self/io rchar: .metadata, the archives' zip headers and the plans' reads),
 // against the target of 1.02x; each rank's bytes are checked against the whole tensors.
 #include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -54,12 +56,48 @@ namespace {
 
 const std::string python = "/usr/bin/python3";
 
-std::string run_capture(const std::string& cmd) {
-  std::string out;
-  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+/// How long one step may take before it counts as hung (set in main: 120 s with --quick, whose
+/// steps take seconds; 900 s otherwise): a bound on a hang, not a measurement.
+int step_limit_s = 900;
+
+/// Runs a step of the Python peer through the shell under `timeout`, which kills the command's
+/// whole process group (mp.spawn's ranks too) past step_limit_s; its output, "FAILED: ..." when
+/// it failed. A peer that hung is run once more, saying so: it is torch, not the code measured.
+std::string run_capture(const std::string& what, const std::string& cmd) {
+  const std::string bounded = "timeout -k 10 " + std::to_string(step_limit_s) + " " + cmd;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::string out;
+    FILE* p = ::popen(bounded.c_str(), "r");
+    if (!p) return "FAILED: popen";
     char buf[4096];
     for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-    if (::pclose(p) != 0) return "FAILED: " + out;
+    const int status = ::pclose(p);
+    const int rc = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : 255;
+    if (rc == 124 || rc == 137) {
+      std::fprintf(stderr, "bench_dcp: torch's %s did not finish in %d s and was killed (%s)%s\n", what.c_str(), step_limit_s,
+                   attempt == 0 ? "; once more" : "; again: giving up", out.empty() ? "" : (": " + out).c_str());
+      continue;
+    }
+    return rc == 0 ? out : "FAILED: " + out;
+  }
+  return "FAILED: torch's " + what + " hung twice";
+}
+
+/// The state of every thread of a process that did not finish (its wait channel: where in
+/// the kernel it sleeps), for the report of a hang.
+std::string thread_states(pid_t pid) {
+  std::string out;
+  const fs::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  std::error_code ec;
+  for (const auto& t : fs::directory_iterator(tasks, ec)) {
+    std::ifstream w(t.path() / "wchan"), st(t.path() / "stat");
+    std::string wchan, stat;
+    std::getline(w, wchan);
+    std::getline(st, stat);
+    const auto close = stat.rfind(')');
+    out += "\n  thread " + t.path().filename().string() + ": state " +
+           (close != std::string::npos && close + 2 < stat.size() ? stat.substr(close + 2, 1) : "?") + ", waits in " +
+           (wchan.empty() || wchan == "0" ? "user space" : wchan);
   }
   return out;
 }
@@ -83,9 +121,11 @@ struct result {
 };
 
 /// Runs prepare() then f() in a child process: f's seconds, the RSS before f and the peak RSS
-/// (wait4's ru_maxrss; prepare's memory included).
+/// (wait4's ru_maxrss; prepare's memory included). A child that has not finished after
+/// step_limit_s is reported with its threads' states, killed, and the benchmark fails: that is
+/// shardsafe hanging.
 template <class P, class F>
-result in_child(P&& prepare, F&& f) {
+result in_child(const char* what, P&& prepare, F&& f) {
   int fd[2];
   if (::pipe(fd) != 0) std::abort();
   const pid_t pid = ::fork();
@@ -101,20 +141,28 @@ result in_child(P&& prepare, F&& f) {
   }
   ::close(fd[1]);
   double r[2] = {0, 0};
+  pollfd pf{fd[0], POLLIN, 0};
+  if (::poll(&pf, 1, step_limit_s * 1000) == 0) {
+    std::fprintf(stderr, "bench_dcp: %s did not finish in %d s: a hang in shardsafe; its threads:%s\n", what, step_limit_s,
+                 thread_states(pid).c_str());
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+    std::exit(1);
+  }
   const bool got = ::read(fd[0], r, sizeof r) == sizeof r;
   ::close(fd[0]);
   int status = 0;
   struct rusage ru {};
   ::wait4(pid, &status, 0, &ru);
   if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::fprintf(stderr, "bench_dcp: a case failed in its child process\n");
+    std::fprintf(stderr, "bench_dcp: %s failed in its child process\n", what);
     std::exit(1);
   }
   return {r[1], r[0], double(ru.ru_maxrss) / 1024.0};
 }
 template <class F>
-result in_child(F&& f) {
-  return in_child([] {}, std::forward<F>(f));
+result in_child(const char* what, F&& f) {
+  return in_child(what, [] {}, std::forward<F>(f));
 }
 
 void load_all(const fs::path& ckpt, std::vector<std::unique_ptr<std::byte[]>>& mem, std::vector<flat_view>& views) {
@@ -143,6 +191,7 @@ int main(int argc, char** argv) {
                       {"--reps", "N", "rounds of every case (default 3)"},
                       {"--dir", "DIR", "where the checkpoint is written (default the temporary folder)"}});
   const bool quick = a.has("--quick");
+  step_limit_s = quick ? 120 : 900;
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
   const u64 h = quick ? 256 : 2048, vocab = quick ? 4000 : 32000, layers = quick ? 2 : 3;
   if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
@@ -154,11 +203,11 @@ int main(int argc, char** argv) {
   fs::create_directories(base);
   const fs::path ckpt = base / "ckpt", out = base / "hf";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "dcp_peer.py").string();
-  std::string torch_version = run_capture(python + " " + peer + " version 2>/dev/null");
+  std::string torch_version = run_capture("version", python + " " + peer + " version 2>/dev/null");
   while (!torch_version.empty() && std::isspace(static_cast<unsigned char>(torch_version.back()))) torch_version.pop_back();
   const bool torch2 = !torch_version.empty() && torch_version[0] >= '2' && torch_version[0] <= '9';
   const double tw = bench::now_s();
-  const std::string w = run_capture(python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
+  const std::string w = run_capture("write (2 ranks)", python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
                                     std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
   if (w.rfind("FAILED", 0) == 0) {
     std::fprintf(stderr, "bench_dcp: writing the checkpoint with torch failed:\n%s\n", w.c_str());
@@ -189,7 +238,7 @@ int main(int argc, char** argv) {
   const fs::path saved = base / "saved";
   bool saved_exact = true;
   for (int i = 0; i < reps; ++i) {
-    const std::string line = run_capture(python + " " + peer + " load " + ckpt.string() + " 2>&1");
+    const std::string line = run_capture("load", python + " " + peer + " load " + ckpt.string() + " 2>&1");
     if (field(line, "seconds") < 0) {
       std::fprintf(stderr, "bench_dcp: torch's load failed:\n%s\n", line.c_str());
       return 1;
@@ -197,12 +246,12 @@ int main(int argc, char** argv) {
     torch_s.add(field(line, "seconds"));
     torch_r = {field(line, "seconds"), field(line, "rss_before_mib"), field(line, "peak_rss_mib")};
 
-    load_r = in_child([&] { load_all(ckpt); });
+    load_r = in_child("shardsafe's load", [&] { load_all(ckpt); });
     load_s.add(load_r.seconds);
 
     fs::remove_all(out);
     ::sync();
-    hf_r = in_child([&] {
+    hf_r = in_child("shardsafe's to-hf", [&] {
       hf_export_options opt;
       add_preset(opt.rename, "dcp-to-hf");
       export_hf(file_directory(ckpt), file_directory(out), opt);
@@ -212,7 +261,7 @@ int main(int argc, char** argv) {
 
     fs::remove_all(saved);
     ::sync();
-    const std::string sline = run_capture(python + " " + peer + " save " + saved.string() + " " + std::to_string(h) + " " +
+    const std::string sline = run_capture("save", python + " " + peer + " save " + saved.string() + " " + std::to_string(h) + " " +
                                           std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
     if (field(sline, "seconds") < 0) {
       std::fprintf(stderr, "bench_dcp: torch's save failed:\n%s\n", sline.c_str());
@@ -225,7 +274,7 @@ int main(int argc, char** argv) {
     // the state in memory first (as torch's is), then only the save timed
     std::vector<std::unique_ptr<std::byte[]>> mem;
     std::vector<flat_view> views;
-    ssave_r = in_child([&] { load_all(ckpt, mem, views); }, [&] {
+    ssave_r = in_child("shardsafe's DCP save", [&] { load_all(ckpt, mem, views); }, [&] {
       single_process one;
       save_options so;
       so.format = save_format::dcp;
