@@ -10,8 +10,12 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/checkpoint_fixtures.hpp"
@@ -204,6 +208,81 @@ TEST_CASE("staged load: a load that fails midway leaves no copy pending, and wha
   CHECK(engine.pending() == 0);  // synchronized before the ring was freed
   CHECK(ds[0].str() == a);
   CHECK(ds[1].str().substr(0, 16) == z.substr(0, 16));
+}
+
+namespace {
+
+/// What the files of a hinted_directory saw: the threads that read them and the reads.
+struct read_log {
+  std::mutex m;
+  std::set<std::thread::id> threads;
+  int reads = 0;
+};
+
+/// A file in memory that gives a read hint, as an HTTP or S3 storage does, and logs its reads.
+struct hinted_storage {
+  memory_storage inner;
+  read_hints hint;
+  std::shared_ptr<read_log> log;
+  std::uint64_t size() const { return inner.size(); }
+  std::string_view name() const { return inner.name(); }
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    {
+      std::lock_guard lock(log->m);
+      log->threads.insert(std::this_thread::get_id());
+      ++log->reads;
+    }
+    inner.read_into(off, dst);
+  }
+  read_hints read_defaults() const { return hint; }
+};
+
+struct hinted_directory {
+  using reader_type = hinted_storage;
+  memory_directory inner;
+  read_hints hint;
+  std::shared_ptr<read_log> log = std::make_shared<read_log>();
+  reader_type open(std::string_view n) const { return {inner.open(n), hint, log}; }
+  bool exists(std::string_view n) const { return inner.exists(n); }
+  std::vector<std::string> list() const { return inner.list(); }
+  hinted_directory sub(std::string_view n) const { return {inner.sub(n), hint, log}; }
+  std::string_view name() const { return inner.name(); }
+};
+static_assert(ReadableDirectory<hinted_directory> && HintedStorage<hinted_storage>);
+
+}  // namespace
+
+TEST_CASE("staged load: threads = 0 takes the storage's hint (reads in flight, largest read), else the staged default") {
+  // 64 KiB in one tensor, through 2 slots of 16 KiB, load_options::threads left at 0
+  memory_directory dir;
+  std::mt19937_64 rng(5);
+  std::string x = fixtures::random_string(65536, rng);
+  flat_view v{"x", dtype::U8, shape_t{65536}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), x.size()};
+  single_process comm;
+  save_flat_views(dir, std::span<const flat_view>(&v, 1), comm);
+  load_options o;
+  o.staging.slots = 2;
+  o.staging.slot_bytes = 16384;
+  REQUIRE(o.threads == 0);
+  for (const bool hinted : {true, false}) {
+    CAPTURE(hinted);
+    hinted_directory hd{dir, hinted ? read_hints{std::nullopt, std::uint64_t(1024), 1u} : read_hints{}};
+    checkpoint_reader<hinted_directory> reader(hd);
+    std::vector<staged_dest> ds;
+    ds.emplace_back("x", dtype::U8, shape_t{65536}, std::nullopt);
+    const auto views = staged_views_of(ds);
+    host_copy_engine engine;
+    const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
+    CHECK(ds[0].str() == x);
+    CHECK(st.fills == 4);
+    if (hinted) {
+      CHECK(st.read_ops == 64);            // the hint's largest read, 1 KiB (was: the ring's own, 1 MiB at least)
+      CHECK(hd.log->reads >= 64);          // and the files' headers
+      CHECK(hd.log->threads.size() == 1);  // the hint's one request in flight: the caller's thread alone
+    } else {
+      CHECK(st.read_ops == 4);             // a read per slot: max(1 MiB, slot / threads)
+    }
+  }
 }
 
 TEST_CASE("staged load: a ring of no slots is refused") {

@@ -115,11 +115,13 @@ std::vector<element_range> ranges_of_local(C& cur, std::uint64_t a, std::uint64_
 
 }  // namespace detail
 
-/// The reads in flight of a staged load whose load_options::threads is 0: the hardware's threads,
-/// at most 16 (the library's default elsewhere stops at 8, detail::default_threads(), because
-/// other loads and saves may hold a buffer per thread; here reads land in the ring's slots and
-/// nothing else). On a 16-core H200 host, 9.9 GiB from the page cache into CUDA tensors went at
-/// 22.3 GB/s with 8 threads and 37.3 GB/s with 16 (bench_device --threads, bench/HISTORY.md).
+/// The reads in flight of a staged load whose load_options::threads is 0 and whose storage
+/// gives no hint of its own (a file's; an HTTP or S3 storage says its requests_in_flight): the
+/// hardware's threads, at most 16. The library's default elsewhere stops at 8
+/// (detail::default_threads()) because other loads and saves may hold a buffer per thread; here
+/// the reads land in the ring's slots and nothing else. On a 16-core H200 host, 9.9 GiB from
+/// the page cache into CUDA tensors went at 22.3 GB/s with 8 threads and 37.3 GB/s with 16
+/// (bench_device --threads, bench/HISTORY.md).
 inline unsigned staged_default_threads() noexcept { return std::clamp(std::thread::hardware_concurrency(), 1u, 16u); }
 
 /// Loads `views` through a ring of opt.staging.slots host buffers of opt.staging.slot_bytes
@@ -139,6 +141,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     fail(errc::invalid_argument, ctx + ": a staging ring of " + std::to_string(opt.staging.slots) + " slots of " +
                                      std::to_string(opt.staging.slot_bytes) + " bytes (at least 1 slot of 16 bytes)");
   staged_load_stats st;
+  read_hints hint;  // the storage's (an HTTP or S3 one has its own reads in flight and sizes)
   {
     // the whole views are described, their memory is the ring's (each piece's, later)
     std::vector<flat_view> whole;
@@ -148,15 +151,18 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     st.tensors = s.stats.tensors;
     st.missing_keys = s.stats.missing_keys;
     st.unexpected_keys = s.stats.unexpected_keys;
+    if (!s.files.empty()) hint = read_defaults_of(reader.opened(std::span<const std::string>(&s.files.front().name, 1)).front()->storage);
   }
   // pieces are loaded by key; the checks above are done and missing keys already listed
   load_options piece_opt = opt;
   piece_opt.strict = false;
   piece_opt.list_unexpected = false;  // the whole plan above listed them
-  if (!piece_opt.threads) piece_opt.threads = staged_default_threads();
-  if (!piece_opt.reads.max_read_bytes)  // a slot's reads spread over the threads
-    piece_opt.reads.max_read_bytes = std::max<std::uint64_t>(
-        std::uint64_t(1) << 20, opt.staging.slot_bytes / std::max(1u, resolve_threads(piece_opt.threads, {})));
+  // reads in flight: the caller's, else the storage's hint, else the staged default
+  if (!piece_opt.threads)
+    piece_opt.threads = hint.requests_in_flight.value_or(0) ? *hint.requests_in_flight : staged_default_threads();
+  if (!piece_opt.reads.max_read_bytes && !hint.max_read_bytes)  // a slot's reads spread over the threads
+    piece_opt.reads.max_read_bytes =
+        std::max<std::uint64_t>(std::uint64_t(1) << 20, opt.staging.slot_bytes / std::max(1u, piece_opt.threads));
 
   const std::uint64_t slot_bytes = opt.staging.slot_bytes / 16 * 16;
   std::vector<std::shared_ptr<std::byte>> slots;
