@@ -13,8 +13,9 @@
 # forces the choice. PEERS=0 skips the Python peers (PEER_RATES=name=GB/s,... passes rates
 # measured before); SUITE=0 skips the suite past its CUDA cases; UNITS="tests/torch/a.cpp ..."
 # builds only those units of the suite (with torch_main.cpp; a quick rehearsal); SUITE_ARGS adds
-# doctest options to the suite's run (-tc=... to pick cases); BENCH_ARGS adds bench_device options
-# (--threads N, --slots N, ...). The suite's torch peer tests run with TORCH_PYTHON (default: the
+# doctest options to the suite's run (-tc=... to pick cases; split at spaces, so a case's name
+# is matched with * where it has a space); BENCH_ARGS adds bench_device options (--threads N,
+# --slots N, ...). The suite's torch peer tests run with TORCH_PYTHON (default: the
 # python3 on PATH, the wheel's torch; the tests' SHARDSAFE_TORCH_PYTHON). A program that crashes
 # is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
 #

@@ -343,8 +343,7 @@ TEST_CASE("convert: F32 -> F16 agrees with Python's struct 'e', F32 -> BF16 with
       "v=[struct.unpack('<f',bytes.fromhex(l.strip())[::-1])[0] for l in open(sys.argv[1])]\n"
       "for b in torch.tensor(v,dtype=torch.float32).to(torch.bfloat16).view(torch.int16).tolist():\n"
       "  print('%04x'%(b&0xffff))\n";
-  const char* torch_python = "/usr/bin/python3";
-  if (auto out = run_python(torch_python, bf16_script, hex_lines(fb))) {
+  if (auto out = run_python(testing::torch_python, bf16_script, hex_lines(fb))) {
     const auto want = parse_hex_lines(*out);
     REQUIRE(want.size() == fb.size());
     const auto got = convert<std::uint16_t>(dtype::F32, fb, dtype::BF16);

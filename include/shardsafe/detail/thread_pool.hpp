@@ -13,7 +13,9 @@
 // made just after a parallel_for). Every pool therefore takes part in fork through
 // pthread_atfork: before the fork its mutex is taken (no pool thread is then between two of its
 // steps), after it the parent lets go, and the child starts the pool afresh (no threads, new
-// mutex and condition variable; its threads are started again when needed).
+// mutex and condition variable; its threads are started again when needed). A fork from inside
+// a parallel_for task is the exception: the child's copy of that parallel_for would wait for
+// helpers it does not have, so such a child may only exec or _exit.
 #pragma once
 
 #include <pthread.h>
@@ -50,13 +52,13 @@ class thread_pool {
   thread_pool(const thread_pool&) = delete;
   thread_pool& operator=(const thread_pool&) = delete;
   ~thread_pool() {
-    fork_registry::get().remove(this);
     {
       std::lock_guard lock(m_);
       stopping_ = true;
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
+    fork_registry::get().remove(this);  // last: a fork until now still finds the mutex free
   }
 
   /// Pool threads started so far.
@@ -150,7 +152,9 @@ class thread_pool {
     static fork_registry& get() {
       static fork_registry* r = [] {
         auto* made = new fork_registry;  // never destroyed: a fork may come during exit
-        ::pthread_atfork(&prepare, &parent, &child);
+        // (fails only without memory for the handlers: the pools then work as before, unsafe
+        // in a child made by fork, as every pool was)
+        (void)::pthread_atfork(&prepare, &parent, &child);
         return made;
       }();
       return *r;
@@ -165,17 +169,17 @@ class thread_pool {
     }
 
    private:
-    static void prepare() {
+    static void prepare() noexcept {
       auto& r = get();
       r.m_.lock();
       for (thread_pool* p : r.pools_) p->m_.lock();
     }
-    static void parent() {
+    static void parent() noexcept {
       auto& r = get();
       for (thread_pool* p : r.pools_) p->m_.unlock();
       r.m_.unlock();
     }
-    static void child() {
+    static void child() noexcept {
       auto& r = get();
       for (thread_pool* p : r.pools_) p->restart_in_child();
       // the forking thread held this mutex: a new one in its place (a mutex is not unlocked

@@ -23,6 +23,11 @@
 // be stored as any numeric dtype holding a whole number. Python-only options that are on
 // (maximize, capturable, differentiable) are refused, as for OLMo-core's layout, and so is an
 // Adam(W) group whose decoupled_weight_decay is not the optimizer's rule.
+//
+// Not written: `initial_lr`, which a torch LR scheduler adds to each group it is made on, and
+// `param_names`, which an optimizer made from named_parameters() keeps. torch's dcp.load asks
+// for every key of the groups it is given, so a Python resume from a C++ checkpoint loads the
+// optimizer before making its scheduler (which then sets initial_lr from the loaded lr).
 #pragma once
 
 #include <ATen/ATen.h>
