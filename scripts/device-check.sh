@@ -20,10 +20,10 @@
 # is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
 #
 # Needs python3 with torch and safetensors, a C++20 g++, and the torch-free dependencies
-# (simdjson, xxHash, RE2, doctest, OpenSSL) as Debian 12 packages in DEBS (default .devdeps),
+# (simdjson, xxHash, RE2, doctest, OpenSSL, CLI11 for the tool) as Debian 12 packages in DEBS (default .devdeps),
 # unpacked here into a folder of their own:
 #   mkdir -p .devdeps && (cd .devdeps && apt-get download libsimdjson-dev libsimdjson14 \
-#     libxxhash-dev libxxhash0 libre2-dev libre2-9 doctest-dev libssl-dev libssl3)
+#     libxxhash-dev libxxhash0 libre2-dev libre2-9 doctest-dev libssl-dev libssl3 libcli11-dev)
 # (DEBS=none: the system's own). The GPU machine builds without meson: its Python wheel's
 # LibTorch has no pkg-config or system paths, and compiling the units directly is quicker.
 # Without a CUDA device (a rehearsal: TORCH_INCLUDE and TORCH_LIBDIR name a CPU LibTorch) it
@@ -71,7 +71,14 @@ echo "LibTorch $TINC, $TLIB; Gloo headers: $GLOO; CUDA libraries: ${CUDA_LIBS[*]
 
 log "build: the torch suite (a unit a job), bench_device, and the checkpoint for the bench, at once"
 t0=$(date +%s)
-TFLAGS=("${FLAGS[@]}" -O1 -Itests -DSHARDSAFE_TOOL='""' -DSHARDSAFE_SOURCE_DIR="\"$PWD\"" -DSHARDSAFE_TEST_REMOTE=0)
+# the shardsafe tool (torch-free; CLI11 from DEBS), for the suite's cases that run it (a case
+# that needs it is skipped where it did not build)
+TOOL="$WORK/shardsafe"
+rm -f "$TOOL"
+$CXX "${FLAGS[@]}" -O1 -DSHARDSAFE_TOOL_REMOTE=0 tools/shardsafe.cpp -o "$TOOL" \
+  -L"$LIBDIR" -Wl,-rpath,"$LIBDIR" -lsimdjson -lxxhash -lre2 -lcrypto -pthread > "$OUT/build_tool.log" 2>&1 &
+p4=$!
+TFLAGS=("${FLAGS[@]}" -O1 -Itests -DSHARDSAFE_TOOL="\"$TOOL\"" -DSHARDSAFE_SOURCE_DIR="\"$PWD\"" -DSHARDSAFE_TEST_REMOTE=0)
 if [ -n "${UNITS:-}" ]; then read -ra units <<< "tests/torch/torch_main.cpp $UNITS"; else units=(tests/torch/*.cpp); fi
 rm -rf "$WORK/obj"
 mkdir -p "$WORK/obj"
@@ -108,6 +115,7 @@ echo '#include "shardsafe/torch.hpp"' > "$WORK/umbrella_torch.cpp"
 ls examples/*.cpp "$WORK/umbrella_torch.cpp" | xargs -P "$(nproc)" -I{} bash -c 'syntax_unit "$1"' _ {} | tee "$WORK/syntax.out"
 grep -q FAILS "$WORK/syntax.out" && failed+=("an example or torch.hpp does not compile (syntax.log)")
 for f in "$WORK"/syntax_*.log; do [ -s "$f" ] && { echo "== $f"; head -60 "$f"; }; done > "$OUT/syntax.log"
+wait $p4 || { echo "the shardsafe tool did not build: the cases that run it are skipped"; tail -n 20 "$OUT/build_tool.log"; }
 wait $p2; r2=$?
 wait $p3; r3=$?
 log "built in $(( $(date +%s) - t0 )) s: torch_tests rc=$r1, bench_device rc=$r2; checkpoint rc=$r3"
