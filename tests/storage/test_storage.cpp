@@ -1116,6 +1116,50 @@ TEST_CASE("thread_pool: a child made by fork() just after a parallel_for runs it
   CHECK(own.size() == 3);
 }
 
+TEST_CASE("file_storage: a child made by fork() while another thread opens files opens and reads its own") {
+  // The descriptor cache's lock is held across fork (pthread_atfork): before, a child forked
+  // while another thread held it blocked for ever at its first open. A child that still hangs is
+  // ended by its alarm (a bound on a hang, not on speed: the child opens and reads one small
+  // file) and the test stops at the first.
+  testing::temp_dir dir("forkfd");
+  testing::write_file(dir.path / "busy", "opened and closed all the time by another thread");
+  testing::write_file(dir.path / "mine", "the child's own file");
+  std::atomic<bool> stop{false};
+  std::atomic<long> opens{0};
+  std::thread busy([&] {
+    while (!stop) {
+      file_storage f((dir.path / "busy").string());
+      std::string got(f.size(), '\0');
+      f.read_into(0, std::as_writable_bytes(std::span(got)));
+      ++opens;
+    }
+  });
+  for (int round = 0; round < 40; ++round) {
+    for (const long before = opens.load(); opens.load() < before + 20;) std::this_thread::yield();
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::alarm(60);
+      file_storage g((dir.path / "mine").string());
+      std::string got(g.size(), '\0');
+      g.read_into(0, std::as_writable_bytes(std::span(got)));
+      ::_exit(got == "the child's own file" ? 0 : 3);
+    }
+    int status = 0;
+    const bool waited = ::waitpid(pid, &status, 0) == pid;
+    if (!waited || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      stop = true;
+      busy.join();
+      REQUIRE_MESSAGE(false, "round " << round << ": the child "
+                                      << (WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                                                              : "exited " + std::to_string(WEXITSTATUS(status))));
+    }
+  }
+  stop = true;
+  busy.join();
+  CHECK(opens.load() >= 40 * 20);
+}
+
 TEST_CASE("file_storage: one descriptor per file, at most fd_cache::capacity() open, reopened on demand; a replaced file is refused") {
   testing::temp_dir dir("fdcache");
   auto& cache = detail::fd_cache::instance();

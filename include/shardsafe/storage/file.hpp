@@ -21,6 +21,7 @@
 #include <system_error>
 #include <vector>
 
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 
@@ -39,7 +40,8 @@ namespace detail {
 /// `ulimit -n 1024`), or a DCP data file whose chunks the reader names as many files, costs at
 /// most capacity() descriptors. Capacity: half the soft RLIMIT_NOFILE, between 16 and 1024. A
 /// file replaced at its path while its descriptor was closed is errc::io_error ("changed since
-/// it was opened"). Thread-safe; the lock is not held while reading.
+/// it was opened"). Thread-safe; the lock is not held while reading. A child made by fork()
+/// reads through it as the parent did.
 class fd_cache {
  public:
   struct id {
@@ -61,6 +63,12 @@ class fd_cache {
  public:
   static fd_cache& instance() {
     static fd_cache c;
+    // fork: the lock is held across it, so that a child never inherits it held by a thread it
+    // does not have (as a thread pool's, detail/thread_pool.hpp); the child's descriptors are
+    // the parent's, still valid
+    static const int forks = ::pthread_atfork([] { instance().m_.lock(); }, [] { instance().m_.unlock(); },
+                                              [] { instance().m_.unlock(); });
+    (void)forks;
     return c;
   }
 
