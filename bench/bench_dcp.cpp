@@ -62,15 +62,17 @@ const std::string python = "/usr/bin/python3";
 /// steps take seconds; 900 s otherwise): a bound on a hang, not a measurement.
 int step_limit_s = 900;
 
-/// Runs a step of the Python peer through the shell under `timeout`, which kills the command's
-/// whole process group (mp.spawn's ranks too) past step_limit_s; its output, "FAILED: ..." when
+/// cmd under `timeout`, which kills the command's whole process group (mp.spawn's ranks too)
+/// past step_limit_s.
+std::string bounded(const std::string& cmd) { return "timeout -k 10 " + std::to_string(step_limit_s) + " " + cmd; }
+
+/// Runs a step of the Python peer through the shell, bounded(); its output, "FAILED: ..." when
 /// it failed. A peer that hung is run once more, saying so: it is torch, not the code measured.
 std::string run_capture(const std::string& what, const std::string& cmd) {
-  const std::string bounded = "timeout -k 10 " + std::to_string(step_limit_s) + " " + cmd;
   for (int attempt = 0; attempt < 2; ++attempt) {
     std::string out;
     const double t0 = bench::now_s();
-    FILE* p = ::popen(bounded.c_str(), "r");
+    FILE* p = ::popen(bounded(cmd).c_str(), "r");
     if (!p) return "FAILED: popen";
     char buf[4096];
     for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
@@ -202,7 +204,7 @@ int main(int argc, char** argv) {
   step_limit_s = quick ? 120 : 900;
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
   const u64 h = quick ? 256 : 2048, vocab = quick ? 4000 : 32000, layers = quick ? 2 : 3;
-  if (std::system(("timeout -k 10 " + std::to_string(step_limit_s) + " " + python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+  if (std::system(bounded(python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
     std::printf("bench_dcp: skipped: %s cannot import torch (Debian's python3-torch is the peer)\n", python.c_str());
     return 0;
   }

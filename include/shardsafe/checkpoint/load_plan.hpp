@@ -161,6 +161,7 @@ struct load_schedule {
   std::vector<std::pair<std::size_t, dtype>> converted;
   std::size_t views = 0;                 ///< how many views plan() was given
   unsigned threads = 1;                  ///< reads in flight
+  read_hints hint;                       ///< the storage's read hint (its first file's) the plan took
   bool verify_checksums = false;         ///< check the blocks read (load_options::verify_checksums)
   load_stats stats;                      ///< all but seconds, known from the plan
 };

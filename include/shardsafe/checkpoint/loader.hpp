@@ -67,7 +67,9 @@ class checkpoint_reader : public checkpoint_files<D> {
       this->checksums_for(vp.files, opt.threads);
     }
     const read_hints hint = files.empty() ? read_hints{} : read_defaults_of(files.front()->storage);
-    return schedule_reads(std::move(vp), views, pf, opt, resolve_threads(opt.threads, hint), this->described_by());
+    load_schedule s = schedule_reads(std::move(vp), views, pf, opt, resolve_threads(opt.threads, hint), this->described_by());
+    s.hint = hint;
+    return s;
   }
 
   /// Runs a schedule plan() made for these views (the same views, in the same order): the

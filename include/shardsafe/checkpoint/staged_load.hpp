@@ -151,7 +151,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     st.tensors = s.stats.tensors;
     st.missing_keys = s.stats.missing_keys;
     st.unexpected_keys = s.stats.unexpected_keys;
-    if (!s.files.empty()) hint = read_defaults_of(reader.opened(std::span<const std::string>(&s.files.front().name, 1)).front()->storage);
+    hint = s.hint;
   }
   // pieces are loaded by key; the checks above are done and missing keys already listed
   load_options piece_opt = opt;

@@ -12,8 +12,8 @@
 // so that the child's first parallel_for could block for ever (it did, in about half the forks
 // made just after a parallel_for). Every pool therefore takes part in fork through
 // pthread_atfork: before the fork its mutex is taken (no pool thread is then between two of its
-// steps), after it the parent lets go, and the child starts the pool afresh (no threads, new
-// mutex and condition variable; its threads are started again when needed). A fork from inside
+// steps), after it the parent lets go, and the child starts the pool afresh (no threads, a new
+// condition variable; its threads are started again when needed). A fork from inside
 // a parallel_for task is the exception: the child's copy of that parallel_for would wait for
 // helpers it does not have, so such a child may only exec or _exit.
 #pragma once
@@ -182,26 +182,24 @@ class thread_pool {
     static void child() noexcept {
       auto& r = get();
       for (thread_pool* p : r.pools_) p->restart_in_child();
-      // the forking thread held this mutex: a new one in its place (a mutex is not unlocked
-      // by a copy of its owner, and nothing else can hold it in the child)
-      new (&r.m_) std::mutex;
+      r.m_.unlock();  // the child's one thread is the one that took it
     }
 
     std::mutex m_;
     std::vector<thread_pool*> pools_;
   };
 
-  /// In the child of a fork (the pool's mutex held by the forking thread, which is the child's
-  /// only thread): the old mutex and condition variable are overwritten, not destroyed (the
-  /// condition variable's destructor would wait for the parent's threads), and the handles of
-  /// threads that do not exist here are dropped without join or detach (their vector's storage
-  /// is left allocated, a few bytes a fork). Jobs other parent threads had queued are forgotten:
-  /// those threads are not in the child either.
+  /// In the child of a fork (the pool's mutex taken by the forking thread, which is the child's
+  /// only thread): the condition variable is overwritten, not destroyed (its destructor would
+  /// wait for the parent's threads), and the handles of threads that do not exist here are
+  /// dropped without join or detach (their vector's storage is left allocated, a few bytes a
+  /// fork). Jobs other parent threads had queued are forgotten: those threads are not in the
+  /// child either.
   void restart_in_child() noexcept {
-    new (&m_) std::mutex;
     new (&wake_) std::condition_variable;
     new (&workers_) std::vector<std::thread>;
     queue_.clear();
+    m_.unlock();
   }
 
   mutable std::mutex m_;
