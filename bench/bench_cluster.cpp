@@ -188,7 +188,7 @@ int hf_worker(const bench::args& a) {
   });
   comm.barrier();
   std::ofstream(fs::path(a.get("--out", "")) / ("rank" + std::to_string(R)))
-      << s << ' ' << name(res.mode) << ' ' << l.wrong() << ' ' << res.why << '\n';
+      << s << ' ' << to_string(res.mode) << ' ' << l.wrong() << ' ' << res.why << '\n';
   return 0;
 }
 

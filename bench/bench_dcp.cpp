@@ -43,6 +43,7 @@
 
 #include "bench_common.hpp"
 #include "shardsafe/checkpoint/dcp_save.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/hf/export.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/checkpoint/loader.hpp"

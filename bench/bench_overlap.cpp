@@ -25,6 +25,7 @@
 // ratio is, if anything, in the baseline's favour.
 #include "bench_common.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/merged_ranges.hpp"
 #include "shardsafe/shard/mesh.hpp"
 
 #include <algorithm>

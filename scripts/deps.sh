@@ -15,7 +15,7 @@ packages=(
 if [ "${1:-}" != demo ]; then
   packages+=(
     libboost-dev doctest-dev
-    clang libclang-rt-14-dev clang-19 debootstrap
+    clang libclang-rt-14-dev clang-19 clang-format-19 debootstrap
     python3 python3-torch
     nginx-light openssl iproute2
   )

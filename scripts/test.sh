@@ -20,6 +20,7 @@
 #             (-Dseparate_compilation=false): the core suite again under another compiler and
 #             mode, the tool's hostile inputs, the compile-fail cases, the remote layer's
 #             one-definition check (TLS and plain units in one program), the torch-free
+#             headers under clang 14 (syntax only: tests/headers/clang14.sh), the torch-free
 #             benchmarks' smoke runs, then the fuzz targets under ASan/UBSan for a bounded time.
 #
 #   scripts/test.sh                     # all three (what CI runs)
@@ -102,10 +103,10 @@ leg_debian13() {
 
 # clang 19 (Debian 12's clang-19): the torch-free core and the remote backends.
 leg_clang() {
-  command -v clang++-19 >/dev/null || {
+  command -v clang++-19 >/dev/null && command -v clang++-14 >/dev/null || {
     export DEBIAN_FRONTEND=noninteractive
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-    $sudo apt-get install -y -q --no-install-recommends clang-19
+    $sudo apt-get install -y -q --no-install-recommends clang-19 clang-14
   }
   [ -f build-clang/build.ninja ] ||
     CXX=clang++-19 meson setup build-clang -Ddebug=false -Doptimization=1 -Db_ndebug=false -Dtorch=disabled -Dremote=enabled \
@@ -114,6 +115,9 @@ leg_clang() {
   # their suite, the tool's hostile inputs and the compile-fail cases
   meson compile -C build-clang tests/core_tests tools/shardsafe tests/remote_odr
   meson test -C build-clang --no-rebuild --print-errorlogs core hostile compile_fail remote_odr
+  # clang 14, the oldest the README names for the core: every torch-free header and the compiled
+  # units' instantiations, syntax only (~10 s)
+  tests/headers/clang14.sh clang++-14
   # the torch-free benchmarks, once each with --quick: a smoke run that they build and work, not a
   # measurement (meson test builds them)
   meson test -C build-clang --benchmark --print-errorlogs

@@ -30,6 +30,7 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
+#include "shardsafe/checkpoint/verify_optim.hpp"
 #include "shardsafe/format/hf_export.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -143,26 +144,27 @@ constexpr bool lists<http_directory> = false;
 #endif
 
 /// The folder p names, classified by which objects exist in it (one rule for local folders and
-/// URLs: an object store has no folders to stat): metadata.json makes a checkpoint; model/ or
-/// optim/ with a description (or, where the folder lists, anything in it) a model + optimizer
-/// pair; an index or model.safetensors a Hugging Face folder; .metadata a DCP folder; where
-/// the folder lists, safetensors or .distcp files make a checkpoint for the reader to name.
+/// URLs: an object store has no folders to stat): a folder a layout recognises
+/// (checkpoint/layouts/registry.hpp) is a checkpoint of it (one of whole files, a Hugging Face
+/// folder, is read file by file); else model/ or optim/ with a commit mark (or, where the folder
+/// lists, anything in it) make a model + optimizer pair; else, where the folder lists, .distcp
+/// files make a checkpoint for the reader to name.
 template <ReadableDirectory D>
 input<D> classify_folder(const std::string& p, D dir) {
-  if (dir.exists(metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
+  if (const layout_info* layout = recognise_folder(dir))
+    return {layout->folder_of_whole_files ? kind::hf : kind::checkpoint, p, dir, {}, {}};
   input<D> in{kind::checkpoint_pair, p, dir, {}, {}};
   for (const std::string_view part : {model_folder_name, optim_folder_name}) {
     D sub = dir.sub(part);
-    bool has = sub.exists(metadata_file_name) || sub.exists(dcp_metadata_file_name);
+    bool has = false;
+    for (std::string_view mark : commit_mark_names) has = has || sub.exists(mark);
     if constexpr (lists<D>) has = has || !sub.list().empty();
     if (has) in.parts.emplace_back(std::string(part), sub);
   }
   if (!in.parts.empty()) return in;
-  if (is_hf_folder(dir)) return {kind::hf, p, dir, {}, {}};
-  if (dir.exists(dcp_metadata_file_name)) return {kind::checkpoint, p, dir, {}, {}};
   if constexpr (lists<D>)
     for (const auto& n : dir.list())
-      if (n.ends_with(".safetensors") || n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
+      if (n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
   fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/, optim/, " +
                             std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " + std::string(hf_bin_index_file) +
                             ", " + std::string(hf_bin_single_file) + ", " +
@@ -343,7 +345,7 @@ int cmd_inspect(const input<D>& in) {
     for (const auto& t : h.tensors) {
       total += t.nbytes();
       const auto order = h.stored_order(t);
-      rows.push_back({t.name, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
+      rows.push_back({t.name, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
                       "@" + std::to_string(h.offset_of(t)),
                       order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
     }
@@ -360,7 +362,7 @@ int cmd_inspect(const input<D>& in) {
     const auto h = open_hf(in);
     for (const auto& [n, at] : h.tensors) {
       const tensor_entry& t = h.entry(at);
-      rows.push_back({n, std::string(name(t.type)), shape_str(t.shape), std::to_string(t.nbytes()), h.files[at.file].name,
+      rows.push_back({n, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()), h.files[at.file].name,
                       "-"});
     }
     print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
@@ -373,7 +375,7 @@ int cmd_inspect(const input<D>& in) {
   auto parts = open_checkpoint(in);
   std::uint64_t total = 0;
   std::string writer;
-  const std::string what(name(parts.front().reader->format()));
+  const std::string what(parts.front().reader->layout().name);
   for (auto& p : parts) {
     const auto& md = p.reader->metadata();
     if (!md.extras.writer.empty()) writer = md.extras.writer;
@@ -384,7 +386,7 @@ int cmd_inspect(const input<D>& in) {
       std::string stored;
       for (std::size_t i = 0; i < files.size() && i < 4; ++i) stored += (i ? "," : "") + files[i];
       if (files.size() > 4) stored += ",...";
-      rows.push_back({p.prefix + key, std::string(name(tm.type)), shape_str(tm.shape), std::to_string(bytes), stored,
+      rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes), stored,
                       describe_sharding(tm, files.size())});
     }
   }
@@ -427,7 +429,7 @@ int cmd_verify(const input<D>& in) {
       if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
       n += rep.tensors;
       replicated += rep.replicated_tensors;
-      if (p.reader->format() != checkpoint_format::sharded) continue;
+      if (!p.reader->layout().records_checksums) continue;
       ++sharded;
       if (!rep.checksums) ++unchecked;
       blocks += rep.checksum_blocks;
@@ -510,7 +512,7 @@ int cmd_digest(const input<D>& in) {
       }
   }
   std::sort(out.begin(), out.end(), [](const line& a, const line& b) { return a.name < b.name; });
-  for (const auto& l : out) std::cout << one_line(l.name) << ' ' << name(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
+  for (const auto& l : out) std::cout << one_line(l.name) << ' ' << to_string(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
   return 0;
 }
 

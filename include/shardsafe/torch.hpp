@@ -13,6 +13,7 @@
 
 #include "shardsafe/torch/async_checkpointer.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/c10d_comm.hpp"
 #include "shardsafe/torch/device_copy.hpp"
 #include "shardsafe/torch/hf_state_dict.hpp"
 #include "shardsafe/torch/mapped_state.hpp"
@@ -22,3 +23,4 @@
 #include "shardsafe/torch/state_dict.hpp"
 #include "shardsafe/torch/tensor_memory.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
+#include "shardsafe/torch/train_layouts.hpp"

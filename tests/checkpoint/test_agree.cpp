@@ -7,18 +7,25 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <memory>
 #include <stdexcept>
+#include <thread>
 
+#include "shardsafe/checkpoint/description_message.hpp"
+#include "shardsafe/checkpoint/hf/import.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/message.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "support/test_util.hpp"
+#include "shardsafe/version.hpp"
 #include "support/thread_world.hpp"
 
 using namespace shardsafe;
@@ -199,6 +206,72 @@ TEST_CASE("step_outcome: category, value and message survive encoding") {
         CHECK(e.code() == errc::comm_error);
         CHECK(std::string(e.what()).find("rank 7") != std::string::npos);
       }
+    }
+  }
+}
+
+TEST_CASE("thread_world: a rank that timed out breaks the world; no round completes with its stale slot") {
+  // The timeout only makes the first rank give up; nothing here measures time.
+  testing::thread_world world(3, std::chrono::milliseconds(50));
+  const auto names_rank0 = [](const std::string& what) {
+    return what.find("rank 0 timed out waiting in a collective; the world is of no further use") != std::string::npos;
+  };
+  SUBCASE("ranks that come after the timeout throw, and so does the rank that timed out, again") {
+    try {
+      world.exchange(0, "stale from rank 0");
+      FAIL("rank 0 alone completed a round");
+    } catch (const shardsafe::error& e) {
+      CHECK(e.code() == errc::comm_error);
+      CHECK(names_rank0(e.what()));
+    }
+    std::vector<std::exception_ptr> thrown(3);
+    std::vector<std::vector<std::string>> got(3);
+    std::vector<std::thread> late;
+    for (int r = 1; r < 3; ++r)
+      late.emplace_back([&, r] {
+        try {
+          got[r] = world.exchange(r, "from " + std::to_string(r));
+        } catch (...) {
+          thrown[r] = std::current_exception();
+        }
+      });
+    for (auto& t : late) t.join();
+    for (int r = 1; r < 3; ++r) {
+      CAPTURE(r);
+      CHECK(testing::error_code_of(thrown[r]) == errc::comm_error);
+      CHECK(names_rank0(testing::error_message_of(thrown[r])));
+      CHECK(testing::error_message_of(thrown[r]).find("rank " + std::to_string(r) + " cannot complete") !=
+            std::string::npos);
+      CHECK(got[r].empty());
+    }
+    try {
+      world.exchange(0, "rank 0 again");
+      FAIL("a broken world completed a round");
+    } catch (const shardsafe::error& e) {
+      CHECK(e.code() == errc::comm_error);
+      CHECK(names_rank0(e.what()));
+    }
+  }
+  SUBCASE("a rank waiting when another times out throws, naming that rank") {
+    std::vector<std::exception_ptr> thrown(3);
+    std::vector<std::thread> two;
+    for (int r = 0; r < 2; ++r)
+      two.emplace_back([&, r] {
+        try {
+          world.exchange(r, "x");
+        } catch (...) {
+          thrown[r] = std::current_exception();
+        }
+      });
+    for (auto& t : two) t.join();
+    // whichever timed out first broke the world; both name it
+    const std::string first = testing::error_message_of(thrown[0]);
+    const int culprit = first.find("rank 1 timed out") != std::string::npos ? 1 : 0;
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      CHECK(testing::error_code_of(thrown[r]) == errc::comm_error);
+      CHECK(testing::error_message_of(thrown[r]).find("rank " + std::to_string(culprit) +
+                                                      " timed out waiting in a collective") != std::string::npos);
     }
   }
 }
@@ -480,4 +553,317 @@ TEST_CASE("a lost rank during a save: the error names the save and its step, and
   const std::string msg = lost_error_of([&] { every_rank_step(comm, [] {}); }, &code);
   CHECK(code == errc::comm_error);
   CHECK(msg == "c10d all_gather_bytes on rank 0 of 1 failed: rank 7 lost");
+}
+
+// --- the one wire encoding (dist/message.hpp): descriptions, replica roles, rank files, the HF
+// tensor table and step outcomes travel as messages; malformed ones are comm_error naming the rank
+
+namespace {
+
+/// Rank r of 2: "w" [4, 3] F32 in row blocks, "f" [10] F16 in flat ranges (one empty), "b" [2]
+/// F32 not sharded (both ranks), "rep" [4] F32 one flat shard held by both (rank 0 the writer).
+struct mixed_state {
+  std::vector<float> w, b, rep;
+  std::vector<std::uint16_t> f;
+  std::vector<flat_view> views;
+  explicit mixed_state(int r) {
+    const std::uint64_t ur = static_cast<std::uint64_t>(r);
+    for (std::uint64_t i = 0; i < 6; ++i) w.push_back(static_cast<float>(ur * 6 + i));
+    b = {0.5f, -0.5f};
+    rep = {1, 2, 3, 4};
+    const flat_spec fs = r == 0 ? flat_spec{{0, 3}, {3, 3}, {5, 7}} : flat_spec{{3, 5}, {7, 10}};
+    f.assign(static_cast<std::size_t>(fs.local_numel()), static_cast<std::uint16_t>(0x3c00 + r));
+    auto bytes = [](auto& v) { return reinterpret_cast<std::byte*>(v.data()); };
+    views.push_back({"w", dtype::F32, {4, 3}, block_spec({2, 3}, {2 * ur, 0}), bytes(w), 24});
+    views.push_back({"f", dtype::F16, {10}, fs, bytes(f), f.size() * 2});
+    views.push_back({"b", dtype::F32, {2}, std::nullopt, bytes(b), 8});
+    views.push_back({"rep", dtype::F32, {4}, flat_spec{{0, 4}}, bytes(rep), 16, r == 0 ? replica_role::writer : replica_role::copy});
+  }
+};
+
+/// What f throws must be errc::comm_error whose message names `who`.
+template <class F>
+void check_comm_error(F&& f, const std::string& who) {
+  try {
+    f();
+    FAIL("decoded without an error");
+  } catch (const shardsafe::error& e) {
+    CAPTURE(e.what());
+    CHECK(e.code() == errc::comm_error);
+    CHECK(std::string(e.what()).find(who) != std::string::npos);
+  }
+}
+
+/// A Comm of 2 ranks in one thread: rank 0, whose all_gather_bytes gives its own bytes for
+/// rank 0 and, for rank 1, the step outcome holding its result passed through `tamper`.
+struct tampering_comm {
+  std::function<std::string(std::string)> tamper;
+  int rank() const noexcept { return 0; }
+  int world_size() const noexcept { return 2; }
+  void barrier() {}
+  std::vector<std::string> all_gather_bytes(std::string_view s) {
+    step_outcome o = step_outcome::decode(s, "rank 0");
+    o.text = tamper(o.text);
+    return {std::string(s), o.encode()};
+  }
+  void broadcast_bytes(std::string&, int) {}
+};
+static_assert(Comm<tampering_comm>);
+
+}  // namespace
+
+TEST_CASE("description message: flat, block and replicated descriptions round-trip bit for bit") {
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    mixed_state s(r);
+    const checkpoint_metadata md = detail::describe_views(std::span<const flat_view>(s.views), r, "ckpt");
+    const std::string bytes = detail::encode_description(md);
+    const checkpoint_metadata back = detail::decode_description(bytes, "ckpt (rank " + std::to_string(r) + "'s plan)");
+    CHECK(detail::encode_description(back) == bytes);  // encode(decode(x)) == x
+    REQUIRE(back.tensors.size() == md.tensors.size());
+    for (std::size_t i = 0; i < md.tensors.size(); ++i) {
+      const auto& [k, a] = md.tensors[i];
+      const auto& [k2, b] = back.tensors[i];
+      CHECK(k == k2);
+      CHECK(a.shape == b.shape);
+      CHECK(a.type == b.type);
+      CHECK(a.is_sharded == b.is_sharded);
+      CHECK(a.files == b.files);  // names and specs, empty flat ranges included
+      CHECK_FALSE(b.grid);
+    }
+    // the same as the JSON text that used to travel, parsed again
+    const checkpoint_metadata via_json = parse_checkpoint_metadata(write_checkpoint_metadata(md), "plan");
+    CHECK(write_checkpoint_metadata(back) == write_checkpoint_metadata(via_json));
+    CHECK(detail::encode_description(via_json) == bytes);
+  }
+  SUBCASE("merged, the two paths give the same metadata") {
+    std::vector<checkpoint_metadata> by_message, by_json;
+    std::vector<std::vector<replica_role>> roles;
+    for (int r = 0; r < 2; ++r) {
+      mixed_state s(r);
+      const auto md = detail::describe_views(std::span<const flat_view>(s.views), r, "ckpt");
+      by_message.push_back(detail::decode_description(detail::encode_description(md), "rank"));
+      by_json.push_back(parse_checkpoint_metadata(write_checkpoint_metadata(md), "plan"));
+      message_writer m;
+      detail::encode_replica_roles(m, std::span<const flat_view>(s.views), "ckpt");
+      message_reader rd(m.str(), "rank " + std::to_string(r));
+      roles.push_back(detail::decode_replica_roles(rd, 4));
+      rd.finish();
+      CHECK(roles.back() == std::vector<replica_role>{replica_role::none, replica_role::none, replica_role::none,
+                                                      r == 0 ? replica_role::writer : replica_role::copy});
+    }
+    CHECK(write_checkpoint_metadata(detail::merge_descriptions(by_message, "ckpt", roles)) ==
+          write_checkpoint_metadata(detail::merge_descriptions(by_json, "ckpt", roles)));
+  }
+}
+
+TEST_CASE("description message: a save by thread ranks writes the metadata.json built by hand") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory mem(store, "mem:ckpt");
+  save_options opt;
+  opt.checksums = false;  // hashes are not built by hand (test_verify.cpp checks the tables)
+  auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
+    mixed_state s(c.rank());
+    save_flat_views(mem, std::span<const flat_view>(s.views), c, opt);
+  });
+  for (const auto& t : thrown) CHECK_FALSE(t);
+  const std::string s0 = std::to_string(mem.open(rank_file_name(0)).size()),
+                    s1 = std::to_string(mem.open(rank_file_name(1)).size());
+  const std::string block = R"({"flattened_offsets": null, "local_shape": [2, 3], "global_offset": )";
+  const std::string golden =
+      R"({"tensors": {"w": {"shape": [4, 3], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {)"
+      R"("rank_0.safetensors": )" + block + R"([0, 0]}, "rank_1.safetensors": )" + block + R"([2, 0]}}}, )"
+      R"("f": {"shape": [10], "is_sharded": true, "dtype": "F16", "shard_spec_per_file": {)"
+      R"("rank_0.safetensors": {"flattened_offsets": [[0, 3], [3, 3], [5, 7]], "local_shape": null, "global_offset": null}, )"
+      R"("rank_1.safetensors": {"flattened_offsets": [[3, 5], [7, 10]], "local_shape": null, "global_offset": null}}}, )"
+      R"("b": {"shape": [2], "is_sharded": false, "dtype": "F32", "shard_spec_per_file": {)"
+      R"("rank_0.safetensors": {"flattened_offsets": [[0, 2]], "local_shape": null, "global_offset": null}}}, )"
+      R"("rep": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {)"
+      R"("rank_0.safetensors": {"flattened_offsets": [[0, 4]], "local_shape": null, "global_offset": null}}}}, )"
+      R"("shardsafe": {"writer": "shardsafe )" + std::string(library_version) + R"(", "world_size": 2, )"
+      R"("file_sizes": {"rank_0.safetensors": )" + s0 + R"(, "rank_1.safetensors": )" + s1 + "}}}";
+  CHECK(read_text(mem.open(metadata_file_name), max_metadata_size, text_kind::json) == golden);
+}
+
+TEST_CASE("description message: malformed messages are comm_error naming the rank, in bounded time and memory") {
+  mixed_state s(1);
+  const std::string who = "ckpt (rank 1's plan)";
+  const std::string good = detail::encode_description(detail::describe_views(std::span<const flat_view>(s.views), 1, "ckpt"));
+  auto decode = [&](const std::string& bytes) { return [&, bytes] { detail::decode_description(bytes, who); }; };
+  SUBCASE("truncated anywhere") {
+    for (std::size_t n = 0; n < good.size(); ++n) {
+      CAPTURE(n);
+      check_comm_error(decode(good.substr(0, n)), who);
+    }
+  }
+  SUBCASE("trailing bytes") { check_comm_error(decode(good + "x"), "1 bytes are left over"); }
+  // one tensor "w" [4] F32 sharded, one file with a flat spec, the field under test replaced
+  struct parts {
+    std::uint64_t tensors = 1, ndim = 1, type = static_cast<std::uint64_t>(dtype::F32), sharded = 1, files = 1, kind = 0,
+                  ranges = 1, end = 4;
+    std::string key = "w", file = "rank_1.safetensors";
+  };
+  auto build = [](const parts& p) {
+    message_writer m;
+    m.count(p.tensors).text(p.key).count(p.ndim);
+    for (std::uint64_t d = 0; d < std::min<std::uint64_t>(p.ndim, 4); ++d) m.count(4);
+    m.count(p.type).count(p.sharded).count(p.files).text(p.file).count(p.kind);
+    if (p.kind == 1) return std::move(m.counts({2}).counts({0})).str();
+    m.count(p.ranges).count(0).count(p.end);
+    return std::move(m).str();
+  };
+  SUBCASE("the test's own message is good") {
+    const auto md = detail::decode_description(build(parts{}), who);
+    REQUIRE(md.tensors.size() == 1);
+    CHECK(md.tensors[0].second.files[0].second == shard_spec(flat_spec{{0, 4}}));
+  }
+  SUBCASE("a dtype out of range") {
+    parts p;
+    p.type = all_dtypes.size();
+    check_comm_error(decode(build(p)), "tensor 'w''s dtype is 22, past 21");
+    p.type = UINT64_MAX;
+    check_comm_error(decode(build(p)), who);
+  }
+  SUBCASE("counts past the end: nothing of that size is allocated (bad_alloc would not be comm_error)") {
+    for (std::uint64_t big : {std::uint64_t(2), std::uint64_t(1) << 40, UINT64_MAX}) {
+      CAPTURE(big);
+      parts a;
+      a.tensors = big;
+      const bool huge = big > 2;  // 2 fits in what is left: the second item is cut short instead
+      check_comm_error(decode(build(a)), huge ? "tensors cannot fit" : "ends inside");
+      parts b;
+      b.ndim = big;
+      if (huge) check_comm_error(decode(build(b)), who);
+      parts c;
+      c.files = big;
+      check_comm_error(decode(build(c)), huge ? "files of tensor 'w' cannot fit" : who);
+      parts d;
+      d.ranges = big;
+      check_comm_error(decode(build(d)), "cannot fit");
+      // a string's length past the end
+      std::string e = build(parts{});
+      e[8] = '\xff';
+      e[15] = static_cast<char>(big >> 56);
+      check_comm_error(decode(e), who);
+    }
+  }
+  SUBCASE("values out of range, and specs, names and keys the JSON path refused") {
+    parts a;
+    a.sharded = 2;
+    check_comm_error(decode(build(a)), "is_sharded is 2, past 1");
+    parts b;
+    b.kind = 2;
+    check_comm_error(decode(build(b)), "kind (0 flat, 1 block) is 2, past 1");
+    parts c;
+    c.end = 5;  // past the 4 elements
+    check_comm_error(decode(build(c)), "out of bounds");
+    parts d;
+    d.kind = 1;  // a 1-D block of a 1-D tensor is fine: [2] at [0]
+    CHECK_NOTHROW(detail::decode_description(build(d), who));
+    d.ndim = 2;  // ... of a 2-D tensor is not
+    check_comm_error(decode(build(d)), "must both have the 2 dimensions");
+    parts e;
+    e.file = "../rank_1.safetensors";
+    check_comm_error(decode(build(e)), "not a plain file name");
+    parts f;
+    f.ndim = 4;  // [4, 4, 4, 4] is fine; with 2^62 in a dimension it overflows
+    CHECK_NOTHROW(detail::decode_description(build(f), who));
+    message_writer g;
+    g.count(1).text("w").counts({std::uint64_t(1) << 62, 8}).count(0).count(0).count(0);
+    check_comm_error(decode(std::move(g).str()), "more than 2^64 elements");
+    message_writer h;  // the same tensor twice
+    h.count(2);
+    for (int i = 0; i < 2; ++i) h.text("w").counts({1}).count(0).count(0).count(0);
+    check_comm_error(decode(std::move(h).str()), "tensor 'w' is described twice");
+  }
+  SUBCASE("a description with a grid or extras is not one") {
+    checkpoint_metadata md;
+    md.extras.world_size = 2;
+    CHECK_THROWS_AS(detail::encode_description(md), shardsafe::error);
+  }
+}
+
+TEST_CASE("replica roles and the whole plan: malformed is comm_error naming the rank, on every rank") {
+  auto roles_of = [](const std::string& bytes) {
+    message_reader m(bytes, "ckpt (rank 1's plan)");
+    auto r = detail::decode_replica_roles(m, 3);
+    m.finish();
+    return r;
+  };
+  auto msg = [](std::initializer_list<std::uint64_t> v) {
+    message_writer m;
+    for (auto x : v) m.count(x);
+    return std::move(m).str();
+  };
+  CHECK(roles_of(msg({3, 2, 0, 2, 2, 1})) == std::vector<replica_role>{replica_role::copy, replica_role::none, replica_role::writer});
+  for (const std::string& bad : {msg({3, 1, 3, 1}), msg({3, 2, 2, 1, 1, 1}), msg({3, 1, 0, 0}), msg({3, 1, 0, 3}),
+                                 msg({std::uint64_t(1) << 40, 0}), msg({3, 5, 0, 1}), msg({3, 1, 0})}) {
+    check_comm_error([&] { roles_of(bad); }, "rank 1's plan");
+  }
+  SUBCASE("through agree_on_metadata: one rank's plan damaged") {
+    const std::vector<std::pair<std::string, std::function<std::string(std::string)>>> damage{
+        {"left over", [](std::string s) { return s + "x"; }},
+        {"1 replica roles cannot fit in the 13 bytes left", [](std::string s) { return s.substr(0, s.size() - 3); }},
+        {"its replica roles are for 5 views, not the 4 it describes",
+         [](std::string s) {  // the roles' view count (after the description: 4 views, 1 role)
+           const std::size_t at = s.size() - 4 * 8;
+           s[at] = 5;
+           return s;
+         }},
+    };
+    for (const auto& [want, f] : damage) {
+      CAPTURE(want);
+      tampering_comm comm{f};
+      mixed_state st(0);
+      check_comm_error([&] { detail::agree_on_metadata(std::span<const flat_view>(st.views), comm, "ckpt"); },
+                       "the message from ckpt (rank 1's plan) is malformed: ");
+      check_comm_error([&] { detail::agree_on_metadata(std::span<const flat_view>(st.views), comm, "ckpt"); }, want);
+    }
+  }
+}
+
+TEST_CASE("rank file outcomes, the HF tensor table and step outcomes travel as messages") {
+  detail::written_rank_file w;
+  w.size = 12345;
+  w.checksums["a"] = {1, 0xffffffffffffffffULL};
+  w.checksums["b"] = {};
+  for (bool sums : {false, true}) {
+    const auto back = detail::decode_written(detail::encode_written(w, sums), sums, "ckpt (rank 3's file)");
+    CHECK(back.size == w.size);
+    CHECK(back.checksums == (sums ? w.checksums : decltype(w.checksums){}));
+  }
+  const std::string bytes = detail::encode_written(w, true);
+  for (std::size_t n = 0; n < bytes.size(); ++n)
+    check_comm_error([&] { detail::decode_written(bytes.substr(0, n), true, "ckpt (rank 3's file)"); }, "rank 3's file");
+  check_comm_error([&] { detail::decode_written(bytes, false, "ckpt (rank 3's file)"); }, "left over");
+  message_writer twice;
+  twice.count(1).count(2).text("a").counts({1}).text("a").counts({2});
+  check_comm_error([&] { detail::decode_written(twice.str(), true, "ckpt (rank 3's file)"); }, "listed twice");
+
+  checkpoint_metadata md;
+  md.tensors.push_back({"x", {{2, 3}, dtype::BF16, false, {}, std::nullopt}});
+  md.tensors.push_back({"scalar", {{}, dtype::F64, false, {}, std::nullopt}});
+  const std::string table = detail::encode_tensor_table(md);
+  const auto got = detail::decode_tensor_table(table, "hf");
+  REQUIRE(got.size() == 2);
+  CHECK((got[0].name == "x" && got[0].type == dtype::BF16 && got[0].shape == shape_t{2, 3}));
+  CHECK((got[1].name == "scalar" && got[1].type == dtype::F64 && got[1].shape.empty()));
+  for (std::size_t n = 0; n < table.size(); ++n)
+    check_comm_error([&] { detail::decode_tensor_table(table.substr(0, n), "hf"); }, "hf (rank 0's tensor table)");
+  message_writer bad_type;
+  bad_type.count(1).text("x").count(99).counts({1});
+  check_comm_error([&] { detail::decode_tensor_table(bad_type.str(), "hf"); }, "tensor 'x''s dtype is 99, past 21");
+
+  step_outcome neg;
+  neg.failed = true;
+  neg.category = std::system_category().name();
+  neg.value = -5;
+  neg.text = "negative";
+  const auto back = step_outcome::decode(neg.encode(), "rank 2");
+  CHECK((back.failed && back.value == -5 && back.code().category() == std::system_category() && back.text == "negative"));
+  message_writer flag2, big;
+  flag2.count(2).text("x");
+  big.count(1).text("generic").count(std::uint64_t(1) << 40).text("m");
+  check_comm_error([&] { step_outcome::decode(flag2.str(), "rank 2"); }, "rank 2 (the outcome of a step)");
+  check_comm_error([&] { step_outcome::decode(big.str(), "rank 2"); }, "is not an int");
 }

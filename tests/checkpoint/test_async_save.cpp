@@ -5,6 +5,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -268,4 +269,40 @@ TEST_CASE("async save: destroying a handle or the saver waits for the save") {
   CHECK(released.load());
   opener.join();
   CHECK(std::filesystem::exists(tmp.path / "a" / metadata_file_name));
+}
+
+TEST_CASE("async save: a DCP save in the background writes the bytes the blocking DCP save writes") {
+  // (the asynchronous saver refused save_format::dcp before: one save for every writable layout)
+  testing::temp_dir tmp("async_dcp");
+  testing::thread_world ckpt_world(3);
+  std::vector<async_save_stats> res(3);
+  save_options dcp;
+  dcp.format = save_format::dcp;
+  auto thrown = testing::run_ranks(3, [&](testing::thread_comm& train) {
+    const int r = train.rank();
+    async_rank_state s(r, 9.f);
+    save_flat_views(file_directory(tmp.path / "blocking"), std::span<const flat_view>(s.views), train, dcp);
+    async_saver saver(testing::thread_comm(ckpt_world, r));
+    async_save_handle h = saver.save(file_directory(tmp.path / "async"), std::span<const flat_view>(s.views), dcp);
+    s.scribble();  // the snapshot is what is saved
+    res[r] = h.wait();
+  });
+  for (auto& t : thrown) REQUIRE_FALSE(t);
+  checkpoint_reader<file_directory> r(file_directory(tmp.path / "async"));
+  CHECK(r.layout() == dcp_layout::info);
+  check_values(tmp.path / "async", 9.f);
+  // the same files, byte for byte (the .metadata and every rank's data file)
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(tmp.path / "blocking")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"});
+  for (const auto& n : names) {
+    CAPTURE(n);
+    CHECK(testing::slurp(tmp.path / "async" / n) == testing::slurp(tmp.path / "blocking" / n));
+  }
+  for (int k = 0; k < 3; ++k) {
+    CAPTURE(k);
+    REQUIRE(res[k].folders.size() == 1);
+    CHECK(res[k].folders[0].bytes_written == std::filesystem::file_size(tmp.path / "async" / dcp_data_file_name(k)));
+  }
 }

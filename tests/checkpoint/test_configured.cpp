@@ -16,6 +16,7 @@
 
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/single.hpp"
+#include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "support/test_util.hpp"
 #include "support/thread_world.hpp"
@@ -179,4 +180,49 @@ TEST_CASE("configured loader: NaN validation finds the NaN the checkpoint holds"
   const flat_view wv{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48};
   checked.load(std::span<const flat_view>(&wv, 1));
   CHECK(w[5] == 5.f);
+}
+
+TEST_CASE("configured loader: every setting the policy does not fix reaches the load") {
+  // (the loader kept threads and reads alone before, and dropped verify_checksums, list_unexpected,
+  // staging and convert_on_device silently)
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir = make_checkpoint(store);
+  single_process c;
+  std::vector<float> w(12, -1.f);
+  const flat_view wv{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48};
+  configured_load_settings set;
+  set.threads = 3;
+  set.reads.max_gap_bytes = 7;
+  set.verify_checksums = true;
+  set.list_unexpected = false;
+  set.staging.slots = 2;
+  set.convert_on_device = false;
+  auto l = make_configured_loader(dir, c, set);
+  CHECK(l.options().threads == 3);
+  CHECK(l.options().reads.max_gap_bytes == 7u);
+  CHECK(l.options().verify_checksums);
+  CHECK_FALSE(l.options().list_unexpected);
+  CHECK(l.options().staging.slots == 2);
+  CHECK_FALSE(l.options().convert_on_device);
+  CHECK(l.options().strict);  // the policy's
+  const load_stats st = l.load(std::span<const flat_view>(&wv, 1));
+  CHECK(st.checksum_blocks > 0);       // checked
+  CHECK(st.unexpected_keys.empty());   // not listed
+  for (int i = 0; i < 12; ++i) CHECK(w[i] == static_cast<float>(i));
+  const load_stats plain = make_configured_loader(dir, c).load(std::span<const flat_view>(&wv, 1));
+  CHECK(plain.checksum_blocks == 0);
+  CHECK_FALSE(plain.unexpected_keys.empty());  // h and n
+  // a damaged byte of w is caught by the checked loader alone
+  for (auto& [name, bytes] : store->objects)
+    if (name.ends_with("rank_0.safetensors")) {
+      const safetensors_header h = read_safetensors_header(memory_storage(bytes, name));
+      byte_buffer damaged = *bytes;
+      for (const auto& e : h.tensors)
+        if (e.name == "w") damaged[h.offset_of(e) + 5] ^= std::byte{0x01};
+      bytes = std::make_shared<const byte_buffer>(std::move(damaged));
+    }
+  make_configured_loader(dir, c).load(std::span<const flat_view>(&wv, 1));
+  auto checked = make_configured_loader(dir, c, set);  // (l keeps the bytes it opened)
+  testing::expect_error([&] { checked.load(std::span<const flat_view>(&wv, 1)); }, errc::checksum_mismatch,
+                        {"rank_0.safetensors"});
 }

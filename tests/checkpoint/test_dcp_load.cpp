@@ -121,7 +121,7 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
   for (const std::string folder : folders) {
     CAPTURE(folder);
     checkpoint_reader<file_directory> r(file_directory(dir / folder));
-    CHECK(r.format() == checkpoint_format::dcp);
+    CHECK(r.layout() == dcp_layout::info);
     CHECK(r.described_by() == ".metadata");
     REQUIRE(r.non_tensors().size() == 1);
     CHECK(r.non_tensors()[0].key == "extra.epoch");

@@ -24,6 +24,7 @@
 #include "shardsafe/checkpoint/dcp_export.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/detail/crc32.hpp"
 #include "shardsafe/dist/single.hpp"
@@ -291,11 +292,11 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
   // Python, without torch: each tensor reassembled from its chunks, every CRC checked
   std::string want;
   for (const auto& d : defs)
-    want += d.key + " " + std::string(name(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) + " ";
+    want += d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) + " ";
   const std::string got = stub_read(ckpt);
   for (const auto& d : defs) {
     CAPTURE(d.key);
-    CHECK(got.find(d.key + " " + std::string(name(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) +
+    CHECK(got.find(d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) +
                    " ") != std::string::npos);
   }
   CHECK(got.find("\nb BF16 [6,4] " + testing::sha256_hex(full["b"]) + " 2\n") != std::string::npos);  // the empty block is no chunk
@@ -309,7 +310,7 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
   CHECK(got.find("planner c ('c',)\n") != std::string::npos);
   // shardsafe reads it back too: every tensor whole, the values
   checkpoint_reader<file_directory> r(file_directory{ckpt});
-  CHECK(r.format() == checkpoint_format::dcp);
+  CHECK(r.layout() == dcp_layout::info);
   for (const auto& d : defs) {
     std::string back(full[d.key].size(), '\0');
     unshard_tensor(r, d.key, std::as_writable_bytes(std::span(back)));
@@ -435,12 +436,12 @@ TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces c
           "computed it, values included") {
   const fs::path golden = source_dir / "tests" / "fixtures" / "dcp_torch2";
   checkpoint_reader<file_directory> r(file_directory{golden / "ckpt"});
-  CHECK(r.format() == checkpoint_format::dcp);
+  CHECK(r.layout() == dcp_layout::info);
   std::string digest;
   for (const auto& [key, tm] : r.metadata().tensors) {
     std::string bytes(static_cast<std::size_t>(tm.numel() * item_size(tm.type)), '\0');
     unshard_tensor(r, key, std::as_writable_bytes(std::span(bytes)));
-    digest += key + " " + std::string(name(tm.type)) + " " + to_string(tm.shape) + " " + testing::sha256_hex(bytes) + "\n";
+    digest += key + " " + std::string(to_string(tm.type)) + " " + to_string(tm.shape) + " " + testing::sha256_hex(bytes) + "\n";
   }
   CHECK(digest == testing::slurp(golden / "digest.txt"));
   CHECK(r.read_object("extra.epoch") == pickle_value::integer(7));

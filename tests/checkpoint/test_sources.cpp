@@ -97,7 +97,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
   };
   fixtures::make_indexed(dir, ts);
   checkpoint_reader<D> r(dir);
-  CHECK(r.format() == checkpoint_format::hf);
+  CHECK(r.layout() == hf_layout::info);
   CHECK(r.described_by() == "model.safetensors.index.json");
   REQUIRE(r.metadata().tensors.size() == ts.size());
   CHECK(r.find("a.weight")->shape == shape_t{6, 5});
@@ -142,7 +142,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     const D d2 = b2.root();
     fixtures::put(d2, "model.safetensors", fixtures::build_file(ts));
     checkpoint_reader<D> r2(d2);
-    CHECK(r2.format() == checkpoint_format::hf);
+    CHECK(r2.layout() == hf_layout::info);
     CHECK(r2.described_by() == "model.safetensors");
     std::string out(20, '\0');
     flat_view v = view_into(out, "a.bias", dtype::F32, {5}, std::nullopt);
@@ -282,7 +282,7 @@ TEST_CASE_TEMPLATE("torch's DCP-sharded HF files read as a checkpoint: I64, BOOL
   dcp_fixture fx(21);
   fx.write(dir);
   checkpoint_reader<D> r(dir);
-  CHECK(r.format() == checkpoint_format::dcp_sharded_hf);
+  CHECK(r.layout() == dcp_sharded_hf_layout::info);
   REQUIRE(r.metadata().tensors.size() == 3);
   CHECK(r.metadata().tensors[0].first == "emb");  // by name
   CHECK(r.find("ids")->shape == shape_t{5, 4});
@@ -386,7 +386,7 @@ TEST_CASE("the load planner plans from a description and headers alone") {
   auto plan = [&](const checkpoint_metadata& m) {
     view_plans vp = plan_views(m, [&](std::string_view k) { return m.find(k); }, views, opt, "ckpt", true);
     REQUIRE(vp.files == std::vector<std::string>{"rank_0.safetensors", "rank_1.safetensors"});
-    const read_options ro = resolve_read_options(opt.reads, read_hints{});
+    const read_options ro = resolve_read_options(opt.reads, read_settings{});
     const std::vector<planned_file> files{{&h0, "rank_0.safetensors", ro}, {&h1, "rank_1.safetensors", ro}};
     return schedule_reads(std::move(vp), views, files, opt, 3, "metadata.json");
   };

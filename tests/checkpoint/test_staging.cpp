@@ -222,7 +222,7 @@ struct read_log {
 /// A file in memory that gives a read hint, as an HTTP or S3 storage does, and logs its reads.
 struct hinted_storage {
   memory_storage inner;
-  read_hints hint;
+  read_settings hint;
   std::shared_ptr<read_log> log;
   std::uint64_t size() const { return inner.size(); }
   std::string_view name() const { return inner.name(); }
@@ -234,13 +234,13 @@ struct hinted_storage {
     }
     inner.read_into(off, dst);
   }
-  read_hints read_defaults() const { return hint; }
+  read_settings read_defaults() const { return hint; }
 };
 
 struct hinted_directory {
   using reader_type = hinted_storage;
   memory_directory inner;
-  read_hints hint;
+  read_settings hint;
   std::shared_ptr<read_log> log = std::make_shared<read_log>();
   reader_type open(std::string_view n) const { return {inner.open(n), hint, log}; }
   bool exists(std::string_view n) const { return inner.exists(n); }
@@ -266,7 +266,7 @@ TEST_CASE("staged load: threads = 0 takes the storage's hint (reads in flight, l
   REQUIRE(o.threads == 0);
   for (const bool hinted : {true, false}) {
     CAPTURE(hinted);
-    hinted_directory hd{dir, hinted ? read_hints{std::nullopt, std::uint64_t(1024), 1u} : read_hints{}};
+    hinted_directory hd{dir, hinted ? read_settings{.max_read_bytes = std::uint64_t(1024), .requests_in_flight = 1u} : read_settings{}};
     checkpoint_reader<hinted_directory> reader(hd);
     std::vector<staged_dest> ds;
     ds.emplace_back("x", dtype::U8, shape_t{65536}, std::nullopt);

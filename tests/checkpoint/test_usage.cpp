@@ -120,7 +120,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   checkpoint_reader<file_directory> from_torch(file_directory(dir / "dcp"));  // a folder torch wrote reads alike
   for (const non_tensor_item& item : from_torch.non_tensors()) (void)from_torch.read_object(item.key);  // its values
   // [/usage]
-  CHECK(from_torch.format() == checkpoint_format::dcp);
+  CHECK(from_torch.layout() == dcp_layout::info);
   CHECK(from_torch.metadata().tensors.size() == 2);
 
   // [usage: async]

@@ -79,7 +79,7 @@ void check_holds(const hf_folder<D>& h, const std::vector<tensor>& ts, FileFor f
     CHECK(h.files[at.file].name == file_for(t));
     const tensor_entry& e = h.entry(at);
     CHECK(e.name == t.name);
-    CHECK(name(e.type) == t.dtype);
+    CHECK(to_string(e.type) == t.dtype);
     CHECK(e.shape == t.shape);
     CHECK(read_tensor(h, t.name) == t.bytes);
   }
@@ -598,6 +598,74 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
     testing::write_file(file, bytes);
   }
   CHECK(verify_checkpoint(dir).checksums);
+}
+
+TEST_CASE("checksums: a mismatch names the file holding the hash: metadata.json, or the compact form's rank_R.checksums.json") {
+  testing::temp_dir tmp("holder");
+  auto ts = checksum_sample(3);
+  for (const metadata_form form : {metadata_form::listed, metadata_form::compact}) {
+    const bool compact = form == metadata_form::compact;
+    const std::string name = compact ? "compact" : "listed";
+    INFO(name);
+    const file_directory dir(tmp.path / name);
+    save_options so;
+    so.checksum_block_bytes = 1000;
+    so.metadata = form;
+    save_two_ranks(dir, ts, so);
+    REQUIRE(fs::exists(tmp.path / name / "rank_1.checksums.json") == compact);
+    CHECK(verify_checkpoint(dir).checksums);
+    // one byte of rank 1's first tensor with data, damaged
+    const fs::path file = tmp.path / name / rank_file_name(1);
+    const safetensors_header h = read_safetensors_header(file_storage(file));
+    const auto e = std::find_if(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& x) { return x.nbytes() > 0; });
+    REQUIRE(e != h.tensors.end());
+    std::string bytes = testing::slurp(file);
+    const std::size_t pos = static_cast<std::size_t>(h.offset_of(*e) + e->nbytes() / 2);
+    bytes[pos] = static_cast<char>(bytes[pos] ^ 0x10);
+    testing::write_file(file, bytes);
+    // the file that records the hash, and the one that does not
+    const std::string holder = compact ? "rank_1.checksums.json" : "metadata.json";
+    const std::string not_holder = compact ? "metadata.json" : "checksums.json";
+    auto message_of = [](auto&& f) {
+      try {
+        f();
+      } catch (const error& x) {
+        CHECK(x.code() == errc::checksum_mismatch);
+        return std::string(x.what());
+      }
+      FAIL("no error thrown");
+      return std::string();
+    };
+    std::vector<std::string> msgs;
+    msgs.push_back(message_of([&] { verify_checkpoint(dir); }));
+    std::vector<std::string> mem;
+    auto views = full_views(ts, mem);
+    load_options lo;
+    lo.verify_checksums = true;
+    msgs.push_back(message_of([&] {
+      checkpoint_reader<file_directory> r(dir);
+      r.load(std::span<const flat_view>(views), lo);
+    }));
+    if (testing::have_tool()) {
+      const auto r = testing::run_tool({"verify", (tmp.path / name).string()});
+      CHECK(r.code == 1);
+      msgs.push_back(r.err);
+    }
+    for (const auto& m : msgs) {
+      INFO(m);
+      CHECK(m.find(file.string()) != std::string::npos);
+      CHECK(m.find("tensor '" + e->name + "'") != std::string::npos);
+      CHECK(m.find("but " + holder + " records ") != std::string::npos);
+      CHECK(m.find(not_holder) == std::string::npos);
+    }
+    bytes[pos] = static_cast<char>(bytes[pos] ^ 0x10);  // repaired
+    testing::write_file(file, bytes);
+    CHECK(verify_checkpoint(dir).checksums);
+  }
+  // a sidecar without a tensor's hashes is named as the file that lacks them
+  testing::write_file(tmp.path / "compact" / "rank_1.checksums.json", "{}");
+  expect_error([&] { verify_checkpoint(file_directory(tmp.path / "compact")); }, errc::invalid_metadata,
+               {"rank_1.safetensors", "rank_1.checksums.json records checksums for this file, but none for this tensor"});
 }
 
 TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; damaged tables are refused", D,

@@ -14,7 +14,7 @@ TEST_CASE("every dtype of docs/FORMAT.md has its name and size") {
   for (auto [n, bits] : expected) {
     auto d = parse_dtype(n);
     REQUIRE_MESSAGE(d, n);
-    CHECK(name(*d) == n);
+    CHECK(to_string(*d) == n);
     CHECK(bit_size(*d) == bits);
     CHECK(is_byte_sized(*d) == (bits % 8 == 0));
   }

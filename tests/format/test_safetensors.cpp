@@ -274,7 +274,7 @@ void check_read_back(const S& s, const std::vector<input_tensor>& in, const std:
   for (const auto& t : in) {
     INFO("tensor " << t.name);
     const tensor_entry& e = h.at(t.name);
-    CHECK(name(e.type) == t.dtype_name);
+    CHECK(to_string(e.type) == t.dtype_name);
     CHECK(e.shape == t.shape);
     CHECK(e.nbytes() == t.bytes.size());
     std::vector<std::byte> got(t.bytes.size());

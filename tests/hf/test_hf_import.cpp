@@ -246,7 +246,7 @@ TEST_CASE("hf import: indexed folder into 1-4 thread ranks, row/column/flat shar
   // automatic: threads are ranks on one host, so every rank reads its own shards
   for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast, hf_import_mode::automatic})
     for (int w = 1; w <= 4; ++w) {
-      CAPTURE(name(mode));
+      CAPTURE(to_string(mode));
       CAPTURE(w);
       std::vector<rank_model> models;
       std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
@@ -363,7 +363,7 @@ TEST_CASE("hf import: strict mode, LoRA adapter exemption, and errors every rank
     }
   };
   for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast}) {
-    CAPTURE(name(mode));
+    CAPTURE(to_string(mode));
     hf_import_options o = options(mode);
     o.strict = true;
     // only the LoRA adapter is missing: fine
@@ -503,7 +503,7 @@ TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as 
     CAPTURE(folder);
     const auto want = torch_expected(zip_twin(folder));
     checkpoint_reader<file_directory> r(file_directory(torch_save_fixture() / folder));
-    CHECK(r.format() == checkpoint_format::hf);
+    CHECK(r.layout() == hf_layout::info);
     CHECK(r.described_by() == (folder.starts_with("sharded") ? "pytorch_model.bin.index.json" : "pytorch_model.bin"));
     REQUIRE(r.metadata().tensors.size() == want.size());
     std::uint64_t bytes = 0;
@@ -511,7 +511,7 @@ TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as 
       CAPTURE(key);
       const auto it = want.find(key);
       REQUIRE(it != want.end());
-      CHECK(std::string(name(tm.type)) == it->second.dtype);
+      CHECK(std::string(to_string(tm.type)) == it->second.dtype);
       CHECK(tm.shape == it->second.shape);
       std::string got(it->second.bytes.size(), '\xee');
       const flat_view v{key, tm.type, tm.shape, std::nullopt, reinterpret_cast<std::byte*>(got.data()), got.size()};
@@ -651,7 +651,7 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
       CAPTURE(key);
       const tensor_metadata* tm = r.find(key);
       REQUIRE(tm);
-      CHECK(std::string(name(tm->type)) == t.dtype);
+      CHECK(std::string(to_string(tm->type)) == t.dtype);
       CHECK(tm->shape == t.shape);
       std::string got(t.bytes.size(), '\0');
       unshard_tensor(r, key, std::as_writable_bytes(std::span<char>(got.data(), got.size())));

@@ -10,6 +10,8 @@
 #   5. LibTorch:    torch_main.cpp (#include "shardsafe/torch.hpp") with pkg-config
 #                   shardsafe-torch and with CMake's shardsafe::torch (find_package(shardsafe
 #                   COMPONENTS torch)); skipped with a message when LibTorch is not found
+#   6. README.md:   consumer/readme_app.cpp built with the one command line README.md gives for a
+#                   program without a build system (its libraries per part), read from README.md
 # Every build checks that the installed shardsafe/version.hpp agrees with its package's version.
 # Exits non-zero on the first failure, printing the log of the step that failed.
 #
@@ -172,5 +174,28 @@ else
     grep -q "torch consumer ok" "$tmp/torch-cmake-run.log" || fail "the CMake torch consumer did not run to the end"
   fi
 fi
+
+echo "== 6. README.md's command line for a program without a build system"
+# the one `c++ -std=c++20 ... app.cpp ...` line of README.md ("Using it from another project"),
+# with this tree for its checkout and consumer/readme_app.cpp for its program: the libraries it
+# names must be all that a torch-free program links
+line="$(grep -E '^ *c\+\+ -std=c\+\+20 .* app\.cpp( |$)' "$src/README.md" || true)"
+[ -n "$line" ] && [ "$(printf '%s\n' "$line" | wc -l)" = 1 ] ||
+  fail "README.md does not give exactly one 'c++ -std=c++20 ... app.cpp ...' line (found: '$line')"
+read -ra words <<<"$line"
+cmd=()
+for w in "${words[@]}"; do
+  case "$w" in
+    c++) cmd+=("$cxx") ;;
+    app.cpp) cmd+=("$consumer/readme_app.cpp") ;;
+    shardsafe/include) cmd+=("$src/include") ;;
+    -Ishardsafe/include) cmd+=("-I$src/include") ;;
+    *) cmd+=("$w") ;;
+  esac
+done
+echo "   ${cmd[*]}"
+run readme-build "${cmd[@]}" -o "$tmp/readme-app"
+run readme-run "$tmp/readme-app"
+grep -q "readme app ok" "$tmp/readme-run.log" || fail "the README's program did not run to the end"
 
 echo "packaging: ok"

@@ -27,6 +27,7 @@
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/merged_ranges.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "support/test_util.hpp"
 #include "support/thread_world.hpp"
@@ -916,7 +917,7 @@ TEST_CASE("mesh: an HF folder of per-expert tensors imports into stacked EP shar
   const memory_directory hf(store, "mem:hf-experts");
   make_per_expert_folder(hf);
   for (const auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast}) {
-    CAPTURE(name(mode));
+    CAPTURE(to_string(mode));
     std::vector<hf_import_stats> res(8);
     std::vector<std::unique_ptr<moe_rank>> ranks(8);
     auto thrown = testing::run_ranks(8, [&](testing::thread_comm& c) {

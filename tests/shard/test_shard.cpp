@@ -6,6 +6,7 @@
 #include "shardsafe/shard/copy_plan.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/read_plan.hpp"
+#include "shardsafe/shard/merged_ranges.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 
 #include <doctest/doctest.h>

@@ -188,7 +188,7 @@ struct blocks_without_options : no_shape {
 };
 struct batch_reader : minimal_reader {
   void read_batch(std::span<const read_request>) const {}
-  read_hints read_defaults() const { return {}; }
+  read_settings read_defaults() const { return {}; }
 };
 struct batch_without_reader {
   void read_batch(std::span<const read_request>) const {}
@@ -748,7 +748,7 @@ template <bool Batch>
 struct counted_storage {
   memory_storage inner;
   std::shared_ptr<io_counts> n;
-  read_hints hint;
+  read_settings hint;
   std::uint64_t size() const { return inner.size(); }
   std::string_view name() const { return inner.name(); }
   void read_into(std::uint64_t off, std::span<std::byte> dst) const {
@@ -762,7 +762,7 @@ struct counted_storage {
     n->batch_requests += static_cast<int>(rs.size());
     for (auto it = rs.rbegin(); it != rs.rend(); ++it) inner.read_into(it->offset, it->dst);  // any order
   }
-  read_hints read_defaults() const { return hint; }
+  read_settings read_defaults() const { return hint; }
 };
 
 template <bool Batch>
@@ -770,7 +770,7 @@ struct counted_directory {
   using reader_type = counted_storage<Batch>;
   memory_directory inner;
   std::shared_ptr<io_counts> n = std::make_shared<io_counts>();
-  read_hints hint{};
+  read_settings hint{};
   reader_type open(std::string_view name) const {
     ++n->opens;
     return reader_type{inner.open(name), n, hint};

@@ -191,7 +191,7 @@ TEST_CASE("save with 2 ranks, load with 1, 3 and 4 ranks in other shardings, bit
     for (const auto& c : catalogue()) {
       std::string shape = "[";
       for (std::size_t i = 0; i < c.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(c.shape[i]);
-      lines.push_back(c.key + " " + std::string(name(c.type)) + " " + shape + "] " +
+      lines.push_back(c.key + " " + std::string(to_string(c.type)) + " " + shape + "] " +
                       testing::sha256_hex(expected_full(c.key, c.type, c.shape)));
     }
     std::sort(lines.begin(), lines.end());

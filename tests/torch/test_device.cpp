@@ -1,18 +1,22 @@
 // tests/torch/test_device.cpp - loads into and saves from CUDA tensors (torch/device_copy.hpp,
 // the staging ring), bit-exact against torch's own indexing and conversion of the tensors
-// saved. Every case needs a CUDA device: without one (CI, a CPU-only LibTorch) each says so
-// and checks nothing; the ring itself is tested without a device in tests/checkpoint/test_staging.cpp.
+// saved. Every case needs a CUDA device: without one (CI, a CPU-only LibTorch) each is counted
+// as skipped (doctest::skip, decided once as the cases register: cuda_cases_skipped); the ring
+// itself is tested without a device in tests/checkpoint/test_staging.cpp.
 // scripts/device-check.sh builds the torch suite against a CUDA LibTorch (torch's wheel) and runs
 // these cases first; the last one runs multi-process worlds (store worlds there: the wheel has
 // no Gloo headers).
 #include <doctest/doctest.h>
+#include <link.h>
 #include <stdlib.h>
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/storage/file.hpp"
@@ -26,10 +30,44 @@ using namespace shardsafe;
 
 namespace {
 
-bool have_cuda() {
-  if (at::hasCUDA()) return true;
-  MESSAGE("no CUDA device: this case needs one (scripts/device-check.sh runs it on a GPU machine)");
-  return false;
+/// Whether the CUDA cases are skipped (doctest::skip, so that doctest counts them as skipped, not
+/// passed): decided once, as the cases register, and cheaply, without initializing CUDA (as
+/// at::hasCUDA() would, in every run of the suite and in each worker process it starts). They
+/// run when a CUDA build of LibTorch is loaded (libtorch_cuda or libc10_cuda among the process's
+/// libraries) and the machine shows an NVIDIA device (/dev/nvidiaN; /dev/dxg under WSL2) that
+/// CUDA_VISIBLE_DEVICES does not hide. A case that runs and then finds no device fails
+/// (require_cuda): scripts/device-check.sh, on a GPU machine, treats skipped cases as a failure too.
+bool cuda_cases_skipped() {
+  static const bool skipped = [] {
+    bool cuda_lib = false;
+    ::dl_iterate_phdr(
+        [](dl_phdr_info* info, std::size_t, void* found) {
+          const std::string_view n = info->dlpi_name ? info->dlpi_name : "";
+          if (n.find("libtorch_cuda") == std::string_view::npos && n.find("libc10_cuda") == std::string_view::npos)
+            return 0;
+          *static_cast<bool*>(found) = true;
+          return 1;
+        },
+        &cuda_lib);
+    if (!cuda_lib) return true;
+    if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"))
+      if (std::string_view(v).empty() || std::string_view(v).starts_with("-1")) return true;
+    std::error_code ec;
+    if (std::filesystem::exists("/dev/dxg", ec)) return false;
+    for (std::filesystem::directory_iterator it("/dev", ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string n = it->path().filename().string();
+      if (n.size() > 6 && n.starts_with("nvidia") && n.find_first_not_of("0123456789", 6) == std::string::npos)
+        return false;
+    }
+    return true;
+  }();
+  return skipped;
+}
+
+/// In a case that runs (not skipped): LibTorch must see the device the machine shows.
+void require_cuda() {
+  REQUIRE_MESSAGE(at::hasCUDA(), "no CUDA device found by LibTorch, where the case runs (cuda_cases_skipped saw a "
+                                 "CUDA LibTorch and an NVIDIA device, or --no-skip): a driver too old for its CUDA?");
 }
 
 struct device_dir {
@@ -73,8 +111,9 @@ load_options dev_small_ring() {
 
 }  // namespace
 
-TEST_CASE("cuda: whole, flat, row and column shards load into CUDA tensors bit-exact") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: whole, flat, row and column shards load into CUDA tensors bit-exact" *
+          doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   single_process comm;
   const state_dict src = dev_sample();
@@ -99,8 +138,8 @@ TEST_CASE("cuda: whole, flat, row and column shards load into CUDA tensors bit-e
   }
 }
 
-TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size" * doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   single_process comm;
   const state_dict src = dev_sample();
@@ -120,8 +159,9 @@ TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size") {
   CHECK(same_bytes(b, src.find("b")->local));
 }
 
-TEST_CASE("cuda: a BF16 checkpoint loads into F32 CUDA tensors, converted as torch converts, on the GPU or the host") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: a BF16 checkpoint loads into F32 CUDA tensors, converted as torch converts, on the GPU or the host" *
+          doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   single_process comm;
   const state_dict src = dev_sample();
@@ -145,8 +185,9 @@ TEST_CASE("cuda: a BF16 checkpoint loads into F32 CUDA tensors, converted as tor
   }
 }
 
-TEST_CASE("cuda: a save from CUDA tensors, whole and sharded, loads back bit-exact on the CPU") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: a save from CUDA tensors, whole and sharded, loads back bit-exact on the CPU" *
+          doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   single_process comm;
   const state_dict src = dev_sample();
@@ -174,8 +215,9 @@ TEST_CASE("cuda: a save from CUDA tensors, whole and sharded, loads back bit-exa
   }
 }
 
-TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards changes nothing saved") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards changes nothing saved" *
+          doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   const state_dict src = dev_sample();
   state_dict on_gpu;
@@ -194,8 +236,8 @@ TEST_CASE("cuda: an async save snapshots CUDA tensors; changing them afterwards 
   for (const auto& [k, t] : src) CHECK_MESSAGE(same_bytes(back.find(k)->local, t.local), k);
 }
 
-TEST_CASE("cuda: the GPU snippet of docs/USAGE.md") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: the GPU snippet of docs/USAGE.md" * doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   const std::filesystem::path dir = tmp.path;
   single_process comm;
@@ -262,8 +304,9 @@ WORKER_SCENARIO("cuda_world") {
   return bad;
 }
 
-TEST_CASE("cuda: 2 ranks save row blocks from CUDA; 3 ranks load flat and column shards into CUDA, bit-exact") {
-  if (!have_cuda()) return;
+TEST_CASE("cuda: 2 ranks save row blocks from CUDA; 3 ranks load flat and column shards into CUDA, bit-exact" *
+          doctest::skip(cuda_cases_skipped())) {
+  require_cuda();
   device_dir tmp;
   const std::string ckpt = (tmp.path / "c").string();
   auto saved = testing::run_world("cuda_world", 2, {ckpt, "save"});

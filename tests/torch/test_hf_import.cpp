@@ -149,7 +149,7 @@ WORKER_SCENARIO("hf_import_module") {
   const hf_import_stats res = load_hf_module(file_directory(args.at(0)), model, comm, shards, opt);
   const bool broadcast = res.mode == hf_import_mode::rank0_broadcast;
   // the mode used, for the test to compare across ranks (automatic: each rank's own pick)
-  std::fprintf(stderr, "mode used: %s (%s)\n", std::string(name(res.mode)).c_str(), res.why.c_str());
+  std::fprintf(stderr, "mode used: %s (%s)\n", std::string(to_string(res.mode)).c_str(), res.why.c_str());
 
   int bad = 0;
   auto complain = [&](const std::string& what) {

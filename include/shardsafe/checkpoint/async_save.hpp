@@ -270,11 +270,9 @@ class async_saver {
                           Before before, Copy copy) {
     using clock = std::chrono::steady_clock;
     const auto t0 = clock::now();
-    // an option that exists is honoured or refused: the background writer writes shardsafe's
-    // layout only (a DCP save is a blocking save_flat_views for now)
-    if (opt.format != save_format::shardsafe)
-      fail(errc::invalid_argument, "async save: save_options::format dcp is not supported by the asynchronous saver; "
-                                   "save DCP with save_flat_views (blocking)");
+    // the layout opt.format names, by its writer (checkpoint/layouts/writers.hpp): what this rank
+    // writes, and steps 2-4 in the background
+    (void)layout_written_by(opt.format);  // refused here, on the caller's thread, when none
     join();
     const auto t_waited = clock::now();
 
@@ -322,7 +320,10 @@ class async_saver {
     {
       std::size_t g = 0;
       for (std::size_t i = 0; i < folders.size(); ++i) {
-        const auto mine = detail::views_to_write(std::span<const flat_view>(staged[i]), mds[i], comm_.rank());
+        std::vector<const flat_view*> mine;
+        with_writer(opt.format, dirs[i].name(), [&]<class W>() {
+          mine = W::views_to_write(std::span<const flat_view>(staged[i]), mds[i], comm_.rank());
+        });
         std::vector<bool> writes(staged[i].size(), false);
         for (const flat_view* m : mine) writes[static_cast<std::size_t>(m - staged[i].data())] = true;
         for (std::size_t j = 0; j < staged[i].size(); ++j, ++g) {
@@ -357,8 +358,10 @@ class async_saver {
       try {
         before(comm_);
         for (std::size_t i = 0; i < dirs.size(); ++i)
-          state->result.folders.push_back(detail::write_and_commit(
-              dirs[i], std::span<const flat_view>(staged[i]), std::move(mds[i]), comm_, opt, t0));
+          with_writer(opt.format, dirs[i].name(), [&]<class W>() {
+            state->result.folders.push_back(
+                W::write(dirs[i], std::span<const flat_view>(staged[i]), std::move(mds[i]), comm_, opt, t0));
+          });
         state->result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       } catch (...) {
         err = std::current_exception();

@@ -1,11 +1,13 @@
 // shardsafe/checkpoint/checksums.hpp - checking stored tensor data against the checksums that
-// metadata.json records (docs/FORMAT.md §2, "Checksums"; the hashes: detail/checksum.hpp).
+// metadata.json records, or in the compact form each rank file's sidecar rank_R.checksums.json
+// (docs/FORMAT.md §2, "Checksums"; the hashes: detail/checksum.hpp).
 //
 // What the loader (load_options::verify_checksums, for the blocks its reads touch) and verify
 // (every block of every file) share: finding a tensor's recorded hashes, checked against the
 // file's header (one hash per block of its data); hashing one block of a stored file; and the
 // message of a mismatch, which names the file, the tensor, the block's bytes, its elements in
-// the file and, for a sharded tensor, the index of its first element in the full tensor.
+// the file and, for a sharded tensor, the index of its first element in the full tensor. Every
+// message names the file that holds the recorded hashes (checksums_holder).
 #pragma once
 
 #include <algorithm>
@@ -33,21 +35,30 @@ inline void require_known_checksums(const checkpoint_checksums& cs, std::string_
                                      "'; this version checks only " + std::string(checksum_algorithm));
 }
 
+/// The file, beside the rank file `fname`, that holds the hashes recorded for it, as messages
+/// name it: metadata.json, or in the compact form (cs.sidecars) its rank_R.checksums.json.
+inline std::string checksums_holder(const checkpoint_checksums& cs, std::string_view fname) {
+  return cs.sidecars ? checksum_sidecar_name(fname) : std::string("metadata.json");
+}
+
 /// The hashes recorded for tensor e of file `fname` (whose path `path` messages name): one per
 /// block of e's data, or errc::invalid_metadata when the file or tensor has none or the count
 /// is wrong. (Checksums recorded at all cover every tensor of every file the writer wrote.)
 inline const std::vector<std::uint64_t>& recorded_hashes(const checkpoint_checksums& cs, const std::string& fname,
                                                          std::string_view path, const tensor_entry& e) {
   const std::string ctx = std::string(path) + ": tensor '" + e.name + "'";
+  const std::string holder = checksums_holder(cs, fname);
   const auto f = cs.files.find(fname);
   if (f == cs.files.end())
-    fail(errc::invalid_metadata, ctx + ": metadata.json records checksums, but none for this file");
+    fail(errc::invalid_metadata, ctx + (cs.sidecars ? ": metadata.json keeps checksums beside the rank files, but none "
+                                                      "for this file were read from " + holder
+                                                    : ": metadata.json records checksums, but none for this file"));
   const auto t = f->second.find(e.name);
   if (t == f->second.end())
-    fail(errc::invalid_metadata, ctx + ": metadata.json records checksums for this file, but none for this tensor");
+    fail(errc::invalid_metadata, ctx + ": " + holder + " records checksums for this file, but none for this tensor");
   const std::uint64_t want = checksum_block_count(e.nbytes(), cs.block_bytes);
   if (t->second.size() != want)
-    fail(errc::invalid_metadata, ctx + ": metadata.json records " + std::to_string(t->second.size()) +
+    fail(errc::invalid_metadata, ctx + ": " + holder + " records " + std::to_string(t->second.size()) +
                                      " block checksums, but its " + std::to_string(e.nbytes()) + " bytes make " +
                                      std::to_string(want) + " blocks of " + std::to_string(cs.block_bytes));
   return t->second;
@@ -61,12 +72,14 @@ inline checksum_block_span block_span(std::uint64_t k, std::uint64_t block, std:
   return {k * block, std::min(nbytes, k * block + block)};
 }
 
-/// The message of block k of tensor e (in the file `path`) not matching its hash. tm and spec,
-/// when given, place the block in the full tensor (the index of its first element).
+/// The message of block k of tensor e (in the file `path`) not matching its hash `stored`, which
+/// the file `holder` records (checksums_holder). tm and spec, when given, place the block in the
+/// full tensor (the index of its first element).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
-                                                     std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
-                                                     const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr) {
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder, const tensor_entry& e,
+                                                     std::uint64_t k, std::uint64_t block, std::uint64_t stored,
+                                                     std::uint64_t computed, const tensor_metadata* tm = nullptr,
+                                                     const shard_spec* spec = nullptr) {
   const auto [from, to] = block_span(k, block, e.nbytes());
   const std::uint64_t bits = bit_size(e.type);
   const std::uint64_t first = from * 8 / bits, last = (to * 8 + bits - 1) / bits;  // elements [first, last)
@@ -76,14 +89,15 @@ SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, cons
   if (tm && spec && tm->is_sharded)
     if (auto g = global_index_of(*spec, tm->shape, first))
       m += ", from index " + multi_index_string(tm->shape, *g) + " of the full tensor " + to_string(tm->shape);
-  m += ": the bytes hash to " + hex64(computed) + " but metadata.json records " + hex64(stored) + " (" +
+  m += ": the bytes hash to " + hex64(computed) + " but " + std::string(holder) + " records " + hex64(stored) + " (" +
        std::string(checksum_algorithm) + "): the file is damaged";
   return m;
 }
 #else
-SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, const tensor_entry& e, std::uint64_t k,
-                                                     std::uint64_t block, std::uint64_t stored, std::uint64_t computed,
-                                                     const tensor_metadata* tm = nullptr, const shard_spec* spec = nullptr);
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder, const tensor_entry& e,
+                                                     std::uint64_t k, std::uint64_t block, std::uint64_t stored,
+                                                     std::uint64_t computed, const tensor_metadata* tm = nullptr,
+                                                     const shard_spec* spec = nullptr);
 #endif
 
 /// The spec a file holds of tm (nullptr when tm does not name the file): for messages.

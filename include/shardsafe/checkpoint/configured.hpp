@@ -35,7 +35,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <concepts>
 #include <optional>
+#include <type_traits>
 #include <span>
 #include <string>
 #include <utility>
@@ -96,6 +98,18 @@ struct reader_for<D, true> {
 };
 }  // namespace detail
 
+
+/// What a configured loader's loads may set besides its policy: the load_options fields that
+/// load_policy does not fix, each meaning what it means there (checkpoint/load_options.hpp).
+struct configured_load_settings {
+  unsigned threads = 0;
+  read_settings reads{};
+  bool list_unexpected = true;
+  bool verify_checksums = false;
+  load_options::staging_ring staging{};
+  bool convert_on_device = true;
+};
+
 /// A loader whose storage backend, communicator and per-tensor policy are fixed at compile
 /// time (see the top of this header).
 template <class Dir, class C, load_policy Policy = strict_policy>
@@ -120,15 +134,28 @@ class configured_loader {
   using comm_type = C;
   static constexpr load_policy policy = Policy;
 
-  /// A loader of the checkpoint in dir over comm (kept by reference). `reads` sets threads and
-  /// read merging (load_options::threads and ::reads); its other fields come from Policy.
-  configured_loader(Dir dir, C& comm, load_options reads = {}) : dir_(std::move(dir)), comm_(&comm) {
-    opt_.threads = reads.threads;
-    opt_.reads = reads.reads;
+  /// A loader of the checkpoint in dir over comm (kept by reference), with `settings` for every
+  /// load (the load_options fields Policy does not fix: threads, reads, checksums, staging, ...).
+  configured_loader(Dir dir, C& comm, configured_load_settings settings = {}) : dir_(std::move(dir)), comm_(&comm) {
+    opt_.threads = settings.threads;
+    opt_.reads = settings.reads;
+    opt_.list_unexpected = settings.list_unexpected;
+    opt_.verify_checksums = settings.verify_checksums;
+    opt_.staging = settings.staging;
+    opt_.convert_on_device = settings.convert_on_device;
     opt_.strict = Policy.strict;
     opt_.validate_nan = Policy.validate_nan;
     opt_.convert_dtypes = Policy.convert_dtypes;
     if constexpr (Policy.views.fixed) opt_.view_dtype = Policy.views.type;
+  }
+  /// A whole load_options is refused at compile time: its strict, validate_nan, convert_dtypes
+  /// and view_dtype are the policy's, and were dropped here before.
+  template <class O>
+    requires std::same_as<std::remove_cvref_t<O>, load_options>
+  configured_loader(Dir, C&, O&&) {
+    static_assert(!std::is_same_v<O, O>,
+                  "configured_loader: pass configured_load_settings, not load_options: load_options' strict, "
+                  "validate_nan, convert_dtypes and view_dtype are the load_policy's (a template argument)");
   }
 
   /// The load_options every load runs with.
@@ -149,8 +176,14 @@ class configured_loader {
 
 /// A configured loader with Dir and C deduced: make_configured_loader<policy>(dir, comm).
 template <load_policy Policy = strict_policy, class Dir, class C>
-configured_loader<Dir, C, Policy> make_configured_loader(Dir dir, C& comm, load_options reads = {}) {
-  return configured_loader<Dir, C, Policy>(std::move(dir), comm, reads);
+configured_loader<Dir, C, Policy> make_configured_loader(Dir dir, C& comm, configured_load_settings settings = {}) {
+  return configured_loader<Dir, C, Policy>(std::move(dir), comm, settings);
+}
+/// (a whole load_options: refused at compile time, as by the constructor)
+template <load_policy Policy = strict_policy, class Dir, class C, class O>
+  requires std::same_as<std::remove_cvref_t<O>, load_options>
+configured_loader<Dir, C, Policy> make_configured_loader(Dir dir, C& comm, O&& o) {
+  return configured_loader<Dir, C, Policy>(std::move(dir), comm, std::forward<O>(o));
 }
 
 }  // namespace shardsafe

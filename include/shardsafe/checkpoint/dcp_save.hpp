@@ -2,7 +2,8 @@
 // folder that torch 2.x's dcp.load reads (docs/FORMAT.md §5): `.metadata` and one data file per
 // rank, `__R_0.distcp`.
 //
-// The protocol is the sharded save's (checkpoint/saver.hpp), with DCP's files:
+// The protocol is the sharded save's (checkpoint/saver.hpp, its steps in save_agree.hpp and
+// save_write.hpp), with DCP's files:
 //   1. the ranks' plans are all-gathered, merged and checked alike on every rank (one shape and
 //      dtype per key, shards covering each tensor, no two different shards overlapping);
 //   2. rank 0 prepares the folder: refuses a non-empty one unless overwrite, else removes
@@ -35,7 +36,9 @@
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
-#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/checkpoint/save_agree.hpp"
+#include "shardsafe/checkpoint/save_options.hpp"
+#include "shardsafe/checkpoint/save_write.hpp"
 #include "shardsafe/detail/crc32.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/dist/agree.hpp"
@@ -170,16 +173,34 @@ inline std::string encode_dcp_places(const dcp_file_layout* layout) {
 
 }  // namespace detail
 
-/// Saves every rank's views (and rank 0's objects) into dir as a torch DCP folder. A collective:
-/// every rank calls it. opt.checksums does not apply (each archive carries its CRC-32);
-/// save_flat_views with opt.format == save_format::dcp calls it without objects.
+namespace detail {
+
+/// The views of `views` this rank writes chunks of into its DCP data file (the first file md
+/// lists with a view's spec writes it): what an asynchronous save snapshots.
+inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                        int rank) {
+  const std::string mine = rank_file_name(rank);
+  std::vector<const flat_view*> out;
+  for (const auto& v : views) {
+    const tensor_metadata* tm = md.find(v.key);
+    const shard_spec spec = v.effective_spec();
+    for (const auto& [fname, sp] : tm->files)
+      if (sp == spec) {
+        if (fname == mine) out.push_back(&v);
+        break;
+      }
+  }
+  return out;
+}
+
+/// Steps 2-4 of a DCP save, once every rank agreed on md (step 1): the folder prepared, each
+/// rank's data file written, .metadata last.
 template <WritableDirectory D, Comm C>
-save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
-                    std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {
-  const auto t0 = std::chrono::steady_clock::now();
+save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, const checkpoint_metadata& md, C& comm,
+                                const save_options& opt, std::span<const dcp_object> objects,
+                                const std::map<std::string, pickle_value>& paths, std::chrono::steady_clock::time_point t0) {
   const std::string dname(dir.name());
   const int rank = comm.rank(), world = comm.world_size();
-  checkpoint_metadata md = detail::agree_on_metadata(views, comm, dname);  // 1
   rank0_step(comm, [&] {
     for (const auto& o : objects)
       if (md.find(o.key)) fail(errc::invalid_argument, dname + ": '" + o.key + "' is both a tensor and a non-tensor item");
@@ -235,6 +256,19 @@ save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, con
   rank0_step(comm, [&] { write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths)); });  // 4
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+}  // namespace detail
+
+/// Saves every rank's views (and rank 0's objects) into dir as a torch DCP folder. A collective:
+/// every rank calls it. opt.checksums does not apply (each archive carries its CRC-32);
+/// save_flat_views of a save_format::dcp save calls it without objects (checkpoint/layouts/dcp_write.hpp).
+template <WritableDirectory D, Comm C>
+save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
+                    std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {
+  const auto t0 = std::chrono::steady_clock::now();
+  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
+  return detail::write_dcp_and_commit(dir, views, md, comm, opt, objects, paths, t0);       // 2-4
 }
 
 }  // namespace shardsafe

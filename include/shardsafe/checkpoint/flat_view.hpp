@@ -85,12 +85,12 @@ struct flat_view {
     if (spec) spec->validate(full_shape, c);
     const auto bytes = detail::checked_mul(local_numel(), std::uint64_t(item_size(type)));
     if (!bytes)
-      fail(errc::invalid_shape, c + ": the shard's " + std::to_string(local_numel()) + " " + std::string(name(type)) +
+      fail(errc::invalid_shape, c + ": the shard's " + std::to_string(local_numel()) + " " + std::string(to_string(type)) +
                                     " elements have more than 2^64 bytes");
     const std::uint64_t need = *bytes;
     if (nbytes != need)
       fail(errc::invalid_argument, c + ": local memory is " + std::to_string(nbytes) + " bytes but the shard holds " +
-                                       std::to_string(local_numel()) + " " + std::string(name(type)) +
+                                       std::to_string(local_numel()) + " " + std::string(to_string(type)) +
                                        " elements (" + std::to_string(need) + " bytes)");
     if (need > 0 && data == nullptr && !memory_later) fail(errc::invalid_argument, c + ": no memory given");
   }

@@ -1,6 +1,6 @@
 // shardsafe/checkpoint/load.hpp - the two loads of flat views (checkpoint/flat_view.hpp): on
 // this rank alone, or as a collective over a Comm. Both run a checkpoint_reader's load
-// (checkpoint/loader.hpp, which includes this header); configured_loader
+// (checkpoint/checkpoint_reader.hpp; checkpoint/loader.hpp includes both); configured_loader
 // (checkpoint/configured.hpp) is the collective one with its options fixed and checked at
 // compile time.
 //
@@ -18,7 +18,7 @@
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
-#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/checkpoint_reader.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/storage/concepts.hpp"

@@ -1,5 +1,5 @@
 // shardsafe/checkpoint/load_plan.hpp - what a load will do, planned before any tensor byte
-// moves: the load's settings and results, and the planner.
+// moves: the planner (its settings and results: checkpoint/load_options.hpp).
 //
 // The planner is pure: it reads a checkpoint's description (checkpoint_metadata) and the
 // headers of the files it names, never storage, so it is tested and benchmarked without any
@@ -19,9 +19,7 @@
 // identical shards whose recorded checksums are equal were written with the same bytes and are
 // not read twice.
 //
-// Read settings, each taken from the first place that sets it: load_options (reads.*,
-// threads), then the backend's hint (read_defaults(), storage/concepts.hpp), then the
-// library's defaults (read_options in shard/read_plan.hpp, detail::default_threads()).
+// The load's settings and results: checkpoint/load_options.hpp.
 #pragma once
 
 #include <algorithm>
@@ -37,6 +35,7 @@
 
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
+#include "shardsafe/checkpoint/load_options.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/nan.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -48,91 +47,6 @@
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
-
-/// Read settings a load may set; each one left empty comes from the backend's hint
-/// (read_defaults()) or else from read_options' defaults.
-struct read_overrides {
-  std::optional<std::uint64_t> max_gap_bytes;   ///< merge reads separated by at most this
-  std::optional<double> max_over_read;          ///< wasted bytes / needed bytes, per read
-  std::optional<std::uint64_t> max_read_bytes;  ///< split reads longer than this
-};
-
-struct load_options {
-  unsigned threads = 0;         ///< reads in flight; 0: the backend's hint, else detail::default_threads()
-  read_overrides reads{};       ///< gap merging and read sizes (unset: the backend's, else the defaults)
-  bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
-  bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
-  /// List the checkpoint's tensors no view asks for (load_stats::unexpected_keys): a walk of
-  /// every tensor, so a caller that loads a piece at a time (unshard, the exports, the import's
-  /// chunks) turns it off, or N loads of N tensors would cost N^2.
-  bool list_unexpected = true;
-  /// Load a floating tensor stored as another floating dtype (F16, BF16, F32, F64), converting
-  /// each element while copying, rounded to nearest even (core/convert.hpp); converted reads
-  /// go through a staging buffer of at most one read (reads.max_read_bytes), never a
-  /// tensor-sized one. Off: a dtype that differs is errc::dtype_mismatch.
-  bool convert_dtypes = false;
-  /// Check the bytes the load reads against the checksums metadata.json records (docs/FORMAT.md
-  /// §2, "Checksums"): every checksum block a read touches is hashed, from the tensor's memory
-  /// where one read landed the whole block there, else read again, and a mismatch is
-  /// errc::checksum_mismatch naming file, tensor and element range. A checkpoint without
-  /// checksums (saved before them, or by another writer) loads unchecked: load_stats says
-  /// how many blocks were checked.
-  bool verify_checksums = false;
-  /// Loads into memory the reader cannot write itself (GPU tensors) go through a ring of this
-  /// many host buffers (pinned for a GPU) of this size: host memory stays at slots x
-  /// slot_bytes whatever the model's size (checkpoint/staged_load.hpp).
-  struct staging_ring {
-    std::size_t slots = 4;
-    std::uint64_t slot_bytes = std::uint64_t(64) << 20;
-  } staging{};
-  /// With convert_dtypes, a GPU tensor stored as another floating dtype is loaded as stored and
-  /// converted on the GPU (torch/state_dict.hpp; bench/bench_device measures both); false:
-  /// converted on the host as the bytes land in the staging ring.
-  bool convert_on_device = true;
-  /// Every view must have this dtype (errc::dtype_mismatch before a byte moves): what a
-  /// configured loader's policy fixes (checkpoint/configured.hpp, load_policy::views).
-  std::optional<dtype> view_dtype{};
-};
-
-/// The read settings a load uses with a storage whose hint is `hint`: load_options first,
-/// then the hint, then read_options' defaults.
-inline read_options resolve_read_options(const read_overrides& o, const read_hints& hint) {
-  read_options r;
-  if (hint.max_gap_bytes) r.max_gap_bytes = *hint.max_gap_bytes;
-  if (hint.max_read_bytes) r.max_read_bytes = *hint.max_read_bytes;
-  if (o.max_gap_bytes) r.max_gap_bytes = *o.max_gap_bytes;
-  if (o.max_over_read) r.max_over_read = *o.max_over_read;
-  if (o.max_read_bytes) r.max_read_bytes = *o.max_read_bytes;
-  return r;
-}
-
-/// The reads in flight a load uses: load_options.threads, then the hint, then the default.
-inline unsigned resolve_threads(unsigned threads, const read_hints& hint) {
-  if (threads != 0) return threads;
-  if (hint.requests_in_flight && *hint.requests_in_flight != 0) return *hint.requests_in_flight;
-  return detail::default_threads();
-}
-
-struct load_stats {
-  std::uint64_t tensors = 0;        ///< views loaded
-  std::uint64_t bytes_needed = 0;   ///< bytes of stored data the views needed (as stored: before conversion)
-  std::uint64_t bytes_read = 0;     ///< bytes read from files (needed + merged gaps)
-  std::uint64_t read_ops = 0;       ///< reads issued
-  std::uint64_t checksum_blocks = 0;  ///< checksum blocks checked (load_options::verify_checksums)
-  std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
-  std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
-  double seconds = 0;
-
-  /// Adds another load's reads (bytes needed and read, read operations, checksum blocks): a
-  /// load made of several loads (an import's chunks, a staging ring's fills) counts them here.
-  load_stats& add_reads(const load_stats& o) noexcept {
-    bytes_needed += o.bytes_needed;
-    bytes_read += o.bytes_read;
-    read_ops += o.read_ops;
-    checksum_blocks += o.checksum_blocks;
-    return *this;
-  }
-};
 
 /// What a load will do, made by checkpoint_reader::plan() before any tensor byte moves:
 /// which files, which byte ranges of each, and which copies out of each range.
@@ -161,7 +75,7 @@ struct load_schedule {
   std::vector<std::pair<std::size_t, dtype>> converted;
   std::size_t views = 0;                 ///< how many views plan() was given
   unsigned threads = 1;                  ///< reads in flight
-  read_hints hint;                       ///< the storage's read hint (its first file's) the plan took
+  read_settings hint;                     ///< the storage's read hint (its first file's) the plan took
   bool verify_checksums = false;         ///< check the blocks read (load_options::verify_checksums)
   load_stats stats;                      ///< all but seconds, known from the plan
 };
@@ -208,8 +122,8 @@ SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, st
   const tensor_entry* e = h.find(key);
   if (!e) fail(errc::not_found, ctx + ": listed in " + std::string(described_by) + " but absent from the file");
   if (e->type != tm.type)
-    fail(errc::dtype_mismatch, ctx + ": file has dtype " + std::string(name(e->type)) + ", " +
-                                   std::string(described_by) + " says " + std::string(name(tm.type)));
+    fail(errc::dtype_mismatch, ctx + ": file has dtype " + std::string(to_string(e->type)) + ", " +
+                                   std::string(described_by) + " says " + std::string(to_string(tm.type)));
   if (e->numel() != spec.local_numel())
     fail(errc::shape_mismatch, ctx + ": file holds " + std::to_string(e->numel()) + " elements (shape " +
                                    to_string(e->shape) + ") but its shard spec (" + to_string(spec) + ") holds " +
@@ -299,8 +213,8 @@ namespace detail {
 inline void require_view_dtype(const flat_view& v, const load_options& opt, std::string_view where) {
   if (opt.view_dtype && v.type != *opt.view_dtype)
     fail(errc::dtype_mismatch, std::string(where) + ": tensor '" + v.key + "': the view has dtype " +
-                                   std::string(name(v.type)) + " but this loader's policy takes only " +
-                                   std::string(name(*opt.view_dtype)) + " views (load_options::view_dtype)");
+                                   std::string(to_string(v.type)) + " but this loader's policy takes only " +
+                                   std::string(to_string(*opt.view_dtype)) + " views (load_options::view_dtype)");
 }
 }  // namespace detail
 
@@ -333,8 +247,8 @@ SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
                                      to_string(v.full_shape));
     if (tm->type != v.type) {
       if (!opt.convert_dtypes || !is_convertible_float(tm->type) || !is_convertible_float(v.type))
-        fail(errc::dtype_mismatch, ctx + ": checkpoint has dtype " + std::string(name(tm->type)) +
-                                       ", the tensor to load has " + std::string(name(v.type)) +
+        fail(errc::dtype_mismatch, ctx + ": checkpoint has dtype " + std::string(to_string(tm->type)) +
+                                       ", the tensor to load has " + std::string(to_string(v.type)) +
                                        (opt.convert_dtypes ? " (only F16, BF16, F32 and F64 convert)"
                                                            : " (load_options::convert_dtypes is off)"));
       s.converted.emplace_back(vi, tm->type);

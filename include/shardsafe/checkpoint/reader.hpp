@@ -6,8 +6,8 @@
 // folder's index and headers, torch DCP's .metadata or DCP_SHARDING_INFO) read once, each file
 // opened once on first use (many at once, each in one round trip: open, then one speculative
 // read of its header), a DCP folder's non-tensor items, and the checksums of the files read.
-// Which format the folder has never matters past here: a file is opened and indexed by
-// checkpoint/source.hpp's open_source_file.
+// Which layout the folder has never matters past here: a file is opened and indexed, and a
+// non-tensor item read, by its layout (checkpoint/layouts/registry.hpp).
 #pragma once
 
 #include <algorithm>
@@ -24,16 +24,14 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/checksums.hpp"
+#include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/source.hpp"
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/detail/json.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
-#include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/pickle_value.hpp"
-#include "shardsafe/format/pickle_writer.hpp"
-#include "shardsafe/format/torch_zip_writer.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
 #if defined(SHARDSAFE_SEPARATE_COMPILATION)  // (the backends of the instantiations at the end)
@@ -60,8 +58,16 @@ class checkpoint_files {
 
   const D& directory() const noexcept { return dir_; }
   const checkpoint_metadata& metadata() const noexcept { return src_.metadata; }
-  /// Which layout the checkpoint has.
-  checkpoint_format format() const noexcept { return src_.format; }
+  /// The layout the checkpoint has (checkpoint/layouts/): what it is and what it can do.
+  const layout_info& layout() const noexcept { return src_.layout ? *src_.layout : shardsafe_layout::info; }
+  /// Deprecated (one release): layout() as the old enum.
+  [[deprecated("use layout() (checkpoint/layouts/) and its traits")]] checkpoint_format format() const noexcept {
+    const std::string_view id = layout().id;
+    return id == "dcp" ? checkpoint_format::dcp
+         : id == "dcp_sharded_hf" ? checkpoint_format::dcp_sharded_hf
+         : id == "shardsafe" ? checkpoint_format::sharded
+                             : checkpoint_format::hf;
+  }
   /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
   const std::string& described_by() const noexcept { return src_.described_by; }
   /// The file a name of metadata().tensors[...].files is in: itself, or for a DCP data file's
@@ -82,31 +88,28 @@ class checkpoint_files {
                                [](const non_tensor_item& i, std::string_view k) { return std::string_view(i.key) < k; });
     return it != items.end() && it->key == key ? &*it : nullptr;
   }
-  /// The value of the non-tensor item `key`: a DCP folder's read from its data file
-  /// (format/dcp_data.hpp's read_dcp_object), a torch.save file's as its pickle held it;
-  /// errc::not_found when there is none.
+  /// The value of the non-tensor item `key`, as its layout reads it (a DCP folder's from its data
+  /// file, a torch.save file's as its pickle held it); errc::not_found when there is none.
   pickle_value read_object(std::string_view key) const {
     const non_tensor_item& it = object(key);
-    if (it.value) return it.value->value;
-    return with_object(it, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
-      return read_dcp_object(s, where, what);
+    pickle_value v;
+    with_layout(layout(), [&]<class L>() {
+      if constexpr (requires { L::read_object(dir_, it); }) v = L::read_object(dir_, it);
+      else fail(errc::invalid_argument, std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
     });
+    return v;
   }
-  /// The item's torch.save archive: a DCP folder's as its data file holds it, not decoded
-  /// (read_dcp_object_archive), what an export copies whatever the value pickles; a torch.save
-  /// file's value pickled again, refused (errc::invalid_metadata, naming it) when it cannot be
-  /// (torch_save_value::unwritable).
+  /// The item's torch.save archive, what an export copies whatever the value pickles: a DCP
+  /// folder's as its data file holds it, not decoded; a torch.save file's value pickled again,
+  /// refused (errc::invalid_metadata, naming it) when it cannot be.
   std::string read_object_archive(std::string_view key) const {
     const non_tensor_item& it = object(key);
-    if (it.value) {
-      if (!it.value->unwritable.empty())
-        fail(errc::invalid_metadata, std::string(dir_.name()) + "/" + it.file + ": value '" + it.key + "' (" +
-                                         pickle_repr(it.value->value, 80) + ") " + it.value->unwritable + " (a rename rule may drop it)");
-      return torch_value_archive(pickle_dumps(it.value->value));
-    }
-    return with_object(it, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
-      return read_dcp_object_archive(s, where, what);
+    std::string a;
+    with_layout(layout(), [&]<class L>() {
+      if constexpr (requires { L::read_object_archive(dir_, it); }) a = L::read_object_archive(dir_, it);
+      else fail(errc::invalid_argument, std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
     });
+    return a;
   }
   /// Reads every DCP item's archive by read_object_archive's rules: one whose value holds
   /// tensors (as torch 1.13 saves a nested dict), which no reader here loads, is refused naming
@@ -223,15 +226,6 @@ class checkpoint_files {
       fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
                                 described_by());
     return *it;
-  }
-  /// f(storage, where, what) on the data file of DCP item `it` (errc::not_found when its file is
-  /// missing).
-  template <class F>
-  decltype(auto) with_object(const non_tensor_item& it, F&& f) const {
-    reader_type s = detail::open_or(dir_, it.file, [&] {
-      return std::string(dir_.name()) + "/" + it.file + ": missing: " + described_by() + " lists it but it does not exist";
-    });
-    return std::forward<F>(f)(s, dcp_storage_info{it.file, it.offset, it.bytes}, "'" + it.key + "'");
   }
   /// The names not yet done (by done(name), under the lock), each once.
   template <class Done>

@@ -141,7 +141,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     fail(errc::invalid_argument, ctx + ": a staging ring of " + std::to_string(opt.staging.slots) + " slots of " +
                                      std::to_string(opt.staging.slot_bytes) + " bytes (at least 1 slot of 16 bytes)");
   staged_load_stats st;
-  read_hints hint;  // the storage's (an HTTP or S3 one has its own reads in flight and sizes)
+  read_settings hint;  // the storage's (an HTTP or S3 one has its own reads in flight and sizes)
   {
     // the whole views are described, their memory is the ring's (each piece's, later)
     std::vector<flat_view> whole;

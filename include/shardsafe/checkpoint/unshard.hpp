@@ -92,7 +92,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   if (!is_byte_sized(tm->type)) {
     const std::uint64_t bytes = tm->numel() * bit_size(tm->type) / 8;  // whole bytes: checked when the metadata was read
     if (tm->files.size() != 1 || tm->files.front().second.local_numel() != tm->numel())
-      fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(name(tm->type)) +
+      fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(to_string(tm->type)) +
                                         " is read only whole from one file, not split over " + std::to_string(tm->files.size()));
     const auto& of = r.file(tm->files.front().first);
     const tensor_entry& e = r.entry_in(of, key, *tm, tm->files.front().second);
@@ -125,7 +125,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   std::uint64_t shortest = n, permuted = 0;
   for (const auto& [fname, spec] : tm->file_specs()) {
     std::span<const std::size_t> order;
-    if (spec.is_block() && r.format() != checkpoint_format::sharded) {  // torch.save'd: a DCP chunk, a .bin's tensor
+    if (spec.is_block() && r.layout().permuted_files) {  // torch.save'd: a DCP chunk, a .bin's tensor
       const auto& of = r.file(fname);
       order = of.header.stored_order(r.entry_in(of, key, *tm, spec));
     }

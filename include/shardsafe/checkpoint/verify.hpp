@@ -46,10 +46,10 @@
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/checksums.hpp"
 #include "shardsafe/checkpoint/hf/folder.hpp"
+#include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
-#include "shardsafe/format/pickle_reader.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/core/dtype.hpp"
@@ -251,8 +251,9 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
     if (t != cs.files.end())
       for (const auto& [key, hashes] : t->second)
         if (!f.header.find(key))
-          fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key +
-                                           "': metadata.json records its checksums, but the file has no such tensor");
+          fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key + "': " +
+                                           checksums_holder(cs, fname) +
+                                           " records its checksums, but the file has no such tensor");
     storages.push_back(&f.storage);
     for (const auto& e : f.header.tensors) {
       const auto& hashes = recorded_hashes(cs, fname, f.storage.name(), e);
@@ -271,8 +272,9 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
     const block& bl = blocks[i];
     if (got[i] != bl.want) {
       const tensor_metadata* tm = r.find(bl.e->name);
-      fail(errc::checksum_mismatch, checksum_mismatch_message(storages[bl.file]->name(), *bl.e, bl.k, cs.block_bytes,
-                                                              bl.want, got[i], tm, spec_in(tm, bl.fname)));
+      fail(errc::checksum_mismatch,
+           checksum_mismatch_message(storages[bl.file]->name(), checksums_holder(cs, bl.fname), *bl.e, bl.k,
+                                     cs.block_bytes, bl.want, got[i], tm, spec_in(tm, bl.fname)));
     }
     rep.bytes_hashed += jobs[i].len;
   }
@@ -309,7 +311,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
       held += spec.local_numel();
     }
     if (!is_byte_sized(tm.type) && tm.is_sharded)
-      fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " + std::string(name(tm.type)) +
+      fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " + std::string(to_string(tm.type)) +
                                         " cannot be sharded by elements");
     const shard_spec whole = flat_spec{{0, tm.numel()}};
     const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
@@ -347,93 +349,13 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   }
   rep.files = opened.size();
   r.check_all_readable();  // a DCP folder's non-tensor items, and tensors of a dtype with no type here
-  // a Hugging Face folder: no file the index does not name claims its tensors or its set's names
-  if (r.format() == checkpoint_format::hf && (r.described_by() == hf_index_file || r.described_by() == hf_bin_index_file))
-    check_unlisted_hf_files(r.directory(), open_hf_folder(r.directory()));
+  // the layout's folder rules (a Hugging Face folder: no file the index does not name claims its
+  // tensors or its set's names)
+  with_layout(r.layout(), [&]<class L>() {
+    if constexpr (requires { L::verify_folder(r); }) L::verify_folder(r);
+  });
   if (r.metadata().extras.checksums) detail::verify_all_checksums(r, opened, opt, rep);
   return rep;
-}
-
-/// The largest param group pickle or state_keys list verify reads (a group names its parameters).
-inline constexpr std::uint64_t max_optimizer_pickle_bytes = std::uint64_t(64) << 20;
-
-/// Checks the optimizer layout of an optim/ checkpoint (docs/FORMAT.md §2, torch/optim.hpp), as the
-/// loader reads it, without LibTorch: `num_param_groups` an I64 (or I32) scalar in [0, 1,000,000];
-/// `param_group{i}` for every i below it a U8 tensor whose bytes unpickle through the plain-data
-/// reader (no global, no call: what the loader runs them through) to a dict whose `_param_names`
-/// is a list of str; no `param_group{j}` past the count; `state_keys`, where present, a pickled
-/// list of str; every other tensor named `state.{param}.__{key}`. errc::invalid_metadata naming
-/// the file, the tensor and the rule. A folder holding none of num_param_groups, state_keys or a
-/// param_group{i} is not in this layout (a pair saved by other means): nothing is checked, and
-/// nullopt is returned; otherwise the number of param groups.
-template <ReadableDirectory D>
-std::optional<std::uint64_t> verify_optimizer_layout(checkpoint_reader<D>& r) {
-  const std::string dname(r.directory().name());
-  bool layout = false;
-  for (const auto& [key, tm] : r.metadata().tensors)
-    layout = layout || key == "num_param_groups" || key == "state_keys" || key.starts_with("param_group");
-  if (!layout) return std::nullopt;
-  auto bad = [&](const std::string& key, const std::string& rule) {
-    fail(errc::invalid_metadata, dname + ": tensor '" + key + "': " + rule + " (the optimizer layout of docs/FORMAT.md §2)");
-  };
-  auto whole = [&](const std::string& key) {
-    const tensor_metadata* tm = r.find(key);
-    if (!tm) bad(key, "missing");
-    const std::uint64_t bytes = tm->numel() * bit_size(tm->type) / 8;
-    if (bytes > max_optimizer_pickle_bytes)
-      bad(key, std::to_string(bytes) + " bytes pass the limit of " + std::to_string(max_optimizer_pickle_bytes));
-    std::string b(static_cast<std::size_t>(bytes), '\0');
-    unshard_tensor(r, key, std::as_writable_bytes(std::span(b)));
-    return std::pair{tm, b};
-  };
-  const auto [ntm, nbytes] = whole("num_param_groups");
-  if (!ntm->shape.empty() && !(ntm->shape.size() == 1 && ntm->shape[0] == 1))
-    bad("num_param_groups", "shape " + to_string(ntm->shape) + " is not a scalar");
-  std::int64_t n = 0;
-  if (ntm->type == dtype::I64) {
-    std::memcpy(&n, nbytes.data(), 8);
-  } else if (ntm->type == dtype::I32) {
-    std::int32_t v = 0;
-    std::memcpy(&v, nbytes.data(), 4);
-    n = v;
-  } else {
-    bad("num_param_groups", "dtype " + std::string(name(ntm->type)) + " is not an integer (I64)");
-  }
-  if (n < 0 || n > 1'000'000) bad("num_param_groups", "is " + std::to_string(n) + ", not a count in [0, 1000000]");
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::string key = "param_group" + std::to_string(i);
-    const auto [tm, bytes] = whole(key);
-    if (tm->type != dtype::U8) bad(key, "dtype " + std::string(name(tm->type)) + " is not U8 (pickled bytes)");
-    const pickle_value g = pickle_loads(bytes, dname + ": tensor '" + key + "'");
-    if (g.type() != pickle_value::kind::dict) bad(key, "does not unpickle to a dict");
-    const pickle_value* names = g.find("_param_names");
-    if (!names || (names->type() != pickle_value::kind::list && names->type() != pickle_value::kind::tuple))
-      bad(key, "has no list _param_names");
-    for (const auto& nm : names->as_sequence(key))
-      if (nm.type() != pickle_value::kind::string) bad(key, "_param_names holds a value that is not a str");
-  }
-  for (const auto& [key, tm] : r.metadata().tensors) {
-    if (key == "num_param_groups") continue;
-    if (key.starts_with("param_group")) {
-      const std::string digits = key.substr(11);
-      const bool index = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
-      if (!index || std::stoll(digits) >= n)
-        bad(key, "is past num_param_groups (" + std::to_string(n) + ")");
-      continue;
-    }
-    if (key == "state_keys") {
-      const auto [stm, bytes] = whole(key);
-      if (stm->type != dtype::U8) bad(key, "dtype " + std::string(name(stm->type)) + " is not U8 (pickled bytes)");
-      const pickle_value keys = pickle_loads(bytes, dname + ": tensor '" + key + "'");
-      if (keys.type() != pickle_value::kind::list) bad(key, "does not unpickle to a list");
-      for (const auto& k : keys.as_sequence(key))
-        if (k.type() != pickle_value::kind::string) bad(key, "holds a value that is not a str");
-      continue;
-    }
-    if (!key.starts_with("state.") || key.find(".__") == std::string::npos)
-      bad(key, "is neither num_param_groups, param_group{i}, state_keys nor state.{param}.__{key}");
-  }
-  return static_cast<std::uint64_t>(n);
 }
 
 /// Verifies the checkpoint in dir (a folder holding metadata.json and its rank files).

@@ -54,8 +54,8 @@ inline void require_convertible(dtype src, dtype dst, std::string_view context) 
   if (!is_convertible_float(src) || !is_convertible_float(dst)) {
     const bool src_ok = is_convertible_float(src);
     fail(errc::unsupported_dtype,
-         std::string(context) + ": cannot convert " + std::string(name(src)) + " to " + std::string(name(dst)) +
-             ": " + std::string(name(src_ok ? dst : src)) +
+         std::string(context) + ": cannot convert " + std::string(to_string(src)) + " to " + std::string(to_string(dst)) +
+             ": " + std::string(to_string(src_ok ? dst : src)) +
              " is not a floating dtype that converts (only F16, BF16, F32 and F64 do; integer and BOOL "
              "tensors are never converted)");
   }
@@ -208,12 +208,12 @@ inline std::size_t convert_elements(dtype src_type, std::span<const std::byte> s
   const std::size_t si = item_size(src_type), di = item_size(dst_type);
   if (src.size() % si != 0)
     fail(errc::invalid_argument, "convert_elements: " + std::to_string(src.size()) + " source bytes are not whole " +
-                                     std::string(name(src_type)) + " elements");
+                                     std::string(to_string(src_type)) + " elements");
   const std::size_t n = src.size() / si;
   if (dst.size() / di != n || dst.size() % di != 0)
-    fail(errc::invalid_argument, "convert_elements: " + std::to_string(n) + " " + std::string(name(src_type)) +
+    fail(errc::invalid_argument, "convert_elements: " + std::to_string(n) + " " + std::string(to_string(src_type)) +
                                      " elements need " + std::to_string(n * di) + " bytes of " +
-                                     std::string(name(dst_type)) + ", the destination has " +
+                                     std::string(to_string(dst_type)) + ", the destination has " +
                                      std::to_string(dst.size()));
   if (src_type == dst_type) {
     if (n != 0 && src.data() != dst.data()) std::memmove(dst.data(), src.data(), src.size());

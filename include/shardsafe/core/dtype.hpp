@@ -52,7 +52,10 @@ inline constexpr std::array<dtype_info, 22> all_dtypes{{
 }};
 
 constexpr const dtype_info& info(dtype t) noexcept { return all_dtypes[static_cast<std::size_t>(t)]; }
-constexpr std::string_view name(dtype t) noexcept { return info(t).name; }
+/// A dtype's name as safetensors spells it ("F32"). Every enum of the library prints through
+/// to_string(e) (the naming rule; name() is the deprecated spelling, kept one release).
+constexpr std::string_view to_string(dtype t) noexcept { return info(t).name; }
+[[deprecated("use to_string(dtype)")]] constexpr std::string_view name(dtype t) noexcept { return info(t).name; }
 constexpr std::uint32_t bit_size(dtype t) noexcept { return info(t).bits; }
 /// True when every element occupies whole bytes, so element ranges are byte ranges.
 constexpr bool is_byte_sized(dtype t) noexcept { return info(t).bits % 8 == 0; }
@@ -92,7 +95,7 @@ inline dtype dtype_from_name(std::string_view s, std::string_view context) {
 /// Throws errc::unsupported_dtype unless elements of t are whole bytes.
 inline void require_byte_sized(dtype t, std::string_view context) {
   if (!is_byte_sized(t))
-    fail(errc::unsupported_dtype, std::string(context) + ": dtype " + std::string(name(t)) +
+    fail(errc::unsupported_dtype, std::string(context) + ": dtype " + std::string(to_string(t)) +
                                       " has " + std::to_string(bit_size(t)) +
                                       "-bit elements; element-range access needs whole bytes");
 }

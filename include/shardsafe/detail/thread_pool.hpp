@@ -10,15 +10,14 @@
 // fork(): a child has none of its parent's pool threads, yet a copy of the pool's mutex and
 // condition variable as they were, the latter with those threads' waits still registered in it,
 // so that the child's first parallel_for could block for ever (it did, in about half the forks
-// made just after a parallel_for). Every pool therefore takes part in fork through
-// pthread_atfork: before the fork its mutex is taken (no pool thread is then between two of its
-// steps), after it the parent lets go, and the child starts the pool afresh (no threads, a new
-// condition variable; its threads are started again when needed). A fork from inside
-// a parallel_for task is the exception: the child's copy of that parallel_for would wait for
-// helpers it does not have, so such a child may only exec or _exit.
+// made just after a parallel_for). Every pool therefore takes part in fork (a participant of
+// detail/fork_guard.hpp, the process's one pthread_atfork registration): before the fork its
+// mutex is taken (no pool thread is then between two of its steps), after it the parent lets
+// go, and the child starts the pool afresh (no threads, a new condition variable; its threads
+// are started again when needed). A fork from inside a parallel_for task is the exception: the
+// child's copy of that parallel_for would wait for helpers it does not have, so such a child may
+// only exec or _exit.
 #pragma once
-
-#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -34,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/detail/fork_guard.hpp"
+
 namespace shardsafe::detail {
 
 /// Threads to use when the caller says 0: the hardware's, at most 8 (I/O bound work gains
@@ -48,7 +49,11 @@ class thread_pool {
   /// The most pool threads one pool starts (a request for more threads gets this many helpers).
   static constexpr unsigned max_workers = 63;
 
-  thread_pool() { fork_registry::get().add(this); }
+  thread_pool() {
+    fork_guard::instance().add({this, [](void* p) noexcept { static_cast<thread_pool*>(p)->m_.lock(); },
+                                [](void* p) noexcept { static_cast<thread_pool*>(p)->m_.unlock(); },
+                                [](void* p) noexcept { static_cast<thread_pool*>(p)->restart_in_child(); }});
+  }
   thread_pool(const thread_pool&) = delete;
   thread_pool& operator=(const thread_pool&) = delete;
   ~thread_pool() {
@@ -58,7 +63,7 @@ class thread_pool {
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
-    fork_registry::get().remove(this);  // last: a fork until now still finds the mutex free
+    fork_guard::instance().remove(this);  // last: a fork until now still finds the mutex free
   }
 
   /// Pool threads started so far.
@@ -145,49 +150,6 @@ class thread_pool {
       if (--j->running == 0) j->done.notify_all();
     }
   }
-
-  /// The pools alive in the process, and the pthread_atfork handlers that carry them over a fork.
-  class fork_registry {
-   public:
-    static fork_registry& get() {
-      static fork_registry* r = [] {
-        auto* made = new fork_registry;  // never destroyed: a fork may come during exit
-        // (fails only without memory for the handlers: the pools then work as before, unsafe
-        // in a child made by fork, as every pool was)
-        (void)::pthread_atfork(&prepare, &parent, &child);
-        return made;
-      }();
-      return *r;
-    }
-    void add(thread_pool* p) {
-      std::lock_guard lock(m_);
-      pools_.push_back(p);
-    }
-    void remove(thread_pool* p) {
-      std::lock_guard lock(m_);
-      std::erase(pools_, p);
-    }
-
-   private:
-    static void prepare() noexcept {
-      auto& r = get();
-      r.m_.lock();
-      for (thread_pool* p : r.pools_) p->m_.lock();
-    }
-    static void parent() noexcept {
-      auto& r = get();
-      for (thread_pool* p : r.pools_) p->m_.unlock();
-      r.m_.unlock();
-    }
-    static void child() noexcept {
-      auto& r = get();
-      for (thread_pool* p : r.pools_) p->restart_in_child();
-      r.m_.unlock();  // the child's one thread is the one that took it
-    }
-
-    std::mutex m_;
-    std::vector<thread_pool*> pools_;
-  };
 
   /// In the child of a fork (the pool's mutex taken by the forking thread, which is the child's
   /// only thread): the condition variable is overwritten, not destroyed (its destructor would

@@ -24,7 +24,8 @@
 // ("save /ckpt/step10: writing the rank files: c10d all_gather_bytes on rank 1 of 6 failed: ...").
 #pragma once
 
-#include <charconv>
+#include <climits>
+#include <cstdint>
 #include <exception>
 #include <span>
 #include <string>
@@ -36,6 +37,7 @@
 
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/dist/message.hpp"
 
 namespace shardsafe {
 
@@ -83,38 +85,33 @@ struct step_outcome {
     return {value, error_category()};
   }
 
-  /// The bytes sent to other ranks: "o" + result, or "e" + category + '\n' + value + '\n' + message.
+  /// The bytes sent to other ranks, a message (dist/message.hpp): a flag (failed), then the
+  /// result, or the category, the value (as a two's complement 64-bit count) and the message.
   std::string encode() const {
-    if (!failed) return "o" + text;
-    return "e" + category + '\n' + std::to_string(value) + '\n' + text;
+    message_writer m;
+    m.flag(failed);
+    if (failed) m.text(category).count(static_cast<std::uint64_t>(static_cast<std::int64_t>(value)));
+    m.text(text);
+    return std::move(m).str();
   }
 
-  /// The outcome encode() wrote; `from` names the sender in the error for bytes that are not one.
+  /// The outcome encode() wrote; `from` ("rank 3") names the sender in the errc::comm_error
+  /// for bytes that are not one.
   static step_outcome decode(std::string_view bytes, std::string_view from) {
-    auto malformed = [&] {
-      fail(errc::comm_error, "the outcome received from " + std::string(from) + " is malformed (" +
-                                 std::to_string(bytes.size()) + " bytes)");
-    };
+    message_reader m(bytes, std::string(from) + " (the outcome of a step)");
     step_outcome o;
-    if (bytes.empty()) malformed();
-    if (bytes.front() == 'o') {
-      o.text = bytes.substr(1);
-      return o;
+    o.failed = m.flag("the failure flag");
+    if (o.failed) {
+      o.category = m.text();
+      if (o.category != error_category().name() && o.category != std::generic_category().name() &&
+          o.category != std::system_category().name())
+        m.malformed("the error category '" + o.category + "' is none of shardsafe, generic and system");
+      const auto v = static_cast<std::int64_t>(m.count());
+      if (v < INT_MIN || v > INT_MAX) m.malformed("the error value " + std::to_string(v) + " is not an int");
+      o.value = static_cast<int>(v);
     }
-    if (bytes.front() != 'e') malformed();
-    const auto nl1 = bytes.find('\n', 1);
-    const auto nl2 = nl1 == std::string_view::npos ? nl1 : bytes.find('\n', nl1 + 1);
-    if (nl2 == std::string_view::npos) malformed();
-    o.failed = true;
-    o.category = bytes.substr(1, nl1 - 1);
-    if (o.category != error_category().name() && o.category != std::generic_category().name() &&
-        o.category != std::system_category().name())
-      malformed();
-    const char* vb = bytes.data() + nl1 + 1;
-    const char* ve = bytes.data() + nl2;
-    auto [p, ec] = std::from_chars(vb, ve, o.value);
-    if (ec != std::errc() || p != ve) malformed();
-    o.text = bytes.substr(nl2 + 1);
+    o.text = m.text();
+    m.finish();
     return o;
   }
 };

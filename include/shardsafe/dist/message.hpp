@@ -1,6 +1,13 @@
-// shardsafe/dist/message.hpp - the one encoding of what ranks send each other (plans, file sizes,
-// chunk places): a sequence of fields, each a 64-bit count (little-endian) or a string (its length,
-// then its bytes), read back in the same order with every length checked against what is left.
+// shardsafe/dist/message.hpp - the one encoding of what ranks send each other: a sequence of
+// fields, each a 64-bit count (little-endian) or a string (its length, then its bytes), read back
+// in the same order with every length checked against what is left. Its users (issue 52):
+//   - every step's outcome, success or error (dist/agree.hpp: step_outcome::encode / decode);
+//   - a save's plan: each rank's description of its views and their replica roles
+//     (checkpoint/description_message.hpp, checkpoint/save_agree.hpp: agree_on_metadata);
+//   - a rank file written: its size and checksum table (checkpoint/save_write.hpp: encode_written);
+//   - a DCP save's chunk places (checkpoint/dcp_save.hpp: encode_dcp_places);
+//   - the HF import's tensor table, broadcast by rank 0 (checkpoint/hf/import.hpp).
+// Nothing else that travels between ranks is JSON or text lines.
 //
 // A malformed message (a length past the end, bytes left over, a count out of the range the
 // reader asks for) is errc::comm_error naming the sender ("the message from rank 2's plan is
@@ -33,6 +40,7 @@ class message_writer {
     for (auto x : v) count(x);
     return *this;
   }
+  message_writer& flag(bool b) { return count(b ? 1 : 0); }
   const std::string& str() const& noexcept { return out_; }
   std::string str() && noexcept { return std::move(out_); }
 
@@ -53,6 +61,24 @@ class message_reader {
     if (v > max) malformed("a count of " + std::to_string(v) + " passes " + std::to_string(max));
     return v;
   }
+  /// A count at most max; what names it in the error ("tensor 'w''s dtype is 99, past 21").
+  std::uint64_t count(std::uint64_t max, std::string_view what) {
+    const std::uint64_t v = count();
+    if (v > max) malformed(std::string(what) + " is " + std::to_string(v) + ", past " + std::to_string(max));
+    return v;
+  }
+  /// How many items follow, each at least min_bytes long: a count bounded by what is left, so
+  /// that a reader may reserve that many.
+  std::uint64_t items(std::size_t min_bytes, std::string_view what) {
+    const std::uint64_t v = count();
+    if (min_bytes == 0) min_bytes = 1;
+    if (v > rest_.size() / min_bytes)
+      malformed(std::to_string(v) + " " + std::string(what) + " cannot fit in the " + std::to_string(rest_.size()) +
+                " bytes left");
+    return v;
+  }
+  /// A flag written by message_writer::flag (a count of 0 or 1).
+  bool flag(std::string_view what) { return count(1, what) != 0; }
   std::string text() {
     const std::uint64_t n = count();
     if (n > rest_.size()) malformed("a string of " + std::to_string(n) + " bytes runs past its end");

@@ -164,8 +164,8 @@ safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
       const tensor_entry* e = h.find(c.key);
       if (!e) fail(errc::invalid_metadata, ctx + ": .metadata places a chunk here but the file does not hold it");
       if (e->type != c.type || e->shape != c.sizes)
-        fail(errc::invalid_metadata, ctx + ": file holds " + std::string(name(e->type)) + " " + to_string(e->shape) +
-                                         ", .metadata's chunk is " + std::string(name(c.type)) + " " + to_string(c.sizes));
+        fail(errc::invalid_metadata, ctx + ": file holds " + std::string(to_string(e->type)) + " " + to_string(e->shape) +
+                                         ", .metadata's chunk is " + std::string(to_string(c.type)) + " " + to_string(c.sizes));
       if (auto it = at.find(c.key); it != at.end() && it->second != c.offsets)
         fail(errc::invalid_metadata, ctx + ": DCP_SHARDING_INFO places the block at " + to_string(it->second) +
                                          ", .metadata at " + to_string(c.offsets));

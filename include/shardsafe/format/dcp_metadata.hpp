@@ -330,7 +330,7 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
         item.size = p.ints(p.field(v, "size", at), at + ": size");
         if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
         if (t && !detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
-          p.bad(at, "size " + to_string(item.size) + " " + std::string(name(item.type)) + " has more than 2^64 bits of data");
+          p.bad(at, "size " + to_string(item.size) + " " + std::string(to_string(item.type)) + " has more than 2^64 bits of data");
         item.chunks = p.chunks(p.field(v, "chunks", at), fqn, item.size, where_stored, at);
       } else {
         p.bad(at, cls.empty() ? "is not a storage metadata object"

@@ -99,7 +99,7 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std:
     if (!item.foreign_dtype.empty())
       fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': dtype " + item.foreign_dtype + " is not written");
     const std::string_view tname = torch_dtype_name(item.type);
-    if (tname.empty()) fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': torch has no dtype for " + std::string(name(item.type)));
+    if (tname.empty()) fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': torch has no dtype for " + std::string(to_string(item.type)));
     pickle_new(out, dcp_meta_module, "TensorStorageMetadata");
     out += "}(";
     pickle_str(out, "properties");

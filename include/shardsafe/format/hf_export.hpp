@@ -168,7 +168,7 @@ SHARDSAFE_DECL hf_export_plan plan_hf_export(std::vector<hf_tensor_info> tensors
     const auto b = n ? detail::checked_mul(*n, item_size(t.type)) : std::nullopt;
     const auto total = b ? detail::checked_add(plan.total_size, *b) : std::nullopt;
     if (!total)
-      fail(errc::invalid_shape, ctx + ": shape " + to_string(t.shape) + " " + std::string(name(t.type)) +
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(t.shape) + " " + std::string(to_string(t.type)) +
                                     " has more than 2^64 - 1 bytes, or the total does");
     plan.bytes.push_back(*b);
     plan.total_size = *total;

@@ -22,6 +22,9 @@
 // a reader holds a small multiple of its input. run() copies the result into a pickle_value;
 // run(f) hands f a pickle_view of it instead, read in place while the reader lives, for a
 // large pickle read once (DCP's `.metadata`).
+//
+// The reader's parts: format/pickle_view.hpp (the values in the arena, and pickle_view) and
+// format/pickle_machine.hpp (the arena, stack, memo and limits the opcodes below work on).
 #pragma once
 
 #include <algorithm>
@@ -45,203 +48,11 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/hex.hpp"
 #include "shardsafe/detail/json.hpp"
+#include "shardsafe/format/pickle_machine.hpp"
 #include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/format/pickle_view.hpp"
 
 namespace shardsafe {
-
-namespace detail {
-
-/// One value a pickle reader made, in its arena: a scalar, or a container whose items (a dict's
-/// keys and values alternating) are in a vector the arena owns. 32 bytes.
-struct pickle_node {
-  struct text {
-    const char* data;
-    std::size_t size;
-  };
-  pickle_value::kind k = pickle_value::kind::none;
-  bool visiting = false;       // on the path being counted: reaching it again is a cycle
-  std::uint16_t height = 0;    // nesting levels below it (as counted in epoch `stamp`)
-  std::uint32_t stamp = 0;     // the reader's epoch when expanded and height were counted
-  std::uint64_t expanded = 0;  // values it becomes as a tree (as counted in epoch `stamp`)
-  struct slots {  // a container's items, in the reader's slot_pool
-    pickle_node** data;
-    std::uint32_t size;
-    std::uint32_t capacity;
-  };
-  union {
-    bool b;
-    std::int64_t i;
-    double d;
-    text s;
-    slots seq;
-  } u{};
-  bool container() const noexcept {
-    return k == pickle_value::kind::list || k == pickle_value::kind::tuple || k == pickle_value::kind::dict;
-  }
-  std::string_view str() const noexcept { return {u.s.data, u.s.size}; }
-  std::span<pickle_node* const> items() const noexcept { return {u.seq.data, u.seq.size}; }
-};
-
-// Where containers' items live: small runs bumped out of 16K-slot blocks, large ones on their
-// own (freed when their container moves to a larger run). A container that grows moves to a
-// run twice as large, so runs left behind cost at most what the items cost.
-class slot_pool {
- public:
-  // Makes room for `extra` more items in s (at most 2^32 - 1 in all: false when more).
-  bool reserve(pickle_node::slots& s, std::size_t extra) {
-    const std::uint64_t need = std::uint64_t(s.size) + extra;
-    if (need <= s.capacity) return true;
-    if (need > UINT32_MAX) return false;
-    const std::uint64_t cap = std::min<std::uint64_t>(UINT32_MAX, std::max<std::uint64_t>(need, s.capacity ? 2 * std::uint64_t(s.capacity) : need));
-    pickle_node** run = take(static_cast<std::size_t>(cap));
-    if (s.size) std::copy(s.data, s.data + s.size, run);
-    if (s.capacity > small_) own_.erase(s.data);
-    s.data = run;
-    s.capacity = static_cast<std::uint32_t>(cap);
-    return true;
-  }
-
- private:
-  static constexpr std::size_t block_ = std::size_t(1) << 14;
-  static constexpr std::size_t small_ = block_ / 16;
-  pickle_node** take(std::size_t n) {
-    if (n > small_) {
-      auto run = std::make_unique_for_overwrite<pickle_node*[]>(n);
-      pickle_node** p = run.get();
-      own_.emplace(p, std::move(run));
-      return p;
-    }
-    if (n > left_) {
-      blocks_.push_back(std::make_unique_for_overwrite<pickle_node*[]>(block_));
-      next_ = blocks_.back().get();
-      left_ = block_;
-    }
-    pickle_node** p = next_;
-    next_ += n;
-    left_ -= n;
-    return p;
-  }
-  std::vector<std::unique_ptr<pickle_node*[]>> blocks_;
-  pickle_node** next_ = nullptr;
-  std::size_t left_ = 0;
-  std::unordered_map<pickle_node**, std::unique_ptr<pickle_node*[]>> own_;
-};
-
-/// What a str of `bytes` bytes counts as against a pickle's bound on values: 1, and 1 more per 8
-/// of its bytes (a pickle_value is 40 bytes; a copied string about its length).
-constexpr std::uint64_t pickle_string_cost(std::uint64_t bytes) noexcept { return 1 + bytes / 8; }
-
-/// Why a pickle whose tree passes `limit` values is refused.
-inline std::string pickle_expansion_problem(std::uint64_t limit) {
-  return "expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)";
-}
-
-// Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
-// gives the value built the first time (`built`), so shared containers stay shared. Each
-// container built takes 1 + its items from `budget` (which started at `limit`), each str
-// copied its bytes / 8 more; on running out, or past `max_depth`, bad(why) is called (and must
-// throw).
-template <class Bad>
-pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t limit,
-                                std::size_t& budget, std::unordered_map<const pickle_node*, pickle_value>& built,
-                                const Bad& bad) {
-  using k = pickle_value::kind;
-  if (depth > max_depth) bad("nests deeper than " + std::to_string(max_depth) + " (or refers to itself)");
-  switch (n->k) {
-    case k::none: return pickle_value::none();
-    case k::boolean: return pickle_value::boolean(n->u.b);
-    case k::integer: return pickle_value::integer(n->u.i);
-    case k::real: return pickle_value::real(n->u.d);
-    case k::string: {
-      const std::uint64_t extra = pickle_string_cost(n->u.s.size) - 1;  // its 1 is in its container's items
-      if (budget < extra) bad(pickle_expansion_problem(limit));
-      budget -= static_cast<std::size_t>(extra);
-      return pickle_value::string(std::string(n->str()));
-    }
-    default: break;
-  }
-  if (auto it = built.find(n); it != built.end()) return it->second;
-  const auto items = n->items();
-  if (budget < 1 + items.size()) bad(pickle_expansion_problem(limit));
-  budget -= 1 + items.size();
-  pickle_value v;
-  if (n->k == k::dict) {
-    std::vector<std::pair<pickle_value, pickle_value>> entries;
-    entries.reserve(items.size() / 2);
-    for (std::size_t i = 0; i + 1 < items.size(); i += 2)
-      entries.emplace_back(build_pickle_value(items[i], depth + 1, max_depth, limit, budget, built, bad),
-                           build_pickle_value(items[i + 1], depth + 1, max_depth, limit, budget, built, bad));
-    v = pickle_value::dict(std::move(entries));
-  } else {
-    std::vector<pickle_value> xs;
-    xs.reserve(items.size());
-    for (const auto* c : items) xs.push_back(build_pickle_value(c, depth + 1, max_depth, limit, budget, built, bad));
-    v = n->k == k::list ? pickle_value::list(std::move(xs)) : pickle_value::tuple(std::move(xs));
-  }
-  built.emplace(n, v);
-  return v;
-}
-
-static_assert(sizeof(pickle_node) <= 32, "a value in the arena takes 32 bytes");
-
-}  // namespace detail
-
-/// A value a pickle reader read, seen in place (basic_pickle_reader::run(f)): valid while the
-/// reader lives. The same questions as pickle_value, without copying; build() copies.
-class pickle_view {
- public:
-  explicit pickle_view(const detail::pickle_node* n) noexcept : n_(n) {}
-  pickle_value::kind type() const noexcept { return n_->k; }
-  bool is_none() const noexcept { return n_->k == pickle_value::kind::none; }
-  bool is_sequence() const noexcept { return n_->k == pickle_value::kind::list || n_->k == pickle_value::kind::tuple; }
-  bool as_bool(std::string_view ctx) const { return expect(pickle_value::kind::boolean, ctx).u.b; }
-  std::int64_t as_int(std::string_view ctx) const { return expect(pickle_value::kind::integer, ctx).u.i; }
-  double as_real(std::string_view ctx) const { return expect(pickle_value::kind::real, ctx).u.d; }
-  std::string_view as_string(std::string_view ctx) const { return expect(pickle_value::kind::string, ctx).str(); }
-  /// Items of a list or tuple, entries of a dict; 0 for a scalar.
-  std::size_t size() const noexcept { return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0; }
-  /// Item i of a list or tuple; key and value of entry i of a dict (i < size()).
-  pickle_view item(std::size_t i) const { return at(i); }
-  pickle_view key(std::size_t i) const { return at(2 * i); }
-  pickle_view value(std::size_t i) const { return at(2 * i + 1); }
-  /// The value under string key `key` of a dict (the last, as Python keeps it), or nullopt.
-  std::optional<pickle_view> find(std::string_view key) const noexcept {
-    if (n_->k != pickle_value::kind::dict) return std::nullopt;
-    const auto items = n_->items();
-    for (std::size_t i = items.size() / 2; i-- > 0;)
-      if (items[2 * i]->k == pickle_value::kind::string && items[2 * i]->str() == key) return pickle_view(items[2 * i + 1]);
-    return std::nullopt;
-  }
-  /// What identifies the value: one container the pickle holds at several places (through its
-  /// memo) has one id there.
-  const void* id() const noexcept { return n_; }
-  /// The containers built so far, by node: values of one reader built with one cache share the
-  /// containers they share in the pickle (each is copied once, however many values hold it).
-  using build_cache = std::unordered_map<const detail::pickle_node*, pickle_value>;
-  /// A copy as a pickle_value (shared containers stay shared).
-  pickle_value build() const {
-    build_cache built;
-    return build(built);
-  }
-  pickle_value build(build_cache& built) const {
-    constexpr std::size_t no_limit = std::numeric_limits<std::size_t>::max();  // the reader checked the value
-    std::size_t budget = no_limit;
-    return detail::build_pickle_value(n_, 0, no_limit, no_limit, budget, built,
-                                      [](const std::string& why) { fail(errc::invalid_metadata, "pickle " + why); });
-  }
-
- private:
-  const detail::pickle_node& expect(pickle_value::kind k, std::string_view ctx) const {
-    if (n_->k != k)
-      fail(errc::invalid_metadata, std::string(ctx) + ": expected " + pickle_value::kind_name(k) + ", got " + pickle_value::kind_name(n_->k));
-    return *n_;
-  }
-  pickle_view at(std::size_t i) const {
-    if (!n_->container() || i >= n_->items().size()) throw std::out_of_range("pickle_view: no item " + std::to_string(i));
-    return pickle_view(n_->items()[i]);
-  }
-  const detail::pickle_node* n_;
-};
 
 template <class Policy>
 class basic_pickle_reader;
@@ -285,7 +96,7 @@ struct plain_data_only {
 /// Reads one pickle (run() once): a value, or errc::invalid_metadata naming `what`, the byte and
 /// the rule broken. Opcodes outside plain data go to `Policy` (a PickleOpcodePolicy).
 template <class Policy = plain_data_only>
-class basic_pickle_reader {
+class basic_pickle_reader : private detail::pickle_machine {
  public:
   /// Reads `in`; `what` names the bytes in messages.
   /// `max_values` bounds the values the result (and every pop_value) may expand to, as a tree;
@@ -293,16 +104,7 @@ class basic_pickle_reader {
   /// the bound refuses, only one copied at each of many references); the reader lowers the sum
   /// to 64 per input byte plus 4096.
   basic_pickle_reader(std::string_view in, std::string what, Policy policy = {}, std::size_t max_values = default_max_values)
-      : in_(in),
-        what_(std::move(what)),
-        max_nodes_(std::min<std::uint64_t>(max_values > SIZE_MAX - in.size() / 8 ? SIZE_MAX : max_values + in.size() / 8,
-                                           64 * std::uint64_t(in.size()) + 4096)),
-        popped_budget_(8 * max_nodes_),
-        work_budget_(8 * max_nodes_),
-        policy_(std::move(policy)) {
-    true_.u.b = true;
-    empty_tuple_.u.seq = {nullptr, 0, 0};
-  }
+      : detail::pickle_machine(in, std::move(what), max_values), policy_(std::move(policy)) {}
   /// The default bound on values: param groups hold dozens.
   static constexpr std::size_t default_max_values = std::size_t(1) << 20;
   basic_pickle_reader(const basic_pickle_reader&) = delete;
@@ -336,16 +138,10 @@ class basic_pickle_reader {
     bad("unsupported opcode 0x" + detail::hex_digits(op, 2) + opcode_name(op) + " at byte " + std::to_string(at) +
         " (only plain data is read: None, bool, int, float, str, list, tuple, dict; classes and calls are refused)");
   }
-  /// Throws errc::invalid_metadata: "<what>: pickle <why>".
-  [[noreturn]] void bad(const std::string& why) const { fail(errc::invalid_metadata, what_ + ": pickle " + why); }
-  /// The next n bytes of the input (an opcode's argument); refuses input that ends before them.
-  std::string_view take(std::uint64_t n) {
-    if (n > in_.size() - pos_) ran_out_ = true;
-    if (n > in_.size() - pos_) bad("is truncated (needs " + std::to_string(n) + " bytes at byte " + std::to_string(pos_) + ")");
-    auto s = in_.substr(pos_, static_cast<std::size_t>(n));
-    pos_ += static_cast<std::size_t>(n);
-    return s;
-  }
+  // bad(why): throws errc::invalid_metadata naming the input; take(n): the next n bytes (an
+  // opcode's argument). Both are detail::pickle_machine's, where the opcodes below use them too.
+  using detail::pickle_machine::bad;
+  using detail::pickle_machine::take;
   /// Pushes a value onto the stack (later opcodes may add items to it if it is a list or dict).
   void push(const pickle_value& v) {
     std::unordered_map<const void*, node*> seen;
@@ -422,11 +218,7 @@ class basic_pickle_reader {
   }
 
  private:
-  using node = detail::pickle_node;
-  using kind = pickle_value::kind;
-
-  static constexpr std::size_t max_stack_ = 1 << 16;
-  static constexpr std::size_t max_depth_ = 200;
+  using detail::pickle_machine::push;  // push(node*): the opcodes' own, beside push(pickle_value) above
 
   // Runs the opcodes up to STOP; root_ is then the value.
   void read() {
@@ -584,252 +376,6 @@ class basic_pickle_reader {
     }
     return std::string(" (") + n + ")";
   }
-  static std::uint64_t le(std::string_view b) {
-    std::uint64_t x = 0;
-    for (std::size_t i = b.size(); i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[i]);
-    return x;
-  }
-  std::int64_t long_int(std::uint64_t n, std::size_t at) {
-    if (n > 8) bad("integer of " + std::to_string(n) + " bytes at byte " + std::to_string(at) + " does not fit 64 bits");
-    auto b = take(n);
-    if (n == 0) return 0;
-    std::uint64_t x = le(b);
-    if (n < 8 && (static_cast<unsigned char>(b[n - 1]) & 0x80)) x |= ~std::uint64_t(0) << (8 * n);  // sign-extend
-    return static_cast<std::int64_t>(x);
-  }
-  std::string_view text(std::uint64_t n) {
-    auto b = take(n);
-    if (!detail::is_valid_utf8(b)) bad("string at byte " + std::to_string(pos_ - n) + " is not UTF-8");
-    return b;
-  }
-  // Counts n steps of work (values made, entries copied) against the budget of 8 x max_values.
-  void charge(std::size_t n) {
-    if (n > work_budget_) bad("needs more than " + std::to_string(8 * max_nodes_) + " steps to read");
-    work_budget_ -= n;
-  }
-
-  // --- the arena: every value made lives until the reader goes ---
-  node* new_node(kind k) {
-    charge(1);
-    node* n = &nodes_.emplace_back();
-    n->k = k;
-    if (n->container()) n->u.seq = {nullptr, 0, 0};
-    return n;
-  }
-  node* none_node() {
-    charge(1);
-    return &none_;
-  }
-  node* bool_node(bool b) {
-    charge(1);
-    return b ? &true_ : &false_;
-  }
-  node* empty_tuple() {
-    charge(1);
-    return &empty_tuple_;
-  }
-  node* int_node(std::int64_t i) {
-    if (i >= 0 && i < static_cast<std::int64_t>(small_ints_.size())) {
-      charge(1);
-      node*& c = small_ints_[static_cast<std::size_t>(i)];
-      if (!c) {
-        c = &nodes_.emplace_back();
-        c->k = kind::integer;
-        c->u.i = i;
-      }
-      return c;
-    }
-    node* n = new_node(kind::integer);
-    n->u.i = i;
-    return n;
-  }
-  // A string of the input, read in place.
-  node* input_string(std::string_view s) {
-    node* n = new_node(kind::string);
-    n->u.s = {s.data(), s.size()};
-    return n;
-  }
-  // A string a policy made (a class name, a key): held once, however often it is made.
-  node* own_string(const std::string& s) {
-    charge(1);
-    if (auto it = owned_.find(s); it != owned_.end()) return it->second;
-    const std::string& kept = owned_text_.emplace_back(s);
-    node* n = &nodes_.emplace_back();
-    n->k = kind::string;
-    n->u.s = {kept.data(), kept.size()};
-    owned_.emplace(std::string_view(kept), n);
-    return n;
-  }
-  // A node for v; a container's items become nodes of their own, so opcodes can add to it. A
-  // container v refers to more than once becomes one node (`seen`), so sharing is kept.
-  node* make(const pickle_value& v, std::unordered_map<const void*, node*>& seen) {
-    return std::visit(
-        [&](const auto& x) -> node* {
-          using T = std::decay_t<decltype(x)>;
-          if constexpr (std::is_same_v<T, std::monostate>) {
-            return none_node();
-          } else if constexpr (std::is_same_v<T, bool>) {
-            return bool_node(x);
-          } else if constexpr (std::is_same_v<T, std::int64_t>) {
-            return int_node(x);
-          } else if constexpr (std::is_same_v<T, double>) {
-            node* n = new_node(kind::real);
-            n->u.d = x;
-            return n;
-          } else if constexpr (std::is_same_v<T, std::string>) {
-            return own_string(x);
-          } else {
-            if (auto it = seen.find(x.get()); it != seen.end()) return it->second;
-            node* n = new_node(v.type());
-            seen.emplace(x.get(), n);
-            if constexpr (std::is_same_v<T, std::shared_ptr<pickle_dict>>) {
-              for (const auto& [key, val] : x->entries) {
-                node* kv[2] = {make(key, seen), make(val, seen)};
-                add(n, kv, 2);
-              }
-            } else {
-              for (const auto& item : x->items) {
-                node* c = make(item, seen);
-                add(n, &c, 1);
-              }
-            }
-            return n;
-          }
-        },
-        v.as_variant());
-  }
-
-  // --- the stack and the memo ---
-  void push(node* p) { stack_.push_back(p); }
-  std::size_t base() const { return marks_.empty() ? 0 : marks_.back(); }
-  node* top() const {
-    if (stack_.size() <= base()) bad("reads an empty stack");
-    return stack_.back();
-  }
-  node* at_(std::size_t from_top) const {
-    if (stack_.size() <= base() + from_top) bad("reads past the bottom of the stack");
-    return stack_[stack_.size() - 1 - from_top];
-  }
-  node* pop() {
-    node* p = top();
-    stack_.pop_back();
-    return p;
-  }
-  // Pops the innermost MARK; the values above it are stack_[mark, end).
-  std::size_t mark() {
-    if (marks_.empty()) bad("needs a MARK that is not there");
-    const std::size_t m = marks_.back();
-    marks_.pop_back();
-    return m;
-  }
-  // A new container of kind k holding stack_[from, end), which it replaces on the stack.
-  void collect(kind k, std::size_t from) {
-    node* c = new_node(k);
-    add(c, stack_.data() + from, stack_.size() - from);
-    stack_.resize(from);
-    push(c);
-  }
-  node* container(kind k, const char* op) {
-    node* c = top();
-    if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
-    unsealed(c, op);
-    return c;
-  }
-  void unsealed(const node* c, const char* op) const {
-    if (const auto s = sealed_.find(c); s != sealed_.end())
-      bad(std::string(op) + " on a " + s->second + " (Python would call its __setitem__, which may change its values)");
-  }
-  // A container is about to change: every count of values made before is stale (it may be
-  // inside any container counted), so the epoch moves on.
-  void changed() {
-    if (++epoch_ == 0) {  // after 2^32 changes: no stamp may match by chance
-      for (auto& n : nodes_) n.stamp = 0;
-      epoch_ = 1;
-    }
-  }
-  // Appends items [p, p + n) to container c (p may point into the stack; not into c's own items).
-  void add(node* c, node* const* p, std::size_t n) {
-    if (!n) return;
-    if (!slots_.reserve(c->u.seq, n)) bad("container of more than " + std::to_string(UINT32_MAX) + " items");
-    std::copy(p, p + n, c->u.seq.data + c->u.seq.size);
-    c->u.seq.size += static_cast<std::uint32_t>(n);
-  }
-  // The container of kind k just below MARK m (what APPENDS and SETITEMS add to).
-  node* container_below(std::size_t m, kind k, const char* op) {
-    if (m <= base()) bad("reads an empty stack");
-    node* c = stack_[m - 1];
-    if (c->k != k) bad(std::string(op) + " on a " + pickle_value::kind_name(c->k));
-    unsealed(c, op);
-    return c;
-  }
-  void memo_put(std::uint64_t i) {
-    // Python's pickler memoizes each object once, after the opcode that made it: a pickle of n
-    // bytes has fewer than n / 2 entries (2^20 are allowed whatever the size)
-    if (i > std::max<std::size_t>(std::size_t(1) << 20, in_.size() / 2))
-      bad("memo index " + std::to_string(i) + " is too large for " + std::to_string(in_.size()) + " bytes");
-    if (i >= memo_.size()) memo_.resize(static_cast<std::size_t>(i) + 1);
-    memo_[static_cast<std::size_t>(i)] = top();
-  }
-  void memo_get(std::uint64_t i) {
-    if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)]) bad("memo index " + std::to_string(i) + " was never stored");
-    push(memo_[static_cast<std::size_t>(i)]);
-  }
-
-  // Counts the values n expands to, once per node (shared references are cheap to count but
-  // are copied when built), so a memo blow-up is refused before anything is built.
-  std::uint64_t expanded_size(node* n, std::size_t depth) {
-    if (n->k == kind::string) return detail::pickle_string_cost(n->u.s.size);
-    if (!n->container()) return 1;
-    if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
-    if (n->stamp == epoch_) {
-      if (depth + n->height > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
-      return n->expanded;
-    }
-    if (depth > max_depth_) bad("nests deeper than " + std::to_string(max_depth_));
-    std::uint64_t total = 1;
-    std::size_t height = 0;
-    n->visiting = true;
-    for (node* c : n->items()) {
-      total += expanded_size(c, depth + 1);
-      if (total > max_nodes_) bad(detail::pickle_expansion_problem(max_nodes_));
-      height = std::max<std::size_t>(height, c->container() ? c->height + 1u : 1u);
-    }
-    n->visiting = false;
-    n->height = static_cast<std::uint16_t>(height);
-    n->expanded = total;
-    n->stamp = epoch_;
-    return total;
-  }
-  // The value of n as a pickle_value, each node built once (shared containers stay shared);
-  // at most max_values of them; `budget` (when given, starting at max_values) counts those built.
-  pickle_value build(const node* n, std::size_t* budget = nullptr) const {
-    std::size_t whole = max_nodes_;
-    std::unordered_map<const node*, pickle_value> built;
-    return detail::build_pickle_value(n, 0, max_depth_, max_nodes_, budget ? *budget : whole, built,
-                                      [this](const std::string& why) { bad(why); });
-  }
-
-  std::string_view in_;
-  std::string what_;
-  std::size_t pos_ = 0;
-  std::size_t frame_end_ = 0;  // where the last FRAME's bytes end
-  bool ran_out_ = false;  // the input ended before the pickle did
-  std::unordered_map<const node*, const char*> sealed_;  // values push_sealed made: what each stands for
-  std::vector<node*> stack_;
-  std::vector<std::size_t> marks_;
-  std::deque<node*> memo_;  // a deque: no spare capacity, however many entries
-  std::size_t max_nodes_;      // values a result may expand to, as a tree
-  std::size_t popped_budget_;  // values all pop_value calls together may still build
-  std::size_t work_budget_;    // values made and entries copied that are still allowed
-  std::uint32_t epoch_ = 1;    // counts of values made in this epoch (stamp) are current
-  node* root_ = nullptr;       // the value, after STOP
-  // the arena: nodes, containers' items, strings a policy made (once each), shared scalars
-  std::deque<node> nodes_;
-  detail::slot_pool slots_;
-  std::deque<std::string> owned_text_;
-  std::unordered_map<std::string_view, node*> owned_;
-  std::array<node*, 256> small_ints_{};
-  node none_{}, true_{pickle_value::kind::boolean}, false_{pickle_value::kind::boolean}, empty_tuple_{pickle_value::kind::tuple};
   Policy policy_;
 };
 

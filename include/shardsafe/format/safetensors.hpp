@@ -209,16 +209,16 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
     auto n = detail::checked_numel(e.shape);
     std::optional<std::uint64_t> bits = n ? detail::checked_mul(*n, bit_size(e.type)) : std::nullopt;
     if (!bits)
-      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(name(e.type)) +
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(to_string(e.type)) +
                                     " has a byte size that overflows 64 bits");
     if (*bits % 8 != 0)
-      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(name(e.type)) +
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(to_string(e.type)) +
                                     " is " + std::to_string(*bits) + " bits, not a whole number of bytes");
     const std::uint64_t need = *bits / 8;
     if (e.nbytes() != need)
       fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) + " span " +
                                       std::to_string(e.nbytes()) + " bytes but shape " + to_string(e.shape) +
-                                      " " + std::string(name(e.type)) + " needs " + std::to_string(need));
+                                      " " + std::string(to_string(e.type)) + " needs " + std::to_string(need));
     h.tensors.push_back(std::move(e));
   }
 
@@ -356,7 +356,7 @@ void read_elements(const S& s, const safetensors_header& h, const tensor_entry& 
   if (dst.size() % isz != 0)
     fail(errc::invalid_argument, detail::tensor_context(h.file, t.name) + ": destination of " +
                                      std::to_string(dst.size()) + " bytes is not a whole number of " +
-                                     std::string(name(t.type)) + " elements");
+                                     std::string(to_string(t.type)) + " elements");
   const byte_range r = element_byte_range(h, t, first, dst.size() / isz);
   s.read_into(r.begin, dst);
 }

@@ -100,7 +100,7 @@ SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> ten
     auto n = detail::checked_numel(t.shape);
     auto bits = n ? detail::checked_mul(*n, bit_size(t.type)) : std::nullopt;
     if (!bits || *bits % 8 != 0)
-      fail(errc::invalid_shape, ctx + ": shape " + to_string(t.shape) + " " + std::string(name(t.type)) +
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(t.shape) + " " + std::string(to_string(t.type)) +
                                     " is not a whole number of bytes below 2^64");
   }
   for (const auto& [k, v] : metadata)
@@ -148,7 +148,7 @@ SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> ten
     first = false;
     detail::append_json_string(json, t.name);
     json += ":{\"dtype\":\"";
-    json += name(t.type);
+    json += to_string(t.type);
     json += "\",\"shape\":[";
     for (std::size_t i = 0; i < t.shape.size(); ++i) {
       if (i) json += ',';

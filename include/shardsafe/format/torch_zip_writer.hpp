@@ -242,7 +242,7 @@ SHARDSAFE_DECL std::string torch_tensor_pickle(dtype type, const shape_t& shape)
   const std::string_view cls = detail::torch_storage_class(type);
   const std::string_view tname = detail::torch_dtype_name(type);
   if (cls.empty() && tname.empty())
-    fail(errc::unsupported_dtype, std::string("torch.save: torch has no dtype for ") + std::string(name(type)));
+    fail(errc::unsupported_dtype, std::string("torch.save: torch has no dtype for ") + std::string(to_string(type)));
   const auto n = detail::checked_numel(shape);
   if (!n) fail(errc::invalid_argument, "torch.save: shape " + to_string(shape) + " overflows 64 bits");
   std::vector<std::uint64_t> stride(shape.size());

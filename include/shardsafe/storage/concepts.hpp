@@ -38,7 +38,7 @@
 // HintedStorage S (any storage may be one) suggests how reads of it are best merged and
 // issued, for `const S s`:
 //
-// | s.read_defaults()  | read_hints     | the backend's gap, largest read and requests in flight;     |
+// | s.read_defaults()  | read_settings  | the backend's gap, largest read and requests in flight;     |
 // |                    |                | fields left empty take the library's defaults               |
 //
 // read_defaults_of(s) is that hint, or an empty one for a storage without it. The loader
@@ -126,6 +126,7 @@
 #include <vector>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/core/read_settings.hpp"
 
 namespace shardsafe {
 
@@ -152,23 +153,17 @@ concept BatchReadableStorage = ReadableStorage<S> && requires(const S& s, std::s
   s.read_batch(rs);
 };
 
-/// A backend's suggestion for how reads of it are merged and issued (see the table above);
-/// an empty field takes the library's default (shard/read_plan.hpp's read_options, and
-/// detail::default_threads() requests in flight).
-struct read_hints {
-  std::optional<std::uint64_t> max_gap_bytes;   ///< merge reads separated by at most this
-  std::optional<std::uint64_t> max_read_bytes;  ///< split reads longer than this
-  std::optional<unsigned> requests_in_flight;   ///< reads of one load issued at once
-};
+// A backend's suggestion for how reads of it are merged and issued (see the table above) is a
+// read_settings (core/read_settings.hpp); an empty field takes the library's default.
 
 template <class S>
 concept HintedStorage = requires(const S& s) {
-  { s.read_defaults() } -> std::convertible_to<read_hints>;
+  { s.read_defaults() } -> std::convertible_to<read_settings>;
 };
 
 /// The backend's read hint (HintedStorage), or an empty one.
 template <ReadableStorage S>
-read_hints read_defaults_of(const S& s) {
+read_settings read_defaults_of(const S& s) {
   if constexpr (HintedStorage<S>)
     return s.read_defaults();
   else

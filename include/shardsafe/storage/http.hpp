@@ -158,8 +158,8 @@ class basic_remote_storage {
     client_->read_ranges(url_, parts, size_, sign_, validator_);
   }
 
-  read_hints read_defaults() const {
-    read_hints h;
+  read_settings read_defaults() const {
+    read_settings h;
     h.max_gap_bytes = std::uint64_t(256) << 10;
     h.requests_in_flight = client_->options().requests_in_flight;
     return h;

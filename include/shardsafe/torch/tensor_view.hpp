@@ -60,7 +60,7 @@ inline dtype to_dtype(at::ScalarType s, std::string_view ctx = "tensor") {
 /// Throws errc::unsupported_dtype unless LibTorch has a ScalarType for t.
 inline at::ScalarType require_scalar_type(dtype t, std::string_view ctx) {
   if (auto s = to_scalar_type(t)) return *s;
-  fail(errc::unsupported_dtype, std::string(ctx) + ": dtype " + std::string(name(t)) +
+  fail(errc::unsupported_dtype, std::string(ctx) + ": dtype " + std::string(to_string(t)) +
                                     " has no LibTorch 1.13 ScalarType; read it as raw bytes instead");
 }
 

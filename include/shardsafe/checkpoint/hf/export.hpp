@@ -107,7 +107,7 @@ struct hf_export_layout {
 SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
                                                       std::string_view out) {
   if (opt.convert_to && !is_convertible_float(*opt.convert_to))
-    fail(errc::invalid_argument, std::string(out) + ": export dtype " + std::string(name(*opt.convert_to)) +
+    fail(errc::invalid_argument, std::string(out) + ": export dtype " + std::string(to_string(*opt.convert_to)) +
                                      " is not one tensors convert to (F16, BF16, F32 or F64)");
   std::vector<std::string> names;
   std::map<std::string, std::size_t> by_name;

@@ -66,10 +66,13 @@ namespace shardsafe {
 /// How the bytes of an import move (table at the top).
 enum class hf_import_mode { every_rank_read, rank0_broadcast, automatic };
 
-constexpr std::string_view name(hf_import_mode m) noexcept {
+constexpr std::string_view to_string(hf_import_mode m) noexcept {
   return m == hf_import_mode::every_rank_read ? "every_rank_read"
          : m == hf_import_mode::rank0_broadcast ? "rank0_broadcast"
                                                 : "automatic";
+}
+[[deprecated("use to_string(hf_import_mode)")]] constexpr std::string_view name(hf_import_mode m) noexcept {
+  return to_string(m);
 }
 
 /// How an import reads: threads and read merging (load_options' own), for every_rank_read's
@@ -77,7 +80,7 @@ constexpr std::string_view name(hf_import_mode m) noexcept {
 /// ::convert_dtypes (an import has one of each, not two).
 struct hf_import_reads {
   unsigned threads = 0;     ///< reads in flight (0: the backend's hint, else the default)
-  read_overrides reads{};   ///< gap merging and read sizes
+  read_settings reads{};    ///< gap merging, read sizes, requests in flight
 };
 
 struct hf_import_options : hf_key_options {
@@ -113,54 +116,25 @@ struct hf_import_stats {
 
 namespace detail {
 
-inline void put_u64(std::string& s, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) s += static_cast<char>((v >> (8 * i)) & 0xff);
-}
-
-/// The tensor table rank 0 broadcasts: count, then per tensor name length, name, dtype, ndim,
-/// dims (all u64 little-endian but the name).
+/// The tensor table rank 0 broadcasts, a message (dist/message.hpp): items(tensors), then per
+/// tensor its name, dtype (its index in all_dtypes) and counts(shape).
 inline std::string encode_tensor_table(const checkpoint_metadata& md) {
-  std::string s;
-  put_u64(s, md.tensors.size());
-  for (const auto& [key, tm] : md.tensors) {
-    put_u64(s, key.size());
-    s += key;
-    put_u64(s, static_cast<std::uint64_t>(tm.type));
-    put_u64(s, tm.shape.size());
-    for (auto d : tm.shape) put_u64(s, d);
-  }
-  return s;
+  message_writer m;
+  m.count(md.tensors.size());
+  for (const auto& [key, tm] : md.tensors) m.text(key).count(static_cast<std::uint64_t>(tm.type)).counts(tm.shape);
+  return std::move(m).str();
 }
 
+/// Reads what encode_tensor_table wrote; ctx (the folder) names it in errc::comm_error.
 inline std::vector<hf_tensor_info> decode_tensor_table(std::string_view s, std::string_view ctx) {
-  std::size_t at = 0;
-  auto bad = [&]() -> void {
-    fail(errc::comm_error, std::string(ctx) + ": the tensor table received from rank 0 is malformed (" +
-                               std::to_string(s.size()) + " bytes)");
-  };
-  auto get = [&]() -> std::uint64_t {
-    if (s.size() - at < 8) bad();
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= std::uint64_t(static_cast<unsigned char>(s[at + i])) << (8 * i);
-    at += 8;
-    return v;
-  };
-  const std::uint64_t n = get();
-  if (n > s.size() / 24) bad();  // every tensor takes at least 24 bytes
-  std::vector<hf_tensor_info> out(static_cast<std::size_t>(n));
+  message_reader m(s, std::string(ctx) + " (rank 0's tensor table)");
+  std::vector<hf_tensor_info> out(static_cast<std::size_t>(m.items(24, "tensors")));  // name, dtype, ndim
   for (auto& t : out) {
-    const std::uint64_t len = get();
-    if (len > s.size() - at) bad();
-    t.name.assign(s.substr(at, static_cast<std::size_t>(len)));
-    at += static_cast<std::size_t>(len);
-    const std::uint64_t type = get();
-    if (type >= all_dtypes.size()) bad();
-    t.type = static_cast<dtype>(type);
-    const std::uint64_t nd = get();
-    if (nd > (s.size() - at) / 8) bad();
-    for (std::uint64_t d = 0; d < nd; ++d) t.shape.push_back(get());
+    t.name = m.text();
+    t.type = static_cast<dtype>(m.count(all_dtypes.size() - 1, "tensor '" + t.name + "''s dtype"));
+    t.shape = m.counts();
   }
-  if (at != s.size()) bad();
+  m.finish();
   return out;
 }
 

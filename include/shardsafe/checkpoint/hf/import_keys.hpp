@@ -199,8 +199,8 @@ inline void check_hf_import_entry(const flat_view& v, const hf_tensor_info& t, c
     fail(errc::shape_mismatch, c + ": the checkpoint has shape " + to_string(t.shape) + ", the model's tensor " +
                                    to_string(v.full_shape));
   if (t.type != v.type && !(convert_dtypes && is_convertible_float(t.type) && is_convertible_float(v.type)))
-    fail(errc::dtype_mismatch, c + ": the checkpoint has dtype " + std::string(name(t.type)) + ", the model's tensor " +
-                                   std::string(name(v.type)) +
+    fail(errc::dtype_mismatch, c + ": the checkpoint has dtype " + std::string(to_string(t.type)) + ", the model's tensor " +
+                                   std::string(to_string(v.type)) +
                                    (convert_dtypes ? " (only F16, BF16, F32 and F64 convert)" : " (conversion is off)"));
 }
 

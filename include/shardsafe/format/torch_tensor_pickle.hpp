@@ -1,0 +1,237 @@
+// shardsafe/format/torch_tensor_pickle.hpp - the data.pkl of a torch.save archive, read through
+// an allowlist (docs/FORMAT.md §5): torch_tensor_pickle_policy (the globals
+// torch._utils._rebuild_tensor_v2 and _v3, torch.<T>Storage, torch.UntypedStorage, torch.<dtype>
+// and collections.OrderedDict; BINPERSID of a storage; nothing is called) and the tensor it
+// describes (torch_zip_tensor: its storage, offset, size and stride). format/torch_zip.hpp
+// checks such a tensor against its record; format/torch_save.hpp reads a whole state dict so.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/core/config.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/format/dcp_unpickler.hpp"
+#include "shardsafe/format/pickle_reader.hpp"
+
+namespace shardsafe {
+
+/// The tensor data.pkl describes: its storage (key, element type, elements) and view.
+struct torch_zip_tensor {
+  std::string storage_key;    ///< KEY of PREFIX/data/KEY
+  std::optional<dtype> type;  ///< nullopt for an untyped (byte) storage
+  std::uint64_t storage_numel = 0;
+  std::uint64_t storage_offset = 0;
+  std::vector<std::uint64_t> size, stride;
+  std::optional<dtype> view_type;  ///< the tensor's dtype when given apart from its storage (torch 2.x, v3)
+};
+
+/// The first keys of the dicts torch_tensor_pickle_policy makes for a tensor and for a storage:
+/// not UTF-8, so that no str a pickle spells is one (a plain dict cannot pass for a tensor).
+inline constexpr std::string_view torch_tensor_key = "\xff" "tensor", torch_storage_key = "\xff" "storage";
+
+/// A storage as the first persistent id naming its key gave it (torch makes it then, and every
+/// later use of the key is that storage, whatever it says).
+struct torch_storage_id {
+  std::string type;  ///< its class or dtype, "torch.FloatStorage"
+  std::uint64_t numel = 0;
+  std::size_t at = 0;  ///< the byte of that BINPERSID
+};
+
+/// The PickleOpcodePolicy of a torch.save data.pkl holding one tensor: the globals
+/// torch._utils._rebuild_tensor_v2, collections.OrderedDict, torch.<T>Storage, torch.UntypedStorage
+/// and torch.<dtype>; BINPERSID of ('storage', type, key, location, numel). Nothing is called.
+/// With state_dict (a whole state dict's pickle, format/torch_save.hpp) it also takes
+/// torch._utils._rebuild_parameter (a Parameter: its tensor) and BUILD on a dict (a state dict's
+/// `_metadata` attribute, dropped); with legacy, a storage's persistent id is the legacy
+/// format's six-tuple, its view_metadata None.
+struct torch_tensor_pickle_policy {
+  bool state_dict = false;
+  bool legacy = false;  ///< torch.save's legacy format: BINPERSID of ('storage', type, key, location, numel, None)
+  /// When set, every storage the pickle names, by key, wherever it stands (a tensor's, one
+  /// popped, one in an argument the reader drops): a later id naming the key with another type
+  /// or size is refused (torch would view the first storage as its type and size).
+  std::map<std::string, torch_storage_id, std::less<>>* storages = nullptr;
+  /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
+  static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
+    static constexpr std::pair<std::string_view, dtype> table[] = {
+        {"FloatStorage", dtype::F32}, {"DoubleStorage", dtype::F64}, {"HalfStorage", dtype::F16},
+        {"BFloat16Storage", dtype::BF16}, {"LongStorage", dtype::I64}, {"IntStorage", dtype::I32},
+        {"ShortStorage", dtype::I16}, {"CharStorage", dtype::I8}, {"ByteStorage", dtype::U8},
+        {"BoolStorage", dtype::BOOL}, {"ComplexFloatStorage", dtype::C64}};
+    for (const auto& [name, t] : table)
+      if (n == name) return std::optional<dtype>(t);
+    if (n == "UntypedStorage" || n == "storage.UntypedStorage") return std::optional<dtype>();
+    if (auto t = dcp_torch_dtype(n); t && *t) return t;  // newer torch: the dtype itself
+    return std::nullopt;
+  }
+  /// The same for a full name, "torch.FloatStorage": nullopt unless it is torch's.
+  static std::optional<std::optional<dtype>> storage_type_of(std::string_view full) {
+    return full.starts_with("torch.") ? storage_type(full.substr(6)) : std::nullopt;
+  }
+  template <class Reader>
+  bool on_opcode(Reader& r, unsigned char op, std::size_t at) const {
+    const auto where = " at byte " + std::to_string(at);
+    using k = pickle_value::kind;
+    if (op == 'c' || op == 0x93) {
+      std::string full;
+      if (op == 'c') {
+        std::string m, n;
+        for (auto* s : {&m, &n})
+          for (char c; (c = r.take(1)[0]) != '\n';) {
+            if (s->size() >= 256) r.bad("GLOBAL name longer than 256 bytes");
+            *s += c;
+          }
+        full = m + "." + n;
+      } else {
+        const auto n = r.pop_value(), m = r.pop_value();
+        if (n.type() != k::string || m.type() != k::string) r.bad("STACK_GLOBAL" + where + " needs two strings");
+        full = m.as_string("") + "." + n.as_string("");
+      }
+      const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
+                      full == "collections.OrderedDict" ||
+                      (state_dict && (full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state")) ||
+                      storage_type_of(full);
+      if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
+      r.push(dcp_unpickle_policy::marker(full));
+      return true;
+    }
+    if (op == 'Q') {  // BINPERSID
+      const auto pid = r.pop_value();
+      const auto* t = pid.type() == k::tuple ? &pid.as_sequence("") : nullptr;
+      if (!t || t->size() != (legacy ? 6 : 5) || (*t)[0] != pickle_value::string("storage") || (*t)[2].type() != k::string ||
+          (*t)[4].type() != k::integer || (*t)[4].as_int("") < 0 || dcp_unpickle_policy::marker_name((*t)[1]).empty())
+        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel" + (legacy ? ", view_metadata)" : ")"));
+      if (legacy && (*t)[5].type() != k::none)
+        r.bad("BINPERSID" + where + " is a view into another storage (its view_metadata is not None), which torch.save "
+              "does not write; not read here");
+      if (storages) {
+        const std::string& key = (*t)[2].as_string("");
+        const torch_storage_id id{dcp_unpickle_policy::marker_name((*t)[1]), static_cast<std::uint64_t>((*t)[4].as_int("")), at};
+        const auto [first, fresh] = storages->try_emplace(key, id);
+        if (!fresh && (first->second.type != id.type || first->second.numel != id.numel))
+          r.bad("BINPERSID" + where + " names storage '" + key + "' as " + std::to_string(id.numel) + " of " + id.type +
+                ", the one at byte " + std::to_string(first->second.at) + " as " + std::to_string(first->second.numel) + " of " +
+                first->second.type + " (torch would view the first as both)");
+      }
+      r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_storage_key)), (*t)[2]},
+                                        {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
+                                        {pickle_value::string("numel"), (*t)[4]}}),
+                    "storage");
+      return true;
+    }
+    if (op == 'R') {
+      const auto args = r.pop_value(), fn = r.pop_value();
+      const auto name = dcp_unpickle_policy::marker_name(fn);
+      if (args.type() != k::tuple) r.bad("REDUCE" + where + " without an argument tuple");
+      const auto& a = args.as_sequence("");
+      // what torch applies after making a tensor and would change its values (torch 2.x's
+      // metadata: the conj and neg bits; a Parameter's state: setattr, `data` among them) must be
+      // absent, None or empty
+      auto inert = [](const pickle_value& v, auto& self) -> bool {
+        if (v.type() == k::none) return true;
+        if (v.type() == k::dict) return v.dict_size() == 0;
+        if (v.type() == k::tuple || v.type() == k::list) {
+          for (const auto& x : v.as_sequence(""))
+            if (!self(x, self)) return false;
+          return true;
+        }
+        return false;
+      };
+      auto inert_from = [&](std::size_t i, const char* what) {
+        for (; i < a.size(); ++i)
+          if (!inert(a[i], inert))
+            r.bad("REDUCE" + where + " of '" + name + "' with " + what + " that is not empty (torch would apply it to the tensor: " +
+                  "a conjugate or negative view, or a changed attribute); not read here");
+      };
+      if (name == "collections.OrderedDict" && a.empty()) {
+        r.push(pickle_value::dict());
+      } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find(torch_storage_key)) {
+        inert_from(6, "metadata");
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}),
+                      "tensor");
+      } else if (name == "torch._utils._rebuild_tensor_v3" && a.size() >= 7 && a[0].find(torch_storage_key) &&
+                 dcp_unpickle_policy::marker_name(a[6]).starts_with("torch.")) {
+        // torch 2.x, dtypes without a typed storage (float8, uint16/32/64): an untyped (byte)
+        // storage and the dtype as the seventh argument
+        inert_from(7, "metadata");
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
+                                          {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}),
+                      "tensor");
+      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find(torch_tensor_key)) {
+        inert_from(3, "a state");
+        r.push_sealed(a[0], "tensor");  // a Parameter is its tensor here (requires_grad and hooks are not data)
+      } else {
+        r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
+      }
+      return true;
+    }
+    if (op == 'b' && state_dict) {  // BUILD: an OrderedDict's attributes (a state dict's _metadata), dropped
+      // torch applies BUILD on a tensor (set_: another storage, offset, size): refused, as is
+      // any state but {'_metadata': ...}, so that no byte range here differs from torch's load
+      if (r.kind_at(1) != k::dict || r.first_key_at(1) == torch_tensor_key || r.first_key_at(1) == torch_storage_key)
+        r.bad("BUILD" + where + " on a value that is not a state dict");
+      const auto state = r.pop_value();
+      if (state.type() != k::dict || state.dict_size() != 1 || state.dict_key(0) != pickle_value::string("_metadata"))
+        r.bad("BUILD" + where + " with a state other than {'_metadata': ...}");
+      return true;
+    }
+    return false;
+  }
+};
+
+/// The tensor a torch.save pickle's value v describes (what torch_tensor_pickle_policy makes of
+/// _rebuild_tensor_v2 / _v3); `what` names it in messages.
+#if SHARDSAFE_DEFINE
+SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what) {
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
+  const auto* st = v.find(torch_tensor_key);
+  if (!st) bad("does not hold one tensor (torch._utils._rebuild_tensor_v2)");
+  auto uint = [&](const pickle_value& x, const char* field) {
+    if (x.type() != pickle_value::kind::integer || x.as_int("") < 0) bad(std::string(field) + " is not a non-negative int");
+    return static_cast<std::uint64_t>(x.as_int(""));
+  };
+  auto ints = [&](const pickle_value& x, const char* field) {
+    if (x.type() != pickle_value::kind::tuple && x.type() != pickle_value::kind::list) bad(std::string(field) + " is not a tuple");
+    std::vector<std::uint64_t> out;
+    for (const auto& i : x.as_sequence("")) out.push_back(uint(i, field));
+    return out;
+  };
+  torch_zip_tensor t;
+  t.storage_key = st->at(torch_storage_key, what).as_string(what);
+  const std::string& type = st->at("type", what).as_string(what);
+  const auto st_type = torch_tensor_pickle_policy::storage_type_of(type);
+  if (!st_type) bad("storage type '" + type + "' is not a torch storage class");
+  t.type = *st_type;
+  t.storage_numel = uint(st->at("numel", what), "storage numel");
+  if (const auto* d = v.find("dtype")) {  // _rebuild_tensor_v3: the tensor's dtype over an untyped storage
+    const std::string& dn = d->as_string(what);
+    const auto dt = dn.starts_with("torch.") ? dcp_torch_dtype(std::string_view(dn).substr(6)) : std::nullopt;
+    if (!dt) bad("dtype '" + dn + "' is not a torch dtype");
+    if (!*dt) fail(errc::unsupported_dtype, std::string(what) + ": dtype " + dn + " is not supported");
+    if (t.type) bad("_rebuild_tensor_v3 of a typed storage '" + type + "'");
+    t.view_type = **dt;
+  }
+  t.storage_offset = uint(v.at("offset", what), "storage offset");
+  t.size = ints(v.at("size", what), "size");
+  t.stride = ints(v.at("stride", what), "stride");
+  return t;
+}
+#else
+SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what);
+#endif
+
+/// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
+inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {
+  return torch_tensor_of(pickle_loads(bytes, what, torch_tensor_pickle_policy{}), what);
+}
+
+}  // namespace shardsafe

@@ -1,0 +1,143 @@
+// shardsafe/torch/train_layouts.hpp - how a model and its optimizer's state lie on disk
+// together: the layouts of a training checkpoint, each a plain type that
+// torch/model_and_optim.hpp dispatches to without testing which one it is.
+//
+// | layout            | save_options::format | on disk                                        | told apart by      |
+// |-------------------|----------------------|------------------------------------------------|--------------------|
+// | pair_train_layout | shardsafe            | DIR/optim, then DIR/model (docs/FORMAT.md §2); | any other folder   |
+// |                   |                      | model/metadata.json last, the pair's commit mark|                   |
+// | dcp_train_layout  | dcp                  | one torch.distributed.checkpoint folder, keyed | DIR/.metadata, no  |
+// |                   |                      | as torch 2.x's get_state_dict (torch/optim_dcp.hpp) | DIR/model/    |
+//
+// A layout L has: `format` (the save_format that writes it), recognise(dir) (by names only),
+// save(dir, model, optim, comm, opt) and load(dir, model, optim, opt, stats) (the caller runs
+// it as one every-rank step). The list below is the only one; a training layout is its type
+// here and one entry in train_layouts.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+
+#include "shardsafe/checkpoint/layout.hpp"
+#include "shardsafe/checkpoint/layouts/layout.hpp"
+#include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/torch/optim.hpp"
+#include "shardsafe/torch/optim_dcp.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+
+namespace shardsafe {
+
+struct model_and_optim_save_stats {
+  save_stats model;
+  save_stats optim;
+  double seconds = 0;
+  std::uint64_t total_bytes() const noexcept { return model.total_bytes + optim.total_bytes; }
+};
+
+struct model_and_optim_load_stats {
+  load_stats model;
+  optim_load_stats optim;
+  double seconds = 0;
+};
+
+struct train_load_options {
+  load_options load{};
+  bool strict = true;                   ///< missing tensors or parameters are errors (else listed)
+  bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
+};
+
+namespace detail {
+/// The load options of the model's part and the optimizer's, from a training load's.
+inline std::pair<load_options, optim_load_options> split_train_load_options(const train_load_options& opt) {
+  load_options lo = opt.load;
+  lo.strict = opt.strict;
+  optim_load_options oo;
+  oo.load = opt.load;
+  oo.load.strict = true;
+  oo.strict = opt.strict;
+  oo.restore_hyperparameters = opt.restore_hyperparameters;
+  return {lo, oo};
+}
+}  // namespace detail
+
+/// model/ and optim/, each a checkpoint in shardsafe's layout.
+struct pair_train_layout {
+  static constexpr save_format format = save_format::shardsafe;
+
+  /// Any folder a DCP training layout is not (what it lacks, its load names).
+  template <ReadableDirectory D>
+  static bool recognise(const D&) {
+    return true;
+  }
+
+  template <WritableDirectory D, Comm C>
+  static model_and_optim_save_stats save(const D& dir, const state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                                         const save_options& opt) {
+    model_and_optim_save_stats st;
+    state_dict flat;
+    if (optim) every_rank_step(comm, [&] { flat = flatten_optimizer_state(*optim, model); });
+    detail::state_dict_save_source src;
+    const auto optim_views = optim ? src.add(flat, comm, dir.name(), opt) : std::span<const flat_view>();
+    const auto model_views = src.add(model, comm, dir.name(), opt);
+    const auto folders = model_and_optim_folders(model_views, optim_views, optim != nullptr);
+    const auto sts = save_folder_set(dir, std::span<const folder_views>(folders), comm, src.options(opt));
+    if (optim) st.optim = sts.front();
+    st.model = sts.back();
+    return st;
+  }
+
+  template <ReadableDirectory D>
+  static void load(const D& dir, state_dict& model, torch::optim::Optimizer* optim, const train_load_options& opt,
+                   model_and_optim_load_stats& rep) {
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    checkpoint_reader<D> mr(dir.sub(model_folder_name));
+    rep.model = load_state_dict(mr, model, lo);
+    if (optim) {
+      checkpoint_reader<D> orr(dir.sub(optim_folder_name));
+      rep.optim = load_optimizer_state(orr, *optim, model, oo);
+    }
+  }
+};
+
+/// One DCP folder in get_state_dict's layout: "model." and "optim." keys (torch/optim_dcp.hpp).
+struct dcp_train_layout {
+  static constexpr save_format format = save_format::dcp;
+
+  template <ReadableDirectory D>
+  static bool recognise(const D& dir) {
+    return !dir.exists(model_folder_name) && dir.exists(dcp_metadata_file_name);
+  }
+
+  template <WritableDirectory D, Comm C>
+  static model_and_optim_save_stats save(const D& dir, const state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                                         const save_options& opt) {
+    model_and_optim_save_stats st;
+    dcp_train_state ts;
+    every_rank_step(comm, [&] { ts = dcp_train_state_of(model, optim); });
+    std::vector<at::Tensor> keep;
+    const auto views = detail::save_views(ts.tensors, keep, comm, dir.name());
+    st.model = save_dcp(dir, std::span<const flat_view>(views), comm, opt, std::span<const dcp_object>(ts.objects), ts.paths);
+    return st;
+  }
+
+  template <ReadableDirectory D>
+  static void load(const D& dir, state_dict& model, torch::optim::Optimizer* optim, const train_load_options& opt,
+                   model_and_optim_load_stats& rep) {
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    checkpoint_reader<D> r(dir);
+    state_dict prefixed;  // the same tensors, under the DCP keys
+    for (const auto& [name, t] : model) prefixed.add(std::string(dcp_model_prefix) + name, t);
+    rep.model = load_state_dict(r, prefixed, lo);
+    std::erase_if(rep.model.unexpected_keys, [](const std::string& k) { return !k.starts_with(dcp_model_prefix); });
+    if (optim) rep.optim = load_optimizer_state_dcp(r, *optim, model, oo);
+  }
+};
+
+/// The training layouts, in the order a load tries them (the pair last: it takes any folder).
+using train_layouts = layout_list<dcp_train_layout, pair_train_layout>;
+
+}  // namespace shardsafe
