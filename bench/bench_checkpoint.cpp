@@ -229,7 +229,8 @@ int child_single(const std::string& what, const bench::args& a) {
                                                   : what == "ss-unshard-hugetlb" ? tensor_memory::hugetlb_arena
                                                                                  : tensor_memory::separate);
     const double t1 = bench::now_s();
-    if (what == "ss-unshard-hugetlb") bench::emit("pool_pages_used", double(pool0 - tensor_arena::hugetlb_pages_free()));
+    if (what == "ss-unshard-hugetlb")
+      bench::emit("pool_pages_used", double(pool0 - tensor_arena::hugetlb_pages_free()));
     // pages of the reserved pool are outside VmRSS / VmHWM / RssAnon: counted beside them
     const double hugetlb_mib = double(bench::proc_status_kib("HugetlbPages")) / 1024.0;
     if (what == "ss-map") {
@@ -416,27 +417,29 @@ struct row {
   bench::samples peak;       // MiB above the baseline (per process; max over ranks)
   bench::samples peak_anon;  // MiB (sampled), where measured
   double resident = -1;
-  std::string peer;          // the torch row this is compared with
-  std::string peer_fsync;    // the torch + fsync row (saves)
+  std::string peer;        // the torch row this is compared with
+  std::string peer_fsync;  // the torch + fsync row (saves)
 };
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
-  bench::accept_only(a, "Saves and loads a ~1 GiB state dict with shardsafe beside torch::save / torch::load and the copy and\n"
-                        "I/O limits of the same bytes (bench/README.md).",
-                     {{"--quick", nullptr, "~6 MiB model, one repetition (a smoke run)"},
-                      {"--reps", "N", "repetitions of every case (default 5)"},
-                      {"--dir", "DIR", "where the checkpoints are written (default /tmp)"},
-                      {"--dtype", "f32|bf16", "the tensors' dtype (bf16 doubles the layers to stay near 1 GiB)"},
-                      {"--child", "KIND", "", true},
-                      {"--world-child", "KIND", "", true},
-                      {"--path", "P", "", true},
-                      {"--split", "S", "", true},
-                      {"--out", "DIR", "", true},
-                      {"--checksums", "0|1", "", true},
-                      {"--mmap", nullptr, "", true}});
+  bench::accept_only(
+      a,
+      "Saves and loads a ~1 GiB state dict with shardsafe beside torch::save / torch::load and the copy and\n"
+      "I/O limits of the same bytes (bench/README.md).",
+      {{"--quick", nullptr, "~6 MiB model, one repetition (a smoke run)"},
+       {"--reps", "N", "repetitions of every case (default 5)"},
+       {"--dir", "DIR", "where the checkpoints are written (default /tmp)"},
+       {"--dtype", "f32|bf16", "the tensors' dtype (bf16 doubles the layers to stay near 1 GiB)"},
+       {"--child", "KIND", "", true},
+       {"--world-child", "KIND", "", true},
+       {"--path", "P", "", true},
+       {"--split", "S", "", true},
+       {"--out", "DIR", "", true},
+       {"--checksums", "0|1", "", true},
+       {"--mmap", nullptr, "", true}});
   if (argc > 2 && std::string(argv[1]) == "--child") return child_single(argv[2], a);
   if (argc > 2 && std::string(argv[1]) == "--world-child") return child_world(argv[2], a);
 
@@ -512,7 +515,10 @@ int main(int argc, char** argv) {
     for (const char* kind : {"ss-unshard", "ss-unshard-arena", "ss-unshard-hugetlb", "ss-map"}) {
       r = bench::run_child(args({"--child", kind, "--path", ck1}));
       const std::string k = kind;
-      row& x = R(k == "ss-unshard" ? L_unshard : k == "ss-unshard-arena" ? L_arena : k == "ss-unshard-hugetlb" ? L_hugetlb : L_map);
+      row& x = R(k == "ss-unshard"           ? L_unshard
+                 : k == "ss-unshard-arena"   ? L_arena
+                 : k == "ss-unshard-hugetlb" ? L_hugetlb
+                                             : L_map);
       if (k == "ss-unshard-hugetlb") hugetlb_pages_used = std::min(hugetlb_pages_used, r["pool_pages_used"]);
       x.t.add(r["seconds"]);
       x.peak.add(r["peak_mib"]);
@@ -596,18 +602,25 @@ int main(int argc, char** argv) {
   const double t_total = bench::now_s() - t_start;
 
   // ---- tables ---------------------------------------------------------------------------
-  std::printf("bench_checkpoint: %zu tensors, %s, %.1f MiB (%.3f GB); %d repetition(s); every measurement in a fresh process\n",
-              model_defs(c).size(), c.bf16 ? "BF16" : "F32", double(mbytes) / double(MiB), gb, reps);
-  std::printf("files in %s (ext4 on a virtual disk); page cache warm for loads (each file read once before; resident %% below)\n"
-              "but for the 'uncached' row, which loads right after shardsafe's O_DIRECT save;\n"
-              "no drop_caches here: bench_read measures loads from a cold page cache against the dd-like limit. GB/s = model bytes / seconds (all ranks together).\n",
-              scratch.c_str());
-  std::printf("peak +MiB = VmHWM - VmRSS before the model was allocated (max over ranks); model = %.1f MiB "
-              "(%.1f MiB per rank in 2-rank rows).\n",
-              double(mbytes) / double(MiB), double(mbytes) / double(MiB) / 2);
-  std::printf("reserved huge pages (vm.nr_hugepages) free at the end: %ld of 2 MiB; the hugetlb_arena row took %.0f of them "
-              "(the model needs %.0f; fewer: it fell back to tensor_arena)\n",
-              tensor_arena::hugetlb_pages_free(), hugetlb_pages_used, std::ceil(double(mbytes) / double(tensor_arena::huge_page)));
+  std::printf(
+      "bench_checkpoint: %zu tensors, %s, %.1f MiB (%.3f GB); %d repetition(s); every measurement in a fresh process\n",
+      model_defs(c).size(), c.bf16 ? "BF16" : "F32", double(mbytes) / double(MiB), gb, reps);
+  std::printf(
+      "files in %s (ext4 on a virtual disk); page cache warm for loads (each file read once before; resident %% "
+      "below)\n"
+      "but for the 'uncached' row, which loads right after shardsafe's O_DIRECT save;\n"
+      "no drop_caches here: bench_read measures loads from a cold page cache against the dd-like limit. GB/s = model "
+      "bytes / seconds (all ranks together).\n",
+      scratch.c_str());
+  std::printf(
+      "peak +MiB = VmHWM - VmRSS before the model was allocated (max over ranks); model = %.1f MiB "
+      "(%.1f MiB per rank in 2-rank rows).\n",
+      double(mbytes) / double(MiB), double(mbytes) / double(MiB) / 2);
+  std::printf(
+      "reserved huge pages (vm.nr_hugepages) free at the end: %ld of 2 MiB; the hugetlb_arena row took %.0f of them "
+      "(the model needs %.0f; fewer: it fell back to tensor_arena)\n",
+      tensor_arena::hugetlb_pages_free(), hugetlb_pages_used,
+      std::ceil(double(mbytes) / double(tensor_arena::huge_page)));
   std::printf("load average before: %s, after: %s; wall time %.0f s\n\n", load_before.c_str(), bench::loadavg().c_str(),
               t_total);
   bench::table tab({"case", "ranks", "best ms", "median ms", "best GB/s", "median GB/s", "x torch (median)",
@@ -615,9 +628,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> groups[] = {
       {"shardsafe save (fdatasync + rename)", L_nosum, "torch::save (no sync)", "torch::save + fsync", L_wbuf, L_wdio},
       {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
-       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, L_unshard, L_arena, L_hugetlb, L_map, L_map_touch,
-       "torch::load", L_read1, L_read2, L_memcpy1,
-       L_memcpy2, L_touch},
+       "shardsafe load (mmap_directory, into the model)", L_checked, L_cold, L_unshard, L_arena, L_hugetlb, L_map,
+       L_map_touch, "torch::load", L_read1, L_read2, L_memcpy1, L_memcpy2, L_touch},
       {"shardsafe save, 2 ranks", "torch::save per rank, 2 ranks (no sync)", "torch::save per rank + fsync, 2 ranks"},
       {"shardsafe load, 2 ranks (into the model)", L_mmap2, "torch::load per rank, 2 ranks"}};
   bool first = true;
@@ -640,8 +652,10 @@ int main(int argc, char** argv) {
     }
   }
   tab.print();
-  std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline: mapped file pages excluded;\n"
-              " the hugetlb_arena row adds the reserved huge pages it holds, HugetlbPages, which RSS does not count)\n\n");
+  std::printf(
+      "(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline: mapped "
+      "file pages excluded;\n"
+      " the hugetlb_arena row adds the reserved huge pages it holds, HugetlbPages, which RSS does not count)\n\n");
 
   bench::table rt({"resharded load", "bytes needed", "bytes read", "read / needed", "read ops", "seconds (max rank)",
                    "GB/s", "peak +MiB (max rank)"});
@@ -683,10 +697,12 @@ int main(int argc, char** argv) {
   x = med("torch::save per rank + fsync, 2 ranks") / med("shardsafe save, 2 ranks");
   line("save >= 2x faster than torch::save + fsync, 2 ranks", x, "x", x >= 2);
   const double model_mib = double(mbytes) / double(MiB);
-  for (const char* n : {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
-                        "shardsafe load (mmap_directory, into the model)"}) {
+  for (const char* n :
+       {"shardsafe load (file_directory, into the model)", "shardsafe load (file_directory, fresh tensors)",
+        "shardsafe load (mmap_directory, into the model)"}) {
     const double over = rows.at(n).peak.s.back() - model_mib;
-    line((std::string("peak RSS <= model + 64 MiB: ") + std::string(n).substr(15) + " [MiB over]").c_str(), over, "", over <= 64);
+    line((std::string("peak RSS <= model + 64 MiB: ") + std::string(n).substr(15) + " [MiB over]").c_str(), over, "",
+         over <= 64);
   }
   {
     const double over = rows.at("shardsafe load (mmap_directory, into the model)").peak_anon.s.back() - model_mib;

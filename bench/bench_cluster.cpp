@@ -212,7 +212,8 @@ struct cluster {
   int nodes;
   std::string head, links;
   cluster(int n, const std::string& rate) : nodes(n) {
-    if (sh(script + " up " + name + " " + std::to_string(n) + " " + rate) != 0) throw std::runtime_error("cluster.sh up failed");
+    if (sh(script + " up " + name + " " + std::to_string(n) + " " + rate) != 0)
+      throw std::runtime_error("cluster.sh up failed");
     head = out_of(script + " addr " + name + " 0");
     links = out_of(script + " links " + name);
   }
@@ -230,7 +231,9 @@ bool run_world(const cluster& c, int W, int per_node, const std::vector<std::str
   o.env = {{"GLOO_SOCKET_IFNAME", "eth0"}, {"OMP_NUM_THREADS", "1"}, {"USE_LIBUV", "0"}};
   o.stderr_dir = logdir;
   const std::string name = c.name;
-  o.wrap = [name, per_node](int r) { return std::vector<std::string>{script, "run", name, std::to_string(r / per_node)}; };
+  o.wrap = [name, per_node](int r) {
+    return std::vector<std::string>{script, "run", name, std::to_string(r / per_node)};
+  };
   o.local_rank = [per_node](int r) { return r % per_node; };
   std::vector<int> st;
   {
@@ -273,19 +276,20 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
-  bench::accept_only(a, "Real c10d worlds on a simulated cluster: the save/load cost curve and the HF import modes.",
-                     {{"--quick", nullptr, "worlds 1, 2, 4 and one HF rate (a smoke run)"},
-                      {"--rate", "R", "link rate of the curve's cluster (tc units, default 10gbit)"},
-                      {"--worlds", "LIST", "world sizes of the curve (default 1,2,4,8,16)"},
-                      {"--tensors", "N", "tensors of 2 MiB in the model (default 32)"},
-                      {"--store-rates", "LIST", "the object store's link rates in the HF part (default 100mbit,1gbit,10gbit)"},
-                      {"--worker", "KIND", "", true},
-                      {"--root", "DIR", "", true},
-                      {"--form", "F", "", true},
-                      {"--source", "S", "", true},
-                      {"--mode", "M", "", true},
-                      {"--layout", "L", "", true},
-                      {"--out", "DIR", "", true}});
+  bench::accept_only(
+      a, "Real c10d worlds on a simulated cluster: the save/load cost curve and the HF import modes.",
+      {{"--quick", nullptr, "worlds 1, 2, 4 and one HF rate (a smoke run)"},
+       {"--rate", "R", "link rate of the curve's cluster (tc units, default 10gbit)"},
+       {"--worlds", "LIST", "world sizes of the curve (default 1,2,4,8,16)"},
+       {"--tensors", "N", "tensors of 2 MiB in the model (default 32)"},
+       {"--store-rates", "LIST", "the object store's link rates in the HF part (default 100mbit,1gbit,10gbit)"},
+       {"--worker", "KIND", "", true},
+       {"--root", "DIR", "", true},
+       {"--form", "F", "", true},
+       {"--source", "S", "", true},
+       {"--mode", "M", "", true},
+       {"--layout", "L", "", true},
+       {"--out", "DIR", "", true}});
   if (a.has("--worker")) return a.get("--worker", "") == "hf" ? hf_worker(a) : curve_worker(a);
   const bool have_ip = fs::exists("/usr/sbin/ip") || fs::exists("/sbin/ip") || fs::exists("/usr/bin/ip");
   if (::geteuid() != 0 || !have_ip) {
@@ -305,18 +309,21 @@ int main(int argc, char** argv) {
   try {
     // --- part 1
     cluster c(4, rate);
-    std::printf("bench_cluster: 4 nodes, links %s; a model of %s F32 tensors [%llu, %llu] (%.0f MiB) held as flat "
-                "pieces, loaded back as row blocks\n(the slowest rank's figures; files on this machine's file system, "
-                "links carrying the c10d traffic; %ld cores run every rank)\n\n",
-                c.links.c_str(), tensors.c_str(), (unsigned long long)rows, (unsigned long long)cols, model_mib,
-                ::sysconf(_SC_NPROCESSORS_ONLN));
-    bench::table t({"world", "nodes", "form", "md KB", "save s", "load s", "plan ms", "read MiB", "files", "load MiB/s", "ok"});
+    std::printf(
+        "bench_cluster: 4 nodes, links %s; a model of %s F32 tensors [%llu, %llu] (%.0f MiB) held as flat "
+        "pieces, loaded back as row blocks\n(the slowest rank's figures; files on this machine's file system, "
+        "links carrying the c10d traffic; %ld cores run every rank)\n\n",
+        c.links.c_str(), tensors.c_str(), (unsigned long long)rows, (unsigned long long)cols, model_mib,
+        ::sysconf(_SC_NPROCESSORS_ONLN));
+    bench::table t(
+        {"world", "nodes", "form", "md KB", "save s", "load s", "plan ms", "read MiB", "files", "load MiB/s", "ok"});
     for (const std::string form : {"automatic", "compact"}) {
       for (int W : worlds) {
         const int per_node = (W + 3) / 4;
         const fs::path root = tmp / ("w" + std::to_string(W));
         fs::create_directories(root / "figures");
-        if (!run_world(c, W, per_node, {"--worker", "curve", "--root", root.string(), "--tensors", tensors, "--form", form},
+        if (!run_world(c, W, per_node,
+                       {"--worker", "curve", "--root", root.string(), "--tensors", tensors, "--form", form},
                        root / "logs", port)) {
           status = 1;
           continue;
@@ -334,9 +341,10 @@ int main(int argc, char** argv) {
         }
         if (wrong > 0) status = 1;
         const auto md_bytes = fs::file_size(root / "ckpt" / "metadata.json");
-        t.add({std::to_string(W), std::to_string((W + per_node - 1) / per_node), form == "automatic" ? "listed" : "compact",
-               bench::fmt("%.1f", double(md_bytes) / 1e3), bench::fmt("%.3f", save), bench::fmt("%.3f", load),
-               bench::fmt("%.2f", plan * 1e3), bench::fmt("%.1f", bytes / double(bench::MiB)), bench::fmt("%.0f", files),
+        t.add({std::to_string(W), std::to_string((W + per_node - 1) / per_node),
+               form == "automatic" ? "listed" : "compact", bench::fmt("%.1f", double(md_bytes) / 1e3),
+               bench::fmt("%.3f", save), bench::fmt("%.3f", load), bench::fmt("%.2f", plan * 1e3),
+               bench::fmt("%.1f", bytes / double(bench::MiB)), bench::fmt("%.0f", files),
                bench::fmt("%.0f", model_mib / load), wrong == 0 ? "yes" : "NO"});
         std::fflush(stdout);
         fs::remove_all(root);
@@ -357,9 +365,9 @@ int main(int argc, char** argv) {
       u64 off = 0;
       for (int t = 0; t < T; ++t) {
         const u64 n = rows * cols * 4;
-        header += (t ? ", \"" : "\"") + tensor_name(t) + "\": {\"dtype\": \"F32\", \"shape\": [" + std::to_string(rows) +
-                  ", " + std::to_string(cols) + "], \"data_offsets\": [" + std::to_string(off) + ", " +
-                  std::to_string(off + n) + "]}";
+        header += (t ? ", \"" : "\"") + tensor_name(t) + "\": {\"dtype\": \"F32\", \"shape\": [" +
+                  std::to_string(rows) + ", " + std::to_string(cols) + "], \"data_offsets\": [" + std::to_string(off) +
+                  ", " + std::to_string(off + n) + "]}";
         off += n;
       }
       header += "}";
@@ -375,10 +383,11 @@ int main(int argc, char** argv) {
       }
     }
     const bool http = SHARDSAFE_BENCH_HTTP && fs::exists("/usr/sbin/nginx");
-    std::printf("\nHF import of the same model (one safetensors file, %.0f MiB) by 4 ranks on 4 nodes (links %s), into row"
-                "\nblocks or whole (every rank a replica: MiB/s counts what all ranks received); the shared file system is this"
-                "\nmachine's; the object store is nginx on a fifth node whose link gets each store rate%s\n\n",
-                model_mib, rate.c_str(), http ? "" : " (not run: no nginx, or built without storage/http.hpp)");
+    std::printf(
+        "\nHF import of the same model (one safetensors file, %.0f MiB) by 4 ranks on 4 nodes (links %s), into row"
+        "\nblocks or whole (every rank a replica: MiB/s counts what all ranks received); the shared file system is this"
+        "\nmachine's; the object store is nginx on a fifth node whose link gets each store rate%s\n\n",
+        model_mib, rate.c_str(), http ? "" : " (not run: no nginx, or built without storage/http.hpp)");
     bench::table t({"ranks load", "source", "mode", "import s", "MiB/s", "mode used", "ok"});
     std::vector<std::string> picks;  // automatic's reasons
     cluster c(5, rate);
@@ -405,7 +414,8 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> stores{"-"};  // the file system first (no store link)
     if (http)
-      for (const auto& sr : split(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit"))) stores.push_back(sr);
+      for (const auto& sr : split(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit")))
+        stores.push_back(sr);
     for (const std::string held : {"rows", "whole"}) {
       for (const auto& srate : stores) {
         const bool fs_source = srate == "-";
@@ -415,8 +425,8 @@ int main(int argc, char** argv) {
           fs::remove_all(out);
           fs::create_directories(out);
           if (!run_world(c, 4, 1,
-                         {"--worker", "hf", "--source", fs_source ? hf.string() : url, "--mode", mode, "--tensors", tensors,
-                          "--layout", held, "--out", out.string()},
+                         {"--worker", "hf", "--source", fs_source ? hf.string() : url, "--mode", mode, "--tensors",
+                          tensors, "--layout", held, "--out", out.string()},
                          tmp / "hf-logs", port)) {
             status = 1;
             continue;
@@ -433,13 +443,13 @@ int main(int argc, char** argv) {
             wrong += bad;
             if (r == 0) used = m;
             if (r == 0 && mode == "automatic")
-              picks.push_back(held + ", " + (fs_source ? std::string("file system") : "store link " + srate) + ": " + m +
-                              " -" + why);
+              picks.push_back(held + ", " + (fs_source ? std::string("file system") : "store link " + srate) + ": " +
+                              m + " -" + why);
           }
           if (wrong > 0) status = 1;
           const double mib = held == "whole" ? 4 * model_mib : model_mib;
-          t.add({held == "rows" ? "row blocks" : "whole (replicas)", fs_source ? "file system" : "store, " + srate, mode,
-                 bench::fmt("%.3f", secs), bench::fmt("%.0f", mib / secs), used, wrong == 0 ? "yes" : "NO"});
+          t.add({held == "rows" ? "row blocks" : "whole (replicas)", fs_source ? "file system" : "store, " + srate,
+                 mode, bench::fmt("%.3f", secs), bench::fmt("%.0f", mib / secs), used, wrong == 0 ? "yes" : "NO"});
         }
       }
       t.separator();

@@ -81,8 +81,9 @@ std::string run_capture(const std::string& what, const std::string& cmd) {
     const int rc = status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : 255;
     // 124: timeout's own; 137 (SIGKILL) counts only past the limit (else: the OOM killer, say)
     if (rc == 124 || (rc == 137 && bench::now_s() - t0 >= step_limit_s)) {
-      std::fprintf(stderr, "bench_dcp: torch's %s did not finish in %d s and was killed (%s)%s\n", what.c_str(), step_limit_s,
-                   attempt == 0 ? "; once more" : "; again: giving up", out.empty() ? "" : (": " + out).c_str());
+      std::fprintf(stderr, "bench_dcp: torch's %s did not finish in %d s and was killed (%s)%s\n", what.c_str(),
+                   step_limit_s, attempt == 0 ? "; once more" : "; again: giving up",
+                   out.empty() ? "" : (": " + out).c_str());
       continue;
     }
     return rc == 0 ? out : "FAILED: " + out;
@@ -151,11 +152,12 @@ result in_child(const char* what, P&& prepare, F&& f) {
   pollfd pf{fd[0], POLLIN, 0};
   const double deadline = bench::now_s() + step_limit_s;
   int ready = 0;
-  while ((ready = ::poll(&pf, 1, static_cast<int>(std::max(0.0, deadline - bench::now_s()) * 1000))) < 0 && errno == EINTR) {
+  while ((ready = ::poll(&pf, 1, static_cast<int>(std::max(0.0, deadline - bench::now_s()) * 1000))) < 0 &&
+         errno == EINTR) {
   }
   if (ready == 0) {
-    std::fprintf(stderr, "bench_dcp: %s did not finish in %d s: a hang in shardsafe; its threads:%s\n", what, step_limit_s,
-                 thread_states(pid).c_str());
+    std::fprintf(stderr, "bench_dcp: %s did not finish in %d s: a hang in shardsafe; its threads:%s\n", what,
+                 step_limit_s, thread_states(pid).c_str());
     ::kill(pid, SIGKILL);
     ::waitpid(pid, nullptr, 0);
     std::exit(1);
@@ -163,7 +165,7 @@ result in_child(const char* what, P&& prepare, F&& f) {
   const bool got = ::read(fd[0], r, sizeof r) == sizeof r;
   ::close(fd[0]);
   int status = 0;
-  struct rusage ru {};
+  struct rusage ru{};
   ::wait4(pid, &status, 0, &ru);
   if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     std::fprintf(stderr, "bench_dcp: %s failed in its child process\n", what);
@@ -196,11 +198,13 @@ void load_all(const fs::path& ckpt) {
 
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
-  bench::accept_only(a, "Reads a torch DCP checkpoint written by torch (1.13 or 2.x, /usr/bin/python3's) with shardsafe and\n"
-                        "with torch itself; with torch 2.x, also saves one with both (bench/README.md).",
-                     {{"--quick", nullptr, "a small model, one round (a smoke run)"},
-                      {"--reps", "N", "rounds of every case (default 3)"},
-                      {"--dir", "DIR", "where the checkpoint is written (default the temporary folder)"}});
+  bench::accept_only(
+      a,
+      "Reads a torch DCP checkpoint written by torch (1.13 or 2.x, /usr/bin/python3's) with shardsafe and\n"
+      "with torch itself; with torch 2.x, also saves one with both (bench/README.md).",
+      {{"--quick", nullptr, "a small model, one round (a smoke run)"},
+       {"--reps", "N", "rounds of every case (default 3)"},
+       {"--dir", "DIR", "where the checkpoint is written (default the temporary folder)"}});
   const bool quick = a.has("--quick");
   step_limit_s = quick ? 120 : 900;
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
@@ -215,11 +219,13 @@ int main(int argc, char** argv) {
   const fs::path ckpt = base / "ckpt", out = base / "hf";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "dcp_peer.py").string();
   std::string torch_version = run_capture("version", python + " " + peer + " version 2>/dev/null");
-  while (!torch_version.empty() && std::isspace(static_cast<unsigned char>(torch_version.back()))) torch_version.pop_back();
+  while (!torch_version.empty() && std::isspace(static_cast<unsigned char>(torch_version.back())))
+    torch_version.pop_back();
   const bool torch2 = !torch_version.empty() && torch_version[0] >= '2' && torch_version[0] <= '9';
   const double tw = bench::now_s();
-  const std::string w = run_capture("write (2 ranks)", python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
-                                    std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
+  const std::string w =
+      run_capture("write (2 ranks)", python + " " + peer + " write " + base.string() + " " + std::to_string(h) + " " +
+                                         std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
   if (w.rfind("FAILED", 0) == 0) {
     std::fprintf(stderr, "bench_dcp: writing the checkpoint with torch failed:\n%s\n", w.c_str());
     return 1;
@@ -239,10 +245,12 @@ int main(int argc, char** argv) {
     for (const auto& [k, tm] : r.metadata().tensors) tensor_bytes += tm.numel() * item_size(tm.type);
     tensors = r.metadata().tensors.size();
   }
-  std::printf("# bench_dcp: torch %s DCP checkpoint of %zu F32 tensors, %.1f MiB of tensors in %.1f MiB of files, "
-              "saved by 2 Gloo ranks in %.1f s (%s); %d round(s); loadavg %s\n",
-              torch_version.c_str(), tensors, double(tensor_bytes) / bench::MiB, double(file_bytes) / bench::MiB,
-              bench::now_s() - tw, torch2 ? "DTensors Shard(0), dcp.save" : "single_file_per_rank", reps, bench::loadavg().c_str());
+  std::printf(
+      "# bench_dcp: torch %s DCP checkpoint of %zu F32 tensors, %.1f MiB of tensors in %.1f MiB of files, "
+      "saved by 2 Gloo ranks in %.1f s (%s); %d round(s); loadavg %s\n",
+      torch_version.c_str(), tensors, double(tensor_bytes) / bench::MiB, double(file_bytes) / bench::MiB,
+      bench::now_s() - tw, torch2 ? "DTensors Shard(0), dcp.save" : "single_file_per_rank", reps,
+      bench::loadavg().c_str());
 
   bench::samples torch_s, load_s, hf_s, tsave_s, ssave_s;
   result torch_r, load_r, hf_r, tsave_r, ssave_r;
@@ -272,8 +280,9 @@ int main(int argc, char** argv) {
 
     fs::remove_all(saved);
     ::sync();
-    const std::string sline = run_capture("save", python + " " + peer + " save " + saved.string() + " " + std::to_string(h) + " " +
-                                          std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
+    const std::string sline =
+        run_capture("save", python + " " + peer + " save " + saved.string() + " " + std::to_string(h) + " " +
+                                std::to_string(vocab) + " " + std::to_string(layers) + " 2>&1");
     if (field(sline, "seconds") < 0) {
       std::fprintf(stderr, "bench_dcp: torch's save failed:\n%s\n", sline.c_str());
       return 1;
@@ -285,12 +294,14 @@ int main(int argc, char** argv) {
     // the state in memory first (as torch's is), then only the save timed
     std::vector<std::unique_ptr<std::byte[]>> mem;
     std::vector<flat_view> views;
-    ssave_r = in_child("shardsafe's DCP save", [&] { load_all(ckpt, mem, views); }, [&] {
-      single_process one;
-      save_options so;
-      so.format = save_format::dcp;
-      save_flat_views(file_directory(saved), std::span<const flat_view>(views), one, so);
-    });
+    ssave_r = in_child(
+        "shardsafe's DCP save", [&] { load_all(ckpt, mem, views); },
+        [&] {
+          single_process one;
+          save_options so;
+          so.format = save_format::dcp;
+          save_flat_views(file_directory(saved), std::span<const flat_view>(views), one, so);
+        });
     ssave_s.add(ssave_r.seconds);
     // what shardsafe saved holds the checkpoint's tensors
     checkpoint_reader<file_directory> a{file_directory(ckpt)}, b{file_directory(saved)};
@@ -304,8 +315,9 @@ int main(int argc, char** argv) {
   bench::table t({"case", "best s", "median s", "GB/s", "x torch", "RSS before MiB", "peak RSS MiB"});
   auto row = [&](const char* name, const bench::samples& s, const result& r) {
     t.add({name, bench::fmt("%.3f", s.best()), bench::fmt("%.3f", s.median()),
-           bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9), bench::fmt("%.2f", torch_s.median() / s.median()),
-           bench::fmt("%.0f", r.rss_before), bench::fmt("%.0f", r.peak)});
+           bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9),
+           bench::fmt("%.2f", torch_s.median() / s.median()), bench::fmt("%.0f", r.rss_before),
+           bench::fmt("%.0f", r.peak)});
   };
   row("torch: FileSystemReader + load_state_dict into full tensors", torch_s, torch_r);
   row("shardsafe: every tensor loaded whole into new memory", load_s, load_r);
@@ -316,8 +328,9 @@ int main(int argc, char** argv) {
                      "peak RSS MiB"});
     auto srow = [&](const char* name, const bench::samples& s, const result& r) {
       ts.add({name, bench::fmt("%.3f", s.best()), bench::fmt("%.3f", s.median()),
-              bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9), bench::fmt("%.2f", tsave_s.median() / s.median()),
-              bench::fmt("%.0f", r.rss_before), bench::fmt("%.0f", r.peak)});
+              bench::fmt("%.2f", double(tensor_bytes) / s.median() / 1e9),
+              bench::fmt("%.2f", tsave_s.median() / s.median()), bench::fmt("%.0f", r.rss_before),
+              bench::fmt("%.0f", r.peak)});
     };
     std::printf("\n");
     srow("torch: dcp.save (FileSystemWriter, fsync)", tsave_s, tsave_r);
@@ -350,7 +363,8 @@ int main(int argc, char** argv) {
       local[0] = e - b;
       off[0] = b;
       mem.emplace_back(numel(local) * item_size(tm.type));
-      views.push_back(flat_view{key, tm.type, tm.shape, shard_spec(block_spec(local, off)), mem.back().data(), mem.back().size()});
+      views.push_back(
+          flat_view{key, tm.type, tm.shape, shard_spec(block_spec(local, off)), mem.back().data(), mem.back().size()});
       rows.emplace_back(b, e);
     }
     const load_stats st = r.load(views);
@@ -363,13 +377,14 @@ int main(int argc, char** argv) {
       exact = exact && std::memcmp(full.data() + rows[i].first * row_bytes, mem[i].data(), mem[i].size()) == 0;
     }
   }
-  std::printf("\nresharded into 3 ranks (rows; saved as 2): needed %.2f MiB, read by the plans %.2f MiB (%.4fx), "
-              "read in all %.2f MiB (%.4fx: .metadata, zip headers, plans); bytes %s\n",
-              double(need) / bench::MiB, double(planned) / bench::MiB, double(planned) / double(need),
-              double(syscalls) / bench::MiB, double(syscalls) / double(need), exact ? "equal to the whole tensors" : "WRONG");
+  std::printf(
+      "\nresharded into 3 ranks (rows; saved as 2): needed %.2f MiB, read by the plans %.2f MiB (%.4fx), "
+      "read in all %.2f MiB (%.4fx: .metadata, zip headers, plans); bytes %s\n",
+      double(need) / bench::MiB, double(planned) / bench::MiB, double(planned) / double(need),
+      double(syscalls) / bench::MiB, double(syscalls) / double(need), exact ? "equal to the whole tensors" : "WRONG");
   std::printf("\ntargets:\n");
-  bench::print_target(60, "bytes read / bytes needed, resharded into 3 ranks (<= 1.02)", double(syscalls) / double(need), "x",
-                      double(syscalls) / double(need) <= 1.02);
+  bench::print_target(60, "bytes read / bytes needed, resharded into 3 ranks (<= 1.02)",
+                      double(syscalls) / double(need), "x", double(syscalls) / double(need) <= 1.02);
   fs::remove_all(base);
   return exact && saved_exact ? 0 : 1;
 }

@@ -69,7 +69,8 @@ double read_rate(const std::vector<std::filesystem::path>& files, unsigned threa
     if (fd < 0) continue;
     fds.push_back(fd);
     const std::uint64_t size = std::filesystem::file_size(f);
-    for (std::uint64_t o = 0; o < size; o += 64 * MiB) pieces.push_back({fd, o, std::min<std::uint64_t>(64 * MiB, size - o)});
+    for (std::uint64_t o = 0; o < size; o += 64 * MiB)
+      pieces.push_back({fd, o, std::min<std::uint64_t>(64 * MiB, size - o)});
     total += size;
   }
   std::atomic<std::size_t> next{0};
@@ -150,18 +151,20 @@ std::string gbs(double bytes_per_s) { return bench::fmt("%.2f", bytes_per_s / 1e
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out as it is printed
   bench::args a(argc, argv);
-  bench::accept_only(a, "A checkpoint loaded into CUDA tensors and saved from them, against measured limits.",
-                     {{"--dir", "DIR", "the checkpoint to load (e.g. a folder with model.safetensors)"},
-                      {"--out", "DIR", "where the saves go (default: DIR/../bench_device_out)"},
-                      {"--reps", "N", "loads timed (default 3)"},
-                      {"--slots", "N", "staging slots (default 4)"},
-                      {"--slot-mib", "N", "staging slot size in MiB (default 64)"},
-                      {"--threads", "N", "read threads (default: the loader's)"},
-                      {"--shm", "DIR", "a tmpfs folder for the save into the page cache (default /dev/shm)"},
-                      {"--peers", "LIST", "peers' load rates measured beside it, NAME=GB/s,... (printed as ratios)"},
-                      {"--quick", nullptr, "what CI runs: says whether a device is there, measures nothing without one"}});
+  bench::accept_only(
+      a, "A checkpoint loaded into CUDA tensors and saved from them, against measured limits.",
+      {{"--dir", "DIR", "the checkpoint to load (e.g. a folder with model.safetensors)"},
+       {"--out", "DIR", "where the saves go (default: DIR/../bench_device_out)"},
+       {"--reps", "N", "loads timed (default 3)"},
+       {"--slots", "N", "staging slots (default 4)"},
+       {"--slot-mib", "N", "staging slot size in MiB (default 64)"},
+       {"--threads", "N", "read threads (default: the loader's)"},
+       {"--shm", "DIR", "a tmpfs folder for the save into the page cache (default /dev/shm)"},
+       {"--peers", "LIST", "peers' load rates measured beside it, NAME=GB/s,... (printed as ratios)"},
+       {"--quick", nullptr, "what CI runs: says whether a device is there, measures nothing without one"}});
   if (!at::hasCUDA()) {
-    std::printf("bench_device: no CUDA device here; nothing measured (scripts/device-check.sh runs it on a GPU machine)\n");
+    std::printf(
+        "bench_device: no CUDA device here; nothing measured (scripts/device-check.sh runs it on a GPU machine)\n");
     return 0;
   }
   if (a.get("--dir", "").empty()) {
@@ -175,7 +178,8 @@ int main(int argc, char** argv) {
   opt.staging.slots = static_cast<std::size_t>(a.get_int("--slots", 4));
   opt.staging.slot_bytes = std::uint64_t(a.get_int("--slot-mib", 64)) * MiB;
   opt.threads = static_cast<unsigned>(a.get_int("--threads", 0));
-  const unsigned threads = opt.threads ? opt.threads : shardsafe::staged_default_threads();  // a load into CUDA tensors is staged
+  const unsigned threads =
+      opt.threads ? opt.threads : shardsafe::staged_default_threads();  // a load into CUDA tensors is staged
   const c10::Device dev(at::kCUDA, 0);
 
   checkpoint_reader<file_directory> reader{file_directory(dir)};
@@ -213,10 +217,11 @@ int main(int argc, char** argv) {
   }
   std::sort(secs.begin(), secs.end());
   const double best = double(model_bytes) / secs.front(), median = double(model_bytes) / secs[secs.size() / 2];
-  std::printf("shardsafe load -> cuda: best %s, median %s (%d runs); %.2fx the lesser limit; host peak +%.0f MiB "
-              "(ring %llu MiB)\n",
-              gbs(best).c_str(), gbs(median).c_str(), reps, median / limit, host_peak,
-              static_cast<unsigned long long>(opt.staging.slots * opt.staging.slot_bytes / MiB));
+  std::printf(
+      "shardsafe load -> cuda: best %s, median %s (%d runs); %.2fx the lesser limit; host peak +%.0f MiB "
+      "(ring %llu MiB)\n",
+      gbs(best).c_str(), gbs(median).c_str(), reps, median / limit, host_peak,
+      static_cast<unsigned long long>(opt.staging.slots * opt.staging.slot_bytes / MiB));
   bench::print_target(0, "  target >= 0.8x the lesser limit", median / limit, "x", median / limit >= 0.8);
   {  // the peers scripts/device-check.sh ran on the same files: "name=GB/s,..."
     const std::string peers = a.get("--peers", "");
@@ -265,9 +270,10 @@ int main(int argc, char** argv) {
     load_state_dict(reader, f32, co);
     device_sync(dev);
     const double dt = bench::now_s() - t0;
-    std::printf("shardsafe load -> cuda, BF16 stored -> F32 converted on the %s: %s of stored bytes "
-                "(%.2fx the lesser limit)\n",
-                on_device ? "GPU" : "host", gbs(double(f32_bytes) / dt).c_str(), double(f32_bytes) / dt / limit);
+    std::printf(
+        "shardsafe load -> cuda, BF16 stored -> F32 converted on the %s: %s of stored bytes "
+        "(%.2fx the lesser limit)\n",
+        on_device ? "GPU" : "host", gbs(double(f32_bytes) / dt).c_str(), double(f32_bytes) / dt / limit);
   }
   for (const auto& [k, tm] : reader.metadata().tensors)
     sd.add(k, at::empty(to_sizes(tm.shape), at::TensorOptions().dtype(require_scalar_type(tm.type, k)).device(dev)));
@@ -284,9 +290,10 @@ int main(int argc, char** argv) {
     const double rss0 = bench::rss_mib(), t0 = bench::now_s();
     save_state_dict(file_directory(out / "sync"), sd, comm, so);
     const double dt = bench::now_s() - t0;
-    std::printf("shardsafe save from cuda (durable): %s, %.2fx the lesser of the device->host and durable write "
-                "limits; host peak +%.0f MiB\n",
-                gbs(double(model_bytes) / dt).c_str(), double(model_bytes) / dt / std::min(d2h, wr), bench::hwm_mib() - rss0);
+    std::printf(
+        "shardsafe save from cuda (durable): %s, %.2fx the lesser of the device->host and durable write "
+        "limits; host peak +%.0f MiB\n",
+        gbs(double(model_bytes) / dt).c_str(), double(model_bytes) / dt / std::min(d2h, wr), bench::hwm_mib() - rss0);
     std::filesystem::remove_all(out / "sync");
   }
   // --- the same save into the page cache: to tmpfs (--shm; its files are page-cache pages and
@@ -301,9 +308,10 @@ int main(int argc, char** argv) {
   } else {
     const double pc = write_rate(shm / "limit.bin", model_bytes, threads, false);
     const double pd2h = pageable_d2h_rate(dev, model_bytes, threads);
-    std::printf("limit: page-cache write (tmpfs, 16 MiB blocks, %u threads) %s; device->host into pageable memory "
-                "(%u threads) %s\n",
-                threads, gbs(pc).c_str(), threads, gbs(pd2h).c_str());
+    std::printf(
+        "limit: page-cache write (tmpfs, 16 MiB blocks, %u threads) %s; device->host into pageable memory "
+        "(%u threads) %s\n",
+        threads, gbs(pc).c_str(), threads, gbs(pd2h).c_str());
     save_options po = so;
     po.direct_io = false;
     double best = 0, host = 0;
@@ -316,9 +324,10 @@ int main(int argc, char** argv) {
       std::filesystem::remove_all(shm / "sync");
     }
     const double lesser = std::min(d2h, pc);
-    std::printf("shardsafe save from cuda to the page cache: %s (best of 2), %.2fx the pinned device->host limit, %.2fx "
-                "the lesser of it and the page-cache write limit; host peak +%.0f MiB\n",
-                gbs(best).c_str(), best / d2h, best / lesser, host);
+    std::printf(
+        "shardsafe save from cuda to the page cache: %s (best of 2), %.2fx the pinned device->host limit, %.2fx "
+        "the lesser of it and the page-cache write limit; host peak +%.0f MiB\n",
+        gbs(best).c_str(), best / d2h, best / lesser, host);
     bench::print_target(0, "  target >= 0.8x the lesser of the device->host and page-cache write limits", best / lesser,
                         "x", best / lesser >= 0.8);
   }
@@ -332,10 +341,11 @@ int main(int argc, char** argv) {
     const double stall = bench::now_s() - t0;
     const async_save_stats& r = h.wait();
     const double all = bench::now_s() - t0;
-    std::printf("async save from cuda: training stall %.3f s (snapshot %.3f s = %s, %.2fx the device->host limit); "
-                "whole save %.2f s\n",
-                stall, r.snapshot_seconds, gbs(double(model_bytes) / r.snapshot_seconds).c_str(),
-                double(model_bytes) / r.snapshot_seconds / d2h, all);
+    std::printf(
+        "async save from cuda: training stall %.3f s (snapshot %.3f s = %s, %.2fx the device->host limit); "
+        "whole save %.2f s\n",
+        stall, r.snapshot_seconds, gbs(double(model_bytes) / r.snapshot_seconds).c_str(),
+        double(model_bytes) / r.snapshot_seconds / d2h, all);
   }
   std::filesystem::remove_all(out);
   return bad == 0 ? 0 : 1;

@@ -61,7 +61,9 @@ std::vector<model_tensor> model_shapes(bool quick) {
   return m;
 }
 
-float value_at(std::size_t tensor, u64 i) { return static_cast<float>((i * 2654435761u + tensor) % 65521) * 1e-3f - 30.0f; }
+float value_at(std::size_t tensor, u64 i) {
+  return static_cast<float>((i * 2654435761u + tensor) % 65521) * 1e-3f - 30.0f;
+}
 
 /// Writes `size` bytes to path from 16 MiB aligned blocks on 2 threads, O_DIRECT, then
 /// fdatasync; each block filled by fill(offset, block) (untimed work included: it is the case).
@@ -86,10 +88,11 @@ void buffered_write(const fs::path& path, u64 size, const std::vector<std::byte>
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
-  bench::accept_only(a, "Exports the ~1 GiB benchmark model to a Hugging Face folder against the write limits (bench/README.md).",
-                     {{"--quick", nullptr, "a small model, one round (a smoke run)"},
-                      {"--reps", "N", "rounds of every case (default 5)"},
-                      {"--dir", "DIR", "where the folders are written (default /tmp)"}});
+  bench::accept_only(
+      a, "Exports the ~1 GiB benchmark model to a Hugging Face folder against the write limits (bench/README.md).",
+      {{"--quick", nullptr, "a small model, one round (a smoke run)"},
+       {"--reps", "N", "rounds of every case (default 5)"},
+       {"--dir", "DIR", "where the folders are written (default /tmp)"}});
   const bool quick = a.has("--quick");
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 5));
   const fs::path scratch = fs::path(a.get("--dir", "/tmp")) / ("shardsafe-bench-hf-" + std::to_string(::getpid()));
@@ -120,7 +123,8 @@ int main(int argc, char** argv) {
   {
     file_storage s(rank_file);
     std::vector<std::byte> b(64 * bench::MiB);
-    for (u64 off = 0; off < s.size(); off += b.size()) s.read_into(off, std::span(b.data(), std::min<u64>(b.size(), s.size() - off)));
+    for (u64 off = 0; off < s.size(); off += b.size())
+      s.read_into(off, std::span(b.data(), std::min<u64>(b.size(), s.size() - off)));
   }
   std::printf("model: %zu tensors, %.1f MiB F32; checkpoint in page cache: %.0f%%\n", shapes.size(),
               double(model_bytes) / bench::MiB, 100 * bench::page_cache_resident(rank_file.string()));
@@ -159,27 +163,28 @@ int main(int argc, char** argv) {
     cases.push_back(std::move(k));
   };
   add("O_DIRECT pwrite + fdatasync (16 MiB blocks, 2 threads)", out_bytes, [&](const fs::path& d) {
-                     fs::create_directories(d);
-                     direct_write(d / "model.safetensors", out_bytes, [](u64, std::span<std::byte> b) { std::memset(b.data(), 1, b.size()); });
-                   });
+    fs::create_directories(d);
+    direct_write(d / "model.safetensors", out_bytes,
+                 [](u64, std::span<std::byte> b) { std::memset(b.data(), 1, b.size()); });
+  });
   add("pwrite + fdatasync (64 MiB calls)", out_bytes, [&](const fs::path& d) {
-                     fs::create_directories(d);
-                     buffered_write(d / "model.safetensors", out_bytes, block64);
-                   });
+    fs::create_directories(d);
+    buffered_write(d / "model.safetensors", out_bytes, block64);
+  });
   add("pread (warm) + O_DIRECT pwrite + fdatasync", out_bytes, [&](const fs::path& d) {
-                     fs::create_directories(d);
-                     file_storage src(rank_file);
-                     direct_write(d / "model.safetensors", out_bytes, [&](u64 off, std::span<std::byte> b) {
-                       const u64 n = std::min<u64>(b.size(), src.size() - std::min(off, src.size()));
-                       src.read_into(off, b.first(n));
-                     });
-                   });
+    fs::create_directories(d);
+    file_storage src(rank_file);
+    direct_write(d / "model.safetensors", out_bytes, [&](u64 off, std::span<std::byte> b) {
+      const u64 n = std::min<u64>(b.size(), src.size() - std::min(off, src.size()));
+      src.read_into(off, b.first(n));
+    });
+  });
   add("export_hf (one model.safetensors)", out_bytes,
-                   [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), big); });
+      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), big); });
   add("export_hf --max-shard-size 500MB", out_bytes,
-                   [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), shards); });
+      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), shards); });
   add("export_hf --dtype bf16", bf16_bytes,
-                   [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), bf16); });
+      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), bf16); });
 
   for (int r = 0; r < reps; ++r)
     for (auto& c : cases) {
@@ -198,11 +203,16 @@ int main(int argc, char** argv) {
           const u64 n = numel(shapes[t].shape);
           for (u64 i : {u64{0}, n / 2, n - 1}) {
             float got = 0;
-            flat_view v{shapes[t].name, dtype::F32, shapes[t].shape, shard_spec(flat_spec{{i, i + 1}}),
-                        reinterpret_cast<std::byte*>(&got), 4};
+            flat_view v{shapes[t].name,
+                        dtype::F32,
+                        shapes[t].shape,
+                        shard_spec(flat_spec{{i, i + 1}}),
+                        reinterpret_cast<std::byte*>(&got),
+                        4};
             rd.load(std::span<const flat_view>(&v, 1));
             if (got != value_at(t, i)) {
-              std::fprintf(stderr, "%s[%llu]: %g, want %g\n", shapes[t].name.c_str(), (unsigned long long)i, got, value_at(t, i));
+              std::fprintf(stderr, "%s[%llu]: %g, want %g\n", shapes[t].name.c_str(), (unsigned long long)i, got,
+                           value_at(t, i));
               return 1;
             }
           }
@@ -216,13 +226,15 @@ int main(int argc, char** argv) {
   for (const auto& c : cases)
     tab.add({c.name, bench::fmt("%.0f", double(c.bytes) / bench::MiB), bench::fmt("%.0f", c.t.best() * 1e3),
              bench::fmt("%.0f", c.t.median() * 1e3), bench::fmt("%.2f", double(c.bytes) / c.t.median() / 1e9),
-             bench::fmt("%.2f", c.bytes == out_bytes ? limit / c.t.median() : limit * double(c.bytes) / double(out_bytes) / c.t.median()),
+             bench::fmt("%.2f", c.bytes == out_bytes ? limit / c.t.median()
+                                                     : limit * double(c.bytes) / double(out_bytes) / c.t.median()),
              bench::fmt("%.1f", c.peak)});
   tab.print();
   std::printf("x limit: the O_DIRECT row's median (scaled to the bytes written) / the row's median; > 1 is faster\n");
   std::printf("load average after: %s\n", bench::loadavg().c_str());
   const double ex = cases[3].t.median();
-  bench::print_target(60, "export_hf time / O_DIRECT write limit of the same bytes", ex / limit, "x", ex / limit <= 1.3);
+  bench::print_target(60, "export_hf time / O_DIRECT write limit of the same bytes", ex / limit, "x",
+                      ex / limit <= 1.3);
   bench::print_target(60, "export_hf peak RSS above the start", cases[3].peak, "MiB", cases[3].peak <= 64);
   return 0;
 }

@@ -93,7 +93,8 @@ void write_folder(const std::filesystem::path& dir, const std::vector<def>& defs
     w.finish();
   }
   auto idx = fd.create("model.safetensors.index.json");
-  const std::string text = "{\"metadata\": {\"total_size\": " + std::to_string(total) + "}, \"weight_map\": {" + map + "}}";
+  const std::string text =
+      "{\"metadata\": {\"total_size\": " + std::to_string(total) + "}, \"weight_map\": {" + map + "}}";
   idx.write_at(0, std::as_bytes(std::span(text.data(), text.size())));
   idx.sync();
   idx.commit();
@@ -237,7 +238,8 @@ int main(int argc, char** argv) {
     std::vector<double> secs;
     double peak = 0, read0 = 0, read1 = 0;
     for (int i = 0; i < reps; ++i) {
-      std::string cmd = "'" + exe + "' --child " + mode + " --dir '" + a.get("--dir", "/tmp") + "'" + (quick ? " --quick" : "");
+      std::string cmd =
+          "'" + exe + "' --child " + mode + " --dir '" + a.get("--dir", "/tmp") + "'" + (quick ? " --quick" : "");
       std::FILE* p = ::popen(cmd.c_str(), "r");
       char line[512], key[64];
       double v;
@@ -255,7 +257,8 @@ int main(int argc, char** argv) {
     }
     std::sort(secs.begin(), secs.end());
     t.add({mode, bench::fmt("%.3f", secs.front()), bench::fmt("%.3f", secs[secs.size() / 2]),
-           bench::fmt("%.2f", double(total) / secs.front() / 1e9), bench::fmt("%.1f", read0 / MiB) + " / " + bench::fmt("%.1f", read1 / MiB),
+           bench::fmt("%.2f", double(total) / secs.front() / 1e9),
+           bench::fmt("%.1f", read0 / MiB) + " / " + bench::fmt("%.1f", read1 / MiB),
            bench::fmt("%.2f", std::max(read0, read1) / (double(total) / 2)), bench::fmt("%.0f", peak)});
   }
   t.print();

@@ -91,8 +91,8 @@ struct row {
 };
 
 void print(const std::vector<row>& rows) {
-  std::printf("\n%-44s %11s %11s %12s %13s %9s  %s\n", "case", "median ms", "min ms", "runs", "baseline ms",
-              "ratio", "target / met");
+  std::printf("\n%-44s %11s %11s %12s %13s %9s  %s\n", "case", "median ms", "min ms", "runs", "baseline ms", "ratio",
+              "target / met");
   std::printf("%s\n", std::string(130, '-').c_str());
   for (const auto& r : rows) {
     char base[64] = "-", ratio[32] = "-";
@@ -176,7 +176,9 @@ int main(int argc, char** argv) {
     r.runs = runs;
     u64 bruns = 0;
     r.base_ms = time_it(reps, [&] { bruns = baseline_ranks(flat7_ranges, 1); }).median_ms;
-    if (bruns != runs) std::fprintf(stderr, "flat7: baseline %llu runs, library %llu\n", (unsigned long long)bruns, (unsigned long long)runs);
+    if (bruns != runs)
+      std::fprintf(stderr, "flat7: baseline %llu runs, library %llu\n", (unsigned long long)bruns,
+                   (unsigned long long)runs);
     r.target_ms = 50;  // one range per spec: nothing for the pair loop to be quadratic in
     rows.push_back(r);
   }
@@ -193,7 +195,9 @@ int main(int argc, char** argv) {
     u64 want = 0;  // the library's runs for the same sample of ranks
     for (u64 k = 0; k < nranks; k += stride)
       for (const auto& f : plan_load(mine[k], cols8, full).files) want += f.runs.size();
-    if (bruns != want) std::fprintf(stderr, "cols8: baseline %llu runs on the sample, expected %llu\n", (unsigned long long)bruns, (unsigned long long)want);
+    if (bruns != want)
+      std::fprintf(stderr, "cols8: baseline %llu runs on the sample, expected %llu\n", (unsigned long long)bruns,
+                   (unsigned long long)want);
     r.target_ms = 50;
     r.target_ratio = 20;
     rows.push_back(r);
@@ -217,7 +221,8 @@ int main(int argc, char** argv) {
     fb.validate(f1, "b");
     const std::vector<flat_spec> files{fb};
     char name[96];
-    std::snprintf(name, sizeof name, "%llu vs %llu interleaved: overlap+plan", (unsigned long long)n, (unsigned long long)n);
+    std::snprintf(name, sizeof name, "%llu vs %llu interleaved: overlap+plan", (unsigned long long)n,
+                  (unsigned long long)n);
     row r{std::string(name)};
     u64 runs = 0;
     r.lib = time_it(reps, [&] {
@@ -236,7 +241,8 @@ int main(int argc, char** argv) {
     r.target_ratio = 20;
     rows.push_back(r);
 
-    std::snprintf(name, sizeof name, "%llu vs %llu interleaved: plan_load", (unsigned long long)n, (unsigned long long)n);
+    std::snprintf(name, sizeof name, "%llu vs %llu interleaved: plan_load", (unsigned long long)n,
+                  (unsigned long long)n);
     row l{std::string(name)};
     l.lib = time_it(reps, [&] {
       const load_plan p = plan_load(fa, files, f1);
@@ -277,9 +283,8 @@ int main(int argc, char** argv) {
     for (const auto& t : model) params += shardsafe::numel(t.shape);
 
     const shape_t load_mesh{8, 16, 8};
-    const std::vector<std::vector<placement>> load_pls{{replicate(), shard(0), shard(0)},
-                                                       {replicate(), shard(0), shard(1)},
-                                                       {replicate(), shard(0), replicate()}};
+    const std::vector<std::vector<placement>> load_pls{
+        {replicate(), shard(0), shard(0)}, {replicate(), shard(0), shard(1)}, {replicate(), shard(0), replicate()}};
     struct saved_t {
       std::string name;
       shape_t mesh;
@@ -298,7 +303,8 @@ int main(int argc, char** argv) {
         const auto& pls = sv.pls[model[t].kind];
         const auto blocks = mesh_blocks(model[t].shape, sv.mesh, pls, "saved");
         for (u64 r = 0; r < blocks.size(); ++r)
-          if (!holds_nothing(blocks[r]) && mesh_replicas_at(sv.mesh, device_mesh(sv.mesh, {}, r).coords(), pls, t).is_writer())
+          if (!holds_nothing(blocks[r]) &&
+              mesh_replicas_at(sv.mesh, device_mesh(sv.mesh, {}, r).coords(), pls, t).is_writer())
             files[t].push_back(blocks[r]);
       }
       u64 nfiles = 0;
@@ -311,7 +317,8 @@ int main(int argc, char** argv) {
         for (std::size_t t = 0; t < model.size(); ++t) {
           const block_spec mine = mesh_block(model[t].shape, mesh, load_pls[model[t].kind], "mine");
           const load_plan p = plan_load(mine, files[t], model[t].shape);
-          if (p.covered != mine.local_numel()) std::fprintf(stderr, "mesh: rank %llu tensor %zu incomplete\n", (unsigned long long)rank, t);
+          if (p.covered != mine.local_numel())
+            std::fprintf(stderr, "mesh: rank %llu tensor %zu incomplete\n", (unsigned long long)rank, t);
           for (const auto& f : p.files) n += f.runs.size();
         }
         return n;
@@ -331,10 +338,11 @@ int main(int argc, char** argv) {
       r.runs = runs;
       r.target_ms = 50;
       rows.push_back(r);
-      std::printf("mesh case %s: %zu tensors, %.2fB parameters, %llu saved blocks; load ranks timed: %llu; "
-                  "per-rank medians %.2f .. %.2f ms\n",
-                  sv.name.c_str(), model.size(), double(params) / 1e9, (unsigned long long)nfiles,
-                  (unsigned long long)sample, per_rank.front(), per_rank.back());
+      std::printf(
+          "mesh case %s: %zu tensors, %.2fB parameters, %llu saved blocks; load ranks timed: %llu; "
+          "per-rank medians %.2f .. %.2f ms\n",
+          sv.name.c_str(), model.size(), double(params) / 1e9, (unsigned long long)nfiles, (unsigned long long)sample,
+          per_rank.front(), per_rank.back());
       if (!quick) {  // every rank once
         row a{"70B on 8x16x8 <- " + sv.name + ": all 1024 ranks"};
         u64 total = 0;
@@ -350,8 +358,9 @@ int main(int argc, char** argv) {
   print(rows);
   std::printf("\ngrowth 10k -> 100k ranges (x10 more): overlap+plan x%.1f, plan_load x%.1f, pairwise x%.0f\n",
               lib_ms[1] / lib_ms[0], load_ms[1] / load_ms[0], base_ms[1] / base_ms[0]);
-  std::printf("\nmedian/min of %d repetitions; baseline = OLMo-core's pairwise loop over merged ranges; "
-              "(est.) = timed on an even sample and scaled.\n",
-              reps);
+  std::printf(
+      "\nmedian/min of %d repetitions; baseline = OLMo-core's pairwise loop over merged ranges; "
+      "(est.) = timed on an even sample and scaled.\n",
+      reps);
   return 0;
 }

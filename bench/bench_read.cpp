@@ -139,11 +139,13 @@ void direct_loop(const std::filesystem::path& p, u64 off, std::byte* dst, u64 n,
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
-  bench::accept_only(a, "Reads a 1 GiB safetensors file through each storage backend beside the physical limits, from a warm\n"
-                        "and from a cold page cache (bench/README.md).",
-                     {{"--quick", nullptr, "a 64 MiB file, three rounds (a smoke run)"},
-                      {"--reps", "N", "rounds of every case (default 9)"},
-                      {"--dir", "DIR", "where the file is written (default /tmp)"}});
+  bench::accept_only(
+      a,
+      "Reads a 1 GiB safetensors file through each storage backend beside the physical limits, from a warm\n"
+      "and from a cold page cache (bench/README.md).",
+      {{"--quick", nullptr, "a 64 MiB file, three rounds (a smoke run)"},
+       {"--reps", "N", "rounds of every case (default 9)"},
+       {"--dir", "DIR", "where the file is written (default /tmp)"}});
   const bool quick = a.has("--quick");
   const u64 ntensors = quick ? 16 : 64;
   const u64 tensor_bytes = (quick ? 4 : 16) * MiB;
@@ -207,12 +209,11 @@ int main(int argc, char** argv) {
   const memory_storage mem(std::shared_ptr<const byte_buffer>(filebytes), path.string());
   std::optional<mmap_storage> mapping(std::in_place, path);  // the reused mapping (unmapped before the cold runs)
   const mmap_storage& mapped = *mapping;
-  read_all(mapped, dst, 1);         // faults it in, untimed
+  read_all(mapped, dst, 1);  // faults it in, untimed
   for (unsigned th : {1u, 2u}) {
     const std::string x = th == 1 ? "" : " x2 threads";
-    cases.push_back({"memcpy (physical limit)" + x, th, [&, th] {
-                       split(data_bytes, th, [&](u64 b, u64 e) { std::memcpy(dst + b, src + b, e - b); });
-                     }});
+    cases.push_back({"memcpy (physical limit)" + x, th,
+                     [&, th] { split(data_bytes, th, [&](u64 b, u64 e) { std::memcpy(dst + b, src + b, e - b); }); }});
     cases.push_back({"memcpy per tensor (" + std::to_string(tensor_bytes / MiB) + " MiB pieces)" + x, th, [&, th] {
                        detail::parallel_for(ntensors, th, [&](std::size_t i) {
                          std::memcpy(dst + i * tensor_bytes, src + i * tensor_bytes, tensor_bytes);
@@ -275,8 +276,7 @@ int main(int argc, char** argv) {
     write_text(file_directory(ckdir), metadata_file_name, write_checkpoint_metadata(md));
   }
   std::vector<flat_view> views;
-  for (const auto& t : hdr.tensors)
-    views.push_back({t.name, t.type, t.shape, std::nullopt, dst + t.begin, t.nbytes()});
+  for (const auto& t : hdr.tensors) views.push_back({t.name, t.type, t.shape, std::nullopt, dst + t.begin, t.nbytes()});
   mapping.reset();  // a mapped page cannot be evicted
   std::vector<bench_case> cold;
   cold.push_back({"cold: pread loop 1 MiB chunks (dd-like: the cold limit)", 1, [&] {
@@ -292,12 +292,14 @@ int main(int argc, char** argv) {
                     }});
   cold.push_back({"cold: pread loop 16 MiB chunks x2 threads", 2, [&] {
                     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-                    split(data_bytes, 2, [&](u64 b, u64 e) { pread_loop(fd, data_start + b, dst + b, e - b, 16 * MiB); });
+                    split(data_bytes, 2,
+                          [&](u64 b, u64 e) { pread_loop(fd, data_start + b, dst + b, e - b, 16 * MiB); });
                     ::close(fd);
                   }});
   for (unsigned th : {1u, 4u})
     cold.push_back({"cold: O_DIRECT pread 4 MiB chunks" + std::string(th == 1 ? "" : " x4 threads"), th, [&, th] {
-                      split(data_bytes, th, [&](u64 b, u64 e) { direct_loop(path, data_start + b, dst + b, e - b, 4 * MiB); });
+                      split(data_bytes, th,
+                            [&](u64 b, u64 e) { direct_loop(path, data_start + b, dst + b, e - b, 4 * MiB); });
                     }});
   struct loader_case {
     const char* name;
@@ -345,8 +347,10 @@ int main(int argc, char** argv) {
               resident * 100, resident_after * 100);
   std::printf("destination: one %.2f GiB buffer, written before timing (no first-touch faults timed)\n",
               double(data_bytes) / double(bench::GiB));
-  std::printf("repetitions: %d per case, round-robin; GB/s = 1e9 bytes/s; x memcpy = throughput / memcpy's with the same threads\n",
-              reps);
+  std::printf(
+      "repetitions: %d per case, round-robin; GB/s = 1e9 bytes/s; x memcpy = throughput / memcpy's with the same "
+      "threads\n",
+      reps);
   std::printf("load average before: %s, after: %s; %u hardware threads\n\n", load_before.c_str(),
               bench::loadavg().c_str(), std::thread::hardware_concurrency());
   bench::table tab({"case", "thr", "best ms", "median ms", "best GB/s", "median GB/s", "x memcpy best",
@@ -363,25 +367,29 @@ int main(int argc, char** argv) {
              r.peak_mib < 0 ? "n/a" : bench::fmt("%.0f", r.peak_mib), r.ok ? "ok" : "WRONG"});
   }
   tab.print();
-  std::printf("\ncold page cache: the file evicted before every run (posix_fadvise DONTNEED; at most %.1f%% resident\n"
-              "when a run started, by mincore); %d repetition(s) per case, round-robin; x limit = throughput / the\n"
-              "1-thread 1 MiB pread loop's (dd-like) median\n",
-              worst_resident * 100, cold_reps);
+  std::printf(
+      "\ncold page cache: the file evicted before every run (posix_fadvise DONTNEED; at most %.1f%% resident\n"
+      "when a run started, by mincore); %d repetition(s) per case, round-robin; x limit = throughput / the\n"
+      "1-thread 1 MiB pread loop's (dd-like) median\n",
+      worst_resident * 100, cold_reps);
   bench::table ctab({"case", "thr", "best ms", "median ms", "best GB/s", "median GB/s", "x limit (median)", "check"});
   const double cold_limit = cold_rows.front().t.median();
   for (const auto& r : cold_rows) {
     const double gb = double(data_bytes) / 1e9;
     ctab.add({r.name, r.threads ? std::to_string(r.threads) : "def", bench::fmt("%.1f", r.t.best() * 1e3),
               bench::fmt("%.1f", r.t.median() * 1e3), bench::fmt("%.2f", gb / r.t.best()),
-              bench::fmt("%.2f", gb / r.t.median()), bench::fmt("%.2f", cold_limit / r.t.median()), r.ok ? "ok" : "WRONG"});
+              bench::fmt("%.2f", gb / r.t.median()), bench::fmt("%.2f", cold_limit / r.t.median()),
+              r.ok ? "ok" : "WRONG"});
   }
   ctab.print();
-  std::printf("\npeak RSS +MiB: VmHWM during the case minus VmRSS before it (reset through /proc/self/clear_refs%s);\n"
-              "a mapping's pages count as RSS (file-backed, shared with the page cache), a copy's do not.\n",
-              can_reset_peak ? "" : ": refused here, so n/a");
-  std::printf("process peak RSS (VmHWM since the last reset) %.0f MiB; the file copy, the destination and the reused\n"
-              "mapping are %.0f MiB each\n",
-              bench::hwm_mib(), double(data_bytes) / double(MiB));
+  std::printf(
+      "\npeak RSS +MiB: VmHWM during the case minus VmRSS before it (reset through /proc/self/clear_refs%s);\n"
+      "a mapping's pages count as RSS (file-backed, shared with the page cache), a copy's do not.\n",
+      can_reset_peak ? "" : ": refused here, so n/a");
+  std::printf(
+      "process peak RSS (VmHWM since the last reset) %.0f MiB; the file copy, the destination and the reused\n"
+      "mapping are %.0f MiB each\n",
+      bench::hwm_mib(), double(data_bytes) / double(MiB));
 
   // targets
   auto find = [&](const std::string& n) -> const row* {
@@ -390,9 +398,9 @@ int main(int argc, char** argv) {
     return nullptr;
   };
   std::printf("\ntargets (warm page cache, >= 0.8 x memcpy, median):\n");
-  for (const char* n : {"file_storage read_into", "mmap_storage read_into (fresh mapping)",
-                        "mmap_storage read_into (reused mapping)", "file_storage read_into x2 threads",
-                        "mmap_storage read_into (fresh mapping) x2 threads"}) {
+  for (const char* n :
+       {"file_storage read_into", "mmap_storage read_into (fresh mapping)", "mmap_storage read_into (reused mapping)",
+        "file_storage read_into x2 threads", "mmap_storage read_into (fresh mapping) x2 threads"}) {
     const row* r = find(n);
     if (!r) continue;
     const double x = memcpy_med[r->threads] / r->t.median();

@@ -110,7 +110,8 @@ double timed_run(std::vector<std::string> argv) {
 /// an equal range of path (Connection: close) and recv'ing the answer into its own reused
 /// buffer (bufs[i], 16 MiB), the body bytes counted. The total body bytes; 0 when an answer
 /// is not the 206 of its range with exactly its bytes.
-u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<std::vector<char>>& bufs, std::byte* dst) {
+u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<std::vector<char>>& bufs,
+                      std::byte* dst) {
   const unsigned k = static_cast<unsigned>(bufs.size());
   std::vector<u64> got(k, 0);
   std::vector<char> ok(k, 0);
@@ -125,9 +126,11 @@ u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<s
       a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
       a.sin_port = htons(static_cast<std::uint16_t>(port));
       if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return (void)::close(fd);
-      const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1:" + std::to_string(port) + "\r\nRange: bytes=" +
-                              std::to_string(first) + "-" + std::to_string(last) + "\r\nConnection: close\r\n\r\n";
-      if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) return (void)::close(fd);
+      const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1:" + std::to_string(port) +
+                              "\r\nRange: bytes=" + std::to_string(first) + "-" + std::to_string(last) +
+                              "\r\nConnection: close\r\n\r\n";
+      if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size()))
+        return (void)::close(fd);
       std::vector<char>& buf = bufs[i];
       std::string head;
       u64 body = 0;
@@ -136,7 +139,8 @@ u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<s
       for (;;) {
         if (in_body && dst) {  // straight into this range's place in dst, as a load lands its bytes
           if (body >= want_body) break;
-          const ssize_t n = ::recv(fd, dst + first + body, static_cast<std::size_t>(std::min<u64>(want_body - body, 16 * MiB)), 0);
+          const ssize_t n =
+              ::recv(fd, dst + first + body, static_cast<std::size_t>(std::min<u64>(want_body - body, 16 * MiB)), 0);
           if (n <= 0) break;
           body += u64(n);
           continue;
@@ -156,7 +160,8 @@ u64 plain_socket_read(int port, const std::string& path, u64 size, std::vector<s
         head.resize(end);
       }
       ::close(fd);
-      const std::string want = "Content-Range: bytes " + std::to_string(first) + "-" + std::to_string(last) + "/" + std::to_string(size);
+      const std::string want =
+          "Content-Range: bytes " + std::to_string(first) + "-" + std::to_string(last) + "/" + std::to_string(size);
       got[i] = body;
       ok[i] = head.starts_with("HTTP/1.1 206") && head.find(want) != std::string::npos && body == last - first + 1;
     });
@@ -212,10 +217,13 @@ bool private_loopback(const std::string& cc) {
   const int e = errno;  // a namespace other than the machine's may only pick what the machine allows (EPERM)
   if (!f || congestion_control() != cc) {
     errno = e == EPERM ? EPERM : EINVAL;
-    return fail("setting the congestion control to '" + cc + "' (it must be in /proc/sys/net/ipv4/tcp_available_congestion_control" +
+    return fail("setting the congestion control to '" + cc +
+                "' (it must be in /proc/sys/net/ipv4/tcp_available_congestion_control" +
                 (e == EPERM ? ", and in the machine's tcp_allowed_congestion_control: echo \"$(cat "
-                              "/proc/sys/net/ipv4/tcp_allowed_congestion_control) " + cc +
-                                  "\" > /proc/sys/net/ipv4/tcp_allowed_congestion_control" : std::string()) + ")");
+                              "/proc/sys/net/ipv4/tcp_allowed_congestion_control) " +
+                                  cc + "\" > /proc/sys/net/ipv4/tcp_allowed_congestion_control"
+                            : std::string()) +
+                ")");
   }
   return true;
 }
@@ -224,14 +232,16 @@ bool private_loopback(const std::string& cc) {
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
-  bench::accept_only(a, "Loads a checkpoint from nginx and moto_server on loopback against the local file system\n"
-                        "(bench/README.md).",
-                     {{"--quick", nullptr, "a 64 MiB checkpoint, one repetition (a smoke run)"},
-                      {"--mib", "N", "the checkpoint's size in MiB (default 1024)"},
-                      {"--reps", "N", "repetitions of the nginx and file rows (default 3)"},
-                      {"--moto-reps", "N", "repetitions of the moto rows (default 1)"},
-                      {"--no-moto", nullptr, "skip moto_server (its rows take most of the time)"},
-                      {"--loopback-cc", "NAME", "run in a network namespace whose loopback uses this TCP congestion control (root)"}});
+  bench::accept_only(
+      a,
+      "Loads a checkpoint from nginx and moto_server on loopback against the local file system\n"
+      "(bench/README.md).",
+      {{"--quick", nullptr, "a 64 MiB checkpoint, one repetition (a smoke run)"},
+       {"--mib", "N", "the checkpoint's size in MiB (default 1024)"},
+       {"--reps", "N", "repetitions of the nginx and file rows (default 3)"},
+       {"--moto-reps", "N", "repetitions of the moto rows (default 1)"},
+       {"--no-moto", nullptr, "skip moto_server (its rows take most of the time)"},
+       {"--loopback-cc", "NAME", "run in a network namespace whose loopback uses this TCP congestion control (root)"}});
   const std::string loopback_cc = a.get("--loopback-cc", "");
   if (!loopback_cc.empty() && !private_loopback(loopback_cc)) return 2;
   const bool quick = a.has("--quick");
@@ -268,11 +278,12 @@ int main(int argc, char** argv) {
       << "events { worker_connections 1024; }\nhttp {\n  default_type application/octet-stream;\n  access_log off;\n"
       << "  client_body_temp_path " << d << "/tmp/b; proxy_temp_path " << d << "/tmp/p; fastcgi_temp_path " << d
       << "/tmp/f; uwsgi_temp_path " << d << "/tmp/u; scgi_temp_path " << d << "/tmp/s;\n  keepalive_requests 100000;\n"
-      << "  sendfile on;\n  server { listen 127.0.0.1:" << port << "; root " << www.string() << "; location / { } }\n}\n";
+      << "  sendfile on;\n  server { listen 127.0.0.1:" << port << "; root " << www.string()
+      << "; location / { } }\n}\n";
   }
   std::optional<child> nginx;
-  nginx.emplace(std::vector<std::string>{"/usr/sbin/nginx", "-p", root.string(), "-c", (root / "nginx.conf").string(), "-g",
-                                         "daemon off;"},
+  nginx.emplace(std::vector<std::string>{"/usr/sbin/nginx", "-p", root.string(), "-c", (root / "nginx.conf").string(),
+                                         "-g", "daemon off;"},
                 root / "nginx.log");
   if (!nginx->wait_for_port(port, 5)) {
     std::fprintf(stderr, "nginx did not start\n");
@@ -281,7 +292,8 @@ int main(int argc, char** argv) {
 
   std::vector<std::vector<std::byte>> out(n, std::vector<std::byte>(per));
   std::vector<flat_view> into;
-  for (u64 i = 0; i < n; ++i) into.push_back({"t" + std::to_string(i), dtype::F32, {rows, cols}, std::nullopt, out[i].data(), per});
+  for (u64 i = 0; i < n; ++i)
+    into.push_back({"t" + std::to_string(i), dtype::F32, {rows, cols}, std::nullopt, out[i].data(), per});
   auto same_bytes = [&] {
     bool same = true;
     for (u64 i = 0; i < n; ++i) same = same && std::memcmp(out[i].data(), data[i].data(), per) == 0;
@@ -296,7 +308,8 @@ int main(int argc, char** argv) {
     x.name = name;
     bench::reset_peak_rss();
     const double rss0 = bench::rss_mib();
-    const u64 req0 = client ? client->stats().requests.load() : 0, body0 = client ? client->stats().body_bytes.load() : 0;
+    const u64 req0 = client ? client->stats().requests.load() : 0,
+              body0 = client ? client->stats().body_bytes.load() : 0;
     x.t = bench::time_reps(r, [&] { st = load_flat_views(dir, std::span<const flat_view>(into)); });
     x.peak = bench::hwm_mib() - rss0;
     if (client) {
@@ -344,7 +357,8 @@ int main(int argc, char** argv) {
     bench::reset_peak_rss();
     const double rss0 = bench::rss_mib();
     x.t = bench::time_reps(reps, [&] {
-      x.same = x.same && plain_socket_read(port, "/ckpt/rank_0.safetensors", file_size, bufs, into_memory ? landed.data() : nullptr) == file_size;
+      x.same = x.same && plain_socket_read(port, "/ckpt/rank_0.safetensors", file_size, bufs,
+                                           into_memory ? landed.data() : nullptr) == file_size;
     });
     if (into_memory) x.same = x.same && landed == on_disk;
     x.peak = bench::hwm_mib() - rss0;
@@ -384,10 +398,12 @@ int main(int argc, char** argv) {
         const s3_directory sd("s3://bench/ckpt", o);
         const double t0 = bench::now_s();
         save_flat_views(sd, std::span<const flat_view>(views), comm);
-        moto_note = "saving the checkpoint to moto (multipart, 16 MiB parts): " + bench::fmt("%.1f s", bench::now_s() - t0);
+        moto_note =
+            "saving the checkpoint to moto (multipart, 16 MiB parts): " + bench::fmt("%.1f s", bench::now_s() - t0);
         measure("s3_storage (moto_server, lo)", moto_reps, sd, &sd.client());
         aws_cp = timed_run({"aws", "s3", "cp", "--only-show-errors", "s3://bench/ckpt/rank_0.safetensors", "-"});
-        aws_get = timed_run({"aws", "s3api", "get-object", "--bucket", "bench", "--key", "ckpt/rank_0.safetensors", "/dev/null"});
+        aws_get = timed_run(
+            {"aws", "s3api", "get-object", "--bucket", "bench", "--key", "ckpt/rank_0.safetensors", "/dev/null"});
       } catch (const std::exception& e) {
         moto_note = std::string("moto rows failed: ") + e.what();
       }
@@ -398,21 +414,28 @@ int main(int argc, char** argv) {
   fs::remove_all(root, ec);
 
   const double bytes = double(n * per);
-  std::printf("bench_remote: %llu MiB checkpoint (%llu tensors of 16 MiB, 1 rank file), best of %d (moto: %d), load %s\n",
-              (unsigned long long)(n * per / MiB), (unsigned long long)n, reps, moto_reps, bench::loadavg().c_str());
+  std::printf(
+      "bench_remote: %llu MiB checkpoint (%llu tensors of 16 MiB, 1 rank file), best of %d (moto: %d), load %s\n",
+      (unsigned long long)(n * per / MiB), (unsigned long long)n, reps, moto_reps, bench::loadavg().c_str());
   std::printf("loopback TCP congestion control: %s (%s)\n", congestion_control().c_str(),
               loopback_cc.empty() ? "the machine's own" : "a network namespace of this run's own, --loopback-cc");
-  bench::table t({"backend", "seconds", "GB/s", "x file", "requests", "body bytes", "bytes needed", "peak +MiB", "bytes"});
+  bench::table t(
+      {"backend", "seconds", "GB/s", "x file", "requests", "body bytes", "bytes needed", "peak +MiB", "bytes"});
   const double file_best = table.front().t.best();
   // GB/s of the plain-socket rows are of the rank file's bytes (the tensors and the header)
   for (const auto& x : table)
-    t.add({x.name, bench::fmt("%.3f", x.t.best()), bench::fmt("%.2f", (x.ceiling ? double(*x.body) : bytes) / x.t.best() / 1e9),
+    t.add({x.name, bench::fmt("%.3f", x.t.best()),
+           bench::fmt("%.2f", (x.ceiling ? double(*x.body) : bytes) / x.t.best() / 1e9),
            bench::fmt("%.2f", file_best / x.t.best()), x.requests ? std::to_string(*x.requests) : "-",
-           x.body ? std::to_string(*x.body) : "-", x.ceiling ? std::to_string(*x.body) : std::to_string(st.bytes_needed),
-           bench::fmt("%.0f", x.peak), x.ceiling ? (x.same ? (x.into_memory ? "same" : "counted") : "WRONG") : x.same ? "same" : "DIFFERENT"});
+           x.body ? std::to_string(*x.body) : "-",
+           x.ceiling ? std::to_string(*x.body) : std::to_string(st.bytes_needed), bench::fmt("%.0f", x.peak),
+           x.ceiling ? (x.same ? (x.into_memory ? "same" : "counted") : "WRONG")
+           : x.same  ? "same"
+                     : "DIFFERENT"});
   // the rank file holds the tensors and its header: GB/s of the CLI rows are of the tensor bytes, as the others
-  if (aws_cp > 0) t.add({"aws s3 cp (moto ceiling, rank file)", bench::fmt("%.3f", aws_cp), bench::fmt("%.2f", bytes / aws_cp / 1e9),
-                         bench::fmt("%.2f", file_best / aws_cp), "-", "-", "-", "-", "-"});
+  if (aws_cp > 0)
+    t.add({"aws s3 cp (moto ceiling, rank file)", bench::fmt("%.3f", aws_cp), bench::fmt("%.2f", bytes / aws_cp / 1e9),
+           bench::fmt("%.2f", file_best / aws_cp), "-", "-", "-", "-", "-"});
   if (aws_get > 0)
     t.add({"aws s3api get-object (one GET)", bench::fmt("%.3f", aws_get), bench::fmt("%.2f", bytes / aws_get / 1e9),
            bench::fmt("%.2f", file_best / aws_get), "-", "-", "-", "-", "-"});
@@ -437,8 +460,9 @@ int main(int argc, char** argv) {
       }
     if (ceiling > 0)
       std::printf("http (16 in flight) / %s (%s, %.2f GB/s): %.2f%s; best http row: %.2f\n",
-                  into_memory ? "loopback ceiling into memory" : "loopback ceiling, reused buffer", ceiling_name.c_str(),
-                  ceiling / 1e9, bytes / table[1].t.best() / ceiling, into_memory ? " (target >= 0.8)" : "", http_best / ceiling);
+                  into_memory ? "loopback ceiling into memory" : "loopback ceiling, reused buffer",
+                  ceiling_name.c_str(), ceiling / 1e9, bytes / table[1].t.best() / ceiling,
+                  into_memory ? " (target >= 0.8)" : "", http_best / ceiling);
   }
   return same ? 0 : 1;
 }

@@ -125,7 +125,8 @@ checkpoint_metadata make_metadata(const std::vector<model_tensor>& model, const 
     } else {
       const u64 stage = g.stage_of(t);
       const u64 parts = t.kind == 2 ? 1 : g.tp;
-      for (u64 i = 0; i < parts; ++i) tm.files.emplace_back(rank_file(g.rank(stage, 0, i)), shard_spec(tp_block(t, g.tp, i)));
+      for (u64 i = 0; i < parts; ++i)
+        tm.files.emplace_back(rank_file(g.rank(stage, 0, i)), shard_spec(tp_block(t, g.tp, i)));
     }
     md.tensors.emplace_back(t.name, std::move(tm));
   }
@@ -140,8 +141,8 @@ checkpoint_metadata make_metadata(const std::vector<model_tensor>& model, const 
 }
 
 /// rank r's shards in a loading world of `world` ranks of `layout`: (tensor index, spec)
-std::vector<std::pair<std::size_t, shard_spec>> my_shards(const std::vector<model_tensor>& model, const std::string& layout,
-                                                          u64 world, u64 r) {
+std::vector<std::pair<std::size_t, shard_spec>> my_shards(const std::vector<model_tensor>& model,
+                                                          const std::string& layout, u64 world, u64 r) {
   std::vector<std::pair<std::size_t, shard_spec>> out;
   const grid g(world);
   for (std::size_t i = 0; i < model.size(); ++i) {
@@ -175,7 +176,11 @@ plan_figures plan_rank(const checkpoint_metadata& md, const std::vector<model_te
   for (const auto& [k, t] : md.tensors) index.emplace(k, &t);
   const double t0 = bench::now_s();
   const view_plans vp = plan_views(
-      md, [&](std::string_view k) { const auto it = index.find(k); return it == index.end() ? nullptr : it->second; },
+      md,
+      [&](std::string_view k) {
+        const auto it = index.find(k);
+        return it == index.end() ? nullptr : it->second;
+      },
       std::span<const flat_view>(views), load_options{}, "bench_scale", /*memory_later=*/true);
   f.seconds = bench::now_s() - t0;
   for (const auto& p : vp.views)
@@ -197,8 +202,8 @@ int main(int argc, char** argv) {
   for (const auto& t : model) params += numel(t.shape);
   std::printf("bench_scale: %zu tensors, %.2f billion parameters (BF16); one rank (W/2) of the loading world\n\n",
               model.size(), double(params) / 1e9);
-  std::printf("%-6s %-7s %6s %10s %9s %8s %9s %9s | %-10s %8s %6s %9s\n", "layout", "form", "world", "entries", "json MB",
-              "write s", "parse s", "parse MiB", "load on", "plan s", "files", "read MiB");
+  std::printf("%-6s %-7s %6s %10s %9s %8s %9s %9s | %-10s %8s %6s %9s\n", "layout", "form", "world", "entries",
+              "json MB", "write s", "parse s", "parse MiB", "load on", "plan s", "files", "read MiB");
   for (const std::string layout : {"3d", "fsdp"}) {
     for (u64 w = 64; w <= max_world; w *= 2) {
       u64 entries = 0, grids = 0;
@@ -226,7 +231,8 @@ int main(int argc, char** argv) {
         const double json_mb = double(text.size()) / 1e6;
         if (text.size() > max_metadata_size) {
           std::printf("%-6s %-7s %6llu %10llu %9.1f %8.2f  refused: over max_metadata_size (1 GiB); nothing planned\n",
-                      layout.c_str(), fname, (unsigned long long)w, (unsigned long long)entries, json_mb, write_s[form]);
+                      layout.c_str(), fname, (unsigned long long)w, (unsigned long long)entries, json_mb,
+                      write_s[form]);
           continue;
         }
         text.reserve(text.size() + 64);
@@ -240,9 +246,9 @@ int main(int argc, char** argv) {
           const plan_figures f = plan_rank(md, model, my_shards(model, layout, lw, lw / 2));
           const std::string on = std::to_string(lw) + " ranks";
           if (first)
-            std::printf("%-6s %-7s %6llu %10llu %9.1f %8.2f %9.3f %9.0f | %-10s %8.3f %6zu %9.0f\n", layout.c_str(), fname,
-                        (unsigned long long)w, (unsigned long long)entries, json_mb, write_s[form], parse_s, parse_mib,
-                        on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
+            std::printf("%-6s %-7s %6llu %10llu %9.1f %8.2f %9.3f %9.0f | %-10s %8.3f %6zu %9.0f\n", layout.c_str(),
+                        fname, (unsigned long long)w, (unsigned long long)entries, json_mb, write_s[form], parse_s,
+                        parse_mib, on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
           else
             std::printf("%-6s %-7s %6s %10s %9s %8s %9s %9s | %-10s %8.3f %6zu %9.0f\n", "", "", "", "", "", "", "", "",
                         on.c_str(), f.seconds, f.files, double(f.bytes) / double(bench::MiB));
@@ -255,8 +261,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\nThe goal (issue 31): a rank reads and plans a 16,384-rank checkpoint in <= 1 s, with metadata read\n"
-              "and planning per rank growing no faster than O(log world) or O(tensors): the compact form's parse and\n"
-              "plan columns.\n");
+  std::printf(
+      "\nThe goal (issue 31): a rank reads and plans a 16,384-rank checkpoint in <= 1 s, with metadata read\n"
+      "and planning per rank growing no faster than O(log world) or O(tensors): the compact form's parse and\n"
+      "plan columns.\n");
   return 0;
 }

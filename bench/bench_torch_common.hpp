@@ -227,7 +227,8 @@ inline void measure_limits(const std::vector<byte_piece>& pieces, const std::str
   std::vector<part> parts;
   u64 total = 0;
   for (u64 i = 0; i < pieces.size(); ++i) {
-    for (u64 o = 0; o < pieces[i].len; o += chunk) parts.push_back({i, o, std::min(chunk, pieces[i].len - o), total + o});
+    for (u64 o = 0; o < pieces[i].len; o += chunk)
+      parts.push_back({i, o, std::min(chunk, pieces[i].len - o), total + o});
     total += pieces[i].len;
   }
   auto copy_all = [&](unsigned threads) {
@@ -293,7 +294,6 @@ inline void measure_limits(const std::vector<byte_piece>& pieces, const std::str
     emit("write_direct", now_s() - t0);
     std::filesystem::remove(fdio);
   }
-
 }
 
 /// Writes (memset) every tensor, each freshly allocated and never touched, in 64 MiB parts on
@@ -306,7 +306,8 @@ inline double first_touch(const std::vector<at::Tensor>& fresh) {
     for (u64 o = 0; o < t.nbytes(); o += chunk)
       parts.emplace_back(static_cast<std::byte*>(t.data_ptr()) + o, std::min(chunk, u64(t.nbytes()) - o));
   const double t0 = now_s();
-  shardsafe::detail::parallel_for(parts.size(), 2, [&](std::size_t k) { std::memset(parts[k].first, 1, parts[k].second); });
+  shardsafe::detail::parallel_for(parts.size(), 2,
+                                  [&](std::size_t k) { std::memset(parts[k].first, 1, parts[k].second); });
   return now_s() - t0;
 }
 

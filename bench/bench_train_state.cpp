@@ -69,7 +69,8 @@ bool check_whole(const at::Tensor& t, std::uint64_t k, const char* what) {
   const u64 n = static_cast<u64>(t.numel());
   for (u64 i = 0; i < n; i += std::max<u64>(1, n / 256))
     if (!bench::same_value(t, i, k, i)) {
-      std::fprintf(stderr, "verify: %s %llu element %llu is wrong\n", what, (unsigned long long)k, (unsigned long long)i);
+      std::fprintf(stderr, "verify: %s %llu element %llu is wrong\n", what, (unsigned long long)k,
+                   (unsigned long long)i);
       return false;
     }
   return true;
@@ -164,8 +165,9 @@ int child(const std::string& what, const bench::args& a) {
     so.overwrite = true;
     for (const char* sub : {"a", "b"}) {
       const double t0 = bench::now_s();
-      async_save_handle h = model_only ? ckpt.save_state_dict(file_directory(dir + "/" + sub), model, so)
-                                       : ckpt.save_model_and_optim_state(file_directory(dir + "/" + sub), model, ts.opt.get(), so);
+      async_save_handle h =
+          model_only ? ckpt.save_state_dict(file_directory(dir + "/" + sub), model, so)
+                     : ckpt.save_model_and_optim_state(file_directory(dir + "/" + sub), model, ts.opt.get(), so);
       const double stall = bench::now_s() - t0;
       h.wait();
       const double durable = bench::now_s() - t0;
@@ -212,7 +214,7 @@ int child(const std::string& what, const bench::args& a) {
     const bool ss = what != "torch-load";
     bench::emit("resident", ss ? bench::page_cache_resident(dir + "/optim/rank_0.safetensors")
                                : bench::page_cache_resident(dir + "/optim.pt"));
-    train_state ts(c, false);  // the model as built before a resume; a fresh Adam
+    train_state ts(c, false);                                       // the model as built before a resume; a fresh Adam
     if (what == "ss-load-existing") init_optimizer_state(*ts.opt);  // its state exists (zeros), untimed
     bench::rss_sampler sampler;
     const double t0 = bench::now_s();
@@ -251,7 +253,8 @@ int child(const std::string& what, const bench::args& a) {
     }
     std::vector<bench::byte_piece> pieces;
     for (auto& [s, d] : pairs)
-      pieces.push_back({static_cast<const std::byte*>(s.data_ptr()), static_cast<std::byte*>(d.data_ptr()), s.nbytes()});
+      pieces.push_back(
+          {static_cast<const std::byte*>(s.data_ptr()), static_cast<std::byte*>(d.data_ptr()), s.nbytes()});
     bench::measure_limits(pieces, dir);
     if (!dst.verify()) return 1;
   } else {
@@ -265,8 +268,9 @@ int child(const std::string& what, const bench::args& a) {
 
 int main(int argc, char** argv) {
   bench::args a(argc, argv);
-  bench::accept_only(a, "Saves and loads a module's parameters and its Adam state with shardsafe beside torch::save /\n"
-                        "torch::load of both (bench/README.md).",
+  bench::accept_only(a,
+                     "Saves and loads a module's parameters and its Adam state with shardsafe beside torch::save /\n"
+                     "torch::load of both (bench/README.md).",
                      {{"--quick", nullptr, "a small model, one repetition (a smoke run)"},
                       {"--reps", "N", "repetitions of every case (default 3)"},
                       {"--dir", "DIR", "where the checkpoints are written (default /tmp)"},
@@ -339,22 +343,24 @@ int main(int argc, char** argv) {
       rows[k].resident = r["resident"];
     }
     r = bench::run_child(args({"--child", "limits", "--path", (scratch / "raw").string()}));
-    for (const char* k : {"memcpy_1t", "memcpy_2t", "read_1t", "read_2t", "write_buffered"})
-      rows[k].t.add(r[k]);
+    for (const char* k : {"memcpy_1t", "memcpy_2t", "read_1t", "read_2t", "write_buffered"}) rows[k].t.add(r[k]);
     if (r["write_direct"] > 0) rows["write_direct"].t.add(r["write_direct"]);
     r = bench::run_child(args({"--child", "first-touch"}));
     rows["first_touch_2t"].t.add(r["seconds"]);
   }
   const double t_total = bench::now_s() - t_start;
 
-  std::printf("bench_train_state: %zu parameters (%d layers), F32: parameters %.1f MiB + Adam exp_avg, exp_avg_sq "
-              "= %.1f MiB (%.3f GB); %d repetition(s), each measurement in a fresh process\n",
-              defs_of(c).size(), c.layers, double(pbytes) / double(MiB), double(total) / double(MiB), gb, reps);
-  std::printf("files in %s (ext4, virtual disk); loads read warm files (each read once before the load; no drop_caches: "
-              "needs root privileges we lack)\n",
-              scratch.c_str());
-  std::printf("peak +MiB = VmHWM - VmRSS before the module was built; state = parameters + optimizer state = %.1f MiB\n",
-              double(total) / double(MiB));
+  std::printf(
+      "bench_train_state: %zu parameters (%d layers), F32: parameters %.1f MiB + Adam exp_avg, exp_avg_sq "
+      "= %.1f MiB (%.3f GB); %d repetition(s), each measurement in a fresh process\n",
+      defs_of(c).size(), c.layers, double(pbytes) / double(MiB), double(total) / double(MiB), gb, reps);
+  std::printf(
+      "files in %s (ext4, virtual disk); loads read warm files (each read once before the load; no drop_caches: "
+      "needs root privileges we lack)\n",
+      scratch.c_str());
+  std::printf(
+      "peak +MiB = VmHWM - VmRSS before the module was built; state = parameters + optimizer state = %.1f MiB\n",
+      double(total) / double(MiB));
   std::printf("load average before: %s, after: %s; wall time %.0f s\n\n", load_before.c_str(), bench::loadavg().c_str(),
               t_total);
   bench::table tab({"case", "best ms", "median ms", "best GB/s", "median GB/s", "x torch (median)", "x torch+fsync",
@@ -364,8 +370,8 @@ int main(int argc, char** argv) {
     auto ratio = [&](const std::string& p) {
       return p.empty() ? std::string("") : bench::fmt("%.2f", rows.at(p).t.median() / x.t.median());
     };
-    tab.add({label, bench::fmt("%.1f", x.t.best() * 1e3), bench::fmt("%.1f", x.t.median() * 1e3), bench::fmt("%.2f", gb / x.t.best()),
-             bench::fmt("%.2f", gb / x.t.median()), ratio(peer), ratio(peer2),
+    tab.add({label, bench::fmt("%.1f", x.t.best() * 1e3), bench::fmt("%.1f", x.t.median() * 1e3),
+             bench::fmt("%.2f", gb / x.t.best()), bench::fmt("%.2f", gb / x.t.median()), ratio(peer), ratio(peer2),
              x.peak.empty() ? "" : bench::fmt("%.0f", x.peak.s.back()),
              x.peak.empty() ? "" : bench::fmt("%+.0f", x.peak.s.back() - double(total) / double(MiB)),
              x.anon.empty() ? "" : bench::fmt("%.0f", x.anon.s.back()),
@@ -379,7 +385,8 @@ int main(int argc, char** argv) {
   tab.separator();
   add("async save_model_and_optim_state: training-thread stall (staging reused)", "ss-async:stall", "", "");
   add("  the first save's stall (staging allocated and touched)", "ss-async:stall_first", "", "");
-  add("  from the call to durable (staging reused; the caller waits at once)", "ss-async:durable", "torch-save", "torch-save-fsync");
+  add("  from the call to durable (staging reused; the caller waits at once)", "ss-async:durable", "torch-save",
+      "torch-save-fsync");
   add("memcpy of the same bytes, 1 thread (touched dst)", "memcpy_1t", "", "");
   tab.separator();
   // the parameters alone: a third of the bytes (GB/s columns use the whole state's bytes)
@@ -398,7 +405,8 @@ int main(int argc, char** argv) {
   add("memcpy of the same bytes, 2 threads", "memcpy_2t", "", "");
   add("first touch of fresh tensors of the optimizer state's size, 2 threads", "first_touch_2t", "", "");
   tab.print();
-  std::printf("(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline)\n\n");
+  std::printf(
+      "(peak columns: the largest over repetitions; anon peak = RssAnon sampled every 2 ms minus its baseline)\n\n");
 
   auto med = [&](const char* k) { return rows.at(k).t.median(); };
   auto line = [](const char* what, double v, const char* unit, bool ok) { bench::print_target(66, what, v, unit, ok); };

@@ -26,13 +26,15 @@ using namespace shardsafe;
 // says "load_policy asks for validate_nan, but its views' dtype (load_policy::views) has no NaN".
 using checked_loader = configured_loader<file_directory, single_process,
                                          load_policy{.strict = true, .validate_nan = true, .views = only(dtype::F32)}>;
-using converting_loader = configured_loader<file_directory, single_process,
-                                            load_policy{.strict = false, .convert_dtypes = true, .views = only(dtype::F32)}>;
+using converting_loader =
+    configured_loader<file_directory, single_process,
+                      load_policy{.strict = false, .convert_dtypes = true, .views = only(dtype::F32)}>;
 
 int main(int argc, char** argv) {
   if (argc > 1 && (std::string_view(argv[1]) == "--help" || std::string_view(argv[1]) == "-h")) {
-    std::printf("configured_load [DIR]: saves a small checkpoint in DIR and loads it through loaders whose\n"
-                "backend, communicator and policy are template arguments (checkpoint/configured.hpp).\n");
+    std::printf(
+        "configured_load [DIR]: saves a small checkpoint in DIR and loads it through loaders whose\n"
+        "backend, communicator and policy are template arguments (checkpoint/configured.hpp).\n");
     return 0;
   }
   const std::filesystem::path dir =
@@ -50,14 +52,16 @@ int main(int argc, char** argv) {
     std::memcpy(&bits, &f, 4);
     emb[i] = static_cast<std::uint16_t>(bits >> 16);  // exact in BF16
   }
-  const std::vector<flat_view> saved{{"w", dtype::F32, {4, 8}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 128},
-                                     {"emb", dtype::BF16, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(emb.data()), 12}};
+  const std::vector<flat_view> saved{
+      {"w", dtype::F32, {4, 8}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 128},
+      {"emb", dtype::BF16, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(emb.data()), 12}};
   save_flat_views(file_directory(dir), std::span<const flat_view>(saved), comm);
 
   // rows 2-3 of "w", strictly, with NaN validation
   checked_loader strict(file_directory(dir), comm);
   std::vector<float> rows(16, -1.f);
-  const flat_view part{"w", dtype::F32, {4, 8}, block_spec({2, 8}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()), 64};
+  const flat_view part{"w", dtype::F32, {4, 8}, block_spec({2, 8}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()),
+                       64};
   const load_stats st = strict.load(std::span<const flat_view>(&part, 1));
   bool ok = st.bytes_needed == 64;
   for (int i = 0; i < 16; ++i) ok = ok && rows[i] == static_cast<float>(16 + i);
@@ -67,8 +71,9 @@ int main(int argc, char** argv) {
   // "emb" (BF16 in the file) into F32, and a tensor the checkpoint lacks, leniently
   converting_loader lenient(file_directory(dir), comm);
   std::vector<float> e(6, -1.f), absent(2, 9.f);
-  const std::vector<flat_view> views{{"emb", dtype::F32, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(e.data()), 24},
-                                     {"absent", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(absent.data()), 8}};
+  const std::vector<flat_view> views{
+      {"emb", dtype::F32, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(e.data()), 24},
+      {"absent", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(absent.data()), 8}};
   const load_stats st2 = lenient.load(std::span<const flat_view>(views));
   bool ok2 = st2.missing_keys.size() == 1 && absent[0] == 9.f;
   for (int i = 0; i < 6; ++i) ok2 = ok2 && e[i] == 0.5f * static_cast<float>(i);

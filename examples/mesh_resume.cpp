@@ -79,12 +79,16 @@ int worker(const std::string& role, const fs::path& dir) {
   if (role == "save") {
     init_optimizer_state(adam);
     for (std::size_t i = 0; i < model.size(); ++i) {  // moments as a job would have them, by block
-      state(i).exp_avg().copy_(block_of(full_value(model[i].name + ".m", model[i].shape, 0.003), where[i].spec.block()));
-      state(i).exp_avg_sq().copy_(block_of(full_value(model[i].name + ".v", model[i].shape, 0.007), where[i].spec.block()).abs());
+      state(i).exp_avg().copy_(
+          block_of(full_value(model[i].name + ".m", model[i].shape, 0.003), where[i].spec.block()));
+      state(i).exp_avg_sq().copy_(
+          block_of(full_value(model[i].name + ".v", model[i].shape, 0.007), where[i].spec.block()).abs());
       state(i).step(100);
     }
-    const model_and_optim_save_stats st = save_model_and_optim_state(ckpt, sd, &adam, comm, save_options{.overwrite = true});
-    const auto written = comm.all_gather_bytes(std::to_string(st.model.bytes_written) + " " + std::to_string(st.optim.bytes_written));
+    const model_and_optim_save_stats st =
+        save_model_and_optim_state(ckpt, sd, &adam, comm, save_options{.overwrite = true});
+    const auto written =
+        comm.all_gather_bytes(std::to_string(st.model.bytes_written) + " " + std::to_string(st.optim.bytes_written));
     if (w.rank == 0) {
       std::printf("saved by %d ranks on mesh %s, placements %s:\n", w.world_size, mesh.describe().c_str(),
                   to_string(hsdp).c_str());
@@ -146,8 +150,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "--help" || a == "-h") {
-      std::printf("mesh_resume: a job on a 2-D device mesh [2, 2] (HSDP) saved by 4 ranks and resumed by 2\n"
-                  "(see the top of examples/mesh_resume.cpp).\n\n  mesh_resume [--dir DIR]\n");
+      std::printf(
+          "mesh_resume: a job on a 2-D device mesh [2, 2] (HSDP) saved by 4 ranks and resumed by 2\n"
+          "(see the top of examples/mesh_resume.cpp).\n\n  mesh_resume [--dir DIR]\n");
       return 0;
     }
     if (a == "--dir" && i + 1 < argc) dir = argv[++i];

@@ -12,9 +12,10 @@ using namespace shardsafe;
 
 int main(int argc, char** argv) {
   if (argc > 1 && (std::string_view(argv[1]) == "--help" || std::string_view(argv[1]) == "-h")) {
-    std::printf("quickstart: saves a small state dict, loads a column shard of it, writes and reads a\n"
-                "plain safetensors file, in %s/shardsafe-quickstart. No options.\n",
-                std::filesystem::temp_directory_path().c_str());
+    std::printf(
+        "quickstart: saves a small state dict, loads a column shard of it, writes and reads a\n"
+        "plain safetensors file, in %s/shardsafe-quickstart. No options.\n",
+        std::filesystem::temp_directory_path().c_str());
     return 0;
   }
   if (argc > 1) {

@@ -101,8 +101,9 @@ class sharded_mlp {
       const std::uint64_t n = shardsafe::numel(d.shape);
       auto [b, e] = shard_range(n, world, rank);
       at::Tensor full = initial_value(d);
-      at::Tensor local = zero_init ? at::zeros({static_cast<std::int64_t>(e - b)})
-                                   : full.reshape({-1}).slice(0, static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)).clone();
+      at::Tensor local =
+          zero_init ? at::zeros({static_cast<std::int64_t>(e - b)})
+                    : full.reshape({-1}).slice(0, static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)).clone();
       local.set_requires_grad(true);
       locals_.push_back(local);
       ranges_.emplace_back(b, e);
@@ -195,19 +196,24 @@ class sharded_mlp {
  private:
   static std::unique_ptr<torch::optim::OptimizerOptions> make_options(optim_kind k, double lr) {
     switch (k) {
-      case optim_kind::adam: return std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(lr).betas({0.9, 0.95}));
+      case optim_kind::adam:
+        return std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(lr).betas({0.9, 0.95}));
       case optim_kind::adamw:
-        return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr).weight_decay(0.1).amsgrad(true));
+        return std::make_unique<torch::optim::AdamWOptions>(
+            torch::optim::AdamWOptions(lr).weight_decay(0.1).amsgrad(true));
       case optim_kind::sgd:
         return std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(lr).momentum(0.9).dampening(0.1));
       case optim_kind::adagrad:
-        return std::make_unique<torch::optim::AdagradOptions>(torch::optim::AdagradOptions(lr).initial_accumulator_value(0.1));
+        return std::make_unique<torch::optim::AdagradOptions>(
+            torch::optim::AdagradOptions(lr).initial_accumulator_value(0.1));
       case optim_kind::rmsprop:
-        return std::make_unique<torch::optim::RMSpropOptions>(torch::optim::RMSpropOptions(lr).momentum(0.5).centered(true));
+        return std::make_unique<torch::optim::RMSpropOptions>(
+            torch::optim::RMSpropOptions(lr).momentum(0.5).centered(true));
     }
     return nullptr;
   }
-  static std::unique_ptr<torch::optim::Optimizer> make_optimizer(optim_kind k, std::vector<torch::optim::OptimizerParamGroup> g) {
+  static std::unique_ptr<torch::optim::Optimizer> make_optimizer(optim_kind k,
+                                                                 std::vector<torch::optim::OptimizerParamGroup> g) {
     switch (k) {
       case optim_kind::adam: return std::make_unique<torch::optim::Adam>(std::move(g));
       case optim_kind::adamw: return std::make_unique<torch::optim::AdamW>(std::move(g));
@@ -231,7 +237,9 @@ class sharded_mlp {
 inline void write_params(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& params) {
   std::vector<shardsafe::tensor_data> ts;
   for (const auto& [n, t] : params)
-    ts.push_back({n, shardsafe::dtype::F32, shardsafe::shape_of(t),
+    ts.push_back({n,
+                  shardsafe::dtype::F32,
+                  shardsafe::shape_of(t),
                   {static_cast<const std::byte*>(t.data_ptr()), static_cast<std::size_t>(t.nbytes())}});
   shardsafe::file_writer w(path);
   shardsafe::write_safetensors(w, std::span<const shardsafe::tensor_data>(ts));

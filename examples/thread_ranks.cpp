@@ -50,8 +50,9 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view a = argv[i];
     if (a == "--help" || a == "-h") {
-      std::printf("thread_ranks [DIR] [--form listed|compact]: 4 thread ranks save a sharded checkpoint in DIR,\n"
-                  "3 thread ranks load it resharded and check every element (shardsafe/dist/threads.hpp).\n");
+      std::printf(
+          "thread_ranks [DIR] [--form listed|compact]: 4 thread ranks save a sharded checkpoint in DIR,\n"
+          "3 thread ranks load it resharded and check every element (shardsafe/dist/threads.hpp).\n");
       return 0;
     }
     if (a == "--form" && i + 1 < argc) {
@@ -67,7 +68,11 @@ int main(int argc, char** argv) {
     const auto [b, e] = piece(n, 4, static_cast<u64>(comm.rank()));
     std::vector<float> mine;
     for (u64 i = b; i < e; ++i) mine.push_back(static_cast<float>(i));
-    const flat_view v{"w", dtype::F32, {rows, cols}, flat_spec{{b, e}}, reinterpret_cast<std::byte*>(mine.data()),
+    const flat_view v{"w",
+                      dtype::F32,
+                      {rows, cols},
+                      flat_spec{{b, e}},
+                      reinterpret_cast<std::byte*>(mine.data()),
                       mine.size() * sizeof(float)};
     save_options opt;
     opt.metadata = form;
@@ -85,8 +90,12 @@ int main(int argc, char** argv) {
     const u64 r = static_cast<u64>(comm.rank());
     const auto [b, e] = piece(rows, 3, r);
     std::vector<float> mine((e - b) * cols, -1.f);
-    const flat_view v{"w", dtype::F32, {rows, cols}, block_spec({e - b, cols}, {b, 0}),
-                      reinterpret_cast<std::byte*>(mine.data()), mine.size() * sizeof(float)};
+    const flat_view v{"w",
+                      dtype::F32,
+                      {rows, cols},
+                      block_spec({e - b, cols}, {b, 0}),
+                      reinterpret_cast<std::byte*>(mine.data()),
+                      mine.size() * sizeof(float)};
     load_options lo;
     lo.verify_checksums = true;
     const load_stats st = load_flat_views(file_directory(dir), std::span<const flat_view>(&v, 1), lo);
@@ -95,7 +104,8 @@ int main(int argc, char** argv) {
         throw error(errc::invalid_argument, "rank " + std::to_string(r) + ": element " + std::to_string(b * cols + i) +
                                                 " loaded as " + std::to_string(mine[i]));
     lines[r] = "rank " + std::to_string(r) + " of 3: rows [" + std::to_string(b) + ", " + std::to_string(e) + "), " +
-               std::to_string(st.bytes_read) + " bytes read, " + std::to_string(st.checksum_blocks) + " checksum blocks checked";
+               std::to_string(st.bytes_read) + " bytes read, " + std::to_string(st.checksum_blocks) +
+               " checksum blocks checked";
   });
   for (std::size_t r = 0; r < loaded.size(); ++r)
     if (loaded[r]) {

@@ -58,29 +58,57 @@ config parse(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--dir") c.dir = next();
-    else if (a == "--steps") c.steps = std::stoi(next());
-    else if (a == "--every") c.every = std::stoi(next());
-    else if (a == "--keep") c.keep = std::stoi(next());
-    else if (a == "--kill-after") c.kill_after = std::stoi(next());
-    else if (a == "--world") c.world = std::stoi(next());
-    else if (a == "--resume-world") c.resume_world = std::stoi(next());
-    else if (a == "--optim") c.optim = next();
-    else if (a == "--in") c.in = std::stoi(next());
-    else if (a == "--hidden") c.hidden = std::stoi(next());
-    else if (a == "--step-delay-ms") c.step_delay_ms = std::stoi(next());
-    else throw std::invalid_argument("unknown option " + a);
+    if (a == "--dir")
+      c.dir = next();
+    else if (a == "--steps")
+      c.steps = std::stoi(next());
+    else if (a == "--every")
+      c.every = std::stoi(next());
+    else if (a == "--keep")
+      c.keep = std::stoi(next());
+    else if (a == "--kill-after")
+      c.kill_after = std::stoi(next());
+    else if (a == "--world")
+      c.world = std::stoi(next());
+    else if (a == "--resume-world")
+      c.resume_world = std::stoi(next());
+    else if (a == "--optim")
+      c.optim = next();
+    else if (a == "--in")
+      c.in = std::stoi(next());
+    else if (a == "--hidden")
+      c.hidden = std::stoi(next());
+    else if (a == "--step-delay-ms")
+      c.step_delay_ms = std::stoi(next());
+    else
+      throw std::invalid_argument("unknown option " + a);
   }
   return c;
 }
 
 std::vector<std::string> worker_args(const config& c, const std::string& role) {
-  return {role, "--dir", c.dir.string(), "--steps", std::to_string(c.steps), "--every", std::to_string(c.every),
-          "--keep", std::to_string(c.keep), "--optim", c.optim, "--in", std::to_string(c.in), "--hidden",
-          std::to_string(c.hidden), "--step-delay-ms", std::to_string(c.step_delay_ms)};
+  return {role,
+          "--dir",
+          c.dir.string(),
+          "--steps",
+          std::to_string(c.steps),
+          "--every",
+          std::to_string(c.every),
+          "--keep",
+          std::to_string(c.keep),
+          "--optim",
+          c.optim,
+          "--in",
+          std::to_string(c.in),
+          "--hidden",
+          std::to_string(c.hidden),
+          "--step-delay-ms",
+          std::to_string(c.step_delay_ms)};
 }
 
-double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
 std::string mb(std::uint64_t b) {
   char s[32];
   std::snprintf(s, sizeof s, "%.2f MB", double(b) / 1e6);
@@ -161,8 +189,8 @@ int worker(const std::string& role, const config& c) {
       std::uint64_t total = 0;
       for (auto& b : bytes) total += std::stoull(b);
       if (lead)
-        std::printf("  [world %d] resumed from %s: %s read by %d ranks in %.3f s (%s)\n", w.world_size, latest->name.c_str(),
-                    mb(total).c_str(), w.world_size, s, gbps(total, s).c_str());
+        std::printf("  [world %d] resumed from %s: %s read by %d ranks in %.3f s (%s)\n", w.world_size,
+                    latest->name.c_str(), mb(total).c_str(), w.world_size, s, gbps(total, s).c_str());
     } else {
       if (lead) std::printf("  [world %d] no checkpoint yet: starting from the pretrained weights\n", w.world_size);
       import_pretrained(c, m, comm, w.world_size, lead);
@@ -260,8 +288,10 @@ int launcher(const std::string& self, config c) {
   fs::remove_all(c.dir, ec);
   fs::create_directories(c.dir);
   const auto t_all = clock_type::now();
-  std::printf("shardsafe end-to-end demo: an MLP (%d -> %d -> %d, two param groups, %s), %d steps, checkpoint every %d, keep last %d\n",
-              c.in, c.hidden, c.in, c.optim.c_str(), c.steps, c.every, c.keep);
+  std::printf(
+      "shardsafe end-to-end demo: an MLP (%d -> %d -> %d, two param groups, %s), %d steps, checkpoint every %d, keep "
+      "last %d\n",
+      c.in, c.hidden, c.in, c.optim.c_str(), c.steps, c.every, c.keep);
   std::printf("work folder: %s\n\n", fs::absolute(c.dir).string().c_str());
 
   std::printf("0. a pretrained model as a Hugging Face folder (BF16, indexed)\n");
@@ -299,8 +329,7 @@ int launcher(const std::string& self, config c) {
   const fs::path out = c.dir / "hf-export";
   hf_export_options o;
   o.max_shard_size = 1'000'000;  // small files, to show the index
-  const hf_export_stats st =
-      export_hf(file_directory(c.dir / "checkpoints" / latest->name), file_directory(out), o);
+  const hf_export_stats st = export_hf(file_directory(c.dir / "checkpoints" / latest->name), file_directory(out), o);
   std::printf("  %s -> %s: %zu file%s%s, %s in %.3f s (%s)\n", latest->name.c_str(), out.string().c_str(), st.files,
               st.files == 1 ? "" : "s", st.indexed ? " + index" : "", mb(st.bytes).c_str(), st.seconds,
               gbps(st.bytes, st.seconds).c_str());
@@ -327,7 +356,8 @@ int launcher(const std::string& self, config c) {
     std::printf("  exported values bit for bit equal to the trained parameters: %s\n", exported_same ? "YES" : "NO");
   }
   same = same && exported_same;
-  std::printf("\ndone in %.1f s: %s\n", seconds_since(t_all), same ? "resume reproduced the uninterrupted run" : "MISMATCH");
+  std::printf("\ndone in %.1f s: %s\n", seconds_since(t_all),
+              same ? "resume reproduced the uninterrupted run" : "MISMATCH");
   return same ? 0 : 1;
 }
 
@@ -337,12 +367,13 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines in order when stdout is a pipe
   for (int i = 1; i < argc; ++i)
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::printf("train_demo: the whole life of a model (see the top of examples/train_demo.cpp):\n"
-                  "a pretrained Hugging Face folder imported into a sharded world, training with\n"
-                  "rotating checkpoints, a kill, a resume on another world size, an HF export.\n\n"
-                  "  train_demo [--dir DIR] [--steps 12] [--every 3] [--keep 2] [--kill-after 7]\n"
-                  "             [--world 2] [--resume-world 3] [--optim adamw|adam|sgd|adagrad|rmsprop]\n"
-                  "             [--in 512] [--hidden 2048]\n");
+      std::printf(
+          "train_demo: the whole life of a model (see the top of examples/train_demo.cpp):\n"
+          "a pretrained Hugging Face folder imported into a sharded world, training with\n"
+          "rotating checkpoints, a kill, a resume on another world size, an HF export.\n\n"
+          "  train_demo [--dir DIR] [--steps 12] [--every 3] [--keep 2] [--kill-after 7]\n"
+          "             [--world 2] [--resume-world 3] [--optim adamw|adam|sgd|adagrad|rmsprop]\n"
+          "             [--in 512] [--hidden 2048]\n");
       return 0;
     }
   try {

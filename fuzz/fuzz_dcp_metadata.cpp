@@ -44,7 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(detail::checked_numel(item.size).has_value());
     for (const auto& c : item.chunks) {
       FUZZ_CHECK(c.offsets.size() == item.size.size() && c.sizes.size() == item.size.size());
-      for (std::size_t d = 0; d < item.size.size(); ++d) FUZZ_CHECK(c.offsets[d] + c.sizes[d] <= item.size[d] && c.offsets[d] <= item.size[d]);
+      for (std::size_t d = 0; d < item.size.size(); ++d)
+        FUZZ_CHECK(c.offsets[d] + c.sizes[d] <= item.size[d] && c.offsets[d] <= item.size[d]);
       check_storage(c.storage);
     }
   }

@@ -26,7 +26,8 @@ std::size_t check(const pickle_value& v, std::size_t depth) {
       for (const auto& x : v.as_sequence("fuzz")) n += check(x, depth + 1);
       break;
     case k::dict:
-      for (std::size_t i = 0; i < v.dict_size(); ++i) n += check(v.dict_key(i), depth + 1) + check(v.dict_value(i), depth + 1);
+      for (std::size_t i = 0; i < v.dict_size(); ++i)
+        n += check(v.dict_key(i), depth + 1) + check(v.dict_value(i), depth + 1);
       break;
     default: break;
   }

@@ -28,7 +28,8 @@ void content_range(std::string_view s) {
   FUZZ_CHECK(a <= b);
   if (t) FUZZ_CHECK(b < *t);
   // written back, it reads the same
-  const std::string again = "bytes " + std::to_string(a) + "-" + std::to_string(b) + "/" + (t ? std::to_string(*t) : "*");
+  const std::string again =
+      "bytes " + std::to_string(a) + "-" + std::to_string(b) + "/" + (t ? std::to_string(*t) : "*");
   std::uint64_t a2 = 0, b2 = 0;
   std::optional<std::uint64_t> t2;
   FUZZ_CHECK(detail::parse_content_range(again, a2, b2, t2) && a2 == a && b2 == b && t2 == t);

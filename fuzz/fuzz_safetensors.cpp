@@ -94,7 +94,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   std::size_t n = size;
   while (n > 0 && data[n - 1] != '}') --n;
   std::vector<std::uint8_t> framed(8 + size);
-  for (int i = 0; i < 8; ++i) framed[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>((std::uint64_t(n) >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    framed[static_cast<std::size_t>(i)] = static_cast<std::uint8_t>((std::uint64_t(n) >> (8 * i)) & 0xff);
   if (size) std::memcpy(framed.data() + 8, data, size);
   check_file(framed.data(), framed.size());
   return 0;

@@ -30,13 +30,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     FUZZ_CHECK(z.storage.name.find("/data/") != std::string::npos);
     if (z.pickle) {
       FUZZ_CHECK(z.pickle->data_offset <= size && z.pickle->size <= size - z.pickle->data_offset);
-      const auto t = parse_torch_tensor_pickle(bytes.substr(z.pickle->data_offset, z.pickle->size), "f.distcp data.pkl");
+      const auto t =
+          parse_torch_tensor_pickle(bytes.substr(z.pickle->data_offset, z.pickle->size), "f.distcp data.pkl");
       if (t.type) {
         check_torch_zip_tensor(t, z.storage, *t.type, t.size, "f.distcp");
         // the same archive indexed as a DCP data file (format/dcp_data.hpp: its cached reads of
         // the archive's ends), as one chunk of the whole file
-        const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
-                                "f.distcp");
+        const memory_storage st(
+            byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+            "f.distcp");
         const dcp_data_file f{"f.distcp", false, {{{"k", *t.type, shape_t(t.size.size(), 0), t.size}, 0, size}}};
         const auto h = index_dcp_data_file(st, f);
         FUZZ_CHECK(h.tensors.size() == 1 && h.offset_of(h.tensors[0]) == z.storage.data_offset &&
@@ -51,8 +53,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     const auto z = locate_torch_zip(bytes, "f.distcp", torch_zip_value);
     FUZZ_CHECK(z.pickle && z.pickle->data_offset <= size && z.pickle->size <= size - z.pickle->data_offset);
-    const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
-                            "f.distcp");
+    const memory_storage st(
+        byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+        "f.distcp");
     (void)read_dcp_object(st, dcp_storage_info{"f.distcp", 0, size}, "'k'");
   } catch (const shardsafe::error& e) {
     FUZZ_CHECK(e.code() == errc::invalid_metadata);
@@ -60,8 +63,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // the same bytes as a torch.save file of a state dict
   try {
-    const memory_storage st(byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
-                            "f.bin");
+    const memory_storage st(
+        byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
+        "f.bin");
     const torch_save_index x = index_torch_save_file(st);
     for (const auto& e : x.header.tensors) {
       FUZZ_CHECK(e.begin <= e.end && e.end <= size);

@@ -132,3 +132,21 @@ echo "layering: every header within 450 lines but the $(wc -w <<<"$over_allowed"
 
 # the README's Layout section names every folder and header under include/shardsafe (issue 52)
 python3 scripts/check_readme_layout.py .
+
+# the code follows .clang-format (clang-format 19, which scripts/deps.sh installs: another
+# version lays some lines out differently). Reformat with:
+#   clang-format-19 -i $(git ls-files '*.hpp' '*.cpp' '*.h' '*.ipp' | grep -v '^subprojects/')
+if ! command -v clang-format-19 >/dev/null; then
+  echo "layering: clang-format-19 is missing (scripts/deps.sh installs it)" >&2
+  exit 1
+fi
+mapfile -t sources < <(git ls-files '*.hpp' '*.cpp' '*.h' '*.ipp' | grep -v '^subprojects/'
+                       git ls-files --others --exclude-standard '*.hpp' '*.cpp' '*.h' '*.ipp' | grep -v '^subprojects/')
+if ! clang-format-19 --dry-run --Werror "${sources[@]}" 2>/tmp/clang-format.$$.log; then
+  head -40 /tmp/clang-format.$$.log >&2
+  rm -f /tmp/clang-format.$$.log
+  echo "layering: these sources do not follow .clang-format (run clang-format-19 -i on them)" >&2
+  exit 1
+fi
+rm -f /tmp/clang-format.$$.log
+echo "layering: ${#sources[@]} sources follow .clang-format"

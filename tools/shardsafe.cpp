@@ -55,11 +55,17 @@ constexpr std::uint64_t chunk_bytes = std::uint64_t(64) << 20;
 std::string one_line(std::string_view s) {
   std::string r;
   for (unsigned char c : s) {
-    if (c == '\n') r += "\\n";
-    else if (c == '\r') r += "\\r";
-    else if (c == '\t') r += "\\t";
-    else if (c < 0x20 || c == 0x7f) { r += "\\x"; shardsafe::detail::append_hex(r, c, 2); }
-    else r += static_cast<char>(c);
+    if (c == '\n')
+      r += "\\n";
+    else if (c == '\r')
+      r += "\\r";
+    else if (c == '\t')
+      r += "\\t";
+    else if (c < 0x20 || c == 0x7f) {
+      r += "\\x";
+      shardsafe::detail::append_hex(r, c, 2);
+    } else
+      r += static_cast<char>(c);
   }
   return r;
 }
@@ -80,8 +86,8 @@ class progress {
     if (shown_ && now - last_ < std::chrono::milliseconds(100)) return;
     last_ = now;
     shown_ = true;
-    std::fprintf(stderr, "\r\033[K[%s] %.1f / %.1f MB (%.0f%%)", what_.c_str(), double(done_) / 1e6, double(total_) / 1e6,
-                 total_ ? 100.0 * double(done_) / double(total_) : 100.0);
+    std::fprintf(stderr, "\r\033[K[%s] %.1f / %.1f MB (%.0f%%)", what_.c_str(), double(done_) / 1e6,
+                 double(total_) / 1e6, total_ ? 100.0 * double(done_) / double(total_) : 100.0);
   }
 
  private:
@@ -103,9 +109,9 @@ enum class kind { file, hf, checkpoint, checkpoint_pair };
 template <ReadableDirectory D>
 struct input {
   kind k;
-  std::string path;  // as given, for messages
-  D dir;             // the folder; for kind::file the folder that holds the file
-  std::string file;  // kind::file: its name in dir
+  std::string path;                              // as given, for messages
+  D dir;                                         // the folder; for kind::file the folder that holds the file
+  std::string file;                              // kind::file: its name in dir
   std::vector<std::pair<std::string, D>> parts;  // checkpoint_pair: {"model", dir}, {"optim", dir}
 };
 
@@ -166,8 +172,8 @@ input<D> classify_folder(const std::string& p, D dir) {
     for (const auto& n : dir.list())
       if (n.ends_with(".distcp")) return {kind::checkpoint, p, dir, {}, {}};
   fail(errc::not_found, p + ": no such checkpoint: none of " + std::string(metadata_file_name) + ", model/, optim/, " +
-                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " + std::string(hf_bin_index_file) +
-                            ", " + std::string(hf_bin_single_file) + ", " +
+                            std::string(hf_index_file) + ", " + std::string(hf_single_file) + ", " +
+                            std::string(hf_bin_index_file) + ", " + std::string(hf_bin_single_file) + ", " +
                             std::string(dcp_metadata_file_name) + ", *.safetensors or *.distcp in it" +
                             (lists<D> ? "" : " (an HTTP server is probed for these names; it cannot list a folder)"));
 }
@@ -178,7 +184,8 @@ input<file_directory> classify(const std::string& p) {
   std::error_code ec;
   auto st = fs::status(path, ec);
   if (ec || !fs::exists(st)) fail(errc::not_found, p + ": no such file or directory");
-  if (fs::is_regular_file(st)) return {kind::file, p, file_directory(path.parent_path(), g_links), path.filename().string(), {}};
+  if (fs::is_regular_file(st))
+    return {kind::file, p, file_directory(path.parent_path(), g_links), path.filename().string(), {}};
   if (!fs::is_directory(st)) fail(errc::invalid_argument, p + ": not a regular file or directory");
   return classify_folder(p, file_directory(path, g_links));
 }
@@ -189,7 +196,8 @@ input<file_directory> classify(const std::string& p) {
 template <ReadableDirectory D>
 input<D> classify_url(const std::string& p) {
   const std::string_view url_path = std::string_view(p).substr(0, p.find('?'));
-  if (url_path.ends_with(".safetensors") || url_path.ends_with(".bin") || url_path.ends_with(".pt") || url_path.ends_with(".pth")) {
+  if (url_path.ends_with(".safetensors") || url_path.ends_with(".bin") || url_path.ends_with(".pt") ||
+      url_path.ends_with(".pth")) {
     auto [folder, name] = split_url(std::string(url_path));
     D dir(folder);
     if (!dir.exists(name)) fail(errc::not_found, p + ": no such object");
@@ -217,8 +225,10 @@ int with_input(const std::string& p, F&& f) {
 /// so), an object through its folder.
 template <ReadableDirectory D>
 typename D::reader_type open_file(const input<D>& in) {
-  if constexpr (std::is_same_v<D, file_directory>) return file_storage(in.path);
-  else return in.dir.open(in.file);
+  if constexpr (std::is_same_v<D, file_directory>)
+    return file_storage(in.path);
+  else
+    return in.dir.open(in.file);
 }
 
 /// The index of a kind::file input: its safetensors header, or a torch.save file's with the
@@ -231,7 +241,9 @@ torch_save_index index_file(const S& s) {
 
 /// The Hugging Face folder in in.dir, opened and validated (checkpoint/hf/folder.hpp).
 template <ReadableDirectory D>
-hf_folder<D> open_hf(const input<D>& in) { return open_hf_folder(in.dir); }
+hf_folder<D> open_hf(const input<D>& in) {
+  return open_hf_folder(in.dir);
+}
 
 /// Whether a file of h stores a tensor's dimensions in another order than row-major (a
 /// torch.save file's transposed tensor), so that its bytes are not the tensor's in order.
@@ -283,7 +295,9 @@ std::vector<std::string> files_of(const tensor_metadata& tm, const Reader& r) {
 /// "blocks over 3 file(s)"; "blocks (4) over 3 file(s)" when a file holds two parts.
 std::string describe_sharding(const tensor_metadata& tm, std::size_t files) {
   if (!tm.is_sharded) return "not sharded";
-  if (tm.grid) return std::string(tm.grid->flat ? "flattened offsets" : "blocks") + " over " + std::to_string(files) + " file(s), a grid";
+  if (tm.grid)
+    return std::string(tm.grid->flat ? "flattened offsets" : "blocks") + " over " + std::to_string(files) +
+           " file(s), a grid";
   bool flat = true, block = true;
   for (const auto& [f, s] : tm.files) {
     flat = flat && s.is_flat();
@@ -326,8 +340,8 @@ void print_rows(const std::string& title, std::vector<row> rows) {
   }
   auto line = [&](const row& r) {
     auto pad = [](const std::string& s, std::size_t n) { return s + std::string(n - s.size() + 2, ' '); };
-    std::cout << pad(r.name, w[0]) << pad(r.dtype, w[1]) << pad(r.shape, w[2]) << pad(r.bytes, w[3]) << pad(r.stored, w[4])
-              << r.sharding << "\n";
+    std::cout << pad(r.name, w[0]) << pad(r.dtype, w[1]) << pad(r.shape, w[2]) << pad(r.bytes, w[3])
+              << pad(r.stored, w[4]) << r.sharding << "\n";
   };
   line(head);
   for (const auto& r : rows) line(r);
@@ -345,15 +359,18 @@ int cmd_inspect(const input<D>& in) {
     for (const auto& t : h.tensors) {
       total += t.nbytes();
       const auto order = h.stored_order(t);
-      rows.push_back({t.name, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
-                      "@" + std::to_string(h.offset_of(t)),
-                      order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
+      rows.push_back(
+          {t.name, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
+           "@" + std::to_string(h.offset_of(t)),
+           order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
     }
-    for (const auto& v : x.values) rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(pickle_repr(v.value, 60))});
-    std::string title = "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") + std::to_string(h.tensors.size()) +
-                        " tensors, " + std::to_string(total) + " bytes of data" +
-                        (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
-                        (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
+    for (const auto& v : x.values)
+      rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(pickle_repr(v.value, 60))});
+    std::string title =
+        "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") +
+        std::to_string(h.tensors.size()) + " tensors, " + std::to_string(total) + " bytes of data" +
+        (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
+        (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
     for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
     print_rows(title, rows);
     return 0;
@@ -362,8 +379,8 @@ int cmd_inspect(const input<D>& in) {
     const auto h = open_hf(in);
     for (const auto& [n, at] : h.tensors) {
       const tensor_entry& t = h.entry(at);
-      rows.push_back({n, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()), h.files[at.file].name,
-                      "-"});
+      rows.push_back({n, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
+                      h.files[at.file].name, "-"});
     }
     print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
                    (h.torch_bin ? "torch.save files (" + h.described_by + "), " : std::string()) +
@@ -386,8 +403,8 @@ int cmd_inspect(const input<D>& in) {
       std::string stored;
       for (std::size_t i = 0; i < files.size() && i < 4; ++i) stored += (i ? "," : "") + files[i];
       if (files.size() > 4) stored += ",...";
-      rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes), stored,
-                      describe_sharding(tm, files.size())});
+      rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes),
+                      stored, describe_sharding(tm, files.size())});
     }
   }
   const std::size_t tensors = rows.size();
@@ -398,10 +415,11 @@ int cmd_inspect(const input<D>& in) {
   const std::size_t foreign = rows.size() - tensors;
   for (auto& p : parts)
     for (const auto& item : p.reader->non_tensors())
-      rows.push_back({p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
+      rows.push_back(
+          {p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
   const std::size_t others = rows.size() - tensors - foreign;
-  print_rows("# " + in.path + ": " + what + ", " + std::to_string(tensors) + " tensors, " +
-                 std::to_string(total) + " bytes" +
+  print_rows("# " + in.path + ": " + what + ", " + std::to_string(tensors) + " tensors, " + std::to_string(total) +
+                 " bytes" +
                  (foreign ? ", " + std::to_string(foreign) + " tensor(s) of a dtype shardsafe has no type for" : "") +
                  (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
                  (writer.empty() ? "" : ", written by " + writer),
@@ -442,7 +460,8 @@ int cmd_verify(const input<D>& in) {
       notes += unchecked == sharded ? "; no checksums recorded (tensor data not checked)"
                                     : "; no checksums recorded in " + std::to_string(unchecked) + " of " +
                                           std::to_string(sharded) + " parts (their tensor data not checked)";
-    if (replicated > 0) notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
+    if (replicated > 0)
+      notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
     std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid" << one_line(notes) << "\n";
     return 0;
   }
@@ -481,7 +500,8 @@ int cmd_digest(const input<D>& in) {
     const auto s = open_file(in);
     auto h = read_safetensors_header(s);
     progress pr("digest", h.data_size);
-    for (const auto& t : h.tensors) out.push_back({t.name, t.type, t.shape, hash_range(s, h.offset_of(t), t.nbytes(), pr)});
+    for (const auto& t : h.tensors)
+      out.push_back({t.name, t.type, t.shape, hash_range(s, h.offset_of(t), t.nbytes(), pr)});
   } else if (hf) {
     const auto& h = *hf;
     std::uint64_t total = 0;
@@ -512,7 +532,8 @@ int cmd_digest(const input<D>& in) {
       }
   }
   std::sort(out.begin(), out.end(), [](const line& a, const line& b) { return a.name < b.name; });
-  for (const auto& l : out) std::cout << one_line(l.name) << ' ' << to_string(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
+  for (const auto& l : out)
+    std::cout << one_line(l.name) << ' ' << to_string(l.type) << ' ' << shape_str(l.shape) << ' ' << l.hex << '\n';
   return 0;
 }
 
@@ -529,21 +550,22 @@ void refuse_output_over_input(const input<D>& in, const std::string& out_path, c
     if (ec) return;  // cannot say; the writer will report what is wrong with the path
     if (in.k == kind::file) {
       if (fs::exists(out, ec) && fs::equivalent(out, fs::path(in.path), ec))
-        fail(errc::invalid_argument, out_path + ": is the input file " + in.path + "; refusing to write " + what + " over it");
+        fail(errc::invalid_argument,
+             out_path + ": is the input file " + in.path + "; refusing to write " + what + " over it");
       return;
     }
     const fs::path folder = fs::weakly_canonical(fs::absolute(in.dir.path()), ec);
     if (ec) return;
     const auto rel = out.lexically_relative(folder);
     if (out == folder || (!rel.empty() && *rel.begin() != ".." && !rel.is_absolute()))
-      fail(errc::invalid_argument, out_path + ": lies inside the input folder " + in.path + "; refusing to write " + what +
-                                       " there (it could overwrite the checkpoint being read)");
+      fail(errc::invalid_argument, out_path + ": lies inside the input folder " + in.path + "; refusing to write " +
+                                       what + " there (it could overwrite the checkpoint being read)");
     // another name of one of the input's files (a hard link elsewhere)
     if (fs::exists(out, ec) && fs::is_regular_file(out, ec))
       for (const auto& e : fs::recursive_directory_iterator(folder, fs::directory_options::skip_permission_denied, ec))
         if (e.is_regular_file(ec) && fs::equivalent(e.path(), out, ec))
-          fail(errc::invalid_argument, out_path + ": is the input's file " + e.path().string() + " under another name; refusing to write " +
-                                           what + " over it");
+          fail(errc::invalid_argument, out_path + ": is the input's file " + e.path().string() +
+                                           " under another name; refusing to write " + what + " over it");
   } else {
     (void)in, (void)out_path, (void)what;
   }
@@ -553,11 +575,13 @@ void refuse_output_over_input(const input<D>& in, const std::string& out_path, c
 /// no URL at all.
 void check_output_url(const std::string& out_path, const char* what) {
   if (is_http_url(out_path))
-    fail(errc::invalid_argument, out_path + ": cannot write " + what + " over HTTP(S), which is read-only; write to a "
-                                 "local path or to s3://BUCKET/PREFIX");
+    fail(errc::invalid_argument, out_path + ": cannot write " + what +
+                                     " over HTTP(S), which is read-only; write to a "
+                                     "local path or to s3://BUCKET/PREFIX");
 #if !SHARDSAFE_TOOL_REMOTE
-  fail(errc::invalid_argument, out_path + ": a URL, but this shardsafe was built without remote storage (Boost.Asio and "
-                                          "OpenSSL; configure with -Dremote=enabled)");
+  fail(errc::invalid_argument, out_path +
+                                   ": a URL, but this shardsafe was built without remote storage (Boost.Asio and "
+                                   "OpenSSL; configure with -Dremote=enabled)");
 #endif
 }
 
@@ -591,7 +615,8 @@ template <ReadableDirectory D>
 std::string left_out(const std::vector<ckpt_part<D>>& parts) {
   std::size_t n = 0;
   for (const auto& p : parts) n += p.reader->non_tensors().size();
-  return n ? "; " + std::to_string(n) + " non-tensor item(s) left out (safetensors holds tensors; to-dcp keeps them)" : std::string();
+  return n ? "; " + std::to_string(n) + " non-tensor item(s) left out (safetensors holds tensors; to-dcp keeps them)"
+           : std::string();
 }
 
 /// The warnings of the rules that have one (a preset's): for each, how many names it decided and
@@ -623,7 +648,8 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
   // them: a pair's model/, and its optim/ unless model_only, which also drops the prefixes)
   auto parts = open_checkpoint(in);
   const bool pair = in.k == kind::checkpoint_pair;
-  if (pair && std::none_of(parts.begin(), parts.end(), [](const auto& p) { return p.prefix == std::string(model_folder_name) + "/"; }))
+  if (pair && std::none_of(parts.begin(), parts.end(),
+                           [](const auto& p) { return p.prefix == std::string(model_folder_name) + "/"; }))
     fail(errc::not_found, in.path + ": a model + optimizer checkpoint without model/; nothing to export");
   std::vector<std::string> keys;
   std::vector<unshard_source<D>> sources;
@@ -646,8 +672,9 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
 #endif
   }
   std::cerr << warnings;
-  std::cout << "wrote " << one_line(out_path) << ": " << st.files << " file(s)" << (st.indexed ? " and " + std::string(hf_index_file) : "")
-            << ", " << st.tensors << " tensors, " << st.bytes << " bytes" << left_out(parts) << "\n";
+  std::cout << "wrote " << one_line(out_path) << ": " << st.files << " file(s)"
+            << (st.indexed ? " and " + std::string(hf_index_file) : "") << ", " << st.tensors << " tensors, "
+            << st.bytes << " bytes" << left_out(parts) << "\n";
   return 0;
 }
 
@@ -660,15 +687,17 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
   const auto st = export_dcp(std::span<const unshard_source<D>>(sources), file_directory(out_path), opt);
-  std::cout << "wrote " << one_line(out_path) << ": " << st.tensors << " tensors" << (st.objects ? " and " + std::to_string(st.objects) + " non-tensor items" : "")
-            << " in " << dcp_data_file_name(0) << " (" << st.bytes << " bytes) and " << dcp_metadata_file_name << "\n";
+  std::cout << "wrote " << one_line(out_path) << ": " << st.tensors << " tensors"
+            << (st.objects ? " and " + std::to_string(st.objects) + " non-tensor items" : "") << " in "
+            << dcp_data_file_name(0) << " (" << st.bytes << " bytes) and " << dcp_metadata_file_name << "\n";
   return 0;
 }
 
 /// What --help prints after the commands.
 constexpr const char* path_help =
     "PATH is a safetensors file, a torch.save file (pytorch_model.bin, or a training checkpoint's\n"
-    ".pt with its epoch and optimizer values; read without running its pickle), a Hugging Face folder (model.safetensors, pytorch_model.bin or an index), a\n"
+    ".pt with its epoch and optimizer values; read without running its pickle), a Hugging Face folder "
+    "(model.safetensors, pytorch_model.bin or an index), a\n"
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
     "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO). Any of these may be a\n"
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"
@@ -678,22 +707,25 @@ constexpr const char* path_help =
 /// success (one validator for --max-shard-size, --rename and --stack-experts).
 template <class Parse>
 CLI::Validator parsed_by(Parse parse, const char* what) {
-  return CLI::Validator([parse](std::string& s) -> std::string {
-    try {
-      parse(s);
-      return {};
-    } catch (const std::exception& e) {
-      return e.what();
-    }
-  }, what);
+  return CLI::Validator(
+      [parse](std::string& s) -> std::string {
+        try {
+          parse(s);
+          return {};
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+      },
+      what);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app("Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
-               "checkpoints, and export them to Hugging Face folders or torch DCP folders (docs/FORMAT.md §4).",
-               "shardsafe");
+  CLI::App app(
+      "Inspect, verify, digest and unshard safetensors files, Hugging Face folders and sharded\n"
+      "checkpoints, and export them to Hugging Face folders or torch DCP folders (docs/FORMAT.md §4).",
+      "shardsafe");
   app.footer(path_help);
   app.set_version_flag("--version", "shardsafe " + std::string(library_version));
   app.require_subcommand(1);
@@ -702,62 +734,78 @@ int main(int argc, char** argv) {
   auto command = [&](const char* name, const char* what, const char* path_name, const char* path_what) {
     CLI::App* c = app.add_subcommand(name, what);
     c->add_option(path_name, path, path_what)->required();
-    c->add_flag("--follow-links", follow_links, "follow symbolic links that leave the checkpoint's folder (refused "
-                                                "by default; links inside it, and the Hugging Face cache's, are followed)");
+    c->add_flag("--follow-links", follow_links,
+                "follow symbolic links that leave the checkpoint's folder (refused "
+                "by default; links inside it, and the Hugging Face cache's, are followed)");
     return c;
   };
-  const char* any_path = "a safetensors file, a Hugging Face folder, a checkpoint folder or torch's DCP-sharded HF files";
-  CLI::App* inspect = command("inspect", "list the tensors: name, dtype, shape, bytes, where stored, how sharded", "PATH",
-                              any_path);
-  CLI::App* verify = command("verify", "check every rule of the format; exit 1 with one line naming file, tensor and rule",
-                             "PATH", any_path);
+  const char* any_path =
+      "a safetensors file, a Hugging Face folder, a checkpoint folder or torch's DCP-sharded HF files";
+  CLI::App* inspect =
+      command("inspect", "list the tensors: name, dtype, shape, bytes, where stored, how sharded", "PATH", any_path);
+  CLI::App* verify = command(
+      "verify", "check every rule of the format; exit 1 with one line naming file, tensor and rule", "PATH", any_path);
   CLI::App* digest = command("digest", "one line per tensor, sorted by name: NAME DTYPE [SHAPE] SHA256 of its bytes",
                              "PATH", any_path);
   CLI::App* unshard = command("unshard", "write the full tensors of a checkpoint into one safetensors file", "CKPT",
                               "a checkpoint folder (with metadata.json, or with model/ and optim/), a Hugging Face "
                               "folder or torch's DCP-sharded HF files");
   unshard->add_option("OUT", out_path, "the safetensors file to write")->required();
-  CLI::App* to_hf = command("to-hf", "export to a Hugging Face folder: model.safetensors, or model-0000K-of-0000N "
-                            "files of at most SIZE tensor bytes and model.safetensors.index.json", "SRC", any_path);
+  CLI::App* to_hf = command("to-hf",
+                            "export to a Hugging Face folder: model.safetensors, or model-0000K-of-0000N "
+                            "files of at most SIZE tensor bytes and model.safetensors.index.json",
+                            "SRC", any_path);
   to_hf->add_option("OUTDIR", out_path, "the folder to write; it must not exist or be empty")->required();
   std::string max_size = "5GB", to_dtype, preset;
   std::vector<std::string> renames, stack_experts;
   bool model_only = false;
-  to_hf->add_option("--max-shard-size", max_size, "tensor bytes per file: 5GB, 500MB, 4KB (decimal), 4GiB (binary) or "
-                                                  "a plain number of bytes")
+  to_hf
+      ->add_option("--max-shard-size", max_size,
+                   "tensor bytes per file: 5GB, 500MB, 4KB (decimal), 4GiB (binary) or "
+                   "a plain number of bytes")
       ->check(parsed_by([](const std::string& v) { parse_size(v); }, "SIZE"))
       ->capture_default_str();
-  to_hf->add_option("--dtype", to_dtype, "convert F16/BF16/F32/F64 tensors to this dtype (round to nearest even); "
-                                         "integer, BOOL and F8 tensors are never converted")
+  to_hf
+      ->add_option("--dtype", to_dtype,
+                   "convert F16/BF16/F32/F64 tensors to this dtype (round to nearest even); "
+                   "integer, BOOL and F8 tensors are never converted")
       ->check(CLI::IsMember({"bf16", "f16", "f32"}, CLI::ignore_case));
-  to_hf->add_option("--rename", renames, "REGEX=REPL: rename tensors (rules in order, the first that matches wins; "
-                                         "REPL as Python's re.sub: \\1 for a group; a name renamed to nothing is dropped)")
+  to_hf
+      ->add_option("--rename", renames,
+                   "REGEX=REPL: rename tensors (rules in order, the first that matches wins; "
+                   "REPL as Python's re.sub: \\1 for a group; a name renamed to nothing is dropped)")
       ->allow_extra_args(false)
       ->check(parsed_by([](const std::string& v) { parse_rename_rule(v); }, "REGEX=REPL"));
-  to_hf->add_option("--preset", preset, "dcp-to-hf: after the --rename rules, name a torch DCP model's keys as Hugging "
-                                        "Face does: wrapper names (_orig_mod., _fsdp_wrapped_module., "
-                                        "_checkpoint_wrapped_module.) removed, then model.model.X -> model.X, "
-                                        "model.lm_head.weight -> lm_head.weight, other model.X -> X (a warning), other "
-                                        "keys dropped (a warning)")
+  to_hf
+      ->add_option("--preset", preset,
+                   "dcp-to-hf: after the --rename rules, name a torch DCP model's keys as Hugging "
+                   "Face does: wrapper names (_orig_mod., _fsdp_wrapped_module., "
+                   "_checkpoint_wrapped_module.) removed, then model.model.X -> model.X, "
+                   "model.lm_head.weight -> lm_head.weight, other model.X -> X (a warning), other "
+                   "keys dropped (a warning)")
       ->check(CLI::IsMember({"dcp-to-hf"}));
-  to_hf->add_option("--stack-experts", stack_experts,
-                    "REGEX=REPL: write each stacked expert tensor [E, ...] whose name REGEX matches as E tensors "
-                    "[...] named by REPL, where {i} stands for the expert's index (as --rename; applied before "
-                    "the --rename rules), e.g. '^(.*\\.experts)\\.([^.]+\\.weight)$=\\1.{i}.\\2'")
+  to_hf
+      ->add_option("--stack-experts", stack_experts,
+                   "REGEX=REPL: write each stacked expert tensor [E, ...] whose name REGEX matches as E tensors "
+                   "[...] named by REPL, where {i} stands for the expert's index (as --rename; applied before "
+                   "the --rename rules), e.g. '^(.*\\.experts)\\.([^.]+\\.weight)$=\\1.{i}.\\2'")
       ->allow_extra_args(false)
       ->check(parsed_by([](const std::string& v) { expert_stacking().add(v); }, "REGEX=REPL"));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
-  CLI::App* to_dcp = command("to-dcp", "export to a torch.distributed.checkpoint folder (.metadata and __0_0.distcp) "
+  CLI::App* to_dcp = command("to-dcp",
+                             "export to a torch.distributed.checkpoint folder (.metadata and __0_0.distcp) "
                              "that torch 2.x's dcp.load reads; a model + optimizer pair keyed as get_state_dict does "
-                             "(model.*, optim.state.*, optim.param_groups.*)", "SRC", any_path);
+                             "(model.*, optim.state.*, optim.param_groups.*)",
+                             "SRC", any_path);
   to_dcp->add_option("OUTDIR", out_path, "the folder to write; it must not exist or be empty")->required();
   std::vector<std::string> dcp_renames;
   bool dcp_model_only = false;
   to_dcp->add_option("--rename", dcp_renames, "REGEX=REPL: rename keys (as to-hf's --rename)")
       ->allow_extra_args(false)
       ->check(parsed_by([](const std::string& v) { parse_rename_rule(v); }, "REGEX=REPL"));
-  to_dcp->add_flag("--model-only", dcp_model_only, "only the model: model/ of a model + optimizer pair, model.* keys of a "
-                                                   "DCP folder");
+  to_dcp->add_flag("--model-only", dcp_model_only,
+                   "only the model: model/ of a model + optimizer pair, model.* keys of a "
+                   "DCP folder");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -782,7 +830,8 @@ int main(int argc, char** argv) {
       hf_export_options opt;
       opt.max_shard_size = parse_size(max_size);
       if (!to_dtype.empty()) {  // bf16, f16 or f32 in any case (checked above): the dtype names in capitals
-        std::transform(to_dtype.begin(), to_dtype.end(), to_dtype.begin(), [](unsigned char c) { return std::toupper(c); });
+        std::transform(to_dtype.begin(), to_dtype.end(), to_dtype.begin(),
+                       [](unsigned char c) { return std::toupper(c); });
         opt.convert_to = dtype_from_name(to_dtype, "--dtype");
       }
       for (const auto& r : renames) opt.rename.add(r);

@@ -14,7 +14,8 @@
 #pragma once
 
 #if !defined(SHARDSAFE_SEPARATE_COMPILATION)
-#error "shardsafe/compiled.hpp is the compiled part of a separately compiled shardsafe: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
+#error \
+    "shardsafe/compiled.hpp is the compiled part of a separately compiled shardsafe: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
 #endif
 #if defined(SHARDSAFE_DEFINE)
 #error "shardsafe/compiled.hpp must be the first shardsafe header of its translation unit"

@@ -18,7 +18,8 @@
 #pragma once
 
 #if !defined(SHARDSAFE_SEPARATE_COMPILATION)
-#error "shardsafe/compiled_remote.hpp is the compiled part of a separately compiled shardsafe's remote backends: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
+#error \
+    "shardsafe/compiled_remote.hpp is the compiled part of a separately compiled shardsafe's remote backends: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
 #endif
 #if defined(SHARDSAFE_DEFINE)
 #error "shardsafe/compiled_remote.hpp must be the first shardsafe header of its translation unit"

@@ -80,7 +80,8 @@ class failing_directory {
     int err = EIO;       ///< the errno value thrown
   };
 
-  failing_directory(memory_directory inner, std::shared_ptr<const faults> f) : inner_(std::move(inner)), f_(std::move(f)) {}
+  failing_directory(memory_directory inner, std::shared_ptr<const faults> f)
+      : inner_(std::move(inner)), f_(std::move(f)) {}
 
   std::string_view name() const noexcept { return inner_.name(); }
   reader_type open(std::string_view n) const { return inner_.open(n); }
@@ -114,9 +115,14 @@ struct rank_state {
     const std::uint64_t rows = 6 / static_cast<std::uint64_t>(world), first = rows * static_cast<std::uint64_t>(rank);
     for (std::uint64_t i = 0; i < rows * 4; ++i) w.push_back(static_cast<float>(first * 4 + i));
     b = {1.5f, -2.5f, 3.5f};
-    views.push_back({"w", dtype::F32, {6, 4}, block_spec({rows, 4}, {first, 0}), reinterpret_cast<std::byte*>(w.data()),
+    views.push_back({"w",
+                     dtype::F32,
+                     {6, 4},
+                     block_spec({rows, 4}, {first, 0}),
+                     reinterpret_cast<std::byte*>(w.data()),
                      w.size() * sizeof(float)});
-    views.push_back({"b", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), b.size() * sizeof(float)});
+    views.push_back(
+        {"b", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), b.size() * sizeof(float)});
   }
 };
 
@@ -470,7 +476,8 @@ TEST_CASE("rotate_checkpoints in a world of threads: one list everywhere, or ran
 
   SUBCASE("the removed list, newest first, on every rank") {
     std::vector<std::vector<std::string>> got(n);
-    auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) { got[c.rank()] = rotate_checkpoints(root, 2, c); });
+    auto thrown =
+        testing::run_ranks(n, [&](testing::thread_comm& c) { got[c.rank()] = rotate_checkpoints(root, 2, c); });
     for (int r = 0; r < n; ++r) {
       CHECK_FALSE(thrown[r]);
       CHECK((got[r] == std::vector<std::string>{"step20", "step15", "step10"}));
@@ -537,8 +544,8 @@ TEST_CASE("a lost rank during a save: the error names the save and its step, and
     const std::string msg = lost_error_of(
         [&] { save_flat_views(file_directory(dir.path / "ckpt"), std::span<const flat_view>(st.views), comm); }, &code);
     CHECK(code == errc::comm_error);
-    const std::string want = "save " + (dir.path / "ckpt").string() + ": " + steps[at - 1] +
-                             ": c10d " + (at % 2 ? "all_gather_bytes" : "broadcast_bytes") + " on rank 0 of 1 failed: rank 7 lost";
+    const std::string want = "save " + (dir.path / "ckpt").string() + ": " + steps[at - 1] + ": c10d " +
+                             (at % 2 ? "all_gather_bytes" : "broadcast_bytes") + " on rank 0 of 1 failed: rank 7 lost";
     CHECK(msg == want);
   }
   // nested scopes join with ": ", a scope equal to the one it nests in said once; none when gone
@@ -577,7 +584,13 @@ struct mixed_state {
     views.push_back({"w", dtype::F32, {4, 3}, block_spec({2, 3}, {2 * ur, 0}), bytes(w), 24});
     views.push_back({"f", dtype::F16, {10}, fs, bytes(f), f.size() * 2});
     views.push_back({"b", dtype::F32, {2}, std::nullopt, bytes(b), 8});
-    views.push_back({"rep", dtype::F32, {4}, flat_spec{{0, 4}}, bytes(rep), 16, r == 0 ? replica_role::writer : replica_role::copy});
+    views.push_back({"rep",
+                     dtype::F32,
+                     {4},
+                     flat_spec{{0, 4}},
+                     bytes(rep),
+                     16,
+                     r == 0 ? replica_role::writer : replica_role::copy});
   }
 };
 
@@ -672,7 +685,9 @@ TEST_CASE("description message: a save by thread ranks writes the metadata.json 
   const std::string block = R"({"flattened_offsets": null, "local_shape": [2, 3], "global_offset": )";
   const std::string golden =
       R"({"tensors": {"w": {"shape": [4, 3], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {)"
-      R"("rank_0.safetensors": )" + block + R"([0, 0]}, "rank_1.safetensors": )" + block + R"([2, 0]}}}, )"
+      R"("rank_0.safetensors": )" +
+      block + R"([0, 0]}, "rank_1.safetensors": )" + block +
+      R"([2, 0]}}}, )"
       R"("f": {"shape": [10], "is_sharded": true, "dtype": "F16", "shard_spec_per_file": {)"
       R"("rank_0.safetensors": {"flattened_offsets": [[0, 3], [3, 3], [5, 7]], "local_shape": null, "global_offset": null}, )"
       R"("rank_1.safetensors": {"flattened_offsets": [[3, 5], [7, 10]], "local_shape": null, "global_offset": null}}}, )"
@@ -680,15 +695,19 @@ TEST_CASE("description message: a save by thread ranks writes the metadata.json 
       R"("rank_0.safetensors": {"flattened_offsets": [[0, 2]], "local_shape": null, "global_offset": null}}}, )"
       R"("rep": {"shape": [4], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {)"
       R"("rank_0.safetensors": {"flattened_offsets": [[0, 4]], "local_shape": null, "global_offset": null}}}}, )"
-      R"("shardsafe": {"writer": "shardsafe )" + std::string(library_version) + R"(", "world_size": 2, )"
-      R"("file_sizes": {"rank_0.safetensors": )" + s0 + R"(, "rank_1.safetensors": )" + s1 + "}}}";
+      R"("shardsafe": {"writer": "shardsafe )" +
+      std::string(library_version) +
+      R"(", "world_size": 2, )"
+      R"("file_sizes": {"rank_0.safetensors": )" +
+      s0 + R"(, "rank_1.safetensors": )" + s1 + "}}}";
   CHECK(read_text(mem.open(metadata_file_name), max_metadata_size, text_kind::json) == golden);
 }
 
 TEST_CASE("description message: malformed messages are comm_error naming the rank, in bounded time and memory") {
   mixed_state s(1);
   const std::string who = "ckpt (rank 1's plan)";
-  const std::string good = detail::encode_description(detail::describe_views(std::span<const flat_view>(s.views), 1, "ckpt"));
+  const std::string good =
+      detail::encode_description(detail::describe_views(std::span<const flat_view>(s.views), 1, "ckpt"));
   auto decode = [&](const std::string& bytes) { return [&, bytes] { detail::decode_description(bytes, who); }; };
   SUBCASE("truncated anywhere") {
     for (std::size_t n = 0; n < good.size(); ++n) {
@@ -699,8 +718,8 @@ TEST_CASE("description message: malformed messages are comm_error naming the ran
   SUBCASE("trailing bytes") { check_comm_error(decode(good + "x"), "1 bytes are left over"); }
   // one tensor "w" [4] F32 sharded, one file with a flat spec, the field under test replaced
   struct parts {
-    std::uint64_t tensors = 1, ndim = 1, type = static_cast<std::uint64_t>(dtype::F32), sharded = 1, files = 1, kind = 0,
-                  ranges = 1, end = 4;
+    std::uint64_t tensors = 1, ndim = 1, type = static_cast<std::uint64_t>(dtype::F32), sharded = 1, files = 1,
+                  kind = 0, ranges = 1, end = 4;
     std::string key = "w", file = "rank_1.safetensors";
   };
   auto build = [](const parts& p) {
@@ -795,7 +814,8 @@ TEST_CASE("replica roles and the whole plan: malformed is comm_error naming the 
     for (auto x : v) m.count(x);
     return std::move(m).str();
   };
-  CHECK(roles_of(msg({3, 2, 0, 2, 2, 1})) == std::vector<replica_role>{replica_role::copy, replica_role::none, replica_role::writer});
+  CHECK(roles_of(msg({3, 2, 0, 2, 2, 1})) ==
+        std::vector<replica_role>{replica_role::copy, replica_role::none, replica_role::writer});
   for (const std::string& bad : {msg({3, 1, 3, 1}), msg({3, 2, 2, 1, 1, 1}), msg({3, 1, 0, 0}), msg({3, 1, 0, 3}),
                                  msg({std::uint64_t(1) << 40, 0}), msg({3, 5, 0, 1}), msg({3, 1, 0})}) {
     check_comm_error([&] { roles_of(bad); }, "rank 1's plan");
@@ -834,7 +854,8 @@ TEST_CASE("rank file outcomes, the HF tensor table and step outcomes travel as m
   }
   const std::string bytes = detail::encode_written(w, true);
   for (std::size_t n = 0; n < bytes.size(); ++n)
-    check_comm_error([&] { detail::decode_written(bytes.substr(0, n), true, "ckpt (rank 3's file)"); }, "rank 3's file");
+    check_comm_error([&] { detail::decode_written(bytes.substr(0, n), true, "ckpt (rank 3's file)"); },
+                     "rank 3's file");
   check_comm_error([&] { detail::decode_written(bytes, false, "ckpt (rank 3's file)"); }, "left over");
   message_writer twice;
   twice.count(1).count(2).text("a").counts({1}).text("a").counts({2});
@@ -860,7 +881,8 @@ TEST_CASE("rank file outcomes, the HF tensor table and step outcomes travel as m
   neg.value = -5;
   neg.text = "negative";
   const auto back = step_outcome::decode(neg.encode(), "rank 2");
-  CHECK((back.failed && back.value == -5 && back.code().category() == std::system_category() && back.text == "negative"));
+  CHECK(
+      (back.failed && back.value == -5 && back.code().category() == std::system_category() && back.text == "negative"));
   message_writer flag2, big;
   flag2.count(2).text("x");
   big.count(1).text("generic").count(std::uint64_t(1) << 40).text("m");

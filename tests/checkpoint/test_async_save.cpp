@@ -77,7 +77,8 @@ struct async_rank_state {
     const std::uint64_t lo = 400 * std::uint64_t(r), hi = std::min<std::uint64_t>(lo + 400, 1000);
     for (std::uint64_t i = lo; i < hi; ++i) w.push_back(base + static_cast<float>(i));
     for (int i = 0; i < 7; ++i) b[i] = static_cast<std::int32_t>(base) * 10 + i;
-    views.push_back({"w", dtype::F32, {1000}, flat_spec{{lo, hi}}, reinterpret_cast<std::byte*>(w.data()), w.size() * 4});
+    views.push_back(
+        {"w", dtype::F32, {1000}, flat_spec{{lo, hi}}, reinterpret_cast<std::byte*>(w.data()), w.size() * 4});
     views.push_back({"b", dtype::I32, {7}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), 28});
   }
   void scribble() {
@@ -114,7 +115,7 @@ TEST_CASE("async save: the snapshot taken before save() returns is what is saved
     async_saver saver(testing::thread_comm(ckpt_world, r));
     async_rank_state s(r, 5.f);
     async_save_handle h = saver.save(file_directory(tmp.path / "step1"), std::span<const flat_view>(s.views));
-    s.scribble();  // training goes on: the save must not see this
+    s.scribble();     // training goes on: the save must not see this
     train.barrier();  // the training group's collectives run while the save is in flight
     res[r] = h.wait();
     CHECK(h.ready());
@@ -141,7 +142,8 @@ TEST_CASE("async save: staging is reused from save to save and grows with the st
   async_rank_state a(0, 1.f);  // its b; w whole on the one rank
   std::vector<float> w(1000);
   std::iota(w.begin(), w.end(), 1.f);
-  std::vector<flat_view> views{{"w", dtype::F32, {1000}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 4000}, a.views[1]};
+  std::vector<flat_view> views{{"w", dtype::F32, {1000}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 4000},
+                               a.views[1]};
   saver.save(file_directory(tmp.path / "s1"), std::span<const flat_view>(views)).wait();
   const std::byte* first = saver.staging().data();
   const std::uint64_t cap = saver.staging().capacity();
@@ -151,7 +153,8 @@ TEST_CASE("async save: staging is reused from save to save and grows with the st
   CHECK(saver.staging().data() == first);
   CHECK(saver.staging().capacity() == cap);
   std::vector<float> big(std::size_t(3) << 20, 2.f);  // 12 MiB: more than one huge page rounding of 4 KiB
-  std::vector<flat_view> more{{"big", dtype::F32, {big.size()}, std::nullopt, reinterpret_cast<std::byte*>(big.data()), big.size() * 4}};
+  std::vector<flat_view> more{
+      {"big", dtype::F32, {big.size()}, std::nullopt, reinterpret_cast<std::byte*>(big.data()), big.size() * 4}};
   saver.save(file_directory(tmp.path / "s3"), std::span<const flat_view>(more)).wait();
   CHECK(saver.staging().capacity() >= big.size() * 4);
   check_values(tmp.path / "s1", 1.f);
@@ -293,7 +296,8 @@ TEST_CASE("async save: a DCP save in the background writes the bytes the blockin
   check_values(tmp.path / "async", 9.f);
   // the same files, byte for byte (the .metadata and every rank's data file)
   std::vector<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(tmp.path / "blocking")) names.push_back(e.path().filename().string());
+  for (const auto& e : std::filesystem::directory_iterator(tmp.path / "blocking"))
+    names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   CHECK(names == std::vector<std::string>{".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"});
   for (const auto& n : names) {

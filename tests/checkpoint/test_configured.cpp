@@ -32,7 +32,8 @@ static_assert(!is_consistent(load_policy{.convert_dtypes = true, .views = only(d
 static_assert(is_consistent(load_policy{.convert_dtypes = true}));  // any views: checked per tensor at run time
 static_assert(configured_loader<memory_directory, single_process>::policy == strict_policy);
 static_assert(!configured_loader<memory_directory, single_process, lenient_policy>::policy.strict);
-static_assert(std::is_same_v<decltype(make_configured_loader<lenient_policy>(memory_directory(), std::declval<single_process&>())),
+static_assert(std::is_same_v<decltype(make_configured_loader<lenient_policy>(memory_directory(),
+                                                                             std::declval<single_process&>())),
                              configured_loader<memory_directory, single_process, lenient_policy>>);
 
 namespace {
@@ -92,7 +93,8 @@ TEST_CASE("configured loader: strict, 2 ranks loading row blocks, bit-exact; a m
     CHECK(l.options().strict);
     CHECK_FALSE(l.options().convert_dtypes);
     const u64 r = static_cast<u64>(c.rank());
-    flat_view v{"w", dtype::F32, {4, 3}, block_spec({2, 3}, {2 * r, 0}), reinterpret_cast<std::byte*>(rows[r].data()), 24};
+    flat_view v{"w", dtype::F32, {4, 3}, block_spec({2, 3}, {2 * r, 0}), reinterpret_cast<std::byte*>(rows[r].data()),
+                24};
     const load_stats st = l.load(std::span<const flat_view>(&v, 1));
     CHECK(st.tensors == 1);
     CHECK(st.bytes_needed == 24);
@@ -105,7 +107,8 @@ TEST_CASE("configured loader: strict, 2 ranks loading row blocks, bit-exact; a m
       [&](testing::thread_comm& c) {
         auto l = make_configured_loader(dir, c);
         std::vector<float> x(2);
-        flat_view v{c.rank() == 1 ? "absent" : "n", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), 8};
+        flat_view v{c.rank() == 1 ? "absent" : "n",         dtype::F32, {2}, std::nullopt,
+                    reinterpret_cast<std::byte*>(x.data()), 8};
         l.load(std::span<const flat_view>(&v, 1));
       },
       errc::not_found);
@@ -119,8 +122,9 @@ TEST_CASE("configured loader: lenient lists a missing tensor and loads the rest"
   single_process c;
   auto l = make_configured_loader<lenient_policy>(dir, c);
   std::vector<float> w(12, -1.f), x(3, 7.f);
-  const std::vector<flat_view> views{{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48},
-                                     {"absent", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), 12}};
+  const std::vector<flat_view> views{
+      {"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48},
+      {"absent", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), 12}};
   const load_stats st = l.load(std::span<const flat_view>(views));
   CHECK(st.missing_keys == std::vector<std::string>{"absent"});
   CHECK(x == std::vector<float>(3, 7.f));  // untouched
@@ -135,8 +139,7 @@ TEST_CASE("configured loader: dtype conversion and a fixed view dtype") {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir = make_checkpoint(store);
   std::vector<float> h(5, -1.f);
-  const flat_view hv{"h", dtype::F32, {5}, std::nullopt,
-                     reinterpret_cast<std::byte*>(h.data()), 20};
+  const flat_view hv{"h", dtype::F32, {5}, std::nullopt, reinterpret_cast<std::byte*>(h.data()), 20};
   single_process c;
   // BF16 in the checkpoint into F32 views: converted under a converting policy
   auto conv = make_configured_loader<load_policy{.convert_dtypes = true, .views = only(dtype::F32)}>(dir, c);
@@ -152,14 +155,15 @@ TEST_CASE("configured loader: dtype conversion and a fixed view dtype") {
       [&](testing::thread_comm& tc) {
         auto l = make_configured_loader<load_policy{.views = only(dtype::F32)}>(dir, tc);
         std::vector<float> w(12);
-        flat_view v = tc.rank() == 0
-                          ? flat_view{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48}
-                          : flat_view{"h", dtype::BF16, {5}, std::nullopt, reinterpret_cast<std::byte*>(raw.data()), 10};
+        flat_view v =
+            tc.rank() == 0
+                ? flat_view{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48}
+                : flat_view{"h", dtype::BF16, {5}, std::nullopt, reinterpret_cast<std::byte*>(raw.data()), 10};
         l.load(std::span<const flat_view>(&v, 1));
       },
       errc::dtype_mismatch);
-  CHECK(what[0].find("rank 1: mem:configured: tensor 'h': the view has dtype BF16 but this loader's policy takes only F32 views") !=
-        std::string::npos);
+  CHECK(what[0].find("rank 1: mem:configured: tensor 'h': the view has dtype BF16 but this loader's policy takes only "
+                     "F32 views") != std::string::npos);
   CHECK(raw == std::vector<std::uint16_t>(5, 0xFFFF));
 }
 
@@ -206,8 +210,8 @@ TEST_CASE("configured loader: every setting the policy does not fix reaches the 
   CHECK_FALSE(l.options().convert_on_device);
   CHECK(l.options().strict);  // the policy's
   const load_stats st = l.load(std::span<const flat_view>(&wv, 1));
-  CHECK(st.checksum_blocks > 0);       // checked
-  CHECK(st.unexpected_keys.empty());   // not listed
+  CHECK(st.checksum_blocks > 0);      // checked
+  CHECK(st.unexpected_keys.empty());  // not listed
   for (int i = 0; i < 12; ++i) CHECK(w[i] == static_cast<float>(i));
   const load_stats plain = make_configured_loader(dir, c).load(std::span<const flat_view>(&wv, 1));
   CHECK(plain.checksum_blocks == 0);

@@ -152,8 +152,8 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
           std::vector<std::string> mem;
           std::vector<flat_view> views;
           for (const auto& [key, t] : want) {
-            wanted w = t.shape.empty()      ? wanted{std::nullopt, t.raw}
-                       : how == "flat"      ? flat_part(t, world, rank)
+            wanted w = t.shape.empty()                        ? wanted{std::nullopt, t.raw}
+                       : how == "flat"                        ? flat_part(t, world, rank)
                        : how == "cols" && t.shape.size() == 2 ? block_part(t, world, rank, 1)
                                                               : block_part(t, world, rank, 0);
             parts.push_back(std::move(w));
@@ -161,7 +161,8 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
           }
           std::size_t i = 0;
           for (const auto& [key, t] : want) {
-            views.push_back(flat_view{key, t.type, t.shape, parts[i].spec, reinterpret_cast<std::byte*>(mem[i].data()), mem[i].size()});
+            views.push_back(flat_view{key, t.type, t.shape, parts[i].spec, reinterpret_cast<std::byte*>(mem[i].data()),
+                                      mem[i].size()});
             ++i;
           }
           const load_stats st = rr.load(views);
@@ -241,7 +242,6 @@ void mark_compressed(const fs::path& p) {
   testing::write_file(p, b);
 }
 
-
 /// The tool's verify on a damaged folder: exit 1, one line naming each phrase (when the tool
 /// was built).
 void tool_refuses(const fs::path& ck, const std::vector<std::string>& phrases) {
@@ -302,7 +302,8 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     testing::temp_dir t("dcp-bad");
     const auto ck = copy(t);
     // lm_head's first chunk (F16 [3, 4]) where a rows chunk (F32 [4, 6]) should be: a shorter archive
-    fs::copy_file(ck / file_of(src, "ckpt", "model.lm_head.weight"), ck / rows_file, fs::copy_options::overwrite_existing);
+    fs::copy_file(ck / file_of(src, "ckpt", "model.lm_head.weight"), ck / rows_file,
+                  fs::copy_options::overwrite_existing);
     testing::expect_error([&] { load_all(ck); }, errc::truncated, {rows_file, "model.model.rows", "passes the end"});
   }
   SUBCASE("a chunk whose record holds another size") {
@@ -324,9 +325,13 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
     const fs::path marker = t.path / "ran";
     const std::string cmd = "touch " + marker.string();
     // protocol 2: os.system(cmd)
-    std::string p = "\x80\x02" "cos\nsystem\nX";
+    std::string p =
+        "\x80\x02"
+        "cos\nsystem\nX";
     for (int i = 0; i < 4; ++i) p += static_cast<char>((cmd.size() >> (8 * i)) & 0xff);
-    p += cmd + "\x85" "R.";
+    p += cmd +
+         "\x85"
+         "R.";
     testing::write_file(ck / ".metadata", p);
     testing::expect_error([&] { load_all(ck); }, errc::invalid_metadata, {".metadata", "os.system"});
     tool_refuses(ck, {".metadata", "os.system"});
@@ -334,8 +339,10 @@ TEST_CASE("dcp: damaged folders are refused naming file, tensor and rule" * test
   }
 }
 
-TEST_CASE("dcp: a non-tensor item whose value holds tensors (torch 1.13's nested dict) is refused by name, not left "
-          "out" * testing::torch_check()) {
+TEST_CASE(
+    "dcp: a non-tensor item whose value holds tensors (torch 1.13's nested dict) is refused by name, not left "
+    "out" *
+    testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp-nested");
   const fs::path ck = single_fixture() / "ckpt_nested";  // torch 1.13 read it back
@@ -405,8 +412,10 @@ TEST_CASE("dcp: a chunk torch kept transposed is unsharded reading each stored r
   }
 }
 
-TEST_CASE("dcp: tensors of a dtype safetensors has no name for (complex128, qint8) are listed and refused by name where "
-          "read; the rest of the folder reads, and an export that drops them by a rename runs" * testing::torch_check()) {
+TEST_CASE(
+    "dcp: tensors of a dtype safetensors has no name for (complex128, qint8) are listed and refused by name where "
+    "read; the rest of the folder reads, and an export that drops them by a rename runs" *
+    testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::temp_dir dir("dcp-foreign");
   const fs::path ck = single_fixture() / "ckpt_foreign";
@@ -434,7 +443,8 @@ TEST_CASE("dcp: tensors of a dtype safetensors has no name for (complex128, qint
   }
   // a load of the rest reports them as checkpoint tensors no view asked for
   std::string half(raw.size() / 2, '\0');
-  const flat_view wv{"w", dtype::F32, {3, 4}, shard_spec(flat_spec{{6, 12}}), reinterpret_cast<std::byte*>(half.data()), half.size()};
+  const flat_view wv{
+      "w", dtype::F32, {3, 4}, shard_spec(flat_spec{{6, 12}}), reinterpret_cast<std::byte*>(half.data()), half.size()};
   load_options lenient;
   lenient.strict = false;
   const load_stats ls = r.load(std::span<const flat_view>(&wv, 1), lenient);
@@ -489,10 +499,12 @@ s, e = h["w"]["data_offsets"]
 assert b[8 + n + s:8 + n + e] == open(sys.argv[2], "rb").read()
 print("ok")
 )";
-  const auto pr = testing::peer("python3", {"-c", check, out + "-hf", (single_fixture() / "raw_foreign_w.bin").string()});
+  const auto pr =
+      testing::peer("python3", {"-c", check, out + "-hf", (single_fixture() / "raw_foreign_w.bin").string()});
   CHECK_MESSAGE(pr.code == 0, pr.err);
   CHECK(pr.out == "ok\n");
-  const auto st = testing::peer("python3", {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_stub_read.py").string(), out + "-dcp"});
+  const auto st = testing::peer(
+      "python3", {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_stub_read.py").string(), out + "-dcp"});
   REQUIRE_MESSAGE(st.code == 0, st.err);
   CHECK(st.out.starts_with("step = 5\nw F32 [3,4] " + testing::sha256_hex(raw) + " 1\n"));
 }
@@ -528,7 +540,7 @@ for k, v in ren.items():
 print("torch agrees")
 )";
   const auto r = testing::peer(testing::torch_python,
-                                      {"-c", script, (fs::path(SHARDSAFE_SOURCE_DIR) / "tests").string(), file.string(), to});
+                               {"-c", script, (fs::path(SHARDSAFE_SOURCE_DIR) / "tests").string(), file.string(), to});
   return r.code == 0 ? r.out : r.out + r.err;
 }
 
@@ -577,7 +589,10 @@ TEST_CASE("tool: a torch DCP folder: digest as torch hashes, inspect, verify, un
   // damaged folders: exit 1, one line naming the file and the rule
   const fs::path bad = tmp.path / "bad";
   fs::copy(src / "ckpt", bad, fs::copy_options::recursive);
-  testing::write_file(bad / ".metadata", std::string("\x80\x02" "cposix\nsystem\nX", 17) + std::string("\x04\0\0\0", 4) + "true\x85R.");
+  testing::write_file(bad / ".metadata", std::string("\x80\x02"
+                                                     "cposix\nsystem\nX",
+                                                     17) +
+                                             std::string("\x04\0\0\0", 4) + "true\x85R.");
   for (const std::string cmd : {"inspect", "verify", "digest"}) {
     const auto r = testing::run_tool({cmd, bad.string()});
     CHECK(r.code == 1);

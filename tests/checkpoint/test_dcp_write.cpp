@@ -116,17 +116,19 @@ TEST_CASE("crc32: the check value, Python's zlib on random bytes, and pieces joi
   const std::uint32_t whole = detail::crc32_of(bytes);
   testing::temp_dir dir("crc");
   testing::write_file(dir.path / "r.bin", data);
-  const auto py = testing::peer(
-      "python3", {"-c", "import sys, zlib; print(zlib.crc32(open(sys.argv[1], 'rb').read()))", (dir.path / "r.bin").string()});
+  const auto py = testing::peer("python3", {"-c", "import sys, zlib; print(zlib.crc32(open(sys.argv[1], 'rb').read()))",
+                                            (dir.path / "r.bin").string()});
   REQUIRE_MESSAGE(py.code == 0, py.err);
   CHECK(py.out == std::to_string(whole) + "\n");
-  for (std::size_t cut : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4096), std::size_t(123457), data.size()}) {
+  for (std::size_t cut :
+       {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(4096), std::size_t(123457), data.size()}) {
     const std::uint32_t a = detail::crc32_of(bytes.subspan(0, cut)), b = detail::crc32_of(bytes.subspan(cut));
     CHECK(detail::crc32_combine(a, b, data.size() - cut) == whole);
   }
 }
 
-TEST_CASE("torch.save archives: Python's zipfile reads every record (CRC-32 checked); shardsafe's reader finds the tensor") {
+TEST_CASE(
+    "torch.save archives: Python's zipfile reads every record (CRC-32 checked); shardsafe's reader finds the tensor") {
   testing::temp_dir dir("zipw");
   struct one {
     const char* name;
@@ -134,8 +136,8 @@ TEST_CASE("torch.save archives: Python's zipfile reads every record (CRC-32 chec
     shape_t shape;
     const char* global;
   };
-  const one cases[] = {{"f32", dtype::F32, {2, 3}, "FloatStorage"},  {"bf16", dtype::BF16, {5}, "BFloat16Storage"},
-                       {"scalar", dtype::F64, {}, "DoubleStorage"}, {"empty", dtype::I64, {0, 3}, "LongStorage"},
+  const one cases[] = {{"f32", dtype::F32, {2, 3}, "FloatStorage"},     {"bf16", dtype::BF16, {5}, "BFloat16Storage"},
+                       {"scalar", dtype::F64, {}, "DoubleStorage"},     {"empty", dtype::I64, {0, 3}, "LongStorage"},
                        {"f8", dtype::F8_E4M3, {3, 2}, "float8_e4m3fn"}, {"u16", dtype::U16, {4}, "uint16"}};
   for (const auto& c : cases) {
     CAPTURE(c.name);
@@ -153,11 +155,13 @@ TEST_CASE("torch.save archives: Python's zipfile reads every record (CRC-32 chec
                     "z = zipfile.ZipFile(sys.argv[1]); assert z.testzip() is None\n"
                     "print(sorted(z.namelist()))\n"
                     "print(z.read('archive/data/0') == open(sys.argv[2], 'rb').read())\n"
-                    "out = io.StringIO(); pickletools.dis(z.read('archive/data.pkl'), out=out); print(sys.argv[3] in out.getvalue())\n"
+                    "out = io.StringIO(); pickletools.dis(z.read('archive/data.pkl'), out=out); print(sys.argv[3] in "
+                    "out.getvalue())\n"
                     "print(all((i.header_offset + 30 + len(i.filename) + 4) % 64 <= 64 for i in z.infolist()))\n",
                     (dir.path / (std::string(c.name) + ".pt")).string(), (dir.path / "data.bin").string(), c.global});
     REQUIRE_MESSAGE(py2.code == 0, py2.err);
-    CHECK(py2.out == "['archive/byteorder', 'archive/data.pkl', 'archive/data/0', 'archive/version']\nTrue\nTrue\nTrue\n");
+    CHECK(py2.out ==
+          "['archive/byteorder', 'archive/data.pkl', 'archive/data/0', 'archive/version']\nTrue\nTrue\nTrue\n");
     // shardsafe's reader: the storage record where the data is, data.pkl the chunk's tensor
     const torch_zip_archive z = locate_torch_zip(all, c.name, numel(c.shape) * item_size(c.type));
     CHECK(z.storage.data_offset == a.head().size());
@@ -167,7 +171,8 @@ TEST_CASE("torch.save archives: Python's zipfile reads every record (CRC-32 chec
     check_torch_zip_tensor(t, z.storage, c.type, c.shape, c.name);
   }
   // a non-tensor item: data.pkl alone, the value pickled
-  const std::string v = torch_value_archive(pickle_dumps(pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)})));
+  const std::string v =
+      torch_value_archive(pickle_dumps(pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)})));
   const torch_zip_archive z = locate_torch_zip(v, "value", torch_zip_value);
   REQUIRE(z.pickle);
   CHECK(pickle_loads(v.substr(z.pickle->data_offset, z.pickle->size), "value") ==
@@ -209,12 +214,13 @@ TEST_CASE("torch.save archives past 4 GiB are written in zip64 form that Python'
   }
   CHECK(fs::file_size(f) == a.size());
   const auto py = testing::peer(
-      "python3", {"-c",
-                  "import sys, zipfile\n"
-                  "z = zipfile.ZipFile(sys.argv[1])\n"
-                  "i = z.getinfo('archive/data/0'); v = z.getinfo('archive/version')\n"
-                  "print(i.file_size, v.header_offset > 2**32, z.read('archive/version'), z.read('archive/byteorder'))\n",
-                  f.string()});
+      "python3",
+      {"-c",
+       "import sys, zipfile\n"
+       "z = zipfile.ZipFile(sys.argv[1])\n"
+       "i = z.getinfo('archive/data/0'); v = z.getinfo('archive/version')\n"
+       "print(i.file_size, v.header_offset > 2**32, z.read('archive/version'), z.read('archive/byteorder'))\n",
+       f.string()});
   REQUIRE_MESSAGE(py.code == 0, py.err);
   CHECK(py.out == std::to_string(shape[0]) + " True b'3\\n' b'little'\n");
   file_storage st(f);
@@ -225,7 +231,9 @@ TEST_CASE("torch.save archives past 4 GiB are written in zip64 form that Python'
   CHECK(h.tensors[0].begin == a.head().size());
 }
 
-TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensors and values; Python reads back each tensor") {
+TEST_CASE(
+    "dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensors and values; Python reads back each "
+    "tensor") {
   testing::temp_dir dir("dcp-save");
   struct tensor_def {
     std::string key;
@@ -237,11 +245,13 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
                                      {"g", dtype::U8, {4, 3, 2}}};
   std::map<std::string, std::string> full;
   for (const auto& d : defs) full[d.key] = full_bytes(d.key, d.type, d.shape);
-  const std::vector<dcp_object> objects{{"epoch", pickle_value::integer(7)},
-                                        {"betas", pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)})},
-                                        {"params", pickle_value::list({pickle_value::string("a"), pickle_value::string("b")})}};
-  std::map<std::string, pickle_value> paths{{"a", pickle_value::tuple({pickle_value::string("model"), pickle_value::string("a")})},
-                                            {"epoch", pickle_value::tuple({pickle_value::string("x"), pickle_value::integer(0)})}};
+  const std::vector<dcp_object> objects{
+      {"epoch", pickle_value::integer(7)},
+      {"betas", pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)})},
+      {"params", pickle_value::list({pickle_value::string("a"), pickle_value::string("b")})}};
+  std::map<std::string, pickle_value> paths{
+      {"a", pickle_value::tuple({pickle_value::string("model"), pickle_value::string("a")})},
+      {"epoch", pickle_value::tuple({pickle_value::string("x"), pickle_value::integer(0)})}};
   auto save = [&](const fs::path& where, bool overwrite) {
     return testing::run_ranks(3, [&](testing::thread_comm& comm) {
       const int r = comm.rank();
@@ -250,11 +260,13 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
       std::vector<flat_view> views;
       auto local = [&](const std::string& key, std::initializer_list<std::pair<std::uint64_t, std::uint64_t>> ranges) {
         std::string m;
-        const std::uint64_t it = item_size(std::find_if(defs.begin(), defs.end(), [&](auto& d) { return d.key == key; })->type);
+        const std::uint64_t it =
+            item_size(std::find_if(defs.begin(), defs.end(), [&](auto& d) { return d.key == key; })->type);
         for (auto [b, e] : ranges) m += full[key].substr(b * it, (e - b) * it);
         return &memory.emplace_back(std::move(m));
       };
-      auto add = [&](const std::string& key, std::optional<shard_spec> spec, std::string* m, replica_role role = replica_role::none) {
+      auto add = [&](const std::string& key, std::optional<shard_spec> spec, std::string* m,
+                     replica_role role = replica_role::none) {
         const auto& d = *std::find_if(defs.begin(), defs.end(), [&](auto& x) { return x.key == key; });
         flat_view v{key, d.type, d.shape, std::move(spec), reinterpret_cast<std::byte*>(m->data()), m->size()};
         v.replica = role;
@@ -273,14 +285,17 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
       add("d", std::nullopt, local("d", {{0, 1}}));
       add("f", std::nullopt, local("f", {}));
       // e: a replicated block on ranks 0 (writer) and 1 (copy)
-      if (r < 2) add("e", shard_spec(block_spec({2, 3}, {0, 0})), local("e", {{0, 6}}), r == 0 ? replica_role::writer : replica_role::copy);
+      if (r < 2)
+        add("e", shard_spec(block_spec({2, 3}, {0, 0})), local("e", {{0, 6}}),
+            r == 0 ? replica_role::writer : replica_role::copy);
       // g: 3-D flat ranges crossing planes
       if (r == 0) add("g", shard_spec(flat_spec{{0, 5}}), local("g", {{0, 5}}));
       if (r == 1) add("g", shard_spec(flat_spec{{5, 17}}), local("g", {{5, 17}}));
       if (r == 2) add("g", shard_spec(flat_spec{{17, 24}}), local("g", {{17, 24}}));
       save_options o;
       o.overwrite = overwrite;
-      save_dcp(file_directory(where), std::span<const flat_view>(views), comm, o, std::span<const dcp_object>(objects), paths);
+      save_dcp(file_directory(where), std::span<const flat_view>(views), comm, o, std::span<const dcp_object>(objects),
+               paths);
     });
   };
   const fs::path ckpt = dir.path / "ckpt";
@@ -292,16 +307,19 @@ TEST_CASE("dcp save: 3 ranks write flat, block, replicated, 0-d and empty tensor
   // Python, without torch: each tensor reassembled from its chunks, every CRC checked
   std::string want;
   for (const auto& d : defs)
-    want += d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) + " ";
+    want += d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " +
+            testing::sha256_hex(full[d.key]) + " ";
   const std::string got = stub_read(ckpt);
   for (const auto& d : defs) {
     CAPTURE(d.key);
-    CHECK(got.find(d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " + testing::sha256_hex(full[d.key]) +
-                   " ") != std::string::npos);
+    CHECK(got.find(d.key + " " + std::string(to_string(d.type)) + " " + to_string(d.shape) + " " +
+                   testing::sha256_hex(full[d.key]) + " ") != std::string::npos);
   }
-  CHECK(got.find("\nb BF16 [6,4] " + testing::sha256_hex(full["b"]) + " 2\n") != std::string::npos);  // the empty block is no chunk
-  CHECK(got.find("\ne BOOL [2,3] " + testing::sha256_hex(full["e"]) + " 1\n") != std::string::npos);  // replicas written once
-  CHECK(got.find("\nf F16 [0,4] " + testing::sha256_hex("") + " 1\n") != std::string::npos);          // the empty tensor listed
+  CHECK(got.find("\nb BF16 [6,4] " + testing::sha256_hex(full["b"]) + " 2\n") !=
+        std::string::npos);  // the empty block is no chunk
+  CHECK(got.find("\ne BOOL [2,3] " + testing::sha256_hex(full["e"]) + " 1\n") !=
+        std::string::npos);                                                                   // replicas written once
+  CHECK(got.find("\nf F16 [0,4] " + testing::sha256_hex("") + " 1\n") != std::string::npos);  // the empty tensor listed
   CHECK(got.find("epoch = 7\n") != std::string::npos);
   CHECK(got.find("betas = (0.9, 0.95)\n") != std::string::npos);
   CHECK(got.find("params = ['a', 'b']\n") != std::string::npos);
@@ -339,7 +357,8 @@ TEST_CASE("dcp save: ranks that disagree fail on every rank and leave no .metada
   });
   for (const auto& e : thrown) {
     REQUIRE(e != nullptr);
-    CHECK(testing::error_message_of(e).find("tensor 'w': rank 0 saves shape [3,4] but rank 1 saves [4,3]") != std::string::npos);
+    CHECK(testing::error_message_of(e).find("tensor 'w': rank 0 saves shape [3,4] but rank 1 saves [4,3]") !=
+          std::string::npos);
   }
   CHECK(!fs::exists(dir.path / "ckpt" / ".metadata"));
 }
@@ -367,7 +386,9 @@ struct removal_log_directory {
 };
 }  // namespace
 
-TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as complete, is rotated as one, and loses its mark first") {
+TEST_CASE(
+    "checkpoints of every layout: a DCP model + optimizer pair counts as complete, is rotated as one, and loses its "
+    "mark first") {
   testing::temp_dir dir("dcp-rotation");
   single_process comm;
   std::vector<float> w(12), m(12);
@@ -376,7 +397,8 @@ TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as c
     return std::vector<flat_view>{{"w", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48}};
   };
   auto optim_of = [&] {
-    return std::vector<flat_view>{{"state.w.exp_avg", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 48}};
+    return std::vector<flat_view>{
+        {"state.w.exp_avg", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 48}};
   };
   save_options dcp;
   dcp.format = save_format::dcp;
@@ -393,7 +415,8 @@ TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as c
     save_folder_set(root.sub("step3"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm);
   }
   save_flat_views(root.sub("step4"), std::span<const flat_view>(views_of(4)), comm, dcp);
-  save_flat_views(root.sub("step5").sub(std::string(optim_folder_name)), std::span<const flat_view>(optim_of()), comm, dcp);
+  save_flat_views(root.sub("step5").sub(std::string(optim_folder_name)), std::span<const flat_view>(optim_of()), comm,
+                  dcp);
   root.sub("step5").sub(std::string(model_folder_name)).make();
   REQUIRE(fs::exists(dir.path / "step1" / "model" / ".metadata"));
 
@@ -432,8 +455,9 @@ TEST_CASE("checkpoints of every layout: a DCP model + optimizer pair counts as c
   CHECK(!fs::exists(dir.path / "step3" / "model"));
 }
 
-TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces channels_last and transposed) reads as torch "
-          "computed it, values included") {
+TEST_CASE(
+    "dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces channels_last and transposed) reads as torch "
+    "computed it, values included") {
   const fs::path golden = source_dir / "tests" / "fixtures" / "dcp_torch2";
   checkpoint_reader<file_directory> r(file_directory{golden / "ckpt"});
   CHECK(r.layout() == dcp_layout::info);
@@ -441,22 +465,25 @@ TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces c
   for (const auto& [key, tm] : r.metadata().tensors) {
     std::string bytes(static_cast<std::size_t>(tm.numel() * item_size(tm.type)), '\0');
     unshard_tensor(r, key, std::as_writable_bytes(std::span(bytes)));
-    digest += key + " " + std::string(to_string(tm.type)) + " " + to_string(tm.shape) + " " + testing::sha256_hex(bytes) + "\n";
+    digest += key + " " + std::string(to_string(tm.type)) + " " + to_string(tm.shape) + " " +
+              testing::sha256_hex(bytes) + "\n";
   }
   CHECK(digest == testing::slurp(golden / "digest.txt"));
   CHECK(r.read_object("extra.epoch") == pickle_value::integer(7));
   CHECK(r.read_object("optim.param_groups.0.lr") == pickle_value::real(0.01));
-  CHECK(r.read_object("optim.param_groups.0.betas") == pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)}));
+  CHECK(r.read_object("optim.param_groups.0.betas") ==
+        pickle_value::tuple({pickle_value::real(0.9), pickle_value::real(0.95)}));
   CHECK(r.read_object("optim.param_groups.0.params") ==
         pickle_value::list({pickle_value::string("0.weight"), pickle_value::string("0.bias")}));
   const pickle_value* p = r.path_in_state_dict("optim.param_groups.0.lr");
   REQUIRE(p);
-  CHECK(*p == pickle_value::tuple({pickle_value::string("optim"), pickle_value::string("param_groups"), pickle_value::integer(0),
-                                   pickle_value::string("lr")}));
+  CHECK(*p == pickle_value::tuple({pickle_value::string("optim"), pickle_value::string("param_groups"),
+                                   pickle_value::integer(0), pickle_value::string("lr")}));
   // the pieces torch.save kept channels_last (conv) and transposed (tied, whole_t) are read in
   // their order: their digest lines above are torch's
   for (const auto& [key, order] : {std::pair<std::string, std::vector<std::size_t>>{"extra.conv", {0, 2, 3, 1}},
-                                   {"extra.tied", {1, 0}}, {"extra.whole_t", {1, 0}}}) {
+                                   {"extra.tied", {1, 0}},
+                                   {"extra.whole_t", {1, 0}}}) {
     CAPTURE(key);
     const tensor_metadata* tm = r.find(key);
     REQUIRE(tm);
@@ -470,13 +497,16 @@ TEST_CASE("dcp: the golden folder torch 2.6 wrote (4 ranks of DTensors, pieces c
   CHECK(hsdp->files.size() == 2);
 }
 
-TEST_CASE("dcp export: a model + optimizer pair and a DCP folder written as DCP, read back by Python as the source holds them") {
+TEST_CASE(
+    "dcp export: a model + optimizer pair and a DCP folder written as DCP, read back by Python as the source holds "
+    "them") {
   testing::temp_dir dir("dcp-export");
   const fs::path golden = source_dir / "tests" / "fixtures" / "dcp_torch2" / "ckpt";
   // DCP -> DCP: every tensor and value, the planner paths kept
   checkpoint_reader<file_directory> r(file_directory{golden});
   const unshard_source<file_directory> src{&r, ""};
-  const auto st = export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"));
+  const auto st =
+      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"));
   CHECK(st.tensors == r.metadata().tensors.size());
   CHECK(st.objects == r.non_tensors().size());
   const std::string a = stub_read(golden), b = stub_read(dir.path / "out");
@@ -500,16 +530,32 @@ TEST_CASE("dcp export: a model + optimizer pair and a DCP folder written as DCP,
   CHECK(m.find("0.weight F32 [3,4] ") != std::string::npos);
   CHECK(m.find("optim.") == std::string::npos);
   CHECK(m.find("extra.") == std::string::npos);
-  CHECK_THROWS_WITH_AS(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model")),
-                       doctest::Contains("not empty"), error);
+  CHECK_THROWS_WITH_AS(
+      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model")),
+      doctest::Contains("not empty"), error);
 }
 
-TEST_CASE("dcp export: a DCP item that is not plain data (bytes, as torchtitan keeps its dataloader's state) is copied byte for byte") {
+TEST_CASE(
+    "dcp export: a DCP item that is not plain data (bytes, as torchtitan keeps its dataloader's state) is copied byte "
+    "for byte") {
   using namespace std::string_literals;
   testing::temp_dir dir("dcp-export-raw");
   // Python's pickle of b"abc" (protocol 2): a call of _codecs.encode, which plain data refuses
-  const std::string pk = "\x80\x02" "c_codecs\nencode\n" "q\x00" "X\x03\x00\x00\x00" "abc" "q\x01" "X\x06\x00\x00\x00" "latin1"
-                         "q\x02" "\x86" "q\x03" "R" "q\x04" "."s;
+  const std::string pk =
+      "\x80\x02"
+      "c_codecs\nencode\n"
+      "q\x00"
+      "X\x03\x00\x00\x00"
+      "abc"
+      "q\x01"
+      "X\x06\x00\x00\x00"
+      "latin1"
+      "q\x02"
+      "\x86"
+      "q\x03"
+      "R"
+      "q\x04"
+      "."s;
   const std::string archive = torch_value_archive(pk);
   fs::create_directories(dir.path / "src");
   testing::write_file(dir.path / "src" / "__0_0.distcp", archive);
@@ -528,17 +574,21 @@ TEST_CASE("dcp export: a DCP item that is not plain data (bytes, as torchtitan k
   CHECK(r.read_object_archive("extra.blob") == archive);
   const unshard_source<file_directory> src{&r, ""};
   // the item that is not an archive is refused when copied, and left unread when dropped
-  testing::expect_error([&] { export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "all")); },
-                        errc::invalid_metadata, {"__1_0.distcp", "'extra.junk'"});
+  testing::expect_error(
+      [&] { export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "all")); },
+      errc::invalid_metadata, {"__1_0.distcp", "'extra.junk'"});
   dcp_export_options keep_blob;
   keep_blob.rename.add("^extra\\.junk$=");
-  const auto st = export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"), keep_blob);
+  const auto st =
+      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"), keep_blob);
   CHECK(st.objects == 1u);
   checkpoint_reader<file_directory> out(file_directory{dir.path / "out"});
   CHECK(out.read_object_archive("extra.blob") == archive);
-  CHECK(stub_read(dir.path / "out").find("extra.blob = b'abc'\n") != std::string::npos);  // Python's own pickle reads it
+  CHECK(stub_read(dir.path / "out").find("extra.blob = b'abc'\n") !=
+        std::string::npos);  // Python's own pickle reads it
   // both dropped: nothing to copy
   dcp_export_options drop;
   drop.rename.add("^extra\\..*$=");
-  CHECK(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop).objects == 0u);
+  CHECK(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop)
+            .objects == 0u);
 }

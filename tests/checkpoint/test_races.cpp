@@ -36,7 +36,9 @@
 using namespace shardsafe;
 
 /// The value of element i of tensor `seed` (distinct per tensor and element, exact in F32).
-static float race_value(int seed, std::uint64_t i) { return static_cast<float>(seed * 100000 + static_cast<int>(i % 99991)); }
+static float race_value(int seed, std::uint64_t i) {
+  return static_cast<float>(seed * 100000 + static_cast<int>(i % 99991));
+}
 
 /// Runs body(t) on n threads of their own and joins them; rethrows the first exception.
 template <class F>
@@ -211,12 +213,12 @@ TEST_CASE("races: the async saver while training changes other memory, then wait
   race_tensor w("w", 4, 200000), b("b", 5, 333);
   std::vector<flat_view> views{w.view(), b.view()};
   std::vector<float> other(100000, 0.f);  // training's memory that is not saved
-  async_save_handle last;                  // outlives the saver: the saver's destructor joins
+  async_save_handle last;                 // outlives the saver: the saver's destructor joins
   {
     async_saver<single_process> saver(single_process{}, 3);
     for (int step = 0; step < 3; ++step) {
-      async_save_handle h = saver.save(file_directory(tmp.path / ("step" + std::to_string(step))),
-                                       std::span<const flat_view>(views));
+      async_save_handle h =
+          saver.save(file_directory(tmp.path / ("step" + std::to_string(step))), std::span<const flat_view>(views));
       // training goes on while the save is written: the saved views change, another thread
       // writes its own memory
       std::thread trainer([&] {
@@ -243,8 +245,9 @@ TEST_CASE("races: the async saver while training changes other memory, then wait
   for (int step = 0; step <= 3; ++step) {
     CAPTURE(step);
     std::vector<float> gw(200000, 0.f), gb(333, 0.f);
-    std::vector<flat_view> into{{"w", dtype::F32, {200000}, std::nullopt, reinterpret_cast<std::byte*>(gw.data()), 800000},
-                                {"b", dtype::F32, {333}, std::nullopt, reinterpret_cast<std::byte*>(gb.data()), 333 * 4}};
+    std::vector<flat_view> into{
+        {"w", dtype::F32, {200000}, std::nullopt, reinterpret_cast<std::byte*>(gw.data()), 800000},
+        {"b", dtype::F32, {333}, std::nullopt, reinterpret_cast<std::byte*>(gb.data()), 333 * 4}};
     load_flat_views(file_directory(tmp.path / (step == 3 ? std::string("last") : "step" + std::to_string(step))),
                     std::span<const flat_view>(into));
     bool ok = true;

@@ -55,7 +55,8 @@ std::string build_file_with_metadata(const std::vector<tensor>& ts, const std::s
 }
 
 /// Rows [r0, r1) of a row-major [rows, cols] tensor of `item`-byte elements.
-std::string rows_of(const std::string& full, std::uint64_t cols, std::uint64_t item, std::uint64_t r0, std::uint64_t r1) {
+std::string rows_of(const std::string& full, std::uint64_t cols, std::uint64_t item, std::uint64_t r0,
+                    std::uint64_t r1) {
   return full.substr(r0 * cols * item, (r1 - r0) * cols * item);
 }
 /// Columns [c0, c1) of every row of a row-major [rows, cols] tensor.
@@ -89,10 +90,8 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
   const D dir = b.root();
   std::mt19937_64 rng(5);
   const std::vector<tensor> ts = {
-      {"a.weight", "F32", {6, 5}, random_bytes(120, rng)},
-      {"a.bias", "F32", {5}, random_bytes(20, rng)},
-      {"m.embed", "BF16", {7, 4}, random_bytes(56, rng)},
-      {"n.count", "I64", {3}, random_bytes(24, rng)},
+      {"a.weight", "F32", {6, 5}, random_bytes(120, rng)},          {"a.bias", "F32", {5}, random_bytes(20, rng)},
+      {"m.embed", "BF16", {7, 4}, random_bytes(56, rng)},           {"n.count", "I64", {3}, random_bytes(24, rng)},
       {"z.flags", "BOOL", {4}, std::string("\x01\x00\x00\x01", 4)},
   };
   fixtures::make_indexed(dir, ts);
@@ -160,15 +159,16 @@ TEST_CASE_TEMPLATE("convert_dtypes: BF16 into F32 and F32 into BF16, bit for bit
   std::string f32(4 * 64, '\0');
   for (std::size_t i = 0; i < 64; ++i) {
     std::uint32_t u = std::uint32_t(rng());
-    if (i % 17 == 3) u = (u & 0x80000000u) | 0x7fc00001u;  // quiet NaN with payload
-    if (i % 19 == 5) u = (u & 0x80000000u) | 0x7f800000u;  // infinity
+    if (i % 17 == 3) u = (u & 0x80000000u) | 0x7fc00001u;                                  // quiet NaN with payload
+    if (i % 19 == 5) u = (u & 0x80000000u) | 0x7f800000u;                                  // infinity
     if ((u & 0x7f800000u) == 0x7f800000u && i % 17 != 3 && i % 19 != 5) u &= 0xbfffffffu;  // keep the rest finite
     std::memcpy(f32.data() + 4 * i, &u, 4);
   }
   std::string bf16 = random_bytes(2 * 48, rng);
   for (std::size_t i = 0; i < 48; ++i)  // no NaN patterns in the BF16 source: checked separately above
     if ((std::uint8_t(bf16[2 * i + 1]) & 0x7f) == 0x7f && (std::uint8_t(bf16[2 * i]) & 0x80)) bf16[2 * i + 1] ^= 0x40;
-  fixtures::put(dir, "model.safetensors", fixtures::build_file({{"h", "BF16", {6, 8}, bf16}, {"w", "F32", {8, 8}, f32}}));
+  fixtures::put(dir, "model.safetensors",
+                fixtures::build_file({{"h", "BF16", {6, 8}, bf16}, {"w", "F32", {8, 8}, f32}}));
   checkpoint_reader<D> r(dir);
 
   // expectations computed here
@@ -264,9 +264,7 @@ struct dcp_fixture {
                               {{"mask", "BOOL", {3}, mask.substr(3, 3)}, {3}},
                               {{"emb", "BF16", {4, 2}, cols_of(emb, 4, 6, 2, 4, 6)}, {0, 4}}}));
   }
-  static std::string name(int i) {
-    return "shard-0000" + std::to_string(i + 1) + "-model-00001-of-00001.safetensors";
-  }
+  static std::string name(int i) { return "shard-0000" + std::to_string(i + 1) + "-model-00001-of-00001.safetensors"; }
   template <class D>
   void write(const D& dir) const {
     for (int i = 0; i < 3; ++i) fixtures::put(dir, name(i), files[i]);
@@ -317,8 +315,7 @@ TEST_CASE("DCP-sharded folders: broken ones are refused naming file, tensor and 
   }
   SUBCASE("a tensor missing from DCP_SHARDING_INFO") {
     memory_directory dir;
-    fixtures::put(dir, dcp_fixture::name(0),
-                  dcp_file({{{"ids", "I64", {2, 4}, fx.ids.substr(0, 64)}, {0, 0}}}, "{}"));
+    fixtures::put(dir, dcp_fixture::name(0), dcp_file({{{"ids", "I64", {2, 4}, fx.ids.substr(0, 64)}, {0, 0}}}, "{}"));
     expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata,
                  {dcp_fixture::name(0), "tensor 'ids'", "not in DCP_SHARDING_INFO"});
   }
@@ -367,11 +364,14 @@ TEST_CASE("the load planner plans from a description and headers alone") {
   w.files = {{"rank_0.safetensors", shard_spec(block_spec({2, 6}, {0, 0}))},
              {"rank_1.safetensors", shard_spec(block_spec({2, 6}, {2, 0}))}};
   tensor_metadata r{{3}, dtype::F32, true, {}, {}};
-  r.files = {{"rank_0.safetensors", shard_spec(flat_spec{{0, 3}})}, {"rank_1.safetensors", shard_spec(flat_spec{{0, 3}})}};
+  r.files = {{"rank_0.safetensors", shard_spec(flat_spec{{0, 3}})},
+             {"rank_1.safetensors", shard_spec(flat_spec{{0, 3}})}};
   md.tensors = {{"r", r}, {"w", w}};
   // rank_0: w's data at [0, 48), r's at [48, 60); rank_1: r at [0, 12), w at [12, 60)
-  const std::string j0 = R"({"w":{"dtype":"F32","shape":[12],"data_offsets":[0,48]},"r":{"dtype":"F32","shape":[3],"data_offsets":[48,60]}})";
-  const std::string j1 = R"({"r":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"w":{"dtype":"F32","shape":[12],"data_offsets":[12,60]}})";
+  const std::string j0 =
+      R"({"w":{"dtype":"F32","shape":[12],"data_offsets":[0,48]},"r":{"dtype":"F32","shape":[3],"data_offsets":[48,60]}})";
+  const std::string j1 =
+      R"({"r":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},"w":{"dtype":"F32","shape":[12],"data_offsets":[12,60]}})";
   const safetensors_header h0 = parse_safetensors_header(j0, 8 + j0.size() + 60, "rank_0.safetensors");
   const safetensors_header h1 = parse_safetensors_header(j1, 8 + j1.size() + 60, "rank_1.safetensors");
   const std::uint64_t d0 = 8 + j0.size(), d1 = 8 + j1.size();  // where each file's data starts
@@ -398,8 +398,8 @@ TEST_CASE("the load planner plans from a description and headers alone") {
   // w's row i, columns 3-5, is elements 6i+3 .. 6i+5 of the full tensor; rank_0 holds rows 0-1
   // (its elements 6i+3.. at byte 4(6i+3)), rank_1 rows 2-3 (at byte 4(6(i-2)+3) of its w)
   using row = std::tuple<std::size_t, std::size_t, std::uint64_t, std::uint64_t, std::uint64_t>;
-  std::vector<row> got, want{{0, 0, d0 + 12, 12, 0}, {0, 0, d0 + 36, 12, 12},
-                             {1, 0, d1 + 12 + 12, 12, 24}, {1, 0, d1 + 12 + 36, 12, 36}};
+  std::vector<row> got,
+      want{{0, 0, d0 + 12, 12, 0}, {0, 0, d0 + 36, 12, 12}, {1, 0, d1 + 12 + 12, 12, 24}, {1, 0, d1 + 12 + 36, 12, 36}};
   std::vector<row> r_reads;
   for (std::size_t f = 0; f < s.files.size(); ++f)
     for (const auto& rd : s.files[f].reads) {
@@ -438,7 +438,8 @@ TEST_CASE("the load planner plans from a description and headers alone") {
   SUBCASE("a header that does not match the description is named") {
     view_plans vp = plan_views(md, find, views, opt, "ckpt", true);
     const read_options ro;
-    const std::string jbad = R"({"w":{"dtype":"F16","shape":[12],"data_offsets":[0,24]},"r":{"dtype":"F32","shape":[3],"data_offsets":[24,36]}})";
+    const std::string jbad =
+        R"({"w":{"dtype":"F16","shape":[12],"data_offsets":[0,24]},"r":{"dtype":"F32","shape":[3],"data_offsets":[24,36]}})";
     const safetensors_header hb = parse_safetensors_header(jbad, 8 + jbad.size() + 36, "rank_0.safetensors");
     const std::vector<planned_file> bad{{&hb, "rank_0.safetensors", ro}, {&h1, "rank_1.safetensors", ro}};
     expect_error([&] { schedule_reads(std::move(vp), views, bad, opt, 1, "metadata.json"); }, errc::dtype_mismatch,

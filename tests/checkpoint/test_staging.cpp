@@ -78,12 +78,13 @@ TEST_CASE("staged load: whole tensors through a two-slot ring of 16 bytes equal 
   ds.emplace_back("c", dtype::U8, shape_t{2, 2, 4}, std::nullopt);
   host_copy_engine engine;
   const auto views = staged_views_of(ds);
-  const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 16));
+  const staged_load_stats st =
+      load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 16));
   CHECK(ds[0].str() == s.w.bytes);
   CHECK(ds[1].str() == s.b.bytes);
   CHECK(ds[2].str() == s.c.bytes);
   CHECK(st.tensors == 3);
-  CHECK(st.host_bytes == 32);          // the ring, not the 74 bytes loaded
+  CHECK(st.host_bytes == 32);  // the ring, not the 74 bytes loaded
   CHECK(engine.allocated() == 32);
   CHECK(engine.max_outstanding() == 2);  // both slots in flight at once: the ring pipelines
   CHECK(engine.bytes() == 48 + 10 + 16);
@@ -157,8 +158,9 @@ TEST_CASE("staged load: a missing key is refused before anything is read or copi
   const auto views = staged_views_of(ds);
   {
     host_copy_engine engine;
-    CHECK_THROWS_WITH_AS(load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 64)),
-                         doctest::Contains("tensor 'nope': not in the checkpoint"), error);
+    CHECK_THROWS_WITH_AS(
+        load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 64)),
+        doctest::Contains("tensor 'nope': not in the checkpoint"), error);
     CHECK(engine.copies() == 0);
     CHECK(engine.allocated() == 0);
   }
@@ -252,7 +254,8 @@ static_assert(ReadableDirectory<hinted_directory> && HintedStorage<hinted_storag
 
 }  // namespace
 
-TEST_CASE("staged load: threads = 0 takes the storage's hint (reads in flight, largest read), else the staged default") {
+TEST_CASE(
+    "staged load: threads = 0 takes the storage's hint (reads in flight, largest read), else the staged default") {
   // 64 KiB in one tensor, through 2 slots of 16 KiB, load_options::threads left at 0
   memory_directory dir;
   std::mt19937_64 rng(5);
@@ -266,7 +269,8 @@ TEST_CASE("staged load: threads = 0 takes the storage's hint (reads in flight, l
   REQUIRE(o.threads == 0);
   for (const bool hinted : {true, false}) {
     CAPTURE(hinted);
-    hinted_directory hd{dir, hinted ? read_settings{.max_read_bytes = std::uint64_t(1024), .requests_in_flight = 1u} : read_settings{}};
+    hinted_directory hd{
+        dir, hinted ? read_settings{.max_read_bytes = std::uint64_t(1024), .requests_in_flight = 1u} : read_settings{}};
     checkpoint_reader<hinted_directory> reader(hd);
     std::vector<staged_dest> ds;
     ds.emplace_back("x", dtype::U8, shape_t{65536}, std::nullopt);
@@ -280,7 +284,7 @@ TEST_CASE("staged load: threads = 0 takes the storage's hint (reads in flight, l
       CHECK(hd.log->reads >= 64);          // and the files' headers
       CHECK(hd.log->threads.size() == 1);  // the hint's one request in flight: the caller's thread alone
     } else {
-      CHECK(st.read_ops == 4);             // a read per slot: max(1 MiB, slot / threads)
+      CHECK(st.read_ops == 4);  // a read per slot: max(1 MiB, slot / threads)
     }
   }
 }
@@ -292,8 +296,9 @@ TEST_CASE("staged load: a ring of no slots is refused") {
   ds.emplace_back("w", dtype::F32, shape_t{4, 3}, std::nullopt);
   const auto views = staged_views_of(ds);
   host_copy_engine engine;
-  CHECK_THROWS_WITH_AS(load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(0, 64)),
-                       doctest::Contains("staging ring of 0 slots"), error);
+  CHECK_THROWS_WITH_AS(
+      load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(0, 64)),
+      doctest::Contains("staging ring of 0 slots"), error);
 }
 
 namespace {
@@ -339,12 +344,13 @@ std::string read_object(const memory_directory& d, const std::string& n) {
 }
 
 template <WritableDirectory D>
-void check_fetched_save(const D& with_memory, const D& fetched, const std::function<std::string(const D&, const std::string&)>& read) {
+void check_fetched_save(const D& with_memory, const D& fetched,
+                        const std::function<std::string(const D&, const std::string&)>& read) {
   fetch_sample s;
   single_process comm;
   save_options o;
-  o.write_chunk_bytes = 5000;       // writer blocks (or parts) of 5000 bytes (8192 for aligned blocks)
-  o.checksum_block_bytes = 3000;    // checksum blocks that straddle them
+  o.write_chunk_bytes = 5000;     // writer blocks (or parts) of 5000 bytes (8192 for aligned blocks)
+  o.checksum_block_bytes = 3000;  // checksum blocks that straddle them
   o.direct_io = false;
   const auto mv = s.views(true);
   save_flat_views(with_memory, std::span<const flat_view>(mv), comm, o);
@@ -359,7 +365,7 @@ void check_fetched_save(const D& with_memory, const D& fetched, const std::funct
   };
   const auto fv = s.views(false);
   save_flat_views(fetched, std::span<const flat_view>(fv), comm, o);
-  CHECK(calls > 3);                       // fetched in pieces, not whole
+  CHECK(calls > 3);                         // fetched in pieces, not whole
   CHECK(bytes >= s.x.size() + s.y.size());  // every byte at least once (straddling blocks again)
   // the same files, byte for byte, as the save from memory: data and checksum table
   CHECK(read(fetched, "rank_0.safetensors") == read(with_memory, "rank_0.safetensors"));
@@ -399,8 +405,8 @@ TEST_CASE("fetched save: a view without memory and no fetch is refused before an
   memory_directory dir;
   single_process comm;
   const auto fv = s.views(false);
-  CHECK_THROWS_WITH_AS(save_flat_views(dir, std::span<const flat_view>(fv), comm), doctest::Contains("tensor 'x': no memory given"),
-                       error);
+  CHECK_THROWS_WITH_AS(save_flat_views(dir, std::span<const flat_view>(fv), comm),
+                       doctest::Contains("tensor 'x': no memory given"), error);
   CHECK_FALSE(dir.exists("rank_0.safetensors"));
   // a shard whose bytes pass 2^64 (2^62 F32 elements) is refused as such, not as 0 bytes of memory
   const std::vector<flat_view> huge{{"h", dtype::F32, {std::uint64_t(1) << 62}, std::nullopt, nullptr, 0}};

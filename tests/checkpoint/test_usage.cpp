@@ -44,19 +44,21 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // four ranks as four threads of this process, each saving its quarter of the rows of "w"
   std::vector<std::exception_ptr> thrown = run_ranks(4, [&](thread_comm& rank_comm) {
     const std::uint64_t r = static_cast<std::uint64_t>(rank_comm.rank());
-    const flat_view quarter{"w", dtype::F32, {8, 6}, block_spec({2, 6}, {2 * r, 0}),
-                            reinterpret_cast<std::byte*>(w.data() + 12 * r), 12 * 4};
+    const flat_view quarter{
+        "w",   dtype::F32, {8, 6}, block_spec({2, 6}, {2 * r, 0}), reinterpret_cast<std::byte*>(w.data() + 12 * r),
+        12 * 4};
     save_flat_views(file_directory(dir / "by_threads"), std::span<const flat_view>(&quarter, 1), rank_comm);
   });
   // [/usage]
   for (const auto& e : thrown) CHECK_FALSE(e);
-  CHECK(read_checkpoint_metadata(file_directory(dir / "by_threads").open(metadata_file_name)).find("w")->files.size() == 4);
+  CHECK(read_checkpoint_metadata(file_directory(dir / "by_threads").open(metadata_file_name)).find("w")->files.size() ==
+        4);
 
   // [usage: load]
   // rows 2..5 of "w" straight into this buffer: only those bytes are read
   std::vector<float> rows(4 * 6);
-  const flat_view part{"w", dtype::F32, {8, 6}, block_spec({4, 6}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()),
-                       rows.size() * 4};
+  const flat_view part{
+      "w", dtype::F32, {8, 6}, block_spec({4, 6}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()), rows.size() * 4};
   checkpoint_reader<file_directory> reader(file_directory(dir / "ckpt"));  // any layout: shardsafe, HF, DCP
   load_stats ls = reader.load(std::span<const flat_view>(&part, 1));
   // [/usage]
@@ -67,8 +69,12 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // the collective load: every rank its own views; a failure on any rank is thrown on all
   std::vector<std::exception_ptr> failed = run_ranks(2, [&](thread_comm& rank_comm) {
     std::vector<float> half(4 * 6);
-    const flat_view mine{"w", dtype::F32, {8, 6}, block_spec({4, 6}, {4 * std::uint64_t(rank_comm.rank()), 0}),
-                         reinterpret_cast<std::byte*>(half.data()), half.size() * 4};
+    const flat_view mine{"w",
+                         dtype::F32,
+                         {8, 6},
+                         block_spec({4, 6}, {4 * std::uint64_t(rank_comm.rank()), 0}),
+                         reinterpret_cast<std::byte*>(half.data()),
+                         half.size() * 4};
     load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&mine, 1), rank_comm);
     if (half[0] != 24.0f * float(rank_comm.rank())) throw std::runtime_error("not the rows of this rank");
   });
@@ -77,7 +83,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // a rank that fails (a view the checkpoint lacks) fails the load on every rank, with its code
   failed = run_ranks(2, [&](thread_comm& rank_comm) {
     std::vector<float> buf(6);
-    const flat_view v{rank_comm.rank() == 1 ? "nope" : "b", dtype::F32, {6}, std::nullopt,
+    const flat_view v{rank_comm.rank() == 1 ? "nope" : "b",     dtype::F32,    {6}, std::nullopt,
                       reinterpret_cast<std::byte*>(buf.data()), buf.size() * 4};
     load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&v, 1), rank_comm);
   });
@@ -94,7 +100,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
 
   // [usage: hf_export]
   hf_export_options ho;
-  ho.max_shard_size = 100;  // bytes of tensors per file
+  ho.max_shard_size = 100;            // bytes of tensors per file
   ho.rename.add("^w$=model.weight");  // REGEX=REPL (RE2), first match wins
   hf_export_stats hs = export_hf(file_directory(dir / "ckpt"), file_directory(dir / "hf"), ho);
   // [/usage]
@@ -102,8 +108,8 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
 
   // [usage: hf_import]
   std::vector<float> mine(8 * 6);
-  const std::vector<flat_view> model{{"w", dtype::F32, {8, 6}, std::nullopt, reinterpret_cast<std::byte*>(mine.data()),
-                                      mine.size() * 4}};
+  const std::vector<flat_view> model{
+      {"w", dtype::F32, {8, 6}, std::nullopt, reinterpret_cast<std::byte*>(mine.data()), mine.size() * 4}};
   hf_import_options io;
   io.rename.add("^model\\.weight$=w");  // the folder's names -> the model's
   io.mode = hf_import_mode::automatic;  // the default: picks by what it measures (or every_rank_read, rank0_broadcast)
@@ -136,15 +142,17 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // then model/, whose metadata.json is the pair's mark); async_saver::save_folder_set alike
   const std::vector<flat_view> optim_state{views[1]};  // (here: any views)
   const std::vector<folder_views> pair = model_and_optim_folders(views, optim_state, /*with_optim=*/true);
-  std::vector<save_stats> each = save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm);
+  std::vector<save_stats> each =
+      save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm);
   // [/usage]
   REQUIRE(each.size() == 2);
   CHECK(each[0].tensors_written == 1);
   CHECK(each[1].tensors_written == 2);
   CHECK(is_complete_checkpoint(file_directory(dir / "pair")));
   // refused when the parent holds anything, unless overwrite; the async counterpart replaces it
-  testing::expect_error([&] { save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm); },
-                        errc::already_exists, {"pair: not empty"});
+  testing::expect_error(
+      [&] { save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm); },
+      errc::already_exists, {"pair: not empty"});
   save_options replace;
   replace.overwrite = true;
   const std::vector<folder_views> model_only = model_and_optim_folders(views, {}, /*with_optim=*/false);
@@ -157,7 +165,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   const device_mesh mesh({2, 2}, {"replicate", "shard"}, /*rank=*/3);
   const std::vector<placement> hsdp{replicate(), shard(0)};
   const std::vector<std::uint64_t> full{8, 6};
-  block_spec blk = mesh_block(full, mesh, hsdp, "w");          // rows 4..7 ("w" names it in messages)
+  block_spec blk = mesh_block(full, mesh, hsdp, "w");             // rows 4..7 ("w" names it in messages)
   replica_role role = mesh_replica_role(mesh, hsdp, /*salt=*/0);  // writer or copy: a replica is written once
   // [/usage]
   CHECK(blk.global_offset() == shape_t{4, 0});
@@ -165,8 +173,9 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
 
   // [usage: configured]
   // the backend, the communicator and the policy fixed in the type: a wrong mix is a compile error
-  using strict_f32_loader = configured_loader<file_directory, single_process,
-                                              load_policy{.strict = true, .validate_nan = true, .views = only(dtype::F32)}>;
+  using strict_f32_loader =
+      configured_loader<file_directory, single_process,
+                        load_policy{.strict = true, .validate_nan = true, .views = only(dtype::F32)}>;
   strict_f32_loader loader(file_directory(dir / "ckpt"), comm);
   loader.load(std::span<const flat_view>(&part, 1));
   // [/usage]

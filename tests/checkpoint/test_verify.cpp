@@ -215,8 +215,8 @@ TEST_CASE_TEMPLATE("hf_folder: a tensor in two files, the index naming one of th
 // ---------------------------------------------------------------------------------------
 // sharded checkpoints
 
-TEST_CASE_TEMPLATE("verify_checkpoint: a complete checkpoint reports its tensors, files and bytes", D,
-                   file_directory, memory_directory) {
+TEST_CASE_TEMPLATE("verify_checkpoint: a complete checkpoint reports its tensors, files and bytes", D, file_directory,
+                   memory_directory) {
   backend<D> be;
   const D dir = be.root().sub("ckpt");
   const fixtures::sharded_sample s;
@@ -235,9 +235,9 @@ TEST_CASE_TEMPLATE("verify_checkpoint: a complete checkpoint reports its tensors
 
   // a file metadata.json records with its size but no tensor uses is checked and counted
   fixtures::put(dir, "rank_2.safetensors", fixtures::build_file({}));
-  const std::string sizes = ", \"shardsafe\": {\"file_sizes\": {\"rank_0.safetensors\": " +
-                            std::to_string(s.rank0.size()) + ", \"rank_2.safetensors\": " +
-                            std::to_string(fixtures::build_file({}).size()) + "}}";
+  const std::string sizes =
+      ", \"shardsafe\": {\"file_sizes\": {\"rank_0.safetensors\": " + std::to_string(s.rank0.size()) +
+      ", \"rank_2.safetensors\": " + std::to_string(fixtures::build_file({}).size()) + "}}";
   fixtures::put(dir, "metadata.json", fixtures::sharded_sample::metadata(true, sizes));
   CHECK(verify_checkpoint(dir).files == 3);
 }
@@ -283,8 +283,9 @@ TEST_CASE_TEMPLATE("verify_checkpoint: every broken checkpoint is refused with i
   }
   SUBCASE("a rank file lacks a tensor metadata.json places in it") {
     const D dir = fresh();
-    fixtures::put(dir, "rank_1.safetensors",
-                  fixtures::build_file({{"w", "F32", {6}, s.w.bytes.substr(24)}, {"b", "I16", {3}, s.b.bytes.substr(4)}}));
+    fixtures::put(
+        dir, "rank_1.safetensors",
+        fixtures::build_file({{"w", "F32", {6}, s.w.bytes.substr(24)}, {"b", "I16", {3}, s.b.bytes.substr(4)}}));
     expect_error([&] { verify_checkpoint(dir); }, errc::not_found,
                  {path_of(dir, "rank_1.safetensors"), "tensor 'c'", "absent from the file"});
   }
@@ -310,18 +311,19 @@ TEST_CASE_TEMPLATE("verify_checkpoint: every broken checkpoint is refused with i
   }
   SUBCASE("a recorded file size differs from the file's") {
     const D dir = fresh();
-    fixtures::put(dir, "metadata.json",
-                  fixtures::sharded_sample::metadata(
-                      true, ", \"shardsafe\": {\"file_sizes\": {\"rank_1.safetensors\": " +
-                                std::to_string(s.rank1.size() + 8) + "}}"));
+    fixtures::put(
+        dir, "metadata.json",
+        fixtures::sharded_sample::metadata(true, ", \"shardsafe\": {\"file_sizes\": {\"rank_1.safetensors\": " +
+                                                     std::to_string(s.rank1.size() + 8) + "}}"));
     expect_error([&] { verify_checkpoint(dir); }, errc::truncated,
                  {path_of(dir, "rank_1.safetensors"), std::to_string(s.rank1.size()),
                   std::to_string(s.rank1.size() + 8), "recorded"});
   }
   SUBCASE("a file metadata.json records but no tensor uses is missing") {
     const D dir = fresh();
-    fixtures::put(dir, "metadata.json",
-                  fixtures::sharded_sample::metadata(true, ", \"shardsafe\": {\"file_sizes\": {\"rank_7.safetensors\": 80}}"));
+    fixtures::put(
+        dir, "metadata.json",
+        fixtures::sharded_sample::metadata(true, ", \"shardsafe\": {\"file_sizes\": {\"rank_7.safetensors\": 80}}"));
     expect_error([&] { verify_checkpoint(dir); }, errc::not_found, {path_of(dir, "rank_7.safetensors"), "missing"});
   }
   SUBCASE("a sub-byte dtype sharded by elements") {
@@ -413,7 +415,6 @@ std::vector<flat_view> full_views(const std::vector<saved_tensor>& ts, std::vect
   return views;
 }
 
-
 }  // namespace
 
 TEST_CASE("checksums: a save records XXH3-64 of every block of every tensor, as Python computes them from the files") {
@@ -461,7 +462,8 @@ print(blocks)
   std::uint64_t want_blocks = 0;
   for (const auto& t : ts) {
     const std::uint64_t n = numel(t.shape), item = item_size(t.type);
-    want_blocks += detail::checksum_block_count(n / 2 * item, 1000) + detail::checksum_block_count((n - n / 2) * item, 1000);
+    want_blocks +=
+        detail::checksum_block_count(n / 2 * item, 1000) + detail::checksum_block_count((n - n / 2) * item, 1000);
   }
   for (const char* name : {"direct", "buffered"}) {
     INFO(name);
@@ -586,8 +588,9 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
     {
       const std::uint64_t n = numel(t.shape), lo_e = rank == 0 ? n / 2 : 0, hi_e = rank == 0 ? n : n / 2;
       std::string half((hi_e - lo_e) * item, '\0');
-      flat_view v{t.key, t.type, t.shape, shard_spec(flat_spec{{lo_e, hi_e}}), reinterpret_cast<std::byte*>(half.data()),
-                  half.size()};
+      flat_view v{
+          t.key,      t.type, t.shape, shard_spec(flat_spec{{lo_e, hi_e}}), reinterpret_cast<std::byte*>(half.data()),
+          half.size()};
       load_options lo;
       lo.verify_checksums = true;
       checkpoint_reader<file_directory> r2(dir);
@@ -600,7 +603,9 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
   CHECK(verify_checkpoint(dir).checksums);
 }
 
-TEST_CASE("checksums: a mismatch names the file holding the hash: metadata.json, or the compact form's rank_R.checksums.json") {
+TEST_CASE(
+    "checksums: a mismatch names the file holding the hash: metadata.json, or the compact form's "
+    "rank_R.checksums.json") {
   testing::temp_dir tmp("holder");
   auto ts = checksum_sample(3);
   for (const metadata_form form : {metadata_form::listed, metadata_form::compact}) {
@@ -617,7 +622,8 @@ TEST_CASE("checksums: a mismatch names the file holding the hash: metadata.json,
     // one byte of rank 1's first tensor with data, damaged
     const fs::path file = tmp.path / name / rank_file_name(1);
     const safetensors_header h = read_safetensors_header(file_storage(file));
-    const auto e = std::find_if(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& x) { return x.nbytes() > 0; });
+    const auto e =
+        std::find_if(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& x) { return x.nbytes() > 0; });
     REQUIRE(e != h.tensors.end());
     std::string bytes = testing::slurp(file);
     const std::size_t pos = static_cast<std::size_t>(h.offset_of(*e) + e->nbytes() / 2);
@@ -664,8 +670,9 @@ TEST_CASE("checksums: a mismatch names the file holding the hash: metadata.json,
   }
   // a sidecar without a tensor's hashes is named as the file that lacks them
   testing::write_file(tmp.path / "compact" / "rank_1.checksums.json", "{}");
-  expect_error([&] { verify_checkpoint(file_directory(tmp.path / "compact")); }, errc::invalid_metadata,
-               {"rank_1.safetensors", "rank_1.checksums.json records checksums for this file, but none for this tensor"});
+  expect_error(
+      [&] { verify_checkpoint(file_directory(tmp.path / "compact")); }, errc::invalid_metadata,
+      {"rank_1.safetensors", "rank_1.checksums.json records checksums for this file, but none for this tensor"});
 }
 
 TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; damaged tables are refused", D,
@@ -700,7 +707,8 @@ TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; dam
   };
   const std::string c0 = h(c_cols(0)), c1 = h(c_cols(2));
   const std::string good = "\"rank_0.safetensors\": {\"w\": [" + w0 + "], \"b\": [" + b0 + "], \"c\": [" + c0 +
-                           "]}, \"rank_1.safetensors\": {\"w\": [" + w1 + "], \"b\": [" + b1 + "], \"c\": [" + c1 + "]}";
+                           "]}, \"rank_1.safetensors\": {\"w\": [" + w1 + "], \"b\": [" + b1 + "], \"c\": [" + c1 +
+                           "]}";
   fixtures::put(dir, "metadata.json", fixtures::sharded_sample::metadata(true, with(good)));
   const checkpoint_report ok = verify_checkpoint(dir);
   CHECK(ok.checksums);
@@ -716,18 +724,24 @@ TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; dam
       {with(good, "sha1"), errc::invalid_metadata, {"algorithm 'sha1'", "xxh3-64"}},
       {with(good, "xxh3-64", "0"), errc::invalid_metadata, {"block_bytes", "positive"}},
       {with("\"rank_0.safetensors\": {\"w\": [\"xyz\"]}"), errc::invalid_metadata, {"tensor 'w'", "16 hex digits"}},
-      {with(good + ", \"rank_7.safetensors\": {}"), errc::invalid_metadata, {"rank_7.safetensors", "not a file of the checkpoint"}},
+      {with(good + ", \"rank_7.safetensors\": {}"),
+       errc::invalid_metadata,
+       {"rank_7.safetensors", "not a file of the checkpoint"}},
       {with("\"rank_0.safetensors\": {\"w\": [" + w0 + "], \"b\": [" + b0 + "], \"c\": [" + c0 + "]}"),
-       errc::invalid_metadata, {path_of(dir, "rank_1.safetensors"), "none for this file"}},
-      {with("\"rank_0.safetensors\": {\"w\": [" + w0 + "], \"b\": [" + b0 + "]}, \"rank_1.safetensors\": {\"w\": [" + w1 +
-            "], \"b\": [" + b1 + "], \"c\": [" + c1 + "]}"),
-       errc::invalid_metadata, {path_of(dir, "rank_0.safetensors"), "tensor 'c'", "none for this tensor"}},
+       errc::invalid_metadata,
+       {path_of(dir, "rank_1.safetensors"), "none for this file"}},
+      {with("\"rank_0.safetensors\": {\"w\": [" + w0 + "], \"b\": [" + b0 + "]}, \"rank_1.safetensors\": {\"w\": [" +
+            w1 + "], \"b\": [" + b1 + "], \"c\": [" + c1 + "]}"),
+       errc::invalid_metadata,
+       {path_of(dir, "rank_0.safetensors"), "tensor 'c'", "none for this tensor"}},
       {with("\"rank_0.safetensors\": {\"w\": [" + w0 + ", " + w0 + "], \"b\": [" + b0 + "], \"c\": [" + c0 +
             "]}, \"rank_1.safetensors\": {\"w\": [" + w1 + "], \"b\": [" + b1 + "], \"c\": [" + c1 + "]}"),
-       errc::invalid_metadata, {"tensor 'w'", "records 2 block checksums", "make 1 blocks"}},
+       errc::invalid_metadata,
+       {"tensor 'w'", "records 2 block checksums", "make 1 blocks"}},
       {with("\"rank_0.safetensors\": {\"w\": [" + w1 + "], \"b\": [" + b0 + "], \"c\": [" + c0 +
             "]}, \"rank_1.safetensors\": {\"w\": [" + w1 + "], \"b\": [" + b1 + "], \"c\": [" + c1 + "]}"),
-       errc::checksum_mismatch, {path_of(dir, "rank_0.safetensors"), "tensor 'w'", "elements [0, 6)"}},
+       errc::checksum_mismatch,
+       {path_of(dir, "rank_0.safetensors"), "tensor 'w'", "elements [0, 6)"}},
   };
   for (const auto& c : cases) {
     INFO(c.extra);
@@ -739,14 +753,17 @@ TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; dam
 // ---------------------------------------------------------------------------------------
 // hostile input: files claiming the same elements, unlisted HF shards, links out of the folder
 
-TEST_CASE_TEMPLATE("overlapping shards: equal bytes are replicas; different bytes fail verify and every load that reads them",
-                   D, file_directory, memory_directory) {
+TEST_CASE_TEMPLATE(
+    "overlapping shards: equal bytes are replicas; different bytes fail verify and every load that reads them", D,
+    file_directory, memory_directory) {
   backend<D> be;
   std::mt19937_64 rng(11);
   const std::string b = fixtures::random_string(20, rng);  // I16 [10]
   auto md = [](const std::string& spec0, const std::string& spec1) {
-    return "{\"tensors\": {\"b\": {\"shape\": [10], \"is_sharded\": true, \"dtype\": \"I16\", \"shard_spec_per_file\": {"
-           "\"rank_0.safetensors\": " + spec0 + ", \"rank_1.safetensors\": " + spec1 + "}}}}";
+    return "{\"tensors\": {\"b\": {\"shape\": [10], \"is_sharded\": true, \"dtype\": \"I16\", \"shard_spec_per_file\": "
+           "{"
+           "\"rank_0.safetensors\": " +
+           spec0 + ", \"rank_1.safetensors\": " + spec1 + "}}}}";
   };
   auto flat = [](std::uint64_t lo, std::uint64_t hi) {
     return "{\"flattened_offsets\": [[" + std::to_string(lo) + ", " + std::to_string(hi) +
@@ -825,8 +842,9 @@ TEST_CASE("overlapping shards: replicas a save writes twice are proven equal by 
   CHECK(got == w);
 }
 
-TEST_CASE_TEMPLATE("hf_folder: verify refuses a shard the index does not name when it claims the index's tensors or names",
-                   D, file_directory, memory_directory) {
+TEST_CASE_TEMPLATE(
+    "hf_folder: verify refuses a shard the index does not name when it claims the index's tensors or names", D,
+    file_directory, memory_directory) {
   backend<D> be;
   const auto ts = fixtures::sample_tensors();
   std::mt19937_64 rng(4);

@@ -25,7 +25,8 @@ void use() {
 #elif CASE == 3  // expect: asks for validate_nan, but its views' dtype
   auto l = make_configured_loader<load_policy{.validate_nan = true, .views = only(dtype::I32)}>(dir, comm);
 #elif CASE == 4  // expect: asks for convert_dtypes, but its views' dtype
-  configured_loader<memory_directory, single_process, load_policy{.convert_dtypes = true, .views = only(dtype::U8)}> l(dir, comm);
+  configured_loader<memory_directory, single_process, load_policy{.convert_dtypes = true, .views = only(dtype::U8)}> l(
+      dir, comm);
 #elif CASE == 5  // expect: pass configured_load_settings, not load_options
   load_options o;
   auto l = make_configured_loader(dir, comm, o);

@@ -81,9 +81,9 @@ struct meta_parts {
   std::vector<std::int64_t> offsets{0, 0}, sizes{4, 6};
   std::string path = "__0_0.distcp";
   bool with_storage = true;
-  std::string extra_global;  // a global put into planner_data
+  std::string extra_global;                                     // a global put into planner_data
   std::vector<std::pair<std::string, std::string>> info_extra;  // more fields of each _StorageInfo
-  int copies = 1;  // the chunk listed this many times
+  int copies = 1;                                               // the chunk listed this many times
   struct chunk {
     std::vector<std::int64_t> offsets, sizes;
     std::string path;
@@ -97,11 +97,14 @@ std::string metadata_pickle(const meta_parts& p) {
   const std::string props =
       p.torch2_properties
           ? obj(p.module, "TensorProperties",
-                tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
-                     "\x89", glob(p.module, "_MEM_FORMAT_ENCODING") + tup({num(p.mem_format)}) + "R", "\x89"}))
+                tup({glob("torch", p.dtype),
+                     glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R", "\x89",
+                     glob(p.module, "_MEM_FORMAT_ENCODING") + tup({num(p.mem_format)}) + "R", "\x89"}))
           : obj(st113, "TensorProperties",
-                tup({glob("torch", p.dtype), glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R",
-                     "\x89", glob("builtins", "getattr") + tup({glob(st113, "MEM_FORMAT_ENCODING"), pstr("TORCH_CONTIGUOUS_FORMAT")}) + "R",
+                tup({glob("torch", p.dtype),
+                     glob("torch.serialization", "_get_layout") + tup({pstr("torch.strided")}) + "R", "\x89",
+                     glob("builtins", "getattr") +
+                         tup({glob(st113, "MEM_FORMAT_ENCODING"), pstr("TORCH_CONTIGUOUS_FORMAT")}) + "R",
                      "\x89"}));
   auto chunk_of = [&](const std::vector<std::int64_t>& off, const std::vector<std::int64_t>& sz) {
     return obj(p.module, "ChunkStorageMetadata", dict({{pstr("offsets"), tsize(off)}, {pstr("sizes"), tsize(sz)}}));
@@ -109,26 +112,33 @@ std::string metadata_pickle(const meta_parts& p) {
   std::vector<std::string> chunks(static_cast<std::size_t>(p.copies), chunk_of(p.offsets, p.sizes));
   for (const auto& c : p.more) chunks.push_back(chunk_of(c.offsets, c.sizes));
   const std::string tsm =
-      obj(p.module, "TensorStorageMetadata", dict({{pstr("properties"), props}, {pstr("size"), tsize(p.size)}, {pstr("chunks"), list(chunks)}}));
+      obj(p.module, "TensorStorageMetadata",
+          dict({{pstr("properties"), props}, {pstr("size"), tsize(p.size)}, {pstr("chunks"), list(chunks)}}));
   const std::string bsm = obj(p.module, "BytesStorageMetadata", dict({}));
   const std::string fs_module = p.module.substr(0, p.module.rfind('.')) + ".filesystem";
   auto info = [&](std::int64_t off, std::int64_t len, const std::string& path = "") {
-    std::vector<std::pair<std::string, std::string>> fields{
-        {pstr("relative_path"), pstr(path.empty() ? p.path : path)}, {pstr("offset"), num(off)}, {pstr("length"), num(len)}};
+    std::vector<std::pair<std::string, std::string>> fields{{pstr("relative_path"), pstr(path.empty() ? p.path : path)},
+                                                            {pstr("offset"), num(off)},
+                                                            {pstr("length"), num(len)}};
     fields.insert(fields.end(), p.info_extra.begin(), p.info_extra.end());
     return obj(fs_module, "_StorageInfo", dict(fields));
   };
   auto index = [&](const std::string& fqn, const std::string& offset) {
-    return obj(p.module, "MetadataIndex", dict({{pstr("fqn"), pstr(fqn)}, {pstr("index"), num(0)}, {pstr("offset"), offset}}));
+    return obj(p.module, "MetadataIndex",
+               dict({{pstr("fqn"), pstr(fqn)}, {pstr("index"), num(0)}, {pstr("offset"), offset}}));
   };
   std::vector<std::pair<std::string, std::string>> storage{{index("step", "N"), info(0, 10)}};
   if (p.with_storage) storage.push_back({index("w", tsize(p.offsets)), info(10, 96)});
   for (std::size_t i = 0; i < p.more.size(); ++i)
-    storage.push_back({index("w", tsize(p.more[i].offsets)), info(200 + 100 * static_cast<std::int64_t>(i), 96, p.more[i].path)});
+    storage.push_back(
+        {index("w", tsize(p.more[i].offsets)), info(200 + 100 * static_cast<std::int64_t>(i), 96, p.more[i].path)});
   std::string planner = p.extra_global.empty() ? "N" : p.extra_global;
   if (!p.storage_meta_path.empty())
-    planner = obj(p.module, "StorageMeta", dict({{pstr("checkpoint_id"), glob("pathlib._local", "PosixPath") + tup({pstr(p.storage_meta_path)}) + "R"},
-                                                 {pstr("save_id"), pstr("s")}, {pstr("load_id"), "N"}}));
+    planner =
+        obj(p.module, "StorageMeta",
+            dict({{pstr("checkpoint_id"), glob("pathlib._local", "PosixPath") + tup({pstr(p.storage_meta_path)}) + "R"},
+                  {pstr("save_id"), pstr("s")},
+                  {pstr("load_id"), "N"}}));
   return pickle(obj(p.module, "Metadata",
                     dict({{pstr("state_dict_metadata"), dict({{pstr("w"), tsm}, {pstr("step"), bsm}})},
                           {pstr("planner_data"), planner},
@@ -151,12 +161,13 @@ std::string zip(const std::vector<zip_entry_spec>& entries) {
     const std::uint64_t local = out.size();
     out += le(0x04034b50, 4) + le(20, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + le(sz, 4) + le(sz, 4) +
            le(e.name.size(), 2) + le(4, 2) + e.name + le(0xabcd, 2) + le(0, 2) + e.data;
-    cd += le(0x02014b50, 4) + le(20, 2) + le(20, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + le(sz, 4) + le(sz, 4) +
-          le(e.name.size(), 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(local, 4) + e.name;
+    cd += le(0x02014b50, 4) + le(20, 2) + le(20, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + le(sz, 4) +
+          le(sz, 4) + le(e.name.size(), 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(local, 4) +
+          e.name;
   }
   const std::uint64_t cd_at = out.size();
-  out += cd + le(0x06054b50, 4) + le(0, 2) + le(0, 2) + le(entries.size(), 2) + le(entries.size(), 2) + le(cd.size(), 4) +
-         le(cd_at, 4) + le(0, 2);
+  out += cd + le(0x06054b50, 4) + le(0, 2) + le(0, 2) + le(entries.size(), 2) + le(entries.size(), 2) +
+         le(cd.size(), 4) + le(cd_at, 4) + le(0, 2);
   return out;
 }
 
@@ -166,11 +177,12 @@ std::string zip64(const std::vector<zip_entry_spec>& entries) {
   const std::string ff = le(0xffffffff, 4);
   for (const auto& e : entries) {
     const std::uint64_t local = out.size();
-    out += le(0x04034b50, 4) + le(45, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + ff + ff + le(e.name.size(), 2) +
-           le(20, 2) + e.name + le(1, 2) + le(16, 2) + le(e.data.size(), 8) + le(e.data.size(), 8) + e.data;
+    out += le(0x04034b50, 4) + le(45, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + ff + ff +
+           le(e.name.size(), 2) + le(20, 2) + e.name + le(1, 2) + le(16, 2) + le(e.data.size(), 8) +
+           le(e.data.size(), 8) + e.data;
     cd += le(0x02014b50, 4) + le(45, 2) + le(45, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + le(0, 4) + ff + ff +
-          le(e.name.size(), 2) + le(28, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + ff + e.name + le(1, 2) + le(24, 2) +
-          le(e.data.size(), 8) + le(e.data.size(), 8) + le(local, 8);
+          le(e.name.size(), 2) + le(28, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + ff + e.name + le(1, 2) +
+          le(24, 2) + le(e.data.size(), 8) + le(e.data.size(), 8) + le(local, 8);
   }
   const std::uint64_t cd_at = out.size();
   out += cd;
@@ -212,17 +224,22 @@ TEST_CASE("dcp metadata: newer torch's extra fields are ignored, transformed byt
   meta_parts p;
   p.module = "torch.distributed.checkpoint.metadata";
   // StorageMeta(checkpoint_id=PosixPath(...), save_id=...), as torch >= 2.4 writes it
-  p.extra_global = obj(p.module, "StorageMeta", dict({{pstr("checkpoint_id"), glob("pathlib", "PosixPath") + tup({pstr("/ckpt"), pstr("step1")}) + "R"},
-                                                     {pstr("save_id"), pstr("abc")}, {pstr("modules"), list({})}}));
+  p.extra_global =
+      obj(p.module, "StorageMeta",
+          dict({{pstr("checkpoint_id"), glob("pathlib", "PosixPath") + tup({pstr("/ckpt"), pstr("step1")}) + "R"},
+                {pstr("save_id"), pstr("abc")},
+                {pstr("modules"), list({})}}));
   p.info_extra = {{pstr("transform_descriptors"), "N"}};
   CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").chunks.size() == 1);
   p.info_extra = {{pstr("transform_descriptors"), list({})}};
   CHECK(parse_dcp_metadata(metadata_pickle(p), "m").items.at("w").type == dtype::F32);
   p.info_extra = {{pstr("transform_descriptors"), list({pstr("zstd")})}};
-  testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"transform_descriptors"});
+  testing::expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+                        {"transform_descriptors"});
 }
 
-TEST_CASE("dcp metadata: torch 2.x's classes: _MEM_FORMAT_ENCODING by value, pathlib._local paths; hostile values refused") {
+TEST_CASE(
+    "dcp metadata: torch 2.x's classes: _MEM_FORMAT_ENCODING by value, pathlib._local paths; hostile values refused") {
   meta_parts p;
   p.module = "torch.distributed.checkpoint.metadata";
   p.torch2_properties = true;
@@ -266,19 +283,25 @@ TEST_CASE("dcp metadata: globals outside the allowlist are refused by name, noth
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.load'"});
   // a getattr that reaches outside the allowlist from an allowed global
   p.extra_global = glob("builtins", "getattr") + tup({glob("torch", "Size"), pstr("__class__")}) + "R";
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.Size.__class__'"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"'torch.Size.__class__'"});
   // calling a value, NEWOBJ of a function, BUILD on plain data, a look-alike module
   p.extra_global = glob("torch", "float32") + tup({}) + "R";
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'torch.float32'", "is a value"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"'torch.float32'", "is a value"});
   p.extra_global = glob("torch", "Size") + ")" + std::string(1, '\x81');
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"NEWOBJ", "'torch.Size'", "not an allowlisted class"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"NEWOBJ", "'torch.Size'", "not an allowlisted class"});
   p.extra_global = dict({}) + dict({{pstr("a"), num(1)}}) + "b";
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"BUILD", "not an allowlisted object"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"BUILD", "not an allowlisted object"});
   p.extra_global = glob("torch.distributed._shard.checkpoint.metadata_evil", "Metadata");
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"metadata_evil.Metadata"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"metadata_evil.Metadata"});
   // a plain dict dressed as a marker does not make a call possible
   p.extra_global = dict({{pstr("__global__"), pstr("os.system")}}) + tup({pstr("ls")}) + "R";
-  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"not an allowlisted global"});
+  expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata,
+               {"not an allowlisted global"});
   // protocol 4 spelling: STACK_GLOBAL of a refused name
   p.extra_global = pstr("subprocess") + pstr("Popen") + std::string(1, '\x93');
   expect_error([&] { parse_dcp_metadata(metadata_pickle(p), "m"); }, errc::invalid_metadata, {"'subprocess.Popen'"});
@@ -332,9 +355,11 @@ TEST_CASE("dcp metadata: rules on tensors, chunks and storage entries") {
 TEST_CASE("dcp metadata: truncated and damaged pickles end in invalid_metadata") {
   const auto whole = metadata_pickle({});
   for (std::size_t n = 0; n < whole.size(); n += 7)
-    testing::expect_error([&] { parse_dcp_metadata(whole.substr(0, n), "ckpt/.metadata"); }, errc::invalid_metadata, {"ckpt/.metadata"});
+    testing::expect_error([&] { parse_dcp_metadata(whole.substr(0, n), "ckpt/.metadata"); }, errc::invalid_metadata,
+                          {"ckpt/.metadata"});
   // not a Metadata at the top
-  testing::expect_error([&] { parse_dcp_metadata(pickle(dict({})), "m"); }, errc::invalid_metadata, {"top level", "Metadata"});
+  testing::expect_error([&] { parse_dcp_metadata(pickle(dict({})), "m"); }, errc::invalid_metadata,
+                        {"top level", "Metadata"});
 }
 
 // ============================================================ torch.save zip records
@@ -350,15 +375,21 @@ TEST_CASE("torch zip: the storage record is found by its headers, compressed or 
   REQUIRE(a.pickle);
   CHECK(good.substr(a.pickle->data_offset, a.pickle->size) == "PKL");
 
-  expect_error([&] { locate_torch_zip(zip({{"archive/data.pkl", "P"}, {"archive/data/0", data, 8}}), "f.distcp [0, 9)"); },
-               errc::invalid_metadata, {"f.distcp [0, 9)", "record 'archive/data/0'", "compressed (method 8)"});
-  expect_error([&] { locate_torch_zip(good, "f", 20); }, errc::invalid_metadata, {"'archive/data/0' holds 24 bytes but the chunk needs 20"});
-  expect_error([&] { locate_torch_zip(zip({{"a/data/0", data}, {"a/data/1", data}}), "f"); }, errc::invalid_metadata, {"two storage records"});
-  expect_error([&] { locate_torch_zip(zip({{"a/data.pkl", data}}), "f"); }, errc::invalid_metadata, {"no storage record"});
-  expect_error([&] { locate_torch_zip(zip({{"a/data/0", data, 0, 4000}}), "f"); }, errc::invalid_metadata, {"run into the central directory"});
+  expect_error(
+      [&] { locate_torch_zip(zip({{"archive/data.pkl", "P"}, {"archive/data/0", data, 8}}), "f.distcp [0, 9)"); },
+      errc::invalid_metadata, {"f.distcp [0, 9)", "record 'archive/data/0'", "compressed (method 8)"});
+  expect_error([&] { locate_torch_zip(good, "f", 20); }, errc::invalid_metadata,
+               {"'archive/data/0' holds 24 bytes but the chunk needs 20"});
+  expect_error([&] { locate_torch_zip(zip({{"a/data/0", data}, {"a/data/1", data}}), "f"); }, errc::invalid_metadata,
+               {"two storage records"});
+  expect_error([&] { locate_torch_zip(zip({{"a/data.pkl", data}}), "f"); }, errc::invalid_metadata,
+               {"no storage record"});
+  expect_error([&] { locate_torch_zip(zip({{"a/data/0", data, 0, 4000}}), "f"); }, errc::invalid_metadata,
+               {"run into the central directory"});
   for (std::size_t n = 0; n + 1 < good.size(); n += 5)
     expect_error([&] { locate_torch_zip(std::string_view(good).substr(0, n), "f"); }, errc::invalid_metadata, {"f: "});
-  expect_error([&] { locate_torch_zip(std::string(100, 'x'), "f"); }, errc::invalid_metadata, {"no zip end-of-central-directory"});
+  expect_error([&] { locate_torch_zip(std::string(100, 'x'), "f"); }, errc::invalid_metadata,
+               {"no zip end-of-central-directory"});
 
   // zip64: sizes and offsets in extra fields, the central directory found through the zip64 end record
   const auto big = zip64({{"model/data.pkl", "PKL"}, {"model/data/0", data}, {"model/version", "3\n"}});
@@ -372,8 +403,12 @@ TEST_CASE("torch zip: the storage record is found by its headers, compressed or 
   const auto large = zip({{"archive/data.pkl", "PKL"}, {"archive/data/0", mib}, {"archive/version", "3\n"}});
   std::uint64_t read = 0;
   const auto c = locate_torch_zip(
-      large.size(), [&](std::uint64_t off, std::size_t n) { read += n; return large.substr(static_cast<std::size_t>(off), n); }, "f",
-      mib.size());
+      large.size(),
+      [&](std::uint64_t off, std::size_t n) {
+        read += n;
+        return large.substr(static_cast<std::size_t>(off), n);
+      },
+      "f", mib.size());
   CHECK(large.substr(c.storage.data_offset, 16) == mib.substr(0, 16));
   CHECK(read < 70000);  // the end record's search window (64 KiB + 22) and a few headers
 }
@@ -387,90 +422,98 @@ TEST_CASE("dcp: checkpoints written by torch 1.13 parse as torch reports them, c
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
   const auto r = testing::peer(testing::torch_python, {script.string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
-  MESSAGE("torch 1.13's dataclass shim " << std::string(r.err.find("shim") != std::string::npos ? "was" : "was not") << " needed by this Python");
+  MESSAGE("torch 1.13's dataclass shim " << std::string(r.err.find("shim") != std::string::npos ? "was" : "was not")
+                                         << " needed by this Python");
   for (const std::string folder : {"ckpt", "ckpt_single"}) {
-  CAPTURE(folder);
-  const auto ckpt = dir.path / folder;
-  const auto md = parse_dcp_metadata(testing::slurp(ckpt / ".metadata"), (ckpt / ".metadata").string());
-  // the same Metadata pickled with protocol 2 (GLOBAL, BINPUT/BINGET, BUILD on shared objects)
-  const auto md2 = parse_dcp_metadata(testing::slurp(dir.path / (folder + ".metadata_p2")), folder + ".metadata_p2");
-  REQUIRE(md2.items.size() == md.items.size());
-  for (const auto& [k, v] : md.items) {
-    const auto& v2 = md2.items.at(k);
-    CHECK(v2.is_bytes == v.is_bytes);
-    CHECK(v2.type == v.type);
-    CHECK(v2.size == v.size);
-    CHECK(v2.bytes == v.bytes);
-    REQUIRE(v2.chunks.size() == v.chunks.size());
-    for (std::size_t i = 0; i < v.chunks.size(); ++i) CHECK(v2.chunks[i].storage == v.chunks[i].storage);
-  }
+    CAPTURE(folder);
+    const auto ckpt = dir.path / folder;
+    const auto md = parse_dcp_metadata(testing::slurp(ckpt / ".metadata"), (ckpt / ".metadata").string());
+    // the same Metadata pickled with protocol 2 (GLOBAL, BINPUT/BINGET, BUILD on shared objects)
+    const auto md2 = parse_dcp_metadata(testing::slurp(dir.path / (folder + ".metadata_p2")), folder + ".metadata_p2");
+    REQUIRE(md2.items.size() == md.items.size());
+    for (const auto& [k, v] : md.items) {
+      const auto& v2 = md2.items.at(k);
+      CHECK(v2.is_bytes == v.is_bytes);
+      CHECK(v2.type == v.type);
+      CHECK(v2.size == v.size);
+      CHECK(v2.bytes == v.bytes);
+      REQUIRE(v2.chunks.size() == v.chunks.size());
+      for (std::size_t i = 0; i < v.chunks.size(); ++i) CHECK(v2.chunks[i].storage == v.chunks[i].storage);
+    }
 
-  simdjson::dom::parser parser;
-  const std::string expect_text = testing::slurp(dir.path / (folder + ".json"));
-  const auto expect = detail::parse_json(parser, expect_text, "expect.json").get_object().value();
-  CHECK(md.items.size() == expect.size());
-  int tensors = 0;
-  for (auto [key, e] : expect) {
-    const std::string fqn(key);
-    CAPTURE(fqn);
-    REQUIRE(md.items.count(fqn) == 1);
-    const auto& item = md.items.at(fqn);
-    auto ints = [](simdjson::dom::element a) {
-      std::vector<std::uint64_t> v;
-      const simdjson::dom::array arr = a.get_array().value();  // a copy: value() of a temporary dangles
-      for (auto x : arr) v.push_back(x.get_uint64().value());
-      return v;
-    };
-    auto storage_of = [](simdjson::dom::element a) {
-      auto arr = a.get_array().value();
-      return dcp_storage_info{std::string(arr.at(0).get_string().value()), arr.at(1).get_uint64().value(), arr.at(2).get_uint64().value()};
-    };
-    if (e["bytes"].error() == simdjson::SUCCESS) {
-      CHECK(item.is_bytes);
-      auto entries = e["storage"].get_array().value();
-      REQUIRE(entries.size() == 1);
-      CHECK(item.bytes == storage_of(entries.at(0).value()));
-      continue;
+    simdjson::dom::parser parser;
+    const std::string expect_text = testing::slurp(dir.path / (folder + ".json"));
+    const auto expect = detail::parse_json(parser, expect_text, "expect.json").get_object().value();
+    CHECK(md.items.size() == expect.size());
+    int tensors = 0;
+    for (auto [key, e] : expect) {
+      const std::string fqn(key);
+      CAPTURE(fqn);
+      REQUIRE(md.items.count(fqn) == 1);
+      const auto& item = md.items.at(fqn);
+      auto ints = [](simdjson::dom::element a) {
+        std::vector<std::uint64_t> v;
+        const simdjson::dom::array arr = a.get_array().value();  // a copy: value() of a temporary dangles
+        for (auto x : arr) v.push_back(x.get_uint64().value());
+        return v;
+      };
+      auto storage_of = [](simdjson::dom::element a) {
+        auto arr = a.get_array().value();
+        return dcp_storage_info{std::string(arr.at(0).get_string().value()), arr.at(1).get_uint64().value(),
+                                arr.at(2).get_uint64().value()};
+      };
+      if (e["bytes"].error() == simdjson::SUCCESS) {
+        CHECK(item.is_bytes);
+        auto entries = e["storage"].get_array().value();
+        REQUIRE(entries.size() == 1);
+        CHECK(item.bytes == storage_of(entries.at(0).value()));
+        continue;
+      }
+      ++tensors;
+      CHECK_FALSE(item.is_bytes);
+      CHECK(to_string(item.type) == std::string_view(e["dtype"].get_string().value()));
+      CHECK(item.size == ints(e["size"].value()));
+      auto chunks = e["chunks"].get_array().value();
+      REQUIRE(item.chunks.size() == chunks.size());
+      const std::string raw = testing::slurp(dir.path / "raw" / (fqn + ".bin"));
+      std::size_t i = 0;
+      for (auto c : chunks) {
+        const auto& ch = item.chunks[i++];
+        CHECK(ch.offsets == ints(c["offsets"].value()));
+        CHECK(ch.sizes == ints(c["sizes"].value()));
+        CHECK(ch.storage == storage_of(c["storage"].value()));
+        // the chunk's archive inside its data file, read by ranges
+        const std::string file = testing::slurp(ckpt / ch.storage.relative_path);
+        REQUIRE(ch.storage.offset + ch.storage.length <= file.size());
+        const std::string_view archive = std::string_view(file).substr(ch.storage.offset, ch.storage.length);
+        const std::string what = ch.storage.relative_path + " [" + std::to_string(ch.storage.offset) + ", +" +
+                                 std::to_string(ch.storage.length) + ")";
+        const std::uint64_t need = numel(ch.sizes) * item_size(item.type);
+        const auto z = locate_torch_zip(archive, what, need);
+        CHECK(archive.substr(z.storage.data_offset, z.storage.size) == raw);
+        REQUIRE(z.pickle);
+        const auto t =
+            parse_torch_tensor_pickle(archive.substr(z.pickle->data_offset, z.pickle->size), what + " data.pkl");
+        CHECK_NOTHROW(check_torch_zip_tensor(t, z.storage, item.type, ch.sizes, what));
+        CHECK(t.type == item.type);
+        testing::expect_error(
+            [&] {
+              check_torch_zip_tensor(t, z.storage, item.type == dtype::F32 ? dtype::I32 : dtype::F32, ch.sizes, what);
+            },
+            errc::invalid_metadata, {what, "data.pkl"});
+      }
     }
-    ++tensors;
-    CHECK_FALSE(item.is_bytes);
-    CHECK(to_string(item.type) == std::string_view(e["dtype"].get_string().value()));
-    CHECK(item.size == ints(e["size"].value()));
-    auto chunks = e["chunks"].get_array().value();
-    REQUIRE(item.chunks.size() == chunks.size());
-    const std::string raw = testing::slurp(dir.path / "raw" / (fqn + ".bin"));
-    std::size_t i = 0;
-    for (auto c : chunks) {
-      const auto& ch = item.chunks[i++];
-      CHECK(ch.offsets == ints(c["offsets"].value()));
-      CHECK(ch.sizes == ints(c["sizes"].value()));
-      CHECK(ch.storage == storage_of(c["storage"].value()));
-      // the chunk's archive inside its data file, read by ranges
-      const std::string file = testing::slurp(ckpt / ch.storage.relative_path);
-      REQUIRE(ch.storage.offset + ch.storage.length <= file.size());
-      const std::string_view archive = std::string_view(file).substr(ch.storage.offset, ch.storage.length);
-      const std::string what = ch.storage.relative_path + " [" + std::to_string(ch.storage.offset) + ", +" +
-                               std::to_string(ch.storage.length) + ")";
-      const std::uint64_t need = numel(ch.sizes) * item_size(item.type);
-      const auto z = locate_torch_zip(archive, what, need);
-      CHECK(archive.substr(z.storage.data_offset, z.storage.size) == raw);
-      REQUIRE(z.pickle);
-      const auto t = parse_torch_tensor_pickle(archive.substr(z.pickle->data_offset, z.pickle->size), what + " data.pkl");
-      CHECK_NOTHROW(check_torch_zip_tensor(t, z.storage, item.type, ch.sizes, what));
-      CHECK(t.type == item.type);
-      testing::expect_error([&] { check_torch_zip_tensor(t, z.storage, item.type == dtype::F32 ? dtype::I32 : dtype::F32, ch.sizes, what); },
-                            errc::invalid_metadata, {what, "data.pkl"});
-    }
-  }
-  CHECK(tensors == 13);
-  // a truncated .metadata of torch's own
-  const std::string whole = testing::slurp(ckpt / ".metadata");
-  testing::expect_error([&] { parse_dcp_metadata(std::string_view(whole).substr(0, whole.size() / 2), ".metadata"); },
-                        errc::invalid_metadata, {".metadata: pickle"});
+    CHECK(tensors == 13);
+    // a truncated .metadata of torch's own
+    const std::string whole = testing::slurp(ckpt / ".metadata");
+    testing::expect_error([&] { parse_dcp_metadata(std::string_view(whole).substr(0, whole.size() / 2), ".metadata"); },
+                          errc::invalid_metadata, {".metadata: pickle"});
   }
 }
 
-TEST_CASE("torch zip: data.pkl of a dense tensor in any order of its dimensions is read; a strided or offset view is refused") {
+TEST_CASE(
+    "torch zip: data.pkl of a dense tensor in any order of its dimensions is read; a strided or offset view is "
+    "refused") {
   torch_zip_tensor t{"0", dtype::F32, 6, 0, {2, 3}, {3, 1}};
   const torch_zip_record rec{"archive/data/0", 100, 24};
   CHECK(check_torch_zip_tensor(t, rec, dtype::F32, {2, 3}, "f").empty());
@@ -496,16 +539,19 @@ TEST_CASE("torch zip: data.pkl of a dense tensor in any order of its dimensions 
                         {"stride [6,2] is not dense"});
   t2 = t;
   t2.storage_offset = 2;
-  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata, {"storage offset 2"});
+  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata,
+                        {"storage offset 2"});
   t2 = t;
   t2.storage_key = "1";
-  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata, {"is not the record"});
+  testing::expect_error([&] { check_torch_zip_tensor(t2, rec, dtype::F32, {2, 3}, "f"); }, errc::invalid_metadata,
+                        {"is not the record"});
   // size-1 dimensions may carry any stride
   torch_zip_tensor t3{"0", dtype::F32, 6, 0, {2, 1, 3}, {3, 99, 1}};
   CHECK(check_torch_zip_tensor(t3, rec, dtype::F32, {2, 1, 3}, "f").empty());
   // a pickle naming something else
   const std::string evil = pickle(glob("posix", "system") + tup({pstr("ls")}) + "R");
-  testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata, {"'posix.system'", "torch.save tensor allowlist"});
+  testing::expect_error([&] { parse_torch_tensor_pickle(evil, "f data.pkl"); }, errc::invalid_metadata,
+                        {"'posix.system'", "torch.save tensor allowlist"});
   // plain opcodes cannot build what _rebuild_tensor_v3 would: the keys the policy gives a
   // tensor and a storage are no str a pickle can spell (not UTF-8), so a dict of the same shape
   // under readable names is a dict, not a tensor (torch would load it as a dict)
@@ -518,7 +564,8 @@ TEST_CASE("torch zip: data.pkl of a dense tensor in any order of its dimensions 
                           {"f data.pkl", "does not hold one tensor"});
   }
   const std::string unspellable = pickle(dict({{std::string("X\x07\x00\x00\x00\xfftensor", 12), dict({})}}));
-  testing::expect_error([&] { parse_torch_tensor_pickle(unspellable, "f data.pkl"); }, errc::invalid_metadata, {"f data.pkl", "not UTF-8"});
+  testing::expect_error([&] { parse_torch_tensor_pickle(unspellable, "f data.pkl"); }, errc::invalid_metadata,
+                        {"f data.pkl", "not UTF-8"});
 }
 
 TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS format) are read through their headers") {
@@ -540,7 +587,9 @@ TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS for
     checkpoint_reader<memory_directory> r(dir);
     CHECK(r.layout() == dcp_layout::info);
     std::string out(72, '\0');
-    const flat_view v{"w", dtype::F32, {8, 6}, shard_spec(block_spec({3, 6}, {5, 0})), reinterpret_cast<std::byte*>(out.data()), out.size()};
+    const flat_view v{
+        "w",       dtype::F32, {8, 6}, shard_spec(block_spec({3, 6}, {5, 0})), reinterpret_cast<std::byte*>(out.data()),
+        out.size()};
     r.load(std::span<const flat_view>(&v, 1));
     return out;
   };
@@ -550,8 +599,9 @@ TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS for
   fixtures::put(dir, p.path, file("[4, 0]", "[4,6]"));
   CHECK(load_rows_5_to_8(dir) == w.substr(24));
   fixtures::put(dir, p.path, file("[0, 0]", "[4,6]"));
-  testing::expect_error([&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
-                        {"__0_0.safetensors", "tensor 'w'", "DCP_SHARDING_INFO places the block at [0,0], .metadata at [4,0]"});
+  testing::expect_error(
+      [&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
+      {"__0_0.safetensors", "tensor 'w'", "DCP_SHARDING_INFO places the block at [0,0], .metadata at [4,0]"});
   fixtures::put(dir, p.path, file("[4, 0]", "[6,4]"));
   testing::expect_error([&] { load_rows_5_to_8(dir); }, errc::invalid_metadata,
                         {"__0_0.safetensors", "tensor 'w'", "file holds F32 [6,4], .metadata's chunk is F32 [4,6]"});

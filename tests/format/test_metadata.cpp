@@ -171,7 +171,9 @@ TEST_CASE("metadata: the compact form - grids detected from listed shards, writt
   // a flat split in chunks of 7 over ranks 4, 6, 8, 10 (the last piece short), and a 2 x 3
   // block grid with an empty last column piece, ranks 8 + 4 i + j
   tensor_metadata f{{4, 6}, dtype::BF16, true, {}, {}};
-  for (u64 i = 0; i < 4; ++i) f.files.emplace_back(rank_file_name(4 + 2 * i), flat_spec{{std::min<u64>(24, 7 * i), std::min<u64>(24, 7 * i + 7)}});
+  for (u64 i = 0; i < 4; ++i)
+    f.files.emplace_back(rank_file_name(4 + 2 * i),
+                         flat_spec{{std::min<u64>(24, 7 * i), std::min<u64>(24, 7 * i + 7)}});
   tensor_metadata b{{10, 5}, dtype::F32, true, {}, {}};
   for (u64 i = 0; i < 2; ++i)
     for (u64 j = 0; j < 3; ++j) {
@@ -188,7 +190,10 @@ TEST_CASE("metadata: the compact form - grids detected from listed shards, writt
     edit(t);
     return detect_grid(t).has_value();
   };
-  CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files[1].second = flat_spec{{7, 13}}; t.files[2].second = flat_spec{{13, 21}}; }));
+  CHECK_FALSE(changed(f, [](tensor_metadata& t) {
+    t.files[1].second = flat_spec{{7, 13}};
+    t.files[2].second = flat_spec{{13, 21}};
+  }));
   CHECK_FALSE(changed(f, [](tensor_metadata& t) { std::swap(t.files[1].first, t.files[2].first); }));
   CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files[0].first = "rank_04.safetensors"; }));
   CHECK_FALSE(changed(f, [](tensor_metadata& t) { t.files.resize(1); }));
@@ -202,9 +207,11 @@ TEST_CASE("metadata: the compact form - grids detected from listed shards, writt
   md.tensors.emplace_back("f", cf);
   md.tensors.emplace_back("b", cb);
   const std::string text = write_checkpoint_metadata(md);
-  CHECK(text == R"({"tensors": {"f": {"shape": [4, 6], "is_sharded": true, "dtype": "BF16", "shardsafe_grid": {"flat": true, )"
-                R"("chunks": [7], "parts": [4], "base": 4, "strides": [2]}}, "b": {"shape": [10, 5], "is_sharded": true, )"
-                R"("dtype": "F32", "shardsafe_grid": {"flat": false, "chunks": [5, 3], "parts": [2, 3], "base": 8, "strides": [4, 1]}}}})");
+  CHECK(
+      text ==
+      R"({"tensors": {"f": {"shape": [4, 6], "is_sharded": true, "dtype": "BF16", "shardsafe_grid": {"flat": true, )"
+      R"("chunks": [7], "parts": [4], "base": 4, "strides": [2]}}, "b": {"shape": [10, 5], "is_sharded": true, )"
+      R"("dtype": "F32", "shardsafe_grid": {"flat": false, "chunks": [5, 3], "parts": [2, 3], "base": 8, "strides": [4, 1]}}}})");
   const checkpoint_metadata back = parse_checkpoint_metadata(std::string(text), "m.json");
   REQUIRE(back.tensors.size() == 2);
   CHECK(back.tensors[0].second.grid == gf);
@@ -221,7 +228,8 @@ TEST_CASE("metadata: the compact form - grids detected from listed shards, writt
   };
   const tensor_metadata& qb = back.tensors[1].second;
   CHECK(names(qb.overlapping_files(block_spec({2, 2}, {4, 2}))) ==
-        std::vector<std::string>{"rank_8.safetensors", "rank_9.safetensors", "rank_12.safetensors", "rank_13.safetensors"});
+        std::vector<std::string>{"rank_8.safetensors", "rank_9.safetensors", "rank_12.safetensors",
+                                 "rank_13.safetensors"});
   CHECK(names(qb.overlapping_files(block_spec({1, 5}, {9, 0}))) ==
         std::vector<std::string>{"rank_12.safetensors", "rank_13.safetensors"});  // column piece 2 is empty
   CHECK(names(qb.overlapping_files(flat_spec{{26, 27}})) ==
@@ -272,7 +280,8 @@ std::string repeated_text(std::string_view s, std::size_t n) {
 TEST_CASE("metadata: nesting is accepted exactly as deep as simdjson's DOM parser accepts it") {
   // metadata.json is read On-Demand (no DOM); the DOM parser is the oracle for what is JSON
   for (std::size_t depth = 1020; depth <= 1028; ++depth) {
-    const std::string text = R"({"tensors": {}, "x": )" + std::string(depth - 1, '[') + std::string(depth - 1, ']') + "}";
+    const std::string text =
+        R"({"tensors": {}, "x": )" + std::string(depth - 1, '[') + std::string(depth - 1, ']') + "}";
     simdjson::dom::parser dom;
     simdjson::dom::element root;
     const bool dom_ok = !dom.parse(text).get(root);
@@ -298,124 +307,214 @@ TEST_CASE("metadata: malformed files give the right errc and name file, tensor a
   const std::string r0 = flat("rank_0.safetensors", "[[0, 6]]");
   const std::vector<bad> cases = {
       {"non-JSON", R"({"tensors": {"w": )", errc::invalid_json, {"not valid JSON"}},
-      {"nested 100,000 deep", R"({"tensors": {}, "x": )" + std::string(100000, '[') + std::string(100000, ']') + "}",
-       errc::invalid_json, {"not valid JSON", "too deep"}},
-      {"objects nested 100,000 deep", R"({"tensors": {}, "x": )" + repeated_text(R"({"a": )", 100000) + "1" + std::string(100000, '}') + "}",
-       errc::invalid_json, {"not valid JSON", "too deep"}},
+      {"nested 100,000 deep",
+       R"({"tensors": {}, "x": )" + std::string(100000, '[') + std::string(100000, ']') + "}",
+       errc::invalid_json,
+       {"not valid JSON", "too deep"}},
+      {"objects nested 100,000 deep",
+       R"({"tensors": {}, "x": )" + repeated_text(R"({"a": )", 100000) + "1" + std::string(100000, '}') + "}",
+       errc::invalid_json,
+       {"not valid JSON", "too deep"}},
       {"trailing content", R"({"tensors": {}} x)", errc::invalid_json, {"not valid JSON", "trailing"}},
       {"a second document", R"({"tensors": {}}{"tensors": {}})", errc::invalid_json, {"not valid JSON"}},
       {"a bad literal in an unknown key", R"({"tensors": {}, "x": [tru]})", errc::invalid_json, {"not valid JSON"}},
       {"a bad escape in an unknown key", R"({"tensors": {}, "x": "\q"})", errc::invalid_json, {"not valid JSON"}},
       {"non-UTF-8", "{\"tensors\": {\"w\xfe\": 1}}", errc::invalid_json, {"not valid UTF-8"}},
-      {"integer past 2^64", R"({"tensors": {"w": {"shape": [2, 36893488147419103232]}}})", errc::invalid_json,
+      {"integer past 2^64",
+       R"({"tensors": {"w": {"shape": [2, 36893488147419103232]}}})",
+       errc::invalid_json,
        {"not valid JSON", "36893488147419103232", "(tensors.w.shape[1])"}},
       {"not an object", "[1]", errc::invalid_metadata, {"not a JSON object"}},
       {"missing tensors", R"({"tensor": {}})", errc::invalid_metadata, {"missing \"tensors\""}},
       {"tensors not an object", R"({"tensors": []})", errc::invalid_metadata, {"\"tensors\" is not an object"}},
       {"entry not an object", R"({"tensors": {"w": 1}})", errc::invalid_metadata, {"tensor 'w'", "not an object"}},
-      {"missing shape", R"({"tensors": {"w": {"dtype": "F32", "shard_spec_per_file": {}}}})", errc::invalid_metadata,
+      {"missing shape",
+       R"({"tensors": {"w": {"dtype": "F32", "shard_spec_per_file": {}}}})",
+       errc::invalid_metadata,
        {"tensor 'w'", "missing \"shape\""}},
       {"negative shape", one_tensor(r0, "[-6]"), errc::invalid_metadata, {"tensor 'w'", "shape[0]", "negative"}},
-      {"shape overflow", one_tensor(r0, "[4294967296, 4294967296]"), errc::invalid_metadata,
+      {"shape overflow",
+       one_tensor(r0, "[4294967296, 4294967296]"),
+       errc::invalid_metadata,
        {"tensor 'w'", "more than 2^64 elements"}},
       {"bad dtype", one_tensor(r0, "[6]", "\"F33\""), errc::unknown_dtype, {"tensor 'w'", "unknown dtype 'F33'"}},
-      {"dtype not a string", one_tensor(r0, "[6]", "32"), errc::invalid_metadata, {"tensor 'w'", "dtype is not a string"}},
-      {"missing dtype", R"({"tensors": {"w": {"shape": [6], "shard_spec_per_file": {}}}})", errc::invalid_metadata,
+      {"dtype not a string",
+       one_tensor(r0, "[6]", "32"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "dtype is not a string"}},
+      {"missing dtype",
+       R"({"tensors": {"w": {"shape": [6], "shard_spec_per_file": {}}}})",
+       errc::invalid_metadata,
        {"tensor 'w'", "missing \"dtype\""}},
-      {"is_sharded not a boolean", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "is_sharded": 1, )"
-                                   R"("shard_spec_per_file": {}}}})",
-       errc::invalid_metadata, {"tensor 'w'", "is_sharded is not a boolean"}},
-      {"missing specs", R"({"tensors": {"w": {"shape": [6], "dtype": "F32"}}})", errc::invalid_metadata,
+      {"is_sharded not a boolean",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "is_sharded": 1, )"
+       R"("shard_spec_per_file": {}}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "is_sharded is not a boolean"}},
+      {"missing specs",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32"}}})",
+       errc::invalid_metadata,
        {"tensor 'w'", "missing \"shard_spec_per_file\""}},
-      {"specs not an object", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "shard_spec_per_file": []}}})",
-       errc::invalid_metadata, {"tensor 'w'", "shard_spec_per_file is not an object"}},
-      {"spec not an object", one_tensor(R"("rank_0.safetensors": [0, 6])"), errc::invalid_metadata,
+      {"specs not an object",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "shard_spec_per_file": []}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "shard_spec_per_file is not an object"}},
+      {"spec not an object",
+       one_tensor(R"("rank_0.safetensors": [0, 6])"),
+       errc::invalid_metadata,
        {"tensor 'w'", "file 'rank_0.safetensors'", "shard spec is not an object"}},
-      {"flat range out of bounds", one_tensor(flat("rank_0.safetensors", "[[0, 7]]")), errc::invalid_spec,
+      {"flat range out of bounds",
+       one_tensor(flat("rank_0.safetensors", "[[0, 7]]")),
+       errc::invalid_spec,
        {"tensor 'w'", "file 'rank_0.safetensors'", "flattened_offsets[0] [0, 7)", "out of bounds for shape [6]"}},
-      {"flat range reversed", one_tensor(flat("rank_1.safetensors", "[[0, 1], [5, 3]]")), errc::invalid_spec,
+      {"flat range reversed",
+       one_tensor(flat("rank_1.safetensors", "[[0, 1], [5, 3]]")),
+       errc::invalid_spec,
        {"tensor 'w'", "file 'rank_1.safetensors'", "flattened_offsets[1]", "ends before it begins"}},
-      {"flat ranges overlap", one_tensor(flat("rank_0.safetensors", "[[0, 4], [3, 5]]")), errc::invalid_spec,
+      {"flat ranges overlap",
+       one_tensor(flat("rank_0.safetensors", "[[0, 4], [3, 5]]")),
+       errc::invalid_spec,
        {"tensor 'w'", "overlaps"}},
-      {"flat range not a pair", one_tensor(flat("rank_0.safetensors", "[[0, 4, 5]]")), errc::invalid_metadata,
+      {"flat range not a pair",
+       one_tensor(flat("rank_0.safetensors", "[[0, 4, 5]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "flattened_offsets[0] is not a [start, end] pair"}},
-      {"flat offsets not a list", one_tensor(flat("rank_0.safetensors", "7")), errc::invalid_metadata,
+      {"flat offsets not a list",
+       one_tensor(flat("rank_0.safetensors", "7")),
+       errc::invalid_metadata,
        {"tensor 'w'", "flattened_offsets is not a list"}},
-      {"block out of bounds", one_tensor(R"("rank_3.safetensors": {"flattened_offsets": null, "local_shape": [8, 8], )"
-                                         R"("global_offset": [9, 0]})", "[16, 8]"),
-       errc::invalid_spec, {"tensor 'w'", "file 'rank_3.safetensors'", "passes the end of dimension 0 of shape [16,8]"}},
-      {"block 3-D out of bounds", one_tensor(R"("r.safetensors": {"local_shape": [1, 2, 3], "global_offset": [0, 0, 3]})",
-                                             "[2, 2, 5]"),
-       errc::invalid_spec, {"tensor 'w'", "dimension 2"}},
-      {"block wrong rank", one_tensor(R"("r.safetensors": {"local_shape": [8], "global_offset": [0]})", "[16, 8]"),
-       errc::invalid_spec, {"tensor 'w'", "file 'r.safetensors'", "2 dimensions"}},
-      {"both spec forms", one_tensor(R"("r.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": [6], )"
-                                     R"("global_offset": [0]})"),
-       errc::invalid_metadata, {"tensor 'w'", "file 'r.safetensors'", "both flattened_offsets and local_shape"}},
-      {"neither spec form", one_tensor(R"("r.safetensors": {"flattened_offsets": null, "local_shape": [6], )"
-                                       R"("global_offset": null})"),
-       errc::invalid_metadata, {"tensor 'w'", "file 'r.safetensors'", "neither"}},
-      {"file name with /", one_tensor(flat("sub/rank_0.safetensors", "[[0, 6]]")), errc::invalid_metadata,
+      {"block out of bounds",
+       one_tensor(R"("rank_3.safetensors": {"flattened_offsets": null, "local_shape": [8, 8], )"
+                  R"("global_offset": [9, 0]})",
+                  "[16, 8]"),
+       errc::invalid_spec,
+       {"tensor 'w'", "file 'rank_3.safetensors'", "passes the end of dimension 0 of shape [16,8]"}},
+      {"block 3-D out of bounds",
+       one_tensor(R"("r.safetensors": {"local_shape": [1, 2, 3], "global_offset": [0, 0, 3]})", "[2, 2, 5]"),
+       errc::invalid_spec,
+       {"tensor 'w'", "dimension 2"}},
+      {"block wrong rank",
+       one_tensor(R"("r.safetensors": {"local_shape": [8], "global_offset": [0]})", "[16, 8]"),
+       errc::invalid_spec,
+       {"tensor 'w'", "file 'r.safetensors'", "2 dimensions"}},
+      {"both spec forms",
+       one_tensor(R"("r.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": [6], )"
+                  R"("global_offset": [0]})"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "file 'r.safetensors'", "both flattened_offsets and local_shape"}},
+      {"neither spec form",
+       one_tensor(R"("r.safetensors": {"flattened_offsets": null, "local_shape": [6], )"
+                  R"("global_offset": null})"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "file 'r.safetensors'", "neither"}},
+      {"file name with /",
+       one_tensor(flat("sub/rank_0.safetensors", "[[0, 6]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "file 'sub/rank_0.safetensors'", "not a plain file name"}},
-      {"file name with ..", one_tensor(flat("..", "[[0, 6]]")), errc::invalid_metadata,
+      {"file name with ..",
+       one_tensor(flat("..", "[[0, 6]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "file '..'", "not a plain file name"}},
-      {"file name with ../", one_tensor(flat("../rank_0.safetensors", "[[0, 6]]")), errc::invalid_metadata,
+      {"file name with ../",
+       one_tensor(flat("../rank_0.safetensors", "[[0, 6]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "not a plain file name"}},
-      {"file name with \\", one_tensor(flat("a\\\\rank_0.safetensors", "[[0, 6]]")), errc::invalid_metadata,
+      {"file name with \\",
+       one_tensor(flat("a\\\\rank_0.safetensors", "[[0, 6]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "file 'a\\rank_0.safetensors'", "not a plain file name"}},
-      {"empty file name", one_tensor(flat("", "[[0, 6]]")), errc::invalid_metadata,
+      {"empty file name",
+       one_tensor(flat("", "[[0, 6]]")),
+       errc::invalid_metadata,
        {"tensor 'w'", "not a plain file name"}},
-      {"duplicate file", one_tensor(flat("r.safetensors", "[[0, 3]]") + ", " + flat("r.safetensors", "[[3, 6]]")),
-       errc::invalid_metadata, {"tensor 'w'", "file 'r.safetensors' is listed twice"}},
-      {"duplicate tensor", R"({"tensors": {"w": {"shape": [1], "dtype": "U8", "shard_spec_per_file": {}}, )"
-                           R"("w": {"shape": [1], "dtype": "U8", "shard_spec_per_file": {}}}})",
-       errc::invalid_metadata, {"tensor 'w' is listed twice"}},
-      {"legacy entry not a pair", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
-                                  R"("flattened_offsets_per_file": {"r.safetensors": [0, 1, 2]}}}})",
-       errc::invalid_metadata, {"tensor 'w'", "file 'r.safetensors'", "not [start, end]"}},
-      {"legacy range out of bounds", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
-                                     R"("flattened_offsets_per_file": {"r.safetensors": [[0, 3], [3, 9]]}}}})",
-       errc::invalid_spec, {"tensor 'w'", "file 'r.safetensors'", "out of bounds"}},
-      {"legacy not an object", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
-                               R"("flattened_offsets_per_file": [[0, 6]]}}})",
-       errc::invalid_metadata, {"tensor 'w'", "flattened_offsets_per_file is not an object"}},
+      {"duplicate file",
+       one_tensor(flat("r.safetensors", "[[0, 3]]") + ", " + flat("r.safetensors", "[[3, 6]]")),
+       errc::invalid_metadata,
+       {"tensor 'w'", "file 'r.safetensors' is listed twice"}},
+      {"duplicate tensor",
+       R"({"tensors": {"w": {"shape": [1], "dtype": "U8", "shard_spec_per_file": {}}, )"
+       R"("w": {"shape": [1], "dtype": "U8", "shard_spec_per_file": {}}}})",
+       errc::invalid_metadata,
+       {"tensor 'w' is listed twice"}},
+      {"legacy entry not a pair",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
+       R"("flattened_offsets_per_file": {"r.safetensors": [0, 1, 2]}}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "file 'r.safetensors'", "not [start, end]"}},
+      {"legacy range out of bounds",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
+       R"("flattened_offsets_per_file": {"r.safetensors": [[0, 3], [3, 9]]}}}})",
+       errc::invalid_spec,
+       {"tensor 'w'", "file 'r.safetensors'", "out of bounds"}},
+      {"legacy not an object",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", )"
+       R"("flattened_offsets_per_file": [[0, 6]]}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "flattened_offsets_per_file is not an object"}},
       // the compact form's grid (shard/shard_grid.hpp)
-      {"grid: two parts, one rank", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [0])"),
-       errc::invalid_metadata, {"tensor 'w'", "stride 0 gives two parts the same rank"}},
-      {"grid: strides that repeat a rank", grid_tensor("[4, 6]", R"("flat": false, "chunks": [2, 3], "parts": [2, 2], "base": 0, "strides": [1, 1])"),
-       errc::invalid_metadata, {"tensor 'w'", "gives two parts the same rank"}},
-      {"grid: pieces short of the tensor", grid_tensor("[6]", R"("flat": true, "chunks": [2], "parts": [2], "base": 0, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "do not cover its 6"}},
-      {"grid: 2^34 parts", grid_tensor("[6]", R"("flat": true, "chunks": [1], "parts": [17179869184], "base": 0, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "more than 1048576 parts"}},
-      {"grids: 2^26 parts together", [] {
+      {"grid: two parts, one rank",
+       grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [0])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "stride 0 gives two parts the same rank"}},
+      {"grid: strides that repeat a rank",
+       grid_tensor("[4, 6]", R"("flat": false, "chunks": [2, 3], "parts": [2, 2], "base": 0, "strides": [1, 1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "gives two parts the same rank"}},
+      {"grid: pieces short of the tensor",
+       grid_tensor("[6]", R"("flat": true, "chunks": [2], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "do not cover its 6"}},
+      {"grid: 2^34 parts",
+       grid_tensor("[6]", R"("flat": true, "chunks": [1], "parts": [17179869184], "base": 0, "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "more than 1048576 parts"}},
+      {"grids: 2^26 parts together",
+       [] {
          std::string t = R"({"tensors": {)";
          for (int i = 0; i < 65; ++i)
-           t += std::string(i ? ", " : "") + "\"w" + std::to_string(i) + R"(": {"shape": [1048576], "is_sharded": true, "dtype": "U8", )" +
+           t += std::string(i ? ", " : "") + "\"w" + std::to_string(i) +
+                R"(": {"shape": [1048576], "is_sharded": true, "dtype": "U8", )" +
                 R"("shardsafe_grid": {"flat": true, "chunks": [1], "parts": [1048576], "base": 0, "strides": [1]}})";
          return t + "}}";
        }(),
-       errc::invalid_metadata, {"tensor 'w64'", "more than 67108864 parts together"}},
-      {"grid: ranks past 2^31", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 2147483647, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "ranks past 2147483647"}},
-      {"grid: a stride overflowing", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [18446744073709551615])"),
-       errc::invalid_metadata, {"tensor 'w'", "ranks past"}},
-      {"grid: chunks of 0", grid_tensor("[6]", R"("flat": true, "chunks": [0], "parts": [2], "base": 0, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "chunks of 0 elements"}},
-      {"grid: dimensions miscounted", grid_tensor("[2, 3]", R"("flat": false, "chunks": [1], "parts": [2], "base": 0, "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "for 2 dimensions"}},
-      {"grid: missing base", grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "strides": [1])"),
-       errc::invalid_metadata, {"tensor 'w'", "missing \"base\""}},
-      {"grid: not sharded", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "shardsafe_grid": )"
-                            R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
-       errc::invalid_metadata, {"tensor 'w'", "not sharded"}},
-      {"grid and files both", R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "is_sharded": true, "shardsafe_grid": )"
-                              R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}, )"
-                              R"("shard_spec_per_file": {}}}})",
-       errc::invalid_metadata, {"tensor 'w'", "both shardsafe_grid and a list of files"}},
-      {"grid of a sub-byte dtype", R"({"tensors": {"w": {"shape": [6], "dtype": "F4", "is_sharded": true, "shardsafe_grid": )"
-                                   R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
-       errc::unsupported_dtype, {"tensor 'w'", "sub-byte dtype F4"}},
+       errc::invalid_metadata,
+       {"tensor 'w64'", "more than 67108864 parts together"}},
+      {"grid: ranks past 2^31",
+       grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 2147483647, "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "ranks past 2147483647"}},
+      {"grid: a stride overflowing",
+       grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [18446744073709551615])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "ranks past"}},
+      {"grid: chunks of 0",
+       grid_tensor("[6]", R"("flat": true, "chunks": [0], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "chunks of 0 elements"}},
+      {"grid: dimensions miscounted",
+       grid_tensor("[2, 3]", R"("flat": false, "chunks": [1], "parts": [2], "base": 0, "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "for 2 dimensions"}},
+      {"grid: missing base",
+       grid_tensor("[6]", R"("flat": true, "chunks": [3], "parts": [2], "strides": [1])"),
+       errc::invalid_metadata,
+       {"tensor 'w'", "missing \"base\""}},
+      {"grid: not sharded",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "shardsafe_grid": )"
+       R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "not sharded"}},
+      {"grid and files both",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F32", "is_sharded": true, "shardsafe_grid": )"
+       R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}, )"
+       R"("shard_spec_per_file": {}}}})",
+       errc::invalid_metadata,
+       {"tensor 'w'", "both shardsafe_grid and a list of files"}},
+      {"grid of a sub-byte dtype",
+       R"({"tensors": {"w": {"shape": [6], "dtype": "F4", "is_sharded": true, "shardsafe_grid": )"
+       R"({"flat": true, "chunks": [3], "parts": [2], "base": 0, "strides": [1]}}}})",
+       errc::unsupported_dtype,
+       {"tensor 'w'", "sub-byte dtype F4"}},
   };
   for (const auto& c : cases) {
     INFO(c.what);
@@ -441,7 +540,8 @@ TEST_CASE("hf_index: exact text, round trip, total_size and other metadata") {
   CHECK(back.total_size == std::optional<std::uint64_t>(123));
   CHECK(back.metadata == idx.metadata);
   CHECK(back.weight_map == idx.weight_map);
-  CHECK(back.files() == std::vector<std::string>{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
+  CHECK(back.files() ==
+        std::vector<std::string>{"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
 
   const hf_index loose = parse_hf_index(
       R"({"weight_map": {"x": "m.safetensors", "y": "m.safetensors", "z": "a.safetensors"}, "extra": 1})", "i");
@@ -456,9 +556,10 @@ TEST_CASE("hf_index: exact text, round trip, total_size and other metadata") {
   // values that are not counts are left unread, as transformers leaves them
   for (const char* v : {"1089.5", "-5", "\"10\"", "null", "[]"}) {
     INFO(v);
-    const hf_index odd = parse_hf_index(std::string(R"({"metadata": {"total_size": )") + v + R"(, "total_parameters": )" + v +
-                                            R"(}, "weight_map": {"w": "a.safetensors"}})",
-                                        "i");
+    const hf_index odd =
+        parse_hf_index(std::string(R"({"metadata": {"total_size": )") + v + R"(, "total_parameters": )" + v +
+                           R"(}, "weight_map": {"w": "a.safetensors"}})",
+                       "i");
     CHECK_FALSE(odd.total_size);
     CHECK_FALSE(odd.total_parameters);
     CHECK(odd.weight_map.size() == 1u);
@@ -472,7 +573,8 @@ TEST_CASE("hf_index: malformed indexes") {
     errc code = errc::invalid_metadata;
   };
   const std::vector<bad> cases = {
-      {R"({"weight_map": {"w": "sub/model.safetensors"}})", {"tensor 'w'", "'sub/model.safetensors'", "not a plain name"}},
+      {R"({"weight_map": {"w": "sub/model.safetensors"}})",
+       {"tensor 'w'", "'sub/model.safetensors'", "not a plain name"}},
       {R"({"weight_map": {"w": "/abs.safetensors"}})", {"tensor 'w'", "not a plain name"}},
       {R"({"weight_map": {"w": "a\\b.safetensors"}})", {"tensor 'w'", "'a\\b.safetensors'", "not a plain name"}},
       {R"({"weight_map": {"w": "..model.safetensors"}})", {"tensor 'w'", "not a plain name"}},

@@ -169,8 +169,9 @@ using testing::python_required;
 doctest::skip python_check() { return testing::python_check("python3", py_modules); }
 
 /// First statement of a Python cross-check: fails when python3 is required and missing.
-#define REQUIRE_PYTHON() \
-  REQUIRE_MESSAGE(have_python(), "SHARDSAFE_REQUIRE_PYTHON=1 but python3 with pickle, pickletools and json does not run")
+#define REQUIRE_PYTHON()         \
+  REQUIRE_MESSAGE(have_python(), \
+                  "SHARDSAFE_REQUIRE_PYTHON=1 but python3 with pickle, pickletools and json does not run")
 
 // canon() as above; shared by the scripts.
 const std::string py_canon = R"PY(
@@ -400,8 +401,7 @@ TEST_CASE("pickle: pickle_dumps writes protocol 2 opcodes as the pickle spec def
   }
   // 2001 and 1001 items: two full batches and a lone APPEND / one batch and a lone SETITEM
   std::vector<pv> items(2001, N());
-  CHECK(pickle_dumps(L(items)) ==
-        P("](" + std::string(1000, 'N') + "e(" + std::string(1000, 'N') + "eNa"));
+  CHECK(pickle_dumps(L(items)) == P("](" + std::string(1000, 'N') + "e(" + std::string(1000, 'N') + "eNa"));
   std::vector<std::pair<pv, pv>> entries;
   std::string body;
   for (int i = 0; i < 1001; ++i) {
@@ -446,8 +446,7 @@ TEST_CASE("pickle: reads opcodes Python's pickler writes that pickle_dumps does 
   CHECK(pickle_loads(P(B({'X', 1, 0, 0, 0, 'x', '2', 0x86})), what2) == T({S("x"), S("x")}));
   CHECK(pickle_loads(P(B({'N', 'K', 5, '0'})), what2) == N());
   // a shared list is read as two equal lists; appending after the second reference shows in both
-  CHECK(pickle_loads(P(B({']', 'q', 0, 'h', 0, 0x86, 'h', 0, 'K', 9, 'a', '0'})), what2) ==
-        T({L({I(9)}), L({I(9)})}));
+  CHECK(pickle_loads(P(B({']', 'q', 0, 'h', 0, 0x86, 'h', 0, 'K', 9, 'a', '0'})), what2) == T({L({I(9)}), L({I(9)})}));
   // no PROTO at all (protocol 1 style) is fine
   CHECK(pickle_loads(B({'K', 3, '.'}), what2) == I(3));
 }
@@ -467,25 +466,26 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
       std::string op_and_arg;
     };
     const std::vector<op_case> ops = {
-        {"", B({0x80, 2})},                                    // PROTO
-        {"", B({0x95, 1, 0, 0, 0, 0, 0, 0, 0})},               // FRAME
-        {"", B({'K', 1})},                                     // BININT1
-        {"", B({'M', 1, 2})},                                  // BININT2
-        {"", B({'J', 1, 2, 3, 4})},                            // BININT
-        {"", B({0x8a, 2, 1, 2})},                              // LONG1
-        {"", B({0x8b, 2, 0, 0, 0, 1, 2})},                     // LONG4
-        {"", B({'G', 0x3f, 0xf0, 0, 0, 0, 0, 0, 0})},          // BINFLOAT
-        {"", B({'X', 3, 0, 0, 0, 'a', 'b', 'c'})},             // BINUNICODE
-        {"", B({0x8c, 3, 'a', 'b', 'c'})},                     // SHORT_BINUNICODE
+        {"", B({0x80, 2})},                                      // PROTO
+        {"", B({0x95, 1, 0, 0, 0, 0, 0, 0, 0})},                 // FRAME
+        {"", B({'K', 1})},                                       // BININT1
+        {"", B({'M', 1, 2})},                                    // BININT2
+        {"", B({'J', 1, 2, 3, 4})},                              // BININT
+        {"", B({0x8a, 2, 1, 2})},                                // LONG1
+        {"", B({0x8b, 2, 0, 0, 0, 1, 2})},                       // LONG4
+        {"", B({'G', 0x3f, 0xf0, 0, 0, 0, 0, 0, 0})},            // BINFLOAT
+        {"", B({'X', 3, 0, 0, 0, 'a', 'b', 'c'})},               // BINUNICODE
+        {"", B({0x8c, 3, 'a', 'b', 'c'})},                       // SHORT_BINUNICODE
         {"", B({0x8d, 3, 0, 0, 0, 0, 0, 0, 0, 'a', 'b', 'c'})},  // BINUNICODE8
-        {"N", B({'q', 0})},                                    // BINPUT
-        {"N", B({'r', 0, 0, 0, 0})},                           // LONG_BINPUT
-        {B({'N', 'q', 0, '0'}), B({'h', 0})},                  // BINGET
-        {B({'N', 'q', 0, '0'}), B({'j', 0, 0, 0, 0})},         // LONG_BINGET
+        {"N", B({'q', 0})},                                      // BINPUT
+        {"N", B({'r', 0, 0, 0, 0})},                             // LONG_BINPUT
+        {B({'N', 'q', 0, '0'}), B({'h', 0})},                    // BINGET
+        {B({'N', 'q', 0, '0'}), B({'j', 0, 0, 0, 0})},           // LONG_BINGET
     };
     for (const auto& [before, full] : ops) {
       // the whole opcode reads
-      CHECK_NOTHROW(pickle_loads(B({0x80, 2}) + before + full + (full[0] == '\x80' || full[0] == '\x95' ? "N." : "."), what));
+      CHECK_NOTHROW(
+          pickle_loads(B({0x80, 2}) + before + full + (full[0] == '\x80' || full[0] == '\x95' ? "N." : "."), what));
       for (std::size_t cut = 1; cut < full.size(); ++cut) {
         INFO(hex(full) << " cut at " << cut);
         expect_refused(B({0x80, 2}) + before + full.substr(0, cut), {"is truncated", "bytes at byte"});
@@ -617,8 +617,11 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
     for (int i = 0; i < 2000; ++i) lots += B({'h', 0});
     lots += B({'e'});
     const std::string lots_pickle = P(lots);
-    const std::string bound = std::to_string((std::size_t(1) << 20) + lots_pickle.size() / 8);  // max_values + the input's strings
-    const auto strings = allocated_by([&] { expect_refused(lots_pickle, {"expands to more than " + bound + " values (strings count 1 per 8 bytes)"}); });
+    const std::string bound =
+        std::to_string((std::size_t(1) << 20) + lots_pickle.size() / 8);  // max_values + the input's strings
+    const auto strings = allocated_by([&] {
+      expect_refused(lots_pickle, {"expands to more than " + bound + " values (strings count 1 per 8 bytes)"});
+    });
     CHECK_MESSAGE(strings < 4 * one_mib, "allocated ", strings, " bytes");
     // one str of 9 MiB, read once: its bytes are the input's, never what the bound refuses
     const std::string big(9 * one_mib, 'b');
@@ -709,9 +712,9 @@ TEST_CASE("pickle_value: accessors and their errors") {
 
 TEST_CASE("pickle_value: one variant alternative per kind; copies never change each other") {
   using k = pv::kind;
-  const std::vector<std::pair<pv, k>> kinds = {{N(), k::none},       {Bo(true), k::boolean}, {I(-3), k::integer},
-                                               {F(2.5), k::real},    {S("s"), k::string},    {L({I(1)}), k::list},
-                                               {T({I(1)}), k::tuple}, {D({{S("a"), I(1)}}), k::dict}};
+  const std::vector<std::pair<pv, k>> kinds = {
+      {N(), k::none},      {Bo(true), k::boolean}, {I(-3), k::integer},   {F(2.5), k::real},
+      {S("s"), k::string}, {L({I(1)}), k::list},   {T({I(1)}), k::tuple}, {D({{S("a"), I(1)}}), k::dict}};
   for (const auto& [v, want] : kinds) {
     INFO(pv::kind_name(want));
     CHECK(v.type() == want);
@@ -888,9 +891,11 @@ TEST_CASE("pickle: pickle_loads reads what Python 3 writes with protocols 2 to 5
   temp_dir dir;
   auto cs = cases();
   // shared references: Python memoizes each object once and refers back to it
-  cs.push_back({D({{S("a"), L({I(1), I(2)})}, {S("b"), L({I(1), I(2)})}, {S("c"), T({L({I(1), I(2)}), L({I(1), I(2)})})}}),
-                "(lambda l: {'a': l, 'b': l, 'c': (l, l)})([1, 2])", ""});
-  cs.push_back({L({S("sharedshared"), S("sharedshared"), S("sharedshared")}), "(lambda s: [s, s, s])('shared' * 2)", ""});
+  cs.push_back(
+      {D({{S("a"), L({I(1), I(2)})}, {S("b"), L({I(1), I(2)})}, {S("c"), T({L({I(1), I(2)}), L({I(1), I(2)})})}}),
+       "(lambda l: {'a': l, 'b': l, 'c': (l, l)})([1, 2])", ""});
+  cs.push_back(
+      {L({S("sharedshared"), S("sharedshared"), S("sharedshared")}), "(lambda s: [s, s, s])('shared' * 2)", ""});
   cs.push_back({L({D({{S("k"), F(1.5)}}), D({{S("inner"), D({{S("k"), F(1.5)}})}})}),
                 "(lambda d: [d, {'inner': d}])({'k': 1.5})", ""});
   cs.push_back({T({T({I(1), I(2)}), T({I(1), I(2)})}), "(lambda t: (t, t))((1, 2))", ""});
@@ -938,7 +943,9 @@ for i, e in enumerate(exprs):
 )PY";
   const auto r = python(script, {dir.path.string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
-  auto file = [&](std::size_t i, int p) { return slurp(dir.path / ("py_" + std::to_string(i) + "_" + std::to_string(p) + ".pkl")); };
+  auto file = [&](std::size_t i, int p) {
+    return slurp(dir.path / ("py_" + std::to_string(i) + "_" + std::to_string(p) + ".pkl"));
+  };
   std::size_t loaded = 0, old_loaded = 0, old_refused = 0;
   for (std::size_t i = 0; i < cs.size(); ++i) {
     for (int p = 2; p <= 5; ++p) {
@@ -978,9 +985,8 @@ for i, e in enumerate(exprs):
       ++refusals;
     }
   }
-  MESSAGE("read " << loaded << " Python pickles (protocols 2-5) equal to the expected values; refused "
-                  << refusals << " as expected; protocols 0/1: " << old_loaded << " read, " << old_refused
-                  << " refused cleanly");
+  MESSAGE("read " << loaded << " Python pickles (protocols 2-5) equal to the expected values; refused " << refusals
+                  << " as expected; protocols 0/1: " << old_loaded << " read, " << old_refused << " refused cleanly");
 }
 
 // --- metadata.json and model.safetensors.index.json against json.dumps -------------------
@@ -1001,7 +1007,8 @@ for v in values:
   REQUIRE_MESSAGE(r.code == 0, r.err);
   auto unhex = [](std::string_view h) {
     std::string b;
-    for (std::size_t i = 0; i + 1 < h.size(); i += 2) b += static_cast<char>(std::stoi(std::string(h.substr(i, 2)), nullptr, 16));
+    for (std::size_t i = 0; i + 1 < h.size(); i += 2)
+      b += static_cast<char>(std::stoi(std::string(h.substr(i, 2)), nullptr, 16));
     return b;
   };
   std::size_t n = 0;
@@ -1015,8 +1022,10 @@ for v in values:
     for (std::size_t cap : {0, 2, 3, 5, 12}) {
       const std::string cut = pickle_repr(v, cap);
       CHECK(cut.size() <= cap);
-      if (want.size() <= cap) CHECK(cut == want);
-      else if (cap >= 3) CHECK(cut == want.substr(0, cap - 3) + "...");
+      if (want.size() <= cap)
+        CHECK(cut == want);
+      else if (cap >= 3)
+        CHECK(cut == want.substr(0, cap - 3) + "...");
     }
     ++n;
   }
@@ -1027,15 +1036,22 @@ TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python'
   REQUIRE_PYTHON();
   temp_dir dir;
   checkpoint_metadata md;
-  md.tensors.emplace_back("w\xc3\xa9ight", tensor_metadata{{4}, dtype::F32, false, {{"rank_0.safetensors", flat_spec{{0, 4}}}}, {}});
-  md.tensors.emplace_back("\xe5\xb1\x82.bias",
-                          tensor_metadata{{2, 3}, dtype::BF16, true,
-                                          {{"rank_0.safetensors", block_spec({1, 3}, {0, 0})},
-                                           {"rank_1.safetensors", block_spec({1, 3}, {1, 0})}},
-                                          {}});
-  md.tensors.emplace_back("emoji\xf0\x9f\x98\x80", tensor_metadata{{}, dtype::F64, false, {{"rank_0.safetensors", block_spec({}, {})}}, {}});
-  md.tensors.emplace_back("ctl\x7f\x01\t\"\\/", tensor_metadata{{1}, dtype::I64, false, {{"rank_0.safetensors", flat_spec{{0, 1}}}}, {}});
-  md.tensors.emplace_back("\xef\xbc\x81" "full\xc2\x80\xdf\xbf", tensor_metadata{{2}, dtype::U8, false, {{"rank_0.safetensors", flat_spec{{0, 2}}}}, {}});
+  md.tensors.emplace_back("w\xc3\xa9ight",
+                          tensor_metadata{{4}, dtype::F32, false, {{"rank_0.safetensors", flat_spec{{0, 4}}}}, {}});
+  md.tensors.emplace_back("\xe5\xb1\x82.bias", tensor_metadata{{2, 3},
+                                                               dtype::BF16,
+                                                               true,
+                                                               {{"rank_0.safetensors", block_spec({1, 3}, {0, 0})},
+                                                                {"rank_1.safetensors", block_spec({1, 3}, {1, 0})}},
+                                                               {}});
+  md.tensors.emplace_back("emoji\xf0\x9f\x98\x80",
+                          tensor_metadata{{}, dtype::F64, false, {{"rank_0.safetensors", block_spec({}, {})}}, {}});
+  md.tensors.emplace_back("ctl\x7f\x01\t\"\\/",
+                          tensor_metadata{{1}, dtype::I64, false, {{"rank_0.safetensors", flat_spec{{0, 1}}}}, {}});
+  md.tensors.emplace_back(
+      "\xef\xbc\x81"
+      "full\xc2\x80\xdf\xbf",
+      tensor_metadata{{2}, dtype::U8, false, {{"rank_0.safetensors", flat_spec{{0, 2}}}}, {}});
   md.extras.writer = "shardsafe 0.1.0 \xe2\x9c\x93";
   md.extras.world_size = 2;
   md.extras.file_sizes = {{"rank_0.safetensors", 123}, {"r\xc3\xa9.safetensors", 7}};
@@ -1046,7 +1062,9 @@ TEST_CASE("metadata and HF index: non-ASCII names are escaped exactly as Python'
   idx.weight_map = {{"w\xc3\xa9ight", "model-00001-of-00002.safetensors"},
                     {"\xe5\xb1\x82.bias", "model-00002-of-00002.safetensors"},
                     {"emoji\xf0\x9f\x98\x80", "model-00001-of-00002.safetensors"},
-                    {"\xef\xbc\x81" "full", "\xc3\xa9.safetensors"},
+                    {"\xef\xbc\x81"
+                     "full",
+                     "\xc3\xa9.safetensors"},
                     {"Zed", "model-00002-of-00002.safetensors"},
                     {"a", "model-00001-of-00002.safetensors"},
                     {"del\x7f", "model-00001-of-00002.safetensors"}};
@@ -1122,7 +1140,8 @@ const void* container_address(const pv& v) {
 
 }  // namespace
 
-TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain may expand to is bounded by its size") {
+TEST_CASE(
+    "pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain may expand to is bounded by its size") {
   // 12 doublings in a 1 KB input: 8191 values as a tree, 12 containers in memory
   const std::string kb = doubling_chain(12, 1000);
   CHECK(kb.size() >= 997);
@@ -1154,8 +1173,9 @@ TEST_CASE("pickle: shared references stay shared; what a DUP/MEMOIZE/TUPLE chain
   for (const int n : {19, 16}) {
     const std::string bytes = n == 19 ? doubling_chain(19) : doubling_chain(16, 1000);
     INFO(n << " doublings in " << bytes.size() << " bytes");
-    const auto refused = allocated_by(
-        [&] { expect_refused(bytes, {"expands to more than " + std::to_string(64 * bytes.size() + 4096) + " values"}); });
+    const auto refused = allocated_by([&] {
+      expect_refused(bytes, {"expands to more than " + std::to_string(64 * bytes.size() + 4096) + " values"});
+    });
     CHECK_MESSAGE(refused < one_mib, "allocated ", refused, " bytes");
   }
 }
@@ -1191,7 +1211,8 @@ while type(t) is tuple:
 assert d == 12 and t == 1, (d, t)
 )PY";
   const std::string body = B({0x8c, 3, 'a', 'b', 'c', 0x94, '.'});
-  const auto r = python(script, {hex(B({0x80, 4, 0x95, 9, 0, 0, 0, 0, 0, 0, 0}) + body),
-                                 hex(B({0x80, 4, 0x95, 7, 0, 0, 0, 0, 0, 0, 0}) + body), hex(doubling_chain(12, 1000))});
+  const auto r =
+      python(script, {hex(B({0x80, 4, 0x95, 9, 0, 0, 0, 0, 0, 0, 0}) + body),
+                      hex(B({0x80, 4, 0x95, 7, 0, 0, 0, 0, 0, 0, 0}) + body), hex(doubling_chain(12, 1000))});
   CHECK_MESSAGE(r.code == 0, r.err);
 }

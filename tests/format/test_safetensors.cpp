@@ -152,9 +152,10 @@ const jvalue& member(const jvalue& o, std::string_view k) {
 
 // The dtype table of docs/FORMAT.md §1, written out independently: name and bits per element.
 const std::pair<const char*, unsigned> format_dtypes[] = {
-    {"BOOL", 8}, {"U8", 8}, {"I8", 8}, {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"I16", 16}, {"U16", 16}, {"F16", 16},
-    {"BF16", 16}, {"I32", 32}, {"U32", 32}, {"F32", 32}, {"F64", 64}, {"I64", 64}, {"U64", 64}, {"F8_E8M0", 8},
-    {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"C64", 64}, {"F4", 4}, {"F6_E2M3", 6}, {"F6_E3M2", 6}};
+    {"BOOL", 8}, {"U8", 8},   {"I8", 8},      {"F8_E5M2", 8}, {"F8_E4M3", 8},     {"I16", 16},
+    {"U16", 16}, {"F16", 16}, {"BF16", 16},   {"I32", 32},    {"U32", 32},        {"F32", 32},
+    {"F64", 64}, {"I64", 64}, {"U64", 64},    {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8},
+    {"C64", 64}, {"F4", 4},   {"F6_E2M3", 6}, {"F6_E3M2", 6}};
 
 struct input_tensor {
   std::string name;
@@ -214,9 +215,8 @@ void check_bytes(const std::string& file, const std::vector<input_tensor>& in,
   std::vector<const input_tensor*> order;
   for (const auto& t : in) order.push_back(&t);
   auto align = [](const input_tensor* t) { return t->bits % 8 == 0 ? t->bits / 8 : 1u; };
-  std::sort(order.begin(), order.end(), [&](auto* a, auto* b) {
-    return align(a) != align(b) ? align(a) > align(b) : a->name < b->name;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](auto* a, auto* b) { return align(a) != align(b) ? align(a) > align(b) : a->name < b->name; });
   std::size_t k = 0;
   if (!md.empty()) {
     REQUIRE(root.members.size() > 0);
@@ -364,9 +364,8 @@ TEST_CASE("safetensors: exact bytes of small files") {
     std::vector<tensor_data> td{{"b", dtype::F16, {2}, as_span(b)}, {"a", dtype::U8, {3}, as_span(a)}};
     memory_writer w("f");
     write_safetensors(w, std::span<const tensor_data>(td), {{"k", "v"}});
-    std::string json =
-        R"({"__metadata__":{"k":"v"},"b":{"dtype":"F16","shape":[2],"data_offsets":[0,4]},)"
-        R"("a":{"dtype":"U8","shape":[3],"data_offsets":[4,7]}})";
+    std::string json = R"({"__metadata__":{"k":"v"},"b":{"dtype":"F16","shape":[2],"data_offsets":[0,4]},)"
+                       R"("a":{"dtype":"U8","shape":[3],"data_offsets":[4,7]}})";
     json.append((8 - json.size() % 8) % 8, ' ');
     CHECK(as_string(w.take()) == corpus::le64(json.size()) + json + b + a);
   }
@@ -386,7 +385,8 @@ TEST_CASE("safetensors: the writer refuses bad input and commits nothing") {
   };
   expect_error([&] { attempt({{"a", dtype::U8, {4}, as_span(four)}, {"a", dtype::U8, {4}, as_span(four)}}); },
                errc::invalid_argument, {"out.safetensors", "tensor 'a'", "twice"});
-  expect_error([&] { attempt({{"", dtype::U8, {4}, as_span(four)}}); }, errc::invalid_argument, {"not a valid tensor name"});
+  expect_error([&] { attempt({{"", dtype::U8, {4}, as_span(four)}}); }, errc::invalid_argument,
+               {"not a valid tensor name"});
   expect_error([&] { attempt({{"__metadata__", dtype::U8, {4}, as_span(four)}}); }, errc::invalid_argument,
                {"__metadata__"});
   expect_error([&] { attempt({{"bad\xff", dtype::U8, {4}, as_span(four)}}); }, errc::invalid_argument,
@@ -418,7 +418,9 @@ TEST_CASE("safetensors: streaming writer, parts out of order from several thread
   auto wb = std::as_bytes(std::span(w));
   std::vector<std::thread> threads;
   for (int t = 3; t >= 0; --t)  // four disjoint quarters, last first
-    threads.emplace_back([&, t] { sw.write_part(1, std::size_t(t) * wb.size() / 4, wb.subspan(std::size_t(t) * wb.size() / 4, wb.size() / 4)); });
+    threads.emplace_back([&, t] {
+      sw.write_part(1, std::size_t(t) * wb.size() / 4, wb.subspan(std::size_t(t) * wb.size() / 4, wb.size() / 4));
+    });
   for (auto& th : threads) th.join();
   sw.write("b", std::as_bytes(std::span(b)));
   sw.finish();
@@ -442,9 +444,9 @@ TEST_CASE("safetensors: streaming writer refuses overlapping parts and names the
     sw.write_part(0, 8, part(8));
     expect_error([&] { sw.write_part(0, 0, part(4)); }, errc::invalid_argument,
                  {"parts.safetensors", "tensor 't'", "bytes [0, 4) overlap bytes [0, 4) written before"});
-    expect_error([&] { sw.write_part(0, 6, part(3)); }, errc::invalid_argument,
-                 {"bytes [6, 9) overlap bytes [8, 16)"});
-    expect_error([&] { sw.finish(); }, errc::invalid_argument, {"tensor 't'", "12 of 16 bytes", "byte 4 first missing"});
+    expect_error([&] { sw.write_part(0, 6, part(3)); }, errc::invalid_argument, {"bytes [6, 9) overlap bytes [8, 16)"});
+    expect_error([&] { sw.finish(); }, errc::invalid_argument,
+                 {"tensor 't'", "12 of 16 bytes", "byte 4 first missing"});
     sw.write_part(0, 4, part(0));  // empty parts are no-ops anywhere in range
     sw.write_part(0, 4, part(4));  // fills the hole; [0, 16) is now one range
     expect_error([&] { sw.write_part(0, 15, part(1)); }, errc::invalid_argument, {"overlap bytes [0, 16)"});
@@ -534,7 +536,7 @@ TEST_CASE("render_safetensors_bytes: any window of the file, as the streaming wr
   std::vector<std::vector<std::byte>> bufs;
   std::vector<tensor_data> td;
   const std::vector<std::pair<dtype, shape_t>> defs = {
-      {dtype::F32, {3, 5}}, {dtype::BF16, {7}}, {dtype::U8, {0}}, {dtype::I64, {2, 2}}, {dtype::F32, {300'000}},
+      {dtype::F32, {3, 5}}, {dtype::BF16, {7}}, {dtype::U8, {0}},       {dtype::I64, {2, 2}},   {dtype::F32, {300'000}},
       {dtype::U8, {1}},     {dtype::F64, {}},   {dtype::I8, {2, 0, 3}}, {dtype::F16, {600'001}}};
   for (std::size_t i = 0; i < defs.size(); ++i) {
     const std::uint64_t n = numel(defs[i].second) * item_size(defs[i].first);
@@ -555,13 +557,14 @@ TEST_CASE("render_safetensors_bytes: any window of the file, as the streaming wr
   for (std::size_t i = 0; i < layout.tensors.size(); ++i)
     data[i] = bufs[std::stoul(layout.tensors[i].name.substr(1))].data();
 
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> windows = {{0, ref.size()}, {0, 1}, {0, 8}, {3, 100},
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> windows = {{0, ref.size()},     {0, 1},         {0, 8}, {3, 100},
                                                                   {ref.size() - 1, 1}, {ref.size(), 0}};
   for (int i = 0; i < 200; ++i) {
     const std::uint64_t off = rng() % ref.size();
     windows.emplace_back(off, rng() % (ref.size() - off + 1));
   }
-  for (std::uint64_t b = 0; b < ref.size(); b += 8192) windows.emplace_back(b, std::min<std::uint64_t>(8192, ref.size() - b));
+  for (std::uint64_t b = 0; b < ref.size(); b += 8192)
+    windows.emplace_back(b, std::min<std::uint64_t>(8192, ref.size() - b));
   for (const auto& [off, len] : windows) {
     std::vector<std::byte> out(len + 2, std::byte{0x5a});
     render_safetensors_bytes(layout, data, off, std::span(out).subspan(1, len));

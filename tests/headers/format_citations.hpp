@@ -32,8 +32,8 @@ inline std::set<int> format_sections(const std::string& markdown) {
 }
 
 /// One line per broken rule in TEXT (the contents of the file NAME), as "NAME:LINE: what".
-inline std::vector<std::string> citation_problems(const std::string& name, const std::string& text,
-                                                  bool markdown, const std::set<int>& sections) {
+inline std::vector<std::string> citation_problems(const std::string& name, const std::string& text, bool markdown,
+                                                  const std::set<int>& sections) {
   static const std::string doc = "FORMAT.md", dir = "docs/", sect = "\xC2\xA7";  // § in UTF-8
   std::vector<std::string> out;
   std::istringstream in(text);

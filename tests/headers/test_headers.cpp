@@ -63,10 +63,10 @@ TEST_CASE("the umbrella check finds each kind of mistake in a made-up tree") {
   scratch_tree t("src");
   t.write("shardsafe/shardsafe.hpp", "#include \"shardsafe/a/x.hpp\"\n  #  include <shardsafe/a/angle.hpp>\n");
   t.write("shardsafe/a/x.hpp", "#include \"shardsafe/a/w.hpp\"\n#include \"shardsafe/detail/d.hpp\"\n");
-  t.write("shardsafe/a/w.hpp", "");            // reached through x.hpp: fine
-  t.write("shardsafe/a/angle.hpp", "");        // reached through <...> with spaces: fine
-  t.write("shardsafe/detail/d.hpp", "");       // private: no umbrella needed
-  t.write("shardsafe/b/detail/e.hpp", "");     // private too
+  t.write("shardsafe/a/w.hpp", "");         // reached through x.hpp: fine
+  t.write("shardsafe/a/angle.hpp", "");     // reached through <...> with spaces: fine
+  t.write("shardsafe/detail/d.hpp", "");    // private: no umbrella needed
+  t.write("shardsafe/b/detail/e.hpp", "");  // private too
   t.write("shardsafe/torch/t.hpp", "");
   SUBCASE("a correct tree has no problems") {
     t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
@@ -109,7 +109,8 @@ TEST_CASE("the umbrella check finds each kind of mistake in a made-up tree") {
     t.write("shardsafe/compiled_remote.hpp", "#include \"shardsafe/storage/s3.hpp\"\n");
     t.write("shardsafe/a/w.hpp", "#include \"shardsafe/compiled_remote.hpp\"\n");  // an umbrella reaches it
     problems = check_umbrellas({t.root});
-    CHECK(has_line_with(problems, "shardsafe/compiled_remote.hpp", "the unit of separate compilation, reached from shardsafe/shardsafe.hpp"));
+    CHECK(has_line_with(problems, "shardsafe/compiled_remote.hpp",
+                        "the unit of separate compilation, reached from shardsafe/shardsafe.hpp"));
   }
   SUBCASE("a header named only in a comment is not reached") {
     t.write("shardsafe/torch.hpp", "#include \"shardsafe/shardsafe.hpp\"\n#include \"shardsafe/torch/t.hpp\"\n");
@@ -143,8 +144,9 @@ TEST_CASE("the umbrella check finds each kind of mistake in a made-up tree") {
     scratch_tree build("build");
     build.write("shardsafe/version.hpp", "");
     CHECK(has_line_with(check_umbrellas({t.root, build.root}), "shardsafe/version.hpp", "does not reach"));
-    t.write("shardsafe/shardsafe.hpp", "#include \"shardsafe/a/x.hpp\"\n#include <shardsafe/a/angle.hpp>\n"
-                                       "#include \"shardsafe/version.hpp\"\n");
+    t.write("shardsafe/shardsafe.hpp",
+            "#include \"shardsafe/a/x.hpp\"\n#include <shardsafe/a/angle.hpp>\n"
+            "#include \"shardsafe/version.hpp\"\n");
     CHECK(check_umbrellas({t.root, build.root}).empty());
     CHECK(has_line_with(check_umbrellas({t.root}), "includes shardsafe/version.hpp", "in no include folder"));
   }
@@ -164,7 +166,7 @@ TEST_CASE("every header in include/ was compiled on its own by this build") {
       if (!SHARDSAFE_HEADERS_WITH_TORCH) continue;  // LibTorch not found: its headers are not compiled
     }
     if (is_remote_header(h) && !SHARDSAFE_HEADERS_WITH_REMOTE) continue;  // Boost not found
-    if (is_compiled_unit_header(h)) continue;  // compiled as the shardsafe_compiled library
+    if (is_compiled_unit_header(h)) continue;                             // compiled as the shardsafe_compiled library
     INFO(h << " is not compiled on its own by this build; it was added after Meson configured it: "
               "run `meson setup --reconfigure` on the build folder");
     CHECK(compiled.contains(h));
@@ -202,16 +204,28 @@ TEST_CASE("the version has one source: the project version of meson.build") {
 TEST_CASE("format citations: a comment cites docs/FORMAT.md, by a section that exists") {
   const std::set<int> sections{1, 2, 3, 4};
   auto problems = [&](const std::string& text, bool md = false) { return citation_problems("f", text, md, sections); };
-  CHECK(format_sections("# t\n## 1. a\n## 2. b\n### 3. not a section\n## x. no\n## 12. c\n") == std::set<int>{1, 2, 12});
-  CHECK(problems("int a;  // docs/FORMAT.md \xC2\xA7" "2, optim/\n/// see docs/FORMAT.md\n").empty());
+  CHECK(format_sections("# t\n## 1. a\n## 2. b\n### 3. not a section\n## x. no\n## 12. c\n") ==
+        std::set<int>{1, 2, 12});
+  CHECK(problems("int a;  // docs/FORMAT.md \xC2\xA7"
+                 "2, optim/\n/// see docs/FORMAT.md\n")
+            .empty());
   CHECK(problems("TEST_CASE(\"FORMAT.md in a string is not a comment\") {}\n").empty());
-  CHECK(problems("See [`docs/FORMAT.md`](docs/FORMAT.md) \xC2\xA7" "2.\n", true).empty());
-  CHECK(has_line_with(problems("x\n// the contract (FORMAT.md \xC2\xA7" "1)\n"), "f:2:", "not docs/FORMAT.md"));
+  CHECK(problems("See [`docs/FORMAT.md`](docs/FORMAT.md) \xC2\xA7"
+                 "2.\n",
+                 true)
+            .empty());
+  CHECK(has_line_with(problems("x\n// the contract (FORMAT.md \xC2\xA7"
+                               "1)\n"),
+                      "f:2:", "not docs/FORMAT.md"));
   CHECK(has_line_with(problems("// ../shared/FORMAT.md\n"), "f:1:", "not docs/FORMAT.md"));
   CHECK(has_line_with(problems("The contract is in `FORMAT.md`.\n", true), "f:1:", "not docs/FORMAT.md"));
   CHECK(has_line_with(problems("// docs/FORMAT.md section 1\n"), "f:1:", "write \xC2\xA7N"));
-  CHECK(has_line_with(problems("// docs/FORMAT.md \xC2\xA7" "7\n"), "f:1:", "does not exist"));
-  CHECK(problems("// docs/FORMAT.md \xC2\xA7" "7 and FORMAT.md\n").size() == 2);
+  CHECK(has_line_with(problems("// docs/FORMAT.md \xC2\xA7"
+                               "7\n"),
+                      "f:1:", "does not exist"));
+  CHECK(problems("// docs/FORMAT.md \xC2\xA7"
+                 "7 and FORMAT.md\n")
+            .size() == 2);
 }
 
 TEST_CASE("format citations in the repository: include/, tools/, tests/, fuzz/, examples/, bench/, README.md") {

@@ -69,14 +69,10 @@ inline std::map<std::string, fs::path> find_headers(const std::vector<fs::path>&
 }
 
 /// Whether a header is public: no folder on its path is named detail.
-inline bool is_public(const std::string& include_path) {
-  return include_path.find("/detail/") == std::string::npos;
-}
+inline bool is_public(const std::string& include_path) { return include_path.find("/detail/") == std::string::npos; }
 
 /// Whether a header belongs to the LibTorch umbrella.
-inline bool is_torch_header(const std::string& include_path) {
-  return include_path.rfind("shardsafe/torch/", 0) == 0;
-}
+inline bool is_torch_header(const std::string& include_path) { return include_path.rfind("shardsafe/torch/", 0) == 0; }
 
 /// Whether a header needs Boost (Asio, Beast): under shardsafe/storage/, a file name starting
 /// with "http" or "s3" (detail/ included). tests/headers/meson.build applies the same rule.
@@ -96,7 +92,8 @@ inline bool is_compiled_unit_header(const std::string& include_path) {
 }
 /// What a unit of separate compilation must reach: what it compiles.
 inline std::vector<std::string> compiled_unit_reaches(const std::string& include_path) {
-  if (include_path == "shardsafe/compiled_remote.hpp") return {"shardsafe/storage/http.hpp", "shardsafe/storage/s3.hpp"};
+  if (include_path == "shardsafe/compiled_remote.hpp")
+    return {"shardsafe/storage/http.hpp", "shardsafe/storage/s3.hpp"};
   return {"shardsafe/shardsafe.hpp"};
 }
 
@@ -116,8 +113,10 @@ inline std::set<std::string> reach(const std::map<std::string, fs::path>& header
     const auto it = headers.find(h);
     if (it == headers.end()) continue;
     for (std::string& inc : shardsafe_includes(it->second)) {
-      if (!headers.contains(inc)) missing.insert(h + " includes " + inc + ", which is in no include folder");
-      else todo.push_back(std::move(inc));
+      if (!headers.contains(inc))
+        missing.insert(h + " includes " + inc + ", which is in no include folder");
+      else
+        todo.push_back(std::move(inc));
     }
   }
   return seen;
@@ -149,7 +148,8 @@ inline std::vector<std::string> check_umbrellas(const std::vector<fs::path>& roo
     if (is_launcher_header(h)) {
       for (const auto* u : {&core, &torch})
         if (u->contains(h))
-          problems.push_back(h + ": the process launcher, reached from " + (u == &core ? core_umbrella : torch_umbrella) +
+          problems.push_back(h + ": the process launcher, reached from " +
+                             (u == &core ? core_umbrella : torch_umbrella) +
                              "; it is not part of the library's API: include it on its own");
       continue;
     }
@@ -161,19 +161,20 @@ inline std::vector<std::string> check_umbrellas(const std::vector<fs::path>& roo
       std::set<std::string> unused;
       const std::set<std::string> reached = reach(headers, h, unused);
       for (const std::string& want : compiled_unit_reaches(h))
-        if (!reached.contains(want)) problems.push_back(h + ": the unit of separate compilation does not include " + want);
+        if (!reached.contains(want))
+          problems.push_back(h + ": the unit of separate compilation does not include " + want);
       continue;
     }
     if (!is_public(h) || h == core_umbrella || h == torch_umbrella) continue;
     if (!is_torch_header(h) && !core.contains(h))
-      problems.push_back(h + ": a torch-free public header that " + core_umbrella +
-                         " does not reach: add #include \"" + h + "\" to it");
+      problems.push_back(h + ": a torch-free public header that " + core_umbrella + " does not reach: add #include \"" +
+                         h + "\" to it");
     if (is_torch_header(h) && core.contains(h))
       problems.push_back(h + ": a LibTorch header reached from " + core_umbrella +
                          ", which must compile without LibTorch");
     if (is_torch_header(h) && !torch.contains(h))
-      problems.push_back(h + ": a LibTorch public header that " + torch_umbrella +
-                         " does not reach: add #include \"" + h + "\" to it");
+      problems.push_back(h + ": a LibTorch public header that " + torch_umbrella + " does not reach: add #include \"" +
+                         h + "\" to it");
   }
   return problems;
 }

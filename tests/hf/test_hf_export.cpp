@@ -45,7 +45,9 @@ namespace {
 // ---------------------------------------------------------------- a plain JSON + safetensors parser
 
 struct export_jvalue {
-  std::variant<std::nullptr_t, std::uint64_t, std::string, std::vector<export_jvalue>, std::map<std::string, export_jvalue>> v;
+  std::variant<std::nullptr_t, std::uint64_t, std::string, std::vector<export_jvalue>,
+               std::map<std::string, export_jvalue>>
+      v;
   const std::map<std::string, export_jvalue>& obj() const { return std::get<4>(v); }
   const std::vector<export_jvalue>& arr() const { return std::get<3>(v); }
   const std::string& str() const { return std::get<2>(v); }
@@ -299,7 +301,8 @@ std::vector<sample_tensor> sample_model(std::uint64_t seed) {
       {t("model.layers.0.attn.q.weight", "BF16", {16, 16}),
        {bl({16, 6}, {0, 0}), bl({16, 5}, {0, 6}), bl({16, 5}, {0, 11})}},
       {t("model.layers.0.attn.q.bias", "F16", {16}), {fl({{0, 5}}), fl({{5, 10}}), fl({{10, 16}})}},
-      {t("model.layers.0.mlp.up.weight", "F32", {32, 16}), {fl({{0, 100}, {300, 350}}), fl({{100, 300}}), fl({{350, 512}})}},
+      {t("model.layers.0.mlp.up.weight", "F32", {32, 16}),
+       {fl({{0, 100}, {300, 350}}), fl({{100, 300}}), fl({{350, 512}})}},
       {t("model.norm.weight", "F32", {16}), {rep, rep, rep}},
       {t("model.ids", "I32", {5, 3}), {bl({2, 3}, {0, 0}), bl({2, 3}, {2, 0}), bl({1, 3}, {4, 0})}},
       {t("model.mask", "BOOL", {7}), {fl({{0, 3}}), none, fl({{3, 7}})}},
@@ -325,8 +328,8 @@ std::vector<flat_view> views_of(const std::vector<sample_tensor>& s, int r, std:
     const holding& h = x.ranks[static_cast<std::size_t>(r)];
     if (!h.holds) continue;
     mem.push_back(local_bytes(x.t, h.spec));
-    v.push_back({x.t.name, dtype_from_name(x.t.dtype, ""), x.t.shape, h.spec, reinterpret_cast<std::byte*>(mem.back().data()),
-                 mem.back().size()});
+    v.push_back({x.t.name, dtype_from_name(x.t.dtype, ""), x.t.shape, h.spec,
+                 reinterpret_cast<std::byte*>(mem.back().data()), mem.back().size()});
   }
   return v;
 }
@@ -345,10 +348,9 @@ void save_sample(const std::vector<sample_tensor>& s, const fs::path& dir) {
 
 /// The expected HF folder: file name -> (tensor name -> tensor), by the packing rule of
 /// docs/FORMAT.md §3 computed here; `renames` maps old -> new names (absent: kept; "": dropped).
-std::map<std::string, std::map<std::string, full_tensor>> expected_folder(std::vector<full_tensor> ts,
-                                                                          std::uint64_t max_size,
-                                                                          const std::string& to_dtype,
-                                                                          const std::map<std::string, std::string>& renames = {}) {
+std::map<std::string, std::map<std::string, full_tensor>> expected_folder(
+    std::vector<full_tensor> ts, std::uint64_t max_size, const std::string& to_dtype,
+    const std::map<std::string, std::string>& renames = {}) {
   std::vector<full_tensor> out;
   for (auto t : ts) {
     if (auto it = renames.find(t.name); it != renames.end()) t.name = it->second;
@@ -435,7 +437,8 @@ std::optional<std::string> python_index(const std::vector<std::tuple<std::string
       "  if blocks[-1] and cur+b>mx: blocks.append([]); cur=0\n"
       "  blocks[-1].append((n,b)); cur+=b\n"
       "wm={n:'model-%05d-of-%05d.safetensors'%(i+1,len(blocks)) for i,bl in enumerate(blocks) for n,b in bl}\n"
-      "sys.stdout.write(json.dumps({'metadata':{'total_parameters':params,'total_size':sum(b for n,b in ts)},'weight_map':wm},"
+      "sys.stdout.write(json.dumps({'metadata':{'total_parameters':params,'total_size':sum(b for n,b in "
+      "ts)},'weight_map':wm},"
       "indent=2,sort_keys=True)+'\\n')\n";
   return testing::run_python("python3", script, input);  // (with SHARDSAFE_REQUIRE_PYTHON=1, never skipped)
 }
@@ -506,7 +509,8 @@ TEST_CASE("hf export: NaN, infinities, signed zeros and subnormals convert as IE
   const std::vector<std::uint32_t> f32{0x7fc00001u, 0xff800000u, 0x7f800000u, 0x80000000u, 0x00000001u,
                                        0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xffa00000u, 0x3f800001u};
   const full_tensor t{"x", "F32", {10}, export_bytes_of(f32)};
-  fixtures::put(file_directory(tmp.path / "hf"), "model.safetensors", fixtures::build_file({{t.name, t.dtype, t.shape, t.bytes}}));
+  fixtures::put(file_directory(tmp.path / "hf"), "model.safetensors",
+                fixtures::build_file({{t.name, t.dtype, t.shape, t.bytes}}));
   hf_export_options opt;
   opt.convert_to = dtype::BF16;
   export_hf(file_directory(tmp.path / "hf"), file_directory(tmp.path / "out"), opt);
@@ -514,7 +518,8 @@ TEST_CASE("hf export: NaN, infinities, signed zeros and subnormals convert as IE
   const auto got = as<std::uint16_t>(p.tensors.at("x").bytes);
   // quiet NaN with payload top bits, -inf, inf, -0, a subnormal to 0, ties to even both ways,
   // the largest F32 to inf, a signalling NaN made quiet, 1 + ulp rounds to 1
-  CHECK(got == std::vector<std::uint16_t>{0x7fc0, 0xff80, 0x7f80, 0x8000, 0x0000, 0x3f80, 0x3f82, 0x7f80, 0xffe0, 0x3f80});
+  CHECK(got ==
+        std::vector<std::uint16_t>{0x7fc0, 0xff80, 0x7f80, 0x8000, 0x0000, 0x3f80, 0x3f82, 0x7f80, 0xffe0, 0x3f80});
   for (std::size_t i = 0; i < f32.size(); ++i) CHECK(got[i] == f32_to_bf16(f32[i]));
 }
 
@@ -531,9 +536,12 @@ TEST_CASE("hf export: rename rules rename, drop and refuse collisions; model-onl
   std::map<std::string, std::string> ren;
   for (const auto& t : ts) {
     std::string n = t.name;
-    if (n == "step") n = "";
-    else if (n.rfind("model.layers.0.", 0) == 0) n = "model.h.0." + n.substr(15);
-    else if (n.rfind("model.", 0) == 0) n = "transformer." + n.substr(6);
+    if (n == "step")
+      n = "";
+    else if (n.rfind("model.layers.0.", 0) == 0)
+      n = "model.h.0." + n.substr(15);
+    else if (n.rfind("model.", 0) == 0)
+      n = "transformer." + n.substr(6);
     ren[t.name] = n;
   }
   check_folder(tmp.path / "renamed", expected_folder(ts, 2000, "", ren));
@@ -607,13 +615,15 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
       opt.convert_to = dtype::F32;
       opt.threads = 1;
     }
-    const fs::path single = tmp.path / ("single" + std::to_string(variant)), dist = tmp.path / ("dist" + std::to_string(variant));
+    const fs::path single = tmp.path / ("single" + std::to_string(variant)),
+                   dist = tmp.path / ("dist" + std::to_string(variant));
     export_hf(file_directory(tmp.path / "ckpt"), file_directory(single), opt);
     std::vector<hf_export_stats> stats(3);
     auto thrown = testing::run_ranks(3, [&](testing::thread_comm& comm) {
       std::vector<std::string> mem;
       const auto v = views_of(sample, comm.rank(), mem);
-      stats[static_cast<std::size_t>(comm.rank())] = export_hf_from_views(dist, std::span<const flat_view>(v), comm, opt);
+      stats[static_cast<std::size_t>(comm.rank())] =
+          export_hf_from_views(dist, std::span<const flat_view>(v), comm, opt);
     });
     for (auto& e : thrown) REQUIRE(!e);
     std::vector<std::string> a, b;
@@ -657,13 +667,16 @@ namespace {
 std::string export_dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& blocks) {
   std::string info = "{", json = "{", data;
   for (const auto& [t, off] : blocks) {
-    info += std::string(info.size() > 1 ? "," : "") + "\"" + t.name + "\":{\"saved_offsets\":" + fixtures::shape_text(off, ",") + "}";
+    info += std::string(info.size() > 1 ? "," : "") + "\"" + t.name +
+            "\":{\"saved_offsets\":" + fixtures::shape_text(off, ",") + "}";
   }
   info += "}";
-  json += "\"__metadata__\":{\"DCP_SHARDING_INFO\":" + testing::json_quoted(info) + ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}";
+  json += "\"__metadata__\":{\"DCP_SHARDING_INFO\":" + testing::json_quoted(info) +
+          ",\"DCP_VERSION\":\"1.0\",\"format\":\"pt\"}";
   for (const auto& [t, off] : blocks) {
-    json += "," + corpus::entry(t.name, t.dtype, fixtures::shape_text(t.shape, ","),
-                                "[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]");
+    json += "," +
+            corpus::entry(t.name, t.dtype, fixtures::shape_text(t.shape, ","),
+                          "[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]");
     data += t.bytes;
   }
   json += "}";
@@ -673,7 +686,8 @@ std::string export_dcp_file(const std::vector<std::pair<full_tensor, shape_t>>& 
 /// A DCP-sharded folder on 3 ranks of one tensor per dtype given, each split in row blocks
 /// [0,2) [2,3) [3,5) of a [5, 3] tensor (the middle rank holding a 1-row block); returns the
 /// full tensors.
-std::vector<full_tensor> write_dcp_folder(const fs::path& dir, const std::vector<std::string>& dtypes, std::uint64_t seed) {
+std::vector<full_tensor> write_dcp_folder(const fs::path& dir, const std::vector<std::string>& dtypes,
+                                          std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<full_tensor> full;
   std::vector<std::vector<std::pair<full_tensor, shape_t>>> ranks(3);
@@ -684,8 +698,10 @@ std::vector<full_tensor> write_dcp_folder(const fs::path& dir, const std::vector
       for (auto& c : t.bytes) c = static_cast<char>(c & 1);
     const std::size_t row = 3 * item_size(dtype_from_name(d, ""));
     for (int r = 0; r < 3; ++r)
-      ranks[r].push_back({full_tensor{t.name, d, {rows[r + 1] - rows[r], 3}, t.bytes.substr(rows[r] * row, (rows[r + 1] - rows[r]) * row)},
-                          shape_t{rows[r], 0}});
+      ranks[r].push_back(
+          {full_tensor{
+               t.name, d, {rows[r + 1] - rows[r], 3}, t.bytes.substr(rows[r] * row, (rows[r + 1] - rows[r]) * row)},
+           shape_t{rows[r], 0}});
     full.push_back(std::move(t));
   }
   for (int r = 0; r < 3; ++r)
@@ -724,7 +740,8 @@ TEST_CASE("hf export: torch's DCP-sharded HF files of every byte-sized dtype con
   for (auto t : full) {
     if (t.dtype == "F64") {  // rounded once: to F32 rounding to odd, then to BF16 (exact then)
       std::vector<std::uint16_t> o;
-      for (double x : as<double>(t.bytes)) o.push_back(f32_to_bf16(std::bit_cast<std::uint32_t>(to_f32_round_to_odd(x))));
+      for (double x : as<double>(t.bytes))
+        o.push_back(f32_to_bf16(std::bit_cast<std::uint32_t>(to_f32_round_to_odd(x))));
       t = {t.name, "BF16", t.shape, export_bytes_of(o)};
     }
     conv.push_back(t);
@@ -791,25 +808,28 @@ std::string digest_of(std::vector<full_tensor> ts) {
   std::sort(ts.begin(), ts.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   std::string out;
   for (const auto& t : ts)
-    out += t.name + " " + t.dtype + " " + fixtures::shape_text(t.shape, ",") + " " + testing::sha256_hex(t.bytes) + "\n";
+    out +=
+        t.name + " " + t.dtype + " " + fixtures::shape_text(t.shape, ",") + " " + testing::sha256_hex(t.bytes) + "\n";
   return out;
 }
 
 }  // namespace
 
-TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with sizes, dtypes and renames" * export_skip_without_tool) {
+TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with sizes, dtypes and renames" *
+          export_skip_without_tool) {
   temp_dir tmp("hftool");
   const auto sample = sample_model(12);
   save_sample(sample, tmp.path / "ckpt");
   const auto ts = fulls(sample);
   const fs::path out = tmp.path / "out";
-  const auto r = testing::run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB", "--dtype", "bf16",
-                           "--rename", "^model\\.=m.", "--rename=^step$=", "--model-only"});
+  const auto r = testing::run_tool({"to-hf", (tmp.path / "ckpt").string(), out.string(), "--max-shard-size", "1KB",
+                                    "--dtype", "bf16", "--rename", "^model\\.=m.", "--rename=^step$=", "--model-only"});
   CHECK(r.code == 0);
   CHECK(r.err.empty());  // no progress line off a terminal
   CHECK(r.out.find("wrote " + out.string()) != std::string::npos);
   std::map<std::string, std::string> ren;
-  for (const auto& t : ts) ren[t.name] = t.name == "step" ? "" : t.name.rfind("model.", 0) == 0 ? "m." + t.name.substr(6) : t.name;
+  for (const auto& t : ts)
+    ren[t.name] = t.name == "step" ? "" : t.name.rfind("model.", 0) == 0 ? "m." + t.name.substr(6) : t.name;
   const auto want = expected_folder(ts, 1000, "BF16", ren);
   REQUIRE(want.size() > 2);
   check_folder(out, want);
@@ -824,24 +844,35 @@ TEST_CASE("tool: to-hf exports a sharded checkpoint that verify accepts, with si
   const fs::path one = tmp.path / "one.safetensors";
   const full_tensor a{"model._orig_mod.layers.0._checkpoint_wrapped_module.w", "F32", {3}, std::string(12, '\x01')};
   const full_tensor b{"my_orig_mod.x", "I64", {2}, std::string(16, '\x02')};
-  testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
+  testing::write_file(one,
+                      fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes}}));
   // --preset dcp-to-hf: wrappers removed, then model.X -> X (the key is neither model.model.* nor
   // model.lm_head.weight); a non-model key dropped; one warning line each
-  const auto p = testing::run_tool({"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
+  const auto p = testing::run_tool(
+      {"to-hf", one.string(), (tmp.path / "one").string(), "--preset", "dcp-to-hf", "--max-shard-size", "1KiB"});
   CHECK(p.code == 0);
-  CHECK(p.err == "shardsafe: warning: 1 name(s) a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': "
-                 "its 'model.' prefix removed: " + a.name + " -> layers.0.w\n"
-                 "shardsafe: warning: 1 name(s) not a 'model.' key (optimizer or extra state): dropped: my_orig_mod.x\n");
+  CHECK(p.err ==
+        "shardsafe: warning: 1 name(s) a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': "
+        "its 'model.' prefix removed: " +
+            a.name +
+            " -> layers.0.w\n"
+            "shardsafe: warning: 1 name(s) not a 'model.' key (optimizer or extra state): dropped: my_orig_mod.x\n");
   check_folder(tmp.path / "one", expected_folder({a, b}, 1024, "", {{a.name, "layers.0.w"}, {b.name, ""}}));
   // a --rename rule that matches decides the name; the preset's rules see the others
   const full_tensor c{"model.model._orig_mod.layers.1.w", "F32", {3}, std::string(12, '\x03')};
   const full_tensor d{"model.lm_head.weight", "BF16", {2}, std::string(4, '\x04')};
-  testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes}, {b.name, b.dtype, b.shape, b.bytes},
-                                                 {c.name, c.dtype, c.shape, c.bytes}, {d.name, d.dtype, d.shape, d.bytes}}));
-  CHECK(testing::run_tool({"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"}).code == 0);
+  testing::write_file(one, fixtures::build_file({{a.name, a.dtype, a.shape, a.bytes},
+                                                 {b.name, b.dtype, b.shape, b.bytes},
+                                                 {c.name, c.dtype, c.shape, c.bytes},
+                                                 {d.name, d.dtype, d.shape, d.bytes}}));
+  CHECK(testing::run_tool(
+            {"to-hf", one.string(), (tmp.path / "two").string(), "--preset", "dcp-to-hf", "--rename", "^my_=kept_"})
+            .code == 0);
   check_folder(tmp.path / "two", expected_folder({a, b, c, d}, hf_default_max_shard_size, "",
-                                                 {{a.name, "layers.0.w"}, {b.name, "kept_orig_mod.x"},
-                                                  {c.name, "model.layers.1.w"}, {d.name, "lm_head.weight"}}));
+                                                 {{a.name, "layers.0.w"},
+                                                  {b.name, "kept_orig_mod.x"},
+                                                  {c.name, "model.layers.1.w"},
+                                                  {d.name, "lm_head.weight"}}));
 }
 
 TEST_CASE("tool: torch's DCP-sharded HF files: to-hf, digest, inspect, verify and unshard" * export_skip_without_tool) {
@@ -882,7 +913,8 @@ TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line"
   save_sample(sample, tmp.path / "ckpt");
   const std::string src = (tmp.path / "ckpt").string(), out = (tmp.path / "out").string();
   check_exit(testing::run_tool({"to-hf", src}), 2, {"OUTDIR"});
-  check_exit(testing::run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2, {"--max-shard-size", "size '5 GB'"});
+  check_exit(testing::run_tool({"to-hf", src, out, "--max-shard-size", "5 GB"}), 2,
+             {"--max-shard-size", "size '5 GB'"});
   check_exit(testing::run_tool({"to-hf", src, out, "--max-shard-size", "12TB"}), 2, {"unknown unit 'TB'"});
   check_exit(testing::run_tool({"to-hf", src, out, "--dtype", "int8"}), 2, {"--dtype", "int8"});
   check_exit(testing::run_tool({"to-hf", src, out, "--rename", "(=x"}), 2, {"rename rule '(=x'", "bad regex"});
@@ -892,7 +924,8 @@ TEST_CASE("tool: to-hf usage errors exit 2, failures exit 1, each with one line"
   check_exit(testing::run_tool({"to-hf", src, out, "--rename", "^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"}), 1,
              {"'model.layers.0.attn.q.bias'", "'model.layers.0.attn.q.weight'", "both renamed to 'q'"});
   fixtures::put(file_directory(tmp.path / "busy"), "keep", "me");
-  check_exit(testing::run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1, {(tmp.path / "busy").string(), "not empty"});
+  check_exit(testing::run_tool({"to-hf", src, (tmp.path / "busy").string()}), 1,
+             {(tmp.path / "busy").string(), "not empty"});
   CHECK(testing::slurp(tmp.path / "busy" / "keep") == "me");
   check_exit(testing::run_tool({"to-hf", (tmp.path / "absent").string(), out}), 1, {"absent"});
   const auto h = testing::run_tool({"to-hf", "--help"});

@@ -51,7 +51,7 @@ std::string make_bytes(std::uint64_t seed, std::uint64_t n, const std::string& d
       out.append(reinterpret_cast<const char*>(&b), 2);
     } else {
       if (finite) b = (b & 0x807FFFFF) | 0x3F000000;
-      if (finite && i % 5 == 1) b = (b & 0xFFFE0000) | 0x8000;  // tie, even: rounds down
+      if (finite && i % 5 == 1) b = (b & 0xFFFE0000) | 0x8000;   // tie, even: rounds down
       if (finite && i % 5 == 3) b = (b & 0xFFFE0000) | 0x18000;  // tie, odd: rounds up
       std::uint32_t v = static_cast<std::uint32_t>(b);
       out.append(reinterpret_cast<const char*>(&v), 4);
@@ -84,7 +84,8 @@ void write_folder(const D& dir, const std::vector<tensor>& ts) {
   for (const auto& t : ts) {
     const bool first = t.name < "model.layers.0.n";
     (first ? a : b).push_back(t);
-    map += std::string(map.empty() ? "" : ", ") + "\"" + t.name + "\": \"" + (first ? fixtures::file1 : fixtures::file2) + "\"";
+    map += std::string(map.empty() ? "" : ", ") + "\"" + t.name + "\": \"" +
+           (first ? fixtures::file1 : fixtures::file2) + "\"";
     total += t.bytes.size();
   }
   fixtures::put(dir, fixtures::file1, fixtures::build_file(a));
@@ -184,7 +185,7 @@ std::vector<model_tensor> model_tensors() {
       {"layers.0.q_proj.lora_A.weight", "", dtype::F32, {2, 6}, cut::whole},
       {"layers.0.o_proj.weight", "model.layers.0.o_proj.weight", dtype::F32, {6, 8}, cut::cols},
       {"layers.0.norm.weight", "model.layers.0.norm.weight", dtype::F32, {7}, cut::flat},
-      {"layers.0.mlp.bf16", "model.layers.0.mlp.bf16", dtype::F32, {5, 4}, cut::rows},   // BF16 file
+      {"layers.0.mlp.bf16", "model.layers.0.mlp.bf16", dtype::F32, {5, 4}, cut::rows},  // BF16 file
       {"layers.0.mlp.f32", "model.layers.0.mlp.f32", dtype::BF16, {4, 5}, cut::cols},   // F32 file
   };
 }
@@ -370,20 +371,25 @@ TEST_CASE("hf import: strict mode, LoRA adapter exemption, and errors every rank
     for (auto& t : run(3, o)) CHECK_FALSE(t);
     // without base-layer mapping q_proj's base layer is missing too: an error on every rank
     o.lora_base_layer = false;
-    same_error(run(3, o), errc::not_found, "1 model tensor(s) fed by no tensor of the checkpoint (LoRA adapter weights excepted): layers.0.q_proj.base_layer.weight");
+    same_error(run(3, o), errc::not_found,
+               "1 model tensor(s) fed by no tensor of the checkpoint (LoRA adapter weights excepted): "
+               "layers.0.q_proj.base_layer.weight");
     o.lora_base_layer = true;
     // one rank's view has the wrong shape: every rank throws rank 1's error
-    same_error(run(3, o, [](int r, rank_model& m) {
-                 if (r == 1) m.views[5].full_shape = {8};
-               }),
+    same_error(run(3, o,
+                   [](int r, rank_model& m) {
+                     if (r == 1) m.views[5].full_shape = {8};
+                   }),
                errc::shape_mismatch, "rank 1: ");
     // a dtype that does not convert
-    same_error(run(2, o, [](int r, rank_model& m) {
-                 if (r == 0) {
-                   m.views[5].type = dtype::I32;
-                 }
-               }),
-               errc::dtype_mismatch, "tensor 'model.layers.0.norm.weight' (model tensor 'layers.0.norm.weight', by rename rule");
+    same_error(run(2, o,
+                   [](int r, rank_model& m) {
+                     if (r == 0) {
+                       m.views[5].type = dtype::I32;
+                     }
+                   }),
+               errc::dtype_mismatch,
+               "tensor 'model.layers.0.norm.weight' (model tensor 'layers.0.norm.weight', by rename rule");
     // two file keys renamed to one name
     hf_import_options clash = o;
     clash.rename = rename_rules({R"(^zz\.unused=layers.0.norm.weight)", R"(^model\.(.*)=\1)"});
@@ -396,11 +402,13 @@ TEST_CASE("hf import: strict mode, LoRA adapter exemption, and errors every rank
 }
 
 TEST_CASE("hf import: key mapping alone") {
-  std::vector<hf_tensor_info> table{{"a.weight", dtype::F32, {2}}, {"b.weight", dtype::F32, {2}}, {"c", dtype::F32, {2}}};
+  std::vector<hf_tensor_info> table{
+      {"a.weight", dtype::F32, {2}}, {"b.weight", dtype::F32, {2}}, {"c", dtype::F32, {2}}};
   float x[2], y[2];
-  std::vector<flat_view> views{{"a.base_layer.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(x), 8},
-                               {"b.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(y), 8},
-                               {"a.lora_B.weight", dtype::F32, {2}, std::nullopt, nullptr, 0}};
+  std::vector<flat_view> views{
+      {"a.base_layer.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(x), 8},
+      {"b.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(y), 8},
+      {"a.lora_B.weight", dtype::F32, {2}, std::nullopt, nullptr, 0}};
   hf_key_options o;
   o.lora_base_layer = true;
   auto m = map_hf_keys(views, table, o, "dir");
@@ -497,9 +505,11 @@ std::string zip_twin(const std::string& folder) { return folder.substr(0, folder
 
 }  // namespace
 
-TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it, both formats" * testing::torch_check()) {
+TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as torch gives it, both formats" *
+          testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
-  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy4"}) {
+  for (const std::string folder :
+       {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy4"}) {
     CAPTURE(folder);
     const auto want = torch_expected(zip_twin(folder));
     checkpoint_reader<file_directory> r(file_directory(torch_save_fixture() / folder));
@@ -525,64 +535,69 @@ TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as 
   }
 }
 
-TEST_CASE("torch.save folders: imported into 2 and 3 ranks, row, column and flat shards, both modes" * testing::torch_check()) {
+TEST_CASE("torch.save folders: imported into 2 and 3 ranks, row, column and flat shards, both modes" *
+          testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   const auto want = torch_expected("single");
   for (const std::string folder : {"single", "single_legacy"})
-  for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast})
-    for (int w : {2, 3}) {
-      CAPTURE(folder);
-      CAPTURE(w);
-      const file_directory dir(torch_save_fixture() / folder);
-      std::vector<std::vector<std::string>> mem(static_cast<std::size_t>(w));
-      std::vector<std::vector<cut>> cuts(static_cast<std::size_t>(w));
-      std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
-      auto thrown = testing::run_ranks(w, [&](testing::thread_comm& c) {
-        std::vector<flat_view> views;
-        auto& m = mem[c.rank()];
-        m.reserve(want.size());
-        std::size_t i = 0;
-        for (const auto& [key, t] : want) {
-          const cut how = t.shape.size() == 2 ? (i++ % 2 ? cut::cols : cut::rows) : cut::flat;
-          cuts[c.rank()].push_back(how);
-          const auto spec = t.shape.empty() ? std::nullopt : spec_of(how, t.shape, w, c.rank());
-          const std::uint64_t n = spec ? spec->local_numel() : 1;
-          const dtype type = *parse_dtype(t.dtype);
-          m.emplace_back(n * item_size(type), '\0');
-          views.push_back({key, type, t.shape, spec, m.back().empty() ? nullptr : reinterpret_cast<std::byte*>(m.back().data()),
-                           m.back().size()});
-        }
-        hf_import_options o;
-        o.strict = true;
-        o.mode = mode;
-        res[c.rank()] = import_hf(dir, std::span<const flat_view>(views), c, o);
-      });
-      for (int r = 0; r < w; ++r) {
-        REQUIRE_FALSE(thrown[r]);
-        CHECK(res[r].keys.missing_keys.empty());
-        std::size_t i = 0;
-        for (const auto& [key, t] : want) {
-          CAPTURE(key);
-          const std::size_t item = item_size(*parse_dtype(t.dtype));
-          CHECK(mem[r][i] == (t.shape.empty() ? t.bytes : cut_bytes(t.bytes, item, cuts[r][i], t.shape, w, r)));
-          ++i;
+    for (auto mode : {hf_import_mode::every_rank_read, hf_import_mode::rank0_broadcast})
+      for (int w : {2, 3}) {
+        CAPTURE(folder);
+        CAPTURE(w);
+        const file_directory dir(torch_save_fixture() / folder);
+        std::vector<std::vector<std::string>> mem(static_cast<std::size_t>(w));
+        std::vector<std::vector<cut>> cuts(static_cast<std::size_t>(w));
+        std::vector<hf_import_stats> res(static_cast<std::size_t>(w));
+        auto thrown = testing::run_ranks(w, [&](testing::thread_comm& c) {
+          std::vector<flat_view> views;
+          auto& m = mem[c.rank()];
+          m.reserve(want.size());
+          std::size_t i = 0;
+          for (const auto& [key, t] : want) {
+            const cut how = t.shape.size() == 2 ? (i++ % 2 ? cut::cols : cut::rows) : cut::flat;
+            cuts[c.rank()].push_back(how);
+            const auto spec = t.shape.empty() ? std::nullopt : spec_of(how, t.shape, w, c.rank());
+            const std::uint64_t n = spec ? spec->local_numel() : 1;
+            const dtype type = *parse_dtype(t.dtype);
+            m.emplace_back(n * item_size(type), '\0');
+            views.push_back({key, type, t.shape, spec,
+                             m.back().empty() ? nullptr : reinterpret_cast<std::byte*>(m.back().data()),
+                             m.back().size()});
+          }
+          hf_import_options o;
+          o.strict = true;
+          o.mode = mode;
+          res[c.rank()] = import_hf(dir, std::span<const flat_view>(views), c, o);
+        });
+        for (int r = 0; r < w; ++r) {
+          REQUIRE_FALSE(thrown[r]);
+          CHECK(res[r].keys.missing_keys.empty());
+          std::size_t i = 0;
+          for (const auto& [key, t] : want) {
+            CAPTURE(key);
+            const std::size_t item = item_size(*parse_dtype(t.dtype));
+            CHECK(mem[r][i] == (t.shape.empty() ? t.bytes : cut_bytes(t.bytes, item, cuts[r][i], t.shape, w, r)));
+            ++i;
+          }
         }
       }
-    }
 }
 
-TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as torch wrote them" * testing::torch_check()) {
+TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as torch wrote them" *
+          testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   if (!testing::have_tool()) return;
   testing::temp_dir out("torch-save-out");
   // the folders, and the single file given as a path of its own
-  for (const std::string folder : {"single", "sharded", "single/pytorch_model.bin", "sharded_legacy", "single_legacy/pytorch_model.bin"}) {
+  for (const std::string folder :
+       {"single", "sharded", "single/pytorch_model.bin", "sharded_legacy", "single_legacy/pytorch_model.bin"}) {
     CAPTURE(folder);
     const auto want = torch_expected(zip_twin(folder.substr(0, folder.find('/'))));
     const std::string in = (torch_save_fixture() / folder).string();
     const auto ins = testing::run_tool({"inspect", in});
     CHECK_MESSAGE(ins.code == 0, ins.err);
-    CHECK(ins.out.find(folder.ends_with(".bin") ? ": torch.save file, 18 tensors" : "torch.save files") != std::string::npos);
+    CHECK(ins.out.find(folder.ends_with(".bin") ? ": torch.save file, 18 tensors" : "torch.save files") !=
+          std::string::npos);
     std::string digest;
     for (const auto& [key, t] : want) digest += key + " " + t.dtype + " " + to_string(t.shape) + " " + t.sha256 + "\n";
     const auto d = testing::run_tool({"digest", in});
@@ -605,8 +620,10 @@ TEST_CASE("torch.save folders: the tool's inspect, digest and to-hf read them as
   }
 }
 
-TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python pickles them, paths as DCP flattens them; "
-          "the tool lists the values and to-hf says it leaves them out, both formats" * testing::torch_check()) {
+TEST_CASE(
+    "torch.save training checkpoint: tensors bit for bit, values as Python pickles them, paths as DCP flattens them; "
+    "the tool lists the values and to-hf says it leaves them out, both formats" *
+    testing::torch_check()) {
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   const auto want = torch_expected("train");
   // the values: name -> (path, Python's pickle of the value, its repr())
@@ -618,7 +635,8 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
   auto path_of = [](simdjson::dom::array a) {
     std::vector<pickle_value> parts;
     for (auto p : a)
-      parts.push_back(p.is_string() ? pickle_value::string(std::string(std::string_view(p))) : pickle_value::integer(std::int64_t(p)));
+      parts.push_back(p.is_string() ? pickle_value::string(std::string(std::string_view(p)))
+                                    : pickle_value::integer(std::int64_t(p)));
     return pickle_value::tuple(std::move(parts));
   };
   simdjson::dom::parser parser;
@@ -626,13 +644,15 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
   for (auto [key, v] : simdjson::dom::object(parser.parse(vjson))) {
     const std::string_view hex(v["pickle"]);
     std::string bytes;
-    for (std::size_t i = 0; i + 1 < hex.size(); i += 2) bytes += char(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16));
+    for (std::size_t i = 0; i + 1 < hex.size(); i += 2)
+      bytes += char(std::stoi(std::string(hex.substr(i, 2)), nullptr, 16));
     values.emplace(std::string(key), value{path_of(v["path"].get_array()), pickle_loads(bytes, "Python's pickle"),
                                            std::string(std::string_view(v["repr"]))});
   }
   std::map<std::string, pickle_value> tensor_paths;
   const std::string tjson = testing::slurp(torch_save_fixture() / "expected.json");
-  for (auto [key, v] : simdjson::dom::object(parser.parse(tjson)["train"])) tensor_paths.emplace(std::string(key), path_of(v["path"].get_array()));
+  for (auto [key, v] : simdjson::dom::object(parser.parse(tjson)["train"]))
+    tensor_paths.emplace(std::string(key), path_of(v["path"].get_array()));
   REQUIRE(values.size() >= 20);
   REQUIRE(values.count("optimizer_state_dict.param_groups.0.betas") == 1);  // a tuple: one value
   REQUIRE(want.count("optimizer_state_dict.state.0.exp_avg") == 1);
@@ -644,8 +664,10 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
     // a path is kept where it is not (name,): a nested dict's, a list index's
     auto check_path = [&](const std::string& key, const pickle_value& path) {
       const pickle_value* got = r.path_in_state_dict(key);
-      if (path == pickle_value::tuple({pickle_value::string(key)})) CHECK(got == nullptr);
-      else CHECK((got && *got == path));
+      if (path == pickle_value::tuple({pickle_value::string(key)}))
+        CHECK(got == nullptr);
+      else
+        CHECK((got && *got == path));
     };
     for (const auto& [key, t] : want) {
       CAPTURE(key);
@@ -663,7 +685,8 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
       CAPTURE(key);
       CHECK(r.read_object(key) == v.value);
       const std::string a = r.read_object_archive(key);  // as to-dcp writes it: decoded as a DCP item's
-      CHECK(read_dcp_object(memory_storage(byte_buffer(reinterpret_cast<const std::byte*>(a.data()), reinterpret_cast<const std::byte*>(a.data()) + a.size())),
+      CHECK(read_dcp_object(memory_storage(byte_buffer(reinterpret_cast<const std::byte*>(a.data()),
+                                                       reinterpret_cast<const std::byte*>(a.data()) + a.size())),
                             dcp_storage_info{"<memory>", 0, a.size()}, key) == v.value);
       check_path(key, v.path);
     }
@@ -699,7 +722,8 @@ TEST_CASE("torch.save training checkpoint: tensors bit for bit, values as Python
     const std::int64_t epoch = ckpt.read_object("epoch").as_int("epoch");
     const double lr = ckpt.read_object("optimizer_state_dict.param_groups.0.lr").as_real("lr");
     // [/usage]
-    CHECK(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4) == want.at("model_state_dict.0.weight").bytes);
+    CHECK(std::string(reinterpret_cast<const char*>(w.data()), w.size() * 4) ==
+          want.at("model_state_dict.0.weight").bytes);
     CHECK(epoch == values.at("epoch").value.as_int(""));
     CHECK(lr == values.at("optimizer_state_dict.param_groups.0.lr").value.as_real(""));
   }
@@ -709,18 +733,23 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
   REQUIRE_MESSAGE(testing::have_torch(), testing::torch_python << " has no torch");
   const fs::path& fx = torch_save_fixture();
   auto open = [](const fs::path& p) { return checkpoint_reader<file_directory>(file_directory(p)); };
-  testing::expect_error([&] { open(fx / "others"); }, errc::invalid_metadata, {"pytorch_model.bin", "'epoch'", "not a tensor"});
-  testing::expect_error([&] { open(fx / "gappy"); }, errc::invalid_metadata, {"pytorch_model.bin", "tensor 'g'", "not dense"});
+  testing::expect_error([&] { open(fx / "others"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin", "'epoch'", "not a tensor"});
+  testing::expect_error([&] { open(fx / "gappy"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin", "tensor 'g'", "not dense"});
   // the legacy format: a storage's size in the file other than its pickle's, a file cut short
   // (torch refuses both: the fixture checks)
-  testing::expect_error([&] { open(fx / "legacy_size"); }, errc::invalid_metadata,
-                        {"pytorch_model.bin", "storage '", "the file says", "elements at byte", "but its persistent id says"});
-  testing::expect_error([&] { open(fx / "legacy_short"); }, errc::invalid_metadata, {"pytorch_model.bin", "storage '", "past the file's end"});
+  testing::expect_error(
+      [&] { open(fx / "legacy_size"); }, errc::invalid_metadata,
+      {"pytorch_model.bin", "storage '", "the file says", "elements at byte", "but its persistent id says"});
+  testing::expect_error([&] { open(fx / "legacy_short"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin", "storage '", "past the file's end"});
   // a persistent id that no tensor holds names a tensor's F16 storage as F32 first: torch gives
   // the tensor as F32 (the fixture checks), so it is refused, in both formats
   for (const std::string f : {"popped", "popped_legacy"})
     testing::expect_error([&] { open(fx / f); }, errc::invalid_metadata,
-                          {"pytorch_model.bin", "BINPERSID at byte", "as 4 of torch.HalfStorage", "of torch.FloatStorage", "torch would view"});
+                          {"pytorch_model.bin", "BINPERSID at byte", "as 4 of torch.HalfStorage",
+                           "of torch.FloatStorage", "torch would view"});
   // the single file with one global renamed (the same length: the zip's sizes still agree), and cut short
   testing::temp_dir tmp("torch-save-bad");
   std::string bytes = testing::slurp(fx / "single" / "pytorch_model.bin");
@@ -748,11 +777,13 @@ TEST_CASE("torch.save folders: what is not read is refused, naming file, tensor 
     checkpoint_reader<file_directory> beside{file_directory(tmp.path / "sharded")};
     CHECK(verify_checkpoint(beside).tensors == 7);
   }
-  fs::copy_file(fx / "sharded" / "pytorch_model-00001-of-00002.bin", tmp.path / "sharded" / "pytorch_model-00003-of-00002.bin");
+  fs::copy_file(fx / "sharded" / "pytorch_model-00001-of-00002.bin",
+                tmp.path / "sharded" / "pytorch_model-00003-of-00002.bin");
   checkpoint_reader<file_directory> extra{file_directory(tmp.path / "sharded")};
   testing::expect_error([&] { verify_checkpoint(extra); }, errc::invalid_metadata,
                         {"pytorch_model-00003-of-00002.bin", "pytorch_model.bin.index.json", "does not name"});
   fs::create_directories(tmp.path / "short");
   testing::write_file(tmp.path / "short" / "pytorch_model.bin", bytes.substr(0, bytes.size() - 100));
-  testing::expect_error([&] { open(tmp.path / "short"); }, errc::invalid_metadata, {"pytorch_model.bin", "end-of-central-directory"});
+  testing::expect_error([&] { open(tmp.path / "short"); }, errc::invalid_metadata,
+                        {"pytorch_model.bin", "end-of-central-directory"});
 }

@@ -50,9 +50,12 @@ std::vector<To> convert(dtype from, const std::vector<From>& v, dtype to) {
 double f16_value(std::uint16_t h) {
   const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
   double v;
-  if (e == 31) v = m ? NAN : INFINITY;
-  else if (e == 0) v = m * std::pow(2.0, -24);
-  else v = (1.0 + m / 1024.0) * std::pow(2.0, e - 15);
+  if (e == 31)
+    v = m ? NAN : INFINITY;
+  else if (e == 0)
+    v = m * std::pow(2.0, -24);
+  else
+    v = (1.0 + m / 1024.0) * std::pow(2.0, e - 15);
   return s ? -v : v;
 }
 
@@ -176,7 +179,8 @@ TEST_CASE("convert: every F16 and BF16 bit pattern widens exactly and comes back
       if (double(f32[i]) != want || f64[i] != want || std::signbit(f32[i]) != bool(h & 0x8000)) {
         FAIL_CHECK("bits " << h << " widened to " << f32[i] << " / " << f64[i] << ", want " << want);
       }
-      if (back32[i] != h || back64[i] != h) FAIL_CHECK("bits " << h << " came back as " << back32[i] << " / " << back64[i]);
+      if (back32[i] != h || back64[i] != h)
+        FAIL_CHECK("bits " << h << " came back as " << back32[i] << " / " << back64[i]);
     }
     CHECK(nans == (bf16 ? 2 * 127 : 2 * 1023));
   }
@@ -217,11 +221,14 @@ TEST_CASE("convert: named cases of F16 and BF16 rounding, zeros, infinities and 
   const auto b = [](std::vector<float> v) { return convert<std::uint16_t>(dtype::F32, v, dtype::BF16); };
   const float tiny = std::ldexp(1.0f, -24);  // smallest F16 subnormal
   CHECK(h({0.0f, -0.0f, 1.0f, -2.0f, 65504.0f, 65519.0f, 65520.0f, -65520.0f, 1e9f, INFINITY, -INFINITY}) ==
-        std::vector<std::uint16_t>{0x0000, 0x8000, 0x3c00, 0xc000, 0x7bff, 0x7bff, 0x7c00, 0xfc00, 0x7c00, 0x7c00, 0xfc00});
-  CHECK(h({tiny, tiny / 2, tiny * 0.75f, tiny * 1.5f, tiny * 2.5f, -tiny / 2, std::ldexp(1.0f, -14) * (1 - 1.0f / 2048)}) ==
+        std::vector<std::uint16_t>{0x0000, 0x8000, 0x3c00, 0xc000, 0x7bff, 0x7bff, 0x7c00, 0xfc00, 0x7c00, 0x7c00,
+                                   0xfc00});
+  CHECK(h({tiny, tiny / 2, tiny * 0.75f, tiny * 1.5f, tiny * 2.5f, -tiny / 2,
+           std::ldexp(1.0f, -14) * (1 - 1.0f / 2048)}) ==
         std::vector<std::uint16_t>{0x0001, 0x0000, 0x0001, 0x0002, 0x0002, 0x8000, 0x0400});
   // 1 + 2^-11 is the tie between 1 and 1 + 2^-10: even is 1; 1 + 3*2^-11 goes up to 1 + 2^-9
-  CHECK(h({1.0f + std::ldexp(1.0f, -11), 1.0f + 3 * std::ldexp(1.0f, -11)}) == std::vector<std::uint16_t>{0x3c00, 0x3c02});
+  CHECK(h({1.0f + std::ldexp(1.0f, -11), 1.0f + 3 * std::ldexp(1.0f, -11)}) ==
+        std::vector<std::uint16_t>{0x3c00, 0x3c02});
   CHECK(b({1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -8), 1.0f / 3, -0.0f, std::ldexp(1.0f, -133),
            std::numeric_limits<float>::max()}) ==
         std::vector<std::uint16_t>{0x3f80, 0x3f82, 0x3eab, 0x8000, 0x0001, 0x7f80});
@@ -252,9 +259,8 @@ TEST_CASE("convert: a NaN stays a NaN of its sign, made quiet, with the top of i
     const std::uint32_t man = nans[i] & 0x7fffff;
     CHECK(h[i] == (sign | 0x7c00 | 0x200 | (man >> 13)));
     CHECK(b[i] == (sign | 0x7f80 | 0x40 | (man >> 16)));
-    CHECK(std::bit_cast<std::uint64_t>(d[i]) ==
-          ((std::uint64_t{sign != 0} << 63) | (std::uint64_t{0x7ff} << 52) | (std::uint64_t{1} << 51) |
-           (std::uint64_t{man} << 29)));
+    CHECK(std::bit_cast<std::uint64_t>(d[i]) == ((std::uint64_t{sign != 0} << 63) | (std::uint64_t{0x7ff} << 52) |
+                                                 (std::uint64_t{1} << 51) | (std::uint64_t{man} << 29)));
   }
 }
 
@@ -297,7 +303,8 @@ TEST_CASE("convert: integer and BOOL are never converted; sizes must match") {
   CHECK_THROWS_WITH_AS(convert_elements(dtype::F32, std::span(eight).first(6), dtype::F16, four),
                        doctest::Contains("6 source bytes are not whole F32"), shardsafe::error);
   CHECK_THROWS_WITH_AS(convert_elements(dtype::F32, eight, dtype::F16, eight),
-                       doctest::Contains("2 F32 elements need 4 bytes of F16, the destination has 8"), shardsafe::error);
+                       doctest::Contains("2 F32 elements need 4 bytes of F16, the destination has 8"),
+                       shardsafe::error);
 }
 
 TEST_CASE("convert: F32 -> F16 agrees with Python's struct 'e', F32 -> BF16 with torch") {
@@ -363,8 +370,8 @@ TEST_CASE("rename: first matching rule wins, every match in the key replaced, no
   CHECK(r.apply("l.0.x.0.y") == "l.zero.x.zero.y");
   CHECK(r.apply("lm_head.weight") == "lm_head.weight");
   CHECK(rename_rules().apply("k") == "k");
-  CHECK(rename_rules({"x=$1"}).apply("axb") == "a$1b");           // '$' is literal in REPL
-  CHECK(rename_rules({R"(a\=b=c)"}).apply("a=b.w") == "c.w");       // '\=' stands for '=' in REGEX
+  CHECK(rename_rules({"x=$1"}).apply("axb") == "a$1b");                            // '$' is literal in REPL
+  CHECK(rename_rules({R"(a\=b=c)"}).apply("a=b.w") == "c.w");                      // '\=' stands for '=' in REGEX
   CHECK(rename_rules({R"(^(\w+)\.(\w+)$=\2.\1=\\)"}).apply("p.q") == R"(q.p=\)");  // '=' and '\\' in REPL
 }
 
@@ -395,9 +402,11 @@ TEST_CASE("rename: rule syntax errors name the rule and what is wrong") {
   }
 }
 
-TEST_CASE("rename: linear time (RE2): a 30,000-character name, and ^(a+)+$ that backtracking takes exponential time on") {
+TEST_CASE(
+    "rename: linear time (RE2): a 30,000-character name, and ^(a+)+$ that backtracking takes exponential time on") {
   const std::string tail(30000, 'x'), name = "model." + tail;
-  CHECK(rename_rules({R"(^model\.(.*)=\1)"}).apply(name) == tail);  // the README's rule (std::regex recursed per character)
+  CHECK(rename_rules({R"(^model\.(.*)=\1)"}).apply(name) ==
+        tail);  // the README's rule (std::regex recursed per character)
   rename_rules preset;
   add_preset(preset, "dcp-to-hf");
   CHECK(preset.apply(name) == tail);
@@ -405,16 +414,18 @@ TEST_CASE("rename: linear time (RE2): a 30,000-character name, and ^(a+)+$ that 
   CHECK(rename_rules({"^(a+)+$=x"}).apply(evil) == evil);
   CHECK(rename_rules({"^(a+)+$=x"}).apply(std::string(5000, 'a')) == "x");
   // what RE2 cannot run in linear time is refused by name: backreferences, lookarounds
-  CHECK_THROWS_WITH_AS(parse_rename_rule(R"((a)\1=x)"), doctest::Contains("rename rule '(a)\\1=x': bad regex"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(parse_rename_rule(R"((a)\1=x)"), doctest::Contains("rename rule '(a)\\1=x': bad regex"),
+                       shardsafe::error);
   CHECK_THROWS_WITH_AS(parse_rename_rule(R"(a(?\=b)=x)"), doctest::Contains("bad regex"), shardsafe::error);
 }
 
 TEST_CASE("rename: rules give the names Python's re.sub gives") {
-  const std::vector<std::pair<std::string, std::string>> rules{
-      {R"(^model\.model\.(.*))", R"(\1)"}, {R"(\.(\d+)\.)", R"(.n\1.)"}, {R"(^(enc|dec)oder\.)", R"(\1.)"},
-      {R"(^drop\..*)", ""}};
+  const std::vector<std::pair<std::string, std::string>> rules{{R"(^model\.model\.(.*))", R"(\1)"},
+                                                               {R"(\.(\d+)\.)", R"(.n\1.)"},
+                                                               {R"(^(enc|dec)oder\.)", R"(\1.)"},
+                                                               {R"(^drop\..*)", ""}};
   const std::vector<std::string> keys{"model.model.a.0.b", "x.12.y.3.z", "encoder.w", "decoder.layers.1.w",
-                                      "drop.me", "model.x", "keep"};
+                                      "drop.me",           "model.x",    "keep"};
   std::vector<std::string> texts;
   std::string input;
   for (const auto& [p, s] : rules) {
@@ -507,8 +518,8 @@ std::vector<std::vector<std::string>> reference_shards(std::vector<std::pair<std
 
 TEST_CASE("hf export: tensors in name order packed as transformers' shard_checkpoint packs them") {
   // a: 40 bytes, b: 100 (past the limit of 64), c and d: 32 each
-  const std::vector<hf_tensor_info> t{{"d", dtype::F32, {8}}, {"b", dtype::F64, {5, 2, 1}},
-                                      {"c", dtype::I64, {4}}, {"a", dtype::BF16, {20}}};
+  const std::vector<hf_tensor_info> t{
+      {"d", dtype::F32, {8}}, {"b", dtype::F64, {5, 2, 1}}, {"c", dtype::I64, {4}}, {"a", dtype::BF16, {20}}};
   const auto p = plan_hf_export(t, 64);
   REQUIRE(p.files.size() == 3);
   CHECK(p.total_size == 40 + 80 + 32 + 32);
@@ -537,8 +548,8 @@ TEST_CASE("hf export: tensors in name order packed as transformers' shard_checkp
     const int n = 1 + static_cast<int>(rng() % 30);
     std::uint64_t largest = 0;
     for (int i = 0; i < n; ++i) {
-      hf_tensor_info ti{"layer." + std::to_string(rng() % 1000) + "." + std::to_string(i), types[rng() % 5],
-                        {rng() % 7, rng() % 9}};
+      hf_tensor_info ti{
+          "layer." + std::to_string(rng() % 1000) + "." + std::to_string(i), types[rng() % 5], {rng() % 7, rng() % 9}};
       const std::uint64_t bytes = ti.shape[0] * ti.shape[1] * (bit_size(ti.type) / 8);
       largest = std::max(largest, bytes);
       sd.emplace_back(ti.name, bytes);
@@ -571,8 +582,8 @@ TEST_CASE("hf export: bad tensors are named") {
                        "hf export: tensor 'w' is listed twice", shardsafe::error);
   CHECK_THROWS_WITH_AS(plan_hf_export({{"", dtype::F32, {2}}}, 10), "hf export: a tensor has an empty name",
                        shardsafe::error);
-  CHECK_THROWS_WITH_AS(plan_hf_export({{"q", dtype::F4, {2}}}, 10), doctest::Contains("hf export: tensor 'q': dtype F4"),
-                       shardsafe::error);
+  CHECK_THROWS_WITH_AS(plan_hf_export({{"q", dtype::F4, {2}}}, 10),
+                       doctest::Contains("hf export: tensor 'q': dtype F4"), shardsafe::error);
   CHECK_THROWS_WITH_AS(plan_hf_export({{"big", dtype::F64, {1ull << 62, 4}}}, 10),
                        doctest::Contains("hf export: tensor 'big': shape [4611686018427387904,4] F64 has more than"),
                        shardsafe::error);
@@ -659,5 +670,6 @@ TEST_CASE("rename preset dcp-to-hf: the seed rules, after the user's, in order")
     REQUIRE(by != nullptr);
     CHECK(!by->warning.empty() == x.warned);
   }
-  CHECK_THROWS_WITH_AS(add_preset(r, "hf-to-dcp"), "rename preset 'hf-to-dcp': unknown (known: dcp-to-hf)", shardsafe::error);
+  CHECK_THROWS_WITH_AS(add_preset(r, "hf-to-dcp"), "rename preset 'hf-to-dcp': unknown (known: dcp-to-hf)",
+                       shardsafe::error);
 }

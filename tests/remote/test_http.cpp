@@ -155,19 +155,21 @@ TEST_CASE("parse_content_range and parse_retry_after") {
   CHECK_FALSE(detail::parse_retry_after("soon"));
   // an HTTP-date: the wait from now until then, nothing for a date past
   using ms = std::chrono::milliseconds;
-  const auto now = std::chrono::sys_seconds(std::chrono::seconds(1445412480));  // 2015-10-21 07:28:00 UTC (Python's calendar.timegm)
+  const auto now =
+      std::chrono::sys_seconds(std::chrono::seconds(1445412480));  // 2015-10-21 07:28:00 UTC (Python's calendar.timegm)
   CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now) == ms(0));
   CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now) == ms(30'000));
   CHECK(detail::parse_retry_after("Wed, 21 Oct 2015 07:28:30 GMT", now + ms(200)) == ms(29'800));
   CHECK(detail::parse_retry_after("Wednesday, 21-Oct-15 07:29:00 GMT", now) == ms(60'000));  // RFC 850
   // a date far ahead (fuzz_remote's finding: the wait in nanoseconds overflowed) is cut to 10^9 s
   CHECK(detail::parse_retry_after("Sun, 06 Nov 5994 08:49:37 GMT", now) == ms(1'000'000'000'000));
-  CHECK(detail::parse_retry_after("Wed Oct 21 07:28:05 2015", now) == ms(5000));              // asctime
+  CHECK(detail::parse_retry_after("Wed Oct 21 07:28:05 2015", now) == ms(5000));  // asctime
   CHECK(detail::parse_retry_after("Thu, 22 Oct 2015 07:28:00 GMT", now) == ms(86'400'000));
   CHECK(detail::parse_retry_after("Tue, 20 Oct 2015 07:28:00 GMT", now) == ms(0));  // past
-  for (const char* bad : {"Wed, 21 Oct 2015 07:28:00 UTC", "Wed, 32 Oct 2015 07:28:00 GMT", "Sun, 29 Feb 2015 07:28:00 GMT",
-                          "Wed, 21 Okt 2015 07:28:00 GMT", "Wed, 21 Oct 2015 24:00:00 GMT", "Wed, 21 Oct 15 07:28:00 GMT",
-                          "Wed, 21 Oct 2015 7:28:00 GMT", "Wed 21 Oct 2015 07:28:00 GMT", "21 Oct 2015 07:28:00 GMT"})
+  for (const char* bad :
+       {"Wed, 21 Oct 2015 07:28:00 UTC", "Wed, 32 Oct 2015 07:28:00 GMT", "Sun, 29 Feb 2015 07:28:00 GMT",
+        "Wed, 21 Okt 2015 07:28:00 GMT", "Wed, 21 Oct 2015 24:00:00 GMT", "Wed, 21 Oct 15 07:28:00 GMT",
+        "Wed, 21 Oct 2015 7:28:00 GMT", "Wed 21 Oct 2015 07:28:00 GMT", "21 Oct 2015 07:28:00 GMT"})
     CHECK_MESSAGE(!detail::parse_retry_after(bad, now), bad);
 }
 
@@ -178,8 +180,9 @@ TEST_CASE("parse_http_date: the three forms, against Python's email.utils for ra
   CHECK(detail::parse_http_date("Thu, 29 Feb 2024 23:59:59 GMT") == 1709251199);
   CHECK(detail::parse_http_date("Thu, 01 Jan 1970 00:00:00 GMT") == 0);
   const auto py = testing::peer(
-      "python3", {"-c", "import random, email.utils\nr = random.Random(7)\nfor _ in range(300):\n"
-                        "    t = r.randrange(0, 4102444800)\n    print(t, email.utils.formatdate(t, usegmt=True))"});
+      "python3", {"-c",
+                  "import random, email.utils\nr = random.Random(7)\nfor _ in range(300):\n"
+                  "    t = r.randrange(0, 4102444800)\n    print(t, email.utils.formatdate(t, usegmt=True))"});
   REQUIRE_MESSAGE(py.code == 0, py.err);
   std::istringstream in(py.out);
   int n = 0;
@@ -197,7 +200,8 @@ namespace {
 void http_test_add_header(detail::http_request& r) { r.headers.emplace_back("X-Hook", "function"); }
 }  // namespace
 
-TEST_CASE("request_signer calls the hook it refers to, once per call: a function object, a pointer to a function, none") {
+TEST_CASE(
+    "request_signer calls the hook it refers to, once per call: a function object, a pointer to a function, none") {
   struct counting_hook {
     int* calls;
     void operator()(detail::http_request& r) const { r.headers.emplace_back("X-Hook", std::to_string(++*calls)); }
@@ -237,9 +241,18 @@ TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 r
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
     std::string wm = w.substr(r * 48 * 3000 * 4, 48 * 3000 * 4), em;
     for (std::uint64_t row = 0; row < 40; ++row) em += e.substr((row * 24 + r * 12) * 2, 12 * 2);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {96, 3000}, shard_spec(block_spec({48, 3000}, {48 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({40, 12}, {0, 12 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {96, 3000},
+                              shard_spec(block_spec({48, 3000}, {48 * r, 0})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"e",
+                              dtype::BF16,
+                              {40, 24},
+                              shard_spec(block_spec({40, 12}, {0, 12 * r})),
+                              reinterpret_cast<std::byte*>(em.data()),
+                              em.size()}};
     save_flat_views(file_directory(ckpt), std::span<const flat_view>(v), comm);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);
@@ -254,9 +267,18 @@ TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 r
     auto views_into = [&](std::string& wm, std::string& em) {
       wm.assign(96 * 1000 * 4, '\x5a');
       em.assign(e_rows * 24 * 2, '\x5a');
-      return std::vector<flat_view>{
-          {"w", dtype::F32, {96, 3000}, shard_spec(block_spec({96, 1000}, {0, 1000 * r})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-          {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({e_rows, 24}, {e_first, 0})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+      return std::vector<flat_view>{{"w",
+                                     dtype::F32,
+                                     {96, 3000},
+                                     shard_spec(block_spec({96, 1000}, {0, 1000 * r})),
+                                     reinterpret_cast<std::byte*>(wm.data()),
+                                     wm.size()},
+                                    {"e",
+                                     dtype::BF16,
+                                     {40, 24},
+                                     shard_spec(block_spec({e_rows, 24}, {e_first, 0})),
+                                     reinterpret_cast<std::byte*>(em.data()),
+                                     em.size()}};
     };
     std::string wh, eh, wf, ef;
     auto vh = views_into(wh, eh);
@@ -360,8 +382,10 @@ TEST_CASE("http_storage: batches and single reads from several threads at once s
       for (int round = 0; round < 6; ++round) {
         scattered_reads b(rng, body.size(), t < 2 ? 40 : 1, 300'000);
         try {
-          if (t < 2) mine.read_batch(b.rs);
-          else mine.read_into(b.rs[0].offset, b.rs[0].dst);
+          if (t < 2)
+            mine.read_batch(b.rs);
+          else
+            mine.read_into(b.rs[0].offset, b.rs[0].dst);
         } catch (const std::exception& e) {
           fails[t] = e.what();
           return;
@@ -455,7 +479,8 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
     const http_storage fast(std::make_shared<detail::http_client>(o), parse_url(srv.url()));
     srv.script({fault::stall});
     CHECK(read_string(fast, 5, 10) == body.substr(5, 10));
-    CHECK(fast.client().stats().retries.load() == 1u);  // the read timed out and was retried: it did not wait out the stall
+    CHECK(fast.client().stats().retries.load() ==
+          1u);  // the read timed out and was retried: it did not wait out the stall
   }
   SUBCASE("a batch under a mix of faults lands every byte") {
     srv.script({fault::short_body, fault::status_429, fault::wrong_content_range, fault::long_content_length,
@@ -520,11 +545,10 @@ TEST_CASE("http: a server that ignores If-Match but answers with another ETag; L
   auto answer = [&](const std::string& etag_head, const std::string& etag_get, bool lm) {
     return [=](const std::string& head) {
       const std::string v = lm ? "Last-Modified: Wed, 21 Oct 2015 07:28:00 GMT\r\n" : "";
-      if (head.starts_with("HEAD "))
-        return "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n" + etag_head + v + "\r\n";
+      if (head.starts_with("HEAD ")) return "HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n" + etag_head + v + "\r\n";
       if (lm) return std::string("HTTP/1.1 412 Precondition Failed\r\nContent-Length: 0\r\n\r\n");
-      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/1000\r\nContent-Length: 10\r\n" + etag_get + "\r\n" +
-             body.substr(0, 10);
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-9/1000\r\nContent-Length: 10\r\n" + etag_get +
+             "\r\n" + body.substr(0, 10);
     };
   };
   {
@@ -553,7 +577,9 @@ TEST_CASE("http: a server that ignores If-Match but answers with another ETag; L
   }
 }
 
-TEST_CASE("http redirects: max_redirects hops are followed, one more is an error naming the limit; HEAD and range reads alike") {
+TEST_CASE(
+    "http redirects: max_redirects hops are followed, one more is an error naming the limit; HEAD and range reads "
+    "alike") {
   const std::string body = random_bytes(1000, 33);
   // /obj redirects to /hop1, /hop1 to /hop2, ...: /hopN answers once N reaches `hops`.
   // HEADs get absolute Locations, GETs relative ones (both resolved by the client).
@@ -571,7 +597,8 @@ TEST_CASE("http redirects: max_redirects hops are followed, one more is an error
         return "HTTP/1.1 302 Found\r\nLocation: " + to + "\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
       }
       if (is_head) return std::string("HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n");
-      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/1000\r\nContent-Length: 100\r\nConnection: close\r\n\r\n" +
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 100-199/1000\r\nContent-Length: 100\r\nConnection: "
+             "close\r\n\r\n" +
              body.substr(100, 100);
     };
   };
@@ -585,7 +612,8 @@ TEST_CASE("http redirects: max_redirects hops are followed, one more is an error
   SUBCASE("HEAD: 5 hops are followed; the object's size comes from the last") {
     testing::raw_server srv(chain(5, 0));
     CHECK(http_storage(srv.url(), o).size() == 1000u);
-    CHECK(paths(srv) == std::vector<std::string>{"HEAD /obj", "HEAD /hop1", "HEAD /hop2", "HEAD /hop3", "HEAD /hop4", "HEAD /hop5"});
+    CHECK(paths(srv) ==
+          std::vector<std::string>{"HEAD /obj", "HEAD /hop1", "HEAD /hop2", "HEAD /hop3", "HEAD /hop4", "HEAD /hop5"});
   }
   SUBCASE("HEAD: a sixth hop is refused after 6 requests, naming the URL asked for and the limit") {
     testing::raw_server srv(chain(6, 0));
@@ -600,7 +628,8 @@ TEST_CASE("http redirects: max_redirects hops are followed, one more is an error
                  {srv.url() + ": more than 5 redirects (http_options::max_redirects); the last to " + srv.url("hop6")});
     const auto heads = srv.heads();
     REQUIRE(heads.size() == 1u + 6u);
-    for (std::size_t i = 1; i < heads.size(); ++i) CHECK(heads[i].find("\r\nRange: bytes=100-199") != std::string::npos);
+    for (std::size_t i = 1; i < heads.size(); ++i)
+      CHECK(heads[i].find("\r\nRange: bytes=100-199") != std::string::npos);
     o.max_redirects = 6;
     const http_storage more(srv.url(), o);
     CHECK(read_string(more, 100, 100) == body.substr(100, 100));
@@ -610,8 +639,9 @@ TEST_CASE("http redirects: max_redirects hops are followed, one more is an error
     o.max_redirects = 0;
     {
       testing::raw_server srv(chain(1, 0));
-      expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
-                   {srv.url() + ": more than 0 redirects (http_options::max_redirects); the last to " + srv.url("hop1")});
+      expect_error(
+          [&] { http_storage(srv.url(), o); }, errc::io_error,
+          {srv.url() + ": more than 0 redirects (http_options::max_redirects); the last to " + srv.url("hop1")});
       CHECK(srv.requests() == 1);
     }
     testing::raw_server srv(chain(0, 1));
@@ -634,9 +664,18 @@ void save_resharded_fixture(const fs::path& dir, const std::string& w, const std
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
     std::string wm = w.substr(r * 32 * 3000 * 4, 32 * 3000 * 4), em;
     for (std::uint64_t row = 0; row < 40; ++row) em += e.substr((row * 24 + r * 12) * 2, 12 * 2);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {64, 3000}, shard_spec(block_spec({32, 3000}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({40, 12}, {0, 12 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {64, 3000},
+                              shard_spec(block_spec({32, 3000}, {32 * r, 0})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"e",
+                              dtype::BF16,
+                              {40, 24},
+                              shard_spec(block_spec({40, 12}, {0, 12 * r})),
+                              reinterpret_cast<std::byte*>(em.data()),
+                              em.size()}};
     save_flat_views(file_directory(dir), std::span<const flat_view>(v), comm);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);
@@ -649,9 +688,18 @@ void load_resharded_fixture(const D& d, const std::string& w, const std::string&
   for (std::uint64_t r = 0; r < 3; ++r) {
     const std::uint64_t e_rows = r == 0 ? 14 : 13, e_first = r == 0 ? 0 : 14 + (r - 1) * 13;
     std::string wm(64 * 1000 * 4, '\x5a'), em(e_rows * 24 * 2, '\x5a');
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {64, 3000}, shard_spec(block_spec({64, 1000}, {0, 1000 * r})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {40, 24}, shard_spec(block_spec({e_rows, 24}, {e_first, 0})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {64, 3000},
+                              shard_spec(block_spec({64, 1000}, {0, 1000 * r})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"e",
+                              dtype::BF16,
+                              {40, 24},
+                              shard_spec(block_spec({e_rows, 24}, {e_first, 0})),
+                              reinterpret_cast<std::byte*>(em.data()),
+                              em.size()}};
     load_flat_views(d, std::span<const flat_view>(v));
     std::string want_w;
     for (std::uint64_t row = 0; row < 64; ++row) want_w += w.substr((row * 3000 + 1000 * r) * 4, 1000 * 4);
@@ -690,15 +738,17 @@ TEST_CASE("http faults through a proxy: checkpoint loads on several seeds land b
   // every fault but ignore_range is retried: with 10 attempts each load completes
   for (std::uint64_t seed = 1; seed <= 5; ++seed) {
     CAPTURE(seed);
-    testing::fault_proxy px(srv.port, seed, 0.12,
-                            {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "2"});
+    testing::fault_proxy px(
+        srv.port, seed, 0.12,
+        {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "2"});
     const http_directory d(px.url(srv.name + "/ckpt"), through_proxy());
     load_resharded_fixture(d, w, e);
     count(px);
     CHECK(d.client().stats().retries.load() > 0u);
   }
   MESSAGE("retried faults injected over 5 seeds: " << faults);
-  for (const char* k : {"reset", "stall", "s503", "s503_date", "s429", "drop", "truncate", "wrong_range", "wrong_length"})
+  for (const char* k :
+       {"reset", "stall", "s503", "s503_date", "s429", "drop", "truncate", "wrong_range", "wrong_length"})
     CHECK_MESSAGE(kinds[k] > 0, "no '", k, "' fault was injected: the schedule tests nothing of it");
 
   // with a server that may ignore Range too, a load either lands every byte or stops with an
@@ -741,11 +791,15 @@ TEST_CASE("http bad servers: malformed answers are clear errors after bounded at
   std::string huge_header = "HTTP/1.1 200 OK\r\n";
   while (huge_header.size() < (1 << 20)) huge_header += "X-Pad: " + std::string(100, 'a') + "\r\n";
   const std::vector<bad_case> cases{
-      {"a status code that is not a number", "HTTP/1.1 2OO OK\r\nContent-Length: 0\r\n\r\n", "reading the response header failed"},
-      {"a version that is not HTTP/1.x", "HTTP/9.9 200 OK\r\nContent-Length: 0\r\n\r\n", "reading the response header failed"},
+      {"a status code that is not a number", "HTTP/1.1 2OO OK\r\nContent-Length: 0\r\n\r\n",
+       "reading the response header failed"},
+      {"a version that is not HTTP/1.x", "HTTP/9.9 200 OK\r\nContent-Length: 0\r\n\r\n",
+       "reading the response header failed"},
       {"no status line at all", "hello there\r\n\r\n", "reading the response header failed"},
-      {"a header without a colon", "HTTP/1.1 200 OK\r\nContent-Length 5\r\n\r\nhello", "reading the response header failed"},
-      {"a Content-Length that is not a number", "HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n", "reading the response header failed"},
+      {"a header without a colon", "HTTP/1.1 200 OK\r\nContent-Length 5\r\n\r\nhello",
+       "reading the response header failed"},
+      {"a Content-Length that is not a number", "HTTP/1.1 200 OK\r\nContent-Length: 12abc\r\n\r\n",
+       "reading the response header failed"},
       {"a Content-Length past 2^64", "HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999999\r\n\r\n",
        "reading the response header failed"},
       {"two different Content-Lengths", "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
@@ -756,7 +810,8 @@ TEST_CASE("http bad servers: malformed answers are clear errors after bounded at
   for (const auto& c : cases) {
     CAPTURE(c.what);
     testing::raw_server srv(fixed(c.answer));
-    expect_error([&] { http_storage(srv.url(), o); }, errc::io_error, {srv.url(), "giving up after 2 attempts", c.rule});
+    expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
+                 {srv.url(), "giving up after 2 attempts", c.rule});
     CHECK(srv.requests() == 2);
   }
 
@@ -779,18 +834,21 @@ TEST_CASE("http bad servers: malformed answers are clear errors after bounded at
   {  // the right Content-Range, an absurd Content-Length: retried, then an error
     testing::raw_server srv([&](const std::string& head) {
       if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n");
-      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: " + absurd + "\r\n\r\nxxxx";
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-99/1000\r\nContent-Length: " + absurd +
+             "\r\n\r\nxxxx";
     });
     const http_storage s(srv.url(), o);
     expect_error([&] { read_string(s, 0, 100); }, errc::io_error,
                  {srv.url(), "giving up after 2 attempts", "wrong Content-Length " + absurd + " for bytes 0-99"});
   }
   {  // a chunk size past 2^64 and an endless chunked body: refused, not allocated
-    testing::raw_server srv(fixed("HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffffffffff\r\nabc"));
+    testing::raw_server srv(
+        fixed("HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\nfffffffffffffffffffff\r\nabc"));
     detail::http_client client(o);
     detail::http_request get;
     get.url = parse_url(srv.url());
-    expect_error([&] { client.send(get); }, errc::io_error, {srv.url(), "giving up after 2 attempts", "reading the response body failed"});
+    expect_error([&] { client.send(get); }, errc::io_error,
+                 {srv.url(), "giving up after 2 attempts", "reading the response body failed"});
   }
   {
     std::string endless = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n";
@@ -803,7 +861,8 @@ TEST_CASE("http bad servers: malformed answers are clear errors after bounded at
   }
 }
 
-TEST_CASE("http deadlines: a stalled server, an endless Retry-After and a redirect out of HTTP end a request, naming what") {
+TEST_CASE(
+    "http deadlines: a stalled server, an endless Retry-After and a redirect out of HTTP end a request, naming what") {
   http_options o = quick();
   o.max_attempts = 100;  // the deadline, not the attempts, ends these
   o.operation_timeout = std::chrono::milliseconds(1500);
@@ -834,7 +893,8 @@ TEST_CASE("http deadlines: a stalled server, an endless Retry-After and a redire
   }
   {  // a redirect to s3:// is not fetched (as HTTP or otherwise)
     testing::raw_server srv([](const std::string& head) {
-      if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 302 Found\r\nLocation: s3://bucket/key\r\nContent-Length: 0\r\n\r\n");
+      if (head.starts_with("HEAD "))
+        return std::string("HTTP/1.1 302 Found\r\nLocation: s3://bucket/key\r\nContent-Length: 0\r\n\r\n");
       return std::string("HTTP/1.1 302 Found\r\nLocation: s3://bucket/key\r\nContent-Length: 0\r\n\r\n");
     });
     expect_error([&] { http_storage(srv.url(), o); }, errc::io_error,
@@ -861,11 +921,13 @@ TEST_CASE("https: nginx with a test CA: verified with the CA file, refused witho
   // the system's store does not know the test CA: a certificate error, not retried
   http_options sys = quick();
   expect_error([&] { http_storage(srv.url("obj.bin"), sys); }, errc::io_error,
-               {srv.url("obj.bin"), "TLS handshake with 127.0.0.1:" + std::to_string(srv.port) + " failed", "certificate verify failed"});
+               {srv.url("obj.bin"), "TLS handshake with 127.0.0.1:" + std::to_string(srv.port) + " failed",
+                "certificate verify failed"});
   // a CA file that is not there
   http_options missing;
   missing.ca_file = (srv.server.dir.path / "absent.pem").string();
-  expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument, {"absent.pem", "cannot load CA file"});
+  expect_error([&] { http_storage(srv.url("obj.bin"), missing); }, errc::invalid_argument,
+               {"absent.pem", "cannot load CA file"});
 }
 #endif
 
@@ -874,12 +936,11 @@ TEST_CASE("https: nginx with a test CA: verified with the CA file, refused witho
 
 namespace {
 
-bool have_remote_tool() {
-  return SHARDSAFE_HTTP_TLS && testing::have_tool();
-}
+bool have_remote_tool() { return SHARDSAFE_HTTP_TLS && testing::have_tool(); }
 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
   return s;
 }
 
@@ -908,21 +969,25 @@ TEST_CASE("http: the tool reads checkpoints, HF folders and files from nginx as 
   const auto ts = fixtures::sample_tensors();
   fixtures::make_indexed(file_directory(srv.www / "hf"), ts);
   const std::string one = fixtures::file_of(ts.front());
-  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one}) check_same_output((srv.www / f).string(), srv.url(f));
+  for (const std::string& f : std::vector<std::string>{"ckpt", "pair", "hf", "hf/" + one})
+    check_same_output((srv.www / f).string(), srv.url(f));
 
   testing::temp_dir out("tool_http");
   // unshard and to-hf read through HTTP write what they write from the local folder
   for (const std::string f : {"ckpt", "pair"}) {  // (the HF fixture holds an F4 tensor: no unshard)
     CAPTURE(f);
-    const auto l = testing::run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
+    const auto l =
+        testing::run_tool({"unshard", (srv.www / f).string(), (out.path / (f + "_local.safetensors")).string()});
     const auto r = testing::run_tool({"unshard", srv.url(f), (out.path / (f + "_http.safetensors")).string()});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
-    CHECK(testing::slurp(out.path / (f + "_http.safetensors")) == testing::slurp(out.path / (f + "_local.safetensors")));
+    CHECK(testing::slurp(out.path / (f + "_http.safetensors")) ==
+          testing::slurp(out.path / (f + "_local.safetensors")));
   }
   for (const std::string f : {"ckpt", "pair"}) {
     CAPTURE(f);
-    const auto l = testing::run_tool({"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
+    const auto l = testing::run_tool(
+        {"to-hf", (srv.www / f).string(), (out.path / "hf_local").string(), "--max-shard-size", "200"});
     const auto r = testing::run_tool({"to-hf", srv.url(f), (out.path / "hf_http").string(), "--max-shard-size", "200"});
     REQUIRE_MESSAGE(l.code == 0, l.err);
     REQUIRE_MESSAGE(r.code == 0, r.err);
@@ -974,17 +1039,19 @@ TEST_CASE("http: the tool reads torch DCP folders from nginx as from the local f
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "dcp_fixture.py";
   const auto pr = testing::peer(testing::torch_python, {script.string(), (srv.www / "dcp").string()});
   REQUIRE_MESSAGE(pr.code == 0, pr.err);
-  for (const std::string f : {"ckpt", "ckpt_single"}) check_same_output((srv.www / "dcp" / f).string(), srv.url("dcp/" + f));
+  for (const std::string f : {"ckpt", "ckpt_single"})
+    check_same_output((srv.www / "dcp" / f).string(), srv.url("dcp/" + f));
 }
 
-TEST_CASE("http: the tool reads pytorch_model.bin folders and files, zip and legacy, from nginx as from the local folder" *
-          testing::torch_check() * doctest::skip(!have_remote_tool())) {
+TEST_CASE(
+    "http: the tool reads pytorch_model.bin folders and files, zip and legacy, from nginx as from the local folder" *
+    testing::torch_check() * doctest::skip(!have_remote_tool())) {
   REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but /usr/bin/python3 cannot import torch");
   testing::nginx_site srv;
   const auto script = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py";
   const auto pr = testing::peer(testing::torch_python, {script.string(), (srv.www / "bin").string()});
   REQUIRE_MESSAGE(pr.code == 0, pr.err);
-  for (const std::string f : {"single", "sharded", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy/pytorch_model.bin",
-                              "sharded_legacy/pytorch_model-00002-of-00002.bin"})
+  for (const std::string f : {"single", "sharded", "single_legacy", "sharded_legacy", "nested_legacy",
+                              "single_legacy/pytorch_model.bin", "sharded_legacy/pytorch_model-00002-of-00002.bin"})
     check_same_output((srv.www / "bin" / f).string(), srv.url("bin/" + f));
 }

@@ -37,13 +37,17 @@ struct saved_env {
   void set(const char* k, const char* val) {
     const char* old = std::getenv(k);
     v.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
-    if (val) ::setenv(k, val, 1);
-    else ::unsetenv(k);
+    if (val)
+      ::setenv(k, val, 1);
+    else
+      ::unsetenv(k);
   }
   ~saved_env() {
     for (auto it = v.rbegin(); it != v.rend(); ++it)
-      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
-      else ::unsetenv(it->first.c_str());
+      if (it->second)
+        ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else
+        ::unsetenv(it->first.c_str());
   }
 };
 
@@ -54,9 +58,9 @@ struct moto {
   int port = 0;
   std::unique_ptr<testing::child_process> proc;
   moto() {
-    proc = testing::start_server(port, [](int p) {
-      return std::vector<std::string>{"moto_server", "-H", "127.0.0.1", "-p", std::to_string(p)};
-    }, dir.path, std::chrono::seconds(60));
+    proc = testing::start_server(
+        port, [](int p) { return std::vector<std::string>{"moto_server", "-H", "127.0.0.1", "-p", std::to_string(p)}; },
+        dir.path, std::chrono::seconds(60));
   }
   s3_options options() const {
     s3_options o;
@@ -93,8 +97,10 @@ moto& moto_shared() {
 TEST_CASE("sigv4: the examples of AWS's S3 documentation (Signature Version 4, header auth)") {
   // "Example: GET Object": a range read of examplebucket/test.txt
   auto r = detail::sigv4_sign("GET", "/test.txt", "",
-                              {{"Host", "examplebucket.s3.amazonaws.com"}, {"Range", "bytes=0-9"},
-                               {"x-amz-content-sha256", empty_hash}, {"x-amz-date", "20130524T000000Z"}},
+                              {{"Host", "examplebucket.s3.amazonaws.com"},
+                               {"Range", "bytes=0-9"},
+                               {"x-amz-content-sha256", empty_hash},
+                               {"x-amz-date", "20130524T000000Z"}},
                               empty_hash, aws_example, "us-east-1", "s3", "20130524T000000Z");
   CHECK(r.canonical_request ==
         "GET\n/test.txt\n\nhost:examplebucket.s3.amazonaws.com\nrange:bytes=0-9\nx-amz-content-sha256:" + empty_hash +
@@ -107,8 +113,9 @@ TEST_CASE("sigv4: the examples of AWS's S3 documentation (Signature Version 4, h
         "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request,"
         "SignedHeaders=host;range;x-amz-content-sha256;x-amz-date,"
         "Signature=f0e8bdb87c964420e857bd35b5d6ed310bd44f0170aba48dd91039c6036bdb41");
-  const std::vector<std::pair<std::string, std::string>> h{
-      {"host", "examplebucket.s3.amazonaws.com"}, {"x-amz-content-sha256", empty_hash}, {"x-amz-date", "20130524T000000Z"}};
+  const std::vector<std::pair<std::string, std::string>> h{{"host", "examplebucket.s3.amazonaws.com"},
+                                                           {"x-amz-content-sha256", empty_hash},
+                                                           {"x-amz-date", "20130524T000000Z"}};
   // "Example: GET Bucket Lifecycle": a query key without a value
   CHECK(detail::sigv4_sign("GET", "/", "lifecycle", h, empty_hash, aws_example, "us-east-1", "s3", "20130524T000000Z")
             .signature == "fea454ca298b7da1c68078a5d1bdbfbbe0d65c699e0f91ac7a200a0136783543");
@@ -118,7 +125,8 @@ TEST_CASE("sigv4: the examples of AWS's S3 documentation (Signature Version 4, h
             .signature == "34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7");
 }
 
-TEST_CASE("sigv4: the same signatures as botocore's S3SigV4Auth, with a session token and keys with spaces and unicode") {
+TEST_CASE(
+    "sigv4: the same signatures as botocore's S3SigV4Auth, with a session token and keys with spaces and unicode") {
   // botocore (shipped with the aws CLI) computes the canonical request, string to sign and
   // signature of the same request on its own
   const std::string script = R"(
@@ -140,60 +148,64 @@ print(auth.signature(auth.string_to_sign(req, cr), req))
       {"GET", "ckpt/rank_0.safetensors", "", "", "us-east-1", ""},
       {"PUT", "runs/my model/step 100/métadata ü.json", "", "FQoGZXIvYXdzEJr//////////wEaDOy token", "eu-west-3",
        "{\"a\": 1}"},
-      {"GET", "", "list-type=2&prefix=" + percent_encode("runs/my model/") + "&delimiter=%2F&max-keys=3", "tok", "us-west-2", ""},
+      {"GET", "", "list-type=2&prefix=" + percent_encode("runs/my model/") + "&delimiter=%2F&max-keys=3", "tok",
+       "us-west-2", ""},
       {"POST", "big/rank_1.safetensors", "uploadId=" + percent_encode("a b/c+d=="), "", "ap-south-1", "<x/>"},
       {"HEAD", "πλάκα/文件 name.bin", "", "", "us-east-1", ""},
   };
   for (const bool virt : {false, true})
-  for (const auto& s : samples) {
-    INFO((virt ? "virtual-hosted " : "path-style ") << s.method << " " << s.key << " ?" << s.query);
-    // path-style at a custom endpoint; virtual-hosted at AWS's endpoint, its URL as s3_directory makes it
-    const std::string vhost = "bucket.s3." + s.region + ".amazonaws.com";
-    std::string path = "/bucket" + (s.key.empty() ? "" : "/" + percent_encode(s.key, true));
-    if (virt) {
-      s3_options vo;
-      vo.region = s.region;
-      vo.credentials = aws_example;
-      vo.addressing = s3_addressing::virtual_hosted;
-      vo.endpoint = "https://s3." + s.region + ".amazonaws.com";
-      s3_directory vd("s3://bucket", vo);
-      path = "/" + percent_encode(s.key, true);
-      if (!s.key.empty()) {  // the URL s3_directory requests the key at
-        std::string rest = s.key;
-        for (std::size_t slash; (slash = rest.find('/')) != std::string::npos; rest = rest.substr(slash + 1))
-          vd = vd.sub(rest.substr(0, slash));
-        const url_parts vu = vd.url_of(rest);
-        CHECK(vu.host == vhost);
-        CHECK(vu.target == path);
+    for (const auto& s : samples) {
+      INFO((virt ? "virtual-hosted " : "path-style ") << s.method << " " << s.key << " ?" << s.query);
+      // path-style at a custom endpoint; virtual-hosted at AWS's endpoint, its URL as s3_directory makes it
+      const std::string vhost = "bucket.s3." + s.region + ".amazonaws.com";
+      std::string path = "/bucket" + (s.key.empty() ? "" : "/" + percent_encode(s.key, true));
+      if (virt) {
+        s3_options vo;
+        vo.region = s.region;
+        vo.credentials = aws_example;
+        vo.addressing = s3_addressing::virtual_hosted;
+        vo.endpoint = "https://s3." + s.region + ".amazonaws.com";
+        s3_directory vd("s3://bucket", vo);
+        path = "/" + percent_encode(s.key, true);
+        if (!s.key.empty()) {  // the URL s3_directory requests the key at
+          std::string rest = s.key;
+          for (std::size_t slash; (slash = rest.find('/')) != std::string::npos; rest = rest.substr(slash + 1))
+            vd = vd.sub(rest.substr(0, slash));
+          const url_parts vu = vd.url_of(rest);
+          CHECK(vu.host == vhost);
+          CHECK(vu.target == path);
+        }
       }
+      const std::string url = (virt ? "https://" + vhost : std::string("http://127.0.0.1:9000")) + path +
+                              (s.query.empty() ? "" : "?" + s.query);
+      const std::string date = "20240229T235959Z", hash = detail::sha256_hex(s.payload);
+      std::vector<std::pair<std::string, std::string>> headers{{"x-amz-date", date}, {"x-amz-content-sha256", hash}};
+      if (!s.token.empty()) headers.emplace_back("x-amz-security-token", s.token);
+      const aws_credentials c{"AKIDEXAMPLE", "secret key with / and + and ü", s.token};
+      std::string hj;
+      for (const auto& [k, v] : headers)
+        hj += (hj.empty() ? "" : ",") + testing::json_quoted(k) + ":" + testing::json_quoted(v);
+      const std::string json = "{\"method\":" + testing::json_quoted(s.method) +
+                               ",\"url\":" + testing::json_quoted(url) + ",\"headers\":{" + hj + "},\"date\":\"" +
+                               date + "\",\"ak\":\"" + c.access_key_id +
+                               "\",\"sk\":" + testing::json_quoted(c.secret_access_key) +
+                               ",\"token\":" + testing::json_quoted(s.token) + ",\"region\":\"" + s.region + "\"}";
+      // the test command requires the Python peers (moto_server's Python has botocore)
+      const auto py = testing::python("python3", {"-c", script, json});
+      if (!py) return;
+      auto signed_headers = headers;
+      signed_headers.emplace_back("host", virt ? vhost : std::string("127.0.0.1:9000"));
+      const auto mine = detail::sigv4_sign(s.method, path, s.query, signed_headers, hash, c, s.region, "s3", date);
+      CHECK(mine.signature + "\n" == py->out);
     }
-    const std::string url = (virt ? "https://" + vhost : std::string("http://127.0.0.1:9000")) + path +
-                            (s.query.empty() ? "" : "?" + s.query);
-    const std::string date = "20240229T235959Z", hash = detail::sha256_hex(s.payload);
-    std::vector<std::pair<std::string, std::string>> headers{{"x-amz-date", date}, {"x-amz-content-sha256", hash}};
-    if (!s.token.empty()) headers.emplace_back("x-amz-security-token", s.token);
-    const aws_credentials c{"AKIDEXAMPLE", "secret key with / and + and ü", s.token};
-    std::string hj;
-    for (const auto& [k, v] : headers) hj += (hj.empty() ? "" : ",") + testing::json_quoted(k) + ":" + testing::json_quoted(v);
-    const std::string json = "{\"method\":" + testing::json_quoted(s.method) + ",\"url\":" + testing::json_quoted(url) +
-                             ",\"headers\":{" + hj + "},\"date\":\"" + date + "\",\"ak\":\"" + c.access_key_id +
-                             "\",\"sk\":" + testing::json_quoted(c.secret_access_key) + ",\"token\":" +
-                             testing::json_quoted(s.token) + ",\"region\":\"" + s.region + "\"}";
-    // the test command requires the Python peers (moto_server's Python has botocore)
-    const auto py = testing::python("python3", {"-c", script, json});
-    if (!py) return;
-    auto signed_headers = headers;
-    signed_headers.emplace_back("host", virt ? vhost : std::string("127.0.0.1:9000"));
-    const auto mine = detail::sigv4_sign(s.method, path, s.query, signed_headers, hash, c, s.region, "s3", date);
-    CHECK(mine.signature + "\n" == py->out);
-  }
 }
 
 TEST_CASE("s3: credentials from the environment and from a credentials file profile") {
   testing::temp_dir t;
-  testing::write_file(t.path / "credentials",
-                      "[default]\naws_access_key_id = AKDEFAULT\naws_secret_access_key = sdefault\n\n"
-                      "[profile other]\n aws_access_key_id=AKOTHER \naws_secret_access_key = s other\naws_session_token = tok\n");
+  testing::write_file(
+      t.path / "credentials",
+      "[default]\naws_access_key_id = AKDEFAULT\naws_secret_access_key = sdefault\n\n"
+      "[profile other]\n aws_access_key_id=AKOTHER \naws_secret_access_key = s other\naws_session_token = tok\n");
   const auto c = detail::credentials_from_file(t.path / "credentials", "other");
   REQUIRE(c);
   CHECK(c->access_key_id == "AKOTHER");
@@ -219,7 +231,9 @@ TEST_CASE("s3: credentials from the environment and from a credentials file prof
   expect_error([] { aws_credentials_from_environment("absent"); }, errc::not_found, {"no AWS credentials", "'absent'"});
 }
 
-TEST_CASE("s3: addressing: virtual-hosted for AWS's endpoint and DNS-label buckets, path-style for custom endpoints, as configured") {
+TEST_CASE(
+    "s3: addressing: virtual-hosted for AWS's endpoint and DNS-label buckets, path-style for custom endpoints, as "
+    "configured") {
   testing::temp_dir t;
   saved_env env;
   env.set("AWS_ENDPOINT_URL", nullptr);
@@ -252,10 +266,11 @@ TEST_CASE("s3: addressing: virtual-hosted for AWS's endpoint and DNS-label bucke
                  {"s3://my.bucket", "virtual-hosted addressing needs a bucket name that is a DNS label"});
   }
   // ~/.aws/config: the profile's s3 addressing_style, as the AWS CLI writes it
-  testing::write_file(t.path / "config",
-                      "[default]\nregion = eu-west-1\ns3 =\n    addressing_style = path\n    max_concurrent_requests = 4\n"
-                      "[profile vh]\ns3 =\n  addressing_style = virtual\n[profile other]\naddressing_style = path\n"
-                      "[profile bad]\ns3 =\n  addressing_style = sideways\n");
+  testing::write_file(
+      t.path / "config",
+      "[default]\nregion = eu-west-1\ns3 =\n    addressing_style = path\n    max_concurrent_requests = 4\n"
+      "[profile vh]\ns3 =\n  addressing_style = virtual\n[profile other]\naddressing_style = path\n"
+      "[profile bad]\ns3 =\n  addressing_style = sideways\n");
   CHECK(url("s3://my-bucket/run", o) == "https://s3.eu-west-1.amazonaws.com/my-bucket/run/rank%200.bin");
   {
     s3_options v = o;
@@ -281,7 +296,9 @@ TEST_CASE("s3: addressing: virtual-hosted for AWS's endpoint and DNS-label bucke
 TEST_CASE("s3: XML error bodies become messages naming the object and S3's code") {
   detail::http_response r;
   r.status = 404;
-  r.body = "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The specified key does not exist.</Message></Error>";
+  r.body =
+      "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The specified key does not "
+      "exist.</Message></Error>";
   expect_error([&] { detail::throw_s3_error("s3://b/k", "GET", r); }, errc::not_found,
                {"s3://b/k: GET: NoSuchKey: The specified key does not exist. (HTTP 404)"});
   r.status = 403;
@@ -303,13 +320,23 @@ namespace {
 
 /// w: F32 [1536, 2048] (6 MiB a rank file: 2 parts of 5 MiB) and b: BF16 [1000], saved by
 /// 2 ranks in row halves into d; the exceptions of the ranks.
-std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, const std::string& w, const std::string& b) {
+std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, const std::string& w,
+                                                         const std::string& b) {
   return testing::run_ranks(2, [&](testing::thread_comm& comm) {
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
     std::string wm = w.substr(r * 768 * 2048 * 4, 768 * 2048 * 4), bm = b.substr(r * 1000, 1000);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({768, 2048}, {768 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"b", dtype::BF16, {1000}, shard_spec(block_spec({500}, {500 * r})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {1536, 2048},
+                              shard_spec(block_spec({768, 2048}, {768 * r, 0})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"b",
+                              dtype::BF16,
+                              {1000},
+                              shard_spec(block_spec({500}, {500 * r})),
+                              reinterpret_cast<std::byte*>(bm.data()),
+                              bm.size()}};
     save_flat_views(d, std::span<const flat_view>(v), comm);
   });
 }
@@ -336,21 +363,31 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
     // 3 ranks by column blocks of w ([0, 683), [683, 1366), [1366, 2048)) and thirds of b
     const std::uint64_t c0 = r * 683, cols = r == 2 ? 2048 - 1366 : 683, b0 = r * 334, bn = r == 2 ? 1000 - 668 : 334;
     std::string wm(1536 * cols * 4, '\x5a'), bm(bn * 2, '\x5a');
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({1536, cols}, {0, c0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"b", dtype::BF16, {1000}, shard_spec(block_spec({bn}, {b0})), reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {1536, 2048},
+                              shard_spec(block_spec({1536, cols}, {0, c0})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"b",
+                              dtype::BF16,
+                              {1000},
+                              shard_spec(block_spec({bn}, {b0})),
+                              reinterpret_cast<std::byte*>(bm.data()),
+                              bm.size()}};
     needed += load_flat_views(d, std::span<const flat_view>(v)).bytes_needed;
     std::string want_w;
     for (std::uint64_t row = 0; row < 1536; ++row) want_w += w.substr((row * 2048 + c0) * 4, cols * 4);
     CHECK(wm == want_w);
     CHECK(bm == b.substr(b0 * 2, bn * 2));
   }
-  MESSAGE("s3 load of 3 reshards from moto: " << d.client().stats().body_bytes - received0 << " body bytes received for "
-                                              << needed << " needed");
+  MESSAGE("s3 load of 3 reshards from moto: " << d.client().stats().body_bytes - received0
+                                              << " body bytes received for " << needed << " needed");
   // saving again over it is refused, as on a disk
   std::string one(4, '\0');
   flat_view again{"x", dtype::F32, {1}, std::nullopt, reinterpret_cast<std::byte*>(one.data()), one.size()};
-  auto t2 = testing::run_ranks(1, [&](testing::thread_comm& comm) { save_flat_views(d, std::span<const flat_view>(&again, 1), comm); });
+  auto t2 = testing::run_ranks(
+      1, [&](testing::thread_comm& comm) { save_flat_views(d, std::span<const flat_view>(&again, 1), comm); });
   REQUIRE(t2[0]);
   try {
     std::rethrow_exception(t2[0]);
@@ -372,8 +409,8 @@ TEST_CASE("s3: objects, folders, listing across pages, removal and errors agains
   empty.make();
   CHECK(d.exists("empty folder"));
   CHECK(empty.list().empty());
-  const std::vector<std::string> want{"empty folder", "inner", "obj 0.txt", "obj 1.txt", "obj 2.txt", "obj 3.txt",
-                                      "obj 4.txt", "obj 5.txt", "obj 6.txt"};
+  const std::vector<std::string> want{"empty folder", "inner",     "obj 0.txt", "obj 1.txt", "obj 2.txt",
+                                      "obj 3.txt",    "obj 4.txt", "obj 5.txt", "obj 6.txt"};
   CHECK(d.list() == want);  // 9 names over pages of 2
   CHECK(root.list() == std::vector<std::string>{"top"});
   CHECK(d.exists("inner"));
@@ -391,7 +428,9 @@ TEST_CASE("s3: objects, folders, listing across pages, removal and errors agains
   // an empty object, and a writer dropped without commit leaves nothing
   write_text(d, "zero", "");
   CHECK(d.open("zero").size() == 0);
-  { auto w = d.create("dropped"); }
+  {
+    auto w = d.create("dropped");
+  }
   CHECK_FALSE(d.exists("dropped"));
   // a bucket that does not exist: S3's code in the message
   const s3_directory nob("s3://no-such-bucket/p", o);
@@ -409,11 +448,15 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
   auto w = d.create("big.bin");
   expect_error(
       [&] {
-        w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
-          if (off >= (std::uint64_t(10) << 20)) throw error(errc::io_error, "fill failed at " + std::to_string(off));
-          std::memset(dst.data(), 7, dst.size());
-          ++filled;
-        }, block_write_options{2, false});
+        w.write_blocks(
+            size,
+            [&](std::uint64_t off, std::span<std::byte> dst) {
+              if (off >= (std::uint64_t(10) << 20))
+                throw error(errc::io_error, "fill failed at " + std::to_string(off));
+              std::memset(dst.data(), 7, dst.size());
+              ++filled;
+            },
+            block_write_options{2, false});
       },
       errc::io_error, {"fill failed"});
   CHECK(filled.load() >= 1);
@@ -425,8 +468,10 @@ TEST_CASE("s3: a multipart upload that fails half-way is aborted: no object, no 
   std::string want(size_t(size), '\0');
   for (std::size_t i = 0; i < want.size(); ++i) want[i] = static_cast<char>((i * 131) >> 7);
   auto ok = d.create("big.bin");
-  ok.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), want.data() + off, dst.size()); },
-                  block_write_options{3, false});
+  ok.write_blocks(
+      size,
+      [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), want.data() + off, dst.size()); },
+      block_write_options{3, false});
   CHECK(d.pending_uploads() == std::vector<std::string>{"big.bin"});
   CHECK_FALSE(d.exists("big.bin"));  // not visible before commit
   ok.commit();
@@ -478,8 +523,9 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
     int faults = 0;
     for (std::uint64_t seed = 1; seed <= 2; ++seed) {
       CAPTURE(seed);
-      testing::fault_proxy px(m.port, seed, 0.15,
-                              {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "3"});
+      testing::fault_proxy px(
+          m.port, seed, 0.15,
+          {"--faults", "reset,stall,s503,s503_date,s429,drop,truncate,wrong_range,wrong_length", "--stall", "3"});
       const s3_directory d("s3://faults/run/seed" + std::to_string(seed), via(px));
       for (auto& t : save_two_part_checkpoint(d, w, b)) REQUIRE_FALSE(t);
       const std::size_t saved_faults = px.faults().size();
@@ -487,7 +533,12 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
       // (every fault kind but ignore_range), checked against w and b
       std::string wm(800 * 2048 * 4, '\x5a'), bm(2000, '\x5a');
       std::vector<flat_view> v{
-          {"w", dtype::F32, {1536, 2048}, shard_spec(block_spec({800, 2048}, {400, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+          {"w",
+           dtype::F32,
+           {1536, 2048},
+           shard_spec(block_spec({800, 2048}, {400, 0})),
+           reinterpret_cast<std::byte*>(wm.data()),
+           wm.size()},
           {"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
       load_flat_views(d, std::span<const flat_view>(v));
       CHECK(wm == w.substr(400 * 2048 * 4, 800 * 2048 * 4));
@@ -513,7 +564,8 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
         std::rethrow_exception(t);
       } catch (const error& e) {
         const std::string what = e.what();
-        if (what.find("s3://faults/cut/rank_") != std::string::npos && what.find(": UploadPart ") != std::string::npos) {
+        if (what.find("s3://faults/cut/rank_") != std::string::npos &&
+            what.find(": UploadPart ") != std::string::npos) {
           upload_error = true;
           MESSAGE("the failed upload: " << what);
         }
@@ -579,8 +631,10 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
   CHECK_FALSE(detail::multipart_etag({}));
   auto write_big = [&](const s3_directory& d, const std::string& name) {
     auto w = d.create(name);
-    w.write_blocks(data.size(), [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), data.data() + off, dst.size()); },
-                   block_write_options{2, false});
+    w.write_blocks(
+        data.size(),
+        [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), data.data() + off, dst.size()); },
+        block_write_options{2, false});
     w.commit();
   };
   {  // the multipart ETag moto gives is the one Python computed
@@ -589,7 +643,8 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
   }
 
   for (const std::string mode : {"drop", "stall"}) {
-    SUBCASE(("the answer to the first Complete " + mode + "ped: the save succeeds, the checkpoint loads bit-exact").c_str()) {
+    SUBCASE(("the answer to the first Complete " + mode + "ped: the save succeeds, the checkpoint loads bit-exact")
+                .c_str()) {
       testing::fault_proxy px(m.port, 1, 0.0, {"--lose-complete", mode, "--stall", "3"});
       const s3_directory d("s3://lost/run-" + mode, via(px));
       const std::string w = random_bytes(1536 * 2048 * 4, 91), b = random_bytes(1000 * 2, 92);
@@ -616,8 +671,8 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
     testing::fault_proxy px(m.port, 1, 0.0, {"--lose-complete", "drop", "--head-etag", other});
     const s3_directory d("s3://lost/other", via(px));
     expect_error([&] { write_big(d, "big.bin"); }, errc::not_found,
-                 {"s3://lost/other/big.bin: CompleteMultipartUpload", "NoSuchUpload", "hex(md5(the parts' binary MD5s))-N",
-                  "the object there has ETag " + other, "not our " + py_etag});
+                 {"s3://lost/other/big.bin: CompleteMultipartUpload", "NoSuchUpload",
+                  "hex(md5(the parts' binary MD5s))-N", "the object there has ETag " + other, "not our " + py_etag});
     const auto faults = px.faults();
     REQUIRE(faults.size() == 3u);
     CHECK(faults[0].starts_with("lose-drop POST /lost/other/big.bin?uploadId="));
@@ -626,7 +681,8 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
   }
 }
 
-TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected through connect_to): save and load bit-exact") {
+TEST_CASE(
+    "s3: virtual-hosted requests to moto (BUCKET.localhost, connected through connect_to): save and load bit-exact") {
   moto& m = moto_shared();
   const s3_options direct = m.options();
   m.bucket("virt", direct);
@@ -646,8 +702,9 @@ TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected thro
   CHECK(p.list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
   const std::string w = random_bytes(64 * 30 * 4, 70), e = random_bytes(10 * 8 * 2, 71);
   std::string wm(w.size(), '\x5a'), em(e.size(), '\x5a');
-  std::vector<flat_view> v{{"w", dtype::F32, {64, 30}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-                           {"e", dtype::BF16, {10, 8}, std::nullopt, reinterpret_cast<std::byte*>(em.data()), em.size()}};
+  std::vector<flat_view> v{
+      {"w", dtype::F32, {64, 30}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
+      {"e", dtype::BF16, {10, 8}, std::nullopt, reinterpret_cast<std::byte*>(em.data()), em.size()}};
   load_flat_views(d, std::span<const flat_view>(v));
   CHECK(wm == w);
   CHECK(em == e);
@@ -656,7 +713,8 @@ TEST_CASE("s3: virtual-hosted requests to moto (BUCKET.localhost, connected thro
   s3_options n = o;
   n.http.connect_to.clear();
   n.http.max_attempts = 1;
-  expect_error([&] { s3_directory("s3://virt/ckpt", n).list(); }, errc::io_error, {"s3://virt/ckpt", "virt.localhost:1"});
+  expect_error([&] { s3_directory("s3://virt/ckpt", n).list(); }, errc::io_error,
+               {"s3://virt/ckpt", "virt.localhost:1"});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -746,7 +804,8 @@ TEST_CASE("servers: a test process killed with SIGKILL leaves no nginx, moto_ser
     if (!left.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   } while (!left.empty() && std::chrono::steady_clock::now() < until);
   std::string names;
-  for (pid_t p : left) names += " " + std::to_string(p) + ":" + testing::slurp("/proc/" + std::to_string(p) + "/cmdline");
+  for (pid_t p : left)
+    names += " " + std::to_string(p) + ":" + testing::slurp("/proc/" + std::to_string(p) + "/cmdline");
   CHECK_MESSAGE(left.empty(), "still running after the test process died:", names);
   for (pid_t p : left) ::kill(p, SIGKILL);  // (a failed check leaves nothing behind either)
 }
@@ -783,7 +842,8 @@ TEST_CASE("s3: rotation keeps the newest complete checkpoints on S3, as on a loc
   CHECK(root.list() == std::vector<std::string>{"step30", "step40", "step50"});
   CHECK(root.list() == lroot.list());
   CHECK(root.sub("step10").list().empty());
-  CHECK(root.sub("step40").list() == std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
+  CHECK(root.sub("step40").list() ==
+        std::vector<std::string>{"metadata.json", "rank_0.safetensors", "rank_1.safetensors"});
   CHECK(root.pending_uploads().empty());
 }
 
@@ -799,7 +859,8 @@ TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the
     answer = std::move(a);
   };
   auto reply = [](const std::string& status, const std::string& body) {
-    return "HTTP/1.1 " + status + "\r\nContent-Length: " + std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+    return "HTTP/1.1 " + status + "\r\nContent-Length: " + std::to_string(body.size()) +
+           "\r\nConnection: close\r\n\r\n" + body;
   };
   s3_options o;
   o.endpoint = "http://127.0.0.1:" + std::to_string(srv.port());
@@ -810,10 +871,12 @@ TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the
   const s3_directory d("s3://bkt/pre", o);
 
   set(reply("403 Forbidden", "<html><body>proxy says no</body></html>"));
-  expect_error([&] { d.list(); }, errc::io_error,
-               {"s3://bkt/pre: ListObjectsV2 of 'pre/': HTTP 403 with a body that is not an S3 error document: <html>"});
+  expect_error(
+      [&] { d.list(); }, errc::io_error,
+      {"s3://bkt/pre: ListObjectsV2 of 'pre/': HTTP 403 with a body that is not an S3 error document: <html>"});
   set(reply("500 Internal Server Error", "<Error><Code>Intern"));  // cut short: retried, then judged
-  expect_error([&] { d.list(); }, errc::io_error, {"s3://bkt/pre", "HTTP 500 with a body that is not an S3 error document"});
+  expect_error([&] { d.list(); }, errc::io_error,
+               {"s3://bkt/pre", "HTTP 500 with a body that is not an S3 error document"});
   set(reply("404 Not Found", ""));
   expect_error([&] { d.list(); }, errc::not_found, {"s3://bkt/pre", "HTTP 404 (no body)"});
   set(reply("200 OK", "<ListBucketResult><Contents><Key>pre/a"));
@@ -831,14 +894,19 @@ TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the
     small.single_put_max = 1;
     const s3_directory ds("s3://bkt/pre", small);
     auto wr = ds.create("big.bin");
-    expect_error([&] { wr.write_blocks(std::uint64_t(6) << 20, [](std::uint64_t, std::span<std::byte> dst) { std::memset(dst.data(), 1, dst.size()); }); },
-                 errc::io_error, {"s3://bkt/pre/big.bin: CreateMultipartUpload: no UploadId"});
+    expect_error(
+        [&] {
+          wr.write_blocks(std::uint64_t(6) << 20,
+                          [](std::uint64_t, std::span<std::byte> dst) { std::memset(dst.data(), 1, dst.size()); });
+        },
+        errc::io_error, {"s3://bkt/pre/big.bin: CreateMultipartUpload: no UploadId"});
   }
   set("HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
   expect_error([&] { d.open("x.bin"); }, errc::io_error, {"s3://bkt/pre/x.bin: open", "HTTP 403 to HEAD"});
   set("HTTP/1.1 200 OK\r\nContent-Length: 1000000000000000000\r\nConnection: close\r\n\r\n");
-  expect_error([&] { d.list(); }, errc::io_error,
-               {"s3://bkt/pre", "Content-Length 1000000000000000000 is over the 16777216 bytes this client reads into memory"});
+  expect_error(
+      [&] { d.list(); }, errc::io_error,
+      {"s3://bkt/pre", "Content-Length 1000000000000000000 is over the 16777216 bytes this client reads into memory"});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -846,9 +914,9 @@ TEST_CASE("s3 bad servers: answers that are not S3's are clear errors naming the
 
 namespace {
 
-
 std::string s3_replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  for (std::size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size()))
+    s.replace(at, from.size(), to);
   return s;
 }
 
@@ -861,7 +929,8 @@ std::string object_text(const s3_directory& d, const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" * doctest::skip(!testing::have_tool())) {
+TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder" *
+          doctest::skip(!testing::have_tool())) {
   moto& m = moto_shared();
   saved_env env;  // the tool process inherits these
   const std::string endpoint = "http://127.0.0.1:" + std::to_string(m.port);
@@ -933,7 +1002,8 @@ TEST_CASE("s3: the tool reads from and writes to moto as it does a local folder"
   }
 
   // a missing object or prefix: exit 1, one line naming the URL
-  for (const std::string url : {"s3://tool/absent", "s3://tool/absent.safetensors", "s3://tool/ckpt/absent.safetensors"}) {
+  for (const std::string url :
+       {"s3://tool/absent", "s3://tool/absent.safetensors", "s3://tool/ckpt/absent.safetensors"}) {
     CAPTURE(url);
     const auto r = testing::run_tool({"digest", url});
     CHECK(r.code == 1);
@@ -948,9 +1018,13 @@ TEST_CASE("s3: a listing that is always truncated ends at the operation deadline
   int page = 0;
   testing::raw_server srv([&](const std::string& head) {
     ++page;
-    const std::string body = "<?xml version=\"1.0\"?><ListBucketResult><IsTruncated>true</IsTruncated>"
-                             "<NextContinuationToken>t" + std::to_string(page) + "</NextContinuationToken>"
-                             "<Contents><Key>run/k" + std::to_string(page) + "</Key></Contents></ListBucketResult>";
+    const std::string body =
+        "<?xml version=\"1.0\"?><ListBucketResult><IsTruncated>true</IsTruncated>"
+        "<NextContinuationToken>t" +
+        std::to_string(page) +
+        "</NextContinuationToken>"
+        "<Contents><Key>run/k" +
+        std::to_string(page) + "</Key></Contents></ListBucketResult>";
     if (head.starts_with("HEAD ")) return std::string("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
     return "HTTP/1.1 200 OK\r\nContent-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body;
   });
@@ -961,7 +1035,8 @@ TEST_CASE("s3: a listing that is always truncated ends at the operation deadline
   o.addressing = s3_addressing::path;
   o.http.operation_timeout = std::chrono::milliseconds(1500);
   const s3_directory d("s3://bucket/run", o);
-  expect_error([&] { d.list(); }, errc::io_error, {"ListObjectsV2 of 'run/'", "still truncated after", "refusing to list further"});
+  expect_error([&] { d.list(); }, errc::io_error,
+               {"ListObjectsV2 of 'run/'", "still truncated after", "refusing to list further"});
   // bounded work: within the deadline and below the page cap
   CHECK(srv.requests() > 1);
   CHECK(srv.requests() <= 10'000);

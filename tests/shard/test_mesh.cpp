@@ -85,7 +85,8 @@ shape_t coords_of(u64 r, const shape_t& mesh) {
 }
 
 /// owners[e]: the ranks holding global flat element e, by brute force.
-std::vector<std::vector<u64>> brute_owners(const shape_t& full, const shape_t& mesh, const std::vector<placement>& pls) {
+std::vector<std::vector<u64>> brute_owners(const shape_t& full, const shape_t& mesh,
+                                           const std::vector<placement>& pls) {
   const u64 n = numel(full), ranks = numel(mesh);
   std::vector<std::vector<std::vector<bool>>> held;
   for (u64 r = 0; r < ranks; ++r) held.push_back(held_indices(full, mesh, coords_of(r, mesh), pls));
@@ -131,7 +132,8 @@ std::vector<block_spec> check_against_brute_force(const shape_t& full, const sha
   const auto want = brute_owners(full, mesh, pls), got = spec_owners(full, blocks);
   u64 bad = 0;
   for (u64 e = 0; e < want.size(); ++e)
-    if (want[e] != got[e] && bad++ < 3) CHECK_MESSAGE(want[e] == got[e], "element " << e << " " << multi_index_string(full, e));
+    if (want[e] != got[e] && bad++ < 3)
+      CHECK_MESSAGE(want[e] == got[e], "element " << e << " " << multi_index_string(full, e));
   CHECK(bad == 0);
   // every rank's own view agrees with the list (mesh_block through a device_mesh)
   for (u64 r = 0; r < blocks.size(); ++r) {
@@ -540,8 +542,8 @@ TEST_CASE("mesh: the save's agreement rejects overlapping shards that are not de
           v[0].spec = block_spec({5, 3}, {4, 0});
           v[0].replica = replica_role::writer;
         }),
-        {"tensor 'w'", "rank 0's shard block [5,3] at [0,0] and rank 1's shard block [5,3] at [4,0]", "share 3 elements",
-         "index [4,0]"});
+        {"tensor 'w'", "rank 0's shard block [5,3] at [0,0] and rank 1's shard block [5,3] at [4,0]",
+         "share 3 elements", "index [4,0]"});
   }
   SUBCASE("a replica role on a tensor that is not sharded") {
     has(errors_when([](int, std::vector<flat_view>& v) {
@@ -580,21 +582,22 @@ std::string block_hash(const block_spec& b, const shape_t& full) {
 
 TEST_CASE("mesh: a fixed table of layouts agrees with torch 1.13's nested torch.chunk (shape, offset, element hash)" *
           testing::torch_check()) {
-  REQUIRE_MESSAGE(testing::have_torch(), "SHARDSAFE_REQUIRE_PYTHON=1 but " << testing::torch_python << " cannot import torch");
+  REQUIRE_MESSAGE(testing::have_torch(),
+                  "SHARDSAFE_REQUIRE_PYTHON=1 but " << testing::torch_python << " cannot import torch");
   const std::vector<table_case> table{
-      {{10, 6}, {4}, {shard(0)}},                                // FSDP2, 3,3,3,1
-      {{10}, {8}, {shard(0)}},                                   // empty trailing pieces
-      {{7}, {8}, {shard(0)}},                                    // more ranks than elements
-      {{8, 6}, {4}, {shard(1)}},                                 // TP row parallel, an empty column piece
-      {{10, 3}, {3, 4}, {replicate(), shard(0)}},                // HSDP
-      {{11, 7}, {2, 3}, {shard(0), shard(0)}},                   // FSDP + TP on one dimension
-      {{11, 7}, {2, 3}, {shard(0), shard(1)}},                   // FSDP + TP, rows and columns
-      {{5, 2}, {2, 4}, {shard(0), shard(0)}},                    // nested with a short outer piece
-      {{9, 10}, {2, 3, 4}, {replicate(), shard(0), shard(1)}},   // HSDP + TP
-      {{13, 3}, {2, 3, 2}, {shard(0), shard(0), shard(0)}},      // three levels of nesting
-      {{4, 5, 6, 7}, {2, 2, 3}, {shard(3), shard(1), shard(3)}}, // 4-D tensor, interleaved
+      {{10, 6}, {4}, {shard(0)}},                                 // FSDP2, 3,3,3,1
+      {{10}, {8}, {shard(0)}},                                    // empty trailing pieces
+      {{7}, {8}, {shard(0)}},                                     // more ranks than elements
+      {{8, 6}, {4}, {shard(1)}},                                  // TP row parallel, an empty column piece
+      {{10, 3}, {3, 4}, {replicate(), shard(0)}},                 // HSDP
+      {{11, 7}, {2, 3}, {shard(0), shard(0)}},                    // FSDP + TP on one dimension
+      {{11, 7}, {2, 3}, {shard(0), shard(1)}},                    // FSDP + TP, rows and columns
+      {{5, 2}, {2, 4}, {shard(0), shard(0)}},                     // nested with a short outer piece
+      {{9, 10}, {2, 3, 4}, {replicate(), shard(0), shard(1)}},    // HSDP + TP
+      {{13, 3}, {2, 3, 2}, {shard(0), shard(0), shard(0)}},       // three levels of nesting
+      {{4, 5, 6, 7}, {2, 2, 3}, {shard(3), shard(1), shard(3)}},  // 4-D tensor, interleaved
       {{3, 1, 9, 2}, {3, 5}, {shard(2), shard(0)}},
-      {{6, 4}, {1, 2, 1}, {shard(1), replicate(), shard(0)}},    // size-1 mesh dimensions
+      {{6, 4}, {1, 2, 1}, {shard(1), replicate(), shard(0)}},  // size-1 mesh dimensions
       {{2, 3}, {8}, {shard(1)}},
   };
   testing::temp_dir dir("mesh");
@@ -625,7 +628,8 @@ TEST_CASE("mesh: a fixed table of layouts agrees with torch 1.13's nested torch.
     REQUIRE(rank < blocks[ci].size());
     const auto& c = table[ci];
     const block_spec& b = blocks[ci][rank];
-    INFO(describe(c.full, c.mesh, c.pls) << " rank " << rank << ": torch says " << line << ", shardsafe " << to_string(b));
+    INFO(describe(c.full, c.mesh, c.pls) << " rank " << rank << ": torch says " << line << ", shardsafe "
+                                         << to_string(b));
     ++seen;
     if (shape_s == "empty") {
       ++empties;
@@ -720,7 +724,11 @@ struct moe_rank {
         want.push_back(block_values(m.full, m.full, shape_t(m.full.size(), 0), m.id));
       }
       mem.push_back(fill ? want.back() : std::vector<float>(want.back().size(), -1.f));
-      flat_view v{m.key, dtype::F32, m.full, spec, reinterpret_cast<std::byte*>(mem.back().data()),
+      flat_view v{m.key,
+                  dtype::F32,
+                  m.full,
+                  spec,
+                  reinterpret_cast<std::byte*>(mem.back().data()),
                   mem.back().size() * sizeof(float)};
       v.replica = role;
       views.push_back(v);
@@ -748,7 +756,9 @@ void save_moe(const memory_directory& dir, const shape_t& mesh) {
 
 }  // namespace
 
-TEST_CASE("mesh: expert parallelism EP=4 x ep_fsdp=2 saved once, loaded under EP=2 x 4, EP=1, whole and FSDP flat, bit-exact") {
+TEST_CASE(
+    "mesh: expert parallelism EP=4 x ep_fsdp=2 saved once, loaded under EP=2 x 4, EP=1, whole and FSDP flat, "
+    "bit-exact") {
   auto store = std::make_shared<memory_store>();
   const memory_directory mem(store, "mem:ep");
   save_moe(mem, {4, 2});
@@ -861,8 +871,12 @@ TEST_CASE("mesh: expert stacking splits a stacked view into per-expert views of 
   std::vector<float> m(12);
   // flat: [3, 2, 2] holding global elements [2, 7) and [9, 12): expert 0 gets [2, 4) from
   // local 0, expert 1 [0, 3) from local 2, expert 2 [1, 4) from local 5
-  flat_view flat{"x.experts.w.weight", dtype::F32, {3, 2, 2}, flat_spec{{2, 7}, {9, 12}},
-                 reinterpret_cast<std::byte*>(m.data()), 8 * 4};
+  flat_view flat{"x.experts.w.weight",
+                 dtype::F32,
+                 {3, 2, 2},
+                 flat_spec{{2, 7}, {9, 12}},
+                 reinterpret_cast<std::byte*>(m.data()),
+                 8 * 4};
   flat.replica = replica_role::copy;
   auto u = unstack_experts(std::span<const flat_view>(&flat, 1), rules, "t");
   REQUIRE(u.views.size() == 3);
@@ -882,8 +896,12 @@ TEST_CASE("mesh: expert stacking splits a stacked view into per-expert views of 
     CHECK(u.origin[i] == 0);
   }
   // block: experts 1-2 of [4, 3, 2], columns 1.. of each: [2, 3, 1] at [1, 0, 1]
-  flat_view blk{"x.experts.w.weight", dtype::F32, {4, 3, 2}, block_spec({2, 3, 1}, {1, 0, 1}),
-                reinterpret_cast<std::byte*>(m.data()), 6 * 4};
+  flat_view blk{"x.experts.w.weight",
+                dtype::F32,
+                {4, 3, 2},
+                block_spec({2, 3, 1}, {1, 0, 1}),
+                reinterpret_cast<std::byte*>(m.data()),
+                6 * 4};
   flat_view other{"x.norm.weight", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(m.data() + 6), 8};
   const std::vector<flat_view> two{other, blk};
   u = unstack_experts(std::span<const flat_view>(two), rules, "t");
@@ -906,8 +924,9 @@ TEST_CASE("mesh: expert stacking splits a stacked view into per-expert views of 
   flat_view scalar{"x.experts.s.weight", dtype::F32, {}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 4};
   testing::expect_error([&] { unstack_experts(std::span<const flat_view>(&scalar, 1), rules, "ctx"); },
                         errc::invalid_argument, {"ctx: tensor 'x.experts.s.weight'", "0-d", "no expert dimension"});
-  const std::vector<flat_view> clash{whole, flat_view{"x.experts.1.w.weight", dtype::F32, {4}, std::nullopt,
-                                                      reinterpret_cast<std::byte*>(m.data()), 16}};
+  const std::vector<flat_view> clash{
+      whole,
+      flat_view{"x.experts.1.w.weight", dtype::F32, {4}, std::nullopt, reinterpret_cast<std::byte*>(m.data()), 16}};
   testing::expect_error([&] { unstack_experts(std::span<const flat_view>(clash), rules, "ctx"); },
                         errc::invalid_argument, {"two views are named 'x.experts.1.w.weight'"});
 }
@@ -983,18 +1002,19 @@ void check_per_expert_export(const D& out) {
     if (m.key.find(".experts.") == std::string::npos) {
       want.push_back(all);
       mem.emplace_back(all.size(), -1.f);
-      views.push_back({m.key, dtype::F32, m.full, std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()),
-                       all.size() * 4});
+      views.push_back(
+          {m.key, dtype::F32, m.full, std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()), all.size() * 4});
       continue;
     }
     const shape_t rest(m.full.begin() + 1, m.full.end());
     const u64 S = numel(rest);
     const std::size_t dot = m.key.find(".experts.") + 9;
     for (u64 i = 0; i < m.full[0]; ++i) {
-      want.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * S), all.begin() + static_cast<std::ptrdiff_t>((i + 1) * S));
+      want.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(i * S),
+                        all.begin() + static_cast<std::ptrdiff_t>((i + 1) * S));
       mem.emplace_back(S, -1.f);
-      views.push_back({m.key.substr(0, dot) + std::to_string(i) + "." + m.key.substr(dot), dtype::F32, rest, std::nullopt,
-                       reinterpret_cast<std::byte*>(mem.back().data()), S * 4});
+      views.push_back({m.key.substr(0, dot) + std::to_string(i) + "." + m.key.substr(dot), dtype::F32, rest,
+                       std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()), S * 4});
     }
   }
   REQUIRE(views.size() == 16);
@@ -1041,7 +1061,7 @@ TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor p
   CHECK(renamed.exists("model.safetensors.index.json"));
   std::vector<float> e3(30, -1.f);
   const flat_view v{"layers.0.mlp.experts.3.gate_proj.weight", dtype::F32, {6, 5}, std::nullopt,
-                    reinterpret_cast<std::byte*>(e3.data()), 120};
+                    reinterpret_cast<std::byte*>(e3.data()),   120};
   load_flat_views(renamed, std::span<const flat_view>(&v, 1));
   for (u64 j = 0; j < 30; ++j) CHECK(e3[j] == moe_value(1, 3 * 30 + j));
   // a 0-d tensor cannot be split
@@ -1052,8 +1072,8 @@ TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor p
   save_flat_views(scalar, std::span<const flat_view>(&sv, 1), one);
   hf_export_options o2;
   o2.experts = expert_stacking({expert_rule});
-  testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); }, errc::invalid_argument,
-                        {"tensor 'x.experts.s.weight'", "0-d"});
+  testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); },
+                        errc::invalid_argument, {"tensor 'x.experts.s.weight'", "0-d"});
 }
 
 TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of an EP checkpoint" *
@@ -1071,12 +1091,12 @@ TEST_CASE("mesh: shardsafe to-hf --stack-experts writes one tensor per expert of
     testing::write_file(dir.path / "ckpt" / n, bytes);
   }
   const auto r = testing::run_tool({"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf").string(),
-                                             "--max-shard-size", "600", "--stack-experts", expert_rule});
+                                    "--max-shard-size", "600", "--stack-experts", expert_rule});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   check_per_expert_export(file_directory(dir.path / "hf"));
   // a rule without {i} is a usage error
   const auto bad = testing::run_tool({"to-hf", (dir.path / "ckpt").string(), (dir.path / "hf2").string(),
-                                               "--stack-experts", "^(.*)\\.experts\\.(.*)$=\\1.\\2"});
+                                      "--stack-experts", "^(.*)\\.experts\\.(.*)$=\\1.\\2"});
   CHECK(bad.code == 2);
   CHECK(bad.err.find("no '{i}'") != std::string::npos);
   CHECK_FALSE(fs::exists(dir.path / "hf2"));
@@ -1151,12 +1171,14 @@ TEST_CASE("mesh: the compact form - grids for regular shardings, checksums besid
   // the same rank files, byte for byte
   for (int r = 0; r < n; ++r) {
     CAPTURE(r);
-    CHECK(testing::slurp(tmp.path / "listed" / rank_file_name(r)) == testing::slurp(tmp.path / "compact" / rank_file_name(r)));
+    CHECK(testing::slurp(tmp.path / "listed" / rank_file_name(r)) ==
+          testing::slurp(tmp.path / "compact" / rank_file_name(r)));
   }
   // an independent reading: Python expands each grid by docs/FORMAT.md's rule and compares it
   // with the listed form, and the sidecars with the listed form's checksum tables
-  if (const auto py = testing::python("python3", {"-I", (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "grid_expand.py").string(),
-                                                   (tmp.path / "listed").string(), (tmp.path / "compact").string()})) {
+  if (const auto py =
+          testing::python("python3", {"-I", (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "grid_expand.py").string(),
+                                      (tmp.path / "listed").string(), (tmp.path / "compact").string()})) {
     const std::string grids = py->out.substr(0, py->out.find('\n'));
     CHECK(grids.rfind("grids: emb tiny m", 0) == 0);
   }
@@ -1169,7 +1191,8 @@ TEST_CASE("mesh: the compact form - grids for regular shardings, checksums besid
     mem.reserve(5);
     auto add = [&](const std::string& key, const shape_t& full, const shard_spec& spec) {
       mem.emplace_back(spec.local_numel(), -1.f);
-      want.push_back({key, dtype::F32, full, spec, reinterpret_cast<std::byte*>(mem.back().data()), mem.back().size() * 4});
+      want.push_back(
+          {key, dtype::F32, full, spec, reinterpret_cast<std::byte*>(mem.back().data()), mem.back().size() * 4});
     };
     const u64 ur = static_cast<u64>(r);
     add("emb", {37, 5}, flat_spec{{185 * ur / 3, 185 * (ur + 1) / 3}});

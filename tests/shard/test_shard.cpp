@@ -143,8 +143,9 @@ std::string copy_plan_error(const copy_plan& p, const std::vector<u64>& mine, co
     if (om[mine[i]] >= 0) want.emplace_back(i, static_cast<u64>(om[mine[i]]));
   for (auto r : p)
     for (u64 k = 0; k < r.len; ++k) got.emplace_back(r.dst + k, r.src + k);
-  if (got != want) return "moved elements differ from brute force (" + std::to_string(got.size()) + " vs " +
-                          std::to_string(want.size()) + ")";
+  if (got != want)
+    return "moved elements differ from brute force (" + std::to_string(got.size()) + " vs " +
+           std::to_string(want.size()) + ")";
   return {};
 }
 
@@ -249,7 +250,8 @@ std::vector<shard_spec> random_files(rng_t& r, const shape_t& full) {
       auto copy = files[pick(r, 0, files.size() - 1)];
       files.insert(files.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, files.size())), std::move(copy));
     }
-  if (!files.empty() && chance(r, 4)) files.erase(files.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, files.size() - 1)));
+  if (!files.empty() && chance(r, 4))
+    files.erase(files.begin() + static_cast<std::ptrdiff_t>(pick(r, 0, files.size() - 1)));
   if (chance(r, 2)) std::shuffle(files.begin(), files.end(), r);
   return files;
 }
@@ -300,19 +302,22 @@ TEST_CASE("property: copy plans and overlap classes match the brute force (all f
     const std::string ctx = case_ctx(kSeed, i, full) + " mine=" + to_string(a) + " other=" + to_string(b);
     // through the variant, and through the concrete types (flat x flat ... block x block)
     if (!budget.check(pair_error(a, b, full, em, eo), ctx + " [shard_spec]")) break;
-    std::string typed = std::visit([&](const auto& x) {
-      return std::visit([&](const auto& y) { return pair_error(x, y, full, em, eo); }, b.variant());
-    }, a.variant());
+    std::string typed = std::visit(
+        [&](const auto& x) {
+          return std::visit([&](const auto& y) { return pair_error(x, y, full, em, eo); }, b.variant());
+        },
+        a.variant());
     if (!budget.check(typed, ctx + " [typed]")) break;
     ++seen[bf_classify(em, eo, full) ? 1 + int(*bf_classify(em, eo, full)) : 0];
     ++seen_nd[full.size()];
     numel_sum += bf_numel(full);
   }
   // the generator reaches every class and rank, on tensors that are not all tiny
-  for (int k = 0; k < 5; ++k) CHECK_MESSAGE(seen[k] > kPairCases / 40, "overlap class " << k << " seen " << seen[k] << " times");
+  for (int k = 0; k < 5; ++k)
+    CHECK_MESSAGE(seen[k] > kPairCases / 40, "overlap class " << k << " seen " << seen[k] << " times");
   for (int k = 0; k < 6; ++k) CHECK_MESSAGE(seen_nd[k] > kPairCases / 40, k << "-d seen " << seen_nd[k] << " times");
   MESSAGE("classes none/equal/superset/subset/mixed: " << seen[0] << "/" << seen[1] << "/" << seen[2] << "/" << seen[3]
-          << "/" << seen[4] << ", mean numel " << numel_sum / kPairCases);
+                                                       << "/" << seen[4] << ", mean numel " << numel_sum / kPairCases);
 }
 
 TEST_CASE("property: plan_load covers each of my elements once from a file that holds it") {
@@ -343,10 +348,14 @@ TEST_CASE("property: plan_load covers each of my elements once from a file that 
       for (auto run : fp.runs)
         for (u64 k = 0; k < run.len && err.empty(); ++k) {
           const u64 d = run.dst + k, s = run.src + k;
-          if (d >= em.size() || s >= ef[fp.file].size()) err = "run out of range";
-          else if (from[d] != -1) err = "element " + std::to_string(d) + " provided twice";
-          else if (em[d] != ef[fp.file][s]) err = "element " + std::to_string(d) + " from the wrong source";
-          else from[d] = static_cast<long long>(fp.file);
+          if (d >= em.size() || s >= ef[fp.file].size())
+            err = "run out of range";
+          else if (from[d] != -1)
+            err = "element " + std::to_string(d) + " provided twice";
+          else if (em[d] != ef[fp.file][s])
+            err = "element " + std::to_string(d) + " from the wrong source";
+          else
+            from[d] = static_cast<long long>(fp.file);
         }
       if (!err.empty()) break;
     }
@@ -358,8 +367,10 @@ TEST_CASE("property: plan_load covers each of my elements once from a file that 
     u64 covered = 0;
     for (u64 d = 0; d < em.size() && err.empty(); ++d) {
       if (have[em[d]] != (from[d] != -1)) err = "coverage of element " + std::to_string(d) + " differs";
-      if (have[em[d]]) ++covered;
-      else uncovered.push_back(d);
+      if (have[em[d]])
+        ++covered;
+      else
+        uncovered.push_back(d);
     }
     if (err.empty() && plan.missing != bf_ranges_of(uncovered))
       err = "missing " + str(plan.missing) + ", brute force " + str(bf_ranges_of(uncovered));
@@ -410,7 +421,8 @@ TEST_CASE("property: missing_in_whole names exactly the elements no file holds (
   }
   // memory O(files), whatever the runs: a column block of 2^24 rows is 2^24 runs, merged lazily
   const shape_t tall{std::uint64_t(1) << 24, 2};
-  const std::vector<shard_spec> cols{block_spec({std::uint64_t(1) << 24, 1}, {0, 0}), block_spec({std::uint64_t(1) << 24, 1}, {0, 1})};
+  const std::vector<shard_spec> cols{block_spec({std::uint64_t(1) << 24, 1}, {0, 0}),
+                                     block_spec({std::uint64_t(1) << 24, 1}, {0, 1})};
   CHECK(missing_in_whole(std::span<const shard_spec>(cols), tall).empty());
   const std::vector<shard_spec> one{cols[0]};
   const auto gaps = missing_in_whole(std::span<const shard_spec>(one), tall, 3);
@@ -438,8 +450,7 @@ TEST_CASE("property: merged ranges and cursor runs match the brute force; seek l
     for (auto c = s.cursor(full); !c.done(); c.next()) runs.push_back(c.run());
     std::vector<u64> from_runs;
     for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
-      if (runs[k].begin >= runs[k].end || runs[k].local != from_runs.size() ||
-          (k && runs[k - 1].end > runs[k].begin))
+      if (runs[k].begin >= runs[k].end || runs[k].local != from_runs.size() || (k && runs[k - 1].end > runs[k].begin))
         err = "bad run " + std::to_string(k);
       for (u64 g = runs[k].begin; g < runs[k].end; ++g) from_runs.push_back(g);
     }
@@ -465,7 +476,8 @@ TEST_CASE("property: merged ranges and cursor runs match the brute force; seek l
     for (u64 pos = 0; pos <= n && err.empty(); pos += pick(r, 0, 4)) {
       c.seek(pos);
       auto it = std::find_if(runs.begin(), runs.end(), [&](const spec_run& x) { return x.end > pos; });
-      if (it == runs.end() ? !c.done() : (c.done() || !(c.run() == *it))) err = "monotone seek(" + std::to_string(pos) + ")";
+      if (it == runs.end() ? !c.done() : (c.done() || !(c.run() == *it)))
+        err = "monotone seek(" + std::to_string(pos) + ")";
       if (pos == n) break;
     }
     if (!budget.check(err, ctx)) break;
@@ -489,7 +501,8 @@ std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, co
   std::vector<long long> want(src_end, -1), seen(src_end, 0);
   for (auto x : runs)
     for (u64 k = 0; k < x.len; ++k)
-      for (u64 b = 0; b < item; ++b) want[(x.src + k * x.src_step) * item + b] = static_cast<long long>((x.dst + k * x.dst_step) * item + b);
+      for (u64 b = 0; b < item; ++b)
+        want[(x.src + k * x.src_step) * item + b] = static_cast<long long>((x.dst + k * x.dst_step) * item + b);
   u64 read = 0, got = 0, prev_start = 0;
   for (std::size_t i = 0; i < rp.ops.size(); ++i) {
     const auto& op = rp.ops[i];
@@ -527,9 +540,11 @@ std::string read_plan_error(const copy_plan& runs, u64 data_offset, u64 item, co
       if (delivered[k] - delivered[k - 1] - 1 > opt.max_gap_bytes) return at + "gap over max_gap_bytes";
     if (op_needed != op.needed()) return at + "needed()";
     const double wasted = double(op.len - op_needed);
-    if (!stepped && wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))  // a permuted block's merge on the gap alone
+    if (!stepped &&
+        wasted > opt.max_over_read * double(op_needed) * (1 + 1e-12))  // a permuted block's merge on the gap alone
       return at + "over-read " + std::to_string(wasted) + " of " + std::to_string(op_needed) + " needed";
-    const bool whole = op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len && !op.pieces[0].stepped();
+    const bool whole =
+        op.pieces.size() == 1 && op.pieces[0].offset == 0 && op.pieces[0].len == op.len && !op.pieces[0].stepped();
     if (op.direct() != whole) return at + "direct() wrong";
     read += op.len;
     got += op_needed;
@@ -589,7 +604,8 @@ TEST_CASE("property: read plans deliver every needed byte once, within their bou
     const auto rp = make_read_plan(runs, data_offset, item, opt);
     const std::string ctx = "seed=" + std::to_string(kSeed + 3) + " case=" + std::to_string(i) + " " + what +
                             " item=" + std::to_string(item) + " gap=" + std::to_string(opt.max_gap_bytes) +
-                            " ratio=" + std::to_string(opt.max_over_read) + " max=" + std::to_string(opt.max_read_bytes);
+                            " ratio=" + std::to_string(opt.max_over_read) +
+                            " max=" + std::to_string(opt.max_read_bytes);
     if (!budget.check(read_plan_error(runs, data_offset, item, opt, rp), ctx)) break;
   }
 }
@@ -619,8 +635,9 @@ std::map<u64, u64> bf_permuted(const shard_spec& mine, const block_spec& chunk, 
   return out;
 }
 
-TEST_CASE("property: a block stored with its dimensions in another order: every shared element once, from its stored "
-          "place; the reads deliver it") {
+TEST_CASE(
+    "property: a block stored with its dimensions in another order: every shared element once, from its stored "
+    "place; the reads deliver it") {
   rng_t r(kSeed + 7);
   failure_budget budget;
   u64 stepped = 0, gathered = 0, cases = 0, tiled = 0;
@@ -635,8 +652,8 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
     // tiles of gathering runs as the library cuts them, or small enough to cut these blocks
     const u64 tile = chance(r, 2) ? u64(1) << 16 : pick(r, 1, 64);
     const copy_plan runs = permuted_copy_plan(mine, chunk, order, full, tile);
-    std::string ctx = case_ctx(kSeed + 7, i, full) + " mine=" + to_string(mine) + " chunk=" + to_string(chunk) + " order=" +
-                      to_string(shape_t(order.begin(), order.end())) + " tile=" + std::to_string(tile);
+    std::string ctx = case_ctx(kSeed + 7, i, full) + " mine=" + to_string(mine) + " chunk=" + to_string(chunk) +
+                      " order=" + to_string(shape_t(order.begin(), order.end())) + " tile=" + std::to_string(tile);
     std::string err;
     std::map<u64, u64> got;
     for (std::size_t k = 0; k < runs.size() && err.empty(); ++k) {
@@ -646,7 +663,8 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
       if (k && x.src_step == 1 && runs[k - 1].src + runs[k - 1].len == x.src && runs[k - 1].dst_step == x.dst_step &&
           runs[k - 1].src_step == 1 && runs[k - 1].dst + runs[k - 1].len * x.dst_step == x.dst)
         err = "runs not coalesced";  // (a gathering run is kept to its tile)
-      if (x.src_step != 1 && x.len > 1 && x.len > std::max<u64>(1, tile / x.src_step)) err = "a gathering run spans more than a tile";
+      if (x.src_step != 1 && x.len > 1 && x.len > std::max<u64>(1, tile / x.src_step))
+        err = "a gathering run spans more than a tile";
       if (x.src_step != 1 && x.len > 1 && tile < (u64(1) << 16) && x.len == tile / x.src_step) ++tiled;
       if (x.src_step != 1 && x.dst_step != 1 && x.len > 1) err = "a run with neither side contiguous";
       for (u64 j = 0; j < x.len; ++j)
@@ -669,9 +687,9 @@ TEST_CASE("property: a block stored with its dimensions in another order: every 
     if (!budget.check(err, ctx + " runs=" + str(runs))) break;
   }
   CHECK(cases > 4000);
-  CHECK(stepped > 1000);  // the property saw runs that land apart
+  CHECK(stepped > 1000);   // the property saw runs that land apart
   CHECK(gathered > 1000);  // and runs that gather from apart
-  CHECK(tiled > 300);  // and gathering runs a small tile cut
+  CHECK(tiled > 300);      // and gathering runs a small tile cut
 }
 
 TEST_CASE("permuted copy plan: a transposed and a channels_last block, a run per row of the longer side") {
@@ -690,7 +708,8 @@ TEST_CASE("permuted copy plan: a transposed and a channels_last block, a run per
         copy_plan{{0, 0, 3, 2, 1}, {1, 3, 3, 2, 1}});
   // channels_last [N, C, H, W] = [2, 3, 2, 2], stored N, H, W, C: a run of C per (n, h, w), H*W apart
   const shape_t cl{2, 3, 2, 2};
-  const copy_plan c = permuted_copy_plan(shard_spec(block_spec::whole(cl)), block_spec::whole(cl), std::vector<std::size_t>{0, 2, 3, 1}, cl);
+  const copy_plan c = permuted_copy_plan(shard_spec(block_spec::whole(cl)), block_spec::whole(cl),
+                                         std::vector<std::size_t>{0, 2, 3, 1}, cl);
   REQUIRE(c.size() == 8);
   CHECK(c[0] == copy_run{0, 0, 3, 4});
   CHECK(c[1] == copy_run{1, 3, 3, 4});
@@ -706,15 +725,19 @@ TEST_CASE("permuted copy plan: a transposed and a channels_last block, a run per
   // reads cut at whole elements: 10 bytes a read of 4-byte elements take 2 at most
   for (const auto& op : make_read_plan(c, 0, 4, {.max_read_bytes = 10}).ops)
     for (const auto& piece : op.pieces) CHECK(piece.len % 4 == 0);
-  CHECK_THROWS_AS(permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), std::vector<std::size_t>{1, 1}, t), error);
+  CHECK_THROWS_AS(
+      permuted_copy_plan(shard_spec(block_spec::whole(t)), block_spec::whole(t), std::vector<std::size_t>{1, 1}, t),
+      error);
 }
 
-TEST_CASE("permuted copy plan: a view that cuts the dimension stored innermost gathers, a run per row, not per element") {
+TEST_CASE(
+    "permuted copy plan: a view that cuts the dimension stored innermost gathers, a run per row, not per element") {
   const std::vector<std::size_t> tr{1, 0};
   // row 0 of [2, 1000] stored transposed: one run gathering every other element of the chunk;
   // one read of the span (the other row's elements between are read for nothing)
   const shape_t wide{2, 1000};
-  const copy_plan row = permuted_copy_plan(shard_spec(block_spec({1, 1000}, {0, 0})), block_spec::whole(wide), tr, wide);
+  const copy_plan row =
+      permuted_copy_plan(shard_spec(block_spec({1, 1000}, {0, 0})), block_spec::whole(wide), tr, wide);
   CHECK(row == copy_plan{{0, 0, 1000, 1, 2}});
   const read_plan one = make_read_plan(row, 0, 4);
   REQUIRE(one.ops.size() == 1);
@@ -771,14 +794,16 @@ TEST_CASE("permuted copy plan: a view that cuts the dimension stored innermost g
   CHECK(std::none_of(win.begin(), win.end(), [](const copy_run& x) { return x.src_step != 1; }));
   CHECK(make_read_plan(win, 0, 4).ops.size() == 1);
   const shape_t t500{500, 2000};
-  const copy_plan win2 = permuted_copy_plan(shard_spec(flat_spec{{600, 600 + (1 << 18)}}), block_spec::whole(t500), tr, t500);
+  const copy_plan win2 =
+      permuted_copy_plan(shard_spec(flat_spec{{600, 600 + (1 << 18)}}), block_spec::whole(t500), tr, t500);
   CHECK(std::any_of(win2.begin(), win2.end(), [](const copy_run& x) { return x.src_step != 1; }));
   const read_plan wp = make_read_plan(win2, 0, 4);
   CHECK(wp.ops.size() == 1);
   CHECK(read_plan_error(win2, 0, 4, {}, wp).empty());
   // elements further apart than max_gap_bytes: read one by one, nothing between them
   const shape_t tall{300, 4};
-  const copy_plan sparse = permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(tall), tr, tall);
+  const copy_plan sparse =
+      permuted_copy_plan(shard_spec(block_spec({1, 4}, {5, 0})), block_spec::whole(tall), tr, tall);
   CHECK(sparse == copy_plan{{0, 5, 4, 1, 300}});
   const read_options gap64{.max_gap_bytes = 64};
   const read_plan each = make_read_plan(sparse, 0, 4, gap64);
@@ -828,7 +853,8 @@ void check_overlap_case(const A& mine, const B& other, const shape_t& full, std:
   CHECK(str(compute_overlap(mine, other, full)) == str(want));
   CHECK(str(compute_overlap(shard_spec(mine), shard_spec(other), full)) == str(want));
   CHECK(str(bf_classify(bf_elements(mine, full), bf_elements(other, full), full)) == str(want));  // the table itself
-  CHECK(copy_plan_error(compute_copy_plan(mine, other, full), bf_elements(mine, full), bf_elements(other, full), full) == "");
+  CHECK(copy_plan_error(compute_copy_plan(mine, other, full), bf_elements(mine, full), bf_elements(other, full),
+                        full) == "");
 }
 }  // namespace
 
@@ -999,8 +1025,8 @@ TEST_CASE("validation errors name the context and the rule") {
 static_assert(!std::is_convertible_v<element_range, byte_range>);
 static_assert(!std::is_convertible_v<byte_range, element_range>);
 static_assert(!std::is_invocable_v<decltype([](const byte_range&) {}), element_range>);
-static_assert(std::is_same_v<decltype(merged_ranges_vector(std::declval<const flat_spec&>(), {})),
-                             std::vector<element_range>>);
+static_assert(
+    std::is_same_v<decltype(merged_ranges_vector(std::declval<const flat_spec&>(), {})), std::vector<element_range>>);
 
 TEST_CASE("numel: the product of the extents, 1 for a 0-d tensor, 0 with an empty extent") {
   static_assert(numel(shape_t{}) == 1);

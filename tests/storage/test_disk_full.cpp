@@ -31,7 +31,8 @@ namespace {
 /// quota of bytes (a full disk, for writers that write at offsets: no O_DIRECT blocks).
 class quota_writer {
  public:
-  quota_writer(file_writer w, std::shared_ptr<std::atomic<std::uint64_t>> left) : w_(std::move(w)), left_(std::move(left)) {}
+  quota_writer(file_writer w, std::shared_ptr<std::atomic<std::uint64_t>> left)
+      : w_(std::move(w)), left_(std::move(left)) {}
   std::string_view name() const noexcept { return w_.name(); }
   void write_at(std::uint64_t off, std::span<const std::byte> src) {
     std::uint64_t have = left_->load();
@@ -54,9 +55,8 @@ class quota_writer {
 
 /// A folder whose writers share the quota left.
 auto quota_directory(const fs::path& p, std::shared_ptr<std::atomic<std::uint64_t>> left) {
-  return testing::hooked_directory(file_directory(p), [left = std::move(left)](std::string_view, auto make) {
-    return quota_writer(make(), left);
-  });
+  return testing::hooked_directory(
+      file_directory(p), [left = std::move(left)](std::string_view, auto make) { return quota_writer(make(), left); });
 }
 static_assert(WritableDirectory<decltype(quota_directory({}, nullptr))>);
 
@@ -126,7 +126,8 @@ TEST_CASE("disk full: a quota-limited folder fails the save on every rank; the p
     save_flat_views(root.sub("step1"), std::span<const flat_view>(h.views), c);
   });
   for (auto& t : ok) REQUIRE_FALSE(t);
-  for (std::uint64_t quota : {std::uint64_t(0), std::uint64_t(100), std::uint64_t(600) << 10, std::uint64_t(1000) << 10}) {
+  for (std::uint64_t quota :
+       {std::uint64_t(0), std::uint64_t(100), std::uint64_t(600) << 10, std::uint64_t(1000) << 10}) {
     CAPTURE(quota);
     left->store(quota);
     const std::string name = "step2-" + std::to_string(quota);

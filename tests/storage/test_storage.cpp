@@ -60,7 +60,8 @@ struct file_backed_maker {
   int n = 0;
   S make(const std::vector<std::byte>& bytes) {
     const fs::path p = tmp.path / ("obj" + std::to_string(n++) + ".bin");
-    std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+    std::ofstream(p, std::ios::binary)
+        .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
     return S(p);
   }
   std::string name_of(int i) const { return (tmp.path / ("obj" + std::to_string(i) + ".bin")).string(); }
@@ -430,7 +431,7 @@ TEST_CASE_TEMPLATE("Directory conformance", D, file_directory, mmap_directory, m
       std::vector<std::thread> threads;
       for (int t = 0; t < 8; ++t)
         threads.emplace_back([&, t] {
-          for (std::size_t p = 15 - std::size_t(t); ; p -= 8) {  // from the end backwards
+          for (std::size_t p = 15 - std::size_t(t);; p -= 8) {  // from the end backwards
             w.write_at(p * piece, std::span(bytes).subspan(p * piece, piece));
             if (p < 8) break;
           }
@@ -575,7 +576,8 @@ TEST_CASE("storage: memory_writer without a store, and a mapping outliving its f
   CHECK(byte_str(b) == "mapped bytes");
 }
 
-TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd alignments", S, SHARDSAFE_READABLE_BACKENDS) {
+TEST_CASE_TEMPLATE("ReadableStorage: large reads (streaming copies) at odd alignments", S,
+                   SHARDSAFE_READABLE_BACKENDS) {
   // reads of detail::stream_copy_min_bytes and more take the streaming-store path of the
   // mapped and memory backends: check every byte with source and destination misaligned
   storage_maker<S> maker;
@@ -618,10 +620,13 @@ TEST_CASE("file_writer::write_blocks: the exact bytes and size, through O_DIRECT
             o.threads = threads;
             o.block_bytes = 8000;  // rounded up to 8192: many blocks, a short last one
             std::atomic<std::uint64_t> filled{0};
-            w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
-              for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = byte_at(off + i);
-              filled += dst.size();
-            }, o);
+            w.write_blocks(
+                size,
+                [&](std::uint64_t off, std::span<std::byte> dst) {
+                  for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = byte_at(off + i);
+                  filled += dst.size();
+                },
+                o);
             CHECK(filled.load() == size);
             w.sync();
             w.commit();
@@ -641,16 +646,21 @@ TEST_CASE("file_writer::write_blocks: an error in fill leaves no file") {
   const fs::path p = tmp.path / "failed";
   {
     file_writer w(p);
-    CHECK_THROWS_AS(w.write_blocks(100'000, [](std::uint64_t off, std::span<std::byte>) {
-      if (off > 0) throw std::runtime_error("fill failed");
-    }, block_write_options{2, true, 8192}),
+    CHECK_THROWS_AS(w.write_blocks(
+                        100'000,
+                        [](std::uint64_t off, std::span<std::byte>) {
+                          if (off > 0) throw std::runtime_error("fill failed");
+                        },
+                        block_write_options{2, true, 8192}),
                     std::runtime_error);
   }
   CHECK(!fs::exists(p));
   CHECK(fs::is_empty(tmp.path));
 }
 
-TEST_CASE("file_part_writer: writers of one file_writer's temporary each write their ranges; the creator commits or removes it") {
+TEST_CASE(
+    "file_part_writer: writers of one file_writer's temporary each write their ranges; the creator commits or removes "
+    "it") {
   temp_dir tmp;
   const std::string bytes = testing::random_bytes(3 * 4096 + 17, 41);
   const auto part = [&](std::size_t a, std::size_t b) {
@@ -670,7 +680,8 @@ TEST_CASE("file_part_writer: writers of one file_writer's temporary each write t
       file_part_writer p(w.temp_path(), "shared");
       p.write_at(5000, part(5000, bytes.size()));
       p.finish();
-      testing::expect_error([&] { p.write_at(0, part(0, 1)); }, errc::invalid_argument, {"shared", "write after finish"});
+      testing::expect_error([&] { p.write_at(0, part(0, 1)); }, errc::invalid_argument,
+                            {"shared", "write after finish"});
     });
     t1.join();
     t2.join();
@@ -715,8 +726,8 @@ TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files
     so.direct_io = direct;
     so.write_chunk_bytes = 8192;
     so.threads = 3;
-    save_flat_views(file_directory(tmp.path / (direct ? "direct" : "buffered")), std::span<const flat_view>(views), comm,
-                    so);
+    save_flat_views(file_directory(tmp.path / (direct ? "direct" : "buffered")), std::span<const flat_view>(views),
+                    comm, so);
   }
   const std::string a = testing::slurp(tmp.path / "direct" / "rank_0.safetensors");
   const std::string b = testing::slurp(tmp.path / "buffered" / "rank_0.safetensors");
@@ -846,8 +857,8 @@ struct saved_tensors {
     for (std::size_t i = 0; i < defs.size(); ++i) {
       mem.emplace_back(numel(defs[i].second) * item_size(defs[i].first));
       for (auto& b : mem.back()) b = static_cast<std::byte>(rng());
-      views.push_back({"w" + std::to_string(i), defs[i].first, defs[i].second, std::nullopt, mem[i].data(),
-                       mem[i].size()});
+      views.push_back(
+          {"w" + std::to_string(i), defs[i].first, defs[i].second, std::nullopt, mem[i].data(), mem[i].size()});
     }
   }
 };
@@ -874,7 +885,7 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
     block_directory failing{memory_directory(std::make_shared<memory_store>(), "mem:failing"),
                             std::make_shared<io_counts>(), 2};
     expect_error([&] { save_flat_views(failing, std::span<const flat_view>(t.views), comm, so); }, errc::io_error,
-                {"upload of a part failed"});
+                 {"upload of a part failed"});
     CHECK(failing.n->aborts.load() == 1);
     CHECK(failing.inner.store()->objects.empty());
   }
@@ -886,7 +897,7 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
     fs::remove(tmp.path / fs::directory_iterator(tmp.path)->path().filename());  // the temporary vanishes
     // abort of an already missing temporary is no error: the original error comes back alone
     expect_error([&] { detail::abort_on_failure(w, [] { fail(errc::truncated, "first failure"); }); }, errc::truncated,
-                {"first failure"});
+                 {"first failure"});
     memory_writer done("committed-already");
     done.commit();
     // abort after commit throws: both messages, the first error's code
@@ -1005,7 +1016,7 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
     store->objects.erase("mem:ckpt/rank_0.safetensors");
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
     expect_error([&] { load_flat_views(d, std::span<const flat_view>(into)); }, errc::not_found,
-                {"mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist"});
+                 {"mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist"});
     CHECK(d.n->exists.load() == 0);
     store->objects.erase("mem:ckpt/metadata.json");
     expect_error([&] { checkpoint_reader<counted_directory<true>> r(d); }, errc::not_found, {"no metadata.json"});
@@ -1066,16 +1077,16 @@ TEST_CASE("thread_pool: every index once, threads kept across calls, nested call
 
   // nested: each outer task runs an inner parallel_for on the same pool
   std::atomic<std::uint64_t> sum{0};
-  p.parallel_for(8, 4, [&](std::size_t i) {
-    p.parallel_for(100, 4, [&](std::size_t j) { sum += i * 100 + j; });
-  });
+  p.parallel_for(8, 4, [&](std::size_t i) { p.parallel_for(100, 4, [&](std::size_t j) { sum += i * 100 + j; }); });
   CHECK(sum.load() == 800 * 799 / 2);
 
   std::atomic<int> after{0};
-  CHECK_THROWS_WITH(p.parallel_for(1000, 4, [&](std::size_t i) {
-    if (i == 37) throw std::runtime_error("task 37 failed");
-    ++after;
-  }), "task 37 failed");
+  CHECK_THROWS_WITH(p.parallel_for(1000, 4,
+                                   [&](std::size_t i) {
+                                     if (i == 37) throw std::runtime_error("task 37 failed");
+                                     ++after;
+                                   }),
+                    "task 37 failed");
   CHECK(after.load() < 1000);
   std::atomic<int> again{0};
   p.parallel_for(100, 4, [&](std::size_t) { ++again; });  // still usable
@@ -1167,7 +1178,9 @@ TEST_CASE("file_storage: a child made by fork() while another thread opens files
   CHECK(opens.load() >= 40 * 20);
 }
 
-TEST_CASE("file_storage: one descriptor per file, at most fd_cache::capacity() open, reopened on demand; a replaced file is refused") {
+TEST_CASE(
+    "file_storage: one descriptor per file, at most fd_cache::capacity() open, reopened on demand; a replaced file is "
+    "refused") {
   testing::temp_dir dir("fdcache");
   auto& cache = detail::fd_cache::instance();
   const std::size_t cap = cache.capacity();
@@ -1196,7 +1209,8 @@ TEST_CASE("file_storage: one descriptor per file, at most fd_cache::capacity() o
     const std::size_t victim = 1;
     testing::write_file(dir.path / "new", "another file entirely!");
     std::filesystem::rename(dir.path / "new", paths[victim]);
-    for (std::size_t i = 2; i < n; ++i) open[i].read_into(0, std::as_writable_bytes(std::span<char>(std::string(4, ' ').data(), 4)));
+    for (std::size_t i = 2; i < n; ++i)
+      open[i].read_into(0, std::as_writable_bytes(std::span<char>(std::string(4, ' ').data(), 4)));
     std::string buf(4, '\0');
     CHECK_THROWS_WITH_AS(open[victim].read_into(0, std::as_writable_bytes(std::span(buf))),
                          doctest::Contains("changed since it was opened"), shardsafe::error);
@@ -1208,8 +1222,10 @@ TEST_CASE("file_storage and mmap_storage refuse a FIFO, a directory and a device
   testing::temp_dir dir("nonregular");
   const auto fifo = dir.path / "pipe.safetensors";
   REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
-  CHECK_THROWS_WITH_AS(file_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"), shardsafe::error);
-  CHECK_THROWS_WITH_AS(mmap_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"), shardsafe::error);
+  CHECK_THROWS_WITH_AS(file_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"),
+                       shardsafe::error);
+  CHECK_THROWS_WITH_AS(mmap_storage{fifo}, doctest::Contains("is a FIFO (named pipe), not a regular file"),
+                       shardsafe::error);
   CHECK_THROWS_WITH_AS(file_storage("/dev/zero"), doctest::Contains("is a character device"), shardsafe::error);
   CHECK_THROWS_WITH_AS(file_storage(dir.path), doctest::Contains("is a directory"), shardsafe::error);
 }

@@ -126,22 +126,38 @@ inline std::vector<bad_index> bad_indexes(const std::vector<tensor>& ts) {
   using shardsafe::errc;
   const std::uint64_t total = total_bytes(ts);
   return {
-      {"slash", index_text(ts, "embed", "\"sub/model-00001-of-00002.safetensors\""), errc::invalid_metadata,
+      {"slash",
+       index_text(ts, "embed", "\"sub/model-00001-of-00002.safetensors\""),
+       errc::invalid_metadata,
        {"tensor 'embed'", "not a plain name"}},
-      {"dotdot", index_text(ts, "embed", "\"../model-00001-of-00002.safetensors\""), errc::invalid_metadata,
+      {"dotdot",
+       index_text(ts, "embed", "\"../model-00001-of-00002.safetensors\""),
+       errc::invalid_metadata,
        {"tensor 'embed'", "not a plain name"}},
-      {"backslash", index_text(ts, "embed", "\"a\\\\b.safetensors\""), errc::invalid_metadata,
+      {"backslash",
+       index_text(ts, "embed", "\"a\\\\b.safetensors\""),
+       errc::invalid_metadata,
        {"tensor 'embed'", "not a plain name"}},
-      {"missing file", index_text(ts, "", "", ", \"extra\": \"model-00003-of-00003.safetensors\""), errc::not_found,
+      {"missing file",
+       index_text(ts, "", "", ", \"extra\": \"model-00003-of-00003.safetensors\""),
+       errc::not_found,
        {"model-00003-of-00003.safetensors", "missing"}},
-      {"listed but absent", index_text(ts, "", "", ", \"ghost\": \"model-00001-of-00002.safetensors\""), errc::not_found,
+      {"listed but absent",
+       index_text(ts, "", "", ", \"ghost\": \"model-00001-of-00002.safetensors\""),
+       errc::not_found,
        {file1, "tensor 'ghost'", "absent"}},
-      {"not listed", index_text(ts, "flags", "", "", total - 3), errc::invalid_metadata,
+      {"not listed",
+       index_text(ts, "flags", "", "", total - 3),
+       errc::invalid_metadata,
        {file1, "tensor 'flags'", "not listed"}},
-      {"wrong file", index_text(ts, "flags", "\"" + std::string(file2) + "\""), errc::not_found,
+      {"wrong file",
+       index_text(ts, "flags", "\"" + std::string(file2) + "\""),
+       errc::not_found,
        {file2, "tensor 'flags'", "absent"}},
       {"not JSON", "{\"weight_map\": ", errc::invalid_json, {"model.safetensors.index.json", "not valid JSON"}},
-      {"duplicate tensor", index_text(ts, "", "", ", \"embed\": \"" + std::string(file1) + "\""), errc::invalid_metadata,
+      {"duplicate tensor",
+       index_text(ts, "", "", ", \"embed\": \"" + std::string(file1) + "\""),
+       errc::invalid_metadata,
        {"tensor 'embed'", "twice"}},
   };
 }
@@ -164,12 +180,10 @@ struct sharded_sample {
       for (std::size_t ij = 0; ij < 4; ++ij) s += c.bytes.substr(ij * 4 + k0, 2);
       return s;
     };
-    rank0 = build_file({{"w", "F32", {6}, w.bytes.substr(0, 24)},
-                        {"b", "I16", {2}, b.bytes.substr(0, 4)},
-                        {"c", "U8", {8}, cols(0)}});
-    rank1 = build_file({{"w", "F32", {6}, w.bytes.substr(24)},
-                        {"b", "I16", {3}, b.bytes.substr(4)},
-                        {"c", "U8", {8}, cols(2)}});
+    rank0 = build_file(
+        {{"w", "F32", {6}, w.bytes.substr(0, 24)}, {"b", "I16", {2}, b.bytes.substr(0, 4)}, {"c", "U8", {8}, cols(0)}});
+    rank1 = build_file(
+        {{"w", "F32", {6}, w.bytes.substr(24)}, {"b", "I16", {3}, b.bytes.substr(4)}, {"c", "U8", {8}, cols(2)}});
   }
 
   /// metadata.json; with complete = false rank 1's block of w is not listed (a hole in w).
@@ -183,8 +197,10 @@ struct sharded_sample {
            "\"shard_spec_per_file\": {" + block("rank_0.safetensors", "[2, 3]", "[0, 0]") +
            (complete ? ", " + block("rank_1.safetensors", "[2, 3]", "[2, 0]") : std::string()) + "}}, " +
            "\"b\": {\"shape\": [5], \"is_sharded\": true, \"dtype\": \"I16\", \"shard_spec_per_file\": {" +
-           "\"rank_0.safetensors\": {\"flattened_offsets\": [[0, 2]], \"local_shape\": null, \"global_offset\": null}, " +
-           "\"rank_1.safetensors\": {\"flattened_offsets\": [[2, 5]], \"local_shape\": null, \"global_offset\": null}}}, " +
+           "\"rank_0.safetensors\": {\"flattened_offsets\": [[0, 2]], \"local_shape\": null, \"global_offset\": "
+           "null}, " +
+           "\"rank_1.safetensors\": {\"flattened_offsets\": [[2, 5]], \"local_shape\": null, \"global_offset\": "
+           "null}}}, " +
            "\"c\": {\"shape\": [2, 2, 4], \"is_sharded\": true, \"dtype\": \"U8\", \"shard_spec_per_file\": {" +
            block("rank_0.safetensors", "[2, 2, 2]", "[0, 0, 0]") + ", " +
            block("rank_1.safetensors", "[2, 2, 2]", "[0, 0, 2]") + "}}}" + extra + "}";

@@ -42,8 +42,8 @@ inline std::vector<torch_digest_entry> read_torch_digest(const std::filesystem::
     e.raw = slurp(dir / "raw" / (key + ".bin"));
     const std::uint64_t want = shardsafe::numel(e.shape) * shardsafe::item_size(e.type);
     if (e.raw.size() != want)
-      throw std::runtime_error(key + ": raw/" + key + ".bin holds " + std::to_string(e.raw.size()) + " bytes, the tensor " +
-                               std::to_string(want));
+      throw std::runtime_error(key + ": raw/" + key + ".bin holds " + std::to_string(e.raw.size()) +
+                               " bytes, the tensor " + std::to_string(want));
     out.push_back(std::move(e));
   }
   return out;

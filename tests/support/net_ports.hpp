@@ -66,7 +66,6 @@ inline bool port_open(int port) {
   return ok;
 }
 
-
 /// Whether process `pid` itself holds the socket that listens on 127.0.0.1:port (or on any
 /// address of that port): the listening socket's inode from /proc/net/tcp, found among the
 /// process's descriptors. A server started on a port chosen by free_port() checks this, for
@@ -126,7 +125,8 @@ class guarded_process {
           break;
         }
     }
-    if (::access(exe.c_str(), X_OK) != 0) throw std::runtime_error("cannot start " + argv[0] + ": not found or not executable");
+    if (::access(exe.c_str(), X_OK) != 0)
+      throw std::runtime_error("cannot start " + argv[0] + ": not found or not executable");
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -153,7 +153,8 @@ class guarded_process {
     alive_fd_ = alive[1];
     pid_t server = -1;
     ssize_t n;
-    while ((n = ::read(info[0], &server, sizeof server)) < 0 && errno == EINTR) {}
+    while ((n = ::read(info[0], &server, sizeof server)) < 0 && errno == EINTR) {
+    }
     ::close(info[0]);
     if (n != static_cast<ssize_t>(sizeof server) || server <= 0) {
       stop();
@@ -181,7 +182,8 @@ class guarded_process {
     if (alive_fd_ >= 0) ::close(std::exchange(alive_fd_, -1));  // end-of-file: the guard stops the group
     if (guard_ > 0) {
       int status = 0;
-      while (::waitpid(guard_, &status, 0) < 0 && errno == EINTR) {}
+      while (::waitpid(guard_, &status, 0) < 0 && errno == EINTR) {
+      }
       guard_ = -1;
     }
   }

@@ -65,7 +65,8 @@ class child_process {
     const auto until = std::chrono::steady_clock::now() + limit;
     while (!(port_open(port) && listens_on(p_->pid(), port))) {
       if (!p_->running()) return false;
-      REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "the server did not listen on ", port, ": ", slurp(log_));
+      REQUIRE_MESSAGE(std::chrono::steady_clock::now() < until, "the server did not listen on ", port, ": ",
+                      slurp(log_));
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     return true;
@@ -104,10 +105,11 @@ inline void make_test_certificates(const std::filesystem::path& dir) {
   };
   run({"req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/ca.key", "-out", d + "/ca.pem", "-days", "2",
        "-subj", "/CN=shardsafe test CA"});
-  run({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/server.key", "-out", d + "/server.csr", "-subj", "/CN=127.0.0.1"});
+  run({"req", "-newkey", "rsa:2048", "-nodes", "-keyout", d + "/server.key", "-out", d + "/server.csr", "-subj",
+       "/CN=127.0.0.1"});
   write_file(dir / "ext.cnf", "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
-  run({"x509", "-req", "-in", d + "/server.csr", "-CA", d + "/ca.pem", "-CAkey", d + "/ca.key", "-CAcreateserial", "-out",
-       d + "/server.pem", "-days", "2", "-extfile", d + "/ext.cnf"});
+  run({"x509", "-req", "-in", d + "/server.csr", "-CA", d + "/ca.pem", "-CAkey", d + "/ca.key", "-CAcreateserial",
+       "-out", d + "/server.pem", "-days", "2", "-extfile", d + "/ext.cnf"});
 }
 
 /// nginx serving the folder www/ of a temporary directory on 127.0.0.1:port, with range
@@ -125,30 +127,46 @@ struct nginx_server {
     std::filesystem::create_directories(www);
     std::filesystem::create_directories(dir.path / "tmp");
     const std::string d = dir.str();
-    proc = start_server(port, [&](int p) {
-      write_file(dir.path / "nginx.conf",
-                 "worker_processes 1;\n"
-                 "user root;\n"
-                 "error_log " + d + "/error.log;\n"
-                 "pid " + d + "/nginx.pid;\n"
-                 "events { worker_connections 512; }\n"
-                 "http {\n"
-                 "  default_type application/octet-stream;\n"
-                 "  log_format bytes '$request_method $uri $http_range $status $body_bytes_sent';\n"
-                 "  access_log " + d + "/access.log bytes;\n"
-                 "  client_body_temp_path " + d + "/tmp/body; proxy_temp_path " + d + "/tmp/proxy;\n"
-                 "  fastcgi_temp_path " + d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d + "/tmp/scgi;\n"
-                 "  keepalive_requests 100000;\n"
-                 "  server {\n"
-                 "    listen 127.0.0.1:" + std::to_string(p) + (tls ? " ssl" : "") + ";\n" +
-                 (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
-                      : std::string()) +
-                 "    root " + www.string() + ";\n"
-                 "    location / { }\n"
-                 "  }\n"
-                 "}\n");
-      return std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"};
-    }, dir.path);
+    proc = start_server(
+        port,
+        [&](int p) {
+          write_file(
+              dir.path / "nginx.conf",
+              "worker_processes 1;\n"
+              "user root;\n"
+              "error_log " +
+                  d +
+                  "/error.log;\n"
+                  "pid " +
+                  d +
+                  "/nginx.pid;\n"
+                  "events { worker_connections 512; }\n"
+                  "http {\n"
+                  "  default_type application/octet-stream;\n"
+                  "  log_format bytes '$request_method $uri $http_range $status $body_bytes_sent';\n"
+                  "  access_log " +
+                  d +
+                  "/access.log bytes;\n"
+                  "  client_body_temp_path " +
+                  d + "/tmp/body; proxy_temp_path " + d +
+                  "/tmp/proxy;\n"
+                  "  fastcgi_temp_path " +
+                  d + "/tmp/fcgi; uwsgi_temp_path " + d + "/tmp/uwsgi; scgi_temp_path " + d +
+                  "/tmp/scgi;\n"
+                  "  keepalive_requests 100000;\n"
+                  "  server {\n"
+                  "    listen 127.0.0.1:" +
+                  std::to_string(p) + (tls ? " ssl" : "") + ";\n" +
+                  (tls ? "    ssl_certificate " + d + "/server.pem;\n    ssl_certificate_key " + d + "/server.key;\n"
+                       : std::string()) +
+                  "    root " + www.string() +
+                  ";\n"
+                  "    location / { }\n"
+                  "  }\n"
+                  "}\n");
+          return std::vector<std::string>{"/usr/sbin/nginx", "-p", d, "-c", d + "/nginx.conf", "-g", "daemon off;"};
+        },
+        dir.path);
   }
   std::string url(const std::string& path = "") const {
     return (tls ? "https://127.0.0.1:" : "http://127.0.0.1:") + std::to_string(port) + "/" + path;
@@ -173,7 +191,8 @@ struct nginx_site {
   std::filesystem::path www;
   int port;
 
-  explicit nginx_site(bool tls = false) : server(shared_nginx(tls)), name(next_name()), www(server.www / name), port(server.port) {
+  explicit nginx_site(bool tls = false)
+      : server(shared_nginx(tls)), name(next_name()), www(server.www / name), port(server.port) {
     std::filesystem::create_directories(www);
   }
   nginx_site(const nginx_site&) = delete;
@@ -227,7 +246,8 @@ class scripted_server {
  public:
   /// head_length false: HEAD answers without Content-Length (chunked), so the size must come
   /// from a GET's Content-Range.
-  explicit scripted_server(std::string body, bool head_length = true) : body_(std::move(body)), head_length_(head_length) {
+  explicit scripted_server(std::string body, bool head_length = true)
+      : body_(std::move(body)), head_length_(head_length) {
     listen_fd_ = listen_on_loopback(port_);
     acceptor_ = std::thread([this] { accept_loop(); });
   }
@@ -242,7 +262,9 @@ class scripted_server {
     for (auto& t : workers_) t.join();
     for (int fd : open_) ::close(fd);
   }
-  std::string url(const std::string& path = "obj") const { return "http://127.0.0.1:" + std::to_string(port_) + "/" + path; }
+  std::string url(const std::string& path = "obj") const {
+    return "http://127.0.0.1:" + std::to_string(port_) + "/" + path;
+  }
   void script(std::vector<fault> f) {
     std::lock_guard lock(m_);
     script_.assign(f.begin(), f.end());
@@ -317,8 +339,8 @@ class scripted_server {
     }
     auto part = [&](std::uint64_t a, std::uint64_t b) { return body_.substr(a, b - a + 1); };
     auto partial = [&](std::uint64_t a, std::uint64_t b, std::uint64_t cl, const std::string& bytes) {
-      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes " + std::to_string(a) + "-" + std::to_string(b) + "/" +
-             std::to_string(total) + "\r\nContent-Length: " + std::to_string(cl) + "\r\n\r\n" + bytes;
+      return "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes " + std::to_string(a) + "-" + std::to_string(b) +
+             "/" + std::to_string(total) + "\r\nContent-Length: " + std::to_string(cl) + "\r\n\r\n" + bytes;
     };
     switch (f) {
       case fault::none: return send_all(fd, partial(first, last, last - first + 1, part(first, last)));
@@ -339,8 +361,7 @@ class scripted_server {
       }
       case fault::status_503:
         return send_all(fd, "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 4\r\n\r\nbusy");
-      case fault::status_429:
-        return send_all(fd, "HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\n\r\nslow");
+      case fault::status_429: return send_all(fd, "HTTP/1.1 429 Too Many Requests\r\nContent-Length: 4\r\n\r\nslow");
       case fault::redirect: {
         const std::size_t sp = head.find(' '), sp2 = head.find(' ', sp + 1);
         return send_all(fd, "HTTP/1.1 302 Found\r\nLocation: /moved" + head.substr(sp + 1, sp2 - sp - 1) +
@@ -372,20 +393,29 @@ struct fault_proxy {
 
   /// extra: more arguments of the script (--faults, --stall, --kill-parts-after).
   fault_proxy(int upstream_port, std::uint64_t seed, double rate, std::vector<std::string> extra = {}) {
-    proc = start_server(port, [&](int p) {
-      std::vector<std::string> argv{"python3", (std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fault_proxy.py").string(),
-                                    "--port", std::to_string(p), "--upstream", "127.0.0.1:" + std::to_string(upstream_port),
-                                    "--seed", std::to_string(seed), "--rate", std::to_string(rate),
-                                    "--log", (dir.path / "faults.log").string()};
-      argv.insert(argv.end(), extra.begin(), extra.end());
-      return argv;
-    }, dir.path);
+    proc = start_server(
+        port,
+        [&](int p) {
+          std::vector<std::string> argv{
+              "python3",    (std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fault_proxy.py").string(),
+              "--port",     std::to_string(p),
+              "--upstream", "127.0.0.1:" + std::to_string(upstream_port),
+              "--seed",     std::to_string(seed),
+              "--rate",     std::to_string(rate),
+              "--log",      (dir.path / "faults.log").string()};
+          argv.insert(argv.end(), extra.begin(), extra.end());
+          return argv;
+        },
+        dir.path);
   }
-  std::string url(const std::string& path = "") const { return "http://127.0.0.1:" + std::to_string(port) + "/" + path; }
+  std::string url(const std::string& path = "") const {
+    return "http://127.0.0.1:" + std::to_string(port) + "/" + path;
+  }
   /// The faults injected so far, one "FAULT METHOD TARGET RANGE" line each.
   std::vector<std::string> faults() const {
     std::vector<std::string> out;
-    std::istringstream in(std::filesystem::exists(dir.path / "faults.log") ? slurp(dir.path / "faults.log") : std::string());
+    std::istringstream in(std::filesystem::exists(dir.path / "faults.log") ? slurp(dir.path / "faults.log")
+                                                                           : std::string());
     for (std::string line; std::getline(in, line);)
       if (!line.empty()) out.push_back(line);
     return out;
@@ -427,7 +457,8 @@ class raw_server {
         ::shutdown(fd, SHUT_WR);
         timeval tv{0, 300'000};
         ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        while (::recv(fd, buf, sizeof buf, 0) > 0) {}
+        while (::recv(fd, buf, sizeof buf, 0) > 0) {
+        }
         ::close(fd);
       }
     });
@@ -438,7 +469,9 @@ class raw_server {
     ::close(listen_fd_);
     thread_.join();
   }
-  std::string url(const std::string& path = "obj") const { return "http://127.0.0.1:" + std::to_string(port_) + "/" + path; }
+  std::string url(const std::string& path = "obj") const {
+    return "http://127.0.0.1:" + std::to_string(port_) + "/" + path;
+  }
   int port() const noexcept { return port_; }
   /// The heads of the requests answered so far (request line and headers).
   std::vector<std::string> heads() {
@@ -466,9 +499,18 @@ void save_two_rank_checkpoint(std::uint64_t seed, const Ds&... dirs) {
     const std::uint64_t r = static_cast<std::uint64_t>(comm.rank());
     std::string wm = w.substr(r * 32 * 30 * 4, 32 * 30 * 4), em;
     for (std::uint64_t row = 0; row < 10; ++row) em += e.substr((row * 8 + r * 4) * 2, 4 * 2);
-    std::vector<flat_view> v{
-        {"w", dtype::F32, {64, 30}, shard_spec(block_spec({32, 30}, {32 * r, 0})), reinterpret_cast<std::byte*>(wm.data()), wm.size()},
-        {"e", dtype::BF16, {10, 8}, shard_spec(block_spec({10, 4}, {0, 4 * r})), reinterpret_cast<std::byte*>(em.data()), em.size()}};
+    std::vector<flat_view> v{{"w",
+                              dtype::F32,
+                              {64, 30},
+                              shard_spec(block_spec({32, 30}, {32 * r, 0})),
+                              reinterpret_cast<std::byte*>(wm.data()),
+                              wm.size()},
+                             {"e",
+                              dtype::BF16,
+                              {10, 8},
+                              shard_spec(block_spec({10, 4}, {0, 4 * r})),
+                              reinterpret_cast<std::byte*>(em.data()),
+                              em.size()}};
     (save_flat_views(dirs, std::span<const flat_view>(v), comm), ...);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);

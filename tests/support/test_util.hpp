@@ -91,7 +91,9 @@ inline program_result run_program(const std::string& exe, const std::vector<std:
 
 #ifdef SHARDSAFE_TOOL  // (core_tests and torch_tests: the path of this build's tool, "" without one)
 /// Whether this build has the shardsafe tool (it has none when configured with -Dtools=false).
-inline bool have_tool() { return std::string_view(SHARDSAFE_TOOL).size() > 0 && std::filesystem::exists(SHARDSAFE_TOOL); }
+inline bool have_tool() {
+  return std::string_view(SHARDSAFE_TOOL).size() > 0 && std::filesystem::exists(SHARDSAFE_TOOL);
+}
 /// Runs this build's shardsafe tool with args (no shell), stdout and stderr captured.
 inline program_result run_tool(const std::vector<std::string>& args) { return run_program(SHARDSAFE_TOOL, args); }
 /// For a SUBCASE that runs the tool (a subcase takes no doctest::skip): true, and says so, when
@@ -183,7 +185,8 @@ inline program_result peer(const std::string& exe, const std::vector<std::string
 }
 
 /// python() of `exe -I -c script FILE` with `input` written to FILE: its standard output.
-inline std::optional<std::string> run_python(const std::string& exe, const std::string& script, const std::string& input) {
+inline std::optional<std::string> run_python(const std::string& exe, const std::string& script,
+                                             const std::string& input) {
   temp_dir dir("python");
   write_file(dir.path / "in", input);
   auto r = python(exe, {"-I", "-c", script, (dir.path / "in").string()});
@@ -200,8 +203,9 @@ inline bool python_has(const std::string& exe, const std::string& modules) {
   std::lock_guard<std::mutex> lock(mu);
   const std::string key = exe + "\n" + modules;
   if (auto it = known.find(key); it != known.end()) return it->second;
-  const std::string cmd = exe + " -I -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))' " +
-                          modules + " >/dev/null 2>&1";
+  const std::string cmd =
+      exe + " -I -c 'import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in sys.argv[1:]))' " +
+      modules + " >/dev/null 2>&1";
   return known[key] = std::system(cmd.c_str()) == 0;
 }
 

@@ -32,8 +32,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-using testing::temp_dir;
 using testing::slurp;
+using testing::temp_dir;
 using testing::write_file;
 using result = testing::program_result;
 
@@ -43,7 +43,6 @@ using testing::run_tool;
 /// The tool's tests are skipped, and counted as skipped in doctest's summary, when the tool
 /// is not built (configured with -Dtools=false).
 const auto skip_without_tool = doctest::skip(!have_tool());
-
 
 /// The tool failed as docs/FORMAT.md §4 asks: exit 1 (not a signal), one line on stderr with the phrases.
 void check_fails(const result& r, const std::vector<std::string>& phrases) {
@@ -56,20 +55,21 @@ void check_fails(const result& r, const std::vector<std::string>& phrases) {
   for (const auto& p : phrases) CHECK_MESSAGE(r.err.find(p) != std::string::npos, r.err, " lacks ", p);
 }
 
-using testing::sha256_hex;
-using fixtures::tensor;
-using fixtures::shape_text;
 using fixtures::build_file;
-using fixtures::random_string;
-using fixtures::sample_tensors;
 using fixtures::file1;
 using fixtures::file2;
+using fixtures::random_string;
+using fixtures::sample_tensors;
+using fixtures::shape_text;
+using fixtures::tensor;
+using testing::sha256_hex;
 
 /// The digest docs/FORMAT.md §4 specifies, computed independently.
 std::string expected_digest(std::vector<tensor> ts, const std::string& prefix = "") {
   std::sort(ts.begin(), ts.end(), [](const tensor& a, const tensor& b) { return a.name < b.name; });
   std::string out;
-  for (const auto& t : ts) out += prefix + t.name + " " + t.dtype + " " + shape_text(t.shape, ",") + " " + sha256_hex(t.bytes) + "\n";
+  for (const auto& t : ts)
+    out += prefix + t.name + " " + t.dtype + " " + shape_text(t.shape, ",") + " " + sha256_hex(t.bytes) + "\n";
   return out;
 }
 
@@ -137,7 +137,8 @@ TEST_CASE("tool: --help and --version print on stdout and exit 0" * skip_without
     CHECK(r.exited);
     CHECK(r.code == 0);
     CHECK(r.err.empty());
-    for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) CHECK_MESSAGE(r.out.find(cmd) != std::string::npos, cmd);
+    for (const char* cmd : {"inspect", "verify", "digest", "unshard"})
+      CHECK_MESSAGE(r.out.find(cmd) != std::string::npos, cmd);
   }
   for (const char* cmd : {"inspect", "verify", "digest", "unshard"}) {
     INFO(cmd);
@@ -236,7 +237,8 @@ TEST_CASE("tool: bad Hugging Face indexes fail verify" * skip_without_tool) {
   for (const auto& t : ts)
     if (t.name >= "l" || t.name == "flags") second.push_back(t);
   write_file(twice / file2, build_file(second));
-  check_fails(run_tool({"verify", twice.string()}), {(twice / file2).string(), "tensor 'flags'", "places it in", file1});
+  check_fails(run_tool({"verify", twice.string()}),
+              {(twice / file2).string(), "tensor 'flags'", "places it in", file1});
 }
 
 TEST_CASE("tool: a sharded checkpoint unshards to the digest of its full tensors" * skip_without_tool) {

@@ -32,7 +32,8 @@ inline bool cluster_required() {
 }
 /// root and iproute2's ip (the Debian 13 leg's root has no iproute2: the cluster is the debian12 leg's)
 inline bool cluster_skipped() {
-  const bool have_ip = fs::exists("/usr/sbin/ip") || fs::exists("/sbin/ip") || fs::exists("/usr/bin/ip") || fs::exists("/bin/ip");
+  const bool have_ip =
+      fs::exists("/usr/sbin/ip") || fs::exists("/sbin/ip") || fs::exists("/usr/bin/ip") || fs::exists("/bin/ip");
   return (::geteuid() != 0 || !have_ip) && !cluster_required();
 }
 
@@ -72,7 +73,9 @@ struct sim_cluster {
     shardsafe::launch_options o = worker_options(scenario, args, logdir, {{"GLOO_SOCKET_IFNAME", "eth0"}});
     o.master_addr = head;
     o.master_port = 29500 + worlds++;  // node 0 is a network of its own: nothing else listens there
-    o.wrap = [this, per_node](int r) { return std::vector<std::string>{script, "run", name, std::to_string(r / per_node)}; };
+    o.wrap = [this, per_node](int r) {
+      return std::vector<std::string>{script, "run", name, std::to_string(r / per_node)};
+    };
     o.local_rank = [per_node](int r) { return r % per_node; };
     return o;
   }
@@ -128,7 +131,7 @@ inline bool lists(const std::vector<int>& v, int r) { return std::find(v.begin()
 /// What break_world saw: each rank's exit code and stderr, and which rank the break killed.
 struct broken_world {
   world_result res;
-  int victim = -1;       ///< the rank the break killed (-1: none)
+  int victim = -1;  ///< the rank the break killed (-1: none)
   pid_t victim_pid = -1;
 };
 
@@ -179,8 +182,9 @@ inline void check_broken(const broken_world& b, int ranks, const std::string& st
     const std::string& err = b.res.err[r];
     CHECK_MESSAGE(b.res.status[r] != 0, b.res.report());
     CHECK_MESSAGE(err.find("c10d ") != std::string::npos, err);
-    CHECK_MESSAGE(err.find(" on rank " + std::to_string(r) + " of " + std::to_string(ranks) + " failed") != std::string::npos,
-                  err);
+    CHECK_MESSAGE(
+        err.find(" on rank " + std::to_string(r) + " of " + std::to_string(ranks) + " failed") != std::string::npos,
+        err);
     if (!step.empty()) CHECK_MESSAGE(err.find(step) != std::string::npos, err);
     if (b.victim >= 0) {
       const auto silent = silent_ranks(err);

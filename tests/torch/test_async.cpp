@@ -57,9 +57,11 @@ WORKER_SCENARIO("async_save_while_training") {
   // training goes on at once: collectives on the training group, steps changing w, bias, and
   // Adam's state in place, tr overwritten
   for (int i = 0; i < 20; ++i) {
-    const std::vector<std::string> all = train.all_gather_bytes("step " + std::to_string(i) + " rank " + std::to_string(r));
+    const std::vector<std::string> all =
+        train.all_gather_bytes("step " + std::to_string(i) + " rank " + std::to_string(r));
     for (int q = 0; q < n; ++q)
-      testing::worker_check(all.at(q) == "step " + std::to_string(i) + " rank " + std::to_string(q), "all-gather on the training group gave wrong bytes");
+      testing::worker_check(all.at(q) == "step " + std::to_string(i) + " rank " + std::to_string(q),
+                            "all-gather on the training group gave wrong bytes");
     step(float(i + 2));
   }
   tr.fill_(-1.f);

@@ -43,42 +43,72 @@ std::optional<shard_spec> whole(int, int) { return std::nullopt; }
 // and an empty one, in BF16, F16, F32, F64, I32, I64 and BOOL; each loaded in another form.
 std::vector<tcase> catalogue() {
   return {
-      {"flat_uneven", dtype::F32, {37, 5},
+      {"flat_uneven",
+       dtype::F32,
+       {37, 5},
        [](int, int r) -> std::optional<shard_spec> { return r == 0 ? flat_spec{{0, 100}} : flat_spec{{100, 185}}; },
        [](int w, int r) -> std::optional<shard_spec> { return block_part({37, 5}, 0, w, r); }},
-      {"flat_multi", dtype::I64, {50},
+      {"flat_multi",
+       dtype::I64,
+       {50},
        [](int, int r) -> std::optional<shard_spec> {
          return r == 0 ? flat_spec{{0, 10}, {20, 30}} : flat_spec{{10, 20}, {30, 30}, {30, 50}};
        },
        [](int w, int r) -> std::optional<shard_spec> { return flat_part({50}, w, r); }},
-      {"row_tp", dtype::BF16, {16, 8}, [](int w, int r) -> std::optional<shard_spec> { return block_part({16, 8}, 0, w, r); },
+      {"row_tp",
+       dtype::BF16,
+       {16, 8},
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({16, 8}, 0, w, r); },
        [](int w, int r) -> std::optional<shard_spec> { return flat_part({16, 8}, w, r); }},
-      {"col_tp", dtype::F32, {6, 10}, [](int w, int r) -> std::optional<shard_spec> { return block_part({6, 10}, 1, w, r); },
+      {"col_tp",
+       dtype::F32,
+       {6, 10},
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({6, 10}, 1, w, r); },
        [](int w, int r) -> std::optional<shard_spec> { return block_part({6, 10}, 0, w, r); }},
-      {"cube", dtype::I64, {4, 6, 5},
+      {"cube",
+       dtype::I64,
+       {4, 6, 5},
        [](int, int r) -> std::optional<shard_spec> {
          return r == 0 ? block_spec({4, 6, 2}, {0, 0, 0}) : block_spec({4, 6, 3}, {0, 0, 2});
        },
        [](int w, int r) -> std::optional<shard_spec> { return flat_part({4, 6, 5}, w, r); }},
-      {"cube_to_block", dtype::I32, {3, 4, 6},
+      {"cube_to_block",
+       dtype::I32,
+       {3, 4, 6},
        [](int w, int r) -> std::optional<shard_spec> { return flat_part({3, 4, 6}, w, r); },
        [](int w, int r) -> std::optional<shard_spec> { return block_part({3, 4, 6}, 2, w, r); }},
-      {"mask", dtype::BOOL, {33}, [](int w, int r) -> std::optional<shard_spec> { return flat_part({33}, w, r); },
+      {"mask",
+       dtype::BOOL,
+       {33},
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({33}, w, r); },
        [](int w, int r) -> std::optional<shard_spec> { return block_part({33}, 0, w, r); }},
-      {"half_one_empty", dtype::F16, {9, 3},
+      {"half_one_empty",
+       dtype::F16,
+       {9, 3},
        [](int, int r) -> std::optional<shard_spec> { return r == 0 ? flat_spec{{0, 27}} : flat_spec{{27, 27}}; },
        [](int w, int r) -> std::optional<shard_spec> { return block_part({9, 3}, 1, w, r); }},
-      {"replicated_dtensor", dtype::I32, {8, 4},
+      {"replicated_dtensor",
+       dtype::I32,
+       {8, 4},
        [](int, int) -> std::optional<shard_spec> { return block_spec({8, 4}, {0, 0}); },
        [](int w, int r) -> std::optional<shard_spec> { return flat_part({8, 4}, w, r); }},
       {"bias", dtype::F64, {7}, whole, whole},
       {"scalar", dtype::F32, {}, whole, whole},
-      {"scalar_from_whole_to_block", dtype::I64, {}, whole,
+      {"scalar_from_whole_to_block",
+       dtype::I64,
+       {},
+       whole,
        [](int, int) -> std::optional<shard_spec> { return block_spec({}, {}); }},
-      {"empty", dtype::F32, {0, 4}, [](int w, int r) -> std::optional<shard_spec> { return flat_part({0, 4}, w, r); },
+      {"empty",
+       dtype::F32,
+       {0, 4},
+       [](int w, int r) -> std::optional<shard_spec> { return flat_part({0, 4}, w, r); },
        [](int, int) -> std::optional<shard_spec> { return block_spec({0, 4}, {0, 0}); }},
-      {"sharded_to_whole", dtype::F32, {5, 5},
-       [](int w, int r) -> std::optional<shard_spec> { return block_part({5, 5}, 1, w, r); }, whole},
+      {"sharded_to_whole",
+       dtype::F32,
+       {5, 5},
+       [](int w, int r) -> std::optional<shard_spec> { return block_part({5, 5}, 1, w, r); },
+       whole},
   };
 }
 
@@ -299,7 +329,8 @@ std::string hand_safetensors(const std::vector<std::tuple<std::string, std::stri
   for (std::size_t i = 0; i < ts.size(); ++i) {
     const auto& [name, dt, n, bytes] = ts[i];
     json += (i ? "," : "") + std::string("\"") + name + "\":{\"dtype\":\"" + dt + "\",\"shape\":[" + std::to_string(n) +
-            "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + bytes.size()) + "]}";
+            "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + bytes.size()) +
+            "]}";
     data += bytes;
   }
   json += "}";
@@ -341,14 +372,14 @@ TEST_CASE("directories in OLMo-core's format load in any world size") {
   auto yflat = y.reshape({-1});
   // rank 0: x whole (not sharded), y[0:3], w rows 0-7; rank 1: y[3:6], w rows 8-15; legacy split 0-4, 4-10
   testing::write_file(dir.path / "rank_0.safetensors",
-              hand_safetensors({{"x", "I64", 6, bytes_of(x)},
-                                {"y", "F32", 3, bytes_of(yflat.slice(0, 0, 3))},
-                                {"w", "BF16", 64, bytes_of(wt.narrow(0, 0, 8))},
-                                {"legacy", "F32", 4, bytes_of(leg.slice(0, 0, 4))}}));
+                      hand_safetensors({{"x", "I64", 6, bytes_of(x)},
+                                        {"y", "F32", 3, bytes_of(yflat.slice(0, 0, 3))},
+                                        {"w", "BF16", 64, bytes_of(wt.narrow(0, 0, 8))},
+                                        {"legacy", "F32", 4, bytes_of(leg.slice(0, 0, 4))}}));
   testing::write_file(dir.path / "rank_1.safetensors",
-              hand_safetensors({{"y", "F32", 3, bytes_of(yflat.slice(0, 3, 6))},
-                                {"w", "BF16", 64, bytes_of(wt.narrow(0, 8, 8))},
-                                {"legacy", "F32", 6, bytes_of(leg.slice(0, 4, 10))}}));
+                      hand_safetensors({{"y", "F32", 3, bytes_of(yflat.slice(0, 3, 6))},
+                                        {"w", "BF16", 64, bytes_of(wt.narrow(0, 8, 8))},
+                                        {"legacy", "F32", 6, bytes_of(leg.slice(0, 4, 10))}}));
   testing::write_file(
       dir.path / "metadata.json",
       R"({"tensors": {"x": {"shape": [2, 3], "is_sharded": false, "dtype": "I64", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": null, "global_offset": null}}}, )"
@@ -465,8 +496,9 @@ TEST_CASE("load errors name the file, the tensor and the rule") {
     std::filesystem::create_directories(ckpt);
     at::Tensor w = expected_full("w", dtype::F32, {8, 6});
     testing::write_file(ckpt / "rank_0.safetensors", hand_safetensors({{"w", "F32", 24, bytes_of(w.narrow(0, 0, 4))}}));
-    testing::write_file(ckpt / "metadata.json",
-                R"({"tensors": {"w": {"shape": [8, 6], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [4, 6], "global_offset": [0, 0]}}}}})");
+    testing::write_file(
+        ckpt / "metadata.json",
+        R"({"tensors": {"w": {"shape": [8, 6], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": {"rank_0.safetensors": {"flattened_offsets": null, "local_shape": [4, 6], "global_offset": [0, 0]}}}}})");
     state_dict t;
     t.add("w", at::zeros({8, 6}));
     auto msg = error_of([&] { load_state_dict(file_directory(ckpt), t); }, &code);
@@ -586,7 +618,8 @@ WORKER_SCENARIO("agree_keeps_codes") {
            block_part({4, 6}, 0, 2, w.rank), {4, 6});
     save_state_dict(file_directory(base / "ok"), sd, comm);
     auto full = unshard_state_on_rank0(file_directory(base / "ok"), comm);
-    if (w.rank == 0 && (full.size() != 1 || !testing::same_bits(full[0].second, expected_full("w", dtype::F32, {4, 6})))) {
+    if (w.rank == 0 &&
+        (full.size() != 1 || !testing::same_bits(full[0].second, expected_full("w", dtype::F32, {4, 6})))) {
       std::fprintf(stderr, "unshard after the failures: wrong tensors\n");
       ++bad;
     }
@@ -598,8 +631,8 @@ WORKER_SCENARIO("agree_keeps_codes") {
 TEST_CASE("a failure on one rank arrives on every rank with its own code (c10d)") {
   testing::temp_dir dir("agree");
   testing::write_file(dir.path / "plain", "x");
-  auto res = testing::run_world("agree_keeps_codes", 2, {dir.str(), (dir.path / "plain").string()},
-                                std::chrono::seconds(120));
+  auto res =
+      testing::run_world("agree_keeps_codes", 2, {dir.str(), (dir.path / "plain").string()}, std::chrono::seconds(120));
   CHECK_MESSAGE(res.ok(), res.report());
   CHECK_FALSE(std::filesystem::exists(dir.path / "dtype" / "metadata.json"));
   CHECK(std::filesystem::exists(dir.path / "ok" / "metadata.json"));
@@ -609,7 +642,8 @@ TEST_CASE("a failure on one rank arrives on every rank with its own code (c10d)"
 WORKER_SCENARIO("save_big_slowly") {
   single_process comm;
   state_dict sd;
-  for (int i = 0; i < 6; ++i) sd.add("t" + std::to_string(i), expected_full("t" + std::to_string(i), dtype::F32, {1 << 20}));
+  for (int i = 0; i < 6; ++i)
+    sd.add("t" + std::to_string(i), expected_full("t" + std::to_string(i), dtype::F32, {1 << 20}));
   save_options o;
   o.overwrite = true;
   o.write_chunk_bytes = 1 << 16;
@@ -674,25 +708,32 @@ std::string gathered_bytes(int q, int i) {
 // after hundreds of them.
 WORKER_SCENARIO("store_collectives") {
   c10d_world w = init_world_from_env();
-  testing::worker_check(w.transport == c10d_transport::store && !w.pg, "SHARDSAFE_C10D_TRANSPORT=store did not give a store world");
+  testing::worker_check(w.transport == c10d_transport::store && !w.pg,
+                        "SHARDSAFE_C10D_TRANSPORT=store did not give a store world");
   c10d_comm comm = w.comm();
   const int r = w.rank, n = w.world_size;
   for (int i = 0; i < 3; ++i) {
     const auto all = comm.all_gather_bytes(gathered_bytes(r, i));
-    testing::worker_check(static_cast<int>(all.size()) == n, "all_gather_bytes gave " + std::to_string(all.size()) + " strings");
-    for (int q = 0; q < n; ++q) testing::worker_check(all[q] == gathered_bytes(q, i), "all_gather_bytes: rank " + std::to_string(q) + "'s bytes differ");
+    testing::worker_check(static_cast<int>(all.size()) == n,
+                          "all_gather_bytes gave " + std::to_string(all.size()) + " strings");
+    for (int q = 0; q < n; ++q)
+      testing::worker_check(all[q] == gathered_bytes(q, i),
+                            "all_gather_bytes: rank " + std::to_string(q) + "'s bytes differ");
   }
   for (int root = 0; root < n; ++root) {
-    const std::string want = "from rank " + std::to_string(root) + (root == n - 1 ? std::string(std::size_t(5) << 20, 'z') : "");
+    const std::string want =
+        "from rank " + std::to_string(root) + (root == n - 1 ? std::string(std::size_t(5) << 20, 'z') : "");
     std::string s = r == root ? want : std::string(100, 'x');
     comm.broadcast_bytes(s, root);
-    testing::worker_check(s == want, "broadcast_bytes from " + std::to_string(root) + " gave " + std::to_string(s.size()) + " bytes");
+    testing::worker_check(
+        s == want, "broadcast_bytes from " + std::to_string(root) + " gave " + std::to_string(s.size()) + " bytes");
   }
   std::vector<std::byte> buf(1000, std::byte{0});
   if (r == n - 1)
     for (std::size_t k = 0; k < buf.size(); ++k) buf[k] = static_cast<std::byte>(k * 7 + 3);
   comm.broadcast_buffer(buf, n - 1);
-  for (std::size_t k = 0; k < buf.size(); ++k) testing::worker_check(buf[k] == static_cast<std::byte>(k * 7 + 3), "broadcast_buffer differs");
+  for (std::size_t k = 0; k < buf.size(); ++k)
+    testing::worker_check(buf[k] == static_cast<std::byte>(k * 7 + 3), "broadcast_buffer differs");
   at::Tensor t = r == 1 ? at::arange(12, at::kFloat).mul_(0.5) : at::zeros({12});
   comm.broadcast_tensor(t, 1);
   testing::worker_check(t.equal(at::arange(12, at::kFloat).mul_(0.5)), "broadcast_tensor differs");
@@ -702,16 +743,17 @@ WORKER_SCENARIO("store_collectives") {
   c10d_comm again = w.comm();  // another comm of the world: the same group, one sequence
   for (int i = 0; i < 100; ++i) {
     c10d_comm& c = i % 2 ? again : comm;
-    testing::worker_check(c.all_gather_bytes(std::to_string(i * n + r)).at((r + 1) % n) == std::to_string(i * n + (r + 1) % n),
-            "all_gather_bytes " + std::to_string(i) + " differs");
+    testing::worker_check(
+        c.all_gather_bytes(std::to_string(i * n + r)).at((r + 1) % n) == std::to_string(i * n + (r + 1) % n),
+        "all_gather_bytes " + std::to_string(i) + " differs");
     c.barrier();
     std::string s = std::to_string(i);
     c.broadcast_bytes(s, i % n);
   }
   const std::int64_t after = w.store->getNumKeys();
   // the last collectives' keys may wait for a slower rank: at most the n + 2 of two of them
-  testing::worker_check(after <= before + 2 * (n + 2), "the store grew from " + std::to_string(before) + " to " + std::to_string(after) +
-                                             " keys over 300 collectives");
+  testing::worker_check(after <= before + 2 * (n + 2), "the store grew from " + std::to_string(before) + " to " +
+                                                           std::to_string(after) + " keys over 300 collectives");
 
   c10d_world copy = w;                 // a copy's groups are counted with the world's:
   c10d_comm group = copy.new_group();  // this is group 1, the one below group 2
@@ -720,16 +762,18 @@ WORKER_SCENARIO("store_collectives") {
   std::thread other([&] {
     try {
       for (int i = 0; i < 50; ++i)
-        testing::worker_check(group.all_gather_bytes("g" + std::to_string(i) + "/" + std::to_string(r)).at(0) == "g" + std::to_string(i) + "/0",
-                "the second group's all-gather differs");
+        testing::worker_check(group.all_gather_bytes("g" + std::to_string(i) + "/" + std::to_string(r)).at(0) ==
+                                  "g" + std::to_string(i) + "/0",
+                              "the second group's all-gather differs");
     } catch (const std::exception& e) {
       group_error = e.what();
     }
   });
   for (int i = 0; i < 50; ++i)  // the world's group and the third, beside the second
-    testing::worker_check((i % 2 ? third : comm).all_gather_bytes("c" + std::to_string(i) + "/" + std::to_string(r)).at(n - 1) ==
-                "c" + std::to_string(i) + "/" + std::to_string(n - 1),
-            "an all-gather beside the second group differs");
+    testing::worker_check(
+        (i % 2 ? third : comm).all_gather_bytes("c" + std::to_string(i) + "/" + std::to_string(r)).at(n - 1) ==
+            "c" + std::to_string(i) + "/" + std::to_string(n - 1),
+        "an all-gather beside the second group differs");
   other.join();
   testing::worker_check(group_error.empty(), group_error);
   return 0;
@@ -768,7 +812,9 @@ TEST_CASE("the store transport (no Gloo): collectives, a save on 2 ranks loaded 
   for (int r = 0; r < 2; ++r) {
     CAPTURE(r);
     CHECK_MESSAGE(lost.status[r] == 3, lost.report());
-    CHECK_MESSAGE(lost.err[r].find("c10d all_gather_bytes on rank " + std::to_string(r) + " of 3 failed") != std::string::npos, lost.err[r]);
+    CHECK_MESSAGE(
+        lost.err[r].find("c10d all_gather_bytes on rank " + std::to_string(r) + " of 3 failed") != std::string::npos,
+        lost.err[r]);
     CHECK_MESSAGE(lost.err[r].find("rank 2 did not answer the roll call") != std::string::npos, lost.err[r]);
   }
 }

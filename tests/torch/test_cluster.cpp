@@ -116,11 +116,13 @@ TEST_CASE("cluster: model + AdamW saved by 8 ranks on 4 nodes resumes bit-exact 
   const std::string ckpt = (dir.path / "ckpt").string();
   // train_resume (test_optim.cpp): 3 steps, save, 3 more steps; the load world loads into zeroed
   // weights and steps 3 times: both end with the same parameters, bit for bit
-  auto a = testing::run_on(c, "train_resume", 8, 2, {"adamw", ckpt, (dir.path / "a.safetensors").string(), "save", "3", "3"},
-                  dir.path / "log-a");
+  auto a =
+      testing::run_on(c, "train_resume", 8, 2, {"adamw", ckpt, (dir.path / "a.safetensors").string(), "save", "3", "3"},
+                      dir.path / "log-a");
   REQUIRE_MESSAGE(a.ok(), a.report());
-  auto b = testing::run_on(c, "train_resume", 6, 2, {"adamw", ckpt, (dir.path / "b.safetensors").string(), "load", "3", "3"},
-                  dir.path / "log-b");
+  auto b =
+      testing::run_on(c, "train_resume", 6, 2, {"adamw", ckpt, (dir.path / "b.safetensors").string(), "load", "3", "3"},
+                      dir.path / "log-b");
   REQUIRE_MESSAGE(b.ok(), b.report());
   const std::string fa = testing::slurp(dir.path / "a.safetensors");
   CHECK(fa.size() > 1000);
@@ -152,8 +154,9 @@ void break_a_save(const char* what, Break&& brk, Expect&& expect) {
   CHECK_MESSAGE(temps.empty(), temps.front());
   // the checkpoint before loads bit-exact on 4 ranks over 2 nodes
   c.run("heal " + c.name + " 2");
-  auto l = testing::run_on(c, "cluster_load_params", 4, 2,
-                           {(root / "good").string(), (dir.path / "loaded.safetensors").string()}, dir.path / "log-load");
+  auto l =
+      testing::run_on(c, "cluster_load_params", 4, 2,
+                      {(root / "good").string(), (dir.path / "loaded.safetensors").string()}, dir.path / "log-load");
   REQUIRE_MESSAGE(l.ok(), l.report());
   CHECK(testing::slurp(dir.path / "good.safetensors") == testing::slurp(dir.path / "loaded.safetensors"));
 }
@@ -218,8 +221,9 @@ TEST_CASE("cluster: a rank SIGKILLed during a load: every other rank ends with a
   const fs::path ready = dir.path / "ready";
   fs::create_directories(ready);
   const int ranks = 6, timeout_ms = 10000;
-  const auto b = testing::break_world(c, "cluster_load_forever", {root.string(), ready.string(), std::to_string(timeout_ms)},
-                                      ready, ranks, 2, timeout_ms, dir.path / "log", [](const testing::sim_cluster&, local_world& w) {
+  const auto b = testing::break_world(c, "cluster_load_forever",
+                                      {root.string(), ready.string(), std::to_string(timeout_ms)}, ready, ranks, 2,
+                                      timeout_ms, dir.path / "log", [](const testing::sim_cluster&, local_world& w) {
                                         w.kill_rank(3, SIGKILL);
                                         return 3;
                                       });
@@ -269,12 +273,15 @@ TEST_CASE("cluster: model + AdamW saved to S3 on a store node by 6 ranks on 3 no
     if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   REQUIRE_MESSAGE(up, "moto_server on the store node did not listen: " << moto.log());
-  auto a = testing::run_on(c, "cluster_s3", 6, 2, {endpoint, "save", (dir.path / "saved.safetensors").string()}, dir.path / "log-a");
+  auto a = testing::run_on(c, "cluster_s3", 6, 2, {endpoint, "save", (dir.path / "saved.safetensors").string()},
+                           dir.path / "log-a");
   REQUIRE_MESSAGE(a.ok(), a.report());
-  auto b = testing::run_on(c, "cluster_s3", 4, 2, {endpoint, "load", (dir.path / "loaded.safetensors").string()}, dir.path / "log-b");
+  auto b = testing::run_on(c, "cluster_s3", 4, 2, {endpoint, "load", (dir.path / "loaded.safetensors").string()},
+                           dir.path / "log-b");
   REQUIRE_MESSAGE(b.ok(), b.report());
   const std::string saved = testing::slurp(dir.path / "saved.safetensors");
   CHECK(saved.size() > 1000);
-  CHECK_MESSAGE(saved == testing::slurp(dir.path / "loaded.safetensors"), "the 4-rank load from S3 differs from what was saved");
+  CHECK_MESSAGE(saved == testing::slurp(dir.path / "loaded.safetensors"),
+                "the 4-rank load from S3 differs from what was saved");
 }
 #endif

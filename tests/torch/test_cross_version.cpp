@@ -44,7 +44,8 @@ template <class C>
 void dump_train_state(demo::sharded_mlp& m, C& comm, int rank, const std::string& path) {
   std::string text, raw;
   auto sd = m.state();
-  std::vector<const std::pair<std::string, sharded_tensor>*> by_name;  // sorted: the same order however the model was built
+  std::vector<const std::pair<std::string, sharded_tensor>*>
+      by_name;  // sorted: the same order however the model was built
   for (const auto& e : sd) by_name.push_back(&e);
   std::sort(by_name.begin(), by_name.end(), [](auto* a, auto* b) { return a->first < b->first; });
   for (const auto* e : by_name) {
@@ -69,8 +70,9 @@ void dump_train_state(demo::sharded_mlp& m, C& comm, int rank, const std::string
         if (st.local.unsafeGetTensorImpl() == p.unsafeGetTensorImpl() && (first.empty() || name < first)) first = name;
     std::ostringstream line;
     line.precision(17);
-    line << "group of " << first << ": lr " << o.lr() << " betas " << std::get<0>(o.betas()) << "," << std::get<1>(o.betas())
-         << " eps " << o.eps() << " weight_decay " << o.weight_decay() << " amsgrad " << o.amsgrad() << "\n";
+    line << "group of " << first << ": lr " << o.lr() << " betas " << std::get<0>(o.betas()) << ","
+         << std::get<1>(o.betas()) << " eps " << o.eps() << " weight_decay " << o.weight_decay() << " amsgrad "
+         << o.amsgrad() << "\n";
     groups.push_back(line.str());
   }
   std::sort(groups.begin(), groups.end());
@@ -95,7 +97,8 @@ WORKER_SCENARIO("cross_version") {
   const std::filesystem::path dir = args.at(1);
   const file_directory ckpt((dir / "ckpt").string());
   const bool save = mode == "save";
-  demo::sharded_mlp m(w.world_size, w.rank, demo::optim_kind::adamw, /*group_order_reversed=*/!save, /*zero_init=*/!save);
+  demo::sharded_mlp m(w.world_size, w.rank, demo::optim_kind::adamw, /*group_order_reversed=*/!save,
+                      /*zero_init=*/!save);
   if (save) {
     for (int s = 0; s < 3; ++s) m.step(comm);
     dump_train_state(m, comm, w.rank, (dir / "saved.dump").string());

@@ -45,7 +45,8 @@ std::vector<full_tensor> torch_tensors(const fs::path& dir) {
 }
 
 /// This rank's spec of a tensor of `shape` cut `how` over `world` ranks (torch.chunk sizes).
-std::optional<shard_spec> spec_of(const shape_t& shape, const std::string& how, std::uint64_t world, std::uint64_t rank) {
+std::optional<shard_spec> spec_of(const shape_t& shape, const std::string& how, std::uint64_t world,
+                                  std::uint64_t rank) {
   if (shape.empty()) return std::nullopt;
   auto chunk = [&](std::uint64_t n) {
     const std::uint64_t c = (n + world - 1) / world, b = std::min(n, rank * c);
@@ -99,9 +100,10 @@ WORKER_SCENARIO("dcp_load") {
 namespace {
 /// Writes the folders of tests/SCRIPT with Debian's torch 1.13 into dir.
 void write_torch113_fixture(const char* script, const testing::temp_dir& dir) {
-  REQUIRE_MESSAGE(testing::torch_major() == 1, "the test command asks for torch 1.13 but " << testing::torch_python
-                                                   << " does not hold it");
-  const auto r = testing::peer(testing::torch_python, {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / script).string(), dir.str()});
+  REQUIRE_MESSAGE(testing::torch_major() == 1,
+                  "the test command asks for torch 1.13 but " << testing::torch_python << " does not hold it");
+  const auto r =
+      testing::peer(testing::torch_python, {(fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / script).string(), dir.str()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
 }
 }  // namespace
@@ -121,9 +123,10 @@ TEST_CASE("dcp: a torch 1.13 DCP checkpoint of 3 ranks loads into c10d worlds of
       }
 }
 
-TEST_CASE("dcp: tensors of a dtype no safetensors name holds (torch 1.13's complex128, qint8): unshard_state and "
-          "map_state refuse them by name, load_state_dict loads the rest and reports them unexpected" *
-          testing::torch_major_check(1)) {
+TEST_CASE(
+    "dcp: tensors of a dtype no safetensors name holds (torch 1.13's complex128, qint8): unshard_state and "
+    "map_state refuse them by name, load_state_dict loads the rest and reports them unexpected" *
+    testing::torch_major_check(1)) {
   testing::temp_dir dir("dcp-foreign");
   write_torch113_fixture("dcp_fixture.py", dir);
   const fs::path ck = dir.path / "ckpt_foreign";

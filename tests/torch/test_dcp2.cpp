@@ -62,7 +62,9 @@ const fs::path& torch2_fixture() {
 template <class C>
 std::string gather_flat(C& comm, const at::Tensor& local) {
   std::string all;
-  for (const auto& p : comm.all_gather_bytes(std::string_view(static_cast<const char*>(local.data_ptr()), local.nbytes()))) all += p;
+  for (const auto& p :
+       comm.all_gather_bytes(std::string_view(static_cast<const char*>(local.data_ptr()), local.nbytes())))
+    all += p;
   return all;
 }
 
@@ -121,7 +123,8 @@ WORKER_SCENARIO("dcp2_resume") {
   std::vector<at::Tensor> ps;
   for (auto& [n, t] : params) ps.push_back(t);
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if (kind == "adamw") opt = std::make_unique<torch::optim::AdamW>(ps, torch::optim::AdamWOptions(0.5).weight_decay(0.7));
+  if (kind == "adamw")
+    opt = std::make_unique<torch::optim::AdamW>(ps, torch::optim::AdamWOptions(0.5).weight_decay(0.7));
   if (kind == "adam") opt = std::make_unique<torch::optim::Adam>(ps, torch::optim::AdamOptions(0.5).eps(0.3));
   if (kind == "sgd") opt = std::make_unique<torch::optim::SGD>(ps, torch::optim::SGDOptions(0.5).momentum(0.1));
   load_model_and_optim_state(file_directory(ckpt), sd, opt.get(), comm);
@@ -231,13 +234,17 @@ WORKER_SCENARIO("dcp2_save") {
     for (auto& g : m.optimizer().param_groups()) {
       const auto& o = static_cast<const torch::optim::AdamWOptions&>(g.options());
       char buf[256];
-      std::snprintf(buf, sizeof buf, "{\"lr\": %.17g, \"betas\": [%.17g, %.17g], \"eps\": %.17g, \"weight_decay\": %.17g, \"amsgrad\": %s, \"params\": [",
-                    o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(), o.amsgrad() ? "true" : "false");
+      std::snprintf(buf, sizeof buf,
+                    "{\"lr\": %.17g, \"betas\": [%.17g, %.17g], \"eps\": %.17g, \"weight_decay\": %.17g, \"amsgrad\": "
+                    "%s, \"params\": [",
+                    o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
+                    o.amsgrad() ? "true" : "false");
       json += std::string(gi++ ? ", " : "") + buf;
       std::size_t pi = 0;
       for (const auto& p : g.params())
         for (const auto& [name, st] : sd)
-          if (st.local.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) json += std::string(pi++ ? ", " : "") + testing::json_quoted(name);
+          if (st.local.unsafeGetTensorImpl() == p.unsafeGetTensorImpl())
+            json += std::string(pi++ ? ", " : "") + testing::json_quoted(name);
       json += "]}";
     }
     std::ofstream(out / "ref" / "groups.json") << json << "]\n";
@@ -247,8 +254,8 @@ WORKER_SCENARIO("dcp2_save") {
 
 TEST_CASE("dcp2: torch 2.x DTensor folders (1-D, 2-D, HSDP, experts, empty pieces) load into 1, 2, 3 and 4 ranks" *
           testing::torch_major_check(2)) {
-  REQUIRE_MESSAGE(testing::torch_major() == 2, "the test command asks for torch 2.x but " << testing::torch_python
-                                                   << " does not hold it");
+  REQUIRE_MESSAGE(testing::torch_major() == 2,
+                  "the test command asks for torch 2.x but " << testing::torch_python << " does not hold it");
   const fs::path& dir = torch2_fixture();
   for (const char* how : {"rows", "cols", "flat"})
     for (int n : {1, 2, 3, 4}) {
@@ -276,7 +283,8 @@ TEST_CASE("dcp2: the tool's digest of a torch 2.x folder is torch's; to-hf is re
       "for k in sorted(t):\n"
       "    v = t[k].contiguous().reshape(-1)\n"
       "    b = v.view(__import__('torch').uint8).numpy().tobytes() if v.numel() else b''\n"
-      "    print(k, hashlib.sha256(b).hexdigest(), b == open(os.path.join(sys.argv[2], 'raw', k + '.bin'), 'rb').read())\n";
+      "    print(k, hashlib.sha256(b).hexdigest(), b == open(os.path.join(sys.argv[2], 'raw', k + '.bin'), "
+      "'rb').read())\n";
   const auto r = testing::peer(testing::torch_python, {"-c", py, (out.path / "hf").string(), dir.string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   CHECK(r.out.find("False") == std::string::npos);
@@ -307,8 +315,9 @@ TEST_CASE("dcp2: the golden fixtures, made again by this torch, still match the 
   CHECK(names(out.path / "ckpt") == names(golden / "ckpt"));
 }
 
-TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loads in torch 2.x (dcp.load) bit for bit" *
-          testing::torch_major_check(2, !testing::have_tool())) {
+TEST_CASE(
+    "dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loads in torch 2.x (dcp.load) bit for bit" *
+    testing::torch_major_check(2, !testing::have_tool())) {
   REQUIRE(testing::torch_major() == 2);
   const fs::path& fixture = torch2_fixture();
   testing::temp_dir out("dcp2-to-dcp");
@@ -329,8 +338,11 @@ TEST_CASE("dcp2: the tool's to-dcp of an HF folder and of a torch 2.x folder loa
   }
 }
 
-TEST_CASE("dcp2: torch 2.x's torch.save files (zip, legacy, protocol 4, a training checkpoint) digest as torch wrote them; to-dcp "
-          "of the training checkpoint is torch's own dcp.save of it" * testing::torch_major_check(2, !testing::have_tool())) {
+TEST_CASE(
+    "dcp2: torch 2.x's torch.save files (zip, legacy, protocol 4, a training checkpoint) digest as torch wrote them; "
+    "to-dcp "
+    "of the training checkpoint is torch's own dcp.save of it" *
+    testing::torch_major_check(2, !testing::have_tool())) {
   REQUIRE(testing::torch_major() == 2);
   testing::temp_dir out("dcp2-train");
   const auto fixture = (fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "torch_save_fixture.py").string();
@@ -341,13 +353,14 @@ TEST_CASE("dcp2: torch 2.x's torch.save files (zip, legacy, protocol 4, a traini
   simdjson::dom::parser parser;
   const std::string json = testing::slurp(out.path / "fx" / "expected.json");
   const simdjson::dom::element expected = parser.parse(json);
-  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy", "single_legacy4",
-                                   "train/train.pt", "train_legacy/train.pt"}) {
+  for (const std::string folder : {"single", "sharded", "nested", "single_legacy", "sharded_legacy", "nested_legacy",
+                                   "single_legacy4", "train/train.pt", "train_legacy/train.pt"}) {
     CAPTURE(folder);
     std::string want;
     for (auto [key, v] : simdjson::dom::object(expected[folder.substr(0, folder.find_first_of("_/"))])) {
       std::string shape = "[";
-      for (auto d : simdjson::dom::array(v["shape"])) shape += (shape.size() > 1 ? "," : "") + std::to_string(std::uint64_t(d));
+      for (auto d : simdjson::dom::array(v["shape"]))
+        shape += (shape.size() > 1 ? "," : "") + std::to_string(std::uint64_t(d));
       want += std::string(key) + " " + std::string(std::string_view(v["dtype"])) + " " + shape + "] " +
               std::string(std::string_view(v["sha256"])) + "\n";
     }
@@ -362,14 +375,17 @@ TEST_CASE("dcp2: torch 2.x's torch.save files (zip, legacy, protocol 4, a traini
     const auto t = testing::run_tool({"to-dcp", (out.path / "fx" / folder / "train.pt").string(), to.string()});
     REQUIRE_MESSAGE(t.code == 0, t.err);
     // the reference: torch.load of the zip file, saved by torch's dcp.save
-    const auto r = testing::peer(testing::torch_python, {script, "train", (out.path / "fx" / "train" / "train.pt").string(), to.string()});
+    const auto r = testing::peer(testing::torch_python,
+                                 {script, "train", (out.path / "fx" / "train" / "train.pt").string(), to.string()});
     CHECK_MESSAGE(r.code == 0, r.out << r.err);
     CHECK(r.out.starts_with("ok "));
   }
 }
 
-TEST_CASE("dcp2: LibTorch AdamW, Adam and SGD (momentum) resume in 3 ranks from torch 2.x's get_state_dict layout, bit-exact" *
-          testing::torch_major_check(2)) {
+TEST_CASE(
+    "dcp2: LibTorch AdamW, Adam and SGD (momentum) resume in 3 ranks from torch 2.x's get_state_dict layout, "
+    "bit-exact" *
+    testing::torch_major_check(2)) {
   REQUIRE(testing::torch_major() == 2);
   const fs::path& dir = torch2_fixture();
   for (const char* kind : {"adamw", "adam", "sgd"}) {
@@ -377,14 +393,16 @@ TEST_CASE("dcp2: LibTorch AdamW, Adam and SGD (momentum) resume in 3 ranks from 
     const std::string k = kind;
     const fs::path ckpt = dir / (k == "adamw" ? "ckpt" : "ckpt_" + k);
     const fs::path ref = k == "adamw" ? dir : dir / ("ckpt_" + k + "_ref");
-    auto res = testing::run_world("dcp2_resume", 3, {ckpt.string(), ref.string(), (dir / ("groups_" + k + ".json")).string(), k});
+    auto res = testing::run_world("dcp2_resume", 3,
+                                  {ckpt.string(), ref.string(), (dir / ("groups_" + k + ".json")).string(), k});
     CHECK_MESSAGE(res.ok(), res.report());
   }
 }
 
-TEST_CASE("dcp2: a 3-rank C++ save in get_state_dict layout loads in torch 2.x (one process, set_state_dict resumes AdamW; "
-          "DTensors on a 2 x 2 mesh)" *
-          testing::torch_major_check(2)) {
+TEST_CASE(
+    "dcp2: a 3-rank C++ save in get_state_dict layout loads in torch 2.x (one process, set_state_dict resumes AdamW; "
+    "DTensors on a 2 x 2 mesh)" *
+    testing::torch_major_check(2)) {
   REQUIRE(testing::torch_major() == 2);
   testing::temp_dir out("dcp2-save");
   auto res = testing::run_world("dcp2_save", 3, {out.str()});
@@ -395,7 +413,7 @@ TEST_CASE("dcp2: a 3-rank C++ save in get_state_dict layout loads in torch 2.x (
   for (const char* mode : {"single", "mesh"}) {
     CAPTURE(mode);
     const auto r = testing::peer(testing::torch_python,
-                                        {script.string(), (out.path / "ckpt").string(), (out.path / "ref").string(), mode});
+                                 {script.string(), (out.path / "ckpt").string(), (out.path / "ref").string(), mode});
     CHECK_MESSAGE(r.code == 0, r.out << r.err);
     CHECK(r.out == "ok\n");
   }

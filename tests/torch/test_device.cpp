@@ -66,8 +66,9 @@ bool cuda_cases_skipped() {
 
 /// In a case that runs (not skipped): LibTorch must see the device the machine shows.
 void require_cuda() {
-  REQUIRE_MESSAGE(at::hasCUDA(), "no CUDA device found by LibTorch, where the case runs (cuda_cases_skipped saw a "
-                                 "CUDA LibTorch and an NVIDIA device, or --no-skip): a driver too old for its CUDA?");
+  REQUIRE_MESSAGE(at::hasCUDA(),
+                  "no CUDA device found by LibTorch, where the case runs (cuda_cases_skipped saw a "
+                  "CUDA LibTorch and an NVIDIA device, or --no-skip): a driver too old for its CUDA?");
 }
 
 struct device_dir {
@@ -153,7 +154,8 @@ TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size" * d
   sv.view.nbytes = b.nbytes();
   sv.target = static_cast<std::byte*>(b.data_ptr());
   device_copy_engine engine(b.device());
-  const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(&sv, 1), engine, dev_small_ring());
+  const staged_load_stats st =
+      load_staged(reader, std::span<const staged_view<std::byte*>>(&sv, 1), engine, dev_small_ring());
   CHECK(st.host_bytes == 3 * (std::uint64_t(1) << 20));
   CHECK(st.fills == 4);  // 4,000,000 bytes in 1 MiB slots
   CHECK(same_bytes(b, src.find("b")->local));
@@ -250,9 +252,9 @@ TEST_CASE("cuda: the GPU snippet of docs/USAGE.md" * doctest::skip(cuda_cases_sk
   state_dict sd;
   sd.add("w", at::empty({4096, 4096}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA)));
   load_options opt;
-  opt.staging.slots = 4;                       // the ring: 4 pinned buffers of 64 MiB (the default)
+  opt.staging.slots = 4;  // the ring: 4 pinned buffers of 64 MiB (the default)
   opt.staging.slot_bytes = std::uint64_t(64) << 20;
-  opt.convert_dtypes = true;                   // a file in F32 converts on the GPU (convert_on_device)
+  opt.convert_dtypes = true;  // a file in F32 converts on the GPU (convert_on_device)
   load_state_dict(file_directory(dir / "ckpt"), sd, opt);
   save_state_dict(file_directory(dir / "next"), sd, comm);  // device-to-host copies overlap the writes
   // [/usage]
@@ -279,7 +281,8 @@ WORKER_SCENARIO("cuda_world") {
   if (args.at(1) == "save") {
     const std::int64_t lo = 96 * r / n, hi = 96 * (r + 1) / n;
     state_dict sd;
-    sd.add("w", full.narrow(0, lo, hi - lo).cuda(), block_spec{{std::uint64_t(hi - lo), 40}, {std::uint64_t(lo), 0}}, {96, 40});
+    sd.add("w", full.narrow(0, lo, hi - lo).cuda(), block_spec{{std::uint64_t(hi - lo), 40}, {std::uint64_t(lo), 0}},
+           {96, 40});
     save_state_dict(dir, sd, comm);
     return 0;
   }
@@ -287,13 +290,15 @@ WORKER_SCENARIO("cuda_world") {
   const std::int64_t cols[] = {0, 14, 27, 40};
   const std::int64_t clo = cols[r], chi = cols[r + 1];
   state_dict flat, block;
-  flat.add("w", at::full({fhi - flo}, -1.f, on_cuda(at::kFloat)), flat_spec{{std::uint64_t(flo), std::uint64_t(fhi)}}, {96, 40});
+  flat.add("w", at::full({fhi - flo}, -1.f, on_cuda(at::kFloat)), flat_spec{{std::uint64_t(flo), std::uint64_t(fhi)}},
+           {96, 40});
   block.add("w", at::full({96, chi - clo}, -1.f, on_cuda(at::kFloat)),
             block_spec{{96, std::uint64_t(chi - clo)}, {0, std::uint64_t(clo)}}, {96, 40});
   load_state_dict(dir, flat);  // a load is each rank's own: no collective
   load_state_dict(dir, block);
   int bad = 0;
-  if (!flat.find("w")->local.is_cuda() || !same_bytes(flat.find("w")->local, full.flatten().narrow(0, flo, fhi - flo))) {
+  if (!flat.find("w")->local.is_cuda() ||
+      !same_bytes(flat.find("w")->local, full.flatten().narrow(0, flo, fhi - flo))) {
     std::fprintf(stderr, "rank %lld: the flat shard differs\n", static_cast<long long>(r));
     ++bad;
   }

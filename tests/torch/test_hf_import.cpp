@@ -103,7 +103,8 @@ void write_folder(const std::filesystem::path& dir) {
     const bool first = key < "model.layers.0.n";
     at::Tensor t = file_tensor(p);
     (first ? a : b).push_back({key, std::string(name(p.file_type)), p.shape, hf_bytes_of(t)});
-    map += std::string(map.empty() ? "" : ", ") + "\"" + key + "\": \"" + (first ? fixtures::file1 : fixtures::file2) + "\"";
+    map += std::string(map.empty() ? "" : ", ") + "\"" + key + "\": \"" + (first ? fixtures::file1 : fixtures::file2) +
+           "\"";
     total += t.nbytes();
   }
   file_directory d(dir);
@@ -119,7 +120,8 @@ void write_folder(const std::filesystem::path& dir) {
 // import (checked) the rank marks itself ready and imports again and again until the world
 // breaks (tests/torch/test_cluster.cpp's kill cases).
 WORKER_SCENARIO("hf_import_module") {
-  auto w = args.size() > 3 ? init_world_from_env(std::chrono::milliseconds(std::stol(args.at(3)))) : init_world_from_env();
+  auto w =
+      args.size() > 3 ? init_world_from_env(std::chrono::milliseconds(std::stol(args.at(3)))) : init_world_from_env();
   auto comm = w.comm();
   holder model;
   shard_map shards;
@@ -195,7 +197,8 @@ TEST_CASE("hf import into torch::nn::Module: 2-4 c10d ranks, row/column/flat sha
   // automatic on one host: every rank reads its own shards, without measuring
   auto ra = testing::run_world("hf_import_module", 3, {dir.str(), "automatic"});
   CHECK_MESSAGE(ra.ok(), ra.report());
-  for (const auto& e : ra.err) CHECK_MESSAGE(e.find("mode used: every_rank_read (every rank runs on one host)") != std::string::npos, e);
+  for (const auto& e : ra.err)
+    CHECK_MESSAGE(e.find("mode used: every_rank_read (every rank runs on one host)") != std::string::npos, e);
   auto r4 = testing::run_world("hf_import_module", 4, {dir.str(), "rank0_broadcast"});
   CHECK_MESSAGE(r4.ok(), r4.report());
 }
@@ -234,13 +237,13 @@ TEST_CASE("hf import on a simulated cluster: a rank SIGKILLed during rank 0's br
   std::filesystem::create_directories(ready);
   testing::sim_cluster c(3);
   const int ranks = 6, timeout_ms = 10000;
-  const auto b = testing::break_world(c, "hf_import_module",
-                                      {(dir.path / "hf").string(), "rank0_broadcast", ready.string(), std::to_string(timeout_ms)},
-                                      ready, ranks, 2, timeout_ms, dir.path / "log",
-                                      [](const testing::sim_cluster&, shardsafe::local_world& w) {
-                                        w.kill_rank(3, SIGKILL);
-                                        return 3;
-                                      });
+  const auto b = testing::break_world(
+      c, "hf_import_module",
+      {(dir.path / "hf").string(), "rank0_broadcast", ready.string(), std::to_string(timeout_ms)}, ready, ranks, 2,
+      timeout_ms, dir.path / "log", [](const testing::sim_cluster&, shardsafe::local_world& w) {
+        w.kill_rank(3, SIGKILL);
+        return 3;
+      });
   testing::check_broken(b, ranks, "import " + (dir.path / "hf").string() + ": ");
 }
 

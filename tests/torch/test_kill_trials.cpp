@@ -93,7 +93,8 @@ trial_counts run_trials(int n, int trials, const fs::path& root, std::mt19937_64
     opt.env["SHARDSAFE_WORKER_ARGS"] = testing::join_args({root.string(), std::to_string(step), marks.string()});
     opt.env["OMP_NUM_THREADS"] = "1";
     opt.stderr_dir = marks / "err";
-    return std::make_unique<local_world>(fs::read_symlink("/proc/self/exe").string(), std::vector<std::string>{}, n, opt);
+    return std::make_unique<local_world>(fs::read_symlink("/proc/self/exe").string(), std::vector<std::string>{}, n,
+                                         opt);
   };
   auto await_ready = [&] {
     for (int i = 0; i < 60000; ++i) {
@@ -179,9 +180,10 @@ TEST_CASE("kill trials: saves killed at random moments never break the newest co
     CAPTURE(n);
     testing::temp_dir dir("kill");
     const auto c = run_trials(n, trials, dir.path / "ckpts", rng);
-    MESSAGE("kill trials, world of " << n << ": " << c.trials << " trials: " << c.committed << " committed before the kill, "
-                                     << c.interrupted << " interrupted (the previous checkpoint loaded bit-exact), "
-                                     << c.unfinished.size() << " distinct unfinished folders, each refused by load and verify after every later trial");
+    MESSAGE("kill trials, world of "
+            << n << ": " << c.trials << " trials: " << c.committed << " committed before the kill, " << c.interrupted
+            << " interrupted (the previous checkpoint loaded bit-exact), " << c.unfinished.size()
+            << " distinct unfinished folders, each refused by load and verify after every later trial");
     CHECK(c.trials == trials);
   }
 }

@@ -59,7 +59,8 @@ TEST_CASE("map_state: tensors held whole by one file are copy-on-write views of 
   REQUIRE(state.size() == mem_tensors.size());
   for (std::size_t i = 0; i < state.size(); ++i) {
     CAPTURE(state[i].first);
-    const auto& [k, s] = *std::find_if(mem_tensors.begin(), mem_tensors.end(), [&](auto& p) { return p.first == state[i].first; });
+    const auto& [k, s] =
+        *std::find_if(mem_tensors.begin(), mem_tensors.end(), [&](auto& p) { return p.first == state[i].first; });
     CHECK(testing::same_bits(state[i].second, testing::expected_full(k, dtype::F32, s)));
   }
   // the mapping is the file's: the tensor's memory lies inside a mapping of rank_0.safetensors
@@ -100,7 +101,9 @@ TEST_CASE("map_state: tensors split over rank files are assembled; the others ma
     CHECK(testing::same_bits(t, testing::expected_full(k, dtype::F32, k == "w" ? shape_t{64, 64} : shape_t{64})));
 }
 
-TEST_CASE("map_state: a torch DCP folder's tensors, those torch.save kept transposed mapped with its strides, values torch's") {
+TEST_CASE(
+    "map_state: a torch DCP folder's tensors, those torch.save kept transposed mapped with its strides, values "
+    "torch's") {
   // the golden folder torch 2.6 wrote (tests/dcp2_fixture.py --small): extra.whole_t is a plain
   // transposed F16 tensor, written whole in one chunk with strides (1, 3)
   const fs::path golden = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "dcp_torch2";
@@ -142,7 +145,8 @@ TEST_CASE("unshard_state into a huge-page arena: the same tensors; one kept aliv
 TEST_CASE("tensor_arena::populate_ahead: switching to small pages part-way leaves every byte writable and intact") {
   // 3 tensors over 80 MiB: 4 MiB of huge pages and 4 MiB of small ones tried first, then
   // the populating thread's 32 MiB steps
-  const std::vector<std::uint64_t> sizes{(std::uint64_t(40) << 20) + 4, std::uint64_t(24) << 20, std::uint64_t(16) << 20};
+  const std::vector<std::uint64_t> sizes{(std::uint64_t(40) << 20) + 4, std::uint64_t(24) << 20,
+                                         std::uint64_t(16) << 20};
   std::uint64_t total = 0;
   for (auto n : sizes) total += n;
   for (const bool force : {true, false}) {
@@ -150,10 +154,10 @@ TEST_CASE("tensor_arena::populate_ahead: switching to small pages part-way leave
     tensor_arena arena{std::span<const std::uint64_t>(sizes)};
     arena_populate_options opt;
     if (force) {
-      opt.backed_huge_seconds_per_gib = -1;     // every step counts as slow
-      opt.small_pages_if_cheaper_by = 1e12;     // and small pages always win
+      opt.backed_huge_seconds_per_gib = -1;  // every step counts as slow
+      opt.small_pages_if_cheaper_by = 1e12;  // and small pages always win
     } else {
-      opt.backed_huge_seconds_per_gib = 1e12;   // no step is slow: huge pages throughout
+      opt.backed_huge_seconds_per_gib = 1e12;  // no step is slow: huge pages throughout
     }
     const bool populating = arena.populate_ahead(opt);
     // write while it populates (as the reads do), each byte a function of its offset
@@ -198,12 +202,15 @@ long kernel_page_kib(const void* p) {
 }
 }  // namespace
 
-TEST_CASE("unshard_state into a hugetlb_arena: the reserved huge pages when the pool has room, else the arena; same tensors") {
+TEST_CASE(
+    "unshard_state into a hugetlb_arena: the reserved huge pages when the pool has room, else the arena; same "
+    "tensors") {
   testing::temp_dir dir("hugetlb");
   single_process one;
   save_state_dict(file_directory(dir.path / "c"), whole_state(), one);
   auto plain = unshard_state(file_directory(dir.path / "c"));
-  const long pool = tensor_arena::hugetlb_pages_free();  // (another process may take pages meanwhile: rare, and then the fallback is checked)
+  const long pool = tensor_arena::
+      hugetlb_pages_free();  // (another process may take pages meanwhile: rare, and then the fallback is checked)
   {
     const std::vector<std::uint64_t> sizes{std::uint64_t(3) << 20};
     tensor_arena a{std::span<const std::uint64_t>(sizes), true};

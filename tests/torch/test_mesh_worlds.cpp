@@ -59,7 +59,8 @@ placed place(const std::string& layout, const mesh_tensor& t, std::size_t index,
   if (layout == "tp2") return on({2}, {"tp"}, {t.full.size() > 1 ? shard(1) : shard(0)});
   if (layout == "flat3") return {testing::flat_part(t.full, world, rank), replica_role::none};
   // EP: "ep_A_B" is a mesh [A, B] ("ep", "ep_fsdp"); experts [shard(0), shard(1)], the router HSDP-like
-  const auto a = static_cast<u64>(std::stoul(layout.substr(3, 1))), b = static_cast<u64>(std::stoul(layout.substr(5, 1)));
+  const auto a = static_cast<u64>(std::stoul(layout.substr(3, 1))),
+             b = static_cast<u64>(std::stoul(layout.substr(5, 1)));
   if (t.key.find("experts") != std::string::npos) return on({a, b}, {"ep", "ep_fsdp"}, {shard(0), shard(1)});
   return on({a, b}, {"ep", "ep_fsdp"}, {replicate(), shard(0)});
 }
@@ -93,7 +94,8 @@ WORKER_SCENARIO("mesh_state") {
       sd.add(t.key, local);
   }
   std::unique_ptr<torch::optim::Adam> adam;
-  if (with_optim) adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(mode == "save" ? 1e-3 : 0.5));
+  if (with_optim)
+    adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(mode == "save" ? 1e-3 : 0.5));
   auto adam_state = [&](std::size_t i) -> torch::optim::AdamParamState& {
     auto* s = optimizer_state_of(*adam, params[i]);
     if (!s) throw std::runtime_error("no Adam state for " + model[i].key);
@@ -115,14 +117,16 @@ WORKER_SCENARIO("mesh_state") {
   for (std::size_t i = 0; i < model.size(); ++i) {
     const auto& t = model[i];
     const at::Tensor want = local_of(expected_full(t.key, t.type, t.full, true), where[i].spec);
-    if (!same_bits(params[i], want)) throw std::runtime_error("rank " + std::to_string(w.rank) + ": " + t.key + " differs");
+    if (!same_bits(params[i], want))
+      throw std::runtime_error("rank " + std::to_string(w.rank) + ": " + t.key + " differs");
     if (!adam) continue;
     auto& st = adam_state(i);
     if (!same_bits(st.exp_avg(), state_want(t, "exp_avg", where[i].spec)) ||
         !same_bits(st.exp_avg_sq(), state_want(t, "exp_avg_sq", where[i].spec)))
       throw std::runtime_error("rank " + std::to_string(w.rank) + ": Adam state of " + t.key + " differs");
     if (st.step() != static_cast<std::int64_t>(10 + i))
-      throw std::runtime_error("rank " + std::to_string(w.rank) + ": step of " + t.key + " is " + std::to_string(st.step()));
+      throw std::runtime_error("rank " + std::to_string(w.rank) + ": step of " + t.key + " is " +
+                               std::to_string(st.step()));
     if (adam->param_groups()[0].options().get_lr() != 1e-3)
       throw std::runtime_error("rank " + std::to_string(w.rank) + ": lr not restored");
   }
@@ -146,7 +150,9 @@ std::vector<u64> data_bytes(const std::filesystem::path& folder, int ranks) {
 
 }  // namespace
 
-TEST_CASE("mesh worlds: HSDP (2 replicas x 2 shards) with Adam state writes each block once; loads 3 ranks flat and 2 by TP columns") {
+TEST_CASE(
+    "mesh worlds: HSDP (2 replicas x 2 shards) with Adam state writes each block once; loads 3 ranks flat and 2 by TP "
+    "columns") {
   testing::temp_dir dir("mesh-hsdp");
   const std::string ckpt = (dir.path / "ckpt").string();
   auto saved = testing::run_world("mesh_state", 4, {"save", ckpt, "hsdp"});
@@ -174,7 +180,7 @@ TEST_CASE("mesh worlds: HSDP (2 replicas x 2 shards) with Adam state writes each
   CHECK(sum == total);  // every element once: no replica wrote its copy
   const auto optim_bytes = data_bytes(dir.path / "ckpt" / "optim", 4);
   for (int r = 1; r < 4; ++r) CHECK(optim_bytes[r] == 2 * want[r]);  // exp_avg and exp_avg_sq
-  CHECK(optim_bytes[0] > 2 * want[0]);  // and rank 0: steps, param groups, state keys
+  CHECK(optim_bytes[0] > 2 * want[0]);                               // and rank 0: steps, param groups, state keys
 
   for (const auto& [layout, n] : std::vector<std::pair<std::string, int>>{{"flat3", 3}, {"tp2", 2}}) {
     CAPTURE(layout);

@@ -54,8 +54,9 @@ WORKER_SCENARIO("train_resume") {
           std::fprintf(stderr, "no optimizer state for %s\n", name.c_str());
           return 4;
         }
-        const std::string key = kind == demo::optim_kind::adagrad ? "sum"
-                                : kind == demo::optim_kind::rmsprop ? "square_avg" : "exp_avg";
+        const std::string key = kind == demo::optim_kind::adagrad   ? "sum"
+                                : kind == demo::optim_kind::rmsprop ? "square_avg"
+                                                                    : "exp_avg";
         at::Tensor* shard = nullptr;
         if (kind == demo::optim_kind::adagrad)
           shard = &static_cast<torch::optim::AdagradParamState&>(*ps).sum();
@@ -65,13 +66,16 @@ WORKER_SCENARIO("train_resume") {
           shard = &static_cast<torch::optim::AdamParamState&>(*ps).exp_avg();
         else
           shard = &static_cast<torch::optim::AdamWParamState&>(*ps).exp_avg();
-        auto parts = comm.all_gather_bytes(std::string_view(static_cast<const char*>(shard->data_ptr()), shard->nbytes()));
+        auto parts =
+            comm.all_gather_bytes(std::string_view(static_cast<const char*>(shard->data_ptr()), shard->nbytes()));
         if (w.rank == 0) {
           std::string all;
           for (auto& p : parts) all += p;
           const at::Tensor& f = full.state.at(name).at(key);
-          if (shape_of(f) != st.full_shape || all.size() != f.nbytes() || std::memcmp(all.data(), f.data_ptr(), all.size())) {
-            std::fprintf(stderr, "unshard_optim_state: %s %s differs from the gathered shards\n", name.c_str(), key.c_str());
+          if (shape_of(f) != st.full_shape || all.size() != f.nbytes() ||
+              std::memcmp(all.data(), f.data_ptr(), all.size())) {
+            std::fprintf(stderr, "unshard_optim_state: %s %s differs from the gathered shards\n", name.c_str(),
+                         key.c_str());
             return 5;
           }
         }
@@ -109,14 +113,14 @@ TEST_CASE("bit-exact resume in worlds of 2, 1 and 3 ranks for every optimizer") 
       CAPTURE(before);
       testing::temp_dir dir(std::string("resume-") + opt);
       const std::string ckpt = (dir.path / "ckpt").string();
-      auto a = testing::run_world("train_resume", 2, {opt, ckpt, (dir.path / "a.safetensors").string(), "save",
-                                                      std::to_string(before), "3"});
+      auto a = testing::run_world(
+          "train_resume", 2, {opt, ckpt, (dir.path / "a.safetensors").string(), "save", std::to_string(before), "3"});
       REQUIRE_MESSAGE(a.ok(), a.report());
-      auto b = testing::run_world("train_resume", 1, {opt, ckpt, (dir.path / "b.safetensors").string(), "load",
-                                                      std::to_string(before), "3"});
+      auto b = testing::run_world(
+          "train_resume", 1, {opt, ckpt, (dir.path / "b.safetensors").string(), "load", std::to_string(before), "3"});
       REQUIRE_MESSAGE(b.ok(), b.report());
-      auto c = testing::run_world("train_resume", 3, {opt, ckpt, (dir.path / "c.safetensors").string(), "load",
-                                                      std::to_string(before), "3"});
+      auto c = testing::run_world(
+          "train_resume", 3, {opt, ckpt, (dir.path / "c.safetensors").string(), "load", std::to_string(before), "3"});
       REQUIRE_MESSAGE(c.ok(), c.report());
       const std::string fa = slurp(dir.path / "a.safetensors");
       CHECK(fa.size() > 1000);
@@ -181,7 +185,8 @@ TEST_CASE("optimizer checkpoint layout, param group pickles and strictness") {
   SUBCASE("Python's pickle reads the param groups we write") {
     if (std::system("python3 -c 'import pickle' >/dev/null 2>&1") != 0) {
       // the README's test command sets SHARDSAFE_REQUIRE_PYTHON=1: there a missing Python fails
-      REQUIRE_MESSAGE(std::getenv("SHARDSAFE_REQUIRE_PYTHON") == nullptr, "python3 is required (SHARDSAFE_REQUIRE_PYTHON)");
+      REQUIRE_MESSAGE(std::getenv("SHARDSAFE_REQUIRE_PYTHON") == nullptr,
+                      "python3 is required (SHARDSAFE_REQUIRE_PYTHON)");
       MESSAGE("python3 not available: skipped");
       return;
     }
@@ -192,9 +197,10 @@ TEST_CASE("optimizer checkpoint layout, param group pickles and strictness") {
     const auto pk = dir.path / "g0.pickle";
     std::ofstream(pk, std::ios::binary).write(static_cast<const char*>(bytes.data_ptr()), bytes.nbytes());
     const auto outp = dir.path / "py.txt";
-    const std::string cmd = "python3 -c \"import pickle,sys; d=pickle.load(open(sys.argv[1],'rb')); "
-                            "print(d['lr'], d['betas'], d['eps'], d['weight_decay'], d['amsgrad'], d['params'], d['_param_names'])\" '" +
-                            pk.string() + "' > '" + outp.string() + "'";
+    const std::string cmd =
+        "python3 -c \"import pickle,sys; d=pickle.load(open(sys.argv[1],'rb')); "
+        "print(d['lr'], d['betas'], d['eps'], d['weight_decay'], d['amsgrad'], d['params'], d['_param_names'])\" '" +
+        pk.string() + "' > '" + outp.string() + "'";
     REQUIRE(std::system(cmd.c_str()) == 0);
     CHECK(slurp(outp) == "0.05 (0.9, 0.999) 1e-08 0.1 True [0, 1] ['layers.0.weight', 'layers.1.weight']\n");
   }
@@ -265,24 +271,27 @@ std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim:
 std::vector<family_case> family_cases() {
   using namespace torch::optim;
   std::vector<family_case> c;
-  c.push_back({"Adam", maker<Adam, AdamOptions>(),
-               [](int g) -> std::unique_ptr<OptimizerOptions> {
-                 auto o = std::make_unique<AdamOptions>(g ? 0.5 : 3e-4);
-                 o->betas({g ? 0.8 : 0.9, g ? 0.9 : 0.95}).eps(g ? 1e-6 : 1e-8).weight_decay(g ? 0.0 : 0.1).amsgrad(g == 1);
-                 return o;
-               },
-               "[dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False),"
-               " dict(lr=0.5, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, amsgrad=True)]",
-               "['lr', 'betas', 'eps', 'weight_decay', 'amsgrad']", {
-                "80027d2858020000006c72473f33a92a3055326158050000006265746173473feccccccccccccd473fee666666666666"
-                "865803000000657073473e45798ee2308c3a580c0000007765696768745f6465636179473fb999999999999a58070000"
-                "00616d7367726164895806000000706172616d735d284b004b0165580c0000005f706172616d5f6e616d65735d285808"
-                "000000612e7765696768745806000000612e6269617365752e",
-                "80027d2858020000006c72473fe000000000000058050000006265746173473fe999999999999a473feccccccccccccd"
-                "865803000000657073473eb0c6f7a0b5ed8d580c0000007765696768745f646563617947000000000000000058070000"
-                "00616d7367726164885806000000706172616d735d4b0261580c0000005f706172616d5f6e616d65735d580800000062"
-                "2e77656967687461752e"}});
-  c.push_back({"AdamW", maker<AdamW, AdamWOptions>(),
+  c.push_back(
+      {"Adam",
+       maker<Adam, AdamOptions>(),
+       [](int g) -> std::unique_ptr<OptimizerOptions> {
+         auto o = std::make_unique<AdamOptions>(g ? 0.5 : 3e-4);
+         o->betas({g ? 0.8 : 0.9, g ? 0.9 : 0.95}).eps(g ? 1e-6 : 1e-8).weight_decay(g ? 0.0 : 0.1).amsgrad(g == 1);
+         return o;
+       },
+       "[dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False),"
+       " dict(lr=0.5, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, amsgrad=True)]",
+       "['lr', 'betas', 'eps', 'weight_decay', 'amsgrad']",
+       {"80027d2858020000006c72473f33a92a3055326158050000006265746173473feccccccccccccd473fee666666666666"
+        "865803000000657073473e45798ee2308c3a580c0000007765696768745f6465636179473fb999999999999a58070000"
+        "00616d7367726164895806000000706172616d735d284b004b0165580c0000005f706172616d5f6e616d65735d285808"
+        "000000612e7765696768745806000000612e6269617365752e",
+        "80027d2858020000006c72473fe000000000000058050000006265746173473fe999999999999a473feccccccccccccd"
+        "865803000000657073473eb0c6f7a0b5ed8d580c0000007765696768745f646563617947000000000000000058070000"
+        "00616d7367726164885806000000706172616d735d4b0261580c0000005f706172616d5f6e616d65735d580800000062"
+        "2e77656967687461752e"}});
+  c.push_back({"AdamW",
+               maker<AdamW, AdamWOptions>(),
                [](int g) -> std::unique_ptr<OptimizerOptions> {
                  auto o = std::make_unique<AdamWOptions>(g ? 2.0 : 1e-3);
                  o->betas({0.9, g ? 0.98 : 0.999}).eps(g ? 1e-5 : 1e-8).weight_decay(g ? 1e-2 : 0.05).amsgrad(g == 0);
@@ -290,8 +299,8 @@ std::vector<family_case> family_cases() {
                },
                "[dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, amsgrad=True),"
                " dict(lr=2.0, betas=(0.9, 0.98), eps=1e-5, weight_decay=1e-2, amsgrad=False)]",
-               "['lr', 'betas', 'eps', 'weight_decay', 'amsgrad']", {
-                "80027d2858020000006c72473f50624dd2f1a9fc58050000006265746173473feccccccccccccd473feff7ced916872b"
+               "['lr', 'betas', 'eps', 'weight_decay', 'amsgrad']",
+               {"80027d2858020000006c72473f50624dd2f1a9fc58050000006265746173473feccccccccccccd473feff7ced916872b"
                 "865803000000657073473e45798ee2308c3a580c0000007765696768745f6465636179473fa999999999999a58070000"
                 "00616d7367726164885806000000706172616d735d284b004b0165580c0000005f706172616d5f6e616d65735d285808"
                 "000000612e7765696768745806000000612e6269617365752e",
@@ -299,7 +308,8 @@ std::vector<family_case> family_cases() {
                 "865803000000657073473ee4f8b588e368f1580c0000007765696768745f6465636179473f847ae147ae147b58070000"
                 "00616d7367726164895806000000706172616d735d4b0261580c0000005f706172616d5f6e616d65735d580800000062"
                 "2e77656967687461752e"}});
-  c.push_back({"SGD", maker<SGD, SGDOptions>(),
+  c.push_back({"SGD",
+               maker<SGD, SGDOptions>(),
                [](int g) -> std::unique_ptr<OptimizerOptions> {
                  auto o = std::make_unique<SGDOptions>(g ? 0.25 : 0.1);
                  o->momentum(g ? 0.0 : 0.9).dampening(g ? 0.5 : 0.0).weight_decay(g ? 1e-4 : 0.0).nesterov(g == 0);
@@ -307,8 +317,8 @@ std::vector<family_case> family_cases() {
                },
                "[dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True),"
                " dict(lr=0.25, momentum=0.0, dampening=0.5, weight_decay=1e-4, nesterov=False)]",
-               "['lr', 'momentum', 'dampening', 'weight_decay', 'nesterov']", {
-                "80027d2858020000006c72473fb999999999999a58080000006d6f6d656e74756d473feccccccccccccd580900000064"
+               "['lr', 'momentum', 'dampening', 'weight_decay', 'nesterov']",
+               {"80027d2858020000006c72473fb999999999999a58080000006d6f6d656e74756d473feccccccccccccd580900000064"
                 "616d70656e696e67470000000000000000580c0000007765696768745f64656361794700000000000000005808000000"
                 "6e65737465726f76885806000000706172616d735d284b004b0165580c0000005f706172616d5f6e616d65735d285808"
                 "000000612e7765696768745806000000612e6269617365752e",
@@ -316,16 +326,20 @@ std::vector<family_case> family_cases() {
                 "616d70656e696e67473fe0000000000000580c0000007765696768745f6465636179473f1a36e2eb1c432d5808000000"
                 "6e65737465726f76895806000000706172616d735d4b0261580c0000005f706172616d5f6e616d65735d580800000062"
                 "2e77656967687461752e"}});
-  c.push_back({"Adagrad", maker<Adagrad, AdagradOptions>(),
+  c.push_back({"Adagrad",
+               maker<Adagrad, AdagradOptions>(),
                [](int g) -> std::unique_ptr<OptimizerOptions> {
                  auto o = std::make_unique<AdagradOptions>(g ? 0.3 : 0.01);
-                 o->lr_decay(g ? 1e-3 : 0.0).weight_decay(g ? 0.2 : 0.0).initial_accumulator_value(g ? 0.1 : 0.0).eps(g ? 1e-6 : 1e-10);
+                 o->lr_decay(g ? 1e-3 : 0.0)
+                     .weight_decay(g ? 0.2 : 0.0)
+                     .initial_accumulator_value(g ? 0.1 : 0.0)
+                     .eps(g ? 1e-6 : 1e-10);
                  return o;
                },
                "[dict(lr=0.01, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10),"
                " dict(lr=0.3, lr_decay=1e-3, weight_decay=0.2, initial_accumulator_value=0.1, eps=1e-6)]",
-               "['lr', 'lr_decay', 'weight_decay', 'initial_accumulator_value', 'eps']", {
-                "80027d2858020000006c72473f847ae147ae147b58080000006c725f6465636179470000000000000000580c00000077"
+               "['lr', 'lr_decay', 'weight_decay', 'initial_accumulator_value', 'eps']",
+               {"80027d2858020000006c72473f847ae147ae147b58080000006c725f6465636179470000000000000000580c00000077"
                 "65696768745f64656361794700000000000000005819000000696e697469616c5f616363756d756c61746f725f76616c"
                 "75654700000000000000005803000000657073473ddb7cdfd9d7bdbb5806000000706172616d735d284b004b0165580c"
                 "0000005f706172616d5f6e616d65735d285808000000612e7765696768745806000000612e6269617365752e",
@@ -333,16 +347,21 @@ std::vector<family_case> family_cases() {
                 "65696768745f6465636179473fc999999999999a5819000000696e697469616c5f616363756d756c61746f725f76616c"
                 "7565473fb999999999999a5803000000657073473eb0c6f7a0b5ed8d5806000000706172616d735d4b0261580c000000"
                 "5f706172616d5f6e616d65735d5808000000622e77656967687461752e"}});
-  c.push_back({"RMSprop", maker<RMSprop, RMSpropOptions>(),
+  c.push_back({"RMSprop",
+               maker<RMSprop, RMSpropOptions>(),
                [](int g) -> std::unique_ptr<OptimizerOptions> {
                  auto o = std::make_unique<RMSpropOptions>(g ? 0.125 : 0.01);
-                 o->alpha(g ? 0.9 : 0.99).eps(g ? 1e-6 : 1e-8).weight_decay(g ? 0.5 : 0.0).momentum(g ? 0.0 : 0.7).centered(g == 1);
+                 o->alpha(g ? 0.9 : 0.99)
+                     .eps(g ? 1e-6 : 1e-8)
+                     .weight_decay(g ? 0.5 : 0.0)
+                     .momentum(g ? 0.0 : 0.7)
+                     .centered(g == 1);
                  return o;
                },
                "[dict(lr=0.01, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.7, centered=False),"
                " dict(lr=0.125, alpha=0.9, eps=1e-6, weight_decay=0.5, momentum=0.0, centered=True)]",
-               "['lr', 'alpha', 'eps', 'weight_decay', 'momentum', 'centered']", {
-                "80027d2858020000006c72473f847ae147ae147b5805000000616c706861473fefae147ae147ae580300000065707347"
+               "['lr', 'alpha', 'eps', 'weight_decay', 'momentum', 'centered']",
+               {"80027d2858020000006c72473f847ae147ae147b5805000000616c706861473fefae147ae147ae580300000065707347"
                 "3e45798ee2308c3a580c0000007765696768745f646563617947000000000000000058080000006d6f6d656e74756d47"
                 "3fe6666666666666580800000063656e7465726564895806000000706172616d735d284b004b0165580c0000005f7061"
                 "72616d5f6e616d65735d285808000000612e7765696768745806000000612e6269617365752e",
@@ -376,13 +395,15 @@ std::array<std::string, 2> param_group_bytes(const family_case& f) {
 
 }  // namespace
 
-TEST_CASE("the DCP layout's param groups hold every key torch's optimizers keep, decoupled_weight_decay (torch 2.7+) too") {
+TEST_CASE(
+    "the DCP layout's param groups hold every key torch's optimizers keep, decoupled_weight_decay (torch 2.7+) too") {
   // The keys of torch.optim's param groups (torch 2.11: Adam's and AdamW's defaults dicts, AdamW
   // an Adam with decoupled_weight_decay=True), which dcp.load asks the checkpoint for one by one:
   // one missing fails the whole load ("Missing key in checkpoint state_dict"), as torch 2.11 did
   // on the GPU machine before decoupled_weight_decay was written.
-  const std::vector<std::string> torch_keys = {"lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize",
-                                               "capturable", "differentiable", "fused", "decoupled_weight_decay"};
+  const std::vector<std::string> torch_keys = {
+      "lr",         "betas",          "eps",   "weight_decay",          "amsgrad", "foreach", "maximize",
+      "capturable", "differentiable", "fused", "decoupled_weight_decay"};
   for (const bool adamw : {false, true}) {
     CAPTURE(adamw);
     const auto f = family_cases()[adamw ? 1 : 0];
@@ -428,8 +449,10 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
   // a field of the wrong type or shape is named with its group
   {
     auto o = family_cases()[0].options(0);
-    pickle_value bad = pickle_value::dict({{pickle_value::string("betas"), pickle_value::tuple({pickle_value::real(0.9)})}});
-    CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"), "optim: param_group3: betas must have two values");
+    pickle_value bad =
+        pickle_value::dict({{pickle_value::string("betas"), pickle_value::tuple({pickle_value::real(0.9)})}});
+    CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"),
+                      "optim: param_group3: betas must have two values");
     bad = pickle_value::dict({{pickle_value::string("amsgrad"), pickle_value::integer(1)}});
     CHECK_THROWS_WITH(shardsafe::detail::traits_of(*o).set_hyper(*o, bad, "optim: param_group3"),
                       "optim: param_group3: amsgrad: expected bool, got int");
@@ -447,8 +470,10 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
     tr.set_hyper(*o, group(adamw), "optim: param_group0");
     CHECK(o->get_lr() == 0.25);
     CHECK_THROWS_WITH(tr.set_hyper(*o, group(!adamw), "optim: param_group0"),
-                      adamw ? "optim: param_group0: 'decoupled_weight_decay' is false, the rule of torch::optim::Adam; this optimizer is AdamW"
-                            : "optim: param_group0: 'decoupled_weight_decay' is true, the rule of torch::optim::AdamW; this optimizer is Adam");
+                      adamw ? "optim: param_group0: 'decoupled_weight_decay' is false, the rule of torch::optim::Adam; "
+                              "this optimizer is AdamW"
+                            : "optim: param_group0: 'decoupled_weight_decay' is true, the rule of torch::optim::AdamW; "
+                              "this optimizer is Adam");
   }
   // Python: the same optimizers built by torch.optim, their param groups cut to the keys
   // shardsafe writes (in its order), plus params and _param_names, pickled with protocol 2
@@ -463,7 +488,8 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
   std::string script =
       "import torch, pickle, pickletools, sys\n"
       "def groups(cls, kwargs):\n"
-      "    ps = [[torch.zeros(3, 2, requires_grad=True), torch.zeros(3, requires_grad=True)], [torch.zeros(4, requires_grad=True)]]\n"
+      "    ps = [[torch.zeros(3, 2, requires_grad=True), torch.zeros(3, requires_grad=True)], [torch.zeros(4, "
+      "requires_grad=True)]]\n"
       "    opt = cls([dict(params=p, **k) for p, k in zip(ps, kwargs)])\n"
       "    return opt.state_dict()['param_groups']\n"
       "names = [['a.weight', 'a.bias'], ['b.weight']]\n"
@@ -475,7 +501,8 @@ TEST_CASE("param group pickles of every optimizer family keep their bytes, and e
               "        d['_param_names'] = names[g]\n"
               "        out.write(pickletools.optimize(pickle.dumps(d, 2)).hex() + '\\n')\n";
   testing::write_file(dir.path / "groups.py", script);
-  const auto r = testing::peer(testing::torch_python, {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
+  const auto r =
+      testing::peer(testing::torch_python, {(dir.path / "groups.py").string(), (dir.path / "out.txt").string()});
   REQUIRE_MESSAGE(r.code == 0, r.err);
   std::istringstream lines(slurp(dir.path / "out.txt"));
   for (const auto& f : cases) {

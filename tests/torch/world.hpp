@@ -43,8 +43,8 @@ struct scenario_registrar {
 /// Defines a worker scenario: int body(const std::vector<std::string>& args). The names come
 /// from __COUNTER__, not __LINE__: in a unity build several test files share one translation unit.
 #define WORKER_SCENARIO(name) SHARDSAFE_WORKER_SCENARIO(name, __COUNTER__)
-#define SHARDSAFE_WORKER_SCENARIO(name, id)                                                      \
-  static int SHARDSAFE_CAT(worker_fn_, id)(const std::vector<std::string>& args);                \
+#define SHARDSAFE_WORKER_SCENARIO(name, id)                                                                 \
+  static int SHARDSAFE_CAT(worker_fn_, id)(const std::vector<std::string>& args);                           \
   static ::testing::scenario_registrar SHARDSAFE_CAT(worker_reg_, id)(name, SHARDSAFE_CAT(worker_fn_, id)); \
   static int SHARDSAFE_CAT(worker_fn_, id)([[maybe_unused]] const std::vector<std::string>& args)
 

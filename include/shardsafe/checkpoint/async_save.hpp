@@ -116,12 +116,12 @@ class staging_buffer {
 
 /// What an asynchronous save did.
 struct async_save_stats {
-  std::vector<save_stats> folders;   ///< one per folder saved, in commit order
-  double waited_seconds = 0;         ///< caller: waiting for the previous save of the saver
-  double stall_seconds = 0;          ///< caller: all of save() (waiting, agreement, snapshot)
-  double snapshot_seconds = 0;       ///< caller: the copy into staging
-  double seconds = 0;                ///< from save() to the commit of the last folder
-  std::uint64_t staged_bytes = 0;    ///< bytes copied into staging on this rank
+  std::vector<save_stats> folders;  ///< one per folder saved, in commit order
+  double waited_seconds = 0;        ///< caller: waiting for the previous save of the saver
+  double stall_seconds = 0;         ///< caller: all of save() (waiting, agreement, snapshot)
+  double snapshot_seconds = 0;      ///< caller: the copy into staging
+  double seconds = 0;               ///< from save() to the commit of the last folder
+  std::uint64_t staged_bytes = 0;   ///< bytes copied into staging on this rank
 };
 
 namespace detail {
@@ -221,9 +221,10 @@ class async_saver {
   /// e.g. model_and_optim_folders: optim, then model), the parent prepared first, in the
   /// background. copy as for save(), with the views numbered across folders, in order.
   template <WritableDirectory D, class Copy = detail::copy_view_bytes>
-  async_save_handle save_folder_set(const D& parent, std::span<const folder_views> folders, const save_options& opt = {},
-                                    Copy copy = {}) {
-    if (folders.empty()) fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
+  async_save_handle save_folder_set(const D& parent, std::span<const folder_views> folders,
+                                    const save_options& opt = {}, Copy copy = {}) {
+    if (folders.empty())
+      fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
     std::vector<D> dirs;
     std::vector<std::span<const flat_view>> views;
     for (const folder_views& f : folders) {
@@ -232,11 +233,12 @@ class async_saver {
     }
     save_options each = opt;
     each.overwrite = false;  // (the parent is prepared as a whole)
-    return start(std::move(dirs), std::move(views), each,
-                 [parent, last = folders.back().name, overwrite = opt.overwrite](C& comm) {
-                   detail::prepare_folder_set(parent, last, overwrite, comm);
-                 },
-                 std::move(copy));
+    return start(
+        std::move(dirs), std::move(views), each,
+        [parent, last = folders.back().name, overwrite = opt.overwrite](C& comm) {
+          detail::prepare_folder_set(parent, last, overwrite, comm);
+        },
+        std::move(copy));
   }
 
   /// Waits for the save in flight, if any; rethrows its error.
@@ -303,8 +305,8 @@ class async_saver {
     // 1. the plan, on this thread
     std::vector<checkpoint_metadata> mds;
     for (std::size_t i = 0; i < folders.size(); ++i)
-      mds.push_back(detail::agree_on_metadata(std::span<const flat_view>(staged[i]), comm_,
-                                              std::string(dirs[i].name())));
+      mds.push_back(
+          detail::agree_on_metadata(std::span<const flat_view>(staged[i]), comm_, std::string(dirs[i].name())));
 
     // the snapshot of what this rank writes, in pieces of at most 16 MiB, agreed
     const auto t_snap = clock::now();

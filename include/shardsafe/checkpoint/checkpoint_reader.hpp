@@ -52,9 +52,11 @@ class checkpoint_reader : public checkpoint_files<D> {
   /// Throws on the first problem, naming file, tensor and rule.
   load_schedule plan(std::span<const flat_view> views, const load_options& opt = {}, bool memory_later = false) {
     const checkpoint_metadata& md = this->metadata();
-    view_plans vp = plan_views(md, [&](std::string_view k) { return this->find_readable(k); }, views, opt, where(), memory_later);
+    view_plans vp =
+        plan_views(md, [&](std::string_view k) { return this->find_readable(k); }, views, opt, where(), memory_later);
     for (const auto& f : this->foreign_tensors())  // not loaded and not asked for: unexpected too
-      if (opt.list_unexpected && std::none_of(views.begin(), views.end(), [&](const flat_view& v) { return v.key == f.key; }))
+      if (opt.list_unexpected &&
+          std::none_of(views.begin(), views.end(), [&](const flat_view& v) { return v.key == f.key; }))
         vp.partial.stats.unexpected_keys.push_back(f.key);
     this->open_files(vp.files, opt.threads);
     const std::vector<const open_file*> files = this->opened(vp.files);
@@ -67,7 +69,8 @@ class checkpoint_reader : public checkpoint_files<D> {
       this->checksums_for(vp.files, opt.threads);
     }
     const read_settings hint = files.empty() ? read_settings{} : read_defaults_of(files.front()->storage);
-    load_schedule s = schedule_reads(std::move(vp), views, pf, opt, resolve_threads(opt.threads, opt.reads, hint), this->described_by());
+    load_schedule s = schedule_reads(std::move(vp), views, pf, opt, resolve_threads(opt.threads, opt.reads, hint),
+                                     this->described_by());
     s.hint = hint;
     return s;
   }
@@ -87,7 +90,8 @@ class checkpoint_reader : public checkpoint_files<D> {
     for (const open_file* f : files) storages.push_back(&f->storage);
     std::vector<std::optional<dtype>> stored(views.size());
     for (const auto& [vi, t] : s.converted) {
-      if (vi >= views.size()) fail(errc::invalid_argument, std::string(where()) + ": a load schedule converts a view it does not have");
+      if (vi >= views.size())
+        fail(errc::invalid_argument, std::string(where()) + ": a load schedule converts a view it does not have");
       stored[vi] = t;
     }
     // the reads: a read lands straight in a view only when it is one whole piece and needs no conversion
@@ -104,15 +108,16 @@ class checkpoint_reader : public checkpoint_files<D> {
       if (!landed) scatter_pieces(rd.op, bytes, views[rd.view].data, stored[rd.view], views[rd.view].type);
     });
     compare_replicas(views, s, storages, stored);
-    const std::uint64_t checked =
-        s.verify_checksums && this->metadata().extras.checksums ? check_blocks_read(views, s, files, storages, stored) : 0;
+    const std::uint64_t checked = s.verify_checksums && this->metadata().extras.checksums
+                                      ? check_blocks_read(views, s, files, storages, stored)
+                                      : 0;
     for (std::size_t vi : s.nan_checked) {
       const flat_view& v = views[vi];
       const std::int64_t at = detail::first_nan(v.type, v.bytes());
       if (at >= 0) {
         auto g = global_index_of(v.effective_spec(), v.full_shape, static_cast<std::uint64_t>(at));
-        fail(errc::missing_coverage, std::string(where()) + ": tensor '" + v.key + "': NaN after loading at local element " +
-                                         std::to_string(at) +
+        fail(errc::missing_coverage, std::string(where()) + ": tensor '" + v.key +
+                                         "': NaN after loading at local element " + std::to_string(at) +
                                          (g ? " (index " + multi_index_string(v.full_shape, *g) + ")" : std::string()) +
                                          ": not loaded, or NaN in the checkpoint");
       }
@@ -149,26 +154,27 @@ class checkpoint_reader : public checkpoint_files<D> {
       const flat_view& v = views[rd.view];
       const std::uint64_t di = item_size(v.type), si = stored[rd.view] ? item_size(*stored[rd.view]) : di;
       std::vector<std::byte> conv;
-      for (const auto& p : rd.op.pieces) for_each_contiguous(p, si, [&](std::uint64_t dst, std::uint64_t off, std::uint64_t len) {
-        const std::byte* have = src + off;
-        const std::size_t n = static_cast<std::size_t>(len / si * di);
-        if (stored[rd.view]) {
-          conv.resize(n);
-          convert_elements(*stored[rd.view], {have, static_cast<std::size_t>(len)}, v.type, conv);
-          have = conv.data();
-        }
-        const std::byte* loaded = v.data + dst / si * di;
-        if (std::memcmp(have, loaded, n) == 0) return;
-        std::uint64_t at = 0;
-        while (std::memcmp(have + at * di, loaded + at * di, static_cast<std::size_t>(di)) == 0) ++at;
-        const std::uint64_t local = dst / si + at;
-        auto g = global_index_of(v.effective_spec(), v.full_shape, local);
-        fail(errc::invalid_metadata,
-             std::string(storages[f]->name()) + ": tensor '" + v.key + "': holds other bytes for element " +
-                 (g ? "index " + multi_index_string(v.full_shape, *g) : "local " + std::to_string(local)) +
-                 " than the file it was loaded from: two files claim the same elements with different values, and a "
-                 "load cannot choose between them (shardsafe verify names both files)");
-      });
+      for (const auto& p : rd.op.pieces)
+        for_each_contiguous(p, si, [&](std::uint64_t dst, std::uint64_t off, std::uint64_t len) {
+          const std::byte* have = src + off;
+          const std::size_t n = static_cast<std::size_t>(len / si * di);
+          if (stored[rd.view]) {
+            conv.resize(n);
+            convert_elements(*stored[rd.view], {have, static_cast<std::size_t>(len)}, v.type, conv);
+            have = conv.data();
+          }
+          const std::byte* loaded = v.data + dst / si * di;
+          if (std::memcmp(have, loaded, n) == 0) return;
+          std::uint64_t at = 0;
+          while (std::memcmp(have + at * di, loaded + at * di, static_cast<std::size_t>(di)) == 0) ++at;
+          const std::uint64_t local = dst / si + at;
+          auto g = global_index_of(v.effective_spec(), v.full_shape, local);
+          fail(errc::invalid_metadata,
+               std::string(storages[f]->name()) + ": tensor '" + v.key + "': holds other bytes for element " +
+                   (g ? "index " + multi_index_string(v.full_shape, *g) : "local " + std::to_string(local)) +
+                   " than the file it was loaded from: two files claim the same elements with different values, and a "
+                   "load cannot choose between them (shardsafe verify names both files)");
+        });
     });
   }
 
@@ -201,14 +207,15 @@ class checkpoint_reader : public checkpoint_files<D> {
         for (std::uint64_t k = lo / cs.block_bytes; k * cs.block_bytes < hi; ++k) {
           const auto it = todo.try_emplace({f, e, k}, block{f, e, hashes[static_cast<std::size_t>(k)], k}).first;
           const auto sp = detail::block_span(k, cs.block_bytes, e->nbytes());
-          if (whole && !it->second.in_view && b + sp.from >= rd.op.file_offset && b + sp.to <= rd.op.file_offset + rd.op.len)
+          if (whole && !it->second.in_view && b + sp.from >= rd.op.file_offset &&
+              b + sp.to <= rd.op.file_offset + rd.op.len)
             it->second.in_view = views[rd.view].data + rd.op.pieces[0].dst + (b + sp.from - rd.op.file_offset);
         }
       }
     }
     std::vector<block> blocks;
     std::vector<std::uint64_t> got;
-    std::vector<read_job> jobs;        // blocks not in a view, read again
+    std::vector<read_job> jobs;         // blocks not in a view, read again
     std::vector<std::size_t> block_of;  // jobs[j] reads blocks[block_of[j]]
     for (auto& [id, bl] : todo) {
       const auto sp = detail::block_span(bl.k, cs.block_bytes, bl.e->nbytes());
@@ -227,9 +234,9 @@ class checkpoint_reader : public checkpoint_files<D> {
       if (got[i] == bl.want) continue;
       const tensor_metadata* tm = this->find(bl.e->name);
       fail(errc::checksum_mismatch,
-           detail::checksum_mismatch_message(storages[bl.file]->name(), detail::checksums_holder(cs, s.files[bl.file].name),
-                                             *bl.e, bl.k, cs.block_bytes, bl.want, got[i], tm,
-                                             detail::spec_in(tm, s.files[bl.file].name)));
+           detail::checksum_mismatch_message(
+               storages[bl.file]->name(), detail::checksums_holder(cs, s.files[bl.file].name), *bl.e, bl.k,
+               cs.block_bytes, bl.want, got[i], tm, detail::spec_in(tm, s.files[bl.file].name)));
     }
     return blocks.size();
   }
@@ -241,4 +248,3 @@ SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<mmap_directory>)
 SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<memory_directory>)
 
 }  // namespace shardsafe
-

@@ -51,7 +51,8 @@ inline const std::vector<std::uint64_t>& recorded_hashes(const checkpoint_checks
   const auto f = cs.files.find(fname);
   if (f == cs.files.end())
     fail(errc::invalid_metadata, ctx + (cs.sidecars ? ": metadata.json keeps checksums beside the rank files, but none "
-                                                      "for this file were read from " + holder
+                                                      "for this file were read from " +
+                                                          holder
                                                     : ": metadata.json records checksums, but none for this file"));
   const auto t = f->second.find(e.name);
   if (t == f->second.end())
@@ -76,9 +77,10 @@ inline checksum_block_span block_span(std::uint64_t k, std::uint64_t block, std:
 /// the file `holder` records (checksums_holder). tm and spec, when given, place the block in the
 /// full tensor (the index of its first element).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder, const tensor_entry& e,
-                                                     std::uint64_t k, std::uint64_t block, std::uint64_t stored,
-                                                     std::uint64_t computed, const tensor_metadata* tm = nullptr,
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder,
+                                                     const tensor_entry& e, std::uint64_t k, std::uint64_t block,
+                                                     std::uint64_t stored, std::uint64_t computed,
+                                                     const tensor_metadata* tm = nullptr,
                                                      const shard_spec* spec = nullptr) {
   const auto [from, to] = block_span(k, block, e.nbytes());
   const std::uint64_t bits = bit_size(e.type);
@@ -94,9 +96,10 @@ SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std:
   return m;
 }
 #else
-SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder, const tensor_entry& e,
-                                                     std::uint64_t k, std::uint64_t block, std::uint64_t stored,
-                                                     std::uint64_t computed, const tensor_metadata* tm = nullptr,
+SHARDSAFE_DECL std::string checksum_mismatch_message(std::string_view path, std::string_view holder,
+                                                     const tensor_entry& e, std::uint64_t k, std::uint64_t block,
+                                                     std::uint64_t stored, std::uint64_t computed,
+                                                     const tensor_metadata* tm = nullptr,
                                                      const shard_spec* spec = nullptr);
 #endif
 

@@ -66,9 +66,9 @@ inline constexpr view_dtype any_dtype{};
 
 /// What every tensor load of a configured loader does; a template argument (structural).
 struct load_policy {
-  bool strict = true;           ///< a view the checkpoint lacks is an error (else listed as missing)
-  bool validate_nan = false;    ///< views filled with NaN first; a NaN left afterwards is an error
-  bool convert_dtypes = false;  ///< stored F16/BF16/F32/F64 converted into views of another of them
+  bool strict = true;            ///< a view the checkpoint lacks is an error (else listed as missing)
+  bool validate_nan = false;     ///< views filled with NaN first; a NaN left afterwards is an error
+  bool convert_dtypes = false;   ///< stored F16/BF16/F32/F64 converted into views of another of them
   view_dtype views = any_dtype;  ///< the dtype the views must have (checked before a byte moves)
   friend constexpr bool operator==(const load_policy&, const load_policy&) = default;
 };
@@ -97,7 +97,6 @@ struct reader_for<D, true> {
   using type = checkpoint_reader<D>;
 };
 }  // namespace detail
-
 
 /// What a configured loader's loads may set besides its policy: the load_options fields that
 /// load_policy does not fix, each meaning what it means there (checkpoint/load_options.hpp).

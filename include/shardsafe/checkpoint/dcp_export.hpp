@@ -49,7 +49,7 @@
 namespace shardsafe {
 
 struct dcp_export_options {
-  rename_rules rename;  ///< applied to every key of the table at the top (first match wins; "" drops)
+  rename_rules rename;      ///< applied to every key of the table at the top (first match wins; "" drops)
   bool model_only = false;  ///< for a model + optimizer pair (or a DCP source), only model/ (model.*) keys
   std::uint64_t chunk_bytes = std::uint64_t(16) << 20;  ///< memory of the tensor stream
 };
@@ -77,7 +77,8 @@ struct dcp_export_item {
 
 /// The keys of `sources` (the table at the top).
 template <ReadableDirectory S>
-std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<S>> sources, const dcp_export_options& opt) {
+std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<S>> sources,
+                                                 const dcp_export_options& opt) {
   std::vector<dcp_export_item<S>> items;
   auto str = [](std::string s) { return pickle_value::string(std::move(s)); };
   for (const auto& src : sources) {
@@ -91,7 +92,9 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
         if (!key.starts_with("state.") || sep == std::string::npos || sep <= 6) return std::nullopt;
         return std::pair{key.substr(6, sep - 6), key.substr(sep + 3)};
       };
-      auto out_key = [](const std::pair<std::string, std::string>& s) { return "optim.state." + s.first + "." + s.second; };
+      auto out_key = [](const std::pair<std::string, std::string>& s) {
+        return "optim.state." + s.first + "." + s.second;
+      };
       r.refuse_foreign(
           [&](const std::string& key) {
             const auto s = state_of(key);
@@ -100,17 +103,23 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
           r.foreign_export_remedy);
       for (const auto& [key, tm] : r.metadata().tensors)
         if (const auto s = state_of(key))
-          items.push_back({out_key(*s), pickle_value::tuple({str("optim"), str("state"), str(s->first), str(s->second)}), &r, key, {}});
+          items.push_back({out_key(*s),
+                           pickle_value::tuple({str("optim"), str("state"), str(s->first), str(s->second)}),
+                           &r,
+                           key,
+                           {}});
       // param groups: each field an item, params the names
       std::vector<std::byte> n(8);
       unshard_tensor(r, "num_param_groups", n);
       std::int64_t groups = 0;
       std::memcpy(&groups, n.data(), 8);
-      if (groups < 0 || groups > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(groups));
+      if (groups < 0 || groups > 1'000'000)
+        fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(groups));
       for (std::int64_t g = 0; g < groups; ++g) {
         const std::string gkey = "param_group" + std::to_string(g);
         const tensor_metadata* tm = r.find(gkey);
-        if (!tm || tm->type != dtype::U8) fail(errc::invalid_metadata, dname + ": '" + gkey + "' is not a U8 byte tensor");
+        if (!tm || tm->type != dtype::U8)
+          fail(errc::invalid_metadata, dname + ": '" + gkey + "' is not a U8 byte tensor");
         std::string bytes(static_cast<std::size_t>(tm->numel()), '\0');
         unshard_tensor(r, gkey, std::as_writable_bytes(std::span(bytes)));
         const pickle_value group = pickle_loads(bytes, dname + ": '" + gkey + "'");
@@ -120,9 +129,12 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
           pickle_value v = group.dict_value(i);
           if (field == "params") continue;  // ids; the names follow
           if (field == "_param_names") field = "params";
-          items.push_back({"optim.param_groups." + std::to_string(g) + "." + field,
-                           pickle_value::tuple({str("optim"), str("param_groups"), pickle_value::integer(g), str(field)}),
-                           nullptr, {}, std::move(v)});
+          items.push_back(
+              {"optim.param_groups." + std::to_string(g) + "." + field,
+               pickle_value::tuple({str("optim"), str("param_groups"), pickle_value::integer(g), str(field)}),
+               nullptr,
+               {},
+               std::move(v)});
         }
       }
       continue;
@@ -138,7 +150,8 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     auto out_key = [&](const std::string& key) { return model ? "model." + key : key; };
     for (const auto& [key, tm] : r.metadata().tensors)
       if (kept(key))
-        items.push_back({out_key(key), model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
+        items.push_back(
+            {out_key(key), model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
     // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
     r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(out_key(key)).empty(); },
                      r.foreign_export_remedy);
@@ -161,15 +174,18 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
 /// Exports the tensors (and values) of `sources` into the DCP folder `out` (the top of this header).
 template <ReadableDirectory S, WritableDirectory D>
   requires RandomAccessWritableStorage<typename D::writer_type>
-dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D& out, const dcp_export_options& opt = {}) {
+dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D& out,
+                            const dcp_export_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string oname(out.name());
-  if (!out.list().empty()) fail(errc::already_exists, oname + ": not empty; an export writes into a new or empty folder");
+  if (!out.list().empty())
+    fail(errc::already_exists, oname + ": not empty; an export writes into a new or empty folder");
   auto items = detail::dcp_export_items(sources, opt);
   std::vector<std::string> names;
   std::map<std::string, std::size_t> by_name;
   for (std::size_t i = 0; i < items.size(); ++i) {
-    if (!by_name.emplace(items[i].key, i).second) fail(errc::invalid_argument, oname + ": the sources give '" + items[i].key + "' twice");
+    if (!by_name.emplace(items[i].key, i).second)
+      fail(errc::invalid_argument, oname + ": the sources give '" + items[i].key + "' twice");
     names.push_back(items[i].key);
   }
   const auto renamed = rename_keys(names, opt.rename, oname + ": rename");  // new name -> old, sorted
@@ -191,7 +207,8 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
     paths[to] = to == from ? it.path : pickle_value::tuple({pickle_value::string(to)});
     if (it.tensor()) continue;
     // a DCP item's archive goes across byte for byte (torch.save may have pickled any object)
-    std::string a = it.object ? it.reader->read_object_archive(it.source_key) : torch_value_archive(pickle_dumps(it.value));
+    std::string a =
+        it.object ? it.reader->read_object_archive(it.source_key) : torch_value_archive(pickle_dumps(it.value));
     dcp_item& d = md.items[to];
     d.is_bytes = true;
     d.bytes = {file, at, a.size()};
@@ -216,7 +233,9 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
   out.make();
   auto w = out.create(file);
   detail::abort_on_failure(w, [&] {
-    auto put = [&](std::uint64_t off, std::string_view s) { w.write_at(off, std::as_bytes(std::span<const char>(s.data(), s.size()))); };
+    auto put = [&](std::uint64_t off, std::string_view s) {
+      w.write_at(off, std::as_bytes(std::span<const char>(s.data(), s.size())));
+    };
     for (const auto& [off, a] : values) put(off, a);
     unshard_options uo;
     uo.chunk_bytes = opt.chunk_bytes;
@@ -224,10 +243,13 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
       put(t.at, t.archive.head());
       detail::crc32 crc;
       const std::uint64_t data_at = t.at + t.archive.head().size();
-      for_each_full_chunk(*t.item->reader, t.item->source_key, [&](std::span<const std::byte> b, std::uint64_t at) {
-        crc.update(b);
-        w.write_at(data_at + at, b);
-      }, uo);
+      for_each_full_chunk(
+          *t.item->reader, t.item->source_key,
+          [&](std::span<const std::byte> b, std::uint64_t at) {
+            crc.update(b);
+            w.write_at(data_at + at, b);
+          },
+          uo);
       put(data_at + t.archive.data_size(), t.archive.tail(crc.value()));
     }
     w.sync();

@@ -64,8 +64,8 @@ namespace detail {
 
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                               int rank) {
+SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
+                                                               const checkpoint_metadata& md, int rank) {
   const std::string mine = rank_file_name(rank);
   std::vector<dcp_chunk_data> out;
   for (const auto& v : views) {
@@ -105,8 +105,8 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
   return out;
 }
 #else
-SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                               int rank);
+SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
+                                                               const checkpoint_metadata& md, int rank);
 #endif
 
 /// CRC-32 of every chunk's bytes, in pieces of at most 8 MiB on the pool's threads, joined.
@@ -166,7 +166,11 @@ inline std::string encode_dcp_places(const dcp_file_layout* layout) {
   m.count(layout->chunks().size());
   for (std::size_t i = 0; i < layout->chunks().size(); ++i) {
     const auto& c = layout->chunks()[i];
-    m.text(c.key).counts(c.offsets).counts(c.sizes).count(layout->chunk_place(i).offset).count(layout->chunk_place(i).length);
+    m.text(c.key)
+        .counts(c.offsets)
+        .counts(c.sizes)
+        .count(layout->chunk_place(i).offset)
+        .count(layout->chunk_place(i).length);
   }
   return std::move(m).str();
 }
@@ -198,12 +202,14 @@ inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_vie
 template <WritableDirectory D, Comm C>
 save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, const checkpoint_metadata& md, C& comm,
                                 const save_options& opt, std::span<const dcp_object> objects,
-                                const std::map<std::string, pickle_value>& paths, std::chrono::steady_clock::time_point t0) {
+                                const std::map<std::string, pickle_value>& paths,
+                                std::chrono::steady_clock::time_point t0) {
   const std::string dname(dir.name());
   const int rank = comm.rank(), world = comm.world_size();
   rank0_step(comm, [&] {
     for (const auto& o : objects)
-      if (md.find(o.key)) fail(errc::invalid_argument, dname + ": '" + o.key + "' is both a tensor and a non-tensor item");
+      if (md.find(o.key))
+        fail(errc::invalid_argument, dname + ": '" + o.key + "' is both a tensor and a non-tensor item");
   });
   detail::prepare_directory(dir, opt.overwrite, comm, dcp_metadata_file_name);  // 2
 
@@ -268,7 +274,7 @@ save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, con
                     std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {
   const auto t0 = std::chrono::steady_clock::now();
   checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
-  return detail::write_dcp_and_commit(dir, views, md, comm, opt, objects, paths, t0);       // 2-4
+  return detail::write_dcp_and_commit(dir, views, md, comm, opt, objects, paths, t0);        // 2-4
 }
 
 }  // namespace shardsafe

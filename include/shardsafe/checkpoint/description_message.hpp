@@ -73,11 +73,13 @@ inline shard_spec decode_shard_spec(message_reader& m, const std::string& what) 
 SHARDSAFE_DECL void encode_description(message_writer& m, const checkpoint_metadata& md) {
   const auto& x = md.extras;
   if (!x.writer.empty() || x.world_size || !x.file_sizes.empty() || x.checksums)
-    fail(errc::invalid_argument, "a rank's description of its views has no extras (writer, world size, file sizes, checksums)");
+    fail(errc::invalid_argument,
+         "a rank's description of its views has no extras (writer, world size, file sizes, checksums)");
   m.count(md.tensors.size());
   for (const auto& [key, tm] : md.tensors) {
     if (tm.grid)
-      fail(errc::invalid_argument, "tensor '" + key + "': a rank's description lists its files; it has no shardsafe_grid");
+      fail(errc::invalid_argument,
+           "tensor '" + key + "': a rank's description lists its files; it has no shardsafe_grid");
     m.text(key).counts(tm.shape).count(static_cast<std::uint64_t>(tm.type)).flag(tm.is_sharded);
     m.count(tm.files.size());
     for (const auto& [fname, spec] : tm.files) {
@@ -106,7 +108,8 @@ SHARDSAFE_DECL checkpoint_metadata decode_description(message_reader& m) {
     if (!elements) m.malformed(c + ": shape " + to_string(tm.shape) + " has more than 2^64 elements");
     tm.type = static_cast<dtype>(m.count(all_dtypes.size() - 1, c + "'s dtype"));
     if (!checked_mul(*elements, std::uint64_t(bit_size(tm.type))))
-      m.malformed(c + ": shape " + to_string(tm.shape) + " " + std::string(to_string(tm.type)) + " has more than 2^64 bits of data");
+      m.malformed(c + ": shape " + to_string(tm.shape) + " " + std::string(to_string(tm.type)) +
+                  " has more than 2^64 bits of data");
     tm.is_sharded = m.flag(c + "'s is_sharded");
     const std::uint64_t nf = m.items(16, "files of " + c);
     tm.files.reserve(static_cast<std::size_t>(nf));

@@ -60,9 +60,9 @@ struct flat_view {
   std::string key;
   dtype type = dtype::F32;
   shape_t full_shape;
-  std::optional<shard_spec> spec;  ///< nullopt: this rank holds the whole tensor (not sharded)
-  std::byte* data = nullptr;       ///< local elements
-  std::uint64_t nbytes = 0;        ///< bytes at data
+  std::optional<shard_spec> spec;             ///< nullopt: this rank holds the whole tensor (not sharded)
+  std::byte* data = nullptr;                  ///< local elements
+  std::uint64_t nbytes = 0;                   ///< bytes at data
   replica_role replica = replica_role::none;  ///< for a sharded view held by other ranks too
 
   bool is_sharded() const noexcept { return spec.has_value(); }
@@ -85,8 +85,8 @@ struct flat_view {
     if (spec) spec->validate(full_shape, c);
     const auto bytes = detail::checked_mul(local_numel(), std::uint64_t(item_size(type)));
     if (!bytes)
-      fail(errc::invalid_shape, c + ": the shard's " + std::to_string(local_numel()) + " " + std::string(to_string(type)) +
-                                    " elements have more than 2^64 bytes");
+      fail(errc::invalid_shape, c + ": the shard's " + std::to_string(local_numel()) + " " +
+                                    std::string(to_string(type)) + " elements have more than 2^64 bytes");
     const std::uint64_t need = *bytes;
     if (nbytes != need)
       fail(errc::invalid_argument, c + ": local memory is " + std::to_string(nbytes) + " bytes but the shard holds " +

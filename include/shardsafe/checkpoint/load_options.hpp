@@ -21,10 +21,11 @@
 namespace shardsafe {
 
 struct load_options {
-  unsigned threads = 0;         ///< reads in flight; 0: reads.requests_in_flight, else the backend's hint, else detail::default_threads()
-  read_settings reads{};        ///< gap merging, read sizes, requests in flight (unset: the backend's, else the defaults)
-  bool strict = true;           ///< a view whose key the checkpoint lacks is an error (else listed)
-  bool validate_nan = false;    ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
+  unsigned threads =
+      0;  ///< reads in flight; 0: reads.requests_in_flight, else the backend's hint, else detail::default_threads()
+  read_settings reads{};      ///< gap merging, read sizes, requests in flight (unset: the backend's, else the defaults)
+  bool strict = true;         ///< a view whose key the checkpoint lacks is an error (else listed)
+  bool validate_nan = false;  ///< fill floating views with NaN first, fail if any remain (OLMo-core's check)
   /// List the checkpoint's tensors no view asks for (load_stats::unexpected_keys): a walk of
   /// every tensor, so a caller that loads a piece at a time (unshard, the exports, the import's
   /// chunks) turns it off, or N loads of N tensors would cost N^2.
@@ -79,14 +80,16 @@ inline unsigned resolve_threads(unsigned threads, const read_settings& reads, co
   return detail::default_threads();
 }
 /// (without load settings of requests in flight)
-inline unsigned resolve_threads(unsigned threads, const read_settings& hint) { return resolve_threads(threads, {}, hint); }
+inline unsigned resolve_threads(unsigned threads, const read_settings& hint) {
+  return resolve_threads(threads, {}, hint);
+}
 
 struct load_stats {
-  std::uint64_t tensors = 0;        ///< views loaded
-  std::uint64_t bytes_needed = 0;   ///< bytes of stored data the views needed (as stored: before conversion)
-  std::uint64_t bytes_read = 0;     ///< bytes read from files (needed + merged gaps)
-  std::uint64_t read_ops = 0;       ///< reads issued
-  std::uint64_t checksum_blocks = 0;  ///< checksum blocks checked (load_options::verify_checksums)
+  std::uint64_t tensors = 0;                 ///< views loaded
+  std::uint64_t bytes_needed = 0;            ///< bytes of stored data the views needed (as stored: before conversion)
+  std::uint64_t bytes_read = 0;              ///< bytes read from files (needed + merged gaps)
+  std::uint64_t read_ops = 0;                ///< reads issued
+  std::uint64_t checksum_blocks = 0;         ///< checksum blocks checked (load_options::verify_checksums)
   std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
   std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
   double seconds = 0;

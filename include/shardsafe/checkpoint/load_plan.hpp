@@ -59,11 +59,11 @@ struct load_schedule {
   };
   /// The reads of one file, sorted by file offset.
   struct file_reads {
-    std::string name;        ///< the file, as metadata.json names it
-    read_options settings;   ///< the merging settings its reads were planned with
+    std::string name;       ///< the file, as metadata.json names it
+    read_options settings;  ///< the merging settings its reads were planned with
     std::vector<file_read> reads;
   };
-  std::vector<file_reads> files;         ///< in the order the views first need them
+  std::vector<file_reads> files;  ///< in the order the views first need them
   /// Reads of elements that several files hold (replicas, or a damaged or hostile checkpoint)
   /// from the files the load did not take them from: after the load, each piece's bytes must
   /// equal what landed in the view (so no element's value depends on which file the plan
@@ -73,13 +73,12 @@ struct load_schedule {
   /// The stored dtype of each view's data, where it differs from the view's (converted while
   /// copying; read pieces then count bytes as stored); empty when nothing is converted.
   std::vector<std::pair<std::size_t, dtype>> converted;
-  std::size_t views = 0;                 ///< how many views plan() was given
-  unsigned threads = 1;                  ///< reads in flight
-  read_settings hint;                     ///< the storage's read hint (its first file's) the plan took
-  bool verify_checksums = false;         ///< check the blocks read (load_options::verify_checksums)
-  load_stats stats;                      ///< all but seconds, known from the plan
+  std::size_t views = 0;          ///< how many views plan() was given
+  unsigned threads = 1;           ///< reads in flight
+  read_settings hint;             ///< the storage's read hint (its first file's) the plan took
+  bool verify_checksums = false;  ///< check the blocks read (load_options::verify_checksums)
+  load_stats stats;               ///< all but seconds, known from the plan
 };
-
 
 /// Staging memory one batch of reads may hold for merged reads (a batch is split past it;
 /// checkpoint/read_executor.hpp), and so the most a compared read spans.
@@ -96,10 +95,10 @@ struct view_plans {
     /// The tensor's files lp and compare index: its listed files, or a grid's parts kept.
     const std::vector<std::pair<std::string, shard_spec>>& files() const { return tm->grid ? grid_parts : tm->files; }
   };
-  std::vector<one> views;            ///< the views found in the checkpoint, in the order given
-  std::vector<std::string> files;    ///< file names, in the order first needed
+  std::vector<one> views;          ///< the views found in the checkpoint, in the order given
+  std::vector<std::string> files;  ///< file names, in the order first needed
   std::map<std::string, std::size_t, std::less<>> file_index;  ///< name -> index in files
-  load_schedule partial;             ///< views, nan_checked, converted, stats.tensors / missing / unexpected
+  load_schedule partial;  ///< views, nan_checked, converted, stats.tensors / missing / unexpected
 };
 
 /// A file step 2 reads: its validated header, its name in messages (its storage's) and the
@@ -115,9 +114,9 @@ namespace detail {
 /// The entry of `key` in a file's header (named `file` in messages), checked against the
 /// description (described_by: "metadata.json", ...) and the file's shard.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
-                                                 const tensor_metadata& tm, const shard_spec& spec,
-                                                 std::string_view described_by) {
+SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file,
+                                                 const std::string& key, const tensor_metadata& tm,
+                                                 const shard_spec& spec, std::string_view described_by) {
   const std::string ctx = std::string(file) + ": tensor '" + key + "'";
   const tensor_entry* e = h.find(key);
   if (!e) fail(errc::not_found, ctx + ": listed in " + std::string(described_by) + " but absent from the file");
@@ -131,9 +130,9 @@ SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, st
   return *e;
 }
 #else
-SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file, const std::string& key,
-                                                 const tensor_metadata& tm, const shard_spec& spec,
-                                                 std::string_view described_by);
+SHARDSAFE_DECL const tensor_entry& checked_entry(const safetensors_header& h, std::string_view file,
+                                                 const std::string& key, const tensor_metadata& tm,
+                                                 const shard_spec& spec, std::string_view described_by);
 #endif
 
 /// The runs out of file `file`'s chunk `fspec` of tensor `key`, whose bytes hold its dimensions
@@ -149,9 +148,10 @@ SHARDSAFE_DECL copy_plan permuted_runs(std::string_view file, const std::string&
   if (!fspec.is_block()) fail(errc::invalid_metadata, ctx + ": a flat shard (" + to_string(fspec) + ") " + stored);
   copy_plan runs = permuted_copy_plan(mine, fspec.block(), order, full);
   if (plan_numel(runs) != planned)
-    fail(errc::invalid_metadata, ctx + ": its chunk " + to_string(fspec) + " " + stored +
-                                     " and shares elements with another file's chunk; a load reads such a chunk only where no "
-                                     "other file holds its elements (torch's planner writes each element once)");
+    fail(errc::invalid_metadata,
+         ctx + ": its chunk " + to_string(fspec) + " " + stored +
+             " and shares elements with another file's chunk; a load reads such a chunk only where no "
+             "other file holds its elements (torch's planner writes each element once)");
   return runs;
 }
 #else
@@ -284,7 +284,8 @@ SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
     if (opt.validate_nan && has_nan(v.type)) s.nan_checked.push_back(vi);
     for (const auto& fp : p.lp.files) need(p.files()[fp.file].first);
     if (!tm->grid)  // a grid's parts never overlap
-      p.compare = detail::files_to_compare(v.key, *tm, mine, p.lp, md.extras.checksums ? &*md.extras.checksums : nullptr);
+      p.compare =
+          detail::files_to_compare(v.key, *tm, mine, p.lp, md.extras.checksums ? &*md.extras.checksums : nullptr);
     for (const std::size_t j : p.compare) need(p.files()[j].first);
     out.views.push_back(std::move(p));
   }
@@ -304,8 +305,9 @@ SHARDSAFE_DECL view_plans plan_views(const checkpoint_metadata& md,
 /// vp.files[i]'s header, name and settings; described_by: for messages). threads: the reads
 /// in flight the schedule records.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
-                                            const load_options& opt, unsigned threads, std::string_view described_by) {
+SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views,
+                                            std::span<const planned_file> files, const load_options& opt,
+                                            unsigned threads, std::string_view described_by) {
   if (files.size() != vp.files.size())
     fail(errc::invalid_argument, "schedule_reads: " + std::to_string(files.size()) + " files given for the " +
                                      std::to_string(vp.files.size()) + " the views need");
@@ -336,7 +338,8 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
       const tensor_entry& e = detail::checked_entry(*f.header, f.name, v.key, *p.tm, fspec, described_by);
       const auto order = f.header->stored_order(e);
       read_plan rp = make_read_plan(
-          order.empty() ? runs : detail::permuted_runs(f.name, v.key, mine, fspec, order, p.tm->shape, plan_numel(runs)),
+          order.empty() ? runs
+                        : detail::permuted_runs(f.name, v.key, mine, fspec, order, p.tm->shape, plan_numel(runs)),
           f.header->offset_of(e), item, ro);
       s.stats.bytes_read += rp.bytes_read;
       s.stats.read_ops += rp.ops.size();
@@ -350,7 +353,8 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
     for (const std::size_t j : p.compare) {
       const shard_spec& fspec = p.files()[j].second;
       for (const auto& fp : plan_load(mine, std::span<const shard_spec>(&fspec, 1), p.tm->shape).files)
-        reads_of(j, fp.runs, true, [&](std::size_t fi, read_op op) { s.compares.push_back({fi, {p.view, std::move(op)}}); });
+        reads_of(j, fp.runs, true,
+                 [&](std::size_t fi, read_op op) { s.compares.push_back({fi, {p.view, std::move(op)}}); });
     }
   }
   for (auto& f : s.files)
@@ -361,8 +365,9 @@ SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_
   return s;
 }
 #else
-SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views, std::span<const planned_file> files,
-                                            const load_options& opt, unsigned threads, std::string_view described_by);
+SHARDSAFE_DECL load_schedule schedule_reads(view_plans vp, std::span<const flat_view> views,
+                                            std::span<const planned_file> files, const load_options& opt,
+                                            unsigned threads, std::string_view described_by);
 #endif
 
 }  // namespace shardsafe

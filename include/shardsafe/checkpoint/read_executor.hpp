@@ -42,7 +42,8 @@ struct read_job {
 
 /// Copies the pieces of a read out of src (the read's bytes) into base; `from` set: the pieces
 /// hold `from` elements (offsets count stored bytes), converted to `to`.
-inline void scatter_pieces(const read_op& op, const std::byte* src, std::byte* base, std::optional<dtype> from, dtype to) {
+inline void scatter_pieces(const read_op& op, const std::byte* src, std::byte* base, std::optional<dtype> from,
+                           dtype to) {
   const std::uint64_t di = item_size(to), si = from ? item_size(*from) : di;
   for (const auto& p : op.pieces) {
     if (!from && p.stepped()) {  // a run of a chunk stored in another order of dimensions
@@ -73,7 +74,8 @@ void execute_reads(std::span<const R* const> files, std::span<const read_job> jo
     // jobs by file (in the order given within a file), cut into batches of bounded staging
     std::vector<std::size_t> order(jobs.size());
     std::iota(order.begin(), order.end(), std::size_t(0));
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return jobs[a].file < jobs[b].file; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return jobs[a].file < jobs[b].file; });
     struct batch {
       std::size_t first, last;  // order[first, last)
       std::uint64_t staging;
@@ -83,7 +85,8 @@ void execute_reads(std::span<const R* const> files, std::span<const read_job> jo
     for (std::size_t k = 0; k < order.size(); ++k) {
       const read_job& j = jobs[order[k]];
       const std::uint64_t need = j.land ? 0 : j.len;
-      if (b.last > b.first && (jobs[order[b.first]].file != j.file || (need > 0 && b.staging + need > batch_staging_bytes))) {
+      if (b.last > b.first &&
+          (jobs[order[b.first]].file != j.file || (need > 0 && b.staging + need > batch_staging_bytes))) {
         batches.push_back(b);
         b = batch{k, k, 0};
       }

@@ -63,10 +63,10 @@ class checkpoint_files {
   /// Deprecated (one release): layout() as the old enum.
   [[deprecated("use layout() (checkpoint/layouts/) and its traits")]] checkpoint_format format() const noexcept {
     const std::string_view id = layout().id;
-    return id == "dcp" ? checkpoint_format::dcp
-         : id == "dcp_sharded_hf" ? checkpoint_format::dcp_sharded_hf
-         : id == "shardsafe" ? checkpoint_format::sharded
-                             : checkpoint_format::hf;
+    return id == "dcp"              ? checkpoint_format::dcp
+           : id == "dcp_sharded_hf" ? checkpoint_format::dcp_sharded_hf
+           : id == "shardsafe"      ? checkpoint_format::sharded
+                                    : checkpoint_format::hf;
   }
   /// What holds the description ("metadata.json", "model.safetensors.index.json", ...).
   const std::string& described_by() const noexcept { return src_.described_by; }
@@ -84,8 +84,9 @@ class checkpoint_files {
   /// The item `key` of non_tensors(), or nullptr.
   const non_tensor_item* find_object(std::string_view key) const {
     const auto& items = src_.non_tensors;
-    auto it = std::lower_bound(items.begin(), items.end(), key,
-                               [](const non_tensor_item& i, std::string_view k) { return std::string_view(i.key) < k; });
+    auto it = std::lower_bound(items.begin(), items.end(), key, [](const non_tensor_item& i, std::string_view k) {
+      return std::string_view(i.key) < k;
+    });
     return it != items.end() && it->key == key ? &*it : nullptr;
   }
   /// The value of the non-tensor item `key`, as its layout reads it (a DCP folder's from its data
@@ -94,8 +95,11 @@ class checkpoint_files {
     const non_tensor_item& it = object(key);
     pickle_value v;
     with_layout(layout(), [&]<class L>() {
-      if constexpr (requires { L::read_object(dir_, it); }) v = L::read_object(dir_, it);
-      else fail(errc::invalid_argument, std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
+      if constexpr (requires { L::read_object(dir_, it); })
+        v = L::read_object(dir_, it);
+      else
+        fail(errc::invalid_argument,
+             std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
     });
     return v;
   }
@@ -106,8 +110,11 @@ class checkpoint_files {
     const non_tensor_item& it = object(key);
     std::string a;
     with_layout(layout(), [&]<class L>() {
-      if constexpr (requires { L::read_object_archive(dir_, it); }) a = L::read_object_archive(dir_, it);
-      else fail(errc::invalid_argument, std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
+      if constexpr (requires { L::read_object_archive(dir_, it); })
+        a = L::read_object_archive(dir_, it);
+      else
+        fail(errc::invalid_argument,
+             std::string(dir_.name()) + ": a " + std::string(L::info.name) + " has no non-tensor items");
     });
     return a;
   }
@@ -167,7 +174,8 @@ class checkpoint_files {
   void open_files(std::span<const std::string> names, unsigned threads = 0) {
     const std::vector<std::string> todo = not_yet(names, [&](const std::string& n) { return files_.count(n) != 0; });
     std::vector<std::unique_ptr<open_file>> opened(todo.size());
-    detail::parallel_for(todo.size(), threads, [&](std::size_t i) { opened[i] = open_source_file(dir_, src_, todo[i]); });
+    detail::parallel_for(todo.size(), threads,
+                         [&](std::size_t i) { opened[i] = open_source_file(dir_, src_, todo[i]); });
     std::lock_guard lock(files_mutex_);
     for (std::size_t i = 0; i < todo.size(); ++i) files_.try_emplace(todo[i], std::move(opened[i]));
   }
@@ -199,8 +207,8 @@ class checkpoint_files {
     detail::parallel_for(todo.size(), threads, [&](std::size_t i) {
       const std::string side = checksum_sidecar_name(todo[i]);
       reader_type st = detail::open_or(dir_, side, [&] {
-        return std::string(dir_.name()) + "/" + side + ": missing: " + described_by() +
-               " says the checksums of " + todo[i] + " are kept beside it, in this file";
+        return std::string(dir_.name()) + "/" + side + ": missing: " + described_by() + " says the checksums of " +
+               todo[i] + " are kept beside it, in this file";
       });
       const std::string text = read_text(st, max_metadata_size, text_kind::json);
       detail::json_document doc(text, std::string(st.name()), &text);
@@ -223,8 +231,8 @@ class checkpoint_files {
   const non_tensor_item& object(std::string_view key) const {
     const non_tensor_item* it = find_object(key);
     if (!it)
-      fail(errc::not_found, std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " +
-                                described_by());
+      fail(errc::not_found,
+           std::string(dir_.name()) + ": '" + std::string(key) + "' is not a non-tensor item of " + described_by());
     return *it;
   }
   /// The names not yet done (by done(name), under the lock), each once.

@@ -38,7 +38,8 @@ inline std::string checkpoint_name(std::uint64_t step, std::string_view prefix =
 template <ReadableDirectory D>
 bool is_complete_checkpoint(const D& dir) {
   const auto committed = [](const D& d) {
-    return std::any_of(commit_mark_names.begin(), commit_mark_names.end(), [&](std::string_view m) { return d.exists(m); });
+    return std::any_of(commit_mark_names.begin(), commit_mark_names.end(),
+                       [&](std::string_view m) { return d.exists(m); });
   };
   if (dir.exists(model_folder_name)) return committed(dir.sub(model_folder_name));
   return committed(dir);

@@ -62,9 +62,9 @@ SHARDSAFE_DECL void encode_replica_roles(message_writer& m, std::span<const flat
     const flat_view& v = views[i];
     if (v.replica == replica_role::none) continue;
     if (!v.is_sharded())
-      fail(errc::invalid_argument, std::string(dir) + ": tensor '" + v.key + "' is declared a replica " +
-                                       std::string(to_string(v.replica)) +
-                                       " but has no shard spec; a tensor that is not sharded is written once, by the lowest rank");
+      fail(errc::invalid_argument,
+           std::string(dir) + ": tensor '" + v.key + "' is declared a replica " + std::string(to_string(v.replica)) +
+               " but has no shard spec; a tensor that is not sharded is written once, by the lowest rank");
     roles.emplace_back(i, v.replica);
   }
   m.count(views.size()).count(roles.size());
@@ -86,8 +86,8 @@ SHARDSAFE_DECL std::vector<replica_role> decode_replica_roles(message_reader& m,
   for (std::uint64_t k = 0, next = 0; k < n; ++k) {
     const std::uint64_t i = m.count();
     if (i < next || i >= views)
-      m.malformed("replica role " + std::to_string(k) + " is for view " + std::to_string(i) + "; roles name views below " +
-                  std::to_string(views) + ", in increasing order");
+      m.malformed("replica role " + std::to_string(k) + " is for view " + std::to_string(i) +
+                  "; roles name views below " + std::to_string(views) + ", in increasing order");
     const std::uint64_t role = m.count(2, "the replica role of view " + std::to_string(i));
     if (role == 0) m.malformed("the replica role of view " + std::to_string(i) + " is none, which is not sent");
     roles[static_cast<std::size_t>(i)] = role == 1 ? replica_role::writer : replica_role::copy;
@@ -106,7 +106,8 @@ SHARDSAFE_DECL std::vector<replica_role> decode_replica_roles(message_reader& m,
 /// replicas (a replicated DTensor saved by every rank) stay accepted and are each written, as
 /// before roles existed. Returns the files to list: the shards written, in rank order.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key,
+                                                                            const tensor_metadata& tm,
                                                                             const std::vector<int>& ranks,
                                                                             const std::vector<replica_role>& roles,
                                                                             std::string_view dir) {
@@ -116,9 +117,9 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
     if (roles[i] != replica_role::writer) continue;
     auto [it, fresh] = writer_of.emplace(to_string(tm.files[i].second), i);
     if (!fresh)
-      fail(errc::invalid_argument, c + ": ranks " + std::to_string(ranks[it->second]) + " and " + std::to_string(ranks[i]) +
-                                       " are both the writer of the replicated shard " + it->first +
-                                       "; one replica writes it, the others are copies");
+      fail(errc::invalid_argument, c + ": ranks " + std::to_string(ranks[it->second]) + " and " +
+                                       std::to_string(ranks[i]) + " are both the writer of the replicated shard " +
+                                       it->first + "; one replica writes it, the others are copies");
   }
   std::vector<std::pair<std::string, shard_spec>> files;
   std::vector<int> file_rank;
@@ -127,7 +128,8 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
   for (std::size_t i = 0; i < tm.files.size(); ++i) {
     if (roles[i] == replica_role::copy) {
       if (!writer_of.count(to_string(tm.files[i].second)))
-        fail(errc::invalid_argument, c + ": rank " + std::to_string(ranks[i]) + " holds " + to_string(tm.files[i].second) +
+        fail(errc::invalid_argument, c + ": rank " + std::to_string(ranks[i]) + " holds " +
+                                         to_string(tm.files[i].second) +
                                          " as a replica copy, but no rank is the writer of that shard");
       continue;
     }
@@ -156,7 +158,8 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
   return files;
 }
 #else
-SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key, const tensor_metadata& tm,
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(const std::string& key,
+                                                                            const tensor_metadata& tm,
                                                                             const std::vector<int>& ranks,
                                                                             const std::vector<replica_role>& roles,
                                                                             std::string_view dir);
@@ -166,11 +169,12 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
 /// every sharded tensor is covered, and that its shards do not overlap (but as replicas).
 /// roles[r][i]: rank r's role for its i-th tensor (missing: none).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
+SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts,
+                                                      std::string_view dir,
                                                       const std::vector<std::vector<replica_role>>& roles = {}) {
   checkpoint_metadata out;
-  std::map<std::string, std::size_t> where;   // key -> index in out.tensors
-  std::map<std::string, int> first_rank;      // key -> lowest rank holding it
+  std::map<std::string, std::size_t> where;  // key -> index in out.tensors
+  std::map<std::string, int> first_rank;     // key -> lowest rank holding it
   // per sharded tensor (index in out.tensors): the rank and role of each entry of its files
   std::vector<std::vector<int>> file_ranks;
   std::vector<std::vector<replica_role>> file_roles;
@@ -191,8 +195,8 @@ SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoi
       tensor_metadata& have = out.tensors[it->second].second;
       const int r0 = first_rank[key];
       auto disagree = [&](const std::string& what, const std::string& a, const std::string& b) {
-        fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "': rank " + std::to_string(r0) + " saves " +
-                                         what + " " + a + " but rank " + std::to_string(r) + " saves " + b);
+        fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "': rank " + std::to_string(r0) +
+                                         " saves " + what + " " + a + " but rank " + std::to_string(r) + " saves " + b);
       };
       if (have.shape != tm.shape) disagree("shape", to_string(have.shape), to_string(tm.shape));
       if (have.type != tm.type) disagree("dtype", std::string(to_string(have.type)), std::string(to_string(tm.type)));
@@ -222,7 +226,8 @@ SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoi
   return out;
 }
 #else
-SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts, std::string_view dir,
+SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts,
+                                                      std::string_view dir,
                                                       const std::vector<std::vector<replica_role>>& roles = {});
 #endif
 

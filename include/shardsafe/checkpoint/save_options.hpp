@@ -23,7 +23,7 @@ enum class metadata_form {
   /// compact when the listed form would hold more than compact_metadata_entries shard entries
   /// (tensors x files each): past there a rank spends over a second reading the listed form
   automatic,
-  listed,   ///< one entry per file per tensor, as OLMo-core writes and reads it
+  listed,  ///< one entry per file per tensor, as OLMo-core writes and reads it
   /// a regular sharding as a grid of O(dims) numbers ("shardsafe_grid", shard/shard_grid.hpp),
   /// other tensors listed; checksums beside the rank files (rank_R.checksums.json). Readers
   /// other than shardsafe (OLMo-core) cannot read it.
@@ -35,9 +35,9 @@ inline constexpr std::uint64_t compact_metadata_entries = std::uint64_t(1) << 18
 
 struct save_options {
   save_format format = save_format::shardsafe;
-  metadata_form metadata = metadata_form::automatic;  ///< save_format::shardsafe only
-  bool overwrite = false;   ///< replace an existing non-empty directory
-  unsigned threads = 0;     ///< writer threads per rank (0: default)
+  metadata_form metadata = metadata_form::automatic;          ///< save_format::shardsafe only
+  bool overwrite = false;                                     ///< replace an existing non-empty directory
+  unsigned threads = 0;                                       ///< writer threads per rank (0: default)
   std::uint64_t write_chunk_bytes = std::uint64_t(64) << 20;  ///< tensors are written in chunks of this
   /// Rank files go out through O_DIRECT (BlockWritableStorage writers: file_directory's), in
   /// aligned blocks (of write_chunk_bytes, at most 16 MiB; one per writer thread) assembled in
@@ -60,9 +60,9 @@ struct save_options {
 };
 
 struct save_stats {
-  std::uint64_t bytes_written = 0;   ///< this rank's file
-  std::uint64_t total_bytes = 0;     ///< all rank files
-  std::uint64_t tensors_written = 0; ///< entries in this rank's file
+  std::uint64_t bytes_written = 0;    ///< this rank's file
+  std::uint64_t total_bytes = 0;      ///< all rank files
+  std::uint64_t tensors_written = 0;  ///< entries in this rank's file
   double seconds = 0;
 };
 

@@ -132,16 +132,20 @@ written_rank_file write_rank_file(const D& dir, const std::string& fname, std::s
       bo.threads = opt.threads;
       bo.direct = opt.direct_io;
       bo.block_bytes = std::clamp<std::uint64_t>(opt.write_chunk_bytes, 1, std::uint64_t(16) << 20);
-      w.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        if (!sums) return render_safetensors_bytes(layout, data, off, dst, fetch);
-        // in steps of 1 MiB, each hashed (the blocks ending in it) while still in the cache
-        constexpr std::uint64_t step = std::uint64_t(1) << 20;
-        for (std::uint64_t p = 0; p < dst.size(); p += step) {
-          const std::uint64_t n = std::min<std::uint64_t>(step, dst.size() - p);
-          render_safetensors_bytes(layout, data, off + p, dst.subspan(static_cast<std::size_t>(p), static_cast<std::size_t>(n)), fetch);
-          sums->hash_range(off + p, off + p + n, dst.first(static_cast<std::size_t>(p + n)), off, fetch);
-        }
-      }, bo);
+      w.write_blocks(
+          layout.file_size(),
+          [&](std::uint64_t off, std::span<std::byte> dst) {
+            if (!sums) return render_safetensors_bytes(layout, data, off, dst, fetch);
+            // in steps of 1 MiB, each hashed (the blocks ending in it) while still in the cache
+            constexpr std::uint64_t step = std::uint64_t(1) << 20;
+            for (std::uint64_t p = 0; p < dst.size(); p += step) {
+              const std::uint64_t n = std::min<std::uint64_t>(step, dst.size() - p);
+              render_safetensors_bytes(layout, data, off + p,
+                                       dst.subspan(static_cast<std::size_t>(p), static_cast<std::size_t>(n)), fetch);
+              sums->hash_range(off + p, off + p + n, dst.first(static_cast<std::size_t>(p + n)), off, fetch);
+            }
+          },
+          bo);
       w.sync();
       w.commit();
     } else {
@@ -230,7 +234,8 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
   std::vector<written_rank_file> files;
   files.reserve(texts.size());
   for (std::size_t r = 0; r < texts.size(); ++r)
-    files.push_back(decode_written(texts[r], send_sums, std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
+    files.push_back(
+        decode_written(texts[r], send_sums, std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
   return files;
 }
 
@@ -238,9 +243,7 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
 template <WritableDirectory D, Comm C>
 void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
   const step_scope step("committing metadata.json");
-  rank0_step(comm, [&] {
-    write_text(dir, metadata_file_name, write_checkpoint_metadata(md));
-  });
+  rank0_step(comm, [&] { write_text(dir, metadata_file_name, write_checkpoint_metadata(md)); });
 }
 
 /// Steps 2-4 of a save whose plan (step 1, md) every rank has agreed on: prepare the
@@ -251,7 +254,7 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, chec
                             const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
   const bool compact = use_compact_form(md, opt.metadata);  // alike on every rank: md is agreed
-  prepare_directory(dir, opt.overwrite, comm);                                                // 2
+  prepare_directory(dir, opt.overwrite, comm);              // 2
   const auto mine = views_to_write(views, md, rank);
   auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt, compact);  // 3
 
@@ -288,7 +291,7 @@ save_stats save_shardsafe(const D& dir, std::span<const flat_view> views, C& com
   const step_scope scope("save " + std::string(dir.name()));
   const auto t0 = std::chrono::steady_clock::now();
   checkpoint_metadata md = agree_on_metadata(views, comm, std::string(dir.name()), bool(opt.fetch));  // 1
-  return write_and_commit(dir, views, std::move(md), comm, opt, t0);                                // 2-4
+  return write_and_commit(dir, views, std::move(md), comm, opt, t0);                                  // 2-4
 }
 
 }  // namespace detail

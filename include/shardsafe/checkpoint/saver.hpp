@@ -74,7 +74,8 @@ save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& co
 template <WritableDirectory D, Comm C>
 std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_views> folders, C& comm,
                                         const save_options& opt = {}) {
-  if (folders.empty()) fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
+  if (folders.empty())
+    fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
   detail::prepare_folder_set(parent, folders.back().name, opt.overwrite, comm);
   save_options each = opt;
   each.overwrite = false;  // (the parent is prepared as a whole)
@@ -93,9 +94,13 @@ std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/storage/memory.hpp"
 namespace shardsafe {
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, single_process&, const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, thread_comm&, const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, single_process&, const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, thread_comm&, const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, single_process&,
+                                                     const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, thread_comm&,
+                                                     const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>,
+                                                     single_process&, const save_options&))
+SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, thread_comm&,
+                                                     const save_options&))
 }  // namespace shardsafe
 #endif

@@ -86,21 +86,21 @@ inline std::string display_file_name(std::string_view name) {
   if (hash == std::string_view::npos || hash + 1 == name.size() ||
       name.substr(hash + 1).find_first_not_of("0123456789") != std::string_view::npos)
     return std::string(name);
-  return std::string(name.substr(0, hash)) + " (chunk " + std::to_string(std::stoull(std::string(name.substr(hash + 1))) + 1) +
-         " of this tensor in it)";
+  return std::string(name.substr(0, hash)) + " (chunk " +
+         std::to_string(std::stoull(std::string(name.substr(hash + 1))) + 1) + " of this tensor in it)";
 }
 
 /// A checkpoint's description and the files opened while making it.
 template <ReadableDirectory D>
 struct checkpoint_source {
   const layout_info* layout = nullptr;  ///< the layout that read it (checkpoint/layouts/)
-  std::string described_by;  ///< what holds the description, for messages ("metadata.json", ...)
+  std::string described_by;             ///< what holds the description, for messages ("metadata.json", ...)
   checkpoint_metadata metadata;
   std::vector<std::pair<std::string, std::unique_ptr<opened_file<typename D::reader_type>>>> files;
   /// Files the tensors name whose index is not their own safetensors header (a DCP folder's
   /// data files, format/dcp_data.hpp), by that name; the reader indexes each when it opens it.
   std::map<std::string, dcp_data_file> data_files;
-  std::vector<non_tensor_item> non_tensors;  ///< by key
+  std::vector<non_tensor_item> non_tensors;     ///< by key
   std::vector<foreign_tensor> foreign_tensors;  ///< by key
   /// A DCP folder's planner_data: each key's path in the state dict torch flattened.
   std::map<std::string, pickle_value> paths;
@@ -119,7 +119,6 @@ inline tensor_metadata whole_tensor(const tensor_entry& e, const std::string& fi
                                        : shard_spec(flat_spec{{0, e.numel()}}));
   return tm;
 }
-
 
 /// dir.open(n), with not_found reported as `missing()` says (there is no exists() check first:
 /// the open is the check, in one round trip).

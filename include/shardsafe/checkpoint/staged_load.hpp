@@ -49,14 +49,14 @@
 namespace shardsafe {
 
 template <class E>
-concept CopyEngine = requires(E& e, typename E::target dst, std::uint64_t n, std::span<const std::byte> src,
-                              typename E::fence& f) {
-  { e.allocate(n) } -> std::same_as<std::shared_ptr<std::byte>>;
-  e.copy(dst, n, src);
-  { e.record() } -> std::same_as<typename E::fence>;
-  e.wait(f);
-  e.synchronize();
-};
+concept CopyEngine =
+    requires(E& e, typename E::target dst, std::uint64_t n, std::span<const std::byte> src, typename E::fence& f) {
+      { e.allocate(n) } -> std::same_as<std::shared_ptr<std::byte>>;
+      e.copy(dst, n, src);
+      { e.record() } -> std::same_as<typename E::fence>;
+      e.wait(f);
+      e.synchronize();
+    };
 
 /// A tensor to load through the ring: its description (key, dtype, full shape, spec, nbytes;
 /// view.data is not used) and where its local bytes go.

@@ -84,23 +84,27 @@ struct unshard_options {
 /// other way (split over files, in part) it is errc::unsupported_dtype, as for every reader.
 /// Returns the reads made (load_stats::add_reads of every chunk's load).
 template <ReadableDirectory D, class F>
-load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f, const unshard_options& opt = {}) {
+load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, F&& f,
+                               const unshard_options& opt = {}) {
   load_stats stats;
   const tensor_metadata* tm = r.find(key);
   const std::string ctx = std::string(r.directory().name()) + ": tensor '" + key + "'";
   if (!tm) fail(errc::not_found, ctx + " is not in the checkpoint");
   if (!is_byte_sized(tm->type)) {
-    const std::uint64_t bytes = tm->numel() * bit_size(tm->type) / 8;  // whole bytes: checked when the metadata was read
+    const std::uint64_t bytes =
+        tm->numel() * bit_size(tm->type) / 8;  // whole bytes: checked when the metadata was read
     if (tm->files.size() != 1 || tm->files.front().second.local_numel() != tm->numel())
       fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(to_string(tm->type)) +
-                                        " is read only whole from one file, not split over " + std::to_string(tm->files.size()));
+                                        " is read only whole from one file, not split over " +
+                                        std::to_string(tm->files.size()));
     const auto& of = r.file(tm->files.front().first);
     const tensor_entry& e = r.entry_in(of, key, *tm, tm->files.front().second);
     const std::uint64_t step = std::max<std::uint64_t>(3, opt.chunk_bytes / 3 * 3);  // whole F6 groups
     std::vector<std::byte> buf(static_cast<std::size_t>(std::min(bytes, step)));
     for (std::uint64_t at = 0; at < bytes; at += step) {
       const std::uint64_t len = std::min(step, bytes - at);
-      of.storage.read_into(of.header.offset_of(e) + at, std::span<std::byte>(buf.data(), static_cast<std::size_t>(len)));
+      of.storage.read_into(of.header.offset_of(e) + at,
+                           std::span<std::byte>(buf.data(), static_cast<std::size_t>(len)));
       f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>(len)), at);
       stats.bytes_needed += len;
       stats.bytes_read += len;
@@ -139,9 +143,10 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
     const std::uint64_t extent = spec.block().local_shape()[s];
     const std::uint64_t want = std::min(cap, std::max<std::uint64_t>(std::uint64_t(1) << 18, extent * after));
     const std::uint64_t rows = want / after, along = std::min(extent, rows);  // indices of s a window covers
-    const std::uint64_t w = along > 0 && after <= (std::uint64_t(1) << 20) && rows * after / along <= (std::uint64_t(1) << 20)
-                                ? rows * after
-                                : std::uint64_t(1) << 18;
+    const std::uint64_t w =
+        along > 0 && after <= (std::uint64_t(1) << 20) && rows * after / along <= (std::uint64_t(1) << 20)
+            ? rows * after
+            : std::uint64_t(1) << 18;
     permuted = permuted == 0 ? w : std::min(permuted, w);
   }
   const std::uint64_t by_runs = shortest >= (std::uint64_t(1) << 44) ? n : std::max<std::uint64_t>(1, shortest) << 20;
@@ -199,8 +204,9 @@ void require_unshardable(std::span<const unshard_source<D>> sources) {
       const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
       if (!missing.empty())
         fail(errc::missing_coverage, std::string(s.reader->directory().name()) + ": tensor '" + key + "' " +
-                                         to_string(tm.shape) + ": elements " + to_string(missing.front()) + " (from index " +
-                                         multi_index_string(tm.shape, missing.front().begin) + ") are in no file");
+                                         to_string(tm.shape) + ": elements " + to_string(missing.front()) +
+                                         " (from index " + multi_index_string(tm.shape, missing.front().begin) +
+                                         ") are in no file");
     }
 }
 }  // namespace detail
@@ -214,16 +220,17 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
   detail::require_unshardable(sources);
   std::vector<tensor_entry> entries;
   for (const auto& s : sources)
-    for (const auto& [key, tm] : s.reader->metadata().tensors) entries.push_back({s.prefix + key, tm.type, tm.shape, 0, 0});
+    for (const auto& [key, tm] : s.reader->metadata().tensors)
+      entries.push_back({s.prefix + key, tm.type, tm.shape, 0, 0});
   auto layout = plan_safetensors(std::move(entries), metadata, out.name());
   if constexpr (requires { out.reserve(std::uint64_t{}); }) out.reserve(layout.file_size());
   safetensors_writer<W> w(out, layout);
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       const std::size_t idx = layout.index_of(s.prefix + key);
-      for_each_full_chunk(*s.reader, key, [&](std::span<const std::byte> bytes, std::uint64_t at) {
-        w.write_part(idx, at, bytes);
-      }, opt);
+      for_each_full_chunk(
+          *s.reader, key, [&](std::span<const std::byte> bytes, std::uint64_t at) { w.write_part(idx, at, bytes); },
+          opt);
     }
   w.finish();
   return layout.file_size();
@@ -254,23 +261,27 @@ std::uint64_t unshard_to_safetensors(std::span<const unshard_source<D>> sources,
   std::vector<const origin*> of(layout.tensors.size());
   for (const auto& [n, o] : origins) of[layout.index_of(n)] = &o;
   load_options lo = opt.load;
-  lo.threads = 1;  // blocks are the parallelism
+  lo.threads = 1;              // blocks are the parallelism
   lo.list_unexpected = false;  // a block at a time
   block_write_options bo;
   bo.block_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 1);
   detail::abort_on_failure(out, [&] {
-    out.write_blocks(layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-      detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
-        detail::load_pieces(
-            pieces, [&](std::size_t idx) { return of[idx]->reader; },
-            [&](const detail::layout_piece& p) {
-              const tensor_entry& e = layout.tensors[p.idx];
-              return flat_view{of[p.idx]->key, e.type, e.shape, shard_spec(flat_spec{{p.first, p.first + p.n}}), p.bytes.data(),
-                               p.bytes.size()};
-            },
-            lo);
-      });
-    }, bo);
+    out.write_blocks(
+        layout.file_size(),
+        [&](std::uint64_t off, std::span<std::byte> dst) {
+          detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
+            detail::load_pieces(
+                pieces, [&](std::size_t idx) { return of[idx]->reader; },
+                [&](const detail::layout_piece& p) {
+                  const tensor_entry& e = layout.tensors[p.idx];
+                  return flat_view{of[p.idx]->key, e.type,
+                                   e.shape,        shard_spec(flat_spec{{p.first, p.first + p.n}}),
+                                   p.bytes.data(), p.bytes.size()};
+                },
+                lo);
+          });
+        },
+        bo);
     out.sync();
     out.commit();
   });

@@ -63,14 +63,14 @@ namespace shardsafe {
 
 /// What verify_checkpoint checked (all of it valid, or it would have thrown).
 struct checkpoint_report {
-  std::size_t tensors = 0;         ///< tensors of metadata.json, each fully covered
-  std::size_t files = 0;           ///< distinct rank files opened and validated
-  std::uint64_t tensor_bytes = 0;  ///< bytes of the full tensors (numel * bits / 8)
-  bool checksums = false;          ///< metadata.json records checksums (and all were checked)
-  std::uint64_t checksum_blocks = 0;  ///< blocks hashed and found equal to their record
-  std::uint64_t bytes_hashed = 0;     ///< bytes of tensor data hashed
-  std::size_t replicated_tensors = 0;      ///< tensors some elements of which several files hold, equal
-  std::uint64_t replicated_elements = 0;   ///< elements held a second (third, ...) time, compared equal
+  std::size_t tensors = 0;                ///< tensors of metadata.json, each fully covered
+  std::size_t files = 0;                  ///< distinct rank files opened and validated
+  std::uint64_t tensor_bytes = 0;         ///< bytes of the full tensors (numel * bits / 8)
+  bool checksums = false;                 ///< metadata.json records checksums (and all were checked)
+  std::uint64_t checksum_blocks = 0;      ///< blocks hashed and found equal to their record
+  std::uint64_t bytes_hashed = 0;         ///< bytes of tensor data hashed
+  std::size_t replicated_tensors = 0;     ///< tensors some elements of which several files hold, equal
+  std::uint64_t replicated_elements = 0;  ///< elements held a second (third, ...) time, compared equal
 };
 
 /// How verify_checkpoint reads tensor data (checksums and replicas).
@@ -115,7 +115,8 @@ std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string
   std::uint64_t shared = 0;
   for_each_overlap(sa, sb, full, [&](const overlap_piece& p) {
     for (std::uint64_t done = 0; done < p.len;) {
-      const std::uint64_t n = std::min(p.len - done, std::max<std::uint64_t>(1, chunk / std::max<std::uint64_t>(item, 1)));
+      const std::uint64_t n =
+          std::min(p.len - done, std::max<std::uint64_t>(1, chunk / std::max<std::uint64_t>(item, 1)));
       ba.resize(static_cast<std::size_t>(n * item));
       bb.resize(static_cast<std::size_t>(n * item));
       oa.storage.read_into(oa.header.offset_of(ea) + (p.mine + done) * item, ba);
@@ -126,8 +127,8 @@ std::uint64_t compare_shared_elements(checkpoint_reader<D>& r, const std::string
         fail(errc::invalid_metadata,
              std::string(r.directory().name()) + ": tensor '" + key + "' " + to_string(tm.shape) + ": " +
                  display_file_name(fa) + " and " + display_file_name(fb) + " both hold elements from index " +
-                 multi_index_string(full, p.global) +
-                 " but their bytes differ at index " + multi_index_string(full, p.global + done + i) +
+                 multi_index_string(full, p.global) + " but their bytes differ at index " +
+                 multi_index_string(full, p.global + done + i) +
                  ": two files claim the same elements with different values (which is right cannot be told)");
       }
       done += n;
@@ -172,7 +173,8 @@ std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string
   std::map<std::uint64_t, held> covered;  // begin -> the interval and who held it first
   std::vector<std::byte> ba, bb;
   std::uint64_t shared = 0;
-  auto compare = [&](std::size_t a, std::uint64_t la, std::size_t b, std::uint64_t lb, std::uint64_t global, std::uint64_t n) {
+  auto compare = [&](std::size_t a, std::uint64_t la, std::size_t b, std::uint64_t lb, std::uint64_t global,
+                     std::uint64_t n) {
     for (const std::size_t x : {a, b})
       require_row_major_shared(r.directory().name(), key, tm.files[reps[x]].first, shards[x].stored_order);
     constexpr std::uint64_t chunk = std::uint64_t(1) << 20;
@@ -188,9 +190,8 @@ std::uint64_t compare_distinct_shards(checkpoint_reader<D>& r, const std::string
         fail(errc::invalid_metadata,
              std::string(r.directory().name()) + ": tensor '" + key + "' " + to_string(tm.shape) + ": " +
                  display_file_name(tm.files[reps[a]].first) + " and " + display_file_name(tm.files[reps[b]].first) +
-                 " both hold elements from index " +
-                 multi_index_string(full, global) + " but their bytes differ at index " +
-                 multi_index_string(full, global + done + i) +
+                 " both hold elements from index " + multi_index_string(full, global) +
+                 " but their bytes differ at index " + multi_index_string(full, global + done + i) +
                  ": two files claim the same elements with different values (which is right cannot be told)");
       }
       done += m;
@@ -233,8 +234,8 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
   require_known_checksums(cs, mdname);
   for (const auto& [fname, table] : cs.files)
     if (!files.count(fname))
-      fail(errc::invalid_metadata, mdname + ": shardsafe.checksums names the file '" + fname +
-                                       "', which is not a file of the checkpoint");
+      fail(errc::invalid_metadata,
+           mdname + ": shardsafe.checksums names the file '" + fname + "', which is not a file of the checkpoint");
   struct block {
     std::size_t file;  // index into storages
     std::string fname;
@@ -251,8 +252,8 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
     if (t != cs.files.end())
       for (const auto& [key, hashes] : t->second)
         if (!f.header.find(key))
-          fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key + "': " +
-                                           checksums_holder(cs, fname) +
+          fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key +
+                                           "': " + checksums_holder(cs, fname) +
                                            " records its checksums, but the file has no such tensor");
     storages.push_back(&f.storage);
     for (const auto& e : f.header.tensors) {
@@ -311,8 +312,8 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
       held += spec.local_numel();
     }
     if (!is_byte_sized(tm.type) && tm.is_sharded)
-      fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " + std::string(to_string(tm.type)) +
-                                        " cannot be sharded by elements");
+      fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " +
+                                        std::string(to_string(tm.type)) + " cannot be sharded by elements");
     const shard_spec whole = flat_spec{{0, tm.numel()}};
     const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
     if (!missing.empty())
@@ -366,7 +367,9 @@ checkpoint_report verify_checkpoint(const D& dir, const verify_options& opt = {}
 }
 
 // the verification of local folders, compiled once in separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<file_directory>&, const verify_options&))
-SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<memory_directory>&, const verify_options&))
+SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<file_directory>&,
+                                                              const verify_options&))
+SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<memory_directory>&,
+                                                              const verify_options&))
 
 }  // namespace shardsafe

@@ -34,7 +34,8 @@ std::optional<std::uint64_t> verify_optimizer_layout(checkpoint_reader<D>& r) {
     layout = layout || key == "num_param_groups" || key == "state_keys" || key.starts_with("param_group");
   if (!layout) return std::nullopt;
   auto bad = [&](const std::string& key, const std::string& rule) {
-    fail(errc::invalid_metadata, dname + ": tensor '" + key + "': " + rule + " (the optimizer layout of docs/FORMAT.md §2)");
+    fail(errc::invalid_metadata,
+         dname + ": tensor '" + key + "': " + rule + " (the optimizer layout of docs/FORMAT.md §2)");
   };
   auto whole = [&](const std::string& key) {
     const tensor_metadata* tm = r.find(key);
@@ -76,9 +77,9 @@ std::optional<std::uint64_t> verify_optimizer_layout(checkpoint_reader<D>& r) {
     if (key == "num_param_groups") continue;
     if (key.starts_with("param_group")) {
       const std::string digits = key.substr(11);
-      const bool index = !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
-      if (!index || std::stoll(digits) >= n)
-        bad(key, "is past num_param_groups (" + std::to_string(n) + ")");
+      const bool index =
+          !digits.empty() && digits.size() <= 9 && digits.find_first_not_of("0123456789") == std::string::npos;
+      if (!index || std::stoll(digits) >= n) bad(key, "is past num_param_groups (" + std::to_string(n) + ")");
       continue;
     }
     if (key == "state_keys") {

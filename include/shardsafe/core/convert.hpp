@@ -54,8 +54,8 @@ inline void require_convertible(dtype src, dtype dst, std::string_view context) 
   if (!is_convertible_float(src) || !is_convertible_float(dst)) {
     const bool src_ok = is_convertible_float(src);
     fail(errc::unsupported_dtype,
-         std::string(context) + ": cannot convert " + std::string(to_string(src)) + " to " + std::string(to_string(dst)) +
-             ": " + std::string(to_string(src_ok ? dst : src)) +
+         std::string(context) + ": cannot convert " + std::string(to_string(src)) + " to " +
+             std::string(to_string(dst)) + ": " + std::string(to_string(src_ok ? dst : src)) +
              " is not a floating dtype that converts (only F16, BF16, F32 and F64 do; integer and BOOL "
              "tensors are never converted)");
   }

@@ -16,8 +16,28 @@
 namespace shardsafe {
 
 enum class dtype : std::uint8_t {
-  BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64,
-  F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, C64, F4, F6_E2M3, F6_E3M2,
+  BOOL,
+  U8,
+  I8,
+  F8_E5M2,
+  F8_E4M3,
+  I16,
+  U16,
+  F16,
+  BF16,
+  I32,
+  U32,
+  F32,
+  F64,
+  I64,
+  U64,
+  F8_E8M0,
+  F8_E4M3FNUZ,
+  F8_E5M2FNUZ,
+  C64,
+  F4,
+  F6_E2M3,
+  F6_E3M2,
 };
 
 struct dtype_info {
@@ -66,18 +86,26 @@ constexpr std::size_t alignment(dtype t) noexcept { return is_byte_sized(t) ? in
 /// True for the floating-point dtypes that have a NaN (used by the NaN-fill validation).
 constexpr bool has_nan(dtype t) noexcept {
   switch (t) {
-    case dtype::F16: case dtype::BF16: case dtype::F32: case dtype::F64: case dtype::C64:
-    case dtype::F8_E5M2: case dtype::F8_E4M3: case dtype::F8_E4M3FNUZ: case dtype::F8_E5M2FNUZ:
-      return true;
+    case dtype::F16:
+    case dtype::BF16:
+    case dtype::F32:
+    case dtype::F64:
+    case dtype::C64:
+    case dtype::F8_E5M2:
+    case dtype::F8_E4M3:
+    case dtype::F8_E4M3FNUZ:
+    case dtype::F8_E5M2FNUZ: return true;
     default: return false;
   }
 }
 
-static_assert([] {
-  for (std::size_t i = 0; i < all_dtypes.size(); ++i)
-    if (static_cast<std::size_t>(all_dtypes[i].type) != i) return false;
-  return true;
-}(), "all_dtypes must be indexed by the enum value");
+static_assert(
+    [] {
+      for (std::size_t i = 0; i < all_dtypes.size(); ++i)
+        if (static_cast<std::size_t>(all_dtypes[i].type) != i) return false;
+      return true;
+    }(),
+    "all_dtypes must be indexed by the enum value");
 
 /// The dtype with this safetensors name, or nullopt.
 constexpr std::optional<dtype> parse_dtype(std::string_view s) noexcept {
@@ -95,8 +123,8 @@ inline dtype dtype_from_name(std::string_view s, std::string_view context) {
 /// Throws errc::unsupported_dtype unless elements of t are whole bytes.
 inline void require_byte_sized(dtype t, std::string_view context) {
   if (!is_byte_sized(t))
-    fail(errc::unsupported_dtype, std::string(context) + ": dtype " + std::string(to_string(t)) +
-                                      " has " + std::to_string(bit_size(t)) +
+    fail(errc::unsupported_dtype, std::string(context) + ": dtype " + std::string(to_string(t)) + " has " +
+                                      std::to_string(bit_size(t)) +
                                       "-bit elements; element-range access needs whole bytes");
 }
 

@@ -22,27 +22,27 @@ namespace shardsafe {
 /// What went wrong, independent of the message text.
 enum class errc {
   ok = 0,
-  io_error = 1,           ///< an operating-system call failed (errno is in the message)
-  not_found,              ///< a file, tensor or key does not exist
-  already_exists,         ///< a target exists and overwriting was not asked for
-  invalid_header,         ///< a safetensors header breaks a rule of docs/FORMAT.md §1
-  invalid_json,           ///< bytes that are not UTF-8 JSON, or JSON of the wrong shape
-  unknown_dtype,          ///< a dtype name this library does not know
-  unsupported_dtype,      ///< a known dtype that this operation cannot handle
-  invalid_shape,          ///< a negative, non-integer or overflowing shape
-  invalid_offsets,        ///< data offsets that are out of order, overlap, leave holes or overflow
-  truncated,              ///< the file ends before its data does, or has trailing bytes
-  invalid_spec,           ///< a shard spec that does not fit its tensor
-  invalid_metadata,       ///< a checkpoint metadata.json or HF index that breaks a rule
-  shape_mismatch,         ///< the caller's tensor and the checkpoint disagree on shape
-  dtype_mismatch,         ///< the caller's tensor and the checkpoint disagree on dtype
-  missing_coverage,       ///< no file holds some elements the caller asked for
-  invalid_argument,       ///< the caller passed something that cannot work
-  comm_error,             ///< a collective failed or ranks disagreed
-  foreign_exception,      ///< an exception that is not a shardsafe::error, carried to other
-                          ///< ranks (its what() is in the message)
-  checksum_mismatch,      ///< stored bytes that do not match the checksum recorded for them
-  unsafe_link,            ///< a symbolic link that leaves the checkpoint's folder
+  io_error = 1,       ///< an operating-system call failed (errno is in the message)
+  not_found,          ///< a file, tensor or key does not exist
+  already_exists,     ///< a target exists and overwriting was not asked for
+  invalid_header,     ///< a safetensors header breaks a rule of docs/FORMAT.md §1
+  invalid_json,       ///< bytes that are not UTF-8 JSON, or JSON of the wrong shape
+  unknown_dtype,      ///< a dtype name this library does not know
+  unsupported_dtype,  ///< a known dtype that this operation cannot handle
+  invalid_shape,      ///< a negative, non-integer or overflowing shape
+  invalid_offsets,    ///< data offsets that are out of order, overlap, leave holes or overflow
+  truncated,          ///< the file ends before its data does, or has trailing bytes
+  invalid_spec,       ///< a shard spec that does not fit its tensor
+  invalid_metadata,   ///< a checkpoint metadata.json or HF index that breaks a rule
+  shape_mismatch,     ///< the caller's tensor and the checkpoint disagree on shape
+  dtype_mismatch,     ///< the caller's tensor and the checkpoint disagree on dtype
+  missing_coverage,   ///< no file holds some elements the caller asked for
+  invalid_argument,   ///< the caller passed something that cannot work
+  comm_error,         ///< a collective failed or ranks disagreed
+  foreign_exception,  ///< an exception that is not a shardsafe::error, carried to other
+                      ///< ranks (its what() is in the message)
+  checksum_mismatch,  ///< stored bytes that do not match the checksum recorded for them
+  unsafe_link,        ///< a symbolic link that leaves the checkpoint's folder
 };
 }  // namespace shardsafe
 
@@ -87,7 +87,8 @@ class error_category_impl final : public std::error_category {
   bool equivalent(const std::error_code& code, int condition) const noexcept override {
     if (code.category() == *this) return code.value() == condition;
     if (condition == static_cast<int>(errc::io_error))
-      return code.value() != 0 && (code.category() == std::generic_category() || code.category() == std::system_category());
+      return code.value() != 0 &&
+             (code.category() == std::generic_category() || code.category() == std::system_category());
     return false;
   }
 };
@@ -100,14 +101,10 @@ inline const std::error_category& error_category() noexcept {
 }
 
 /// The code shardsafe throws for e (what shardsafe::error carries).
-inline std::error_code make_error_code(errc e) noexcept {
-  return {static_cast<int>(e), error_category()};
-}
+inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), error_category()}; }
 
 /// The condition e, which codes compare equal to (see error_category_impl::equivalent).
-inline std::error_condition make_error_condition(errc e) noexcept {
-  return {static_cast<int>(e), error_category()};
-}
+inline std::error_condition make_error_condition(errc e) noexcept { return {static_cast<int>(e), error_category()}; }
 
 namespace detail {
 /// A message with every NUL byte written `\x00`: what() is a C string, and a name that holds a NUL
@@ -139,7 +136,8 @@ inline std::string shown_name(std::string_view n) {
 class error : public std::system_error {
  public:
   error(errc code, const std::string& message)
-      : std::system_error(make_error_code(code), detail::without_nul(message)), message_(detail::without_nul(message)) {}
+      : std::system_error(make_error_code(code), detail::without_nul(message)),
+        message_(detail::without_nul(message)) {}
   error(std::error_code code, const std::string& message)
       : std::system_error(code, detail::without_nul(message)), message_(detail::without_nul(message)) {}
   /// The message alone, without the ": category message" suffix std::system_error appends.
@@ -155,8 +153,7 @@ class error : public std::system_error {
 
 /// Throw for a failed system call: the message gets ": strerror(errno)" appended.
 [[noreturn, gnu::cold]] inline void fail_errno(int err, const std::string& message) {
-  throw error(std::error_code(err, std::generic_category()),
-              message + ": " + std::generic_category().message(err));
+  throw error(std::error_code(err, std::generic_category()), message + ": " + std::generic_category().message(err));
 }
 
 }  // namespace shardsafe

@@ -45,8 +45,10 @@ SHARDSAFE_DECL void require_unique_keys(simdjson::dom::element root, const std::
     for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
       const container& c = seen[*it];
       const bool in_array = seen[c.parent].e.type() == simdjson::dom::element_type::ARRAY;
-      if (in_array) path += "[" + std::to_string(c.index) + "]";
-      else path += (path.empty() ? "" : ".") + std::string(c.key);
+      if (in_array)
+        path += "[" + std::to_string(c.index) + "]";
+      else
+        path += (path.empty() ? "" : ".") + std::string(c.key);
     }
     return path;
   };
@@ -91,7 +93,8 @@ inline simdjson::dom::element parse_json(simdjson::dom::parser& parser, std::str
                                          const std::string& what) {
   if (!is_valid_utf8(text)) fail(errc::invalid_json, what + ": not valid UTF-8");
   simdjson::dom::element root;
-  if (auto err = parser.parse(text.data(), text.size(), /*realloc_if_needed=*/true).get(root)) json_error(what, err, text);
+  if (auto err = parser.parse(text.data(), text.size(), /*realloc_if_needed=*/true).get(root))
+    json_error(what, err, text);
   return root;
 }
 
@@ -128,8 +131,7 @@ inline std::string count_problem(simdjson::dom::element e) {
 inline std::vector<std::uint64_t> parse_count_array(simdjson::dom::element e, const std::string& ctx,
                                                     std::string_view field, errc code) {
   simdjson::dom::array arr;
-  if (e.get_array().get(arr))
-    fail(code, ctx + ": " + std::string(field) + " is not an array");
+  if (e.get_array().get(arr)) fail(code, ctx + ": " + std::string(field) + " is not an array");
   std::vector<std::uint64_t> out;
   out.reserve(arr.size());
   std::size_t i = 0;

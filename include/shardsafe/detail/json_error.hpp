@@ -22,9 +22,7 @@
 
 namespace shardsafe::detail {
 
-inline bool is_valid_utf8(std::string_view s) noexcept {
-  return simdjson::validate_utf8(s.data(), s.size());
-}
+inline bool is_valid_utf8(std::string_view s) noexcept { return simdjson::validate_utf8(s.data(), s.size()); }
 
 /// For a document simdjson refused because of a number: finds the first number literal that
 /// fits neither a 64-bit integer nor a finite double and says where it is, as a path of keys
@@ -76,8 +74,10 @@ SHARDSAFE_DECL std::string locate_bad_number(std::string_view text) {
       ++i;
     } else if (c == ',') {
       if (!stack.empty()) {
-        if (stack.back().object) expect_key = true;
-        else ++stack.back().index;
+        if (stack.back().object)
+          expect_key = true;
+        else
+          ++stack.back().index;
       }
       ++i;
     } else if (c == '-' || (c >= '0' && c <= '9')) {
@@ -94,7 +94,8 @@ SHARDSAFE_DECL std::string locate_bad_number(std::string_view text) {
       if (integral) {
         if (lit[0] == '-') {
           std::int64_t v;
-          if (std::from_chars(b, e, v).ec == std::errc::result_out_of_range) why = "is below the smallest 64-bit integer";
+          if (std::from_chars(b, e, v).ec == std::errc::result_out_of_range)
+            why = "is below the smallest 64-bit integer";
         } else {
           std::uint64_t v;
           if (std::from_chars(b, e, v).ec == std::errc::result_out_of_range) why = "does not fit a 64-bit integer";
@@ -142,7 +143,8 @@ std::string duplicate_key_problem(std::vector<std::string_view>& keys, const std
   for (auto& c : k)
     if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
   return what + ": key '" + k + "' appears twice in one object" +
-         (path.empty() ? std::string(" (the top level)") : " (at " + path + ")") + "; readers would disagree on its value";
+         (path.empty() ? std::string(" (the top level)") : " (at " + path + ")") +
+         "; readers would disagree on its value";
 }
 
 }  // namespace shardsafe::detail

@@ -24,7 +24,8 @@ namespace shardsafe::detail {
 
 /// The text of `text` as simdjson needs it (64 readable bytes past the end): in place when
 /// `owner` holds it with that spare capacity (read_text leaves it), else copied into `copy`.
-inline simdjson::padded_string_view padded_json(std::string_view text, const std::string* owner, simdjson::padded_string& copy) {
+inline simdjson::padded_string_view padded_json(std::string_view text, const std::string* owner,
+                                                simdjson::padded_string& copy) {
   if (owner && owner->data() == text.data() && owner->capacity() >= text.size() + simdjson::SIMDJSON_PADDING)
     return simdjson::padded_string_view(text.data(), text.size(), owner->capacity());
   copy = simdjson::padded_string(text);
@@ -168,8 +169,8 @@ inline std::optional<std::uint64_t> as_count(simdjson::ondemand::value v, std::s
 }
 
 /// Reads an On-Demand array of non-negative integers; throws naming the field.
-inline std::vector<std::uint64_t> parse_count_array(simdjson::ondemand::value v, const std::string& ctx, std::string_view field,
-                                                    errc code) {
+inline std::vector<std::uint64_t> parse_count_array(simdjson::ondemand::value v, const std::string& ctx,
+                                                    std::string_view field, errc code) {
   simdjson::ondemand::array arr;
   if (v.get_array().get(arr)) fail(code, ctx + ": " + std::string(field) + " is not an array");
   std::vector<std::uint64_t> out;
@@ -179,7 +180,8 @@ inline std::vector<std::uint64_t> parse_count_array(simdjson::ondemand::value v,
     std::optional<std::uint64_t> c;
     if (!std::move(item).get(x)) c = as_count(x, &why);
     if (!c)
-      fail(code, ctx + ": " + std::string(field) + "[" + std::to_string(out.size()) + "] is " + why + ", not a non-negative integer");
+      fail(code, ctx + ": " + std::string(field) + "[" + std::to_string(out.size()) + "] is " + why +
+                     ", not a non-negative integer");
     out.push_back(*c);
   }
   return out;

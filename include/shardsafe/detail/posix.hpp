@@ -82,8 +82,8 @@ inline unique_fd open_regular_file(const std::string& path) {
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) fail_errno(errno, path + ": fstat");
   if (!S_ISREG(st.st_mode))
-    throw error(errc::invalid_argument, path + ": is " + std::string(file_type_name(st.st_mode)) +
-                                            ", not a regular file; refusing to read it");
+    throw error(errc::invalid_argument,
+                path + ": is " + std::string(file_type_name(st.st_mode)) + ", not a regular file; refusing to read it");
   const int flags = ::fcntl(fd.get(), F_GETFL);
   if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) fail_errno(errno, path + ": fcntl");
   return fd;

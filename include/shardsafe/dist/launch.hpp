@@ -139,7 +139,8 @@ class local_world {
   /// Waits for every rank, at most `timeout` (then kills the rest with SIGKILL and marks
   /// them 124). Returns each rank's exit code, or 128 + signal.
   const std::vector<int>& wait(std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
-    const auto deadline = timeout ? std::chrono::steady_clock::now() + *timeout : std::chrono::steady_clock::time_point::max();
+    const auto deadline =
+        timeout ? std::chrono::steady_clock::now() + *timeout : std::chrono::steady_clock::time_point::max();
     while (!poll()) {
       if (std::chrono::steady_clock::now() > deadline) {
         kill_all(SIGKILL);
@@ -158,7 +159,8 @@ class local_world {
 
   /// Sends sig to rank r if it still runs.
   void kill_rank(int r, int sig) {
-    if (r >= 0 && r < size() && status_[static_cast<std::size_t>(r)] == -1) ::kill(pids_[static_cast<std::size_t>(r)], sig);
+    if (r >= 0 && r < size() && status_[static_cast<std::size_t>(r)] == -1)
+      ::kill(pids_[static_cast<std::size_t>(r)], sig);
   }
   /// Rank r's process id.
   pid_t pid(int r) const { return pids_.at(static_cast<std::size_t>(r)); }

@@ -50,7 +50,8 @@ struct tensor_metadata {
   }
 
  private:
-  static std::vector<std::pair<std::string, shard_spec>> named(std::vector<std::pair<std::uint64_t, shard_spec>> parts) {
+  static std::vector<std::pair<std::string, shard_spec>> named(
+      std::vector<std::pair<std::uint64_t, shard_spec>> parts) {
     std::vector<std::pair<std::string, shard_spec>> out;
     out.reserve(parts.size());
     for (auto& [r, s] : parts) out.emplace_back(rank_file_name(r), std::move(s));
@@ -66,7 +67,8 @@ inline std::optional<shard_grid> detect_grid(const tensor_metadata& t) {
   for (const auto& [f, s] : t.files) {
     // the rank whose file name this is: its digits after "rank_", named back exactly
     std::uint64_t r = 0;
-    if (f.size() < 5 || std::from_chars(f.data() + 5, f.data() + f.size(), r).ec != std::errc() || rank_file_name(r) != f)
+    if (f.size() < 5 || std::from_chars(f.data() + 5, f.data() + f.size(), r).ec != std::errc() ||
+        rank_file_name(r) != f)
       return std::nullopt;
     ranked.emplace_back(r, s);
   }
@@ -96,10 +98,10 @@ inline std::string checksum_sidecar_name(std::string_view rank_file) {
 
 /// What shardsafe adds under "shardsafe" (all optional when reading).
 struct checkpoint_extras {
-  std::string writer;                                  ///< e.g. "shardsafe 0.1.0"
-  std::optional<std::uint64_t> world_size;             ///< ranks that saved
-  std::map<std::string, std::uint64_t> file_sizes;     ///< bytes of each rank file
-  std::optional<checkpoint_checksums> checksums;       ///< absent in checkpoints saved without them
+  std::string writer;                               ///< e.g. "shardsafe 0.1.0"
+  std::optional<std::uint64_t> world_size;          ///< ranks that saved
+  std::map<std::string, std::uint64_t> file_sizes;  ///< bytes of each rank file
+  std::optional<checkpoint_checksums> checksums;    ///< absent in checkpoints saved without them
 };
 
 struct checkpoint_metadata {

@@ -67,18 +67,23 @@ namespace detail {
 template <ReadableStorage S>
 tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std::string& file,
                                  std::vector<std::size_t>& stored_order) {
-  const std::string what = file + " [" + std::to_string(c.offset) + ", +" + std::to_string(c.length) + ") ('" + c.key + "')";
-  if (c.length < 22) fail(errc::invalid_metadata, what + ": " + std::to_string(c.length) + " bytes are too few for a zip archive");
+  const std::string what =
+      file + " [" + std::to_string(c.offset) + ", +" + std::to_string(c.length) + ") ('" + c.key + "')";
+  if (c.length < 22)
+    fail(errc::invalid_metadata, what + ": " + std::to_string(c.length) + " bytes are too few for a zip archive");
   const auto end = checked_add(c.offset, c.length);
   if (!end || *end > st.size())
     fail(errc::truncated, what + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
   // the archive's two ends, read once: the zip headers and data.pkl are there
   constexpr std::uint64_t window = 2048;
-  const std::string head = read_string(st, c.offset, static_cast<std::size_t>(c.length <= 2 * window ? c.length : window));
-  const std::string tail = c.length > 2 * window ? read_string(st, c.offset + c.length - window, window) : std::string();
+  const std::string head =
+      read_string(st, c.offset, static_cast<std::size_t>(c.length <= 2 * window ? c.length : window));
+  const std::string tail =
+      c.length > 2 * window ? read_string(st, c.offset + c.length - window, window) : std::string();
   auto read_at = [&](std::uint64_t off, std::size_t n) -> std::string {
     if (off + n <= head.size()) return head.substr(static_cast<std::size_t>(off), n);
-    if (!tail.empty() && off >= c.length - window) return tail.substr(static_cast<std::size_t>(off - (c.length - window)), n);
+    if (!tail.empty() && off >= c.length - window)
+      return tail.substr(static_cast<std::size_t>(off - (c.length - window)), n);
     return read_string(st, c.offset + off, n);
   };
   const auto bytes = checked_mul(numel(c.sizes), item_size(c.type));
@@ -88,8 +93,8 @@ tensor_entry index_torch_archive(const S& st, const dcp_file_chunk& c, const std
   if (z.pickle->size > max_torch_tensor_pickle)
     fail(errc::invalid_metadata, what + ": data.pkl of " + std::to_string(z.pickle->size) + " bytes is larger than " +
                                      std::to_string(max_torch_tensor_pickle) + " (one tensor's pickle is far smaller)");
-  const torch_zip_tensor t =
-      parse_torch_tensor_pickle(read_at(z.pickle->data_offset, static_cast<std::size_t>(z.pickle->size)), what + ": data.pkl");
+  const torch_zip_tensor t = parse_torch_tensor_pickle(
+      read_at(z.pickle->data_offset, static_cast<std::size_t>(z.pickle->size)), what + ": data.pkl");
   stored_order = check_torch_zip_tensor(t, z.storage, c.type, c.sizes, what);
   tensor_entry e;
   e.name = c.key;
@@ -118,10 +123,11 @@ struct dcp_object_bytes {
 template <ReadableStorage S>
 dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& where, const std::string& what) {
   dcp_object_bytes b;
-  b.ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" + what + ")";
+  b.ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" +
+          what + ")";
   if (where.length > max_dcp_object_bytes)
-    fail(errc::invalid_metadata, b.ctx + ": a non-tensor item of " + std::to_string(where.length) + " bytes passes the limit of " +
-                                     std::to_string(max_dcp_object_bytes));
+    fail(errc::invalid_metadata, b.ctx + ": a non-tensor item of " + std::to_string(where.length) +
+                                     " bytes passes the limit of " + std::to_string(max_dcp_object_bytes));
   const auto end = checked_add(where.offset, where.length);
   if (!end || *end > st.size())
     fail(errc::truncated, b.ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
@@ -164,8 +170,9 @@ safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
       const tensor_entry* e = h.find(c.key);
       if (!e) fail(errc::invalid_metadata, ctx + ": .metadata places a chunk here but the file does not hold it");
       if (e->type != c.type || e->shape != c.sizes)
-        fail(errc::invalid_metadata, ctx + ": file holds " + std::string(to_string(e->type)) + " " + to_string(e->shape) +
-                                         ", .metadata's chunk is " + std::string(to_string(c.type)) + " " + to_string(c.sizes));
+        fail(errc::invalid_metadata, ctx + ": file holds " + std::string(to_string(e->type)) + " " +
+                                         to_string(e->shape) + ", .metadata's chunk is " +
+                                         std::string(to_string(c.type)) + " " + to_string(c.sizes));
       if (auto it = at.find(c.key); it != at.end() && it->second != c.offsets)
         fail(errc::invalid_metadata, ctx + ": DCP_SHARDING_INFO places the block at " + to_string(it->second) +
                                          ", .metadata at " + to_string(c.offsets));

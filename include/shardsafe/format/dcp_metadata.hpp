@@ -167,7 +167,8 @@ struct dcp_parse {
     if (p.type() != k::string) bad(where, "relative_path is not a str");
     s.relative_path = std::string(p.as_string(""));
     const auto& n = s.relative_path;
-    if (n.empty() || n == "." || n.find_first_of(std::string_view("/\\\0", 3)) != std::string::npos || n.find("..") != std::string::npos)
+    if (n.empty() || n == "." || n.find_first_of(std::string_view("/\\\0", 3)) != std::string::npos ||
+        n.find("..") != std::string::npos)
       bad(where, "relative_path '" + n + "' is not a plain file name");
     s.offset = uint(field(v, "offset", where), where + ": offset");
     s.length = uint(field(v, "length", where), where + ": length");
@@ -238,8 +239,8 @@ struct dcp_parse {
       ch.offsets = ints(field(c, "offsets", cat), cat + ": offsets");
       ch.sizes = ints(field(c, "sizes", cat), cat + ": sizes");
       if (ch.offsets.size() != size.size() || ch.sizes.size() != size.size())
-        bad(cat, "offsets " + to_string(ch.offsets) + " and sizes " + to_string(ch.sizes) + " need one entry per dimension of " +
-                     to_string(size));
+        bad(cat, "offsets " + to_string(ch.offsets) + " and sizes " + to_string(ch.sizes) +
+                     " need one entry per dimension of " + to_string(size));
       for (std::size_t d = 0; d < size.size(); ++d) {
         const auto end = detail::checked_add(ch.offsets[d], ch.sizes[d]);
         if (!end || *end > size[d])
@@ -262,8 +263,9 @@ struct dcp_parse {
       const auto& later = out[order[j]];
       if (later.offsets != first.offsets) continue;
       if (later.sizes != first.sizes)
-        bad(at + ": chunk " + std::to_string(order[j]), "at offsets " + to_string(later.offsets) + " has sizes " + to_string(later.sizes) +
-                                                        ", another chunk there " + to_string(first.sizes));
+        bad(at + ": chunk " + std::to_string(order[j]), "at offsets " + to_string(later.offsets) + " has sizes " +
+                                                            to_string(later.sizes) + ", another chunk there " +
+                                                            to_string(first.sizes));
       again[order[j]] = true;
     }
     std::size_t kept = 0;
@@ -273,7 +275,8 @@ struct dcp_parse {
         ++kept;
       }
     out.resize(kept);
-    if (out.size() > max_dcp_chunks_per_tensor) bad(at, "has more than " + std::to_string(max_dcp_chunks_per_tensor) + " chunks");
+    if (out.size() > max_dcp_chunks_per_tensor)
+      bad(at, "has more than " + std::to_string(max_dcp_chunks_per_tensor) + " chunks");
     return out;
   }
 };
@@ -309,7 +312,8 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
         const pickle_view path = pd->value(i);
         if (key.type() != k::string || path.type() != k::tuple) continue;
         bool plain = true;
-        for (std::size_t j = 0; j < path.size(); ++j) plain = plain && (path.item(j).type() == k::string || path.item(j).type() == k::integer);
+        for (std::size_t j = 0; j < path.size(); ++j)
+          plain = plain && (path.item(j).type() == k::string || path.item(j).type() == k::integer);
         if (plain) out.planner_data.emplace(std::string(key.as_string("")), path.build());
       }
     for (std::size_t i = 0; i < sdm->size(); ++i) {
@@ -328,9 +332,11 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
         const auto t = p.type_of(p.field(v, "properties", at), at, item.foreign_dtype);
         if (t) item.type = *t;
         item.size = p.ints(p.field(v, "size", at), at + ": size");
-        if (!detail::checked_numel(item.size)) p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
+        if (!detail::checked_numel(item.size))
+          p.bad(at, "size " + to_string(item.size) + " has more elements than 64 bits count");
         if (t && !detail::checked_mul(*detail::checked_numel(item.size), std::uint64_t(bit_size(item.type))))
-          p.bad(at, "size " + to_string(item.size) + " " + std::string(to_string(item.type)) + " has more than 2^64 bits of data");
+          p.bad(at, "size " + to_string(item.size) + " " + std::string(to_string(item.type)) +
+                        " has more than 2^64 bits of data");
         item.chunks = p.chunks(p.field(v, "chunks", at), fqn, item.size, where_stored, at);
       } else {
         p.bad(at, cls.empty() ? "is not a storage metadata object"

@@ -80,7 +80,8 @@ inline void pickle_storage_info(std::string& out, const dcp_storage_info& s) {
 /// The bytes of a `.metadata` describing `md` (rules at the top). `planner_data` gives each key's
 /// path tuple; keys it lacks get (key,). Offsets and lengths must fit 63 bits (checked).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data = {}) {
+SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
+                                              const std::map<std::string, pickle_value>& planner_data = {}) {
   using namespace detail;
   std::string out = "\x80\x02";
   pickle_new(out, dcp_meta_module, "Metadata");
@@ -97,9 +98,12 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std:
       return;
     }
     if (!item.foreign_dtype.empty())
-      fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': dtype " + item.foreign_dtype + " is not written");
+      fail(errc::unsupported_dtype,
+           "DCP .metadata: tensor '" + key + "': dtype " + item.foreign_dtype + " is not written");
     const std::string_view tname = torch_dtype_name(item.type);
-    if (tname.empty()) fail(errc::unsupported_dtype, "DCP .metadata: tensor '" + key + "': torch has no dtype for " + std::string(to_string(item.type)));
+    if (tname.empty())
+      fail(errc::unsupported_dtype,
+           "DCP .metadata: tensor '" + key + "': torch has no dtype for " + std::string(to_string(item.type)));
     pickle_new(out, dcp_meta_module, "TensorStorageMetadata");
     out += "}(";
     pickle_str(out, "properties");
@@ -183,7 +187,8 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std:
   return out;
 }
 #else
-SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data = {});
+SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
+                                              const std::map<std::string, pickle_value>& planner_data = {});
 #endif
 
 }  // namespace shardsafe

@@ -73,8 +73,7 @@ SHARDSAFE_DECL dcp_block_offsets parse_dcp_sharding_info(const safetensors_heade
     for (std::size_t d = 0; d < offs.size(); ++d)
       if (offs[d] > UINT64_MAX - e->shape[d])
         fail(errc::invalid_metadata, tctx + ": saved_offsets[" + std::to_string(d) + "] + size passes 2^64");
-    if (!out.emplace(key, std::move(offs)).second)
-      fail(errc::invalid_metadata, tctx + ": listed twice");
+    if (!out.emplace(key, std::move(offs)).second) fail(errc::invalid_metadata, tctx + ": listed twice");
   }
   for (const auto& t : h.tensors)
     if (!out.count(t.name))

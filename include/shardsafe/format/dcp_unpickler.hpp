@@ -54,15 +54,38 @@ inline std::optional<std::optional<dtype>> dcp_torch_dtype(std::string_view n) n
     std::optional<dtype> type;
   };
   static constexpr std::array<entry, 33> table{{
-      {"float32", dtype::F32}, {"float", dtype::F32}, {"float64", dtype::F64}, {"double", dtype::F64},
-      {"float16", dtype::F16}, {"half", dtype::F16}, {"bfloat16", dtype::BF16}, {"int64", dtype::I64},
-      {"long", dtype::I64}, {"int32", dtype::I32}, {"int", dtype::I32}, {"int16", dtype::I16},
-      {"short", dtype::I16}, {"int8", dtype::I8}, {"uint8", dtype::U8}, {"bool", dtype::BOOL},
-      {"uint16", dtype::U16}, {"uint32", dtype::U32}, {"uint64", dtype::U64}, {"float8_e4m3fn", dtype::F8_E4M3},
-      {"float8_e5m2", dtype::F8_E5M2}, {"float8_e4m3fnuz", dtype::F8_E4M3FNUZ},
-      {"float8_e5m2fnuz", dtype::F8_E5M2FNUZ}, {"float8_e8m0fnu", dtype::F8_E8M0}, {"complex64", dtype::C64},
-      {"cfloat", dtype::C64}, {"complex128", std::nullopt}, {"cdouble", std::nullopt},
-      {"complex32", std::nullopt}, {"chalf", std::nullopt}, {"qint8", std::nullopt}, {"quint8", std::nullopt},
+      {"float32", dtype::F32},
+      {"float", dtype::F32},
+      {"float64", dtype::F64},
+      {"double", dtype::F64},
+      {"float16", dtype::F16},
+      {"half", dtype::F16},
+      {"bfloat16", dtype::BF16},
+      {"int64", dtype::I64},
+      {"long", dtype::I64},
+      {"int32", dtype::I32},
+      {"int", dtype::I32},
+      {"int16", dtype::I16},
+      {"short", dtype::I16},
+      {"int8", dtype::I8},
+      {"uint8", dtype::U8},
+      {"bool", dtype::BOOL},
+      {"uint16", dtype::U16},
+      {"uint32", dtype::U32},
+      {"uint64", dtype::U64},
+      {"float8_e4m3fn", dtype::F8_E4M3},
+      {"float8_e5m2", dtype::F8_E5M2},
+      {"float8_e4m3fnuz", dtype::F8_E4M3FNUZ},
+      {"float8_e5m2fnuz", dtype::F8_E5M2FNUZ},
+      {"float8_e8m0fnu", dtype::F8_E8M0},
+      {"complex64", dtype::C64},
+      {"cfloat", dtype::C64},
+      {"complex128", std::nullopt},
+      {"cdouble", std::nullopt},
+      {"complex32", std::nullopt},
+      {"chalf", std::nullopt},
+      {"qint8", std::nullopt},
+      {"quint8", std::nullopt},
       {"qint32", std::nullopt},
   }};
   for (const auto& e : table)
@@ -77,8 +100,8 @@ inline std::optional<dcp_global_kind> dcp_global(std::string_view full) noexcept
       "torch.distributed.checkpoint.metadata.", "torch.distributed._shard.checkpoint.metadata.",
       "torch.distributed._shard.sharded_tensor.metadata."};
   static constexpr std::array<std::string_view, 7> classes{
-      "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-      "MetadataIndex", "TensorProperties", "StorageMeta"};
+      "Metadata",      "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+      "MetadataIndex", "TensorProperties",      "StorageMeta"};
   // the memory-format enum: MEM_FORMAT_ENCODING (torch 1.13, 2.0-2.2's sharded_tensor module),
   // _MEM_FORMAT_ENCODING (torch.distributed.checkpoint.metadata, 2.2 and later)
   for (auto m : metadata_modules) {
@@ -163,7 +186,8 @@ struct dcp_unpickle_policy {
         auto args = r.pop_value();
         auto cls = r.pop_value();
         const auto name = class_of(r, cls, "NEWOBJ", at);
-        if (args.type() != pickle_value::kind::tuple) r.bad("NEWOBJ at byte " + std::to_string(at) + " without an argument tuple");
+        if (args.type() != pickle_value::kind::tuple)
+          r.bad("NEWOBJ at byte " + std::to_string(at) + " without an argument tuple");
         r.push(object(name, args));
         return true;
       }
@@ -215,8 +239,8 @@ struct dcp_unpickle_policy {
   static std::string class_of(Reader& r, const pickle_value& cls, const char* op, std::size_t at) {
     const auto name = marker_name(cls);
     if (name.empty() || dcp_global(name) != dcp_global_kind::object_class)
-      r.bad(std::string(op) + " at byte " + std::to_string(at) + " on " + (name.empty() ? "a value" : "'" + name + "'") +
-            ", which is not an allowlisted class");
+      r.bad(std::string(op) + " at byte " + std::to_string(at) + " on " +
+            (name.empty() ? "a value" : "'" + name + "'") + ", which is not an allowlisted class");
     return name;
   }
   static pickle_value object(const std::string& name, const pickle_value& args) {
@@ -230,7 +254,8 @@ struct dcp_unpickle_policy {
     const auto where = " at byte " + std::to_string(at);
     const auto kind = name.empty() ? std::nullopt : dcp_global(name);
     if (!kind) r.bad("REDUCE" + where + " calls a value that is not an allowlisted global");
-    if (args.type() != pickle_value::kind::tuple) r.bad("REDUCE" + where + " of '" + name + "' without an argument tuple");
+    if (args.type() != pickle_value::kind::tuple)
+      r.bad("REDUCE" + where + " of '" + name + "' without an argument tuple");
     const auto& a = args.as_sequence("");
     using k = pickle_value::kind;
     auto want = [&](bool ok, const char* what) {
@@ -246,14 +271,11 @@ struct dcp_unpickle_policy {
       case dcp_global_kind::size:
         want(a.size() == 1 && (a[0].type() == k::tuple || a[0].type() == k::list), "one list or tuple");
         return pickle_value::tuple(a[0].as_sequence(""));
-      case dcp_global_kind::ordered_dict:
-        want(a.empty(), "no arguments");
-        return pickle_value::dict();
-      case dcp_global_kind::get_layout:
-        want(a.size() == 1 && a[0].type() == k::string, "one str");
-        return a[0];
+      case dcp_global_kind::ordered_dict: want(a.empty(), "no arguments"); return pickle_value::dict();
+      case dcp_global_kind::get_layout: want(a.size() == 1 && a[0].type() == k::string, "one str"); return a[0];
       case dcp_global_kind::getattr: {
-        want(a.size() == 2 && !marker_name(a[0]).empty() && a[1].type() == k::string, "an allowlisted global and a str");
+        want(a.size() == 2 && !marker_name(a[0]).empty() && a[1].type() == k::string,
+             "an allowlisted global and a str");
         return global(r, marker_name(a[0]) + "." + a[1].as_string(""), at);
       }
       case dcp_global_kind::path: {

@@ -61,7 +61,8 @@ class dcp_file_layout {
       const torch_tensor_archive& a = archives_.emplace_back(c.type, c.sizes);
       const std::string& tail = tails_.emplace_back(a.tail(c.crc));
       if (a.data_size() > 0 && !c.data)
-        fail(errc::invalid_argument, file_ + ": chunk of '" + c.key + "' at " + to_string(c.offsets) + " has no memory");
+        fail(errc::invalid_argument,
+             file_ + ": chunk of '" + c.key + "' at " + to_string(c.offsets) + " has no memory");
       place_.push_back({size_, a.size()});
       segments_.push_back({size_, &a.head(), nullptr, a.head().size()});
       segments_.push_back({size_ + a.head().size(), nullptr, c.data, a.data_size()});

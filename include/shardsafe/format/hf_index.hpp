@@ -33,10 +33,10 @@ inline constexpr std::string_view hf_bin_single_file = "pytorch_model.bin";
 inline constexpr std::string_view hf_bin_index_file = "pytorch_model.bin.index.json";
 
 struct hf_index {
-  std::optional<std::uint64_t> total_size;           ///< metadata.total_size, if given as a count (advisory)
-  std::optional<std::uint64_t> total_parameters;     ///< metadata.total_parameters, if given as a count (advisory)
-  std::map<std::string, std::string> metadata;       ///< other string entries of "metadata"
-  std::map<std::string, std::string> weight_map;     ///< tensor name -> file name
+  std::optional<std::uint64_t> total_size;        ///< metadata.total_size, if given as a count (advisory)
+  std::optional<std::uint64_t> total_parameters;  ///< metadata.total_parameters, if given as a count (advisory)
+  std::map<std::string, std::string> metadata;    ///< other string entries of "metadata"
+  std::map<std::string, std::string> weight_map;  ///< tensor name -> file name
 
   /// The files named, sorted, each once.
   std::vector<std::string> files() const {

@@ -56,8 +56,8 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
   namespace od = simdjson::ondemand;
   const std::string f(file);
   if (json.size() > max_metadata_size)
-    fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit of " +
-                                     std::to_string(max_metadata_size));
+    fail(errc::invalid_metadata,
+         f + ": " + std::to_string(json.size()) + " bytes passes the limit of " + std::to_string(max_metadata_size));
   detail::json_document doc(json, f, owner);
   od::object top = detail::json_object(doc.root("not a JSON object"), f + ": not a JSON object");
   checkpoint_metadata md;
@@ -80,13 +80,15 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
         std::optional<shard_grid> grid;
         std::vector<std::pair<std::string, shard_spec>> specs, legacy;
         auto read_files = [&](od::value v, bool old, std::vector<std::pair<std::string, shard_spec>>& into) {
-          od::object per_file = detail::json_object(
-              v, ctx + (old ? ": flattened_offsets_per_file is not an object" : ": shard_spec_per_file is not an object"));
+          od::object per_file = detail::json_object(v, ctx + (old ? ": flattened_offsets_per_file is not an object"
+                                                                  : ": shard_spec_per_file is not an object"));
           detail::for_fields(per_file, ctx, [&](std::string_view fk, od::value sv) {
             const std::string fname(fk);
             const std::string fctx = ctx + ": file '" + fname + "'";
-            if (!is_plain_name(fname)) fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
-            into.emplace_back(fname, old ? detail::parse_legacy_offsets(sv, fctx) : detail::parse_spec_object(sv, fctx));
+            if (!is_plain_name(fname))
+              fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
+            into.emplace_back(fname,
+                              old ? detail::parse_legacy_offsets(sv, fctx) : detail::parse_spec_object(sv, fctx));
           });
         };
         detail::for_fields(t, ctx, [&](std::string_view fk, od::value v) {
@@ -120,7 +122,8 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
           fail(errc::invalid_metadata, ctx + ": shape " + to_string(tm.shape) + " " + std::string(to_string(tm.type)) +
                                            " has more than 2^64 bits of data");
         tm.is_sharded = sharded;
-        if (!have_specs && !have_legacy && !grid) fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
+        if (!have_specs && !have_legacy && !grid)
+          fail(errc::invalid_metadata, ctx + ": missing \"shard_spec_per_file\"");
         if (grid) {
           if (have_specs || have_legacy)
             fail(errc::invalid_metadata, ctx + ": gives both shardsafe_grid and a list of files");
@@ -128,8 +131,8 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
           validate(*grid, tm.shape, ctx);
           grid_parts += grid->part_count();
           if (grid_parts > max_grid_parts_total)
-            fail(errc::invalid_metadata, ctx + ": the grids so far have more than " + std::to_string(max_grid_parts_total) +
-                                             " parts together");
+            fail(errc::invalid_metadata,
+                 ctx + ": the grids so far have more than " + std::to_string(max_grid_parts_total) + " parts together");
           if (!is_byte_sized(tm.type))
             fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(to_string(tm.type)) +
                                               " must be stored whole in one file, not as a grid of shards");
@@ -151,8 +154,9 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
         // whole, in one file
         if (!is_byte_sized(tm.type) && (tm.files.size() != 1 || tm.files.front().second.local_numel() != tm.numel()))
           fail(errc::unsupported_dtype, ctx + ": sub-byte dtype " + std::string(to_string(tm.type)) +
-                                            " must be stored whole in one file, not as " + std::to_string(tm.files.size()) +
-                                            " file(s) holding " + (tm.files.empty() ? std::string("nothing") : "shards"));
+                                            " must be stored whole in one file, not as " +
+                                            std::to_string(tm.files.size()) + " file(s) holding " +
+                                            (tm.files.empty() ? std::string("nothing") : "shards"));
         md.tensors.emplace_back(key, std::move(tm));
       });
     } else if (topkey == "shardsafe" && !have_extras) {

@@ -33,7 +33,8 @@ void for_fields(od::object o, const std::string& ctx, F&& f) {
   for (auto field : o) {
     od::field fl;
     std::string_view k;
-    if (std::move(field).get(fl) || fl.unescaped_key().get(k)) fail(errc::invalid_metadata, ctx + ": unreadable object");
+    if (std::move(field).get(fl) || fl.unescaped_key().get(k))
+      fail(errc::invalid_metadata, ctx + ": unreadable object");
     f(k, fl.value());
   }
 }
@@ -105,7 +106,8 @@ inline shard_grid parse_grid(od::value e, const std::string& ctx) {
       base = true;
     }
   });
-  for (const auto& [have, what] : {std::pair{flat, "flat"}, {chunks, "chunks"}, {parts, "parts"}, {strides, "strides"}, {base, "base"}})
+  for (const auto& [have, what] :
+       {std::pair{flat, "flat"}, {chunks, "chunks"}, {parts, "parts"}, {strides, "strides"}, {base, "base"}})
     if (!have) fail(errc::invalid_metadata, c + ": missing \"" + std::string(what) + "\"");
   return g;
 }
@@ -151,7 +153,8 @@ inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od
   for_fields(o, ctx, [&](std::string_view k, od::value v) {
     const std::string key(k);
     od::array arr;
-    if (v.get_array().get(arr)) fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': not a list of block hashes");
+    if (v.get_array().get(arr))
+      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': not a list of block hashes");
     std::vector<std::uint64_t> hashes;
     for (auto h : arr) {
       std::string_view s;
@@ -162,7 +165,8 @@ inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od
                                          " is not a hash of 16 hex digits");
       hashes.push_back(*x);
     }
-    if (!table.emplace(key, std::move(hashes)).second) fail(errc::invalid_metadata, ctx + ": tensor '" + key + "' is listed twice");
+    if (!table.emplace(key, std::move(hashes)).second)
+      fail(errc::invalid_metadata, ctx + ": tensor '" + key + "' is listed twice");
   });
   return table;
 }

@@ -39,8 +39,9 @@ class pickle_machine {
   pickle_machine(std::string_view in, std::string what, std::size_t max_values)
       : in_(in),
         what_(std::move(what)),
-        max_nodes_(std::min<std::uint64_t>(max_values > SIZE_MAX - in.size() / 8 ? SIZE_MAX : max_values + in.size() / 8,
-                                           64 * std::uint64_t(in.size()) + 4096)),
+        max_nodes_(
+            std::min<std::uint64_t>(max_values > SIZE_MAX - in.size() / 8 ? SIZE_MAX : max_values + in.size() / 8,
+                                    64 * std::uint64_t(in.size()) + 4096)),
         popped_budget_(8 * max_nodes_),
         work_budget_(8 * max_nodes_) {
     true_.u.b = true;
@@ -54,7 +55,8 @@ class pickle_machine {
   /// The next n bytes of the input (an opcode's argument); refuses input that ends before them.
   std::string_view take(std::uint64_t n) {
     if (n > in_.size() - pos_) ran_out_ = true;
-    if (n > in_.size() - pos_) bad("is truncated (needs " + std::to_string(n) + " bytes at byte " + std::to_string(pos_) + ")");
+    if (n > in_.size() - pos_)
+      bad("is truncated (needs " + std::to_string(n) + " bytes at byte " + std::to_string(pos_) + ")");
     auto s = in_.substr(pos_, static_cast<std::size_t>(n));
     pos_ += static_cast<std::size_t>(n);
     return s;
@@ -72,7 +74,8 @@ class pickle_machine {
     return x;
   }
   std::int64_t long_int(std::uint64_t n, std::size_t at) {
-    if (n > 8) bad("integer of " + std::to_string(n) + " bytes at byte " + std::to_string(at) + " does not fit 64 bits");
+    if (n > 8)
+      bad("integer of " + std::to_string(n) + " bytes at byte " + std::to_string(at) + " does not fit 64 bits");
     auto b = take(n);
     if (n == 0) return 0;
     std::uint64_t x = le(b);
@@ -253,7 +256,8 @@ class pickle_machine {
     memo_[static_cast<std::size_t>(i)] = top();
   }
   void memo_get(std::uint64_t i) {
-    if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)]) bad("memo index " + std::to_string(i) + " was never stored");
+    if (i >= memo_.size() || !memo_[static_cast<std::size_t>(i)])
+      bad("memo index " + std::to_string(i) + " was never stored");
     push(memo_[static_cast<std::size_t>(i)]);
   }
 
@@ -294,12 +298,12 @@ class pickle_machine {
   std::string_view in_;
   std::string what_;
   std::size_t pos_ = 0;
-  std::size_t frame_end_ = 0;  // where the last FRAME's bytes end
-  bool ran_out_ = false;  // the input ended before the pickle did
+  std::size_t frame_end_ = 0;                            // where the last FRAME's bytes end
+  bool ran_out_ = false;                                 // the input ended before the pickle did
   std::unordered_map<const node*, const char*> sealed_;  // values push_sealed made: what each stands for
   std::vector<node*> stack_;
   std::vector<std::size_t> marks_;
-  std::deque<node*> memo_;  // a deque: no spare capacity, however many entries
+  std::deque<node*> memo_;     // a deque: no spare capacity, however many entries
   std::size_t max_nodes_;      // values a result may expand to, as a tree
   std::size_t popped_budget_;  // values all pop_value calls together may still build
   std::size_t work_budget_;    // values made and entries copied that are still allowed
@@ -311,7 +315,8 @@ class pickle_machine {
   std::deque<std::string> owned_text_;
   std::unordered_map<std::string_view, node*> owned_;
   std::array<node*, 256> small_ints_{};
-  node none_{}, true_{pickle_value::kind::boolean}, false_{pickle_value::kind::boolean}, empty_tuple_{pickle_value::kind::tuple};
+  node none_{}, true_{pickle_value::kind::boolean}, false_{pickle_value::kind::boolean},
+      empty_tuple_{pickle_value::kind::tuple};
 };
 
 }  // namespace detail

@@ -80,8 +80,8 @@ class basic_pickle_reader;
 ///
 /// The reader's limits apply to what a policy pushes as to everything else.
 template <class P>
-concept PickleOpcodePolicy = std::move_constructible<P> &&
-    requires(P& p, basic_pickle_reader<P>& r, unsigned char op, std::size_t at) {
+concept PickleOpcodePolicy =
+    std::move_constructible<P> && requires(P& p, basic_pickle_reader<P>& r, unsigned char op, std::size_t at) {
       { p.on_opcode(r, op, at) } -> std::convertible_to<bool>;
     };
 
@@ -103,7 +103,8 @@ class basic_pickle_reader : private detail::pickle_machine {
   /// the strings the input holds come on top (their bytes / 8: a str read once is never what
   /// the bound refuses, only one copied at each of many references); the reader lowers the sum
   /// to 64 per input byte plus 4096.
-  basic_pickle_reader(std::string_view in, std::string what, Policy policy = {}, std::size_t max_values = default_max_values)
+  basic_pickle_reader(std::string_view in, std::string what, Policy policy = {},
+                      std::size_t max_values = default_max_values)
       : detail::pickle_machine(in, std::move(what), max_values), policy_(std::move(policy)) {}
   /// The default bound on values: param groups hold dozens.
   static constexpr std::size_t default_max_values = std::size_t(1) << 20;
@@ -190,14 +191,16 @@ class basic_pickle_reader : private detail::pickle_machine {
   /// that key is a str, else "": O(1) (a dict a policy made carries its marker as its first key).
   std::string first_key_at(std::size_t from_top) const {
     const node* t = at_(from_top);
-    if (t->k != pickle_value::kind::dict || t->items().size() < 2 || t->items()[0]->k != pickle_value::kind::string) return {};
+    if (t->k != pickle_value::kind::dict || t->items().size() < 2 || t->items()[0]->k != pickle_value::kind::string)
+      return {};
     return std::string(t->items()[0]->str());
   }
   /// Pops the dict on top of the stack and adds its entries to the dict below it, in place, as
   /// SETITEMS would (BUILD with a state dict); the entries are shared, not copied.
   void merge_top_into_below(const char* op) {
     const node* s = top();
-    if (s->k != pickle_value::kind::dict) bad(std::string(op) + " of a " + pickle_value::kind_name(s->k) + " into a dict");
+    if (s->k != pickle_value::kind::dict)
+      bad(std::string(op) + " of a " + pickle_value::kind_name(s->k) + " into a dict");
     stack_.pop_back();
     node* d = container(pickle_value::kind::dict, op);
     charge(s->items().size());
@@ -230,27 +233,29 @@ class basic_pickle_reader : private detail::pickle_machine {
       const std::size_t at = pos_;
       const unsigned char op = static_cast<unsigned char>(in_[pos_++]);
       switch (op) {
-        case 0x80: {                                     // PROTO
+        case 0x80: {  // PROTO
           const auto v = static_cast<unsigned char>(take(1)[0]);
           if (v > 5) bad("protocol " + std::to_string(v) + " is newer than 5, the highest Python writes");
           break;
         }
-        case 0x95: {                                     // FRAME: its bytes must all be there
+        case 0x95: {  // FRAME: its bytes must all be there
           const std::uint64_t n = le(take(8));
           if (n > in_.size() - pos_) ran_out_ = true;
           if (n > in_.size() - pos_)
-            bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) +
-                " bytes, " + std::to_string(in_.size() - pos_) + " follow)");
+            bad("is truncated (a FRAME at byte " + std::to_string(at) + " declares " + std::to_string(n) + " bytes, " +
+                std::to_string(in_.size() - pos_) + " follow)");
           frame_end_ = pos_ + static_cast<std::size_t>(n);
           break;
         }
         case '(': marks_.push_back(stack_.size()); break;  // MARK
-        case '.': {                                      // STOP
-          if (stack_.size() != 1 || !marks_.empty()) bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
+        case '.': {                                        // STOP
+          if (stack_.size() != 1 || !marks_.empty())
+            bad("STOP with " + std::to_string(stack_.size()) + " values on the stack");
           // Python reads a whole frame before its opcodes: a frame reaching past STOP hides
           // bytes a stream's next pickle would start with here, and Python after them
           if (frame_end_ > pos_)
-            bad("STOP at byte " + std::to_string(at) + " lies inside a FRAME that runs to byte " + std::to_string(frame_end_));
+            bad("STOP at byte " + std::to_string(at) + " lies inside a FRAME that runs to byte " +
+                std::to_string(frame_end_));
           root_ = stack_.back();
           return;
         }
@@ -309,7 +314,9 @@ class basic_pickle_reader : private detail::pickle_machine {
           stack_.resize(m);
           break;
         }
-        case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
+        case 0x85:
+        case 0x86:
+        case 0x87: {  // TUPLE1..3
           const std::size_t n = op - 0x84u;
           if (stack_.size() < n + base()) bad("TUPLE" + std::to_string(n) + " with too few values");
           collect(kind::tuple, stack_.size() - n);
@@ -323,13 +330,13 @@ class basic_pickle_reader : private detail::pickle_machine {
           collect(kind::dict, m);
           break;
         }
-        case 0x94: memo_put(memo_.size()); break;                // MEMOIZE
-        case 'q': memo_put(le(take(1))); break;                  // BINPUT
-        case 'r': memo_put(le(take(4))); break;                  // LONG_BINPUT
-        case 'h': memo_get(le(take(1))); break;                  // BINGET
-        case 'j': memo_get(le(take(4))); break;                  // LONG_BINGET
-        case '0': pop(); break;                                  // POP
-        case '2': push(top()); break;                            // DUP
+        case 0x94: memo_put(memo_.size()); break;  // MEMOIZE
+        case 'q': memo_put(le(take(1))); break;    // BINPUT
+        case 'r': memo_put(le(take(4))); break;    // LONG_BINPUT
+        case 'h': memo_get(le(take(1))); break;    // BINGET
+        case 'j': memo_get(le(take(4))); break;    // LONG_BINGET
+        case '0': pop(); break;                    // POP
+        case '2': push(top()); break;              // DUP
         default:
           if (!policy_.on_opcode(*this, op, at)) refuse(op, at);
       }

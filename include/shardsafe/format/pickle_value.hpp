@@ -38,15 +38,20 @@ class pickle_value {
  public:
   /// The Python type; its order is the order of the variant's alternatives.
   enum class kind : unsigned char { none, boolean, integer, real, string, list, tuple, dict };
-  using variant_type = std::variant<std::monostate, bool, std::int64_t, double, std::string, std::shared_ptr<pickle_list>,
-                                    std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>>;
+  using variant_type =
+      std::variant<std::monostate, bool, std::int64_t, double, std::string, std::shared_ptr<pickle_list>,
+                   std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>>;
 
   pickle_value() = default;
   static pickle_value none() { return {}; }
   static pickle_value boolean(bool b) { return pickle_value(variant_type(std::in_place_type<bool>, b)); }
-  static pickle_value integer(std::int64_t i) { return pickle_value(variant_type(std::in_place_type<std::int64_t>, i)); }
+  static pickle_value integer(std::int64_t i) {
+    return pickle_value(variant_type(std::in_place_type<std::int64_t>, i));
+  }
   static pickle_value real(double d) { return pickle_value(variant_type(std::in_place_type<double>, d)); }
-  static pickle_value string(std::string s) { return pickle_value(variant_type(std::in_place_type<std::string>, std::move(s))); }
+  static pickle_value string(std::string s) {
+    return pickle_value(variant_type(std::in_place_type<std::string>, std::move(s)));
+  }
   static pickle_value list(std::vector<pickle_value> items = {});
   static pickle_value tuple(std::vector<pickle_value> items = {});
   /// A dict; entries are (key, value) pairs in insertion order.
@@ -193,7 +198,8 @@ inline bool operator==(const pickle_value& a, const pickle_value& b) {
           return std::bit_cast<std::uint64_t>(x) == std::bit_cast<std::uint64_t>(y);
         else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_dict>>)
           return x == y || x->entries == y->entries;
-        else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_list>> || std::is_same_v<T, std::shared_ptr<pickle_tuple>>)
+        else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_list>> ||
+                           std::is_same_v<T, std::shared_ptr<pickle_tuple>>)
           return x == y || x->items == y->items;
         else
           return x == y;
@@ -218,8 +224,14 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
       case pickle_value::kind::integer: put(std::to_string(x.as_int(""))); break;
       case pickle_value::kind::real: {
         const double d = x.as_real("");
-        if (d != d) { put("nan"); break; }
-        if (d == std::numeric_limits<double>::infinity() || d == -std::numeric_limits<double>::infinity()) { put(d > 0 ? "inf" : "-inf"); break; }
+        if (d != d) {
+          put("nan");
+          break;
+        }
+        if (d == std::numeric_limits<double>::infinity() || d == -std::numeric_limits<double>::infinity()) {
+          put(d > 0 ? "inf" : "-inf");
+          break;
+        }
         // the shortest digits that read back as d, laid out as Python does: positional for
         // exponents -4 to 15 ("0.0001", "100000.0"), else "1e-05", "1.5e+16"
         char buf[64];
@@ -241,8 +253,10 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
           t += "0." + std::string(static_cast<std::size_t>(-exp - 1), '0') + digits;
         } else {
           const std::size_t point = static_cast<std::size_t>(exp) + 1;
-          if (digits.size() <= point) t += digits + std::string(point - digits.size(), '0') + ".0";
-          else t += digits.substr(0, point) + "." + digits.substr(point);
+          if (digits.size() <= point)
+            t += digits + std::string(point - digits.size(), '0') + ".0";
+          else
+            t += digits.substr(0, point) + "." + digits.substr(point);
         }
         put(t);
         break;
@@ -254,11 +268,16 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
         std::string t(1, q);
         for (unsigned char c : str) {
           if (t.size() > cap) break;
-          if (c == '\\' || c == static_cast<unsigned char>(q)) t += '\\', t += char(c);
-          else if (c == '\n') t += "\\n";
-          else if (c == '\r') t += "\\r";
-          else if (c == '\t') t += "\\t";
-          else if (c >= 0x20 && c != 0x7f) t += char(c);
+          if (c == '\\' || c == static_cast<unsigned char>(q))
+            t += '\\', t += char(c);
+          else if (c == '\n')
+            t += "\\n";
+          else if (c == '\r')
+            t += "\\r";
+          else if (c == '\t')
+            t += "\\t";
+          else if (c >= 0x20 && c != 0x7f)
+            t += char(c);
           else {
             t += "\\x";
             detail::append_hex(t, c, 2);

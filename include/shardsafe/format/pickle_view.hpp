@@ -39,7 +39,7 @@ struct pickle_node {
   std::uint16_t height = 0;    // nesting levels below it (as counted in epoch `stamp`)
   std::uint32_t stamp = 0;     // the reader's epoch when expanded and height were counted
   std::uint64_t expanded = 0;  // values it becomes as a tree (as counted in epoch `stamp`)
-  struct slots {  // a container's items, in the reader's slot_pool
+  struct slots {               // a container's items, in the reader's slot_pool
     pickle_node** data;
     std::uint32_t size;
     std::uint32_t capacity;
@@ -68,7 +68,8 @@ class slot_pool {
     const std::uint64_t need = std::uint64_t(s.size) + extra;
     if (need <= s.capacity) return true;
     if (need > UINT32_MAX) return false;
-    const std::uint64_t cap = std::min<std::uint64_t>(UINT32_MAX, std::max<std::uint64_t>(need, s.capacity ? 2 * std::uint64_t(s.capacity) : need));
+    const std::uint64_t cap = std::min<std::uint64_t>(
+        UINT32_MAX, std::max<std::uint64_t>(need, s.capacity ? 2 * std::uint64_t(s.capacity) : need));
     pickle_node** run = take(static_cast<std::size_t>(cap));
     if (s.size) std::copy(s.data, s.data + s.size, run);
     if (s.capacity > small_) own_.erase(s.data);
@@ -175,7 +176,9 @@ class pickle_view {
   double as_real(std::string_view ctx) const { return expect(pickle_value::kind::real, ctx).u.d; }
   std::string_view as_string(std::string_view ctx) const { return expect(pickle_value::kind::string, ctx).str(); }
   /// Items of a list or tuple, entries of a dict; 0 for a scalar.
-  std::size_t size() const noexcept { return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0; }
+  std::size_t size() const noexcept {
+    return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0;
+  }
   /// Item i of a list or tuple; key and value of entry i of a dict (i < size()).
   pickle_view item(std::size_t i) const { return at(i); }
   pickle_view key(std::size_t i) const { return at(2 * i); }
@@ -185,7 +188,8 @@ class pickle_view {
     if (n_->k != pickle_value::kind::dict) return std::nullopt;
     const auto items = n_->items();
     for (std::size_t i = items.size() / 2; i-- > 0;)
-      if (items[2 * i]->k == pickle_value::kind::string && items[2 * i]->str() == key) return pickle_view(items[2 * i + 1]);
+      if (items[2 * i]->k == pickle_value::kind::string && items[2 * i]->str() == key)
+        return pickle_view(items[2 * i + 1]);
     return std::nullopt;
   }
   /// What identifies the value: one container the pickle holds at several places (through its
@@ -209,11 +213,13 @@ class pickle_view {
  private:
   const detail::pickle_node& expect(pickle_value::kind k, std::string_view ctx) const {
     if (n_->k != k)
-      fail(errc::invalid_metadata, std::string(ctx) + ": expected " + pickle_value::kind_name(k) + ", got " + pickle_value::kind_name(n_->k));
+      fail(errc::invalid_metadata,
+           std::string(ctx) + ": expected " + pickle_value::kind_name(k) + ", got " + pickle_value::kind_name(n_->k));
     return *n_;
   }
   pickle_view at(std::size_t i) const {
-    if (!n_->container() || i >= n_->items().size()) throw std::out_of_range("pickle_view: no item " + std::to_string(i));
+    if (!n_->container() || i >= n_->items().size())
+      throw std::out_of_range("pickle_view: no item " + std::to_string(i));
     return pickle_view(n_->items()[i]);
   }
   const detail::pickle_node* n_;

@@ -66,9 +66,7 @@ struct rename_rule {
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL rename_rule parse_rename_rule(std::string_view text) {
   const std::string t(text);
-  auto bad = [&](const std::string& why) -> void {
-    fail(errc::invalid_argument, "rename rule '" + t + "': " + why);
-  };
+  auto bad = [&](const std::string& why) -> void { fail(errc::invalid_argument, "rename rule '" + t + "': " + why); };
   rename_rule r;
   r.text = t;
   std::size_t split = std::string_view::npos;
@@ -98,7 +96,8 @@ SHARDSAFE_DECL rename_rule parse_rename_rule(std::string_view text) {
     const char n = r.replacement[++i];
     if (n == '\\') continue;
     if (n >= '1' && n <= '9') {
-      if (n - '0' > groups) bad("REPL refers to group \\" + std::string(1, n) + " but the regex has " + std::to_string(groups));
+      if (n - '0' > groups)
+        bad("REPL refers to group \\" + std::string(1, n) + " but the regex has " + std::to_string(groups));
       continue;
     }
     bad(std::string("unknown escape '\\") + n + "' in REPL (only \\1..\\9 and \\\\)");
@@ -166,7 +165,8 @@ inline void add_preset(rename_rules& rules, std::string_view name) {
   rules.add("^model\\.model\\.=model.");
   rules.add("^model\\.lm_head\\.weight$=lm_head.weight");
   rename_rule other = parse_rename_rule("^model\\.=");
-  other.warning = "a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': its 'model.' prefix removed";
+  other.warning =
+      "a 'model.' key that is neither 'model.model.*' nor 'model.lm_head.weight': its 'model.' prefix removed";
   rules.add(std::move(other));
   rename_rule rest = parse_rename_rule("^[\\s\\S]*$=");
   rest.warning = "not a 'model.' key (optimizer or extra state): dropped";

@@ -46,12 +46,12 @@ struct tensor_entry {
 /// A validated header: the tensors in data order and the __metadata__ map.
 class safetensors_header {
  public:
-  std::string file;                               ///< what messages call the file
-  std::uint64_t header_size = 0;                  ///< N, the JSON length
-  std::uint64_t data_size = 0;                    ///< bytes of the data buffer
-  std::vector<tensor_entry> tensors;              ///< sorted by data offset
-  std::map<std::string, std::string> metadata;    ///< __metadata__, if any
-  bool has_metadata = false;                      ///< whether __metadata__ was present
+  std::string file;                             ///< what messages call the file
+  std::uint64_t header_size = 0;                ///< N, the JSON length
+  std::uint64_t data_size = 0;                  ///< bytes of the data buffer
+  std::vector<tensor_entry> tensors;            ///< sorted by data offset
+  std::map<std::string, std::string> metadata;  ///< __metadata__, if any
+  bool has_metadata = false;                    ///< whether __metadata__ was present
 
   std::uint64_t data_start() const noexcept { return prefix_ + header_size; }
   std::uint64_t file_size() const noexcept { return data_start() + data_size; }
@@ -92,16 +92,18 @@ class safetensors_header {
   /// offset_of(t) is t.begin, and file_size() is file_size. Names must be distinct
   /// (errc::invalid_metadata, naming `file`). stored_orders: by name, the records whose bytes
   /// hold their dimensions in another order (stored_order()).
-  static safetensors_header of_records(std::string file, std::uint64_t file_size, std::vector<tensor_entry> records,
-                                       std::map<std::string, std::vector<std::size_t>, std::less<>> stored_orders = {}) {
+  static safetensors_header of_records(
+      std::string file, std::uint64_t file_size, std::vector<tensor_entry> records,
+      std::map<std::string, std::vector<std::size_t>, std::less<>> stored_orders = {}) {
     safetensors_header h;
     h.stored_orders_ = std::move(stored_orders);
     h.file = std::move(file);
     h.prefix_ = 0;
     h.data_size = file_size;
     h.tensors = std::move(records);
-    std::sort(h.tensors.begin(), h.tensors.end(),
-              [](const tensor_entry& a, const tensor_entry& b) { return a.begin != b.begin ? a.begin < b.begin : a.name < b.name; });
+    std::sort(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.name < b.name;
+    });
     h.index_names();
     return h;
   }
@@ -111,7 +113,8 @@ class safetensors_header {
   void index_names() {
     by_name_.resize(tensors.size());
     for (std::uint32_t i = 0; i < by_name_.size(); ++i) by_name_[i] = i;
-    std::sort(by_name_.begin(), by_name_.end(), [&](std::uint32_t a, std::uint32_t b) { return tensors[a].name < tensors[b].name; });
+    std::sort(by_name_.begin(), by_name_.end(),
+              [&](std::uint32_t a, std::uint32_t b) { return tensors[a].name < tensors[b].name; });
     for (std::size_t i = 1; i < by_name_.size(); ++i)
       if (tensors[by_name_[i]].name == tensors[by_name_[i - 1]].name)
         fail(errc::invalid_metadata, file + ": tensor '" + tensors[by_name_[i]].name + "' is listed twice");
@@ -180,7 +183,8 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
         for (std::string_view known : {"dtype", "shape", "data_offsets"})
           if (f.key == known) {
             for (std::size_t i = 0; i < n; ++i)
-              if (fields[i] == known) fail(errc::invalid_header, ctx + ": \"" + std::string(known) + "\" is given twice");
+              if (fields[i] == known)
+                fail(errc::invalid_header, ctx + ": \"" + std::string(known) + "\" is given twice");
             fields[n++] = known;
           }
     }
@@ -198,13 +202,13 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
     if (t["data_offsets"].get(v)) fail(errc::invalid_header, ctx + ": missing \"data_offsets\"");
     auto offs = detail::parse_count_array(v, ctx, "data_offsets", errc::invalid_offsets);
     if (offs.size() != 2)
-      fail(errc::invalid_offsets, ctx + ": data_offsets has " + std::to_string(offs.size()) +
-                                      " numbers, not 2 [BEGIN, END]");
+      fail(errc::invalid_offsets,
+           ctx + ": data_offsets has " + std::to_string(offs.size()) + " numbers, not 2 [BEGIN, END]");
     e.begin = offs[0];
     e.end = offs[1];
     if (e.end < e.begin)
-      fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) +
-                                      " end before they begin");
+      fail(errc::invalid_offsets,
+           ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) + " end before they begin");
 
     auto n = detail::checked_numel(e.shape);
     std::optional<std::uint64_t> bits = n ? detail::checked_mul(*n, bit_size(e.type)) : std::nullopt;
@@ -212,13 +216,13 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
       fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(to_string(e.type)) +
                                     " has a byte size that overflows 64 bits");
     if (*bits % 8 != 0)
-      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(to_string(e.type)) +
-                                    " is " + std::to_string(*bits) + " bits, not a whole number of bytes");
+      fail(errc::invalid_shape, ctx + ": shape " + to_string(e.shape) + " " + std::string(to_string(e.type)) + " is " +
+                                    std::to_string(*bits) + " bits, not a whole number of bytes");
     const std::uint64_t need = *bits / 8;
     if (e.nbytes() != need)
       fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) + " span " +
-                                      std::to_string(e.nbytes()) + " bytes but shape " + to_string(e.shape) +
-                                      " " + std::string(to_string(e.type)) + " needs " + std::to_string(need));
+                                      std::to_string(e.nbytes()) + " bytes but shape " + to_string(e.shape) + " " +
+                                      std::string(to_string(e.type)) + " needs " + std::to_string(need));
     h.tensors.push_back(std::move(e));
   }
 
@@ -237,15 +241,15 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
   const tensor_entry* prev = nullptr;
   for (const auto& t : h.tensors) {
     if (t.begin > expected)
-      fail(errc::invalid_offsets,
-           detail::tensor_context(f, t.name) + ": data_offsets " + to_string(byte_range{t.begin, t.end}) +
-               " leave a hole: bytes " + to_string(byte_range{expected, t.begin}) +
-               " of the data buffer belong to no tensor");
+      fail(errc::invalid_offsets, detail::tensor_context(f, t.name) + ": data_offsets " +
+                                      to_string(byte_range{t.begin, t.end}) + " leave a hole: bytes " +
+                                      to_string(byte_range{expected, t.begin}) +
+                                      " of the data buffer belong to no tensor");
     if (t.begin < expected)
-      fail(errc::invalid_offsets,
-           detail::tensor_context(f, t.name) + ": data_offsets " + to_string(byte_range{t.begin, t.end}) +
-               " overlap tensor '" + (prev ? prev->name : std::string()) + "' " +
-               to_string(byte_range{prev ? prev->begin : 0, expected}));
+      fail(errc::invalid_offsets, detail::tensor_context(f, t.name) + ": data_offsets " +
+                                      to_string(byte_range{t.begin, t.end}) + " overlap tensor '" +
+                                      (prev ? prev->name : std::string()) + "' " +
+                                      to_string(byte_range{prev ? prev->begin : 0, expected}));
     expected = t.end;
     prev = &t;
   }
@@ -256,9 +260,8 @@ SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json
   if (!total || *total > file_size)
     fail(errc::truncated, f + ": truncated: the data buffer needs " + std::to_string(h.data_size) +
                               " bytes from offset " + std::to_string(h.data_start()) + " (tensor '" +
-                              (prev ? prev->name : std::string()) + "' ends at " +
-                              std::to_string(h.data_size) + ") but the file has " + std::to_string(file_size) +
-                              " bytes");
+                              (prev ? prev->name : std::string()) + "' ends at " + std::to_string(h.data_size) +
+                              ") but the file has " + std::to_string(file_size) + " bytes");
   if (*total < file_size)
     fail(errc::truncated, f + ": " + std::to_string(file_size - *total) +
                               " trailing bytes after the last tensor (data ends at file offset " +
@@ -298,8 +301,7 @@ SHARDSAFE_DECL safetensors_header parse_safetensors(std::span<const std::byte> f
   if (file_bytes.size() < 8)
     fail(errc::truncated, std::string(file) + ": file is " + std::to_string(file_bytes.size()) +
                               " bytes, shorter than the 8-byte header length");
-  const std::uint64_t n =
-      check_header_length(decode_header_length(file_bytes.first<8>()), file_bytes.size(), file);
+  const std::uint64_t n = check_header_length(decode_header_length(file_bytes.first<8>()), file_bytes.size(), file);
   std::string_view json(reinterpret_cast<const char*>(file_bytes.data()) + 8, n);
   return parse_safetensors_header(json, file_bytes.size(), file);
 }
@@ -323,8 +325,8 @@ safetensors_header read_safetensors_header(const S& s) {
          std::string(file) + ": file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   std::string buf(static_cast<std::size_t>(std::min(size, header_probe_bytes)), '\0');
   s.read_into(0, std::as_writable_bytes(std::span(buf)));
-  const std::uint64_t n = check_header_length(
-      decode_header_length(std::as_bytes(std::span(buf)).template first<8>()), size, file);
+  const std::uint64_t n =
+      check_header_length(decode_header_length(std::as_bytes(std::span(buf)).template first<8>()), size, file);
   const std::uint64_t have = buf.size();
   if (8 + n > have) {
     buf.resize(static_cast<std::size_t>(8 + n));
@@ -367,8 +369,7 @@ template <ReadableStorage S>
 void read_tensor(const S& s, const safetensors_header& h, const tensor_entry& t, std::span<std::byte> dst) {
   if (dst.size() != t.nbytes())
     fail(errc::invalid_argument, detail::tensor_context(h.file, t.name) + ": destination of " +
-                                     std::to_string(dst.size()) + " bytes, tensor has " +
-                                     std::to_string(t.nbytes()));
+                                     std::to_string(dst.size()) + " bytes, tensor has " + std::to_string(t.nbytes()));
   s.read_into(h.offset_of(t), dst);
 }
 

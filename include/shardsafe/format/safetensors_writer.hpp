@@ -39,8 +39,8 @@ struct tensor_data {
 /// Where each tensor goes in a file that is yet to be written.
 class safetensors_layout {
  public:
-  std::string file;                 ///< the target, for messages
-  std::string header;               ///< the 8-byte length and the padded JSON
+  std::string file;                   ///< the target, for messages
+  std::string header;                 ///< the 8-byte length and the padded JSON
   std::vector<tensor_entry> tensors;  ///< in file order, offsets relative to the data buffer
 
   std::uint64_t data_start() const noexcept { return header.size(); }
@@ -237,10 +237,9 @@ class safetensors_writer {
     auto& ranges = written_[index];
     auto next = ranges.upper_bound(b);  // first range starting after b
     auto clash = [&](std::uint64_t cb, std::uint64_t ce) {
-      fail(errc::invalid_argument, detail::tensor_context(layout_.file, layout_.tensors[index].name) +
-                                       ": bytes [" + std::to_string(b) + ", " + std::to_string(e) +
-                                       ") overlap bytes [" + std::to_string(cb) + ", " + std::to_string(ce) +
-                                       ") written before");
+      fail(errc::invalid_argument, detail::tensor_context(layout_.file, layout_.tensors[index].name) + ": bytes [" +
+                                       std::to_string(b) + ", " + std::to_string(e) + ") overlap bytes [" +
+                                       std::to_string(cb) + ", " + std::to_string(ce) + ") written before");
     };
     if (next != ranges.end() && next->first < e) clash(next->first, next->second);
     if (next != ranges.begin()) {
@@ -336,7 +335,8 @@ class safetensors_checksummer {
     // data-buffer offsets: a block ends in (a, b]
     const std::uint64_t a = lo < hs ? 0 : lo - hs, b = hi - hs;
     std::vector<std::byte> fetched;  // a block only partly in `have`
-    for (std::size_t i = layout_.first_ending_after(a); i < layout_.tensors.size() && layout_.tensors[i].begin < b; ++i) {
+    for (std::size_t i = layout_.first_ending_after(a); i < layout_.tensors.size() && layout_.tensors[i].begin < b;
+         ++i) {
       const auto* it = &layout_.tensors[i];
       const std::uint64_t n = it->nbytes();
       // the first block of this tensor ending past a (a block k ends at begin + min((k+1)B, n))

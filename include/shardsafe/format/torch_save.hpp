@@ -108,8 +108,8 @@ torch_save_index index_torch_save_file(const S& st) {
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
   if (torch_save_legacy_magic_size(read_at(0, static_cast<std::size_t>(std::min<std::uint64_t>(st.size(), 24)))) != 0)
     return detail::index_torch_save_legacy(st);
-  const detail::zip_directory dir =
-      detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file");
+  const detail::zip_directory dir = detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20,
+                                                               std::uint64_t(256) << 20, "a torch.save file");
   const detail::zip_entry* pkl = nullptr;
   for (const auto& e : dir.entries)
     if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {
@@ -117,13 +117,15 @@ torch_save_index index_torch_save_file(const S& st) {
       pkl = &e;
     }
   if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
-  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);  // "PREFIX/"
+  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);   // "PREFIX/"
   std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
   for (const auto& e : dir.entries) {
     if (e.name == prefix + "byteorder") {
       const torch_zip_record r = detail::place_zip_record(e, dir.at, read_at, bad);
-      const std::string order = r.size <= 16 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string("?");
-      if (order != "little") bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
+      const std::string order =
+          r.size <= 16 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string("?");
+      if (order != "little")
+        bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
     }
     if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
       storages.emplace(e.name.substr(prefix.size() + 5), &e);
@@ -131,25 +133,28 @@ torch_save_index index_torch_save_file(const S& st) {
   const torch_zip_record p = detail::place_zip_record(*pkl, dir.at, read_at, bad);
   if (p.size > max_torch_save_pickle)
     bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
-  torch_state_dict_pickle sd = parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
+  torch_state_dict_pickle sd =
+      parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
   // The storages the tensors use, placed in the archive's order through a 64 KiB window: a
   // small record's successor lies in the same window (40,000 storages of 64 bytes: 117 reads in
   // all, not 40,000 requests over HTTP); a large record's header is read alone.
   std::vector<const detail::zip_entry*> used;
   for (const auto& id : sd.storages)
     if (const auto s = storages.find(id.first); s != storages.end()) used.push_back(s->second);
-  std::sort(used.begin(), used.end(), [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
+  std::sort(used.begin(), used.end(),
+            [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
   detail::read_window<decltype(read_at)> headers{read_at, {}, 0};
   bool small = false;
   auto header_read = [&](std::uint64_t off, std::size_t n) { return headers(off, n, dir.at, small); };
   std::map<std::string_view, torch_zip_record> placed;
   for (const detail::zip_entry* e : used) {
     small = e->usize < (64 << 10);
-    placed.emplace(std::string_view(e->name).substr(prefix.size() + 5), detail::place_zip_record(*e, dir.at, header_read, bad));
+    placed.emplace(std::string_view(e->name).substr(prefix.size() + 5),
+                   detail::place_zip_record(*e, dir.at, header_read, bad));
   }
   const auto ids = std::move(sd.storages);
-  torch_save_index x =
-      detail::index_state_dict_tensors(file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+  torch_save_index x = detail::index_state_dict_tensors(
+      file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
         const auto pl = placed.find(key);
         if (pl == placed.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
         return pl->second;
@@ -161,8 +166,10 @@ torch_save_index index_torch_save_file(const S& st) {
     const auto type = torch_tensor_pickle_policy::storage_type_of(id.type);
     const auto bytes = type ? detail::checked_mul(id.numel, *type ? item_size(**type) : 1) : std::nullopt;
     if (pl == placed.end() || !bytes || *bytes != pl->second.size)
-      bad("storage '" + key + "' (its persistent id at byte " + std::to_string(id.at) + " of data.pkl: " + std::to_string(id.numel) + " of " +
-          id.type + ") has " + (pl == placed.end() ? "no record '" + prefix + "data/" + key + "'" : "a record of " + std::to_string(pl->second.size) + " bytes") +
+      bad("storage '" + key + "' (its persistent id at byte " + std::to_string(id.at) +
+          " of data.pkl: " + std::to_string(id.numel) + " of " + id.type + ") has " +
+          (pl == placed.end() ? "no record '" + prefix + "data/" + key + "'"
+                              : "a record of " + std::to_string(pl->second.size) + " bytes") +
           " (torch.load would refuse the file)");
   }
   return x;
@@ -185,11 +192,12 @@ template <ReadableStorage S>
 safetensors_header read_torch_save_header(const S& st) {
   torch_save_index x = index_torch_save_file(st);
   if (!x.values.empty())
-    fail(errc::invalid_metadata, x.header.file + ": '" + x.values.front().name + "'" +
-                                     (x.values.size() > 1 ? " (and " + std::to_string(x.values.size() - 1) + " more values)" : std::string()) +
-                                     " is not a tensor: a Hugging Face folder's torch.save file holds tensors only (a state dict, "
-                                     "nested dicts and lists of tensors); a training checkpoint with other values is read as a file "
-                                     "of its own");
+    fail(errc::invalid_metadata,
+         x.header.file + ": '" + x.values.front().name + "'" +
+             (x.values.size() > 1 ? " (and " + std::to_string(x.values.size() - 1) + " more values)" : std::string()) +
+             " is not a tensor: a Hugging Face folder's torch.save file holds tensors only (a state dict, "
+             "nested dicts and lists of tensors); a training checkpoint with other values is read as a file "
+             "of its own");
   return std::move(x.header);
 }
 

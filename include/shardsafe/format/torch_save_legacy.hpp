@@ -34,7 +34,8 @@ inline std::size_t torch_save_legacy_magic_size(std::string_view b) {
   if (b.size() < 2 || b[0] != '\x80' || b[1] < 2 || b[1] > 5) return 0;
   std::size_t at = 2;
   if (b.size() > at && b[at] == '\x95') at += 9;  // FRAME and its 8-byte length (index_torch_save_legacy checks it)
-  if (b.size() < at + torch_save_legacy_magic.size() + 1 || b.substr(at, torch_save_legacy_magic.size()) != torch_save_legacy_magic ||
+  if (b.size() < at + torch_save_legacy_magic.size() + 1 ||
+      b.substr(at, torch_save_legacy_magic.size()) != torch_save_legacy_magic ||
       b[at + torch_save_legacy_magic.size()] != '.')
     return 0;
   return at + torch_save_legacy_magic.size() + 1;
@@ -90,7 +91,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
   // torch.load tries torch < 0.4's tar format first, on a file whose first block tarfile takes
   // as a tar header, and then reads no pickle of this stream
   if (st.size() >= 512 && passes_tar_checksum(read_at(0, 512)))
-    bad("its first 512 bytes are also a tar header, which torch.load reads first (the tar format of torch < 0.4): not read here");
+    bad("its first 512 bytes are also a tar header, which torch.load reads first (the tar format of torch < 0.4): not "
+        "read here");
   struct pickles {
     torch_state_dict_pickle sd;
     std::vector<std::string> keys;  // the storages, in the order their bytes follow
@@ -106,7 +108,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
     // Python reads a FRAME whole: one longer than the 13 bytes to STOP would hide the start of
     // the next pickle from torch (the reader checks the later pickles' frames itself)
     if (at > 15 && b.substr(3, 8) != std::string_view("\x0d\0\0\0\0\0\0\0", 8))
-      bad("the magic number's pickle lies in a FRAME of " + std::to_string(zip_le(b, 3, 8)) + " bytes, not 13 (Python would skip the rest of it)");
+      bad("the magic number's pickle lies in a FRAME of " + std::to_string(zip_le(b, 3, 8)) +
+          " bytes, not 13 (Python would skip the rest of it)");
     auto next = [&](auto& reader, auto&& f) {
       try {
         auto v = reader.run(f);
@@ -124,7 +127,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
     };
     const pickle_value version = plain("protocol version");
     if (version != pickle_value::integer(1001))
-      bad("protocol version " + (version.type() == pickle_value::kind::integer ? std::to_string(version.as_int("")) : std::string("?")) +
+      bad("protocol version " +
+          (version.type() == pickle_value::kind::integer ? std::to_string(version.as_int("")) : std::string("?")) +
           " is not 1001 (torch.save's legacy format)");
     const pickle_value info = plain("sys_info");
     if (const auto* le = info.find("little_endian"); le && *le == pickle_value::boolean(false))
@@ -135,18 +139,22 @@ torch_save_index index_torch_save_legacy(const S& st) {
     out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, reader.consumed(), w); });
     out.sd.storages = std::move(ids);
     const pickle_value keys = plain("storage keys");
-    if (keys.type() != pickle_value::kind::list) bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
+    if (keys.type() != pickle_value::kind::list)
+      bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
     const auto& ks = keys.as_sequence("");
-    if (ks.size() > (std::size_t(1) << 20)) bad("lists " + std::to_string(ks.size()) + " storages (at most 2^20 are read)");
+    if (ks.size() > (std::size_t(1) << 20))
+      bad("lists " + std::to_string(ks.size()) + " storages (at most 2^20 are read)");
     for (const auto& k : ks) {
-      if (k.type() != pickle_value::kind::string) bad("a storage key is a " + std::string(pickle_value::kind_name(k.type())) + ", not a str");
+      if (k.type() != pickle_value::kind::string)
+        bad("a storage key is a " + std::string(pickle_value::kind_name(k.type())) + ", not a str");
       out.keys.push_back(k.as_string(""));
     }
     out.data = at;
     return out;
   };
   pickles p;
-  for (std::uint64_t window = std::min<std::uint64_t>(limit, std::uint64_t(1) << 20);; window = std::min(limit, window * 8)) {
+  for (std::uint64_t window = std::min<std::uint64_t>(limit, std::uint64_t(1) << 20);;
+       window = std::min(limit, window * 8)) {
     const std::string b = read_at(0, static_cast<std::size_t>(window));
     bool ran_out = false;
     try {
@@ -155,8 +163,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
     } catch (const shardsafe::error&) {
       if (!ran_out || window == st.size()) throw;
       if (window == limit)
-        bad("its pickles run past the first " + std::to_string(limit) + " bytes (at most " + std::to_string(max_torch_save_pickle) +
-            " bytes of pickle are read)");
+        bad("its pickles run past the first " + std::to_string(limit) + " bytes (at most " +
+            std::to_string(max_torch_save_pickle) + " bytes of pickle are read)");
     }
   }
   // each storage's bytes, in the listed order: its elements of the type its first persistent id
@@ -171,23 +179,26 @@ torch_save_index index_torch_save_legacy(const S& st) {
     const auto type = torch_tensor_pickle_policy::storage_type_of(id->second.type);
     if (!type) bad(rec + ": its type '" + id->second.type + "' is not a torch storage class");
     const std::uint64_t item = *type ? item_size(**type) : 1;
-    if (st.size() - pos < 8) bad(rec + ": its size at byte " + std::to_string(pos) + " runs past the file's end (truncated?)");
+    if (st.size() - pos < 8)
+      bad(rec + ": its size at byte " + std::to_string(pos) + " runs past the file's end (truncated?)");
     const std::uint64_t numel = zip_le(sizes(pos, 8, st.size()), 0, 8);
     if (numel != id->second.numel)
-      bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) + " but its persistent id says " +
-          std::to_string(id->second.numel));
+      bad(rec + ": the file says " + std::to_string(numel) + " elements at byte " + std::to_string(pos) +
+          " but its persistent id says " + std::to_string(id->second.numel));
     const auto bytes = checked_mul(numel, item);
     if (!bytes || *bytes > st.size() - pos - 8)
-      bad(rec + ": its " + std::to_string(numel) + " elements at byte " + std::to_string(pos + 8) + " run past the file's end (" +
-          std::to_string(st.size()) + " bytes: truncated?)");
+      bad(rec + ": its " + std::to_string(numel) + " elements at byte " + std::to_string(pos + 8) +
+          " run past the file's end (" + std::to_string(st.size()) + " bytes: truncated?)");
     if (!storages.try_emplace(key, torch_zip_record{rec, pos + 8, *bytes}).second) bad(rec + " is listed twice");
     pos += 8 + *bytes;
   }
-  return index_state_dict_tensors(file, st.size(), std::move(p.sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
-    const auto s = storages.find(key);
-    if (s == storages.end()) tbad("its storage '" + key + "' is not in the file's storage list");
-    return s->second;
-  });
+  return index_state_dict_tensors(file, st.size(), std::move(p.sd),
+                                  [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
+                                    const auto s = storages.find(key);
+                                    if (s == storages.end())
+                                      tbad("its storage '" + key + "' is not in the file's storage list");
+                                    return s->second;
+                                  });
 }
 
 }  // namespace detail

@@ -50,7 +50,7 @@ struct torch_save_value {
 struct torch_state_dict_pickle {
   std::vector<std::pair<std::string, torch_zip_tensor>> tensors;
   std::map<std::string, torch_storage_id, std::less<>> storages;  ///< every storage its persistent ids name, by key
-  std::vector<torch_save_value> values;  ///< the values that are not tensors, in pickle order
+  std::vector<torch_save_value> values;                           ///< the values that are not tensors, in pickle order
   /// Where each tensor and value sits in the nested dict (("model", "layers.0.weight"): dict keys
   /// as str, list indices as int), for those whose path is not just (name,).
   std::map<std::string, pickle_value> paths;
@@ -62,11 +62,13 @@ namespace detail {
 /// format/torch_save.hpp); `pickle_bytes` is the pickle's size (what bounds the values and
 /// names), `w` names it.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w) {
+SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes,
+                                                                const std::string& w) {
   using k = pickle_value::kind;
   torch_state_dict_pickle out;
   if (root.type() != k::dict)
-    fail(errc::invalid_metadata, w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
+    fail(errc::invalid_metadata,
+         w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
   auto is_tensor = [](const pickle_view& v) {
     const auto t = v.find(torch_tensor_key);
     return t && t->find(torch_storage_key).has_value();
@@ -76,15 +78,19 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
     return v.type() == k::dict && v.size() == 1 && v.find(dcp_unpickle_policy::global_key).has_value();
   };
   // a dict of the state dict's own (a tensor's, a storage's and a global's dicts are not)
-  auto is_mapping = [&](const pickle_view& v) { return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v); };
+  auto is_mapping = [&](const pickle_view& v) {
+    return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v);
+  };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
-  const std::uint64_t max_values = pickle_bytes / 8 + 1024, max_name_bytes = 4 * std::uint64_t(pickle_bytes) + (1 << 20);
+  const std::uint64_t max_values = pickle_bytes / 8 + 1024,
+                      max_name_bytes = 4 * std::uint64_t(pickle_bytes) + (1 << 20);
   std::uint64_t values = 0, name_bytes = 0;
   auto leaf = [&](const std::string& name) {
     if (++values > max_values)
-      fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" + std::to_string(pickle_bytes) +
+      fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" +
+                                       std::to_string(pickle_bytes) +
                                        " bytes of pickle; torch writes about 150 bytes a tensor)");
     name_bytes += name.size();
   };
@@ -126,8 +132,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       t.foreign |= c.foreign;
       t.bytes = std::min(saturated, t.bytes + c.bytes + key.bytes);
       t.cost = std::min(saturated, t.cost + c.cost + key.cost);
-      if (v.type() == k::list && (c.tensor || is_mapping(x) || (x.type() == k::list && !c.whole)))
-        t.whole = false;
+      if (v.type() == k::list && (c.tensor || is_mapping(x) || (x.type() == k::list && !c.whole))) t.whole = false;
     }
     return seen[v.id()] = t;
   };
@@ -153,8 +158,10 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       for (std::size_t i = 0; i < v.size(); ++i) {
         const pickle_view key = v.key(i);
         std::string part;
-        if (key.type() == k::string) part = std::string(key.as_string(""));
-        else if (key.type() == k::integer) part = std::to_string(key.as_int(""));
+        if (key.type() == k::string)
+          part = std::string(key.as_string(""));
+        else if (key.type() == k::integer)
+          part = std::to_string(key.as_int(""));
         else if (key.type() == k::boolean || key.type() == k::none || key.type() == k::real)
           part = pickle_repr(key.build(), 64);  // Python's str() of it, as DCP's path holds: "True", "None", "0.5"
         else
@@ -163,13 +170,18 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
         if (key.type() == k::integer || key.type() == k::boolean || key.type() == k::real) {
           std::pair<bool, std::int64_t> n{false, 0};
           const double d = key.type() == k::real ? key.as_real("") : 0;
-          if (key.type() == k::integer) n.second = key.as_int("");
-          else if (key.type() == k::boolean) n.second = key.as_bool("") ? 1 : 0;
-          else if (d == std::trunc(d) && d >= -0x1p63 && d < 0x1p63) n.second = static_cast<std::int64_t>(d);
-          else n = {true, std::bit_cast<std::int64_t>(d)};
+          if (key.type() == k::integer)
+            n.second = key.as_int("");
+          else if (key.type() == k::boolean)
+            n.second = key.as_bool("") ? 1 : 0;
+          else if (d == std::trunc(d) && d >= -0x1p63 && d < 0x1p63)
+            n.second = static_cast<std::int64_t>(d);
+          else
+            n = {true, std::bit_cast<std::int64_t>(d)};
           if (d == d && !numbers.insert(n).second)  // NaN equals no key, not even another NaN
-            fail(errc::invalid_metadata, w + ": " + where + " has two keys Python holds equal (1, True and 1.0 are one key), the second '" +
-                                             part + "': torch.load keeps one entry of them");
+            fail(errc::invalid_metadata,
+                 w + ": " + where + " has two keys Python holds equal (1, True and 1.0 are one key), the second '" +
+                     part + "': torch.load keeps one entry of them");
         }
         path.push_back(pickle_value::string(part));  // torch.distributed.checkpoint's path holds str(key)
         self(self, v.value(i), child(name, part));
@@ -186,10 +198,13 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       // written again (to-dcp), a value must read back here: its archive within the 64 MiB of a
       // DCP item (a few KiB of zip headers aside), its values within pickle_loads' bound
       std::string unwritable;
-      if (t.foreign) unwritable = "holds a storage or a torch global (a dtype, a storage class), which shardsafe does not pickle again";
-      else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) || t.cost > basic_pickle_reader<>::default_max_values)
-        unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" + std::to_string(t.cost) +
-                     " values) written out without a memo";
+      if (t.foreign)
+        unwritable =
+            "holds a storage or a torch global (a dtype, a storage class), which shardsafe does not pickle again";
+      else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) ||
+               t.cost > basic_pickle_reader<>::default_max_values)
+        unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" +
+                     std::to_string(t.cost) + " values) written out without a memo";
       out.values.push_back({name, v.build(built), std::move(unwritable)});
       record_path(name);
     }
@@ -198,15 +213,18 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   return out;
 }
 #else
-SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes, const std::string& w);
+SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes,
+                                                                const std::string& w);
 #endif
 
 /// The reader of a state dict's pickle: the values it may make are bounded by its size; every
 /// storage it names is recorded in `storages` (torch_tensor_pickle_policy::storages).
-inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(std::string_view bytes, const std::string& w, bool legacy,
-                                                                                std::map<std::string, torch_storage_id, std::less<>>& storages) {
+inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(
+    std::string_view bytes, const std::string& w, bool legacy,
+    std::map<std::string, torch_storage_id, std::less<>>& storages) {
   using reader = basic_pickle_reader<torch_tensor_pickle_policy>;
-  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages}, std::max<std::size_t>(reader::default_max_values, bytes.size()));
+  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages},
+                std::max<std::size_t>(reader::default_max_values, bytes.size()));
 }
 
 }  // namespace detail
@@ -217,15 +235,16 @@ inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view by
   const std::string w(what);
   std::map<std::string, torch_storage_id, std::less<>> storages;
   auto reader = detail::state_dict_pickle_reader(bytes, w, false, storages);
-  torch_state_dict_pickle out = reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
+  torch_state_dict_pickle out =
+      reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
   out.storages = std::move(storages);
   return out;
 }
 
 /// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
-  safetensors_header header;             ///< every tensor, at its absolute offset in the file (of_records)
-  std::vector<torch_save_value> values;  ///< the values that are not tensors, by name
+  safetensors_header header;                  ///< every tensor, at its absolute offset in the file (of_records)
+  std::vector<torch_save_value> values;       ///< the values that are not tensors, by name
   std::map<std::string, pickle_value> paths;  ///< torch_state_dict_pickle::paths
 };
 
@@ -248,7 +267,8 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     const std::uint64_t item = item_size(type);
     const auto storage_bytes = detail::checked_mul(t.storage_numel, t.type ? item_size(*t.type) : 1);
     if (!storage_bytes || *storage_bytes != rec.size)
-      tbad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(rec.size) + " bytes of '" + rec.name + "'");
+      tbad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(rec.size) +
+           " bytes of '" + rec.name + "'");
     const auto n = detail::checked_numel(t.size);
     if (!n) tbad("size " + to_string(t.size) + " overflows");
     std::vector<std::size_t> order = dense_stored_order(t, *n, tbad);
@@ -256,8 +276,9 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     const auto bytes = detail::checked_mul(*n, item);
     const auto end = at && bytes ? detail::checked_add(*at, *bytes) : std::nullopt;
     if (!end || (*n != 0 && *end > rec.size))
-      tbad("elements [" + std::to_string(t.storage_offset) + ", +" + std::to_string(*n) + ") of " + std::string(to_string(type)) +
-           " pass the end of its storage '" + rec.name + "' (" + std::to_string(rec.size) + " bytes)");
+      tbad("elements [" + std::to_string(t.storage_offset) + ", +" + std::to_string(*n) + ") of " +
+           std::string(to_string(type)) + " pass the end of its storage '" + rec.name + "' (" +
+           std::to_string(rec.size) + " bytes)");
     tensor_entry e;
     e.name = key;
     e.type = type;
@@ -267,8 +288,8 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     if (!order.empty()) orders.emplace(key, std::move(order));
     entries.push_back(std::move(e));
   }
-  torch_save_index x{safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)), std::move(sd.values),
-                     std::move(sd.paths)};
+  torch_save_index x{safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)),
+                     std::move(sd.values), std::move(sd.paths)};
   // a value's name is no tensor's or other value's either (torch.distributed.checkpoint refuses
   // such a dict: "duplicated flatten key")
   std::sort(x.values.begin(), x.values.end(), [](const auto& a, const auto& b) { return a.name < b.name; });

@@ -34,7 +34,12 @@ struct torch_zip_tensor {
 
 /// The first keys of the dicts torch_tensor_pickle_policy makes for a tensor and for a storage:
 /// not UTF-8, so that no str a pickle spells is one (a plain dict cannot pass for a tensor).
-inline constexpr std::string_view torch_tensor_key = "\xff" "tensor", torch_storage_key = "\xff" "storage";
+inline constexpr std::string_view torch_tensor_key =
+                                      "\xff"
+                                      "tensor",
+                                  torch_storage_key =
+                                      "\xff"
+                                      "storage";
 
 /// A storage as the first persistent id naming its key gave it (torch makes it then, and every
 /// later use of the key is that storage, whatever it says).
@@ -61,10 +66,10 @@ struct torch_tensor_pickle_policy {
   /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
   static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
     static constexpr std::pair<std::string_view, dtype> table[] = {
-        {"FloatStorage", dtype::F32}, {"DoubleStorage", dtype::F64}, {"HalfStorage", dtype::F16},
-        {"BFloat16Storage", dtype::BF16}, {"LongStorage", dtype::I64}, {"IntStorage", dtype::I32},
-        {"ShortStorage", dtype::I16}, {"CharStorage", dtype::I8}, {"ByteStorage", dtype::U8},
-        {"BoolStorage", dtype::BOOL}, {"ComplexFloatStorage", dtype::C64}};
+        {"FloatStorage", dtype::F32},     {"DoubleStorage", dtype::F64},      {"HalfStorage", dtype::F16},
+        {"BFloat16Storage", dtype::BF16}, {"LongStorage", dtype::I64},        {"IntStorage", dtype::I32},
+        {"ShortStorage", dtype::I16},     {"CharStorage", dtype::I8},         {"ByteStorage", dtype::U8},
+        {"BoolStorage", dtype::BOOL},     {"ComplexFloatStorage", dtype::C64}};
     for (const auto& [name, t] : table)
       if (n == name) return std::optional<dtype>(t);
     if (n == "UntypedStorage" || n == "storage.UntypedStorage") return std::optional<dtype>();
@@ -96,7 +101,8 @@ struct torch_tensor_pickle_policy {
       }
       const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
                       full == "collections.OrderedDict" ||
-                      (state_dict && (full == "torch._utils._rebuild_parameter" || full == "torch._utils._rebuild_parameter_with_state")) ||
+                      (state_dict && (full == "torch._utils._rebuild_parameter" ||
+                                      full == "torch._utils._rebuild_parameter_with_state")) ||
                       storage_type_of(full);
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
@@ -105,23 +111,28 @@ struct torch_tensor_pickle_policy {
     if (op == 'Q') {  // BINPERSID
       const auto pid = r.pop_value();
       const auto* t = pid.type() == k::tuple ? &pid.as_sequence("") : nullptr;
-      if (!t || t->size() != (legacy ? 6 : 5) || (*t)[0] != pickle_value::string("storage") || (*t)[2].type() != k::string ||
-          (*t)[4].type() != k::integer || (*t)[4].as_int("") < 0 || dcp_unpickle_policy::marker_name((*t)[1]).empty())
-        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel" + (legacy ? ", view_metadata)" : ")"));
+      if (!t || t->size() != (legacy ? 6 : 5) || (*t)[0] != pickle_value::string("storage") ||
+          (*t)[2].type() != k::string || (*t)[4].type() != k::integer || (*t)[4].as_int("") < 0 ||
+          dcp_unpickle_policy::marker_name((*t)[1]).empty())
+        r.bad("BINPERSID" + where + " is not ('storage', type, key, location, numel" +
+              (legacy ? ", view_metadata)" : ")"));
       if (legacy && (*t)[5].type() != k::none)
-        r.bad("BINPERSID" + where + " is a view into another storage (its view_metadata is not None), which torch.save "
+        r.bad("BINPERSID" + where +
+              " is a view into another storage (its view_metadata is not None), which torch.save "
               "does not write; not read here");
       if (storages) {
         const std::string& key = (*t)[2].as_string("");
-        const torch_storage_id id{dcp_unpickle_policy::marker_name((*t)[1]), static_cast<std::uint64_t>((*t)[4].as_int("")), at};
+        const torch_storage_id id{dcp_unpickle_policy::marker_name((*t)[1]),
+                                  static_cast<std::uint64_t>((*t)[4].as_int("")), at};
         const auto [first, fresh] = storages->try_emplace(key, id);
         if (!fresh && (first->second.type != id.type || first->second.numel != id.numel))
           r.bad("BINPERSID" + where + " names storage '" + key + "' as " + std::to_string(id.numel) + " of " + id.type +
-                ", the one at byte " + std::to_string(first->second.at) + " as " + std::to_string(first->second.numel) + " of " +
-                first->second.type + " (torch would view the first as both)");
+                ", the one at byte " + std::to_string(first->second.at) + " as " + std::to_string(first->second.numel) +
+                " of " + first->second.type + " (torch would view the first as both)");
       }
       r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_storage_key)), (*t)[2]},
-                                        {pickle_value::string("type"), pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
+                                        {pickle_value::string("type"),
+                                         pickle_value::string(dcp_unpickle_policy::marker_name((*t)[1]))},
                                         {pickle_value::string("numel"), (*t)[4]}}),
                     "storage");
       return true;
@@ -147,30 +158,38 @@ struct torch_tensor_pickle_policy {
       auto inert_from = [&](std::size_t i, const char* what) {
         for (; i < a.size(); ++i)
           if (!inert(a[i], inert))
-            r.bad("REDUCE" + where + " of '" + name + "' with " + what + " that is not empty (torch would apply it to the tensor: " +
+            r.bad("REDUCE" + where + " of '" + name + "' with " + what +
+                  " that is not empty (torch would apply it to the tensor: " +
                   "a conjugate or negative view, or a changed attribute); not read here");
       };
       if (name == "collections.OrderedDict" && a.empty()) {
         r.push(pickle_value::dict());
       } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find(torch_storage_key)) {
         inert_from(6, "metadata");
-        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
-                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]}}),
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]},
+                                          {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]},
+                                          {pickle_value::string("stride"), a[3]}}),
                       "tensor");
       } else if (name == "torch._utils._rebuild_tensor_v3" && a.size() >= 7 && a[0].find(torch_storage_key) &&
                  dcp_unpickle_policy::marker_name(a[6]).starts_with("torch.")) {
         // torch 2.x, dtypes without a typed storage (float8, uint16/32/64): an untyped (byte)
         // storage and the dtype as the seventh argument
         inert_from(7, "metadata");
-        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]}, {pickle_value::string("offset"), a[1]},
-                                          {pickle_value::string("size"), a[2]}, {pickle_value::string("stride"), a[3]},
-                                          {pickle_value::string("dtype"), pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}),
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), a[0]},
+                                          {pickle_value::string("offset"), a[1]},
+                                          {pickle_value::string("size"), a[2]},
+                                          {pickle_value::string("stride"), a[3]},
+                                          {pickle_value::string("dtype"),
+                                           pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}),
                       "tensor");
-      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 && a[0].find(torch_tensor_key)) {
+      } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 &&
+                 a[0].find(torch_tensor_key)) {
         inert_from(3, "a state");
         r.push_sealed(a[0], "tensor");  // a Parameter is its tensor here (requires_grad and hooks are not data)
       } else {
-        r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") + " with arguments it does not take");
+        r.bad("REDUCE" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") +
+              " with arguments it does not take");
       }
       return true;
     }
@@ -196,11 +215,13 @@ SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::stri
   const auto* st = v.find(torch_tensor_key);
   if (!st) bad("does not hold one tensor (torch._utils._rebuild_tensor_v2)");
   auto uint = [&](const pickle_value& x, const char* field) {
-    if (x.type() != pickle_value::kind::integer || x.as_int("") < 0) bad(std::string(field) + " is not a non-negative int");
+    if (x.type() != pickle_value::kind::integer || x.as_int("") < 0)
+      bad(std::string(field) + " is not a non-negative int");
     return static_cast<std::uint64_t>(x.as_int(""));
   };
   auto ints = [&](const pickle_value& x, const char* field) {
-    if (x.type() != pickle_value::kind::tuple && x.type() != pickle_value::kind::list) bad(std::string(field) + " is not a tuple");
+    if (x.type() != pickle_value::kind::tuple && x.type() != pickle_value::kind::list)
+      bad(std::string(field) + " is not a tuple");
     std::vector<std::uint64_t> out;
     for (const auto& i : x.as_sequence("")) out.push_back(uint(i, field));
     return out;

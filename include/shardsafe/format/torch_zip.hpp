@@ -69,7 +69,8 @@ template <class ReadAt>
 torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::string_view what,
                                    std::optional<std::uint64_t> expected_size = std::nullopt) {
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": " + rule); };
-  const detail::zip_directory dir = detail::read_zip_directory(length, read_at, bad, 1024, 1 << 20, "a torch.save archive of one value");
+  const detail::zip_directory dir =
+      detail::read_zip_directory(length, read_at, bad, 1024, 1 << 20, "a torch.save archive of one value");
   const std::vector<detail::zip_entry>& all = dir.entries;
   const std::uint64_t cd_at = dir.at;
   auto place = [&](const detail::zip_entry& e) { return detail::place_zip_record(e, cd_at, read_at, bad); };
@@ -78,14 +79,16 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
   std::vector<const detail::zip_entry*> storages;
   for (const auto& e : all) {
     const auto d = e.name.find("/data/");
-    if (d == std::string::npos || d == 0 || e.name.find('/', d + 6) != std::string::npos || e.name.size() == d + 6) continue;
+    if (d == std::string::npos || d == 0 || e.name.find('/', d + 6) != std::string::npos || e.name.size() == d + 6)
+      continue;
     storages.push_back(&e);
   }
   if (expected_size == torch_zip_value) {  // a pickled value: PREFIX/data.pkl alone
     if (!storages.empty())
       bad("holds " + std::to_string(storages.size()) + " storage record" + (storages.size() > 1 ? "s" : "") + " ('" +
           storages.front()->name + "'" + (storages.size() > 1 ? ", ..." : "") +
-          "): a non-tensor item whose value holds tensors, which only torch can unpickle (torch 1.13 saves a nested dict, "
+          "): a non-tensor item whose value holds tensors, which only torch can unpickle (torch 1.13 saves a nested "
+          "dict, "
           "and torch 2.x one saved with flatten_state_dict=False, as such an item): shardsafe reads tensors from a DCP "
           "folder's tensor entries only; save the state dict flattened");
     const detail::zip_entry* pkl = nullptr;
@@ -99,12 +102,14 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
     return out;
   }
   if (storages.size() > 1)
-    bad("holds two storage records, '" + storages[0]->name + "' and '" + storages[1]->name + "' (a DCP chunk holds one tensor)");
+    bad("holds two storage records, '" + storages[0]->name + "' and '" + storages[1]->name +
+        "' (a DCP chunk holds one tensor)");
   if (storages.empty()) bad("holds no storage record (PREFIX/data/KEY)");
   const detail::zip_entry* storage = storages.front();
   out.storage = place(*storage);
   if (expected_size && out.storage.size != *expected_size)
-    bad("record '" + out.storage.name + "' holds " + std::to_string(out.storage.size) + " bytes but the chunk needs " + std::to_string(*expected_size));
+    bad("record '" + out.storage.name + "' holds " + std::to_string(out.storage.size) + " bytes but the chunk needs " +
+        std::to_string(*expected_size));
   const std::string pkl = storage->name.substr(0, storage->name.find("/data/")) + "/data.pkl";
   for (const auto& e : all)
     if (e.name == pkl) out.pickle = place(e);
@@ -115,7 +120,8 @@ torch_zip_archive locate_torch_zip(std::uint64_t length, ReadAt&& read_at, std::
 inline torch_zip_archive locate_torch_zip(std::string_view archive, std::string_view what,
                                           std::optional<std::uint64_t> expected_size = std::nullopt) {
   return locate_torch_zip(
-      archive.size(), [&](std::uint64_t off, std::size_t n) { return std::string(archive.substr(static_cast<std::size_t>(off), n)); },
+      archive.size(),
+      [&](std::uint64_t off, std::size_t n) { return std::string(archive.substr(static_cast<std::size_t>(off), n)); },
       what, expected_size);
 }
 
@@ -126,7 +132,8 @@ inline torch_zip_archive locate_torch_zip(std::string_view archive, std::string_
 /// (where they lie does not move a byte). `bad` throws naming the rule.
 template <class Bad>
 std::vector<std::size_t> dense_stored_order(const torch_zip_tensor& t, std::uint64_t n, Bad&& bad) {
-  if (t.stride.size() != t.size.size()) bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
+  if (t.stride.size() != t.size.size())
+    bad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
   // the dimensions of size > 1 by decreasing stride (no two are equal in a dense layout), each
   // stride the product of the sizes after it in that order
   std::vector<std::size_t> order, ones;
@@ -154,11 +161,14 @@ std::vector<std::size_t> dense_stored_order(const torch_zip_tensor& t, std::uint
 /// keeps a channels_last or transposed tensor's strides: each dimension's stride is then the
 /// product of the sizes stored inside it); empty for row-major. Dimensions of size 1 come first
 /// in such an order (where they lie does not move a byte).
-inline std::vector<std::size_t> check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_record& storage, dtype type,
-                                                       const std::vector<std::uint64_t>& sizes, std::string_view what) {
+inline std::vector<std::size_t> check_torch_zip_tensor(const torch_zip_tensor& t, const torch_zip_record& storage,
+                                                       dtype type, const std::vector<std::uint64_t>& sizes,
+                                                       std::string_view what) {
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, std::string(what) + ": data.pkl: " + rule); };
-  if (!storage.name.ends_with("/data/" + t.storage_key)) bad("tensor's storage '" + t.storage_key + "' is not the record '" + storage.name + "'");
-  if (t.type && *t.type != type) bad("storage holds " + std::string(to_string(*t.type)) + " but .metadata says " + std::string(to_string(type)));
+  if (!storage.name.ends_with("/data/" + t.storage_key))
+    bad("tensor's storage '" + t.storage_key + "' is not the record '" + storage.name + "'");
+  if (t.type && *t.type != type)
+    bad("storage holds " + std::string(to_string(*t.type)) + " but .metadata says " + std::string(to_string(type)));
   if (t.view_type && *t.view_type != type)
     bad("tensor is " + std::string(to_string(*t.view_type)) + " but .metadata says " + std::string(to_string(type)));
   if (t.storage_offset != 0) bad("storage offset " + std::to_string(t.storage_offset) + " is not 0");
@@ -169,10 +179,12 @@ inline std::vector<std::size_t> check_torch_zip_tensor(const torch_zip_tensor& t
   const std::uint64_t item = t.type ? item_size(*t.type) : 1;
   const auto bytes = detail::checked_mul(t.storage_numel, item);
   if (!bytes || *bytes != storage.size)
-    bad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(storage.size) + " bytes of '" + storage.name + "'");
+    bad("storage of " + std::to_string(t.storage_numel) + " elements is not the " + std::to_string(storage.size) +
+        " bytes of '" + storage.name + "'");
   const auto need = detail::checked_mul(*n, item_size(type));
   if (!need || *need != storage.size)
-    bad("record '" + storage.name + "' holds " + std::to_string(storage.size) + " bytes, not the chunk's " + to_string(sizes) + " " + std::string(to_string(type)));
+    bad("record '" + storage.name + "' holds " + std::to_string(storage.size) + " bytes, not the chunk's " +
+        to_string(sizes) + " " + std::string(to_string(type)));
   return stored;
 }
 

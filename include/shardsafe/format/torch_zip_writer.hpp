@@ -147,7 +147,9 @@ inline void zip_descriptor(std::string& out, const zip_record_out& r) {
   zip_put(out, r.size, wide ? 8 : 4);
 }
 
-inline std::uint32_t crc_of(std::string_view s) { return crc32_of(std::as_bytes(std::span<const char>(s.data(), s.size()))); }
+inline std::uint32_t crc_of(std::string_view s) {
+  return crc32_of(std::as_bytes(std::span<const char>(s.data(), s.size())));
+}
 
 /// A small record whose bytes are known: local header, bytes, descriptor.
 inline zip_record_out zip_small_record(std::string& out, std::string name, std::string_view bytes) {
@@ -161,7 +163,8 @@ inline zip_record_out zip_small_record(std::string& out, std::string name, std::
 
 /// The central directory and end records of `records`, appended at `at` (== the archive's size so far).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at, const std::vector<zip_record_out>& records) {
+SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at,
+                                          const std::vector<zip_record_out>& records) {
   const std::uint64_t cd_at = at;
   const std::size_t before = out.size();
   for (const auto& r : records) {
@@ -230,7 +233,8 @@ SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at, co
   zip_put(out, 0, 2);
 }
 #else
-SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at, const std::vector<zip_record_out>& records);
+SHARDSAFE_DECL void zip_central_directory(std::string& out, std::uint64_t at,
+                                          const std::vector<zip_record_out>& records);
 #endif
 
 }  // namespace detail

@@ -47,10 +47,12 @@ struct read_window {
   std::string buf;
   std::uint64_t at = 0;
   std::string operator()(std::uint64_t off, std::size_t n, std::uint64_t end, bool ahead = true) {
-    if (at <= off && off - at <= buf.size() && n <= buf.size() - (off - at)) return buf.substr(static_cast<std::size_t>(off - at), n);
+    if (at <= off && off - at <= buf.size() && n <= buf.size() - (off - at))
+      return buf.substr(static_cast<std::size_t>(off - at), n);
     if (!ahead || off >= end) return read_at(off, n);
     at = off;
-    buf = read_at(off, static_cast<std::size_t>(std::max<std::uint64_t>(n, std::min<std::uint64_t>(64 << 10, end - off))));
+    buf = read_at(off,
+                  static_cast<std::size_t>(std::max<std::uint64_t>(n, std::min<std::uint64_t>(64 << 10, end - off))));
     return buf.substr(0, n);
   }
 };
@@ -99,7 +101,8 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
   }
   if (!eocd) bad("no zip end-of-central-directory record (not a torch.save archive, or truncated)");
   const std::uint64_t eocd_at = length - tail_len + *eocd;
-  std::uint64_t entries = zip_le(tail, *eocd + 10, 2), cd_size = zip_le(tail, *eocd + 12, 4), cd_at = zip_le(tail, *eocd + 16, 4);
+  std::uint64_t entries = zip_le(tail, *eocd + 10, 2), cd_size = zip_le(tail, *eocd + 12, 4),
+                cd_at = zip_le(tail, *eocd + 16, 4);
   std::uint64_t cd_end_limit = eocd_at;
   if (entries == 0xffff || cd_size == 0xffffffff || cd_at == 0xffffffff) {  // zip64
     if (eocd_at < 20) bad("zip64 end record locator is missing");
@@ -115,10 +118,12 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
     cd_end_limit = z;
   }
   const auto cd_end = checked_add(cd_at, cd_size);
-  if (!cd_end || *cd_end > cd_end_limit) bad("central directory [" + std::to_string(cd_at) + ", +" + std::to_string(cd_size) + ") lies outside the archive");
+  if (!cd_end || *cd_end > cd_end_limit)
+    bad("central directory [" + std::to_string(cd_at) + ", +" + std::to_string(cd_size) + ") lies outside the archive");
   if (entries > max_entries || cd_size > max_bytes)
-    bad("central directory of " + std::to_string(entries) + " records (" + std::to_string(cd_size) + " bytes) is too large for " +
-        std::string(kind) + " (at most " + std::to_string(max_entries) + " records, " + std::to_string(max_bytes) + " bytes)");
+    bad("central directory of " + std::to_string(entries) + " records (" + std::to_string(cd_size) +
+        " bytes) is too large for " + std::string(kind) + " (at most " + std::to_string(max_entries) + " records, " +
+        std::to_string(max_bytes) + " bytes)");
   const std::string cd = read_at(cd_at, static_cast<std::size_t>(cd_size));
 
   zip_directory out;
@@ -127,7 +132,8 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
   all.reserve(static_cast<std::size_t>(std::min(entries, cd_size / 46)));  // a record takes at least 46 bytes
   std::size_t p = 0;
   for (std::uint64_t i = 0; i < entries; ++i) {
-    if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50) bad("central directory record " + std::to_string(i) + " is damaged");
+    if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50)
+      bad("central directory record " + std::to_string(i) + " is damaged");
     zip_entry e;
     e.flags = zip_le(cd, p + 8, 2);
     e.method = zip_le(cd, p + 10, 2);
@@ -174,8 +180,10 @@ template <class ReadAt, class Bad>
 torch_zip_record place_zip_record(const zip_entry& e, std::uint64_t cd_at, ReadAt& read_at, Bad& bad) {
   const std::string rec = "record '" + e.name + "'";
   if (e.flags & 1) bad(rec + " is encrypted");
-  if (e.method != 0) bad(rec + " is compressed (method " + std::to_string(e.method) + "); torch.save stores records uncompressed");
-  if (e.csize != e.usize) bad(rec + " is stored with compressed size " + std::to_string(e.csize) + " != size " + std::to_string(e.usize));
+  if (e.method != 0)
+    bad(rec + " is compressed (method " + std::to_string(e.method) + "); torch.save stores records uncompressed");
+  if (e.csize != e.usize)
+    bad(rec + " is stored with compressed size " + std::to_string(e.csize) + " != size " + std::to_string(e.usize));
   if (e.local > cd_at || cd_at - e.local < 30 + e.name.size())
     bad(rec + ": local header at " + std::to_string(e.local) + " lies outside the archive");
   const std::string h = read_at(e.local, 30 + e.name.size());
@@ -185,7 +193,8 @@ torch_zip_record place_zip_record(const zip_entry& e, std::uint64_t cd_at, ReadA
   if (n != e.name.size() || std::string_view(h).substr(30) != e.name) bad(rec + ": local header names another record");
   const std::uint64_t data = e.local + 30 + n + x;
   if (data > cd_at || cd_at - data < e.usize)
-    bad(rec + ": bytes [" + std::to_string(data) + ", +" + std::to_string(e.usize) + ") run into the central directory at " + std::to_string(cd_at));
+    bad(rec + ": bytes [" + std::to_string(data) + ", +" + std::to_string(e.usize) +
+        ") run into the central directory at " + std::to_string(cd_at));
   return torch_zip_record{e.name, data, e.usize};
 }
 

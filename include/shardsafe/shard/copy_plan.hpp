@@ -85,7 +85,8 @@ copy_plan compute_copy_plan(const A& mine, const B& other, std::span<const std::
 /// runs of a tile span (below; tests make it small to cut small blocks).
 template <ShardSpec A>
 copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<const std::size_t> order,
-                             std::span<const std::uint64_t> full, std::uint64_t tile_elements = std::uint64_t(1) << 16) {
+                             std::span<const std::uint64_t> full,
+                             std::uint64_t tile_elements = std::uint64_t(1) << 16) {
   const std::size_t nd = full.size();
   std::vector<bool> seen(nd, false);
   bool permutation = order.size() == nd && nd != 0 && chunk.local_shape().size() == nd;
@@ -169,7 +170,8 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
       const shape_t step = dense_strides(full);
       std::uint64_t local = 0;
       for (const element_range& r : m.ranges()) {
-        for (const tensor_block& b : blocks_of_range(full, r)) add_box(block_spec(b.sizes, b.offsets), local - r.begin, step);
+        for (const tensor_block& b : blocks_of_range(full, r))
+          add_box(block_spec(b.sizes, b.offsets), local - r.begin, step);
         local += r.size();
       }
     }
@@ -178,7 +180,8 @@ copy_plan permuted_copy_plan(const A& mine, const block_spec& chunk, std::span<c
     std::visit(of_spec, mine.variant());
   else
     of_spec(mine);
-  if (std::is_sorted(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; })) return runs;
+  if (std::is_sorted(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; }))
+    return runs;
   std::sort(runs.begin(), runs.end(), [](const copy_run& a, const copy_run& b) { return a.src < b.src; });
   copy_plan out;
   out.reserve(runs.size());
@@ -195,17 +198,17 @@ inline std::uint64_t plan_numel(const copy_plan& plan) noexcept {
 
 /// The part of a load that comes from one file.
 struct file_plan {
-  std::size_t file = 0;       ///< index into the file specs given to plan_load
-  overlap_type overlap{};     ///< how my shard overlaps this file's
-  copy_plan runs;             ///< what to copy (each of my elements appears in one file only)
-  std::uint64_t numel = 0;    ///< elements moved (sum of runs' len)
+  std::size_t file = 0;     ///< index into the file specs given to plan_load
+  overlap_type overlap{};   ///< how my shard overlaps this file's
+  copy_plan runs;           ///< what to copy (each of my elements appears in one file only)
+  std::uint64_t numel = 0;  ///< elements moved (sum of runs' len)
 };
 
 /// Every file's part of loading my shard, and what no file holds.
 struct load_plan {
-  std::vector<file_plan> files;            ///< files with something to copy, in the order given
-  std::vector<element_range> missing;      ///< ranges of my flat view that no file holds
-  std::uint64_t covered = 0;               ///< elements of my flat view some file provides
+  std::vector<file_plan> files;        ///< files with something to copy, in the order given
+  std::vector<element_range> missing;  ///< ranges of my flat view that no file holds
+  std::uint64_t covered = 0;           ///< elements of my flat view some file provides
 };
 
 namespace detail {
@@ -213,7 +216,9 @@ namespace detail {
 inline const block_spec* as_block(const block_spec& s) noexcept { return &s; }
 inline const block_spec* as_block(const shard_spec& s) noexcept { return s.is_block() ? &s.block() : nullptr; }
 template <class S>
-const block_spec* as_block(const S&) noexcept { return nullptr; }
+const block_spec* as_block(const S&) noexcept {
+  return nullptr;
+}
 
 /// Whether the candidate files are all blocks and no two of them share an element: a
 /// pairwise test, so only for a few dozen files (more go through the merge).
@@ -403,8 +408,8 @@ std::vector<element_range> missing_in_whole(std::span<const B> files, std::span<
 template <ShardSpec A, ShardSpec B>
 std::vector<element_range> missing_elements(const A& mine, std::span<const B> files,
                                             std::span<const std::uint64_t> full) {
-  if (auto c = mine.cursor(full); mine.local_numel() == numel(full) && (numel(full) == 0 || (!c.done() && c.run().begin == 0 &&
-                                                                                              c.run().end == numel(full))))
+  if (auto c = mine.cursor(full); mine.local_numel() == numel(full) &&
+                                  (numel(full) == 0 || (!c.done() && c.run().begin == 0 && c.run().end == numel(full))))
     return missing_in_whole(files, full);
   return plan_load(mine, files, full).missing;
 }
@@ -414,7 +419,8 @@ template <ShardSpec A>
 std::optional<std::uint64_t> global_index_of(const A& mine, std::span<const std::uint64_t> full, std::uint64_t local) {
   for (auto c = mine.cursor(full); !c.done(); c.next()) {
     const spec_run r = c.run();
-    if (local < r.local + (r.end - r.begin)) return local >= r.local ? std::optional(r.begin + (local - r.local)) : std::nullopt;
+    if (local < r.local + (r.end - r.begin))
+      return local >= r.local ? std::optional(r.begin + (local - r.local)) : std::nullopt;
   }
   return std::nullopt;
 }
@@ -432,7 +438,9 @@ inline std::string multi_index_string(std::span<const std::uint64_t> full, std::
 
 // the instantiations for the variant spec, which every load plans with, compiled once in
 // separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(copy_plan compute_copy_plan(const shard_spec&, const shard_spec&, std::span<const std::uint64_t>))
-SHARDSAFE_EXTERN_TEMPLATE(load_plan plan_load(const shard_spec&, std::span<const shard_spec>, std::span<const std::uint64_t>))
+SHARDSAFE_EXTERN_TEMPLATE(copy_plan compute_copy_plan(const shard_spec&, const shard_spec&,
+                                                      std::span<const std::uint64_t>))
+SHARDSAFE_EXTERN_TEMPLATE(load_plan plan_load(const shard_spec&, std::span<const shard_spec>,
+                                              std::span<const std::uint64_t>))
 
 }  // namespace shardsafe

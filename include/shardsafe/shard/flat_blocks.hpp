@@ -36,7 +36,8 @@ struct tensor_block {
 inline std::vector<tensor_block> blocks_of_range(std::span<const std::uint64_t> full, element_range r) {
   const auto n = detail::checked_numel(full);
   if (!n || r.begin > r.end || r.end > *n)
-    fail(errc::invalid_spec, "elements " + to_string(r) + " pass a tensor of shape " + to_string(shape_t(full.begin(), full.end())));
+    fail(errc::invalid_spec,
+         "elements " + to_string(r) + " pass a tensor of shape " + to_string(shape_t(full.begin(), full.end())));
   std::vector<tensor_block> out;
   if (r.begin == r.end) return out;
   const std::size_t nd = full.size();

@@ -35,7 +35,9 @@ class merged_ranges_view {
     friend bool operator==(const iterator& it, std::default_sentinel_t) noexcept { return it.end_; }
     /// The work done so far by the spec's cursor (its steps(), when it counts them; else 0).
     std::uint64_t steps() const noexcept {
-      if constexpr (requires(const cursor_t& c) { { c.steps() } -> std::convertible_to<std::uint64_t>; })
+      if constexpr (requires(const cursor_t& c) {
+                      { c.steps() } -> std::convertible_to<std::uint64_t>;
+                    })
         return c_ ? c_->steps() : 0;
       else
         return 0;

@@ -156,8 +156,8 @@ class device_mesh {
   /// The row-major coordinates of rank r.
   shape_t coords_of(std::uint64_t r) const {
     if (r >= size_)
-      fail(errc::invalid_argument, "device_mesh " + describe() + ": rank " + std::to_string(r) + " is outside the mesh's " +
-                                       std::to_string(size_) + " ranks");
+      fail(errc::invalid_argument, "device_mesh " + describe() + ": rank " + std::to_string(r) +
+                                       " is outside the mesh's " + std::to_string(size_) + " ranks");
     shape_t c(shape_.size());
     for (std::size_t d = shape_.size(); d-- > 0;) {
       c[d] = r % shape_[d];
@@ -174,8 +174,8 @@ class device_mesh {
     for (std::size_t d = 0; d < shape_.size(); ++d) {
       if (c[d] >= shape_[d])
         fail(errc::invalid_argument, "device_mesh " + describe() + ": coordinate " + std::to_string(c[d]) +
-                                         " of dimension " + dim_label(d) + " is outside its " + std::to_string(shape_[d]) +
-                                         " ranks");
+                                         " of dimension " + dim_label(d) + " is outside its " +
+                                         std::to_string(shape_[d]) + " ranks");
       r = r * shape_[d] + c[d];
     }
     return r;
@@ -205,7 +205,9 @@ class device_mesh {
     auto n = detail::checked_numel(shape_);
     if (!n) fail(errc::invalid_argument, "device_mesh " + to_string(shape_) + ": more than 2^64 ranks");
     for (std::size_t d = 0; d < shape_.size(); ++d)
-      if (shape_[d] == 0) fail(errc::invalid_argument, "device_mesh " + to_string(shape_) + ": dimension " + std::to_string(d) + " has no ranks");
+      if (shape_[d] == 0)
+        fail(errc::invalid_argument,
+             "device_mesh " + to_string(shape_) + ": dimension " + std::to_string(d) + " has no ranks");
     if (!names_.empty()) {
       if (names_.size() != shape_.size())
         fail(errc::invalid_argument, "device_mesh " + to_string(shape_) + ": " + std::to_string(names_.size()) +
@@ -238,9 +240,11 @@ inline void validate_placements(std::span<const std::uint64_t> full, std::span<c
     fail(errc::invalid_spec, std::string(ctx) + ": " + std::to_string(placements.size()) + " placements " +
                                  to_string(placements) + " for a mesh of " + std::to_string(mesh_shape.size()) +
                                  " dimensions " + to_string(mesh_shape) + "; DTensor needs one per mesh dimension");
-  if (!detail::checked_numel(full)) fail(errc::invalid_spec, std::string(ctx) + ": shape " + to_string(full) + " overflows 64 bits");
+  if (!detail::checked_numel(full))
+    fail(errc::invalid_spec, std::string(ctx) + ": shape " + to_string(full) + " overflows 64 bits");
   for (std::size_t m = 0; m < placements.size(); ++m) {
-    if (mesh_shape[m] == 0) fail(errc::invalid_spec, std::string(ctx) + ": mesh dimension " + std::to_string(m) + " has no ranks");
+    if (mesh_shape[m] == 0)
+      fail(errc::invalid_spec, std::string(ctx) + ": mesh dimension " + std::to_string(m) + " has no ranks");
     if (placements[m].is_shard() && placements[m].dim >= full.size())
       fail(errc::invalid_spec, std::string(ctx) + ": placement " + to_string(placements[m]) + " on mesh dimension " +
                                    std::to_string(m) + " shards tensor dimension " + std::to_string(placements[m].dim) +
@@ -256,13 +260,14 @@ inline block_spec mesh_block_at(std::span<const std::uint64_t> full, std::span<c
                                 std::string_view ctx) {
   validate_placements(full, mesh_shape, placements, ctx);
   if (coords.size() != mesh_shape.size())
-    fail(errc::invalid_argument, std::string(ctx) + ": coordinates " + to_string(coords) + " do not fit mesh " +
-                                     to_string(mesh_shape));
+    fail(errc::invalid_argument,
+         std::string(ctx) + ": coordinates " + to_string(coords) + " do not fit mesh " + to_string(mesh_shape));
   shape_t local(full.begin(), full.end()), offset(full.size(), 0);
   for (std::size_t m = 0; m < placements.size(); ++m) {
     if (coords[m] >= mesh_shape[m])
-      fail(errc::invalid_argument, std::string(ctx) + ": coordinate " + std::to_string(coords[m]) + " of mesh dimension " +
-                                       std::to_string(m) + " is outside its " + std::to_string(mesh_shape[m]) + " ranks");
+      fail(errc::invalid_argument, std::string(ctx) + ": coordinate " + std::to_string(coords[m]) +
+                                       " of mesh dimension " + std::to_string(m) + " is outside its " +
+                                       std::to_string(mesh_shape[m]) + " ranks");
     if (!placements[m].is_shard()) continue;
     const std::size_t d = placements[m].dim;
     const chunk_extent c = torch_chunk(local[d], mesh_shape[m], coords[m]);
@@ -286,7 +291,8 @@ inline block_spec mesh_block(std::span<const std::uint64_t> full, const device_m
 /// Every rank's block, indexed by rank (row-major coordinates): what a save under this mesh
 /// writes, or what each rank of a load under it asks for (planning, benchmarks, tests).
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, std::span<const std::uint64_t> mesh_shape,
+SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full,
+                                                   std::span<const std::uint64_t> mesh_shape,
                                                    std::span<const placement> placements, std::string_view ctx) {
   validate_placements(full, mesh_shape, placements, ctx);
   const std::uint64_t n = numel(mesh_shape);
@@ -303,7 +309,8 @@ SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t
   return out;
 }
 #else
-SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full, std::span<const std::uint64_t> mesh_shape,
+SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full,
+                                                   std::span<const std::uint64_t> mesh_shape,
                                                    std::span<const placement> placements, std::string_view ctx);
 #endif
 
@@ -329,8 +336,9 @@ struct replica_info {
 inline replica_info mesh_replicas_at(std::span<const std::uint64_t> mesh_shape, std::span<const std::uint64_t> coords,
                                      std::span<const placement> placements, std::uint64_t salt = 0) {
   if (placements.size() != mesh_shape.size() || coords.size() != mesh_shape.size())
-    fail(errc::invalid_argument, "mesh_replicas: " + std::to_string(placements.size()) + " placements and coordinates " +
-                                     to_string(coords) + " for mesh " + to_string(mesh_shape));
+    fail(errc::invalid_argument, "mesh_replicas: " + std::to_string(placements.size()) +
+                                     " placements and coordinates " + to_string(coords) + " for mesh " +
+                                     to_string(mesh_shape));
   replica_info r;
   r.block_count = 1;
   r.replica_count = 1;
@@ -348,7 +356,8 @@ inline replica_info mesh_replicas_at(std::span<const std::uint64_t> mesh_shape, 
 }
 
 /// This rank's replica numbering on mesh.
-inline replica_info mesh_replicas(const device_mesh& mesh, std::span<const placement> placements, std::uint64_t salt = 0) {
+inline replica_info mesh_replicas(const device_mesh& mesh, std::span<const placement> placements,
+                                  std::uint64_t salt = 0) {
   return mesh_replicas_at(mesh.shape(), mesh.coords(), placements, salt);
 }
 
@@ -357,8 +366,8 @@ inline replica_info mesh_replicas(const device_mesh& mesh, std::span<const place
 /// nothing; they are not listed as replicas of each other unless they are by this rule.)
 inline std::vector<std::uint64_t> replica_ranks(const device_mesh& mesh, std::span<const placement> placements) {
   if (placements.size() != mesh.ndim())
-    fail(errc::invalid_argument, "replica_ranks: " + std::to_string(placements.size()) + " placements for mesh " +
-                                     mesh.describe());
+    fail(errc::invalid_argument,
+         "replica_ranks: " + std::to_string(placements.size()) + " placements for mesh " + mesh.describe());
   std::vector<std::uint64_t> out;
   shape_t c = mesh.coords();
   for (std::size_t m = 0; m < c.size(); ++m)
@@ -378,7 +387,8 @@ inline std::vector<std::uint64_t> replica_ranks(const device_mesh& mesh, std::sp
 }
 
 /// The rank that writes this rank's block: the replica with replica index `writer`.
-inline std::uint64_t writer_rank(const device_mesh& mesh, std::span<const placement> placements, std::uint64_t salt = 0) {
+inline std::uint64_t writer_rank(const device_mesh& mesh, std::span<const placement> placements,
+                                 std::uint64_t salt = 0) {
   const replica_info info = mesh_replicas(mesh, placements, salt);
   shape_t c = mesh.coords();
   std::uint64_t w = info.writer;

@@ -60,7 +60,8 @@ inline std::optional<box> intersect(const block_spec& a, const block_spec& b) {
   box r{shape_t(nd), shape_t(nd)};
   for (std::size_t d = 0; d < nd; ++d) {
     const std::uint64_t lo = std::max(a.global_offset()[d], b.global_offset()[d]);
-    const std::uint64_t hi = std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
+    const std::uint64_t hi =
+        std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
     if (hi <= lo) return std::nullopt;
     r.offset[d] = lo;
     r.extent[d] = hi - lo;
@@ -75,7 +76,8 @@ inline std::uint64_t intersect_numel(const block_spec& a, const block_spec& b) n
   std::uint64_t n = 1;
   for (std::size_t d = 0; d < nd; ++d) {
     const std::uint64_t lo = std::max(a.global_offset()[d], b.global_offset()[d]);
-    const std::uint64_t hi = std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
+    const std::uint64_t hi =
+        std::min(a.global_offset()[d] + a.local_shape()[d], b.global_offset()[d] + b.local_shape()[d]);
     if (hi <= lo) return 0;
     n *= hi - lo;
   }

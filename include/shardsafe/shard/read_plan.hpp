@@ -27,8 +27,8 @@
 namespace shardsafe {
 
 struct read_options {
-  std::uint64_t max_gap_bytes = 4096;               ///< merge reads separated by at most this
-  double max_over_read = 0.02;                      ///< wasted bytes / needed bytes, per read
+  std::uint64_t max_gap_bytes = 4096;                      ///< merge reads separated by at most this
+  double max_over_read = 0.02;                             ///< wasted bytes / needed bytes, per read
   std::uint64_t max_read_bytes = std::uint64_t(64) << 20;  ///< split reads longer than this
 };
 
@@ -134,7 +134,8 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
       if (!joins(src, gap) || src - cur.file_offset > max_read - item) flush();
       if (cur.pieces.empty()) cur.file_offset = src;
       const std::uint64_t at = src - cur.file_offset;
-      const std::uint64_t take = std::min(n, (max_read - item - at) / std::max<std::uint64_t>(ss, 1) + 1);  // ending within max_read
+      const std::uint64_t take =
+          std::min(n, (max_read - item - at) / std::max<std::uint64_t>(ss, 1) + 1);  // ending within max_read
       add_piece(dst, at, take, ss, ds);
       src += take * ss;
       dst += take * ds;
@@ -160,8 +161,12 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
       }
       hole = std::max(hole, r.src + r.src_step - last - 1);
       const std::uint64_t ss = r.src_step * item;
-      auto src_of = [&](std::size_t i, std::uint64_t k) { return data_offset + (runs[order[i]].src + k * r.src_step) * item; };
-      auto dst_of = [&](std::size_t i, std::uint64_t k) { return (runs[order[i]].dst + k * runs[order[i]].dst_step) * item; };
+      auto src_of = [&](std::size_t i, std::uint64_t k) {
+        return data_offset + (runs[order[i]].src + k * r.src_step) * item;
+      };
+      auto dst_of = [&](std::size_t i, std::uint64_t k) {
+        return (runs[order[i]].dst + k * runs[order[i]].dst_step) * item;
+      };
       plan.bytes_needed += (q - p) * r.len * item;
       if (hole > opt.max_gap_bytes / item || ss > max_read) {
         for (std::uint64_t k = 0; k < r.len; ++k)
@@ -222,7 +227,8 @@ SHARDSAFE_DECL read_plan make_read_plan(const copy_plan& runs, std::uint64_t dat
   flush();
   // a stepped run cut at max_read leaves reads that start after the next run's
   const auto by_offset = [](const read_op& a, const read_op& b) { return a.file_offset < b.file_offset; };
-  if (!std::is_sorted(plan.ops.begin(), plan.ops.end(), by_offset)) std::stable_sort(plan.ops.begin(), plan.ops.end(), by_offset);
+  if (!std::is_sorted(plan.ops.begin(), plan.ops.end(), by_offset))
+    std::stable_sort(plan.ops.begin(), plan.ops.end(), by_offset);
   return plan;
 }
 #else

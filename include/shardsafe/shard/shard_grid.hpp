@@ -34,11 +34,11 @@
 namespace shardsafe {
 
 struct shard_grid {
-  bool flat = false;                  ///< cut the flattened tensor (one dimension) or each dimension
-  std::vector<std::uint64_t> chunks;  ///< elements per piece, per dimension
-  std::vector<std::uint64_t> parts;   ///< pieces per dimension
-  std::uint64_t base = 0;             ///< rank of part (0, ..., 0)
-  std::vector<std::uint64_t> strides; ///< rank step per piece index, per dimension
+  bool flat = false;                   ///< cut the flattened tensor (one dimension) or each dimension
+  std::vector<std::uint64_t> chunks;   ///< elements per piece, per dimension
+  std::vector<std::uint64_t> parts;    ///< pieces per dimension
+  std::uint64_t base = 0;              ///< rank of part (0, ..., 0)
+  std::vector<std::uint64_t> strides;  ///< rank step per piece index, per dimension
 
   friend bool operator==(const shard_grid&, const shard_grid&) = default;
 
@@ -97,12 +97,14 @@ SHARDSAFE_DECL void validate(const shard_grid& g, std::span<const std::uint64_t>
   for (std::size_t d = 0; d < dims.size(); ++d) {
     const std::string at = c + ": grid dimension " + std::to_string(d);
     if (g.parts[d] == 0) fail(errc::invalid_metadata, at + ": 0 parts");
-    if (g.chunks[d] == 0 && dims[d] > 0) fail(errc::invalid_metadata, at + ": chunks of 0 elements cut " + std::to_string(dims[d]));
+    if (g.chunks[d] == 0 && dims[d] > 0)
+      fail(errc::invalid_metadata, at + ": chunks of 0 elements cut " + std::to_string(dims[d]));
     // the pieces must reach the end of the dimension: c * parts >= n
     const auto reach = detail::checked_mul(g.chunks[d], g.parts[d]);
     if (reach && *reach < dims[d])
-      fail(errc::invalid_metadata, at + ": " + std::to_string(g.parts[d]) + " pieces of " + std::to_string(g.chunks[d]) +
-                                       " elements do not cover its " + std::to_string(dims[d]));
+      fail(errc::invalid_metadata, at + ": " + std::to_string(g.parts[d]) + " pieces of " +
+                                       std::to_string(g.chunks[d]) + " elements do not cover its " +
+                                       std::to_string(dims[d]));
     const auto t = detail::checked_mul(total, g.parts[d]);
     if (!t || *t > max_grid_parts)
       fail(errc::invalid_metadata, c + ": the grid has more than " + std::to_string(max_grid_parts) + " parts");
@@ -118,10 +120,11 @@ SHARDSAFE_DECL void validate(const shard_grid& g, std::span<const std::uint64_t>
   std::uint64_t reach = 0;  // the highest rank offset the dimensions so far reach
   for (std::size_t d : order) {
     if (g.strides[d] <= reach)
-      fail(errc::invalid_metadata, c + ": grid dimension " + std::to_string(d) + "'s stride " + std::to_string(g.strides[d]) +
-                                       " gives two parts the same rank");
+      fail(errc::invalid_metadata, c + ": grid dimension " + std::to_string(d) + "'s stride " +
+                                       std::to_string(g.strides[d]) + " gives two parts the same rank");
     const auto r = detail::checked_mul(g.strides[d], g.parts[d] - 1);
-    if (!r || *r > max_grid_rank) fail(errc::invalid_metadata, c + ": the grid names ranks past " + std::to_string(max_grid_rank));
+    if (!r || *r > max_grid_rank)
+      fail(errc::invalid_metadata, c + ": the grid names ranks past " + std::to_string(max_grid_rank));
     reach += *r;
   }
   if (g.base > max_grid_rank || g.base + reach > max_grid_rank)
@@ -184,7 +187,8 @@ void for_each_grid_index(std::span<const std::uint64_t> lo, std::span<const std:
 }
 
 /// The parts of the box, by rank.
-inline std::vector<std::pair<std::uint64_t, shard_spec>> grid_box(const shard_grid& g, std::span<const std::uint64_t> full,
+inline std::vector<std::pair<std::uint64_t, shard_spec>> grid_box(const shard_grid& g,
+                                                                  std::span<const std::uint64_t> full,
                                                                   std::span<const std::uint64_t> lo,
                                                                   std::span<const std::uint64_t> hi) {
   std::vector<std::pair<std::uint64_t, shard_spec>> out;
@@ -197,7 +201,8 @@ inline std::vector<std::pair<std::uint64_t, shard_spec>> grid_box(const shard_gr
 }  // namespace detail
 
 /// Every part of a (validated) grid, in rank order: the listed sharding it stands for.
-inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid& g, std::span<const std::uint64_t> full) {
+inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid& g,
+                                                                std::span<const std::uint64_t> full) {
   std::vector<std::uint64_t> lo(g.parts.size(), 0), hi(g.parts.size());
   for (std::size_t d = 0; d < g.parts.size(); ++d) hi[d] = g.parts[d] - 1;
   return detail::grid_box(g, full, lo, hi);
@@ -207,7 +212,8 @@ inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid
 /// bounding box, or bounding flat range, meets; never an empty part), in rank order. Costs the
 /// dimensions plus the parts returned.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g, std::span<const std::uint64_t> full,
+SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g,
+                                                                             std::span<const std::uint64_t> full,
                                                                              const shard_spec& want) {
   const shape_t dims = detail::grid_dims(g, full);
   const std::size_t nd = dims.size();
@@ -264,7 +270,8 @@ SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(con
   return detail::grid_box(g, full, lo, hi);
 }
 #else
-SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g, std::span<const std::uint64_t> full,
+SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(const shard_grid& g,
+                                                                             std::span<const std::uint64_t> full,
                                                                              const shard_spec& want);
 #endif
 
@@ -282,8 +289,12 @@ SHARDSAFE_DECL std::optional<shard_grid> detect_grid(std::span<const std::pair<s
   const shape_t dims = detail::grid_dims(g, full);
   const std::size_t nd = dims.size();
   if (nd == 0) return std::nullopt;
-  auto offset = [&](const shard_spec& s, std::size_t d) { return g.flat ? s.flat().ranges()[0].begin : s.block().global_offset()[d]; };
-  auto extent = [&](const shard_spec& s, std::size_t d) { return g.flat ? s.flat().ranges()[0].size() : s.block().local_shape()[d]; };
+  auto offset = [&](const shard_spec& s, std::size_t d) {
+    return g.flat ? s.flat().ranges()[0].begin : s.block().global_offset()[d];
+  };
+  auto extent = [&](const shard_spec& s, std::size_t d) {
+    return g.flat ? s.flat().ranges()[0].size() : s.block().local_shape()[d];
+  };
   // chunks: the largest piece starting at 0 along each dimension; parts: distinct offsets
   g.chunks.assign(nd, 0);
   g.parts.assign(nd, 0);
@@ -309,8 +320,10 @@ SHARDSAFE_DECL std::optional<shard_grid> detect_grid(std::span<const std::pair<s
     for (std::size_t d = 0; d < nd; ++d) {
       const std::uint64_t i = index_of(s, d);
       if (i != 0) zero = false;
-      if (i == 1) ++ones, at = d;
-      else if (i != 0) ones = nd + 1;
+      if (i == 1)
+        ++ones, at = d;
+      else if (i != 0)
+        ones = nd + 1;
     }
     if (zero && extent(s, 0) > 0 && !have_base) g.base = r, have_base = true;
     if (ones == 1 && s.local_numel() > 0) g.strides[at] = r;  // made relative below

@@ -101,8 +101,8 @@ class flat_spec {
       const std::string where = std::string(ctx) + ": flattened_offsets[" + std::to_string(i) + "] " + to_string(r);
       if (r.end < r.begin) fail(errc::invalid_spec, where + " ends before it begins");
       if (r.end > *n)
-        fail(errc::invalid_spec, where + " is out of bounds for shape " + to_string(full) + " (" +
-                                     std::to_string(*n) + " elements)");
+        fail(errc::invalid_spec,
+             where + " is out of bounds for shape " + to_string(full) + " (" + std::to_string(*n) + " elements)");
       if (r.empty()) continue;
       if (any && r.begin < prev_end)
         fail(errc::invalid_spec, where + " is out of order with, or overlaps, the range before it (which ends at " +
@@ -132,8 +132,10 @@ class flat_spec {
       while (lo < hi) {
         const std::size_t mid = lo + (hi - lo) / 2;
         ++steps_;
-        if (pos < s_->nth(mid).end) hi = mid;
-        else lo = mid + 1;
+        if (pos < s_->nth(mid).end)
+          hi = mid;
+        else
+          lo = mid + 1;
       }
       i_ = lo;
     }
@@ -201,7 +203,8 @@ class block_spec {
 
   void validate(std::span<const std::uint64_t> full, std::string_view ctx) const {
     const std::string c(ctx);
-    if (!detail::checked_numel(full)) fail(errc::invalid_spec, c + ": full shape " + to_string(full) + " overflows 64 bits");
+    if (!detail::checked_numel(full))
+      fail(errc::invalid_spec, c + ": full shape " + to_string(full) + " overflows 64 bits");
     if (local_shape_.size() != full.size() || global_offset_.size() != full.size())
       fail(errc::invalid_spec, c + ": local_shape " + to_string(local_shape_) + " and global_offset " +
                                    to_string(global_offset_) + " must both have the " + std::to_string(full.size()) +
@@ -289,7 +292,7 @@ class block_spec {
         ++steps_;
         const std::uint64_t c = rem / stride_[d];
         rem %= stride_[d];
-        if (c < off_[d]) return count;                        // before the block here
+        if (c < off_[d]) return count;                                   // before the block here
         if (c >= off_[d] + ext_[d]) return count + ext_[d] * below_[d];  // past it
         count += (c - off_[d]) * below_[d];
       }
@@ -346,12 +349,22 @@ class shard_spec {
    public:
     using inner = std::variant<flat_spec::cursor_type, block_spec::cursor_type>;
     explicit cursor_type(inner c) : c_(std::move(c)) {}
-    bool done() const noexcept { return std::visit([](const auto& c) { return c.done(); }, c_); }
-    spec_run run() const noexcept { return std::visit([](const auto& c) { return c.run(); }, c_); }
-    void next() noexcept { std::visit([](auto& c) { c.next(); }, c_); }
-    void seek(std::uint64_t pos) noexcept { std::visit([&](auto& c) { c.seek(pos); }, c_); }
+    bool done() const noexcept {
+      return std::visit([](const auto& c) { return c.done(); }, c_);
+    }
+    spec_run run() const noexcept {
+      return std::visit([](const auto& c) { return c.run(); }, c_);
+    }
+    void next() noexcept {
+      std::visit([](auto& c) { c.next(); }, c_);
+    }
+    void seek(std::uint64_t pos) noexcept {
+      std::visit([&](auto& c) { c.seek(pos); }, c_);
+    }
     /// The steps() of the cursor inside.
-    std::uint64_t steps() const noexcept { return std::visit([](const auto& c) { return c.steps(); }, c_); }
+    std::uint64_t steps() const noexcept {
+      return std::visit([](const auto& c) { return c.steps(); }, c_);
+    }
 
    private:
     inner c_;

@@ -61,7 +61,7 @@ inline std::string trim_spaces(std::string_view v) {
 /// key ("region", "s3.addressing_style"); nothing when the profile is absent.
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
-                                                                                          std::string_view profile) {
+                                                                                         std::string_view profile) {
   std::optional<std::map<std::string, std::string>> out;
   bool in_profile = false;
   std::string block;  // the "key =" block the indented lines belong to
@@ -97,14 +97,14 @@ SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_set
 }
 #else
 SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings_of(std::string_view text,
-                                                                                          std::string_view profile);
+                                                                                         std::string_view profile);
 #endif
 
 /// aws_profile_settings_of the AWS INI file `file` (at most 1 MiB is read: a larger file is
 /// errc::invalid_argument); nothing when the file or the profile is absent.
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
-                                                                                       std::string_view profile) {
+                                                                                      std::string_view profile) {
   std::ifstream in(file, std::ios::binary);
   if (!in) return std::nullopt;
   constexpr std::size_t max_bytes = std::size_t(1) << 20;
@@ -117,7 +117,7 @@ SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_set
 }
 #else
 SHARDSAFE_DECL std::optional<std::map<std::string, std::string>> aws_profile_settings(const std::filesystem::path& file,
-                                                                                       std::string_view profile);
+                                                                                      std::string_view profile);
 #endif
 
 namespace detail {
@@ -125,7 +125,8 @@ namespace detail {
 /// The credentials of [profile] in an AWS credentials file, or nothing when the file or the
 /// profile is absent or the profile has no aws_access_key_id.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile) {
+SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file,
+                                                                    std::string_view profile) {
   const auto s = aws_profile_settings(file, profile);
   if (!s) return std::nullopt;
   auto get = [&](const char* k) {
@@ -137,7 +138,8 @@ SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::f
   return c;
 }
 #else
-SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file, std::string_view profile);
+SHARDSAFE_DECL std::optional<aws_credentials> credentials_from_file(const std::filesystem::path& file,
+                                                                    std::string_view profile);
 #endif
 
 }  // namespace detail
@@ -159,13 +161,15 @@ SHARDSAFE_DECL aws_credentials aws_credentials_from_environment(std::string prof
   }
   profile = aws_profile_name(profile);
   std::filesystem::path file;
-  if (auto f = detail::env("AWS_SHARED_CREDENTIALS_FILE")) file = *f;
-  else if (auto h = detail::env("HOME")) file = std::filesystem::path(*h) / ".aws" / "credentials";
+  if (auto f = detail::env("AWS_SHARED_CREDENTIALS_FILE"))
+    file = *f;
+  else if (auto h = detail::env("HOME"))
+    file = std::filesystem::path(*h) / ".aws" / "credentials";
   if (!file.empty())
     if (auto c = detail::credentials_from_file(file, profile)) return *c;
   throw error(errc::not_found, "no AWS credentials: AWS_ACCESS_KEY_ID is not set and " +
-                                   (file.empty() ? std::string("there is no HOME") : file.string()) + " has no profile '" +
-                                   profile + "' with aws_access_key_id");
+                                   (file.empty() ? std::string("there is no HOME") : file.string()) +
+                                   " has no profile '" + profile + "' with aws_access_key_id");
 }
 #else
 SHARDSAFE_DECL aws_credentials aws_credentials_from_environment(std::string profile = "");

@@ -149,9 +149,8 @@ struct read_request {
 };
 
 template <class S>
-concept BatchReadableStorage = ReadableStorage<S> && requires(const S& s, std::span<const read_request> rs) {
-  s.read_batch(rs);
-};
+concept BatchReadableStorage =
+    ReadableStorage<S> && requires(const S& s, std::span<const read_request> rs) { s.read_batch(rs); };
 
 // A backend's suggestion for how reads of it are merged and issued (see the table above) is a
 // read_settings (core/read_settings.hpp); an empty field takes the library's default.
@@ -197,10 +196,9 @@ struct block_fill_archetype {
 }  // namespace detail
 
 template <class W>
-concept BlockWritableStorage =
-    WritableStorage<W> && requires(W& w, std::uint64_t size, const block_write_options& o) {
-      w.write_blocks(size, detail::block_fill_archetype{}, o);
-    };
+concept BlockWritableStorage = WritableStorage<W> && requires(W& w, std::uint64_t size, const block_write_options& o) {
+  w.write_blocks(size, detail::block_fill_archetype{}, o);
+};
 
 namespace detail {
 /// Runs f(); if it throws, aborts w and rethrows the exception. Should abort fail too, the

@@ -132,7 +132,11 @@ class file_writer {
         temp_(detail::temp_name_for(final_)),
         fd_(detail::open_fd(temp_, O_WRONLY | O_CREAT | O_EXCL | O_TRUNC, 0644)) {}
   file_writer(file_writer&& o) noexcept
-      : final_(std::move(o.final_)), temp_(std::move(o.temp_)), fd_(std::move(o.fd_)), done_(o.done_), committed_(o.committed_) {
+      : final_(std::move(o.final_)),
+        temp_(std::move(o.temp_)),
+        fd_(std::move(o.fd_)),
+        done_(o.done_),
+        committed_(o.committed_) {
     o.done_ = true;  // the moved-from writer owns no temporary
   }
   file_writer& operator=(file_writer&&) = delete;
@@ -231,7 +235,7 @@ class file_writer {
   std::string final_;
   std::string temp_;
   detail::unique_fd fd_;
-  bool done_ = false;       ///< committed or aborted: no temporary left to remove
+  bool done_ = false;  ///< committed or aborted: no temporary left to remove
   bool committed_ = false;
 };
 
@@ -351,10 +355,10 @@ class basic_file_directory {
     if (!ec && here.parent_path().filename() == "snapshots" &&
         within(target, here.parent_path().parent_path() / "blobs"))
       return;
-    throw error(errc::unsafe_link, p.string() + ": a symbolic link to " + target.string() + ", outside the folder " +
-                                       boundary_.string() +
-                                       "; refused (a checkpoint's links must stay inside its folder; to trust this "
-                                       "one, open the folder with link_policy::follow, or pass --follow-links to the tool)");
+    throw error(errc::unsafe_link,
+                p.string() + ": a symbolic link to " + target.string() + ", outside the folder " + boundary_.string() +
+                    "; refused (a checkpoint's links must stay inside its folder; to trust this "
+                    "one, open the folder with link_policy::follow, or pass --follow-links to the tool)");
   }
   std::filesystem::path root_;
   std::string name_;

@@ -54,7 +54,8 @@ namespace shardsafe {
 namespace detail {
 inline namespace SHARDSAFE_HTTP_ABI {
 /// The parts one read is cut into: [off, off + part) pieces of at most part bytes.
-inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_t part, std::vector<read_request>& out) {
+inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_t part,
+                       std::vector<read_request>& out) {
   for (std::uint64_t at = 0; at < dst.size(); at += part) {
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(part, dst.size() - at));
     out.push_back({off + at, dst.subspan(static_cast<std::size_t>(at), n)});
@@ -101,8 +102,9 @@ SHARDSAFE_DECL remote_object remote_head(http_client& c, url_parts& u, request_s
   std::optional<std::uint64_t> total;
   auto cr = g.header("Content-Range");
   if (g.status != 206 || !cr || !parse_content_range(*cr, a, b, total) || !total)
-    throw error(errc::io_error, u.str() + ": HEAD gave no Content-Length, and a GET of bytes=0-0 no Content-Range total (HTTP " +
-                                    std::to_string(g.status) + ")");
+    throw error(errc::io_error,
+                u.str() + ": HEAD gave no Content-Length, and a GET of bytes=0-0 no Content-Range total (HTTP " +
+                    std::to_string(g.status) + ")");
   obj.size = *total;
   return obj;
 }
@@ -120,8 +122,12 @@ template <class Sign>
 class basic_remote_storage {
  public:
   /// Opens the object at url: one HEAD for its size (see the table at the top).
-  basic_remote_storage(std::shared_ptr<detail::http_client> client, url_parts url, Sign sign = {}, std::string name = "")
-      : client_(std::move(client)), url_(std::move(url)), name_(name.empty() ? url_.str() : std::move(name)), sign_(std::move(sign)) {
+  basic_remote_storage(std::shared_ptr<detail::http_client> client, url_parts url, Sign sign = {},
+                       std::string name = "")
+      : client_(std::move(client)),
+        url_(std::move(url)),
+        name_(name.empty() ? url_.str() : std::move(name)),
+        sign_(std::move(sign)) {
     detail::remote_object o = detail::remote_head(*client_, url_, sign_);
     size_ = o.size;
     validator_ = std::move(o.validator);
@@ -210,8 +216,9 @@ class http_directory {
   }
 
   std::vector<std::string> list() const {
-    throw error(errc::invalid_argument, name_ + ": an HTTP server has no listing of a folder; open the objects by name "
-                                                "(metadata.json, model.safetensors.index.json, model.safetensors)");
+    throw error(errc::invalid_argument, name_ +
+                                            ": an HTTP server has no listing of a folder; open the objects by name "
+                                            "(metadata.json, model.safetensors.index.json, model.safetensors)");
   }
 
   http_directory sub(std::string_view n) const { return http_directory(client_, child(n)); }

@@ -34,21 +34,21 @@ struct http_options {
   /// One request in all (every attempt, backoff and redirect of it) ends within this, or is an
   /// error naming its URL and what was waited for; an S3 listing, all its pages, the same.
   std::chrono::milliseconds operation_timeout{20'000};
-  unsigned max_redirects = 5;                         ///< 301/302/303/307/308 followed for GET and HEAD
-  unsigned requests_in_flight = 16;                   ///< per client (shared by copies of a directory)
-  std::uint64_t part_bytes = std::uint64_t(8) << 20;  ///< read_batch splits longer reads into parts
+  unsigned max_redirects = 5;                             ///< 301/302/303/307/308 followed for GET and HEAD
+  unsigned requests_in_flight = 16;                       ///< per client (shared by copies of a directory)
+  std::uint64_t part_bytes = std::uint64_t(8) << 20;      ///< read_batch splits longer reads into parts
   std::size_t max_response_body = std::size_t(16) << 20;  ///< bodies read into memory (errors, XML)
-  std::string ca_file;        ///< PEM file of CAs to trust (HTTPS); empty: the system's store
-  bool verify_peer = true;    ///< check the server's certificate and host name (HTTPS)
+  std::string ca_file;                      ///< PEM file of CAs to trust (HTTPS); empty: the system's store
+  bool verify_peer = true;                  ///< check the server's certificate and host name (HTTPS)
   std::vector<connect_to_rule> connect_to;  ///< the first rule that matches a URL's host and port
 };
 
 /// Counters of one client, for tests and benchmarks.
 struct http_stats {
-  std::atomic<std::uint64_t> requests{0};        ///< requests sent (retries included)
-  std::atomic<std::uint64_t> body_bytes{0};      ///< response body bytes received
-  std::atomic<std::uint64_t> retries{0};         ///< attempts after a failed one
-  std::atomic<std::uint64_t> connections{0};     ///< connections opened
+  std::atomic<std::uint64_t> requests{0};     ///< requests sent (retries included)
+  std::atomic<std::uint64_t> body_bytes{0};   ///< response body bytes received
+  std::atomic<std::uint64_t> retries{0};      ///< attempts after a failed one
+  std::atomic<std::uint64_t> connections{0};  ///< connections opened
 };
 
 }  // namespace shardsafe

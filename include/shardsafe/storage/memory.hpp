@@ -58,7 +58,9 @@ struct memory_store {
 class memory_writer {
  public:
   explicit memory_writer(std::string name, std::shared_ptr<memory_store> store = nullptr)
-      : name_(std::move(name)), store_(std::move(store)), buf_(std::make_unique<byte_buffer>()),
+      : name_(std::move(name)),
+        store_(std::move(store)),
+        buf_(std::make_unique<byte_buffer>()),
         mutex_(std::make_unique<std::mutex>()) {}
 
   std::string_view name() const noexcept { return name_; }
@@ -156,8 +158,7 @@ class memory_directory {
          it != store_->objects.end() && it->first.rfind(key + "/", 0) == 0;)
       it = store_->objects.erase(it);
     store_->folders.erase(key);
-    for (auto it = store_->folders.lower_bound(key + "/");
-         it != store_->folders.end() && it->rfind(key + "/", 0) == 0;)
+    for (auto it = store_->folders.lower_bound(key + "/"); it != store_->folders.end() && it->rfind(key + "/", 0) == 0;)
       it = store_->folders.erase(it);
   }
   memory_directory sub(std::string_view n) const { return memory_directory(store_, child(n)); }

@@ -65,7 +65,8 @@
 #include "shardsafe/storage/url.hpp"
 
 #if defined(SHARDSAFE_SEPARATE_COMPILATION) && !SHARDSAFE_HTTP_TLS
-#error "shardsafe: the s3 backend separately compiled needs SHARDSAFE_HTTP_TLS=1 (the unit of shardsafe/compiled_remote.hpp holds s3 only with TLS); build header-only, or with TLS"
+#error \
+    "shardsafe: the s3 backend separately compiled needs SHARDSAFE_HTTP_TLS=1 (the unit of shardsafe/compiled_remote.hpp holds s3 only with TLS); build header-only, or with TLS"
 #endif
 
 namespace shardsafe {
@@ -136,7 +137,7 @@ class s3_directory {
   /// by page, until each returns false or the listing ends.
   void list_keys(const std::string& pre, bool delimit, unsigned page,
                  const std::function<bool(std::string_view)>& each) const;
-  static constexpr int max_list_pages = 10'000;                  ///< pages of one listing
+  static constexpr int max_list_pages = 10'000;                              ///< pages of one listing
   static constexpr std::uint64_t max_list_keys = std::uint64_t(10'000'000);  ///< keys of one listing
   static bool xml_is_true(const std::string& x, const char* tag) {
     auto v = detail::xml_text(x, tag);
@@ -151,29 +152,37 @@ class s3_directory {
 #if SHARDSAFE_REMOTE_DEFINE
 SHARDSAFE_DECL s3_directory::s3_directory(std::string_view url, s3_options o) {
   const url_parts u = parse_url(url);
-  if (u.scheme != "s3") throw error(errc::invalid_argument, "'" + std::string(url) + "': an s3_directory takes s3://BUCKET/PREFIX");
+  if (u.scheme != "s3")
+    throw error(errc::invalid_argument, "'" + std::string(url) + "': an s3_directory takes s3://BUCKET/PREFIX");
   auto ctx = std::make_shared<detail::s3_context>();
   ctx->bucket = u.host;
   ctx->creds = o.credentials ? *o.credentials : aws_credentials_from_environment(o.profile);
-  ctx->region = !o.region.empty() ? o.region
-                                  : detail::env("AWS_REGION").value_or(detail::env("AWS_DEFAULT_REGION").value_or("us-east-1"));
-  const std::optional<std::string> custom = !o.endpoint.empty() ? std::optional<std::string>(o.endpoint) : detail::env("AWS_ENDPOINT_URL");
+  ctx->region = !o.region.empty()
+                    ? o.region
+                    : detail::env("AWS_REGION").value_or(detail::env("AWS_DEFAULT_REGION").value_or("us-east-1"));
+  const std::optional<std::string> custom =
+      !o.endpoint.empty() ? std::optional<std::string>(o.endpoint) : detail::env("AWS_ENDPOINT_URL");
   std::string ep = custom.value_or("https://s3." + ctx->region + ".amazonaws.com");
   ctx->endpoint = parse_url(ep);
-  if (ctx->endpoint.scheme == "s3") throw error(errc::invalid_argument, "'" + ep + "': an S3 endpoint is an http(s):// URL");
+  if (ctx->endpoint.scheme == "s3")
+    throw error(errc::invalid_argument, "'" + ep + "': an S3 endpoint is an http(s):// URL");
   s3_addressing style = o.addressing;
   if (style == s3_addressing::automatic) {
     std::filesystem::path config;
-    if (auto f = detail::env("AWS_CONFIG_FILE")) config = *f;
-    else if (auto h = detail::env("HOME")) config = std::filesystem::path(*h) / ".aws" / "config";
+    if (auto f = detail::env("AWS_CONFIG_FILE"))
+      config = *f;
+    else if (auto h = detail::env("HOME"))
+      config = std::filesystem::path(*h) / ".aws" / "config";
     const std::string profile = aws_profile_name(o.profile);
     if (!config.empty()) style = detail::addressing_from_config(config, profile).value_or(style);
   }
-  if (style == s3_addressing::automatic) style = !custom && s3_virtual_bucket_name(ctx->bucket) ? s3_addressing::virtual_hosted : s3_addressing::path;
+  if (style == s3_addressing::automatic)
+    style = !custom && s3_virtual_bucket_name(ctx->bucket) ? s3_addressing::virtual_hosted : s3_addressing::path;
   if (style == s3_addressing::virtual_hosted) {
     if (!s3_virtual_bucket_name(ctx->bucket))
-      throw error(errc::invalid_argument, "s3://" + ctx->bucket + ": virtual-hosted addressing needs a bucket name that is a DNS label "
-                                          "(3 to 63 of a-z, 0-9, '-'); use path addressing");
+      throw error(errc::invalid_argument, "s3://" + ctx->bucket +
+                                              ": virtual-hosted addressing needs a bucket name that is a DNS label "
+                                              "(3 to 63 of a-z, 0-9, '-'); use path addressing");
     ctx->virtual_hosted = true;
   }
   ctx->client = std::make_shared<detail::http_client>(o.http);
@@ -194,7 +203,10 @@ SHARDSAFE_DECL bool s3_directory::exists(std::string_view n) const {
   if (r.status >= 200 && r.status <= 299) return true;
   if (r.status != 404) detail::throw_s3_error(ctx_->name_of(k), "HEAD", r);
   bool any = false;
-  list_keys(k + "/", false, 1, [&](std::string_view) { any = true; return false; });
+  list_keys(k + "/", false, 1, [&](std::string_view) {
+    any = true;
+    return false;
+  });
   return any;
 }
 
@@ -215,7 +227,10 @@ SHARDSAFE_DECL std::vector<std::string> s3_directory::list() const {
 SHARDSAFE_DECL void s3_directory::remove(std::string_view n) const {
   const std::string k = key(n);
   std::vector<std::string> keys{k};
-  list_keys(k + "/", false, ctx_->opt.list_page, [&](std::string_view x) { keys.emplace_back(x); return true; });
+  list_keys(k + "/", false, ctx_->opt.list_page, [&](std::string_view x) {
+    keys.emplace_back(x);
+    return true;
+  });
   detail::parallel_for(keys.size(), ctx_->opt.http.requests_in_flight, [&](std::size_t i) {
     detail::http_request r;
     r.method = detail::bhttp::verb::delete_;
@@ -239,9 +254,11 @@ SHARDSAFE_DECL void s3_directory::create_bucket() const {
   r.url = ctx_->url_of("");
   std::string body;
   if (ctx_->region != "us-east-1")
-    body = "<CreateBucketConfiguration><LocationConstraint>" + ctx_->region + "</LocationConstraint></CreateBucketConfiguration>";
+    body = "<CreateBucketConfiguration><LocationConstraint>" + ctx_->region +
+           "</LocationConstraint></CreateBucketConfiguration>";
   r.body = std::as_bytes(std::span(body));
-  detail::check_s3("s3://" + ctx_->bucket, "CreateBucket", detail::s3_send(ctx_, r, "s3://" + ctx_->bucket, "CreateBucket"));
+  detail::check_s3("s3://" + ctx_->bucket, "CreateBucket",
+                   detail::s3_send(ctx_, r, "s3://" + ctx_->bucket, "CreateBucket"));
 }
 
 SHARDSAFE_DECL std::vector<std::string> s3_directory::pending_uploads() const {
@@ -261,7 +278,7 @@ SHARDSAFE_DECL std::vector<std::string> s3_directory::pending_uploads() const {
 }
 
 SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit, unsigned page,
-                                           const std::function<bool(std::string_view)>& each) const {
+                                            const std::function<bool(std::string_view)>& each) const {
   std::string token;
   // a listing ends within the operation deadline and a bounded number of pages and keys,
   // whatever the server answers (an endless IsTruncated=true)
@@ -269,8 +286,9 @@ SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit
   std::uint64_t keys = 0;
   for (int pages = 0;; ++pages) {
     if (pages >= max_list_pages || std::chrono::steady_clock::now() >= deadline)
-      throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': still truncated after " + std::to_string(pages) +
-                                      " pages and " + std::to_string(keys) + " keys (limits: " + std::to_string(max_list_pages) +
+      throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': still truncated after " +
+                                      std::to_string(pages) + " pages and " + std::to_string(keys) +
+                                      " keys (limits: " + std::to_string(max_list_pages) +
                                       " pages, http_options::operation_timeout); refusing to list further");
     std::string q = "list-type=2&max-keys=" + std::to_string(page) + "&prefix=" + percent_encode(pre);
     if (delimit) q += "&delimiter=%2F";
@@ -297,14 +315,15 @@ SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit
         at = end + close.size();
         if (!k->starts_with(pre)) continue;
         if (++keys > max_list_keys)
-          throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': more than " + std::to_string(max_list_keys) +
-                                          " keys; refusing to list further");
+          throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': more than " +
+                                          std::to_string(max_list_keys) + " keys; refusing to list further");
         if (!each(std::string_view(*k))) return;
       }
     }
     if (xml_is_true(x, "IsTruncated")) {
       auto next = detail::xml_text(x, "NextContinuationToken");
-      if (!next || next->empty()) throw error(errc::io_error, name_ + ": ListObjectsV2: truncated without a NextContinuationToken");
+      if (!next || next->empty())
+        throw error(errc::io_error, name_ + ": ListObjectsV2: truncated without a NextContinuationToken");
       token = *next;
       if (pages > 1'000'000) throw error(errc::io_error, name_ + ": ListObjectsV2: more than a million pages");
       continue;

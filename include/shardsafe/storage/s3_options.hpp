@@ -30,15 +30,15 @@ enum class s3_addressing {
 };
 
 struct s3_options {
-  std::string endpoint;                          ///< e.g. "http://127.0.0.1:9000"; empty: see the top
-  std::string region;                            ///< empty: see the top
-  std::optional<aws_credentials> credentials;    ///< empty: aws_credentials_from_environment(profile)
-  std::string profile;                           ///< for ~/.aws/credentials (empty: AWS_PROFILE or default)
-  http_options http{};                           ///< timeouts, retries, requests in flight
+  std::string endpoint;                                    ///< e.g. "http://127.0.0.1:9000"; empty: see the top
+  std::string region;                                      ///< empty: see the top
+  std::optional<aws_credentials> credentials;              ///< empty: aws_credentials_from_environment(profile)
+  std::string profile;                                     ///< for ~/.aws/credentials (empty: AWS_PROFILE or default)
+  http_options http{};                                     ///< timeouts, retries, requests in flight
   std::uint64_t part_bytes = std::uint64_t(16) << 20;      ///< multipart part size (S3: at least 5 MiB)
   std::uint64_t single_put_max = std::uint64_t(16) << 20;  ///< larger objects go up as multipart uploads
-  unsigned upload_threads = 8;                   ///< parts uploaded at once per writer
-  unsigned list_page = 1000;                     ///< max-keys of one ListObjectsV2 page
+  unsigned upload_threads = 8;                             ///< parts uploaded at once per writer
+  unsigned list_page = 1000;                               ///< max-keys of one ListObjectsV2 page
   /// automatic: the profile's `s3 = / addressing_style = auto|path|virtual` of the AWS config
   /// file (AWS_CONFIG_FILE, else ~/.aws/config) when it has one, then the rule of automatic.
   s3_addressing addressing = s3_addressing::automatic;
@@ -60,7 +60,8 @@ namespace detail {
 /// AWS CLI writes it ("s3 =" then indented "addressing_style = virtual"); nothing when the file,
 /// the profile or the setting is absent. An unknown value is an error.
 #if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile) {
+SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file,
+                                                                   std::string_view profile) {
   const auto settings = aws_profile_settings(file, profile);
   if (!settings) return std::nullopt;
   const auto it = settings->find("s3.addressing_style");
@@ -69,11 +70,12 @@ SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::fi
   if (v == "auto") return s3_addressing::automatic;
   if (v == "path") return s3_addressing::path;
   if (v == "virtual") return s3_addressing::virtual_hosted;
-  throw error(errc::invalid_argument, file.string() + ": profile '" + std::string(profile) + "': s3 addressing_style '" + v +
-                                          "' is none of auto, path, virtual");
+  throw error(errc::invalid_argument, file.string() + ": profile '" + std::string(profile) +
+                                          "': s3 addressing_style '" + v + "' is none of auto, path, virtual");
 }
 #else
-SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file, std::string_view profile);
+SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file,
+                                                                   std::string_view profile);
 #endif
 
 }  // namespace detail

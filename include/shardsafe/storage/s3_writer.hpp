@@ -31,8 +31,14 @@ class s3_writer {
   s3_writer(std::shared_ptr<const detail::s3_context> ctx, std::string key)
       : ctx_(std::move(ctx)), key_(std::move(key)), name_(ctx_->name_of(key_)) {}
   s3_writer(s3_writer&& o) noexcept
-      : ctx_(std::move(o.ctx_)), key_(std::move(o.key_)), name_(std::move(o.name_)), buffer_(std::move(o.buffer_)),
-        upload_id_(std::move(o.upload_id_)), etags_(std::move(o.etags_)), size_(o.size_), state_(o.state_) {
+      : ctx_(std::move(o.ctx_)),
+        key_(std::move(o.key_)),
+        name_(std::move(o.name_)),
+        buffer_(std::move(o.buffer_)),
+        upload_id_(std::move(o.upload_id_)),
+        etags_(std::move(o.etags_)),
+        size_(o.size_),
+        state_(o.state_) {
     o.state_ = state::aborted;
     o.upload_id_.clear();
   }
@@ -54,8 +60,7 @@ class s3_writer {
       if (size) fill(0, std::span<std::byte>(buffer_));
       return;
     }
-    const std::uint64_t part =
-        std::max({ctx_->opt.part_bytes, std::uint64_t(5) << 20, (size + 9999) / 10000});
+    const std::uint64_t part = std::max({ctx_->opt.part_bytes, std::uint64_t(5) << 20, (size + 9999) / 10000});
     const std::size_t parts = static_cast<std::size_t>((size + part - 1) / part);
     const auto r = send(detail::bhttp::verb::post, "uploads", {}, "CreateMultipartUpload");
     auto id = detail::xml_text(r.body, "UploadId");
@@ -72,7 +77,8 @@ class s3_writer {
                              "partNumber=" + std::to_string(i + 1) + "&uploadId=" + percent_encode(upload_id_), buf,
                              "UploadPart " + std::to_string(i + 1));
         auto etag = pr.header("ETag");
-        if (!etag) throw error(errc::io_error, name_ + ": UploadPart " + std::to_string(i + 1) + ": no ETag in the answer");
+        if (!etag)
+          throw error(errc::io_error, name_ + ": UploadPart " + std::to_string(i + 1) + ": no ETag in the answer");
         etags_[i] = *etag;
       });
     } catch (...) {
@@ -162,9 +168,10 @@ SHARDSAFE_DECL void s3_writer::check_completed(const error& failure) const {
       "the ETag of a multipart upload is \"hex(md5(the parts' binary MD5s))-N\" and its size the sum of the parts";
   const auto want = detail::multipart_etag(etags_);
   if (!want)
-    throw error(failure.code(), std::string(failure.what()) +
-                                    " (whether S3 completed the upload cannot be checked: the part ETags are not MD5s, so " +
-                                    rule + " does not apply)");
+    throw error(failure.code(),
+                std::string(failure.what()) +
+                    " (whether S3 completed the upload cannot be checked: the part ETags are not MD5s, so " + rule +
+                    " does not apply)");
   detail::http_request head;
   head.method = detail::bhttp::verb::head;
   head.url = ctx_->url_of(key_);
@@ -185,12 +192,12 @@ SHARDSAFE_DECL void s3_writer::check_completed(const error& failure) const {
   } catch (const error& h) {
     found = std::string("HEAD failed: ") + h.what();
   }
-  throw error(failure.code(), std::string(failure.what()) + "; checked whether S3 completed it anyway (" + rule +
-                                  "): " + found);
+  throw error(failure.code(),
+              std::string(failure.what()) + "; checked whether S3 completed it anyway (" + rule + "): " + found);
 }
 
 SHARDSAFE_DECL detail::http_response s3_writer::send(detail::bhttp::verb m, const std::string& query,
-                                                    std::span<const std::byte> body, std::string_view op) const {
+                                                     std::span<const std::byte> body, std::string_view op) const {
   detail::http_request r;
   r.method = m;
   r.url = ctx_->url_of(key_, query);

@@ -35,12 +35,14 @@ std::string read_text(const S& s, std::uint64_t limit = max_metadata_size, text_
   const std::uint64_t n = s.size();
   const std::string name(s.name());
   if (n > limit)
-    fail(errc::invalid_metadata, name + ": " + std::to_string(n) + " bytes passes the limit of " + std::to_string(limit));
+    fail(errc::invalid_metadata,
+         name + ": " + std::to_string(n) + " bytes passes the limit of " + std::to_string(limit));
   constexpr std::uint64_t chunk = std::uint64_t(4) << 20, padding = 64;
   std::string text;
   for (std::uint64_t at = 0; at < n;) {
     const std::uint64_t len = std::min(chunk, n - at);
-    if (text.capacity() < at + len + padding) text.reserve(static_cast<std::size_t>(std::max(at + len + padding, 2 * text.capacity())));
+    if (text.capacity() < at + len + padding)
+      text.reserve(static_cast<std::size_t>(std::max(at + len + padding, 2 * text.capacity())));
     text.resize(static_cast<std::size_t>(at + len));
     s.read_into(at, std::as_writable_bytes(std::span(text)).subspan(static_cast<std::size_t>(at)));
     if (kind == text_kind::pickle && at == 0 && static_cast<unsigned char>(text[0]) != 0x80)
@@ -68,9 +70,10 @@ void write_text(const D& dir, std::string_view name, std::string_view text) {
     if constexpr (RandomAccessWritableStorage<typename D::writer_type>)
       w.write_at(0, std::as_bytes(std::span(text)));
     else
-      w.write_blocks(text.size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        std::memcpy(dst.data(), text.data() + off, dst.size());
-      }, block_write_options{1, false});
+      w.write_blocks(
+          text.size(),
+          [&](std::uint64_t off, std::span<std::byte> dst) { std::memcpy(dst.data(), text.data() + off, dst.size()); },
+          block_write_options{1, false});
     w.sync();
     w.commit();
   });

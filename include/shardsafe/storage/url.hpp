@@ -76,7 +76,8 @@ SHARDSAFE_DECL url_parts parse_url(std::string_view url) {
   for (unsigned char c : url)
     if (c <= 0x20 || c == 0x7f) detail::bad_url(url, "it holds a space or a control character");
   const std::size_t colon = url.find("://");
-  if (colon == std::string_view::npos || colon == 0) detail::bad_url(url, "no scheme (expected http://, https:// or s3://)");
+  if (colon == std::string_view::npos || colon == 0)
+    detail::bad_url(url, "no scheme (expected http://, https:// or s3://)");
   url_parts u;
   for (char c : url.substr(0, colon)) u.scheme += detail::ascii_lower(c);
   if (u.scheme != "http" && u.scheme != "https" && u.scheme != "s3")
@@ -118,13 +119,15 @@ SHARDSAFE_DECL url_parts parse_url(std::string_view url) {
     if (h.empty()) detail::bad_url(url, "no host");
     for (char c : h) {
       const unsigned char uc = static_cast<unsigned char>(c);
-      if (!(std::isalnum(uc) || c == '-' || c == '.' || c == '_')) detail::bad_url(url, "host '" + std::string(h) + "' has a character a host name cannot");
+      if (!(std::isalnum(uc) || c == '-' || c == '.' || c == '_'))
+        detail::bad_url(url, "host '" + std::string(h) + "' has a character a host name cannot");
       u.host += detail::ascii_lower(c);
     }
   }
   if (u.explicit_port) {
     const auto p = detail::parse_decimal(port_text, 5);
-    if (!p || *p == 0 || *p > 65535) detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
+    if (!p || *p == 0 || *p > 65535)
+      detail::bad_url(url, "port '" + std::string(port_text) + "' is not a number in [1, 65535]");
     u.port = static_cast<std::uint16_t>(*p);
   } else {
     u.port = u.scheme == "https" ? 443 : 80;

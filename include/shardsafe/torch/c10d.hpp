@@ -66,7 +66,8 @@ struct c10d_world {
   /// A Comm over pg (or the store) whose failures call a roll call in the store (c10d_comm), a
   /// tenth of the timeout long (1 to 10 s). Every comm() of a world is the same group.
   c10d_comm comm() const {
-    if (transport == c10d_transport::store) return c10d_comm(channel_, rank, world_size, store, roll_call(), store_host_wait());
+    if (transport == c10d_transport::store)
+      return c10d_comm(channel_, rank, world_size, store, roll_call(), store_host_wait());
     return c10d_comm(pg, at::kCPU, store, roll_call(), store_host_wait());
   }
   std::chrono::milliseconds roll_call() const {
@@ -108,8 +109,8 @@ struct c10d_world {
       fail(errc::invalid_argument, "c10d_world::new_group: a Gloo world in a build without USE_C10D_GLOO");
 #endif
     } catch (const c10::Error& e) {
-      throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " + prefix +
-                                        ": " + e.what_without_backtrace());
+      throw error(errc::comm_error, "c10d_world::new_group: rank " + std::to_string(rank) + " could not make " +
+                                        prefix + ": " + e.what_without_backtrace());
     }
   }
 
@@ -128,8 +129,9 @@ namespace detail {
 inline std::string required_env(const char* name) {
   const char* v = std::getenv(name);
   if (!v || !*v)
-    fail(errc::invalid_argument, std::string("world from environment: ") + name +
-                                     " is not set (set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun does)");
+    fail(errc::invalid_argument,
+         std::string("world from environment: ") + name +
+             " is not set (set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as torchrun does)");
   return v;
 }
 inline long env_number(const char* name, long lo, long hi) {
@@ -167,8 +169,9 @@ inline c10d_transport resolve_transport(c10d_transport t) {
   }
 #ifndef USE_C10D_GLOO
   if (t == c10d_transport::gloo)
-    fail(errc::invalid_argument, "world from environment: Gloo was asked for, but this program was built without "
-                                 "USE_C10D_GLOO (its LibTorch has no Gloo headers): use the store transport");
+    fail(errc::invalid_argument,
+         "world from environment: Gloo was asked for, but this program was built without "
+         "USE_C10D_GLOO (its LibTorch has no Gloo headers): use the store transport");
 #endif
   return t;
 }
@@ -222,12 +225,13 @@ inline c10d_world init_world_from_env(std::chrono::milliseconds timeout, c10d_tr
     w.gloo_options = go;
 #endif
   } catch (const c10::Error& e) {
-    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                                      " could not join " + addr + ":" + std::to_string(port) + ": " +
-                                      e.what_without_backtrace());
+    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " +
+                                      std::to_string(world) + " could not join " + addr + ":" + std::to_string(port) +
+                                      ": " + e.what_without_backtrace());
   } catch (const std::exception& e) {
-    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " + std::to_string(world) +
-                                      " could not join " + addr + ":" + std::to_string(port) + ": " + e.what());
+    throw error(errc::comm_error, "world from environment: rank " + std::to_string(rank) + " of " +
+                                      std::to_string(world) + " could not join " + addr + ":" + std::to_string(port) +
+                                      ": " + e.what());
   }
   return w;
 }

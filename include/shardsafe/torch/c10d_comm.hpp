@@ -52,7 +52,7 @@ inline std::string first_line(std::string s) {
 /// `serve`. With `world` > 0 it is a world's rendezvous: every rank counts itself in and the
 /// server waits until all `world` have; with 0, one more connection to a store already met at.
 inline c10::intrusive_ptr<c10d::TCPStore> open_tcp_store(const std::string& addr, std::uint16_t port,
-                                                          std::chrono::milliseconds timeout, bool serve, int world) {
+                                                         std::chrono::milliseconds timeout, bool serve, int world) {
   c10d::TCPStoreOptions so;
   so.port = port;
   so.isServer = serve;
@@ -85,7 +85,7 @@ enum class c10d_transport {
   /// SHARDSAFE_C10D_TRANSPORT ("gloo" or "store") where set; else Gloo where this build has it
   /// (USE_C10D_GLOO), else the store
   automatic,
-  gloo,   ///< a ProcessGroupGloo (needs USE_C10D_GLOO)
+  gloo,  ///< a ProcessGroupGloo (needs USE_C10D_GLOO)
   /// the TCPStore the ranks met through: each collective is a few keys set and read there and
   /// removed by the last rank to read them. Needs nothing beyond c10d's store, so it works with
   /// a LibTorch that ships no Gloo headers; every byte passes through rank 0's store, so it
@@ -116,15 +116,23 @@ class c10d_comm {
                      c10::intrusive_ptr<c10d::Store> store = {},
                      std::chrono::milliseconds roll_call = std::chrono::seconds(5),
                      std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
-      : pg_(std::move(pg)), device_(device), store_(std::move(store)), roll_call_(roll_call),
+      : pg_(std::move(pg)),
+        device_(device),
+        store_(std::move(store)),
+        roll_call_(roll_call),
         store_host_wait_(store_host_wait) {}
   /// Over a store: rank `rank` of `size`, its collectives as keys of channel->store, the roll call
   /// (as above) in `store`, the world's.
   c10d_comm(std::shared_ptr<detail::store_channel> channel, int rank, int size, c10::intrusive_ptr<c10d::Store> store,
             std::chrono::milliseconds roll_call = std::chrono::seconds(5),
             std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
-      : device_(at::kCPU), channel_(std::move(channel)), rank_(rank), size_(size), store_(std::move(store)),
-        roll_call_(roll_call), store_host_wait_(store_host_wait) {}
+      : device_(at::kCPU),
+        channel_(std::move(channel)),
+        rank_(rank),
+        size_(size),
+        store_(std::move(store)),
+        roll_call_(roll_call),
+        store_host_wait_(store_host_wait) {}
 
   int rank() const { return pg_ ? pg_->getRank() : rank_; }
   int world_size() const { return pg_ ? pg_->getSize() : size_; }
@@ -241,7 +249,8 @@ class c10d_comm {
   static void piece_keys(const std::string& name, std::uint64_t len, std::vector<std::string>& keys) {
     keys.push_back(name);
     const std::uint64_t first = detail::store_piece_bytes - 8;
-    for (std::uint64_t k = 1, at = first; at < len; ++k, at += detail::store_piece_bytes) keys.push_back(name + "." + std::to_string(k));
+    for (std::uint64_t k = 1, at = first; at < len; ++k, at += detail::store_piece_bytes)
+      keys.push_back(name + "." + std::to_string(k));
   }
   /// Sets s under `name`; adds the keys it took to `keys`.
   void put(const std::string& name, std::string_view s, std::vector<std::string>& keys) {
@@ -263,9 +272,12 @@ class c10d_comm {
   std::string take(const std::string& name, std::vector<std::string>& keys) {
     c10d::Store& st = *channel_->store;
     const std::vector<std::uint8_t> head = st.get(name);
-    if (head.size() < 8) fail(errc::comm_error, "c10d store collective: key '" + name + "' holds " + std::to_string(head.size()) + " bytes, not a length");
+    if (head.size() < 8)
+      fail(errc::comm_error,
+           "c10d store collective: key '" + name + "' holds " + std::to_string(head.size()) + " bytes, not a length");
     const std::uint64_t len = detail::load_le(reinterpret_cast<const std::byte*>(head.data()), 8);
-    if (len > (std::uint64_t(1) << 40) || head.size() - 8 != std::min<std::uint64_t>(len, detail::store_piece_bytes - 8))
+    if (len > (std::uint64_t(1) << 40) ||
+        head.size() - 8 != std::min<std::uint64_t>(len, detail::store_piece_bytes - 8))
       fail(errc::comm_error, "c10d store collective: key '" + name + "' is malformed (length " + std::to_string(len) +
                                  ", first piece " + std::to_string(head.size() - 8) + " bytes)");
     const std::size_t at0 = keys.size();
@@ -276,8 +288,8 @@ class c10d_comm {
       out.append(reinterpret_cast<const char*>(p.data()), p.size());
     }
     if (out.size() != len)
-      fail(errc::comm_error, "c10d store collective: key '" + name + "' says " + std::to_string(len) + " bytes, its pieces hold " +
-                                 std::to_string(out.size()));
+      fail(errc::comm_error, "c10d store collective: key '" + name + "' says " + std::to_string(len) +
+                                 " bytes, its pieces hold " + std::to_string(out.size()));
     return out;
   }
   void end_collective(const std::string& base, const std::vector<std::string>& keys) {
@@ -322,11 +334,14 @@ class c10d_comm {
   void store_broadcast_into(const char* what, std::span<std::byte> b, int root) {
     std::string v;
     guard(what, [&] {
-      v = store_broadcast(rank() == root ? std::string_view(reinterpret_cast<const char*>(b.data()), b.size()) : std::string_view{}, root);
+      v = store_broadcast(
+          rank() == root ? std::string_view(reinterpret_cast<const char*>(b.data()), b.size()) : std::string_view{},
+          root);
     });
     if (v.size() != b.size())
       fail(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + ": " +
-                                 std::to_string(b.size()) + " bytes expected, rank " + std::to_string(root) + " sent " + std::to_string(v.size()));
+                                 std::to_string(b.size()) + " bytes expected, rank " + std::to_string(root) + " sent " +
+                                 std::to_string(v.size()));
     if (rank() != root) std::memcpy(b.data(), v.data(), v.size());
   }
   void bcast(std::vector<at::Tensor>& v, int root) {
@@ -346,7 +361,8 @@ class c10d_comm {
       why = e.what();
     }
     throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " of " +
-                                      std::to_string(world_size()) + " failed: " + detail::first_line(why) + roll_call());
+                                      std::to_string(world_size()) + " failed: " + detail::first_line(why) +
+                                      roll_call());
   }
 
   /// The roll call after a failed collective (see the class comment); runs on a thread of its
@@ -379,7 +395,8 @@ class c10d_comm {
           text += " did not answer the roll call in the store within " + budget + " (lost, or still blocked)";
         }
       } catch (const std::exception& e) {
-        text = "; the store (rank 0's, where the world met) did not answer the roll call: " + detail::first_line(e.what());
+        text =
+            "; the store (rank 0's, where the world met) did not answer the roll call: " + detail::first_line(e.what());
       }
       std::lock_guard<std::mutex> lk(res->m);
       res->text = std::move(text);
@@ -410,7 +427,7 @@ class c10d_comm {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   at::Device device_;
   std::shared_ptr<detail::store_channel> channel_;  ///< over a store only
-  int rank_ = 0, size_ = 1;                          ///< over a store only
+  int rank_ = 0, size_ = 1;                         ///< over a store only
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds roll_call_;
   std::chrono::milliseconds store_host_wait_{0};

@@ -120,7 +120,8 @@ inline torch::optim::OptimizerParamState* optimizer_state_of(torch::optim::Optim
   auto it = opt.state().find(compat::state_key_of(p));
   return it == opt.state().end() ? nullptr : it->second.get();
 }
-inline const torch::optim::OptimizerParamState* optimizer_state_of(const torch::optim::Optimizer& opt, const at::Tensor& p) {
+inline const torch::optim::OptimizerParamState* optimizer_state_of(const torch::optim::Optimizer& opt,
+                                                                   const at::Tensor& p) {
   auto it = opt.state().find(compat::state_key_of(p));
   return it == opt.state().end() ? nullptr : it->second.get();
 }

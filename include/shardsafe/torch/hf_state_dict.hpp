@@ -31,7 +31,8 @@ namespace shardsafe {
 namespace detail {
 
 /// What makes two tensors one memory: storage, offset, sizes, strides, dtype.
-using tensor_identity = std::tuple<const void*, std::int64_t, std::vector<std::int64_t>, std::vector<std::int64_t>, int>;
+using tensor_identity =
+    std::tuple<const void*, std::int64_t, std::vector<std::int64_t>, std::vector<std::int64_t>, int>;
 
 inline tensor_identity identity_of(const at::Tensor& t) {
   return {t.storage().unsafeGetStorageImpl(), t.storage_offset(), t.sizes().vec(), t.strides().vec(),
@@ -50,15 +51,17 @@ hf_import_stats load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const 
   std::map<detail::tensor_identity, std::size_t> staging_of;
   every_rank_step(comm, [&] {
     for (auto& [key, t] : sd) {
-      if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
+      if (!t.local.defined())
+        fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
       if (is_viewable(t.local)) {
         views.push_back(detail::view_of(key, t, t.local));
         continue;
       }
       auto [it, fresh] = staging_of.emplace(detail::identity_of(t.local), staged.size());
       if (fresh)
-        staged.emplace_back(t.local, at::empty(t.local.sizes(), t.local.options().device(at::kCPU).memory_format(
-                                                                     at::MemoryFormat::Contiguous)));
+        staged.emplace_back(
+            t.local,
+            at::empty(t.local.sizes(), t.local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous)));
       views.push_back(detail::view_of(key, t, staged[it->second].second));
     }
   });
@@ -79,7 +82,7 @@ hf_import_stats load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const 
 /// tensor). Tied parameters (two names, one tensor) are loaded once and stay tied.
 template <ReadableDirectory D, Comm C>
 hf_import_stats load_hf_module(const D& dir, torch::nn::Module& m, C& comm, const shard_map& shards = {},
-                                const hf_import_options& opt = {}) {
+                               const hf_import_options& opt = {}) {
   const step_scope scope("import " + std::string(dir.name()));
   state_dict sd;
   every_rank_step(comm, [&] { sd = module_state_dict(m, shards); });

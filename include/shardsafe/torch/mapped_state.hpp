@@ -38,8 +38,8 @@
 namespace shardsafe {
 
 struct map_stats {
-  std::size_t mapped = 0;        ///< tensors that are views of a file mapping
-  std::size_t copied = 0;        ///< tensors assembled from several files into new memory
+  std::size_t mapped = 0;  ///< tensors that are views of a file mapping
+  std::size_t copied = 0;  ///< tensors assembled from several files into new memory
   std::uint64_t mapped_bytes = 0;
   std::uint64_t copied_bytes = 0;
 };
@@ -73,7 +73,8 @@ struct cow_mapping {
 /// torch.save kept, for a DCP chunk stored channels_last or transposed), else loaded.
 /// Tensors in the checkpoint's order. stats (if given) says which were mapped. A tensor of a
 /// dtype shardsafe has no type for (a DCP folder's complex128) is refused, not left out.
-inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::filesystem::path& dir, map_stats* stats = nullptr,
+inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::filesystem::path& dir,
+                                                                 map_stats* stats = nullptr,
                                                                  const load_options& opt = {}) {
   const file_directory d(dir);
   checkpoint_reader<file_directory> reader(d);
@@ -107,8 +108,9 @@ inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::file
       const std::vector<std::int64_t> strides(dense.begin(), dense.end());
       auto keep = m;
       at::Tensor t = nbytes == 0 ? at::empty(sizes, type)
-                                 : at::from_blob(m->base + off, sizes, strides, [keep](void*) mutable { keep.reset(); },
-                                                 at::TensorOptions().dtype(type));
+                                 : at::from_blob(
+                                       m->base + off, sizes, strides, [keep](void*) mutable { keep.reset(); },
+                                       at::TensorOptions().dtype(type));
       out.emplace_back(key, std::move(t));
       ++st.mapped;
       st.mapped_bytes += nbytes;

@@ -31,8 +31,9 @@ namespace shardsafe {
 /// metadata.json is the pair's commit mark (save_folder_set of model_and_optim_folders,
 /// checkpoint/saver.hpp); with opt.format dcp, one DCP folder. A collective over comm.
 template <WritableDirectory D, Comm C>
-model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_dict& model, torch::optim::Optimizer* optim,
-                                             C& comm, const save_options& opt = {}) {
+model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_dict& model,
+                                                      torch::optim::Optimizer* optim, C& comm,
+                                                      const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   model_and_optim_save_stats st;
   const bool found = any_layout(train_layouts{}, [&]<class L>() {
@@ -41,7 +42,8 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_
     return true;
   });
   if (!found)
-    fail(errc::invalid_argument, std::string(dir.name()) + ": save_format " + std::to_string(static_cast<int>(opt.format)) +
+    fail(errc::invalid_argument, std::string(dir.name()) + ": save_format " +
+                                     std::to_string(static_cast<int>(opt.format)) +
                                      " has no training layout (torch/train_layouts.hpp)");
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
@@ -50,22 +52,23 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_
 /// The same for a module: its parameters and buffers, sharded as `shards` says.
 template <WritableDirectory D, Comm C>
 model_and_optim_save_stats save_model_and_optim_state(const D& dir, const torch::nn::Module& module,
-                                             torch::optim::Optimizer* optim, C& comm, const save_options& opt = {},
-                                             const shard_map& shards = {}) {
+                                                      torch::optim::Optimizer* optim, C& comm,
+                                                      const save_options& opt = {}, const shard_map& shards = {}) {
   return save_model_and_optim_state(dir, module_state_dict(module, shards), optim, comm, opt);
 }
 
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
 /// under any change of world size or sharding. A collective over comm (for agreement only).
 template <ReadableDirectory D, Comm C>
-model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
-                                             const train_load_options& opt = {}) {
+model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim,
+                                                      C& comm, const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const step_scope scope("load " + std::string(dir.name()));
   model_and_optim_load_stats rep;
   every_rank_step(comm, [&] {
     if (!is_complete_checkpoint(dir))
-      fail(errc::not_found, std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
+      fail(errc::not_found,
+           std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
     any_layout(train_layouts{}, [&]<class L>() {
       if (!L::recognise(dir)) return false;
       L::load(dir, model, optim, opt, rep);
@@ -77,8 +80,10 @@ model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& 
 }
 
 template <ReadableDirectory D, Comm C>
-model_and_optim_load_stats load_model_and_optim_state(const D& dir, torch::nn::Module& module, torch::optim::Optimizer* optim,
-                                             C& comm, const train_load_options& opt = {}, const shard_map& shards = {}) {
+model_and_optim_load_stats load_model_and_optim_state(const D& dir, torch::nn::Module& module,
+                                                      torch::optim::Optimizer* optim, C& comm,
+                                                      const train_load_options& opt = {},
+                                                      const shard_map& shards = {}) {
   state_dict model = module_state_dict(module, shards);
   return load_model_and_optim_state(dir, model, optim, comm, opt);
 }

@@ -59,7 +59,8 @@ inline state_dict module_state_dict(const torch::nn::Module& m, const shard_map&
   for (const auto& p : m.named_parameters(/*recurse=*/true)) add(p.key(), p.value());
   for (const auto& b : m.named_buffers(/*recurse=*/true)) add(b.key(), b.value());
   for (const auto& [k, s] : shards)
-    if (!sd.find(k)) fail(errc::invalid_argument, "module_state_dict: shard given for '" + k + "', which the module lacks");
+    if (!sd.find(k))
+      fail(errc::invalid_argument, "module_state_dict: shard given for '" + k + "', which the module lacks");
   return sd;
 }
 

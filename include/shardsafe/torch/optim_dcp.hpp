@@ -70,8 +70,9 @@ inline std::vector<std::pair<std::string, pickle_value>> python_only_fields(opti
   switch (k) {
     case optimizer_kind::adam:
     case optimizer_kind::adamw:
-      return {{"foreach", none},      {"maximize", f}, {"capturable", f}, {"differentiable", f}, {"fused", none},
-              {"decoupled_weight_decay", pickle_value::boolean(k == optimizer_kind::adamw)}};
+      return {{"foreach", none}, {"maximize", f},
+              {"capturable", f}, {"differentiable", f},
+              {"fused", none},   {"decoupled_weight_decay", pickle_value::boolean(k == optimizer_kind::adamw)}};
     case optimizer_kind::sgd:
     case optimizer_kind::adagrad: return {{"maximize", f}, {"foreach", none}, {"differentiable", f}, {"fused", none}};
     case optimizer_kind::rmsprop: return {{"capturable", f}, {"foreach", none}, {"maximize", f}, {"differentiable", f}};
@@ -79,7 +80,9 @@ inline std::vector<std::pair<std::string, pickle_value>> python_only_fields(opti
   return {};
 }
 
-inline pickle_value dcp_path(std::initializer_list<pickle_value> parts) { return pickle_value::tuple(std::vector<pickle_value>(parts)); }
+inline pickle_value dcp_path(std::initializer_list<pickle_value> parts) {
+  return pickle_value::tuple(std::vector<pickle_value>(parts));
+}
 
 /// Whether s is a decimal index ("0", "12").
 inline bool is_index(std::string_view s) {
@@ -121,7 +124,9 @@ inline dcp_train_state dcp_train_state_of(const state_dict& model, torch::optim:
       auto* found = optimizer_state_of(*opt, p.param);
       if (!found) continue;
       auto state_key = [&](std::string_view k) { return "optim.state." + p.name + "." + std::string(k); };
-      auto state_path = [&](std::string_view k) { return dcp_path({str("optim"), str("state"), str(p.name), str(std::string(k))}); };
+      auto state_path = [&](std::string_view k) {
+        return dcp_path({str("optim"), str("state"), str(p.name), str(std::string(k))});
+      };
       for (const auto& k : tr.tensor_keys) {
         at::Tensor* t = tr.tensor(*found, k);
         if (!t || !t->defined()) continue;
@@ -140,7 +145,8 @@ inline dcp_train_state dcp_train_state_of(const state_dict& model, torch::optim:
     const std::string gi = std::to_string(g);
     auto field = [&](std::string f, pickle_value v) {
       const std::string key = "optim.param_groups." + gi + "." + f;
-      out.paths[key] = dcp_path({str("optim"), str("param_groups"), pickle_value::integer(static_cast<std::int64_t>(g)), str(f)});
+      out.paths[key] =
+          dcp_path({str("optim"), str("param_groups"), pickle_value::integer(static_cast<std::int64_t>(g)), str(f)});
       out.objects.push_back({key, std::move(v)});
     };
     const pickle_value hyper = tr.hyper(options);
@@ -196,7 +202,9 @@ std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>&
     const std::string ctx = dname + ": '" + prefix + std::to_string(i) + ".*'";
     pickle_value g = pickle_value::dict(std::move(fields));
     const pickle_value* params = g.find("params");
-    if (!params) fail(errc::invalid_metadata, ctx + ": param group " + std::to_string(i) + " has no 'params' (its parameters' names)");
+    if (!params)
+      fail(errc::invalid_metadata,
+           ctx + ": param group " + std::to_string(i) + " has no 'params' (its parameters' names)");
     out.push_back({names_in(*params, ctx), g, ctx});
   }
   for (auto& [fqn, fields] : by_param)
@@ -209,13 +217,13 @@ std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>&
 /// Loads the optimizer state of a DCP checkpoint laid out as get_state_dict lays it out (table at
 /// the top) into `opt`, in place, sharded as `model` is.
 template <ReadableDirectory D>
-optim_load_stats load_optimizer_state_dcp(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
-                                           const optim_load_options& o = {}) {
+optim_load_stats load_optimizer_state_dcp(checkpoint_reader<D>& r, torch::optim::Optimizer& opt,
+                                          const state_dict& model, const optim_load_options& o = {}) {
   std::set<std::string> used;
   auto groups = detail::dcp_param_groups(r, used);
   if (groups.empty())
-    fail(errc::not_found, std::string(r.directory().name()) + ": no optimizer param groups (optim.param_groups...) in " +
-                              r.described_by());
+    fail(errc::not_found, std::string(r.directory().name()) +
+                              ": no optimizer param groups (optim.param_groups...) in " + r.described_by());
   return detail::restore_optimizer(r, opt, model, o, groups, {"optim.state.", "."}, std::move(used));
 }
 

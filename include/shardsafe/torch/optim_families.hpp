@@ -97,8 +97,11 @@ inline void refuse_python_only(const pickle_value& d, const std::string& ctx) {
 template <class F>
 pickle_value hyper_dict(const typename F::options& o) {
   std::vector<std::pair<pickle_value, pickle_value>> entries;
-  std::apply([&](const auto&... f) { (entries.emplace_back(pickle_value::string(std::string(f.key)), hyper_to_pickle(f.access(o))), ...); },
-             F::hyper);
+  std::apply(
+      [&](const auto&... f) {
+        (entries.emplace_back(pickle_value::string(std::string(f.key)), hyper_to_pickle(f.access(o))), ...);
+      },
+      F::hyper);
   return pickle_value::dict(std::move(entries));
 }
 
@@ -125,9 +128,12 @@ void set_hyper(typename F::options& o, const pickle_value& d, const std::string&
   refuse_other_decay_rule<F>(d, ctx);
   std::apply(
       [&](const auto&... f) {
-        ((void)[&] {
-          if (const pickle_value* v = d.find(f.key)) hyper_from_pickle(*v, f.access(o), ctx + ": " + std::string(f.key));
-        }(), ...);
+        (
+            (void)[&] {
+              if (const pickle_value* v = d.find(f.key))
+                hyper_from_pickle(*v, f.access(o), ctx + ": " + std::string(f.key));
+            }(),
+            ...);
       },
       F::hyper);
 }
@@ -241,14 +247,14 @@ struct rmsprop_family {
 /// What shardsafe needs to know about one optimizer family, made from its description.
 struct optim_traits {
   optimizer_kind kind;
-  std::vector<std::string> tensor_keys;                                      ///< per-parameter state tensors
+  std::vector<std::string> tensor_keys;  ///< per-parameter state tensors
   bool has_step;
   std::function<at::Tensor*(OptimizerParamState&, std::string_view)> tensor;  ///< field by key
-  std::function<std::int64_t*(OptimizerParamState&)> step;                   ///< nullptr without has_step
+  std::function<std::int64_t*(OptimizerParamState&)> step;                    ///< nullptr without has_step
   std::function<std::unique_ptr<OptimizerParamState>()> empty_state;
   /// The state LibTorch would create on the first step (nullptr where it starts from a gradient).
   std::function<std::unique_ptr<OptimizerParamState>(const at::Tensor&, const OptimizerOptions&)> initial_state;
-  std::function<pickle_value(const OptimizerOptions&)> hyper;            ///< group options as a pickled dict
+  std::function<pickle_value(const OptimizerOptions&)> hyper;  ///< group options as a pickled dict
   std::function<void(OptimizerOptions&, const pickle_value&, const std::string&)> set_hyper;
 };
 

@@ -70,10 +70,12 @@ inline std::vector<std::vector<optimizer_param>> name_optimizer_params(const tor
     for (std::size_t i = 0; i < params.size(); ++i) {
       auto it = by_impl.find(params[i].unsafeGetTensorImpl());
       if (it == by_impl.end())
-        fail(errc::invalid_argument, "optimizer: parameter " + std::to_string(i) + " of param group " + std::to_string(g) +
+        fail(errc::invalid_argument, "optimizer: parameter " + std::to_string(i) + " of param group " +
+                                         std::to_string(g) +
                                          " is not a tensor of the model's state dict, so it has no name");
       const auto& [name, st] = *it->second;
-      if (!seen.insert(name).second) fail(errc::invalid_argument, "optimizer: parameter '" + name + "' is in two groups");
+      if (!seen.insert(name).second)
+        fail(errc::invalid_argument, "optimizer: parameter '" + name + "' is in two groups");
       out.push_back({name, params[i], st.spec, st.full_shape, st.replica});
     }
   }

@@ -46,7 +46,8 @@ template <ReadableDirectory D>
 at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const load_options& opt) {
   const tensor_metadata* tm = r.find(key);
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
-  at::Tensor t = at::empty(to_sizes(tm->shape), require_scalar_type(tm->type, std::string(r.directory().name()) + ": '" + key + "'"));
+  at::Tensor t = at::empty(to_sizes(tm->shape),
+                           require_scalar_type(tm->type, std::string(r.directory().name()) + ": '" + key + "'"));
   flat_view v = make_flat_view(key, t);
   load_options lo = opt;
   lo.list_unexpected = false;  // one small tensor of many
@@ -91,8 +92,8 @@ struct optim_state_keys {
 /// state tensors read in one batch; `used` names entries already accounted for.
 template <ReadableDirectory D>
 optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
-                                    const optim_load_options& o, const std::vector<checkpoint_param_group>& ckpt_groups,
-                                    const optim_state_keys& layout, std::set<std::string> used) {
+                                   const optim_load_options& o, const std::vector<checkpoint_param_group>& ckpt_groups,
+                                   const optim_state_keys& layout, std::set<std::string> used) {
   optim_load_stats rep;
   const std::string dname(r.directory().name());
   auto groups = name_optimizer_params(opt, model);
@@ -171,7 +172,8 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
   for (auto& [target, value] : step_targets) {
     const double s = value.reshape({-1}).to(at::kDouble).template item<double>();
     if (!(s >= 0) || s != static_cast<double>(static_cast<std::int64_t>(s)))
-      fail(errc::invalid_metadata, dname + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
+      fail(errc::invalid_metadata,
+           dname + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
     *target = static_cast<std::int64_t>(s);
   }
   // state of parameters this optimizer does not hold
@@ -187,7 +189,7 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
 /// where missing), read in one batch.
 template <ReadableDirectory D>
 optim_load_stats load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
-                                       const optim_load_options& o = {}) {
+                                      const optim_load_options& o = {}) {
   const std::string dname(r.directory().name());
   const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();
   if (n < 0 || n > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(n));

@@ -31,9 +31,9 @@
 namespace shardsafe {
 
 struct sharded_tensor {
-  at::Tensor local;                 ///< this rank's data
-  std::optional<shard_spec> spec;   ///< nullopt: local is the whole tensor
-  shape_t full_shape;               ///< the full shape (for a whole tensor: local's shape)
+  at::Tensor local;                ///< this rank's data
+  std::optional<shard_spec> spec;  ///< nullopt: local is the whole tensor
+  shape_t full_shape;              ///< the full shape (for a whole tensor: local's shape)
   /// For a shard other ranks hold too (HSDP, a replicated mesh dimension): whether this rank
   /// writes it (flat_view::replica; mesh_replica_role gives it from a mesh).
   replica_role replica = replica_role::none;
@@ -168,8 +168,8 @@ class state_dict_save_source {
   }
 
  private:
-  std::vector<at::Tensor> keep_;                // contiguous CPU copies of tensors that are not
-  std::deque<std::vector<flat_view>> views_;    // (a deque: the views' addresses stay put)
+  std::vector<at::Tensor> keep_;                           // contiguous CPU copies of tensors that are not
+  std::deque<std::vector<flat_view>> views_;               // (a deque: the views' addresses stay put)
   std::map<const flat_view*, const at::Tensor*> by_view_;  // the device tensors fetched
 };
 }  // namespace detail
@@ -230,16 +230,17 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
       const std::uint64_t n = e.staged.view.local_numel() * item_size(stored);
       if (last > first && bytes + n > scratch_limit) break;
       bytes += n;
-      at::Tensor& t = scratch.emplace_back(at::empty(
-          {static_cast<std::int64_t>(e.staged.view.local_numel())},
-          at::TensorOptions().dtype(*to_scalar_type(stored)).device(device)));
+      at::Tensor& t =
+          scratch.emplace_back(at::empty({static_cast<std::int64_t>(e.staged.view.local_numel())},
+                                         at::TensorOptions().dtype(*to_scalar_type(stored)).device(device)));
       staged_view<std::byte*> v = e.staged;
       v.view.type = stored;
       v.view.nbytes = n;
       v.target = static_cast<std::byte*>(t.data_ptr());
       views.push_back(std::move(v));
     }
-    const staged_load_stats s = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, scratch_opt);
+    const staged_load_stats s =
+        load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, scratch_opt);
     st.add_reads(s);
     st.tensors += s.tensors;
     {
@@ -270,9 +271,9 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     if (is_viewable(t.local))
       direct.push_back(detail::view_of(key, t, t.local));
     else if (detail::is_device_loadable(t.local))
-      on_device.push_back({{detail::described_view(key, t, reader.directory().name()),
-                             static_cast<std::byte*>(t.local.data_ptr())},
-                            &t.local});
+      on_device.push_back(
+          {{detail::described_view(key, t, reader.directory().name()), static_cast<std::byte*>(t.local.data_ptr())},
+           &t.local});
     else
       staged.emplace_back(&key, &t);
   }
@@ -293,7 +294,8 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
   load_options one = opt;
   one.list_unexpected = false;  // the first load listed them; these come one tensor at a time
   for (auto [key, t] : staged) {
-    at::Tensor tmp = at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor tmp =
+        at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
     flat_view v = detail::view_of(*key, *t, tmp);
     add(reader.load(std::span<const flat_view>(&v, 1), one));
     {
@@ -322,7 +324,8 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt
 /// the reads (torch/tensor_memory.hpp: much less page-fault time for a load into new memory).
 /// A tensor of a dtype shardsafe has no type for (a DCP folder's complex128) is refused.
 template <ReadableDirectory D>
-std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader, const load_options& opt = {},
+std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<D>& reader,
+                                                              const load_options& opt = {},
                                                               tensor_memory memory = tensor_memory::separate) {
   reader.refuse_foreign();  // every tensor, or none
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -334,7 +337,8 @@ std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<
   if (memory != tensor_memory::separate) {
     std::vector<std::uint64_t> sizes;
     for (const auto& [key, tm] : reader.metadata().tensors) sizes.push_back(tm.numel() * item_size(tm.type));
-    arena = std::make_unique<tensor_arena>(std::span<const std::uint64_t>(sizes), memory == tensor_memory::hugetlb_arena);
+    arena =
+        std::make_unique<tensor_arena>(std::span<const std::uint64_t>(sizes), memory == tensor_memory::hugetlb_arena);
   }
   std::size_t i = 0;
   for (const auto& [key, tm] : reader.metadata().tensors) {

@@ -105,8 +105,7 @@ class tensor_arena {
   /// Tensor i as an at::Tensor of these sizes and dtype; it holds the region alive.
   at::Tensor tensor(std::size_t i, at::IntArrayRef sizes, at::ScalarType type) const {
     auto keep = region_;
-    return at::from_blob(
-        data(i), sizes, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(type));
+    return at::from_blob(data(i), sizes, [keep](void*) mutable { keep.reset(); }, at::TensorOptions().dtype(type));
   }
 
   /// Faults the region in on a thread of its own, in 32 MiB steps from the front (the reads
@@ -208,7 +207,7 @@ class tensor_arena {
   std::thread populator_;
   std::atomic<bool> stop_{false};
   std::atomic<std::uint64_t> small_pages_from_{0};
-  int trials_ = 0;        ///< small-page trials made (the first before the thread starts)
+  int trials_ = 0;  ///< small-page trials made (the first before the thread starts)
 };
 
 }  // namespace shardsafe

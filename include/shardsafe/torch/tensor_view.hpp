@@ -52,8 +52,8 @@ inline dtype to_dtype(at::ScalarType s, std::string_view ctx = "tensor") {
     case at::kDouble: return dtype::F64;
     case at::kComplexFloat: return dtype::C64;
     default:
-      fail(errc::unsupported_dtype, std::string(ctx) + ": LibTorch dtype " + std::string(c10::toString(s)) +
-                                        " has no safetensors dtype");
+      fail(errc::unsupported_dtype,
+           std::string(ctx) + ": LibTorch dtype " + std::string(c10::toString(s)) + " has no safetensors dtype");
   }
 }
 
@@ -86,7 +86,8 @@ inline flat_view make_flat_view(std::string key, const at::Tensor& t, std::optio
   if (!t.defined()) fail(errc::invalid_argument, "tensor '" + key + "': undefined tensor");
   if (!is_viewable(t))
     fail(errc::invalid_argument, "tensor '" + key + "': needs a contiguous CPU tensor (got " +
-                                     std::string(t.device().str()) + (t.is_contiguous() ? "" : ", non-contiguous") + ")");
+                                     std::string(t.device().str()) + (t.is_contiguous() ? "" : ", non-contiguous") +
+                                     ")");
   flat_view v;
   v.type = to_dtype(t.scalar_type(), "tensor '" + key + "'");
   v.full_shape = full ? *full : shape_of(t);

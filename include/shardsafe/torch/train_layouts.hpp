@@ -120,7 +120,8 @@ struct dcp_train_layout {
     every_rank_step(comm, [&] { ts = dcp_train_state_of(model, optim); });
     std::vector<at::Tensor> keep;
     const auto views = detail::save_views(ts.tensors, keep, comm, dir.name());
-    st.model = save_dcp(dir, std::span<const flat_view>(views), comm, opt, std::span<const dcp_object>(ts.objects), ts.paths);
+    st.model =
+        save_dcp(dir, std::span<const flat_view>(views), comm, opt, std::span<const dcp_object>(ts.objects), ts.paths);
     return st;
   }
 

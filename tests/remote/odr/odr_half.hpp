@@ -11,8 +11,10 @@
 // Separately compiled, a unit that uses the http backend sees the client's declarations only:
 // Boost.Asio and Beast's streams and parsers are parsed in the remote unit alone
 // (storage/detail/http_client.hpp, http_engine.hpp; remote_odr_compiled builds this so).
-#if defined(SHARDSAFE_SEPARATE_COMPILATION) && (defined(BOOST_ASIO_DETAIL_CONFIG_HPP) || defined(BOOST_BEAST_HTTP_PARSER_HPP))
-#error "storage/http.hpp brought Boost.Asio or Beast's parser into a separately compiled unit that only calls the client"
+#if defined(SHARDSAFE_SEPARATE_COMPILATION) && \
+    (defined(BOOST_ASIO_DETAIL_CONFIG_HPP) || defined(BOOST_BEAST_HTTP_PARSER_HPP))
+#error \
+    "storage/http.hpp brought Boost.Asio or Beast's parser into a separately compiled unit that only calls the client"
 #endif
 
 namespace {

@@ -101,10 +101,10 @@ inline constexpr std::uint64_t max_experts = std::uint64_t(1) << 16;
 
 /// The per-expert views unstack_experts made, and where each came from.
 struct unstacked_views {
-  std::vector<flat_view> views;     ///< the given views in order, each stacked one replaced by its experts'
-  std::vector<std::size_t> origin;  ///< per view: the index of the given view it is (or is part of)
+  std::vector<flat_view> views;       ///< the given views in order, each stacked one replaced by its experts'
+  std::vector<std::size_t> origin;    ///< per view: the index of the given view it is (or is part of)
   std::vector<std::uint64_t> expert;  ///< per view: its expert index (0 for a view not stacked)
-  std::uint64_t stacked = 0;        ///< given views that were split into experts
+  std::uint64_t stacked = 0;          ///< given views that were split into experts
   /// The names of the experts of stacked views that this rank holds nothing of (other ranks
   /// do), sorted: an import does not count their tensors as unexpected.
   std::vector<std::string> elsewhere;
@@ -154,12 +154,12 @@ SHARDSAFE_DECL unstacked_views unstack_experts(std::span<const flat_view> views,
     }
     v.validate(ctx);
     const std::string c = std::string(ctx) + ": tensor '" + v.key + "' (expert stacking rule '" + r->text + "')";
-    if (v.full_shape.empty())
-      fail(errc::invalid_argument, c + ": a 0-d tensor has no expert dimension to split");
+    if (v.full_shape.empty()) fail(errc::invalid_argument, c + ": a 0-d tensor has no expert dimension to split");
     ++out.stacked;
     const std::uint64_t E = v.full_shape[0];
     if (E > max_experts)
-      fail(errc::invalid_argument, c + ": " + std::to_string(E) + " experts pass the limit of " + std::to_string(max_experts));
+      fail(errc::invalid_argument,
+           c + ": " + std::to_string(E) + " experts pass the limit of " + std::to_string(max_experts));
     const shape_t rest(v.full_shape.begin() + 1, v.full_shape.end());
     const std::uint64_t S = numel(rest), item = item_size(v.type);
     std::vector<bool> held(static_cast<std::size_t>(E), false);

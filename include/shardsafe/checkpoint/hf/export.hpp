@@ -64,7 +64,7 @@ struct hf_export_options {
   /// rules apply, as `shardsafe unshard` names them.
   bool model_only = true;
   std::uint64_t chunk_bytes = std::uint64_t(16) << 20;  ///< memory per writing thread
-  unsigned threads = 0;  ///< blocks in flight (0: detail::default_threads())
+  unsigned threads = 0;                                 ///< blocks in flight (0: detail::default_threads())
   bool direct_io = true;  ///< BlockWritableStorage writers bypass the page cache where they can
   std::map<std::string, std::string> file_metadata{{"format", "pt"}};  ///< each file's __metadata__
   /// Called as blocks are written, from one thread at a time, with the bytes written so far
@@ -78,10 +78,10 @@ struct hf_export_options {
 };
 
 struct hf_export_stats {
-  std::size_t files = 0;        ///< safetensors files written
-  std::size_t tensors = 0;      ///< tensors written (dropped ones not counted)
-  std::uint64_t bytes = 0;      ///< bytes of the safetensors files, headers included
-  bool indexed = false;         ///< model.safetensors.index.json written
+  std::size_t files = 0;    ///< safetensors files written
+  std::size_t tensors = 0;  ///< tensors written (dropped ones not counted)
+  std::uint64_t bytes = 0;  ///< bytes of the safetensors files, headers included
+  bool indexed = false;     ///< model.safetensors.index.json written
   double seconds = 0;
 };
 
@@ -94,18 +94,18 @@ struct hf_export_input {
 
 /// An export's plan: the packing, where each output tensor comes from, and each file's layout.
 struct hf_export_layout {
-  hf_export_plan plan;                  ///< output names, sorted; files in order
-  std::vector<std::size_t> source;      ///< plan.tensors[i] is inputs[source[i]], renamed
+  hf_export_plan plan;                    ///< output names, sorted; files in order
+  std::vector<std::size_t> source;        ///< plan.tensors[i] is inputs[source[i]], renamed
   std::vector<safetensors_layout> files;  ///< one per plan.files[f]: header and offsets
-  std::uint64_t bytes = 0;              ///< sum of the files' sizes
+  std::uint64_t bytes = 0;                ///< sum of the files' sizes
 };
 
 /// Plans an export of `inputs` (steps 1-3 at the top). `out` names the output folder in file
 /// names and messages. Throws errc::invalid_argument for a rename collision or convert_to that
 /// is not F16/BF16/F32/F64, and what plan_hf_export and plan_safetensors throw.
 #if SHARDSAFE_DEFINE
-SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
-                                                      std::string_view out) {
+SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs,
+                                                      const hf_export_options& opt, std::string_view out) {
   if (opt.convert_to && !is_convertible_float(*opt.convert_to))
     fail(errc::invalid_argument, std::string(out) + ": export dtype " + std::string(to_string(*opt.convert_to)) +
                                      " is not one tensors convert to (F16, BF16, F32 or F64)");
@@ -127,15 +127,16 @@ SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_expor
   for (const auto& t : l.plan.tensors) l.source.push_back(by_name.at(renamed.at(t.name)));
   for (const auto& f : l.plan.files) {
     std::vector<tensor_entry> entries;
-    for (std::size_t t : f.tensors) entries.push_back({l.plan.tensors[t].name, l.plan.tensors[t].type, l.plan.tensors[t].shape, 0, 0});
+    for (std::size_t t : f.tensors)
+      entries.push_back({l.plan.tensors[t].name, l.plan.tensors[t].type, l.plan.tensors[t].shape, 0, 0});
     l.files.push_back(plan_safetensors(std::move(entries), opt.file_metadata, std::string(out) + "/" + f.name));
     l.bytes += l.files.back().file_size();
   }
   return l;
 }
 #else
-SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs, const hf_export_options& opt,
-                                                      std::string_view out);
+SHARDSAFE_DECL hf_export_layout plan_hf_export_layout(const std::vector<hf_export_input>& inputs,
+                                                      const hf_export_options& opt, std::string_view out);
 #endif
 
 namespace detail {
@@ -165,10 +166,13 @@ void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_op
       bo.threads = opt.threads;
       bo.direct = opt.direct_io;
       bo.block_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 1);
-      w.write_blocks(size, [&](std::uint64_t off, std::span<std::byte> dst) {
-        fill(off, dst);
-        done(dst.size());
-      }, bo);
+      w.write_blocks(
+          size,
+          [&](std::uint64_t off, std::span<std::byte> dst) {
+            fill(off, dst);
+            done(dst.size());
+          },
+          bo);
     } else {
       const std::uint64_t chunk = std::max<std::uint64_t>(opt.chunk_bytes, 1);
       if constexpr (requires { w.reserve(std::uint64_t{}); }) w.reserve(size);
@@ -221,10 +225,10 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
         fail(errc::invalid_argument, std::string(out.name()) + ": tensor '" + name + "' (expert stacking rule '" +
                                          stack->text + "'): a 0-d tensor has no expert dimension to split");
       if (tm.shape[0] > max_experts)
-        fail(errc::invalid_argument, std::string(out.name()) + ": tensor '" + name + "' " + to_string(tm.shape) +
-                                         " (expert stacking rule '" + stack->text + "'): " + std::to_string(tm.shape[0]) +
-                                         " experts pass the limit of " + std::to_string(max_experts) +
-                                         " (refused before anything is planned or written)");
+        fail(errc::invalid_argument,
+             std::string(out.name()) + ": tensor '" + name + "' " + to_string(tm.shape) + " (expert stacking rule '" +
+                 stack->text + "'): " + std::to_string(tm.shape[0]) + " experts pass the limit of " +
+                 std::to_string(max_experts) + " (refused before anything is planned or written)");
       const shape_t rest(tm.shape.begin() + 1, tm.shape.end());
       for (std::uint64_t i = 0; i < tm.shape[0]; ++i) {
         inputs.push_back({expert_stacking::expert_name(*stack, name, i), tm.type, rest});
@@ -242,8 +246,9 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
     }
     std::string list;
     for (std::size_t i = 0; i < rules.size() && i < 4; ++i) list += (i ? ", " : "") + rules[i];
-    fail(errc::invalid_argument, std::string(out.name()) + ": the rename rules drop all " + std::to_string(inputs.size()) +
-                                     " tensors (dropped by " + list + (rules.size() > 4 ? ", ..." : "") +
+    fail(errc::invalid_argument, std::string(out.name()) + ": the rename rules drop all " +
+                                     std::to_string(inputs.size()) + " tensors (dropped by " + list +
+                                     (rules.size() > 4 ? ", ..." : "") +
                                      "); an export that exports nothing is refused (e.g. --preset dcp-to-hf keeps only "
                                      "'model.' keys)");
   }
@@ -252,8 +257,8 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
 
   load_options lo;
   lo.convert_dtypes = true;
-  lo.threads = 1;  // blocks are the parallelism
-  lo.list_unexpected = false;  // a block at a time
+  lo.threads = 1;                                                            // blocks are the parallelism
+  lo.list_unexpected = false;                                                // a block at a time
   lo.reads.max_read_bytes = std::max<std::uint64_t>(opt.chunk_bytes, 4096);  // converted reads stage this much
   hf_export_stats st;
   std::vector<std::string> committed;
@@ -265,18 +270,23 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
       std::vector<std::size_t> plan_of(layout.tensors.size());
       for (std::size_t t : l.plan.files[f].tensors) plan_of[layout.index_of(l.plan.tensors[t].name)] = t;
       auto w = out.create(l.plan.files[f].name);
-      detail::write_export_file(w, layout.file_size(), [&](std::uint64_t off, std::span<std::byte> dst) {
-        detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
-          detail::load_pieces(
-              pieces, [&](std::size_t idx) { return origins[l.source[plan_of[idx]]].reader; },
-              [&](const detail::layout_piece& p) {
-                const origin& o = origins[l.source[plan_of[p.idx]]];
-                return flat_view{o.key, layout.tensors[p.idx].type, o.shape,
-                                 shard_spec(flat_spec{{o.first + p.first, o.first + p.first + p.n}}), p.bytes.data(), p.bytes.size()};
-              },
-              lo);
-        });
-      }, opt, written, l.bytes);
+      detail::write_export_file(
+          w, layout.file_size(),
+          [&](std::uint64_t off, std::span<std::byte> dst) {
+            detail::fill_layout_block(layout, off, dst, [&](std::span<const detail::layout_piece> pieces) {
+              detail::load_pieces(
+                  pieces, [&](std::size_t idx) { return origins[l.source[plan_of[idx]]].reader; },
+                  [&](const detail::layout_piece& p) {
+                    const origin& o = origins[l.source[plan_of[p.idx]]];
+                    return flat_view{
+                        o.key,          layout.tensors[p.idx].type,
+                        o.shape,        shard_spec(flat_spec{{o.first + p.first, o.first + p.first + p.n}}),
+                        p.bytes.data(), p.bytes.size()};
+                  },
+                  lo);
+            });
+          },
+          opt, written, l.bytes);
       committed.push_back(l.plan.files[f].name);
       st.bytes += layout.file_size();
       st.tensors += layout.tensors.size();
@@ -313,7 +323,8 @@ hf_export_stats export_hf(const S& src, const D& out, const hf_export_options& o
     sources.push_back({readers.back().get(), ""});
   } else {
     if (!src.exists(model_folder_name))
-      fail(errc::not_found, std::string(src.name()) + ": a model + optimizer checkpoint without model/; nothing to export");
+      fail(errc::not_found,
+           std::string(src.name()) + ": a model + optimizer checkpoint without model/; nothing to export");
     for (std::string_view part : {model_folder_name, optim_folder_name}) {
       if (part == optim_folder_name && (opt.model_only || !src.exists(part))) continue;
       readers.push_back(std::make_unique<checkpoint_reader<S>>(src.sub(part)));

@@ -97,7 +97,7 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
     if (it == plan_index.end()) continue;  // dropped by a rename rule
     const tensor_metadata* tm = md.find(v.key);
     if (!tm->is_sharded && tm->files.front().first != mine) continue;  // a lower rank writes it
-    if (tm->is_sharded && v.replica == replica_role::copy) continue;  // its writer replica writes it
+    if (tm->is_sharded && v.replica == replica_role::copy) continue;   // its writer replica writes it
     const std::size_t f = file_of[it->second];
     const safetensors_layout& layout = l.files[f];
     const tensor_entry& e = layout.tensors[layout.index_of(l.plan.tensors[it->second].name)];
@@ -106,7 +106,8 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
     const copy_plan runs = compute_copy_plan(shard_spec(flat_spec{{0, tm->numel()}}), v.effective_spec(), tm->shape);
     for (const copy_run& r : runs)
       for (std::uint64_t k = 0; k < r.len; k += per)
-        pieces.push_back({f, layout.data_start() + e.begin + (r.dst + k) * oi, &v, r.src + k, std::min(per, r.len - k), e.type});
+        pieces.push_back(
+            {f, layout.data_start() + e.begin + (r.dst + k) * oi, &v, r.src + k, std::min(per, r.len - k), e.type});
   }
   std::vector<std::optional<file_part_writer>> out(l.files.size());
   for (const auto& p : pieces)
@@ -163,7 +164,7 @@ hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::
   for (std::size_t at = 0, z; (z = joined.find('\0', at)) != std::string::npos; at = z + 1)
     temps.push_back(joined.substr(at, z - at));
   every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, temps, views, md, comm.rank(), opt); });  // 3
-  rank0_step(comm, [&] {  // 4
+  rank0_step(comm, [&] {                                                                                        // 4
     for (file_writer& w : writers) w.commit();
     if (l.plan.indexed()) write_text(file_directory(out_dir), hf_index_file, l.plan.index_json());
   });

@@ -55,9 +55,9 @@ template <ReadableDirectory D>
 struct hf_folder {
   /// One safetensors file of the folder.
   struct file {
-    std::string name;                  ///< its object name in the folder
-    typename D::reader_type storage;   ///< open for reading
-    safetensors_header header;         ///< validated
+    std::string name;                 ///< its object name in the folder
+    typename D::reader_type storage;  ///< open for reading
+    safetensors_header header;        ///< validated
   };
 
   std::optional<hf_index> index;                      ///< the index of a sharded folder; none for model.safetensors
@@ -84,7 +84,8 @@ struct hf_folder {
 /// layout, pytorch_model.bin or its index).
 template <ReadableDirectory D>
 bool is_hf_folder(const D& dir) {
-  return dir.exists(hf_index_file) || dir.exists(hf_single_file) || dir.exists(hf_bin_index_file) || dir.exists(hf_bin_single_file);
+  return dir.exists(hf_index_file) || dir.exists(hf_single_file) || dir.exists(hf_bin_index_file) ||
+         dir.exists(hf_bin_single_file);
 }
 
 namespace detail {
@@ -137,7 +138,7 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
 /// transformers style ("model-00001-of-00002.safetensors" -> {"model", "-of-00002.safetensors"}),
 /// or nothing; `ext` is the files' extension (".bin" in the torch.save layout).
 inline std::optional<std::pair<std::string, std::string>> shard_name_pattern(std::string_view n,
-                                                                            std::string_view ext = ".safetensors") {
+                                                                             std::string_view ext = ".safetensors") {
   if (!n.ends_with(ext)) return std::nullopt;
   const std::size_t of = n.rfind("-of-");
   if (of == std::string_view::npos || of < 2) return std::nullopt;
@@ -188,7 +189,8 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
     try {
       opened.emplace(detail::open_hf_file(dir, n, h.torch_bin));
     } catch (const error& e) {
-      if (!h.torch_bin || of_the_set || (e.code() != errc::invalid_metadata && e.code() != errc::unsupported_dtype)) throw;
+      if (!h.torch_bin || of_the_set || (e.code() != errc::invalid_metadata && e.code() != errc::unsupported_dtype))
+        throw;
       continue;
     }
     const auto& f = *opened;
@@ -197,11 +199,11 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
         fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': " + index_name + " places it in " +
                                          it->second + ", but this file, which the index does not name, holds it too");
     if (of_the_set)
-      fail(errc::invalid_metadata, f.header.file + ": a shard of this folder's set (" + p->first + "-*" + p->second +
-                                       ") that " + index_name + " does not name: its " +
-                                       std::to_string(f.header.tensors.size()) + " tensor(s)" +
-                                       (f.header.tensors.empty() ? "" : ", '" + f.header.tensors.front().name + "' first,") +
-                                       " are not part of the checkpoint");
+      fail(errc::invalid_metadata,
+           f.header.file + ": a shard of this folder's set (" + p->first + "-*" + p->second + ") that " + index_name +
+               " does not name: its " + std::to_string(f.header.tensors.size()) + " tensor(s)" +
+               (f.header.tensors.empty() ? "" : ", '" + f.header.tensors.front().name + "' first,") +
+               " are not part of the checkpoint");
   }
 }
 
@@ -212,8 +214,8 @@ void check_unlisted_hf_files(const D& dir, const hf_folder<D>& h) {
 template <ReadableDirectory D>
 hf_folder<D> open_hf_folder(const D& dir) {
   hf_folder<D> h;
-  for (const auto& [index_name, single_name, bin] : {std::tuple{hf_index_file, hf_single_file, false},
-                                                     std::tuple{hf_bin_index_file, hf_bin_single_file, true}}) {
+  for (const auto& [index_name, single_name, bin] :
+       {std::tuple{hf_index_file, hf_single_file, false}, std::tuple{hf_bin_index_file, hf_bin_single_file, true}}) {
     if (dir.exists(index_name)) {
       h.described_by = std::string(index_name);
       h.torch_bin = bin;
@@ -234,8 +236,9 @@ hf_folder<D> open_hf_folder(const D& dir) {
     }
   }
   if (h.described_by.empty())
-    fail(errc::not_found, std::string(dir.name()) + ": none of " + std::string(hf_index_file) + ", " + std::string(hf_single_file) +
-                              ", " + std::string(hf_bin_index_file) + ", " + std::string(hf_bin_single_file));
+    fail(errc::not_found, std::string(dir.name()) + ": none of " + std::string(hf_index_file) + ", " +
+                              std::string(hf_single_file) + ", " + std::string(hf_bin_index_file) + ", " +
+                              std::string(hf_bin_single_file));
   for (std::size_t i = 0; i < h.files.size(); ++i) {
     const auto& ts = h.files[i].header.tensors;
     for (std::size_t k = 0; k < ts.size(); ++k)

@@ -67,7 +67,7 @@ namespace shardsafe {
 enum class hf_import_mode { every_rank_read, rank0_broadcast, automatic };
 
 constexpr std::string_view to_string(hf_import_mode m) noexcept {
-  return m == hf_import_mode::every_rank_read ? "every_rank_read"
+  return m == hf_import_mode::every_rank_read   ? "every_rank_read"
          : m == hf_import_mode::rank0_broadcast ? "rank0_broadcast"
                                                 : "automatic";
 }
@@ -79,8 +79,8 @@ constexpr std::string_view to_string(hf_import_mode m) noexcept {
 /// reads and rank 0's chunks. Strictness and dtype conversion are hf_key_options::strict and
 /// ::convert_dtypes (an import has one of each, not two).
 struct hf_import_reads {
-  unsigned threads = 0;     ///< reads in flight (0: the backend's hint, else the default)
-  read_settings reads{};    ///< gap merging, read sizes, requests in flight
+  unsigned threads = 0;   ///< reads in flight (0: the backend's hint, else the default)
+  read_settings reads{};  ///< gap merging, read sizes, requests in flight
 };
 
 struct hf_import_options : hf_key_options {
@@ -220,8 +220,9 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
       const std::uint64_t b = std::min(n, a + per), len = (b - a) * item;
       rank0_step(comm, [&] {
         buf.resize(static_cast<std::size_t>(len));
-        flat_view cv{info.name, info.type, info.shape, shard_spec(flat_spec{{a, b}}),
-                     reinterpret_cast<std::byte*>(buf.data()), len};
+        flat_view cv{
+            info.name, info.type, info.shape, shard_spec(flat_spec{{a, b}}), reinterpret_cast<std::byte*>(buf.data()),
+            len};
         res.stats.add_reads(reader->load(std::span<const flat_view>(&cv, 1), lo));
       });
       detail::exchange_in_scope([&] {
@@ -294,7 +295,8 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
     const std::pair<std::string, tensor_metadata>* big = nullptr;
     for (const auto& t : reader->metadata().tensors) {
       total += t.second.numel() * bit_size(t.second.type) / 8;
-      if (is_byte_sized(t.second.type) && (!big || t.second.numel() * item_size(t.second.type) > big->second.numel() * item_size(big->second.type)))
+      if (is_byte_sized(t.second.type) &&
+          (!big || t.second.numel() * item_size(t.second.type) > big->second.numel() * item_size(big->second.type)))
         big = &t;
     }
     std::uint64_t share = 0, ns = 0;
@@ -340,7 +342,8 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
     const double b = rate(bytes, message_reader(bcast[r], "rank " + std::to_string(r) + "'s broadcast").count());
     if (r > 0) slowest_bcast = slowest_bcast == 0 ? b : std::min(slowest_bcast, b);
   }
-  const double broadcast = (read0 > 0 ? double(total) / read0 : 0.0) + (slowest_bcast > 0 ? double(total) / slowest_bcast : 0.0);
+  const double broadcast =
+      (read0 > 0 ? double(total) / read0 : 0.0) + (slowest_bcast > 0 ? double(total) / slowest_bcast : 0.0);
   std::ostringstream why;
   why.precision(3);
   why << "estimated every_rank_read " << every << " s, rank0_broadcast " << broadcast << " s (rank 0 alone reads "
@@ -377,7 +380,8 @@ hf_import_stats import_hf(const D& dir, std::span<const flat_view> views, C& com
     return res;
   }
   std::optional<checkpoint_reader<D>> reader;  // automatic's probe opens it; the import reads through it
-  res.mode = opt.mode == hf_import_mode::automatic ? detail::pick_import_mode(dir, views, comm, opt, res, reader) : opt.mode;
+  res.mode =
+      opt.mode == hf_import_mode::automatic ? detail::pick_import_mode(dir, views, comm, opt, res, reader) : opt.mode;
   if (res.mode == hf_import_mode::rank0_broadcast)
     detail::import_rank0_broadcast(dir, views, comm, opt, res, reader);
   else

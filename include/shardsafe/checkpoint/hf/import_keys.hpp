@@ -45,9 +45,9 @@ namespace shardsafe {
 struct hf_key_options {
   rename_rules rename;           ///< file key -> model key, first match wins; "" drops the key
   bool lora_base_layer = false;  ///< feed `x.base_layer.w` from file key `x.w`
-  bool strict = true;            ///< missing keys (LoRA adapter weights excepted) are errc::not_found (as load_options::strict)
-  bool convert_dtypes = true;    ///< F16/BF16/F32/F64 files load into views of another of them
-  std::size_t examples = 5;      ///< keys named in messages, per list
+  bool strict = true;  ///< missing keys (LoRA adapter weights excepted) are errc::not_found (as load_options::strict)
+  bool convert_dtypes = true;  ///< F16/BF16/F32/F64 files load into views of another of them
+  std::size_t examples = 5;    ///< keys named in messages, per list
   /// Stacked expert weights (checkpoint/hf/experts.hpp): a view these rules match is fed by
   /// the file's per-expert tensors, each rank reading only its own experts' slices. The
   /// mapping (and its missing / unexpected keys) is then in per-expert names.
@@ -177,9 +177,10 @@ SHARDSAFE_DECL hf_key_mapping map_hf_keys(std::span<const flat_view> views, std:
     for (const auto& k : m.missing_keys)
       if (!is_lora_adapter_name(k)) strict_missing.push_back(k);
     if (!strict_missing.empty())
-      fail(errc::not_found, std::string(ctx) + ": strict import: " + std::to_string(strict_missing.size()) +
-                                " model tensor(s) fed by no tensor of the checkpoint (LoRA adapter weights excepted): " +
-                                key_examples(strict_missing, opt.examples));
+      fail(errc::not_found,
+           std::string(ctx) + ": strict import: " + std::to_string(strict_missing.size()) +
+               " model tensor(s) fed by no tensor of the checkpoint (LoRA adapter weights excepted): " +
+               key_examples(strict_missing, opt.examples));
   }
   return m;
 }
@@ -196,12 +197,13 @@ inline void check_hf_import_entry(const flat_view& v, const hf_tensor_info& t, c
   std::string c = std::string(ctx) + ": tensor '" + t.name + "'";
   if (t.name != v.key) c += " (model tensor '" + v.key + "'" + (e.how.empty() ? "" : ", by " + e.how) + ")";
   if (t.shape != v.full_shape)
-    fail(errc::shape_mismatch, c + ": the checkpoint has shape " + to_string(t.shape) + ", the model's tensor " +
-                                   to_string(v.full_shape));
+    fail(errc::shape_mismatch,
+         c + ": the checkpoint has shape " + to_string(t.shape) + ", the model's tensor " + to_string(v.full_shape));
   if (t.type != v.type && !(convert_dtypes && is_convertible_float(t.type) && is_convertible_float(v.type)))
-    fail(errc::dtype_mismatch, c + ": the checkpoint has dtype " + std::string(to_string(t.type)) + ", the model's tensor " +
-                                   std::string(to_string(v.type)) +
-                                   (convert_dtypes ? " (only F16, BF16, F32 and F64 convert)" : " (conversion is off)"));
+    fail(errc::dtype_mismatch,
+         c + ": the checkpoint has dtype " + std::string(to_string(t.type)) + ", the model's tensor " +
+             std::string(to_string(v.type)) +
+             (convert_dtypes ? " (only F16, BF16, F32 and F64 convert)" : " (conversion is off)"));
 }
 
 /// "loaded 7 tensors (1 tied); missing 2 (a, b); unexpected 1 (c); dropped 0".

@@ -50,8 +50,9 @@ struct dcp_layout {
   template <ReadableDirectory D>
   static std::optional<std::string> incomplete(const D& dir, folder_listing<D>& ls) {
     if (!ls.any_ends_with(".distcp")) return std::nullopt;
-    return std::string(dir.name()) + ": .distcp files but no .metadata: not a complete "
-                                     "torch.distributed.checkpoint folder (a save that did not finish?)";
+    return std::string(dir.name()) +
+           ": .distcp files but no .metadata: not a complete "
+           "torch.distributed.checkpoint folder (a save that did not finish?)";
   }
 
   /// A file of the folder indexed: a .distcp file by its archives' zip headers, a safetensors
@@ -81,8 +82,8 @@ struct dcp_layout {
   template <ReadableDirectory D>
   static checkpoint_source<D> describe(const D& dir) {
     const std::string folder(dir.name());
-    const dcp_metadata md =
-        parse_dcp_metadata(read_text(dir.open(dcp_metadata_file_name), max_metadata_size, text_kind::pickle), folder + "/.metadata");
+    const dcp_metadata md = parse_dcp_metadata(
+        read_text(dir.open(dcp_metadata_file_name), max_metadata_size, text_kind::pickle), folder + "/.metadata");
     checkpoint_source<D> s;
     s.layout = &info;
     s.described_by = std::string(dcp_metadata_file_name);
@@ -106,24 +107,26 @@ struct dcp_layout {
         const std::size_t k = chunks_of[{path, key}]++;
         const std::string fname = k == 0 ? path : path + "#" + std::to_string(k);
         if (k > 0 && path.ends_with(".safetensors"))
-          fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': a second chunk (at " + to_string(c.offsets) +
-                                           ") placed in '" + path + "', a safetensors file, which holds each key once");
+          fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': a second chunk (at " +
+                                           to_string(c.offsets) + ") placed in '" + path +
+                                           "', a safetensors file, which holds each key once");
         dcp_data_file& df = s.data_files[fname];
         if (!df.chunks.empty() && df.path != path)
-          fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': '" + fname + "' names both the data file '" +
-                                           df.path + "' and chunk " + std::to_string(k) + " of '" + path + "' in it");
+          fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': '" + fname +
+                                           "' names both the data file '" + df.path + "' and chunk " +
+                                           std::to_string(k) + " of '" + path + "' in it");
         df.path = path;
         df.safetensors = path.ends_with(".safetensors");
         df.chunks.push_back({{key, item.type, c.offsets, c.sizes}, c.storage.offset, c.storage.length});
         // a 0-d tensor's one chunk is its one element
-        tm.files.emplace_back(fname, item.size.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(c.sizes, c.offsets)));
+        tm.files.emplace_back(
+            fname, item.size.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(c.sizes, c.offsets)));
       }
       for (auto& [fname, spec] : tm.files) spec.validate(tm.shape, folder + "/" + fname);
       s.metadata.tensors.emplace_back(key, std::move(tm));
     }
     return s;
   }
-
 
  private:
   /// f(storage, where, what) on the data file of item `it` (errc::not_found when it is missing).

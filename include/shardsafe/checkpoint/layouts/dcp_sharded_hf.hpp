@@ -29,7 +29,8 @@
 namespace shardsafe {
 
 struct dcp_sharded_hf_layout {
-  static constexpr layout_info info{.id = "dcp_sharded_hf", .name = "torch sharded Hugging Face files", .commit_mark = ""};
+  static constexpr layout_info info{
+      .id = "dcp_sharded_hf", .name = "torch sharded Hugging Face files", .commit_mark = ""};
 
   /// A folder that lists safetensors files (which of them has DCP_SHARDING_INFO, open says).
   template <ReadableDirectory D>
@@ -45,7 +46,6 @@ struct dcp_sharded_hf_layout {
     if (names.empty()) return std::nullopt;
     return open_files(dir, names);
   }
-
 
   /// The description of the safetensors files `names` of dir (rules at the top), or
   /// nothing when none of them has DCP_SHARDING_INFO (rank files of a save that did not finish,

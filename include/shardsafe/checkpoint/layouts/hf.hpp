@@ -18,7 +18,7 @@ namespace shardsafe {
 struct hf_layout {
   static constexpr layout_info info{.id = "hf",
                                     .name = "Hugging Face folder",
-                                    .commit_mark = "",  // none: an HF folder is written whole or not at all
+                                    .commit_mark = "",       // none: an HF folder is written whole or not at all
                                     .permuted_files = true,  // a .bin's transposed tensor
                                     .folder_of_whole_files = true};
 
@@ -38,11 +38,13 @@ struct hf_layout {
     s.described_by = h.described_by;
     // tensors in name order (the index's order; a single file's by name too)
     for (const auto& [key, at] : h.tensors)
-      s.metadata.tensors.emplace_back(key, detail::whole_tensor(h.entry(at), h.files[at.file].name,
-                                                                !h.files[at.file].header.stored_order(h.entry(at)).empty()));
+      s.metadata.tensors.emplace_back(key,
+                                      detail::whole_tensor(h.entry(at), h.files[at.file].name,
+                                                           !h.files[at.file].header.stored_order(h.entry(at)).empty()));
     for (auto& f : h.files) {
       s.metadata.extras.file_sizes.emplace(f.name, f.header.file_size());
-      s.files.emplace_back(f.name, std::make_unique<opened_file<R>>(opened_file<R>{std::move(f.storage), std::move(f.header)}));
+      s.files.emplace_back(f.name,
+                           std::make_unique<opened_file<R>>(opened_file<R>{std::move(f.storage), std::move(f.header)}));
     }
     return s;
   }

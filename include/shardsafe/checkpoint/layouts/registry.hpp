@@ -42,7 +42,8 @@ using file_layouts = layout_list<torch_save_file_layout, safetensors_file_layout
 template <class F>
 void with_layout(const layout_info& info, F&& f) {
   if (!visit_layout(folder_layouts{}, info, f) && !visit_layout(file_layouts{}, info, f))
-    fail(errc::invalid_argument, "layout '" + std::string(info.id) + "' is not registered (checkpoint/layouts/registry.hpp)");
+    fail(errc::invalid_argument,
+         "layout '" + std::string(info.id) + "' is not registered (checkpoint/layouts/registry.hpp)");
 }
 
 /// The first folder layout that recognises dir by the names in it (no file parsed), or nullptr.

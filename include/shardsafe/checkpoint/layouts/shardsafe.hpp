@@ -17,10 +17,8 @@
 namespace shardsafe {
 
 struct shardsafe_layout {
-  static constexpr layout_info info{.id = "shardsafe",
-                                    .name = "sharded checkpoint",
-                                    .commit_mark = metadata_file_name,
-                                    .records_checksums = true};
+  static constexpr layout_info info{
+      .id = "shardsafe", .name = "sharded checkpoint", .commit_mark = metadata_file_name, .records_checksums = true};
 
   template <ReadableDirectory D>
   static bool recognise(const D& dir, folder_listing<D>&) {

@@ -30,8 +30,10 @@ checkpoint_source<D> whole_file_source(const layout_info& info, const std::strin
   using R = typename D::reader_type;
   s.layout = &info;
   s.described_by = name;
-  for (const auto& e : h.tensors) s.metadata.tensors.emplace_back(e.name, whole_tensor(e, name, !h.stored_order(e).empty()));
-  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& e : h.tensors)
+    s.metadata.tensors.emplace_back(e.name, whole_tensor(e, name, !h.stored_order(e).empty()));
+  std::sort(s.metadata.tensors.begin(), s.metadata.tensors.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
   s.files.emplace_back(name, std::make_unique<opened_file<R>>(opened_file<R>{std::move(st), std::move(h)}));
   return s;
 }
@@ -76,7 +78,8 @@ struct torch_save_file_layout {
 
 /// A safetensors file: what any other file is taken for (its header says whether it is one).
 struct safetensors_file_layout {
-  static constexpr layout_info info{.id = "safetensors", .name = "safetensors file", .commit_mark = "", .single_file = true};
+  static constexpr layout_info info{
+      .id = "safetensors", .name = "safetensors file", .commit_mark = "", .single_file = true};
 
   template <ReadableStorage S>
   static bool recognise_file(const S&) {

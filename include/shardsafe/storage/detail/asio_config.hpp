@@ -15,7 +15,8 @@
     defined(__cpp_impl_coroutine) && __cplusplus >= 202002L
 #if __has_include(<coroutine>)
 #if defined(BOOST_ASIO_DETAIL_CONFIG_HPP)
-#error "shardsafe: Boost.Asio was included before shardsafe's remote headers without coroutine support for clang: include shardsafe/storage/http.hpp or s3.hpp first, or define BOOST_ASIO_HAS_CO_AWAIT=1"
+#error \
+    "shardsafe: Boost.Asio was included before shardsafe's remote headers without coroutine support for clang: include shardsafe/storage/http.hpp or s3.hpp first, or define BOOST_ASIO_HAS_CO_AWAIT=1"
 #endif
 #define BOOST_ASIO_HAS_CO_AWAIT 1
 #endif

@@ -153,7 +153,7 @@ class fd_cache {
                                 [](void* p) noexcept { static_cast<fd_cache*>(p)->m_.unlock(); }});
   }
   ~fd_cache() { fork_guard::instance().remove(this); }  // at exit: a later fork no longer locks it
-  void touch(entry& e) {  // e open and unpinned: the most recently used
+  void touch(entry& e) {                                // e open and unpinned: the most recently used
     if (e.in_lru) lru_.erase(e.lru_at);
     lru_.push_front(&e);
     e.lru_at = lru_.begin();

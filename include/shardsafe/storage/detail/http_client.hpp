@@ -125,12 +125,14 @@ SHARDSAFE_DECL http_response http_client::send(http_request req, request_signer 
 }
 
 SHARDSAFE_DECL void http_client::read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst,
-                                            std::uint64_t total, request_signer sign, const object_validator& validator) {
+                                            std::uint64_t total, request_signer sign,
+                                            const object_validator& validator) {
   engine_->read_range(url, off, dst, total, sign, validator);
 }
 
-SHARDSAFE_DECL void http_client::read_ranges(const url_parts& url, std::span<const read_request> parts, std::uint64_t total,
-                                             request_signer sign, const object_validator& validator) {
+SHARDSAFE_DECL void http_client::read_ranges(const url_parts& url, std::span<const read_request> parts,
+                                             std::uint64_t total, request_signer sign,
+                                             const object_validator& validator) {
   engine_->read_ranges(url, parts, total, sign, validator);
 }
 #endif  // SHARDSAFE_REMOTE_DEFINE

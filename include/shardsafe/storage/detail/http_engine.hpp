@@ -63,7 +63,8 @@ class http_engine {
     attempt_failure f;
     if (req.deadline == std::chrono::steady_clock::time_point{})
       req.deadline = std::chrono::steady_clock::now() + opt_.operation_timeout;
-    const std::string within = "within the operation's " + seconds_of(opt_.operation_timeout) + " (http_options::operation_timeout)";
+    const std::string within =
+        "within the operation's " + seconds_of(opt_.operation_timeout) + " (http_options::operation_timeout)";
     for (;;) {
       f = {};
       auto r = co_await attempt(req, f);
@@ -80,16 +81,17 @@ class http_engine {
       if (++attempts >= opt_.max_attempts) {
         // a 5xx/429 that persisted: the last answer goes back for the caller to judge
         if (std::optional<T> last = on_give_up()) co_return std::move(*last);
-        throw error(errc::io_error, req.url.str() + ": giving up after " + std::to_string(attempts) +
-                                        " attempts; last: " + f.why);
+        throw error(errc::io_error,
+                    req.url.str() + ": giving up after " + std::to_string(attempts) + " attempts; last: " + f.why);
       }
       ++stats_.retries;
       const std::chrono::milliseconds pause = backoff(attempts, f.retry_after);
       if (now + pause > req.deadline)
-        throw error(errc::io_error, req.url.str() + ": " +
-                                        (f.retry_after ? "the server asks to be retried after " + seconds_of(*f.retry_after)
-                                                       : "the next retry would come after " + seconds_of(pause)) +
-                                        ", past the deadline " + within + "; last: " + f.why);
+        throw error(errc::io_error,
+                    req.url.str() + ": " +
+                        (f.retry_after ? "the server asks to be retried after " + seconds_of(*f.retry_after)
+                                       : "the next retry would come after " + seconds_of(pause)) +
+                        ", past the deadline " + within + "; last: " + f.why);
       net::steady_timer wait(co_await net::this_coro::executor);
       wait.expires_after(pause);
       boost::system::error_code ec;
@@ -109,7 +111,8 @@ class http_engine {
 
   /// Whole seconds, for messages.
   static std::string seconds_of(std::chrono::milliseconds d) {
-    return std::to_string(d.count() / 1000) + (d.count() % 1000 ? "." + std::to_string(d.count() % 1000 / 100) : "") + " s";
+    return std::to_string(d.count() / 1000) + (d.count() % 1000 ? "." + std::to_string(d.count() % 1000 / 100) : "") +
+           " s";
   }
 
   /// Points the attempt r at the redirect's target `to` and has it made again at once. Refuses a
@@ -118,7 +121,8 @@ class http_engine {
   void follow_redirect(const url_parts& origin, http_request& r, const url_parts& to, unsigned& redirects,
                        attempt_failure& f) const {
     if (to.scheme != "http" && to.scheme != "https")
-      throw error(errc::io_error, r.url.str() + ": redirected to " + to.str() + ", which is not http:// or https://; not followed");
+      throw error(errc::io_error,
+                  r.url.str() + ": redirected to " + to.str() + ", which is not http:// or https://; not followed");
     if (++redirects > opt_.max_redirects)
       throw error(errc::io_error, origin.str() + ": more than " + std::to_string(opt_.max_redirects) +
                                       " redirects (http_options::max_redirects); the last to " + to.str());
@@ -135,7 +139,8 @@ class http_engine {
 inline http_response http_engine::send(http_request req, request_signer sign) {
   http_pool::slot_guard slot(pool_.slots());
   http_pool::lane_lease lane(pool_);
-  return http_pool::run_on(*lane, [&]() -> task<http_response> { co_return co_await send_on(*lane, std::move(req), sign); });
+  return http_pool::run_on(*lane,
+                           [&]() -> task<http_response> { co_return co_await send_on(*lane, std::move(req), sign); });
 }
 
 inline void http_engine::read_range(const url_parts& url, std::uint64_t off, std::span<std::byte> dst,
@@ -231,9 +236,12 @@ inline task<void> http_engine::read_range_on(http_lane& lane, const url_parts& u
       req,
       [&](http_request& r, attempt_failure& f) -> task<std::optional<bool>> {
         http_request a = r;
-        a.headers.emplace_back("Range", "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
-        if (!validator.etag.empty()) a.headers.emplace_back("If-Match", validator.etag);
-        else if (!validator.last_modified.empty()) a.headers.emplace_back("If-Unmodified-Since", validator.last_modified);
+        a.headers.emplace_back("Range",
+                               "bytes=" + std::to_string(off + got) + "-" + std::to_string(off + dst.size() - 1));
+        if (!validator.etag.empty())
+          a.headers.emplace_back("If-Match", validator.etag);
+        else if (!validator.last_modified.empty())
+          a.headers.emplace_back("If-Unmodified-Since", validator.last_modified);
         sign(a);
         std::optional<url_parts> moved;
         const bool done = co_await wire_.exchange_range(lane, a, off, dst, total, got, f, moved, validator);

@@ -43,7 +43,6 @@ class http_wire {
     return ": " + e + (body.size() > 200 ? "..." : "");
   }
 
-
   /// Writes the request on c; false (with f filled) on a transport error.
   task<bool> write_request(http_connection& c, const http_request& r, attempt_failure& f) {
     bhttp::request<bhttp::span_body<const char>> m;
@@ -61,7 +60,8 @@ class http_wire {
     co_await http_pool::on_stream(c, [&](auto& s) { return bhttp::async_write(s, m, into(ec)); });
     ++stats_.requests;
     if (ec) {
-      f = {c.reused ? next_step::reconnect : next_step::retry, "sending the request failed: " + ec.message(), std::nullopt};
+      f = {c.reused ? next_step::reconnect : next_step::retry, "sending the request failed: " + ec.message(),
+           std::nullopt};
       co_return false;
     }
     co_return true;
@@ -75,14 +75,17 @@ class http_wire {
     http_pool::arm(c, opt_.read_timeout);
     co_await http_pool::on_stream(c, [&](auto& s) { return bhttp::async_read_header(s, c.buffer, p, into(ec)); });
     if (ec) {
-      const bool nothing = ec == bhttp::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset;
+      const bool nothing =
+          ec == bhttp::error::end_of_stream || ec == net::error::eof || ec == net::error::connection_reset;
       f = {c.reused && nothing ? next_step::reconnect : next_step::retry,
            "reading the response header failed: " + ec.message(), std::nullopt};
       co_return false;
     }
     if (const unsigned v = p.get().version(); v != 10 && v != 11) {  // Beast takes any digit.digit
-      f = {next_step::retry, "reading the response header failed: the answer is HTTP/" + std::to_string(v / 10) + "." +
-                     std::to_string(v % 10) + ", not HTTP/1.x", std::nullopt};
+      f = {next_step::retry,
+           "reading the response header failed: the answer is HTTP/" + std::to_string(v / 10) + "." +
+               std::to_string(v % 10) + ", not HTTP/1.x",
+           std::nullopt};
       co_return false;
     }
     co_return true;
@@ -90,7 +93,7 @@ class http_wire {
 
   /// Reads body bytes into [data, data + cap); returns how many landed, with ec set on error.
   task<std::size_t> read_body_some(http_connection& c, parser_t& p, std::byte* data, std::size_t cap,
-                             boost::system::error_code& ec) {
+                                   boost::system::error_code& ec) {
     p.get().body().data = data;
     p.get().body().size = cap;
     p.get().body().more = true;
@@ -107,9 +110,11 @@ class http_wire {
   task<std::size_t> read_raw(http_connection& c, std::byte* data, std::size_t n, boost::system::error_code& ec) {
     http_pool::arm(c, opt_.read_timeout);
     // each socket read asks for all that is still missing (asio's default would be 64 KiB)
-    auto all_missing = [n](const boost::system::error_code& e, std::size_t done) -> std::size_t { return e ? 0 : n - done; };
-    const std::size_t k =
-        co_await http_pool::on_stream(c, [&](auto& s) { return net::async_read(s, net::buffer(data, n), all_missing, into(ec)); });
+    auto all_missing = [n](const boost::system::error_code& e, std::size_t done) -> std::size_t {
+      return e ? 0 : n - done;
+    };
+    const std::size_t k = co_await http_pool::on_stream(
+        c, [&](auto& s) { return net::async_read(s, net::buffer(data, n), all_missing, into(ec)); });
     stats_.body_bytes += k;
     if (!ec && k < n) ec = net::error::eof;
     co_return k;
@@ -124,8 +129,10 @@ class http_wire {
   /// Reads the rest of the body into a string of at most max_response_body bytes.
   task<bool> read_body_string(http_connection& c, parser_t& p, std::string& out, attempt_failure& f) {
     if (auto n = p.content_length(); n && *n > opt_.max_response_body && !p.is_done()) {  // (HEAD: no body)
-      f = {next_step::stop, "Content-Length " + std::to_string(*n) + " is over the " + std::to_string(opt_.max_response_body) +
-                      " bytes this client reads into memory", std::nullopt};
+      f = {next_step::stop,
+           "Content-Length " + std::to_string(*n) + " is over the " + std::to_string(opt_.max_response_body) +
+               " bytes this client reads into memory",
+           std::nullopt};
       co_return false;
     }
     while (!p.is_done()) {
@@ -140,7 +147,9 @@ class http_wire {
       const std::size_t n = co_await read_body_some(c, p, reinterpret_cast<std::byte*>(out.data() + at), cap, ec);
       out.resize(at + n);
       if (ec) {
-        f = {next_step::retry, "reading the response body failed after " + std::to_string(out.size()) + " bytes: " + ec.message(), std::nullopt};
+        f = {next_step::retry,
+             "reading the response body failed after " + std::to_string(out.size()) + " bytes: " + ec.message(),
+             std::nullopt};
         co_return false;
       }
     }
@@ -162,7 +171,8 @@ class http_wire {
     resp.headers = headers_of(p);
     resp.url = r.url;
     if (!co_await read_body_string(*c, p, resp.body, f)) {
-      if (f.next == next_step::stop && (resp.status >= 500 || resp.status == 429)) {  // an error answer too big to read: retry anyway
+      if (f.next == next_step::stop &&
+          (resp.status >= 500 || resp.status == 429)) {  // an error answer too big to read: retry anyway
         f.next = next_step::retry;
         f.why = "HTTP " + std::to_string(resp.status) + " (" + f.why + ")";
       }
@@ -174,8 +184,8 @@ class http_wire {
 
   /// One range GET attempt into dst[got, dst.size()); true when all of dst has landed.
   task<bool> exchange_range(http_lane& lane, const http_request& r, std::uint64_t off, std::span<std::byte> dst,
-                            std::uint64_t total, std::uint64_t& got, attempt_failure& f, std::optional<url_parts>& moved,
-                            const object_validator& validator) {
+                            std::uint64_t total, std::uint64_t& got, attempt_failure& f,
+                            std::optional<url_parts>& moved, const object_validator& validator) {
     auto c = co_await pool_.take(lane, r.url, f, r.deadline);
     if (!c) co_return false;
     if (!co_await write_request(*c, r, f)) co_return false;
@@ -204,7 +214,8 @@ class http_wire {
     if (status == 404 || status == 410)
       throw error(errc::not_found, r.url.str() + ": no such object (HTTP " + std::to_string(status) + ")");
     if (status == 416)
-      throw error(errc::truncated, r.url.str() + ": " + asked + " not satisfiable (HTTP 416): the object is shorter than " +
+      throw error(errc::truncated, r.url.str() + ": " + asked +
+                                       " not satisfiable (HTTP 416): the object is shorter than " +
                                        std::to_string(total) + " bytes");
     if (status == 412 && !validator.empty())
       throw error(errc::io_error, r.url.str() + ": the object changed while reading: HTTP 412 to " +
@@ -226,8 +237,10 @@ class http_wire {
       // only right when the whole object was asked for and the body is exactly it
       const auto n = p.content_length();
       if (!(first == 0 && want == total && n && *n == total)) {
-        f = {next_step::stop, "the server ignored the Range header (HTTP 200 with the whole body" +
-                        (n ? " of " + std::to_string(*n) + " bytes" : std::string()) + ") when asked for " + asked, std::nullopt};
+        f = {next_step::stop,
+             "the server ignored the Range header (HTTP 200 with the whole body" +
+                 (n ? " of " + std::to_string(*n) + " bytes" : std::string()) + ") when asked for " + asked,
+             std::nullopt};
         co_return false;
       }
     } else if (status == 206) {
@@ -239,11 +252,15 @@ class http_wire {
         co_return false;
       }
       if (a != first || b != last || (t && *t != total)) {
-        f = {next_step::retry, "wrong Content-Range '" + std::string(cr->value()) + "' for " + asked + "/" + std::to_string(total), std::nullopt};
+        f = {next_step::retry,
+             "wrong Content-Range '" + std::string(cr->value()) + "' for " + asked + "/" + std::to_string(total),
+             std::nullopt};
         co_return false;
       }
       if (auto n = p.content_length(); n && *n != want) {
-        f = {next_step::retry, "wrong Content-Length " + std::to_string(*n) + " for " + asked + " (" + std::to_string(want) + " bytes)", std::nullopt};
+        f = {next_step::retry,
+             "wrong Content-Length " + std::to_string(*n) + " for " + asked + " (" + std::to_string(want) + " bytes)",
+             std::nullopt};
         co_return false;
       }
     } else {
@@ -264,8 +281,10 @@ class http_wire {
         const std::size_t cap = static_cast<std::size_t>(std::min<std::uint64_t>(dst.size() - got, 1 << 20));
         got += co_await read_raw(*c, dst.data() + got, cap, ec);
         if (ec) {
-          f = {next_step::retry, "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
-                         " bytes for " + asked + ": " + ec.message(), std::nullopt};
+          f = {next_step::retry,
+               "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
+                   " bytes for " + asked + ": " + ec.message(),
+               std::nullopt};
           co_return false;
         }
       }
@@ -281,8 +300,10 @@ class http_wire {
       const std::size_t cap = static_cast<std::size_t>(std::min<std::uint64_t>(dst.size() - got, 1 << 20));
       got += co_await read_body_some(*c, p, dst.data() + got, cap, ec);
       if (ec) {
-        f = {next_step::retry, "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
-                       " bytes for " + asked + ": " + ec.message(), std::nullopt};
+        f = {next_step::retry,
+             "the body ended after " + std::to_string(got - (first - off)) + " of " + std::to_string(want) +
+                 " bytes for " + asked + ": " + ec.message(),
+             std::nullopt};
         co_return false;
       }
     }
@@ -291,12 +312,15 @@ class http_wire {
       boost::system::error_code ec;
       if (co_await read_body_some(*c, p, scratch, 1, ec) != 0 || !p.is_done()) {
         got = first - off;  // nothing of this answer can be trusted
-        f = {next_step::retry, "the body for " + asked + " is longer than the " + std::to_string(want) + " bytes announced", std::nullopt};
+        f = {next_step::retry,
+             "the body for " + asked + " is longer than the " + std::to_string(want) + " bytes announced",
+             std::nullopt};
         co_return false;
       }
     }
     if (got < dst.size()) {
-      f = {next_step::retry, "the body for " + asked + " ended after " + std::to_string(got - (first - off)) + " bytes", std::nullopt};
+      f = {next_step::retry, "the body for " + asked + " ended after " + std::to_string(got - (first - off)) + " bytes",
+           std::nullopt};
       co_return false;
     }
     if (p.get().keep_alive()) pool_.give_back(lane, std::move(c));

@@ -56,11 +56,15 @@ inline std::optional<std::int64_t> parse_http_date(std::string_view v) {
     return false;
   };
   auto alpha = [](std::string_view s) {
-    return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); });
+    return !s.empty() &&
+           std::all_of(s.begin(), s.end(), [](char c) { return (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z'); });
   };
   std::vector<std::string_view> w;  // the words, runs of spaces collapsed (asctime pads the day)
   for (std::size_t i = 0; i < v.size();) {
-    if (v[i] == ' ') { ++i; continue; }
+    if (v[i] == ' ') {
+      ++i;
+      continue;
+    }
     const std::size_t j = std::min(v.find(' ', i), v.size());
     w.push_back(v.substr(i, j - i));
     i = j;
@@ -70,10 +74,11 @@ inline std::optional<std::int64_t> parse_http_date(std::string_view v) {
   if (w.size() == 6 && w[0].size() == 4 && w[0][3] == ',' && alpha(w[0].substr(0, 3)) && w[5] == "GMT") {
     if (!num(w[1], 2, d) || !month(w[2], mo) || !num(w[3], 4, y)) return std::nullopt;
     time = w[4];
-  } else if (w.size() == 4 && w[0].size() > 1 && w[0].back() == ',' && alpha(w[0].substr(0, w[0].size() - 1)) && w[3] == "GMT") {
+  } else if (w.size() == 4 && w[0].size() > 1 && w[0].back() == ',' && alpha(w[0].substr(0, w[0].size() - 1)) &&
+             w[3] == "GMT") {
     const std::string_view dmy = w[1];  // 06-Nov-94
-    if (dmy.size() != 9 || dmy[2] != '-' || dmy[6] != '-' || !num(dmy.substr(0, 2), 2, d) || !month(dmy.substr(3, 3), mo) ||
-        !num(dmy.substr(7, 2), 2, y))
+    if (dmy.size() != 9 || dmy[2] != '-' || dmy[6] != '-' || !num(dmy.substr(0, 2), 2, d) ||
+        !month(dmy.substr(3, 3), mo) || !num(dmy.substr(7, 2), 2, y))
       return std::nullopt;
     y += y < 70 ? 2000 : 1900;  // two-digit years: the nearest century past 1970
     time = w[2];
@@ -92,7 +97,8 @@ inline std::optional<std::int64_t> parse_http_date(std::string_view v) {
   if (y < 1970 || d < 1 || d > mdays[mo - 1] || (mo == 2 && d == 29 && !leap)) return std::nullopt;
   // days from 1970-01-01 to y-mo-d (the civil-from-days algorithm run backwards)
   const std::int64_t yy = y - (mo <= 2), era = yy / 400, yoe = yy - era * 400;
-  const std::int64_t doy = (153 * (mo + (mo > 2 ? -3 : 9)) + 2) / 5 + d - 1, doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  const std::int64_t doy = (153 * (mo + (mo > 2 ? -3 : 9)) + 2) / 5 + d - 1,
+                     doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
   const std::int64_t days = era * 146097 + doe - 719468;
   return days * 86400 + h * 3600 + mi * 60 + s;
 }

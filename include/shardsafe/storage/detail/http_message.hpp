@@ -64,9 +64,8 @@ struct http_response {
 
   std::optional<std::string> header(std::string_view name) const {
     for (const auto& [k, v] : headers)
-      if (k.size() == name.size() && std::equal(k.begin(), k.end(), name.begin(), [](char a, char b) {
-            return ascii_lower(a) == ascii_lower(b);
-          }))
+      if (k.size() == name.size() &&
+          std::equal(k.begin(), k.end(), name.begin(), [](char a, char b) { return ascii_lower(a) == ascii_lower(b); }))
         return v;
     return std::nullopt;
   }
@@ -88,7 +87,7 @@ struct no_signing {
 /// function, it holds the function's address.
 class request_signer {
  public:
-  request_signer() noexcept = default;  ///< signs nothing
+  request_signer() noexcept = default;                  ///< signs nothing
   request_signer(void (*sign)(http_request&)) noexcept  // NOLINT(google-explicit-constructor)
       : fn_(sign) {}
   template <class Sign>
@@ -97,8 +96,10 @@ class request_signer {
   request_signer(const Sign& sign) noexcept  // NOLINT(google-explicit-constructor): a hook is a signer
       : hook_(std::addressof(sign)), call_([](const void* h, http_request& r) { (*static_cast<const Sign*>(h))(r); }) {}
   void operator()(http_request& r) const {
-    if (call_) call_(hook_, r);
-    else if (fn_) fn_(r);
+    if (call_)
+      call_(hook_, r);
+    else if (fn_)
+      fn_(r);
   }
 
  private:

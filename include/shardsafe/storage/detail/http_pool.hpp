@@ -79,7 +79,8 @@ struct http_connection {
 #if SHARDSAFE_HTTP_TLS
   std::variant<beast::tcp_stream, beast::ssl_stream<beast::tcp_stream>> stream;
   http_connection(net::io_context& ioc, bool tls, net::ssl::context* ctx)
-      : stream(tls ? decltype(stream)(std::in_place_index<1>, ioc, *ctx) : decltype(stream)(std::in_place_index<0>, ioc)) {}
+      : stream(tls ? decltype(stream)(std::in_place_index<1>, ioc, *ctx)
+                   : decltype(stream)(std::in_place_index<0>, ioc)) {}
 #else
   std::variant<beast::tcp_stream> stream;
   http_connection(net::io_context& ioc, bool, void*) : stream(std::in_place_index<0>, ioc) {}
@@ -96,7 +97,9 @@ struct http_connection {
   bool reused = false;
   std::chrono::steady_clock::time_point deadline{};  ///< of the request it serves now
 
-  beast::tcp_stream& tcp() { return std::visit([](auto& s) -> beast::tcp_stream& { return beast::get_lowest_layer(s); }, stream); }
+  beast::tcp_stream& tcp() {
+    return std::visit([](auto& s) -> beast::tcp_stream& { return beast::get_lowest_layer(s); }, stream);
+  }
 };
 
 /// An io_context with the idle connections bound to it. One thread at a time runs a lane
@@ -171,7 +174,6 @@ class http_pool {
     http_lane& operator*() const noexcept { return *l; }
   };
 
-
   /// Request slots held for as long as it lives: one, waited for; take_free() adds those free now.
   struct slot_guard {
     std::counting_semaphore<1024>& s;
@@ -184,7 +186,6 @@ class http_pool {
       return held;
     }
   };
-
 
   std::counting_semaphore<1024>& slots() noexcept { return slots_; }
 
@@ -205,7 +206,6 @@ class http_pool {
     return std::move(*out);
   }
 
-
   /// An operation on c's stream (TCP or TLS): op(stream) gives the awaitable to wait for.
   template <class Op>
   static auto on_stream(http_connection& c, Op&& op) {
@@ -218,7 +218,6 @@ class http_pool {
     if (c.deadline != std::chrono::steady_clock::time_point{} && c.deadline < at) at = c.deadline;
     c.tcp().expires_at(at);
   }
-
 
   task<std::unique_ptr<http_connection>> take(http_lane& lane, const url_parts& u, attempt_failure& f,
                                               std::chrono::steady_clock::time_point deadline) {
@@ -235,7 +234,8 @@ class http_pool {
     auto c = std::make_unique<http_connection>(lane.ioc, u.tls(), tls_.get());
 #else
     if (u.tls())
-      throw error(errc::invalid_argument, u.str() + ": HTTPS needs TLS, and this build has none (SHARDSAFE_HTTP_TLS=0)");
+      throw error(errc::invalid_argument,
+                  u.str() + ": HTTPS needs TLS, and this build has none (SHARDSAFE_HTTP_TLS=0)");
     auto c = std::make_unique<http_connection>(lane.ioc, false, nullptr);
 #endif
     c->origin = origin;
@@ -245,7 +245,8 @@ class http_pool {
     std::uint16_t port = u.port;
     for (const auto& rule : opt_.connect_to)
       if (rule.host.size() == u.host.size() &&
-          std::equal(rule.host.begin(), rule.host.end(), u.host.begin(), [](char a, char b) { return ascii_lower(a) == ascii_lower(b); }) &&
+          std::equal(rule.host.begin(), rule.host.end(), u.host.begin(),
+                     [](char a, char b) { return ascii_lower(a) == ascii_lower(b); }) &&
           (rule.port == 0 || rule.port == u.port)) {
         host = rule.to_host;
         if (rule.to_port) port = rule.to_port;
@@ -276,8 +277,8 @@ class http_pool {
       if (ec) {
         // a certificate that does not verify will not verify next time either
         const bool cert = ec.category() == net::error::get_ssl_category();
-        f = {cert ? next_step::stop : next_step::retry, "TLS handshake with " + u.host_header() + " failed: " + ec.message(),
-             std::nullopt};
+        f = {cert ? next_step::stop : next_step::retry,
+             "TLS handshake with " + u.host_header() + " failed: " + ec.message(), std::nullopt};
         co_return nullptr;
       }
     }

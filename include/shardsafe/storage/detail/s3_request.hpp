@@ -55,8 +55,7 @@ struct s3_signer {
 #if SHARDSAFE_REMOTE_DEFINE
 SHARDSAFE_DECL void s3_signer::operator()(http_request& r) const {
   const std::string date = amz_date_now();
-  const std::string hash =
-      sha256_hex(std::string_view(reinterpret_cast<const char*>(r.body.data()), r.body.size()));
+  const std::string hash = sha256_hex(std::string_view(reinterpret_cast<const char*>(r.body.data()), r.body.size()));
   r.headers.emplace_back("x-amz-date", date);
   r.headers.emplace_back("x-amz-content-sha256", hash);
   if (!ctx->creds.session_token.empty()) r.headers.emplace_back("x-amz-security-token", ctx->creds.session_token);
@@ -107,8 +106,8 @@ SHARDSAFE_DECL void check_s3(const std::string& name, std::string_view op, const
 /// timeouts, retries spent, a malformed answer) becomes an error that names the object and
 /// the operation before the URL: "s3://b/k: UploadPart 3: http://host/b/k?...: giving up ...".
 #if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r, const std::string& name,
-                                     std::string_view op) {
+SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r,
+                                     const std::string& name, std::string_view op) {
   try {
     return ctx->client->send(r, s3_signer{ctx});
   } catch (const error& e) {
@@ -116,8 +115,8 @@ SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ct
   }
 }
 #else
-SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r, const std::string& name,
-                                     std::string_view op);
+SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r,
+                                     const std::string& name, std::string_view op);
 #endif
 
 }  // namespace SHARDSAFE_HTTP_ABI

@@ -70,10 +70,11 @@ struct sigv4_result {
 /// (name, value) pairs, every one of them signed (host and x-amz-date among them).
 #if SHARDSAFE_REMOTE_DEFINE
 SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view uri, std::string_view query,
-                                       std::vector<std::pair<std::string, std::string>> headers, std::string_view payload_hash,
-                                       const aws_credentials& creds, std::string_view region, std::string_view service,
-                                       std::string_view amz_date) {
-  if (amz_date.size() != 16) throw error(errc::invalid_argument, "sigv4: x-amz-date '" + std::string(amz_date) + "' is not YYYYMMDDTHHMMSSZ");
+                                       std::vector<std::pair<std::string, std::string>> headers,
+                                       std::string_view payload_hash, const aws_credentials& creds,
+                                       std::string_view region, std::string_view service, std::string_view amz_date) {
+  if (amz_date.size() != 16)
+    throw error(errc::invalid_argument, "sigv4: x-amz-date '" + std::string(amz_date) + "' is not YYYYMMDDTHHMMSSZ");
   for (auto& [k, v] : headers) {
     for (char& c : k) c = (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
     v = trim_spaces(v);
@@ -99,11 +100,12 @@ SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view
   }
   std::string canonical_query;
   for (const auto& p : pairs) canonical_query += (canonical_query.empty() ? "" : "&") + p;
-  r.canonical_request = std::string(method) + "\n" + std::string(uri.empty() ? "/" : uri) + "\n" + canonical_query + "\n" +
-                        canonical_headers + "\n" + signed_headers + "\n" + std::string(payload_hash);
+  r.canonical_request = std::string(method) + "\n" + std::string(uri.empty() ? "/" : uri) + "\n" + canonical_query +
+                        "\n" + canonical_headers + "\n" + signed_headers + "\n" + std::string(payload_hash);
   const std::string day(amz_date.substr(0, 8));
   const std::string scope = day + "/" + std::string(region) + "/" + std::string(service) + "/aws4_request";
-  r.string_to_sign = "AWS4-HMAC-SHA256\n" + std::string(amz_date) + "\n" + scope + "\n" + sha256_hex(r.canonical_request);
+  r.string_to_sign =
+      "AWS4-HMAC-SHA256\n" + std::string(amz_date) + "\n" + scope + "\n" + sha256_hex(r.canonical_request);
   std::string key = hmac_sha256("AWS4" + creds.secret_access_key, day);
   key = hmac_sha256(key, region);
   key = hmac_sha256(key, service);
@@ -116,9 +118,9 @@ SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view
 }
 #else
 SHARDSAFE_DECL sigv4_result sigv4_sign(std::string_view method, std::string_view uri, std::string_view query,
-                                       std::vector<std::pair<std::string, std::string>> headers, std::string_view payload_hash,
-                                       const aws_credentials& creds, std::string_view region, std::string_view service,
-                                       std::string_view amz_date);
+                                       std::vector<std::pair<std::string, std::string>> headers,
+                                       std::string_view payload_hash, const aws_credentials& creds,
+                                       std::string_view region, std::string_view service, std::string_view amz_date);
 #endif
 
 /// The current UTC time as x-amz-date wants it.

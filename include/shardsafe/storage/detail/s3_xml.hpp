@@ -38,23 +38,40 @@ SHARDSAFE_DECL std::optional<std::string> xml_text(std::string_view xml, std::st
     const std::size_t semi = raw.find(';', i);
     if (semi == std::string_view::npos) return std::nullopt;
     const std::string_view ent = raw.substr(i + 1, semi - i - 1);
-    if (ent == "amp") out += '&';
-    else if (ent == "lt") out += '<';
-    else if (ent == "gt") out += '>';
-    else if (ent == "quot") out += '"';
-    else if (ent == "apos") out += '\'';
+    if (ent == "amp")
+      out += '&';
+    else if (ent == "lt")
+      out += '<';
+    else if (ent == "gt")
+      out += '>';
+    else if (ent == "quot")
+      out += '"';
+    else if (ent == "apos")
+      out += '\'';
     else if (ent.size() > 1 && ent[0] == '#') {
       unsigned long cp = 0;
       try {
-        cp = ent[1] == 'x' ? std::stoul(std::string(ent.substr(2)), nullptr, 16) : std::stoul(std::string(ent.substr(1)));
+        cp = ent[1] == 'x' ? std::stoul(std::string(ent.substr(2)), nullptr, 16)
+                           : std::stoul(std::string(ent.substr(1)));
       } catch (...) {
         return std::nullopt;
       }
-      if (cp < 0x80) out += static_cast<char>(cp);
-      else if (cp < 0x800) { out += static_cast<char>(0xC0 | (cp >> 6)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
-      else if (cp < 0x10000) { out += static_cast<char>(0xE0 | (cp >> 12)); out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
-      else if (cp < 0x110000) { out += static_cast<char>(0xF0 | (cp >> 18)); out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F)); out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F)); out += static_cast<char>(0x80 | (cp & 0x3F)); }
-      else return std::nullopt;
+      if (cp < 0x80)
+        out += static_cast<char>(cp);
+      else if (cp < 0x800) {
+        out += static_cast<char>(0xC0 | (cp >> 6));
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+      } else if (cp < 0x10000) {
+        out += static_cast<char>(0xE0 | (cp >> 12));
+        out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+      } else if (cp < 0x110000) {
+        out += static_cast<char>(0xF0 | (cp >> 18));
+        out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+        out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+        out += static_cast<char>(0x80 | (cp & 0x3F));
+      } else
+        return std::nullopt;
     } else {
       return std::nullopt;
     }
