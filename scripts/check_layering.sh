@@ -102,10 +102,10 @@ print(f"layering: {len(graph)} headers, no include cycle")
 PY
 
 # the layouts are the only place that knows a format (issue 52): outside include/shardsafe/checkpoint/layouts/,
-# nothing in include/ or tools/ compares a layout's identity (checkpoint_format values, a layout's info);
+# nothing in include/ or tools/ compares a layout's identity (checkpoint_format or save_format values, a layout's info);
 # code asks a layout's traits or calls its hooks. (source.hpp and reader.hpp keep the deprecated
 # checkpoint_format and format() for one release.)
-layout_tests=$(grep -rnE 'checkpoint_format::|[a-z_]+_layout::info *[!=]=|[!=]= *[a-z_]+_layout::info' include tools \
+layout_tests=$(grep -rnE 'checkpoint_format::|[a-z_]+_layout::info *[!=]=|[!=]= *[a-z_]+_layout::info|[!=]= *save_format::|save_format::[a-z_]+ *[!=]=' include tools \
   --include='*.hpp' --include='*.cpp' --include='*.ipp' |
   grep -vE '^include/shardsafe/checkpoint/layouts/|^include/shardsafe/checkpoint/source\.hpp:|^include/shardsafe/checkpoint/reader\.hpp:' || true)
 if [ -n "$layout_tests" ]; then

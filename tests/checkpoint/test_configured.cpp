@@ -187,8 +187,8 @@ TEST_CASE("configured loader: NaN validation finds the NaN the checkpoint holds"
 }
 
 TEST_CASE("configured loader: every setting the policy does not fix reaches the load") {
-  // (the loader kept threads and reads alone before, and dropped verify_checksums, list_unexpected,
-  // staging and convert_on_device silently)
+  // (the loader kept threads and reads alone before, and dropped verify_checksums and
+  // list_unexpected silently)
   auto store = std::make_shared<memory_store>();
   const memory_directory dir = make_checkpoint(store);
   single_process c;
@@ -199,15 +199,11 @@ TEST_CASE("configured loader: every setting the policy does not fix reaches the 
   set.reads.max_gap_bytes = 7;
   set.verify_checksums = true;
   set.list_unexpected = false;
-  set.staging.slots = 2;
-  set.convert_on_device = false;
   auto l = make_configured_loader(dir, c, set);
   CHECK(l.options().threads == 3);
   CHECK(l.options().reads.max_gap_bytes == 7u);
   CHECK(l.options().verify_checksums);
   CHECK_FALSE(l.options().list_unexpected);
-  CHECK(l.options().staging.slots == 2);
-  CHECK_FALSE(l.options().convert_on_device);
   CHECK(l.options().strict);  // the policy's
   const load_stats st = l.load(std::span<const flat_view>(&wv, 1));
   CHECK(st.checksum_blocks > 0);      // checked

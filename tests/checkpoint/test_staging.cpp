@@ -269,8 +269,10 @@ TEST_CASE(
   REQUIRE(o.threads == 0);
   for (const bool hinted : {true, false}) {
     CAPTURE(hinted);
-    hinted_directory hd{
-        dir, hinted ? read_settings{.max_read_bytes = std::uint64_t(1024), .requests_in_flight = 1u} : read_settings{}};
+    hinted_directory hd{dir, hinted ? read_settings{.max_gap_bytes = std::nullopt,
+                                                    .max_read_bytes = std::uint64_t(1024),
+                                                    .requests_in_flight = 1u}
+                                    : read_settings{}};
     checkpoint_reader<hinted_directory> reader(hd);
     std::vector<staged_dest> ds;
     ds.emplace_back("x", dtype::U8, shape_t{65536}, std::nullopt);

@@ -99,14 +99,14 @@ struct reader_for<D, true> {
 }  // namespace detail
 
 /// What a configured loader's loads may set besides its policy: the load_options fields that
-/// load_policy does not fix, each meaning what it means there (checkpoint/load_options.hpp).
+/// load_policy does not fix and a load of flat views honours, each meaning what it means there
+/// (checkpoint/load_options.hpp; staging and convert_on_device concern loads into device
+/// memory, which a configured loader does not make).
 struct configured_load_settings {
   unsigned threads = 0;
   read_settings reads{};
   bool list_unexpected = true;
   bool verify_checksums = false;
-  load_options::staging_ring staging{};
-  bool convert_on_device = true;
 };
 
 /// A loader whose storage backend, communicator and per-tensor policy are fixed at compile
@@ -134,14 +134,12 @@ class configured_loader {
   static constexpr load_policy policy = Policy;
 
   /// A loader of the checkpoint in dir over comm (kept by reference), with `settings` for every
-  /// load (the load_options fields Policy does not fix: threads, reads, checksums, staging, ...).
+  /// load (the load_options fields Policy does not fix: threads, reads, checksums, ...).
   configured_loader(Dir dir, C& comm, configured_load_settings settings = {}) : dir_(std::move(dir)), comm_(&comm) {
     opt_.threads = settings.threads;
     opt_.reads = settings.reads;
     opt_.list_unexpected = settings.list_unexpected;
     opt_.verify_checksums = settings.verify_checksums;
-    opt_.staging = settings.staging;
-    opt_.convert_on_device = settings.convert_on_device;
     opt_.strict = Policy.strict;
     opt_.validate_nan = Policy.validate_nan;
     opt_.convert_dtypes = Policy.convert_dtypes;

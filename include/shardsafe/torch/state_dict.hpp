@@ -140,13 +140,14 @@ std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>&
 
 /// The views of one or more state dicts for a blocking save, and how the save reaches the bytes
 /// of their device tensors: add() each state dict (save_views's rules, device tensors fetched
-/// in shardsafe's layout unless opt has a fetch of its own), then save with options(opt).
+/// where the layout's writer takes a fetch, unless opt has a fetch of its own), then save with
+/// options(opt).
 class state_dict_save_source {
  public:
   template <Comm C>
   std::span<const flat_view> add(const state_dict& sd, C& comm, std::string_view dir, const save_options& opt) {
     fetched_tensors fetched;
-    const bool fetch = opt.format == save_format::shardsafe && !opt.fetch;
+    const bool fetch = writer_takes_fetch(opt.format) && !opt.fetch;
     const auto& views = views_.emplace_back(save_views(sd, keep_, comm, dir, fetch ? &fetched : nullptr));
     for (const flat_view& v : views)
       if (auto it = fetched.find(v.key); it != fetched.end()) by_view_.emplace(&v, it->second);

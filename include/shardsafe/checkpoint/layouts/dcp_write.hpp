@@ -21,6 +21,9 @@ namespace shardsafe {
 struct dcp_layout_writer {
   static constexpr save_format format = save_format::dcp;
   static constexpr const layout_info& layout = dcp_layout::info;
+  /// Every view must have memory (save_options::fetch is not called): a device tensor is copied
+  /// to the host first.
+  static constexpr bool takes_fetch = false;
 
   /// The whole save (steps 1-4), a collective; no non-tensor objects (save_dcp takes them).
   template <WritableDirectory D, Comm C>

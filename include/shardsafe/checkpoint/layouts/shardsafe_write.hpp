@@ -20,6 +20,9 @@ namespace shardsafe {
 struct shardsafe_layout_writer {
   static constexpr save_format format = save_format::shardsafe;
   static constexpr const layout_info& layout = shardsafe_layout::info;
+  /// Views without memory are written through save_options::fetch (device tensors copied while
+  /// the rank file is written).
+  static constexpr bool takes_fetch = true;
 
   /// The whole save (steps 1-4), a collective.
   template <WritableDirectory D, Comm C>

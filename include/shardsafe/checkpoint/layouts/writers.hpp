@@ -44,6 +44,13 @@ inline const layout_info& layout_written_by(save_format format) {
   return *found;
 }
 
+/// Whether the writer of `format` writes views without memory through save_options::fetch.
+inline bool writer_takes_fetch(save_format format) {
+  bool r = false;
+  with_writer(format, "save", [&]<class W>() { r = W::takes_fetch; });
+  return r;
+}
+
 /// Saves views in the layout opt.format names, by its writer. A collective.
 template <WritableDirectory D, Comm C>
 save_stats save_in_layout(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt) {
