@@ -62,6 +62,26 @@ struct dcp_object {
 
 namespace detail {
 
+/// The file that writes view v's spec of tm: the first in tm's list with that spec (nullptr:
+/// none).
+inline const std::string* dcp_writer_of(const flat_view& v, const tensor_metadata& tm) {
+  const shard_spec spec = v.effective_spec();
+  for (const auto& [fname, s] : tm.files)
+    if (s == spec) return &fname;
+  return nullptr;
+}
+
+/// The views of `views` this rank writes chunks of into its DCP data file (dcp_writer_of names
+/// it): what an asynchronous save snapshots.
+inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
+                                                        int rank) {
+  const std::string mine = rank_file_name(rank);
+  std::vector<const flat_view*> out;
+  for (const auto& v : views)
+    if (const std::string* w = dcp_writer_of(v, *md.find(v.key)); w && *w == mine) out.push_back(&v);
+  return out;
+}
+
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
 #if SHARDSAFE_DEFINE
 SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
@@ -70,14 +90,7 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
   std::vector<dcp_chunk_data> out;
   for (const auto& v : views) {
     const tensor_metadata* tm = md.find(v.key);
-    // the file that writes this view's spec: the first in md's list with that spec
-    const shard_spec spec = v.effective_spec();
-    const std::string* writer = nullptr;
-    for (const auto& [fname, s] : tm->files)
-      if (s == spec) {
-        writer = &fname;
-        break;
-      }
+    const std::string* writer = dcp_writer_of(v, *tm);
     if (!writer || *writer != mine) continue;
     const std::uint64_t item = item_size(v.type);
     auto add = [&](shape_t offsets, shape_t sizes, std::uint64_t local) {
@@ -178,24 +191,6 @@ inline std::string encode_dcp_places(const dcp_file_layout* layout) {
 }  // namespace detail
 
 namespace detail {
-
-/// The views of `views` this rank writes chunks of into its DCP data file (the first file md
-/// lists with a view's spec writes it): what an asynchronous save snapshots.
-inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                        int rank) {
-  const std::string mine = rank_file_name(rank);
-  std::vector<const flat_view*> out;
-  for (const auto& v : views) {
-    const tensor_metadata* tm = md.find(v.key);
-    const shard_spec spec = v.effective_spec();
-    for (const auto& [fname, sp] : tm->files)
-      if (sp == spec) {
-        if (fname == mine) out.push_back(&v);
-        break;
-      }
-  }
-  return out;
-}
 
 /// Steps 2-4 of a DCP save, once every rank agreed on md (step 1): the folder prepared, each
 /// rank's data file written, .metadata last.

@@ -36,15 +36,8 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_
                                                       const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   model_and_optim_save_stats st;
-  const bool found = any_layout(train_layouts{}, [&]<class L>() {
-    if (L::format != opt.format) return false;
-    st = L::save(dir, model, optim, comm, opt);
-    return true;
-  });
-  if (!found)
-    fail(errc::invalid_argument, std::string(dir.name()) + ": save_format " +
-                                     std::to_string(static_cast<int>(opt.format)) +
-                                     " has no training layout (torch/train_layouts.hpp)");
+  with_format(train_layouts{}, opt.format, dir.name(), "training layout (torch/train_layouts.hpp)",
+              [&]<class L>() { st = L::save(dir, model, optim, comm, opt); });
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

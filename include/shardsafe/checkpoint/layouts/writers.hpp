@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/layouts/dcp_write.hpp"
@@ -23,18 +24,26 @@ namespace shardsafe {
 /// The writable layouts.
 using writable_layouts = layout_list<shardsafe_layout_writer, dcp_layout_writer>;
 
-/// Calls f.template operator()<W>() with the writer W of `format` (errc::invalid_argument where
-/// none is registered: `what` names the save in the message).
-template <class F>
-void with_writer(save_format format, std::string_view what, F&& f) {
-  const bool found = any_layout(writable_layouts{}, [&]<class W>() {
+/// Calls f.template operator()<W>() with the W of `list` whose `format` is `format`
+/// (errc::invalid_argument where none is: `what` names the save, `where` the list, in the
+/// message). What the writers below and the training layouts (torch/train_layouts.hpp) are
+/// picked by.
+template <class List, class F>
+void with_format(List list, save_format format, std::string_view what, std::string_view where, F&& f) {
+  const bool found = any_layout(list, [&]<class W>() {
     if (W::format != format) return false;
     f.template operator()<W>();
     return true;
   });
   if (!found)
     fail(errc::invalid_argument, std::string(what) + ": save_format " + std::to_string(static_cast<int>(format)) +
-                                     " has no writer (checkpoint/layouts/writers.hpp)");
+                                     " has no " + std::string(where));
+}
+
+/// Calls f.template operator()<W>() with the writer W of `format`.
+template <class F>
+void with_writer(save_format format, std::string_view what, F&& f) {
+  with_format(writable_layouts{}, format, what, "writer (checkpoint/layouts/writers.hpp)", std::forward<F>(f));
 }
 
 /// The layout a save of `format` writes.
