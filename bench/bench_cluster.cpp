@@ -144,7 +144,7 @@ int curve_worker(const bench::args& a) {
   double save_s = 0, plan_s = 0, load_s = 0;
   {
     rank_state s(tensors, W, R, layout::flat, true);
-    save_s = timed(comm, [&] { save_flat_views(dir, std::span<const flat_view>(s.views), comm, so); });
+    save_s = timed(comm, [&] { save(dir, std::span<const flat_view>(s.views), comm, so); });
   }
   rank_state l(tensors, W, R, layout::rows, false);
   load_schedule sched;

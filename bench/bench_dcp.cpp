@@ -185,7 +185,7 @@ void load_all(const fs::path& ckpt, std::vector<std::unique_ptr<std::byte[]>>& m
     mem.emplace_back(new std::byte[n]);  // uninitialised, as torch.empty
     views.push_back(flat_view{key, tm.type, tm.shape, std::nullopt, mem.back().get(), n});
   }
-  r.load(views);
+  load(r, views);
 }
 
 void load_all(const fs::path& ckpt) {
@@ -273,7 +273,7 @@ int main(int argc, char** argv) {
     hf_r = in_child("shardsafe's to-hf", [&] {
       hf_export_options opt;
       add_preset(opt.rename, "dcp-to-hf");
-      export_hf(file_directory(ckpt), file_directory(out), opt);
+      export_to(file_directory(ckpt), file_directory(out), opt);
     });
     hf_s.add(hf_r.seconds);
     if (!torch2) continue;
@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
           single_process one;
           save_options so;
           so.format = save_format::dcp;
-          save_flat_views(file_directory(saved), std::span<const flat_view>(views), one, so);
+          save(file_directory(saved), std::span<const flat_view>(views), one, so);
         });
     ssave_s.add(ssave_r.seconds);
     // what shardsafe saved holds the checkpoint's tensors
@@ -367,7 +367,7 @@ int main(int argc, char** argv) {
           flat_view{key, tm.type, tm.shape, shard_spec(block_spec(local, off)), mem.back().data(), mem.back().size()});
       rows.emplace_back(b, e);
     }
-    const load_stats st = r.load(views);
+    const load_stats st = load(r, views);
     syscalls += rchar() - before;
     need += st.bytes_needed;
     planned += st.bytes_read;

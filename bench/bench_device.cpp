@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
   const std::filesystem::path dir = a.get("--dir", "");
   const std::filesystem::path out = a.get("--out", (dir.parent_path() / "bench_device_out").string());
   const int reps = static_cast<int>(a.get_int("--reps", 3));
-  load_options opt;
+  device_load_options opt;
   opt.staging.slots = static_cast<std::size_t>(a.get_int("--slots", 4));
   opt.staging.slot_bytes = std::uint64_t(a.get_int("--slot-mib", 64)) * MiB;
   opt.threads = static_cast<unsigned>(a.get_int("--threads", 0));
@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
       }
     if (!f32_bytes) break;
     sd = state_dict();  // room on the device
-    load_options co = opt;
+    device_load_options co = opt;
     co.convert_dtypes = true;
     co.convert_on_device = on_device;
     co.strict = false;

@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
     single_process comm;
     save_options so;
     so.direct_io = false;  // leave it in the page cache
-    save_flat_views(file_directory(ckpt), std::span<const flat_view>(views), comm, so);
+    save(file_directory(ckpt), std::span<const flat_view>(views), comm, so);
   }
   const fs::path rank_file = ckpt / rank_file_name(0);
   {
@@ -180,11 +180,11 @@ int main(int argc, char** argv) {
     });
   });
   add("export_hf (one model.safetensors)", out_bytes,
-      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), big); });
+      [&](const fs::path& d) { export_to(file_directory(ckpt), file_directory(d), big); });
   add("export_hf --max-shard-size 500MB", out_bytes,
-      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), shards); });
+      [&](const fs::path& d) { export_to(file_directory(ckpt), file_directory(d), shards); });
   add("export_hf --dtype bf16", bf16_bytes,
-      [&](const fs::path& d) { export_hf(file_directory(ckpt), file_directory(d), bf16); });
+      [&](const fs::path& d) { export_to(file_directory(ckpt), file_directory(d), bf16); });
 
   for (int r = 0; r < reps; ++r)
     for (auto& c : cases) {
@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
                         shard_spec(flat_spec{{i, i + 1}}),
                         reinterpret_cast<std::byte*>(&got),
                         4};
-            rd.load(std::span<const flat_view>(&v, 1));
+            load(rd, std::span<const flat_view>(&v, 1));
             if (got != value_at(t, i)) {
               std::fprintf(stderr, "%s[%llu]: %g, want %g\n", shapes[t].name.c_str(), (unsigned long long)i, got,
                            value_at(t, i));

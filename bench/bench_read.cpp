@@ -314,7 +314,7 @@ int main(int argc, char** argv) {
                       load_options o;
                       o.threads = lc.threads;
                       if (lc.max_read) o.reads.max_read_bytes = lc.max_read;
-                      load_flat_views(file_directory(ckdir), std::span<const flat_view>(views), o);
+                      load(file_directory(ckdir), std::span<const flat_view>(views), o);
                     }});
   std::vector<row> cold_rows;
   double worst_resident = 0;

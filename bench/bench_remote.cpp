@@ -268,7 +268,7 @@ int main(int argc, char** argv) {
   for (u64 i = 0; i < n; ++i)
     views.push_back({"t" + std::to_string(i), dtype::F32, {rows, cols}, std::nullopt, data[i].data(), per});
   single_process comm;
-  save_flat_views(file_directory(www / "ckpt"), std::span<const flat_view>(views), comm);
+  save(file_directory(www / "ckpt"), std::span<const flat_view>(views), comm);
 
   const int port = testing::free_port();
   {
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     const double rss0 = bench::rss_mib();
     const u64 req0 = client ? client->stats().requests.load() : 0,
               body0 = client ? client->stats().body_bytes.load() : 0;
-    x.t = bench::time_reps(r, [&] { st = load_flat_views(dir, std::span<const flat_view>(into)); });
+    x.t = bench::time_reps(r, [&] { st = load(dir, std::span<const flat_view>(into)); });
     x.peak = bench::hwm_mib() - rss0;
     if (client) {
       x.requests = (client->stats().requests - req0) / u64(r);
@@ -321,7 +321,7 @@ int main(int argc, char** argv) {
   };
 
   const file_directory fd(www / "ckpt");
-  load_flat_views(fd, std::span<const flat_view>(into));  // warm the page cache
+  load(fd, std::span<const flat_view>(into));  // warm the page cache
   measure("file_storage (page cache)", reps, fd, nullptr);
   const std::string url = "http://127.0.0.1:" + std::to_string(port) + "/ckpt";
   {
@@ -397,7 +397,7 @@ int main(int argc, char** argv) {
         s3_directory("s3://bench", o).create_bucket();
         const s3_directory sd("s3://bench/ckpt", o);
         const double t0 = bench::now_s();
-        save_flat_views(sd, std::span<const flat_view>(views), comm);
+        save(sd, std::span<const flat_view>(views), comm);
         moto_note =
             "saving the checkpoint to moto (multipart, 16 MiB parts): " + bench::fmt("%.1f s", bench::now_s() - t0);
         measure("s3_storage (moto_server, lo)", moto_reps, sd, &sd.client());

@@ -55,14 +55,14 @@ int main(int argc, char** argv) {
   const std::vector<flat_view> saved{
       {"w", dtype::F32, {4, 8}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 128},
       {"emb", dtype::BF16, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(emb.data()), 12}};
-  save_flat_views(file_directory(dir), std::span<const flat_view>(saved), comm);
+  save(file_directory(dir), std::span<const flat_view>(saved), comm);
 
   // rows 2-3 of "w", strictly, with NaN validation
   checked_loader strict(file_directory(dir), comm);
   std::vector<float> rows(16, -1.f);
   const flat_view part{"w", dtype::F32, {4, 8}, block_spec({2, 8}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()),
                        64};
-  const load_stats st = strict.load(std::span<const flat_view>(&part, 1));
+  const load_stats st = load(strict, std::span<const flat_view>(&part, 1));
   bool ok = st.bytes_needed == 64;
   for (int i = 0; i < 16; ++i) ok = ok && rows[i] == static_cast<float>(16 + i);
   std::printf("strict, NaN-validating, F32-only loader: rows 2-3 of w, %llu bytes read: %s\n",
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   const std::vector<flat_view> views{
       {"emb", dtype::F32, {3, 2}, std::nullopt, reinterpret_cast<std::byte*>(e.data()), 24},
       {"absent", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(absent.data()), 8}};
-  const load_stats st2 = lenient.load(std::span<const flat_view>(views));
+  const load_stats st2 = load(lenient, std::span<const flat_view>(views));
   bool ok2 = st2.missing_keys.size() == 1 && absent[0] == 9.f;
   for (int i = 0; i < 6; ++i) ok2 = ok2 && e[i] == 0.5f * static_cast<float>(i);
   std::printf("lenient, converting loader: emb BF16 -> F32 %s; missing: %s\n", ok2 ? "exact" : "WRONG",

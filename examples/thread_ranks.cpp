@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
                       mine.size() * sizeof(float)};
     save_options opt;
     opt.metadata = form;
-    save_flat_views(file_directory(dir), std::span<const flat_view>(&v, 1), comm, opt);
+    save(file_directory(dir), std::span<const flat_view>(&v, 1), comm, opt);
   });
   for (std::size_t r = 0; r < saved.size(); ++r)
     if (saved[r]) {
@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
                       mine.size() * sizeof(float)};
     load_options lo;
     lo.verify_checksums = true;
-    const load_stats st = load_flat_views(file_directory(dir), std::span<const flat_view>(&v, 1), lo);
+    const load_stats st = load(file_directory(dir), std::span<const flat_view>(&v, 1), lo);
     for (u64 i = 0; i < mine.size(); ++i)
       if (mine[i] != static_cast<float>(b * cols + i))
         throw error(errc::invalid_argument, "rank " + std::to_string(r) + ": element " + std::to_string(b * cols + i) +

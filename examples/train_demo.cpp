@@ -139,7 +139,7 @@ hf_export_stats write_pretrained(const config& c) {
   o.convert_to = dtype::BF16;
   o.max_shard_size = demo::sharded_mlp(1, 0, demo::optim_kind::sgd, false, false, c.in, c.hidden).param_bytes() / 2 / 3;
   single_process one;
-  return export_hf_from_views(c.dir / "pretrained", std::span<const flat_view>(views), one, o);
+  return export_to(std::span<const flat_view>(views), one, c.dir / "pretrained", o);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ int launcher(const std::string& self, config c) {
   const fs::path out = c.dir / "hf-export";
   hf_export_options o;
   o.max_shard_size = 1'000'000;  // small files, to show the index
-  const hf_export_stats st = export_hf(file_directory(c.dir / "checkpoints" / latest->name), file_directory(out), o);
+  const hf_export_stats st = export_to(file_directory(c.dir / "checkpoints" / latest->name), file_directory(out), o);
   std::printf("  %s -> %s: %zu file%s%s, %s in %.3f s (%s)\n", latest->name.c_str(), out.string().c_str(), st.files,
               st.files == 1 ? "" : "s", st.indexed ? " + index" : "", mb(st.bytes).c_str(), st.seconds,
               gbps(st.bytes, st.seconds).c_str());

@@ -644,7 +644,7 @@ template <ReadableDirectory D>
 int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options opt) {
   if (is_url(out_path)) check_output_url(out_path, "a Hugging Face folder");
   refuse_output_over_input(in, out_path, "a Hugging Face folder");
-  // the parts opened once, for the rename warnings' keys and the export (as export_hf(dir) takes
+  // the parts opened once, for the rename warnings' keys and the export (as export_to(dir) takes
   // them: a pair's model/, and its optim/ unless model_only, which also drops the prefixes)
   auto parts = open_checkpoint(in);
   const bool pair = in.k == kind::checkpoint_pair;
@@ -665,10 +665,10 @@ int cmd_to_hf(const input<D>& in, const std::string& out_path, hf_export_options
   opt.progress = [&](std::uint64_t done, std::uint64_t total) { pr.set(done, total); };
   hf_export_stats st;
   if (!is_url(out_path)) {
-    st = export_hf(src, file_directory(out_path), opt);
+    st = export_to(src, file_directory(out_path), opt);
   } else {
 #if SHARDSAFE_TOOL_REMOTE
-    st = export_hf(src, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
+    st = export_to(src, s3_directory(out_path), opt);  // "must be empty" holds for the prefix: it is listed
 #endif
   }
   std::cerr << warnings;
@@ -686,7 +686,7 @@ int cmd_to_dcp(const input<D>& in, const std::string& out_path, const dcp_export
   auto parts = open_checkpoint(in);  // the export checks every item, and refuses what it cannot write
   std::vector<unshard_source<D>> sources;
   for (auto& p : parts) sources.push_back({p.reader.get(), p.prefix});
-  const auto st = export_dcp(std::span<const unshard_source<D>>(sources), file_directory(out_path), opt);
+  const auto st = export_to(std::span<const unshard_source<D>>(sources), file_directory(out_path), opt);
   std::cout << "wrote " << one_line(out_path) << ": " << st.tensors << " tensors"
             << (st.objects ? " and " + std::to_string(st.objects) + " non-tensor items" : "") << " in "
             << dcp_data_file_name(0) << " (" << st.bytes << " bytes) and " << dcp_metadata_file_name << "\n";

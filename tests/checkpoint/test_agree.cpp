@@ -372,7 +372,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     std::vector<save_stats> stats(n);
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
-      stats[c.rank()] = save_flat_views(mem, std::span<const flat_view>(s.views), c);
+      stats[c.rank()] = save(mem, std::span<const flat_view>(s.views), c);
     });
     std::uint64_t total = 0;
     for (int r = 0; r < n; ++r) {
@@ -390,7 +390,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     std::vector<float> w(24), b(3);
     std::vector<flat_view> into{{"w", dtype::F32, {6, 4}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 96},
                                 {"b", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), 12}};
-    load_flat_views(mem, std::span<const flat_view>(into));
+    load(mem, std::span<const flat_view>(into));
     for (int i = 0; i < 24; ++i) CHECK(w[i] == static_cast<float>(i));
     CHECK((b == std::vector<float>{1.5f, -2.5f, 3.5f}));
   }
@@ -398,7 +398,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
       if (c.rank() == 1) s.views[1].type = dtype::F4;  // 4-bit elements: no element ranges
-      save_flat_views(mem, std::span<const flat_view>(s.views), c);
+      save(mem, std::span<const flat_view>(s.views), c);
     });
     auto e = errors_of(thrown);
     check_all_threw(e, make_error_code(errc::unsupported_dtype), 1);
@@ -409,7 +409,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
       if (c.rank() == 2) s.views[0].spec = block_spec({2, 4}, {5, 0});  // rows 5-6 of 6
-      save_flat_views(mem, std::span<const flat_view>(s.views), c);
+      save(mem, std::span<const flat_view>(s.views), c);
     });
     check_all_threw(errors_of(thrown), make_error_code(errc::invalid_spec), 2);
   }
@@ -419,7 +419,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     const file_directory dir(tmp.path / "plain" / "ckpt");
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
-      save_flat_views(dir, std::span<const flat_view>(s.views), c);
+      save(dir, std::span<const flat_view>(s.views), c);
     });
     auto e = errors_of(thrown);
     for (const auto& t : e) {
@@ -435,7 +435,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     mem.create("old").commit();
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
-      save_flat_views(mem, std::span<const flat_view>(s.views), c);
+      save(mem, std::span<const flat_view>(s.views), c);
     });
     check_all_threw(errors_of(thrown), make_error_code(errc::already_exists), 0);
   }
@@ -446,7 +446,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     const failing_directory dir(mem, f);
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
-      save_flat_views(dir, std::span<const flat_view>(s.views), c);
+      save(dir, std::span<const flat_view>(s.views), c);
     });
     check_all_threw(errors_of(thrown), std::error_code(EDQUOT, std::generic_category()), 2);
     CHECK_FALSE(mem.exists(metadata_file_name));
@@ -458,7 +458,7 @@ TEST_CASE("save_flat_views in a world of threads: saves, and each step's failure
     const failing_directory dir(mem, f);
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       rank_state s(c.rank(), n);
-      save_flat_views(dir, std::span<const flat_view>(s.views), c);
+      save(dir, std::span<const flat_view>(s.views), c);
     });
     check_all_threw(errors_of(thrown), std::error_code(ENOSPC, std::generic_category()), 0);
     CHECK(mem.exists(rank_file_name(2)));
@@ -542,7 +542,7 @@ TEST_CASE("a lost rank during a save: the error names the save and its step, and
     losing_comm comm{at};
     errc code{};
     const std::string msg = lost_error_of(
-        [&] { save_flat_views(file_directory(dir.path / "ckpt"), std::span<const flat_view>(st.views), comm); }, &code);
+        [&] { save(file_directory(dir.path / "ckpt"), std::span<const flat_view>(st.views), comm); }, &code);
     CHECK(code == errc::comm_error);
     const std::string want = "save " + (dir.path / "ckpt").string() + ": " + steps[at - 1] + ": c10d " +
                              (at % 2 ? "all_gather_bytes" : "broadcast_bytes") + " on rank 0 of 1 failed: rank 7 lost";
@@ -677,7 +677,7 @@ TEST_CASE("description message: a save by thread ranks writes the metadata.json 
   opt.checksums = false;  // hashes are not built by hand (test_verify.cpp checks the tables)
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
     mixed_state s(c.rank());
-    save_flat_views(mem, std::span<const flat_view>(s.views), c, opt);
+    save(mem, std::span<const flat_view>(s.views), c, opt);
   });
   for (const auto& t : thrown) CHECK_FALSE(t);
   const std::string s0 = std::to_string(mem.open(rank_file_name(0)).size()),

@@ -93,7 +93,7 @@ std::pair<std::vector<float>, std::vector<std::int32_t>> read_back(const std::fi
   std::vector<std::int32_t> b(7, -2);
   std::vector<flat_view> into{{"w", dtype::F32, {1000}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 4000},
                               {"b", dtype::I32, {7}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), 28}};
-  load_flat_views(file_directory(p), std::span<const flat_view>(into));
+  load(file_directory(p), std::span<const flat_view>(into));
   return {w, b};
 }
 
@@ -187,7 +187,7 @@ TEST_CASE("async save: a failure in the background reaches wait() on every rank;
   for (auto& t : thrown) REQUIRE_FALSE(t);
   std::vector<float> w(800, 0.f);
   std::vector<flat_view> into{{"w", dtype::F32, {800}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 3200}};
-  load_flat_views(file_directory(tmp.path / "old"), std::span<const flat_view>(into));
+  load(file_directory(tmp.path / "old"), std::span<const flat_view>(into));
   for (int i = 0; i < 800; ++i) REQUIRE(w[i] == 3.f + static_cast<float>(i));
 }
 
@@ -246,7 +246,7 @@ TEST_CASE("async save: one save at a time; rotation keeps the newest complete ch
   CHECK(latest_checkpoint(root)->name == "step3");
   std::vector<float> w(400);
   std::vector<flat_view> into{{"w", dtype::F32, {400}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 1600}};
-  load_flat_views(file_directory(tmp.path / "step3"), std::span<const flat_view>(into));
+  load(file_directory(tmp.path / "step3"), std::span<const flat_view>(into));
   for (int i = 0; i < 400; ++i) REQUIRE(w[i] == 3.f + static_cast<float>(i));
 }
 
@@ -284,7 +284,7 @@ TEST_CASE("async save: a DCP save in the background writes the bytes the blockin
   auto thrown = testing::run_ranks(3, [&](testing::thread_comm& train) {
     const int r = train.rank();
     async_rank_state s(r, 9.f);
-    save_flat_views(file_directory(tmp.path / "blocking"), std::span<const flat_view>(s.views), train, dcp);
+    save(file_directory(tmp.path / "blocking"), std::span<const flat_view>(s.views), train, dcp);
     async_saver saver(testing::thread_comm(ckpt_world, r));
     async_save_handle h = saver.save(file_directory(tmp.path / "async"), std::span<const flat_view>(s.views), dcp);
     s.scribble();  // the snapshot is what is saved

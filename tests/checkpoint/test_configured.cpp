@@ -56,7 +56,7 @@ memory_directory make_checkpoint(const std::shared_ptr<memory_store>& store) {
       {"h", dtype::BF16, {5}, std::nullopt, reinterpret_cast<std::byte*>(h.data()), 10},
       {"n", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(n.data()), 8}};
   single_process c;
-  save_flat_views(dir, std::span<const flat_view>(views), c);
+  save(dir, std::span<const flat_view>(views), c);
   return dir;
 }
 
@@ -95,7 +95,7 @@ TEST_CASE("configured loader: strict, 2 ranks loading row blocks, bit-exact; a m
     const u64 r = static_cast<u64>(c.rank());
     flat_view v{"w", dtype::F32, {4, 3}, block_spec({2, 3}, {2 * r, 0}), reinterpret_cast<std::byte*>(rows[r].data()),
                 24};
-    const load_stats st = l.load(std::span<const flat_view>(&v, 1));
+    const load_stats st = load(l, std::span<const flat_view>(&v, 1));
     CHECK(st.tensors == 1);
     CHECK(st.bytes_needed == 24);
   });
@@ -109,7 +109,7 @@ TEST_CASE("configured loader: strict, 2 ranks loading row blocks, bit-exact; a m
         std::vector<float> x(2);
         flat_view v{c.rank() == 1 ? "absent" : "n",         dtype::F32, {2}, std::nullopt,
                     reinterpret_cast<std::byte*>(x.data()), 8};
-        l.load(std::span<const flat_view>(&v, 1));
+        load(l, std::span<const flat_view>(&v, 1));
       },
       errc::not_found);
   CHECK(what[0] == what[1]);
@@ -125,13 +125,13 @@ TEST_CASE("configured loader: lenient lists a missing tensor and loads the rest"
   const std::vector<flat_view> views{
       {"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48},
       {"absent", dtype::F32, {3}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), 12}};
-  const load_stats st = l.load(std::span<const flat_view>(views));
+  const load_stats st = load(l, std::span<const flat_view>(views));
   CHECK(st.missing_keys == std::vector<std::string>{"absent"});
   CHECK(x == std::vector<float>(3, 7.f));  // untouched
   for (int i = 0; i < 12; ++i) CHECK(w[i] == static_cast<float>(i));
   // a second load through the same loader reuses the opened checkpoint
   std::fill(w.begin(), w.end(), 0.f);
-  l.load(std::span<const flat_view>(views.data(), 1));
+  load(l, std::span<const flat_view>(views.data(), 1));
   CHECK(w[11] == 11.f);
 }
 
@@ -143,11 +143,11 @@ TEST_CASE("configured loader: dtype conversion and a fixed view dtype") {
   single_process c;
   // BF16 in the checkpoint into F32 views: converted under a converting policy
   auto conv = make_configured_loader<load_policy{.convert_dtypes = true, .views = only(dtype::F32)}>(dir, c);
-  conv.load(std::span<const flat_view>(&hv, 1));
+  load(conv, std::span<const flat_view>(&hv, 1));
   for (int i = 0; i < 5; ++i) CHECK(h[i] == 1.5f * static_cast<float>(i));
   // refused without conversion
   auto plain = make_configured_loader(dir, c);
-  testing::expect_error([&] { plain.load(std::span<const flat_view>(&hv, 1)); }, errc::dtype_mismatch,
+  testing::expect_error([&] { load(plain, std::span<const flat_view>(&hv, 1)); }, errc::dtype_mismatch,
                         {"tensor 'h'", "BF16", "convert_dtypes is off"});
   // a view of another dtype than the policy's, on one rank of two: refused on both before any byte moves
   std::vector<std::uint16_t> raw(5, 0xFFFF);
@@ -159,7 +159,7 @@ TEST_CASE("configured loader: dtype conversion and a fixed view dtype") {
             tc.rank() == 0
                 ? flat_view{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48}
                 : flat_view{"h", dtype::BF16, {5}, std::nullopt, reinterpret_cast<std::byte*>(raw.data()), 10};
-        l.load(std::span<const flat_view>(&v, 1));
+        load(l, std::span<const flat_view>(&v, 1));
       },
       errc::dtype_mismatch);
   CHECK(what[0].find("rank 1: mem:configured: tensor 'h': the view has dtype BF16 but this loader's policy takes only "
@@ -173,16 +173,16 @@ TEST_CASE("configured loader: NaN validation finds the NaN the checkpoint holds"
   single_process c;
   std::vector<float> n(2, 0.f);
   const flat_view nv{"n", dtype::F32, {2}, std::nullopt, reinterpret_cast<std::byte*>(n.data()), 8};
-  make_configured_loader(dir, c).load(std::span<const flat_view>(&nv, 1));  // loads as it is
+  load(make_configured_loader(dir, c), std::span<const flat_view>(&nv, 1));  // loads as it is
   CHECK(n[0] == 1.f);
   CHECK(std::isnan(n[1]));
   auto checked = make_configured_loader<load_policy{.validate_nan = true}>(dir, c);
   CHECK(checked.options().validate_nan);
-  testing::expect_error([&] { checked.load(std::span<const flat_view>(&nv, 1)); }, errc::missing_coverage,
+  testing::expect_error([&] { load(checked, std::span<const flat_view>(&nv, 1)); }, errc::missing_coverage,
                         {"tensor 'n'", "NaN after loading at local element 1"});
   std::vector<float> w(12);
   const flat_view wv{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 48};
-  checked.load(std::span<const flat_view>(&wv, 1));
+  load(checked, std::span<const flat_view>(&wv, 1));
   CHECK(w[5] == 5.f);
 }
 
@@ -205,11 +205,11 @@ TEST_CASE("configured loader: every setting the policy does not fix reaches the 
   CHECK(l.options().verify_checksums);
   CHECK_FALSE(l.options().list_unexpected);
   CHECK(l.options().strict);  // the policy's
-  const load_stats st = l.load(std::span<const flat_view>(&wv, 1));
+  const load_stats st = load(l, std::span<const flat_view>(&wv, 1));
   CHECK(st.checksum_blocks > 0);      // checked
   CHECK(st.unexpected_keys.empty());  // not listed
   for (int i = 0; i < 12; ++i) CHECK(w[i] == static_cast<float>(i));
-  const load_stats plain = make_configured_loader(dir, c).load(std::span<const flat_view>(&wv, 1));
+  const load_stats plain = load(make_configured_loader(dir, c), std::span<const flat_view>(&wv, 1));
   CHECK(plain.checksum_blocks == 0);
   CHECK_FALSE(plain.unexpected_keys.empty());  // h and n
   // a damaged byte of w is caught by the checked loader alone
@@ -221,8 +221,8 @@ TEST_CASE("configured loader: every setting the policy does not fix reaches the 
         if (e.name == "w") damaged[h.offset_of(e) + 5] ^= std::byte{0x01};
       bytes = std::make_shared<const byte_buffer>(std::move(damaged));
     }
-  make_configured_loader(dir, c).load(std::span<const flat_view>(&wv, 1));
+  load(make_configured_loader(dir, c), std::span<const flat_view>(&wv, 1));
   auto checked = make_configured_loader(dir, c, set);  // (l keeps the bytes it opened)
-  testing::expect_error([&] { checked.load(std::span<const flat_view>(&wv, 1)); }, errc::checksum_mismatch,
+  testing::expect_error([&] { load(checked, std::span<const flat_view>(&wv, 1)); }, errc::checksum_mismatch,
                         {"rank_0.safetensors"});
 }

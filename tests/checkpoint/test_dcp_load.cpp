@@ -165,7 +165,7 @@ TEST_CASE("dcp: a 3-rank torch world's checkpoint loads into 1, 2 and 4 ranks, f
                                       mem[i].size()});
             ++i;
           }
-          const load_stats st = rr.load(views);
+          const load_stats st = load(rr, views);
           std::uint64_t need = 0;
           for (std::size_t j = 0; j < views.size(); ++j) {
             CAPTURE(views[j].key);
@@ -211,7 +211,7 @@ TEST_CASE("dcp: the 1-process torch checkpoint of every dtype loads whole and re
         const wanted w = tm.shape.size() > 1 && rank % 2 ? block_part(t, 3, rank, 1) : flat_part(t, 3, rank);
         std::string mem(w.expect.size(), '\0');
         flat_view v{key, tm.type, tm.shape, w.spec, reinterpret_cast<std::byte*>(mem.data()), mem.size()};
-        r.load(std::span<const flat_view>(&v, 1));
+        load(r, std::span<const flat_view>(&v, 1));
         CHECK(testing::hex(mem) == testing::hex(w.expect));
       }
       ++n;
@@ -439,7 +439,7 @@ TEST_CASE(
   for (const bool strict : {true, false}) {
     load_options lo;
     lo.strict = strict;
-    testing::expect_error([&] { r.load(std::span<const flat_view>(&v, 1), lo); }, errc::unsupported_dtype, why);
+    testing::expect_error([&] { load(r, std::span<const flat_view>(&v, 1), lo); }, errc::unsupported_dtype, why);
   }
   // a load of the rest reports them as checkpoint tensors no view asked for
   std::string half(raw.size() / 2, '\0');
@@ -447,7 +447,7 @@ TEST_CASE(
       "w", dtype::F32, {3, 4}, shard_spec(flat_spec{{6, 12}}), reinterpret_cast<std::byte*>(half.data()), half.size()};
   load_options lenient;
   lenient.strict = false;
-  const load_stats ls = r.load(std::span<const flat_view>(&wv, 1), lenient);
+  const load_stats ls = load(r, std::span<const flat_view>(&wv, 1), lenient);
   CHECK(half == raw.substr(raw.size() / 2));
   CHECK(ls.unexpected_keys == std::vector<std::string>{"freqs", "q"});
   // what would vouch for or write every tensor refuses them

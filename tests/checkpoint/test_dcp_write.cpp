@@ -353,7 +353,7 @@ TEST_CASE("dcp save: ranks that disagree fail on every rank and leave no .metada
                               reinterpret_cast<std::byte*>(m.data() + comm.rank() * 6), 24}};
     save_options o;
     o.format = save_format::dcp;
-    save_flat_views(file_directory(dir.path / "ckpt"), std::span<const flat_view>(v), comm, o);
+    save(file_directory(dir.path / "ckpt"), std::span<const flat_view>(v), comm, o);
   });
   for (const auto& e : thrown) {
     REQUIRE(e != nullptr);
@@ -407,16 +407,15 @@ TEST_CASE(
   // step4: a DCP folder; step5: a pair killed before its commit (optim/ written, model/ not)
   {
     const auto v = views_of(1), o = optim_of();
-    save_folder_set(root.sub("step1"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm, dcp);
+    save(root.sub("step1"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm, dcp);
   }
-  save_flat_views(root.sub("step2"), std::span<const flat_view>(views_of(2)), comm);
+  save(root.sub("step2"), std::span<const flat_view>(views_of(2)), comm);
   {
     const auto v = views_of(3), o = optim_of();
-    save_folder_set(root.sub("step3"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm);
+    save(root.sub("step3"), std::span<const folder_views>(model_and_optim_folders(v, o, true)), comm);
   }
-  save_flat_views(root.sub("step4"), std::span<const flat_view>(views_of(4)), comm, dcp);
-  save_flat_views(root.sub("step5").sub(std::string(optim_folder_name)), std::span<const flat_view>(optim_of()), comm,
-                  dcp);
+  save(root.sub("step4"), std::span<const flat_view>(views_of(4)), comm, dcp);
+  save(root.sub("step5").sub(std::string(optim_folder_name)), std::span<const flat_view>(optim_of()), comm, dcp);
   root.sub("step5").sub(std::string(model_folder_name)).make();
   REQUIRE(fs::exists(dir.path / "step1" / "model" / ".metadata"));
 
@@ -430,7 +429,7 @@ TEST_CASE(
   CHECK(rotate_checkpoints(root, 4, comm).empty());
   std::vector<float> back(12);
   std::vector<flat_view> into{{"w", dtype::F32, {3, 4}, std::nullopt, reinterpret_cast<std::byte*>(back.data()), 48}};
-  load_flat_views(root.sub("step1").sub(std::string(model_folder_name)), std::span<const flat_view>(into));
+  load(root.sub("step1").sub(std::string(model_folder_name)), std::span<const flat_view>(into));
   for (std::size_t i = 0; i < 12; ++i) REQUIRE(back[i] == 1.f + float(i));
   // a removal takes the pair's commit mark first
   std::vector<std::string> log;
@@ -446,7 +445,7 @@ TEST_CASE(
   log.clear();
   save_options replace;
   replace.overwrite = true;
-  save_flat_views(logged.sub("step3"), std::span<const flat_view>(views_of(5)), comm, replace);
+  save(logged.sub("step3"), std::span<const flat_view>(views_of(5)), comm, replace);
   REQUIRE(log.size() >= 3u);
   CHECK(log[0] == "step3/model/metadata.json");
   CHECK(std::find(log.begin(), log.end(), "step3/model") > log.begin());
@@ -505,8 +504,8 @@ TEST_CASE(
   // DCP -> DCP: every tensor and value, the planner paths kept
   checkpoint_reader<file_directory> r(file_directory{golden});
   const unshard_source<file_directory> src{&r, ""};
-  const auto st =
-      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"));
+  const auto st = export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"),
+                            dcp_export_options{});
   CHECK(st.tensors == r.metadata().tensors.size());
   CHECK(st.objects == r.non_tensors().size());
   const std::string a = stub_read(golden), b = stub_read(dir.path / "out");
@@ -525,14 +524,14 @@ TEST_CASE(
   dcp_export_options o;
   o.model_only = true;
   o.rename.add("^model\\.(.*)$=\\1");
-  export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model"), o);
+  export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model"), o);
   const std::string m = stub_read(dir.path / "model");
   CHECK(m.find("0.weight F32 [3,4] ") != std::string::npos);
   CHECK(m.find("optim.") == std::string::npos);
   CHECK(m.find("extra.") == std::string::npos);
-  CHECK_THROWS_WITH_AS(
-      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "model")),
-      doctest::Contains("not empty"), error);
+  CHECK_THROWS_WITH_AS(export_to(std::span<const unshard_source<file_directory>>(&src, 1),
+                                 file_directory(dir.path / "model"), dcp_export_options{}),
+                       doctest::Contains("not empty"), error);
 }
 
 TEST_CASE(
@@ -575,12 +574,15 @@ TEST_CASE(
   const unshard_source<file_directory> src{&r, ""};
   // the item that is not an archive is refused when copied, and left unread when dropped
   testing::expect_error(
-      [&] { export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "all")); },
+      [&] {
+        export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "all"),
+                  dcp_export_options{});
+      },
       errc::invalid_metadata, {"__1_0.distcp", "'extra.junk'"});
   dcp_export_options keep_blob;
   keep_blob.rename.add("^extra\\.junk$=");
   const auto st =
-      export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"), keep_blob);
+      export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "out"), keep_blob);
   CHECK(st.objects == 1u);
   checkpoint_reader<file_directory> out(file_directory{dir.path / "out"});
   CHECK(out.read_object_archive("extra.blob") == archive);
@@ -589,6 +591,6 @@ TEST_CASE(
   // both dropped: nothing to copy
   dcp_export_options drop;
   drop.rename.add("^extra\\..*$=");
-  CHECK(export_dcp(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop)
+  CHECK(export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop)
             .objects == 0u);
 }

@@ -131,7 +131,7 @@ static void race_save_sample(const D& dir) {
   opt.threads = 3;
   opt.direct_io = false;
   opt.write_chunk_bytes = 64 << 10;
-  save_flat_views(dir, std::span<const flat_view>(views), one, opt);
+  save(dir, std::span<const flat_view>(views), one, opt);
 }
 
 /// Six threads load the sample from dir at once, each into memory of its own, in a range of
@@ -151,7 +151,7 @@ static void race_load_sample(const D& dir) {
     opt.threads = 3;
     opt.verify_checksums = true;
     opt.reads.max_read_bytes = 32 << 10;  // many reads, so the pool's threads share the work
-    const load_stats st = load_flat_views(dir, std::span<const flat_view>(views), opt);
+    const load_stats st = load(dir, std::span<const flat_view>(views), opt);
     if (st.tensors != 3 || st.checksum_blocks == 0) throw std::runtime_error("race: load stats wrong");
     for (std::uint64_t i = lo; i < hi_c; ++i)
       if (a[i - lo] != race_value(1, i)) throw std::runtime_error("race: a[" + std::to_string(i) + "] wrong");
@@ -248,8 +248,8 @@ TEST_CASE("races: the async saver while training changes other memory, then wait
     std::vector<flat_view> into{
         {"w", dtype::F32, {200000}, std::nullopt, reinterpret_cast<std::byte*>(gw.data()), 800000},
         {"b", dtype::F32, {333}, std::nullopt, reinterpret_cast<std::byte*>(gb.data()), 333 * 4}};
-    load_flat_views(file_directory(tmp.path / (step == 3 ? std::string("last") : "step" + std::to_string(step))),
-                    std::span<const flat_view>(into));
+    load(file_directory(tmp.path / (step == 3 ? std::string("last") : "step" + std::to_string(step))),
+         std::span<const flat_view>(into));
     bool ok = true;
     for (std::uint64_t i = 0; i < gw.size(); ++i) ok = ok && gw[i] == race_value(4 + step, i);
     for (std::uint64_t i = 0; i < gb.size(); ++i) ok = ok && gb[i] == race_value(5 + step, i);
@@ -278,7 +278,7 @@ TEST_CASE("races: thread ranks save with checksums from several writer threads, 
     opt.checksum_block_bytes = block;
     opt.write_chunk_bytes = 8 << 10;
     opt.direct_io = r != 1;  // rank 1 through buffered writes
-    save_flat_views(file_directory(tmp.path / "ck"), std::span<const flat_view>(views), comm, opt);
+    save(file_directory(tmp.path / "ck"), std::span<const flat_view>(views), comm, opt);
   });
   for (auto& t : thrown)
     if (t) std::rethrow_exception(t);
@@ -314,7 +314,7 @@ TEST_CASE("races: thread ranks save with checksums from several writer threads, 
     opt.threads = 3;
     opt.verify_checksums = true;
     opt.reads.max_read_bytes = 16 << 10;
-    load_flat_views(file_directory(tmp.path / "ck"), std::span<const flat_view>(views), opt);
+    load(file_directory(tmp.path / "ck"), std::span<const flat_view>(views), opt);
     comm.barrier();
     for (std::uint64_t i = 0; i < 1000; ++i)
       if (s[i] != race_value(8, i)) throw std::runtime_error("race: s wrong on rank " + std::to_string(r));

@@ -108,7 +108,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     std::vector<flat_view> views;
     for (std::size_t i = 0; i < ts.size(); ++i)
       views.push_back(view_into(mem[i], ts[i].name, dtype_from_name(ts[i].dtype, "t"), ts[i].shape, std::nullopt));
-    load_stats st = r.load(views);
+    load_stats st = load(r, views);
     for (std::size_t i = 0; i < ts.size(); ++i) CHECK_MESSAGE(mem[i] == ts[i].bytes, ts[i].name);
     CHECK(st.bytes_read == fixtures::total_bytes(ts));
     CHECK(verify_checkpoint(r).tensors == ts.size());
@@ -122,7 +122,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     };
     load_options opt;
     opt.strict = true;
-    load_stats st = r.load(views, opt);
+    load_stats st = load(r, views, opt);
     CHECK(rows == rows_of(ts[0].bytes, 5, 4, 2, 4));
     CHECK(cols == cols_of(ts[2].bytes, 7, 4, 2, 2, 4));
     CHECK(flat == ts[3].bytes.substr(8, 16));
@@ -132,7 +132,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     CHECK(st.unexpected_keys == std::vector<std::string>{"a.bias", "z.flags"});
     // a caller loading a piece at a time asks for no list (each would walk every tensor)
     opt.list_unexpected = false;
-    const load_stats quiet = r.load(views, opt);
+    const load_stats quiet = load(r, views, opt);
     CHECK(quiet.unexpected_keys.empty());
     CHECK(quiet.bytes_needed == st.bytes_needed);
   }
@@ -145,7 +145,7 @@ TEST_CASE_TEMPLATE("a Hugging Face folder reads as a checkpoint: whole, row, col
     CHECK(r2.described_by() == "model.safetensors");
     std::string out(20, '\0');
     flat_view v = view_into(out, "a.bias", dtype::F32, {5}, std::nullopt);
-    r2.load(std::span<const flat_view>(&v, 1));
+    load(r2, std::span<const flat_view>(&v, 1));
     CHECK(out == ts[1].bytes);
   }
 }
@@ -205,7 +205,7 @@ TEST_CASE_TEMPLATE("convert_dtypes: BF16 into F32 and F32 into BF16, bit for bit
   }
   std::string h(48 * 4, '\0');
   flat_view v = view_into(h, "h", dtype::F32, {6, 8}, std::nullopt);
-  expect_error([&] { r.load(std::span<const flat_view>(&v, 1)); }, errc::dtype_mismatch,
+  expect_error([&] { load(r, std::span<const flat_view>(&v, 1)); }, errc::dtype_mismatch,
                {"tensor 'h'", "BF16", "F32", "convert_dtypes is off"});
 }
 
@@ -217,7 +217,7 @@ TEST_CASE("convert_dtypes never converts integers or BOOL") {
   flat_view v = view_into(out, "n", dtype::F32, {2}, std::nullopt);
   load_options opt;
   opt.convert_dtypes = true;
-  expect_error([&] { r.load(std::span<const flat_view>(&v, 1), opt); }, errc::dtype_mismatch,
+  expect_error([&] { load(r, std::span<const flat_view>(&v, 1), opt); }, errc::dtype_mismatch,
                {"tensor 'n'", "I32", "only F16, BF16, F32 and F64 convert"});
 }
 
@@ -300,7 +300,7 @@ TEST_CASE_TEMPLATE("torch's DCP-sharded HF files read as a checkpoint: I64, BOOL
   // a reshard: rows 1..4 of emb (crossing every column block)
   std::string part(3 * 6 * 2, '\0');
   flat_view v = view_into(part, "emb", dtype::BF16, {4, 6}, shard_spec(block_spec({3, 6}, {1, 0})));
-  r.load(std::span<const flat_view>(&v, 1));
+  load(r, std::span<const flat_view>(&v, 1));
   CHECK(part == rows_of(fx.emb, 6, 2, 1, 4));
 }
 

@@ -58,8 +58,8 @@ struct staged_sample {
   staged_sample() { s.write(dir); }
 };
 
-load_options staging_ring(std::size_t slots, std::uint64_t slot_bytes) {
-  load_options o;
+device_load_options ring_options(std::size_t slots, std::uint64_t slot_bytes) {
+  device_load_options o;
   o.staging.slots = slots;
   o.staging.slot_bytes = slot_bytes;
   o.threads = 2;
@@ -79,7 +79,7 @@ TEST_CASE("staged load: whole tensors through a two-slot ring of 16 bytes equal 
   host_copy_engine engine;
   const auto views = staged_views_of(ds);
   const staged_load_stats st =
-      load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 16));
+      load(reader, std::span<const staged_view<std::byte*>>(views), engine, ring_options(2, 16));
   CHECK(ds[0].str() == s.w.bytes);
   CHECK(ds[1].str() == s.b.bytes);
   CHECK(ds[2].str() == s.c.bytes);
@@ -109,7 +109,7 @@ TEST_CASE("staged load: resharded blocks, flat ranges and columns, cut across sl
     for (auto& d : ds) std::fill(d.bytes.begin(), d.bytes.end(), std::byte{0xEE});
     host_copy_engine engine;
     const auto views = staged_views_of(ds);
-    load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(3, slot));
+    load(reader, std::span<const staged_view<std::byte*>>(views), engine, ring_options(3, slot));
     CHECK(ds[0].str() == s.w.bytes.substr(12, 24));
     CHECK(ds[1].str() == s.b.bytes.substr(2, 6));
     std::string cols;
@@ -130,10 +130,10 @@ TEST_CASE("staged load: a tensor many slots long, converted BF16 -> F32 on the h
   std::vector<staged_dest> ds;
   ds.emplace_back("x", dtype::F32, shape_t{10, 100}, std::nullopt);
   host_copy_engine engine;
-  load_options o = staging_ring(4, 256);
+  device_load_options o = ring_options(4, 256);
   o.convert_dtypes = true;
   const auto views = staged_views_of(ds);
-  const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
+  const staged_load_stats st = load(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
   // BF16 -> F32 is exact: the 16 bits become the high half of the F32
   std::string want;
   for (std::size_t i = 0; i < 1000; ++i) {
@@ -158,17 +158,16 @@ TEST_CASE("staged load: a missing key is refused before anything is read or copi
   const auto views = staged_views_of(ds);
   {
     host_copy_engine engine;
-    CHECK_THROWS_WITH_AS(
-        load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(2, 64)),
-        doctest::Contains("tensor 'nope': not in the checkpoint"), error);
+    CHECK_THROWS_WITH_AS(load(reader, std::span<const staged_view<std::byte*>>(views), engine, ring_options(2, 64)),
+                         doctest::Contains("tensor 'nope': not in the checkpoint"), error);
     CHECK(engine.copies() == 0);
     CHECK(engine.allocated() == 0);
   }
   {
     host_copy_engine engine;
-    load_options o = staging_ring(2, 64);
+    device_load_options o = ring_options(2, 64);
     o.strict = false;
-    const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
+    const staged_load_stats st = load(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
     CHECK(st.missing_keys == std::vector<std::string>{"nope"});
     CHECK(st.unexpected_keys == std::vector<std::string>{"b", "c"});
     CHECK(ds[0].str() == s.w.bytes);
@@ -180,7 +179,7 @@ TEST_CASE("staged load: a missing key is refused before anything is read or copi
     bad.emplace_back("w", dtype::F32, shape_t{3, 4}, std::nullopt);
     const auto bv = staged_views_of(bad);
     host_copy_engine engine;
-    CHECK_THROWS_WITH_AS(load_staged(reader, std::span<const staged_view<std::byte*>>(bv), engine, staging_ring(2, 64)),
+    CHECK_THROWS_WITH_AS(load(reader, std::span<const staged_view<std::byte*>>(bv), engine, ring_options(2, 64)),
                          doctest::Contains("tensor 'w': checkpoint has shape [4,3]"), error);
     CHECK(engine.copies() == 0);
   }
@@ -202,9 +201,9 @@ TEST_CASE("staged load: a load that fails midway leaves no copy pending, and wha
   ds.emplace_back("z", dtype::F32, shape_t{8}, std::nullopt);
   const auto views = staged_views_of(ds);
   host_copy_engine engine;
-  load_options o = staging_ring(2, 16);
+  device_load_options o = ring_options(2, 16);
   o.validate_nan = true;
-  CHECK_THROWS_WITH_AS(load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, o),
+  CHECK_THROWS_WITH_AS(load(reader, std::span<const staged_view<std::byte*>>(views), engine, o),
                        doctest::Contains("'z'"), error);
   CHECK(engine.copies() == 3);
   CHECK(engine.pending() == 0);  // synchronized before the ring was freed
@@ -262,8 +261,8 @@ TEST_CASE(
   std::string x = fixtures::random_string(65536, rng);
   flat_view v{"x", dtype::U8, shape_t{65536}, std::nullopt, reinterpret_cast<std::byte*>(x.data()), x.size()};
   single_process comm;
-  save_flat_views(dir, std::span<const flat_view>(&v, 1), comm);
-  load_options o;
+  save(dir, std::span<const flat_view>(&v, 1), comm);
+  device_load_options o;
   o.staging.slots = 2;
   o.staging.slot_bytes = 16384;
   REQUIRE(o.threads == 0);
@@ -278,7 +277,7 @@ TEST_CASE(
     ds.emplace_back("x", dtype::U8, shape_t{65536}, std::nullopt);
     const auto views = staged_views_of(ds);
     host_copy_engine engine;
-    const staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
+    const staged_load_stats st = load(reader, std::span<const staged_view<std::byte*>>(views), engine, o);
     CHECK(ds[0].str() == x);
     CHECK(st.fills == 4);
     if (hinted) {
@@ -298,9 +297,8 @@ TEST_CASE("staged load: a ring of no slots is refused") {
   ds.emplace_back("w", dtype::F32, shape_t{4, 3}, std::nullopt);
   const auto views = staged_views_of(ds);
   host_copy_engine engine;
-  CHECK_THROWS_WITH_AS(
-      load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, staging_ring(0, 64)),
-      doctest::Contains("staging ring of 0 slots"), error);
+  CHECK_THROWS_WITH_AS(load(reader, std::span<const staged_view<std::byte*>>(views), engine, ring_options(0, 64)),
+                       doctest::Contains("staging ring of 0 slots"), error);
 }
 
 namespace {
@@ -355,7 +353,7 @@ void check_fetched_save(const D& with_memory, const D& fetched,
   o.checksum_block_bytes = 3000;  // checksum blocks that straddle them
   o.direct_io = false;
   const auto mv = s.views(true);
-  save_flat_views(with_memory, std::span<const flat_view>(mv), comm, o);
+  save(with_memory, std::span<const flat_view>(mv), comm, o);
   std::atomic<std::uint64_t> calls{0}, bytes{0};
   o.fetch = [&](const flat_view& v, std::uint64_t off, std::span<std::byte> dst) {
     REQUIRE((v.key == "x" || v.key == "y"));
@@ -366,7 +364,7 @@ void check_fetched_save(const D& with_memory, const D& fetched,
     bytes += dst.size();
   };
   const auto fv = s.views(false);
-  save_flat_views(fetched, std::span<const flat_view>(fv), comm, o);
+  save(fetched, std::span<const flat_view>(fv), comm, o);
   CHECK(calls > 3);                         // fetched in pieces, not whole
   CHECK(bytes >= s.x.size() + s.y.size());  // every byte at least once (straddling blocks again)
   // the same files, byte for byte, as the save from memory: data and checksum table
@@ -381,7 +379,7 @@ void check_fetched_save(const D& with_memory, const D& fetched,
   back.pop_back();
   load_options lo;
   lo.verify_checksums = true;
-  const load_stats st = reader.load(std::span<const flat_view>(back), lo);
+  const load_stats st = load(reader, std::span<const flat_view>(back), lo);
   CHECK(st.checksum_blocks > 0);
   CHECK(x == s.x);
   CHECK(y == s.y);
@@ -407,12 +405,12 @@ TEST_CASE("fetched save: a view without memory and no fetch is refused before an
   memory_directory dir;
   single_process comm;
   const auto fv = s.views(false);
-  CHECK_THROWS_WITH_AS(save_flat_views(dir, std::span<const flat_view>(fv), comm),
+  CHECK_THROWS_WITH_AS(save(dir, std::span<const flat_view>(fv), comm),
                        doctest::Contains("tensor 'x': no memory given"), error);
   CHECK_FALSE(dir.exists("rank_0.safetensors"));
   // a shard whose bytes pass 2^64 (2^62 F32 elements) is refused as such, not as 0 bytes of memory
   const std::vector<flat_view> huge{{"h", dtype::F32, {std::uint64_t(1) << 62}, std::nullopt, nullptr, 0}};
-  testing::expect_error([&] { save_flat_views(dir, std::span<const flat_view>(huge), comm); }, errc::invalid_shape,
+  testing::expect_error([&] { save(dir, std::span<const flat_view>(huge), comm); }, errc::invalid_shape,
                         {"tensor 'h'", "4611686018427387904 F32 elements have more than 2^64 bytes"});
   CHECK_FALSE(dir.exists("rank_0.safetensors"));
 }

@@ -36,7 +36,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
       {"w", dtype::F32, {8, 6}, block_spec({8, 6}, {0, 0}), reinterpret_cast<std::byte*>(w.data()), w.size() * 4},
       {"b", dtype::F32, {6}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), b.size() * 4}};
   single_process comm;  // or c10d_comm (torch/c10d.hpp), or any type that models Comm
-  save_stats st = save_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(views), comm);
+  save_stats st = save(file_directory(dir / "ckpt"), std::span<const flat_view>(views), comm);
   // [/usage]
   CHECK(st.total_bytes > 48 * 4);
 
@@ -47,7 +47,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
     const flat_view quarter{
         "w",   dtype::F32, {8, 6}, block_spec({2, 6}, {2 * r, 0}), reinterpret_cast<std::byte*>(w.data() + 12 * r),
         12 * 4};
-    save_flat_views(file_directory(dir / "by_threads"), std::span<const flat_view>(&quarter, 1), rank_comm);
+    save(file_directory(dir / "by_threads"), std::span<const flat_view>(&quarter, 1), rank_comm);
   });
   // [/usage]
   for (const auto& e : thrown) CHECK_FALSE(e);
@@ -60,7 +60,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   const flat_view part{
       "w", dtype::F32, {8, 6}, block_spec({4, 6}, {2, 0}), reinterpret_cast<std::byte*>(rows.data()), rows.size() * 4};
   checkpoint_reader<file_directory> reader(file_directory(dir / "ckpt"));  // any layout: shardsafe, HF, DCP
-  load_stats ls = reader.load(std::span<const flat_view>(&part, 1));
+  load_stats ls = load(reader, std::span<const flat_view>(&part, 1));
   // [/usage]
   CHECK(ls.bytes_needed == 96);
   CHECK(rows[0] == 12.0f);
@@ -75,7 +75,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
                          block_spec({4, 6}, {4 * std::uint64_t(rank_comm.rank()), 0}),
                          reinterpret_cast<std::byte*>(half.data()),
                          half.size() * 4};
-    load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&mine, 1), rank_comm);
+    load(file_directory(dir / "ckpt"), std::span<const flat_view>(&mine, 1), rank_comm);
     if (half[0] != 24.0f * float(rank_comm.rank())) throw std::runtime_error("not the rows of this rank");
   });
   // [/usage]
@@ -85,7 +85,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
     std::vector<float> buf(6);
     const flat_view v{rank_comm.rank() == 1 ? "nope" : "b",     dtype::F32,    {6}, std::nullopt,
                       reinterpret_cast<std::byte*>(buf.data()), buf.size() * 4};
-    load_flat_views(file_directory(dir / "ckpt"), std::span<const flat_view>(&v, 1), rank_comm);
+    load(file_directory(dir / "ckpt"), std::span<const flat_view>(&v, 1), rank_comm);
   });
   for (const auto& e : failed) {
     REQUIRE(e);
@@ -102,7 +102,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   hf_export_options ho;
   ho.max_shard_size = 100;            // bytes of tensors per file
   ho.rename.add("^w$=model.weight");  // REGEX=REPL (RE2), first match wins
-  hf_export_stats hs = export_hf(file_directory(dir / "ckpt"), file_directory(dir / "hf"), ho);
+  hf_export_stats hs = export_to(file_directory(dir / "ckpt"), file_directory(dir / "hf"), ho);
   // [/usage]
   CHECK(hs.files == 2);
 
@@ -122,7 +122,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   // torch.distributed.checkpoint: .metadata + __R_0.distcp, read by torch 2.x's dcp.load
   save_options dcp;
   dcp.format = save_format::dcp;
-  save_flat_views(file_directory(dir / "dcp"), std::span<const flat_view>(views), comm, dcp);
+  save(file_directory(dir / "dcp"), std::span<const flat_view>(views), comm, dcp);
   checkpoint_reader<file_directory> from_torch(file_directory(dir / "dcp"));  // a folder torch wrote reads alike
   for (const non_tensor_item& item : from_torch.non_tensors()) (void)from_torch.read_object(item.key);  // its values
   // [/usage]
@@ -139,24 +139,22 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
 
   // [usage: folder_set]
   // several folders as one checkpoint, committed in order (a model + optimizer pair: optim/,
-  // then model/, whose metadata.json is the pair's mark); async_saver::save_folder_set alike
+  // then model/, whose metadata.json is the pair's mark); async_saver::save alike
   const std::vector<flat_view> optim_state{views[1]};  // (here: any views)
   const std::vector<folder_views> pair = model_and_optim_folders(views, optim_state, /*with_optim=*/true);
-  std::vector<save_stats> each =
-      save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm);
+  std::vector<save_stats> each = save(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm);
   // [/usage]
   REQUIRE(each.size() == 2);
   CHECK(each[0].tensors_written == 1);
   CHECK(each[1].tensors_written == 2);
   CHECK(is_complete_checkpoint(file_directory(dir / "pair")));
   // refused when the parent holds anything, unless overwrite; the async counterpart replaces it
-  testing::expect_error(
-      [&] { save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm); },
-      errc::already_exists, {"pair: not empty"});
+  testing::expect_error([&] { save(file_directory(dir / "pair"), std::span<const folder_views>(pair), comm); },
+                        errc::already_exists, {"pair: not empty"});
   save_options replace;
   replace.overwrite = true;
   const std::vector<folder_views> model_only = model_and_optim_folders(views, {}, /*with_optim=*/false);
-  saver.save_folder_set(file_directory(dir / "pair"), std::span<const folder_views>(model_only), replace).wait();
+  saver.save(file_directory(dir / "pair"), std::span<const folder_views>(model_only), replace).wait();
   CHECK(file_directory(dir / "pair").list() == std::vector<std::string>{"model"});
   CHECK(is_complete_checkpoint(file_directory(dir / "pair")));
 
@@ -177,7 +175,7 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
       configured_loader<file_directory, single_process,
                         load_policy{.strict = true, .validate_nan = true, .views = only(dtype::F32)}>;
   strict_f32_loader loader(file_directory(dir / "ckpt"), comm);
-  loader.load(std::span<const flat_view>(&part, 1));
+  load(loader, std::span<const flat_view>(&part, 1));
   // [/usage]
   CHECK(rows[0] == 12.0f);
 }

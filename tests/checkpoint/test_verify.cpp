@@ -397,7 +397,7 @@ void save_two_ranks(const D& dir, std::vector<saved_tensor>& ts, const save_opti
       views.push_back(flat_view{t.key, t.type, t.shape, shard_spec(flat_spec{{lo, hi}}),
                                 reinterpret_cast<std::byte*>(t.bytes.data() + lo * item), (hi - lo) * item});
     }
-    save_flat_views(dir, std::span<const flat_view>(views), comm, so);
+    save(dir, std::span<const flat_view>(views), comm, so);
   });
   for (auto& e : thrown)
     if (e) std::rethrow_exception(e);
@@ -520,7 +520,7 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
     checkpoint_reader<file_directory> r(dir);
     load_options lo;
     lo.verify_checksums = true;
-    const load_stats st = r.load(std::span<const flat_view>(views), lo);
+    const load_stats st = load(r, std::span<const flat_view>(views), lo);
     CHECK(st.checksum_blocks == verify_checkpoint(dir).checksum_blocks);
     for (std::size_t i = 0; i < ts.size(); ++i) CHECK(mem[i] == ts[i].bytes);
   }
@@ -568,18 +568,18 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
       checkpoint_reader<file_directory> r(dir);
       load_options lo;
       lo.verify_checksums = true;
-      expect_error([&] { r.load(std::span<const flat_view>(views), lo); }, errc::checksum_mismatch,
+      expect_error([&] { load(r, std::span<const flat_view>(views), lo); }, errc::checksum_mismatch,
                    {file.string(), "tensor '" + e.name + "'", range});
     }
     {
       checkpoint_reader<mmap_directory> r(mmap_directory(tmp.path / "ck"));
       load_options lo;
       lo.verify_checksums = true;
-      expect_error([&] { r.load(std::span<const flat_view>(views), lo); }, errc::checksum_mismatch,
+      expect_error([&] { load(r, std::span<const flat_view>(views), lo); }, errc::checksum_mismatch,
                    {"tensor '" + e.name + "'", range});
     }
     checkpoint_reader<file_directory> r(dir);
-    CHECK(r.load(std::span<const flat_view>(views)).checksum_blocks == 0);
+    CHECK(load(r, std::span<const flat_view>(views)).checksum_blocks == 0);
     const std::size_t ti = static_cast<std::size_t>(&t - ts.data());
     const std::uint64_t item = item_size(t.type);
     const std::size_t gpos = static_cast<std::size_t>((rank == 0 ? 0 : numel(t.shape) / 2) * item + at);
@@ -594,7 +594,7 @@ TEST_CASE("checksums: a flipped byte anywhere in a rank file's data is found by 
       load_options lo;
       lo.verify_checksums = true;
       checkpoint_reader<file_directory> r2(dir);
-      CHECK(r2.load(std::span<const flat_view>(&v, 1), lo).checksum_blocks > 0);
+      CHECK(load(r2, std::span<const flat_view>(&v, 1), lo).checksum_blocks > 0);
       CHECK(half == t.bytes.substr(static_cast<std::size_t>(lo_e * item), half.size()));
     }
     bytes[pos] = static_cast<char>(bytes[pos] ^ mask);  // repaired
@@ -650,7 +650,7 @@ TEST_CASE(
     lo.verify_checksums = true;
     msgs.push_back(message_of([&] {
       checkpoint_reader<file_directory> r(dir);
-      r.load(std::span<const flat_view>(views), lo);
+      load(r, std::span<const flat_view>(views), lo);
     }));
     if (testing::have_tool()) {
       const auto r = testing::run_tool({"verify", (tmp.path / name).string()});
@@ -689,7 +689,7 @@ TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; dam
   load_options lo;
   lo.verify_checksums = true;
   checkpoint_reader<D> r(dir);
-  CHECK(r.load(std::span<const flat_view>(&v, 1), lo).checksum_blocks == 0);
+  CHECK(load(r, std::span<const flat_view>(&v, 1), lo).checksum_blocks == 0);
   CHECK(w == s.w.bytes);
 
   // tables that cannot be right
@@ -773,7 +773,7 @@ TEST_CASE_TEMPLATE(
     out.assign(20, '\0');
     flat_view v{"b", dtype::I16, {10}, std::nullopt, reinterpret_cast<std::byte*>(out.data()), out.size()};
     checkpoint_reader<D> r(dir);
-    return r.load(std::span<const flat_view>(&v, 1));
+    return load(r, std::span<const flat_view>(&v, 1));
   };
   for (const bool identical : {false, true}) {
     // partial: rank 0 holds [0, 6), rank 1 holds [4, 10); identical: both hold all of it
@@ -804,7 +804,7 @@ TEST_CASE_TEMPLATE(
     // (of an identical replica every element is held twice: compared, equal there)
     checkpoint_reader<D> r(dir);
     CHECK(r.plan(std::span<const flat_view>(&v, 1)).compares.empty() == !identical);
-    r.load(std::span<const flat_view>(&v, 1));
+    load(r, std::span<const flat_view>(&v, 1));
     CHECK(head == b.substr(0, 4));
   }
 }
@@ -813,20 +813,20 @@ TEST_CASE("overlapping shards: replicas a save writes twice are proven equal by 
   memory_directory mem(std::make_shared<memory_store>(), "mem:rep");
   std::mt19937_64 rng(3);
   std::string w = fixtures::random_string(64, rng);  // F32 [16], saved whole by both ranks (undeclared replicas)
-  auto save = [&](bool checksums) {
+  auto save_both = [&](bool checksums) {
     save_options so;
     so.checksums = checksums;
     so.overwrite = true;
     auto thrown = testing::run_ranks(2, [&](testing::thread_comm& comm) {
       flat_view v{"w", dtype::F32, {16}, shard_spec(flat_spec{{0, 16}}), reinterpret_cast<std::byte*>(w.data()), 64};
-      save_flat_views(mem, std::span<const flat_view>(&v, 1), comm, so);
+      save(mem, std::span<const flat_view>(&v, 1), comm, so);
     });
     for (auto& e : thrown)
       if (e) std::rethrow_exception(e);
   };
   std::string got(64, '\0');
   flat_view v{"w", dtype::F32, {16}, std::nullopt, reinterpret_cast<std::byte*>(got.data()), 64};
-  save(true);
+  save_both(true);
   {
     checkpoint_reader<memory_directory> r(mem);
     REQUIRE(r.metadata().find("w")->files.size() == 2);
@@ -835,10 +835,10 @@ TEST_CASE("overlapping shards: replicas a save writes twice are proven equal by 
     CHECK(rep.replicated_tensors == 1);
     CHECK(rep.replicated_elements == 16);
   }
-  save(false);  // no checksums: the load compares the second copy
+  save_both(false);  // no checksums: the load compares the second copy
   checkpoint_reader<memory_directory> r(mem);
   CHECK(!r.plan(std::span<const flat_view>(&v, 1)).compares.empty());
-  r.load(std::span<const flat_view>(&v, 1));
+  load(r, std::span<const flat_view>(&v, 1));
   CHECK(got == w);
 }
 
@@ -893,11 +893,11 @@ TEST_CASE("symbolic links: a rank file, an HF shard or index leaving the folder 
   expect_error([&] { verify_checkpoint(mmap_directory(ck)); }, errc::unsafe_link, {"rank_1.safetensors"});
   std::string w(48, '\0');
   flat_view v{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), w.size()};
-  expect_error([&] { load_flat_views(file_directory(ck), std::span<const flat_view>(&v, 1)); }, errc::unsafe_link,
+  expect_error([&] { load(file_directory(ck), std::span<const flat_view>(&v, 1)); }, errc::unsafe_link,
                {"rank_1.safetensors"});
   // followed when the caller trusts the folder
   CHECK(verify_checkpoint(file_directory(ck, link_policy::follow)).tensors == 3);
-  load_flat_views(file_directory(ck, link_policy::follow), std::span<const flat_view>(&v, 1));
+  load(file_directory(ck, link_policy::follow), std::span<const flat_view>(&v, 1));
   CHECK(w == s.w.bytes);
   // a relative link that climbs out is refused too; one to a file inside the folder is fine
   fs::remove(ck / "rank_1.safetensors");

@@ -590,7 +590,7 @@ TEST_CASE("dcp: data files written as safetensors (newer torch's SAFETENSORS for
     const flat_view v{
         "w",       dtype::F32, {8, 6}, shard_spec(block_spec({3, 6}, {5, 0})), reinterpret_cast<std::byte*>(out.data()),
         out.size()};
-    r.load(std::span<const flat_view>(&v, 1));
+    load(r, std::span<const flat_view>(&v, 1));
     return out;
   };
   memory_directory dir;

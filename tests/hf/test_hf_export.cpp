@@ -339,7 +339,7 @@ void save_sample(const std::vector<sample_tensor>& s, const fs::path& dir) {
   auto thrown = testing::run_ranks(3, [&](testing::thread_comm& comm) {
     std::vector<std::string> mem;
     const auto v = views_of(s, comm.rank(), mem);
-    save_flat_views(file_directory(dir), std::span<const flat_view>(v), comm);
+    save(file_directory(dir), std::span<const flat_view>(v), comm);
   });
   for (auto& e : thrown) REQUIRE(!e);
 }
@@ -463,7 +463,7 @@ TEST_CASE("hf export: a 3-rank checkpoint round-trips at several shard sizes and
       if (!to.empty()) opt.convert_to = dtype_from_name(to, "");
       opt.chunk_bytes = 100;  // many blocks, edges inside tensors and inside elements
       opt.threads = 2;
-      const hf_export_stats st = export_hf(file_directory(tmp.path / "ckpt"), file_directory(out), opt);
+      const hf_export_stats st = export_to(file_directory(tmp.path / "ckpt"), file_directory(out), opt);
       const auto want = expected_folder(ts, max, to);
       check_folder(out, want);
       CHECK(st.files == want.size());
@@ -484,13 +484,13 @@ TEST_CASE("hf export: memory directories, single-file sources and chunk sizes gi
   save_sample(sample, tmp.path / "ckpt");
   hf_export_options opt;
   opt.max_shard_size = 3000;
-  export_hf(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "ref"), opt);
+  export_to(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "ref"), opt);
   for (std::uint64_t chunk : {1u, 7u, 4096u, 1u << 20}) {
     CAPTURE(chunk);
     memory_directory mem;
     opt.chunk_bytes = chunk;
     opt.threads = chunk == 7 ? 1 : 3;
-    export_hf(file_directory(tmp.path / "ckpt"), mem, opt);
+    export_to(file_directory(tmp.path / "ckpt"), mem, opt);
     for (const auto& e : fs::directory_iterator(tmp.path / "ref")) {
       const auto r = mem.open(e.path().filename().string());
       std::string got(r.size(), '\0');
@@ -500,7 +500,7 @@ TEST_CASE("hf export: memory directories, single-file sources and chunk sizes gi
     CHECK(mem.list().size() == static_cast<std::size_t>(std::distance(fs::directory_iterator(tmp.path / "ref"), {})));
   }
   // an HF folder re-exported at another size: same tensors
-  export_hf(file_directory(tmp.path / "ref"), file_directory(tmp.path / "again"), hf_export_options{});
+  export_to(file_directory(tmp.path / "ref"), file_directory(tmp.path / "again"), hf_export_options{});
   check_folder(tmp.path / "again", expected_folder(fulls(sample), hf_default_max_shard_size, ""));
 }
 
@@ -513,7 +513,7 @@ TEST_CASE("hf export: NaN, infinities, signed zeros and subnormals convert as IE
                 fixtures::build_file({{t.name, t.dtype, t.shape, t.bytes}}));
   hf_export_options opt;
   opt.convert_to = dtype::BF16;
-  export_hf(file_directory(tmp.path / "hf"), file_directory(tmp.path / "out"), opt);
+  export_to(file_directory(tmp.path / "hf"), file_directory(tmp.path / "out"), opt);
   const parsed_file p = parse_safetensors(testing::slurp(tmp.path / "out" / "model.safetensors"));
   const auto got = as<std::uint16_t>(p.tensors.at("x").bytes);
   // quiet NaN with payload top bits, -inf, inf, -0, a subnormal to 0, ties to even both ways,
@@ -532,7 +532,7 @@ TEST_CASE("hf export: rename rules rename, drop and refuse collisions; model-onl
   hf_export_options opt;
   opt.rename = rename_rules({"^step$=", "^model\\.layers\\.(\\d+)\\.=model.h.\\1.", "^model\\.=transformer."});
   opt.max_shard_size = 2000;
-  export_hf(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "renamed"), opt);
+  export_to(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "renamed"), opt);
   std::map<std::string, std::string> ren;
   for (const auto& t : ts) {
     std::string n = t.name;
@@ -547,7 +547,7 @@ TEST_CASE("hf export: rename rules rename, drop and refuse collisions; model-onl
   check_folder(tmp.path / "renamed", expected_folder(ts, 2000, "", ren));
 
   opt.rename = rename_rules({"^model\\.layers\\.0\\.attn\\.q\\.(weight|bias)$=q"});
-  expect_error([&] { export_hf(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "clash"), opt); },
+  expect_error([&] { export_to(file_directory(tmp.path / "ckpt"), file_directory(tmp.path / "clash"), opt); },
                errc::invalid_argument,
                {"model.layers.0.attn.q.bias", "model.layers.0.attn.q.weight", "both renamed to 'q'"});
   CHECK(!fs::exists(tmp.path / "clash"));  // planned before anything is written
@@ -557,17 +557,17 @@ TEST_CASE("hf export: rename rules rename, drop and refuse collisions; model-onl
   optim[0].t.name = "state.model.layers.0.mlp.up.weight.__exp_avg";
   save_sample(sample, tmp.path / "pair" / "model");
   save_sample(optim, tmp.path / "pair" / "optim");
-  export_hf(file_directory(tmp.path / "pair"), file_directory(tmp.path / "model-only"), hf_export_options{});
+  export_to(file_directory(tmp.path / "pair"), file_directory(tmp.path / "model-only"), hf_export_options{});
   check_folder(tmp.path / "model-only", expected_folder(ts, hf_default_max_shard_size, ""));
   hf_export_options both;
   both.model_only = false;
-  export_hf(file_directory(tmp.path / "pair"), file_directory(tmp.path / "both"), both);
+  export_to(file_directory(tmp.path / "pair"), file_directory(tmp.path / "both"), both);
   std::vector<full_tensor> all;
   for (auto t : ts) all.push_back({"model/" + t.name, t.dtype, t.shape, t.bytes});
   all.push_back({"optim/" + optim[0].t.name, "F32", optim[0].t.shape, optim[0].t.bytes});
   check_folder(tmp.path / "both", expected_folder(all, hf_default_max_shard_size, ""));
   // the model/ sub-folder given directly
-  export_hf(file_directory(tmp.path / "pair" / "model"), file_directory(tmp.path / "sub"), hf_export_options{});
+  export_to(file_directory(tmp.path / "pair" / "model"), file_directory(tmp.path / "sub"), hf_export_options{});
   check_folder(tmp.path / "sub", expected_folder(ts, hf_default_max_shard_size, ""));
 }
 
@@ -577,11 +577,11 @@ TEST_CASE("hf export: errors name the folder, tensor and rule, and leave nothing
   save_sample(sample, tmp.path / "ckpt");
   const file_directory src(tmp.path / "ckpt");
   fixtures::put(file_directory(tmp.path / "full"), "x", "y");
-  expect_error([&] { export_hf(src, file_directory(tmp.path / "full"), hf_export_options{}); }, errc::already_exists,
+  expect_error([&] { export_to(src, file_directory(tmp.path / "full"), hf_export_options{}); }, errc::already_exists,
                {(tmp.path / "full").string(), "not empty"});
   hf_export_options bad;
   bad.convert_to = dtype::I8;
-  expect_error([&] { export_hf(src, file_directory(tmp.path / "o1"), bad); }, errc::invalid_argument,
+  expect_error([&] { export_to(src, file_directory(tmp.path / "o1"), bad); }, errc::invalid_argument,
                {"export dtype I8", "F16, BF16, F32 or F64"});
   expect_error([&] { rename_rules({"(=x"}); }, errc::invalid_argument, {"rename rule '(=x'", "bad regex"});
   expect_error([&] { parse_size("5 GB"); }, errc::invalid_argument, {"size '5 GB'"});
@@ -593,7 +593,7 @@ TEST_CASE("hf export: errors name the folder, tensor and rule, and leave nothing
   hf_export_options opt;
   opt.max_shard_size = 1;
   opt.chunk_bytes = 64;
-  expect_error([&] { export_hf(src, file_directory(tmp.path / "o2"), opt); }, errc::truncated, {"rank_1.safetensors"});
+  expect_error([&] { export_to(src, file_directory(tmp.path / "o2"), opt); }, errc::truncated, {"rank_1.safetensors"});
   CHECK(fs::is_empty(tmp.path / "o2"));
 }
 
@@ -617,13 +617,12 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
     }
     const fs::path single = tmp.path / ("single" + std::to_string(variant)),
                    dist = tmp.path / ("dist" + std::to_string(variant));
-    export_hf(file_directory(tmp.path / "ckpt"), file_directory(single), opt);
+    export_to(file_directory(tmp.path / "ckpt"), file_directory(single), opt);
     std::vector<hf_export_stats> stats(3);
     auto thrown = testing::run_ranks(3, [&](testing::thread_comm& comm) {
       std::vector<std::string> mem;
       const auto v = views_of(sample, comm.rank(), mem);
-      stats[static_cast<std::size_t>(comm.rank())] =
-          export_hf_from_views(dist, std::span<const flat_view>(v), comm, opt);
+      stats[static_cast<std::size_t>(comm.rank())] = export_to(std::span<const flat_view>(v), comm, dist, opt);
     });
     for (auto& e : thrown) REQUIRE(!e);
     std::vector<std::string> a, b;
@@ -641,7 +640,7 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
     std::vector<std::string> mem;
     auto v = views_of(sample, comm.rank(), mem);
     if (comm.rank() == 2) v.front().full_shape = {41, 16};
-    export_hf_from_views(tmp.path / "bad", std::span<const flat_view>(v), comm, hf_export_options{});
+    export_to(std::span<const flat_view>(v), comm, tmp.path / "bad", hf_export_options{});
   });
   for (auto& e : thrown) {
     REQUIRE(e);
@@ -653,7 +652,7 @@ TEST_CASE("hf export: a 3-rank distributed export equals the single-process expo
   thrown = testing::run_ranks(3, [&](testing::thread_comm& comm) {
     std::vector<std::string> mem;
     const auto v = views_of(sample, comm.rank(), mem);
-    export_hf_from_views(tmp.path / "busy", std::span<const flat_view>(v), comm, hf_export_options{});
+    export_to(std::span<const flat_view>(v), comm, tmp.path / "busy", hf_export_options{});
   });
   for (auto& e : thrown)
     expect_error([&] { std::rethrow_exception(e); }, errc::already_exists, {"rank 0", "not empty"});
@@ -729,13 +728,13 @@ TEST_CASE("hf export: torch's DCP-sharded HF files of every byte-sized dtype con
     hf_export_options opt;
     opt.max_shard_size = max;
     opt.chunk_bytes = 40;
-    export_hf(file_directory(tmp.path / "dcp"), file_directory(out), opt);
+    export_to(file_directory(tmp.path / "dcp"), file_directory(out), opt);
     check_folder(out, expected_folder(full, max, ""));
   }
   // with --dtype bf16: the floating ones converted, the others (I64, BOOL, F8, C64, ...) as they were
   hf_export_options opt;
   opt.convert_to = dtype::BF16;
-  export_hf(file_directory(tmp.path / "dcp"), file_directory(tmp.path / "bf16"), opt);
+  export_to(file_directory(tmp.path / "dcp"), file_directory(tmp.path / "bf16"), opt);
   std::vector<full_tensor> conv;
   for (auto t : full) {
     if (t.dtype == "F64") {  // rounded once: to F32 rounding to odd, then to BF16 (exact then)
@@ -784,7 +783,7 @@ TEST_CASE("hf export: the I64, BOOL and BF16 blocks of 3 ranks, in the layout to
   hf_export_options opt;
   opt.chunk_bytes = 16;
   opt.max_shard_size = 100;
-  export_hf(dcp, file_directory(tmp.path / "out"), opt);
+  export_to(dcp, file_directory(tmp.path / "out"), opt);
   check_folder(tmp.path / "out", expected_folder({ids, mask, emb}, 100, ""));
 }
 

@@ -525,7 +525,7 @@ TEST_CASE("torch.save folders: every tensor of pytorch_model.bin bit for bit as 
       CHECK(tm.shape == it->second.shape);
       std::string got(it->second.bytes.size(), '\xee');
       const flat_view v{key, tm.type, tm.shape, std::nullopt, reinterpret_cast<std::byte*>(got.data()), got.size()};
-      r.load(std::span<const flat_view>(&v, 1));
+      load(r, std::span<const flat_view>(&v, 1));
       CHECK(got == it->second.bytes);
       bytes += got.size();
     }

@@ -253,7 +253,7 @@ TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 r
                               shard_spec(block_spec({40, 12}, {0, 12 * r})),
                               reinterpret_cast<std::byte*>(em.data()),
                               em.size()}};
-    save_flat_views(file_directory(ckpt), std::span<const flat_view>(v), comm);
+    save(file_directory(ckpt), std::span<const flat_view>(v), comm);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);
 
@@ -283,8 +283,8 @@ TEST_CASE("http: a sharded checkpoint saved by 2 ranks, loaded from nginx by 3 r
     std::string wh, eh, wf, ef;
     auto vh = views_into(wh, eh);
     auto vf = views_into(wf, ef);
-    const load_stats st = load_flat_views(remote, std::span<const flat_view>(vh));
-    load_flat_views(local, std::span<const flat_view>(vf));
+    const load_stats st = load(remote, std::span<const flat_view>(vh));
+    load(local, std::span<const flat_view>(vf));
     needed += st.bytes_needed;
     // against the tensors themselves, cut independently
     std::string want_w, want_e = e.substr(e_first * 24 * 2, e_rows * 24 * 2);
@@ -676,7 +676,7 @@ void save_resharded_fixture(const fs::path& dir, const std::string& w, const std
                               shard_spec(block_spec({40, 12}, {0, 12 * r})),
                               reinterpret_cast<std::byte*>(em.data()),
                               em.size()}};
-    save_flat_views(file_directory(dir), std::span<const flat_view>(v), comm);
+    save(file_directory(dir), std::span<const flat_view>(v), comm);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);
 }
@@ -700,7 +700,7 @@ void load_resharded_fixture(const D& d, const std::string& w, const std::string&
                               shard_spec(block_spec({e_rows, 24}, {e_first, 0})),
                               reinterpret_cast<std::byte*>(em.data()),
                               em.size()}};
-    load_flat_views(d, std::span<const flat_view>(v));
+    load(d, std::span<const flat_view>(v));
     std::string want_w;
     for (std::uint64_t row = 0; row < 64; ++row) want_w += w.substr((row * 3000 + 1000 * r) * 4, 1000 * 4);
     REQUIRE(wm == want_w);

@@ -337,7 +337,7 @@ std::vector<std::exception_ptr> save_two_part_checkpoint(const s3_directory& d, 
                               shard_spec(block_spec({500}, {500 * r})),
                               reinterpret_cast<std::byte*>(bm.data()),
                               bm.size()}};
-    save_flat_views(d, std::span<const flat_view>(v), comm);
+    save(d, std::span<const flat_view>(v), comm);
   });
 }
 
@@ -375,7 +375,7 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
                               shard_spec(block_spec({bn}, {b0})),
                               reinterpret_cast<std::byte*>(bm.data()),
                               bm.size()}};
-    needed += load_flat_views(d, std::span<const flat_view>(v)).bytes_needed;
+    needed += load(d, std::span<const flat_view>(v)).bytes_needed;
     std::string want_w;
     for (std::uint64_t row = 0; row < 1536; ++row) want_w += w.substr((row * 2048 + c0) * 4, cols * 4);
     CHECK(wm == want_w);
@@ -386,8 +386,8 @@ TEST_CASE("s3: a checkpoint saved by 2 ranks to moto (multipart rank files) load
   // saving again over it is refused, as on a disk
   std::string one(4, '\0');
   flat_view again{"x", dtype::F32, {1}, std::nullopt, reinterpret_cast<std::byte*>(one.data()), one.size()};
-  auto t2 = testing::run_ranks(
-      1, [&](testing::thread_comm& comm) { save_flat_views(d, std::span<const flat_view>(&again, 1), comm); });
+  auto t2 =
+      testing::run_ranks(1, [&](testing::thread_comm& comm) { save(d, std::span<const flat_view>(&again, 1), comm); });
   REQUIRE(t2[0]);
   try {
     std::rethrow_exception(t2[0]);
@@ -540,7 +540,7 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
            reinterpret_cast<std::byte*>(wm.data()),
            wm.size()},
           {"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
-      load_flat_views(d, std::span<const flat_view>(v));
+      load(d, std::span<const flat_view>(v));
       CHECK(wm == w.substr(400 * 2048 * 4, 800 * 2048 * 4));
       CHECK(bm == b);
       CHECK(s3_directory(d.name(), direct).pending_uploads().empty());
@@ -580,7 +580,7 @@ TEST_CASE("s3 faults through a proxy: a save and a load under faults are bit-exa
     std::string bm(2000, '\0');
     const flat_view bv{"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()};
     try {
-      load_flat_views(check, std::span<const flat_view>(&bv, 1));
+      load(check, std::span<const flat_view>(&bv, 1));
       FAIL("a checkpoint without metadata.json loaded");
     } catch (const error& e) {
       CHECK_MESSAGE(std::string(e.what()).find("s3://faults/cut") != std::string::npos, e.what());
@@ -660,7 +660,7 @@ TEST_CASE("s3: a CompleteMultipartUpload whose answer is lost is accepted when t
       std::vector<flat_view> v{
           {"w", dtype::F32, {1536, 2048}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
           {"b", dtype::BF16, {1000}, std::nullopt, reinterpret_cast<std::byte*>(bm.data()), bm.size()}};
-      load_flat_views(check, std::span<const flat_view>(v));
+      load(check, std::span<const flat_view>(v));
       CHECK(wm == w);
       CHECK(bm == b);
     }
@@ -705,7 +705,7 @@ TEST_CASE(
   std::vector<flat_view> v{
       {"w", dtype::F32, {64, 30}, std::nullopt, reinterpret_cast<std::byte*>(wm.data()), wm.size()},
       {"e", dtype::BF16, {10, 8}, std::nullopt, reinterpret_cast<std::byte*>(em.data()), em.size()}};
-  load_flat_views(d, std::span<const flat_view>(v));
+  load(d, std::span<const flat_view>(v));
   CHECK(wm == w);
   CHECK(em == e);
   CHECK(d.client().stats().connections.load() >= 1);

@@ -443,7 +443,7 @@ TEST_CASE("mesh: HSDP replicas are written once, by the writer replica; the chec
   std::vector<save_stats> stats(n);
   auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
     hsdp_rank s(c.rank(), true);
-    stats[c.rank()] = save_flat_views(mem, std::span<const flat_view>(s.views), c);
+    stats[c.rank()] = save(mem, std::span<const flat_view>(s.views), c);
   });
   for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
   // Worked by hand: w's blocks are rows 0-4 (block 0) and 5-9 (block 1), written by replica
@@ -467,7 +467,7 @@ TEST_CASE("mesh: HSDP replicas are written once, by the writer replica; the chec
   std::vector<float> w(30), b(5);
   std::vector<flat_view> into{{"w", dtype::F32, {10, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 120},
                               {"b", dtype::F32, {5}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), 20}};
-  load_flat_views(mem, std::span<const flat_view>(into));
+  load(mem, std::span<const flat_view>(into));
   for (int i = 0; i < 30; ++i) CHECK(w[i] == static_cast<float>(i));
   for (int i = 0; i < 5; ++i) CHECK(b[i] == 1000.f + static_cast<float>(i));
 
@@ -476,7 +476,7 @@ TEST_CASE("mesh: HSDP replicas are written once, by the writer replica; the chec
   const memory_directory twice(store, "mem:undeclared");
   thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
     hsdp_rank s(c.rank(), false);
-    stats[c.rank()] = save_flat_views(twice, std::span<const flat_view>(s.views), c);
+    stats[c.rank()] = save(twice, std::span<const flat_view>(s.views), c);
   });
   for (int r = 0; r < n; ++r) {
     REQUIRE_FALSE(thrown[r]);
@@ -484,7 +484,7 @@ TEST_CASE("mesh: HSDP replicas are written once, by the writer replica; the chec
     CHECK(data_in(twice, r) == std::map<std::string, u64>{{"w", w_rows * 3 * 4}, {"b", b_len * 4}});
   }
   std::fill(w.begin(), w.end(), -1.f);
-  load_flat_views(twice, std::span<const flat_view>(into));
+  load(twice, std::span<const flat_view>(into));
   for (int i = 0; i < 30; ++i) CHECK(w[i] == static_cast<float>(i));
 }
 
@@ -496,7 +496,7 @@ TEST_CASE("mesh: the save's agreement rejects overlapping shards that are not de
     auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
       hsdp_rank s(c.rank(), true);
       change(c.rank(), s.views);
-      save_flat_views(mem, std::span<const flat_view>(s.views), c, save_options{.overwrite = true});
+      save(mem, std::span<const flat_view>(s.views), c, save_options{.overwrite = true});
     });
     std::vector<std::string> what;
     for (int r = 0; r < n; ++r) {
@@ -749,7 +749,7 @@ void save_moe(const memory_directory& dir, const shape_t& mesh) {
   const int n = static_cast<int>(numel(mesh));
   auto thrown = testing::run_ranks(n, [&](testing::thread_comm& c) {
     moe_rank r(mesh, static_cast<u64>(c.rank()), true);
-    save_flat_views(dir, std::span<const flat_view>(r.views), c);
+    save(dir, std::span<const flat_view>(r.views), c);
   });
   for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
 }
@@ -782,27 +782,27 @@ TEST_CASE(
   SUBCASE("EP=2 x ep_fsdp=4, 8 ranks") {
     for (u64 r = 0; r < 8; ++r) {
       moe_rank into({2, 4}, r, false);
-      load_flat_views(mem, std::span<const flat_view>(into.views));
+      load(mem, std::span<const flat_view>(into.views));
       into.check("EP=2 x 4, rank " + std::to_string(r));
     }
   }
   SUBCASE("EP=1 x ep_fsdp=4, 4 ranks") {
     for (u64 r = 0; r < 4; ++r) {
       moe_rank into({1, 4}, r, false);
-      load_flat_views(mem, std::span<const flat_view>(into.views));
+      load(mem, std::span<const flat_view>(into.views));
       into.check("EP=1 x 4, rank " + std::to_string(r));
     }
   }
   SUBCASE("no expert parallelism: whole tensors in one process") {
     moe_rank into({}, 0, false);
-    const load_stats st = load_flat_views(mem, std::span<const flat_view>(into.views));
+    const load_stats st = load(mem, std::span<const flat_view>(into.views));
     CHECK(st.bytes_needed == data);
     into.check("whole");
   }
   SUBCASE("no expert parallelism: FSDP flat shards over 3 ranks") {
     for (u64 r = 0; r < 3; ++r) {
       moe_rank into({}, r, false, true, 3);
-      load_flat_views(mem, std::span<const flat_view>(into.views));
+      load(mem, std::span<const flat_view>(into.views));
       into.check("flat, rank " + std::to_string(r));
     }
   }
@@ -814,7 +814,7 @@ TEST_CASE("mesh: an EP=2 x ep_fsdp=4 save loads under EP=4 x ep_fsdp=2") {
   save_moe(mem, {2, 4});
   for (u64 r = 0; r < 8; ++r) {
     moe_rank into({4, 2}, r, false);
-    load_flat_views(mem, std::span<const flat_view>(into.views));
+    load(mem, std::span<const flat_view>(into.views));
     into.check("EP=4 x 2, rank " + std::to_string(r));
   }
 }
@@ -1018,7 +1018,7 @@ void check_per_expert_export(const D& out) {
     }
   }
   REQUIRE(views.size() == 16);
-  const load_stats st = load_flat_views(out, std::span<const flat_view>(views));
+  const load_stats st = load(out, std::span<const flat_view>(views));
   CHECK(st.unexpected_keys.empty());
   for (std::size_t t = 0; t < views.size(); ++t) {
     INFO(views[t].key);
@@ -1036,7 +1036,7 @@ TEST_CASE("mesh: a stacked EP model exports one HF tensor per expert, each equal
     hf_export_options opt;
     opt.max_shard_size = 600;  // several files and an index
     opt.experts = expert_stacking({expert_rule});
-    export_hf_from_views(out, std::span<const flat_view>(r.views), c, opt);
+    export_to(std::span<const flat_view>(r.views), c, out, opt);
   });
   for (int r = 0; r < 8; ++r) REQUIRE_FALSE(thrown[r]);
   CHECK(fs::exists(out / "model.safetensors.index.json"));
@@ -1050,29 +1050,29 @@ TEST_CASE("mesh: a checkpoint saved under EP exports (export_hf) one HF tensor p
   hf_export_options opt;
   opt.max_shard_size = 600;
   opt.experts = expert_stacking({expert_rule});
-  const hf_export_stats st = export_hf(ckpt, out, opt);
+  const hf_export_stats st = export_to(ckpt, out, opt);
   CHECK(st.tensors == 16);
   CHECK(st.indexed);
   check_per_expert_export(out);
   // with a rename rule after the split: the per-expert names are renamed
   const memory_directory renamed(store, "mem:ep-hf-renamed");
   opt.rename.add("^model\\.=");
-  export_hf(ckpt, renamed, opt);
+  export_to(ckpt, renamed, opt);
   CHECK(renamed.exists("model.safetensors.index.json"));
   std::vector<float> e3(30, -1.f);
   const flat_view v{"layers.0.mlp.experts.3.gate_proj.weight", dtype::F32, {6, 5}, std::nullopt,
                     reinterpret_cast<std::byte*>(e3.data()),   120};
-  load_flat_views(renamed, std::span<const flat_view>(&v, 1));
+  load(renamed, std::span<const flat_view>(&v, 1));
   for (u64 j = 0; j < 30; ++j) CHECK(e3[j] == moe_value(1, 3 * 30 + j));
   // a 0-d tensor cannot be split
   const memory_directory scalar(store, "mem:scalar");
   float x = 1.f;
   const flat_view sv{"x.experts.s.weight", dtype::F32, {}, std::nullopt, reinterpret_cast<std::byte*>(&x), 4};
   single_process one;
-  save_flat_views(scalar, std::span<const flat_view>(&sv, 1), one);
+  save(scalar, std::span<const flat_view>(&sv, 1), one);
   hf_export_options o2;
   o2.experts = expert_stacking({expert_rule});
-  testing::expect_error([&] { export_hf(scalar, memory_directory(store, "mem:scalar-hf"), o2); },
+  testing::expect_error([&] { export_to(scalar, memory_directory(store, "mem:scalar-hf"), o2); },
                         errc::invalid_argument, {"tensor 'x.experts.s.weight'", "0-d"});
 }
 
@@ -1148,7 +1148,7 @@ TEST_CASE("mesh: the compact form - grids for regular shardings, checksums besid
       grid_rank s(c.rank());
       save_options opt;
       opt.metadata = form;
-      save_flat_views(form == metadata_form::compact ? compact : listed, std::span<const flat_view>(s.views), c, opt);
+      save(form == metadata_form::compact ? compact : listed, std::span<const flat_view>(s.views), c, opt);
     });
     for (int r = 0; r < n; ++r) REQUIRE_FALSE(thrown[r]);
   }
@@ -1202,10 +1202,10 @@ TEST_CASE("mesh: the compact form - grids for regular shardings, checksums besid
     add("norm", {6}, flat_spec{{0, 6}});
     load_options lo;
     lo.verify_checksums = true;
-    const load_stats a = load_flat_views(listed, std::span<const flat_view>(want), lo);
+    const load_stats a = load(listed, std::span<const flat_view>(want), lo);
     std::vector<std::vector<float>> from_listed = mem;
     for (auto& m : mem) std::fill(m.begin(), m.end(), -1.f);
-    const load_stats b = load_flat_views(compact, std::span<const flat_view>(want), lo);
+    const load_stats b = load(compact, std::span<const flat_view>(want), lo);
     CHECK(mem == from_listed);
     CHECK(a.bytes_read == b.bytes_read);
     CHECK(a.read_ops == b.read_ops);
@@ -1227,11 +1227,11 @@ TEST_CASE("mesh: the compact form - grids for regular shardings, checksums besid
   fs::remove(tmp.path / "compact" / "rank_7.checksums.json");
   std::vector<float> emb(185);
   const flat_view all{"emb", dtype::F32, {37, 5}, std::nullopt, reinterpret_cast<std::byte*>(emb.data()), 185 * 4};
-  load_flat_views(compact, std::span<const flat_view>(&all, 1));
+  load(compact, std::span<const flat_view>(&all, 1));
   CHECK(emb[184] == 184.f);
   load_options lo;
   lo.verify_checksums = true;
-  testing::expect_error([&] { load_flat_views(compact, std::span<const flat_view>(&all, 1), lo); }, errc::not_found,
+  testing::expect_error([&] { load(compact, std::span<const flat_view>(&all, 1), lo); }, errc::not_found,
                         {"rank_7.checksums.json", "missing", "kept beside"});
   testing::expect_error([&] { verify_checkpoint(compact); }, errc::not_found, {"rank_7.checksums.json"});
 }

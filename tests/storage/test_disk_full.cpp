@@ -74,7 +74,7 @@ struct half {
 void check_loads(const fs::path& p, std::uint64_t n, float base) {
   std::vector<float> w(n, -1.f);
   std::vector<flat_view> into{{"w", dtype::F32, {n}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), n * 4}};
-  load_flat_views(file_directory(p), std::span<const flat_view>(into));
+  load(file_directory(p), std::span<const flat_view>(into));
   for (std::uint64_t i = 0; i < n; ++i) REQUIRE(w[i] == base + static_cast<float>(i % 4096));
 }
 
@@ -84,7 +84,7 @@ std::vector<std::string> failed_save(const D& dir, std::uint64_t n) {
   std::vector<std::string> what(2);
   auto thrown = testing::run_ranks(2, [&](testing::thread_comm& c) {
     half h(c.rank(), n, 7.f);
-    save_flat_views(dir, std::span<const flat_view>(h.views), c);
+    save(dir, std::span<const flat_view>(h.views), c);
   });
   for (int r = 0; r < 2; ++r) {
     REQUIRE(thrown[r]);
@@ -104,7 +104,7 @@ void check_nothing_loadable(const fs::path& p) {
   std::vector<float> w(4);
   std::vector<flat_view> into{{"w", dtype::F32, {4}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), 16}};
   try {
-    load_flat_views(file_directory(p), std::span<const flat_view>(into));
+    load(file_directory(p), std::span<const flat_view>(into));
     FAIL("a failed save loaded");
   } catch (const error& e) {
     CHECK(e.code() == errc::not_found);
@@ -123,7 +123,7 @@ TEST_CASE("disk full: a quota-limited folder fails the save on every rank; the p
   const auto root = quota_directory(tmp.path, left);
   auto ok = testing::run_ranks(2, [&](testing::thread_comm& c) {
     half h(c.rank(), n, 3.f);
-    save_flat_views(root.sub("step1"), std::span<const flat_view>(h.views), c);
+    save(root.sub("step1"), std::span<const flat_view>(h.views), c);
   });
   for (auto& t : ok) REQUIRE_FALSE(t);
   for (std::uint64_t quota :
@@ -156,7 +156,7 @@ TEST_CASE("disk full: a save onto a small tmpfs fails on every rank; the previou
   } um{mnt};
   auto ok = testing::run_ranks(2, [&](testing::thread_comm& c) {
     half h(c.rank(), 1 << 18, 5.f);  // 1 MiB
-    save_flat_views(file_directory(mnt / "step1"), std::span<const flat_view>(h.views), c);
+    save(file_directory(mnt / "step1"), std::span<const flat_view>(h.views), c);
   });
   for (auto& t : ok) REQUIRE_FALSE(t);
   const auto what = failed_save(file_directory(mnt / "step2"), std::uint64_t(1) << 20);  // 4 MiB: does not fit

@@ -726,8 +726,7 @@ TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files
     so.direct_io = direct;
     so.write_chunk_bytes = 8192;
     so.threads = 3;
-    save_flat_views(file_directory(tmp.path / (direct ? "direct" : "buffered")), std::span<const flat_view>(views),
-                    comm, so);
+    save(file_directory(tmp.path / (direct ? "direct" : "buffered")), std::span<const flat_view>(views), comm, so);
   }
   const std::string a = testing::slurp(tmp.path / "direct" / "rank_0.safetensors");
   const std::string b = testing::slurp(tmp.path / "buffered" / "rank_0.safetensors");
@@ -740,7 +739,7 @@ TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files
     back.emplace_back(views[i].nbytes, std::byte{0});
     into[i].data = back.back().data();
   }
-  load_flat_views(file_directory(tmp.path / "direct"), std::span<const flat_view>(into));
+  load(file_directory(tmp.path / "direct"), std::span<const flat_view>(into));
   CHECK(back == mem);
 }
 
@@ -869,11 +868,11 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
   saved_tensors t(5);
   single_process comm;
   memory_directory plain(std::make_shared<memory_store>(), "mem:plain");
-  save_flat_views(plain, std::span<const flat_view>(t.views), comm);
+  save(plain, std::span<const flat_view>(t.views), comm);
   block_directory blocks{memory_directory(std::make_shared<memory_store>(), "mem:blocks")};
   save_options so;
   so.write_chunk_bytes = 1000;  // many blocks
-  save_flat_views(blocks, std::span<const flat_view>(t.views), comm, so);
+  save(blocks, std::span<const flat_view>(t.views), comm, so);
   CHECK(blocks.n->blocks.load() > 5);
   CHECK(blocks.n->aborts.load() == 0);
   for (const char* f : {"rank_0.safetensors", "metadata.json"}) {
@@ -884,7 +883,7 @@ TEST_CASE("save_flat_views through a block-only writer: the same bytes as throug
   SUBCASE("a part that fails aborts the rank file; nothing is committed") {
     block_directory failing{memory_directory(std::make_shared<memory_store>(), "mem:failing"),
                             std::make_shared<io_counts>(), 2};
-    expect_error([&] { save_flat_views(failing, std::span<const flat_view>(t.views), comm, so); }, errc::io_error,
+    expect_error([&] { save(failing, std::span<const flat_view>(t.views), comm, so); }, errc::io_error,
                  {"upload of a part failed"});
     CHECK(failing.n->aborts.load() == 1);
     CHECK(failing.inner.store()->objects.empty());
@@ -916,7 +915,7 @@ TEST_CASE("checkpoint_reader: plan() lists files, byte ranges and copies; execut
   saved_tensors t(6);
   single_process comm;
   memory_directory mem(std::make_shared<memory_store>(), "mem:ckpt");
-  save_flat_views(mem, std::span<const flat_view>(t.views), comm);
+  save(mem, std::span<const flat_view>(t.views), comm);
   const safetensors_header h = read_safetensors_header(mem.open("rank_0.safetensors"));
 
   // elements [10, 20) and [30, 40) of w0 (F32): two runs 40 bytes apart in the file
@@ -984,7 +983,7 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
   saved_tensors t(8);
   single_process comm;
   auto store = std::make_shared<memory_store>();
-  save_flat_views(memory_directory(store, "mem:ckpt"), std::span<const flat_view>(t.views), comm);
+  save(memory_directory(store, "mem:ckpt"), std::span<const flat_view>(t.views), comm);
   std::vector<std::vector<std::byte>> back;
   std::vector<flat_view> into = t.views;
   for (std::size_t i = 0; i < into.size(); ++i) {
@@ -996,7 +995,7 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
   };
   SUBCASE("batched") {
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
-    load_flat_views(d, std::span<const flat_view>(into));
+    load(d, std::span<const flat_view>(into));
     CHECK(back == t.mem);
     CHECK(d.n->exists.load() == 0);
     CHECK(d.n->opens.load() == 2);      // metadata.json, rank_0.safetensors
@@ -1007,7 +1006,7 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
   SUBCASE("per read, the fallback") {
     fresh();
     counted_directory<false> d{memory_directory(store, "mem:ckpt")};
-    const load_stats st = load_flat_views(d, std::span<const flat_view>(into));
+    const load_stats st = load(d, std::span<const flat_view>(into));
     CHECK(back == t.mem);
     CHECK(d.n->exists.load() == 0);
     CHECK(d.n->read_into.load() == 2 + static_cast<int>(st.read_ops));
@@ -1015,7 +1014,7 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
   SUBCASE("a missing rank file: not_found naming it, from open") {
     store->objects.erase("mem:ckpt/rank_0.safetensors");
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
-    expect_error([&] { load_flat_views(d, std::span<const flat_view>(into)); }, errc::not_found,
+    expect_error([&] { load(d, std::span<const flat_view>(into)); }, errc::not_found,
                  {"mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist"});
     CHECK(d.n->exists.load() == 0);
     store->objects.erase("mem:ckpt/metadata.json");
@@ -1032,7 +1031,7 @@ TEST_CASE_TEMPLATE("loading with merged reads gives the same bytes through every
   std::mt19937_64 rng(12);
   for (auto& b : full) b = static_cast<std::byte>(rng());
   flat_view whole{"m", dtype::F32, {64, 33}, std::nullopt, full.data(), full.size()};
-  save_flat_views(m.dir, std::span<const flat_view>(&whole, 1), comm);
+  save(m.dir, std::span<const flat_view>(&whole, 1), comm);
   // columns [3, 30) of every row: 64 runs 24 bytes apart
   std::vector<std::byte> got(64 * 27 * 4), want;
   for (std::uint64_t r = 0; r < 64; ++r)

@@ -511,7 +511,7 @@ void save_two_rank_checkpoint(std::uint64_t seed, const Ds&... dirs) {
                               shard_spec(block_spec({10, 4}, {0, 4 * r})),
                               reinterpret_cast<std::byte*>(em.data()),
                               em.size()}};
-    (save_flat_views(dirs, std::span<const flat_view>(v), comm), ...);
+    (save(dirs, std::span<const flat_view>(v), comm), ...);
   });
   for (auto& t : thrown) REQUIRE_FALSE(t);
 }

@@ -103,8 +103,8 @@ state_dict dev_sample() {
   return sd;
 }
 
-load_options dev_small_ring() {
-  load_options o;
+device_load_options dev_small_ring() {
+  device_load_options o;
   o.staging.slots = 3;
   o.staging.slot_bytes = std::uint64_t(1) << 20;
   return o;
@@ -154,8 +154,7 @@ TEST_CASE("cuda: the ring holds the host memory, whatever the tensor's size" * d
   sv.view.nbytes = b.nbytes();
   sv.target = static_cast<std::byte*>(b.data_ptr());
   device_copy_engine engine(b.device());
-  const staged_load_stats st =
-      load_staged(reader, std::span<const staged_view<std::byte*>>(&sv, 1), engine, dev_small_ring());
+  const staged_load_stats st = load(reader, std::span<const staged_view<std::byte*>>(&sv, 1), engine, dev_small_ring());
   CHECK(st.host_bytes == 3 * (std::uint64_t(1) << 20));
   CHECK(st.fills == 4);  // 4,000,000 bytes in 1 MiB slots
   CHECK(same_bytes(b, src.find("b")->local));
@@ -174,7 +173,7 @@ TEST_CASE("cuda: a BF16 checkpoint loads into F32 CUDA tensors, converted as tor
     d.add("a_cols", at::empty({300, 129}, on_cuda(at::kFloat)));
     state_dict cols;
     cols.add("a", d.find("a_cols")->local, block_spec({300, 129}, {0, 100}), {300, 257});
-    load_options o = dev_small_ring();
+    device_load_options o = dev_small_ring();
     o.convert_dtypes = true;
     o.convert_on_device = on_device;
     state_dict whole;
@@ -251,7 +250,7 @@ TEST_CASE("cuda: the GPU snippet of docs/USAGE.md" * doctest::skip(cuda_cases_sk
   // [usage: gpu]
   state_dict sd;
   sd.add("w", at::empty({4096, 4096}, at::TensorOptions().dtype(at::kBFloat16).device(at::kCUDA)));
-  load_options opt;
+  device_load_options opt;
   opt.staging.slots = 4;  // the ring: 4 pinned buffers of 64 MiB (the default)
   opt.staging.slot_bytes = std::uint64_t(64) << 20;
   opt.convert_dtypes = true;  // a file in F32 converts on the GPU (convert_on_device)

@@ -208,7 +208,7 @@ class async_saver {
   async_saver& operator=(const async_saver&) = delete;
   ~async_saver() { join(); }
 
-  /// Saves views into dir as one checkpoint (what save_flat_views does), the writing in the
+  /// Saves views into dir as one checkpoint (what shardsafe::save does), the writing in the
   /// background. A collective over the saver's comm. The views' memory is read only before
   /// save() returns.
   template <WritableDirectory D, class Copy = detail::copy_view_bytes>
@@ -216,13 +216,13 @@ class async_saver {
     return start(std::vector<D>{dir}, std::vector<std::span<const flat_view>>{views}, opt, [](C&) {}, std::move(copy));
   }
 
-  /// save_folder_set's asynchronous counterpart (checkpoint/saver.hpp): several folders under
+  /// The save of a folder set, asynchronously (shardsafe::save with folders, checkpoint/saver.hpp): several folders under
   /// parent, committed in the given order (the last one's commit mark is that of them all,
   /// e.g. model_and_optim_folders: optim, then model), the parent prepared first, in the
   /// background. copy as for save(), with the views numbered across folders, in order.
   template <WritableDirectory D, class Copy = detail::copy_view_bytes>
-  async_save_handle save_folder_set(const D& parent, std::span<const folder_views> folders,
-                                    const save_options& opt = {}, Copy copy = {}) {
+  async_save_handle save(const D& parent, std::span<const folder_views> folders, const save_options& opt = {},
+                         Copy copy = {}) {
     if (folders.empty())
       fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
     std::vector<D> dirs;
@@ -239,6 +239,14 @@ class async_saver {
           detail::prepare_folder_set(parent, last, overwrite, comm);
         },
         std::move(copy));
+  }
+
+  /// (the name before issue 52)
+  template <WritableDirectory D, class Copy = detail::copy_view_bytes>
+  [[deprecated("async_saver::save_folder_set is async_saver::save with a span of folder_views (CHANGELOG)")]]
+  async_save_handle save_folder_set(const D& parent, std::span<const folder_views> folders,
+                                    const save_options& opt = {}, Copy copy = {}) {
+    return save(parent, folders, opt, std::move(copy));
   }
 
   /// Waits for the save in flight, if any; rethrows its error.

@@ -128,8 +128,8 @@ class checkpoint_reader : public checkpoint_files<D> {
     return st;
   }
 
-  /// Loads every view in place: plan(), then execute(). Throws on the first problem, naming
-  /// file, tensor and rule.
+  /// plan(), then execute(): now shardsafe::load(reader, views, opt) (checkpoint/load.hpp).
+  [[deprecated("checkpoint_reader::load(views, opt) is shardsafe::load(reader, views, opt) (CHANGELOG)")]]
   load_stats load(std::span<const flat_view> views, const load_options& opt = {}) {
     const auto t0 = std::chrono::steady_clock::now();
     load_stats st = execute(views, plan(views, opt));

@@ -23,14 +23,14 @@
 //   - validate_nan with views of a dtype that has no NaN (`.views = only(dtype::I32)`);
 //   - convert_dtypes with views of a dtype it cannot convert into (only F16, BF16, F32, F64).
 //
-// load() is a collective over C: every rank calls it with its own views; the checkpoint is
+// load(l, views) is a collective over C: every rank calls it with its own views; the checkpoint is
 // opened on first use, and a failure on any rank (a missing tensor under a strict policy, a
 // view of the wrong dtype, a NaN left after the load) is thrown on every rank alike.
 //
 //   using loader = configured_loader<file_directory, c10d_comm,
 //                                    load_policy{.validate_nan = true, .views = only(dtype::F32)}>;
 //   loader l(file_directory(dir), comm);
-//   load_stats st = l.load(views);
+//   load_stats st = load(l, views);
 #pragma once
 
 #include <chrono>
@@ -159,10 +159,14 @@ class configured_loader {
   const load_options& options() const noexcept { return opt_; }
   const Dir& directory() const noexcept { return dir_; }
 
-  /// Loads this rank's views: the collective load_flat_views (checkpoint/loader.hpp) with
-  /// options(), the reader opened on first use and kept. Throws on every rank the first failure
-  /// of any rank, with its code.
-  load_stats load(std::span<const flat_view> views) { return load_flat_views(dir_, views, *comm_, opt_, &reader_); }
+  /// (now shardsafe::load(loader, views))
+  [[deprecated("configured_loader::load(views) is shardsafe::load(loader, views) (CHANGELOG)")]]
+  load_stats load(std::span<const flat_view> views) {
+    return detail::load_keeping_reader(dir_, reader_, views, *comm_, opt_);
+  }
+
+  template <class D2, class C2, load_policy P2>
+  friend load_stats load(configured_loader<D2, C2, P2>& l, std::span<const flat_view> views);
 
  private:
   Dir dir_;
@@ -170,6 +174,20 @@ class configured_loader {
   load_options opt_;
   std::optional<typename detail::reader_for<Dir>::type> reader_;
 };
+
+/// Loads this rank's views through a configured loader: the collective load
+/// (checkpoint/load.hpp) with l.options(), the reader opened on first use and kept. Throws on
+/// every rank the first failure of any rank, with its code.
+template <class Dir, class C, load_policy Policy>
+load_stats load(configured_loader<Dir, C, Policy>& l, std::span<const flat_view> views) {
+  return detail::load_keeping_reader(l.dir_, l.reader_, views, *l.comm_, l.opt_);
+}
+
+/// (a loader made for one load: load(make_configured_loader(dir, comm), views))
+template <class Dir, class C, load_policy Policy>
+load_stats load(configured_loader<Dir, C, Policy>&& l, std::span<const flat_view> views) {
+  return load(l, views);
+}
 
 /// A configured loader with Dir and C deduced: make_configured_loader<policy>(dir, comm).
 template <load_policy Policy = strict_policy, class Dir, class C>

@@ -36,6 +36,7 @@
 
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/parts.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/detail/crc32.hpp"
 #include "shardsafe/format/dcp_metadata_writer.hpp"
@@ -174,8 +175,7 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
 /// Exports the tensors (and values) of `sources` into the DCP folder `out` (the top of this header).
 template <ReadableDirectory S, WritableDirectory D>
   requires RandomAccessWritableStorage<typename D::writer_type>
-dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D& out,
-                            const dcp_export_options& opt = {}) {
+dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& out, const dcp_export_options& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string oname(out.name());
   if (!out.list().empty())
@@ -260,6 +260,24 @@ dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D&
   write_text(out, dcp_metadata_file_name, write_dcp_metadata(md, paths));  // the commit mark, last
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+/// Exports the checkpoint in src, whichever layout it has, into the DCP folder out; a model +
+/// optimizer pair's model/ and optim/ as model.* and optim.* keys (checkpoint/parts.hpp).
+template <ReadableDirectory S, WritableDirectory D>
+  requires RandomAccessWritableStorage<typename D::writer_type>
+dcp_export_stats export_to(const S& src, const D& out, const dcp_export_options& opt) {
+  const checkpoint_parts<S> parts = open_checkpoint_parts(src);
+  return export_to(std::span<const unshard_source<S>>(parts.sources), out, opt);
+}
+
+/// (the export's name before issue 52)
+template <ReadableDirectory S, WritableDirectory D>
+  requires RandomAccessWritableStorage<typename D::writer_type>
+[[deprecated("export_dcp is shardsafe::export_to with dcp_export_options (CHANGELOG migration table)")]]
+dcp_export_stats export_dcp(std::span<const unshard_source<S>> sources, const D& out,
+                            const dcp_export_options& opt = {}) {
+  return export_to(sources, out, opt);
 }
 
 }  // namespace shardsafe

@@ -263,7 +263,7 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
 
 /// Saves every rank's views (and rank 0's objects) into dir as a torch DCP folder. A collective:
 /// every rank calls it. opt.checksums does not apply (each archive carries its CRC-32);
-/// save_flat_views of a save_format::dcp save calls it without objects (checkpoint/layouts/dcp_write.hpp).
+/// save of a save_format::dcp save calls it without objects (checkpoint/layouts/dcp_write.hpp).
 template <WritableDirectory D, Comm C>
 save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
                     std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {

@@ -1,18 +1,22 @@
-// shardsafe/checkpoint/load.hpp - the two loads of flat views (checkpoint/flat_view.hpp): on
-// this rank alone, or as a collective over a Comm. Both run a checkpoint_reader's load
-// (checkpoint/checkpoint_reader.hpp; checkpoint/loader.hpp includes both); configured_loader
-// (checkpoint/configured.hpp) is the collective one with its options fixed and checked at
-// compile time.
+// shardsafe/checkpoint/load.hpp - load: the one load of flat views (checkpoint/flat_view.hpp),
+// on this rank alone or as a collective over a Comm. Where from is the first argument: a
+// directory (opened for this load), a checkpoint_reader (opened once and kept for the next
+// loads: checkpoint/checkpoint_reader.hpp), or a configured_loader (its options fixed in its
+// type: checkpoint/configured.hpp). The load into device memory, through a ring of host
+// buffers, is the same verb with staged views and a copy engine (checkpoint/staged_load.hpp).
 //
-// | call                                        | runs on                 | a failure                      |
-// |---------------------------------------------|-------------------------|--------------------------------|
-// | load_flat_views(dir, views, opt)            | this rank               | thrown here                    |
-// | checkpoint_reader<D>(dir).load(views, opt)  | this rank (reader kept) | thrown here                    |
-// | load_flat_views(dir, views, comm, opt)      | every rank (collective) | thrown on every rank alike     |
+// | call                                 | runs on                 | a failure                      |
+// |--------------------------------------|-------------------------|--------------------------------|
+// | load(dir, views, opt)                | this rank               | thrown here                    |
+// | load(reader, views, opt)             | this rank (reader kept) | thrown here                    |
+// | load(dir, views, comm, opt)          | every rank (collective) | thrown on every rank alike     |
+// | load(reader, views, comm, opt)       | every rank (reader kept)| thrown on every rank alike     |
+// | load(configured_loader, views)       | every rank (collective) | thrown on every rank alike     |
 //
 // (the collective throws the first failure of any rank on every rank, with its code: dist/agree.hpp)
 #pragma once
 
+#include <chrono>
 #include <optional>
 #include <span>
 
@@ -25,26 +29,74 @@
 
 namespace shardsafe {
 
-/// Loads this rank's views from the checkpoint in dir, on this rank alone.
+/// Loads this rank's views in place from the checkpoint `reader` has open: its plan, then its
+/// reads (checkpoint_reader::plan, ::execute). Throws on the first problem, naming file, tensor
+/// and rule.
 template <ReadableDirectory D>
-load_stats load_flat_views(const D& dir, std::span<const flat_view> views, const load_options& opt = {}) {
-  checkpoint_reader<D> r(dir);
-  return r.load(views, opt);
+load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, const load_options& opt = {}) {
+  const auto t0 = std::chrono::steady_clock::now();
+  load_stats st = reader.execute(views, reader.plan(views, opt));
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
 }
 
-/// The collective load: every rank loads its views from the checkpoint in dir (opened once in
-/// `reader`, kept for the next load, when given).
+/// Loads this rank's views from the checkpoint in dir, on this rank alone.
+template <ReadableDirectory D>
+load_stats load(const D& dir, std::span<const flat_view> views, const load_options& opt = {}) {
+  checkpoint_reader<D> r(dir);
+  return load(r, views, opt);
+}
+
+/// The collective load through a reader opened once (every rank its own): every rank loads its
+/// views; the first failure of any rank is thrown on every rank, with its code.
 template <ReadableDirectory D, Comm C>
-load_stats load_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const load_options& opt = {},
-                           std::optional<checkpoint_reader<D>>* reader = nullptr) {
+load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, C& comm, const load_options& opt = {}) {
+  load_stats st;
+  every_rank_step(comm, [&] { st = load(reader, views, opt); });
+  return st;
+}
+
+/// The collective load: every rank loads its views from the checkpoint in dir (opened in this
+/// step: a rank that cannot open it fails the step on every rank).
+template <ReadableDirectory D, Comm C>
+load_stats load(const D& dir, std::span<const flat_view> views, C& comm, const load_options& opt = {}) {
   load_stats st;
   every_rank_step(comm, [&] {
-    std::optional<checkpoint_reader<D>> local;
-    std::optional<checkpoint_reader<D>>& r = reader ? *reader : local;
-    if (!r) r.emplace(dir);
-    st = r->load(views, opt);
+    checkpoint_reader<D> r(dir);
+    st = load(r, views, opt);
   });
   return st;
+}
+
+namespace detail {
+/// The collective load with a reader opened on first use (inside the step, so that a rank that
+/// cannot open it fails the step on every rank) and kept: configured_loader's.
+template <ReadableDirectory D, Comm C>
+load_stats load_keeping_reader(const D& dir, std::optional<checkpoint_reader<D>>& reader,
+                               std::span<const flat_view> views, C& comm, const load_options& opt) {
+  load_stats st;
+  every_rank_step(comm, [&] {
+    if (!reader) reader.emplace(dir);
+    st = load(*reader, views, opt);
+  });
+  return st;
+}
+}  // namespace detail
+
+/// (the per-rank load's name before issue 52)
+template <ReadableDirectory D>
+[[deprecated("load_flat_views is shardsafe::load (CHANGELOG migration table)")]]
+load_stats load_flat_views(const D& dir, std::span<const flat_view> views, const load_options& opt = {}) {
+  return load(dir, views, opt);
+}
+
+/// (the collective load's name before issue 52; a kept reader is now load(reader, views, comm, opt))
+template <ReadableDirectory D, Comm C>
+[[deprecated("load_flat_views is shardsafe::load (CHANGELOG migration table)")]]
+load_stats load_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const load_options& opt = {},
+                           std::optional<checkpoint_reader<D>>* reader = nullptr) {
+  if (reader) return detail::load_keeping_reader(dir, *reader, views, comm, opt);
+  return load(dir, views, comm, opt);
 }
 
 }  // namespace shardsafe

@@ -42,20 +42,33 @@ struct load_options {
   /// checksums (saved before them, or by another writer) loads unchecked: load_stats says
   /// how many blocks were checked.
   bool verify_checksums = false;
-  /// Loads into memory the reader cannot write itself (GPU tensors) go through a ring of this
-  /// many host buffers (pinned for a GPU) of this size: host memory stays at slots x
-  /// slot_bytes whatever the model's size (checkpoint/staged_load.hpp).
-  struct staging_ring {
-    std::size_t slots = 4;
-    std::uint64_t slot_bytes = std::uint64_t(64) << 20;
-  } staging{};
+  /// Every view must have this dtype (errc::dtype_mismatch before a byte moves): what a
+  /// configured loader's policy fixes (checkpoint/configured.hpp, load_policy::views).
+  std::optional<dtype> view_dtype{};
+};
+
+/// A ring of host buffers (pinned for a GPU) that loads into memory the reader cannot write
+/// itself go through: host memory stays at slots x slot_bytes whatever the model's size
+/// (checkpoint/staged_load.hpp).
+struct staging_ring {
+  std::size_t slots = 4;
+  std::uint64_t slot_bytes = std::uint64_t(64) << 20;
+};
+
+/// What a load into device memory is asked: a load's options, and those only such a load
+/// honours (the staged load, checkpoint/staged_load.hpp; LibTorch device tensors,
+/// torch/state_dict.hpp). A load of flat views takes load_options and has neither field.
+struct device_load_options : load_options {
+  device_load_options() = default;
+  /// A load's options, with the device's defaults (implicit: a load_options is accepted
+  /// wherever device_load_options is).
+  device_load_options(const load_options& o) : load_options(o) {}
+  /// The ring the reads land in before the copy to the device.
+  staging_ring staging{};
   /// With convert_dtypes, a GPU tensor stored as another floating dtype is loaded as stored and
   /// converted on the GPU (torch/state_dict.hpp; bench/bench_device measures both); false:
   /// converted on the host as the bytes land in the staging ring.
   bool convert_on_device = true;
-  /// Every view must have this dtype (errc::dtype_mismatch before a byte moves): what a
-  /// configured loader's policy fixes (checkpoint/configured.hpp, load_policy::views).
-  std::optional<dtype> view_dtype{};
 };
 
 /// The read settings a load uses with a storage whose hint is `hint`: load_options first,

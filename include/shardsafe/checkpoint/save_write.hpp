@@ -60,7 +60,7 @@ void prepare_directory(const D& dir, bool overwrite, C& comm, std::string_view c
   prepare_emptied(dir, overwrite, comm, [&](const D& d) { d.remove(commit_mark); });
 }
 
-/// The parent of a multi-folder save (save_folder_set) prepared: its commit mark is the commit
+/// The parent of a multi-folder save (save with folders) prepared: its commit mark is the commit
 /// folder's metadata.json or DCP .metadata (removing a name that is not there is no error; an
 /// object store has no folder to ask about).
 template <WritableDirectory D, Comm C>

@@ -41,7 +41,7 @@
 
 namespace shardsafe {
 
-/// One folder of a multi-folder save (save_folder_set): its name under the parent and this
+/// One folder of a multi-folder save (save with folders): its name under the parent and this
 /// rank's views of it.
 struct folder_views {
   std::string name;
@@ -59,29 +59,45 @@ inline std::vector<folder_views> model_and_optim_folders(std::span<const flat_vi
 }
 
 /// Saves every rank's views into dir as one checkpoint, in opt.format's layout (the writer
-/// registered for it in checkpoint/layouts/writers.hpp). A collective: every rank calls it.
+/// registered for it in checkpoint/layouts/writers.hpp). A collective: every rank calls it. The
+/// asynchronous counterpart is async_saver::save (checkpoint/async_save.hpp).
 template <WritableDirectory D, Comm C>
-save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
+save_stats save(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
   return save_in_layout(dir, views, comm, opt);
 }
 
 /// Saves several folders under `parent` as one checkpoint (a model + optimizer pair:
-/// model_and_optim_folders), each as save_flat_views does, in the order given: the last
+/// model_and_optim_folders), each as the save of one folder does, in the order given: the last
 /// folder's commit mark is the commit mark of them all, so a save killed at any point leaves a
 /// parent that does not load as complete. The parent is prepared first (prepare_folder_set:
 /// refused when not empty unless opt.overwrite). A collective; the stats in folder order. The
-/// asynchronous counterpart is async_saver::save_folder_set (checkpoint/async_save.hpp).
+/// asynchronous counterpart is async_saver::save with folders (checkpoint/async_save.hpp).
 template <WritableDirectory D, Comm C>
-std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_views> folders, C& comm,
-                                        const save_options& opt = {}) {
+std::vector<save_stats> save(const D& parent, std::span<const folder_views> folders, C& comm,
+                             const save_options& opt = {}) {
   if (folders.empty())
     fail(errc::invalid_argument, std::string(parent.name()) + ": a folder set to save has no folder");
   detail::prepare_folder_set(parent, folders.back().name, opt.overwrite, comm);
   save_options each = opt;
   each.overwrite = false;  // (the parent is prepared as a whole)
   std::vector<save_stats> st;
-  for (const folder_views& f : folders) st.push_back(save_flat_views(parent.sub(f.name), f.views, comm, each));
+  for (const folder_views& f : folders) st.push_back(save(parent.sub(f.name), f.views, comm, each));
   return st;
+}
+
+/// (the save's name before issue 52)
+template <WritableDirectory D, Comm C>
+[[deprecated("save_flat_views is shardsafe::save (CHANGELOG migration table)")]]
+save_stats save_flat_views(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt = {}) {
+  return save(dir, views, comm, opt);
+}
+
+/// (the save of a folder set's name before issue 52)
+template <WritableDirectory D, Comm C>
+[[deprecated("save_folder_set is shardsafe::save with a span of folder_views (CHANGELOG migration table)")]]
+std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_views> folders, C& comm,
+                                        const save_options& opt = {}) {
+  return save(parent, folders, comm, opt);
 }
 
 }  // namespace shardsafe

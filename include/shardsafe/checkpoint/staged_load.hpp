@@ -6,7 +6,7 @@
 // same time, and host memory is the ring's (slots x slot_bytes) whatever the model's size.
 // Each destination's local elements are cut, in order, into pieces that fill the slots; a
 // piece is loaded as a flat view of its own (its elements' global ranges: any shard spec, any
-// resharding, dtype conversion on the host as load_options says), so the reader plans and
+// resharding, dtype conversion on the host as device_load_options says), so the reader plans and
 // reads only what the pieces need, as for any other load.
 //
 // CopyEngine E, for `E e`, `typename E::target dst`, `std::uint64_t off, n`,
@@ -69,7 +69,7 @@ struct staged_view {
 /// load_stats, and what the ring did.
 struct staged_load_stats : load_stats {
   std::uint64_t host_bytes = 0;  ///< host memory the ring allocated (slots x slot_bytes, or less)
-  std::uint64_t fills = 0;       ///< slots filled (one reader.load each)
+  std::uint64_t fills = 0;       ///< slots filled (one load each)
   std::uint64_t copies = 0;      ///< copies handed to the engine
 };
 
@@ -126,14 +126,14 @@ inline unsigned staged_default_threads() noexcept { return std::clamp(std::threa
 
 /// Loads `views` through a ring of opt.staging.slots host buffers of opt.staging.slot_bytes
 /// each: every check a load makes is made first (reader.plan over the whole views: nothing is
-/// read or copied when one fails); then the slots are filled in turn, each by one reader.load
+/// read or copied when one fails); then the slots are filled in turn, each by one load
 /// of the pieces it holds, and handed to the engine, which copies them out while the next
 /// slot is read. Returns once every copy is done (also when it throws: no copy outlives the
 /// ring). Missing keys (strict = false) are skipped and listed; unexpected keys are the
 /// checkpoint's tensors no view names.
 template <ReadableDirectory D, CopyEngine E>
-staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const staged_view<typename E::target>> views,
-                              E& engine, const load_options& opt = {}) {
+staged_load_stats load(checkpoint_reader<D>& reader, std::span<const staged_view<typename E::target>> views, E& engine,
+                       const device_load_options& opt = {}) {
   using target = typename E::target;
   const auto t0 = std::chrono::steady_clock::now();
   const std::string ctx(reader.directory().name());
@@ -182,7 +182,7 @@ staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const stag
     }
     std::byte* base = slots[next].get();
     for (std::size_t i = 0; i < batch.pieces.size(); ++i) batch.pieces[i].data = base + batch.copies[i].slot_offset;
-    const load_stats s = reader.load(std::span<const flat_view>(batch.pieces), piece_opt);
+    const load_stats s = load(reader, std::span<const flat_view>(batch.pieces), piece_opt);
     st.add_reads(s);
     for (const auto& c : batch.copies)
       engine.copy(c.target, c.target_offset,
@@ -292,5 +292,13 @@ class host_copy_engine {
   std::uint64_t allocated_ = 0, copies_ = 0, bytes_ = 0, outstanding_ = 0, max_outstanding_ = 0;
 };
 static_assert(CopyEngine<host_copy_engine>);
+
+/// (the staged load's name before issue 52)
+template <ReadableDirectory D, CopyEngine E>
+[[deprecated("load_staged is shardsafe::load(reader, staged views, engine, device_load_options) (CHANGELOG)")]]
+staged_load_stats load_staged(checkpoint_reader<D>& reader, std::span<const staged_view<typename E::target>> views,
+                              E& engine, const device_load_options& opt = {}) {
+  return load(reader, views, engine, opt);
+}
 
 }  // namespace shardsafe

@@ -68,7 +68,7 @@ void load_pieces(std::span<const layout_piece> pieces, ReaderOf&& reader_of, Vie
     if (it == by_reader.end()) it = by_reader.insert(by_reader.end(), {r, {}});
     it->second.push_back(view_of(p));
   }
-  for (auto& [r, views] : by_reader) r->load(std::span<const flat_view>(views), lo);
+  for (auto& [r, views] : by_reader) shardsafe::load(*r, std::span<const flat_view>(views), lo);
 }
 
 }  // namespace detail
@@ -157,7 +157,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   for (std::uint64_t a = 0; a < n; a += per) {
     const std::uint64_t b = std::min(n, a + per);
     flat_view v{key, tm->type, tm->shape, shard_spec(flat_spec{{a, b}}), buf.data(), (b - a) * item};
-    stats.add_reads(r.load(std::span<const flat_view>(&v, 1), lo));
+    stats.add_reads(shardsafe::load(r, std::span<const flat_view>(&v, 1), lo));
     f(std::span<const std::byte>(buf.data(), static_cast<std::size_t>((b - a) * item)), a * item);
   }
   return stats;
@@ -172,7 +172,7 @@ void unshard_tensor(checkpoint_reader<D>& r, const std::string& key, std::span<s
   flat_view v{key, tm->type, tm->shape, std::nullopt, out.data(), out.size()};
   load_options lo = opt;
   lo.list_unexpected = false;  // nothing returns them; a caller unsharding tensor by tensor would pay N^2
-  r.load(std::span<const flat_view>(&v, 1), lo);
+  shardsafe::load(r, std::span<const flat_view>(&v, 1), lo);
 }
 
 /// One source of full tensors for unshard_to_safetensors: a checkpoint and a name prefix.

@@ -3,7 +3,7 @@
 // or processes, and for programs that shard work over threads.
 //
 //   std::vector<std::exception_ptr> thrown = run_ranks(4, [&](thread_comm& comm) {
-//     save_flat_views(dir, views_of(comm.rank()), comm);
+//     save(dir, views_of(comm.rank()), comm);
 //   });
 //
 // The collectives rendezvous in a shared thread_world: every rank's contribution is collected

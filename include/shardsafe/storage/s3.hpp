@@ -12,7 +12,7 @@
 // (storage/detail/s3_xml.hpp), SigV4 (storage/detail/s3_sigv4.hpp); here, the directory.
 //
 //   s3_directory d("s3://bucket/runs/step_100");        // settings from the AWS environment
-//   save_flat_views(d, views, comm);                     // rank files as multipart uploads
+//   save(d, views, comm);                                // rank files as multipart uploads
 //
 // Settings (s3_options), each from the first place that has it: the option, then the
 // environment: credentials as aws_credentials_from_environment finds them; region from

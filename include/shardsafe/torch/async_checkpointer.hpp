@@ -104,8 +104,7 @@ class async_checkpointer {
       describe(model, dir.name(), model_views, tensors);
     });
     const auto folders = model_and_optim_folders(model_views, optim_views, optim != nullptr);
-    return saver_.save_folder_set(dir, std::span<const folder_views>(folders), opt,
-                                  detail::copy_tensor_bytes{&tensors});
+    return saver_.save(dir, std::span<const folder_views>(folders), opt, detail::copy_tensor_bytes{&tensors});
   }
 
   /// Waits for the save in flight; rethrows its error.

@@ -10,7 +10,7 @@
 // a CUDA build of LibTorch to compile, and any device LibTorch has a stream pool for works.
 //
 // load_state_dict (torch/state_dict.hpp) sends every contiguous tensor that is not on the CPU
-// here, grouped by device; host memory is the ring's (load_options::staging) whatever the
+// here, grouped by device; host memory is the ring's (device_load_options::staging) whatever the
 // model's size. save_state_dict fetches such tensors' bytes with copy_from_device, in the
 // writer's blocks, from the writer threads: the device-to-host copies of some blocks run while
 // others are written, and host memory is the writer's blocks.

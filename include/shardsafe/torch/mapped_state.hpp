@@ -122,7 +122,7 @@ inline std::vector<std::pair<std::string, at::Tensor>> map_state(const std::file
       st.copied_bytes += nbytes;
     }
   }
-  if (!to_load.empty()) reader.load(std::span<const flat_view>(to_load), opt);
+  if (!to_load.empty()) shardsafe::load(reader, std::span<const flat_view>(to_load), opt);
   if (stats) *stats = st;
   return out;
 }

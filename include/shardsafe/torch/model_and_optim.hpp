@@ -28,7 +28,7 @@ namespace shardsafe {
 
 /// Saves `model` (this rank's tensors and how each is sharded) and, if given, the state of
 /// `optim`, whose parameters must be tensors of `model`: DIR/optim, then DIR/model, whose
-/// metadata.json is the pair's commit mark (save_folder_set of model_and_optim_folders,
+/// metadata.json is the pair's commit mark (the save of model_and_optim_folders,
 /// checkpoint/saver.hpp); with opt.format dcp, one DCP folder. A collective over comm.
 template <WritableDirectory D, Comm C>
 model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_dict& model,

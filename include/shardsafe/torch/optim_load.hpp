@@ -51,7 +51,7 @@ at::Tensor read_whole(checkpoint_reader<D>& r, const std::string& key, const loa
   flat_view v = make_flat_view(key, t);
   load_options lo = opt;
   lo.list_unexpected = false;  // one small tensor of many
-  r.load(std::span<const flat_view>(&v, 1), lo);
+  shardsafe::load(r, std::span<const flat_view>(&v, 1), lo);
   return t;
 }
 
@@ -168,7 +168,7 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
       }
     }
   }
-  rep.stats = r.load(std::span<const flat_view>(views), o.load);
+  rep.stats = shardsafe::load(r, std::span<const flat_view>(views), o.load);
   for (auto& [target, value] : step_targets) {
     const double s = value.reshape({-1}).to(at::kDouble).template item<double>();
     if (!(s >= 0) || s != static_cast<double>(static_cast<std::int64_t>(s)))

@@ -185,7 +185,7 @@ template <WritableDirectory D, Comm C>
 save_stats save_state_dict(const D& dir, const state_dict& sd, C& comm, const save_options& opt = {}) {
   detail::state_dict_save_source src;
   const auto views = src.add(sd, comm, dir.name(), opt);
-  return save_flat_views(dir, views, comm, src.options(opt));
+  return shardsafe::save(dir, views, comm, src.options(opt));
 }
 
 namespace detail {
@@ -201,13 +201,13 @@ struct device_entry {
 /// scratch (or one tensor) at a time; else the ring converts on the host.
 template <ReadableDirectory D>
 load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry>& entries, c10::Device device,
-                          const load_options& opt) {
+                          const device_load_options& opt) {
   std::vector<staged_view<std::byte*>> direct;
   std::vector<std::pair<const device_entry*, dtype>> convert;  // with the dtype stored
   // the views' dtype is checked here, on the tensors' own dtypes: the scratch views converted on
   // the device have the stored dtype
   for (const auto& e : entries) detail::require_view_dtype(e.staged.view, opt, reader.directory().name());
-  load_options scratch_opt = opt;
+  device_load_options scratch_opt = opt;
   scratch_opt.view_dtype.reset();
   for (const auto& e : entries) {
     const tensor_metadata* tm = reader.find(e.staged.view.key);
@@ -218,7 +218,7 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
       direct.push_back(e.staged);
   }
   device_copy_engine engine(device);
-  staged_load_stats st = load_staged(reader, std::span<const staged_view<std::byte*>>(direct), engine, opt);
+  staged_load_stats st = shardsafe::load(reader, std::span<const staged_view<std::byte*>>(direct), engine, opt);
   constexpr std::uint64_t scratch_limit = std::uint64_t(1) << 30;
   for (std::size_t first = 0; first < convert.size();) {
     std::vector<at::Tensor> scratch;
@@ -241,7 +241,7 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
       views.push_back(std::move(v));
     }
     const staged_load_stats s =
-        load_staged(reader, std::span<const staged_view<std::byte*>>(views), engine, scratch_opt);
+        shardsafe::load(reader, std::span<const staged_view<std::byte*>>(views), engine, scratch_opt);
     st.add_reads(s);
     st.tensors += s.tensors;
     {
@@ -258,11 +258,11 @@ load_stats load_on_device(checkpoint_reader<D>& reader, std::vector<device_entry
 /// Loads a checkpoint into the state dict's tensors, in place. Contiguous tensors on a device
 /// (CUDA) are loaded through the staging ring (torch/device_copy.hpp: pinned host buffers,
 /// host-to-device copies overlapped with the reads; host memory is opt.staging's), converted on
-/// the device where they are stored as another floating dtype (load_options::convert_on_device);
+/// the device where they are stored as another floating dtype (device_load_options::convert_on_device);
 /// others that are not contiguous CPU tensors go through a CPU tensor of their own size, one at
 /// a time.
 template <ReadableDirectory D>
-load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const load_options& opt = {}) {
+load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const device_load_options& opt = {}) {
   std::vector<flat_view> direct;
   std::vector<detail::device_entry> on_device;  // each on its tensor's device
   std::vector<std::pair<const std::string*, sharded_tensor*>> staged;
@@ -278,7 +278,7 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     else
       staged.emplace_back(&key, &t);
   }
-  load_stats st = reader.load(std::span<const flat_view>(direct), opt);
+  load_stats st = shardsafe::load(reader, std::span<const flat_view>(direct), opt);
   auto add = [&st](const load_stats& s) {
     st.tensors += s.tensors;
     st.add_reads(s);
@@ -298,7 +298,7 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
     at::Tensor tmp =
         at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
     flat_view v = detail::view_of(*key, *t, tmp);
-    add(reader.load(std::span<const flat_view>(&v, 1), one));
+    add(shardsafe::load(reader, std::span<const flat_view>(&v, 1), one));
     {
       at::NoGradGuard no_grad;
       t->local.copy_(tmp);
@@ -315,7 +315,7 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const l
 }
 
 template <ReadableDirectory D>
-load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt = {}) {
+load_stats load_state_dict(const D& dir, state_dict& sd, const device_load_options& opt = {}) {
   checkpoint_reader<D> reader(dir);
   return load_state_dict(reader, sd, opt);
 }
@@ -349,7 +349,7 @@ std::vector<std::pair<std::string, at::Tensor>> unshard_state(checkpoint_reader<
     ++i;
   }
   if (arena) arena->populate_ahead();
-  reader.load(std::span<const flat_view>(views), opt);
+  shardsafe::load(reader, std::span<const flat_view>(views), opt);
   return out;
 }
 

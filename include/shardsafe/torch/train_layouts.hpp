@@ -45,15 +45,16 @@ struct model_and_optim_load_stats {
 };
 
 struct train_load_options {
-  load_options load{};
-  bool strict = true;                   ///< missing tensors or parameters are errors (else listed)
+  device_load_options
+      load{};          ///< the model's load (its tensors may be on a device); the optimizer's takes its load_options
+  bool strict = true;  ///< missing tensors or parameters are errors (else listed)
   bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
 };
 
 namespace detail {
 /// The load options of the model's part and the optimizer's, from a training load's.
-inline std::pair<load_options, optim_load_options> split_train_load_options(const train_load_options& opt) {
-  load_options lo = opt.load;
+inline std::pair<device_load_options, optim_load_options> split_train_load_options(const train_load_options& opt) {
+  device_load_options lo = opt.load;
   lo.strict = opt.strict;
   optim_load_options oo;
   oo.load = opt.load;
@@ -84,7 +85,7 @@ struct pair_train_layout {
     const auto optim_views = optim ? src.add(flat, comm, dir.name(), opt) : std::span<const flat_view>();
     const auto model_views = src.add(model, comm, dir.name(), opt);
     const auto folders = model_and_optim_folders(model_views, optim_views, optim != nullptr);
-    const auto sts = save_folder_set(dir, std::span<const folder_views>(folders), comm, src.options(opt));
+    const auto sts = shardsafe::save(dir, std::span<const folder_views>(folders), comm, src.options(opt));
     if (optim) st.optim = sts.front();
     st.model = sts.back();
     return st;

@@ -16,14 +16,14 @@ int main() {
                         w.size() * 4};
   const memory_directory dir;
   single_process comm;
-  save_flat_views(dir, std::span<const flat_view>(&saved, 1), comm);
+  save(dir, std::span<const flat_view>(&saved, 1), comm);
 
   std::vector<float> back(6);
   const flat_view loaded{"layer.weight", dtype::F32, {2, 3}, std::nullopt, reinterpret_cast<std::byte*>(back.data()),
                          back.size() * 4};
   load_options lo;
   lo.verify_checksums = true;
-  const load_stats st = load_flat_views(dir, std::span<const flat_view>(&loaded, 1), lo);
+  const load_stats st = load(dir, std::span<const flat_view>(&loaded, 1), lo);
 
   rename_rules rules;
   rules.add("^layer\\.(.*)$=model.\\1");

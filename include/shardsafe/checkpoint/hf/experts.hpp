@@ -31,8 +31,8 @@
 // dtype and replica role. Everything after works on the per-expert views as on any others:
 // an import (hf_key_options::experts) maps their names through the rename rules, so each rank
 // reads only the bytes of its own experts' slices; an export (hf_export_options::experts:
-// export_hf_from_views, each rank writing its own slices) writes one Hugging Face tensor per
-// expert. export_hf, from a saved checkpoint, applies the same rules to its tensors' names and
+// export_to from views, each rank writing its own slices) writes one Hugging Face tensor per
+// expert. export_to, from a saved checkpoint, applies the same rules to its tensors' names and
 // reads each expert's tensor from its flat slice of the stacked one.
 #pragma once
 

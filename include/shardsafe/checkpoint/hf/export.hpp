@@ -44,6 +44,7 @@
 #include "shardsafe/checkpoint/hf/experts.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/parts.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -194,7 +195,7 @@ void write_export_file(W& w, std::uint64_t size, Fill&& fill, const hf_export_op
 /// Exports the tensors of `sources` (each a reader and a name prefix) into the Hugging Face
 /// folder `out` (see the top of this header).
 template <ReadableDirectory S, WritableDirectory D>
-hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& out, const hf_export_options& opt = {}) {
+hf_export_stats export_to(std::span<const unshard_source<S>> sources, const D& out, const hf_export_options& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   struct origin {
     checkpoint_reader<S>* reader;
@@ -313,25 +314,21 @@ hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& o
 /// A folder with model/ (and optim/) but no description of its own is a model + optimizer
 /// checkpoint: model/ is exported (and optim/ too when options.model_only is false).
 template <ReadableDirectory S, WritableDirectory D>
+hf_export_stats export_to(const S& src, const D& out, const hf_export_options& opt) {
+  const checkpoint_parts<S> parts = open_checkpoint_parts(src, opt.model_only);
+  return export_to(std::span<const unshard_source<S>>(parts.sources), out, opt);
+}
+
+/// (the export's name before issue 52)
+template <ReadableDirectory S, WritableDirectory D>
+[[deprecated("export_hf is shardsafe::export_to with hf_export_options (CHANGELOG migration table)")]]
+hf_export_stats export_hf(std::span<const unshard_source<S>> sources, const D& out, const hf_export_options& opt = {}) {
+  return export_to(sources, out, opt);
+}
+template <ReadableDirectory S, WritableDirectory D>
+[[deprecated("export_hf is shardsafe::export_to with hf_export_options (CHANGELOG migration table)")]]
 hf_export_stats export_hf(const S& src, const D& out, const hf_export_options& opt = {}) {
-  const bool pair = !src.exists(metadata_file_name) && !is_hf_folder(src) &&
-                    (src.exists(model_folder_name) || src.exists(optim_folder_name));
-  std::vector<std::unique_ptr<checkpoint_reader<S>>> readers;
-  std::vector<unshard_source<S>> sources;
-  if (!pair) {
-    readers.push_back(std::make_unique<checkpoint_reader<S>>(src));
-    sources.push_back({readers.back().get(), ""});
-  } else {
-    if (!src.exists(model_folder_name))
-      fail(errc::not_found,
-           std::string(src.name()) + ": a model + optimizer checkpoint without model/; nothing to export");
-    for (std::string_view part : {model_folder_name, optim_folder_name}) {
-      if (part == optim_folder_name && (opt.model_only || !src.exists(part))) continue;
-      readers.push_back(std::make_unique<checkpoint_reader<S>>(src.sub(part)));
-      sources.push_back({readers.back().get(), opt.model_only ? "" : std::string(part) + "/"});
-    }
-  }
-  return export_hf(std::span<const unshard_source<S>>(sources), out, opt);
+  return export_to(src, out, opt);
 }
 
 }  // namespace shardsafe

@@ -22,7 +22,7 @@
 //   4. rank 0 commits every file_writer (rename into place, folder fsynced) and writes
 //      model.safetensors.index.json last (for more than one file).
 // A failure in 2 or 3 leaves no file behind (rank 0's file_writers remove the temporaries). The files are
-// byte for byte those export_hf (checkpoint/hf/export.hpp) writes from a checkpoint of the same
+// byte for byte those export_to (checkpoint/hf/export.hpp) writes from a checkpoint of the same
 // tensors with the same options.
 #pragma once
 
@@ -140,14 +140,14 @@ inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const
 /// views of their memory first (checkpoint/hf/experts.hpp; the rename rules then apply to the
 /// per-expert names): one Hugging Face tensor per expert, each rank writing its own slices.
 template <Comm C>
-hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,
-                                     const hf_export_options& opt = {}) {
+hf_export_stats export_to(std::span<const flat_view> views, C& comm, const std::filesystem::path& out_dir,
+                          const hf_export_options& opt) {
   if (!opt.experts.empty()) {
     unstacked_views u;
     every_rank_step(comm, [&] { u = unstack_experts(views, opt.experts, out_dir.string()); });
     hf_export_options per_expert = opt;
     per_expert.experts = expert_stacking{};
-    return export_hf_from_views(out_dir, std::span<const flat_view>(u.views), comm, per_expert);
+    return export_to(std::span<const flat_view>(u.views), comm, out_dir, per_expert);
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::string dname = out_dir.string();
@@ -175,6 +175,15 @@ hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::
   st.indexed = l.plan.indexed();
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
+}
+
+/// (the export's name before issue 52)
+template <Comm C>
+[[deprecated(
+    "export_hf_from_views(out_dir, views, comm, opt) is shardsafe::export_to(views, comm, out_dir, opt) (CHANGELOG)")]]
+hf_export_stats export_hf_from_views(const std::filesystem::path& out_dir, std::span<const flat_view> views, C& comm,
+                                     const hf_export_options& opt = {}) {
+  return export_to(views, comm, out_dir, opt);
 }
 
 }  // namespace shardsafe

@@ -175,7 +175,7 @@ void import_every_rank_read(const D& dir, std::span<const flat_view> views, C& c
       renamed.back().key = table[e.tensor].name;
     }
     const load_options lo = import_load_options(opt.load, opt.convert_dtypes);
-    res.stats = reader->load(std::span<const flat_view>(renamed), lo);
+    res.stats = shardsafe::load(*reader, std::span<const flat_view>(renamed), lo);
     res.stats.unexpected_keys.clear();  // the loader's view of it; keys.unexpected_keys is the import's
   });
 }
@@ -223,7 +223,7 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
         flat_view cv{
             info.name, info.type, info.shape, shard_spec(flat_spec{{a, b}}), reinterpret_cast<std::byte*>(buf.data()),
             len};
-        res.stats.add_reads(reader->load(std::span<const flat_view>(&cv, 1), lo));
+        res.stats.add_reads(shardsafe::load(*reader, std::span<const flat_view>(&cv, 1), lo));
       });
       detail::exchange_in_scope([&] {
         if constexpr (buffer_broadcaster<C>) {
@@ -287,7 +287,7 @@ hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, 
   std::optional<flat_view> cv;
   auto timed_read = [&] {  // nanoseconds
     const auto t0 = std::chrono::steady_clock::now();
-    reader->load(std::span<const flat_view>(&*cv, 1), import_load_options(opt.load, false));
+    shardsafe::load(*reader, std::span<const flat_view>(&*cv, 1), import_load_options(opt.load, false));
     return elapsed_ns(t0);
   };
   const auto figures = every_rank_step(comm, [&] {
