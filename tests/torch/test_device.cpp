@@ -120,7 +120,7 @@ TEST_CASE("cuda: whole, flat, row and column shards load into CUDA tensors bit-e
   const state_dict src = dev_sample();
   save_state_dict(tmp.dir(), src, comm);
   const at::Tensor a = src.find("a")->local, b = src.find("b")->local, c = src.find("c")->local;
-  for (const load_options& o : {dev_small_ring(), load_options{}}) {
+  for (const device_load_options& o : {dev_small_ring(), device_load_options{}}) {
     state_dict whole, flat, rows, cols;
     whole.add("a", at::empty({300, 257}, on_cuda(at::kBFloat16)));
     whole.add("c", at::empty({7}, on_cuda(at::kFloat)));
