@@ -102,10 +102,12 @@ print(f"layering: {len(graph)} headers, no include cycle")
 PY
 
 # the layouts are the only place that knows a format (issue 52): outside include/shardsafe/checkpoint/layouts/,
-# nothing in include/ or tools/ compares a layout's identity (checkpoint_format or save_format values, a layout's info);
-# code asks a layout's traits or calls its hooks. (source.hpp and reader.hpp keep the deprecated
-# checkpoint_format and format() for one release.)
-layout_tests=$(grep -rnE 'checkpoint_format::|[a-z_]+_layout::info *[!=]=|[!=]= *[a-z_]+_layout::info|[!=]= *save_format::|save_format::[a-z_]+ *[!=]=' include tools \
+# nothing in include/ or tools/ (every file of the tool: its commands/ too) compares a layout's identity
+# (checkpoint_format or save_format values, a layout's info or its address, a layout's id, an enum value
+# named after a layout such as the tool's input kinds); code asks a layout's traits or calls its hooks.
+# (source.hpp and reader.hpp keep the deprecated checkpoint_format and format() for one release.)
+layout_names='(hf|dcp|dcp_sharded_hf|torch_save|safetensors|shardsafe)'
+layout_tests=$(grep -rnE 'checkpoint_format::|[a-z_]+_layout::info *[!=]=|[!=]= *&?[a-z_]+_layout::info|&[a-z_]+_layout::info *[!=]=|[!=]= *save_format::|save_format::[a-z_]+ *[!=]=|(\.|->)id *[!=]=|[!=]= *[A-Za-z_.()>-]*(\.|->)id\b|[!=]= *[a-z_]+::'"$layout_names"'\b|\b[a-z_]+::'"$layout_names"' *[!=]=' include tools \
   --include='*.hpp' --include='*.cpp' --include='*.ipp' |
   grep -vE '^include/shardsafe/checkpoint/layouts/|^include/shardsafe/checkpoint/source\.hpp:|^include/shardsafe/checkpoint/reader\.hpp:' || true)
 if [ -n "$layout_tests" ]; then
@@ -129,6 +131,22 @@ if [ -n "$over" ]; then
   exit 1
 fi
 echo "layering: every header within 450 lines but the $(wc -w <<<"$over_allowed") still to split"
+
+# the tool too (issue 52): main() and its command line in tools/shardsafe.cpp, a header per command
+# under tools/commands/, what they share in tools/*.hpp; each file within 450 lines
+tool_over=""
+tool_files=0
+while IFS= read -r f; do
+  tool_files=$((tool_files + 1))
+  n=$(wc -l < "$f")
+  [ "$n" -le 450 ] || tool_over+="  $f: $n lines"$'\n'
+done < <(find tools -name '*.hpp' -o -name '*.cpp' | sort)
+if [ -n "$tool_over" ]; then
+  echo "layering: these files of the tool have over 450 lines (split them by job: a command a header under tools/commands/):" >&2
+  printf '%s' "$tool_over" >&2
+  exit 1
+fi
+echo "layering: the tool's $tool_files files within 450 lines"
 
 # the README's Layout section names every folder and header under include/shardsafe (issue 52)
 python3 scripts/check_readme_layout.py .

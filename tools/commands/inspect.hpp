@@ -1,0 +1,107 @@
+// tools/commands/inspect.hpp - `shardsafe inspect PATH`: the tensors of a file, a folder of whole
+// files or a checkpoint, a row each (name, dtype, shape, bytes, where stored, how sharded) under
+// a title line that says what PATH is (docs/FORMAT.md §4).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../input.hpp"
+#include "../print.hpp"
+#include "shardsafe/core/dtype.hpp"
+#include "shardsafe/format/pickle_value.hpp"
+
+namespace shardsafe::tool {
+
+/// One file's tensors (and a torch.save file's values that are not tensors), where each starts.
+template <ReadableDirectory D>
+int inspect_file(const input<D>& in) {
+  std::vector<row> rows;
+  const auto s = open_file(in);
+  const bool torch_save = is_torch_save_file(s);
+  const torch_save_index x = index_file(s);
+  const safetensors_header& h = x.header;
+  std::uint64_t total = 0;
+  for (const auto& t : h.tensors) {
+    total += t.nbytes();
+    const auto order = h.stored_order(t);
+    rows.push_back(
+        {t.name, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
+         "@" + std::to_string(h.offset_of(t)),
+         order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
+  }
+  for (const auto& v : x.values)
+    rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(pickle_repr(v.value, 60))});
+  std::string title =
+      "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") +
+      std::to_string(h.tensors.size()) + " tensors, " + std::to_string(total) + " bytes of data" +
+      (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
+      (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
+  for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
+  print_rows(title, rows);
+  return 0;
+}
+
+/// A folder of whole files (a Hugging Face folder): each tensor and the file that holds it.
+template <ReadableDirectory D>
+int inspect_whole_files(const input<D>& in) {
+  std::vector<row> rows;
+  const auto h = open_hf(in);
+  for (const auto& [n, at] : h.tensors) {
+    const tensor_entry& t = h.entry(at);
+    rows.push_back({n, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
+                    h.files[at.file].name, "-"});
+  }
+  print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
+                 (h.torch_bin ? "torch.save files (" + h.described_by + "), " : std::string()) +
+                 std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
+                 std::to_string(h.tensor_bytes()) + " bytes",
+             rows);
+  return 0;
+}
+
+template <ReadableDirectory D>
+int cmd_inspect(const input<D>& in) {
+  if (in.k == kind::file) return inspect_file(in);
+  if (in.k == kind::whole_files) return inspect_whole_files(in);
+  std::vector<row> rows;
+  auto parts = open_checkpoint(in);
+  std::uint64_t total = 0;
+  std::string writer;
+  const std::string what(parts.front().reader->layout().name);
+  for (auto& p : parts) {
+    const auto& md = p.reader->metadata();
+    if (!md.extras.writer.empty()) writer = md.extras.writer;
+    for (const auto& [key, tm] : md.tensors) {
+      const std::uint64_t bytes = tm.numel() * bit_size(tm.type) / 8;
+      total += bytes;
+      const auto files = files_of(tm, *p.reader);
+      std::string stored;
+      for (std::size_t i = 0; i < files.size() && i < 4; ++i) stored += (i ? "," : "") + files[i];
+      if (files.size() > 4) stored += ",...";
+      rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes),
+                      stored, describe_sharding(tm, files.size())});
+    }
+  }
+  const std::size_t tensors = rows.size();
+  for (auto& p : parts)
+    for (const auto& t : p.reader->foreign_tensors())
+      rows.push_back({p.prefix + t.key, t.dtype, shape_str(t.shape), "-", p.reader->described_by(),
+                      std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"});
+  const std::size_t foreign = rows.size() - tensors;
+  for (auto& p : parts)
+    for (const auto& item : p.reader->non_tensors())
+      rows.push_back(
+          {p.prefix + item.key, "-", "-", std::to_string(item.bytes), item.file, "non-tensor item (not loaded)"});
+  const std::size_t others = rows.size() - tensors - foreign;
+  print_rows("# " + in.path + ": " + what + ", " + std::to_string(tensors) + " tensors, " + std::to_string(total) +
+                 " bytes" +
+                 (foreign ? ", " + std::to_string(foreign) + " tensor(s) of a dtype shardsafe has no type for" : "") +
+                 (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
+                 (writer.empty() ? "" : ", written by " + writer),
+             rows);
+  return 0;
+}
+
+}  // namespace shardsafe::tool

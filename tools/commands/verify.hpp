@@ -1,0 +1,67 @@
+// tools/commands/verify.hpp - `shardsafe verify PATH`: every rule of the format checked; one line
+// "OK PATH: N tensors valid[; notes]", or exit 1 with one line naming file, tensor and rule
+// (docs/FORMAT.md §4).
+#pragma once
+
+#include <cstdint>
+#include <iostream>
+#include <string>
+
+#include "../input.hpp"
+#include "../print.hpp"
+#include "shardsafe/checkpoint/hf/folder.hpp"
+#include "shardsafe/checkpoint/verify.hpp"
+#include "shardsafe/checkpoint/verify_optim.hpp"
+
+namespace shardsafe::tool {
+
+/// A checkpoint's parts verified: what was read besides headers (checksums where the layout
+/// records them, replicas) in the notes of the OK line.
+template <ReadableDirectory D>
+int verify_parts(const input<D>& in) {
+  std::size_t n = 0;
+  std::uint64_t blocks = 0, hashed = 0, replicated = 0;
+  std::size_t sharded = 0, unchecked = 0;
+  for (auto& p : open_checkpoint(in)) {
+    const checkpoint_report rep = verify_checkpoint(*p.reader);
+    // the optimizer's pickles through the loader's plain-data reader, and its layout's rules
+    if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
+    n += rep.tensors;
+    replicated += rep.replicated_tensors;
+    if (!p.reader->layout().records_checksums) continue;
+    ++sharded;
+    if (!rep.checksums) ++unchecked;
+    blocks += rep.checksum_blocks;
+    hashed += rep.bytes_hashed;
+  }
+  std::string notes;
+  if (sharded > 0 && unchecked < sharded)
+    notes += "; checksums match (" + std::to_string(blocks) + " blocks, " + std::to_string(hashed) + " bytes)";
+  if (unchecked > 0)
+    notes += unchecked == sharded ? "; no checksums recorded (tensor data not checked)"
+                                  : "; no checksums recorded in " + std::to_string(unchecked) + " of " +
+                                        std::to_string(sharded) + " parts (their tensor data not checked)";
+  if (replicated > 0)
+    notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
+  std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid" << one_line(notes) << "\n";
+  return 0;
+}
+
+template <ReadableDirectory D>
+int cmd_verify(const input<D>& in) {
+  std::size_t n = 0;
+  if (in.k == kind::file) {
+    const auto s = open_file(in);
+    n = index_file(s).header.tensors.size();
+  } else if (in.k == kind::whole_files) {
+    const auto h = open_hf(in);
+    check_unlisted_hf_files(in.dir, h);
+    n = h.tensors.size();
+  } else {
+    return verify_parts(in);
+  }
+  std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid\n";
+  return 0;
+}
+
+}  // namespace shardsafe::tool
