@@ -28,8 +28,7 @@ if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
 echo "installing: ${missing[*]}"
-sudo=""
-if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -q
-$sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
+# (waits, bounded, for another package manager run holding the lock: scripts/apt.sh)
+. "$(dirname "$0")/apt.sh"
+apt_get update -q
+apt_get install -y -q --no-install-recommends "${missing[@]}"

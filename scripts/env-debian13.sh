@@ -73,8 +73,8 @@ make_root() {
   [ "$(id -u)" -eq 0 ] || die "making the root needs root (debootstrap, chroot)"
   if [ ! -f "$root/.shardsafe-root" ]; then
     command -v debootstrap >/dev/null || {
-      export DEBIAN_FRONTEND=noninteractive
-      apt-get update -q && apt-get install -y -q --no-install-recommends debootstrap
+      . "$(dirname "${BASH_SOURCE[0]}")/apt.sh"
+      apt_get update -q && apt_get install -y -q --no-install-recommends debootstrap
     }
     local m; m=$(mirror)
     echo "env-debian13: making the Debian 13 root in $root from $m (several minutes)"

@@ -104,9 +104,8 @@ leg_debian13() {
 # clang 19 (Debian 12's clang-19): the torch-free core and the remote backends.
 leg_clang() {
   command -v clang++-19 >/dev/null && command -v clang++-14 >/dev/null || {
-    export DEBIAN_FRONTEND=noninteractive
-    sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-    $sudo apt-get install -y -q --no-install-recommends clang-19 clang-14
+    . scripts/apt.sh
+    apt_get install -y -q --no-install-recommends clang-19 clang-14
   }
   [ -f build-clang/build.ninja ] ||
     CXX=clang++-19 meson setup build-clang -Ddebug=false -Doptimization=1 -Db_ndebug=false -Dtorch=disabled -Dremote=enabled \
