@@ -12,7 +12,8 @@ command still running after WALL_FACTOR x LIMIT_S wall seconds (waiting, e.g. bl
 is killed and the case fails. The last lines are a table of every command: case, exit,
 CPU seconds, peak MiB, wall seconds. Exit 0 when every case passes.
 
-Cases: the names below (`python3 tests/hostile/hostile.py TOOL --list`).
+Cases: the names below, and those of the files cases_*.py beside this one (one per subject,
+with this file's helpers in scope): `python3 tests/hostile/hostile.py TOOL --list`.
 """
 import hashlib
 import io
@@ -1060,6 +1061,22 @@ def torch_save_values(t):
     run("torch_save_values", ["inspect", pt("twice")], 1, ["twice.pt", "'a.b'", "given twice"])
     run("torch_save_values", ["inspect", pt("tuple_key")], 1, ["tuple_key.pt", "'k' has a key of type tuple"])
     run("torch_save_values", ["inspect", pt("equal_keys")], 1, ["equal_keys.pt", "'k' has two keys Python holds equal", "'True'"])
+
+
+def load_case_files():
+    """Cases kept in files of their own beside this one (cases_*.py, by subject), run with this
+    file's helpers in scope (run, case, the writers above): their @case adds them to CASES."""
+    import glob
+    import importlib.util
+    shared = {k: v for k, v in globals().items() if not k.startswith("__")}
+    for path in sorted(glob.glob(os.path.join(HERE, "cases_*.py"))):
+        spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__dict__.update(shared)
+        spec.loader.exec_module(mod)
+
+
+load_case_files()
 
 
 def main(argv):
