@@ -17,6 +17,7 @@
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/verify_optim.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/hf_index.hpp"
 #include "shardsafe/format/metadata.hpp"
@@ -198,11 +199,20 @@ struct ckpt_part {
   std::unique_ptr<checkpoint_reader<D>> reader;
 };
 
-/// The checkpoint's parts, opened (a single file: itself, every tensor whole). One rule set for every command: every file the writer
-/// recorded (metadata.json's shardsafe.file_sizes) must be there, valid, with its size, as verify
-/// requires, whether or not a tensor of it is read.
+/// What a command reads of a checkpoint: its description and headers only (inspect), or its
+/// tensor data too (verify, digest, unshard and the exports).
+enum class reads { headers, data };
+
+/// The checkpoint's parts, opened (a single file: itself, every tensor whole). One rule set for
+/// every command: every file the writer recorded (metadata.json's shardsafe.file_sizes) must be
+/// there, valid, with its size, as verify requires, whether or not a tensor of it is read; and
+/// for a command that reads tensor data, a pair's optim/ must hold the optimizer layout's rules
+/// (verify_optimizer_layout: its pickles through the plain-data reader, no global and no call),
+/// whether or not the command reads optim/'s tensors. (The tensor bytes a command reads are
+/// checked against the checksums the checkpoint records by the library's loads: unshard.hpp,
+/// the exports.)
 template <ReadableDirectory D>
-std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
+std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, reads what = reads::data) {
   std::vector<ckpt_part<D>> parts;
   if (in.k == kind::file) {
     parts.push_back({"", std::make_unique<checkpoint_reader<D>>(in.dir, single_file_source(in.dir, in.file))});
@@ -213,6 +223,9 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in) {
   }
   for (auto& p : parts)
     for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
+  if (what == reads::data)
+    for (auto& p : parts)
+      if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
   return parts;
 }
 

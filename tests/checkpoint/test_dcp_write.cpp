@@ -588,9 +588,13 @@ TEST_CASE(
   CHECK(out.read_object_archive("extra.blob") == archive);
   CHECK(stub_read(dir.path / "out").find("extra.blob = b'abc'\n") !=
         std::string::npos);  // Python's own pickle reads it
-  // both dropped: nothing to copy
+  // both dropped: an export of nothing is refused, naming the rule (issue 53), before any item is read
   dcp_export_options drop;
   drop.rename.add("^extra\\..*$=");
-  CHECK(export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop)
-            .objects == 0u);
+  testing::expect_error(
+      [&] {
+        export_to(std::span<const unshard_source<file_directory>>(&src, 1), file_directory(dir.path / "dropped"), drop);
+      },
+      errc::invalid_argument, {"drop all 2 keys", "'^extra\\..*$='"});
+  CHECK(!fs::exists(dir.path / "dropped" / ".metadata"));
 }

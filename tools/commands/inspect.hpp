@@ -66,7 +66,7 @@ int cmd_inspect(const input<D>& in) {
   if (in.k == kind::file) return inspect_file(in);
   if (in.k == kind::whole_files) return inspect_whole_files(in);
   std::vector<row> rows;
-  auto parts = open_checkpoint(in);
+  auto parts = open_checkpoint(in, reads::headers);  // lists what verify would refuse, reading no tensor data
   std::uint64_t total = 0;
   std::string writer;
   const std::string what(parts.front().reader->layout().name);

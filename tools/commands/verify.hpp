@@ -11,7 +11,6 @@
 #include "../print.hpp"
 #include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
-#include "shardsafe/checkpoint/verify_optim.hpp"
 
 namespace shardsafe::tool {
 
@@ -22,10 +21,9 @@ int verify_parts(const input<D>& in) {
   std::size_t n = 0;
   std::uint64_t blocks = 0, hashed = 0, replicated = 0;
   std::size_t sharded = 0, unchecked = 0;
+  // the optimizer's pickles (an optim/ part) are checked as every command opens the parts
   for (auto& p : open_checkpoint(in)) {
     const checkpoint_report rep = verify_checkpoint(*p.reader);
-    // the optimizer's pickles through the loader's plain-data reader, and its layout's rules
-    if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
     n += rep.tensors;
     replicated += rep.replicated_tensors;
     if (!p.reader->layout().records_checksums) continue;

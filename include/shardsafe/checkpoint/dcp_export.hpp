@@ -2,7 +2,8 @@
 // one process, as a torch.distributed.checkpoint folder that torch 2.x's dcp.load reads (the tool's
 // `to-dcp`, docs/FORMAT.md §4 and §5).
 //
-// Keys (before options.rename applies to them; "" drops a key, two alike are an error):
+// Keys (before options.rename applies to them; "" drops a key, two alike are an error; a tensor
+// with no name that no rule names, and rules that drop every key, are errors too: parts.hpp):
 //
 // | source                                   | keys written                                        |
 // |------------------------------------------|-----------------------------------------------------|
@@ -21,7 +22,7 @@
 //
 // Everything goes into one data file, __0_0.distcp: the non-tensor items, then each tensor as one
 // chunk, whole, streamed from the sources in blocks of chunk_bytes (the CRC-32 computed as they
-// pass: memory is one block, whatever the tensor sizes). `.metadata` is written last (temporary
+// pass: memory is one block, whatever the tensor sizes), the checksums the sources record checked. `.metadata` is written last (temporary
 // name, rename). The output folder must not exist or be empty; its writer must take writes at
 // offsets (a local folder).
 #pragma once
@@ -188,7 +189,11 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
       fail(errc::invalid_argument, oname + ": the sources give '" + items[i].key + "' twice");
     names.push_back(items[i].key);
   }
+  // a tensor without a name is refused, not left out; then an export that would export nothing
+  for (const auto& it : items)
+    if (it.tensor()) detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname);
   const auto renamed = rename_keys(names, opt.rename, oname + ": rename");  // new name -> old, sorted
+  if (renamed.empty() && !items.empty()) detail::refuse_export_of_nothing(names, opt.rename, oname, "keys", "");
 
   // the layout: values first, then each tensor as one chunk
   const std::string file = dcp_data_file_name(0);

@@ -74,7 +74,10 @@ void load_pieces(std::span<const layout_piece> pieces, ReaderOf&& reader_of, Vie
 }  // namespace detail
 
 struct unshard_options {
-  load_options load{};
+  /// How each chunk is loaded: by default with the checksums the checkpoint records checked
+  /// (load_options::verify_checksums; none recorded: unchecked), so that a damaged byte is
+  /// errc::checksum_mismatch, as verify reports it, not written out.
+  load_options load{.verify_checksums = true};
   std::uint64_t chunk_bytes = std::uint64_t(64) << 20;  ///< memory per chunk
 };
 
@@ -163,10 +166,11 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   return stats;
 }
 
-/// Loads the full tensor `key` into out (numel * itemsize bytes).
+/// Loads the full tensor `key` into out (numel * itemsize bytes); by default with the checksums
+/// the checkpoint records checked (as unshard_options).
 template <ReadableDirectory D>
 void unshard_tensor(checkpoint_reader<D>& r, const std::string& key, std::span<std::byte> out,
-                    const load_options& opt = {}) {
+                    const load_options& opt = load_options{.verify_checksums = true}) {
   const tensor_metadata* tm = r.find(key);
   if (!tm) fail(errc::not_found, std::string(r.directory().name()) + ": tensor '" + key + "' is not in the checkpoint");
   flat_view v{key, tm->type, tm->shape, std::nullopt, out.data(), out.size()};

@@ -4,7 +4,9 @@
 //
 // The export is planned from metadata alone, before any tensor byte is read:
 //   1. every tensor of the sources, named `prefix + key`, is renamed by the rules (first match
-//      wins; a key renamed to "" is dropped; two keys renamed alike are an error naming both);
+//      wins; a key renamed to "" is dropped; two keys renamed alike are an error naming both; a
+//      tensor with no name that no rule names, and rules that drop every tensor, are errors:
+//      checkpoint/parts.hpp);
 //      (with options.experts, a stacked expert tensor is first split into one tensor per
 //      expert, checkpoint/hf/experts.hpp, and those are renamed);
 //   2. its output dtype is options.convert_to for F16/BF16/F32/F64 tensors, its own otherwise
@@ -14,8 +16,9 @@
 //      (format/safetensors_writer.hpp, __metadata__ {"format": "pt"} as transformers writes).
 // Then each file is produced in blocks of chunk_bytes: a block is the header's bytes and flat
 // element ranges of the tensors it crosses, loaded by the checkpoint_reader straight into the
-// block (converted while scattering, load_options::convert_dtypes), so memory is one block per
-// writing thread whatever the tensor sizes. A BlockWritableStorage writer (file_directory's)
+// block (converted while scattering, load_options::convert_dtypes; the checksums the sources
+// record checked, verify_checksums), so memory is one block per writing thread whatever the
+// tensor sizes. A BlockWritableStorage writer (file_directory's)
 // gets the blocks through write_blocks (O_DIRECT where the file system allows it), any other
 // through write_at. Each file is synced and committed (temporary name, rename) on its own;
 // model.safetensors.index.json (only for more than one file) is written last. A failure aborts
@@ -236,27 +239,21 @@ hf_export_stats export_to(std::span<const unshard_source<S>> sources, const D& o
         origins.push_back({s.reader, key, tm.shape, i * numel(rest)});
       }
     }
+  // a tensor without a name is refused, not left out; then an export that would export nothing
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    detail::refuse_unnamed(*origins[i].reader, origins[i].key, inputs[i].name, opt.rename, out.name());
   const hf_export_layout l = plan_hf_export_layout(inputs, opt, out.name());
-  if (!inputs.empty() && l.plan.tensors.empty()) {  // an export that would export nothing
-    std::vector<std::string> rules;
-    for (const auto& in : inputs) {
-      const rename_rule* by = nullptr;
-      opt.rename.apply(in.name, &by);
-      const std::string t = by ? "'" + by->text + "'" : std::string("a rule that passes names on");
-      if (std::find(rules.begin(), rules.end(), t) == rules.end()) rules.push_back(t);
-    }
-    std::string list;
-    for (std::size_t i = 0; i < rules.size() && i < 4; ++i) list += (i ? ", " : "") + rules[i];
-    fail(errc::invalid_argument, std::string(out.name()) + ": the rename rules drop all " +
-                                     std::to_string(inputs.size()) + " tensors (dropped by " + list +
-                                     (rules.size() > 4 ? ", ..." : "") +
-                                     "); an export that exports nothing is refused (e.g. --preset dcp-to-hf keeps only "
-                                     "'model.' keys)");
+  if (!inputs.empty() && l.plan.tensors.empty()) {
+    std::vector<std::string> names;
+    for (const auto& in : inputs) names.push_back(in.name);
+    detail::refuse_export_of_nothing(names, opt.rename, out.name(), "tensors",
+                                     " (e.g. --preset dcp-to-hf keeps only 'model.' keys)");
   }
   detail::require_empty_output(out);
   out.make();
 
   load_options lo;
+  lo.verify_checksums = true;  // where the checkpoint records checksums: a damaged byte is refused, not exported
   lo.convert_dtypes = true;
   lo.threads = 1;                                                            // blocks are the parallelism
   lo.list_unexpected = false;                                                // a block at a time
