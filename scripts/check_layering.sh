@@ -8,12 +8,19 @@
 #     includes another); format; checkpoint; torch;
 #  3. LibTorch versions: only include/shardsafe/torch/compat.hpp tests TORCH_VERSION_* (or
 #     SHARDSAFE_TORCH_VERSION) anywhere in the sources;
-#  4. checkpoint/checkpoint_reader.hpp (the loader) stays within 250 lines (issue 29).
+#  4. checkpoint/checkpoint_reader.hpp (the loader) stays within 250 lines (issue 29);
+#  5. separate compilation as Asio's (core/config.hpp): a function compiled once is declared once
+#     in its header (SHARDSAFE_DECL, no body) and defined in the header's AREA/impl/NAME.ipp, which
+#     the header includes at its end under SHARDSAFE_HEADER_ONLY and exactly one unit of separate
+#     compilation (shardsafe/compiled.hpp or shardsafe/compiled_remote.hpp) includes; no header is
+#     guarded by the old DEFINE macros.
+# Implementation files (impl/*.ipp) count as their header's folder in every rule: the rules hold
+# for the header-only mode (the header includes its .ipp) and the separately compiled one alike.
 set -euo pipefail
 cd "$(dirname "$0")/../include/shardsafe"
-dirs=(core shard format storage detail checkpoint dist)
+dirs=(core shard format storage detail checkpoint dist impl)
 files=()
-for d in "${dirs[@]}"; do [ -d "$d" ] && while IFS= read -r f; do files+=("$f"); done < <(find "$d" -name '*.hpp' | sort); done
+for d in "${dirs[@]}"; do [ -d "$d" ] && while IFS= read -r f; do files+=("$f"); done < <(find "$d" \( -name '*.hpp' -o -name '*.ipp' \) | sort); done
 [ -f shardsafe.hpp ] && files+=(shardsafe.hpp)
 bad=$(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*[<"]((ATen|torch|c10)[/.]|shardsafe/torch[/.])' "${files[@]}" || true)
 if [ -n "$bad" ]; then
@@ -21,7 +28,7 @@ if [ -n "$bad" ]; then
   echo "$bad" >&2
   exit 1
 fi
-echo "layering: ${#files[@]} torch-free headers include no LibTorch"
+echo "layering: ${#files[@]} torch-free headers and implementation files include no LibTorch"
 
 declare -A rank=([core]=0 [detail]=1 [shard]=2 [storage]=2 [dist]=2 [format]=3 [checkpoint]=4 [torch]=5)
 order_bad=""
@@ -37,13 +44,13 @@ while IFS= read -r f; do
       order_bad+="$f:$line: ${inc#*#} ($to/ is not below $from/)"$'\n'
     fi
   done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*[<"]shardsafe/[a-z_]+/' "$f" || true)
-done < <(find "${!rank[@]}" -name '*.hpp' 2>/dev/null | sort)
+done < <(find "${!rank[@]}" \( -name '*.hpp' -o -name '*.ipp' \) 2>/dev/null | sort)
 if [ -n "$order_bad" ]; then
   echo "layering: these headers include a folder beside or above their own (order: core < detail < shard, storage, dist < format < checkpoint < torch):" >&2
   printf '%s' "$order_bad" >&2
   exit 1
 fi
-echo "layering: $checked headers include only their own folder and those below it"
+echo "layering: $checked headers and implementation files (impl/*.ipp: their header's folder) include only their own folder and those below it"
 
 cd ../..
 versioned=$(grep -rnE 'TORCH_VERSION' include tests examples bench tools fuzz \
@@ -65,17 +72,23 @@ fi
 echo "layering: checkpoint/checkpoint_reader.hpp has $loader_lines lines (at most 250)"
 
 # no include cycles, counting includes anywhere in a file (an include at the bottom of a header
-# closes a cycle as surely as one at the top): issue 52
+# closes a cycle as surely as one at the top): issue 52. A header and its implementation file
+# (AREA/impl/NAME.ipp of AREA/NAME.hpp) are one node: what either includes, the pair includes
+# (header-only, the header includes the .ipp, which includes the header back)
 python3 - <<'PY'
 import os, re, sys
 root = "include"
 graph = {}
+def node(p):
+    m = re.fullmatch(r'(.*/)?impl/([^/]+)\.ipp', p)
+    return f"{m.group(1) or ''}{m.group(2)}.hpp" if m and os.path.exists(os.path.join(root, f"{m.group(1) or ''}{m.group(2)}.hpp")) else p
 for d, _, fs in os.walk(root):
     for f in fs:
         if f.endswith((".hpp", ".ipp")):
             p = os.path.relpath(os.path.join(d, f), root)
             with open(os.path.join(d, f), encoding="utf-8") as fh:
-                graph[p] = [m.group(1) for m in re.finditer(r'^\s*#\s*include\s*"(shardsafe/[^"]+)"', fh.read(), re.M)]
+                incs = [node(m.group(1)) for m in re.finditer(r'^\s*#\s*include\s*"(shardsafe/[^"]+)"', fh.read(), re.M)]
+            graph.setdefault(node(p), []).extend(i for i in incs if i != node(p))
 state, stack, cycles = {}, [], []
 def visit(n):
     state[n] = 1
@@ -98,7 +111,7 @@ if cycles:
     for c in cycles:
         print("  " + " -> ".join(c), file=sys.stderr)
     sys.exit(1)
-print(f"layering: {len(graph)} headers, no include cycle")
+print(f"layering: {len(graph)} headers (each with its impl/*.ipp), no include cycle")
 PY
 
 # the layouts are the only place that knows a format (issue 52): outside include/shardsafe/checkpoint/layouts/,
@@ -117,20 +130,23 @@ if [ -n "$layout_tests" ]; then
 fi
 echo "layering: no layout identity tested outside checkpoint/layouts/"
 
-# headers stay within 450 lines (DESIGN.md: split by job). The headers still over it are listed
-# here, each to be split; the list may only shrink, and no other header may pass 450.
+# headers and implementation files stay within 450 lines (DESIGN.md: split by job). The ones still
+# over it are listed here, each to be split; the list may only shrink, and no other may pass 450.
 over_allowed=" "
 over=""
 while IFS= read -r f; do
   n=$(wc -l < "include/shardsafe/$f")
   if [ "$n" -gt 450 ] && [[ "$over_allowed" != *" $f "* ]]; then over+="  $f: $n lines"$'\n'; fi
-done < <(cd include/shardsafe && find . -name '*.hpp' | sed 's|^\./||' | sort)
+done < <(cd include/shardsafe && find . \( -name '*.hpp' -o -name '*.ipp' \) | sed 's|^\./||' | sort)
 if [ -n "$over" ]; then
-  echo "layering: these headers have over 450 lines (split them by job):" >&2
+  echo "layering: these headers or implementation files have over 450 lines (split them by job):" >&2
   printf '%s' "$over" >&2
   exit 1
 fi
-echo "layering: every header within 450 lines but the $(wc -w <<<"$over_allowed") still to split"
+echo "layering: every header and implementation file within 450 lines but the $(wc -w <<<"$over_allowed") still to split"
+
+# separate compilation as Asio's (rule 5 above; core/config.hpp)
+python3 scripts/check_separate_compilation.py include
 
 # the tool too (issue 52): main() and its command line in tools/shardsafe.cpp, a header per command
 # under tools/commands/, what they share in tools/*.hpp; each file within 450 lines

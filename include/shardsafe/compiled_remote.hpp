@@ -21,12 +21,21 @@
 #error \
     "shardsafe/compiled_remote.hpp is the compiled part of a separately compiled shardsafe's remote backends: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the program (core/config.hpp)"
 #endif
-#if defined(SHARDSAFE_DEFINE)
-#error "shardsafe/compiled_remote.hpp must be the first shardsafe header of its translation unit"
-#endif
-#define SHARDSAFE_COMPILING_REMOTE 1
 
 #include "shardsafe/storage/http.hpp"
 #if SHARDSAFE_HTTP_TLS
 #include "shardsafe/storage/s3.hpp"
+#endif
+
+// the bodies of the functions the remote headers declare SHARDSAFE_DECL, one implementation
+// file per header (each in this list or in compiled.hpp's, never both)
+#include "shardsafe/storage/detail/impl/http_client.ipp"
+#include "shardsafe/storage/impl/http.ipp"
+#if SHARDSAFE_HTTP_TLS
+#include "shardsafe/storage/detail/impl/s3_request.ipp"
+#include "shardsafe/storage/detail/impl/s3_sigv4.ipp"
+#include "shardsafe/storage/detail/impl/s3_xml.ipp"
+#include "shardsafe/storage/impl/s3.ipp"
+#include "shardsafe/storage/impl/s3_options.ipp"
+#include "shardsafe/storage/impl/s3_writer.ipp"
 #endif

@@ -109,3 +109,9 @@
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/checkpoint/verify_optim.hpp"
+
+// separately compiled (core/config.hpp): the shared template instantiations, declared here so
+// that a unit of the umbrella uses the ones compiled once in shardsafe/compiled.hpp's unit
+#if defined(SHARDSAFE_SEPARATE_COMPILATION) && !defined(SHARDSAFE_COMPILING_LIBRARY)
+#include "shardsafe/impl/instantiations.hpp"
+#endif

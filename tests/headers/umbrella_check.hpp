@@ -54,18 +54,25 @@ inline std::vector<std::string> shardsafe_includes(const fs::path& file) {
   return out;
 }
 
-/// Every header (*.hpp) under ROOT/shardsafe for each ROOT, by include path
+/// Every header (*.hpp) under ROOT/shardsafe for each ROOT, and every implementation file
+/// (impl/*.ipp, which its header includes header-only: core/config.hpp), by include path
 /// ("shardsafe/core/dtype.hpp") to the file.
 inline std::map<std::string, fs::path> find_headers(const std::vector<fs::path>& roots) {
   std::map<std::string, fs::path> out;
   for (const fs::path& root : roots) {
     if (!fs::is_directory(root / "shardsafe")) continue;
     for (const auto& e : fs::recursive_directory_iterator(root / "shardsafe")) {
-      if (e.is_regular_file() && e.path().extension() == ".hpp")
+      if (e.is_regular_file() && (e.path().extension() == ".hpp" || e.path().extension() == ".ipp"))
         out.emplace(e.path().lexically_relative(root).generic_string(), e.path());
     }
   }
   return out;
+}
+
+/// Whether a file is an implementation file (impl/NAME.ipp): the bodies of its header's functions
+/// compiled once, not a header to include or compile on its own.
+inline bool is_implementation_file(const std::string& include_path) {
+  return include_path.size() > 4 && include_path.compare(include_path.size() - 4, 4, ".ipp") == 0;
 }
 
 /// Whether a header is public: no folder on its path is named detail.

@@ -58,9 +58,10 @@ run setup meson setup "$tmp/build" "$src" --prefix="$tmp/prefix" --libdir=lib \
 run install meson install -C "$tmp/build"
 prefix="$tmp/prefix"
 
-# every header of include/ is installed (not include/'s meson.build), and nothing but the headers,
-# the .pc files and the CMake package
-diff <( (cd "$src/include" && find . -type f -name '*.hpp') | sort) \
+# every header of include/ is installed (not include/'s meson.build), with the implementation
+# files (impl/*.ipp) its headers include header-only, and nothing but those, the .pc files and
+# the CMake package
+diff <( (cd "$src/include" && find . -type f \( -name '*.hpp' -o -name '*.ipp' \)) | sort) \
      <(cd "$prefix/include" && find . -type f | sort) >"$tmp/headers.diff" ||
   { cat "$tmp/headers.diff" >&2; fail "installed headers differ from include/"; }
 grep -q '^#define SHARDSAFE_VERSION_STRING "[0-9]*\.[0-9]*\.[0-9]*"$' "$prefix/include/shardsafe/version.hpp" ||

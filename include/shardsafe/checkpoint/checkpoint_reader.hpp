@@ -242,9 +242,4 @@ class checkpoint_reader : public checkpoint_files<D> {
   }
 };
 
-// the readers of the local backends, compiled once when separately compiled (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<file_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<mmap_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_reader<memory_directory>)
-
 }  // namespace shardsafe

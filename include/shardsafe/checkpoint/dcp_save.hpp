@@ -83,44 +83,8 @@ inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_vie
 }
 
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
-#if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
-                                                               const checkpoint_metadata& md, int rank) {
-  const std::string mine = rank_file_name(rank);
-  std::vector<dcp_chunk_data> out;
-  for (const auto& v : views) {
-    const tensor_metadata* tm = md.find(v.key);
-    const std::string* writer = dcp_writer_of(v, *tm);
-    if (!writer || *writer != mine) continue;
-    const std::uint64_t item = item_size(v.type);
-    auto add = [&](shape_t offsets, shape_t sizes, std::uint64_t local) {
-      out.push_back({{v.key, v.type, std::move(offsets), std::move(sizes)}, v.data + local * item, 0});
-    };
-    if (tm->numel() == 0) {  // an empty tensor: one empty chunk, so that it is listed
-      if (&tm->files.front().first == writer) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
-      continue;
-    }
-    if (!v.spec) {
-      add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
-    } else if (v.spec->is_block()) {
-      const block_spec& b = v.spec->block();
-      if (b.local_numel() > 0) add(b.global_offset(), b.local_shape(), 0);
-    } else {
-      std::uint64_t local = 0;
-      for (const auto& r : v.spec->flat().ranges())
-        for (auto& blk : blocks_of_range(v.full_shape, r)) {
-          const std::uint64_t n = numel(blk.sizes);
-          add(std::move(blk.offsets), std::move(blk.sizes), local);
-          local += n;
-        }
-    }
-  }
-  return out;
-}
-#else
 SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
                                                                const checkpoint_metadata& md, int rank);
-#endif
 
 /// CRC-32 of every chunk's bytes, in pieces of at most 8 MiB on the pool's threads, joined.
 inline void checksum_chunks(std::vector<dcp_chunk_data>& chunks, unsigned threads) {
@@ -273,3 +237,7 @@ save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, con
 }
 
 }  // namespace shardsafe
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/checkpoint/impl/dcp_save.ipp"
+#endif

@@ -34,11 +34,6 @@
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
-#if defined(SHARDSAFE_SEPARATE_COMPILATION)  // (the backends of the instantiations at the end)
-#include "shardsafe/storage/file.hpp"
-#include "shardsafe/storage/memory.hpp"
-#include "shardsafe/storage/mmap.hpp"
-#endif
 
 namespace shardsafe {
 
@@ -264,10 +259,5 @@ class checkpoint_files {
   std::mutex files_mutex_;
   std::map<std::string, std::unique_ptr<open_file>, std::less<>> files_;
 };
-
-// the files of the local backends, compiled once in separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<file_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<mmap_directory>)
-SHARDSAFE_EXTERN_TEMPLATE(class checkpoint_files<memory_directory>)
 
 }  // namespace shardsafe

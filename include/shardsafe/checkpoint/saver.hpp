@@ -101,22 +101,3 @@ std::vector<save_stats> save_folder_set(const D& parent, std::span<const folder_
 }
 
 }  // namespace shardsafe
-
-// the saves most programs make (local folders or memory; one process, or ranks as threads),
-// compiled once in separate compilation (core/config.hpp)
-#if defined(SHARDSAFE_SEPARATE_COMPILATION)
-#include "shardsafe/dist/single.hpp"
-#include "shardsafe/dist/threads.hpp"
-#include "shardsafe/storage/file.hpp"
-#include "shardsafe/storage/memory.hpp"
-namespace shardsafe {
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, single_process&,
-                                                     const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, thread_comm&,
-                                                     const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>,
-                                                     single_process&, const save_options&))
-SHARDSAFE_EXTERN_TEMPLATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, thread_comm&,
-                                                     const save_options&))
-}  // namespace shardsafe
-#endif

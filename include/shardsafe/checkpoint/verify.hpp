@@ -366,10 +366,4 @@ checkpoint_report verify_checkpoint(const D& dir, const verify_options& opt = {}
   return verify_checkpoint(r, opt);
 }
 
-// the verification of local folders, compiled once in separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<file_directory>&,
-                                                              const verify_options&))
-SHARDSAFE_EXTERN_TEMPLATE(checkpoint_report verify_checkpoint(checkpoint_reader<memory_directory>&,
-                                                              const verify_options&))
-
 }  // namespace shardsafe

@@ -2,7 +2,7 @@
 //
 // Header-only: include the headers, nothing to build or link; every function is inline. This
 // is what a plain checkout gives (`-Iinclude`) and what the pkg-config, CMake and Meson
-// packages give by default.
+// packages give by default. SHARDSAFE_HEADER_ONLY is then defined.
 //
 // Separately compiled: define SHARDSAFE_SEPARATE_COMPILATION for every translation unit of the
 // program (a compiler flag), and compile shardsafe/compiled.hpp in exactly one of them (the
@@ -11,48 +11,49 @@
 // merging, the Hugging Face key mapping and plans) are then only declared in the headers and
 // compiled once, in that unit, together with the templates most programs share (explicit
 // instantiations: checkpoint_reader of the local backends, the saves of a single process);
-// the other units neither parse their bodies into code nor emit them. A program must not mix
-// the two modes across its translation units.
+// the other units neither parse their bodies nor emit them. A program must not mix the two
+// modes across its translation units.
 //
-// A function compiled once reads, in its header:
+// A function compiled once is declared once, in its header, with its doc comment:
 //
-//   #if SHARDSAFE_DEFINE
-//   SHARDSAFE_DECL result f(args) { ... }
-//   #else
 //   SHARDSAFE_DECL result f(args);
+//
+// and defined in the implementation file of that header, AREA/impl/NAME.ipp beside AREA/NAME.hpp:
+//
+//   SHARDSAFE_DECL result f(args) { ... }
+//
+// The header includes its .ipp at its very end, only header-only:
+//
+//   #if defined(SHARDSAFE_HEADER_ONLY)
+//   #include "shardsafe/AREA/impl/NAME.ipp"
 //   #endif
 //
-// SHARDSAFE_DECL is `inline` header-only, and nothing when separately compiled; SHARDSAFE_DEFINE
-// is 1 where the definitions are compiled (header-only: everywhere; separately: the one unit
-// of shardsafe/compiled.hpp, which defines SHARDSAFE_COMPILING_LIBRARY first).
+// SHARDSAFE_DECL is `inline` header-only, and nothing when separately compiled; there, the
+// .ipp files are included by the one unit that compiles them: shardsafe/compiled.hpp for the
+// core, shardsafe/compiled_remote.hpp for the remote backends (storage/http.hpp,
+// storage/s3.hpp: Boost.Beast, OpenSSL), compiled once per value of SHARDSAFE_HTTP_TLS that
+// the program uses (the Meson build's shardsafe_remote_compiled library: the dependency
+// `shardsafe-remote-compiled`). Each .ipp is in exactly one of the two units' lists, so that
+// neither unit defines what the other does (scripts/check_layering.sh checks it).
 //
-// The remote backends (storage/http.hpp, storage/s3.hpp: Boost.Beast, OpenSSL) are a second
-// unit, shardsafe/compiled_remote.hpp, compiled once per value of SHARDSAFE_HTTP_TLS that the
-// program uses (the Meson build's shardsafe_remote_compiled library: the dependency
-// `shardsafe-remote-compiled`). Their functions compiled once are guarded by
-// SHARDSAFE_REMOTE_DEFINE instead, 1 header-only and in that unit (which defines
-// SHARDSAFE_COMPILING_REMOTE first), so that neither unit defines what the other does.
+// The shared template instantiations have one list, shardsafe/impl/instantiations.hpp, the only
+// place that names the concrete backends they are for (generic headers such as
+// checkpoint/saver.hpp or checkpoint/checkpoint_reader.hpp do not include them for it). It
+// holds explicit instantiation definitions (`template ...;`) in the unit of
+// shardsafe/compiled.hpp, and explicit instantiation declarations (`extern template ...;`) in
+// any other separately compiled unit that includes the torch-free umbrella
+// shardsafe/shardsafe.hpp, which includes it in that mode: such a unit (a test, the tool, a
+// program) does not instantiate checkpoint_reader<file_directory> or the saves again, which is
+// where a separately compiled build saves its time: the declarations cost the umbrella's parse
+// nothing measurable, and spared a unit that verifies and saves local folders 6 of its 16 s
+// at -O1 (bench/HISTORY.md, "Separate compilation, parse time per unit"). A unit that
+// includes a single header (checkpoint/loader.hpp) instantiates what it uses itself, as
+// header-only units do: correct, only not shared.
 #pragma once
 
 #if defined(SHARDSAFE_SEPARATE_COMPILATION)
 #define SHARDSAFE_DECL
-#if defined(SHARDSAFE_COMPILING_LIBRARY)
-#define SHARDSAFE_DEFINE 1
-/// An explicit instantiation declaration in the units that use a shared template; its
-/// definition in the one compiled unit.
-#define SHARDSAFE_EXTERN_TEMPLATE(...) template __VA_ARGS__;
 #else
-#define SHARDSAFE_DEFINE 0
-#define SHARDSAFE_EXTERN_TEMPLATE(...) extern template __VA_ARGS__;
-#endif
-#if defined(SHARDSAFE_COMPILING_REMOTE)
-#define SHARDSAFE_REMOTE_DEFINE 1
-#else
-#define SHARDSAFE_REMOTE_DEFINE 0
-#endif
-#else
+#define SHARDSAFE_HEADER_ONLY 1
 #define SHARDSAFE_DECL inline
-#define SHARDSAFE_DEFINE 1
-#define SHARDSAFE_REMOTE_DEFINE 1
-#define SHARDSAFE_EXTERN_TEMPLATE(...)
 #endif

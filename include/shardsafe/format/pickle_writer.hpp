@@ -107,15 +107,10 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
 }  // namespace detail
 
 /// Pickles a plain value with protocol 2 (strings must be UTF-8).
-#if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::string pickle_dumps(const pickle_value& v) {
-  std::string out = "\x80\x02";
-  detail::pickle_put(out, v);
-  out += '.';
-  return out;
-}
-#else
 SHARDSAFE_DECL std::string pickle_dumps(const pickle_value& v);
-#endif
 
 }  // namespace shardsafe
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/format/impl/pickle_writer.ipp"
+#endif

@@ -61,161 +61,8 @@ namespace detail {
 /// The state dict a torch.save pickle's value `root` holds, flattened (rules at the top of
 /// format/torch_save.hpp); `pickle_bytes` is the pickle's size (what bounds the values and
 /// names), `w` names it.
-#if SHARDSAFE_DEFINE
-SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes,
-                                                                const std::string& w) {
-  using k = pickle_value::kind;
-  torch_state_dict_pickle out;
-  if (root.type() != k::dict)
-    fail(errc::invalid_metadata,
-         w + ": holds a " + pickle_value::kind_name(root.type()) + ", not a state dict (a dict of tensors)");
-  auto is_tensor = [](const pickle_view& v) {
-    const auto t = v.find(torch_tensor_key);
-    return t && t->find(torch_storage_key).has_value();
-  };
-  auto is_storage = [](const pickle_view& v) { return v.find(torch_storage_key).has_value(); };
-  auto is_marker = [](const pickle_view& v) {
-    return v.type() == k::dict && v.size() == 1 && v.find(dcp_unpickle_policy::global_key).has_value();
-  };
-  // a dict of the state dict's own (a tensor's, a storage's and a global's dicts are not)
-  auto is_mapping = [&](const pickle_view& v) {
-    return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v);
-  };
-  // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
-  // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
-  // about 150 bytes a tensor), checked before a name is made.
-  const std::uint64_t max_values = pickle_bytes / 8 + 1024,
-                      max_name_bytes = 4 * std::uint64_t(pickle_bytes) + (1 << 20);
-  std::uint64_t values = 0, name_bytes = 0;
-  auto leaf = [&](const std::string& name) {
-    if (++values > max_values)
-      fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" +
-                                       std::to_string(pickle_bytes) +
-                                       " bytes of pickle; torch writes about 150 bytes a tensor)");
-    name_bytes += name.size();
-  };
-  auto child = [&](const std::string& name, std::string_view part) {
-    if (name_bytes + name.size() + 1 + part.size() > max_name_bytes)
-      fail(errc::invalid_metadata, w + ": its flattened names pass " + std::to_string(max_name_bytes) +
-                                       " bytes, 4x the pickle's size (one key repeated through the memo?)");
-    return name.empty() ? std::string(part) : name + "." + std::string(part);
-  };
-  // What a container holds, found once per container (the memo shares them): a tensor anywhere
-  // in it; whether torch.distributed.checkpoint keeps it as one item (a list is, when none of
-  // its items is a tensor, a dict or a list that is not; a tuple always is; a dict never); a
-  // storage or a torch global anywhere in it (a value not pickled again here); about how many
-  // bytes it pickles to written out without a memo, and how many values a reader bounds it by
-  // (pickle_string_cost; both saturating: shared containers repeat).
-  struct traits {
-    bool tensor = false, whole = true, foreign = false;
-    std::uint64_t bytes = 0, cost = 1;
-  };
-  constexpr std::uint64_t saturated = std::uint64_t(1) << 62;
-  std::unordered_map<const void*, traits> seen;
-  auto scan = [&](auto& self, const pickle_view& v) -> traits {
-    if (is_tensor(v)) return {true, false, false, 0, 1};
-    if (is_storage(v) || is_marker(v)) return {false, true, true, 0, 1};
-    if (v.type() == k::string) {
-      const std::size_t n = v.as_string("").size();
-      return {false, true, false, 5 + n, pickle_string_cost(n)};
-    }
-    if (v.type() != k::dict && !v.is_sequence()) return {false, true, false, 10, 1};
-    if (const auto it = seen.find(v.id()); it != seen.end()) return it->second;
-    traits t;
-    t.whole = v.type() != k::dict;
-    t.bytes = 2 + 2 * (v.size() / 1000 + 1);
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      const pickle_view x = v.type() == k::dict ? v.value(i) : v.item(i);
-      const traits c = self(self, x);
-      const traits key = v.type() == k::dict ? self(self, v.key(i)) : traits{false, true, false, 0, 0};
-      t.tensor |= c.tensor;
-      t.foreign |= c.foreign;
-      t.bytes = std::min(saturated, t.bytes + c.bytes + key.bytes);
-      t.cost = std::min(saturated, t.cost + c.cost + key.cost);
-      if (v.type() == k::list && (c.tensor || is_mapping(x) || (x.type() == k::list && !c.whole))) t.whole = false;
-    }
-    return seen[v.id()] = t;
-  };
-  pickle_view::build_cache built;  // the values' containers, each copied once however many values share it
-  std::vector<pickle_value> path;
-  auto record_path = [&](const std::string& name) {
-    if (path.size() != 1 || path.front().type() != k::string) out.paths.emplace(name, pickle_value::tuple(path));
-  };
-  auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
-    if (is_tensor(v)) {
-      leaf(name);
-      out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
-      record_path(name);
-      return;
-    }
-    const bool dict = is_mapping(v);
-    const traits t = dict ? traits{false, false, false} : scan(scan, v);
-    if (dict) {
-      const std::string where = name.empty() ? std::string("the state dict") : "'" + name + "'";
-      // Python merges keys that compare equal (1, True and 1.0; 0, False, 0.0 and -0.0) into one
-      // entry, where their names here differ: such a dict is refused
-      std::set<std::pair<bool, std::int64_t>> numbers;  // (not integral, the int or the double's bits)
-      for (std::size_t i = 0; i < v.size(); ++i) {
-        const pickle_view key = v.key(i);
-        std::string part;
-        if (key.type() == k::string)
-          part = std::string(key.as_string(""));
-        else if (key.type() == k::integer)
-          part = std::to_string(key.as_int(""));
-        else if (key.type() == k::boolean || key.type() == k::none || key.type() == k::real)
-          part = pickle_repr(key.build(), 64);  // Python's str() of it, as DCP's path holds: "True", "None", "0.5"
-        else
-          fail(errc::invalid_metadata, w + ": " + where + " has a key of type " + pickle_value::kind_name(key.type()) +
-                                           " (keys are str, int, bool, float or None)");
-        if (key.type() == k::integer || key.type() == k::boolean || key.type() == k::real) {
-          std::pair<bool, std::int64_t> n{false, 0};
-          const double d = key.type() == k::real ? key.as_real("") : 0;
-          if (key.type() == k::integer)
-            n.second = key.as_int("");
-          else if (key.type() == k::boolean)
-            n.second = key.as_bool("") ? 1 : 0;
-          else if (d == std::trunc(d) && d >= -0x1p63 && d < 0x1p63)
-            n.second = static_cast<std::int64_t>(d);
-          else
-            n = {true, std::bit_cast<std::int64_t>(d)};
-          if (d == d && !numbers.insert(n).second)  // NaN equals no key, not even another NaN
-            fail(errc::invalid_metadata,
-                 w + ": " + where + " has two keys Python holds equal (1, True and 1.0 are one key), the second '" +
-                     part + "': torch.load keeps one entry of them");
-        }
-        path.push_back(pickle_value::string(part));  // torch.distributed.checkpoint's path holds str(key)
-        self(self, v.value(i), child(name, part));
-        path.pop_back();
-      }
-    } else if (v.is_sequence() && (t.tensor || !t.whole)) {
-      for (std::size_t i = 0; i < v.size(); ++i) {
-        path.push_back(pickle_value::integer(static_cast<std::int64_t>(i)));
-        self(self, v.item(i), child(name, std::to_string(i)));
-        path.pop_back();
-      }
-    } else {
-      leaf(name);
-      // written again (to-dcp), a value must read back here: its archive within the 64 MiB of a
-      // DCP item (a few KiB of zip headers aside), its values within pickle_loads' bound
-      std::string unwritable;
-      if (t.foreign)
-        unwritable =
-            "holds a storage or a torch global (a dtype, a storage class), which shardsafe does not pickle again";
-      else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) ||
-               t.cost > basic_pickle_reader<>::default_max_values)
-        unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" +
-                     std::to_string(t.cost) + " values) written out without a memo";
-      out.values.push_back({name, v.build(built), std::move(unwritable)});
-      record_path(name);
-    }
-  };
-  walk(walk, root, "");
-  return out;
-}
-#else
 SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root, std::size_t pickle_bytes,
                                                                 const std::string& w);
-#endif
 
 /// The reader of a state dict's pickle: the values it may make are bounded by its size; every
 /// storage it names is recorded in `storages` (torch_tensor_pickle_policy::storages).
@@ -302,3 +149,7 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
 }  // namespace detail
 
 }  // namespace shardsafe
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/format/impl/torch_state_dict.ipp"
+#endif

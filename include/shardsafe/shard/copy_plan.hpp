@@ -436,11 +436,4 @@ inline std::string multi_index_string(std::span<const std::uint64_t> full, std::
   return to_string(idx);
 }
 
-// the instantiations for the variant spec, which every load plans with, compiled once in
-// separate compilation (core/config.hpp)
-SHARDSAFE_EXTERN_TEMPLATE(copy_plan compute_copy_plan(const shard_spec&, const shard_spec&,
-                                                      std::span<const std::uint64_t>))
-SHARDSAFE_EXTERN_TEMPLATE(load_plan plan_load(const shard_spec&, std::span<const shard_spec>,
-                                              std::span<const std::uint64_t>))
-
 }  // namespace shardsafe

@@ -290,29 +290,9 @@ inline block_spec mesh_block(std::span<const std::uint64_t> full, const device_m
 
 /// Every rank's block, indexed by rank (row-major coordinates): what a save under this mesh
 /// writes, or what each rank of a load under it asks for (planning, benchmarks, tests).
-#if SHARDSAFE_DEFINE
-SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full,
-                                                   std::span<const std::uint64_t> mesh_shape,
-                                                   std::span<const placement> placements, std::string_view ctx) {
-  validate_placements(full, mesh_shape, placements, ctx);
-  const std::uint64_t n = numel(mesh_shape);
-  std::vector<block_spec> out;
-  out.reserve(static_cast<std::size_t>(n));
-  shape_t c(mesh_shape.size(), 0);
-  for (std::uint64_t r = 0; r < n; ++r) {
-    out.push_back(mesh_block_at(full, mesh_shape, c, placements, ctx));
-    for (std::size_t d = c.size(); d-- > 0;) {  // row-major odometer
-      if (++c[d] < mesh_shape[d]) break;
-      c[d] = 0;
-    }
-  }
-  return out;
-}
-#else
 SHARDSAFE_DECL std::vector<block_spec> mesh_blocks(std::span<const std::uint64_t> full,
                                                    std::span<const std::uint64_t> mesh_shape,
                                                    std::span<const placement> placements, std::string_view ctx);
-#endif
 
 /// Whether a block holds no element (an empty torch.chunk piece somewhere, or an empty tensor).
 inline bool holds_nothing(const block_spec& b) noexcept { return b.local_numel() == 0; }
@@ -408,3 +388,7 @@ inline bool writes_block(std::span<const std::uint64_t> full, const device_mesh&
 }
 
 }  // namespace shardsafe
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/shard/impl/mesh.ipp"
+#endif

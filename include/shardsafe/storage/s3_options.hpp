@@ -59,25 +59,13 @@ namespace detail {
 /// The addressing_style of the `s3 =` block of profile `profile` in an AWS config file, as the
 /// AWS CLI writes it ("s3 =" then indented "addressing_style = virtual"); nothing when the file,
 /// the profile or the setting is absent. An unknown value is an error.
-#if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file,
-                                                                   std::string_view profile) {
-  const auto settings = aws_profile_settings(file, profile);
-  if (!settings) return std::nullopt;
-  const auto it = settings->find("s3.addressing_style");
-  if (it == settings->end()) return std::nullopt;
-  const std::string& v = it->second;
-  if (v == "auto") return s3_addressing::automatic;
-  if (v == "path") return s3_addressing::path;
-  if (v == "virtual") return s3_addressing::virtual_hosted;
-  throw error(errc::invalid_argument, file.string() + ": profile '" + std::string(profile) +
-                                          "': s3 addressing_style '" + v + "' is none of auto, path, virtual");
-}
-#else
 SHARDSAFE_DECL std::optional<s3_addressing> addressing_from_config(const std::filesystem::path& file,
                                                                    std::string_view profile);
-#endif
 
 }  // namespace detail
 
 }  // namespace shardsafe
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/storage/impl/s3_options.ipp"
+#endif

@@ -52,72 +52,21 @@ struct s3_signer {
   void operator()(http_request& r) const;
 };
 
-#if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL void s3_signer::operator()(http_request& r) const {
-  const std::string date = amz_date_now();
-  const std::string hash = sha256_hex(std::string_view(reinterpret_cast<const char*>(r.body.data()), r.body.size()));
-  r.headers.emplace_back("x-amz-date", date);
-  r.headers.emplace_back("x-amz-content-sha256", hash);
-  if (!ctx->creds.session_token.empty()) r.headers.emplace_back("x-amz-security-token", ctx->creds.session_token);
-  std::vector<std::pair<std::string, std::string>> signed_headers = r.headers;
-  signed_headers.emplace_back("host", r.url.host_header());
-  const std::size_t q = r.url.target.find('?');
-  const auto s = sigv4_sign(std::string(sv(bhttp::to_string(r.method))), r.url.path(),
-                            q == std::string::npos ? std::string_view() : std::string_view(r.url.target).substr(q + 1),
-                            std::move(signed_headers), hash, ctx->creds, ctx->region, "s3", date);
-  r.headers.emplace_back("Authorization", s.authorization);
-}
-#endif
-
 /// The error an S3 answer stands for: "NAME: OP: Code: Message (HTTP n)", from its XML body
 /// (or, when the body is not an S3 error document, the status and an excerpt).
-#if SHARDSAFE_REMOTE_DEFINE
-[[noreturn]] SHARDSAFE_DECL void throw_s3_error(const std::string& name, std::string_view op, const http_response& r) {
-  const auto code = xml_text(r.body, "Code");
-  const auto message = xml_text(r.body, "Message");
-  std::string what = name + ": " + std::string(op) + ": ";
-  if (code) {
-    what += *code + (message ? ": " + *message : std::string()) + " (HTTP " + std::to_string(r.status) + ")";
-  } else {
-    std::string e = r.body.substr(0, 120);
-    for (char& c : e)
-      if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = '?';
-    what += "HTTP " + std::to_string(r.status) +
-            (r.body.empty() ? std::string(" (no body)") : " with a body that is not an S3 error document: " + e);
-  }
-  const bool missing = (code && (*code == "NoSuchKey" || *code == "NoSuchBucket" || *code == "NoSuchUpload")) ||
-                       (!code && r.status == 404);
-  throw error(missing ? errc::not_found : errc::io_error, what);
-}
-#else
 [[noreturn]] SHARDSAFE_DECL void throw_s3_error(const std::string& name, std::string_view op, const http_response& r);
-#endif
 
-#if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL void check_s3(const std::string& name, std::string_view op, const http_response& r) {
-  if (r.status < 200 || r.status > 299 || (r.body.find("<Error>") != std::string::npos && xml_text(r.body, "Code")))
-    throw_s3_error(name, op, r);  // (CompleteMultipartUpload may fail with 200 and an <Error> body)
-}
-#else
 SHARDSAFE_DECL void check_s3(const std::string& name, std::string_view op, const http_response& r);
-#endif
 
 /// Sends r signed with ctx's credentials; a failure of the exchange itself (connection,
 /// timeouts, retries spent, a malformed answer) becomes an error that names the object and
 /// the operation before the URL: "s3://b/k: UploadPart 3: http://host/b/k?...: giving up ...".
-#if SHARDSAFE_REMOTE_DEFINE
-SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r,
-                                     const std::string& name, std::string_view op) {
-  try {
-    return ctx->client->send(r, s3_signer{ctx});
-  } catch (const error& e) {
-    throw error(e.code(), name + ": " + std::string(op) + ": " + e.what());
-  }
-}
-#else
 SHARDSAFE_DECL http_response s3_send(const std::shared_ptr<const s3_context>& ctx, const http_request& r,
                                      const std::string& name, std::string_view op);
-#endif
 
 }  // namespace SHARDSAFE_HTTP_ABI
 }  // namespace shardsafe::detail
+
+#if defined(SHARDSAFE_HEADER_ONLY)
+#include "shardsafe/storage/detail/impl/s3_request.ipp"
+#endif
