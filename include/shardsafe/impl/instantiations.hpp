@@ -15,6 +15,7 @@
 #include <span>
 
 #include "shardsafe/checkpoint/checkpoint_reader.hpp"
+#include "shardsafe/checkpoint/load.hpp"
 #include "shardsafe/checkpoint/reader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
@@ -46,19 +47,27 @@ SHARDSAFE_INSTANTIATE(class checkpoint_reader<file_directory>)
 SHARDSAFE_INSTANTIATE(class checkpoint_reader<mmap_directory>)
 SHARDSAFE_INSTANTIATE(class checkpoint_reader<memory_directory>)
 
+// the per-rank loads through a reader of the local backends
+SHARDSAFE_INSTANTIATE(load_stats load(checkpoint_reader<file_directory>&, std::span<const flat_view>,
+                                      const load_options&))
+SHARDSAFE_INSTANTIATE(load_stats load(checkpoint_reader<mmap_directory>&, std::span<const flat_view>,
+                                      const load_options&))
+SHARDSAFE_INSTANTIATE(load_stats load(checkpoint_reader<memory_directory>&, std::span<const flat_view>,
+                                      const load_options&))
+
 // the verification of local folders
 SHARDSAFE_INSTANTIATE(checkpoint_report verify_checkpoint(checkpoint_reader<file_directory>&, const verify_options&))
 SHARDSAFE_INSTANTIATE(checkpoint_report verify_checkpoint(checkpoint_reader<memory_directory>&, const verify_options&))
 
 // the saves most programs make (local folders or memory; one process, or ranks as threads)
-SHARDSAFE_INSTANTIATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, single_process&,
-                                                 const save_options&))
-SHARDSAFE_INSTANTIATE(save_stats save_flat_views(const file_directory&, std::span<const flat_view>, thread_comm&,
-                                                 const save_options&))
-SHARDSAFE_INSTANTIATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, single_process&,
-                                                 const save_options&))
-SHARDSAFE_INSTANTIATE(save_stats save_flat_views(const memory_directory&, std::span<const flat_view>, thread_comm&,
-                                                 const save_options&))
+SHARDSAFE_INSTANTIATE(save_stats save(const file_directory&, std::span<const flat_view>, single_process&,
+                                      const save_options&))
+SHARDSAFE_INSTANTIATE(save_stats save(const file_directory&, std::span<const flat_view>, thread_comm&,
+                                      const save_options&))
+SHARDSAFE_INSTANTIATE(save_stats save(const memory_directory&, std::span<const flat_view>, single_process&,
+                                      const save_options&))
+SHARDSAFE_INSTANTIATE(save_stats save(const memory_directory&, std::span<const flat_view>, thread_comm&,
+                                      const save_options&))
 
 }  // namespace shardsafe
 
