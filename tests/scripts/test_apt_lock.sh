@@ -9,7 +9,11 @@ here="$(cd "$(dirname "$0")/../.." && pwd)"
 . "$here/scripts/apt.sh"
 tmp=$(mktemp -d)
 holders=()
-cleanup() { for p in "${holders[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$tmp"; }
+# (each holder's children too: flock's sleep would keep the test's output open, and meson waiting)
+cleanup() {
+  for p in "${holders[@]}"; do pkill -P "$p" 2>/dev/null || true; kill "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
 trap cleanup EXIT
 fail() { echo "test_apt_lock: $*" >&2; exit 1; }
 export SHARDSAFE_APT_LOCKS="$tmp/lock-frontend $tmp/lists-lock"
@@ -20,7 +24,7 @@ out=$(apt_wait_locks 2>&1) || fail "apt_wait_locks failed with no lock held: $ou
 [ -z "$out" ] || fail "apt_wait_locks spoke with no lock held: $out"
 
 # 2. a POSIX lock (fcntl, as dpkg's lock-frontend), released after 3 s: waited for, then 0
-python3 - "$tmp/lock-frontend" "$tmp/posix-held" <<'PY' &
+python3 - "$tmp/lock-frontend" "$tmp/posix-held" <<'PY' >/dev/null 2>&1 &
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR)
 fcntl.lockf(fd, fcntl.LOCK_EX)
@@ -36,7 +40,7 @@ grep -q "released after" <<<"$out" || fail "the wait did not say the lock was re
 [ -z "$(apt_lock_holder)" ] || fail "apt_wait_locks returned while the lock is still held"
 
 # 3. a flock held longer than the bound: gives up after the bound, naming the holder
-flock "$tmp/lists-lock" sleep 30 &
+flock "$tmp/lists-lock" sleep 30 </dev/null >/dev/null 2>&1 &
 holders+=($!)
 for _ in $(seq 100); do [ -n "$(apt_lock_holder)" ] && break; sleep 0.1; done
 [ -n "$(apt_lock_holder)" ] || fail "a flock held on $tmp/lists-lock is not seen"
