@@ -320,17 +320,6 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const device_load_optio
   return load_state_dict(reader, sd, opt);
 }
 
-/// The same with a load's options and the device's defaults (what `{.strict = false}` gives:
-/// designated initializers name load_options' fields, not device_load_options').
-template <ReadableDirectory D>
-load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const load_options& opt) {
-  return load_state_dict(reader, sd, device_load_options(opt));
-}
-template <ReadableDirectory D>
-load_stats load_state_dict(const D& dir, state_dict& sd, const load_options& opt) {
-  return load_state_dict(dir, sd, device_load_options(opt));
-}
-
 /// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool), in
 /// tensors it allocates: one at::empty each, or all in one huge-page arena populated ahead of
 /// the reads (torch/tensor_memory.hpp: much less page-fault time for a load into new memory).
