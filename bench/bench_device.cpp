@@ -245,7 +245,7 @@ int main(int argc, char** argv) {
   for (auto& [k, t] : sd) {
     state_dict one;
     one.add(k, at::empty(t.local.sizes(), t.local.options().device(at::kCPU)));
-    load_state_dict(reader, one, {.strict = false});
+    load_state_dict(reader, one, load_options{.strict = false});
     const at::Tensor want = one.find(k)->local.to(dev), got = t.local;
     if (!at::equal(got.view(at::kByte), want.view(at::kByte))) ++bad;
   }
