@@ -69,6 +69,18 @@ def _optim(d, groups, state_keys=None):
     write(os.path.join(d, "metadata.json"), json.dumps(md).encode())
 
 
+def _refused_by_every_command(case_name, d, outs, name, words, why):
+    """Every command that reads the tensor bytes of checkpoint d (verify, digest, unshard, to-hf,
+    to-dcp) exits 1 with `words`, and none leaves an output under outs."""
+    for argv in (["verify", d], ["digest", d], ["unshard", d, os.path.join(outs, name + ".safetensors")],
+                 ["to-hf", d, os.path.join(outs, name + "-hf")], ["to-dcp", d, os.path.join(outs, name + "-dcp")]):
+        run(case_name, argv, 1, words)
+    for left in (name + ".safetensors", name + "-hf", name + "-dcp"):
+        p = os.path.join(outs, left)
+        if os.path.exists(p) and (os.path.isfile(p) or os.listdir(p)):
+            raise Failed(f"{name}: {left} was written{why}")
+
+
 @case
 def optim_pickles_every_command(t):
     """A model + optimizer pair whose optim/ pickles name os.system (11 ways: GLOBAL, STACK_GLOBAL,
@@ -93,13 +105,7 @@ def optim_pickles_every_command(t):
         _optim(os.path.join(d, "optim"), groups, keys)
         tensor = "state_keys" if keys is not None else f"param_group{len(groups) - 1}"
         words = ["optim", f"'{tensor}'"]
-        for argv in (["verify", d], ["digest", d], ["unshard", d, os.path.join(outs, name + ".safetensors")],
-                     ["to-dcp", d, os.path.join(outs, name + "-dcp")], ["to-hf", d, os.path.join(outs, name + "-hf")]):
-            run("optim_pickles_every_command", argv, 1, words)
-        for left in (name + ".safetensors", name + "-dcp", name + "-hf"):
-            p = os.path.join(outs, left)
-            if os.path.exists(p) and (os.path.isfile(p) or os.listdir(p)):
-                raise Failed(f"{name}: {left} was written")
+        _refused_by_every_command("optim_pickles_every_command", d, outs, name, words, "")
 
 
 _XXH = None
@@ -179,13 +185,7 @@ def checksums_every_command(t):
         flip_byte(os.path.join(ck, "rank_1.safetensors"), 2)
         holder = "rank_1.checksums.json" if sidecars else "metadata.json"
         words = ["rank_1.safetensors", "tensor 'w'", holder, "damaged"]
-        for argv in (["verify", d], ["digest", d], ["unshard", d, os.path.join(outs, name + ".safetensors")],
-                     ["to-hf", d, os.path.join(outs, name + "-hf")], ["to-dcp", d, os.path.join(outs, name + "-dcp")]):
-            run("checksums_every_command", argv, 1, words)
-        for left in (name + ".safetensors", name + "-hf", name + "-dcp"):
-            p = os.path.join(outs, left)
-            if os.path.exists(p) and (os.path.isfile(p) or os.listdir(p)):
-                raise Failed(f"{name}: {left} was written from damaged bytes")
+        _refused_by_every_command("checksums_every_command", d, outs, name, words, " from damaged bytes")
 
 
 @case
