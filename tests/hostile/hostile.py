@@ -957,6 +957,8 @@ def torch_zip_of(pkl, records):
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
         z.writestr("archive/data.pkl", b"\x80\x02" + pkl + b".")
+        if "version" not in records:
+            z.writestr("archive/version", b"3\n")
         for name, data in records.items():
             z.writestr("archive/" + name, data)
     return out.getvalue()

@@ -29,7 +29,8 @@
 // for a dtype shardsafe has no type for):
 //   - a zip archive: the checks of format/torch_zip.hpp's records (stored, sizes, local
 //     headers), at most 2^20 records, its central directory at most 256 MiB; one
-//     PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little"; every
+//     PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little";
+//     PREFIX/.data/version (else PREFIX/version) holds a format version torch reads (1 to 10); every
 //     tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
 //   - the legacy format: its pickles (protocol 2 as torch writes them by default, or 3 to 5)
 //     end within the file's first 64 MiB; the protocol version is 1001; sys_info does not say
@@ -98,6 +99,12 @@
 
 namespace shardsafe {
 
+/// The format versions of a torch.save archive torch 1.13 to 2.6 read (its PREFIX/version
+/// record, or PREFIX/.data/version where present: kMinSupportedFileFormatVersion and
+/// kMaxSupportedFileFormatVersion of caffe2/serialize/versions.h); torch refuses others.
+inline constexpr std::uint64_t torch_save_min_version = 1;
+inline constexpr std::uint64_t torch_save_max_version = 10;
+
 /// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
 /// reading only the archive's directory, local headers and data.pkl (the legacy format: its
 /// pickles and each storage's size).
@@ -119,7 +126,9 @@ torch_save_index index_torch_save_file(const S& st) {
   if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
   const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);   // "PREFIX/"
   std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
+  const detail::zip_entry* version = nullptr;  // the record torch reads: .data/version first, else version
   for (const auto& e : dir.entries) {
+    if (e.name == prefix + ".data/version" || (e.name == prefix + "version" && !version)) version = &e;
     if (e.name == prefix + "byteorder") {
       const torch_zip_record r = detail::place_zip_record(e, dir.at, read_at, bad);
       const std::string order =
@@ -129,6 +138,24 @@ torch_save_index index_torch_save_file(const S& st) {
     }
     if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
       storages.emplace(e.name.substr(prefix.size() + 5), &e);
+  }
+  if (!version) bad("holds no " + prefix + "version record: torch refuses an archive without its format version");
+  {
+    const torch_zip_record r = detail::place_zip_record(*version, dir.at, read_at, bad);
+    const std::string text = r.size <= 24 ? read_at(r.data_offset, static_cast<std::size_t>(r.size)) : std::string();
+    std::uint64_t v = 0;
+    std::size_t i = 0, digits = 0;
+    for (; i < text.size() && text[i] >= '0' && text[i] <= '9' && digits < 19; ++i, ++digits)
+      v = v * 10 + (text[i] - '0');
+    const bool rest_blank = std::all_of(text.begin() + static_cast<std::ptrdiff_t>(i), text.end(),
+                                        [](char c) { return c == '\n' || c == '\r' || c == ' '; });
+    if (digits == 0 || !rest_blank)
+      bad("record '" + version->name + "' does not hold a format version number (" + std::to_string(r.size) +
+          " bytes)");
+    if (v < torch_save_min_version || v > torch_save_max_version)
+      bad("record '" + version->name + "' says format version " + std::to_string(v) + "; torch reads versions " +
+          std::to_string(torch_save_min_version) + " to " + std::to_string(torch_save_max_version) +
+          " (caffe2/serialize/versions.h) and refuses this one");
   }
   const torch_zip_record p = detail::place_zip_record(*pkl, dir.at, read_at, bad);
   if (p.size > max_torch_save_pickle)
