@@ -50,7 +50,7 @@ group_packages() {
     # the trainers run as peers (tests/peers/): DeepSpeed's and Megatron-LM's imports
     peers) echo python3-torch python3-safetensors python3-numpy python3-hjson python3-msgpack \
              python3-psutil python3-cpuinfo python3-pydantic python3-einops python3-tqdm \
-             python3-packaging python3-yaml ;;
+             python3-packaging python3-yaml python3-regex ;;
     *) die "unknown package group '$1' (base, build, moto, peers)" ;;
   esac
 }

@@ -14,7 +14,7 @@
 # (PEER_DS_COMMIT / PEER_MCORE_COMMIT, else `git rev-parse HEAD` in the tree when it is a checkout).
 #
 # The goldens were made with DeepSpeed v0.19.5 (cf44300453eb0af79ed84ed8f1cb49d57478bd76) and
-# Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553 (core 0.20.0); see tests/peers/README.md.
+# Megatron-LM core_v0.16.1 (55ac7082517c3878ae653c07c09c534b8aed49f6); see tests/peers/README.md.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/../.." && pwd)"
 env13="$here/scripts/env-debian13.sh"
