@@ -228,6 +228,14 @@ def full_loader(case_name, outdir):
         it = int(f.read().strip())
     ck = os.path.join(outdir, "torch_dist", f"iter_{it:07d}")
     msd = model.sharded_state_dict()
+    # the checkpoint's own key for each model tensor (Megatron's ShardedTensor.key: no layer
+    # number, TE-style names for the local spec's layer norms) and the prepended (layer) axis
+    keys = {}
+    for n, sh in msd.items():
+        keys[n] = {"type": type(sh).__name__, "key": getattr(sh, "key", None),
+                   "prepend_axis_num": getattr(sh, "prepend_axis_num", None),
+                   "global_offset": list(getattr(sh, "global_offset", []) or []),
+                   "global_shape": list(getattr(sh, "global_shape", []) or [])}
     osd = opt.sharded_state_dict(msd, is_loading=True)
     loaded = dist_checkpointing.load({"model": msd, "optimizer": osd}, ck)
     model.load_state_dict(loaded["model"], strict=False)
@@ -240,6 +248,8 @@ def full_loader(case_name, outdir):
     for key in ("exp_avg", "exp_avg_sq"):
         st.save_file({n: opt.optimizer.state[q][key].clone().contiguous() for n, q in model.named_parameters()},
                      os.path.join(sub, f"{key}.safetensors"))
+    with open(os.path.join(sub, "checkpoint_keys.json"), "w") as f:
+        json.dump(keys, f, indent=1, sort_keys=True)
     common = dist_checkpointing.load_common_state_dict(ck)
     with open(os.path.join(sub, "common_keys.json"), "w") as f:
         json.dump(sorted(common.keys()), f)
