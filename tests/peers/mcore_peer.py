@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Megatron-LM as a peer: a tiny Megatron-Core GPT (tensor parallel 2 x pipeline parallel 2, GQA,
-SwiGLU, padded vocabulary), two Adam steps, then Megatron's own save_checkpoint writes it twice:
+SwiGLU, padded vocabulary; and a 4-expert MoE GPT on 2 expert-parallel ranks), two Adam steps, then Megatron's own save_checkpoint writes it twice:
 as torch_dist (Megatron-Core dist_checkpointing over torch DCP) and as the legacy torch format
 (mp_rank_TT_PPP/model_optim_rng.pt). Megatron's own dist_checkpointing.load then reads the
 torch_dist checkpoint back into a TP1 PP1 model, which gives the full tensors.
@@ -13,13 +13,15 @@ not installed, its source tree is on PYTHONPATH (tests/peers/make_goldens.sh mco
 OUTDIR/CASE holds:
     torch_dist/latest_checkpointed_iteration.txt, torch_dist/iter_0000002/...
     legacy/latest_checkpointed_iteration.txt, legacy/iter_0000002/mp_rank_TT_PPP/model_optim_rng.pt
-    expected/local/tp{T}_pp{P}/{model,exp_avg,exp_avg_sq}.safetensors
+    expected/local/tp{T}_pp{P}[_ep{E}]/{model,exp_avg,exp_avg_sq}.safetensors
         what each rank held when it saved: its model chunk's state_dict_for_save_checkpoint()
         (local layer numbers, TP pieces, fused linear_qkv / linear_fc1 as Megatron keeps them)
         and Adam's state for each of its parameters, under the parameter's local name
     expected/full/{model,exp_avg,exp_avg_sq}.safetensors
-        the torch_dist checkpoint loaded by Megatron into a TP1 PP1 model of the same shape
-        (global layer numbers, whole tensors): what a reader that joins the pieces must give
+        the torch_dist checkpoint loaded by Megatron into a TP1 PP1 EP1 model of the same shape
+        (global layer and expert numbers, whole tensors): what a reader that joins the pieces
+        must give; checkpoint_keys.json: each module name's checkpoint key (ShardedTensor.key),
+        prepended axes and offsets
     expected/meta.json
 What does not run on CPU and what the peer does instead is in tests/peers/README.md.
 """
@@ -31,7 +33,9 @@ import subprocess
 import sys
 
 CASES = {
-    "mcore_gpt_tp2_pp2": dict(tp=2, pp=2, layers=4),
+    "mcore_gpt_tp2_pp2": dict(tp=2, pp=2, ep=1, experts=0, layers=4),
+    # MoE: 4 experts on 2 expert-parallel ranks (TP 1, PP 1: DP 2 = EP 2)
+    "mcore_moe_ep2": dict(tp=1, pp=1, ep=2, experts=4, layers=2),
 }
 ORIG_VOCAB = 13  # padded by Megatron to a multiple of make_vocab_size_divisible_by * tp
 
@@ -74,7 +78,7 @@ def cpu_shims():
                                                                              total_memory=0)
 
 
-def megatron_args(case, world, save, fmt, tp, pp):
+def megatron_args(case, world, save, fmt, tp, pp, ep=1):
     from megatron.training.arguments import parse_args, validate_args
     sys.argv = [
         "pretrain_gpt.py", "--num-layers", str(case["layers"]), "--hidden-size", "8", "--ffn-hidden-size", "12",
@@ -90,6 +94,11 @@ def megatron_args(case, world, save, fmt, tp, pp):
         if False else "--bf16", "--dist-ckpt-strictness", "log_all"
     ]
     sys.argv.remove("--bf16")  # fp32 training: Megatron's mixed-precision optimizer is CUDA-only
+    if case["experts"]:
+        sys.argv += ["--num-experts", str(case["experts"]), "--expert-model-parallel-size", str(ep),
+                     "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12"]
+        i = sys.argv.index("--global-batch-size")
+        sys.argv[i + 1] = str(world // (tp * pp))
     args = parse_args()
     args.rank = int(os.environ.get("RANK", "0"))
     args.world_size = world
@@ -99,18 +108,20 @@ def megatron_args(case, world, save, fmt, tp, pp):
     return args
 
 
-def build(args, tp, pp):
+def build(args, tp, pp, ep=1):
     import torch
     from megatron.core import mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.arguments import core_transformer_config_from_args
-    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep)
     # use_cpu_initialization: every rank draws the full master weight from the same CPU generator
     # and keeps its piece, so the full weights do not depend on TP
     torch.manual_seed(1234)
     config = core_transformer_config_from_args(args)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                         num_experts=args.num_experts, moe_grouped_gemm=False, normalization="LayerNorm"),
                      vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                      pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
@@ -162,6 +173,8 @@ def synthetic_grads(model, step):
         split = getattr(p, "tensor_model_parallel", False)
         key = f"{n}|pp{mpu.get_pipeline_model_parallel_rank()}|{step}|"
         key += str(mpu.get_tensor_model_parallel_rank()) if split else "r"
+        if not getattr(p, "allreduce", True):  # expert parameter: its own on each EP rank
+            key += f"|ep{mpu.get_expert_model_parallel_rank()}"
         g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
         p.grad = torch.randn(p.shape, generator=g) * 0.1
 
@@ -173,14 +186,15 @@ def worker(case_name, outdir):
     tp, pp = case["tp"], case["pp"]
     world = int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group("gloo")
-    args = megatron_args(case, world, os.path.join(outdir, "torch_dist"), "torch_dist", tp, pp)
+    ep = case["ep"]
+    args = megatron_args(case, world, os.path.join(outdir, "torch_dist"), "torch_dist", tp, pp, ep)
     from megatron.training.global_vars import set_args
     from megatron.core import mpu
     set_args(args)
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
     init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
-    model = build(args, tp, pp)
+    model = build(args, tp, pp, ep)
     opt = make_optimizer(args, model)
     for step in range(2):
         synthetic_grads(model, step)
@@ -196,8 +210,9 @@ def worker(case_name, outdir):
     # what this rank holds
     import safetensors.torch as st
     t, p = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
-    sub = os.path.join(outdir, "expected", "local", f"tp{t}_pp{p}")
-    if mpu.get_data_parallel_rank() == 0:
+    e = mpu.get_expert_model_parallel_rank()
+    sub = os.path.join(outdir, "expected", "local", f"tp{t}_pp{p}" + (f"_ep{e}" if ep > 1 else ""))
+    if mpu.get_expert_data_parallel_rank() == 0:
         os.makedirs(sub, exist_ok=True)
         sd = {k: v for k, v in model.state_dict_for_save_checkpoint().items() if isinstance(v, torch.Tensor)}
         st.save_file({k: v.detach().clone().contiguous() for k, v in sd.items()},
@@ -237,9 +252,15 @@ def full_loader(case_name, outdir):
                    "global_offset": list(getattr(sh, "global_offset", []) or []),
                    "global_shape": list(getattr(sh, "global_shape", []) or [])}
     osd = opt.sharded_state_dict(msd, is_loading=True)
+    # the saved param groups follow the saving run's grouping (with EP, expert parameters have
+    # groups of their own); only the state tensors are taken, by the optimizer's parameter order
+    osd.pop("param_groups", None)
     loaded = dist_checkpointing.load({"model": msd, "optimizer": osd}, ck)
     model.load_state_dict(loaded["model"], strict=False)
-    opt.load_state_dict(loaded["optimizer"])
+    order = [q for g in opt.optimizer.param_groups for q in g["params"]]
+    for i, q in enumerate(order):
+        for k in ("exp_avg", "exp_avg_sq"):
+            opt.optimizer.state[q][k] = loaded["optimizer"]["state"][i][k]
     import safetensors.torch as st
     sub = os.path.join(outdir, "expected", "full")
     os.makedirs(sub, exist_ok=True)
@@ -276,7 +297,7 @@ def run_case(name, root):
     out = os.path.join(root, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    launch("--worker", name, out, case["tp"] * case["pp"], root)
+    launch("--worker", name, out, case["tp"] * case["pp"] * case["ep"], root)
     launch("--full", name, out, 1, root)
     meta = {"case": name, **case, "orig_vocab_size": ORIG_VOCAB, "megatron_commit": os.environ.get("PEER_MCORE_COMMIT", "?"),
             "torch_version": torch.__version__, "checks": []}
@@ -312,66 +333,97 @@ def global_name(local, pp_rank, layers_per_stage):
     return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{m.group(2)}"
 
 
-def join(pieces_by_rank, tp, pp, layers_per_stage):
-    """pieces_by_rank[(t, p)] = {local name: tensor} -> {global name: whole tensor}"""
+def global_expert_name(name, ep_rank, local_experts):
+    import re
+    m = re.match(r"(.*\.local_experts\.)(\d+)(\..*)", name)
+    if not m:
+        return name
+    return f"{m.group(1)}{int(m.group(2)) + ep_rank * local_experts}{m.group(3)}"
+
+
+def rank_dir(t, p, e, case):
+    return f"tp{t}_pp{p}" + (f"_ep{e}" if case["ep"] > 1 else "")
+
+
+def legacy_dir(t, p, e, case):
+    """megatron/training/checkpointing.py get_checkpoint_name"""
+    d = f"mp_rank_{t:02d}"
+    if case["pp"] > 1:
+        d += f"_{p:03d}"
+    if case["ep"] > 1:
+        d += f"_{e:03d}"
+    return d
+
+
+def join(pieces_by_rank, case):
+    """pieces_by_rank[(t, p, e)] = {local name: tensor} -> {global name: whole tensor}"""
     import torch
+    tp, pp, ep = case["tp"], case["pp"], case["ep"]
+    layers_per_stage = case["layers"] // pp
+    local_experts = case["experts"] // ep if case["experts"] else 0
     out = {}
     for p in range(pp):
-        for n in pieces_by_rank[(0, p)]:
-            parts = [pieces_by_rank[(t, p)][n] for t in range(tp)]
-            how, dim = join_rule(n)
-            if how == "cat":
-                whole = torch.cat(parts, dim)
-            elif how == "swiglu":
-                halves = [x.chunk(2, dim=0) for x in parts]
-                whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-            else:
-                for x in parts[1:]:
-                    assert torch.equal(x, parts[0]), f"replicated {n} differs across TP"
-                whole = parts[0]
-            out[global_name(n, p, layers_per_stage)] = whole
+        for e in range(ep):
+            for n in pieces_by_rank[(0, p, e)]:
+                parts = [pieces_by_rank[(t, p, e)][n] for t in range(tp)]
+                how, dim = join_rule(n)
+                if how == "cat":
+                    whole = torch.cat(parts, dim)
+                elif how == "swiglu":
+                    halves = [x.chunk(2, dim=0) for x in parts]
+                    whole = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+                else:
+                    for x in parts[1:]:
+                        assert torch.equal(x, parts[0]), f"replicated {n} differs across TP"
+                    whole = parts[0]
+                g = global_expert_name(global_name(n, p, layers_per_stage), e, local_experts)
+                if g in out:  # a non-expert tensor: the same on every EP rank
+                    assert torch.equal(out[g], whole), f"{g} differs across EP ranks"
+                out[g] = whole
     return out
 
 
 def verify(out, case):
     """The goldens against each other: the local pieces joined by the rules above equal what
-    Megatron's own load gives at TP1 PP1; the legacy files hold exactly the local pieces (model
-    and Adam state, the latter keyed by the parameter's index in the optimizer's groups)."""
+    Megatron's own load gives at TP1 PP1 EP1; the legacy files hold exactly the local pieces
+    (model and Adam state, the latter keyed by the parameter's index in the optimizer's groups)."""
     import torch
     import safetensors.torch as st
-    tp, pp, L = case["tp"], case["pp"], case["layers"] // case["pp"]
+    tp, pp, ep = case["tp"], case["pp"], case["ep"]
+    ranks = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]
     checks = []
     ex = os.path.join(out, "expected")
     for kind in ("model", "exp_avg", "exp_avg_sq"):
-        pieces = {(t, p): st.load_file(os.path.join(ex, "local", f"tp{t}_pp{p}", f"{kind}.safetensors"))
-                  for t in range(tp) for p in range(pp)}
-        whole = join(pieces, tp, pp, L)
+        pieces = {r: st.load_file(os.path.join(ex, "local", rank_dir(*r, case), f"{kind}.safetensors")) for r in ranks}
+        whole = join(pieces, case)
         full = st.load_file(os.path.join(ex, "full", f"{kind}.safetensors"))
         assert set(whole) == set(full), (set(whole) ^ set(full))
         for n in full:
             assert torch.equal(whole[n], full[n]), f"{kind} {n}: joined pieces != Megatron's TP1 PP1 load"
-    checks.append("local pieces (model, exp_avg, exp_avg_sq) joined by column/row/swiglu/replicated rules and"
-                  " global layer numbers == Megatron's dist_checkpointing.load at TP1 PP1 (bitwise)")
+    checks.append("local pieces (model, exp_avg, exp_avg_sq) joined by column/row/swiglu/replicated rules,"
+                  " global layer numbers" + (" and global expert numbers" if ep > 1 else "") +
+                  " == Megatron's dist_checkpointing.load at TP1 PP1 EP1 (bitwise)")
     with open(os.path.join(out, "legacy", "latest_checkpointed_iteration.txt")) as f:
         it = int(f.read())
-    for t in range(tp):
-        for p in range(pp):
-            sd = torch.load(os.path.join(out, "legacy", f"iter_{it:07d}", f"mp_rank_{t:02d}_{p:03d}",
-                                         "model_optim_rng.pt"), weights_only=False, map_location="cpu")
-            local = st.load_file(os.path.join(ex, "local", f"tp{t}_pp{p}", "model.safetensors"))
-            for n, v in local.items():
-                assert torch.equal(sd["model"][n], v), f"legacy tp{t} pp{p} {n}"
-            # the optimizer: torch's state_dict, parameters numbered in group order
-            osd = sd["optimizer"]
-            order = [i for g in osd["param_groups"] for i in g["params"]]
-            with open(os.path.join(ex, "local", f"tp{t}_pp{p}", "optimizer_param_order.json")) as f:
-                names = [n for g in json.load(f) for n in g]
-            assert len(order) == len(names)
-            for kind in ("exp_avg", "exp_avg_sq"):
-                want = st.load_file(os.path.join(ex, "local", f"tp{t}_pp{p}", f"{kind}.safetensors"))
-                for i, n in zip(order, names):
-                    assert torch.equal(osd["state"][i][kind], want[n]), f"legacy tp{t} pp{p} {kind} {n}"
-    checks.append("legacy mp_rank_TT_PPP/model_optim_rng.pt 'model' and 'optimizer' state (by group order) =="
+    for r in ranks:
+        sd = torch.load(os.path.join(out, "legacy", f"iter_{it:07d}", legacy_dir(*r, case), "model_optim_rng.pt"),
+                        weights_only=False, map_location="cpu")
+        local = st.load_file(os.path.join(ex, "local", rank_dir(*r, case), "model.safetensors"))
+        for n, v in local.items():
+            assert torch.equal(sd["model"][n], v), f"legacy {r} {n}"
+        # the optimizer: torch's state_dict, parameters numbered in group order
+        osd = sd["optimizer"]
+        order = [i for g in osd["param_groups"] for i in g["params"]]
+        with open(os.path.join(ex, "local", rank_dir(*r, case), "optimizer_param_order.json")) as f:
+            names = [n for g in json.load(f) for n in g]
+        assert len(order) == len(names)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            want = st.load_file(os.path.join(ex, "local", rank_dir(*r, case), f"{kind}.safetensors"))
+            for i, n in zip(order, names):
+                assert torch.equal(osd["state"][i][kind], want[n]), f"legacy {r} {kind} {n}"
+    pattern = "mp_rank_TT" + ("_PPP" if pp > 1 else "") + ("_EEE" if ep > 1 else "")
+    checks.append("legacy " + pattern +
+                  "/model_optim_rng.pt 'model' and 'optimizer' state (by group order) =="
                   " the rank's local pieces (bitwise)")
     return checks
 
