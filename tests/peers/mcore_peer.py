@@ -36,6 +36,9 @@ CASES = {
     "mcore_gpt_tp2_pp2": dict(tp=2, pp=2, ep=1, experts=0, layers=4),
     # MoE: 4 experts on 2 expert-parallel ranks (TP 1, PP 1: DP 2 = EP 2)
     "mcore_moe_ep2": dict(tp=1, pp=1, ep=2, experts=4, layers=2),
+    # Megatron's distributed optimizer (TP 2 x DP 2), saved as torch_dist dp_reshardable (the
+    # default), torch_dist fully_reshardable and legacy torch (distrib_optim.pt)
+    "mcore_distopt_tp2_dp2": dict(tp=2, pp=1, ep=1, experts=0, layers=2, dp=2, distopt=True),
 }
 ORIG_VOCAB = 13  # padded by Megatron to a multiple of make_vocab_size_divisible_by * tp
 
@@ -78,6 +81,48 @@ def cpu_shims():
                                                                              total_memory=0)
 
 
+def on_cpu():
+    """For Megatron's distributed optimizer and DDP (CUDA-only as written): inside this context,
+    tensors asked for on 'cuda' are made on the CPU, and Tensor.type() answers 'torch.cuda.X' for
+    a CPU tensor (DistributedOptimizer checks its parameters' type strings), and .cuda() is the
+    identity."""
+    import contextlib
+    import torch
+
+    @contextlib.contextmanager
+    def ctx():
+        saved = {n: getattr(torch, n) for n in ("tensor", "zeros", "empty", "ones", "full")}
+        real_type = torch.Tensor.type
+
+        def wrap(f):
+            def g(*a, **k):
+                if str(k.get("device", "")).startswith("cuda"):
+                    k["device"] = "cpu"
+                return f(*a, **k)
+            return g
+
+        def fake_type(self, *a, **k):
+            if a or k:
+                return real_type(self, *a, **k)
+            t = real_type(self)
+            return t if self.is_cuda else t.replace("torch.", "torch.cuda.", 1)
+
+        real_cuda = torch.Tensor.cuda
+        for n, f in saved.items():
+            setattr(torch, n, wrap(f))
+        torch.Tensor.type = fake_type
+        torch.Tensor.cuda = lambda self, *a, **k: self  # gathers for fully_reshardable
+        try:
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(torch, n, f)
+            torch.Tensor.type = real_type
+            torch.Tensor.cuda = real_cuda
+
+    return ctx()
+
+
 def megatron_args(case, world, save, fmt, tp, pp, ep=1):
     from megatron.training.arguments import parse_args, validate_args
     sys.argv = [
@@ -97,8 +142,8 @@ def megatron_args(case, world, save, fmt, tp, pp, ep=1):
     if case["experts"]:
         sys.argv += ["--num-experts", str(case["experts"]), "--expert-model-parallel-size", str(ep),
                      "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12"]
-        i = sys.argv.index("--global-batch-size")
-        sys.argv[i + 1] = str(world // (tp * pp))
+    i = sys.argv.index("--global-batch-size")
+    sys.argv[i + 1] = str(world // (tp * pp))  # one micro batch per DP rank
     args = parse_args()
     args.rank = int(os.environ.get("RANK", "0"))
     args.world_size = world
@@ -195,17 +240,49 @@ def worker(case_name, outdir):
     init_num_microbatches_calculator(args.rank, None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
     model = build(args, tp, pp, ep)
-    opt = make_optimizer(args, model)
-    for step in range(2):
-        synthetic_grads(model, step)
-        opt.step()
     from megatron.training.checkpointing import save_checkpoint
-    # Megatron's own save, twice: torch_dist, then the legacy torch format
-    save_checkpoint(2, [model], opt, None, 0)
-    args.ckpt_format = "torch"
-    args.use_dist_ckpt = False
-    args.save = os.path.join(outdir, "legacy")
-    save_checkpoint(2, [model], opt, None, 0)
+    if case.get("distopt"):
+        # Megatron's DDP (grad buffers) and DistributedOptimizer, as pretrain_gpt sets them up
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        args.use_distributed_optimizer = True
+        with on_cpu():
+            ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+                use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                overlap_param_gather=False), model)
+            ocfg = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0,
+                                   use_distributed_optimizer=True, params_dtype=torch.float32)
+            opt = get_megatron_optimizer(ocfg, [ddp])
+        for step in range(2):
+            # the gradient every DP rank would have after the reduce-scatter: written whole
+            synthetic_grads(model, step)
+            for q in model.parameters():
+                q.main_grad.copy_(q.grad)
+                q.grad = None
+            with on_cpu():
+                opt.step()
+        with on_cpu():
+            save_checkpoint(2, [ddp], opt, None, 0)  # dp_reshardable
+            args.dist_ckpt_optim_fully_reshardable = True
+            args.save = os.path.join(outdir, "torch_dist_fully_reshardable")
+            save_checkpoint(2, [ddp], opt, None, 0)
+            args.dist_ckpt_optim_fully_reshardable = False
+            args.ckpt_format = "torch"
+            args.use_dist_ckpt = False
+            args.save = os.path.join(outdir, "legacy")
+            save_checkpoint(2, [ddp], opt, None, 0)
+    else:
+        opt = make_optimizer(args, model)
+        for step in range(2):
+            synthetic_grads(model, step)
+            opt.step()
+        # Megatron's own save, twice: torch_dist, then the legacy torch format
+        save_checkpoint(2, [model], opt, None, 0)
+        args.ckpt_format = "torch"
+        args.use_dist_ckpt = False
+        args.save = os.path.join(outdir, "legacy")
+        save_checkpoint(2, [model], opt, None, 0)
 
     # what this rank holds
     import safetensors.torch as st
@@ -217,13 +294,14 @@ def worker(case_name, outdir):
         sd = {k: v for k, v in model.state_dict_for_save_checkpoint().items() if isinstance(v, torch.Tensor)}
         st.save_file({k: v.detach().clone().contiguous() for k, v in sd.items()},
                      os.path.join(sub, "model.safetensors"))
-        for key in ("exp_avg", "exp_avg_sq"):
-            st.save_file({n: opt.optimizer.state[q][key].clone().contiguous() for n, q in model.named_parameters()},
-                         os.path.join(sub, f"{key}.safetensors"))
-        # the legacy optimizer state numbers parameters in the order of the optimizer's groups
-        name_of = {id(q): n for n, q in model.named_parameters()}
-        with open(os.path.join(sub, "optimizer_param_order.json"), "w") as f:
-            json.dump([[name_of[id(q)] for q in g["params"]] for g in opt.optimizer.param_groups], f, indent=0)
+        if not case.get("distopt"):
+            for key in ("exp_avg", "exp_avg_sq"):
+                st.save_file({n: opt.optimizer.state[q][key].clone().contiguous()
+                              for n, q in model.named_parameters()}, os.path.join(sub, f"{key}.safetensors"))
+            # the legacy optimizer state numbers parameters in the order of the optimizer's groups
+            name_of = {id(q): n for n, q in model.named_parameters()}
+            with open(os.path.join(sub, "optimizer_param_order.json"), "w") as f:
+                json.dump([[name_of[id(q)] for q in g["params"]] for g in opt.optimizer.param_groups], f, indent=0)
     torch.distributed.barrier()
 
 
@@ -239,9 +317,10 @@ def full_loader(case_name, outdir):
     model = build(args, 1, 1)
     opt = make_optimizer(args, model)
     from megatron.core import dist_checkpointing
-    with open(os.path.join(outdir, "torch_dist", "latest_checkpointed_iteration.txt")) as f:
+    src = "torch_dist_fully_reshardable" if case.get("distopt") else "torch_dist"
+    with open(os.path.join(outdir, src, "latest_checkpointed_iteration.txt")) as f:
         it = int(f.read().strip())
-    ck = os.path.join(outdir, "torch_dist", f"iter_{it:07d}")
+    ck = os.path.join(outdir, src, f"iter_{it:07d}")
     msd = model.sharded_state_dict()
     # the checkpoint's own key for each model tensor (Megatron's ShardedTensor.key: no layer
     # number, TE-style names for the local spec's layer norms) and the prepended (layer) axis
@@ -297,7 +376,7 @@ def run_case(name, root):
     out = os.path.join(root, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    launch("--worker", name, out, case["tp"] * case["pp"] * case["ep"], root)
+    launch("--worker", name, out, case["tp"] * case["pp"] * case["ep"] * case.get("dp", 1), root)
     launch("--full", name, out, 1, root)
     meta = {"case": name, **case, "orig_vocab_size": ORIG_VOCAB, "megatron_commit": os.environ.get("PEER_MCORE_COMMIT", "?"),
             "torch_version": torch.__version__, "checks": []}
@@ -393,14 +472,15 @@ def verify(out, case):
     ranks = [(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)]
     checks = []
     ex = os.path.join(out, "expected")
-    for kind in ("model", "exp_avg", "exp_avg_sq"):
+    kinds = ("model",) if case.get("distopt") else ("model", "exp_avg", "exp_avg_sq")
+    for kind in kinds:
         pieces = {r: st.load_file(os.path.join(ex, "local", rank_dir(*r, case), f"{kind}.safetensors")) for r in ranks}
         whole = join(pieces, case)
         full = st.load_file(os.path.join(ex, "full", f"{kind}.safetensors"))
         assert set(whole) == set(full), (set(whole) ^ set(full))
         for n in full:
             assert torch.equal(whole[n], full[n]), f"{kind} {n}: joined pieces != Megatron's TP1 PP1 load"
-    checks.append("local pieces (model, exp_avg, exp_avg_sq) joined by column/row/swiglu/replicated rules,"
+    checks.append("local pieces (" + ", ".join(kinds) + ") joined by column/row/swiglu/replicated rules,"
                   " global layer numbers" + (" and global expert numbers" if ep > 1 else "") +
                   " == Megatron's dist_checkpointing.load at TP1 PP1 EP1 (bitwise)")
     with open(os.path.join(out, "legacy", "latest_checkpointed_iteration.txt")) as f:
@@ -411,6 +491,8 @@ def verify(out, case):
         local = st.load_file(os.path.join(ex, "local", rank_dir(*r, case), "model.safetensors"))
         for n, v in local.items():
             assert torch.equal(sd["model"][n], v), f"legacy {r} {n}"
+        if case.get("distopt"):
+            continue  # the optimizer is in distrib_optim.pt, in the DistributedOptimizer's buckets
         # the optimizer: torch's state_dict, parameters numbered in group order
         osd = sd["optimizer"]
         order = [i for g in osd["param_groups"] for i in g["params"]]
@@ -422,9 +504,13 @@ def verify(out, case):
             for i, n in zip(order, names):
                 assert torch.equal(osd["state"][i][kind], want[n]), f"legacy {r} {kind} {n}"
     pattern = "mp_rank_TT" + ("_PPP" if pp > 1 else "") + ("_EEE" if ep > 1 else "")
-    checks.append("legacy " + pattern +
-                  "/model_optim_rng.pt 'model' and 'optimizer' state (by group order) =="
-                  " the rank's local pieces (bitwise)")
+    checks.append("legacy " + pattern + ("/model_optim_rng.pt 'model' ==" if case.get("distopt") else
+                                         "/model_optim_rng.pt 'model' and 'optimizer' state (by group order) ==")
+                  + " the rank's local pieces (bitwise)")
+    if case.get("distopt"):
+        full = st.load_file(os.path.join(ex, "full", "exp_avg.safetensors"))
+        assert all(t.abs().sum() > 0 for t in full.values()), "fully_reshardable exp_avg has zeros"
+        checks.append("exp_avg/exp_avg_sq: Megatron's load of torch_dist_fully_reshardable at TP1 (no DP)")
     return checks
 
 

@@ -224,6 +224,10 @@ def check_mcore(case_dir):
     ckdir = os.path.join(td, f"iter_{it:07d}")
     assert json.load(open(os.path.join(ckdir, "metadata.json")))["sharded_backend"] == "torch_dist"
     tensors = dcp_tensors(ckdir)
+    # with the distributed optimizer, torch_dist (dp_reshardable) holds the optimizer as opaque
+    # buckets; the per-parameter form is in the fully_reshardable save
+    fr = os.path.join(case_dir, "torch_dist_fully_reshardable", f"iter_{it:07d}")
+    opt_tensors = dcp_tensors(fr) if os.path.isdir(fr) else tensors
     keys = json.load(open(os.path.join(case_dir, "expected", "full", "checkpoint_keys.json")))
     n_checked = 0
     for kind, prefix in (("model", ""), ("exp_avg", "optimizer.state.exp_avg."),
@@ -231,7 +235,7 @@ def check_mcore(case_dir):
         exp = st.load_file(os.path.join(case_dir, "expected", "full", f"{kind}.safetensors"))
         for n, t in exp.items():
             info = keys[n]
-            whole = tensors[prefix + info["key"]]
+            whole = (opt_tensors if prefix else tensors)[prefix + info["key"]]
             # leading indices: the prepended axes (layer; layer and expert), from the module name
             idx = [int(x) for x in re.findall(r"\.layers\.(\d+)\.", n)]
             idx += [int(x) for x in re.findall(r"\.local_experts\.(\d+)\.", n)]
@@ -259,6 +263,25 @@ def legacy_param_order(model_sd, param_groups):
     return [[n for n in names if kind(n) == (g["wd_mult"], g["is_expert_parallel"])] for g in param_groups]
 
 
+def distrib_optim_by_param(dopt, model, kind, align=64):
+    """legacy distrib_optim.pt: {'buckets_coalesced': True, gbuf_idx: {(param dtype, grad dtype):
+    {'param', 'exp_avg', 'exp_avg_sq': 1-D, 'numel_unpadded'}}}, the DP-gathered buffer of one TP
+    rank. Megatron's grad buffer lays the parameters out in REVERSE model order, each start
+    aligned to `align` elements (megatron.md §2.4). One buffer, one bucket assumed."""
+    assert dopt["buckets_coalesced"] is True
+    (buf,) = [v for k, v in dopt.items() if k != "buckets_coalesced"]
+    (state,) = buf.values()
+    flat = state[kind]
+    out, off = {}, 0
+    for n in reversed(list(model)):
+        off = -(-off // align) * align
+        numel = model[n].numel()
+        out[n] = flat[off:off + numel].view(model[n].shape)
+        off += numel
+    assert off <= state["numel_unpadded"], (off, state["numel_unpadded"])
+    return out
+
+
 def check_mcore_legacy(case_dir):
     """legacy mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt joined by megatron.md §3.1"""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -273,6 +296,11 @@ def check_mcore_legacy(case_dir):
         sd = load(os.path.join(lg, f"iter_{it:07d}", legacy_dir(*r, case), "model_optim_rng.pt"))
         model = {n: v for n, v in sd["model"].items() if isinstance(v, torch.Tensor)}
         pieces["model"][r] = model
+        if case.get("distopt"):
+            dopt = load(os.path.join(lg, f"iter_{it:07d}", legacy_dir(*r, case), "distrib_optim.pt"))
+            for k in ("exp_avg", "exp_avg_sq"):
+                pieces[k][r] = distrib_optim_by_param(dopt, model, k)
+            continue
         osd = sd["optimizer"]
         order = legacy_param_order(model, osd["param_groups"])
         for g, names in zip(osd["param_groups"], order):
@@ -287,7 +315,8 @@ def check_mcore_legacy(case_dir):
         for n, t in exp.items():
             same(whole[n], t, f"{name} legacy {k} {n}")
     return ["legacy: model and Adam state joined (TP rules, stage layer offsets, expert numbers), optimizer"
-            " numbering by Megatron's grouping rule"]
+            + (" state from distrib_optim.pt buckets (reverse order, 64-element aligned starts)" if case.get("distopt")
+               else " numbering by Megatron's grouping rule")]
 
 
 def main():
