@@ -8,7 +8,8 @@
 #   scripts/env-debian13.sh path              print the root's path
 #
 # GROUP: base (python3-torch, python3-safetensors: the Python peer), build (g++ 14, libtorch-dev,
-# Boost, simdjson, doctest, meson, ...), moto (python3-moto). `make` with no group installs base.
+# Boost, simdjson, doctest, meson, ...), moto (python3-moto), peers (base and what DeepSpeed's and
+# Megatron-LM's sources import: tests/peers/). `make` with no group installs base.
 # Each group is installed once (a marker file per group, holding its package list: a list that
 # changes is installed again), so a leg installs only what it needs.
 #
@@ -46,7 +47,11 @@ group_packages() {
     build) echo g++ make meson ninja-build pkg-config cmake libtorch-dev libgloo-dev libsimdjson-dev \
              libxxhash-dev libboost-dev doctest-dev libssl-dev libcli11-dev libre2-dev python3 ;;
     moto) echo python3-moto ;;
-    *) die "unknown package group '$1' (base, build, moto)" ;;
+    # the trainers run as peers (tests/peers/): DeepSpeed's and Megatron-LM's imports
+    peers) echo python3-torch python3-safetensors python3-numpy python3-hjson python3-msgpack \
+             python3-psutil python3-cpuinfo python3-pydantic python3-einops python3-tqdm \
+             python3-packaging python3-yaml python3-regex ;;
+    *) die "unknown package group '$1' (base, build, moto, peers)" ;;
   esac
 }
 
