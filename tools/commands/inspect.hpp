@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../input.hpp"
@@ -39,7 +40,7 @@ int inspect_file(const input<D>& in) {
       (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
       (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
   for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
-  print_rows(title, rows);
+  print_rows(title, std::move(rows));  // moved, not copied: a million rows are held once
   return 0;
 }
 
@@ -57,7 +58,7 @@ int inspect_whole_files(const input<D>& in) {
                  (h.torch_bin ? "torch.save files (" + h.described_by + "), " : std::string()) +
                  std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
                  std::to_string(h.tensor_bytes()) + " bytes",
-             rows);
+             std::move(rows));
   return 0;
 }
 
@@ -100,7 +101,7 @@ int cmd_inspect(const input<D>& in) {
                  (foreign ? ", " + std::to_string(foreign) + " tensor(s) of a dtype shardsafe has no type for" : "") +
                  (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
                  (writer.empty() ? "" : ", written by " + writer),
-             rows);
+             std::move(rows));
   return 0;
 }
 

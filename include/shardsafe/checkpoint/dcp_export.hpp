@@ -27,12 +27,15 @@
 // offsets (a local folder).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "shardsafe/checkpoint/layout.hpp"
@@ -69,7 +72,7 @@ namespace detail {
 template <ReadableDirectory S>
 struct dcp_export_item {
   std::string key;  ///< before renaming
-  pickle_value path;
+  pickle_value path;  ///< its path in the nested state dict; None for (key,), what .metadata gives a key without one
   checkpoint_reader<S>* reader = nullptr;  ///< a tensor or an item: where it is
   std::string source_key;
   pickle_value value;   ///< a value (reader == nullptr)
@@ -142,9 +145,9 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       continue;
     }
     const bool model = src.prefix == std::string(model_folder_name) + "/";
-    auto path_of = [&](const std::string& key) {  // a DCP source's own path, else (key,)
+    auto path_of = [&](const std::string& key) {  // a DCP source's own path, else None: (key,)
       const pickle_value* p = r.path_in_state_dict(key);
-      return p ? *p : pickle_value::tuple({str(key)});
+      return p ? *p : pickle_value::none();
     };
     auto kept = [&](const std::string& key) {  // before renaming
       return model || !opt.model_only || key.starts_with("model.");
@@ -182,18 +185,40 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
   if (!out.list().empty())
     fail(errc::already_exists, oname + ": not empty; an export writes into a new or empty folder");
   auto items = detail::dcp_export_items(sources, opt);
-  std::vector<std::string> names;
-  std::map<std::string, std::size_t> by_name;
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    if (!by_name.emplace(items[i].key, i).second)
-      fail(errc::invalid_argument, oname + ": the sources give '" + items[i].key + "' twice");
-    names.push_back(items[i].key);
-  }
+  // the items by key, in a sorted vector of their indices (a map of a million keys held each
+  // key again in a node: issue 53); a key given twice is refused
+  std::vector<std::size_t> by_name(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) by_name[i] = i;
+  std::stable_sort(by_name.begin(), by_name.end(),
+                   [&](std::size_t a, std::size_t b) { return items[a].key < items[b].key; });
+  for (std::size_t i = 1; i < by_name.size(); ++i)
+    if (items[by_name[i - 1]].key == items[by_name[i]].key)
+      fail(errc::invalid_argument, oname + ": the sources give '" + items[by_name[i]].key + "' twice");
+  auto index_of = [&](std::string_view key) {  // of a key the items hold
+    return *std::lower_bound(by_name.begin(), by_name.end(), key,
+                             [&](std::size_t i, std::string_view k) { return items[i].key < k; });
+  };
   // a tensor without a name is refused, not left out; then an export that would export nothing
   for (const auto& it : items)
     if (it.tensor()) detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname);
-  const auto renamed = rename_keys(names, opt.rename, oname + ": rename");  // new name -> old, sorted
-  if (renamed.empty() && !items.empty()) detail::refuse_export_of_nothing(names, opt.rename, oname, "keys", "");
+  // new name -> item, sorted by new name (rename_keys' rules; without rules each key is its own
+  // new name, and "" is left out as rename_keys leaves it)
+  std::map<std::string, std::string> renamed_keys;
+  std::vector<std::pair<std::string_view, std::size_t>> renamed;
+  if (opt.rename.empty()) {
+    for (const std::size_t i : by_name)
+      if (!items[i].key.empty()) renamed.emplace_back(items[i].key, i);
+  } else {
+    std::vector<std::string> names;
+    for (const auto& it : items) names.push_back(it.key);
+    renamed_keys = rename_keys(names, opt.rename, oname + ": rename");
+    for (const auto& [to, from] : renamed_keys) renamed.emplace_back(to, index_of(from));
+  }
+  if (renamed.empty() && !items.empty()) {
+    std::vector<std::string> names;
+    for (const auto& it : items) names.push_back(it.key);
+    detail::refuse_export_of_nothing(names, opt.rename, oname, "keys", "");
+  }
 
   // the layout: values first, then each tensor as one chunk
   const std::string file = dcp_data_file_name(0);
@@ -204,24 +229,33 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     torch_tensor_archive archive;
     std::uint64_t at;
   };
-  std::vector<std::pair<std::uint64_t, std::string>> values;  // offset, archive
+  // a DCP item's archive goes across byte for byte (torch.save may have pickled any object); an
+  // archive is made here for its size and again when written, so that a million values are not
+  // held at once (issue 53)
+  auto archive_of = [](const detail::dcp_export_item<S>& it) {
+    return it.object ? it.reader->read_object_archive(it.source_key) : torch_value_archive(pickle_dumps(it.value));
+  };
+  std::vector<std::pair<std::uint64_t, const detail::dcp_export_item<S>*>> values;  // offset, item
   std::vector<tensor_out> tensors;
   std::uint64_t at = 0;
-  for (const auto& [to, from] : renamed) {
-    const auto& it = items[by_name.at(from)];
-    paths[to] = to == from ? it.path : pickle_value::tuple({pickle_value::string(to)});
+  for (const auto& [to_view, index] : renamed) {
+    const std::string to(to_view);
+    const auto& it = items[index];
+    const std::string& from = it.key;
+    // a renamed key's path is (to,), which .metadata gives a key without one: only the other
+    // paths are held (a million (key,) tuples were about 250 bytes each, issue 53)
+    if (to == from && !it.path.is_none()) paths.emplace(to, it.path);
     if (it.tensor()) continue;
-    // a DCP item's archive goes across byte for byte (torch.save may have pickled any object)
-    std::string a =
-        it.object ? it.reader->read_object_archive(it.source_key) : torch_value_archive(pickle_dumps(it.value));
+    const std::uint64_t size = archive_of(it).size();
     dcp_item& d = md.items[to];
     d.is_bytes = true;
-    d.bytes = {file, at, a.size()};
-    at += a.size();
-    values.emplace_back(d.bytes.offset, std::move(a));
+    d.bytes = {file, at, size};
+    values.emplace_back(at, &it);
+    at += size;
   }
-  for (const auto& [to, from] : renamed) {
-    const auto& it = items[by_name.at(from)];
+  for (const auto& [to_view, index] : renamed) {
+    const std::string to(to_view);
+    const auto& it = items[index];
     if (!it.tensor()) continue;
     const tensor_metadata* tm = it.reader->find(it.source_key);
     require_byte_sized(tm->type, std::string(it.reader->directory().name()) + ": tensor '" + it.source_key + "'");
@@ -241,7 +275,7 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     auto put = [&](std::uint64_t off, std::string_view s) {
       w.write_at(off, std::as_bytes(std::span<const char>(s.data(), s.size())));
     };
-    for (const auto& [off, a] : values) put(off, a);
+    for (const auto& [off, it] : values) put(off, archive_of(*it));
     unshard_options uo;
     uo.chunk_bytes = opt.chunk_bytes;
     for (const auto& t : tensors) {
@@ -262,7 +296,17 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
   });
   st.tensors = tensors.size();
   st.objects = values.size();
-  write_text(out, dcp_metadata_file_name, write_dcp_metadata(md, paths));  // the commit mark, last
+  // the commit mark, last: written as it is made (a million items' .metadata is hundreds of MB)
+  auto mw = out.create(dcp_metadata_file_name);
+  detail::abort_on_failure(mw, [&] {
+    std::uint64_t off = 0;
+    write_dcp_metadata(md, paths, [&](std::string_view piece) {
+      mw.write_at(off, std::as_bytes(std::span<const char>(piece.data(), piece.size())));
+      off += piece.size();
+    });
+    mw.sync();
+    mw.commit();
+  });
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

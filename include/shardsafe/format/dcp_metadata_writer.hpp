@@ -19,7 +19,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -81,6 +83,10 @@ inline void pickle_storage_info(std::string& out, const dcp_storage_info& s) {
 /// path tuple; keys it lacks get (key,). Offsets and lengths must fit 63 bits (checked).
 SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
                                               const std::map<std::string, pickle_value>& planner_data = {});
+/// The same bytes handed to `sink` in pieces of about 4 MiB, in order, as they are made: a
+/// `.metadata` of a million items (hundreds of MB) is never held whole.
+SHARDSAFE_DECL void write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data,
+                                       const std::function<void(std::string_view)>& sink);
 
 }  // namespace shardsafe
 

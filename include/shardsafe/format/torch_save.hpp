@@ -125,7 +125,10 @@ torch_save_index index_torch_save_file(const S& st) {
     }
   if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
   const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);   // "PREFIX/"
-  std::map<std::string, const detail::zip_entry*, std::less<>> storages;  // KEY -> record
+  // KEY -> record, sorted by KEY (the first record of a KEY named twice): views into dir's names,
+  // 24 bytes a record where a map of strings took about 100 (2^20 records, issue 53)
+  using keyed = std::pair<std::string_view, const detail::zip_entry*>;
+  std::vector<keyed> storages;
   const detail::zip_entry* version = nullptr;  // the record torch reads: .data/version first, else version
   for (const auto& e : dir.entries) {
     if (e.name == prefix + ".data/version" || (e.name == prefix + "version" && !version)) version = &e;
@@ -137,8 +140,17 @@ torch_save_index index_torch_save_file(const S& st) {
         bad("record '" + e.name + "' says the storages are '" + order + "' endian; only little-endian files are read");
     }
     if (e.name.starts_with(prefix + "data/") && e.name.size() > prefix.size() + 5)
-      storages.emplace(e.name.substr(prefix.size() + 5), &e);
+      storages.emplace_back(std::string_view(e.name).substr(prefix.size() + 5), &e);
   }
+  std::stable_sort(storages.begin(), storages.end(), [](const keyed& a, const keyed& b) { return a.first < b.first; });
+  storages.erase(std::unique(storages.begin(), storages.end(),
+                             [](const keyed& a, const keyed& b) { return a.first == b.first; }),
+                 storages.end());
+  auto storage_record = [&](std::string_view key) -> const detail::zip_entry* {
+    const auto it = std::lower_bound(storages.begin(), storages.end(), key,
+                                     [](const keyed& a, std::string_view k) { return a.first < k; });
+    return it != storages.end() && it->first == key ? it->second : nullptr;
+  };
   if (!version) bad("holds no " + prefix + "version record: torch refuses an archive without its format version");
   {
     const torch_zip_record r = detail::place_zip_record(*version, dir.at, read_at, bad);
@@ -165,38 +177,54 @@ torch_save_index index_torch_save_file(const S& st) {
   // The storages the tensors use, placed in the archive's order through a 64 KiB window: a
   // small record's successor lies in the same window (40,000 storages of 64 bytes: 117 reads in
   // all, not 40,000 requests over HTTP); a large record's header is read alone.
-  std::vector<const detail::zip_entry*> used;
+  // (KEY, record) of each storage a persistent id names, sorted by KEY as `storages` is, each
+  // record's data offset found once; its name and size are its zip_entry's (place_zip_record)
+  struct placed_storage {
+    std::string_view key;
+    const detail::zip_entry* e;
+    std::uint64_t data_offset;
+  };
+  std::vector<placed_storage> placed;
   for (const auto& id : sd.storages)
-    if (const auto s = storages.find(id.first); s != storages.end()) used.push_back(s->second);
-  std::sort(used.begin(), used.end(),
-            [](const detail::zip_entry* a, const detail::zip_entry* b) { return a->local < b->local; });
-  detail::read_window<decltype(read_at)> headers{read_at, {}, 0};
-  bool small = false;
-  auto header_read = [&](std::uint64_t off, std::size_t n) { return headers(off, n, dir.at, small); };
-  std::map<std::string_view, torch_zip_record> placed;
-  for (const detail::zip_entry* e : used) {
-    small = e->usize < (64 << 10);
-    placed.emplace(std::string_view(e->name).substr(prefix.size() + 5),
-                   detail::place_zip_record(*e, dir.at, header_read, bad));
+    if (const detail::zip_entry* e = storage_record(id.first))
+      placed.push_back({std::string_view(e->name).substr(prefix.size() + 5), e, 0});
+  {
+    std::vector<placed_storage*> by_place(placed.size());
+    for (std::size_t i = 0; i < placed.size(); ++i) by_place[i] = &placed[i];
+    std::sort(by_place.begin(), by_place.end(),
+              [](const placed_storage* a, const placed_storage* b) { return a->e->local < b->e->local; });
+    detail::read_window<decltype(read_at)> headers{read_at, {}, 0};
+    bool small = false;
+    auto header_read = [&](std::uint64_t off, std::size_t n) { return headers(off, n, dir.at, small); };
+    for (placed_storage* p : by_place) {
+      small = p->e->usize < (64 << 10);
+      p->data_offset = detail::place_zip_record(*p->e, dir.at, header_read, bad).data_offset;
+    }
   }
+  // sd.storages is a map: its keys, and so `placed`, are sorted
+  auto placed_at = [&](std::string_view key) -> const placed_storage* {
+    const auto it = std::lower_bound(placed.begin(), placed.end(), key,
+                                     [](const placed_storage& a, std::string_view k) { return a.key < k; });
+    return it != placed.end() && it->key == key ? &*it : nullptr;
+  };
   const auto ids = std::move(sd.storages);
   torch_save_index x = detail::index_state_dict_tensors(
-      file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
-        const auto pl = placed.find(key);
-        if (pl == placed.end()) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
-        return pl->second;
+      file, st.size(), std::move(sd), [&](const std::string& key, auto& tbad) -> torch_zip_record {
+        const placed_storage* pl = placed_at(key);
+        if (!pl) tbad("its storage '" + key + "' has no record '" + prefix + "data/" + key + "'");
+        return torch_zip_record{pl->e->name, pl->data_offset, pl->e->usize};
       });
   // a persistent id no tensor holds still makes torch load its storage: without its record, or
   // with one of another size, torch.load refuses the file
   for (const auto& [key, id] : ids) {
-    const auto pl = placed.find(key);
+    const placed_storage* pl = placed_at(key);
     const auto type = torch_tensor_pickle_policy::storage_type_of(id.type);
     const auto bytes = type ? detail::checked_mul(id.numel, *type ? item_size(**type) : 1) : std::nullopt;
-    if (pl == placed.end() || !bytes || *bytes != pl->second.size)
+    if (!pl || !bytes || *bytes != pl->e->usize)
       bad("storage '" + key + "' (its persistent id at byte " + std::to_string(id.at) +
           " of data.pkl: " + std::to_string(id.numel) + " of " + id.type + ") has " +
-          (pl == placed.end() ? "no record '" + prefix + "data/" + key + "'"
-                              : "a record of " + std::to_string(pl->second.size) + " bytes") +
+          (!pl ? "no record '" + prefix + "data/" + key + "'"
+               : "a record of " + std::to_string(pl->e->usize) + " bytes") +
           " (torch.load would refuse the file)");
   }
   return x;

@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <vector>
 
 #include "shardsafe/core/dtype.hpp"
@@ -169,7 +170,16 @@ torch_save_index index_torch_save_legacy(const S& st) {
   }
   // each storage's bytes, in the listed order: its elements of the type its first persistent id
   // gives (where it stands: torch reads every listed storage, a tensor's or not)
-  std::map<std::string, torch_zip_record, std::less<>> storages;
+  // (KEY, where its bytes start, their size), sorted by KEY once all are placed: 32 bytes a
+  // storage, where a map of records took about 150; a record is made when a tensor asks (2^20
+  // storages, issue 53)
+  struct placed_storage {
+    std::string_view key;
+    std::uint64_t at, size;
+  };
+  std::vector<placed_storage> storages;
+  storages.reserve(p.keys.size());
+  std::unordered_set<std::string_view> listed;
   read_window<decltype(read_at)> sizes{read_at, {}, 0};  // 64 KiB at a time: small storages lie close together
   std::uint64_t pos = p.data;
   for (const std::string& key : p.keys) {
@@ -189,15 +199,21 @@ torch_save_index index_torch_save_legacy(const S& st) {
     if (!bytes || *bytes > st.size() - pos - 8)
       bad(rec + ": its " + std::to_string(numel) + " elements at byte " + std::to_string(pos + 8) +
           " run past the file's end (" + std::to_string(st.size()) + " bytes: truncated?)");
-    if (!storages.try_emplace(key, torch_zip_record{rec, pos + 8, *bytes}).second) bad(rec + " is listed twice");
+    if (!listed.insert(key).second) bad(rec + " is listed twice");
+    storages.push_back({key, pos + 8, *bytes});
     pos += 8 + *bytes;
   }
+  listed = {};
+  std::sort(storages.begin(), storages.end(),  // keys distinct
+            [](const placed_storage& a, const placed_storage& b) { return a.key < b.key; });
   return index_state_dict_tensors(file, st.size(), std::move(p.sd),
-                                  [&](const std::string& key, auto& tbad) -> const torch_zip_record& {
-                                    const auto s = storages.find(key);
-                                    if (s == storages.end())
+                                  [&](const std::string& key, auto& tbad) -> torch_zip_record {
+                                    const auto s = std::lower_bound(
+                                        storages.begin(), storages.end(), std::string_view(key),
+                                        [](const placed_storage& a, std::string_view k) { return a.key < k; });
+                                    if (s == storages.end() || s->key != key)
                                       tbad("its storage '" + key + "' is not in the file's storage list");
-                                    return s->second;
+                                    return torch_zip_record{"storage '" + key + "'", s->at, s->size};
                                   });
 }
 

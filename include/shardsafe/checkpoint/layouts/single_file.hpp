@@ -54,7 +54,9 @@ struct torch_save_file_layout {
   static checkpoint_source<D> open_file(const D&, const std::string& name, typename D::reader_type st) {
     torch_save_index x = index_torch_save_file(st);
     checkpoint_source<D> s;
+    s.non_tensors.reserve(x.values.size());  // a million values: no vector grown twice their size
     for (auto& v : x.values) s.non_tensors.push_back({v.name, name, 0, 0, std::move(v)});  // by name already
+    x.values = {};
     s.paths = std::move(x.paths);
     return detail::whole_file_source<D>(info, name, std::move(st), std::move(x.header), std::move(s));
   }

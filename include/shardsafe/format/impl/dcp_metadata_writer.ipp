@@ -7,8 +7,21 @@ namespace shardsafe {
 
 SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
                                               const std::map<std::string, pickle_value>& planner_data) {
+  std::string all;
+  write_dcp_metadata(md, planner_data, [&](std::string_view piece) { all += piece; });
+  return all;
+}
+
+SHARDSAFE_DECL void write_dcp_metadata(const dcp_metadata& md, const std::map<std::string, pickle_value>& planner_data,
+                                       const std::function<void(std::string_view)>& sink) {
   using namespace detail;
   std::string out = "\x80\x02";
+  // each dict entry is appended to out whole; out goes to the sink once it passes 4 MiB
+  auto flush = [&](std::size_t above) {
+    if (out.size() <= above) return;
+    sink(out);
+    out.clear();
+  };
   pickle_new(out, dcp_meta_module, "Metadata");
   out += "}(";  // its state: three entries, set by one SETITEMS
   // state_dict_metadata
@@ -16,6 +29,7 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
   std::vector<const std::pair<const std::string, dcp_item>*> items;
   for (const auto& kv : md.items) items.push_back(&kv);
   pickle_dict_entries(out, items.size(), [&](std::size_t i) {
+    flush(std::size_t(4) << 20);
     const auto& [key, item] = *items[i];
     pickle_str(out, key);
     if (item.is_bytes) {
@@ -65,6 +79,7 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
   // planner_data
   pickle_str(out, "planner_data");
   pickle_dict_entries(out, items.size(), [&](std::size_t i) {
+    flush(std::size_t(4) << 20);
     const std::string& key = items[i]->first;
     pickle_str(out, key);
     auto it = planner_data.find(key);
@@ -91,6 +106,7 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
       fail(errc::invalid_argument, "DCP .metadata: '" + *e.key + "': offset or length past 63 bits");
   pickle_str(out, "storage_data");
   pickle_dict_entries(out, entries.size(), [&](std::size_t i) {
+    flush(std::size_t(4) << 20);
     const entry& e = entries[i];
     pickle_new(out, dcp_meta_module, "MetadataIndex");
     out += "}(";
@@ -109,7 +125,7 @@ SHARDSAFE_DECL std::string write_dcp_metadata(const dcp_metadata& md,
     pickle_storage_info(out, *e.where);
   });
   out += "ub.";
-  return out;
+  flush(0);
 }
 
 }  // namespace shardsafe
