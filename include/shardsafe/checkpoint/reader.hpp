@@ -210,11 +210,11 @@ class checkpoint_files {
       const std::uint64_t most =
           std::min(max_metadata_size, detail::checksum_table_bound(of[i]->header, cs.block_bytes));
       if (st.size() > most)
-        fail(errc::invalid_metadata,
-             std::string(st.name()) + ": " + std::to_string(st.size()) + " bytes, more than the checksums of " +
-                 todo[i] + " can need (" + std::to_string(of[i]->header.tensors.size()) + " tensors in blocks of " +
-                 std::to_string(cs.block_bytes) + " bytes: at most " + std::to_string(most) +
-                 " bytes, 64 a hash; docs/FORMAT.md §2)");
+        fail(errc::invalid_metadata, std::string(st.name()) + ": " + std::to_string(st.size()) +
+                                         " bytes, more than the checksums of " + todo[i] + " can need (" +
+                                         std::to_string(of[i]->header.tensors.size()) + " tensors in blocks of " +
+                                         std::to_string(cs.block_bytes) + " bytes: at most " + std::to_string(most) +
+                                         " bytes, 64 a hash; docs/FORMAT.md §2)");
       const std::string text = read_text(st, most, text_kind::json);
       detail::json_document doc(text, std::string(st.name()), &text);
       got[i] = detail::parse_checksum_table(doc.root("not an object of tensors"), std::string(st.name()));

@@ -34,7 +34,7 @@ inline constexpr std::uint64_t max_pickle_line = std::uint64_t(64) << 10;
 class pickle_scanner {
  public:
   struct result {
-    bool ends = false;       ///< true: the pickle is bytes [0, at); false: scan again with `at` bytes or more
+    bool ends = false;  ///< true: the pickle is bytes [0, at); false: scan again with `at` bytes or more
     std::uint64_t at = 0;
   };
 
@@ -56,14 +56,50 @@ class pickle_scanner {
                      " lies inside a FRAME that runs to byte " + std::to_string(frame_end_) +
                      " (Python reads a frame whole, so what follows STOP there is not where it would be)");
           return {true, at + 1};
-        case '(': case '0': case '1': case '2': case 'N': case 'R': case 'a': case 'b': case 'd': case '}':
-        case 'e': case 'l': case ']': case 'o': case 's': case 't': case ')': case 'u': case 'Q': case 0x81:
-        case 0x85: case 0x86: case 0x87: case 0x88: case 0x89: case 0x8f: case 0x90: case 0x91: case 0x92:
-        case 0x93: case 0x94: case 0x97: case 0x98:
-          break;
-        case 'K': case 'h': case 'q': case 0x80: case 0x82: arg = 1; break;
-        case 'M': case 0x83: arg = 2; break;
-        case 'J': case 'j': case 'r': case 0x84: arg = 4; break;
+        case '(':
+        case '0':
+        case '1':
+        case '2':
+        case 'N':
+        case 'R':
+        case 'a':
+        case 'b':
+        case 'd':
+        case '}':
+        case 'e':
+        case 'l':
+        case ']':
+        case 'o':
+        case 's':
+        case 't':
+        case ')':
+        case 'u':
+        case 'Q':
+        case 0x81:
+        case 0x85:
+        case 0x86:
+        case 0x87:
+        case 0x88:
+        case 0x89:
+        case 0x8f:
+        case 0x90:
+        case 0x91:
+        case 0x92:
+        case 0x93:
+        case 0x94:
+        case 0x97:
+        case 0x98: break;
+        case 'K':
+        case 'h':
+        case 'q':
+        case 0x80:
+        case 0x82: arg = 1; break;
+        case 'M':
+        case 0x83: arg = 2; break;
+        case 'J':
+        case 'j':
+        case 'r':
+        case 0x84: arg = 4; break;
         case 'G': arg = 8; break;
         case 0x95:  // FRAME: its length, then opcodes as usual
           if (needs(8)) return {false, at + 9};
@@ -71,10 +107,27 @@ class pickle_scanner {
           if (frame_end_ < at + 9) frame_end_ = UINT64_MAX;
           arg = 8;
           break;
-        case 0x8a: case 'U': case 0x8c: case 'C': arg = prefixed(in, at, 1); break;
-        case 0x8b: case 'T': case 'X': case 'B': arg = prefixed(in, at, 4); break;
-        case 0x8d: case 0x8e: case 0x96: arg = prefixed(in, at, 8); break;
-        case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'g': case 'p': case 'c': case 'i': {
+        case 0x8a:
+        case 'U':
+        case 0x8c:
+        case 'C': arg = prefixed(in, at, 1); break;
+        case 0x8b:
+        case 'T':
+        case 'X':
+        case 'B': arg = prefixed(in, at, 4); break;
+        case 0x8d:
+        case 0x8e:
+        case 0x96: arg = prefixed(in, at, 8); break;
+        case 'I':
+        case 'L':
+        case 'F':
+        case 'S':
+        case 'V':
+        case 'P':
+        case 'g':
+        case 'p':
+        case 'c':
+        case 'i': {
           // one line ('c' GLOBAL and 'i' INST: two), each up to '\n'
           const int lines = (op == 'c' || op == 'i') ? 2 : 1;
           std::uint64_t q = at + 1;

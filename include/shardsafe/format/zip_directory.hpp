@@ -198,7 +198,7 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
   // not always the first): two names alike so would be read as other records than torch's. Each
   // name's case-folded hash is kept (16 bytes a record), the names only where two hashes meet.
   std::vector<std::pair<std::uint64_t, std::uint64_t>> folded;  // (hash, record index)
-  std::uint64_t kept_names = 0;                                  // at most max_bytes / 4
+  std::uint64_t kept_names = 0;                                 // at most max_bytes / 4
   for_each_zip_record(cd_at, cd_size, entries, read_at, bad, [&](std::uint64_t i, zip_entry&& e) {
     folded.emplace_back(xxh3_64(fold_case(e.name).data(), e.name.size()), i);
     if (!keep(std::string_view(e.name))) return;
