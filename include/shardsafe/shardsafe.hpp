@@ -30,6 +30,7 @@
 #include "shardsafe/format/metadata_parts.hpp"
 #include "shardsafe/format/metadata_writer.hpp"
 #include "shardsafe/format/pickle.hpp"
+#include "shardsafe/format/pickle_extent.hpp"
 #include "shardsafe/format/pickle_machine.hpp"
 #include "shardsafe/format/pickle_view.hpp"
 #include "shardsafe/format/rename.hpp"

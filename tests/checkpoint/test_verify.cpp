@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -945,4 +947,35 @@ TEST_CASE("symbolic links: a rank file, an HF shard or index leaving the folder 
   }
   CHECK(verify_checkpoint(file_directory(snap)).tensors == ts.size());
   if (testing::have_tool()) CHECK(testing::run_tool({"verify", snap.string()}).code == 0);
+}
+
+namespace {
+/// A storage that is not mappable (read_into only), recording the longest read.
+struct longest_read_storage {
+  memory_storage s;
+  std::shared_ptr<std::uint64_t> longest = std::make_shared<std::uint64_t>(0);
+  std::uint64_t size() const { return s.size(); }
+  std::string_view name() const { return s.name(); }
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    *longest = std::max<std::uint64_t>(*longest, dst.size());
+    s.read_into(off, dst);
+  }
+};
+}  // namespace
+
+TEST_CASE("hash_reads: a checksum block longer than hash_piece_bytes is read in pieces, hashed as XXH3-64 of it whole") {
+  byte_buffer b(static_cast<std::size_t>(3 * hash_piece_bytes + 4096));
+  std::mt19937_64 rng(53);
+  for (auto& x : b) x = static_cast<std::byte>(rng());
+  const longest_read_storage st{memory_storage(b, "f")};
+  const longest_read_storage* files[] = {&st};
+  const std::vector<read_job> jobs = {{0, 0, 3 * hash_piece_bytes + 4096, nullptr},
+                                      {0, 7, hash_piece_bytes, nullptr},
+                                      {0, 1, 100, nullptr},
+                                      {0, 5, hash_piece_bytes + 1, nullptr}};
+  const auto got = hash_reads<longest_read_storage>(files, jobs, 2);
+  REQUIRE(got.size() == jobs.size());
+  for (std::size_t i = 0; i < jobs.size(); ++i)  // libxxhash's one-shot XXH3 of the same bytes
+    CHECK(got[i] == XXH3_64bits(b.data() + jobs[i].offset, static_cast<std::size_t>(jobs[i].len)));
+  CHECK(*st.longest <= hash_piece_bytes);
 }

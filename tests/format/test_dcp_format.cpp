@@ -12,14 +12,19 @@
 #include <cstdint>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/detail/json.hpp"
+#include "shardsafe/format/pickle_extent.hpp"
 #include "shardsafe/format/torch_zip.hpp"
+#include "shardsafe/format/zip_directory.hpp"
 #include "shardsafe/storage/memory.hpp"
 
 using namespace shardsafe;
@@ -632,4 +637,109 @@ TEST_CASE("dcp: chunks listed twice count once; hostile chunk lists and data fil
   fixtures::put(dir, ".metadata", metadata_pickle(p));
   testing::expect_error([&] { checkpoint_reader<memory_directory> r(dir); }, errc::invalid_metadata,
                         {".metadata", "tensor 'w'", "'x.distcp#1' names both the data file"});
+}
+
+// ============================================================ reading no more than a pickle, a zip directory
+
+namespace {
+
+/// A memory_storage that counts the bytes read from it.
+struct counted_storage {
+  memory_storage s;
+  std::shared_ptr<std::uint64_t> read = std::make_shared<std::uint64_t>(0);
+  std::uint64_t size() const { return s.size(); }
+  std::string_view name() const { return s.name(); }
+  void read_into(std::uint64_t off, std::span<std::byte> dst) const {
+    *read += dst.size();
+    s.read_into(off, dst);
+  }
+};
+
+byte_buffer bytes_of(std::string_view s) {
+  byte_buffer b(s.size());
+  std::memcpy(b.data(), s.data(), s.size());
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("read_pickle_bytes: a pickle is read up to its STOP, never the bytes after it, as Python's unpickler") {
+  const std::string md = metadata_pickle({});
+  // 64 MiB of zeros after STOP: the pickle alone comes back, and at most one 1 MiB window is read
+  counted_storage st{memory_storage(bytes_of(md + std::string(std::size_t(64) << 20, '\0')), "ckpt/.metadata")};
+  const std::string got = read_pickle_bytes(st, max_metadata_size);
+  CHECK(got == md);
+  CHECK(*st.read <= (std::uint64_t(1) << 20));
+  CHECK(parse_dcp_metadata(got, "ckpt/.metadata").items.size() == 2);
+  // the limit is the pickle's, not the file's: a 4 KiB limit takes this one with a MiB after it
+  CHECK(read_pickle_bytes(counted_storage{memory_storage(bytes_of(md + std::string(1 << 20, 'x')), "m")},
+                          md.size()) == md);
+  testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(md), "m")}, md.size() - 1); },
+                        errc::invalid_metadata, {"m: pickle does not end within its first"});
+  // a str of 2 MiB (the argument runs past the first window) and text opcodes: read through
+  const std::string two_mib(std::size_t(2) << 20, 's');
+  const std::string big = std::string("\x80\x02") + pstr(two_mib) + "I12\n0cbuiltins\nlen\n0.";
+  counted_storage b{memory_storage(bytes_of(big + "trailing"), "b")};
+  CHECK(read_pickle_bytes(b, max_metadata_size) == big);
+  // not a protocol 2+ pickle, a STOP inside a FRAME running past it, a line without its end
+  testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(std::string(99, '\0')), "z")},
+                                                max_metadata_size); },
+                        errc::invalid_metadata, {"z: does not start with a pickle's PROTO opcode"});
+  const std::string framed = std::string("\x80\x04\x95", 3) + le(40, 8) + "N." + std::string(38, '\0');
+  testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(framed), "f")}, 1 << 20); },
+                        errc::invalid_metadata, {"f: pickle STOP at byte 12", "inside a FRAME that runs to byte 51"});
+  const std::string line = std::string("\x80\x02") + "c" + std::string(std::size_t(3) << 20, 'a');
+  counted_storage l{memory_storage(bytes_of(line), "l")};
+  CHECK(read_pickle_bytes(l, max_metadata_size).size() == 3 + max_pickle_line);  // the reader refuses it
+  CHECK(*l.read <= (std::uint64_t(1) << 20));
+  // a truncated pickle: what the file holds, for the reader to call truncated
+  CHECK(read_pickle_bytes(counted_storage{memory_storage(bytes_of(md.substr(0, 100)), "t")}, max_metadata_size) ==
+        md.substr(0, 100));
+}
+
+TEST_CASE("zip directory: as many records as the end record counts are read (torch's miniz), a window at a time") {
+  // 3 records of which the end record counts 2 (a 16-bit count that wrapped): the third is not there
+  const std::string data(8, '\x11');
+  std::string z = zip({{"archive/data.pkl", "P"}, {"archive/version", "3\n"}, {"archive/data/0", data}});
+  const std::size_t eocd = z.rfind(std::string("PK\x05\x06", 4));
+  z.replace(eocd + 8, 4, le(2, 2) + le(2, 2));
+  CHECK_THROWS(locate_torch_zip(z, "f", data.size()));  // "holds no storage record"
+  // 20,000 records of 200-byte names (4.2 MB of directory), the count 5: one window is read, not
+  // the whole directory
+  std::vector<zip_entry_spec> many{{"archive/data.pkl", "P"}, {"archive/data/0", data}};
+  for (int i = 0; i < 20000; ++i) many.push_back({"archive/extra/" + std::to_string(i) + std::string(180, 'x'), ""});
+  std::string m = zip(many);
+  const std::size_t end = m.rfind(std::string("PK\x05\x06", 4));
+  m.replace(end + 8, 4, le(5, 2) + le(5, 2));
+  std::uint64_t read = 0;
+  auto read_at = [&](std::uint64_t off, std::size_t n) {
+    read += n;
+    return m.substr(static_cast<std::size_t>(off), n);
+  };
+  auto bad = [](const std::string& why) { fail(errc::invalid_metadata, "m: " + why); };
+  const auto dir = detail::read_zip_directory(m.size(), read_at, bad, 1 << 20, std::uint64_t(256) << 20, "t");
+  REQUIRE(dir.entries.size() == 5);
+  CHECK(dir.entries[1].name == "archive/data/0");
+  CHECK(read <= (std::uint64_t(1) << 20) + 70000);
+  // a keep filter holds only the records asked for; two names alike but for case are still found
+  // among the others
+  const auto kept = detail::read_zip_directory(m.size(), read_at, bad, 1 << 20, std::uint64_t(256) << 20, "t",
+                                               [](std::string_view n) { return n.ends_with("/data.pkl"); });
+  CHECK(kept.entries.size() == 1);
+  testing::expect_error(  // the names kept are at most a quarter of the directory's limit
+      [&] {
+        const std::string all = zip(many);  // every record counted
+        auto r = [&](std::uint64_t off, std::size_t n) { return all.substr(static_cast<std::size_t>(off), n); };
+        detail::read_zip_directory(all.size(), r, bad, 1 << 20, std::uint64_t(8) << 20, "t");
+      },
+      errc::invalid_metadata, {"m: the names of the records read for t pass 2097152 bytes"});
+  const std::string twice =
+      zip({{"archive/data.pkl", "P"}, {"archive/x/Abc", ""}, {"archive/data/0", data}, {"archive/x/aBC", ""}});
+  testing::expect_error(
+      [&] {
+        auto r = [&](std::uint64_t off, std::size_t n) { return twice.substr(static_cast<std::size_t>(off), n); };
+        detail::read_zip_directory(twice.size(), r, bad, 1 << 20, 1 << 20, "t",
+                                   [](std::string_view n) { return n.ends_with("/data.pkl"); });
+      },
+      errc::invalid_metadata, {"m: holds two records named 'archive/x/aBC' alike, but for case"});
 }

@@ -226,9 +226,8 @@ class checkpoint_reader : public checkpoint_files<D> {
       }
       blocks.push_back(bl);
     }
-    execute_reads<reader_type>(storages, jobs, s.threads, [&](std::size_t j, const std::byte* bytes, bool) {
-      got[block_of[j]] = detail::xxh3_64(bytes, static_cast<std::size_t>(jobs[j].len));
-    });
+    const std::vector<std::uint64_t> reread = hash_reads<reader_type>(storages, jobs, s.threads);
+    for (std::size_t j = 0; j < jobs.size(); ++j) got[block_of[j]] = reread[j];
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const block& bl = blocks[i];
       if (got[i] == bl.want) continue;

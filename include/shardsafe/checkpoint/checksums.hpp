@@ -65,6 +65,24 @@ inline const std::vector<std::uint64_t>& recorded_hashes(const checkpoint_checks
   return t->second;
 }
 
+/// The most bytes a checksum table of the file whose header is h can take (a sidecar,
+/// rank_R.checksums.json): per tensor, 64 bytes per block hash (16 hex digits, quotes, comma,
+/// and room for a pretty-printer's line and indent), 6 per byte of its name (every byte
+/// escaped as \u00XX) and 64 more; 4 KiB for the object. A larger sidecar is refused before it
+/// is read (a 200 MB string where a hash goes would otherwise be read and parsed first).
+inline std::uint64_t checksum_table_bound(const safetensors_header& h, std::uint64_t block_bytes) noexcept {
+  std::uint64_t most = 4096;
+  auto add = [&](std::uint64_t a, std::uint64_t b) {  // most += a * b, saturating
+    most = (b != 0 && a > (UINT64_MAX - most) / b) ? UINT64_MAX : most + a * b;
+  };
+  for (const tensor_entry& e : h.tensors) {
+    add(64, checksum_block_count(e.nbytes(), block_bytes));
+    add(6, e.name.size());
+    add(64, 1);
+  }
+  return most;
+}
+
 /// Bytes [from, to) of block k of a tensor of nbytes bytes, in blocks of `block`.
 struct checksum_block_span {
   std::uint64_t from = 0, to = 0;

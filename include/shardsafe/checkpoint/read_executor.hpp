@@ -26,6 +26,7 @@
 
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/core/convert.hpp"
+#include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/detail/copy.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -127,6 +128,40 @@ void execute_reads(std::span<const R* const> files, std::span<const read_job> jo
       spare.give(std::move(staging));
     });
   }
+}
+
+/// The most bytes hash_reads reads of one job at a time: a job longer than this (a checksum
+/// block of a large block_bytes) is read and hashed in pieces of this size, in turn.
+inline constexpr std::uint64_t hash_piece_bytes = std::uint64_t(8) << 20;
+
+/// The XXH3-64 of each job's bytes (detail/checksum.hpp), the jobs read by execute_reads: those
+/// of at most hash_piece_bytes together, each in one read; each longer one alone, a piece of
+/// hash_piece_bytes at a time through xxh3_64_stream, so that what is held at once stays
+/// bounded whatever a job's length (the hash is the same as of all its bytes at once).
+template <ReadableStorage R>
+std::vector<std::uint64_t> hash_reads(std::span<const R* const> files, std::span<const read_job> jobs,
+                                      unsigned threads) {
+  std::vector<std::uint64_t> got(jobs.size());
+  std::vector<read_job> small;
+  std::vector<std::size_t> small_of, large_of;
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    (jobs[i].len <= hash_piece_bytes ? small_of : large_of).push_back(i);
+    if (jobs[i].len <= hash_piece_bytes) small.push_back({jobs[i].file, jobs[i].offset, jobs[i].len, nullptr});
+  }
+  execute_reads<R>(files, small, threads, [&](std::size_t j, const std::byte* bytes, bool) {
+    got[small_of[j]] = detail::xxh3_64(bytes, static_cast<std::size_t>(small[j].len));
+  });
+  for (const std::size_t i : large_of) {
+    detail::xxh3_64_stream h;
+    for (std::uint64_t at = 0; at < jobs[i].len; at += hash_piece_bytes) {
+      const read_job piece{jobs[i].file, jobs[i].offset + at, std::min(hash_piece_bytes, jobs[i].len - at), nullptr};
+      execute_reads<R>(files, std::span<const read_job>(&piece, 1), 1, [&](std::size_t, const std::byte* bytes, bool) {
+        h.update(bytes, static_cast<std::size_t>(piece.len));
+      });
+    }
+    got[i] = h.digest();
+  }
+  return got;
 }
 
 }  // namespace shardsafe

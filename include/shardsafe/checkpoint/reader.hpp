@@ -199,13 +199,23 @@ class checkpoint_files {
     const std::vector<std::string> todo = not_yet(names, [&](const std::string& n) { return cs.files.count(n) != 0; });
     using table = std::map<std::string, std::vector<std::uint64_t>>;
     std::vector<table> got(todo.size());
+    open_files(todo, threads);  // each sidecar is bounded by what its file's tensors can need
+    const std::vector<const open_file*> of = opened(todo);
     detail::parallel_for(todo.size(), threads, [&](std::size_t i) {
       const std::string side = checksum_sidecar_name(todo[i]);
       reader_type st = detail::open_or(dir_, side, [&] {
         return std::string(dir_.name()) + "/" + side + ": missing: " + described_by() + " says the checksums of " +
                todo[i] + " are kept beside it, in this file";
       });
-      const std::string text = read_text(st, max_metadata_size, text_kind::json);
+      const std::uint64_t most =
+          std::min(max_metadata_size, detail::checksum_table_bound(of[i]->header, cs.block_bytes));
+      if (st.size() > most)
+        fail(errc::invalid_metadata, std::string(st.name()) + ": " + std::to_string(st.size()) +
+                                         " bytes, more than the checksums of " + todo[i] + " can need (" +
+                                         std::to_string(of[i]->header.tensors.size()) + " tensors in blocks of " +
+                                         std::to_string(cs.block_bytes) + " bytes: at most " + std::to_string(most) +
+                                         " bytes, 64 a hash; docs/FORMAT.md §2)");
+      const std::string text = read_text(st, most, text_kind::json);
       detail::json_document doc(text, std::string(st.name()), &text);
       got[i] = detail::parse_checksum_table(doc.root("not an object of tensors"), std::string(st.name()));
       doc.require_unique_keys();

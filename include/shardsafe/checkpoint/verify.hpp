@@ -265,10 +265,7 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
       }
     }
   }
-  std::vector<std::uint64_t> got(blocks.size());
-  execute_reads<R>(storages, jobs, opt.threads, [&](std::size_t i, const std::byte* bytes, bool) {
-    got[i] = xxh3_64(bytes, static_cast<std::size_t>(jobs[i].len));
-  });
+  const std::vector<std::uint64_t> got = hash_reads<R>(storages, jobs, opt.threads);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const block& bl = blocks[i];
     if (got[i] != bl.want) {

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -54,6 +55,30 @@ inline std::uint64_t xxh3_64(const void* p, std::size_t n) noexcept {
   return XXH3_64bits(p, n);
 #endif
 }
+
+/// XXH3-64 (seed 0) of bytes given a piece at a time: the same hash as xxh3_64 of them all, so
+/// a block larger than any read is hashed through pieces of bounded size.
+class xxh3_64_stream {
+ public:
+  xxh3_64_stream() : st_(XXH3_createState()) {
+    if (!st_) throw std::bad_alloc();
+    XXH3_64bits_reset(st_);
+  }
+  ~xxh3_64_stream() { XXH3_freeState(st_); }
+  xxh3_64_stream(const xxh3_64_stream&) = delete;
+  xxh3_64_stream& operator=(const xxh3_64_stream&) = delete;
+  void update(const void* p, std::size_t n) noexcept {
+#ifdef SHARDSAFE_XXH3_DISPATCH
+    XXH3_64bits_update_dispatch(st_, p, n);
+#else
+    XXH3_64bits_update(st_, p, n);
+#endif
+  }
+  std::uint64_t digest() const noexcept { return XXH3_64bits_digest(st_); }
+
+ private:
+  XXH3_state_t* st_;
+};
 
 /// How many blocks of `block` bytes a tensor of `nbytes` bytes has (block > 0).
 constexpr std::uint64_t checksum_block_count(std::uint64_t nbytes, std::uint64_t block) noexcept {

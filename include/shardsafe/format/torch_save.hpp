@@ -115,8 +115,14 @@ torch_save_index index_torch_save_file(const S& st) {
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
   if (torch_save_legacy_magic_size(read_at(0, static_cast<std::size_t>(std::min<std::uint64_t>(st.size(), 24)))) != 0)
     return detail::index_torch_save_legacy(st);
-  const detail::zip_directory dir = detail::read_zip_directory(st.size(), read_at, bad, std::uint64_t(1) << 20,
-                                                               std::uint64_t(256) << 20, "a torch.save file");
+  // of the records only those torch looks up are kept: PREFIX/data.pkl, the version and
+  // byteorder records, the storages' PREFIX/data/KEY (an archive's other records cost no memory)
+  auto looked_up = [](std::string_view n) {
+    return n.ends_with("/data.pkl") || n.ends_with("/version") || n.ends_with("/byteorder") ||
+           n.find("/data/") != std::string_view::npos;
+  };
+  const detail::zip_directory dir = detail::read_zip_directory(
+      st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file", looked_up);
   const detail::zip_entry* pkl = nullptr;
   for (const auto& e : dir.entries)
     if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "shardsafe/detail/checked.hpp"
+#include "shardsafe/detail/checksum.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
@@ -69,17 +70,84 @@ struct zip_entry {
 };
 
 /// The central directory of a zip archive of `length` bytes read through read_at: its records
-/// and where it starts (the first byte no record's bytes may reach).
+/// (those kept) and where it starts (the first byte no record's bytes may reach).
 struct zip_directory {
   std::vector<zip_entry> entries;
   std::uint64_t at = 0;
 };
 
+/// name with A-Z as a-z.
+inline std::string fold_case(std::string name) {
+  for (char& ch : name)
+    if (ch >= 'A' && ch <= 'Z') ch = static_cast<char>(ch - 'A' + 'a');
+  return name;
+}
+
+/// Keeps every record (read_zip_directory's default).
+struct zip_keep_all {
+  bool operator()(std::string_view) const noexcept { return true; }
+};
+
+/// Calls f(i, entry) for each of the first `entries` records of the central directory
+/// [cd_at, cd_at + cd_size), read through a window of 1 MiB (a longer record alone), so that
+/// what is held at once is one window, whatever the directory's size.
+template <class ReadAt, class Bad, class F>
+void for_each_zip_record(std::uint64_t cd_at, std::uint64_t cd_size, std::uint64_t entries, ReadAt& read_at, Bad& bad,
+                         F&& f) {
+  constexpr std::uint64_t window = std::uint64_t(1) << 20;
+  std::string buf;
+  std::uint64_t buf_at = 0, p = 0;  // offsets in the directory: of buf's first byte, of the next record
+  auto bytes = [&](std::uint64_t n) -> std::string_view {  // up to n bytes at p (fewer where the directory ends)
+    if (p < buf_at || p - buf_at + n > buf.size()) {
+      buf_at = p;
+      buf = read_at(cd_at + p, static_cast<std::size_t>(std::min(cd_size - p, std::max(n, window))));
+    }
+    return std::string_view(buf).substr(static_cast<std::size_t>(p - buf_at), static_cast<std::size_t>(n));
+  };
+  for (std::uint64_t i = 0; i < entries; ++i) {
+    std::string_view cd = bytes(46);
+    if (cd.size() < 46 || zip_le(cd, 0, 4) != 0x02014b50)
+      bad("central directory record " + std::to_string(i) + " is damaged");
+    const std::size_t n = zip_le(cd, 28, 2), x = zip_le(cd, 30, 2), c = zip_le(cd, 32, 2);
+    cd = bytes(46 + n + x + c);
+    if (cd.size() < 46 + n + x + c) bad("central directory record " + std::to_string(i) + " is damaged");
+    zip_entry e;
+    e.flags = zip_le(cd, 8, 2);
+    e.method = zip_le(cd, 10, 2);
+    e.csize = zip_le(cd, 20, 4);
+    e.usize = zip_le(cd, 24, 4);
+    e.local = zip_le(cd, 42, 4);
+    e.name = std::string(cd.substr(46, n));
+    // zip64 extra field: the 64-bit values of the fields that read 0xffffffff, in this order
+    for (std::size_t q = 46 + n, end = q + x; end - q >= 4;) {
+      const std::size_t id = zip_le(cd, q, 2), len = zip_le(cd, q + 2, 2);
+      if (end - q - 4 < len) break;
+      if (id == 1) {
+        std::size_t at = q + 4;
+        for (auto* v : {&e.usize, &e.csize, &e.local})
+          if (*v == 0xffffffff) {
+            if (at + 8 > q + 4 + len) bad("record '" + e.name + "': zip64 extra field is too short");
+            *v = zip_le(cd, at, 8);
+            at += 8;
+          }
+      }
+      q += 4 + len;
+    }
+    p += 46 + n + x + c;
+    f(i, std::move(e));
+  }
+}
+
 /// Reads the central directory (the end record first: zip64 too), refusing more than
-/// max_entries records or a directory over max_bytes; `bad` throws naming the archive.
-template <class ReadAt, class Bad>
+/// max_entries records or a directory over max_bytes; `bad` throws naming the archive. As
+/// torch's reader (miniz) does, it reads as many records as the end record counts, not the
+/// whole directory's bytes as Python's zipfile does: of an archive of more than 65,535 records
+/// without zip64, whose 16-bit count wrapped, the records past the count are not there. The
+/// directory is read a window at a time; of its records those keep(name) accepts are kept,
+/// their names at most max_bytes / 4 in all.
+template <class ReadAt, class Bad, class Keep = zip_keep_all>
 zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad, std::uint64_t max_entries,
-                                 std::uint64_t max_bytes, std::string_view kind) {
+                                 std::uint64_t max_bytes, std::string_view kind, Keep keep = {}) {
   constexpr std::uint64_t eocd_size = 22, max_comment = 65535;
   if (length < eocd_size) bad("zip archive of " + std::to_string(length) + " bytes is shorter than its end record");
   // torch writes no archive comment, so the end record is in the last few bytes: look there
@@ -124,52 +192,32 @@ zip_directory read_zip_directory(std::uint64_t length, ReadAt& read_at, Bad& bad
     bad("central directory of " + std::to_string(entries) + " records (" + std::to_string(cd_size) +
         " bytes) is too large for " + std::string(kind) + " (at most " + std::to_string(max_entries) + " records, " +
         std::to_string(max_bytes) + " bytes)");
-  const std::string cd = read_at(cd_at, static_cast<std::size_t>(cd_size));
-
   zip_directory out;
   out.at = cd_at;
-  std::vector<zip_entry>& all = out.entries;
-  all.reserve(static_cast<std::size_t>(std::min(entries, cd_size / 46)));  // a record takes at least 46 bytes
-  std::size_t p = 0;
-  for (std::uint64_t i = 0; i < entries; ++i) {
-    if (cd.size() - p < 46 || zip_le(cd, p, 4) != 0x02014b50)
-      bad("central directory record " + std::to_string(i) + " is damaged");
-    zip_entry e;
-    e.flags = zip_le(cd, p + 8, 2);
-    e.method = zip_le(cd, p + 10, 2);
-    e.csize = zip_le(cd, p + 20, 4);
-    e.usize = zip_le(cd, p + 24, 4);
-    const std::size_t n = zip_le(cd, p + 28, 2), x = zip_le(cd, p + 30, 2), c = zip_le(cd, p + 32, 2);
-    e.local = zip_le(cd, p + 42, 4);
-    if (cd.size() - p - 46 < n + x + c) bad("central directory record " + std::to_string(i) + " is damaged");
-    e.name = cd.substr(p + 46, n);
-    // zip64 extra field: the 64-bit values of the fields that read 0xffffffff, in this order
-    for (std::size_t q = p + 46 + n, end = q + x; end - q >= 4;) {
-      const std::size_t id = zip_le(cd, q, 2), len = zip_le(cd, q + 2, 2);
-      if (end - q - 4 < len) break;
-      if (id == 1) {
-        std::size_t f = q + 4;
-        for (auto* v : {&e.usize, &e.csize, &e.local})
-          if (*v == 0xffffffff) {
-            if (f + 8 > q + 4 + len) bad("record '" + e.name + "': zip64 extra field is too short");
-            *v = zip_le(cd, f, 8);
-            f += 8;
-          }
-      }
-      q += 4 + len;
-    }
-    all.push_back(std::move(e));
-    p += 46 + n + x + c;
-  }
   // torch's zip reader finds a record by its name without telling case apart (and of two alike,
-  // not always the first): two names alike so would be read as other records than torch's
-  std::set<std::string> names;
-  for (const auto& e : all) {
-    std::string folded = e.name;
-    for (char& ch : folded)
-      if (ch >= 'A' && ch <= 'Z') ch = static_cast<char>(ch - 'A' + 'a');
-    if (!names.insert(std::move(folded)).second)
-      bad("holds two records named '" + e.name + "' alike, but for case (torch's reader does not tell them apart)");
+  // not always the first): two names alike so would be read as other records than torch's. Each
+  // name's case-folded hash is kept (16 bytes a record), the names only where two hashes meet.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> folded;  // (hash, record index)
+  std::uint64_t kept_names = 0;                                 // at most max_bytes / 4
+  for_each_zip_record(cd_at, cd_size, entries, read_at, bad, [&](std::uint64_t i, zip_entry&& e) {
+    folded.emplace_back(xxh3_64(fold_case(e.name).data(), e.name.size()), i);
+    if (!keep(std::string_view(e.name))) return;
+    if ((kept_names += e.name.size()) > max_bytes / 4)
+      bad("the names of the records read for " + std::string(kind) + " pass " + std::to_string(max_bytes / 4) +
+          " bytes (at record " + std::to_string(i) + ")");
+    out.entries.push_back(std::move(e));
+  });
+  std::sort(folded.begin(), folded.end());
+  std::set<std::uint64_t> alike;  // the records whose hashes meet another's
+  for (std::size_t k = 1; k < folded.size(); ++k)
+    if (folded[k].first == folded[k - 1].first) alike.insert({folded[k - 1].second, folded[k].second});
+  if (!alike.empty()) {
+    std::set<std::string> seen;  // folded names
+    for_each_zip_record(cd_at, cd_size, entries, read_at, bad, [&](std::uint64_t i, zip_entry&& e) {
+      if (!alike.count(i)) return;
+      if (!seen.insert(fold_case(e.name)).second)
+        bad("holds two records named '" + e.name + "' alike, but for case (torch's reader does not tell them apart)");
+    });
   }
   return out;
 }

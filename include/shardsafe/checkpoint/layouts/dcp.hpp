@@ -23,6 +23,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/dcp_data.hpp"
 #include "shardsafe/format/dcp_metadata.hpp"
+#include "shardsafe/format/pickle_extent.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
@@ -83,7 +84,7 @@ struct dcp_layout {
   static checkpoint_source<D> describe(const D& dir) {
     const std::string folder(dir.name());
     const dcp_metadata md = parse_dcp_metadata(
-        read_text(dir.open(dcp_metadata_file_name), max_metadata_size, text_kind::pickle), folder + "/.metadata");
+        read_pickle_bytes(dir.open(dcp_metadata_file_name), max_metadata_size), folder + "/.metadata");
     checkpoint_source<D> s;
     s.layout = &info;
     s.described_by = std::string(dcp_metadata_file_name);
