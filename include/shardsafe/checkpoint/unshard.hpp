@@ -88,7 +88,8 @@ void for_each_file_opened(checkpoint_files<D>& r, const std::string& key, const 
       r.open_files(names, threads);
     } catch (...) {  // opened again below one at a time, in order: the first failing file is named
     }
-    for (std::size_t i = 0; i < names.size(); ++i) each(names[i], specs[i], r.entry_in(r.file(names[i]), key, tm, specs[i]));
+    for (std::size_t i = 0; i < names.size(); ++i)
+      each(names[i], specs[i], r.entry_in(r.file(names[i]), key, tm, specs[i]));
     names.clear();
     specs.clear();
   };
