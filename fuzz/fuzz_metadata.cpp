@@ -4,8 +4,12 @@
 // On-Demand reading accepts nothing that simdjson's DOM parser refuses, and refuses as invalid
 // JSON nothing the DOM parser takes (but duplicate keys): the library's two readings agree.
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "shardsafe/format/metadata.hpp"
 
@@ -56,13 +60,66 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       FUZZ_CHECK(!complete || local == spec.local_numel());
     }
   }
-  // an accepted grid (the compact form): up to 4096 parts, expanded, each part a valid spec of
-  // the tensor at a distinct rank, the parts disjoint and covering it; the parts a query for the
-  // whole tensor finds are the non-empty ones
+  // an accepted grid (the compact form), up to the 2^20 parts a tensor may have, by its cheap
+  // path only: the first parts in rank order (for_each_part stopped early), and single elements
+  // found by division (overlapping), each checked against the format's rule computed here
   for (const auto& [key, tm] : md.tensors) {
-    if (!tm.grid || tm.grid->part_count() > 4096) continue;
-    const auto parts = expand(*tm.grid, tm.shape);
-    FUZZ_CHECK(parts.size() == tm.grid->part_count());
+    if (!tm.grid) continue;
+    const shard_grid& g = *tm.grid;
+    const std::uint64_t count = g.part_count();
+    FUZZ_CHECK(count >= 1 && count <= max_grid_parts);
+    const shape_t dims = g.flat ? shape_t{tm.numel()} : tm.shape;
+    // the first parts in rank order: ranks increasing from the base, each a valid spec
+    std::uint64_t seen = 0, prev = 0;
+    tm.for_each_file([&](const std::string& f, const shard_spec& s) {
+      s.validate(tm.shape, "part");
+      FUZZ_CHECK(f.starts_with("rank_"));
+      const std::uint64_t r = std::stoull(f.substr(5));
+      FUZZ_CHECK(seen == 0 ? r == g.base : r > prev);
+      prev = r;
+      return ++seen < 64;
+    });
+    FUZZ_CHECK(seen == std::min<std::uint64_t>(count, 64));
+    // one element (the first, the last, one the input picks): exactly one part holds it, the one
+    // whose piece indices are its indices divided by the chunks, at base + sum(index * stride)
+    const std::uint64_t n = tm.numel();
+    if (n > 0)
+      for (const std::uint64_t e : {std::uint64_t(0), n - 1, std::uint64_t(size) * 2654435761u % n}) {
+        const auto found = overlapping(g, tm.shape, shard_spec(flat_spec{{e, e + 1}}));
+        FUZZ_CHECK(found.size() == 1);
+        std::uint64_t rest = e, rank = g.base;
+        shape_t at(dims.size());
+        for (std::size_t d = dims.size(); d-- > 0;) {
+          at[d] = rest % dims[d];
+          rest /= dims[d];
+          rank += at[d] / g.chunks[d] * g.strides[d];
+        }
+        FUZZ_CHECK(found[0].first == rank);
+        const shard_spec& s = found[0].second;
+        if (s.is_flat()) {
+          FUZZ_CHECK(s.flat().ranges().size() == 1 && s.flat().ranges()[0].begin <= e && e < s.flat().ranges()[0].end);
+        } else {
+          for (std::size_t d = 0; d < dims.size(); ++d)
+            FUZZ_CHECK(s.block().global_offset()[d] <= at[d] &&
+                       at[d] < s.block().global_offset()[d] + s.block().local_shape()[d]);
+        }
+      }
+    // small grids whole: every index in index order, ranked by the rule and sorted here, is what
+    // expand lists; the parts are disjoint and cover the tensor; a query for the whole tensor
+    // finds the non-empty ones
+    if (count > 4096) continue;
+    std::vector<std::pair<std::uint64_t, shard_spec>> want;
+    std::vector<std::uint64_t> index(dims.size(), 0);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      want.push_back(grid_part(g, tm.shape, index));
+      for (std::size_t d = index.size(); d-- > 0;) {
+        if (++index[d] < g.parts[d]) break;
+        index[d] = 0;
+      }
+    }
+    std::sort(want.begin(), want.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    const auto parts = expand(g, tm.shape);
+    FUZZ_CHECK(parts == want);
     std::uint64_t held = 0, nonempty = 0;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       parts[i].second.validate(tm.shape, "part");
@@ -71,7 +128,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       nonempty += parts[i].second.local_numel() > 0;
     }
     FUZZ_CHECK(held == tm.numel());
-    FUZZ_CHECK(overlapping(*tm.grid, tm.shape, shard_spec(flat_spec{{0, tm.numel()}})).size() == nonempty);
+    FUZZ_CHECK(overlapping(g, tm.shape, shard_spec(flat_spec{{0, tm.numel()}})).size() == nonempty);
   }
   // what was accepted is written and read back unchanged
   const std::string again = write_checkpoint_metadata(md);

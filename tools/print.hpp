@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -74,13 +75,31 @@ class progress {
 
 inline std::string shape_str(std::span<const std::uint64_t> s) { return shardsafe::to_string(s); }
 
-/// The distinct files tm's parts are in, in order (a DCP file holding two chunks of a tensor is
-/// listed under two names: checkpoint_reader::path_of).
+/// The distinct files tm's parts are in: how many, and the first `shown` of them in order (a DCP
+/// file holding two chunks of a tensor is listed under two names: checkpoint_reader::path_of).
+/// A grid's parts are distinct files (its ranks are: validate), counted, not listed: O(shown).
+struct stored_files {
+  std::size_t count = 0;
+  std::vector<std::string> first;
+};
 template <class Reader>
-std::vector<std::string> files_of(const tensor_metadata& tm, const Reader& r) {
-  std::vector<std::string> out;
-  for (const auto& [f, s] : tm.file_specs())
-    if (std::find(out.begin(), out.end(), r.path_of(f)) == out.end()) out.push_back(r.path_of(f));
+stored_files files_of(const tensor_metadata& tm, const Reader& r, std::size_t shown) {
+  stored_files out;
+  if (tm.grid) {
+    out.count = static_cast<std::size_t>(tm.grid->part_count());
+    tm.for_each_file([&](const std::string& f, const shard_spec&) {
+      out.first.push_back(r.path_of(f));
+      return out.first.size() < shown;
+    });
+    return out;
+  }
+  std::set<std::string_view> seen;
+  for (const auto& [f, s] : tm.files) {
+    const std::string& p = r.path_of(f);
+    if (!seen.insert(p).second) continue;
+    if (out.first.size() < shown) out.first.push_back(p);
+    ++out.count;
+  }
   return out;
 }
 

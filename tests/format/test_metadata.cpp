@@ -7,6 +7,7 @@
 
 #include "support/test_util.hpp"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -232,13 +233,55 @@ TEST_CASE("metadata: the compact form - grids detected from listed shards, writt
                                  "rank_13.safetensors"});
   CHECK(names(qb.overlapping_files(block_spec({1, 5}, {9, 0}))) ==
         std::vector<std::string>{"rank_12.safetensors", "rank_13.safetensors"});  // column piece 2 is empty
-  CHECK(names(qb.overlapping_files(flat_spec{{26, 27}})) ==
-        std::vector<std::string>{"rank_12.safetensors", "rank_13.safetensors"});  // row 5: all its columns
+  // a flat range: its bounding box (element 26 is [5, 1]: one part; [24, 27) runs from [4, 4]
+  // to [5, 1]: rows 4 and 5, all their columns)
+  CHECK(names(qb.overlapping_files(flat_spec{{26, 27}})) == std::vector<std::string>{"rank_12.safetensors"});
+  CHECK(names(qb.overlapping_files(flat_spec{{24, 27}})) ==
+        std::vector<std::string>{"rank_8.safetensors", "rank_9.safetensors", "rank_12.safetensors",
+                                 "rank_13.safetensors"});
   CHECK(names(back.tensors[0].second.overlapping_files(flat_spec{{6, 15}})) ==
         std::vector<std::string>{"rank_4.safetensors", "rank_6.safetensors", "rank_8.safetensors"});
   CHECK(names(back.tensors[0].second.overlapping_files(block_spec({1, 6}, {3, 0}))) ==
         std::vector<std::string>{"rank_8.safetensors", "rank_10.safetensors"});  // elements 18-23
   CHECK(qb.overlapping_files(flat_spec{{3, 3}}).empty());
+}
+
+TEST_CASE("metadata: a grid's parts visited in rank order, one at a time, up to 2^20 of them") {
+  // ranks that run down the columns (strides [1, 4]) and a dimension of one part: every index in
+  // index order, ranked by the format's rule and sorted here, is the order the parts come in
+  const shard_grid g{false, {2, 7, 1}, {3, 1, 4}, 5, {1, 0, 3}};
+  const shape_t full{5, 7, 4};
+  validate(g, full, "g");
+  std::vector<std::pair<std::uint64_t, shard_spec>> want;
+  for (std::uint64_t i = 0; i < 3; ++i)
+    for (std::uint64_t k = 0; k < 4; ++k) {
+      const std::uint64_t b = std::min<std::uint64_t>(5, 2 * i), e = std::min<std::uint64_t>(5, 2 * i + 2);
+      want.emplace_back(5 + i + 3 * k, block_spec({e - b, 7, 1}, {b, 0, k}));
+    }
+  std::sort(want.begin(), want.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::pair<std::uint64_t, shard_spec>> got;
+  for_each_part(g, full, [&](std::uint64_t r, const shard_spec& s) { got.emplace_back(r, s); });
+  CHECK(got == want);
+  CHECK(expand(g, full) == want);
+  tensor_metadata tm{full, dtype::U8, true, {}, g};
+  std::vector<std::string> first;
+  tm.for_each_file([&](const std::string& f, const shard_spec&) {
+    first.push_back(f);
+    return first.size() < 3;  // stops early
+  });
+  CHECK(first == std::vector<std::string>{"rank_5.safetensors", "rank_6.safetensors", "rank_7.safetensors"});
+  // a million parts: counted through, never listed; the n-th part in rank order is rank base + n
+  const shard_grid big{true, {1}, {std::uint64_t(1) << 20}, 3, {1}};
+  const shape_t n{std::uint64_t(1) << 20};
+  validate(big, n, "big");
+  std::uint64_t count = 0;
+  bool ordered = true;
+  for_each_part(big, n, [&](std::uint64_t r, const shard_spec& s) {
+    ordered = ordered && r == 3 + count && s == shard_spec(flat_spec{{count, count + 1}});
+    ++count;
+  });
+  CHECK(ordered);
+  CHECK(count == (std::uint64_t(1) << 20));
 }
 
 TEST_CASE("metadata: the legacy flattened_offsets_per_file, unknown keys, is_sharded default") {

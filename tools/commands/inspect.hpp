@@ -77,12 +77,12 @@ int cmd_inspect(const input<D>& in) {
     for (const auto& [key, tm] : md.tensors) {
       const std::uint64_t bytes = tm.numel() * bit_size(tm.type) / 8;
       total += bytes;
-      const auto files = files_of(tm, *p.reader);
+      const stored_files files = files_of(tm, *p.reader, 4);
       std::string stored;
-      for (std::size_t i = 0; i < files.size() && i < 4; ++i) stored += (i ? "," : "") + files[i];
-      if (files.size() > 4) stored += ",...";
+      for (std::size_t i = 0; i < files.first.size(); ++i) stored += (i ? "," : "") + files.first[i];
+      if (files.count > 4) stored += ",...";
       rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes),
-                      stored, describe_sharding(tm, files.size())});
+                      stored, describe_sharding(tm, files.count)});
     }
   }
   const std::size_t tensors = rows.size();

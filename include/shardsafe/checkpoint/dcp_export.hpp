@@ -267,6 +267,10 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     at += t.archive.size();
   }
 
+  // a grid's files are opened and checked before the output is made (unshard.hpp)
+  for (const auto& t : tensors)
+    if (const tensor_metadata* tm = t.item->reader->find(t.item->source_key); tm->grid)
+      detail::for_each_file_opened(*t.item->reader, t.item->source_key, *tm, [](const auto&...) {});
   dcp_export_stats st;
   st.bytes = at;
   out.make();

@@ -71,6 +71,36 @@ void load_pieces(std::span<const layout_piece> pieces, ReaderOf&& reader_of, Vie
   for (auto& [r, views] : by_reader) shardsafe::load(*r, std::span<const flat_view>(views), lo);
 }
 
+/// Opens every file of tensor `key` (tm: its metadata in r) and checks that each holds the
+/// tensor as its shard says (checkpoint_files::entry_in), calling each(file, spec, entry) in
+/// file order. A grid's parts are visited one at a time (tensor_metadata::for_each_file) and
+/// opened a batch at a time, in parallel, so the first missing file of a million-part grid is
+/// refused after one batch of attempts, before anything is planned, and no list of its parts is
+/// ever held; the first file that fails, in file order, is the one named.
+template <ReadableDirectory D, class F>
+void for_each_file_opened(checkpoint_files<D>& r, const std::string& key, const tensor_metadata& tm, F&& each,
+                          unsigned threads = 0) {
+  constexpr std::size_t batch = 512;
+  std::vector<std::string> names;
+  std::vector<shard_spec> specs;
+  auto flush = [&] {
+    try {
+      r.open_files(names, threads);
+    } catch (...) {  // opened again below one at a time, in order: the first failing file is named
+    }
+    for (std::size_t i = 0; i < names.size(); ++i)
+      each(names[i], specs[i], r.entry_in(r.file(names[i]), key, tm, specs[i]));
+    names.clear();
+    specs.clear();
+  };
+  tm.for_each_file([&](const std::string& n, const shard_spec& s) {
+    names.push_back(n);
+    specs.push_back(s);
+    if (names.size() == batch) flush();
+  });
+  flush();
+}
+
 }  // namespace detail
 
 struct unshard_options {
@@ -128,9 +158,12 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
   // one, so no box of a window is a piece of a stored row's element set: runs of one element),
   // as long as its runs along s stay at most 2^20; otherwise (a window inside one index of s:
   // runs of single elements, which permuted_copy_plan gathers) it is 2^18 elements.
+  // A grid's files are opened and checked first, a batch at a time: a missing one is refused
+  // before a window's plan lists the parts it meets (a million for a 300-byte grid).
+  if (tm->grid) detail::for_each_file_opened(r, key, *tm, [](const auto&...) {}, opt.load.threads);
   const std::uint64_t cap = std::max<std::uint64_t>(1, opt.chunk_bytes / item);
   std::uint64_t shortest = n, permuted = 0;
-  for (const auto& [fname, spec] : tm->file_specs()) {
+  tm->for_each_file([&](const std::string& fname, const shard_spec& spec) {
     std::span<const std::size_t> order;
     if (spec.is_block() && r.layout().permuted_files) {  // torch.save'd: a DCP chunk, a .bin's tensor
       const auto& of = r.file(fname);
@@ -138,7 +171,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
     }
     if (order.empty()) {
       if (auto c = spec.cursor(tm->shape); !c.done()) shortest = std::min(shortest, c.run().end - c.run().begin);
-      continue;
+      return;
     }
     const std::size_t s = order.back();
     std::uint64_t after = 1;  // elements of the full tensor per index of s
@@ -151,7 +184,7 @@ load_stats for_each_full_chunk(checkpoint_reader<D>& r, const std::string& key, 
             ? rows * after
             : std::uint64_t(1) << 18;
     permuted = permuted == 0 ? w : std::min(permuted, w);
-  }
+  });
   const std::uint64_t by_runs = shortest >= (std::uint64_t(1) << 44) ? n : std::max<std::uint64_t>(1, shortest) << 20;
   const std::uint64_t per = std::max<std::uint64_t>(1, std::min({cap, by_runs, permuted == 0 ? by_runs : permuted}));
   std::vector<std::byte> buf(static_cast<std::size_t>(std::min(n, per) * item));
@@ -197,8 +230,12 @@ void require_unshardable(std::span<const unshard_source<D>> sources) {
   for (const auto& s : sources) s.reader->check_all_readable();
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
+      if (tm.grid) {  // its parts tile the tensor (validate): each file is checked, none listed
+        for_each_file_opened(*s.reader, key, tm, [](const auto&...) {});
+        continue;
+      }
       std::vector<shard_spec> specs;
-      const auto files = tm.file_specs();
+      const auto& files = tm.files;
       specs.reserve(files.size());
       for (const auto& [fname, spec] : files) {
         s.reader->entry_in(s.reader->file(fname), key, tm, spec);

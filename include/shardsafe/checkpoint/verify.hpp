@@ -5,7 +5,8 @@
 // names the file, the tensor and the rule:
 //   - metadata.json exists and is valid (opening the checkpoint_reader; errc::not_found,
 //     errc::invalid_metadata);
-//   - for each tensor, in metadata.json's order: every file its shard_spec_per_file names
+//   - for each tensor, in metadata.json's order: every file its shard_spec_per_file (or its
+//     grid, part by part in rank order, never listed whole) names
 //     exists (errc::not_found), has a valid header and, when metadata.json records the file's
 //     size, that size (errc::truncated); the file holds the tensor (errc::not_found) with
 //     metadata.json's dtype (errc::dtype_mismatch) and as many elements as its shard spec
@@ -290,15 +291,18 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
   std::set<std::string> opened;
   for (const auto& entry : r.metadata().tensors) {
     const std::string& key = entry.first;  // named, not bound: lambdas below capture it
-    const tensor_metadata& listed = entry.second;
-    // a grid (the compact form) as the files it stands for: verify checks every one alike
-    tensor_metadata expanded;
-    if (listed.grid) {
-      expanded = listed;
-      expanded.files = listed.file_specs();
-      expanded.grid.reset();
+    const tensor_metadata& tm = entry.second;
+    if (tm.grid) {
+      // a grid (the compact form): every file it stands for checked as a listed one is, visited
+      // one part at a time in rank order (a batch of files opened at once: the first missing one
+      // is refused at once). Its parts tile the tensor (validate), so none is missing and none
+      // shared: there is nothing to merge or compare.
+      detail::for_each_file_opened(
+          r, key, tm, [&](const std::string& fname, const auto&...) { opened.insert(fname); }, opt.threads);
+      ++rep.tensors;
+      rep.tensor_bytes += tm.numel() * bit_size(tm.type) / 8;
+      continue;
     }
-    const tensor_metadata& tm = listed.grid ? expanded : listed;
     std::vector<shard_spec> specs;
     specs.reserve(tm.files.size());
     std::uint64_t held = 0;

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -37,10 +38,31 @@ struct tensor_metadata {
   std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
   /// Files holding a part of the tensor (empty ones too).
   std::uint64_t file_count() const noexcept { return grid ? grid->part_count() : files.size(); }
-  /// Every file and its shard: `files`, or the grid's parts (O(files): for whole-checkpoint work).
+  /// Every file and its shard: `files`, or the grid's parts, listed (O(files) memory; whole-checkpoint
+  /// work visits them with for_each_file instead).
   std::vector<std::pair<std::string, shard_spec>> file_specs() const {
     if (!grid) return files;
     return named(expand(*grid, shape));
+  }
+  /// Calls f(file, spec) for every file and its shard, in file order: `files`, or the grid's
+  /// parts in rank order one at a time (nothing listed: whole-checkpoint work on a grid of a
+  /// million parts holds one part at a time). Stops early when f returns false (f may return void).
+  template <class F>
+  void for_each_file(F&& f) const {
+    auto call = [&](const std::string& name, const shard_spec& s) {
+      if constexpr (std::is_same_v<decltype(f(name, s)), bool>)
+        return f(name, s);
+      else {
+        f(name, s);
+        return true;
+      }
+    };
+    if (!grid) {
+      for (const auto& [name, s] : files)
+        if (!call(name, s)) return;
+      return;
+    }
+    for_each_part(*grid, shape, [&](std::uint64_t r, const shard_spec& s) { return call(rank_file_name(r), s); });
   }
   /// The files that may hold elements of `want` (all of `files`; a grid's by division, without
   /// empty parts), in file order.

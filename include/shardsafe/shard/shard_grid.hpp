@@ -11,7 +11,8 @@
 // with the stride the mesh gives that dimension and the base of the writing stage.
 //
 // What this header gives: validate (the rules that make a grid's parts well formed and its
-// ranks distinct), expand (every part, in rank order), overlapping (the parts that can hold
+// ranks distinct, by arithmetic on the strides), for_each_part (every part in rank order, one at
+// a time, found by counting: nothing listed or sorted), expand (every part, in rank order), overlapping (the parts that can hold
 // elements of a wanted shard, found by division: O(dims + parts returned), not O(parts)), and
 // detect (the grid a listed sharding is, if it is one: the guess is expanded and compared).
 #pragma once
@@ -22,6 +23,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -116,48 +118,87 @@ inline std::pair<std::uint64_t, shard_spec> grid_part(const shard_grid& g, std::
 
 namespace detail {
 
-/// Calls f(index) for every index of the box [lo[d], hi[d]] (inclusive), last dimension fastest.
+/// The cut dimensions of a (validated) grid that have more than one part, by descending stride:
+/// the order in which their indices make the rank grow (each stride passes all that the
+/// dimensions of smaller strides reach), so the grid's parts in rank order are its indices in
+/// lexicographic order over these dimensions.
+inline std::vector<std::size_t> grid_rank_order(const shard_grid& g) {
+  std::vector<std::size_t> order;
+  for (std::size_t d = 0; d < g.parts.size(); ++d)
+    if (g.parts[d] > 1) order.push_back(d);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return g.strides[a] > g.strides[b]; });
+  return order;
+}
+
+/// Calls f(index) for every index of the box [lo[d], hi[d]] (inclusive) of a (validated) grid,
+/// in rank order, without listing or sorting them: O(1) memory past the index. Stops early
+/// when f returns false (f may return void).
 template <class F>
-void for_each_grid_index(std::span<const std::uint64_t> lo, std::span<const std::uint64_t> hi, F&& f) {
-  std::vector<std::uint64_t> at(lo.begin(), lo.end());
+void for_each_grid_index(const shard_grid& g, std::span<const std::uint64_t> lo, std::span<const std::uint64_t> hi,
+                         F&& f) {
   for (std::size_t d = 0; d < lo.size(); ++d)
     if (lo[d] > hi[d]) return;
+  std::vector<std::uint64_t> at(lo.begin(), lo.end());
+  const std::vector<std::size_t> order = grid_rank_order(g);  // a dimension of one part stays at its one index
   while (true) {
-    f(std::span<const std::uint64_t>(at));
-    std::size_t d = at.size();
-    while (d > 0) {
-      --d;
+    if constexpr (std::is_same_v<decltype(f(std::span<const std::uint64_t>(at))), bool>) {
+      if (!f(std::span<const std::uint64_t>(at))) return;
+    } else {
+      f(std::span<const std::uint64_t>(at));
+    }
+    std::size_t k = order.size();  // the last of order (smallest stride) fastest
+    while (true) {
+      if (k == 0) return;
+      const std::size_t d = order[--k];
       if (at[d] < hi[d]) {
         ++at[d];
         break;
       }
       at[d] = lo[d];
-      if (d == 0) return;
     }
-    if (at.empty()) return;
   }
 }
 
-/// The parts of the box, by rank.
+/// The parts of the box, in rank order.
 inline std::vector<std::pair<std::uint64_t, shard_spec>> grid_box(const shard_grid& g,
                                                                   std::span<const std::uint64_t> full,
                                                                   std::span<const std::uint64_t> lo,
                                                                   std::span<const std::uint64_t> hi) {
   std::vector<std::pair<std::uint64_t, shard_spec>> out;
   const shape_t dims = grid_dims(g, full);
-  for_each_grid_index(lo, hi, [&](std::span<const std::uint64_t> i) { out.push_back(grid_part_of(g, dims, i)); });
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for_each_grid_index(g, lo, hi, [&](std::span<const std::uint64_t> i) { out.push_back(grid_part_of(g, dims, i)); });
   return out;
 }
 
 }  // namespace detail
 
-/// Every part of a (validated) grid, in rank order: the listed sharding it stands for.
-inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid& g,
-                                                                std::span<const std::uint64_t> full) {
+/// Calls f(rank, spec) for every part of a (validated) grid, in rank order, one part at a time
+/// (nothing is listed: O(dims) memory whatever the part count). Stops early when f returns false
+/// (f may return void).
+template <class F>
+void for_each_part(const shard_grid& g, std::span<const std::uint64_t> full, F&& f) {
+  const shape_t dims = detail::grid_dims(g, full);
   std::vector<std::uint64_t> lo(g.parts.size(), 0), hi(g.parts.size());
   for (std::size_t d = 0; d < g.parts.size(); ++d) hi[d] = g.parts[d] - 1;
-  return detail::grid_box(g, full, lo, hi);
+  detail::for_each_grid_index(g, lo, hi, [&](std::span<const std::uint64_t> i) {
+    auto [rank, spec] = detail::grid_part_of(g, dims, i);
+    if constexpr (std::is_same_v<decltype(f(rank, spec)), bool>)
+      return f(rank, spec);
+    else {
+      f(rank, spec);
+      return true;
+    }
+  });
+}
+
+/// Every part of a (validated) grid, in rank order: the listed sharding it stands for (O(parts)
+/// memory: for_each_part visits them one at a time).
+inline std::vector<std::pair<std::uint64_t, shard_spec>> expand(const shard_grid& g,
+                                                                std::span<const std::uint64_t> full) {
+  std::vector<std::pair<std::uint64_t, shard_spec>> out;
+  out.reserve(static_cast<std::size_t>(g.part_count()));
+  for_each_part(g, full, [&](std::uint64_t r, shard_spec& s) { out.emplace_back(r, std::move(s)); });
+  return out;
 }
 
 /// The parts of a (validated) grid that may hold elements of `want` (a superset: the parts its

@@ -39,6 +39,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -215,6 +216,15 @@ hf_export_stats export_to(std::span<const unshard_source<S>> sources, const D& o
     for (const auto& in : inputs) names.push_back(in.name);
     detail::refuse_export_of_nothing(names, opt.rename, out.name(), "tensors",
                                      " (e.g. --preset dcp-to-hf keeps only 'model.' keys)");
+  }
+  // the files of each grid exported are opened and checked before the output is made, a batch
+  // at a time (unshard.hpp): a missing one is refused before a block's plan lists a million parts
+  std::set<std::pair<const checkpoint_reader<S>*, std::string>> checked;
+  for (const std::size_t src : l.source) {
+    const origin& o = origins[src];
+    const tensor_metadata* tm = o.reader->find(o.key);
+    if (tm && tm->grid && checked.emplace(o.reader, o.key).second)
+      detail::for_each_file_opened(*o.reader, o.key, *tm, [](const auto&...) {});
   }
   detail::require_empty_output(out);
   out.make();

@@ -86,18 +86,21 @@ SHARDSAFE_DECL std::vector<std::pair<std::uint64_t, shard_spec>> overlapping(con
       first[d] = bl.global_offset()[d];
       last[d] = bl.global_offset()[d] + bl.local_shape()[d] - 1;
     }
-  } else {  // a flat range in a block grid: its rows in the outermost dimension, the rest whole
+  } else {  // a flat range in a block grid: its bounding box. The leading dimensions where its
+    // first and last element agree are fixed, the next spans their indices, the rest whole
     std::uint64_t a = 0, b = 0;
     flat_bounds(a, b);
-    std::uint64_t inner = 1;
-    for (std::size_t d = 1; d < nd; ++d) inner *= dims[d];
-    for (std::size_t d = 0; d < nd; ++d) {
+    for (std::size_t d = nd; d-- > 0;) {  // multi-indices, last dimension first
+      first[d] = a % dims[d];
+      last[d] = b % dims[d];
+      a /= dims[d];
+      b /= dims[d];
+    }
+    std::size_t k = 0;
+    while (k < nd && first[k] == last[k]) ++k;
+    for (std::size_t d = k + 1; d < nd; ++d) {
       first[d] = 0;
       last[d] = dims[d] - 1;
-    }
-    if (nd > 0) {
-      first[0] = a / inner;
-      last[0] = b / inner;
     }
   }
   std::vector<std::uint64_t> lo(nd), hi(nd);
