@@ -13,8 +13,9 @@ reference:
     (pickletools.optimize) where Python writes one of each global;
   - the view: `inspect` lists every tensor, the view as not read; `digest` of the file refuses
     naming it; `to-hf --rename '^a$='` exports the other tensors bit for bit as torch gives them.
-With --dcp2 (the Debian 13 root's torch 2.6, through scripts/env-debian13.sh): each to-dcp
-folder is also compared with torch's own dcp.save of torch.load(file) (tests/dcp2_tool_check.py
+With --dcp2 (the Debian 13 root's torch 2.6, through scripts/env-debian13.sh): each file but its
+999-deep value (torch's dcp.save recurses through nested lists and fails there) is also written
+by to-dcp and compared with torch's own dcp.save of torch.load(file) (tests/dcp2_tool_check.py
 train_values). Prints what it checked and exits 0, or names what differs and exits 1.
 """
 import functools
@@ -65,7 +66,9 @@ def item_pickles(folder):
             self.__dict__.update(k)
 
         def __setstate__(self, state):
-            self.__dict__.update(state if isinstance(state, dict) else state[1] or {})
+            for part in (state if isinstance(state, tuple) else (state,)):
+                if isinstance(part, dict):
+                    self.__dict__.update(part)
 
     class Reader(pickle.Unpickler):
         def find_class(self, module, name):
@@ -143,7 +146,12 @@ def check_values(tmp, dcp2):
             if one_global_each(v):
                 compared += 1
                 identical += items.get(key) == pickletools.optimize(pickle.dumps(v, protocol=2))
-        if dcp2:
+        if dcp2:  # torch's own dcp.save walks a list recursively: 999 levels pass its recursion limit
+            pt, dcp = os.path.join(tmp, name + "-shallow.pt"), os.path.join(tmp, name + "-shallow-dcp")
+            torch.save({k: v for k, v in sd.items() if k != "deep"}, pt, **kw)
+            code, out, err = tool("to-dcp", pt, dcp)
+            if code != 0:
+                BAD.append(f"{name}: to-dcp of the file without 'deep' exited {code}: {err}")
             r = subprocess.run([os.path.join(os.path.dirname(HERE), "scripts", "env-debian13.sh"), "run", "python3",
                                 os.path.join(HERE, "dcp2_tool_check.py"), "train_values", pt, dcp],
                                capture_output=True, text=True)

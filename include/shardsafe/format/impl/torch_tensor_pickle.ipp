@@ -72,7 +72,7 @@ SHARDSAFE_DECL std::string torch_value_repr(const pickle_value& v, std::size_t m
       const std::string name = bare(d.dict_value(0));
       const std::string_view n(name);
       // what repr() of a dtype or memory format gives; a class or function is not one
-      if (n.starts_with("torch.") && !torch_tensor_pickle_policy::storage_type_of(n) &&
+      if (n.starts_with("torch.") && !n.ends_with("Storage") &&
           (dcp_torch_dtype(n.substr(6)) || n == "torch.contiguous_format" || n == "torch.channels_last" ||
            n == "torch.channels_last_3d" || n == "torch.preserve_format" || n == "torch.strided"))
         return name;
