@@ -14,10 +14,10 @@ using namespace shardsafe;
 
 namespace {
 
-// Depth (the reader refuses deeper than 200) and value count of v; strings must be UTF-8.
+// Depth (the reader refuses deeper than 1000) and value count of v; strings must be UTF-8.
 std::size_t check(const pickle_value& v, std::size_t depth) {
   using k = pickle_value::kind;
-  FUZZ_CHECK(depth <= 200);
+  FUZZ_CHECK(depth <= 1000);
   std::size_t n = 1;
   switch (v.type()) {
     case k::string: FUZZ_CHECK(detail::is_valid_utf8(v.as_string("fuzz"))); break;

@@ -3,6 +3,7 @@
     python3 tests/dcp2_tool_check.py hf OUT          # an HF folder made here: OUT/hf, OUT/hf_raw/KEY.bin
     python3 tests/dcp2_tool_check.py check DCP RAW   # dcp.load every tensor of DCP; each must equal RAW/KEY.bin
     python3 tests/dcp2_tool_check.py train PT DCP    # DCP (to-dcp of the torch.save file PT) is torch's dcp.save of it
+    python3 tests/dcp2_tool_check.py train_values PT DCP  # the same, loaded with weights_only=False
 
 hf: two safetensors shards and their index, written by Python's safetensors (F32, BF16, F16, I64,
 BOOL, a 0-d and an empty tensor), and every tensor's row-major bytes beside them.
@@ -107,17 +108,39 @@ def same(a, b, where, bad):
         bad.append("%s: %r against %r" % (where, a, b))
 
 
-def check_train(pt, folder):
+def item_pickles(folder):
+    """The data.pkl of each bytes item of DCP folder FOLDER (a torch.save archive), by key."""
+    import io
+    import zipfile
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    md = dcp.FileSystemReader(folder).read_metadata()
+    out = {}
+    for idx, info in md.storage_data.items():
+        if isinstance(md.state_dict_metadata[idx.fqn], BytesStorageMetadata):
+            with open(os.path.join(folder, info.relative_path), "rb") as f:
+                f.seek(info.offset)
+                z = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
+            out[idx.fqn] = z.read([n for n in z.namelist() if n.endswith("/data.pkl")][0])
+    return out
+
+
+def check_train(pt, folder, weights_only=True):
     """FOLDER (the tool's to-dcp of the torch.save file PT) against torch's own dcp.save of
     torch.load(PT): the same keys, each a tensor (its dtype and size) or a value alike, the same
-    planner_data; and the state dicts torch's dcp_to_torch_save makes of the two are equal."""
+    planner_data; and the state dicts torch's dcp_to_torch_save makes of the two are equal.
+    weights_only=False: PT and the two state dicts are read so (values torch's weights_only
+    unpickler refuses: a set or frozenset as protocol 2 writes it); then each bytes item's
+    data.pkl is also compared with torch's, less its memo PUTs (pickletools.optimize), and how
+    many are the same bytes is printed."""
+    import pickletools
     import tempfile
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     tmp = tempfile.mkdtemp()
     ref = os.path.join(tmp, "ref")
-    dcp.save(torch.load(pt, weights_only=True), checkpoint_id=ref)  # no process group: one process
+    dcp.save(torch.load(pt, weights_only=weights_only), checkpoint_id=ref)  # no process group: one process
     ours_md, ref_md = (dcp.FileSystemReader(d).read_metadata() for d in (folder, ref))
     bad = []
     a, b = ours_md.state_dict_metadata, ref_md.state_dict_metadata
@@ -132,12 +155,17 @@ def check_train(pt, folder):
     back = []
     for d in (folder, ref):
         dcp_to_torch_save(d, d + ".pt")
-        back.append(torch.load(d + ".pt", weights_only=True))
+        back.append(torch.load(d + ".pt", weights_only=weights_only))
     same(back[0], back[1], "state dict", bad)
+    identical = ""
+    if not weights_only:
+        ours, theirs = item_pickles(folder), item_pickles(ref)
+        n = sum(ours[k] == pickletools.optimize(theirs[k]) for k in ours if k in theirs)
+        identical = ", %d of %d items' data.pkl the same bytes as torch's less its memo PUTs" % (n, len(theirs))
     if bad:
         print("\n".join(bad))
         return 1
-    print("ok %d keys" % len(a))
+    print("ok %d keys%s" % (len(a), identical))
     return 0
 
 
@@ -147,4 +175,6 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[1] == "train":
         sys.exit(check_train(sys.argv[2], sys.argv[3]))
+    if sys.argv[1] == "train_values":  # weights_only=False: sets and frozensets as protocol 2 writes them
+        sys.exit(check_train(sys.argv[2], sys.argv[3], weights_only=False))
     sys.exit(check(sys.argv[2], sys.argv[3]))

@@ -571,21 +571,21 @@ TEST_CASE("pickle: malformed and hostile input is refused with invalid_metadata 
     expect_refused(P(B({'X', 3, 0, 0, 0, 0xed, 0xa0, 0x80})), {"is not UTF-8"});  // a lone surrogate
     expect_refused(P(B({'X', 2, 0, 0, 0, 0xc0, 0x80})), {"is not UTF-8"});        // overlong NUL
   }
-  SUBCASE("nesting deeper than 200, and a cycle") {
+  SUBCASE("nesting deeper than 1000 (Python's own recursion limit), and a cycle") {
     auto nested = [](int n) {  // n lists, each inside the one before
       return P(std::string(static_cast<std::size_t>(n), ']') + std::string(static_cast<std::size_t>(n - 1), 'a'));
     };
-    CHECK_NOTHROW(pickle_loads(nested(201), what));  // depth 200 below the outermost
-    expect_refused(nested(202), {"nests deeper than 200"});
-    expect_refused(nested(5000), {"nests deeper than 200"});
+    CHECK_NOTHROW(pickle_loads(nested(1001), what));  // depth 1000 below the outermost
+    expect_refused(nested(1002), {"nests deeper than 1000"});
+    expect_refused(nested(5000), {"nests deeper than 1000"});
     // far deeper than the call stack could unwind recursively (and, past 65536 open lists,
     // refused already for the size of the stack)
-    expect_refused(nested(60000), {"nests deeper than 200"});
+    expect_refused(nested(60000), {"nests deeper than 1000"});
     expect_refused(nested(400000), {"too many values on the stack"});
     // tuples nest the same way
     std::string t = "K\x01";
-    for (int i = 0; i < 300; ++i) t += '\x85';
-    expect_refused(P(t), {"nests deeper than 200"});
+    for (int i = 0; i < 1200; ++i) t += '\x85';
+    expect_refused(P(t), {"nests deeper than 1000"});
     // a list appended to itself, through DUP and through the memo
     expect_refused(P(B({']', '2', 'a'})), {"contains itself"});
     expect_refused(P(B({']', 'q', 0, 'h', 0, 'a'})), {"contains itself"});
@@ -714,7 +714,8 @@ TEST_CASE("pickle_value: one variant alternative per kind; copies never change e
   using k = pv::kind;
   const std::vector<std::pair<pv, k>> kinds = {
       {N(), k::none},      {Bo(true), k::boolean}, {I(-3), k::integer},   {F(2.5), k::real},
-      {S("s"), k::string}, {L({I(1)}), k::list},   {T({I(1)}), k::tuple}, {D({{S("a"), I(1)}}), k::dict}};
+      {S("s"), k::string}, {L({I(1)}), k::list},   {T({I(1)}), k::tuple}, {D({{S("a"), I(1)}}), k::dict},
+      {pv::byte_string("b"), k::bytes}, {pv::set_of({I(1)}, true), k::set}};
   for (const auto& [v, want] : kinds) {
     INFO(pv::kind_name(want));
     CHECK(v.type() == want);
@@ -912,7 +913,7 @@ TEST_CASE("pickle: pickle_loads reads what Python 3 writes with protocols 2 to 5
       {"(lambda t: (t[0].append(t), t)[1])(([],))", "contains itself"},
       {"(lambda l: (l.append((l, 1)), l)[1])([])", "contains itself"},
       {"functools.reduce(lambda a, _: [a, a], range(30), [1])", "expands to more than"},
-      {"functools.reduce(lambda a, _: [a], range(300), [])", "nests deeper than 200"},
+      {"(sys.setrecursionlimit(5000), functools.reduce(lambda a, _: [a], range(1200), []))[1]", "nests deeper than 1000"},
       {"2 ** 64", "does not fit 64 bits"},
       {"-2 ** 63 - 1", "does not fit 64 bits"},
       {"b'bytes'", "(GLOBAL)", 2, 2},  // _codecs.encode

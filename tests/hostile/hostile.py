@@ -40,9 +40,9 @@ class Failed(Exception):
     pass
 
 
-def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB, nofile=None):
+def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB, nofile=None, stack_kib=None):
     """Runs the tool once; checks exit, stderr words and the limits (the peak RSS is the tool
-    process's own: os.wait4); returns (stdout, stderr)."""
+    process's own: os.wait4; stack_kib, when given, limits its call stack); returns (stdout, stderr)."""
     t0 = time.monotonic()
     r, w = os.pipe()
     e_r, e_w = os.pipe()
@@ -53,6 +53,9 @@ def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB,
         if nofile:
             import resource
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if stack_kib:
+            import resource
+            resource.setrlimit(resource.RLIMIT_STACK, (stack_kib << 10, stack_kib << 10))
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(w, 1)

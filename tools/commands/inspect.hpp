@@ -33,11 +33,15 @@ int inspect_file(const input<D>& in) {
          order.empty() ? "-" : "dimensions stored in the order " + shape_str(shape_t(order.begin(), order.end()))});
   }
   for (const auto& v : x.values)
-    rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(pickle_repr(v.value, 60))});
+    rows.push_back({v.name, "-", "-", "-", "pickle", "value: " + one_line(torch_value_repr(v.value, 60))});
+  for (const auto& u : x.unread)
+    rows.push_back({u.name, std::string(to_string(u.type)), shape_str(u.shape), "-", "not read", u.why});
   std::string title =
       "# " + in.path + (torch_save ? ": torch.save file, " : ": safetensors file, ") +
       std::to_string(h.tensors.size()) + " tensors, " + std::to_string(total) + " bytes of data" +
       (x.values.empty() ? std::string() : ", " + std::to_string(x.values.size()) + " value(s) that are not tensors") +
+      (x.unread.empty() ? std::string()
+                        : ", " + std::to_string(x.unread.size()) + " tensor(s) not read (views that are not dense)") +
       (torch_save ? std::string() : ", header " + std::to_string(h.header_size) + " bytes");
   for (const auto& [k, v] : h.metadata) title += "\n# __metadata__ " + one_line(k) + " = " + one_line(v);
   print_rows(title, std::move(rows));  // moved, not copied: a million rows are held once
@@ -89,7 +93,8 @@ int cmd_inspect(const input<D>& in) {
   for (auto& p : parts)
     for (const auto& t : p.reader->foreign_tensors())
       rows.push_back({p.prefix + t.key, t.dtype, shape_str(t.shape), "-", p.reader->described_by(),
-                      std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"});
+                      t.why.empty() ? std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"
+                                    : t.why});
   const std::size_t foreign = rows.size() - tensors;
   for (auto& p : parts)
     for (const auto& item : p.reader->non_tensors())

@@ -122,7 +122,8 @@ class checkpoint_files {
       if (!item.value) read_object_archive(item.key);
   }
   /// Tensors of a torch dtype shardsafe has no type for (a DCP folder's complex128 or quantized
-  /// tensors: checkpoint/source.hpp), by key: not in metadata(), never read.
+  /// tensors: checkpoint/source.hpp), or a torch.save file's views that are not dense, by key:
+  /// not in metadata(), never read.
   const std::vector<foreign_tensor>& foreign_tensors() const noexcept { return src_.foreign_tensors; }
   /// Refuses (errc::unsupported_dtype, naming it) the first foreign tensor whose key keep(key)
   /// accepts: what would read it, or vouch for it, stops there, not leave it out unsaid. remedy,
@@ -131,10 +132,11 @@ class checkpoint_files {
   void refuse_foreign(Keep&& keep, std::string_view remedy = {}) const {
     for (const auto& t : src_.foreign_tensors)
       if (keep(t.key))
-        fail(errc::unsupported_dtype, std::string(dir_.name()) + "/" + src_.described_by + ": tensor '" + t.key + "' " +
-                                          to_string(t.shape) + " has dtype " + t.dtype +
-                                          ", which shardsafe has no type for: it is not read" +
-                                          (remedy.empty() ? "" : " (" + std::string(remedy) + ")"));
+        fail(t.why.empty() ? errc::unsupported_dtype : errc::invalid_metadata,
+             std::string(dir_.name()) + "/" + src_.described_by + ": tensor '" + t.key + "' " + to_string(t.shape) +
+                 (t.why.empty() ? " has dtype " + t.dtype + ", which shardsafe has no type for: it is not read"
+                                : " " + t.why) +
+                 (remedy.empty() ? "" : " (" + std::string(remedy) + ")"));
   }
   /// What an export gives refuse_foreign: how to export the rest.
   static constexpr std::string_view foreign_export_remedy = "a rename rule that drops it exports the rest";

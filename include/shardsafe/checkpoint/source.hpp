@@ -71,12 +71,16 @@ struct non_tensor_item {
   std::optional<torch_save_value> value;
 };
 
-/// A tensor of a DCP folder whose torch dtype shardsafe has no type for: listed, never read.
+/// A tensor of a DCP folder whose torch dtype shardsafe has no type for, or of a torch.save file
+/// a view that is not dense in its storage: listed, never read.
 struct foreign_tensor {
   std::string key;
-  std::string dtype;  ///< torch's name: "torch.complex128"
+  std::string dtype;  ///< torch's name: "torch.complex128" (a torch.save file's view: shardsafe's, "F32")
   shape_t shape;
   std::size_t chunks = 0;
+  /// Why it is not read, when its dtype is not the reason (a torch.save file's non-dense view:
+  /// "is not read: stride [12, 1] is not dense for size [6, 4] ...").
+  std::string why;
 };
 
 /// How messages name file `name` of a tensor's files: itself, or for the internal name of a DCP

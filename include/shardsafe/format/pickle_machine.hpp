@@ -66,7 +66,10 @@ class pickle_machine {
   using kind = pickle_value::kind;
 
   static constexpr std::size_t max_stack_ = 1 << 16;
-  static constexpr std::size_t max_depth_ = 200;
+  // Python's own bound on a pickle it writes (sys.getrecursionlimit(): pickle.dumps, torch.save and
+  // dcp.save raise RecursionError past it); each level costs the readers and writers here about
+  // half a KiB of call stack (under 1 MiB in all, measured: docs/FORMAT.md §3)
+  static constexpr std::size_t max_depth_ = 1000;
 
   static std::uint64_t le(std::string_view b) {
     std::uint64_t x = 0;
@@ -134,6 +137,13 @@ class pickle_machine {
     n->u.s = {s.data(), s.size()};
     return n;
   }
+  // A bytes (bytearray) of the input, read in place.
+  node* input_bytes(std::string_view s, bool bytearray) {
+    node* n = new_node(kind::bytes);
+    n->u.s = {s.data(), s.size()};
+    n->alt = bytearray;
+    return n;
+  }
   // A string a policy made (a class name, a key): held once, however often it is made.
   node* own_string(const std::string& s) {
     charge(1);
@@ -163,9 +173,16 @@ class pickle_machine {
             return n;
           } else if constexpr (std::is_same_v<T, std::string>) {
             return own_string(x);
+          } else if constexpr (std::is_same_v<T, pickle_bytes>) {
+            node* n = new_node(kind::bytes);
+            const std::string& kept = owned_text_.emplace_back(x.data);
+            n->u.s = {kept.data(), kept.size()};
+            n->alt = x.bytearray;
+            return n;
           } else {
             if (auto it = seen.find(x.get()); it != seen.end()) return it->second;
             node* n = new_node(v.type());
+            if constexpr (std::is_same_v<T, std::shared_ptr<pickle_set>>) n->alt = x->frozen;
             seen.emplace(x.get(), n);
             if constexpr (std::is_same_v<T, std::shared_ptr<pickle_dict>>) {
               for (const auto& [key, val] : x->entries) {
@@ -264,7 +281,7 @@ class pickle_machine {
   // Counts the values n expands to, once per node (shared references are cheap to count but
   // are copied when built), so a memo blow-up is refused before anything is built.
   std::uint64_t expanded_size(node* n, std::size_t depth) {
-    if (n->k == kind::string) return detail::pickle_string_cost(n->u.s.size);
+    if (n->k == kind::string || n->k == kind::bytes) return detail::pickle_string_cost(n->u.s.size);
     if (!n->container()) return 1;
     if (n->visiting) bad("container contains itself (a cycle cannot be read as plain data)");
     if (n->stamp == epoch_) {

@@ -208,6 +208,25 @@ class basic_pickle_reader : private detail::pickle_machine {
     changed();
     add(d, items.data(), items.size());
   }
+  /// Pushes a bytes (bytearray) whose bytes are `in`, a part of the input (what take gave): read
+  /// in place (BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8).
+  void push_bytes(std::string_view in, bool bytearray) { push(input_bytes(in, bytearray)); }
+  /// EMPTY_SET: pushes a new set.
+  void push_empty_set() { push(new_node(pickle_value::kind::set)); }
+  /// ADDITEMS: adds the values above the innermost MARK to the set below it, in place.
+  void add_set_items() {
+    const std::size_t m = mark();
+    node* c = container_below(m, pickle_value::kind::set, "ADDITEMS");
+    if (c->alt) bad("ADDITEMS on a frozenset");
+    changed();
+    add(c, stack_.data() + m, stack_.size() - m);
+    stack_.resize(m);
+  }
+  /// FROZENSET: the values above the innermost MARK become a frozenset.
+  void push_frozenset() {
+    collect(pickle_value::kind::set, mark());
+    stack_.back()->alt = true;
+  }
   /// Adds entry (key, v) to the dict on top of the stack, in place (other references to it, from
   /// the memo, see the change), as SETITEM does.
   void extend_top(const pickle_value& key, const pickle_value& v) {

@@ -16,10 +16,12 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -32,15 +34,25 @@ namespace shardsafe {
 struct pickle_list;
 struct pickle_tuple;
 struct pickle_dict;
+struct pickle_set;
+
+/// A bytes (or bytearray) value: its bytes.
+struct pickle_bytes {
+  std::string data;
+  bool bytearray = false;  ///< a bytearray, not a bytes
+  friend bool operator==(const pickle_bytes&, const pickle_bytes&) = default;
+};
 
 /// A plain Python value.
 class pickle_value {
  public:
   /// The Python type; its order is the order of the variant's alternatives.
-  enum class kind : unsigned char { none, boolean, integer, real, string, list, tuple, dict };
+  /// (bytes: a bytes or bytearray; set: a set or frozenset, read from a torch.save file only.)
+  enum class kind : unsigned char { none, boolean, integer, real, string, list, tuple, dict, bytes, set };
   using variant_type =
       std::variant<std::monostate, bool, std::int64_t, double, std::string, std::shared_ptr<pickle_list>,
-                   std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>>;
+                   std::shared_ptr<pickle_tuple>, std::shared_ptr<pickle_dict>, pickle_bytes,
+                   std::shared_ptr<pickle_set>>;
 
   pickle_value() = default;
   static pickle_value none() { return {}; }
@@ -56,6 +68,13 @@ class pickle_value {
   static pickle_value tuple(std::vector<pickle_value> items = {});
   /// A dict; entries are (key, value) pairs in insertion order.
   static pickle_value dict(std::vector<std::pair<pickle_value, pickle_value>> entries = {});
+  /// A bytes (or bytearray) of these bytes.
+  static pickle_value byte_string(std::string data, bool bytearray = false) {
+    return pickle_value(variant_type(std::in_place_type<pickle_bytes>, pickle_bytes{std::move(data), bytearray}));
+  }
+  /// A set (or frozenset) of these items, as given (the reader leaves out an item equal to one
+  /// before it, as Python does).
+  static pickle_value set_of(std::vector<pickle_value> items, bool frozen = false);
 
   kind type() const noexcept { return static_cast<kind>(v_.index()); }
   /// The alternative itself, for std::visit.
@@ -71,6 +90,9 @@ class pickle_value {
   const std::string& as_string(std::string_view ctx) const { return get<std::string>(kind::string, ctx); }
   /// Items of a list or tuple.
   const std::vector<pickle_value>& as_sequence(std::string_view ctx) const;
+  const pickle_bytes& as_bytes(std::string_view ctx) const { return get<pickle_bytes>(kind::bytes, ctx); }
+  /// A set's (frozenset's) items.
+  const pickle_set& as_set(std::string_view ctx) const { return *get<std::shared_ptr<pickle_set>>(kind::set, ctx); }
   std::size_t dict_size() const noexcept;
   /// Key and value of entry i of a dict (std::out_of_range past the end, or on another kind).
   const pickle_value& dict_key(std::size_t i) const;
@@ -92,6 +114,8 @@ class pickle_value {
       case kind::list: return "list";
       case kind::tuple: return "tuple";
       case kind::dict: return "dict";
+      case kind::bytes: return "bytes";
+      case kind::set: return "set";
     }
     return "?";
   }
@@ -125,6 +149,11 @@ struct pickle_tuple {
 struct pickle_dict {
   std::vector<std::pair<pickle_value, pickle_value>> entries;
 };
+/// The items of a set or frozenset, in the order the pickle gave them.
+struct pickle_set {
+  std::vector<pickle_value> items;
+  bool frozen = false;  ///< a frozenset
+};
 
 inline pickle_value pickle_value::list(std::vector<pickle_value> items) {
   return pickle_value(variant_type(std::make_shared<pickle_list>(pickle_list{std::move(items)})));
@@ -134,6 +163,10 @@ inline pickle_value pickle_value::tuple(std::vector<pickle_value> items) {
 }
 inline pickle_value pickle_value::dict(std::vector<std::pair<pickle_value, pickle_value>> entries) {
   return pickle_value(variant_type(std::make_shared<pickle_dict>(pickle_dict{std::move(entries)})));
+}
+
+inline pickle_value pickle_value::set_of(std::vector<pickle_value> items, bool frozen) {
+  return pickle_value(variant_type(std::make_shared<pickle_set>(pickle_set{std::move(items), frozen})));
 }
 
 inline const std::vector<pickle_value>& pickle_value::as_sequence(std::string_view ctx) const {
@@ -201,17 +234,101 @@ inline bool operator==(const pickle_value& a, const pickle_value& b) {
         else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_list>> ||
                            std::is_same_v<T, std::shared_ptr<pickle_tuple>>)
           return x == y || x->items == y->items;
+        else if constexpr (std::is_same_v<T, std::shared_ptr<pickle_set>>)
+          return x == y || (x->frozen == y->frozen && x->items == y->items);
         else
           return x == y;
       },
       a.v_);
 }
 
+namespace detail {
+
+/// Numbers hashable values so that two get one number exactly when Python holds them equal
+/// (1, True and 1.0; 0.0 and -0.0; a tuple item by item; a frozenset whatever its order): a set
+/// keeps one item of each number. A NaN equals nothing. Each tuple and frozenset is numbered once
+/// (by address: it holds them), from its items' numbers, so the work is
+/// linear in the values numbered however they nest or share. Recursive: the caller bounds the
+/// depth (a reader's values nest at most 1000 deep).
+class pickle_hash_ids {
+ public:
+  /// v's number, or nullopt when Python cannot hash v (a list, dict, set, bytearray, or a tuple
+  /// or frozenset holding one).
+  std::optional<std::uint64_t> id(const pickle_value& v) {
+    using k = pickle_value::kind;
+    std::string key;
+    const void* shared = nullptr;
+    switch (v.type()) {
+      case k::none: key = "N"; break;
+      case k::boolean: key = v.as_bool("") ? "i1" : "i0"; break;
+      case k::integer: key = 'i' + std::to_string(v.as_int("")); break;
+      case k::real: {
+        const double d = v.as_real("");
+        if (d != d)
+          key = 'n' + std::to_string(nans_++);
+        else if (d >= -0x1p63 && d < 0x1p63 && d == static_cast<double>(static_cast<std::int64_t>(d)))
+          key = 'i' + std::to_string(static_cast<std::int64_t>(d));
+        else
+          detail::append_hex(key = "f", std::bit_cast<std::uint64_t>(d), 16);
+        break;
+      }
+      case k::string: key = 's' + v.as_string(""); break;
+      case k::bytes:
+        if (v.as_bytes("").bytearray) return std::nullopt;
+        key = 'b' + v.as_bytes("").data;
+        break;
+      case k::tuple:
+      case k::set: {
+        const bool tuple = v.type() == k::tuple;
+        if (!tuple && !v.as_set("").frozen) return std::nullopt;
+        shared = tuple ? static_cast<const void*>(&v.as_sequence("")) : &v.as_set("");
+        if (const auto m = memo_.find(shared); m != memo_.end()) return m->second;
+        held_.push_back(v);  // its address stays its own while this numbers values
+        std::vector<std::uint64_t> ids;
+        for (const auto& x : tuple ? v.as_sequence("") : v.as_set("").items) {
+          const auto i = id(x);
+          if (!i) return memo_[shared] = std::nullopt;
+          ids.push_back(*i);
+        }
+        if (!tuple) {
+          std::sort(ids.begin(), ids.end());
+          ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+        }
+        key = tuple ? "(" : "{";
+        for (const std::uint64_t i : ids) key += std::to_string(i) + ',';
+        break;
+      }
+      default: return std::nullopt;
+    }
+    const std::uint64_t i = ids_.emplace(std::move(key), ids_.size()).first->second;
+    if (shared) memo_[shared] = i;
+    return i;
+  }
+
+ private:
+  std::unordered_map<std::string, std::uint64_t> ids_;
+  std::unordered_map<const void*, std::optional<std::uint64_t>> memo_;
+  std::vector<pickle_value> held_;
+  std::uint64_t nans_ = 0;
+};
+
+}  // namespace detail
+
 /// v as Python's repr() writes it (None, True, 3, 0.001, 1e-05, 'adam', "it's", [0, 1],
 /// (0.9, 0.999), {'a': 1}; a str's bytes outside ASCII as they are, its control bytes escaped),
 /// cut to at most max_chars characters (ending in "..." when max_chars is 3 or more) when it is
-/// longer: bounded work whatever the value (its containers may be shared).
+/// longer: bounded work whatever the value (its containers may be shared). `special(d)`, given
+/// each dict d first, returns its text when d stands for an object an opcode policy made (a
+/// torch storage, a global): std::optional<std::string>, nullopt for a plain dict.
+template <class Special>
+std::string pickle_repr(const pickle_value& v, std::size_t max_chars, const Special& special);
+
 inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
+  return pickle_repr(v, max_chars, [](const pickle_value&) { return std::optional<std::string>(); });
+}
+
+template <class Special>
+std::string pickle_repr(const pickle_value& v, std::size_t max_chars, const Special& special) {
   std::string out;
   const std::size_t cap = max_chars;
   auto full = [&] { return out.size() > cap; };
@@ -286,6 +403,46 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
         put(t + q);
         break;
       }
+      case pickle_value::kind::bytes: {
+        const pickle_bytes& b = x.as_bytes("");
+        // Python quotes with ' unless the bytes hold ' and no "
+        const char q =
+            b.data.find('\'') != std::string::npos && b.data.find('"') == std::string::npos ? '"' : '\'';
+        std::string t = std::string(b.bytearray ? "bytearray(b" : "b") + q;
+        for (unsigned char c : b.data) {
+          if (t.size() > cap) break;
+          if (c == '\\' || c == static_cast<unsigned char>(q))
+            t += '\\', t += char(c);
+          else if (c == '\n')
+            t += "\\n";
+          else if (c == '\r')
+            t += "\\r";
+          else if (c == '\t')
+            t += "\\t";
+          else if (c >= 0x20 && c < 0x7f)
+            t += char(c);
+          else {
+            t += "\\x";
+            detail::append_hex(t, c, 2);
+          }
+        }
+        put(t + q + (b.bytearray ? ")" : ""));
+        break;
+      }
+      case pickle_value::kind::set: {
+        const pickle_set& st = x.as_set("");
+        if (st.items.empty()) {
+          put(st.frozen ? "frozenset()" : "set()");
+          break;
+        }
+        put(st.frozen ? "frozenset({" : "{");
+        for (std::size_t i = 0; i < st.items.size() && !full(); ++i) {
+          if (i) put(", ");
+          self(self, st.items[i]);
+        }
+        put(st.frozen ? "})" : "}");
+        break;
+      }
       case pickle_value::kind::list:
       case pickle_value::kind::tuple: {
         const bool list = x.type() == pickle_value::kind::list;
@@ -299,6 +456,10 @@ inline std::string pickle_repr(const pickle_value& v, std::size_t max_chars) {
         break;
       }
       case pickle_value::kind::dict: {
+        if (const std::optional<std::string> t = special(x)) {
+          put(*t);
+          break;
+        }
         put("{");
         for (std::size_t i = 0; i < x.dict_size() && !full(); ++i) {
           if (i) put(", ");

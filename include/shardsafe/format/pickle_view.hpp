@@ -35,7 +35,8 @@ struct pickle_node {
     std::size_t size;
   };
   pickle_value::kind k = pickle_value::kind::none;
-  bool visiting = false;       // on the path being counted: reaching it again is a cycle
+  bool visiting : 1 = false;   // on the path being counted: reaching it again is a cycle
+  bool alt : 1 = false;        // a bytes that is a bytearray; a set that is a frozenset
   std::uint16_t height = 0;    // nesting levels below it (as counted in epoch `stamp`)
   std::uint32_t stamp = 0;     // the reader's epoch when expanded and height were counted
   std::uint64_t expanded = 0;  // values it becomes as a tree (as counted in epoch `stamp`)
@@ -52,7 +53,8 @@ struct pickle_node {
     slots seq;
   } u{};
   bool container() const noexcept {
-    return k == pickle_value::kind::list || k == pickle_value::kind::tuple || k == pickle_value::kind::dict;
+    return k == pickle_value::kind::list || k == pickle_value::kind::tuple || k == pickle_value::kind::dict ||
+           k == pickle_value::kind::set;
   }
   std::string_view str() const noexcept { return {u.s.data, u.s.size}; }
   std::span<pickle_node* const> items() const noexcept { return {u.seq.data, u.seq.size}; }
@@ -113,50 +115,102 @@ inline std::string pickle_expansion_problem(std::uint64_t limit) {
   return "expands to more than " + std::to_string(limit) + " values (strings count 1 per 8 bytes)";
 }
 
-// Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
-// gives the value built the first time (`built`), so shared containers stay shared. Each
-// container built takes 1 + its items from `budget` (which started at `limit`), each str
-// copied its bytes / 8 more; on running out, or past `max_depth`, bad(why) is called (and must
-// throw).
+// What each level of build_pickle_value passes down, in one place.
 template <class Bad>
-pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t limit,
-                                std::size_t& budget, std::unordered_map<const pickle_node*, pickle_value>& built,
-                                const Bad& bad) {
+struct pickle_build {
+  std::size_t max_depth, limit;
+  std::size_t& budget;
+  std::unordered_map<const pickle_node*, pickle_value>& built;
+  const Bad& bad;
+  pickle_hash_ids* ids;  // the numbering of the set being built, if any
+};
+
+template <class Bad>
+pickle_value build_pickle_node(const pickle_node* n, std::size_t depth, pickle_build<Bad>& b);
+
+// A container's items built (the three kinds apart, each with its own locals, so that one level
+// of nesting costs the call stack little: about 0.2 KiB at -O1).
+template <class Bad>
+[[gnu::noinline]] pickle_value build_pickle_dict(const pickle_node* n, std::size_t depth, pickle_build<Bad>& b) {
+  const auto items = n->items();
+  std::vector<std::pair<pickle_value, pickle_value>> entries;
+  entries.reserve(items.size() / 2);
+  for (std::size_t i = 0; i + 1 < items.size(); i += 2) {
+    pickle_value key = build_pickle_node(items[i], depth + 1, b);
+    entries.emplace_back(std::move(key), build_pickle_node(items[i + 1], depth + 1, b));
+  }
+  return pickle_value::dict(std::move(entries));
+}
+template <class Bad>
+[[gnu::noinline]] pickle_value build_pickle_sequence(const pickle_node* n, std::size_t depth, pickle_build<Bad>& b) {
+  std::vector<pickle_value> xs;
+  xs.reserve(n->items().size());
+  for (const auto* c : n->items()) xs.push_back(build_pickle_node(c, depth + 1, b));
+  return n->k == pickle_value::kind::list ? pickle_value::list(std::move(xs)) : pickle_value::tuple(std::move(xs));
+}
+// Python's set: an item equal to one before it is left out; an item it cannot hash (a list,
+// dict, set or bytearray) makes torch.load fail. The sets inside share this one's numbering.
+template <class Bad>
+[[gnu::noinline]] pickle_value build_pickle_set(const pickle_node* n, std::size_t depth, pickle_build<Bad>& b) {
+  std::vector<pickle_value> xs;
+  std::unordered_map<std::uint64_t, bool> seen;
+  std::optional<pickle_hash_ids> own;
+  pickle_hash_ids* const outer = b.ids;
+  if (!b.ids) b.ids = &own.emplace();
+  for (const auto* c : n->items()) {
+    pickle_value x = build_pickle_node(c, depth + 1, b);
+    const std::optional<std::uint64_t> key = b.ids->id(x);
+    if (!key)
+      b.bad(std::string(n->alt ? "frozenset" : "set") + " holds a " +
+            (x.type() == pickle_value::kind::bytes ? std::string("bytearray")
+                                                   : std::string(pickle_value::kind_name(x.type()))) +
+            ", which Python cannot hash (torch.load refuses it)");
+    if (seen.emplace(*key, true).second) xs.push_back(std::move(x));
+  }
+  b.ids = outer;
+  return pickle_value::set_of(std::move(xs), n->alt);
+}
+
+template <class Bad>
+pickle_value build_pickle_node(const pickle_node* n, std::size_t depth, pickle_build<Bad>& b) {
   using k = pickle_value::kind;
-  if (depth > max_depth) bad("nests deeper than " + std::to_string(max_depth) + " (or refers to itself)");
+  if (depth > b.max_depth) b.bad("nests deeper than " + std::to_string(b.max_depth) + " (or refers to itself)");
   switch (n->k) {
     case k::none: return pickle_value::none();
     case k::boolean: return pickle_value::boolean(n->u.b);
     case k::integer: return pickle_value::integer(n->u.i);
     case k::real: return pickle_value::real(n->u.d);
-    case k::string: {
+    case k::string:
+    case k::bytes: {
       const std::uint64_t extra = pickle_string_cost(n->u.s.size) - 1;  // its 1 is in its container's items
-      if (budget < extra) bad(pickle_expansion_problem(limit));
-      budget -= static_cast<std::size_t>(extra);
-      return pickle_value::string(std::string(n->str()));
+      if (b.budget < extra) b.bad(pickle_expansion_problem(b.limit));
+      b.budget -= static_cast<std::size_t>(extra);
+      return n->k == k::string ? pickle_value::string(std::string(n->str()))
+                               : pickle_value::byte_string(std::string(n->str()), n->alt);
     }
     default: break;
   }
-  if (auto it = built.find(n); it != built.end()) return it->second;
-  const auto items = n->items();
-  if (budget < 1 + items.size()) bad(pickle_expansion_problem(limit));
-  budget -= 1 + items.size();
-  pickle_value v;
-  if (n->k == k::dict) {
-    std::vector<std::pair<pickle_value, pickle_value>> entries;
-    entries.reserve(items.size() / 2);
-    for (std::size_t i = 0; i + 1 < items.size(); i += 2)
-      entries.emplace_back(build_pickle_value(items[i], depth + 1, max_depth, limit, budget, built, bad),
-                           build_pickle_value(items[i + 1], depth + 1, max_depth, limit, budget, built, bad));
-    v = pickle_value::dict(std::move(entries));
-  } else {
-    std::vector<pickle_value> xs;
-    xs.reserve(items.size());
-    for (const auto* c : items) xs.push_back(build_pickle_value(c, depth + 1, max_depth, limit, budget, built, bad));
-    v = n->k == k::list ? pickle_value::list(std::move(xs)) : pickle_value::tuple(std::move(xs));
-  }
-  built.emplace(n, v);
+  if (auto it = b.built.find(n); it != b.built.end()) return it->second;
+  if (b.budget < 1 + n->items().size()) b.bad(pickle_expansion_problem(b.limit));
+  b.budget -= 1 + n->items().size();
+  pickle_value v = n->k == k::dict  ? build_pickle_dict(n, depth, b)
+                   : n->k == k::set ? build_pickle_set(n, depth, b)
+                                    : build_pickle_sequence(n, depth, b);
+  b.built.emplace(n, v);
   return v;
+}
+
+// Copies node n (checked: no cycle, bounded depth) into a pickle_value; a node reached again
+// gives the value built the first time (`built`), so shared containers stay shared. Each
+// container built takes 1 + its items from `budget` (which started at `limit`), each str
+// copied its bytes / 8 more; on running out, or past `max_depth`, bad(why) is called (and must
+// throw). A set leaves out an item Python holds equal to one before it.
+template <class Bad>
+pickle_value build_pickle_value(const pickle_node* n, std::size_t depth, std::size_t max_depth, std::size_t limit,
+                                std::size_t& budget, std::unordered_map<const pickle_node*, pickle_value>& built,
+                                const Bad& bad) {
+  pickle_build<Bad> b{max_depth, limit, budget, built, bad, nullptr};
+  return build_pickle_node(n, depth, b);
 }
 
 static_assert(sizeof(pickle_node) <= 32, "a value in the arena takes 32 bytes");
@@ -175,6 +229,8 @@ class pickle_view {
   std::int64_t as_int(std::string_view ctx) const { return expect(pickle_value::kind::integer, ctx).u.i; }
   double as_real(std::string_view ctx) const { return expect(pickle_value::kind::real, ctx).u.d; }
   std::string_view as_string(std::string_view ctx) const { return expect(pickle_value::kind::string, ctx).str(); }
+  /// The length of a bytes or bytearray.
+  std::size_t as_bytes_size() const { return expect(pickle_value::kind::bytes, "bytes").u.s.size; }
   /// Items of a list or tuple, entries of a dict; 0 for a scalar.
   std::size_t size() const noexcept {
     return n_->container() ? n_->items().size() / (n_->k == pickle_value::kind::dict ? 2 : 1) : 0;

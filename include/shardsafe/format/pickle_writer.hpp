@@ -9,6 +9,7 @@
 #include <bit>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/format/pickle_value.hpp"
@@ -85,6 +86,47 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
       if (items.size() > 3) out += '(';
       for (const auto& x : items) pickle_put(out, x);
       out += items.size() == 1 ? '\x85' : items.size() == 2 ? '\x86' : items.size() == 3 ? '\x87' : 't';
+      break;
+    }
+    // bytes, bytearray, set and frozenset as protocol 2 writes them: a REDUCE of a builtin (its
+    // Python 2 name), bytes through codecs.encode(its bytes as a latin-1 str, 'latin1')
+    case k::bytes: {
+      const pickle_bytes& b = v.as_bytes("");
+      auto encoded = [&] {
+        std::string utf8;
+        for (unsigned char c : b.data) {
+          if (c < 0x80) {
+            utf8 += char(c);
+          } else {
+            utf8 += char(0xc0 | (c >> 6));
+            utf8 += char(0x80 | (c & 0x3f));
+          }
+        }
+        out += "c_codecs\nencode\nX";
+        le(utf8.size(), 4);
+        out += utf8;
+        out += std::string_view("X\x06\x00\x00\x00latin1\x86R", 13);  // NULs inside: its size given
+      };
+      if (b.bytearray) {
+        out += "c__builtin__\nbytearray\n";
+        if (b.data.empty()) {
+          out += ")R";
+        } else {
+          encoded();
+          out += "\x85R";
+        }
+      } else if (b.data.empty()) {
+        out += "c__builtin__\nbytes\n)R";
+      } else {
+        encoded();
+      }
+      break;
+    }
+    case k::set: {
+      const pickle_set& st = v.as_set("");
+      out += st.frozen ? "c__builtin__\nfrozenset\n" : "c__builtin__\nset\n";
+      pickle_put(out, pickle_value::list(st.items));
+      out += "\x85R";
       break;
     }
     case k::dict: {

@@ -252,6 +252,9 @@ bool is_torch_save_file(const S& st) {
 template <ReadableStorage S>
 safetensors_header read_torch_save_header(const S& st) {
   torch_save_index x = index_torch_save_file(st);
+  if (!x.unread.empty())  // a model's weights are read whole, or not at all
+    fail(errc::invalid_metadata, x.header.file + ": tensor '" + x.unread.front().name + "' " +
+                                     to_string(x.unread.front().shape) + " " + x.unread.front().why);
   if (!x.values.empty())
     fail(errc::invalid_metadata,
          x.header.file + ": '" + x.values.front().name + "'" +

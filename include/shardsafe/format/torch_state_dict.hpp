@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -88,11 +89,21 @@ inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view by
   return out;
 }
 
+/// A tensor of a torch.save file that is not read (torch.load reads it): a view whose elements do
+/// not fill consecutive elements of its storage (a column slice of a fused weight).
+struct torch_save_unread_tensor {
+  std::string name;
+  dtype type = dtype::U8;
+  shape_t shape;
+  std::string why;  ///< "is not read: stride [12, 1] is not dense for size [6, 4] ..."
+};
+
 /// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
-  safetensors_header header;                  ///< every tensor, at its absolute offset in the file (of_records)
+  safetensors_header header;                  ///< every tensor read, at its absolute offset in the file (of_records)
   std::vector<torch_save_value> values;       ///< the values that are not tensors, by name
   std::map<std::string, pickle_value> paths;  ///< torch_state_dict_pickle::paths
+  std::vector<torch_save_unread_tensor> unread;  ///< tensors torch.load reads and shardsafe does not, by name
 };
 
 namespace detail {
@@ -103,6 +114,7 @@ template <class StorageOf>
 torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t file_size, torch_state_dict_pickle sd,
                                           StorageOf&& storage_of) {
   std::vector<tensor_entry> entries;
+  std::vector<torch_save_unread_tensor> unread;
   std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
   entries.reserve(sd.tensors.size());
   for (auto& [key, t] : sd.tensors) {
@@ -118,7 +130,32 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
            " bytes of '" + rec.name + "'");
     const auto n = detail::checked_numel(t.size);
     if (!n) tbad("size " + to_string(t.size) + " overflows");
-    std::vector<std::size_t> order = dense_stored_order(t, *n, tbad);
+    if (t.stride.size() != t.size.size())
+      tbad("stride " + to_string(t.stride) + " has another rank than size " + to_string(t.size));
+    struct not_dense {
+      std::string rule;
+    };
+    std::vector<std::size_t> order;
+    try {
+      order = dense_stored_order(t, *n, [](const std::string& rule) -> void { throw not_dense{rule}; });
+    } catch (const not_dense& nd) {
+      // torch.load views its storage so (as_strided) when every element lies inside it: that one
+      // tensor is not read here, the others are; past the storage's end, torch refuses the file
+      std::optional<std::uint64_t> last = t.storage_offset;
+      for (std::size_t d = 0; d < t.size.size() && last; ++d)
+        if (const auto step = detail::checked_mul(t.size[d] - 1, t.stride[d]))
+          last = detail::checked_add(*last, *step);
+        else
+          last = std::nullopt;
+      if (*n != 0 && (!last || *last >= t.storage_numel))
+        tbad("elements up to [" + (last ? std::to_string(*last) : std::string("2^64")) + "] (storage offset " +
+             std::to_string(t.storage_offset) + ", size " + to_string(t.size) + ", stride " + to_string(t.stride) +
+             ") pass the end of its storage '" + rec.name + "' (" + std::to_string(t.storage_numel) + " elements)");
+      unread.push_back({key, type, t.size,
+                        "is not read: " + nd.rule +
+                            "; torch.load reads such a view, shardsafe reads the file's other tensors only"});
+      continue;
+    }
     const auto at = detail::checked_mul(t.storage_offset, item);
     const auto bytes = detail::checked_mul(*n, item);
     const auto end = at && bytes ? detail::checked_add(*at, *bytes) : std::nullopt;
@@ -136,12 +173,19 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     entries.push_back(std::move(e));
   }
   torch_save_index x{safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)),
-                     std::move(sd.values), std::move(sd.paths)};
+                     std::move(sd.values), std::move(sd.paths), std::move(unread)};
+  std::sort(x.unread.begin(), x.unread.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  for (std::size_t i = 0; i < x.unread.size(); ++i)
+    if ((i > 0 && x.unread[i - 1].name == x.unread[i].name) || x.header.find(x.unread[i].name))
+      fail(errc::invalid_metadata, file + ": the flattened name '" + x.unread[i].name + "' is given twice");
   // a value's name is no tensor's or other value's either (torch.distributed.checkpoint refuses
   // such a dict: "duplicated flatten key")
   std::sort(x.values.begin(), x.values.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
+  std::vector<std::string_view> unread_names;
+  for (const auto& u : x.unread) unread_names.push_back(u.name);
   for (std::size_t i = 0; i < x.values.size(); ++i)
-    if ((i > 0 && x.values[i - 1].name == x.values[i].name) || x.header.find(x.values[i].name))
+    if ((i > 0 && x.values[i - 1].name == x.values[i].name) || x.header.find(x.values[i].name) ||
+        std::binary_search(unread_names.begin(), unread_names.end(), std::string_view(x.values[i].name)))
       fail(errc::invalid_metadata, file + ": the flattened name '" + x.values[i].name + "' is given twice");
   return x;
 }

@@ -80,10 +80,52 @@ struct torch_tensor_pickle_policy {
   static std::optional<std::optional<dtype>> storage_type_of(std::string_view full) {
     return full.starts_with("torch.") ? storage_type(full.substr(6)) : std::nullopt;
   }
+  /// A builtin a training checkpoint's values are made with (protocol 2 writes a set, frozenset,
+  /// bytes or bytearray as a REDUCE of it), under Python 3's name or Python 2's (protocol 2 writes
+  /// "__builtin__"): "set", "frozenset", "bytes", "bytearray", or "" for any other name.
+  static std::string_view value_builtin(std::string_view full) {
+    for (std::string_view n : {"set", "frozenset", "bytes", "bytearray"})
+      if ((full.starts_with("builtins.") && full.substr(9) == n) || (full.starts_with("__builtin__.") && full.substr(12) == n))
+        return n;
+    return {};
+  }
+  /// The bytes codecs.encode(s, 'latin1') gives: nullopt when s holds a code point past U+00FF
+  /// (Python raises). s is UTF-8 (the reader checked).
+  static std::optional<std::string> latin1(std::string_view s) {
+    std::string out;
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      if (c < 0x80)
+        out += char(c);
+      else if ((c == 0xc2 || c == 0xc3) && i + 1 < s.size())
+        out += char(((c & 0x1f) << 6) | (static_cast<unsigned char>(s[++i]) & 0x3f));
+      else
+        return std::nullopt;
+    }
+    return out;
+  }
   template <class Reader>
   bool on_opcode(Reader& r, unsigned char op, std::size_t at) const {
     const auto where = " at byte " + std::to_string(at);
     using k = pickle_value::kind;
+    if (state_dict) {  // a training checkpoint's values: bytes, bytearray, set, frozenset (protocols 3 to 5)
+      auto length = [&](std::size_t n) {
+        std::uint64_t x = 0;
+        const std::string_view b = r.take(n);
+        for (std::size_t i = b.size(); i-- > 0;) x = (x << 8) | static_cast<unsigned char>(b[i]);
+        return x;
+      };
+      switch (op) {
+        case 'B': r.push_bytes(r.take(length(4)), false); return true;   // BINBYTES
+        case 'C': r.push_bytes(r.take(length(1)), false); return true;   // SHORT_BINBYTES
+        case 0x8e: r.push_bytes(r.take(length(8)), false); return true;  // BINBYTES8
+        case 0x96: r.push_bytes(r.take(length(8)), true); return true;   // BYTEARRAY8
+        case 0x8f: r.push_empty_set(); return true;                      // EMPTY_SET
+        case 0x90: r.add_set_items(); return true;                       // ADDITEMS
+        case 0x91: r.push_frozenset(); return true;                      // FROZENSET
+        default: break;
+      }
+    }
     if (op == 'c' || op == 0x93) {
       std::string full;
       if (op == 'c') {
@@ -102,7 +144,8 @@ struct torch_tensor_pickle_policy {
       const bool ok = full == "torch._utils._rebuild_tensor_v2" || full == "torch._utils._rebuild_tensor_v3" ||
                       full == "collections.OrderedDict" ||
                       (state_dict && (full == "torch._utils._rebuild_parameter" ||
-                                      full == "torch._utils._rebuild_parameter_with_state")) ||
+                                      full == "torch._utils._rebuild_parameter_with_state" ||
+                                      full == "_codecs.encode" || !value_builtin(full).empty())) ||
                       storage_type_of(full);
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
@@ -183,6 +226,29 @@ struct torch_tensor_pickle_policy {
                                           {pickle_value::string("dtype"),
                                            pickle_value::string(dcp_unpickle_policy::marker_name(a[6]))}}),
                       "tensor");
+      } else if (const std::string_view b = state_dict ? value_builtin(name) : std::string_view();
+                 (b == "set" || b == "frozenset") &&
+                 (a.empty() || (a.size() == 1 && (a[0].type() == k::list || a[0].type() == k::tuple)))) {
+        // set(list), frozenset(list) as protocol 2 writes them (set() and frozenset() too); an
+        // item equal to one before it is left out, as Python does, when the value is built
+        r.push(pickle_value::set_of(a.empty() ? std::vector<pickle_value>() : a[0].as_sequence(""), b == "frozenset"));
+      } else if (state_dict && name == "_codecs.encode" && a.size() == 2 && a[0].type() == k::string &&
+                 (a[1] == pickle_value::string("latin1") || a[1] == pickle_value::string("latin-1"))) {
+        // bytes as protocol 2 writes them: codecs.encode(str, 'latin1')
+        const auto bytes = latin1(a[0].as_string(""));
+        if (!bytes) r.bad("REDUCE" + where + " of '_codecs.encode' with a str past U+00FF (Python raises)");
+        r.push(pickle_value::byte_string(*bytes));
+      } else if (b == "bytes" && a.empty()) {
+        r.push(pickle_value::byte_string(""));
+      } else if (b == "bytearray" && (a.empty() || (a.size() == 1 && a[0].type() == k::bytes &&
+                                                    !a[0].as_bytes("").bytearray))) {
+        // bytearray() and bytearray(bytes), as protocol 2 writes a bytearray
+        r.push(pickle_value::byte_string(a.empty() ? std::string() : a[0].as_bytes("").data, true));
+      } else if (b == "bytearray" && a.size() == 2 && a[0].type() == k::string &&
+                 (a[1] == pickle_value::string("latin1") || a[1] == pickle_value::string("latin-1"))) {
+        const auto bytes = latin1(a[0].as_string(""));  // bytearray(str, 'latin-1'): older Pythons' form
+        if (!bytes) r.bad("REDUCE" + where + " of 'bytearray' with a str past U+00FF (Python raises)");
+        r.push(pickle_value::byte_string(*bytes, true));
       } else if (state_dict && name.starts_with("torch._utils._rebuild_parameter") && a.size() >= 3 &&
                  a[0].find(torch_tensor_key)) {
         inert_from(3, "a state");
@@ -210,6 +276,14 @@ struct torch_tensor_pickle_policy {
 /// The tensor a torch.save pickle's value v describes (what torch_tensor_pickle_policy makes of
 /// _rebuild_tensor_v2 / _v3); `what` names it in messages.
 SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::string_view what);
+
+/// A value of a torch.save pickle as Python's repr() writes it (pickle_repr), where the objects
+/// torch_tensor_pickle_policy made stand as they would be to a user, never as the dicts that
+/// carry them (whose first key is not UTF-8): a storage `<torch.FloatStorage '0' of size 4>`
+/// (its class, its key in the archive, its elements), a tensor `<tensor of size (2, 3) over
+/// torch.FloatStorage '0' of size 6>`, a dtype or memory format by its name (`torch.float32`,
+/// as torch writes it), another global `<class 'collections.OrderedDict'>`. At most max_chars.
+SHARDSAFE_DECL std::string torch_value_repr(const pickle_value& v, std::size_t max_chars);
 
 /// Reads a torch.save data.pkl holding one tensor; `what` names it in messages.
 inline torch_zip_tensor parse_torch_tensor_pickle(std::string_view bytes, std::string_view what) {

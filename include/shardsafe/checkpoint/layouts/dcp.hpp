@@ -96,7 +96,7 @@ struct dcp_layout {
         continue;
       }
       if (!item.foreign_dtype.empty()) {
-        s.foreign_tensors.push_back({key, item.foreign_dtype, item.size, item.chunks.size()});
+        s.foreign_tensors.push_back({key, item.foreign_dtype, item.size, item.chunks.size(), {}});
         continue;
       }
       tensor_metadata tm;

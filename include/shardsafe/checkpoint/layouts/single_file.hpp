@@ -57,6 +57,8 @@ struct torch_save_file_layout {
     s.non_tensors.reserve(x.values.size());  // a million values: no vector grown twice their size
     for (auto& v : x.values) s.non_tensors.push_back({v.name, name, 0, 0, std::move(v)});  // by name already
     x.values = {};
+    for (auto& u : x.unread)  // a view that is not dense: listed, refused where asked for
+      s.foreign_tensors.push_back({u.name, std::string(to_string(u.type)), u.shape, 1, std::move(u.why)});
     s.paths = std::move(x.paths);
     return detail::whole_file_source<D>(info, name, std::move(st), std::move(x.header), std::move(s));
   }
@@ -72,7 +74,7 @@ struct torch_save_file_layout {
   static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
     if (!it.value->unwritable.empty())
       fail(errc::invalid_metadata, std::string(dir.name()) + "/" + it.file + ": value '" + it.key + "' (" +
-                                       pickle_repr(it.value->value, 80) + ") " + it.value->unwritable +
+                                       torch_value_repr(it.value->value, 80) + ") " + it.value->unwritable +
                                        " (a rename rule may drop it)");
     return torch_value_archive(pickle_dumps(it.value->value));
   }

@@ -63,11 +63,15 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       const std::size_t n = v.as_string("").size();
       return {false, true, false, 5 + n, pickle_string_cost(n)};
     }
-    if (v.type() != k::dict && !v.is_sequence()) return {false, true, false, 10, 1};
+    if (v.type() == k::bytes) {  // written as codecs.encode(latin-1 str): up to 2 bytes each, and the call
+      const std::size_t n = v.as_bytes_size();
+      return {false, true, false, 64 + 2 * std::uint64_t(n), pickle_string_cost(n)};
+    }
+    if (v.type() != k::dict && !v.is_sequence() && v.type() != k::set) return {false, true, false, 10, 1};
     if (const auto it = seen.find(v.id()); it != seen.end()) return it->second;
     traits t;
     t.whole = v.type() != k::dict;
-    t.bytes = 2 + 2 * (v.size() / 1000 + 1);
+    t.bytes = (v.type() == k::set ? 40 : 2) + 2 * (v.size() / 1000 + 1);
     for (std::size_t i = 0; i < v.size(); ++i) {
       const pickle_view x = v.type() == k::dict ? v.value(i) : v.item(i);
       const traits c = self(self, x);
@@ -149,7 +153,13 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
                t.cost > basic_pickle_reader<>::default_max_values)
         unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" +
                      std::to_string(t.cost) + " values) written out without a memo";
-      out.values.push_back({name, v.build(built), std::move(unwritable)});
+      pickle_value value;
+      try {  // a set: Python leaves out equal items, and cannot hash a list, dict or set in it
+        value = v.build(built);
+      } catch (const error& e) {
+        throw error(e.code(), w + ": value '" + name + "': " + e.what());
+      }
+      out.values.push_back({name, std::move(value), std::move(unwritable)});
       record_path(name);
     }
   };

@@ -42,4 +42,45 @@ SHARDSAFE_DECL torch_zip_tensor torch_tensor_of(const pickle_value& v, std::stri
   return t;
 }
 
+SHARDSAFE_DECL std::string torch_value_repr(const pickle_value& v, std::size_t max_chars) {
+  using k = pickle_value::kind;
+  // a str as repr() quotes it, bounded (a key or class name is the pickle's own text)
+  auto quoted = [](const pickle_value& s) { return pickle_repr(s, 80); };
+  auto bare = [&](const pickle_value& s) {
+    const std::string q = quoted(s);
+    return s.type() == k::string && q.size() >= 2 && q.back() == q.front() ? q.substr(1, q.size() - 2) : q;
+  };
+  auto storage = [&](const pickle_value& d) -> std::string {
+    const pickle_value* key = d.find(torch_storage_key);
+    const pickle_value* type = d.find("type");
+    const pickle_value* numel = d.find("numel");
+    return (type ? bare(*type) : std::string("torch storage")) + " " + (key ? quoted(*key) : std::string("?")) +
+           " of size " + (numel ? pickle_repr(*numel, 24) : std::string("?"));
+  };
+  auto special = [&](const pickle_value& d) -> std::optional<std::string> {
+    if (d.dict_size() == 0) return std::nullopt;
+    const pickle_value& first = d.dict_key(0);
+    if (first == pickle_value::string(std::string(torch_storage_key))) return "<" + storage(d) + ">";
+    if (first == pickle_value::string(std::string(torch_tensor_key))) {
+      const pickle_value& st = d.dict_value(0);
+      std::string t = "<tensor";
+      if (const pickle_value* size = d.find("size")) t += " of size " + pickle_repr(*size, 80);
+      if (const pickle_value* dt = d.find("dtype")) t += " " + bare(*dt);
+      return t + " over " + (st.type() == k::dict ? storage(st) : std::string("a storage")) + ">";
+    }
+    if (d.dict_size() == 1 && first == pickle_value::string(std::string(dcp_unpickle_policy::global_key))) {
+      const std::string name = bare(d.dict_value(0));
+      const std::string_view n(name);
+      // what repr() of a dtype or memory format gives; a class or function is not one
+      if (n.starts_with("torch.") && !n.ends_with("Storage") &&
+          (dcp_torch_dtype(n.substr(6)) || n == "torch.contiguous_format" || n == "torch.channels_last" ||
+           n == "torch.channels_last_3d" || n == "torch.preserve_format" || n == "torch.strided"))
+        return name;
+      return "<class '" + name + "'>";
+    }
+    return std::nullopt;
+  };
+  return pickle_repr(v, max_chars, special);
+}
+
 }  // namespace shardsafe
