@@ -24,7 +24,9 @@ jobs="${FUZZ_JOBS:-1}"
 export CXX="${CXX:-clang++}"
 
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip fuzz_remote)
+[ ${#targets[@]} -gt 0 ] ||
+  targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip fuzz_remote
+           fuzz_torch_legacy fuzz_sidecars fuzz_dcp_write)
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
@@ -41,14 +43,18 @@ max_len_of() {
     fuzz_pickle) echo 4096 ;;
     fuzz_dcp_metadata) echo 8192 ;;
     fuzz_torch_zip) echo 4096 ;;
+    fuzz_torch_legacy) echo 4096 ;;
+    fuzz_sidecars) echo 2048 ;;
+    fuzz_dcp_write) echo 1024 ;;
     *) echo 4096 ;;
   esac
 }
 dict_of() {
   case "$1" in
     fuzz_safetensors) echo "$here/safetensors.dict" ;;
-    fuzz_pickle | fuzz_dcp_metadata | fuzz_torch_zip) echo "$here/pickle.dict" ;;
+    fuzz_pickle | fuzz_dcp_metadata | fuzz_torch_zip | fuzz_torch_legacy) echo "$here/pickle.dict" ;;
     fuzz_remote) echo "$here/remote.dict" ;;
+    fuzz_dcp_write) ;;  # its input is decoded by FuzzedDataProvider: no tokens to splice
     *) echo "$here/json.dict" ;;
   esac
 }
@@ -59,7 +65,9 @@ run_one() {
   local corpus="$build/corpus/$t" findings="$build/findings/$t"
   mkdir -p "$corpus" "$findings"
   local args=(-max_total_time="$seconds" -max_len="$(max_len_of "$t")" -timeout=10 -rss_limit_mb=2048
-        -malloc_limit_mb=1024 -dict="$(dict_of "$t")" -artifact_prefix="$findings/" -print_final_stats=1)
+        -malloc_limit_mb=1024 -artifact_prefix="$findings/" -print_final_stats=1)
+  local dict; dict="$(dict_of "$t")"
+  if [ -n "$dict" ]; then args+=(-dict="$dict"); fi
   if [ "$jobs" -gt 1 ]; then args+=(-fork="$jobs" -ignore_crashes=0); fi
   set +e
   ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}" \

@@ -12,6 +12,14 @@ command still running after WALL_FACTOR x LIMIT_S wall seconds (waiting, e.g. bl
 is killed and the case fails. The last lines are a table of every command: case, exit,
 CPU seconds, peak MiB, wall seconds. Exit 0 when every case passes.
 
+Under sanitizers (a tool built with -Db_sanitize=address,undefined), set
+SHARDSAFE_HOSTILE_SANITIZED=1: ASan's shadow memory and quarantine and the instrumented code
+would break the limits, so LIMIT_S is multiplied by SANITIZED_CPU_FACTOR (10) and LIMIT_MIB by
+SANITIZED_RSS_FACTOR (16); the tool runs with ASAN_OPTIONS and UBSAN_OPTIONS that abort on the
+first report (kept where already set), and a case fails on any sanitizer report on stderr,
+whatever the exit code. The limits then check only gross blow-ups; the plain build checks the
+real ones.
+
 Cases: the names below, and those of the files cases_*.py beside this one (one per subject,
 with this file's helpers in scope): `python3 tests/hostile/hostile.py TOOL --list`.
 """
@@ -30,6 +38,15 @@ import time
 LIMIT_S = 30.0      # CPU seconds per command
 WALL_FACTOR = 4     # wall seconds per command before it is killed, in multiples of LIMIT_S
 LIMIT_MIB = 256.0
+SANITIZED = os.environ.get("SHARDSAFE_HOSTILE_SANITIZED", "") not in ("", "0")
+SANITIZED_CPU_FACTOR = 10
+SANITIZED_RSS_FACTOR = 16
+SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "SUMMARY: UndefinedBehavior")
+if SANITIZED:
+    LIMIT_S *= SANITIZED_CPU_FACTOR
+    LIMIT_MIB *= SANITIZED_RSS_FACTOR
+    os.environ.setdefault("ASAN_OPTIONS", "abort_on_error=1:detect_leaks=1")
+    os.environ.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1:abort_on_error=1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.dirname(os.path.dirname(HERE))
 TOOL = None
@@ -98,6 +115,8 @@ def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB,
     code = os.waitstatus_to_exitcode(status)
     RESULTS.append((case, " ".join(a if len(a) < 40 else a[:37] + "..." for a in args[:3]), code, secs, mib, wall))
     text = err.decode("utf-8", "replace")
+    if SANITIZED and any(m in text for m in SANITIZER_REPORTS):
+        raise Failed(f"{args[0]}: sanitizer report (exit {code}): {text[-3000:]}")
     if killed:
         raise Failed(f"{args[0]} still running after {WALL_FACTOR * limit_s + 5:.0f} s: killed")
     if code < 0:

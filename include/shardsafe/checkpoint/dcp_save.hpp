@@ -169,6 +169,21 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
     for (const auto& o : objects)
       if (md.find(o.key))
         fail(errc::invalid_argument, dname + ": '" + o.key + "' is both a tensor and a non-tensor item");
+    // .metadata and the items' archives are pickles, whose strings are Python str (UTF-8): a
+    // key, path or value of other bytes is refused here, before anything is written, not
+    // committed in a checkpoint that torch's unpickler (and shardsafe's reader) refuse
+    auto utf8 = [&](const std::string& key, const char* what, const pickle_value* v) {
+      if (!is_valid_utf8(key))
+        fail(errc::invalid_argument, dname + ": key '" + key + "' is not UTF-8 (a .metadata holds it as a Python str)");
+      try {
+        if (v) (void)pickle_dumps(*v);
+      } catch (const error& e) {
+        fail(errc::invalid_argument, dname + ": the " + what + " of '" + key + "': " + e.what());
+      }
+    };
+    for (const auto& [key, tm] : md.tensors) utf8(key, "", nullptr);
+    for (const auto& o : objects) utf8(o.key, "value", &o.value);
+    for (const auto& [key, path] : paths) utf8(key, "path", &path);
   });
   detail::prepare_directory(dir, opt.overwrite, comm, dcp_metadata_file_name);  // 2
 
