@@ -168,23 +168,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     st = export_to(std::span<const unshard_source<memory_directory>>(&src, 1), out, eo);
   } catch (const shardsafe::error& e) {
-    // refused only for a tensor named "": no name to write it under (checkpoint/parts.hpp);
-    // OPEN: an item keyed "" alone is refused as "the rename rules drop all 1 keys"
-    // (fuzz/findings/dcp_write_export_refused), though no rule was given
+    // refused only for a tensor or value named "": no name to write it under
+    // (checkpoint/parts.hpp; fuzz/corpus/dcp_write/regress_export_refused_empty_key was refused for rename rules
+    // never given)
     FUZZ_CHECK(std::any_of(tensors.begin(), tensors.end(), [](const tensor_in& t) { return t.key.empty(); }) ||
                std::any_of(objects.begin(), objects.end(), [](const dcp_object& o) { return o.key.empty(); }));
     FUZZ_CHECK(!out.exists(".metadata"));
     return 0;
   }
-  // OPEN (fuzz/findings/dcp_write_export_drops_empty_key): export_to leaves out a non-tensor
-  // item keyed "" without a word (rename_keys drops the empty name; only a tensor so named is
-  // refused). Until that is refused as a tensor is, such an item is not expected in the copy.
-  std::vector<dcp_object> kept;
-  for (const auto& o : objects)
-    if (!o.key.empty()) kept.push_back(o);
-  FUZZ_CHECK(st.tensors == tensors.size() && st.objects == kept.size());
+  // every item is written: one keyed "" is refused above, not left out
+  // (fuzz/corpus/dcp_write/regress_export_drops_empty_key was exported without it, exit 0)
+  FUZZ_CHECK(st.tensors == tensors.size() && st.objects == objects.size());
   checkpoint_reader<memory_directory> r2(out);
-  check_read_back(r2, tensors, kept, paths);
-  for (const auto& o : kept) FUZZ_CHECK(r2.read_object_archive(o.key) == r.read_object_archive(o.key));
+  check_read_back(r2, tensors, objects, paths);
+  for (const auto& o : objects) FUZZ_CHECK(r2.read_object_archive(o.key) == r.read_object_archive(o.key));
   return 0;
 }

@@ -243,6 +243,28 @@ def export_unnamed_tensor(t):
 
 
 @case
+def export_unnamed_value(t):
+    """A training .pt whose value (not a tensor) is keyed '', alone and beside another value
+    (found by fuzz_dcp_write): to-dcp exits 1 naming the value and why it has no name, not
+    rename rules never given; before, the first was blamed on rename rules and the second exported
+    without the value, exit 0. A rule that names it exports it."""
+    files = {"value_alone": torch_save_bytes({}, {}, value={"": 7}),
+             "value_beside": torch_save_bytes({}, {}, value={"": 7, "epoch": 3})}
+    for name, data in files.items():
+        pt = os.path.join(t, name + ".pt")
+        write(pt, data)
+        o = os.path.join(t, name + "-dcp")
+        _, err = run("export_unnamed_value", ["to-dcp", pt, o], 1, ["value ''", name + ".pt", "has an empty name"])
+        if "rename" in err:
+            raise Failed(f"to-dcp {name}: the message blames rename rules that were not given: {err}")
+        if os.path.exists(o) and os.listdir(o):
+            raise Failed(f"to-dcp {name}: {o} was written")
+        run("export_unnamed_value", ["to-dcp", pt, os.path.join(t, name + "-named"), "--rename", "^$=v"], 0)
+        if not os.path.exists(os.path.join(t, name + "-named", ".metadata")):
+            raise Failed(f"to-dcp {name} with '^$=v' wrote no .metadata")
+
+
+@case
 def export_drops_every_key(t):
     """--rename '^.*$=' drops every key: to-dcp exits 1 naming the rule (as to-hf does), and writes
     no folder of nothing."""

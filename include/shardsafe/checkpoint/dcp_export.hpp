@@ -198,9 +198,10 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     return *std::lower_bound(by_name.begin(), by_name.end(), key,
                              [&](std::size_t i, std::string_view k) { return items[i].key < k; });
   };
-  // a tensor without a name is refused, not left out; then an export that would export nothing
+  // a tensor or value without a name is refused, not left out; then an export that would
+  // export nothing
   for (const auto& it : items)
-    if (it.tensor()) detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname);
+    detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname, it.tensor() ? "tensor" : "value");
   // new name -> item, sorted by new name (rename_keys' rules; without rules each key is its own
   // new name, and "" is left out as rename_keys leaves it)
   std::map<std::string, std::string> renamed_keys;

@@ -55,13 +55,13 @@ checkpoint_parts<S> open_checkpoint_parts(const S& src, bool model_only = false)
 namespace detail {
 
 /// What the exports (hf/export.hpp, dcp_export.hpp) refuse rather than leave out: a tensor
-/// whose name is empty (a `torch.save` key '', or the pickle's root: a tensor saved alone, not
-/// in a state dict) that no rename rule names. Its name to the rules is `name`, its key in r
-/// `key`; `out` names the output. errc::invalid_argument naming the tensor, its file and why it
-/// has no name; the rename rules only where some were given.
+/// (or, `what`, a value) whose name is empty (a `torch.save` key '', or the pickle's root: a
+/// tensor saved alone, not in a state dict) that no rename rule names. Its name to the rules is
+/// `name`, its key in r `key`; `out` names the output. errc::invalid_argument naming the item,
+/// its file and why it has no name; the rename rules only where some were given.
 template <ReadableDirectory S>
 void refuse_unnamed(const checkpoint_reader<S>& r, const std::string& key, const std::string& name,
-                    const rename_rules& rules, std::string_view out) {
+                    const rename_rules& rules, std::string_view out, std::string_view what = "tensor") {
   if (!name.empty()) return;
   const rename_rule* by = nullptr;
   if (!rules.apply(name, &by).empty() || by) return;  // a rule names it, or drops it as asked
@@ -70,7 +70,7 @@ void refuse_unnamed(const checkpoint_reader<S>& r, const std::string& key, const
                               ? "is the root of the pickle (a tensor saved alone, not in a state dict)"
                               : "has an empty name (its key is '')";
   const std::string dir(r.directory().name());
-  fail(errc::invalid_argument, std::string(out) + ": tensor '" + key + "' of " + (dir.empty() ? "" : dir + "/") +
+  fail(errc::invalid_argument, std::string(out) + ": " + std::string(what) + " '" + key + "' of " + (dir.empty() ? "" : dir + "/") +
                                    r.described_by() + " " + why + ", so it has no name to be written under" +
                                    (rules.empty() ? std::string() : ", and no rename rule names it") +
                                    "; an export that would leave it out is refused");
