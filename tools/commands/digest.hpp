@@ -54,6 +54,7 @@ std::vector<std::string> hash_ranges(const S& s, std::span<const std::pair<std::
       for (; j < rs.size() && rs[j].second <= (std::uint64_t(1) << 20) && used + rs[j].second <= chunk_bytes; ++j)
         used += rs[j].second;
       if (j == i) {
+        std::vector<std::byte>().swap(buf);  // hash_range holds a chunk of its own
         out[i] = hash_range(s, rs[i].first, rs[i].second, pr);
         ++i;
         continue;
@@ -116,7 +117,8 @@ int cmd_digest(const input<D>& in) {
           ts.emplace_back(n, &t);
         }
       const auto hex = hash_ranges(f.storage, std::span<const std::pair<std::uint64_t, std::uint64_t>>(rs), pr);
-      for (std::size_t i = 0; i < ts.size(); ++i) out.push_back({ts[i].first, ts[i].second->type, ts[i].second->shape, hex[i]});
+      for (std::size_t i = 0; i < ts.size(); ++i)
+        out.push_back({ts[i].first, ts[i].second->type, ts[i].second->shape, hex[i]});
     }
   } else {
     auto parts = open_checkpoint(in);

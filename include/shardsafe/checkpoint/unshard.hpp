@@ -176,16 +176,16 @@ template <ReadableDirectory D, class F>
 load_stats for_each_full_tensor(checkpoint_reader<D>& r, std::span<const std::string> keys, F&& f,
                                 const unshard_options& opt = {}) {
   load_stats stats;
-  const std::uint64_t small = std::min<std::uint64_t>(std::uint64_t(1) << 20, std::max<std::uint64_t>(opt.chunk_bytes, 1));
+  const std::uint64_t small =
+      std::min<std::uint64_t>(std::uint64_t(1) << 20, std::max<std::uint64_t>(opt.chunk_bytes, 1));
   std::vector<const std::string*> pending;
   std::vector<flat_view> views;
-  std::vector<std::byte> buf;
   std::uint64_t used = 0;
   load_options lo = opt.load;
   lo.list_unexpected = false;  // a batch at a time
   auto flush = [&] {
     if (pending.empty()) return;
-    buf.resize(static_cast<std::size_t>(used));
+    std::vector<std::byte> buf(static_cast<std::size_t>(used));  // freed before a large tensor's chunks
     std::uint64_t at = 0;
     for (auto& v : views) {
       v.data = buf.data() + at;
@@ -207,8 +207,8 @@ load_stats for_each_full_tensor(checkpoint_reader<D>& r, std::span<const std::st
     const std::uint64_t bytes = tm && is_byte_sized(tm->type) ? tm->numel() * item_size(tm->type) : 0;
     if (bytes == 0 || bytes > small) {  // absent, sub-byte, empty or large: on its own
       flush();
-      stats.add_reads(for_each_full_chunk(
-          r, key, [&](std::span<const std::byte> b, std::uint64_t at) { f(key, b, at); }, opt));
+      stats.add_reads(
+          for_each_full_chunk(r, key, [&](std::span<const std::byte> b, std::uint64_t at) { f(key, b, at); }, opt));
       continue;
     }
     if (used + bytes > std::max<std::uint64_t>(opt.chunk_bytes, small)) flush();

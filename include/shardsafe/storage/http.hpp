@@ -82,7 +82,8 @@ template <class Read>
 void coalesced_reads(std::span<const read_request> rs, std::uint64_t part, Read&& read) {
   std::vector<std::size_t> order(rs.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return rs[a].offset < rs[b].offset; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return rs[a].offset < rs[b].offset; });
   struct group {
     std::uint64_t offset, end;
     std::size_t first, last;  // order[first, last)
