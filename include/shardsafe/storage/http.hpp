@@ -66,14 +66,19 @@ inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_
 }
 
 /// How read_batch coalesces (tensorstore's kvstore/generic_coalescing_batch_util.h does the
-/// same): reads of at most coalesce_read_bytes that lie at most coalesce_gap_bytes apart in the
-/// object are fetched as one range request of at most the part size, into a staging buffer,
-/// and copied out; a batch's staging is at most coalesce_staging_bytes at a time (its requests
-/// go in rounds). So the many small reads of a load of many small tensors (a torch.save file's
-/// storages, each behind an 8-byte size or a zip local header) cost a request per part, not
-/// one each; larger reads land in place, as before.
+/// same): reads of at most coalesce_read_bytes are fetched as one range request of at most the
+/// part size, into a staging buffer, and copied out, where each gap between them is at most
+/// coalesce_small_gap_bytes (less than a request costs on any link: its headers and a round
+/// trip), or at most coalesce_gap_bytes while the group's gaps stay within
+/// coalesce_over_read_percent of the bytes it is read for (the planner's own bound: reads it
+/// kept apart on purpose, a resharded column's rows, stay apart). A batch's staging is at most
+/// coalesce_staging_bytes at a time (its requests go in rounds). So the many small reads of a
+/// load of many small tensors (a torch.save file's storages, each behind an 8-byte size or a
+/// zip local header) cost a request per part, not one each; larger reads land in place.
 inline constexpr std::uint64_t coalesce_read_bytes = std::uint64_t(1) << 20;
+inline constexpr std::uint64_t coalesce_small_gap_bytes = std::uint64_t(4) << 10;
 inline constexpr std::uint64_t coalesce_gap_bytes = std::uint64_t(64) << 10;
+inline constexpr std::uint64_t coalesce_over_read_percent = 10;
 inline constexpr std::uint64_t coalesce_staging_bytes = std::uint64_t(64) << 20;
 
 /// Runs the reads rs (none empty) as read(requests) calls of coalesced requests (see above):
@@ -86,7 +91,8 @@ void coalesced_reads(std::span<const read_request> rs, std::uint64_t part, Read&
                    [&](std::size_t a, std::size_t b) { return rs[a].offset < rs[b].offset; });
   struct group {
     std::uint64_t offset, end;
-    std::size_t first, last;  // order[first, last)
+    std::size_t first, last;     // order[first, last)
+    std::uint64_t gaps = 0, useful = 0;  // bytes between its reads; bytes read for
   };
   std::vector<read_request> round;
   std::vector<std::pair<group, std::vector<std::byte>>> staged;
@@ -106,12 +112,19 @@ void coalesced_reads(std::span<const read_request> rs, std::uint64_t part, Read&
   auto small = [&](const read_request& r) { return r.dst.size() <= std::min(coalesce_read_bytes, part); };
   for (std::size_t k = 0; k < order.size();) {
     const read_request& r = rs[order[k]];
-    group g{r.offset, r.offset + r.dst.size(), k, k + 1};
+    group g{r.offset, r.offset + r.dst.size(), k, k + 1, 0, r.dst.size()};
     if (small(r))
       for (; g.last < order.size(); ++g.last) {
         const read_request& n = rs[order[g.last]];
         const std::uint64_t end = std::max(g.end, n.offset + n.dst.size());
-        if (!small(n) || n.offset > g.end + coalesce_gap_bytes || end - g.offset > part) break;
+        if (!small(n) || end - g.offset > part) break;
+        const std::uint64_t gap = n.offset > g.end ? n.offset - g.end : 0;
+        const bool near = gap <= coalesce_small_gap_bytes ||
+                          (gap <= coalesce_gap_bytes &&
+                           (g.gaps + gap) * 100 <= (g.useful + n.dst.size()) * coalesce_over_read_percent);
+        if (!near) break;
+        g.gaps += gap;
+        g.useful += n.dst.size();
         g.end = end;
       }
     k = g.last;
