@@ -363,6 +363,38 @@ TEST_CASE("http_storage: large reads split into parts read in parallel, and batc
   CHECK(s.client().stats().connections <= 16u + 1u);
 }
 
+TEST_CASE("http_storage: a batch's small reads close together are merged into a request per part; large ones not") {
+  const std::string body = random_bytes(100'000, 53);
+  testing::scripted_server srv(body);
+  http_options o = quick();
+  o.part_bytes = 10'000;
+  const http_storage s(srv.url(), o);
+  // 1,000 reads of 10 bytes, 100 bytes apart (a storage's bytes behind a size or a local header),
+  // given in another order than the object's (a load's views by name), one of them twice
+  std::vector<std::string> outs(1001, std::string(10, '\0'));
+  std::vector<read_request> rs;
+  for (std::size_t i = 0; i < 1000; ++i) {
+    const std::size_t k = (i * 7) % 1000;  // 7 is prime to 1,000: every k once
+    rs.push_back({k * 100, std::as_writable_bytes(std::span(outs[i]))});
+  }
+  rs.push_back({500 * 100 + 5, std::as_writable_bytes(std::span(outs[1000]))});  // overlaps read k = 500
+  const int gets = srv.gets();
+  s.read_batch(rs);
+  for (std::size_t i = 0; i < rs.size(); ++i) REQUIRE(outs[i] == body.substr(rs[i].offset, 10));
+  // the reads span [0, 99,910): requests of at most 10,000 bytes, each starting at a read
+  CHECK(srv.gets() - gets == 10);
+  // a read over the part size is cut into parts of 10,000, 10,000 and 5,000 bytes: the full
+  // parts are requests of their own, the last one is small and takes the read beside it along
+  std::string big(25'000, '\0'), small(10, '\0');
+  const std::vector<read_request> two{{30'000, std::as_writable_bytes(std::span(big))},
+                                      {55'000, std::as_writable_bytes(std::span(small))}};
+  const int gets2 = srv.gets();
+  s.read_batch(two);
+  CHECK(big == body.substr(30'000, 25'000));
+  CHECK(small == body.substr(55'000, 10));
+  CHECK(srv.gets() - gets2 == 3);
+}
+
 TEST_CASE("http_storage: batches and single reads from several threads at once share one client's request slots") {
   testing::nginx_site srv;
   const std::string body = random_bytes((3 << 20) + 777, 11);
@@ -483,6 +515,11 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
           1u);  // the read timed out and was retried: it did not wait out the stall
   }
   SUBCASE("a batch under a mix of faults lands every byte") {
+    // parts of 2,000 bytes: each read a request of its own (no two merged), the faults spread
+    // over them as the script gives them out
+    http_options o = quick();
+    o.part_bytes = 2000;
+    const http_storage each(std::make_shared<detail::http_client>(o), parse_url(srv.url()));
     srv.script({fault::short_body, fault::status_429, fault::wrong_content_range, fault::long_content_length,
                 fault::short_body, fault::status_429});
     std::vector<std::string> outs(40);
@@ -491,7 +528,7 @@ TEST_CASE("http faults: each one retried with only the missing bytes asked again
       outs[i].assign(2000, '\0');
       rs.push_back({i * 2400, std::as_writable_bytes(std::span(outs[i]))});
     }
-    s.read_batch(rs);
+    each.read_batch(rs);
     for (std::size_t i = 0; i < outs.size(); ++i) REQUIRE(outs[i] == body.substr(i * 2400, 2000));
   }
 }

@@ -154,9 +154,10 @@ torch_save_index index_torch_save_legacy(const S& st) {
     return out;
   };
   pickles p;
+  std::string b;  // the file's head the pickles were read from, kept: the first sizes lie in it
   for (std::uint64_t window = std::min<std::uint64_t>(limit, std::uint64_t(1) << 20);;
        window = std::min(limit, window * 8)) {
-    const std::string b = read_at(0, static_cast<std::size_t>(window));
+    b = read_at(0, static_cast<std::size_t>(window));
     bool ran_out = false;
     try {
       p = read_pickles(b, ran_out);
@@ -180,7 +181,8 @@ torch_save_index index_torch_save_legacy(const S& st) {
   std::vector<placed_storage> storages;
   storages.reserve(p.keys.size());
   std::unordered_set<std::string_view> listed;
-  read_window<decltype(read_at)> sizes{read_at, {}, 0};  // 64 KiB at a time: small storages lie close together
+  // from the head already read, then 64 KiB at a time: small storages lie close together
+  read_window<decltype(read_at)> sizes{read_at, std::move(b), 0};
   std::uint64_t pos = p.data;
   for (const std::string& key : p.keys) {
     const std::string rec = "storage '" + key + "'";

@@ -27,6 +27,7 @@
 // | d.sub(n)        | DIR/n, nothing sent                                                          |
 // | s.read_into     | range GETs of at most part_bytes, in parallel when longer                    |
 // | s.read_batch    | every read cut into parts of at most part_bytes, requests_in_flight at once  |
+// |                 | small reads close together merged into one request (coalesced_reads)         |
 // |                 | (coroutines on at most default_threads() threads: http_client::read_ranges)  |
 // | s.read_defaults | gap 256 KiB (a request costs a round trip), requests_in_flight               |
 //
@@ -34,7 +35,9 @@
 // children. Directories are cheap to copy and copies share one client (pool and limits).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -60,6 +63,81 @@ inline void split_read(std::uint64_t off, std::span<std::byte> dst, std::uint64_
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(part, dst.size() - at));
     out.push_back({off + at, dst.subspan(static_cast<std::size_t>(at), n)});
   }
+}
+
+/// How read_batch coalesces (tensorstore's kvstore/generic_coalescing_batch_util.h does the
+/// same): reads of at most coalesce_read_bytes are fetched as one range request of at most the
+/// part size, into a staging buffer, and copied out, where each gap between them is at most
+/// coalesce_small_gap_bytes (less than a request costs on any link: its headers and a round
+/// trip), or at most coalesce_gap_bytes while the group's gaps stay within
+/// coalesce_over_read_percent of the bytes it is read for (the planner's own bound: reads it
+/// kept apart on purpose, a resharded column's rows, stay apart). A batch's staging is at most
+/// coalesce_staging_bytes at a time (its requests go in rounds). So the many small reads of a
+/// load of many small tensors (a torch.save file's storages, each behind an 8-byte size or a
+/// zip local header) cost a request per part, not one each; larger reads land in place.
+inline constexpr std::uint64_t coalesce_read_bytes = std::uint64_t(1) << 20;
+inline constexpr std::uint64_t coalesce_small_gap_bytes = std::uint64_t(4) << 10;
+inline constexpr std::uint64_t coalesce_gap_bytes = std::uint64_t(64) << 10;
+inline constexpr std::uint64_t coalesce_over_read_percent = 10;
+inline constexpr std::uint64_t coalesce_staging_bytes = std::uint64_t(64) << 20;
+
+/// Runs the reads rs (none empty) as read(requests) calls of coalesced requests (see above):
+/// each call's requests then copied out to the reads they cover. part: the longest request.
+template <class Read>
+void coalesced_reads(std::span<const read_request> rs, std::uint64_t part, Read&& read) {
+  std::vector<std::size_t> order(rs.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return rs[a].offset < rs[b].offset; });
+  struct group {
+    std::uint64_t offset, end;
+    std::size_t first, last;     // order[first, last)
+    std::uint64_t gaps = 0, useful = 0;  // bytes between its reads; bytes read for
+  };
+  std::vector<read_request> round;
+  std::vector<std::pair<group, std::vector<std::byte>>> staged;
+  std::uint64_t staging = 0;
+  auto flush = [&] {
+    if (round.empty()) return;
+    read(std::span<const read_request>(round));
+    for (const auto& [g, buf] : staged)
+      for (std::size_t k = g.first; k < g.last; ++k) {
+        const read_request& r = rs[order[k]];
+        std::memcpy(r.dst.data(), buf.data() + (r.offset - g.offset), r.dst.size());
+      }
+    round.clear();
+    staged.clear();
+    staging = 0;
+  };
+  auto small = [&](const read_request& r) { return r.dst.size() <= std::min(coalesce_read_bytes, part); };
+  for (std::size_t k = 0; k < order.size();) {
+    const read_request& r = rs[order[k]];
+    group g{r.offset, r.offset + r.dst.size(), k, k + 1, 0, r.dst.size()};
+    if (small(r))
+      for (; g.last < order.size(); ++g.last) {
+        const read_request& n = rs[order[g.last]];
+        const std::uint64_t end = std::max(g.end, n.offset + n.dst.size());
+        if (!small(n) || end - g.offset > part) break;
+        const std::uint64_t gap = n.offset > g.end ? n.offset - g.end : 0;
+        const bool near = gap <= coalesce_small_gap_bytes ||
+                          (gap <= coalesce_gap_bytes &&
+                           (g.gaps + gap) * 100 <= (g.useful + n.dst.size()) * coalesce_over_read_percent);
+        if (!near) break;
+        g.gaps += gap;
+        g.useful += n.dst.size();
+        g.end = end;
+      }
+    k = g.last;
+    if (g.last - g.first == 1) {
+      round.push_back(r);
+      continue;
+    }
+    if (staging + (g.end - g.offset) > coalesce_staging_bytes) flush();
+    staging += g.end - g.offset;
+    staged.emplace_back(g, std::vector<std::byte>(static_cast<std::size_t>(g.end - g.offset)));
+    round.push_back({g.offset, std::span<std::byte>(staged.back().second)});
+  }
+  flush();
 }
 
 /// What the HEAD that opens an object says of it.
@@ -122,7 +200,9 @@ class basic_remote_storage {
       detail::check_read_range(name_, r.offset, r.dst.size(), size_);
       detail::split_read(r.offset, r.dst, client_->options().part_bytes, parts);
     }
-    client_->read_ranges(url_, parts, size_, sign_, validator_);
+    detail::coalesced_reads(parts, client_->options().part_bytes, [&](std::span<const read_request> rq) {
+      client_->read_ranges(url_, rq, size_, sign_, validator_);
+    });
   }
 
   read_settings read_defaults() const {

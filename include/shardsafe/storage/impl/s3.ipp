@@ -139,7 +139,7 @@ SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit
   // a listing ends within the operation deadline and a bounded number of pages and keys,
   // whatever the server answers (an endless IsTruncated=true)
   const auto deadline = std::chrono::steady_clock::now() + ctx_->opt.http.operation_timeout;
-  std::uint64_t keys = 0;
+  std::uint64_t keys = 0, key_bytes = 0;
   for (int pages = 0;; ++pages) {
     if (pages >= max_list_pages || std::chrono::steady_clock::now() >= deadline)
       throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': still truncated after " +
@@ -170,9 +170,12 @@ SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit
         if (!k) throw error(errc::io_error, name_ + ": ListObjectsV2: a " + open + " without its key");
         at = end + close.size();
         if (!k->starts_with(pre)) continue;
-        if (++keys > max_list_keys)
+        key_bytes += k->size();
+        if (++keys > max_list_keys || key_bytes > max_list_key_bytes)
           throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': more than " +
-                                          std::to_string(max_list_keys) + " keys; refusing to list further");
+                                          (keys > max_list_keys ? std::to_string(max_list_keys) + " keys"
+                                                                : std::to_string(max_list_key_bytes) + " bytes of keys") +
+                                          " (after " + std::to_string(pages + 1) + " pages); refusing to list further");
         if (!each(std::string_view(*k))) return;
       }
     }
