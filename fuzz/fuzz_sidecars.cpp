@@ -38,10 +38,10 @@ using table = std::map<std::string, std::vector<std::uint64_t>>;
 
 struct fixture {
   std::shared_ptr<memory_store> compact, listed;
-  std::string sidecar;                   // rank_0.checksums.json as saved
-  std::string md_head, md_tail;          // listed metadata.json around its "checksums" value
-  std::string checksums_value;           // that value as saved
-  table saved;                           // rank_0.safetensors' table
+  std::string sidecar;           // rank_0.checksums.json as saved
+  std::string md_head, md_tail;  // listed metadata.json around its "checksums" value
+  std::string checksums_value;   // that value as saved
+  table saved;                   // rank_0.safetensors' table
   std::uint64_t block_bytes = 8;
 };
 
@@ -62,8 +62,10 @@ std::size_t end_of_object(const std::string& text, std::size_t at) {
   for (std::size_t i = at; i < text.size(); ++i) {
     const char c = text[i];
     if (in_string) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_string = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
     } else if (c == '"') {
       in_string = true;
     } else if (c == '{') {
@@ -83,7 +85,7 @@ fixture make_fixture() {
   for (std::size_t i = 0; i < memory.size(); ++i)
     for (std::size_t j = 0; j < memory[i].size(); ++j) memory[i][j] = static_cast<char>(i * 37 + j * 11 + 1);
   auto view = [&](std::string key, dtype t, shape_t shape, std::size_t m) {
-    return flat_view{std::move(key), t, std::move(shape), std::nullopt, reinterpret_cast<std::byte*>(memory[m].data()),
+    return flat_view{std::move(key),  t, std::move(shape), std::nullopt, reinterpret_cast<std::byte*>(memory[m].data()),
                      memory[m].size()};
   };
   const std::vector<flat_view> views = {view("w", dtype::F32, {4, 3}, 0), view("b", dtype::BF16, {3}, 1),

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "shardsafe/format/pickle_repr.hpp"
 #include "shardsafe/format/pickle_writer.hpp"
 #include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/format/torch_save_legacy.hpp"
@@ -29,7 +30,8 @@ bool same(const torch_save_index& a, const torch_save_index& b) {
   if (a.header.tensors.size() != b.header.tensors.size() || a.values.size() != b.values.size()) return false;
   for (std::size_t i = 0; i < a.header.tensors.size(); ++i) {
     const auto &x = a.header.tensors[i], &y = b.header.tensors[i];
-    if (x.name != y.name || x.type != y.type || x.shape != y.shape || x.begin != y.begin || x.end != y.end) return false;
+    if (x.name != y.name || x.type != y.type || x.shape != y.shape || x.begin != y.begin || x.end != y.end)
+      return false;
   }
   for (std::size_t i = 0; i < a.values.size(); ++i)
     if (a.values[i].name != b.values[i].name || !(a.values[i].value == b.values[i].value)) return false;

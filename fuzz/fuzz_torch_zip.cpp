@@ -13,6 +13,7 @@
 #include <string_view>
 
 #include "shardsafe/format/dcp_data.hpp"
+#include "shardsafe/format/pickle_repr.hpp"
 #include "shardsafe/format/pickle_writer.hpp"
 #include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/format/torch_zip.hpp"

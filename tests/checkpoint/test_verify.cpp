@@ -963,7 +963,8 @@ struct longest_read_storage {
 };
 }  // namespace
 
-TEST_CASE("hash_reads: a checksum block longer than hash_piece_bytes is read in pieces, hashed as XXH3-64 of it whole") {
+TEST_CASE(
+    "hash_reads: a checksum block longer than hash_piece_bytes is read in pieces, hashed as XXH3-64 of it whole") {
   byte_buffer b(static_cast<std::size_t>(3 * hash_piece_bytes + 4096));
   std::mt19937_64 rng(53);
   for (auto& x : b) x = static_cast<std::byte>(rng());

@@ -672,8 +672,8 @@ TEST_CASE("read_pickle_bytes: a pickle is read up to its STOP, never the bytes a
   CHECK(*st.read <= (std::uint64_t(1) << 20));
   CHECK(parse_dcp_metadata(got, "ckpt/.metadata").items.size() == 2);
   // the limit is the pickle's, not the file's: a 4 KiB limit takes this one with a MiB after it
-  CHECK(read_pickle_bytes(counted_storage{memory_storage(bytes_of(md + std::string(1 << 20, 'x')), "m")},
-                          md.size()) == md);
+  CHECK(read_pickle_bytes(counted_storage{memory_storage(bytes_of(md + std::string(1 << 20, 'x')), "m")}, md.size()) ==
+        md);
   testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(md), "m")}, md.size() - 1); },
                         errc::invalid_metadata, {"m: pickle does not end within its first"});
   // a str of 2 MiB (the argument runs past the first window) and text opcodes: read through
@@ -682,9 +682,11 @@ TEST_CASE("read_pickle_bytes: a pickle is read up to its STOP, never the bytes a
   counted_storage b{memory_storage(bytes_of(big + "trailing"), "b")};
   CHECK(read_pickle_bytes(b, max_metadata_size) == big);
   // not a protocol 2+ pickle, a STOP inside a FRAME running past it, a line without its end
-  testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(std::string(99, '\0')), "z")},
-                                                max_metadata_size); },
-                        errc::invalid_metadata, {"z: does not start with a pickle's PROTO opcode"});
+  testing::expect_error(
+      [&] {
+        read_pickle_bytes(counted_storage{memory_storage(bytes_of(std::string(99, '\0')), "z")}, max_metadata_size);
+      },
+      errc::invalid_metadata, {"z: does not start with a pickle's PROTO opcode"});
   const std::string framed = std::string("\x80\x04\x95", 3) + le(40, 8) + "N." + std::string(38, '\0');
   testing::expect_error([&] { read_pickle_bytes(counted_storage{memory_storage(bytes_of(framed), "f")}, 1 << 20); },
                         errc::invalid_metadata, {"f: pickle STOP at byte 12", "inside a FRAME that runs to byte 51"});

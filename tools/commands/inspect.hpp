@@ -93,8 +93,9 @@ int cmd_inspect(const input<D>& in) {
   for (auto& p : parts)
     for (const auto& t : p.reader->foreign_tensors())
       rows.push_back({p.prefix + t.key, t.dtype, shape_str(t.shape), "-", p.reader->described_by(),
-                      t.why.empty() ? std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"
-                                    : t.why});
+                      t.why.empty()
+                          ? std::to_string(t.chunks) + " chunk(s); a dtype shardsafe has no type for (not read)"
+                          : t.why});
   const std::size_t foreign = rows.size() - tensors;
   for (auto& p : parts)
     for (const auto& item : p.reader->non_tensors())

@@ -71,7 +71,7 @@ namespace detail {
 /// One key to export: a tensor of a source, a DCP source's non-tensor item, or a value.
 template <ReadableDirectory S>
 struct dcp_export_item {
-  std::string key;  ///< before renaming
+  std::string key;    ///< before renaming
   pickle_value path;  ///< its path in the nested state dict; None for (key,), what .metadata gives a key without one
   checkpoint_reader<S>* reader = nullptr;  ///< a tensor or an item: where it is
   std::string source_key;

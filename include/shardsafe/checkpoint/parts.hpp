@@ -70,8 +70,9 @@ void refuse_unnamed(const checkpoint_reader<S>& r, const std::string& key, const
                               ? "is the root of the pickle (a tensor saved alone, not in a state dict)"
                               : "has an empty name (its key is '')";
   const std::string dir(r.directory().name());
-  fail(errc::invalid_argument, std::string(out) + ": " + std::string(what) + " '" + key + "' of " + (dir.empty() ? "" : dir + "/") +
-                                   r.described_by() + " " + why + ", so it has no name to be written under" +
+  fail(errc::invalid_argument, std::string(out) + ": " + std::string(what) + " '" + key + "' of " +
+                                   (dir.empty() ? "" : dir + "/") + r.described_by() + " " + why +
+                                   ", so it has no name to be written under" +
                                    (rules.empty() ? std::string() : ", and no rename rule names it") +
                                    "; an export that would leave it out is refused");
 }

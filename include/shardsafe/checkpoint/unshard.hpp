@@ -238,7 +238,9 @@ load_stats for_each_full_tensor(checkpoint_reader<D>& r, std::span<const std::st
   for (const std::string& key : keys) {
     const tensor_metadata* tm = r.find(key);
     const std::uint64_t bytes = tm && is_byte_sized(tm->type) ? tm->numel() * item_size(tm->type) : 0;
-    if (bytes == 0 || bytes > small) {  // absent, sub-byte, empty or large: on its own
+    // absent, sub-byte, empty or large, or a grid (its files are opened and checked before a
+    // plan lists its parts: a million for 300 bytes of metadata.json): on its own
+    if (bytes == 0 || bytes > small || tm->grid) {
       flush();
       stats.add_reads(
           for_each_full_chunk(r, key, [&](std::span<const std::byte> b, std::uint64_t at) { f(key, b, at); }, opt));

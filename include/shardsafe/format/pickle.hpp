@@ -10,10 +10,12 @@
 //
 // This umbrella includes the three parts:
 //   pickle_value.hpp   the value (a std::variant of the eight Python types)
+//   pickle_repr.hpp    pickle_repr: a value as Python's repr() writes it
 //   pickle_writer.hpp  pickle_dumps (protocol 2)
 //   pickle_reader.hpp  pickle_loads, basic_pickle_reader and its opcode policy hook
 #pragma once
 
 #include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/format/pickle_repr.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/pickle_writer.hpp"

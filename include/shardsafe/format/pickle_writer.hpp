@@ -62,7 +62,8 @@ inline void pickle_put(std::string& out, const pickle_value& v) {
       const std::string& s = v.as_string("");
       // a BINUNICODE holds UTF-8: Python's unpickler (torch's, and shardsafe's readers) refuse
       // anything else, so a file written with it could not be read back
-      if (!is_valid_utf8(s)) fail(errc::invalid_argument, "a str to pickle is not UTF-8 (Python's unpickler refuses it)");
+      if (!is_valid_utf8(s))
+        fail(errc::invalid_argument, "a str to pickle is not UTF-8 (Python's unpickler refuses it)");
       out += 'X';
       le(s.size(), 4);
       out += s;

@@ -130,7 +130,7 @@ torch_save_index index_torch_save_file(const S& st) {
       pkl = &e;
     }
   if (!pkl) bad("holds no PREFIX/data.pkl: not a torch.save file (zip format)");
-  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);   // "PREFIX/"
+  const std::string prefix = pkl->name.substr(0, pkl->name.size() - 8);  // "PREFIX/"
   // KEY -> record, sorted by KEY (the first record of a KEY named twice): views into dir's names,
   // 24 bytes a record where a map of strings took about 100 (2^20 records, issue 53)
   using keyed = std::pair<std::string_view, const detail::zip_entry*>;
@@ -149,9 +149,9 @@ torch_save_index index_torch_save_file(const S& st) {
       storages.emplace_back(std::string_view(e.name).substr(prefix.size() + 5), &e);
   }
   std::stable_sort(storages.begin(), storages.end(), [](const keyed& a, const keyed& b) { return a.first < b.first; });
-  storages.erase(std::unique(storages.begin(), storages.end(),
-                             [](const keyed& a, const keyed& b) { return a.first == b.first; }),
-                 storages.end());
+  storages.erase(
+      std::unique(storages.begin(), storages.end(), [](const keyed& a, const keyed& b) { return a.first == b.first; }),
+      storages.end());
   auto storage_record = [&](std::string_view key) -> const detail::zip_entry* {
     const auto it = std::lower_bound(storages.begin(), storages.end(), key,
                                      [](const keyed& a, std::string_view k) { return a.first < k; });

@@ -208,15 +208,13 @@ torch_save_index index_torch_save_legacy(const S& st) {
   listed = {};
   std::sort(storages.begin(), storages.end(),  // keys distinct
             [](const placed_storage& a, const placed_storage& b) { return a.key < b.key; });
-  return index_state_dict_tensors(file, st.size(), std::move(p.sd),
-                                  [&](const std::string& key, auto& tbad) -> torch_zip_record {
-                                    const auto s = std::lower_bound(
-                                        storages.begin(), storages.end(), std::string_view(key),
+  return index_state_dict_tensors(
+      file, st.size(), std::move(p.sd), [&](const std::string& key, auto& tbad) -> torch_zip_record {
+        const auto s = std::lower_bound(storages.begin(), storages.end(), std::string_view(key),
                                         [](const placed_storage& a, std::string_view k) { return a.key < k; });
-                                    if (s == storages.end() || s->key != key)
-                                      tbad("its storage '" + key + "' is not in the file's storage list");
-                                    return torch_zip_record{"storage '" + key + "'", s->at, s->size};
-                                  });
+        if (s == storages.end() || s->key != key) tbad("its storage '" + key + "' is not in the file's storage list");
+        return torch_zip_record{"storage '" + key + "'", s->at, s->size};
+      });
 }
 
 }  // namespace detail

@@ -100,9 +100,9 @@ struct torch_save_unread_tensor {
 
 /// The index of a torch.save file of a state dict and its values that are not tensors.
 struct torch_save_index {
-  safetensors_header header;                  ///< every tensor read, at its absolute offset in the file (of_records)
-  std::vector<torch_save_value> values;       ///< the values that are not tensors, by name
-  std::map<std::string, pickle_value> paths;  ///< torch_state_dict_pickle::paths
+  safetensors_header header;                     ///< every tensor read, at its absolute offset in the file (of_records)
+  std::vector<torch_save_value> values;          ///< the values that are not tensors, by name
+  std::map<std::string, pickle_value> paths;     ///< torch_state_dict_pickle::paths
   std::vector<torch_save_unread_tensor> unread;  ///< tensors torch.load reads and shardsafe does not, by name
 };
 

@@ -19,6 +19,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/dcp_unpickler.hpp"
 #include "shardsafe/format/pickle_reader.hpp"
+#include "shardsafe/format/pickle_repr.hpp"
 
 namespace shardsafe {
 
@@ -85,7 +86,8 @@ struct torch_tensor_pickle_policy {
   /// "__builtin__"): "set", "frozenset", "bytes", "bytearray", or "" for any other name.
   static std::string_view value_builtin(std::string_view full) {
     for (std::string_view n : {"set", "frozenset", "bytes", "bytearray"})
-      if ((full.starts_with("builtins.") && full.substr(9) == n) || (full.starts_with("__builtin__.") && full.substr(12) == n))
+      if ((full.starts_with("builtins.") && full.substr(9) == n) ||
+          (full.starts_with("__builtin__.") && full.substr(12) == n))
         return n;
     return {};
   }
@@ -240,8 +242,8 @@ struct torch_tensor_pickle_policy {
         r.push(pickle_value::byte_string(*bytes));
       } else if (b == "bytes" && a.empty()) {
         r.push(pickle_value::byte_string(""));
-      } else if (b == "bytearray" && (a.empty() || (a.size() == 1 && a[0].type() == k::bytes &&
-                                                    !a[0].as_bytes("").bytearray))) {
+      } else if (b == "bytearray" &&
+                 (a.empty() || (a.size() == 1 && a[0].type() == k::bytes && !a[0].as_bytes("").bytearray))) {
         // bytearray() and bytearray(bytes), as protocol 2 writes a bytearray
         r.push(pickle_value::byte_string(a.empty() ? std::string() : a[0].as_bytes("").data, true));
       } else if (b == "bytearray" && a.size() == 2 && a[0].type() == k::string &&

@@ -91,7 +91,7 @@ void coalesced_reads(std::span<const read_request> rs, std::uint64_t part, Read&
                    [&](std::size_t a, std::size_t b) { return rs[a].offset < rs[b].offset; });
   struct group {
     std::uint64_t offset, end;
-    std::size_t first, last;     // order[first, last)
+    std::size_t first, last;             // order[first, last)
     std::uint64_t gaps = 0, useful = 0;  // bytes between its reads; bytes read for
   };
   std::vector<read_request> round;

@@ -137,7 +137,7 @@ class s3_directory {
   /// by page, until each returns false or the listing ends.
   void list_keys(const std::string& pre, bool delimit, unsigned page,
                  const std::function<bool(std::string_view)>& each) const;
-  static constexpr int max_list_pages = 10'000;                              ///< pages of one listing
+  static constexpr int max_list_pages = 10'000;  ///< pages of one listing
   /// Keys of one listing, and their bytes: what a caller holds of a listing stays bounded (10
   /// million keys of 15 MiB pages, held, peaked at 689 MiB before the count refused them).
   static constexpr std::uint64_t max_list_keys = std::uint64_t(1'000'000);

@@ -172,10 +172,11 @@ SHARDSAFE_DECL void s3_directory::list_keys(const std::string& pre, bool delimit
         if (!k->starts_with(pre)) continue;
         key_bytes += k->size();
         if (++keys > max_list_keys || key_bytes > max_list_key_bytes)
-          throw error(errc::io_error, name_ + ": ListObjectsV2 of '" + pre + "': more than " +
-                                          (keys > max_list_keys ? std::to_string(max_list_keys) + " keys"
-                                                                : std::to_string(max_list_key_bytes) + " bytes of keys") +
-                                          " (after " + std::to_string(pages + 1) + " pages); refusing to list further");
+          throw error(errc::io_error,
+                      name_ + ": ListObjectsV2 of '" + pre + "': more than " +
+                          (keys > max_list_keys ? std::to_string(max_list_keys) + " keys"
+                                                : std::to_string(max_list_key_bytes) + " bytes of keys") +
+                          " (after " + std::to_string(pages + 1) + " pages); refusing to list further");
         if (!each(std::string_view(*k))) return;
       }
     }
