@@ -63,7 +63,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // an accepted grid (the compact form), up to the 2^20 parts a tensor may have, by its cheap
   // path only: the first parts in rank order (for_each_part stopped early), and single elements
   // found by division (overlapping), each checked against the format's rule computed here
-  for (const auto& [key, tm] : md.tensors) {
+  for (const auto& entry : md.tensors) {
+    const tensor_metadata& tm = entry.second;  // not a structured binding: clang 14's lambdas cannot capture one
     if (!tm.grid) continue;
     const shard_grid& g = *tm.grid;
     const std::uint64_t count = g.part_count();
