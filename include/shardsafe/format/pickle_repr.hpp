@@ -33,6 +33,31 @@ std::string pickle_repr(const pickle_value& v, std::size_t max_chars, const Spec
   const std::size_t cap = max_chars;
   auto full = [&] { return out.size() > cap; };
   auto put = [&](std::string_view s) { out.append(s.substr(0, cap + 1 - std::min(out.size(), cap + 1))); };
+  // a str's or bytes' literal as Python writes it: quoted with ' unless it holds ' and no ",
+  // backslash, quote, \n, \r and \t escaped, other bytes below 0x20 and 0x7f as \xHH, and (a
+  // bytes: `ascii_only`) those above 0x7e too; a str's other bytes as they are. Cut past cap.
+  auto quoted = [&](std::string_view data, std::string_view before, std::string_view after, bool ascii_only) {
+    const char q = data.find('\'') != std::string_view::npos && data.find('"') == std::string_view::npos ? '"' : '\'';
+    std::string t = std::string(before) + q;
+    for (unsigned char c : data) {
+      if (t.size() > cap) break;
+      if (c == '\\' || c == static_cast<unsigned char>(q))
+        t += '\\', t += char(c);
+      else if (c == '\n')
+        t += "\\n";
+      else if (c == '\r')
+        t += "\\r";
+      else if (c == '\t')
+        t += "\\t";
+      else if (c >= 0x20 && c != 0x7f && (!ascii_only || c < 0x7f))
+        t += char(c);
+      else {
+        t += "\\x";
+        detail::append_hex(t, c, 2);
+      }
+    }
+    return t + q + std::string(after);
+  };
   auto walk = [&](auto& self, const pickle_value& x) -> void {
     if (full()) return;
     switch (x.type()) {
@@ -78,54 +103,10 @@ std::string pickle_repr(const pickle_value& v, std::size_t max_chars, const Spec
         put(t);
         break;
       }
-      case pickle_value::kind::string: {
-        const std::string& str = x.as_string("");
-        // Python quotes with ' unless the str holds ' and no "
-        const char q = str.find('\'') != std::string::npos && str.find('"') == std::string::npos ? '"' : '\'';
-        std::string t(1, q);
-        for (unsigned char c : str) {
-          if (t.size() > cap) break;
-          if (c == '\\' || c == static_cast<unsigned char>(q))
-            t += '\\', t += char(c);
-          else if (c == '\n')
-            t += "\\n";
-          else if (c == '\r')
-            t += "\\r";
-          else if (c == '\t')
-            t += "\\t";
-          else if (c >= 0x20 && c != 0x7f)
-            t += char(c);
-          else {
-            t += "\\x";
-            detail::append_hex(t, c, 2);
-          }
-        }
-        put(t + q);
-        break;
-      }
+      case pickle_value::kind::string: put(quoted(x.as_string(""), "", "", false)); break;
       case pickle_value::kind::bytes: {
         const pickle_bytes& b = x.as_bytes("");
-        // Python quotes with ' unless the bytes hold ' and no "
-        const char q = b.data.find('\'') != std::string::npos && b.data.find('"') == std::string::npos ? '"' : '\'';
-        std::string t = std::string(b.bytearray ? "bytearray(b" : "b") + q;
-        for (unsigned char c : b.data) {
-          if (t.size() > cap) break;
-          if (c == '\\' || c == static_cast<unsigned char>(q))
-            t += '\\', t += char(c);
-          else if (c == '\n')
-            t += "\\n";
-          else if (c == '\r')
-            t += "\\r";
-          else if (c == '\t')
-            t += "\\t";
-          else if (c >= 0x20 && c < 0x7f)
-            t += char(c);
-          else {
-            t += "\\x";
-            detail::append_hex(t, c, 2);
-          }
-        }
-        put(t + q + (b.bytearray ? ")" : ""));
+        put(b.bytearray ? quoted(b.data, "bytearray(b", ")", true) : quoted(b.data, "b", "", true));
         break;
       }
       case pickle_value::kind::set: {
