@@ -884,14 +884,15 @@ def torch_save_legacy_bytes(tensors, storages, keys=None, sizes=None):
 
 @case
 def torch_save_files(t):
-    """pytorch_model.bin folders: 100,000 tensors over one shared storage (listed, digested and
+    """pytorch_model.bin folders: 65,536 tensors over one shared storage (the most a file holds:
+    listed, digested and
     converted in bounded time and memory), a tensor claiming 2^80 elements of a 4-byte storage,
     a slice past its storage's end, a storage the archive lacks, a BUILD on a tensor (torch would
     move it to other bytes), a 1 MiB key over 200,000 values (200 GB of flattened names): exit 1
     naming each."""
     d = os.path.join(t, "many")
     os.makedirs(d)
-    n = 100000  # about 1.5 KiB of memory each (the pickle's values and the index): 160 MiB
+    n = 1 << 16  # max_torch_save_tensors: about 1.5 KiB of memory each (the pickle's values, the index)
     write(os.path.join(d, "pytorch_model.bin"),
           torch_save_bytes({f"layers.{i}.w": ("0", i % 4, (1,), (1,)) for i in range(n)},
                            {"0": ("FloatStorage", 4, struct.pack("<4f", 1, 2, 3, 4))}))
@@ -918,7 +919,7 @@ def torch_save_files(t):
 
 @case
 def torch_save_legacy(t):
-    """pytorch_model.bin in torch.save's legacy format: 100,000 tensors over one storage (a 16 MiB
+    """pytorch_model.bin in torch.save's legacy format: 65,536 tensors over one storage (a 10 MiB
     pickle, read through growing windows of the file's head: listed, digested and converted in
     bounded time and memory); a 100 MiB file whose pickle never ends (a string of 4 GiB): refused
     after 64 MiB; a storage whose size in the file is not its pickle's, one of 2^62 elements, one
@@ -926,7 +927,7 @@ def torch_save_legacy(t):
     view, two types over one storage: exit 1 naming each."""
     d = os.path.join(t, "many")
     os.makedirs(d)
-    n = 100000
+    n = 1 << 16  # max_torch_save_tensors
     one = {"0": ("FloatStorage", 4, struct.pack("<4f", 1, 2, 3, 4))}
     write(os.path.join(d, "pytorch_model.bin"),
           torch_save_legacy_bytes({f"layers.{i}.w": ("0", i % 4, (1,), (1,)) for i in range(n)}, one))

@@ -35,15 +35,17 @@ namespace detail {
 /// the reader makes public what a PickleOpcodePolicy may call (bad, take).
 class pickle_machine {
  protected:
-  /// Reads `in`; `what` names the bytes in messages; `max_values` as basic_pickle_reader takes it.
-  pickle_machine(std::string_view in, std::string what, std::size_t max_values)
+  /// Reads `in`; `what` names the bytes in messages; `max_values` and `max_made` as
+  /// basic_pickle_reader takes them.
+  pickle_machine(std::string_view in, std::string what, std::size_t max_values, std::size_t max_made)
       : in_(in),
         what_(std::move(what)),
         max_nodes_(
             std::min<std::uint64_t>(max_values > SIZE_MAX - in.size() / 8 ? SIZE_MAX : max_values + in.size() / 8,
                                     64 * std::uint64_t(in.size()) + 4096)),
         popped_budget_(8 * max_nodes_),
-        work_budget_(8 * max_nodes_) {
+        work_budget_(8 * max_nodes_),
+        max_made_(max_made) {
     true_.u.b = true;
     empty_tuple_.u.seq = {nullptr, 0, 0};
   }
@@ -97,9 +99,16 @@ class pickle_machine {
   }
 
   // --- the arena: every value made lives until the reader goes ---
+  // A node more in the arena: at most max_made_ of them (what bounds the reader's memory where
+  // values made and dropped, or made by a policy, are not the result's)
+  node* arena_node() {
+    if (nodes_.size() >= max_made_)
+      bad("makes more than " + std::to_string(max_made_) + " values (ints, strs, containers: the reader's bound)");
+    return &nodes_.emplace_back();
+  }
   node* new_node(kind k) {
     charge(1);
-    node* n = &nodes_.emplace_back();
+    node* n = arena_node();
     n->k = k;
     if (n->container()) n->u.seq = {nullptr, 0, 0};
     return n;
@@ -121,7 +130,7 @@ class pickle_machine {
       charge(1);
       node*& c = small_ints_[static_cast<std::size_t>(i)];
       if (!c) {
-        c = &nodes_.emplace_back();
+        c = arena_node();
         c->k = kind::integer;
         c->u.i = i;
       }
@@ -148,8 +157,8 @@ class pickle_machine {
   node* own_string(const std::string& s) {
     charge(1);
     if (auto it = owned_.find(s); it != owned_.end()) return it->second;
+    node* n = arena_node();
     const std::string& kept = owned_text_.emplace_back(s);
-    node* n = &nodes_.emplace_back();
     n->k = kind::string;
     n->u.s = {kept.data(), kept.size()};
     owned_.emplace(std::string_view(kept), n);
@@ -324,6 +333,7 @@ class pickle_machine {
   std::size_t max_nodes_;      // values a result may expand to, as a tree
   std::size_t popped_budget_;  // values all pop_value calls together may still build
   std::size_t work_budget_;    // values made and entries copied that are still allowed
+  std::size_t max_made_;       // nodes the arena may hold
   std::uint32_t epoch_ = 1;    // counts of values made in this epoch (stamp) are current
   node* root_ = nullptr;       // the value, after STOP
   // the arena: nodes, containers' items, strings a policy made (once each), shared scalars

@@ -102,10 +102,11 @@ class basic_pickle_reader : private detail::pickle_machine {
   /// `max_values` bounds the values the result (and every pop_value) may expand to, as a tree;
   /// the strings the input holds come on top (their bytes / 8: a str read once is never what
   /// the bound refuses, only one copied at each of many references); the reader lowers the sum
-  /// to 64 per input byte plus 4096.
+  /// to 64 per input byte plus 4096. `max_made` bounds the values made in all (the arena's
+  /// nodes, those dropped or a policy made among them): a bound on the reader's memory.
   basic_pickle_reader(std::string_view in, std::string what, Policy policy = {},
-                      std::size_t max_values = default_max_values)
-      : detail::pickle_machine(in, std::move(what), max_values), policy_(std::move(policy)) {}
+                      std::size_t max_values = default_max_values, std::size_t max_made = SIZE_MAX)
+      : detail::pickle_machine(in, std::move(what), max_values, max_made), policy_(std::move(policy)) {}
   /// The default bound on values: param groups hold dozens.
   static constexpr std::size_t default_max_values = std::size_t(1) << 20;
   basic_pickle_reader(const basic_pickle_reader&) = delete;

@@ -28,14 +28,14 @@
 // Rules (errc::invalid_metadata, naming the file, the tensor and the rule; errc::unsupported_dtype
 // for a dtype shardsafe has no type for):
 //   - a zip archive: the checks of format/torch_zip.hpp's records (stored, sizes, local
-//     headers), at most 2^20 records, its central directory at most 256 MiB; one
+//     headers), at most 2^16 + 1024 records, its central directory at most 256 MiB; one
 //     PREFIX/data.pkl, at most 64 MiB; PREFIX/byteorder, when present, says "little";
 //     PREFIX/.data/version (else PREFIX/version) holds a format version torch reads (1 to 10); every
 //     tensor's storage is a record PREFIX/data/KEY holding its storage's bytes;
 //   - the legacy format: its pickles (protocol 2 as torch writes them by default, or 3 to 5)
 //     end within the file's first 64 MiB; the protocol version is 1001; sys_info does not say
 //     big-endian; no storage is a view (view_metadata None); the storage list holds at most
-//     2^20 distinct str keys, each named in the pickle, and every tensor's storage is listed;
+//     2^16 distinct str keys, each named in the pickle, and every tensor's storage is listed;
 //     each storage's size in the file is the elements its persistent id says (of the element
 //     size of its type), and its bytes end inside the file;
 //   - every persistent id naming one storage key gives it the same type and size, wherever it
@@ -60,6 +60,10 @@
 // them here, where DCP would pickle each whole as one item.
 // The values flattened are at most one per 8 bytes of pickle (plus 1024), their names' bytes at
 // most 4x its size (plus 1 MiB): the memo cannot make one key or tensor stand at a million places.
+// What the tool reads within its memory (torch_state_dict.hpp, torch_tensor_pickle.hpp): at most
+// 2^16 storages named, 2^18 tensors and values (a tensor counting 4), 4 MiB of their names, 2^19
+// ints, floats, strs and containers in the values, 2^21 values made by the pickle's reader in
+// all; each refused as the count passes it, before the rest is read.
 //
 // Reads: the archive's last KiB and its central directory, the local header of data.pkl, of
 // byteorder and of each storage a tensor uses (in the archive's order: one read for a record of
@@ -105,6 +109,10 @@ namespace shardsafe {
 inline constexpr std::uint64_t torch_save_min_version = 1;
 inline constexpr std::uint64_t torch_save_max_version = 10;
 
+/// The most records a torch.save archive holds: a storage's each (max_torch_save_storages) and
+/// room for the few others torch writes (data.pkl, version, byteorder, .data/serialization_id).
+inline constexpr std::uint64_t max_torch_save_records = max_torch_save_storages + 1024;
+
 /// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
 /// reading only the archive's directory, local headers and data.pkl (the legacy format: its
 /// pickles and each storage's size).
@@ -122,7 +130,7 @@ torch_save_index index_torch_save_file(const S& st) {
            n.find("/data/") != std::string_view::npos;
   };
   const detail::zip_directory dir = detail::read_zip_directory(
-      st.size(), read_at, bad, std::uint64_t(1) << 20, std::uint64_t(256) << 20, "a torch.save file", looked_up);
+      st.size(), read_at, bad, max_torch_save_records, std::uint64_t(256) << 20, "a torch.save file", looked_up);
   const detail::zip_entry* pkl = nullptr;
   for (const auto& e : dir.entries)
     if (e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9) {

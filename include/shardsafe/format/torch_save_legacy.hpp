@@ -122,8 +122,9 @@ torch_save_index index_torch_save_legacy(const S& st) {
       }
     };
     auto plain = [&](const char* what) {
-      // a value of the storage list's 2^20 keys is the named rule's to refuse
-      pickle_reader r(b.substr(at), file + ": " + what, {}, std::size_t(1) << 21);
+      // a list of more keys than max_torch_save_storages is the named rule's to refuse (a list
+      // of 2^18 and more, the reader's: its memory stays bounded)
+      pickle_reader r(b.substr(at), file + ": " + what, {}, std::size_t(1) << 18);
       return next(r, [](pickle_view v) { return v.build(); });
     };
     const pickle_value version = plain("protocol version");
@@ -143,8 +144,9 @@ torch_save_index index_torch_save_legacy(const S& st) {
     if (keys.type() != pickle_value::kind::list)
       bad("its storage keys are a " + std::string(pickle_value::kind_name(keys.type())) + ", not a list");
     const auto& ks = keys.as_sequence("");
-    if (ks.size() > (std::size_t(1) << 20))
-      bad("lists " + std::to_string(ks.size()) + " storages (at most 2^20 are read)");
+    if (ks.size() > max_torch_save_storages)
+      bad("lists " + std::to_string(ks.size()) + " storages (at most " + std::to_string(max_torch_save_storages) +
+          " are read from a torch.save file: docs/FORMAT.md §3)");
     for (const auto& k : ks) {
       if (k.type() != pickle_value::kind::string)
         bad("a storage key is a " + std::string(pickle_value::kind_name(k.type())) + ", not a str");

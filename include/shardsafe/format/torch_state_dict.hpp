@@ -35,6 +35,20 @@ namespace shardsafe {
 /// million tensors fit).
 inline constexpr std::uint64_t max_torch_save_pickle = std::uint64_t(64) << 20;
 
+/// What a torch.save file's state dict holds at most, flattened (a tensor or value the memo puts
+/// at two places counts twice): its tensors and values, a tensor counting as 4 values (so at
+/// most max_torch_save_tensors tensors); their names' bytes; the ints, floats, strs and
+/// containers (keys among them) its values hold together, counted as a tree (a container the
+/// memo shares, at each place); and the values the reader of its pickle makes in all (a tensor
+/// as torch pickles it takes about 25). Files at these limits are read within the tool's 256
+/// MiB (docs/FORMAT.md §3: a tensor costs a command up to about 2.8 KiB, a value 0.7 KiB, a
+/// name's byte about 14 bytes).
+inline constexpr std::size_t max_torch_save_items = std::size_t(1) << 18;
+inline constexpr std::size_t max_torch_save_tensors = max_torch_save_items / 4;
+inline constexpr std::uint64_t max_torch_save_name_bytes = std::uint64_t(4) << 20;
+inline constexpr std::uint64_t max_torch_save_value_contents = std::uint64_t(1) << 19;
+inline constexpr std::size_t max_torch_save_pickle_made = std::size_t(1) << 21;
+
 /// A value of a torch.save file that is not a tensor (an epoch counter, an optimizer's
 /// hyper-parameters), as torch.distributed.checkpoint would keep it: one value per item.
 struct torch_save_value {
@@ -72,7 +86,7 @@ inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(
     std::map<std::string, torch_storage_id, std::less<>>& storages) {
   using reader = basic_pickle_reader<torch_tensor_pickle_policy>;
   return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages},
-                std::max<std::size_t>(reader::default_max_values, bytes.size()));
+                std::max<std::size_t>(reader::default_max_values, bytes.size()), max_torch_save_pickle_made);
 }
 
 }  // namespace detail

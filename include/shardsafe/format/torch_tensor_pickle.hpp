@@ -42,6 +42,11 @@ inline constexpr std::string_view torch_tensor_key =
                                       "\xff"
                                       "storage";
 
+/// The most storages (distinct keys) a torch.save file's pickle may name, and so records of
+/// storages and a legacy file's listed storages: what a file of max_torch_save_tensors tensors,
+/// each over its own storage, needs (docs/FORMAT.md §3: within the tool's 256 MiB).
+inline constexpr std::size_t max_torch_save_storages = std::size_t(1) << 16;
+
 /// A storage as the first persistent id naming its key gave it (torch makes it then, and every
 /// later use of the key is that storage, whatever it says).
 struct torch_storage_id {
@@ -169,6 +174,9 @@ struct torch_tensor_pickle_policy {
         const std::string& key = (*t)[2].as_string("");
         const torch_storage_id id{dcp_unpickle_policy::marker_name((*t)[1]),
                                   static_cast<std::uint64_t>((*t)[4].as_int("")), at};
+        if (storages->size() >= max_torch_save_storages && !storages->contains(key))
+          r.bad("BINPERSID" + where + " names a storage more than the " + std::to_string(max_torch_save_storages) +
+                " a torch.save file may hold (docs/FORMAT.md §3)");
         const auto [first, fresh] = storages->try_emplace(key, id);
         if (!fresh && (first->second.type != id.type || first->second.numel != id.numel))
           r.bad("BINPERSID" + where + " names storage '" + key + "' as " + std::to_string(id.numel) + " of " + id.type +

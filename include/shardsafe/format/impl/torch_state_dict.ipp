@@ -28,15 +28,33 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
   // about 150 bytes a tensor), checked before a name is made.
+  // Each is also bounded by what the tool reads within its memory (max_torch_save_items, ...).
   const std::uint64_t max_values = pickle_bytes / 8 + 1024,
                       max_name_bytes = 4 * std::uint64_t(pickle_bytes) + (1 << 20);
-  std::uint64_t values = 0, name_bytes = 0;
-  auto leaf = [&](const std::string& name) {
+  std::uint64_t values = 0, name_bytes = 0, items = 0, contents = 0;
+  auto shown = [](const std::string& name) {  // a name in a message: its first 64 bytes (whole characters)
+    if (name.size() <= 80) return "'" + name + "'";
+    std::size_t cut = 64;
+    while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xc0) == 0x80) --cut;
+    return "'" + name.substr(0, cut) + "...' (" + std::to_string(name.size()) + " bytes)";
+  };
+  auto leaf = [&](const std::string& name, bool tensor) {
     if (++values > max_values)
       fail(errc::invalid_metadata, w + ": holds more than " + std::to_string(max_values) + " values (" +
                                        std::to_string(pickle_bytes) +
                                        " bytes of pickle; torch writes about 150 bytes a tensor)");
+    items += tensor ? max_torch_save_items / max_torch_save_tensors : 1;
+    if (items > max_torch_save_items)
+      fail(errc::invalid_metadata,
+           w + ": holds more tensors and values than the tool reads from a torch.save file at " + shown(name) + " (" +
+               std::to_string(max_torch_save_tensors) + " tensors, or " + std::to_string(max_torch_save_items) +
+               " values, a tensor counting as " + std::to_string(max_torch_save_items / max_torch_save_tensors) +
+               " values: docs/FORMAT.md §3)");
     name_bytes += name.size();
+    if (name_bytes > max_torch_save_name_bytes)
+      fail(errc::invalid_metadata, w + ": its flattened names pass " + std::to_string(max_torch_save_name_bytes) +
+                                       " bytes, the most read from a torch.save file (docs/FORMAT.md §3), at " +
+                                       shown(name));
   };
   auto child = [&](const std::string& name, std::string_view part) {
     if (name_bytes + name.size() + 1 + part.size() > max_name_bytes)
@@ -49,10 +67,11 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   // its items is a tensor, a dict or a list that is not; a tuple always is; a dict never); a
   // storage or a torch global anywhere in it (a value not pickled again here); about how many
   // bytes it pickles to written out without a memo, and how many values a reader bounds it by
-  // (pickle_string_cost; both saturating: shared containers repeat).
+  // (pickle_string_cost), and how many ints, floats, strs and containers it holds, keys among them
+  // (all three saturating: shared containers repeat).
   struct traits {
     bool tensor = false, whole = true, foreign = false;
-    std::uint64_t bytes = 0, cost = 1;
+    std::uint64_t bytes = 0, cost = 1, count = 1;
   };
   constexpr std::uint64_t saturated = std::uint64_t(1) << 62;
   std::unordered_map<const void*, traits> seen;
@@ -75,11 +94,12 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
     for (std::size_t i = 0; i < v.size(); ++i) {
       const pickle_view x = v.type() == k::dict ? v.value(i) : v.item(i);
       const traits c = self(self, x);
-      const traits key = v.type() == k::dict ? self(self, v.key(i)) : traits{false, true, false, 0, 0};
+      const traits key = v.type() == k::dict ? self(self, v.key(i)) : traits{false, true, false, 0, 0, 0};
       t.tensor |= c.tensor;
       t.foreign |= c.foreign;
       t.bytes = std::min(saturated, t.bytes + c.bytes + key.bytes);
       t.cost = std::min(saturated, t.cost + c.cost + key.cost);
+      t.count = std::min(saturated, t.count + c.count + key.count);
       if (v.type() == k::list && (c.tensor || is_mapping(x) || (x.type() == k::list && !c.whole))) t.whole = false;
     }
     return seen[v.id()] = t;
@@ -91,7 +111,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   };
   auto walk = [&](auto& self, const pickle_view& v, const std::string& name) -> void {
     if (is_tensor(v)) {
-      leaf(name);
+      leaf(name, true);
       out.tensors.emplace_back(name, torch_tensor_of(v.build(), w + ": tensor '" + name + "'"));
       record_path(name);
       return;
@@ -142,7 +162,14 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
         path.pop_back();
       }
     } else {
-      leaf(name);
+      leaf(name, false);
+      contents = std::min(saturated, contents + t.count);
+      if (contents > max_torch_save_value_contents)
+        fail(errc::invalid_metadata,
+             w + ": value " + shown(name) + " brings the contents of its values past " +
+                 std::to_string(max_torch_save_value_contents) +
+                 " (ints, floats, strs, containers: at most so many are read from a torch.save file, docs/FORMAT.md "
+                 "§3)");
       // written again (to-dcp), a value must read back here: its archive within the 64 MiB of a
       // DCP item (a few KiB of zip headers aside), its values within pickle_loads' bound
       std::string unwritable;
