@@ -86,7 +86,7 @@ def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB,
     # the limit is on CPU time (the work done, the same on a loaded machine); a command that
     # waits (a hang in open() on a FIFO uses no CPU) is killed at WALL_FACTOR times the limit
     deadline = t0 + WALL_FACTOR * limit_s + 5
-    out, err = b"", b""
+    out, err = [], []  # joined at the end: += on bytes copies all so far (quadratic in 100 MB of output)
     import selectors
     sel = selectors.DefaultSelector()
     sel.register(r, selectors.EVENT_READ, "out")
@@ -105,9 +105,10 @@ def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB,
                 os.close(key.fd)
                 open_fds -= 1
             elif key.data == "out":
-                out += data
+                out.append(data)
             else:
-                err += data
+                err.append(data)
+    out, err = b"".join(out), b"".join(err)
     _, status, ru = os.wait4(pid, 0)
     wall = time.monotonic() - t0
     secs = ru.ru_utime + ru.ru_stime

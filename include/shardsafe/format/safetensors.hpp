@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,6 +31,10 @@ namespace shardsafe {
 
 /// The largest header length (the first 8 bytes) a reader accepts.
 inline constexpr std::uint64_t max_header_size = 100'000'000;
+/// The most tensors a reader accepts in one file (docs/FORMAT.md §1): a header of 100 MB holds
+/// up to two million, whose index and the structures the tool's commands build from it would
+/// pass 1 GiB; refused as the entry past it is read.
+inline constexpr std::uint64_t max_tensors_per_file = std::uint64_t(1) << 16;
 
 /// One tensor of a safetensors file.
 struct tensor_entry {
@@ -42,6 +47,10 @@ struct tensor_entry {
   std::uint64_t numel() const noexcept { return shardsafe::numel(shape); }
   std::uint64_t nbytes() const noexcept { return end - begin; }
 };
+
+namespace detail {
+class safetensors_header_reader;
+}
 
 /// A validated header: the tensors in data order and the __metadata__ map.
 class safetensors_header {
@@ -109,15 +118,20 @@ class safetensors_header {
   }
 
  private:
-  friend safetensors_header parse_safetensors_header(std::string_view, std::uint64_t, std::string_view);
-  void index_names() {
+  friend class detail::safetensors_header_reader;
+  // twice: the message for a name listed twice (of_records': invalid_metadata; a header's:
+  // invalid_header, as any key of its top level given twice)
+  void index_names(bool header = false) {
     by_name_.resize(tensors.size());
     for (std::uint32_t i = 0; i < by_name_.size(); ++i) by_name_[i] = i;
     std::sort(by_name_.begin(), by_name_.end(),
               [&](std::uint32_t a, std::uint32_t b) { return tensors[a].name < tensors[b].name; });
     for (std::size_t i = 1; i < by_name_.size(); ++i)
-      if (tensors[by_name_[i]].name == tensors[by_name_[i - 1]].name)
-        fail(errc::invalid_metadata, file + ": tensor '" + tensors[by_name_[i]].name + "' is listed twice");
+      if (tensors[by_name_[i]].name == tensors[by_name_[i - 1]].name) {
+        const std::string& n = tensors[by_name_[i]].name;
+        if (header) fail(errc::invalid_header, file + ": name '" + n + "' appears twice in the header");
+        fail(errc::invalid_metadata, file + ": tensor '" + n + "' is listed twice");
+      }
   }
   std::uint64_t prefix_ = 8;            // bytes before the header: the length prefix, or 0 (of_records)
   std::vector<std::uint32_t> by_name_;  // indices into tensors, sorted by name
@@ -136,8 +150,41 @@ inline std::string tensor_context(std::string_view file, std::string_view tensor
 
 }  // namespace detail
 
+namespace detail {
+
+/// Reads a header's JSON a piece at a time, in the memory of its largest top-level member (one
+/// tensor's entry, or __metadata__) and the index it builds, never the whole text or a DOM of it:
+/// a scan that tracks strings and nesting splits the top-level object into its members, and each
+/// member is parsed (simdjson's DOM, as `{member}`) and checked as it ends. feed() the N bytes in
+/// order, in pieces of any size, then finish().
+class safetensors_header_reader {
+ public:
+  SHARDSAFE_DECL safetensors_header_reader(std::string_view file, std::uint64_t header_size);
+  /// The next bytes of the header text.
+  SHARDSAFE_DECL void feed(std::string_view text);
+  /// The validated header of a file of file_size bytes, once all N bytes were fed.
+  SHARDSAFE_DECL safetensors_header finish(std::uint64_t file_size);
+
+ private:
+  [[noreturn]] SHARDSAFE_DECL void not_json(const std::string& why) const;
+  SHARDSAFE_DECL void end_member(bool closing);
+  SHARDSAFE_DECL void add(std::string_view key, simdjson::dom::element value);
+  safetensors_header h_;
+  std::string member_ = "{";     // "{" and the text of the member being read
+  std::uint64_t at_ = 0;         // header bytes fed so far
+  std::uint64_t member_at_ = 0;  // where the member being read starts in the header
+  enum { before, inside, after } where_ = before;
+  bool in_string_ = false, escaped_ = false, comma_ = false, metadata_seen_ = false;
+  std::size_t depth_ = 0;  // nesting within the member being read
+  std::uint64_t members_ = 0;
+  simdjson::dom::parser parser_;
+  std::optional<error> duplicate_;  // a key given twice within a member: thrown after the other rules
+};
+
+}  // namespace detail
+
 /// Validates the JSON header `json` (the N bytes after the length prefix) of a file of
-/// `file_size` bytes. `file` names the file in messages.
+/// `file_size` bytes. `file` names the file in messages. (detail::safetensors_header_reader.)
 SHARDSAFE_DECL safetensors_header parse_safetensors_header(std::string_view json, std::uint64_t file_size,
                                                            std::string_view file);
 
@@ -167,9 +214,13 @@ SHARDSAFE_DECL safetensors_header parse_safetensors(std::span<const std::byte> f
 /// files (8 + N; a header with a few thousand tensors), so opening one costs one read.
 inline constexpr std::uint64_t header_probe_bytes = std::uint64_t(64) << 10;
 
+/// Bytes of a header read_safetensors_header reads at a time past the probe.
+inline constexpr std::uint64_t header_window_bytes = std::uint64_t(4) << 20;
+
 /// Reads and validates the header of a safetensors file in any readable storage: one read of
-/// the first min(size, header_probe_bytes) bytes, and a second one only for the rest of a
-/// header longer than that. Allocates at most that probe or the checked header length.
+/// the first min(size, header_probe_bytes) bytes, and for a header longer than that the rest
+/// in reads of header_window_bytes, each parsed as it comes (detail::safetensors_header_reader):
+/// the text is never held whole.
 template <ReadableStorage S>
 safetensors_header read_safetensors_header(const S& s) {
   const std::uint64_t size = s.size();
@@ -181,12 +232,18 @@ safetensors_header read_safetensors_header(const S& s) {
   s.read_into(0, std::as_writable_bytes(std::span(buf)));
   const std::uint64_t n =
       check_header_length(decode_header_length(std::as_bytes(std::span(buf)).template first<8>()), size, file);
-  const std::uint64_t have = buf.size();
-  if (8 + n > have) {
-    buf.resize(static_cast<std::size_t>(8 + n));
-    s.read_into(have, std::as_writable_bytes(std::span(buf)).subspan(static_cast<std::size_t>(have)));
+  detail::safetensors_header_reader r(file, n);
+  std::uint64_t at = std::min<std::uint64_t>(buf.size(), 8 + n);  // header bytes [8, at) are in buf
+  r.feed(std::string_view(buf).substr(8, static_cast<std::size_t>(at - 8)));
+  if (at < 8 + n) buf.resize(static_cast<std::size_t>(std::min(header_window_bytes, 8 + n - at)));
+  while (at < 8 + n) {
+    const std::size_t len = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), 8 + n - at));
+    s.read_into(at, std::as_writable_bytes(std::span(buf)).first(len));
+    r.feed(std::string_view(buf).substr(0, len));
+    at += len;
   }
-  return parse_safetensors_header(std::string_view(buf).substr(8, static_cast<std::size_t>(n)), size, file);
+  buf = std::string();
+  return r.finish(size);
 }
 
 /// Byte range in the file of elements [first, first + count) of tensor t.
