@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The deepspeed layout (include/shardsafe/checkpoint/layouts/deepspeed.hpp) against the trainer's
+own tensors: for each DeepSpeed golden of tests/fixtures/peers/, `shardsafe unshard` of the
+checkpoint (given as the folder with `latest`, and as its tag folder) must hold, bit for bit,
+every tensor of the golden's expected/ (DeepSpeed's live engine wrote those, not this code), and
+nothing else; `inspect`, `verify` and `digest` must exit 0.
+
+    python3 tests/peers/deepspeed_layout_check.py build/tools/shardsafe [tests/fixtures/peers]
+
+Plain Python (no torch): safetensors files are parsed with struct and json here.
+
+What is compared (names as docs/FORMAT.md's DeepSpeed section presents them):
+  ZeRO-1/2: <name> == expected/module.safetensors[name]; optimizer.state.<name>.{fp32,exp_avg,
+  exp_avg_sq} == expected/<kind>.safetensors[name]; optimizer.state.<name>.step == step.json's
+  adam_step (a 0-d float32).
+  ZeRO-3: a trainable parameter is its fp32 master: <name> == expected/fp32.safetensors[name],
+  and rounded to bfloat16 (nearest, ties to even) it is expected/module.safetensors[name] (the
+  trainer's gathered weight); buffers and frozen parameters == expected/module.safetensors.
+  TP 2: every name above under tp{T}/, against expected/tp{T}/.
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        b = f.read()
+    (n,) = struct.unpack("<Q", b[:8])
+    h = json.loads(b[8:8 + n])
+    data = b[8 + n:]
+    out = {}
+    for k, v in h.items():
+        if k == "__metadata__":
+            continue
+        s, e = v["data_offsets"]
+        out[k] = (v["dtype"], tuple(v["shape"]), data[s:e])
+    return out
+
+
+def bf16_round(f32_bytes):
+    """float32 values (little-endian bytes) rounded to bfloat16, nearest with ties to even"""
+    out = bytearray()
+    for (u,) in struct.iter_unpack("<I", f32_bytes):
+        if (u & 0x7F800000) == 0x7F800000 and (u & 0x7FFFFF):  # NaN stays NaN
+            r = (u >> 16) | 0x40
+        else:
+            r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        out += struct.pack("<H", r & 0xFFFF)
+    return bytes(out)
+
+
+def run(tool, *args):
+    p = subprocess.run([tool, *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"FAILED: shardsafe {' '.join(args)} exited {p.returncode}: {p.stderr.strip()}")
+    return p.stdout
+
+
+def check_case(tool, case_dir, path, tmp):
+    meta = json.load(open(os.path.join(case_dir, "expected", "meta.json")))
+    for cmd in ("inspect", "verify", "digest"):
+        run(tool, cmd, path)
+    out = os.path.join(tmp, "all.safetensors")
+    if os.path.exists(out):
+        os.remove(out)
+    run(tool, "unshard", path, out)
+    got = read_safetensors(out)
+    want = {}  # presented name -> (dtype, shape, bytes)
+    rounded = {}  # ZeRO-3 parameter name -> expected bf16 bytes of its rounded master
+    tps = [""] if meta["tp"] == 1 else [f"tp{t}/" for t in range(meta["tp"])]
+    for tp in tps:
+        exp = os.path.join(case_dir, "expected", tp.rstrip("/"))
+        kinds = {k: read_safetensors(os.path.join(exp, f"{k}.safetensors")) for k in ("module", "fp32", "exp_avg",
+                                                                                      "exp_avg_sq")}
+        step = json.load(open(os.path.join(exp, "step.json")))["adam_step"]
+        for name, t in kinds["module"].items():
+            if meta["stage"] == 3 and name in kinds["fp32"]:
+                want[tp + name] = kinds["fp32"][name]
+                rounded[tp + name] = t[2]
+            else:
+                want[tp + name] = t
+        for k in ("fp32", "exp_avg", "exp_avg_sq"):
+            for name, t in kinds[k].items():
+                want[f"{tp}optimizer.state.{name}.{k}"] = t
+        for name in kinds["fp32"]:
+            want[f"{tp}optimizer.state.{name}.step"] = ("F32", (), struct.pack("<f", step))
+    if set(got) != set(want):
+        raise SystemExit(f"FAILED {path}: names differ: only shardsafe {sorted(set(got) - set(want))}, "
+                         f"only expected {sorted(set(want) - set(got))}")
+    for name, t in want.items():
+        if got[name] != t:
+            raise SystemExit(f"FAILED {path}: tensor '{name}': shardsafe {got[name][:2]} differs from the "
+                             f"trainer's {t[:2]}" + (" (values)" if got[name][:2] == t[:2] else ""))
+    for name, b in rounded.items():
+        if bf16_round(got[name][2]) != b:
+            raise SystemExit(f"FAILED {path}: '{name}': the fp32 master rounded to bfloat16 is not the "
+                             "trainer's gathered weight")
+    return len(want)
+
+
+def main():
+    tool = sys.argv[1]
+    root = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "fixtures", "peers")
+    cases = sorted(c for c in os.listdir(root) if c.startswith("zero") and os.path.isdir(os.path.join(root, c)))
+    if not cases:
+        raise SystemExit(f"no DeepSpeed goldens in {root}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in cases:
+            ckpt = os.path.join(root, c, "ckpt")
+            tag = open(os.path.join(ckpt, "latest")).read().strip()
+            n = [check_case(tool, os.path.join(root, c), p, tmp) for p in (ckpt, os.path.join(ckpt, tag))]
+            print(f"ok {c}: {n[0]} tensors equal the trainer's bit for bit (folder with latest, and {tag}/)")
+
+
+if __name__ == "__main__":
+    main()
