@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -54,20 +55,22 @@ TEST_CASE("deepspeed layout: every golden's tensors read through the library are
     CAPTURE(name);
     // what the trainer holds, under the names the layout presents (docs/FORMAT.md §6)
     std::map<std::string, ds_expected> want;
-    for (int t = 0; t < tp; ++t) {
-      const std::string pre = tp > 1 ? "tp" + std::to_string(t) + "/" : "";
-      const fs::path exp = peers / name / "expected" / (tp > 1 ? "tp" + std::to_string(t) : "");
-      const auto fp32 = ds_read_expected(exp / "fp32.safetensors");
-      for (const auto& [k, v] : ds_read_expected(exp / "module.safetensors"))  // ZeRO-3: masters, not bf16
-        want[pre + k] = stage == 3 && fp32.count(k) ? fp32.at(k) : v;
-      for (const char* kind : {"fp32", "exp_avg", "exp_avg_sq"})
-        for (const auto& [k, v] : ds_read_expected(exp / (std::string(kind) + ".safetensors")))
-          want[pre + "optimizer.state." + k + "." + kind] = v;
-      const float step = 2.0f;  // step.json's adam_step of every golden
-      for (const auto& [k, v] : fp32)
-        want[pre + "optimizer.state." + k + ".step"] = {
-            dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
-    }
+    const float step = 2.0f;  // step.json's adam_step of every golden
+    const ds_expected step_bytes{dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
+    // TP: the parameters and their state joined as the checkpoint's universal_checkpoint_info
+    // says (expected/joined/), buffers and frozen parameters per TP rank (expected/tp{T}/)
+    const fs::path exp = peers / name / "expected" / (tp > 1 ? "joined" : "");
+    const auto fp32 = ds_read_expected(exp / "fp32.safetensors");
+    for (const auto& [k, v] : ds_read_expected(exp / "module.safetensors"))  // ZeRO-3: masters, not bf16
+      if (tp == 1 || fp32.count(k)) want[k] = stage == 3 && fp32.count(k) ? fp32.at(k) : v;
+    for (const char* kind : {"fp32", "exp_avg", "exp_avg_sq"})
+      for (const auto& [k, v] : ds_read_expected(exp / (std::string(kind) + ".safetensors")))
+        want["optimizer.state." + k + "." + kind] = v;
+    for (const auto& [k, v] : fp32) want["optimizer.state." + k + ".step"] = step_bytes;
+    for (int t = 0; t < tp && tp > 1; ++t)
+      for (const auto& [k, v] :
+           ds_read_expected(peers / name / "expected" / ("tp" + std::to_string(t)) / "module.safetensors"))
+        if (!fp32.count(k)) want["tp" + std::to_string(t) + "/" + k] = v;
     for (const fs::path& dir : {peers / name / "ckpt", peers / name / "ckpt" / "global_step2"}) {
       checkpoint_reader<file_directory> r{file_directory(dir)};
       CHECK(r.layout() == deepspeed_layout::info);
@@ -115,4 +118,45 @@ TEST_CASE("deepspeed layout: a trainer's class is an opaque record only where th
   const pickle_record_classes other{only_size};
   expect_error([&] { (void)parse_torch_state_dict_pickle(p, "t", {&other, false}); }, errc::invalid_metadata,
                {"fragment_address"});
+}
+
+TEST_CASE("deepspeed layout: universal_checkpoint_info's patterns match as Python's re.match, or are refused") {
+  const std::vector<std::string> names{"embed.weight",
+                                       "embed.weights",
+                                       "norm.bias",
+                                       "norm",
+                                       "row.bias",
+                                       "xrow.bias",
+                                       "row.weight",
+                                       "row.weight2",
+                                       "3.mlp.dense_4h_to_h.weight",
+                                       "layers.12.attn.qkv",
+                                       "layers.1.attn.wqkv",
+                                       "ab",
+                                       "axb",
+                                       "y",
+                                       "xxy",
+                                       ""};
+  // what Python 3's re.match(pattern, name) gives (computed with Python, not with this code)
+  const std::vector<std::pair<std::string, std::set<std::string>>> cases{
+      {R"(^embed\.weight$)", {"embed.weight"}},
+      {R"(^norm\..*)", {"norm.bias"}},
+      {R"(^row\.bias$)", {"row.bias"}},
+      {R"(row\.weight)", {"row.weight", "row.weight2"}},
+      {R"(\d+\.mlp\.dense_4h_to_h\.weight$)", {"3.mlp.dense_4h_to_h.weight"}},
+      {R"(layers\.\d+\.attn\.w?qkv)", {"layers.12.attn.qkv", "layers.1.attn.wqkv"}},
+      {R"(a.+b)", {"axb"}},
+      {R"(x*y)", {"y", "xxy"}},
+      {R"(^$)", {""}}};
+  for (const auto& [pat, matched] : cases)
+    for (const auto& n : names) {
+      CAPTURE(pat);
+      CAPTURE(n);
+      const auto m = detail::ds_pattern_match(pat, n);
+      REQUIRE(m.has_value());
+      CHECK(*m == (matched.count(n) == 1));
+    }
+  // beyond the plain subset: not matched at all (the TP ranks are then presented on their own)
+  for (const char* pat : {"(a|b)", "[0-9]+", "a{2}", "*a", "a\\", "\\Aa", "a$b"})
+    CHECK_FALSE(detail::ds_pattern_match(pat, "a").has_value());
 }

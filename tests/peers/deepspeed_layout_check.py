@@ -16,14 +16,20 @@ What is compared (names as docs/FORMAT.md's DeepSpeed section presents them):
   ZeRO-3: a trainable parameter is its fp32 master: <name> == expected/fp32.safetensors[name],
   and rounded to bfloat16 (nearest, ties to even) it is expected/module.safetensors[name] (the
   trainer's gathered weight); buffers and frozen parameters == expected/module.safetensors.
-  TP 2: every name above under tp{T}/, against expected/tp{T}/.
+  TP 2 (zero2_bf16_tp2): the parameters and their state joined, as the checkpoint's
+  universal_checkpoint_info says, against expected/joined/; buffers and frozen parameters under
+  tp{T}/ against expected/tp{T}/. The same checkpoint with that info's key renamed: every name
+  under tp{T}/, against expected/tp{T}/.
 """
+import io
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import tempfile
+import zipfile
 
 
 def read_safetensors(path):
@@ -60,7 +66,7 @@ def run(tool, *args):
     return p.stdout
 
 
-def check_case(tool, case_dir, path, tmp):
+def check_case(tool, case_dir, path, tmp, joined):
     meta = json.load(open(os.path.join(case_dir, "expected", "meta.json")))
     for cmd in ("inspect", "verify", "digest"):
         run(tool, cmd, path)
@@ -72,6 +78,22 @@ def check_case(tool, case_dir, path, tmp):
     want = {}  # presented name -> (dtype, shape, bytes)
     rounded = {}  # ZeRO-3 parameter name -> expected bf16 bytes of its rounded master
     tps = [""] if meta["tp"] == 1 else [f"tp{t}/" for t in range(meta["tp"])]
+    if joined:  # parameters and their state joined (expected/joined/), the rest per TP rank
+        exp = os.path.join(case_dir, "expected", "joined")
+        kinds = {k: read_safetensors(os.path.join(exp, f"{k}.safetensors")) for k in ("module", "fp32", "exp_avg",
+                                                                                      "exp_avg_sq")}
+        step = json.load(open(os.path.join(case_dir, "expected", "tp0", "step.json")))["adam_step"]
+        for name in kinds["fp32"]:
+            want[name] = kinds["module"][name]
+            for k in ("fp32", "exp_avg", "exp_avg_sq"):
+                want[f"optimizer.state.{name}.{k}"] = kinds[k][name]
+            want[f"optimizer.state.{name}.step"] = ("F32", (), struct.pack("<f", step))
+        for tp in tps:
+            module = read_safetensors(os.path.join(case_dir, "expected", tp.rstrip("/"), "module.safetensors"))
+            for name, t in module.items():
+                if name not in kinds["fp32"]:
+                    want[tp + name] = t
+        tps = []
     for tp in tps:
         exp = os.path.join(case_dir, "expected", tp.rstrip("/"))
         kinds = {k: read_safetensors(os.path.join(exp, f"{k}.safetensors")) for k in ("module", "fp32", "exp_avg",
@@ -110,10 +132,41 @@ def main():
         raise SystemExit(f"no DeepSpeed goldens in {root}")
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
-            ckpt = os.path.join(root, c, "ckpt")
+            case_dir = os.path.join(root, c)
+            ckpt = os.path.join(case_dir, "ckpt")
             tag = open(os.path.join(ckpt, "latest")).read().strip()
-            n = [check_case(tool, os.path.join(root, c), p, tmp) for p in (ckpt, os.path.join(ckpt, tag))]
-            print(f"ok {c}: {n[0]} tensors equal the trainer's bit for bit (folder with latest, and {tag}/)")
+            tp = json.load(open(os.path.join(case_dir, "expected", "meta.json")))["tp"] > 1
+            n = [check_case(tool, case_dir, p, tmp, tp) for p in (ckpt, os.path.join(ckpt, tag))]
+            print(f"ok {c}: {n[0]} tensors equal the trainer's bit for bit (folder with latest, and {tag}/)" +
+                  (", TP ranks joined by universal_checkpoint_info" if tp else ""))
+            # the same without the join rule (its key renamed), and with a pattern beyond the plain
+            # regular expressions the layout reads: every TP rank on its own, never a guessed join
+            for what, old, new in (("without universal_checkpoint_info", b"universal_checkpoint_info",
+                                    b"universal_checkpoint_infx"),
+                                   ("with a pattern (norm)\\.* it does not read", b"^norm\\..*", b"(norm)\\.*")):
+                if not tp:
+                    break
+                copy = os.path.join(tmp, c + str(len(what)))
+                shutil.copytree(ckpt, copy)
+                rename_key(os.path.join(copy, tag, "mp_rank_00_model_states.pt"), old, new)
+                n = check_case(tool, case_dir, copy, tmp, False)
+                print(f"ok {c} {what}: {n} tensors per TP rank (tp{{T}}/), bit for bit")
+
+
+def rename_key(path, old, new):
+    """The torch.save archive at path with `old` in its data.pkl replaced by `new` (as long)."""
+    src = zipfile.ZipFile(path)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for n in src.namelist():
+            data = src.read(n)
+            if n.endswith("/data.pkl"):
+                assert data.count(old) == 1 and len(old) == len(new)
+                data = data.replace(old, new)
+            z.writestr(n, data)
+    src.close()
+    with open(path, "wb") as f:
+        f.write(out.getvalue())
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@
 //   non-tensor items                       the model-states file's plain values (global_steps, ds_config,
 //                                          client state), optimizer.param_groups..., and
 //                                          deepspeed.layout saying what was presented
-// With TP (mp_world_size > 1) every name is presented per TP rank, `tp{T}/<name>`: DeepSpeed
-// records no join rule of its own (a client's universal_checkpoint_info is not applied here).
+// With TP (mp_world_size > 1), ZeRO-1/2 parameters and their state are joined where a client's
+// universal_checkpoint_info says how and says nothing more (layouts/deepspeed_tp.hpp); anything
+// else is presented per TP rank, `tp{T}/<name>`: DeepSpeed records no join rule of its own.
 //
 // Refused (naming the file, the parameter and the rule): `latest` naming no tag folder, a missing
 // partition file, partitions that disagree with param_shapes on sizes or padding
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/layouts/deepspeed_files.hpp"
+#include "shardsafe/checkpoint/layouts/deepspeed_tp.hpp"
 #include "shardsafe/checkpoint/layouts/deepspeed_zero.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/source.hpp"
@@ -131,6 +133,7 @@ struct deepspeed_layout {
                                 "): a ZeRO-0 checkpoint, whose optimizer is in the model states, is not read");
     detail::ds_builder<R> b;
     std::string said;
+    std::vector<std::vector<detail::ds_group>> tp_groups;  // ZeRO-1/2: each TP rank's param_shapes
     for (std::uint64_t t = 0; t < mp; ++t) {
       const std::string tp = mp > 1 ? "tp" + std::to_string(t) + "/" : std::string();
       const std::string of_tp = ", TP rank " + std::to_string(t) + " (mp_world_size " + std::to_string(mp) + ")";
@@ -155,6 +158,17 @@ struct deepspeed_layout {
       for (auto i : models) mf.push_back(&files[i]);
       for (auto i : optims) of.push_back(&files[i]);
       said = zero3 ? detail::ds_zero3(b, mf, of, tp) : detail::ds_zero12(b, *mf[0], of, tp);
+      if (!zero3) tp_groups.push_back(detail::ds_param_groups(*mf[0]));
+    }
+    if (mp > 1) {
+      const std::string why =
+          zero3 ? std::string("ZeRO-3's TP ranks are not joined here")
+                : detail::ds_join_tp(b, detail::ds_get(&files[0].value(), "universal_checkpoint_info"), tp_groups);
+      said += "; TP " + std::to_string(mp) +
+              (why.empty() ? ": parameters and their optimizer state joined as universal_checkpoint_info says "
+                             "(replicated ones from TP rank 0, row-parallel ones on dim 1, the rest on dim 0); "
+                             "buffers and frozen parameters per TP rank as tp{T}/<name>"
+                           : ": presented per TP rank as tp{T}/<name> (" + why + ")");
     }
     checkpoint_source<D> s;
     s.layout = &info;
@@ -165,7 +179,6 @@ struct deepspeed_layout {
         spec.validate(tm.shape, std::string(f.name()) + "/" + fname + ": tensor '" + key + "'");
       s.metadata.tensors.emplace_back(key, std::move(tm));
     }
-    said += mp > 1 ? "; TP " + std::to_string(mp) + ": presented per TP rank as tp{T}/<name> (not joined)" : "";
     detail::ds_items(s, files[0], files[zero3 ? *dp : 1], said);
     for (auto& df : files) {
       const std::uint64_t size = df.storage.size();

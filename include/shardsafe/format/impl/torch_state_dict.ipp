@@ -153,8 +153,8 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       std::string unwritable;
       if (t.foreign)
         unwritable =
-            "holds a storage, a torch global (a dtype, a storage class) or an opaque record of a class the "
-            "reader was allowed (a trainer's), which shardsafe does not pickle again";
+            "holds a storage or a torch global (a dtype, a storage class), or an opaque record of a trainer's "
+            "class, which shardsafe does not pickle again";
       else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) ||
                t.cost > basic_pickle_reader<>::default_max_values)
         unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" +
