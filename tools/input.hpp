@@ -172,7 +172,7 @@ typename D::reader_type open_file(const input<D>& in) {
 template <ReadableStorage S>
 torch_save_index index_file(const S& s) {
   if (is_torch_save_file(s)) return index_torch_save_file(s);
-  return {read_safetensors_header(s), {}, {}, {}};
+  return {read_safetensors_header(s), {}, {}, {}, {}};
 }
 
 /// The folder of whole files in in.dir (a Hugging Face folder), opened and validated

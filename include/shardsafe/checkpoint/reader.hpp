@@ -47,9 +47,13 @@ class checkpoint_files {
   using open_file = opened_file<reader_type>;
 
   /// Opens the checkpoint in dir, whichever layout it has (checkpoint/source.hpp).
-  explicit checkpoint_files(D dir) : dir_(std::move(dir)) { adopt(open_checkpoint_source(dir_)); }
-  /// Reads a checkpoint described by src (made by open_checkpoint_source or by the caller).
-  checkpoint_files(D dir, checkpoint_source<D> src) : dir_(std::move(dir)) { adopt(std::move(src)); }
+  explicit checkpoint_files(D dir) : checkpoint_files(dir, open_checkpoint_source(dir)) {}
+  /// Reads a checkpoint described by src (made by open_checkpoint_source or by the caller); its
+  /// files in src.folder where the description names one (a DeepSpeed tag folder), else in dir.
+  checkpoint_files(D dir, checkpoint_source<D> src) : dir_(src.folder ? std::move(*src.folder) : std::move(dir)) {
+    src.folder.reset();
+    adopt(std::move(src));
+  }
 
   const D& directory() const noexcept { return dir_; }
   const checkpoint_metadata& metadata() const noexcept { return src_.metadata; }

@@ -108,6 +108,9 @@ struct checkpoint_source {
   std::vector<foreign_tensor> foreign_tensors;  ///< by key
   /// A DCP folder's planner_data: each key's path in the state dict torch flattened.
   std::map<std::string, pickle_value> paths;
+  /// The folder the files are in, where it is not the one opened (a DeepSpeed folder's `latest`
+  /// names the tag folder holding them): the reader opens files, and names them, there.
+  std::optional<D> folder;
 };
 
 namespace detail {

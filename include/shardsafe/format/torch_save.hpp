@@ -115,14 +115,15 @@ inline constexpr std::uint64_t max_torch_save_records = max_torch_save_storages 
 
 /// Indexes the torch.save file st (rules at the top): every tensor's byte range and layout,
 /// reading only the archive's directory, local headers and data.pkl (the legacy format: its
-/// pickles and each storage's size).
+/// pickles and each storage's size). `o`: what a layout reads past the allowlist (opaque records
+/// of classes it names) and whether the value is kept (torch_save_read_options).
 template <ReadableStorage S>
-torch_save_index index_torch_save_file(const S& st) {
+torch_save_index index_torch_save_file(const S& st, const torch_save_read_options& o = {}) {
   const std::string file(st.name());
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
   if (torch_save_legacy_magic_size(read_at(0, static_cast<std::size_t>(std::min<std::uint64_t>(st.size(), 24)))) != 0)
-    return detail::index_torch_save_legacy(st);
+    return detail::index_torch_save_legacy(st, o);
   // of the records only those torch looks up are kept: PREFIX/data.pkl, the version and
   // byteorder records, the storages' PREFIX/data/KEY (an archive's other records cost no memory)
   auto looked_up = [](std::string_view n) {
@@ -187,7 +188,7 @@ torch_save_index index_torch_save_file(const S& st) {
   if (p.size > max_torch_save_pickle)
     bad("data.pkl of " + std::to_string(p.size) + " bytes is larger than " + std::to_string(max_torch_save_pickle));
   torch_state_dict_pickle sd =
-      parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl");
+      parse_torch_state_dict_pickle(read_at(p.data_offset, static_cast<std::size_t>(p.size)), file + ": data.pkl", o);
   // The storages the tensors use, placed in the archive's order through a 64 KiB window: a
   // small record's successor lies in the same window (40,000 storages of 64 bytes: 117 reads in
   // all, not 40,000 requests over HTTP); a large record's header is read alone.

@@ -85,7 +85,7 @@ inline bool passes_tar_checksum(std::string_view b) {
 /// The legacy format (rules at the top of format/torch_save.hpp): five pickles, then each
 /// storage in the order the last lists them, an int64 of its elements before its bytes.
 template <ReadableStorage S>
-torch_save_index index_torch_save_legacy(const S& st) {
+torch_save_index index_torch_save_legacy(const S& st, const torch_save_read_options& o = {}) {
   const std::string file(st.name());
   auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, file + ": " + rule); };
   auto read_at = [&](std::uint64_t off, std::size_t n) { return detail::read_string(st, off, n); };
@@ -137,8 +137,12 @@ torch_save_index index_torch_save_legacy(const S& st) {
       bad("was written on a big-endian machine (sys_info little_endian False); only little-endian files are read");
     const std::string w = file + ": state dict";  // "FILE: state dict: pickle <rule>"
     std::map<std::string, torch_storage_id, std::less<>> ids;
-    auto reader = state_dict_pickle_reader(b.substr(at), w, true, ids);
-    out.sd = next(reader, [&](pickle_view root) { return flatten_torch_state_dict(root, reader.consumed(), w); });
+    auto reader = state_dict_pickle_reader(b.substr(at), w, true, ids, o.records);
+    out.sd = next(reader, [&](pickle_view root) {
+      torch_state_dict_pickle sd = flatten_torch_state_dict(root, reader.consumed(), w);
+      if (o.keep_value) sd.value = root.build();
+      return sd;
+    });
     out.sd.storages = std::move(ids);
     const pickle_value keys = plain("storage keys");
     if (keys.type() != pickle_value::kind::list)

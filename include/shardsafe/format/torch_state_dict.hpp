@@ -60,6 +60,15 @@ struct torch_save_value {
   std::string unwritable;
 };
 
+/// How a torch.save file's pickle is read past the torch.save allowlist, where a layout asks
+/// (checkpoint/layouts/deepspeed.hpp): the classes it reads as opaque records (nullptr: none, the
+/// allowlist alone), and whether the pickle's value itself is kept (its order: a trainer's lists
+/// of parameter shapes), its tensors as the allowlist's sealed dicts.
+struct torch_save_read_options {
+  const pickle_record_classes* records = nullptr;
+  bool keep_value = false;
+};
+
 /// What a torch.save state dict's data.pkl holds: its tensors by flattened name, in pickle
 /// order, and its other values.
 struct torch_state_dict_pickle {
@@ -69,6 +78,7 @@ struct torch_state_dict_pickle {
   /// Where each tensor and value sits in the nested dict (("model", "layers.0.weight"): dict keys
   /// as str, list indices as int), for those whose path is not just (name,).
   std::map<std::string, pickle_value> paths;
+  std::optional<pickle_value> value;  ///< the whole value, when torch_save_read_options::keep_value
 };
 
 namespace detail {
@@ -83,9 +93,9 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
 /// storage it names is recorded in `storages` (torch_tensor_pickle_policy::storages).
 inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(
     std::string_view bytes, const std::string& w, bool legacy,
-    std::map<std::string, torch_storage_id, std::less<>>& storages) {
+    std::map<std::string, torch_storage_id, std::less<>>& storages, const pickle_record_classes* records = nullptr) {
   using reader = basic_pickle_reader<torch_tensor_pickle_policy>;
-  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages},
+  return reader(bytes, w, torch_tensor_pickle_policy{true, legacy, &storages, records},
                 std::max<std::size_t>(reader::default_max_values, bytes.size()), max_torch_save_pickle_made);
 }
 
@@ -93,12 +103,16 @@ inline basic_pickle_reader<torch_tensor_pickle_policy> state_dict_pickle_reader(
 
 /// Reads a torch.save data.pkl holding a state dict (rules at the top of format/torch_save.hpp);
 /// `what` names it.
-inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what) {
+inline torch_state_dict_pickle parse_torch_state_dict_pickle(std::string_view bytes, std::string_view what,
+                                                             const torch_save_read_options& o = {}) {
   const std::string w(what);
   std::map<std::string, torch_storage_id, std::less<>> storages;
-  auto reader = detail::state_dict_pickle_reader(bytes, w, false, storages);
-  torch_state_dict_pickle out =
-      reader.run([&](pickle_view root) { return detail::flatten_torch_state_dict(root, bytes.size(), w); });
+  auto reader = detail::state_dict_pickle_reader(bytes, w, false, storages, o.records);
+  torch_state_dict_pickle out = reader.run([&](pickle_view root) {
+    torch_state_dict_pickle sd = detail::flatten_torch_state_dict(root, bytes.size(), w);
+    if (o.keep_value) sd.value = root.build();
+    return sd;
+  });
   out.storages = std::move(storages);
   return out;
 }
@@ -118,6 +132,7 @@ struct torch_save_index {
   std::vector<torch_save_value> values;          ///< the values that are not tensors, by name
   std::map<std::string, pickle_value> paths;     ///< torch_state_dict_pickle::paths
   std::vector<torch_save_unread_tensor> unread;  ///< tensors torch.load reads and shardsafe does not, by name
+  std::optional<pickle_value> value;             ///< the pickle's value, when torch_save_read_options::keep_value
 };
 
 namespace detail {
@@ -187,7 +202,7 @@ torch_save_index index_state_dict_tensors(const std::string& file, std::uint64_t
     entries.push_back(std::move(e));
   }
   torch_save_index x{safetensors_header::of_records(file, file_size, std::move(entries), std::move(orders)),
-                     std::move(sd.values), std::move(sd.paths), std::move(unread)};
+                     std::move(sd.values), std::move(sd.paths), std::move(unread), std::move(sd.value)};
   std::sort(x.unread.begin(), x.unread.end(), [](const auto& a, const auto& b) { return a.name < b.name; });
   for (std::size_t i = 0; i < x.unread.size(); ++i)
     if ((i > 0 && x.unread[i - 1].name == x.unread[i].name) || x.header.find(x.unread[i].name))

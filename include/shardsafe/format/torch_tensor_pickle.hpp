@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -47,6 +48,49 @@ inline constexpr std::string_view torch_tensor_key =
 /// each over its own storage, needs (docs/FORMAT.md §3: within the tool's 256 MiB).
 inline constexpr std::size_t max_torch_save_storages = std::size_t(1) << 16;
 
+/// The keys of the dict torch_tensor_pickle_policy makes for an opaque record (a class a caller
+/// allows as a record, pickle_record_classes): its class's full name first, then the arguments
+/// NEWOBJ or REDUCE gave it, then (BUILD) its state's entries when the state is a dict of str
+/// keys, else the state itself under torch_record_state_key. Not UTF-8: no pickle spells them.
+inline constexpr std::string_view torch_record_key =
+                                      "\xff"
+                                      "record",
+                                  torch_record_args_key =
+                                      "\xff"
+                                      "args",
+                                  torch_record_state_key =
+                                      "\xff"
+                                      "state";
+
+/// Classes a caller reads as opaque records (a trainer's dataclasses and enums in its checkpoint
+/// pickles: DeepSpeed's fragment_address, LossScaler, ZeroStageEnum), by full name
+/// ("module.Name"): each GLOBAL of one is allowed, NEWOBJ, NEWOBJ_EX (without keyword arguments)
+/// and REDUCE of it make a record (torch_record_key) and BUILD on a record keeps its state. Nothing
+/// is imported or called, and a class not named stays refused: only the layout that passes the
+/// list reads more than the torch.save allowlist.
+struct pickle_record_classes {
+  std::span<const std::string_view> names;
+  /// Also a plain tensor saved with attributes of its own (torch._tensor._rebuild_from_type_v2 of
+  /// _rebuild_tensor_v2's arguments, the class torch.Tensor, a state of str keys and plain
+  /// scalars: DeepSpeed's ds_id): the tensor; torch sets the attributes, which hold no data (a
+  /// scalar cannot replace its data or grad), and they are dropped.
+  bool tensor_attributes = false;
+  bool has(std::string_view full) const noexcept {
+    for (std::string_view n : names)
+      if (n == full) return true;
+    return false;
+  }
+};
+
+/// Whether v is an opaque record (pickle_record_classes) and of which class: its name, or "".
+inline std::string_view torch_record_class(const pickle_value& v) {
+  if (v.type() != pickle_value::kind::dict || v.dict_size() == 0 ||
+      v.dict_key(0) != pickle_value::string(std::string(torch_record_key)) ||
+      v.dict_value(0).type() != pickle_value::kind::string)
+    return {};
+  return v.dict_value(0).as_string("");
+}
+
 /// A storage as the first persistent id naming its key gave it (torch makes it then, and every
 /// later use of the key is that storage, whatever it says).
 struct torch_storage_id {
@@ -69,6 +113,13 @@ struct torch_tensor_pickle_policy {
   /// popped, one in an argument the reader drops): a later id naming the key with another type
   /// or size is refused (torch would view the first storage as its type and size).
   std::map<std::string, torch_storage_id, std::less<>>* storages = nullptr;
+  /// Classes read as opaque records (pickle_record_classes), or nullptr: none.
+  const pickle_record_classes* records = nullptr;
+  /// A record of class `name` made with `args`.
+  static pickle_value record(const std::string& name, const pickle_value& args) {
+    return pickle_value::dict({{pickle_value::string(std::string(torch_record_key)), pickle_value::string(name)},
+                               {pickle_value::string(std::string(torch_record_args_key)), args}});
+  }
   /// The dtype of storage class `n` (after "torch."): nullopt if not one, {nullopt} if untyped.
   static std::optional<std::optional<dtype>> storage_type(std::string_view n) {
     static constexpr std::pair<std::string_view, dtype> table[] = {
@@ -153,9 +204,35 @@ struct torch_tensor_pickle_policy {
                       (state_dict && (full == "torch._utils._rebuild_parameter" ||
                                       full == "torch._utils._rebuild_parameter_with_state" ||
                                       full == "_codecs.encode" || !value_builtin(full).empty())) ||
-                      storage_type_of(full);
+                      storage_type_of(full) || (records && records->has(full)) ||
+                      (records && records->tensor_attributes &&
+                       (full == "torch._tensor._rebuild_from_type_v2" || full == "torch.Tensor"));
       if (!ok) r.bad("refers to global '" + full + "'" + where + ", which is not on the torch.save tensor allowlist");
       r.push(dcp_unpickle_policy::marker(full));
+      return true;
+    }
+    if (records && (op == 0x81 || op == 0x92)) {  // NEWOBJ, NEWOBJ_EX of a record class
+      if (op == 0x92) {
+        const auto kwargs = r.pop_value();
+        if (kwargs.type() != k::dict || kwargs.dict_size() != 0) r.bad("NEWOBJ_EX" + where + " with keyword arguments");
+      }
+      const auto args = r.pop_value(), cls = r.pop_value();
+      const std::string name = dcp_unpickle_policy::marker_name(cls);
+      if (name.empty() || !records->has(name))
+        r.bad("NEWOBJ" + where + " of " + (name.empty() ? "a value" : "'" + name + "'") +
+              ", which is not a class read as a record");
+      if (args.type() != k::tuple) r.bad("NEWOBJ" + where + " of '" + name + "' without an argument tuple");
+      r.push(record(name, args));
+      return true;
+    }
+    if (records && op == 'b' && r.first_key_at(1) == torch_record_key) {  // BUILD on a record: its state kept
+      if (r.kind_at(0) == k::dict && r.first_key_at(0) != torch_tensor_key && r.first_key_at(0) != torch_storage_key &&
+          r.first_key_at(0) != torch_record_key) {
+        r.merge_top_into_below("BUILD");  // a dataclass's __dict__: its entries join the record
+        return true;
+      }
+      const auto state = r.pop_value();
+      r.extend_top(pickle_value::string(std::string(torch_record_state_key)), state);
       return true;
     }
     if (op == 'Q') {  // BINPERSID
@@ -215,7 +292,33 @@ struct torch_tensor_pickle_policy {
                   " that is not empty (torch would apply it to the tensor: " +
                   "a conjugate or negative view, or a changed attribute); not read here");
       };
-      if (name == "collections.OrderedDict" && a.empty()) {
+      if (records && records->has(name)) {
+        r.push(record(name, args));
+      } else if (records && records->tensor_attributes && name == "torch._tensor._rebuild_from_type_v2") {
+        // (_rebuild_tensor_v2, torch.Tensor, its arguments, {attribute: scalar})
+        const pickle_value* v2 = a.size() == 4 && a[2].type() == k::tuple ? &a[2] : nullptr;
+        const auto* inner = v2 ? &v2->as_sequence("") : nullptr;
+        bool plain_state = a.size() == 4 && a[3].type() == k::dict;
+        for (std::size_t i = 0; plain_state && i < a[3].dict_size(); ++i) {
+          const auto t = a[3].dict_value(i).type();
+          plain_state = a[3].dict_key(i).type() == k::string &&
+                        (t == k::none || t == k::boolean || t == k::integer || t == k::real || t == k::string);
+        }
+        if (!inner || dcp_unpickle_policy::marker_name(a[0]) != "torch._utils._rebuild_tensor_v2" ||
+            dcp_unpickle_policy::marker_name(a[1]) != "torch.Tensor" || inner->size() < 4 ||
+            !(*inner)[0].find(torch_storage_key) || !plain_state)
+          r.bad("REDUCE" + where +
+                " of 'torch._tensor._rebuild_from_type_v2' other than a torch.Tensor made by _rebuild_tensor_v2 "
+                "with attributes of plain scalars");
+        for (std::size_t i = 6; i < inner->size(); ++i)
+          if (!inert((*inner)[i], inert))
+            r.bad("REDUCE" + where + " of a tensor with metadata that is not empty; not read here");
+        r.push_sealed(pickle_value::dict({{pickle_value::string(std::string(torch_tensor_key)), (*inner)[0]},
+                                          {pickle_value::string("offset"), (*inner)[1]},
+                                          {pickle_value::string("size"), (*inner)[2]},
+                                          {pickle_value::string("stride"), (*inner)[3]}}),
+                      "tensor");
+      } else if (name == "collections.OrderedDict" && a.empty()) {
         r.push(pickle_value::dict());
       } else if (name == "torch._utils._rebuild_tensor_v2" && a.size() >= 4 && a[0].find(torch_storage_key)) {
         inert_from(6, "metadata");

@@ -9,6 +9,7 @@
 // | hf_layout                    | model.safetensors[.index.json] or pytorch_model.bin[.index.json] |
 // | dcp_layout                   | .metadata (torch.distributed.checkpoint)               |
 // | dcp_sharded_hf_layout        | *.safetensors whose __metadata__ has DCP_SHARDING_INFO |
+// | deepspeed_layout             | `latest` (DeepSpeed's tag), or *_model_states.pt files |
 // | torch_save_file_layout       | one file torch.save wrote (zip or legacy)              |
 // | safetensors_file_layout      | one safetensors file                                   |
 //
@@ -23,6 +24,7 @@
 
 #include "shardsafe/checkpoint/layouts/dcp.hpp"
 #include "shardsafe/checkpoint/layouts/dcp_sharded_hf.hpp"
+#include "shardsafe/checkpoint/layouts/deepspeed.hpp"
 #include "shardsafe/checkpoint/layouts/hf.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/layouts/shardsafe.hpp"
@@ -34,7 +36,7 @@
 namespace shardsafe {
 
 /// The folder layouts, in the order they are tried.
-using folder_layouts = layout_list<shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout>;
+using folder_layouts = layout_list<shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout, deepspeed_layout>;
 /// The single-file layouts, in the order they are tried (the last takes any file).
 using file_layouts = layout_list<torch_save_file_layout, safetensors_file_layout>;
 

@@ -21,9 +21,14 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   auto is_marker = [](const pickle_view& v) {
     return v.type() == k::dict && v.size() == 1 && v.find(dcp_unpickle_policy::global_key).has_value();
   };
-  // a dict of the state dict's own (a tensor's, a storage's and a global's dicts are not)
+  // an opaque record (pickle_record_classes: a class the caller reads as one) is one value
+  auto is_record = [](const pickle_view& v) {
+    return v.type() == k::dict && v.size() > 0 && v.key(0).type() == k::string &&
+           v.key(0).as_string("") == torch_record_key;
+  };
+  // a dict of the state dict's own (a tensor's, a storage's, a global's and a record's dicts are not)
   auto is_mapping = [&](const pickle_view& v) {
-    return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v);
+    return v.type() == k::dict && !is_tensor(v) && !is_storage(v) && !is_marker(v) && !is_record(v);
   };
   // The memo lets one value (a long key, a tensor) stand at many places for a few bytes each:
   // the values flattened and their names' bytes are bounded by the pickle's size (torch writes
@@ -77,7 +82,7 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
   std::unordered_map<const void*, traits> seen;
   auto scan = [&](auto& self, const pickle_view& v) -> traits {
     if (is_tensor(v)) return {true, false, false, 0, 1};
-    if (is_storage(v) || is_marker(v)) return {false, true, true, 0, 1};
+    if (is_storage(v) || is_marker(v) || is_record(v)) return {false, true, true, 0, 1};
     if (v.type() == k::string) {
       const std::size_t n = v.as_string("").size();
       return {false, true, false, 5 + n, pickle_string_cost(n)};
@@ -175,7 +180,8 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
       std::string unwritable;
       if (t.foreign)
         unwritable =
-            "holds a storage or a torch global (a dtype, a storage class), which shardsafe does not pickle again";
+            "holds a storage or a torch global (a dtype, a storage class), or an opaque record of a trainer's "
+            "class, which shardsafe does not pickle again";
       else if (t.bytes > max_torch_save_pickle - (std::uint64_t(1) << 16) ||
                t.cost > basic_pickle_reader<>::default_max_values)
         unwritable = "shares containers that pickle to over " + std::to_string(t.bytes) + " bytes (" +
