@@ -35,6 +35,14 @@ inline constexpr std::uint64_t max_header_size = 100'000'000;
 /// up to two million, whose index and the structures the tool's commands build from it would
 /// pass 1 GiB; refused as the entry past it is read.
 inline constexpr std::uint64_t max_tensors_per_file = std::uint64_t(1) << 16;
+/// The most bytes the names of one file's tensors may take together (docs/FORMAT.md §1): 64 a name
+/// at max_tensors_per_file. The exports keep a name in several structures (about 14 bytes of
+/// memory a byte of name): 65,536 names filling a 100 MB header took `to-hf` 1.4 GiB.
+inline constexpr std::uint64_t max_tensor_name_bytes_per_file = std::uint64_t(4) << 20;
+/// The most JSON text one member of a header's object (a tensor's entry, or __metadata__) may
+/// take (docs/FORMAT.md §1): a member is parsed whole, and a 99 MB __metadata__ value took
+/// `inspect` 420 MiB, every other command 300 MiB.
+inline constexpr std::uint64_t max_header_member_bytes = std::uint64_t(16) << 20;
 
 /// One tensor of a safetensors file.
 struct tensor_entry {
@@ -177,6 +185,7 @@ class safetensors_header_reader {
   bool in_string_ = false, escaped_ = false, comma_ = false, metadata_seen_ = false;
   std::size_t depth_ = 0;  // nesting within the member being read
   std::uint64_t members_ = 0;
+  std::uint64_t name_bytes_ = 0;  ///< of the tensors' names so far (max_tensor_name_bytes_per_file)
   simdjson::dom::parser parser_;
   std::optional<error> duplicate_;  // a key given twice within a member: thrown after the other rules
 };

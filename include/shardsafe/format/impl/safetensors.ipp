@@ -23,7 +23,13 @@ SHARDSAFE_DECL void safetensors_header_reader::feed(std::string_view text) {
   const auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
   std::size_t from = 0;  // start of the member's bytes in text not yet copied to member_
   std::size_t i = 0;
-  const auto take = [&](std::size_t to) { member_.append(text.data() + from, to - from); };
+  const auto take = [&](std::size_t to) {
+    if (member_.size() + (to - from) > max_header_member_bytes)
+      fail(errc::invalid_header, h_.file + ": header: the member at byte " + std::to_string(member_at_) +
+                                     " of the JSON (a tensor's entry or __metadata__) passes " +
+                                     std::to_string(max_header_member_bytes) + " bytes, the most a reader accepts");
+    member_.append(text.data() + from, to - from);
+  };
   for (; i < text.size(); ++i) {
     const char c = text[i];
     if (where_ == before) {
@@ -149,6 +155,11 @@ SHARDSAFE_DECL void safetensors_header_reader::add(std::string_view key, simdjso
   if (h.tensors.size() == max_tensors_per_file)
     fail(errc::invalid_header, ctx + ": the header lists more than " + std::to_string(max_tensors_per_file) +
                                    " tensors, the most a reader accepts in one file");
+  name_bytes_ += key.size();
+  if (name_bytes_ > max_tensor_name_bytes_per_file)
+    fail(errc::invalid_header, ctx + ": the names of the header's tensors pass " +
+                                   std::to_string(max_tensor_name_bytes_per_file) +
+                                   " bytes in all, the most a reader accepts in one file");
   simdjson::dom::object t;
   if (value.get_object().get(t)) fail(errc::invalid_header, ctx + ": entry is not an object");
   {

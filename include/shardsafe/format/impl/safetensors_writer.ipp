@@ -10,6 +10,16 @@ SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> ten
                                                    std::string_view file) {
   safetensors_layout l;
   l.file = std::string(file);
+  // what a reader refuses is never written (docs/FORMAT.md §1): a save of more tensors per rank
+  // file would commit a checkpoint no reader of this library opens
+  std::uint64_t name_bytes = 0;
+  for (const auto& t : tensors) name_bytes += t.name.size();
+  if (tensors.size() > max_tensors_per_file || name_bytes > max_tensor_name_bytes_per_file)
+    fail(errc::invalid_argument,
+         l.file + ": " + std::to_string(tensors.size()) + " tensors whose names take " + std::to_string(name_bytes) +
+             " bytes in one file, past what a reader accepts (" + std::to_string(max_tensors_per_file) +
+             " tensors, " + std::to_string(max_tensor_name_bytes_per_file) +
+             " bytes of names: docs/FORMAT.md §1); stack tensors (experts) or split them over more files");
   for (const auto& t : tensors) {
     const std::string ctx = detail::tensor_context(file, t.name);
     if (t.name.empty() || t.name == "__metadata__" || !detail::is_valid_utf8(t.name))
@@ -59,6 +69,10 @@ SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> ten
     }
     json += '}';
     first = false;
+    if (json.size() - 1 > max_header_member_bytes)  // what a reader refuses is never written (§1)
+      fail(errc::invalid_argument, l.file + ": __metadata__ of " + std::to_string(json.size() - 1) +
+                                       " bytes of JSON passes the " + std::to_string(max_header_member_bytes) +
+                                       " a reader accepts (docs/FORMAT.md §1)");
   }
   for (const auto& t : tensors) {
     if (!first) json += ',';
