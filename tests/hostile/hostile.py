@@ -401,9 +401,9 @@ def metadata_memory(t):
 
 @case
 def metadata_json_memory(t):
-    """A valid metadata.json of 31 MB (300 ranks x 1,000 tensors, OLMo-core's layout), read in a
-    small multiple of its size (the DOM and every spec's index cost 6x its size; now 4x)."""
-    ranks, tensors = 300, 1000
+    """A valid metadata.json of 27 MB (262 ranks x 1,000 tensors, OLMo-core's layout; at most 2^18
+    entries), read in a small multiple of its size (the DOM and every spec's index cost 6x its size; now 4x)."""
+    ranks, tensors = 262, 1000
     d = os.path.join(t, "ckpt")
     names = [f"model.layers.{i}.mlp.weight" for i in range(tensors)]
     for r in range(ranks):
@@ -771,14 +771,15 @@ def column_sharded(t):
 
 @case
 def sparse_nul_documents(t):
-    """metadata.json, an index or .metadata of 2^30 NUL bytes (sparse on disk): refused at once, in little memory."""
-    def sparse(path):
+    """metadata.json (32 MiB, its limit), an index or .metadata (2^30) of NUL bytes (sparse on disk):
+    refused at once, in little memory."""
+    def sparse(path, size=1 << 30):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            f.truncate(1 << 30)
+            f.truncate(size)
     ck = os.path.join(t, "ckpt")
     sharded_checkpoint(ck)
-    sparse(os.path.join(ck, "metadata.json"))
+    sparse(os.path.join(ck, "metadata.json"), 32 << 20)
     run("sparse_nul_documents", ["verify", ck], 1, ["metadata.json", "not valid JSON"])
     hf = os.path.join(t, "hf")
     hf_folder(hf, True)

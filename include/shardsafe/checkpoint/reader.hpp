@@ -207,6 +207,18 @@ class checkpoint_files {
     std::vector<table> got(todo.size());
     open_files(todo, threads);  // each sidecar is bounded by what its file's tensors can need
     const std::vector<const open_file*> of = opened(todo);
+    // the hashes the tables will hold, by the files' headers, before a sidecar is read
+    std::uint64_t blocks = sidecar_hashes_;
+    for (std::size_t i = 0; i < todo.size() && blocks <= max_checksum_hashes; ++i)
+      for (const tensor_entry& e : of[i]->header.tensors)
+        if ((blocks += detail::checksum_block_count(e.nbytes(), cs.block_bytes)) > max_checksum_hashes) {
+          const std::string side = std::string(dir_.name()) + "/" + checksum_sidecar_name(todo[i]);
+          fail(errc::invalid_metadata, side + ": with it, the checksum tables of " + described_by() +
+                                           " would hold more than the " + std::to_string(max_checksum_hashes) +
+                                           " hashes a checkpoint's tables may hold (its files' tensors in blocks of " +
+                                           std::to_string(cs.block_bytes) + " bytes; docs/FORMAT.md §2)");
+        }
+    sidecar_hashes_ = blocks;
     detail::parallel_for(todo.size(), threads, [&](std::size_t i) {
       const std::string side = checksum_sidecar_name(todo[i]);
       reader_type st = detail::open_or(dir_, side, [&] {
@@ -273,6 +285,7 @@ class checkpoint_files {
   checkpoint_source<D> src_;  // its files moved into files_
   std::unordered_map<std::string, std::size_t, key_hash, std::equal_to<>> index_;
   std::mutex files_mutex_;
+  std::uint64_t sidecar_hashes_ = 0;  // of the sidecars read so far (max_checksum_hashes)
   std::map<std::string, std::unique_ptr<open_file>, std::less<>> files_;
 };
 

@@ -21,7 +21,7 @@ enum class save_format {
 /// How metadata.json describes sharded tensors (docs/FORMAT.md §2).
 enum class metadata_form {
   /// compact when the listed form would hold more than compact_metadata_entries shard entries
-  /// (tensors x files each): past there a rank spends over a second reading the listed form
+  /// (tensors x files each): past there the listed form nears the 32 MiB readers take
   automatic,
   listed,  ///< one entry per file per tensor, as OLMo-core writes and reads it
   /// a regular sharding as a grid of O(dims) numbers ("shardsafe_grid", shard/shard_grid.hpp),
@@ -30,8 +30,9 @@ enum class metadata_form {
   compact,
 };
 
-/// metadata_form::automatic's threshold: shard entries of the listed form.
-inline constexpr std::uint64_t compact_metadata_entries = std::uint64_t(1) << 18;
+/// metadata_form::automatic's threshold: shard entries of the listed form (2^17 entries of
+/// ~110 bytes, with their checksum tables ~170: 14-30 MB, under max_checkpoint_metadata_size).
+inline constexpr std::uint64_t compact_metadata_entries = std::uint64_t(1) << 17;
 
 struct save_options {
   save_format format = save_format::shardsafe;

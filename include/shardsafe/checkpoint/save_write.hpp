@@ -243,7 +243,16 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
 template <WritableDirectory D, Comm C>
 void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
   const step_scope step("committing metadata.json");
-  rank0_step(comm, [&] { write_text(dir, metadata_file_name, write_checkpoint_metadata(md)); });
+  rank0_step(comm, [&] {
+    std::string text = write_checkpoint_metadata(md);
+    if (text.size() > max_checkpoint_metadata_size)  // refused before it commits a checkpoint no reader takes
+      fail(errc::invalid_argument, std::string(dir.name()) + "/" + std::string(metadata_file_name) + ": would be " +
+                                       std::to_string(text.size()) + " bytes, more than the " +
+                                       std::to_string(max_checkpoint_metadata_size) +
+                                       " readers take (docs/FORMAT.md §2): save it with "
+                                       "save_options::metadata = metadata_form::compact");
+    write_text(dir, metadata_file_name, text);
+  });
 }
 
 /// Steps 2-4 of a save whose plan (step 1, md) every rank has agreed on: prepare the
@@ -254,7 +263,22 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, chec
                             const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
   const bool compact = use_compact_form(md, opt.metadata);  // alike on every rank: md is agreed
-  prepare_directory(dir, opt.overwrite, comm);              // 2
+  if (opt.checksums) {  // refused before a file is written, alike on every rank, as readers would refuse it
+    std::uint64_t hashes = 0;
+    for (const auto& [key, tm] : md.tensors)
+      for (const auto& [fname, spec] : tm.files) {
+        const std::uint64_t n = tm.is_sharded ? spec.local_numel() : tm.numel();
+        hashes += checksum_block_count((n * bit_size(tm.type) + 7) / 8, opt.checksum_block_bytes);
+        if (!tm.is_sharded) break;  // written by its first file only
+      }
+    if (hashes > max_checksum_hashes)
+      fail(errc::invalid_argument, std::string(dir.name()) + ": " + std::to_string(hashes) + " checksum blocks of " +
+                                       std::to_string(opt.checksum_block_bytes) + " bytes, more than the " +
+                                       std::to_string(max_checksum_hashes) +
+                                       " a checkpoint's tables may hold (docs/FORMAT.md §2): raise "
+                                       "save_options::checksum_block_bytes");
+  }
+  prepare_directory(dir, opt.overwrite, comm);  // 2
   const auto mine = views_to_write(views, md, rank);
   auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt, compact);  // 3
 

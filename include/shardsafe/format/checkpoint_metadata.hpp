@@ -110,6 +110,12 @@ struct checkpoint_checksums {
   bool sidecars = false;
 };
 
+/// Most block hashes the checksum tables of one checkpoint (metadata.json) may hold together
+/// (docs/FORMAT.md §2, "Checksums"): 4 TiB of tensor data in the default 4 MiB blocks. A reader
+/// holds every hash it reads and, checking them, a record per block; past this the tables are
+/// refused (a sidecar before it is read, by the count its file's header makes).
+inline constexpr std::uint64_t max_checksum_hashes = std::uint64_t(1) << 20;
+
 /// Where a rank file's checksum table is kept when checkpoint_checksums::sidecars:
 /// rank_R.safetensors -> rank_R.checksums.json (the table alone, as in "files").
 inline std::string checksum_sidecar_name(std::string_view rank_file) {

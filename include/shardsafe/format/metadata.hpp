@@ -45,7 +45,31 @@
 
 namespace shardsafe {
 
-/// Parses and validates metadata.json text. `file` names it in messages. Every shard spec is
+/// Largest metadata.json a reader accepts (docs/FORMAT.md §2, "Size"): a reader holds its text,
+/// simdjson's index of it and what it lists at once, about 4 times its size at the peak (5 for the
+/// tool's commands with every rank file's header open): 32 MiB keeps each within 256 MiB. Larger
+/// worlds use the compact form, which a save switches to past compact_metadata_entries.
+inline constexpr std::uint64_t max_checkpoint_metadata_size = std::uint64_t(32) << 20;
+
+/// Most shard entries (a tensor's files, summed over its tensors) a metadata.json may list
+/// (docs/FORMAT.md §2, "Size"): what a reader builds is ~180 bytes an entry, and the tool's
+/// commands hold as much again of the rank files' headers, whatever the bytes of an entry. A
+/// save lists at most half (compact_metadata_entries).
+inline constexpr std::uint64_t max_listed_metadata_entries = std::uint64_t(1) << 18;
+
+namespace detail {
+/// The refusal of a metadata.json of `bytes` bytes, past max_checkpoint_metadata_size.
+[[noreturn]] inline void metadata_too_large(std::string_view file, std::uint64_t bytes) {
+  fail(errc::invalid_metadata,
+       std::string(file) + ": " + std::to_string(bytes) + " bytes, more than the " +
+           std::to_string(max_checkpoint_metadata_size) +
+           " (32 MiB) a metadata.json may hold (docs/FORMAT.md §2): a checkpoint of this many shard entries "
+           "is saved in the compact form (save_options::metadata, metadata_form::compact)");
+}
+}  // namespace detail
+
+/// Parses and validates metadata.json text (at most max_checkpoint_metadata_size bytes). `file`
+/// names it in messages. Every shard spec is
 /// validated against its tensor's shape, and file names must be plain names. The text is read
 /// On-Demand (no DOM), twice: checked whole, then read; memory stays near the text's size plus
 /// what is returned. `owner`: the string holding `json` when it has 64 spare bytes of capacity
@@ -63,7 +87,9 @@ checkpoint_metadata parse_checkpoint_metadata(const S& json, std::string_view fi
 /// Reads and validates metadata.json from a storage.
 template <ReadableStorage S>
 checkpoint_metadata read_checkpoint_metadata(const S& s) {
-  return parse_checkpoint_metadata(read_text(s, max_metadata_size, text_kind::json), s.name());
+  // by the size the storage claims, before reading (read_text holds it to that size too)
+  if (const std::uint64_t n = s.size(); n > max_checkpoint_metadata_size) detail::metadata_too_large(s.name(), n);
+  return parse_checkpoint_metadata(read_text(s, max_checkpoint_metadata_size, text_kind::json), s.name());
 }
 
 }  // namespace shardsafe

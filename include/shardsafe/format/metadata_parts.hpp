@@ -33,8 +33,7 @@ void for_fields(od::object o, const std::string& ctx, F&& f) {
   for (auto field : o) {
     od::field fl;
     std::string_view k;
-    if (std::move(field).get(fl) || fl.unescaped_key().get(k))
-      fail(errc::invalid_metadata, ctx + ": unreadable object");
+    if (std::move(field).get(fl) || field_key(fl, k)) fail(errc::invalid_metadata, ctx + ": unreadable object");
     f(k, fl.value());
   }
 }
@@ -147,7 +146,12 @@ inline shard_spec parse_legacy_offsets(od::value e, const std::string& ctx) {
 }
 
 /// Reads what append_checksum_table wrote; ctx names it in messages.
-inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od::value e, const std::string& ctx) {
+/// `counted`: hashes read so far, with those of the checkpoint's other tables (max_checksum_hashes;
+/// nullptr: this table's alone).
+inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od::value e, const std::string& ctx,
+                                                                              std::uint64_t* counted = nullptr) {
+  std::uint64_t own = 0;
+  std::uint64_t& count = counted ? *counted : own;
   od::object o = json_object(e, ctx + ": not an object of tensors");
   std::map<std::string, std::vector<std::uint64_t>> table;
   for_fields(o, ctx, [&](std::string_view k, od::value v) {
@@ -159,10 +163,16 @@ inline std::map<std::string, std::vector<std::uint64_t>> parse_checksum_table(od
     for (auto h : arr) {
       std::string_view s;
       std::optional<std::uint64_t> x;
-      if (!h.get_string().get(s)) x = parse_hex64(s);
+      od::value hv;
+      if (!std::move(h).get(hv) && !string_value(hv, s)) x = parse_hex64(s);
       if (!x)
         fail(errc::invalid_metadata, ctx + ": tensor '" + key + "': block " + std::to_string(hashes.size()) +
                                          " is not a hash of 16 hex digits");
+      if (++count > max_checksum_hashes)
+        fail(errc::invalid_metadata, ctx + ": the checksum tables hold more than " +
+                                         std::to_string(max_checksum_hashes) +
+                                         " hashes, the most a checkpoint's tables may hold (docs/FORMAT.md §2): save "
+                                         "with larger checksum blocks (save_options::checksum_block_bytes)");
       hashes.push_back(*x);
     }
     if (!table.emplace(key, std::move(hashes)).second)
@@ -179,6 +189,7 @@ inline checkpoint_checksums parse_checksums(od::value e, const std::string& f) {
   checkpoint_checksums c;
   bool alg = false, files = false;
   std::optional<std::uint64_t> bb;
+  std::uint64_t hashes = 0;  // of every table (max_checksum_hashes)
   for_fields(o, ctx, [&](std::string_view k, od::value v) {
     if (k == "algorithm" && !alg) {
       std::string_view s;
@@ -197,7 +208,7 @@ inline checkpoint_checksums parse_checksums(od::value e, const std::string& f) {
         const std::string fname(fk);
         if (!is_plain_name(fname))
           fail(errc::invalid_metadata, ctx + ": names '" + fname + "', not a plain file name (no '/', '\\' or '..')");
-        if (!c.files.emplace(fname, parse_checksum_table(tv, ctx + ": file '" + fname + "'")).second)
+        if (!c.files.emplace(fname, parse_checksum_table(tv, ctx + ": file '" + fname + "'", &hashes)).second)
           fail(errc::invalid_metadata, ctx + ": file '" + fname + "' is listed twice");
       });
     }

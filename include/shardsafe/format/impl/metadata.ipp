@@ -9,15 +9,14 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
                                                              const std::string* owner) {
   namespace od = simdjson::ondemand;
   const std::string f(file);
-  if (json.size() > max_metadata_size)
-    fail(errc::invalid_metadata,
-         f + ": " + std::to_string(json.size()) + " bytes passes the limit of " + std::to_string(max_metadata_size));
+  if (json.size() > max_checkpoint_metadata_size) detail::metadata_too_large(f, json.size());
   detail::json_document doc(json, f, owner);
   od::object top = detail::json_object(doc.root("not a JSON object"), f + ": not a JSON object");
   checkpoint_metadata md;
   std::vector<std::string_view> keys;
   bool have_tensors = false, have_extras = false;
   std::uint64_t grid_parts = 0;  // of every grid so far (max_grid_parts_total)
+  std::uint64_t entries = 0;     // listed shard entries so far (max_listed_metadata_entries)
   detail::for_fields(top, f, [&](std::string_view topkey, od::value topval) {
     if (topkey == "tensors" && !have_tensors) {
       have_tensors = true;
@@ -41,6 +40,13 @@ SHARDSAFE_DECL checkpoint_metadata parse_checkpoint_metadata(std::string_view js
             const std::string fctx = ctx + ": file '" + fname + "'";
             if (!is_plain_name(fname))
               fail(errc::invalid_metadata, fctx + ": not a plain file name (no '/', '\\' or '..')");
+            if (++entries > max_listed_metadata_entries)
+              fail(
+                  errc::invalid_metadata,
+                  fctx + ": more than " + std::to_string(max_listed_metadata_entries) +
+                      " shard entries (files of each tensor) listed, the most a metadata.json may hold (docs/FORMAT.md "
+                      "§2): a checkpoint of this many is saved in the compact form (save_options::metadata, "
+                      "metadata_form::compact)");
             into.emplace_back(fname,
                               old ? detail::parse_legacy_offsets(sv, fctx) : detail::parse_spec_object(sv, fctx));
           });
