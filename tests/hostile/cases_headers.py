@@ -8,9 +8,10 @@ of a checkpoint's rank files, hard links of one file among them.
 The headers are written with plain string joins, the data as sparse zeros where its values do
 not matter. Loaded by hostile.py with its helpers in scope (run, case, write, Failed, ...).
 
-Left out of the default run (open_case: SHARDSAFE_HOSTILE_OPEN=1 runs it): to-hf, to-dcp and
-unshard of a file whose 65,536 names fill a 100 MB header; their planners hold about a dozen
-copies of every name (1.4 GiB measured), which is the exports' matter, not the header's."""
+Since: at most 4 MiB of names in one file (65,536 names filling 100 MB took to-hf 1.4 GiB,
+to-dcp 0.9 GiB) and 16 MiB of JSON text in one member of the header (a 99 MB __metadata__ value
+took inspect 420 MiB, the other commands 300 MiB): a header of 100,000,000 bytes at every cap is
+read by every command within the limits."""
 import hashlib
 import json
 import os
@@ -19,6 +20,8 @@ import struct
 
 _CAP = 1 << 16  # max_tensors_per_file
 _MAX_HEADER = 100_000_000
+_NAMES = 4 << 20  # max_tensor_name_bytes_per_file
+_MEMBER = 16 << 20  # max_header_member_bytes
 _ALL = ("inspect", "verify", "digest", "unshard", "to-hf", "to-dcp")
 _ONE_FILE = ("inspect", "verify", "digest", "to-hf", "to-dcp")  # unshard reads folders
 
@@ -33,7 +36,7 @@ def _entry(name, i):
     return '"%s":{"dtype":"U8","shape":[1],"data_offsets":[%d,%d]}' % (name, i, i + 1)
 
 
-def _st(path, names, data=None, header_size=None):
+def _st(path, names, data=None, header_size=None, metadata_bytes=0):
     """A safetensors file of one-byte U8 tensors `names` (in data order; a list, or (count,
     name_of)), its header padded with spaces to header_size (default: to a multiple of 8);
     data: the bytes, or None for zeros (a sparse file). Built in a child process, so that the
@@ -46,7 +49,11 @@ def _st(path, names, data=None, header_size=None):
         code = 1
         try:
             os.close(r)
-            h = ("{" + ",".join(_entry(name_of(i), i) for i in range(count)) + "}").encode()
+            md = ""
+            if metadata_bytes:  # a __metadata__ member of exactly metadata_bytes bytes of JSON text
+                fixed = len('"__metadata__":{"format":"pt","k":""}')
+                md = '"__metadata__":{"format":"pt","k":"%s"},' % ("m" * (metadata_bytes - fixed))
+            h = ("{" + md + ",".join(_entry(name_of(i), i) for i in range(count)) + "}").encode()
             size = header_size if header_size is not None else len(h) + (-len(h)) % 8
             if len(h) <= size:
                 h += b" " * (size - len(h))
@@ -89,8 +96,9 @@ def _argv(cmd, src, outs):
 def _refused_by_all(name, src, outs, words, commands=_ALL):
     for cmd in commands:
         run(name, _argv(cmd, src, outs), 1, words)
-        if os.path.exists(outs) and os.listdir(outs):
-            raise Failed(f"{cmd} refused {src} but wrote {os.listdir(outs)}")
+        wrote = [os.path.join(d, f) for d, _, fs in os.walk(outs) for f in fs]
+        if wrote:  # an empty output folder made before the input's rank files were opened is no output
+            raise Failed(f"{cmd} refused {src} but wrote {wrote}")
 
 
 def _hf_header(path):
@@ -142,34 +150,52 @@ def header_tensors_at_cap(t):
     _refused_by_all("header_tensors_at_cap", os.path.dirname(over), outs, ["model.safetensors", "more than 65536 tensors"])
 
 
+def _names_of_bytes(k, total, tag="n"):
+    """(k, name_of): k distinct names whose lengths add up to exactly `total` bytes."""
+    per, extra = divmod(total, k)
+    return k, lambda i: tag * (per + (i < extra) - 8) + "%08d" % i
+
+
 @case
-def header_100mb_names(t):
-    """A header of exactly 100,000,000 bytes (the limit), 65,536 tensors whose names fill it:
-    inspect, verify and digest within the limits (the old tool: about 1 GiB)."""
-    names = _long_names(_CAP, _MAX_HEADER)
-    src = os.path.join(t, "big.safetensors")
-    if _st(src, names, header_size=_MAX_HEADER) != _MAX_HEADER:
+def header_at_caps(t):
+    """A header of exactly 100,000,000 bytes at every cap: 65,536 tensors whose names take 4 MiB,
+    a __metadata__ member of 16 MiB, spaces after: every command within the limits (the old tool
+    held the text and a DOM of it: about 1 GiB), digest's and to-hf's outputs checked. Then one
+    name byte more, and one __metadata__ byte more: refused by every command, naming the rule."""
+    names = _names_of_bytes(_CAP, _NAMES)
+    hf = os.path.join(t, "hf")
+    src = os.path.join(hf, "model.safetensors")
+    if _st(src, names, header_size=_MAX_HEADER, metadata_bytes=_MEMBER) != _MAX_HEADER:
         raise Failed("the header is not 100,000,000 bytes")
-    out, _ = run("header_100mb_names", ["inspect", src], 0)
+    out, _ = run("header_at_caps", ["inspect", src], 0)
     if "%d tensors" % _CAP not in out or "header %d bytes" % _MAX_HEADER not in out:
         raise Failed("inspect: " + out[:200])
-    run("header_100mb_names", ["verify", src], 0)
-    out, _ = run("header_100mb_names", ["digest", src], 0)
+    del out
+    run("header_at_caps", ["verify", src], 0)
+    out, _ = run("header_at_caps", ["digest", src], 0)
     zero = hashlib.sha256(b"\0").hexdigest()
     if out.count("\n") != _CAP or out.count(zero) != _CAP or not out.startswith(names[1](0) + " U8 [1] "):
         raise Failed("digest: " + out[:200])
-
-
-@open_case
-def header_100mb_names_export(t):
-    """to-hf, to-dcp and unshard of header_100mb_names's file (left out: the module's docstring)."""
-    names = _long_names(_CAP, _MAX_HEADER)
-    hf = os.path.join(t, "hf")
-    _st(os.path.join(hf, "model.safetensors"), names, header_size=_MAX_HEADER)
+    del out
     outs = os.path.join(t, "out")
     os.makedirs(outs)
     for cmd in ("unshard", "to-hf", "to-dcp"):
-        run("header_100mb_names_export", _argv(cmd, hf, outs), 0)
+        run("header_at_caps", _argv(cmd, hf, outs), 0)
+    got, start = _hf_header(os.path.join(outs, "to-hf", "model.safetensors"))
+    got.pop("__metadata__", None)
+    if len(got) != _CAP or sum(map(len, got)) != _NAMES or any(
+            got[n] != {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
+            for i, n in enumerate(sorted(got))):
+        raise Failed("to-hf's header is not the 65,536 tensors in name order")
+    del got
+    shutil.rmtree(outs)
+    os.makedirs(outs)
+    for what, kw, words in (("names", dict(names=_names_of_bytes(_CAP, _NAMES + 1)), ["names", "4194304 bytes"]),
+                            ("metadata", dict(names=names, metadata_bytes=_MEMBER + 1), ["__metadata__", "16777216 bytes"])):
+        over = os.path.join(t, "over_" + what, "model.safetensors")
+        _st(over, kw["names"], header_size=_MAX_HEADER, metadata_bytes=kw.get("metadata_bytes", 0))
+        _refused_by_all("header_at_caps", over, outs, ["model.safetensors"] + words, _ONE_FILE)
+        _refused_by_all("header_at_caps", os.path.dirname(over), outs, ["model.safetensors"] + words)
 
 
 @case
@@ -208,21 +234,35 @@ def header_deep_nesting(t):
 
 @case
 def header_hard_links(t):
-    """A sharded checkpoint whose 8 rank files are hard links of one file of 65,536 tensors and a
-    20 MB header (each rank holds one element of `t00000000`; the rest are listed by no one):
-    every command within the limits (the old tool: 484 to 690 MiB), unshard's output checked."""
-    ck = os.path.join(t, "ck")
-    names = _long_names(_CAP, 20_000_000, tag="r")
-    data = bytes((i * 13 + 5) % 256 for i in range(_CAP))
-    _st(os.path.join(ck, "rank_0.safetensors"), names, data)
-    for r in range(1, 8):
-        os.link(os.path.join(ck, "rank_0.safetensors"), os.path.join(ck, "rank_%d.safetensors" % r))
-    specs = {"rank_%d.safetensors" % r: {"flattened_offsets": [[r, r + 1]], "local_shape": None, "global_offset": None}
-             for r in range(8)}
-    write(os.path.join(ck, "metadata.json"), json.dumps(
-        {"tensors": {names[1](0): {"shape": [8], "is_sharded": True, "dtype": "U8", "shard_spec_per_file": specs}}}).encode())
+    """A sharded checkpoint whose 8 rank files are hard links of one file of 65,536 tensors at
+    the names cap (4 MiB of names; each rank holds one element of its first
+    tensor, the rest are listed by no one): every command within the limits, unshard's output
+    checked. The issue's form, names filling a 20 MB header (the old tool: 484 to 690 MiB), is
+    refused by every command by the names cap."""
+
+    def links(ck, first, src):
+        os.makedirs(ck)
+        for r in range(8):
+            os.link(src, os.path.join(ck, "rank_%d.safetensors" % r))
+        specs = {"rank_%d.safetensors" % r: {"flattened_offsets": [[r, r + 1]], "local_shape": None,
+                                             "global_offset": None} for r in range(8)}
+        write(os.path.join(ck, "metadata.json"), json.dumps(
+            {"tensors": {first: {"shape": [8], "is_sharded": True, "dtype": "U8", "shard_spec_per_file": specs}}}).encode())
+
     outs = os.path.join(t, "out")
     os.makedirs(outs)
+    big_names = _long_names(_CAP, 20_000_000, tag="r")
+    big = os.path.join(t, "big.safetensors")
+    _st(big, big_names)
+    links(os.path.join(t, "ck_big"), big_names[1](0), big)
+    _refused_by_all("header_hard_links", os.path.join(t, "ck_big"), outs, ["rank_", "names", "4194304 bytes"],
+                    _ALL[1:])  # inspect of a sharded checkpoint reads its metadata.json alone
+    names = _names_of_bytes(_CAP, _NAMES, tag="r")
+    data = bytes((i * 13 + 5) % 256 for i in range(_CAP))
+    one = os.path.join(t, "one.safetensors")
+    _st(one, names, data)  # (with a 16 MiB __metadata__ too, verify held 8 of them: 282 MiB; left open)
+    ck = os.path.join(t, "ck")
+    links(ck, names[1](0), one)
     for cmd in _ALL:
         run("header_hard_links", _argv(cmd, ck, outs), 0)
     got, start = _hf_header(os.path.join(outs, "u.safetensors"))

@@ -48,6 +48,11 @@ struct hf_index {
   }
 };
 
+/// The largest index.json a reader accepts (docs/FORMAT.md §3): parsed whole, its DOM and
+/// weight_map cost about 7 times its text (a 139 MB index took 993 MiB); 16 MiB holds some 200,000
+/// entries, twice DeepSeek-V3's.
+inline constexpr std::uint64_t max_hf_index_size = std::uint64_t(16) << 20;
+
 SHARDSAFE_DECL hf_index parse_hf_index(std::string_view json, std::string_view file);
 
 /// Renders the index as Hugging Face does (indent 2, sorted keys, trailing newline).
@@ -55,7 +60,7 @@ SHARDSAFE_DECL std::string write_hf_index(const hf_index& idx);
 
 template <ReadableStorage S>
 hf_index read_hf_index(const S& s) {
-  return parse_hf_index(read_text(s, max_metadata_size, text_kind::json), s.name());
+  return parse_hf_index(read_text(s, max_hf_index_size, text_kind::json), s.name());
 }
 
 }  // namespace shardsafe

@@ -7,8 +7,9 @@ namespace shardsafe {
 
 SHARDSAFE_DECL hf_index parse_hf_index(std::string_view json, std::string_view file) {
   const std::string f(file);
-  if (json.size() > max_metadata_size)
-    fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the limit");
+  if (json.size() > max_hf_index_size)
+    fail(errc::invalid_metadata, f + ": " + std::to_string(json.size()) + " bytes passes the " +
+                                     std::to_string(max_hf_index_size) + " an index may hold");
   simdjson::dom::parser parser;
   auto root = detail::parse_json(parser, json, f);
   simdjson::dom::object top;

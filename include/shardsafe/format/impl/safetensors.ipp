@@ -24,7 +24,7 @@ SHARDSAFE_DECL void safetensors_header_reader::feed(std::string_view text) {
   std::size_t from = 0;  // start of the member's bytes in text not yet copied to member_
   std::size_t i = 0;
   const auto take = [&](std::size_t to) {
-    if (member_.size() + (to - from) > max_header_member_bytes)
+    if (member_.size() - 1 + (to - from) > max_header_member_bytes)  // member_ starts with the '{' it is parsed in
       fail(errc::invalid_header, h_.file + ": header: the member at byte " + std::to_string(member_at_) +
                                      " of the JSON (a tensor's entry or __metadata__) passes " +
                                      std::to_string(max_header_member_bytes) + " bytes, the most a reader accepts");

@@ -17,8 +17,8 @@ SHARDSAFE_DECL safetensors_layout plan_safetensors(std::vector<tensor_entry> ten
   if (tensors.size() > max_tensors_per_file || name_bytes > max_tensor_name_bytes_per_file)
     fail(errc::invalid_argument,
          l.file + ": " + std::to_string(tensors.size()) + " tensors whose names take " + std::to_string(name_bytes) +
-             " bytes in one file, past what a reader accepts (" + std::to_string(max_tensors_per_file) +
-             " tensors, " + std::to_string(max_tensor_name_bytes_per_file) +
+             " bytes in one file, past what a reader accepts (" + std::to_string(max_tensors_per_file) + " tensors, " +
+             std::to_string(max_tensor_name_bytes_per_file) +
              " bytes of names: docs/FORMAT.md §1); stack tensors (experts) or split them over more files");
   for (const auto& t : tensors) {
     const std::string ctx = detail::tensor_context(file, t.name);
