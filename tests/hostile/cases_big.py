@@ -244,7 +244,7 @@ def big_torch_past_limits(t):
                                                                               "'w32513xxx"], 128),
              "made": (made_pt(MADE), ["makes more than 2097152 values"], 128),
              # data.pkl, data/0, version and 2^16 + 1,022 more: one past 2^16 + 1,024
-             "records": (big_torch_zip(1, extra=TENSORS + 1022), ["66561 records", "at most 66560"], 32)}
+             "records": (big_torch_zip(1, extra=TENSORS + 1022), ["66561 records", "at most 66560"], 128)}
     for name, (data, _, _) in files.items():
         write(os.path.join(t, name + ".pt"), data)
     refusals = [(name, words, mib) for name, (_, words, mib) in files.items()]

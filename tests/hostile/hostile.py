@@ -771,7 +771,7 @@ def column_sharded(t):
 
 @case
 def sparse_nul_documents(t):
-    """metadata.json (32 MiB, its limit), an index or .metadata (2^30) of NUL bytes (sparse on disk):
+    """metadata.json (32 MiB, its limit), an index (16 MiB, its limit) or .metadata (2^30) of NUL bytes (sparse on disk):
     refused at once, in little memory."""
     def sparse(path, size=1 << 30):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -783,7 +783,7 @@ def sparse_nul_documents(t):
     run("sparse_nul_documents", ["verify", ck], 1, ["metadata.json", "not valid JSON"])
     hf = os.path.join(t, "hf")
     hf_folder(hf, True)
-    sparse(os.path.join(hf, "model.safetensors.index.json"))
+    sparse(os.path.join(hf, "model.safetensors.index.json"), 16 << 20)  # its limit
     run("sparse_nul_documents", ["verify", hf], 1, ["model.safetensors.index.json", "not valid JSON"])
     dc = os.path.join(t, "dcp")
     dcp_folder(dc)
