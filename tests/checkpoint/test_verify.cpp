@@ -752,6 +752,60 @@ TEST_CASE_TEMPLATE("checksums: a checkpoint without them verifies and loads; dam
   }
 }
 
+TEST_CASE_TEMPLATE("a rank file's tensors that metadata.json does not list there are checked, not kept", D,
+                   file_directory, memory_directory) {
+  backend<D> be;
+  const D dir = be.root().sub("extra");
+  const fixtures::sharded_sample s;
+  s.write(dir);
+  // rank 0 holds w's and c's blocks, and "b" and "junk" beside them that no listing of it names
+  // (b is listed in rank_1 only, here)
+  std::string meta = fixtures::sharded_sample::metadata(true);
+  const std::string b0 =
+      "\"rank_0.safetensors\": {\"flattened_offsets\": [[0, 2]], \"local_shape\": null, "
+      "\"global_offset\": null}, ";
+  REQUIRE(meta.find(b0) != std::string::npos);
+  meta.erase(meta.find(b0), b0.size());
+  const std::string b_all = "[[2, 5]]";
+  meta.replace(meta.find(b_all), b_all.size(), "[[0, 5]]");
+  const tensor w0{"w", "F32", {6}, s.w.bytes.substr(0, 24)}, junk{"junk", "U8", {3}, "xyz"};
+  const tensor c0{"c", "U8", {8}, s.rank0.substr(s.rank0.size() - 8)};
+  const tensor b_here{"b", "I16", {2}, s.b.bytes.substr(0, 4)};
+  fixtures::put(dir, "rank_0.safetensors", fixtures::build_file({w0, junk, b_here, c0}));
+  fixtures::put(dir, "rank_1.safetensors",
+                fixtures::build_file({{"w", "F32", {6}, s.w.bytes.substr(24)},
+                                      {"b", "I16", {5}, s.b.bytes},
+                                      {"c", "U8", {8}, s.rank1.substr(s.rank1.size() - 8)}}));
+  fixtures::put(dir, "metadata.json", meta);
+  const checkpoint_report rep = verify_checkpoint(dir);
+  CHECK(rep.tensors == 3);
+  checkpoint_reader<D> r(dir);
+  const auto& f = r.file("rank_0.safetensors");
+  CHECK(f.header.tensors.size() == 2);  // w and c: what metadata.json lists in rank 0
+  CHECK(f.header.find("w"));
+  CHECK(!f.header.find("junk"));
+  CHECK(!f.header.find("b"));
+  CHECK(f.header.file_size() == f.storage.size());
+  std::string w(48, '\0'), b(10, '\0');
+  const flat_view v[] = {{"w", dtype::F32, {4, 3}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), w.size()},
+                         {"b", dtype::I16, {5}, std::nullopt, reinterpret_cast<std::byte*>(b.data()), b.size()}};
+  load(r, std::span<const flat_view>(v));
+  CHECK(w == s.w.bytes);
+  CHECK(b == s.b.bytes);
+  // a checksum table that records one of them is refused: it is not part of the checkpoint
+  const std::string table =
+      ", \"shardsafe\": {\"checksums\": {\"algorithm\": \"xxh3-64\", \"block_bytes\": 1000, \"files\": "
+      "{\"rank_0.safetensors\": {\"junk\": [\"0000000000000000\"]}}}}";
+  fixtures::put(dir, "metadata.json", meta.substr(0, meta.size() - 1) + table + "}");
+  expect_error([&] { verify_checkpoint(dir); }, errc::invalid_metadata,
+               {path_of(dir, "rank_0.safetensors"), "tensor 'junk'", "no such tensor that metadata.json lists there"});
+  // and a name given twice among the tensors let go is refused as in any header
+  fixtures::put(dir, "metadata.json", meta);
+  fixtures::put(dir, "rank_0.safetensors", fixtures::build_file({w0, junk, junk, c0}));
+  expect_error([&] { verify_checkpoint(dir); }, errc::invalid_header,
+               {path_of(dir, "rank_0.safetensors"), "name 'junk' appears twice"});
+}
+
 // ---------------------------------------------------------------------------------------
 // hostile input: files claiming the same elements, unlisted HF shards, links out of the folder
 

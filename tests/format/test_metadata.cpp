@@ -638,3 +638,44 @@ TEST_CASE("hf_index: malformed indexes") {
     expect_error([&] { parse_hf_index(c.json, "hf/model.safetensors.index.json"); }, c.code, phrases);
   }
 }
+
+TEST_CASE("metadata: the On-Demand reading refuses exactly what simdjson's DOM parser refuses, over mutated texts") {
+  // simdjson's On-Demand API, even reading every value, let `{"a": {}, "b": "x": 1}}` through
+  // (a ':' where a ',' belongs, then a '}' too many): found by fuzz_metadata. Every text below is
+  // a valid metadata.json with one structural byte deleted, inserted, doubled or replaced; the
+  // DOM parser (the independent judge) and the On-Demand reading must agree on each.
+  const std::string good =
+      R"({"tensors": {"w": {"shape": [4, 3], "is_sharded": true, "dtype": "F32", "shard_spec_per_file": )"
+      R"({"rank_0.safetensors": {"flattened_offsets": [[0, 6]], "local_shape": null, "global_offset": null}, )"
+      R"("rank_1.safetensors": {"flattened_offsets": [[6, 12]], "local_shape": null, "global_offset": null}}}}, )"
+      R"("shardsafe": {"writer": "x\"y", "world_size": 2, "file_sizes": {"rank_0.safetensors": 100}}})";
+  const std::string structural = "{}[],:\"";
+  std::size_t texts = 0, refused = 0;
+  auto judge = [&](const std::string& text) {
+    ++texts;
+    simdjson::dom::parser dom;
+    simdjson::dom::element root;
+    const bool dom_ok = !dom.parse(text.data(), text.size(), true).get(root) && root.is_object();
+    bool json_refused = false;
+    try {
+      parse_checkpoint_metadata(text, "metadata.json");
+    } catch (const shardsafe::error& e) {
+      json_refused = e.code() == make_error_code(errc::invalid_json);
+    }
+    INFO(text);
+    CHECK(json_refused == !dom_ok);
+    refused += json_refused;
+  };
+  judge(good);
+  for (std::size_t i = 0; i <= good.size(); ++i) {
+    if (i < good.size() && structural.find(good[i]) != std::string::npos) {
+      judge(good.substr(0, i) + good.substr(i + 1));                  // deleted
+      judge(good.substr(0, i + 1) + good.substr(i));                  // doubled
+      for (char c : structural) judge(good.substr(0, i) + c + good.substr(i + 1));  // replaced
+    }
+    for (char c : std::string("}],:")) judge(good.substr(0, i) + c + good.substr(i));  // inserted
+  }
+  judge(R"({"tensors": {}, "shardsafe": "x": 1}})");  // the finding itself
+  MESSAGE(texts << " texts judged, " << refused << " refused as invalid JSON by both readings");
+  CHECK(refused > texts / 2);
+}

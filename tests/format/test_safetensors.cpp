@@ -637,3 +637,64 @@ TEST_CASE("read_safetensors_header: one read when 8 + N fits the probe, two when
   CHECK_THROWS_WITH(read_safetensors_header(s), doctest::Contains("runs past the end"));
   CHECK(s.reads == 1);
 }
+
+TEST_CASE("read_safetensors_header: header_keep keeps what it says, and checks every rule on all of it") {
+  using corpus::entry;
+  using corpus::file_bytes;
+  auto read = [](const std::string& f, header_keep keep) {
+    return read_safetensors_header(
+        memory_storage(std::vector<std::byte>(reinterpret_cast<const std::byte*>(f.data()),
+                                              reinterpret_cast<const std::byte*>(f.data() + f.size())),
+                       "keep.safetensors"),
+        std::move(keep));
+  };
+  const std::string data = "abcdefghij";
+  const std::string json = "{\"__metadata__\":{\"format\":\"pt\"}," + entry("a", "U8", "[4]", "[0,4]") + "," +
+                           entry("b", "U8", "[2]", "[4,6]") + "," + entry("c", "U8", "[4]", "[6,10]") + "}";
+  const std::string f = file_bytes(json, data);
+  const header_keep only_b{[](std::string_view n) { return n == "b"; }, false};
+  const safetensors_header all = read(f, {});
+  CHECK(all.tensors.size() == 3);
+  CHECK(all.metadata.size() == 1);
+  const safetensors_header h = read(f, only_b);
+  REQUIRE(h.tensors.size() == 1);
+  CHECK(h.tensors[0].name == "b");
+  CHECK(h.offset_of(h.at("b")) == all.offset_of(all.at("b")));
+  CHECK(!h.find("a"));
+  CHECK(!h.find("c"));
+  CHECK(h.has_metadata);  // present, checked, not kept
+  CHECK(h.metadata.empty());
+  CHECK(h.data_size == data.size());  // the tensors let go count in the tiling
+  CHECK(h.file_size() == f.size());
+  // the rules hold for the tensors let go as for those kept: a name twice, a hole, an overlap,
+  // a truncated buffer, each named as without header_keep
+  struct bad {
+    std::string json;
+    errc code;
+    std::vector<std::string> phrases;
+  };
+  for (const bad& c : std::vector<bad>{
+           {"{" + entry("a", "U8", "[4]", "[0,4]") + "," + entry("b", "U8", "[2]", "[4,6]") + "," +
+                entry("a", "U8", "[4]", "[6,10]") + "}",
+            errc::invalid_header,
+            {"keep.safetensors", "name 'a' appears twice"}},
+           {"{" + entry("a", "U8", "[3]", "[0,3]") + "," + entry("b", "U8", "[2]", "[4,6]") + "," +
+                entry("c", "U8", "[4]", "[6,10]") + "}",
+            errc::invalid_offsets,
+            {"tensor 'b'", "leave a hole", "[3, 4)"}},
+           {"{" + entry("a", "U8", "[5]", "[0,5]") + "," + entry("b", "U8", "[2]", "[4,6]") + "," +
+                entry("c", "U8", "[4]", "[6,10]") + "}",
+            errc::invalid_offsets,
+            {"tensor 'b'", "overlap tensor 'a'"}},
+           {"{" + entry("a", "U8", "[4]", "[0,4]") + "," + entry("b", "U8", "[2]", "[4,6]") + "," +
+                entry("c", "U8", "[5]", "[6,11]") + "}",
+            errc::truncated,
+            {"tensor 'c'", "truncated"}},
+       }) {
+    INFO(c.json);
+    const std::string bad_file = file_bytes(c.json, data);
+    expect_error([&] { read(bad_file, {}); }, c.code, c.phrases);
+    expect_error([&] { read(bad_file, only_b); }, c.code, c.phrases);
+    expect_error([&] { read(bad_file, {[](std::string_view) { return false; }, true}); }, c.code, c.phrases);
+  }
+}

@@ -278,3 +278,23 @@ def export_drops_every_key(t):
             run("export_drops_every_key", [cmd, src, o, "--rename", "^.*$="], 1, ["drop all 2", "'^.*$='"])
             if os.path.exists(o) and os.listdir(o):
                 raise Failed(f"{cmd}: {o} was written")
+
+
+@case
+def json_structure(t):
+    """Texts simdjson's On-Demand reading took for JSON though they are not (a ':' where a ','
+    belongs, a '}' too many; found by fuzz_metadata): refused as JSON by every command, in a
+    metadata.json and a model.safetensors.index.json alike."""
+    outs = os.path.join(t, "out")
+    os.makedirs(outs)
+    d = os.path.join(t, "ck")
+    sharded_checkpoint(d)
+    write(os.path.join(d, "metadata.json"), json.dumps(json.load(open(os.path.join(d, "metadata.json"))))[:-1].encode() +
+          b', "shardsafe": "x": 1}}')
+    refused_by_all("json_structure", d, outs, ["metadata.json", "not valid JSON", "expected ',' or '}'"])
+    hf = os.path.join(t, "hf")
+    os.makedirs(hf)
+    write(os.path.join(hf, "model-00001-of-00001.safetensors"), safetensors_bytes([("w", "U8", [2], b"\x01\x02")]))
+    write(os.path.join(hf, "model.safetensors.index.json"),
+          b'{"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}, "x": "y": 1}}')
+    refused_by_all("json_structure", hf, outs, ["model.safetensors.index.json", "not valid JSON"])

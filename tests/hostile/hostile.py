@@ -304,13 +304,14 @@ def repeated_build(t):
     run("repeated_build", ["inspect", d], 0)
 
 
-def torch_like_metadata(tensors, path="__0_0.distcp", one_chunk=False):
+def torch_like_metadata(tensors, path="__0_0.distcp", one_chunk=False, places=None, planner_data=None):
     """The bytes of a `.metadata` pickled as torch 2.x pickles it (Python's own pickler, protocol 4,
     every object memoized), for the classes of torch.distributed.checkpoint made here under their
     torch module names. `tensors`: [(fqn, rows, chunks)], each an F32 [rows, 4] tensor split into
     `chunks` row blocks, all in the data file `path` (one str object: the memo holds it once);
-    with one_chunk, `chunks` references to one chunk of all the rows instead. Sizes only, no data
-    file is written."""
+    with one_chunk, `chunks` references to one chunk of all the rows instead. No data file is
+    written: a chunk's (offset, length) in it are places[(fqn, c)], or by default as if its rows
+    were stored raw. planner_data: the value pickled as Metadata's (default None)."""
     import dataclasses
     import enum
     import pickle
@@ -375,8 +376,9 @@ def torch_like_metadata(tensors, path="__0_0.distcp", one_chunk=False):
             sdm[fqn] = dc["TensorStorageMetadata"](TensorProperties(), Size((rows, 4)),
                                                    [dc["ChunkStorageMetadata"](Size((o, 0)), Size((n, 4))) for o, n in blocks])
             for c, (o, n) in enumerate(blocks):
-                storage[dc["MetadataIndex"](fqn, Size((o, 0)), c)] = StorageInfo(path, o * 16, n * 16)
-        return pickle.dumps(dc["Metadata"](sdm, None, storage, None), protocol=4)
+                at, length = places[(fqn, c)] if places else (o * 16, n * 16)
+                storage[dc["MetadataIndex"](fqn, Size((o, 0)), c)] = StorageInfo(path, at, length)
+        return pickle.dumps(dc["Metadata"](sdm, planner_data, storage, None), protocol=4)
     finally:
         for n, m in saved.items():
             if m is None:
@@ -453,34 +455,43 @@ def named_again_and_again(t):
         raise Failed("inspect said: " + out[:300])
 
 
-def dcp_f32_folder(d, shape, chunks):
-    """A DCP folder of one F32 tensor 'w' of `shape`, pickled as torch writes it, its chunks
-    [(offsets, sizes, stride, values)] one torch.save archive each in __0_0.distcp, in order: the
-    archive's data.pkl gives `stride`, its storage holds `values` (floats, in storage order)."""
+def _pickle_i(v):
+    return b"J" + struct.pack("<i", v)
+
+
+def dcp_f32_archive(sizes, stride, values):
+    """The torch.save archive of one F32 chunk as a DCP data file holds it: data.pkl gives
+    `sizes` and `stride`, its storage holds `values` (floats, in storage order)."""
     import zipfile
 
+    def tup(vals):
+        return b"(" + b"".join(_pickle_i(v) for v in vals) + b"t"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
+               b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + _pickle_i(len(values)) + b"tQK\x00" + tup(sizes) +
+               tup(stride) + b"\x89ccollections\nOrderedDict\n)RtR.")
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/data/0", values.tobytes() if hasattr(values, "tobytes") else struct.pack(f"<{len(values)}f", *values))
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+def dcp_f32_folder(d, shape, chunks):
+    """A DCP folder of one F32 tensor 'w' of `shape`, pickled as torch writes it, its chunks
+    [(offsets, sizes, stride, values)] one torch.save archive each in __0_0.distcp, in order
+    (dcp_f32_archive)."""
     def s(x):
         x = x.encode()
         return b"X" + struct.pack("<I", len(x)) + x
 
-    def i(v):
-        return b"J" + struct.pack("<i", v)
-
-    def tup(vals):
-        return b"(" + b"".join(i(v) for v in vals) + b"t"
+    i = _pickle_i
     data, at, places = [], 0, []
     for _, sizes, stride, values in chunks:
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-            pkl = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\n"
-                   b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpu" + i(len(values)) + b"tQK\x00" + tup(sizes) + tup(stride) +
-                   b"\x89ccollections\nOrderedDict\n)RtR.")
-            z.writestr("archive/data.pkl", pkl)
-            z.writestr("archive/data/0", values.tobytes() if hasattr(values, "tobytes") else struct.pack(f"<{len(values)}f", *values))
-            z.writestr("archive/version", "3\n")
-        places.append((at, len(buf.getvalue())))
-        data.append(buf.getvalue())
-        at += len(buf.getvalue())
+        a = dcp_f32_archive(sizes, stride, values)
+        places.append((at, len(a)))
+        data.append(a)
+        at += len(a)
     write(os.path.join(d, "__0_0.distcp"), b"".join(data))
 
     def size(vals):
@@ -1088,6 +1099,27 @@ def torch_save_values(t):
     run("torch_save_values", ["inspect", pt("twice")], 1, ["twice.pt", "'a.b'", "given twice"])
     run("torch_save_values", ["inspect", pt("tuple_key")], 1, ["tuple_key.pt", "'k' has a key of type tuple"])
     run("torch_save_values", ["inspect", pt("equal_keys")], 1, ["equal_keys.pt", "'k' has two keys Python holds equal", "'True'"])
+
+
+ALL_COMMANDS = ("inspect", "verify", "digest", "unshard", "to-hf", "to-dcp")
+
+
+def command_argv(cmd, src, outs):
+    """The arguments of `shardsafe cmd` reading src, its output (if any) under outs."""
+    if cmd == "unshard":
+        return [cmd, src, os.path.join(outs, "u.safetensors")]
+    if cmd in ("to-hf", "to-dcp"):
+        return [cmd, src, os.path.join(outs, cmd)]
+    return [cmd, src]
+
+
+def refused_by_all(name, src, outs, words, commands=ALL_COMMANDS):
+    """Each of `commands` exits 1 on src with `words` in its message, and writes no file under outs."""
+    for cmd in commands:
+        run(name, command_argv(cmd, src, outs), 1, words)
+        wrote = [os.path.join(d, f) for d, _, fs in os.walk(outs) for f in fs]
+        if wrote:  # an empty output folder made before the input's rank files were opened is no output
+            raise Failed(f"{cmd} refused {src} but wrote {wrote}")
 
 
 def load_case_files():

@@ -11,10 +11,12 @@
 #pragma once
 
 #include <algorithm>
+#include <charconv>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <span>
 #include <string>
@@ -175,8 +177,9 @@ class checkpoint_files {
   void open_files(std::span<const std::string> names, unsigned threads = 0) {
     const std::vector<std::string> todo = not_yet(names, [&](const std::string& n) { return files_.count(n) != 0; });
     std::vector<std::unique_ptr<open_file>> opened(todo.size());
+    std::call_once(listed_once_, [&] { index_listed(); });
     detail::parallel_for(todo.size(), threads,
-                         [&](std::size_t i) { opened[i] = open_source_file(dir_, src_, todo[i]); });
+                         [&](std::size_t i) { opened[i] = open_source_file(dir_, src_, todo[i], keep_of(todo[i])); });
     std::lock_guard lock(files_mutex_);
     for (std::size_t i = 0; i < todo.size(); ++i) files_.try_emplace(todo[i], std::move(opened[i]));
   }
@@ -276,6 +279,37 @@ class checkpoint_files {
     for (std::size_t i = 0; i < src_.metadata.tensors.size(); ++i) index_.emplace(src_.metadata.tensors[i].first, i);
   }
 
+  /// Which tensors the description lists in which file (keep_of), made once, on the first open.
+  void index_listed() {
+    for (const auto& [key, tm] : src_.metadata.tensors) {
+      if (tm.grid)
+        grid_parts_.emplace(key, tm.grid->part_count());
+      else
+        for (const auto& f : tm.files) listed_[f.first].push_back(key);
+    }
+    for (auto& [f, keys] : listed_) std::sort(keys.begin(), keys.end());
+  }
+  /// What a reader keeps of file `name`'s header: the tensors the description lists there
+  /// (a grid's for rank files within it), and no __metadata__, which nothing past the
+  /// description reads (header_keep: a checkpoint of many files holds what its description names).
+  header_keep keep_of(const std::string& name) const {
+    const auto it = listed_.find(name);
+    const std::vector<std::string_view>* keys = it == listed_.end() ? nullptr : &it->second;
+    std::optional<std::uint64_t> rank;
+    if (!grid_parts_.empty() && name.starts_with("rank_")) {
+      std::uint64_t r = 0;
+      if (std::from_chars(name.data() + 5, name.data() + name.size(), r).ec == std::errc() && rank_file_name(r) == name)
+        rank = r;
+    }
+    return {[this, keys, rank](std::string_view t) {
+              if (keys && std::binary_search(keys->begin(), keys->end(), t)) return true;
+              if (!rank) return false;
+              const auto g = grid_parts_.find(t);
+              return g != grid_parts_.end() && *rank < g->second;
+            },
+            false};
+  }
+
   struct key_hash {
     using is_transparent = void;
     std::size_t operator()(std::string_view k) const noexcept { return std::hash<std::string_view>{}(k); }
@@ -284,6 +318,9 @@ class checkpoint_files {
   D dir_;
   checkpoint_source<D> src_;  // its files moved into files_
   std::unordered_map<std::string, std::size_t, key_hash, std::equal_to<>> index_;
+  std::once_flag listed_once_;
+  std::unordered_map<std::string_view, std::vector<std::string_view>> listed_;  // file -> keys listed there, sorted
+  std::unordered_map<std::string_view, std::uint64_t> grid_parts_;              // a grid's key -> its parts
   std::mutex files_mutex_;
   std::uint64_t sidecar_hashes_ = 0;  // of the sidecars read so far (max_checksum_hashes)
   std::map<std::string, std::unique_ptr<open_file>, std::less<>> files_;

@@ -273,7 +273,8 @@ void verify_all_checksums(checkpoint_reader<D>& r, const std::set<std::string>& 
         if (!f.header.find(key))
           fail(errc::invalid_metadata, std::string(f.storage.name()) + ": tensor '" + key +
                                            "': " + checksums_holder(cs, fname) +
-                                           " records its checksums, but the file has no such tensor");
+                                           " records its checksums, but the file holds no such tensor that " +
+                                           r.described_by() + " lists there");
     storages.push_back(&f.storage);
     for (const auto& e : f.header.tensors) {
       const auto& hashes = recorded_hashes(cs, fname, f.storage.name(), e);

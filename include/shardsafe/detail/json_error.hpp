@@ -31,6 +31,15 @@ inline bool is_valid_utf8(std::string_view s) noexcept { return simdjson::valida
 /// literal, which the parser's own message covers). One pass, no allocation beyond the path.
 SHARDSAFE_DECL std::string locate_bad_number(std::string_view text);
 
+/// Where the order of a JSON text's structural bytes breaks the grammar (a ':' where a ',' or a
+/// close belongs, a value where a key belongs, a close that matches no open, content after the
+/// top value), as "byte K: expected ..."; empty when it does not. The tokens themselves (strings'
+/// escapes, numbers, literals) are not judged here. simdjson's On-Demand reading, even of every
+/// value, does not check all of this: `{"a": {}, "b": "x": 1}}` read as a valid object. One
+/// pass, a byte of memory per level of nesting (past `max_depth` levels it stops, saying nothing:
+/// the reader refuses such depth itself).
+SHARDSAFE_DECL std::string json_structure_problem(std::string_view text, std::size_t max_depth);
+
 /// Throws errc::invalid_json for a simdjson error in `what`: "not valid JSON (why)", with where a
 /// number that does not fit is.
 [[noreturn]] inline void json_error(const std::string& what, simdjson::error_code err, std::string_view text) {

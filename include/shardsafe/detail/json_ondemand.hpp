@@ -141,6 +141,9 @@ inline json_check_result json_check(simdjson::ondemand::parser& parser, simdjson
                                     simdjson::ondemand::document& doc, const std::string& what) {
   const std::string_view raw(text.data(), text.size());
   if (!is_valid_utf8(raw)) fail(errc::invalid_json, what + ": not valid UTF-8");
+  // the order of the structural bytes, which the walk below does not check whole
+  if (const std::string p = json_structure_problem(raw, ondemand_walk::max_depth); !p.empty())
+    fail(errc::invalid_json, what + ": not valid JSON (" + p + ")");
   ondemand_walk::check(parser.iterate(text).get(doc), what, raw);
   json_check_result r;
   std::string path;

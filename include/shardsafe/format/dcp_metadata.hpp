@@ -20,7 +20,9 @@
 //     tensor foreign (dcp_item::foreign_dtype): checked all the same, listed, its bytes never
 //     read, so that the rest of the folder still reads;
 //   - a chunk listed twice (same offsets and sizes) counts once; two chunks at the same offsets
-//     with other sizes are an error; a tensor has at most max_dcp_chunks_per_tensor chunks;
+//     with other sizes are an error; a tensor has at most max_dcp_chunks_per_tensor chunks, the
+//     `.metadata` max_dcp_chunks in all (and at most max_dcp_metadata_size bytes, its reader
+//     max_dcp_metadata_made values);
 //   - storage_data maps MetadataIndex to _StorageInfo with a plain relative_path (no '/', '\',
 //     "..", NUL, not empty), offset + length within 64 bits and no transform_descriptors (newer
 //     torch's compression of stored bytes, not read here); every chunk of every tensor (key
@@ -88,6 +90,19 @@ struct dcp_item {
 /// The most chunks one tensor may have (a world of 65536 ranks each holding one block); more is
 /// errc::invalid_metadata, so a hostile `.metadata` cannot make the planner compare millions.
 inline constexpr std::size_t max_dcp_chunks_per_tensor = std::size_t(1) << 16;
+
+/// What a `.metadata` may hold in all (docs/FORMAT.md §5), so that every command reads one at
+/// the limits within 256 MiB: its pickle at most 24 MiB (a byte of it may stand for an 8-byte
+/// slot of a list); at most 2^17 chunks over all its tensors (counted as each tensor's are, a
+/// chunk listed twice once); its reader makes at most 3 x 2^20 values (torch pickles a chunk in
+/// about 21 of them: 2^17 chunks are 2.75 M, in 17 MB), and they expand to at most 6 x 2^20 as
+/// a tree, plus 1 per 8 bytes of pickle (a value the memo shares counted at each place: 5.1 M). A value costs the
+/// reader about 50 bytes, a chunk about 1.6 KiB in all; under the old limit of 1 GiB, 15 MB of
+/// 120,000 chunks took 210 MiB.
+inline constexpr std::size_t max_dcp_chunks = std::size_t(1) << 17;
+inline constexpr std::uint64_t max_dcp_metadata_size = std::uint64_t(24) << 20;
+inline constexpr std::size_t max_dcp_metadata_made = std::size_t(3) << 20;
+inline constexpr std::size_t max_dcp_metadata_values = std::size_t(6) << 20;
 
 /// A parsed `.metadata`: every key, sorted.
 struct dcp_metadata {

@@ -181,6 +181,9 @@ std::string read_pickle_bytes(const S& st, std::uint64_t limit) {
   constexpr std::uint64_t window = std::uint64_t(1) << 20, padding = 64;
   pickle_scanner scanner;
   std::string bytes;
+  // room for all the pickle may take, once (growing by doubling held up to twice the text at its
+  // end); a size that lies costs address space only, no page of it is touched unread
+  bytes.reserve(static_cast<std::size_t>(std::min(size, limit) + padding));
   std::uint64_t want = std::min({size, limit, window});
   bool from_start = true;
   while (true) {

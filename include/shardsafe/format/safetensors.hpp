@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <span>
@@ -59,6 +60,17 @@ struct tensor_entry {
 namespace detail {
 class safetensors_header_reader;
 }
+
+/// What a reader keeps of a header it validates whole (read_safetensors_header): the tensors
+/// `tensor` accepts (every one where it is empty) and __metadata__ where `metadata`. The rest is
+/// checked by every rule (names given once, the tiling of the data buffer) and then let go: a
+/// checkpoint's reader keeps of each rank file only what its description lists there, so that
+/// a checkpoint of many files, hard links of one file at every cap among them, holds no more
+/// than its description names.
+struct header_keep {
+  std::function<bool(std::string_view)> tensor;
+  bool metadata = true;
+};
 
 /// A validated header: the tensors in data order and the __metadata__ map.
 class safetensors_header {
@@ -168,6 +180,8 @@ namespace detail {
 class safetensors_header_reader {
  public:
   SHARDSAFE_DECL safetensors_header_reader(std::string_view file, std::uint64_t header_size);
+  /// Keeps only what `keep` says in the header finish() returns (every rule is checked on all).
+  void keep_only(header_keep keep) { keep_ = std::move(keep); }
   /// The next bytes of the header text.
   SHARDSAFE_DECL void feed(std::string_view text);
   /// The validated header of a file of file_size bytes, once all N bytes were fed.
@@ -178,6 +192,13 @@ class safetensors_header_reader {
   SHARDSAFE_DECL void end_member(bool closing);
   SHARDSAFE_DECL void add(std::string_view key, simdjson::dom::element value);
   safetensors_header h_;
+  header_keep keep_;
+  // the tensors keep_ let go: their data offsets and names (in dropped_names_), for finish()'s rules
+  struct dropped {
+    std::uint64_t begin, end, at, size;
+  };
+  std::vector<dropped> dropped_;
+  std::string dropped_names_;
   std::string member_ = "{";     // "{" and the text of the member being read
   std::uint64_t at_ = 0;         // header bytes fed so far
   std::uint64_t member_at_ = 0;  // where the member being read starts in the header
@@ -229,9 +250,9 @@ inline constexpr std::uint64_t header_window_bytes = std::uint64_t(4) << 20;
 /// Reads and validates the header of a safetensors file in any readable storage: one read of
 /// the first min(size, header_probe_bytes) bytes, and for a header longer than that the rest
 /// in reads of header_window_bytes, each parsed as it comes (detail::safetensors_header_reader):
-/// the text is never held whole.
+/// the text is never held whole. `keep`: what of it to keep (header_keep; all by default).
 template <ReadableStorage S>
-safetensors_header read_safetensors_header(const S& s) {
+safetensors_header read_safetensors_header(const S& s, header_keep keep = {}) {
   const std::uint64_t size = s.size();
   const std::string_view file = s.name();
   if (size < 8)
@@ -242,6 +263,7 @@ safetensors_header read_safetensors_header(const S& s) {
   const std::uint64_t n =
       check_header_length(decode_header_length(std::as_bytes(std::span(buf)).template first<8>()), size, file);
   detail::safetensors_header_reader r(file, n);
+  r.keep_only(std::move(keep));
   std::uint64_t at = std::min<std::uint64_t>(buf.size(), 8 + n);  // header bytes [8, at) are in buf
   r.feed(std::string_view(buf).substr(8, static_cast<std::size_t>(at - 8)));
   if (at < 8 + n) buf.resize(static_cast<std::size_t>(std::min(header_window_bytes, 8 + n - at)));

@@ -124,14 +124,20 @@ void check_hf_index_against_files(const D& dir, const hf_folder<D>& h) {
       fail(errc::not_found, object_path(dir, fname) + ": tensor '" + tensor + "': listed in " + index_name +
                                 " but absent from the file");
   }
-  for (const auto& f : h.files)
-    for (const auto& t : f.header.tensors) {
-      auto it = idx.weight_map.find(t.name);
-      if (it == idx.weight_map.end())
-        fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': not listed in " + index_name);
-      if (it->second != f.name)
-        fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': the index places it in " + it->second);
-    }
+}
+
+/// Every tensor of file f is one the index places there: checked as each file is opened, so
+/// that the files of a folder hold together no more tensors than its index lists (hard links
+/// of one file at every cap would otherwise all be held before the second is refused).
+template <class File>
+void check_hf_file_against_index(const hf_index& idx, const std::string& index_name, const File& f) {
+  for (const auto& t : f.header.tensors) {
+    auto it = idx.weight_map.find(t.name);
+    if (it == idx.weight_map.end())
+      fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': not listed in " + index_name);
+    if (it->second != f.name)
+      fail(errc::invalid_metadata, f.header.file + ": tensor '" + t.name + "': the index places it in " + it->second);
+  }
 }
 
 /// The "-of-MMMMM.safetensors" ending and the part before "-NNNNN" of a shard name in the
@@ -224,6 +230,7 @@ hf_folder<D> open_hf_folder(const D& dir) {
         if (!dir.exists(f))
           fail(errc::not_found, detail::object_path(dir, f) + ": listed in " + h.described_by + " but missing");
         h.files.push_back(detail::open_hf_file(dir, f, bin));
+        detail::check_hf_file_against_index(*h.index, h.described_by, h.files.back());
       }
       detail::check_hf_index_against_files(dir, h);
       break;

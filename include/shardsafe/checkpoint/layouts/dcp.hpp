@@ -83,8 +83,8 @@ struct dcp_layout {
   template <ReadableDirectory D>
   static checkpoint_source<D> describe(const D& dir) {
     const std::string folder(dir.name());
-    const dcp_metadata md = parse_dcp_metadata(read_pickle_bytes(dir.open(dcp_metadata_file_name), max_metadata_size),
-                                               folder + "/.metadata");
+    const dcp_metadata md = parse_dcp_metadata(
+        read_pickle_bytes(dir.open(dcp_metadata_file_name), max_dcp_metadata_size), folder + "/.metadata");
     checkpoint_source<D> s;
     s.layout = &info;
     s.described_by = std::string(dcp_metadata_file_name);

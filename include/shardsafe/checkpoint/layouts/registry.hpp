@@ -98,10 +98,10 @@ checkpoint_source<D> single_file_source(const D& dir, const std::string& name) {
 
 /// Opens file `name` of the checkpoint src describes, and indexes it as its layout says (a
 /// safetensors header unless the layout has index_file: a DCP data file's zip headers). A size
-/// the description recorded must match.
+/// the description recorded must match. `keep`: what of a safetensors header to keep (header_keep).
 template <ReadableDirectory D>
 std::unique_ptr<opened_file<typename D::reader_type>> open_source_file(const D& dir, const checkpoint_source<D>& src,
-                                                                       const std::string& name) {
+                                                                       const std::string& name, header_keep keep = {}) {
   using R = typename D::reader_type;
   const std::string& path = path_of(src, name);
   R s = detail::open_or(dir, path, [&] {
@@ -112,7 +112,7 @@ std::unique_ptr<opened_file<typename D::reader_type>> open_source_file(const D& 
     with_layout(*src.layout, [&]<class L>() {
       if constexpr (requires { L::index_file(s, src, name); }) h = L::index_file(s, src, name);
     });
-  if (!h) h = read_safetensors_header(s);
+  if (!h) h = read_safetensors_header(s, std::move(keep));
   const auto size_it = src.metadata.extras.file_sizes.find(name);
   if (size_it != src.metadata.extras.file_sizes.end() && size_it->second != s.size())
     fail(errc::truncated, std::string(s.name()) + ": file is " + std::to_string(s.size()) + " bytes but " +

@@ -92,4 +92,83 @@ SHARDSAFE_DECL std::string locate_bad_number(std::string_view text) {
   return {};
 }
 
+SHARDSAFE_DECL std::string json_structure_problem(std::string_view t, std::size_t max_depth) {
+  // what may come next: a value (top level, after ':' or an array's ','), a value or ']' (after
+  // '['), a key or '}' (after '{'), a key (after an object's ','), ':' (after a key), ',' or the
+  // close of the innermost container (after a value), nothing but spaces (after the top value)
+  enum class next { value, value_or_close, key_or_close, key, colon, comma_or_close, end };
+  std::string open;  // the '{' and '[' not closed yet
+  next e = next::value;
+  const auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  const auto say = [](std::size_t at, const char* want) {
+    return "byte " + std::to_string(at) + ": expected " + std::string(want);
+  };
+  const auto after_value = [&] { e = open.empty() ? next::end : next::comma_or_close; };
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    const char c = t[i];
+    if (ws(c)) continue;
+    switch (e) {
+      case next::end: return say(i, "nothing after the top value (trailing content)");
+      case next::colon:
+        if (c != ':') return say(i, "':' after a key");
+        e = next::value;
+        continue;
+      case next::comma_or_close:
+        if (c == ',') {
+          e = open.back() == '{' ? next::key : next::value;
+          continue;
+        }
+        if (c == (open.back() == '{' ? '}' : ']')) {
+          open.pop_back();
+          after_value();
+          continue;
+        }
+        return say(i, open.back() == '{' ? "',' or '}' after an object's value" : "',' or ']' after an array's item");
+      case next::key_or_close:
+      case next::key:
+        if (c == '}' && e == next::key_or_close) {
+          open.pop_back();
+          after_value();
+          continue;
+        }
+        if (c != '"') return say(i, e == next::key ? "a key after ','" : "a key or '}'");
+        break;  // the key's string, below
+      case next::value_or_close:
+        if (c == ']') {
+          open.pop_back();
+          after_value();
+          continue;
+        }
+        [[fallthrough]];
+      case next::value:
+        if (c == '{' || c == '[') {
+          if (open.size() >= max_depth) return {};  // too deep: the reader's own depth check says so
+          open.push_back(c);
+          e = c == '{' ? next::key_or_close : next::value_or_close;
+          continue;
+        }
+        if (c == '}' || c == ']' || c == ',' || c == ':') return say(i, "a value");
+        break;
+    }
+    if (c == '"') {  // a string: to its closing quote
+      std::size_t j = i + 1;
+      while (j < t.size() && t[j] != '"') j += t[j] == '\\' ? 2 : 1;
+      if (j >= t.size()) return say(i, "a string that ends");
+      const bool key = e == next::key || e == next::key_or_close;
+      i = j;
+      if (key)
+        e = next::colon;
+      else
+        after_value();
+      continue;
+    }
+    // a number or a literal: to the next space or structural byte
+    while (i + 1 < t.size() && !ws(t[i + 1]) && std::string_view("{}[],:\"").find(t[i + 1]) == std::string_view::npos)
+      ++i;
+    after_value();
+  }
+  if (e != next::end) return say(t.size(), open.empty() ? "a value" : "the close of every open '{' and '['");
+  return {};
+}
+
 }  // namespace shardsafe::detail

@@ -6,9 +6,8 @@
 namespace shardsafe {
 
 SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::string_view what) {
-  // Values are bounded by the input: each costs a byte or more, memo references a few.
-  const std::size_t max_values = std::max<std::size_t>(std::size_t(1) << 20, bytes.size() * 4);
-  basic_pickle_reader<dcp_unpickle_policy> reader(bytes, std::string(what), dcp_unpickle_policy{}, max_values);
+  basic_pickle_reader<dcp_unpickle_policy> reader(bytes, std::string(what), dcp_unpickle_policy{},
+                                                  max_dcp_metadata_values, max_dcp_metadata_made);
   return reader.run([&](pickle_view root) {
     const detail::dcp_parse p{what};
     using k = pickle_value::kind;
@@ -25,6 +24,7 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
     }
 
     dcp_metadata out;
+    std::size_t chunks = 0;  // of the tensors so far (max_dcp_chunks)
     if (const auto pd = root.find("planner_data"); pd && pd->type() == k::dict)
       for (std::size_t i = 0; i < pd->size(); ++i) {
         const pickle_view key = pd->key(i);
@@ -57,6 +57,10 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
           p.bad(at, "size " + to_string(item.size) + " " + std::string(to_string(item.type)) +
                         " has more than 2^64 bits of data");
         item.chunks = p.chunks(p.field(v, "chunks", at), fqn, item.size, where_stored, at);
+        if ((chunks += item.chunks.size()) > max_dcp_chunks)
+          p.bad(at, "with its " + std::to_string(item.chunks.size()) + " chunks, the tensors so far have " +
+                        std::to_string(chunks) + ", more than the " + std::to_string(max_dcp_chunks) +
+                        " a .metadata may list in all (docs/FORMAT.md §5)");
       } else {
         p.bad(at, cls.empty() ? "is not a storage metadata object"
                               : "is a " + std::string(cls) + ", not a TensorStorageMetadata or BytesStorageMetadata");

@@ -149,10 +149,11 @@ SHARDSAFE_DECL void safetensors_header_reader::add(std::string_view key, simdjso
         fail(errc::invalid_header, f + ": __metadata__ has the key '" + std::string(kv.key) + "' twice");
     }
     h.has_metadata = true;
+    if (!keep_.metadata) h.metadata.clear();  // checked, not kept
     return;
   }
   const std::string ctx = detail::tensor_context(f, key);
-  if (h.tensors.size() == max_tensors_per_file)
+  if (h.tensors.size() + dropped_.size() == max_tensors_per_file)
     fail(errc::invalid_header, ctx + ": the header lists more than " + std::to_string(max_tensors_per_file) +
                                    " tensors, the most a reader accepts in one file");
   name_bytes_ += key.size();
@@ -208,6 +209,11 @@ SHARDSAFE_DECL void safetensors_header_reader::add(std::string_view key, simdjso
     fail(errc::invalid_offsets, ctx + ": data_offsets " + to_string(byte_range{e.begin, e.end}) + " span " +
                                     std::to_string(e.nbytes()) + " bytes but shape " + to_string(e.shape) + " " +
                                     std::string(to_string(e.type)) + " needs " + std::to_string(need));
+  if (keep_.tensor && !keep_.tensor(key)) {
+    dropped_.push_back({e.begin, e.end, dropped_names_.size(), key.size()});
+    dropped_names_ += key;
+    return;
+  }
   h.tensors.push_back(std::move(e));
 }
 
@@ -216,16 +222,32 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
   if (where_ == inside) not_json("the header ends inside its object");
   safetensors_header h = std::move(h_);
   const std::string& f = h.file;
-  // The tensors must tile the data buffer exactly.
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
+  // The tensors, those let go (keep_) too, must have distinct names and tile the data buffer exactly.
+  struct ref {
+    std::uint64_t begin, end;
+    std::string_view name;
+  };
+  std::vector<ref> all;
+  all.reserve(h.tensors.size() + dropped_.size());
+  for (const auto& t : h.tensors) all.push_back({t.begin, t.end, t.name});
+  for (const auto& d : dropped_) all.push_back({d.begin, d.end, std::string_view(dropped_names_).substr(d.at, d.size)});
+  {
+    // a name given twice, before what it breaks (an overlap, say)
+    std::vector<std::string_view> names;
+    names.reserve(all.size());
+    for (const auto& r : all) names.push_back(r.name);
+    std::sort(names.begin(), names.end());
+    if (const auto it = std::adjacent_find(names.begin(), names.end()); it != names.end())
+      fail(errc::invalid_header, f + ": name '" + std::string(*it) + "' appears twice in the header");
+  }
+  std::sort(all.begin(), all.end(), [](const ref& a, const ref& b) {
     if (a.begin != b.begin) return a.begin < b.begin;
     if (a.end != b.end) return a.end < b.end;
     return a.name < b.name;
   });
-  h.index_names(/*header=*/true);  // a name given twice, before what it breaks (an overlap, say)
   std::uint64_t expected = 0;
-  const tensor_entry* prev = nullptr;
-  for (const auto& t : h.tensors) {
+  const ref* prev = nullptr;
+  for (const auto& t : all) {
     if (t.begin > expected)
       fail(errc::invalid_offsets, detail::tensor_context(f, t.name) + ": data_offsets " +
                                       to_string(byte_range{t.begin, t.end}) + " leave a hole: bytes " +
@@ -234,7 +256,7 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
     if (t.begin < expected)
       fail(errc::invalid_offsets, detail::tensor_context(f, t.name) + ": data_offsets " +
                                       to_string(byte_range{t.begin, t.end}) + " overlap tensor '" +
-                                      (prev ? prev->name : std::string()) + "' " +
+                                      (prev ? std::string(prev->name) : std::string()) + "' " +
                                       to_string(byte_range{prev ? prev->begin : 0, expected}));
     expected = t.end;
     prev = &t;
@@ -244,16 +266,26 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
   // checked: data_start <= 8 + max_header_size, data_size is bounded by a file offset
   auto total = detail::checked_add(h.data_start(), h.data_size);
   if (!total || *total > file_size)
-    fail(errc::truncated, f + ": truncated: the data buffer needs " + std::to_string(h.data_size) +
-                              " bytes from offset " + std::to_string(h.data_start()) + " (tensor '" +
-                              (prev ? prev->name : std::string()) + "' ends at " + std::to_string(h.data_size) +
-                              ") but the file has " + std::to_string(file_size) + " bytes");
+    fail(errc::truncated,
+         f + ": truncated: the data buffer needs " + std::to_string(h.data_size) + " bytes from offset " +
+             std::to_string(h.data_start()) + " (tensor '" + (prev ? std::string(prev->name) : std::string()) +
+             "' ends at " + std::to_string(h.data_size) + ") but the file has " + std::to_string(file_size) + " bytes");
   if (*total < file_size)
     fail(errc::truncated, f + ": " + std::to_string(file_size - *total) +
                               " trailing bytes after the last tensor (data ends at file offset " +
                               std::to_string(*total) + ", file has " + std::to_string(file_size) + ")");
 
   if (duplicate_) throw *duplicate_;  // after the rules above: "dtype" twice in a tensor, say
+  all = {};
+  dropped_ = {};
+  dropped_names_ = {};
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.name < b.name;
+  });
+  if (keep_.tensor) h.tensors.shrink_to_fit();  // reserved for every entry the header could hold
+  h.index_names(/*header=*/true);
   return h;
 }
 
