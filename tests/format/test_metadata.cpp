@@ -669,8 +669,8 @@ TEST_CASE("metadata: the On-Demand reading refuses exactly what simdjson's DOM p
   judge(good);
   for (std::size_t i = 0; i <= good.size(); ++i) {
     if (i < good.size() && structural.find(good[i]) != std::string::npos) {
-      judge(good.substr(0, i) + good.substr(i + 1));                  // deleted
-      judge(good.substr(0, i + 1) + good.substr(i));                  // doubled
+      judge(good.substr(0, i) + good.substr(i + 1));                                // deleted
+      judge(good.substr(0, i + 1) + good.substr(i));                                // doubled
       for (char c : structural) judge(good.substr(0, i) + c + good.substr(i + 1));  // replaced
     }
     for (char c : std::string("}],:")) judge(good.substr(0, i) + c + good.substr(i));  // inserted
