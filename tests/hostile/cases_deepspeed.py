@@ -2,10 +2,9 @@
 golden tests/fixtures/peers/zero2_fp32 (DeepSpeed 0.19.5's own files) copied and broken one way
 each; loaded by hostile.py, with its helpers (run, case, write, ...) in scope."""
 import glob
-import io
 import os
 import shutil
-import zipfile
+import sys
 
 DS_GOLDEN = os.path.join(SOURCE, "tests", "fixtures", "peers", "zero2_fp32", "ckpt")
 DS_RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -19,21 +18,11 @@ def ds_copy(t, name):
 
 
 def ds_patch_pickle(path, edits):
-    """Rewrites the torch.save archive at path with its data.pkl's bytes edited in place: each
-    (after, old, new) replaces the first `old` past the first `after` by `new` of the same length."""
-    src = zipfile.ZipFile(path)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        for n in src.namelist():
-            data = src.read(n)
-            if n.endswith("/data.pkl"):
-                for after, old, new in edits:
-                    assert len(old) == len(new)
-                    at = data.index(old, data.index(after))
-                    data = data[:at] + new + data[at + len(old):]
-            z.writestr(n, data)
-    src.close()
-    write(path, out.getvalue())
+    """patch_data_pkl (tests/torch_archive_edit.py): each (after, old, new) replaces the first `old`
+    past the first `after` by `new` of the same length."""
+    sys.path.insert(0, os.path.join(HERE, ".."))
+    from torch_archive_edit import patch_data_pkl
+    patch_data_pkl(path, edits)
 
 
 def ds_commands(d):

@@ -21,7 +21,6 @@ What is compared (names as docs/FORMAT.md's DeepSpeed section presents them):
   tp{T}/ against expected/tp{T}/. The same checkpoint with that info's key renamed: every name
   under tp{T}/, against expected/tp{T}/.
 """
-import io
 import json
 import os
 import shutil
@@ -29,7 +28,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import zipfile
 
 
 def read_safetensors(path):
@@ -155,18 +153,9 @@ def main():
 
 def rename_key(path, old, new):
     """The torch.save archive at path with `old` in its data.pkl replaced by `new` (as long)."""
-    src = zipfile.ZipFile(path)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        for n in src.namelist():
-            data = src.read(n)
-            if n.endswith("/data.pkl"):
-                assert data.count(old) == 1 and len(old) == len(new)
-                data = data.replace(old, new)
-            z.writestr(n, data)
-    src.close()
-    with open(path, "wb") as f:
-        f.write(out.getvalue())
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from torch_archive_edit import patch_data_pkl
+    patch_data_pkl(path, [(None, old, new)])
 
 
 if __name__ == "__main__":
