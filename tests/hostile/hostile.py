@@ -57,9 +57,12 @@ class Failed(Exception):
     pass
 
 
-def run(case, args, expect_exit, words=(), limit_s=LIMIT_S, limit_mib=LIMIT_MIB, nofile=None, stack_kib=None):
+def run(case, args, expect_exit, words=(), limit_s=None, limit_mib=None, nofile=None, stack_kib=None):
     """Runs the tool once; checks exit, stderr words and the limits (the peak RSS is the tool
-    process's own: os.wait4; stack_kib, when given, limits its call stack); returns (stdout, stderr)."""
+    process's own: os.wait4; stack_kib, when given, limits its call stack); returns (stdout, stderr).
+    A case's own limits are widened under SANITIZED as the defaults are."""
+    limit_s = LIMIT_S if limit_s is None else limit_s * (SANITIZED_CPU_FACTOR if SANITIZED else 1)
+    limit_mib = LIMIT_MIB if limit_mib is None else limit_mib * (SANITIZED_RSS_FACTOR if SANITIZED else 1)
     t0 = time.monotonic()
     r, w = os.pipe()
     e_r, e_w = os.pipe()
