@@ -14,8 +14,9 @@ CPU seconds, peak MiB, wall seconds. Exit 0 when every case passes.
 
 Under sanitizers (a tool built with -Db_sanitize=address,undefined), set
 SHARDSAFE_HOSTILE_SANITIZED=1: ASan's shadow memory and quarantine and the instrumented code
-would break the limits, so LIMIT_S is multiplied by SANITIZED_CPU_FACTOR (10) and LIMIT_MIB by
-SANITIZED_RSS_FACTOR (16); the tool runs with ASAN_OPTIONS and UBSAN_OPTIONS that abort on the
+would break the limits, so LIMIT_S is multiplied by SANITIZED_CPU_FACTOR (10), LIMIT_MIB by
+SANITIZED_RSS_FACTOR (16) and a case's call-stack limit by SANITIZED_STACK_FACTOR (8), a case's own
+limits as the defaults; the tool runs with ASAN_OPTIONS and UBSAN_OPTIONS that abort on the
 first report (kept where already set), and a case fails on any sanitizer report on stderr,
 whatever the exit code. The limits then check only gross blow-ups; the plain build checks the
 real ones.
@@ -41,6 +42,7 @@ LIMIT_MIB = 256.0
 SANITIZED = os.environ.get("SHARDSAFE_HOSTILE_SANITIZED", "") not in ("", "0")
 SANITIZED_CPU_FACTOR = 10
 SANITIZED_RSS_FACTOR = 16
+SANITIZED_STACK_FACTOR = 8  # a case's call-stack limit: ASan's frames hold redzones (1,000 levels passed 1 MiB)
 SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "SUMMARY: UndefinedBehavior")
 if SANITIZED:
     LIMIT_S *= SANITIZED_CPU_FACTOR
@@ -63,6 +65,8 @@ def run(case, args, expect_exit, words=(), limit_s=None, limit_mib=None, nofile=
     A case's own limits are widened under SANITIZED as the defaults are."""
     limit_s = LIMIT_S if limit_s is None else limit_s * (SANITIZED_CPU_FACTOR if SANITIZED else 1)
     limit_mib = LIMIT_MIB if limit_mib is None else limit_mib * (SANITIZED_RSS_FACTOR if SANITIZED else 1)
+    if stack_kib and SANITIZED:
+        stack_kib *= SANITIZED_STACK_FACTOR
     t0 = time.monotonic()
     r, w = os.pipe()
     e_r, e_w = os.pipe()

@@ -200,8 +200,11 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
   };
   // a tensor or value without a name is refused, not left out; then an export that would
   // export nothing
+  // (an item the export makes itself, an optim/ folder's param_groups value, has no reader: its
+  // key is made here, never empty)
   for (const auto& it : items)
-    detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname, it.tensor() ? "tensor" : "value");
+    if (it.reader)
+      detail::refuse_unnamed(*it.reader, it.source_key, it.key, opt.rename, oname, it.tensor() ? "tensor" : "value");
   // new name -> item, sorted by new name (rename_keys' rules; without rules each key is its own
   // new name, and "" is left out as rename_keys leaves it)
   std::map<std::string, std::string> renamed_keys;
