@@ -11,7 +11,6 @@
 #pragma once
 
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -295,12 +294,7 @@ class checkpoint_files {
   header_keep keep_of(const std::string& name) const {
     const auto it = listed_.find(name);
     const std::vector<std::string_view>* keys = it == listed_.end() ? nullptr : &it->second;
-    std::optional<std::uint64_t> rank;
-    if (!grid_parts_.empty() && name.starts_with("rank_")) {
-      std::uint64_t r = 0;
-      if (std::from_chars(name.data() + 5, name.data() + name.size(), r).ec == std::errc() && rank_file_name(r) == name)
-        rank = r;
-    }
+    const std::optional<std::uint64_t> rank = grid_parts_.empty() ? std::nullopt : rank_of_file_name(name);
     return {[this, keys, rank](std::string_view t) {
               if (keys && std::binary_search(keys->begin(), keys->end(), t)) return true;
               if (!rank) return false;

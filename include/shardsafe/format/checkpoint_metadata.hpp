@@ -25,6 +25,15 @@ namespace shardsafe {
 /// The name rank R's file has in a sharded checkpoint folder (and in a grid's parts).
 inline std::string rank_file_name(std::uint64_t rank) { return "rank_" + std::to_string(rank) + ".safetensors"; }
 
+/// The rank R whose file this is (rank_file_name(R) == name, named back exactly), or nothing.
+inline std::optional<std::uint64_t> rank_of_file_name(std::string_view name) {
+  std::uint64_t r = 0;
+  if (!name.starts_with("rank_") || std::from_chars(name.data() + 5, name.data() + name.size(), r).ec != std::errc() ||
+      rank_file_name(r) != name)
+    return std::nullopt;
+  return r;
+}
+
 /// One tensor of a checkpoint: its full shape and dtype, and which file holds which part:
 /// listed in `files`, or (a regular sharding in the compact form) described by `grid`, with
 /// `files` empty. file_specs() and overlapping_files() serve both.
@@ -87,12 +96,9 @@ inline std::optional<shard_grid> detect_grid(const tensor_metadata& t) {
   std::vector<std::pair<std::uint64_t, shard_spec>> ranked;
   ranked.reserve(t.files.size());
   for (const auto& [f, s] : t.files) {
-    // the rank whose file name this is: its digits after "rank_", named back exactly
-    std::uint64_t r = 0;
-    if (f.size() < 5 || std::from_chars(f.data() + 5, f.data() + f.size(), r).ec != std::errc() ||
-        rank_file_name(r) != f)
-      return std::nullopt;
-    ranked.emplace_back(r, s);
+    const std::optional<std::uint64_t> r = rank_of_file_name(f);
+    if (!r) return std::nullopt;
+    ranked.emplace_back(*r, s);
   }
   return detect_grid(ranked, t.shape);
 }

@@ -96,9 +96,9 @@ inline constexpr std::size_t max_dcp_chunks_per_tensor = std::size_t(1) << 16;
 /// slot of a list); at most 2^17 chunks over all its tensors (counted as each tensor's are, a
 /// chunk listed twice once); its reader makes at most 3 x 2^20 values (torch pickles a chunk in
 /// about 21 of them: 2^17 chunks are 2.75 M, in 17 MB), and they expand to at most 6 x 2^20 as
-/// a tree, plus 1 per 8 bytes of pickle (a value the memo shares counted at each place: 5.1 M). A value costs the
-/// reader about 50 bytes, a chunk about 1.6 KiB in all; under the old limit of 1 GiB, 15 MB of
-/// 120,000 chunks took 210 MiB.
+/// a tree, plus 1 per 8 bytes of pickle (a value the memo shares counted at each place: 5.1 M).
+/// A value costs the reader about 50 bytes, a chunk about 1.6 KiB in all; under the old limit of
+/// 1 GiB, 15 MB of 120,000 chunks took 210 MiB.
 inline constexpr std::size_t max_dcp_chunks = std::size_t(1) << 17;
 inline constexpr std::uint64_t max_dcp_metadata_size = std::uint64_t(24) << 20;
 inline constexpr std::size_t max_dcp_metadata_made = std::size_t(3) << 20;

@@ -222,7 +222,14 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
   if (where_ == inside) not_json("the header ends inside its object");
   safetensors_header h = std::move(h_);
   const std::string& f = h.file;
-  // The tensors, those let go (keep_) too, must have distinct names and tile the data buffer exactly.
+  // The tensors, those let go (keep_) too, must have distinct names and tile the data buffer
+  // exactly. The kept ones are sorted in data order once, for the index and for the tiling.
+  const auto data_order = [](const auto& a, const auto& b) {
+    if (a.begin != b.begin) return a.begin < b.begin;
+    if (a.end != b.end) return a.end < b.end;
+    return a.name < b.name;
+  };
+  std::sort(h.tensors.begin(), h.tensors.end(), data_order);
   struct ref {
     std::uint64_t begin, end;
     std::string_view name;
@@ -230,7 +237,11 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
   std::vector<ref> all;
   all.reserve(h.tensors.size() + dropped_.size());
   for (const auto& t : h.tensors) all.push_back({t.begin, t.end, t.name});
-  for (const auto& d : dropped_) all.push_back({d.begin, d.end, std::string_view(dropped_names_).substr(d.at, d.size)});
+  if (!dropped_.empty()) {
+    for (const auto& d : dropped_)
+      all.push_back({d.begin, d.end, std::string_view(dropped_names_).substr(d.at, d.size)});
+    std::sort(all.begin(), all.end(), data_order);
+  }
   {
     // a name given twice, before what it breaks (an overlap, say)
     std::vector<std::string_view> names;
@@ -240,11 +251,6 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
     if (const auto it = std::adjacent_find(names.begin(), names.end()); it != names.end())
       fail(errc::invalid_header, f + ": name '" + std::string(*it) + "' appears twice in the header");
   }
-  std::sort(all.begin(), all.end(), [](const ref& a, const ref& b) {
-    if (a.begin != b.begin) return a.begin < b.begin;
-    if (a.end != b.end) return a.end < b.end;
-    return a.name < b.name;
-  });
   std::uint64_t expected = 0;
   const ref* prev = nullptr;
   for (const auto& t : all) {
@@ -279,11 +285,6 @@ SHARDSAFE_DECL safetensors_header safetensors_header_reader::finish(std::uint64_
   all = {};
   dropped_ = {};
   dropped_names_ = {};
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const tensor_entry& a, const tensor_entry& b) {
-    if (a.begin != b.begin) return a.begin < b.begin;
-    if (a.end != b.end) return a.end < b.end;
-    return a.name < b.name;
-  });
   if (keep_.tensor) h.tensors.shrink_to_fit();  // reserved for every entry the header could hold
   h.index_names(/*header=*/true);
   return h;
