@@ -1,9 +1,11 @@
-// Tests of checkpoint/layouts/deepspeed.hpp: DeepSpeed's own ZeRO checkpoints (the goldens of
-// tests/fixtures/peers/, written by DeepSpeed 0.19.5) read through checkpoint_reader and
-// unshard_tensor, every presented tensor compared bit for bit with the trainer's tensors in the
-// golden's expected/ (read here by the plain safetensors parser); and the opaque records of
+// Tests of checkpoint/layouts/deepspeed.hpp and deepspeed_universal.hpp: DeepSpeed's own ZeRO
+// checkpoints and ds_to_universal's output of them (the goldens of tests/fixtures/peers/, written
+// by DeepSpeed 0.19.5) read through checkpoint_reader and unshard_tensor, and loaded in place by
+// worlds of other sizes and shardings, every presented tensor compared bit for bit with the
+// trainer's tensors in the golden's expected/ (read here by the plain safetensors parser); and the opaque records of
 // format/torch_tensor_pickle.hpp, read only where a caller names their classes.
 #include "shardsafe/checkpoint/layouts/deepspeed.hpp"
+#include "shardsafe/checkpoint/layouts/deepspeed_universal.hpp"
 
 #include <doctest/doctest.h>
 
@@ -21,6 +23,7 @@
 #include "shardsafe/format/torch_state_dict.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "support/test_util.hpp"
+#include "support/thread_world.hpp"
 
 using namespace shardsafe;
 using testing::expect_error;
@@ -48,46 +51,137 @@ std::map<std::string, ds_expected> ds_read_expected(const fs::path& p) {
 
 }  // namespace
 
-TEST_CASE("deepspeed layout: every golden's tensors read through the library are the trainer's, bit for bit") {
-  const fs::path peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
-  for (const auto& [name, stage, tp] : {std::tuple{"zero1_bf16", 1, 1}, std::tuple{"zero2_fp32", 2, 1},
-                                        std::tuple{"zero2_bf16_tp2", 2, 2}, std::tuple{"zero3_bf16", 3, 1}}) {
-    CAPTURE(name);
-    // what the trainer holds, under the names the layout presents (docs/FORMAT.md §6)
-    std::map<std::string, ds_expected> want;
-    const float step = 2.0f;  // step.json's adam_step of every golden
-    const ds_expected step_bytes{dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
-    // TP: the parameters and their state joined as the checkpoint's universal_checkpoint_info
-    // says (expected/joined/), buffers and frozen parameters per TP rank (expected/tp{T}/)
-    const fs::path exp = peers / name / "expected" / (tp > 1 ? "joined" : "");
-    const auto fp32 = ds_read_expected(exp / "fp32.safetensors");
-    for (const auto& [k, v] : ds_read_expected(exp / "module.safetensors"))  // ZeRO-3: masters, not bf16
-      if (tp == 1 || fp32.count(k)) want[k] = stage == 3 && fp32.count(k) ? fp32.at(k) : v;
-    for (const char* kind : {"fp32", "exp_avg", "exp_avg_sq"})
-      for (const auto& [k, v] : ds_read_expected(exp / (std::string(kind) + ".safetensors")))
-        want["optimizer.state." + k + "." + kind] = v;
-    for (const auto& [k, v] : fp32) want["optimizer.state." + k + ".step"] = step_bytes;
-    for (int t = 0; t < tp && tp > 1; ++t)
-      for (const auto& [k, v] :
-           ds_read_expected(peers / name / "expected" / ("tp" + std::to_string(t)) / "module.safetensors"))
-        if (!fp32.count(k)) want["tp" + std::to_string(t) + "/" + k] = v;
-    for (const fs::path& dir : {peers / name / "ckpt", peers / name / "ckpt" / "global_step2"}) {
-      checkpoint_reader<file_directory> r{file_directory(dir)};
-      CHECK(r.layout() == deepspeed_layout::info);
-      CHECK(r.metadata().tensors.size() == want.size());
-      for (const auto& [key, w] : want) {
-        CAPTURE(key);
-        const tensor_metadata* tm = r.find(key);
-        REQUIRE(tm != nullptr);
-        CHECK(tm->type == w.type);
-        CHECK(tm->shape == w.shape);
-        std::string got(w.bytes.size(), '\0');
-        unshard_tensor(r, key, std::as_writable_bytes(std::span(got.data(), got.size())));
-        CHECK(got == w.bytes);
+namespace {
+
+/// What a golden's checkpoint must present, under the names the layout gives (docs/FORMAT.md §6),
+/// from the trainer's tensors in its expected/. `master`: a trainable parameter is presented as
+/// its fp32 master (ZeRO-3's files and universal checkpoints hold no other weight).
+std::map<std::string, ds_expected> ds_want(const fs::path& golden, bool master, int tp) {
+  std::map<std::string, ds_expected> want;
+  const float step = 2.0f;  // step.json's adam_step of every golden
+  const ds_expected step_bytes{dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
+  // TP: the parameters and their state joined as the checkpoint's universal_checkpoint_info
+  // says (expected/joined/), buffers and frozen parameters per TP rank (expected/tp{T}/)
+  const fs::path exp = golden / "expected" / (tp > 1 ? "joined" : "");
+  const auto fp32 = ds_read_expected(exp / "fp32.safetensors");
+  for (const auto& [k, v] : ds_read_expected(exp / "module.safetensors"))
+    if (tp == 1 || fp32.count(k)) want[k] = master && fp32.count(k) ? fp32.at(k) : v;
+  for (const char* kind : {"fp32", "exp_avg", "exp_avg_sq"})
+    for (const auto& [k, v] : ds_read_expected(exp / (std::string(kind) + ".safetensors")))
+      want["optimizer.state." + k + "." + kind] = v;
+  for (const auto& [k, v] : fp32) want["optimizer.state." + k + ".step"] = step_bytes;
+  for (int t = 0; t < tp && tp > 1; ++t)
+    for (const auto& [k, v] : ds_read_expected(golden / "expected" / ("tp" + std::to_string(t)) / "module.safetensors"))
+      if (!fp32.count(k)) want["tp" + std::to_string(t) + "/" + k] = v;
+  return want;
+}
+
+struct ds_golden {
+  const char* name;
+  int stage, tp;
+  bool universal;  // ds_to_universal's output of it is in universal/
+};
+constexpr ds_golden ds_goldens[] = {{"zero1_bf16", 1, 1, true},
+                                    {"zero2_fp32", 2, 1, false},
+                                    {"zero2_bf16_tp2", 2, 2, true},
+                                    {"zero3_bf16", 3, 1, true}};
+const fs::path ds_peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
+
+}  // namespace
+
+TEST_CASE("deepspeed layouts: every golden's tensors read through the library are the trainer's, bit for bit") {
+  for (const auto& [name, stage, tp, universal] : ds_goldens)
+    for (const bool uni : {false, true}) {
+      if (uni && !universal) continue;
+      CAPTURE(name);
+      CAPTURE(uni);
+      const auto want = ds_want(ds_peers / name, stage == 3 || uni, tp);
+      const fs::path top = ds_peers / name / (uni ? "universal" : "ckpt");
+      for (const fs::path& dir : {top, top / (uni ? "global_step2_universal" : "global_step2")}) {
+        checkpoint_reader<file_directory> r{file_directory(dir)};
+        CHECK(r.layout() == (uni ? deepspeed_universal_layout::info : deepspeed_layout::info));
+        CHECK(r.metadata().tensors.size() == want.size());
+        for (const auto& [key, w] : want) {
+          CAPTURE(key);
+          const tensor_metadata* tm = r.find(key);
+          REQUIRE(tm != nullptr);
+          CHECK(tm->type == w.type);
+          CHECK(tm->shape == w.shape);
+          std::string got(w.bytes.size(), '\0');
+          unshard_tensor(r, key, std::as_writable_bytes(std::span(got.data(), got.size())));
+          CHECK(got == w.bytes);
+        }
+        CHECK(r.read_object("global_steps") == pickle_value::integer(2));
+        CHECK(r.read_object("optimizer.param_groups.0.weight_decay") == pickle_value::real(0.01));
       }
-      CHECK(r.read_object("global_steps") == pickle_value::integer(2));
     }
-  }
+}
+
+TEST_CASE("deepspeed layouts: loaded in place by 3 ranks in row blocks and 4 in flat ranges, model and optimizer") {
+  // Every tensor a golden presents (parameters, buffers, fp32 masters, exp_avg, exp_avg_sq, step)
+  // loaded by a collective load of another world: 3 ranks each holding a block of rows (dim 0 cut
+  // in ceil(rows / 3)), then 4 ranks each a flat element range (numel cut in ceil(numel / 4));
+  // 0-d tensors whole on every rank. Each rank's bytes must be its slice of the trainer's tensor.
+  std::size_t loaded = 0, views_made = 0;
+  for (const auto& [name, stage, tp, universal] : ds_goldens)
+    for (const bool uni : {false, true}) {
+      if (uni && !universal) continue;
+      CAPTURE(name);
+      CAPTURE(uni);
+      const auto want = ds_want(ds_peers / name, stage == 3 || uni, tp);
+      const file_directory dir(ds_peers / name / (uni ? "universal" : "ckpt"));
+      for (const int world : {3, 4}) {
+        CAPTURE(world);
+        views_made += static_cast<std::size_t>(world) * want.size();
+        std::vector<std::map<std::string, std::pair<std::string, std::string>>> got(world);  // key -> (got, want)
+        const auto thrown = run_ranks(world, [&](thread_comm& comm) {
+          const auto r = static_cast<std::uint64_t>(comm.rank()), n = static_cast<std::uint64_t>(world);
+          auto& mine = got[r];
+          std::vector<flat_view> views;
+          for (const auto& [key, w] : want) {
+            flat_view v;
+            v.key = key;
+            v.type = w.type;
+            v.full_shape = w.shape;
+            const std::uint64_t isz = item_size(w.type);
+            std::uint64_t first = 0, count = numel(w.shape);  // the slice of w.bytes, in elements
+            if (!w.shape.empty() && world == 3) {
+              const std::uint64_t rows = w.shape[0], per = (rows + n - 1) / n, a = std::min(rows, r * per),
+                                  e = std::min(rows, (r + 1) * per),
+                                  row = numel(w.shape) / std::max<std::uint64_t>(rows, 1);
+              shape_t local = w.shape, off(w.shape.size(), 0);
+              local[0] = e - a;
+              off[0] = a;
+              v.spec = shard_spec(block_spec(local, off));
+              first = a * row;
+              count = (e - a) * row;
+            } else if (!w.shape.empty()) {
+              const std::uint64_t all = numel(w.shape), per = (all + n - 1) / n, a = std::min(all, r * per),
+                                  e = std::min(all, (r + 1) * per);
+              v.spec = shard_spec(flat_spec{{a, e}});
+              first = a;
+              count = e - a;
+            }
+            auto& [buf, expect] = mine[key];
+            buf.assign(static_cast<std::size_t>(count * isz), '\x5a');
+            expect = w.bytes.substr(static_cast<std::size_t>(first * isz), static_cast<std::size_t>(count * isz));
+            v.data = reinterpret_cast<std::byte*>(buf.data());
+            v.nbytes = buf.size();
+            views.push_back(std::move(v));
+          }
+          load(dir, std::span<const flat_view>(views), comm);
+        });
+        for (const auto& e : thrown) CHECK(testing::error_message_of(e) == "");
+        for (const auto& rank : got)
+          for (const auto& [key, pair] : rank) {
+            CAPTURE(key);
+            CHECK(pair.first == pair.second);
+            ++loaded;
+          }
+      }
+    }
+  CHECK(loaded == views_made);
+  CHECK(views_made == (3 + 4) * (5 * 37 + 2 * 39));  // the 7 checkpoints' tensors, each rank's view
 }
 
 TEST_CASE("deepspeed layout: a trainer's class is an opaque record only where the caller names it") {

@@ -83,3 +83,66 @@ def deepspeed_foreign_global(t):
     good = os.path.join(DS_GOLDEN, "global_step2", DS_RANK1)
     for cmd in (["inspect", good], ["digest", good]):
         run("deepspeed_foreign_global", cmd, 1, ["global 'deepspeed.", "allowlist"])
+
+
+DSU_GOLDEN = os.path.join(SOURCE, "tests", "fixtures", "peers", "zero1_bf16", "universal")
+DSU3_GOLDEN = os.path.join(SOURCE, "tests", "fixtures", "peers", "zero3_bf16", "universal")
+
+
+def dsu_copy(t, name, golden=DSU_GOLDEN):
+    """A copy of a universal golden (the folder with `latest_universal`) under t/name; its zero/ folder."""
+    d = os.path.join(t, name)
+    shutil.copytree(golden, d)
+    return d, os.path.join(d, open(os.path.join(d, "latest_universal")).read().strip(), "zero")
+
+
+@case
+def deepspeed_universal_missing_state(t):
+    """A universal checkpoint (ds_to_universal's zero/<param>/ files) missing one parameter's
+    exp_avg_sq.pt, or whose `latest_universal` names no tag folder: refused naming the file, the
+    parameter and the rule (no parameter presented without its state)."""
+    d, zero = dsu_copy(t, "missing")
+    os.remove(os.path.join(zero, "row.weight", "exp_avg_sq.pt"))
+    for cmd in ds_commands(d):
+        run("deepspeed_universal_missing_state", cmd, 1,
+            ["row.weight/exp_avg_sq.pt", "missing", "parameter 'row.weight'", "exp_avg_sq"])
+    d, zero = dsu_copy(t, "nowhere")
+    write(os.path.join(d, "latest_universal"), b"global_step9_universal")
+    for cmd in ds_commands(d):
+        run("deepspeed_universal_missing_state", cmd, 1,
+            ["latest_universal", "'global_step9_universal'", "pointing nowhere"])
+
+
+@case
+def deepspeed_universal_shapes(t):
+    """State files whose tensors are not what param_shapes says: a tensor of more elements than
+    the parameter's, a parameter's exp_avg of another shape than its fp32 master, a step that is
+    not 0-d, a ZeRO-3 flat master of another length; each refused naming the file, the parameter
+    and the rule."""
+    for name, src, dst, words in (
+            ("bigger", "col.weight/fp32.pt", "row.weight/fp32.pt",
+             ["row.weight/fp32.pt", "parameter 'row.weight'", "[10,6]", "param_shapes[0]'s [5,10]"]),
+            ("disagree", "norm.weight/exp_avg.pt", "col.bias/exp_avg.pt",
+             ["col.bias/exp_avg.pt", "parameter 'col.bias'", "[6] here, [10] in its fp32.pt", "disagree on shape"]),
+            ("step", "norm.weight/fp32.pt", "norm.weight/step.pt",
+             ["norm.weight/step.pt", "parameter 'norm.weight'", "0-d tensor"])):
+        d, zero = dsu_copy(t, name)
+        shutil.copyfile(os.path.join(zero, src), os.path.join(zero, dst))
+        for cmd in ds_commands(d):
+            run("deepspeed_universal_shapes", cmd, 1, words)
+    d, zero = dsu_copy(t, "flat3", DSU3_GOLDEN)
+    shutil.copyfile(os.path.join(zero, "col.bias", "fp32.pt"), os.path.join(zero, "col.weight", "fp32.pt"))
+    for cmd in ds_commands(d):
+        run("deepspeed_universal_shapes", cmd, 1,
+            ["col.weight/fp32.pt", "parameter 'col.weight'", "[10]", "whole or flat (60 elements)"])
+
+
+@case
+def deepspeed_universal_foreign_global(t):
+    """A universal state file whose pickle names a global outside the torch.save allowlist
+    (collections.OrderedDict renamed) is refused naming the file and the global."""
+    d, zero = dsu_copy(t, "global")
+    ds_patch_pickle(os.path.join(zero, "embed.weight", "exp_avg.pt"), [(None, b"OrderedDict\n", b"OrderedDicz\n")])
+    for cmd in ds_commands(d):
+        run("deepspeed_universal_foreign_global", cmd, 1,
+            ["embed.weight/exp_avg.pt", "'collections.OrderedDicz'", "allowlist"])

@@ -13,13 +13,16 @@ What is compared (names as docs/FORMAT.md's DeepSpeed section presents them):
   ZeRO-1/2: <name> == expected/module.safetensors[name]; optimizer.state.<name>.{fp32,exp_avg,
   exp_avg_sq} == expected/<kind>.safetensors[name]; optimizer.state.<name>.step == step.json's
   adam_step (a 0-d float32).
-  ZeRO-3: a trainable parameter is its fp32 master: <name> == expected/fp32.safetensors[name],
+  ZeRO-3 and universal checkpoints: a trainable parameter is its fp32 master: <name> == expected/fp32.safetensors[name],
   and rounded to bfloat16 (nearest, ties to even) it is expected/module.safetensors[name] (the
   trainer's gathered weight); buffers and frozen parameters == expected/module.safetensors.
   TP 2 (zero2_bf16_tp2): the parameters and their state joined, as the checkpoint's
   universal_checkpoint_info says, against expected/joined/; buffers and frozen parameters under
   tp{T}/ against expected/tp{T}/. The same checkpoint with that info's key renamed: every name
   under tp{T}/, against expected/tp{T}/.
+  Universal checkpoints (universal/, ds_to_universal's output, given as the folder with
+  latest_universal and as its tag folder): every parameter and its state whole (TP joined by
+  ds_to_universal), buffers and frozen parameters as in the checkpoint they came from.
 """
 import json
 import os
@@ -64,8 +67,9 @@ def run(tool, *args):
     return p.stdout
 
 
-def check_case(tool, case_dir, path, tmp, joined):
+def check_case(tool, case_dir, path, tmp, joined, universal=False):
     meta = json.load(open(os.path.join(case_dir, "expected", "meta.json")))
+    master = meta["stage"] == 3 or universal  # a trainable parameter is presented as its fp32 master
     for cmd in ("inspect", "verify", "digest"):
         run(tool, cmd, path)
     out = os.path.join(tmp, "all.safetensors")
@@ -82,7 +86,9 @@ def check_case(tool, case_dir, path, tmp, joined):
                                                                                       "exp_avg_sq")}
         step = json.load(open(os.path.join(case_dir, "expected", "tp0", "step.json")))["adam_step"]
         for name in kinds["fp32"]:
-            want[name] = kinds["module"][name]
+            want[name] = kinds["fp32"][name] if master else kinds["module"][name]
+            if master:
+                rounded[name] = kinds["module"][name][2]
             for k in ("fp32", "exp_avg", "exp_avg_sq"):
                 want[f"optimizer.state.{name}.{k}"] = kinds[k][name]
             want[f"optimizer.state.{name}.step"] = ("F32", (), struct.pack("<f", step))
@@ -98,7 +104,7 @@ def check_case(tool, case_dir, path, tmp, joined):
                                                                                       "exp_avg_sq")}
         step = json.load(open(os.path.join(exp, "step.json")))["adam_step"]
         for name, t in kinds["module"].items():
-            if meta["stage"] == 3 and name in kinds["fp32"]:
+            if master and name in kinds["fp32"]:
                 want[tp + name] = kinds["fp32"][name]
                 rounded[tp + name] = t[2]
             else:
@@ -137,6 +143,12 @@ def main():
             n = [check_case(tool, case_dir, p, tmp, tp) for p in (ckpt, os.path.join(ckpt, tag))]
             print(f"ok {c}: {n[0]} tensors equal the trainer's bit for bit (folder with latest, and {tag}/)" +
                   (", TP ranks joined by universal_checkpoint_info" if tp else ""))
+            uni = os.path.join(case_dir, "universal")
+            if os.path.isdir(uni):
+                utag = open(os.path.join(uni, "latest_universal")).read().strip()
+                n = [check_case(tool, case_dir, p, tmp, tp, True) for p in (uni, os.path.join(uni, utag))]
+                print(f"ok {c} universal: {n[0]} tensors equal the trainer's bit for bit (folder with "
+                      f"latest_universal, and {utag}/)")
             # the same without the join rule (its key renamed), and with a pattern beyond the plain
             # regular expressions the layout reads: every TP rank on its own, never a guessed join
             for what, old, new in (("without universal_checkpoint_info", b"universal_checkpoint_info",

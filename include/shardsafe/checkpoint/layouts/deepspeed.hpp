@@ -77,19 +77,10 @@ struct deepspeed_layout {
     const bool tagged = ls.listed() ? std::find(ls.names().begin(), ls.names().end(), latest_file) != ls.names().end()
                                     : dir.exists(latest_file);
     if (!tagged) return describe(dir);
-    const std::string where = std::string(dir.name()) + "/" + std::string(latest_file);
-    std::string tag = read_text(dir.open(latest_file), 4096);
-    while (!tag.empty() && (tag.back() == '\n' || tag.back() == '\r' || tag.back() == ' ' || tag.back() == '\t'))
-      tag.pop_back();
-    while (!tag.empty() && (tag.front() == '\n' || tag.front() == ' ' || tag.front() == '\t')) tag.erase(0, 1);
-    if (!is_plain_name(tag))
-      fail(errc::invalid_metadata,
-           where + ": names the tag '" + tag + "', which is not a folder name in " + std::string(dir.name()));
-    const D folder = dir.sub(tag);
-    if (!folder.exists(detail::ds_model_name(0)) && !folder.exists(detail::ds_zero3_model_name(0, 0)))
-      fail(errc::not_found, where + ": names the tag '" + tag + "', but " + std::string(folder.name()) + " holds no " +
-                                std::string(detail::ds_model_name(0)) + " nor " + detail::ds_zero3_model_name(0, 0) +
-                                " (a save that did not finish, or `latest` pointing nowhere)");
+    const D folder = detail::ds_tag_folder(
+        dir, latest_file,
+        [](const D& tf) { return tf.exists(detail::ds_model_name(0)) || tf.exists(detail::ds_zero3_model_name(0, 0)); },
+        detail::ds_model_name(0) + " nor " + detail::ds_zero3_model_name(0, 0));
     checkpoint_source<D> s = describe(folder);
     s.folder = folder;
     return s;
@@ -170,23 +161,8 @@ struct deepspeed_layout {
                              "buffers and frozen parameters per TP rank as tp{T}/<name>"
                            : ": presented per TP rank as tp{T}/<name> (" + why + ")");
     }
-    checkpoint_source<D> s;
-    s.layout = &info;
-    s.described_by = files[0].name;
-    for (auto& [key, tm] : b.tensors) {
-      tm.is_sharded = tm.files.size() > 1;
-      for (const auto& [fname, spec] : tm.files)
-        spec.validate(tm.shape, std::string(f.name()) + "/" + fname + ": tensor '" + key + "'");
-      s.metadata.tensors.emplace_back(key, std::move(tm));
-    }
+    checkpoint_source<D> s = detail::ds_make_source(f, info, b, files);
     detail::ds_items(s, files[0], files[zero3 ? *dp : 1], said);
-    for (auto& df : files) {
-      const std::uint64_t size = df.storage.size();
-      safetensors_header h = safetensors_header::of_records(
-          std::string(df.storage.name()), size, std::move(b.entries[df.name]), std::move(b.orders[df.name]));
-      s.files.emplace_back(df.name,
-                           std::make_unique<opened_file<R>>(opened_file<R>{std::move(df.storage), std::move(h)}));
-    }
     return s;
   }
 };

@@ -20,12 +20,14 @@
 #include <utility>
 #include <vector>
 
+#include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/source.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/safetensors.hpp"
 #include "shardsafe/format/torch_save.hpp"
 #include "shardsafe/storage/concepts.hpp"
+#include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
 
@@ -63,15 +65,20 @@ struct ds_file {
   }
 };
 
-/// Opens and indexes file `name` of folder f (errc::not_found naming it and `why` when absent).
+/// Opens and indexes file `name` of folder f (errc::not_found naming it and `why` when absent),
+/// known to the layout as `as` (default: name). A DeepSpeed checkpoint file holds a dict; with
+/// `bare_tensor`, a bare tensor is taken too (a universal checkpoint's ZeRO-3 state files).
 template <ReadableDirectory D>
-ds_file<typename D::reader_type> open_ds_file(const D& f, const std::string& name, const std::string& why) {
+ds_file<typename D::reader_type> open_ds_file(const D& f, const std::string& name, const std::string& why,
+                                              std::string as = {}, bool bare_tensor = false) {
   typename D::reader_type st =
       open_or(f, name, [&] { return std::string(f.name()) + "/" + name + ": missing: " + why; });
   torch_save_index x = index_torch_save_file(st, torch_save_read_options{&deepspeed_records, true});
-  if (!x.value || x.value->type() != pickle_value::kind::dict)
-    fail(errc::invalid_metadata, std::string(st.name()) + ": not a dict (a DeepSpeed checkpoint file holds one)");
-  return {name, std::move(st), std::move(x)};
+  const bool bare = bare_tensor && x.header.tensors.size() == 1 && x.header.tensors[0].name.empty();
+  if (!bare && (!x.value || x.value->type() != pickle_value::kind::dict))
+    fail(errc::invalid_metadata, std::string(st.name()) + ": not a dict (a DeepSpeed checkpoint file holds one)" +
+                                     (bare_tensor ? " nor a tensor alone" : ""));
+  return {as.empty() ? name : std::move(as), std::move(st), std::move(x)};
 }
 
 /// v[key] of a dict v, or nullptr.
@@ -183,6 +190,53 @@ struct ds_builder {
     return f.x.header.offset_of(flat) + from * item_size(flat.type);
   }
 };
+
+/// The tag folder that text file `latest` of dir names (DeepSpeed's `latest`, a universal
+/// checkpoint's `latest_universal`), checked to be a plain name and to hold what `holds` looks
+/// for (`what`, for the message).
+template <ReadableDirectory D, class Holds>
+D ds_tag_folder(const D& dir, std::string_view latest, Holds&& holds, const std::string& what) {
+  const std::string where = std::string(dir.name()) + "/" + std::string(latest);
+  std::string tag = read_text(dir.open(latest), 4096);
+  while (!tag.empty() && (tag.back() == '\n' || tag.back() == '\r' || tag.back() == ' ' || tag.back() == '\t'))
+    tag.pop_back();
+  while (!tag.empty() && (tag.front() == '\n' || tag.front() == ' ' || tag.front() == '\t')) tag.erase(0, 1);
+  if (!is_plain_name(tag))
+    fail(errc::invalid_metadata,
+         where + ": names the tag '" + tag + "', which is not a folder name in " + std::string(dir.name()));
+  D folder = dir.sub(tag);
+  if (!holds(folder))
+    fail(errc::not_found, where + ": names the tag '" + tag + "', but " + std::string(folder.name()) + " holds no " +
+                              what + " (a save that did not finish, or `" + std::string(latest) +
+                              "` pointing nowhere)");
+  return folder;
+}
+
+/// The description of folder f the builder made: its tensors, checked against their files'
+/// specs, and every file of `files` (their storages moved in) with the index of the pieces it
+/// holds. described_by: the first file.
+template <ReadableDirectory D, class Files>
+checkpoint_source<D> ds_make_source(const D& f, const layout_info& info, ds_builder<typename D::reader_type>& b,
+                                    Files& files) {
+  using R = typename D::reader_type;
+  checkpoint_source<D> s;
+  s.layout = &info;
+  s.described_by = files.front().name;
+  for (auto& [key, tm] : b.tensors) {
+    tm.is_sharded = tm.files.size() > 1;
+    for (const auto& [fname, spec] : tm.files)
+      spec.validate(tm.shape, std::string(f.name()) + "/" + fname + ": tensor '" + key + "'");
+    s.metadata.tensors.emplace_back(key, std::move(tm));
+  }
+  for (auto& df : files) {
+    const std::uint64_t size = df.storage.size();
+    safetensors_header h = safetensors_header::of_records(std::string(df.storage.name()), size,
+                                                          std::move(b.entries[df.name]), std::move(b.orders[df.name]));
+    s.files.emplace_back(df.name,
+                         std::make_unique<opened_file<R>>(opened_file<R>{std::move(df.storage), std::move(h)}));
+  }
+  return s;
+}
 
 }  // namespace detail
 }  // namespace shardsafe

@@ -64,17 +64,25 @@ void ds_step(ds_builder<R>& b, const ds_file<R>& f, const std::string& state, st
     b.piece(f, tp + "optimizer.state." + name + ".step", st->type, {}, 0, 1, f.x.header.offset_of(*st));
 }
 
+/// The tensors of model file m's `module` (its state dict), each whole under tp + its name, but
+/// those named in `skip`.
+template <class R>
+void ds_module_tensors(ds_builder<R>& b, const ds_file<R>& m, const std::string& tp,
+                       const std::set<std::string>& skip) {
+  const pickle_value* module = ds_get(&m.value(), "module");
+  if (!module || module->type() != pickle_value::kind::dict) m.bad("'module' is not the module's state dict");
+  for (std::size_t i = 0; i < module->dict_size(); ++i)
+    if (module->dict_key(i).type() == pickle_value::kind::string && !skip.count(module->dict_key(i).as_string("")))
+      if (const tensor_entry* e = m.x.header.find("module." + module->dict_key(i).as_string("")))
+        b.whole(m, tp + module->dict_key(i).as_string(""), *e);
+}
+
 /// ZeRO-1/2 (DeepSpeedZeroOptimizer, BF16_Optimizer) of one TP rank: model file m, optim files
 /// of its DP ranks. What was presented, in words.
 template <class R>
 std::string ds_zero12(ds_builder<R>& b, const ds_file<R>& m, const std::vector<const ds_file<R>*>& opt,
                       const std::string& tp) {
-  const pickle_value* module = ds_get(&m.value(), "module");
-  if (!module || module->type() != pickle_value::kind::dict) m.bad("'module' is not the module's state dict");
-  for (std::size_t i = 0; i < module->dict_size(); ++i)
-    if (module->dict_key(i).type() == pickle_value::kind::string)
-      if (const tensor_entry* e = m.x.header.find("module." + module->dict_key(i).as_string("")))
-        b.whole(m, tp + module->dict_key(i).as_string(""), *e);
+  ds_module_tensors(b, m, tp, {});
   const std::vector<ds_group> groups = ds_param_groups(m);
   const std::uint64_t dp = opt.size();
   const std::string fp32 = "optimizer_state_dict.single_partition_of_fp32_groups.",
@@ -143,6 +151,39 @@ std::string ds_zero12(ds_builder<R>& b, const ds_file<R>& m, const std::vector<c
          std::to_string(dp) + " flat partitions per group";
 }
 
+/// ZeRO-3's tensors that are not trainable parameters (names not in `params`), of one TP rank's
+/// DP model files: frozen parameters from each DP rank's ceil(numel / dp) piece
+/// (frozen_param_fragments), buffers whole from DP rank 0's module.
+template <class R>
+void ds_zero3_untrained(ds_builder<R>& b, const std::vector<const ds_file<R>*>& models, std::set<std::string>& params,
+                        const std::string& tp) {
+  const ds_file<R>& m = *models[0];
+  const std::uint64_t dp = models.size();
+  // frozen parameters: each DP rank's model file holds its ceil(numel / dp) piece
+  const pickle_value* frozen = ds_get(&m.value(), "frozen_param_shapes");
+  if (frozen && frozen->type() == pickle_value::kind::dict)
+    for (std::size_t i = 0; i < frozen->dict_size(); ++i) {
+      const auto shape = ds_shape(frozen->dict_value(i));
+      if (frozen->dict_key(i).type() != pickle_value::kind::string || !shape)
+        m.bad("'frozen_param_shapes' entry " + std::to_string(i) + " is not a name and a torch.Size");
+      const std::string name = frozen->dict_key(i).as_string("");
+      params.insert(name);
+      const std::uint64_t n = numel(*shape), part = (n + dp - 1) / dp;
+      for (std::uint64_t d = 0; d < dp; ++d) {
+        const ds_file<R>& f = *models[d];
+        const tensor_entry& piece = f.tensor("frozen_param_fragments." + name, "frozen parameter '" + name + "'");
+        const std::uint64_t a = std::min(n, d * part), e = std::min(n, (d + 1) * part);
+        if (piece.numel() != part)
+          f.bad("frozen parameter '" + name + "': its fragment " + to_string(piece.shape) + " is not the " +
+                std::to_string(part) + " elements (ceil(" + std::to_string(n) + " / " + std::to_string(dp) +
+                ")) of DP rank " + std::to_string(d) + ": the partitions disagree on sizes");
+        if (a < e) b.piece(f, tp + name, piece.type, *shape, a, e - a, f.x.header.offset_of(piece));
+      }
+    }
+  // buffers (and anything else the module holds that is not a partitioned parameter): whole
+  ds_module_tensors(b, m, tp, params);
+}
+
 /// ZeRO-3 of one TP rank: its DP ranks' model files and optim files.
 template <class R>
 std::string ds_zero3(ds_builder<R>& b, const std::vector<const ds_file<R>*>& models,
@@ -184,41 +225,15 @@ std::string ds_zero3(ds_builder<R>& b, const std::vector<const ds_file<R>*>& mod
       if (d == 0) ds_step(b, f, state, g, groups[g], tp);
     }
   }
-  // frozen parameters: each DP rank's model file holds its ceil(numel / dp) piece
-  const pickle_value* frozen = ds_get(&m.value(), "frozen_param_shapes");
-  if (frozen && frozen->type() == pickle_value::kind::dict)
-    for (std::size_t i = 0; i < frozen->dict_size(); ++i) {
-      const auto shape = ds_shape(frozen->dict_value(i));
-      if (frozen->dict_key(i).type() != pickle_value::kind::string || !shape)
-        m.bad("'frozen_param_shapes' entry " + std::to_string(i) + " is not a name and a torch.Size");
-      const std::string name = frozen->dict_key(i).as_string("");
-      params.insert(name);
-      const std::uint64_t n = numel(*shape), part = (n + dp - 1) / dp;
-      for (std::uint64_t d = 0; d < dp; ++d) {
-        const ds_file<R>& f = *models[d];
-        const tensor_entry& piece = f.tensor("frozen_param_fragments." + name, "frozen parameter '" + name + "'");
-        const std::uint64_t a = std::min(n, d * part), e = std::min(n, (d + 1) * part);
-        if (piece.numel() != part)
-          f.bad("frozen parameter '" + name + "': its fragment " + to_string(piece.shape) + " is not the " +
-                std::to_string(part) + " elements (ceil(" + std::to_string(n) + " / " + std::to_string(dp) +
-                ")) of DP rank " + std::to_string(d) + ": the partitions disagree on sizes");
-        if (a < e) b.piece(f, tp + name, piece.type, *shape, a, e - a, f.x.header.offset_of(piece));
-      }
-    }
-  // buffers (and anything else the module holds that is not a partitioned parameter): whole
-  const pickle_value* module = ds_get(&m.value(), "module");
-  if (module && module->type() == pickle_value::kind::dict)
-    for (std::size_t i = 0; i < module->dict_size(); ++i)
-      if (module->dict_key(i).type() == pickle_value::kind::string && !params.count(module->dict_key(i).as_string("")))
-        if (const tensor_entry* e = m.x.header.find("module." + module->dict_key(i).as_string("")))
-          b.whole(m, tp + module->dict_key(i).as_string(""), *e);
+  ds_zero3_untrained(b, models, params, tp);
   return "ZeRO-3, dp " + std::to_string(dp) +
          ": the files hold no low-precision weights; each trainable parameter is presented as its fp32 master "
          "(float32), frozen ones from their fragments, buffers whole";
 }
 
 /// The non-tensor items: the plain values of model file m (TP rank 0; the parameter shapes the
-/// layout read aside), DP rank 0's optimizer param_groups as optimizer.param_groups..., and
+/// layout read aside), the optimizer param_groups of o (DP rank 0's partition, or a universal
+/// checkpoint's zero/optimizer_state.pt) as optimizer.param_groups..., and
 /// deepspeed.layout: `said`.
 template <ReadableDirectory D, class R>
 void ds_items(checkpoint_source<D>& s, const ds_file<R>& m, const ds_file<R>& o, const std::string& said) {
@@ -228,7 +243,7 @@ void ds_items(checkpoint_source<D>& s, const ds_file<R>& m, const ds_file<R>& o,
   for (const auto& v : m.x.values)
     if (!v.name.starts_with("param_shapes.") && !v.name.starts_with("frozen_param_shapes.")) add(v.name, m, v);
   for (const std::string p : {"optimizer_state_dict.base_optimizer_state.param_groups.",
-                              "optimizer_state_dict.optimizer_state_dict.param_groups."})
+                              "optimizer_state_dict.optimizer_state_dict.param_groups.", "param_groups."})
     for (const auto& v : o.x.values)
       if (v.name.starts_with(p)) add("optimizer.param_groups." + v.name.substr(p.size()), o, v);
   add("deepspeed.layout", m, torch_save_value{"", pickle_value::string(said), {}});

@@ -9,6 +9,7 @@
 // | hf_layout                    | model.safetensors[.index.json] or pytorch_model.bin[.index.json] |
 // | dcp_layout                   | .metadata (torch.distributed.checkpoint)               |
 // | dcp_sharded_hf_layout        | *.safetensors whose __metadata__ has DCP_SHARDING_INFO |
+// | deepspeed_universal_layout   | `latest_universal`, or zero/ beside *_model_states.pt  |
 // | deepspeed_layout             | `latest` (DeepSpeed's tag), or *_model_states.pt files |
 // | torch_save_file_layout       | one file torch.save wrote (zip or legacy)              |
 // | safetensors_file_layout      | one safetensors file                                   |
@@ -25,6 +26,7 @@
 #include "shardsafe/checkpoint/layouts/dcp.hpp"
 #include "shardsafe/checkpoint/layouts/dcp_sharded_hf.hpp"
 #include "shardsafe/checkpoint/layouts/deepspeed.hpp"
+#include "shardsafe/checkpoint/layouts/deepspeed_universal.hpp"
 #include "shardsafe/checkpoint/layouts/hf.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/layouts/shardsafe.hpp"
@@ -36,7 +38,8 @@
 namespace shardsafe {
 
 /// The folder layouts, in the order they are tried.
-using folder_layouts = layout_list<shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout, deepspeed_layout>;
+using folder_layouts = layout_list<shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout,
+                                   deepspeed_universal_layout, deepspeed_layout>;
 /// The single-file layouts, in the order they are tried (the last takes any file).
 using file_layouts = layout_list<torch_save_file_layout, safetensors_file_layout>;
 
