@@ -30,8 +30,8 @@ namespace {
 namespace fs = std::filesystem;
 
 struct golden {
-  std::string root;             // "mem:/ckpt0", the folder opened
-  const layout_info* layout;    // the layout the untouched folder has
+  std::string root;           // "mem:/ckpt0", the folder opened
+  const layout_info* layout;  // the layout the untouched folder has
   std::shared_ptr<memory_store> store;
 };
 
@@ -58,8 +58,8 @@ const fixture& the_fixture() {
         std::ifstream in(p, std::ios::binary);
         const std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
         const std::string key = g.root + "/" + fs::relative(p, peers / rel).generic_string();
-        g.store->objects[key] = std::make_shared<const byte_buffer>(reinterpret_cast<const std::byte*>(b.data()),
-                                                                    reinterpret_cast<const std::byte*>(b.data()) + b.size());
+        g.store->objects[key] = std::make_shared<const byte_buffer>(
+            reinterpret_cast<const std::byte*>(b.data()), reinterpret_cast<const std::byte*>(b.data()) + b.size());
         x.files.emplace_back(x.goldens.size(), key);
       }
       x.goldens.push_back(std::move(g));

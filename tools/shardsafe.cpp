@@ -43,8 +43,10 @@ constexpr const char* path_help =
     ".pt with its epoch and optimizer values; read without running its pickle), a Hugging Face folder "
     "(model.safetensors, pytorch_model.bin or an index), a\n"
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
-    "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO), or a DeepSpeed ZeRO or\n"
-    "universal checkpoint (the folder with latest or latest_universal, or its tag folder). Any of these may be a\n"
+    "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO), a DeepSpeed ZeRO or\n"
+    "universal checkpoint (the folder with latest or latest_universal, or its tag folder), or a\n"
+    "Megatron-Core torch_dist checkpoint (the folder with latest_checkpointed_iteration.txt, or\n"
+    "its iter_NNNNNNN/). Any of these may be a\n"
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"
     "environment variables); unshard and to-hf also write to s3://.";
 

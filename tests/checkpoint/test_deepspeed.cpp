@@ -23,7 +23,7 @@
 #include "shardsafe/format/torch_state_dict.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "support/test_util.hpp"
-#include "support/thread_world.hpp"
+#include "support/trainer_goldens.hpp"
 
 using namespace shardsafe;
 using testing::expect_error;
@@ -32,46 +32,27 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct ds_expected {
-  dtype type;
-  shape_t shape;
-  std::string bytes;
-};
-
-/// The tensors of an expected/ safetensors file, by name.
-std::map<std::string, ds_expected> ds_read_expected(const fs::path& p) {
-  const std::string b = testing::slurp(p);
-  const safetensors_header h = parse_safetensors(std::as_bytes(std::span(b.data(), b.size())), p.string());
-  std::map<std::string, ds_expected> out;
-  for (const auto& e : h.tensors)
-    out[e.name] = {e.type, e.shape,
-                   b.substr(static_cast<std::size_t>(h.offset_of(e)), static_cast<std::size_t>(e.nbytes()))};
-  return out;
-}
-
-}  // namespace
-
-namespace {
-
 /// What a golden's checkpoint must present, under the names the layout gives (docs/FORMAT.md §6),
 /// from the trainer's tensors in its expected/. `master`: a trainable parameter is presented as
 /// its fp32 master (ZeRO-3's files and universal checkpoints hold no other weight).
-std::map<std::string, ds_expected> ds_want(const fs::path& golden, bool master, int tp) {
-  std::map<std::string, ds_expected> want;
+std::map<std::string, testing::golden_tensor> ds_want(const fs::path& golden, bool master, int tp) {
+  std::map<std::string, testing::golden_tensor> want;
   const float step = 2.0f;  // step.json's adam_step of every golden
-  const ds_expected step_bytes{dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
+  const testing::golden_tensor step_bytes{
+      dtype::F32, {}, std::string(reinterpret_cast<const char*>(&step), sizeof step)};
   // TP: the parameters and their state joined as the checkpoint's universal_checkpoint_info
   // says (expected/joined/), buffers and frozen parameters per TP rank (expected/tp{T}/)
   const fs::path exp = golden / "expected" / (tp > 1 ? "joined" : "");
-  const auto fp32 = ds_read_expected(exp / "fp32.safetensors");
-  for (const auto& [k, v] : ds_read_expected(exp / "module.safetensors"))
+  const auto fp32 = testing::read_golden_tensors(exp / "fp32.safetensors");
+  for (const auto& [k, v] : testing::read_golden_tensors(exp / "module.safetensors"))
     if (tp == 1 || fp32.count(k)) want[k] = master && fp32.count(k) ? fp32.at(k) : v;
   for (const char* kind : {"fp32", "exp_avg", "exp_avg_sq"})
-    for (const auto& [k, v] : ds_read_expected(exp / (std::string(kind) + ".safetensors")))
+    for (const auto& [k, v] : testing::read_golden_tensors(exp / (std::string(kind) + ".safetensors")))
       want["optimizer.state." + k + "." + kind] = v;
   for (const auto& [k, v] : fp32) want["optimizer.state." + k + ".step"] = step_bytes;
   for (int t = 0; t < tp && tp > 1; ++t)
-    for (const auto& [k, v] : ds_read_expected(golden / "expected" / ("tp" + std::to_string(t)) / "module.safetensors"))
+    for (const auto& [k, v] :
+         testing::read_golden_tensors(golden / "expected" / ("tp" + std::to_string(t)) / "module.safetensors"))
       if (!fp32.count(k)) want["tp" + std::to_string(t) + "/" + k] = v;
   return want;
 }
@@ -101,16 +82,7 @@ TEST_CASE("deepspeed layouts: every golden's tensors read through the library ar
         checkpoint_reader<file_directory> r{file_directory(dir)};
         CHECK(r.layout() == (uni ? deepspeed_universal_layout::info : deepspeed_layout::info));
         CHECK(r.metadata().tensors.size() == want.size());
-        for (const auto& [key, w] : want) {
-          CAPTURE(key);
-          const tensor_metadata* tm = r.find(key);
-          REQUIRE(tm != nullptr);
-          CHECK(tm->type == w.type);
-          CHECK(tm->shape == w.shape);
-          std::string got(w.bytes.size(), '\0');
-          unshard_tensor(r, key, std::as_writable_bytes(std::span(got.data(), got.size())));
-          CHECK(got == w.bytes);
-        }
+        testing::check_golden_tensors(r, want);
         CHECK(r.read_object("global_steps") == pickle_value::integer(2));
         CHECK(r.read_object("optimizer.param_groups.0.weight_decay") == pickle_value::real(0.01));
       }
@@ -129,56 +101,9 @@ TEST_CASE("deepspeed layouts: loaded in place by 3 ranks in row blocks and 4 in 
       CAPTURE(name);
       CAPTURE(uni);
       const auto want = ds_want(ds_peers / name, stage == 3 || uni, tp);
-      const file_directory dir(ds_peers / name / (uni ? "universal" : "ckpt"));
-      for (const int world : {3, 4}) {
-        CAPTURE(world);
-        views_made += static_cast<std::size_t>(world) * want.size();
-        std::vector<std::map<std::string, std::pair<std::string, std::string>>> got(world);  // key -> (got, want)
-        const auto thrown = run_ranks(world, [&](thread_comm& comm) {
-          const auto r = static_cast<std::uint64_t>(comm.rank()), n = static_cast<std::uint64_t>(world);
-          auto& mine = got[r];
-          std::vector<flat_view> views;
-          for (const auto& [key, w] : want) {
-            flat_view v;
-            v.key = key;
-            v.type = w.type;
-            v.full_shape = w.shape;
-            const std::uint64_t isz = item_size(w.type);
-            std::uint64_t first = 0, count = numel(w.shape);  // the slice of w.bytes, in elements
-            if (!w.shape.empty() && world == 3) {
-              const std::uint64_t rows = w.shape[0], per = (rows + n - 1) / n, a = std::min(rows, r * per),
-                                  e = std::min(rows, (r + 1) * per),
-                                  row = numel(w.shape) / std::max<std::uint64_t>(rows, 1);
-              shape_t local = w.shape, off(w.shape.size(), 0);
-              local[0] = e - a;
-              off[0] = a;
-              v.spec = shard_spec(block_spec(local, off));
-              first = a * row;
-              count = (e - a) * row;
-            } else if (!w.shape.empty()) {
-              const std::uint64_t all = numel(w.shape), per = (all + n - 1) / n, a = std::min(all, r * per),
-                                  e = std::min(all, (r + 1) * per);
-              v.spec = shard_spec(flat_spec{{a, e}});
-              first = a;
-              count = e - a;
-            }
-            auto& [buf, expect] = mine[key];
-            buf.assign(static_cast<std::size_t>(count * isz), '\x5a');
-            expect = w.bytes.substr(static_cast<std::size_t>(first * isz), static_cast<std::size_t>(count * isz));
-            v.data = reinterpret_cast<std::byte*>(buf.data());
-            v.nbytes = buf.size();
-            views.push_back(std::move(v));
-          }
-          load(dir, std::span<const flat_view>(views), comm);
-        });
-        for (const auto& e : thrown) CHECK(testing::error_message_of(e) == "");
-        for (const auto& rank : got)
-          for (const auto& [key, pair] : rank) {
-            CAPTURE(key);
-            CHECK(pair.first == pair.second);
-            ++loaded;
-          }
-      }
+      views_made += (3 + 4) * want.size();
+      loaded +=
+          testing::load_golden_in_other_worlds(file_directory(ds_peers / name / (uni ? "universal" : "ckpt")), want);
     }
   CHECK(loaded == views_made);
   CHECK(views_made == (3 + 4) * (5 * 37 + 2 * 39));  // the 7 checkpoints' tensors, each rank's view

@@ -484,10 +484,11 @@ def dcp_f32_archive(sizes, stride, values):
     return buf.getvalue()
 
 
-def dcp_f32_folder(d, shape, chunks):
+def dcp_f32_folder(d, shape, chunks, mcore_data=None):
     """A DCP folder of one F32 tensor 'w' of `shape`, pickled as torch writes it, its chunks
     [(offsets, sizes, stride, values)] one torch.save archive each in __0_0.distcp, in order
-    (dcp_f32_archive)."""
+    (dcp_f32_archive). mcore_data: (a dict of str to a dict of str to a tuple of ints) the
+    Metadata is Megatron-Core's MCoreMetadata (core <= 0.15) with that mcore_data field."""
     def s(x):
         x = x.encode()
         return b"X" + struct.pack("<I", len(x)) + x
@@ -521,8 +522,14 @@ def dcp_f32_folder(d, shape, chunks):
                obj(fsm, b"_StorageInfo", b"}(" + s("relative_path") + s("__0_0.distcp") + s("offset") +
                    i(places[c][0]) + s("length") + i(places[c][1]) + b"u")
                for c, (off, _, _, _) in enumerate(chunks)]
-    md = b"\x80\x02" + obj(m, b"Metadata", b"}(" + s("state_dict_metadata") + b"}" + s("w") + tsm + b"s" +
-                           s("storage_data") + b"}" + batched(storage, b"u") + b"u") + b"."
+    cls, extra = (m, b"Metadata"), b""
+    if mcore_data is not None:
+        cls = (b"megatron.core.dist_checkpointing.strategies.torch", b"MCoreMetadata")
+        extra = s("mcore_data") + b"}(" + b"".join(
+            s(k) + b"}(" + b"".join(s(f) + b"(" + b"".join(i(x) for x in v) + b"t" for f, v in fields.items()) + b"u"
+            for k, fields in mcore_data.items()) + b"u"
+    md = b"\x80\x02" + obj(cls[0], cls[1], b"}(" + s("state_dict_metadata") + b"}" + s("w") + tsm + b"s" +
+                             s("storage_data") + b"}" + batched(storage, b"u") + extra + b"u") + b"."
     write(os.path.join(d, ".metadata"), md)
 
 

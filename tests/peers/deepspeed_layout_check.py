@@ -28,24 +28,10 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        b = f.read()
-    (n,) = struct.unpack("<Q", b[:8])
-    h = json.loads(b[8:8 + n])
-    data = b[8 + n:]
-    out = {}
-    for k, v in h.items():
-        if k == "__metadata__":
-            continue
-        s, e = v["data_offsets"]
-        out[k] = (v["dtype"], tuple(v["shape"]), data[s:e])
-    return out
+from golden_check import compare, golden_cases, read_safetensors, run, unshard
 
 
 def bf16_round(f32_bytes):
@@ -60,23 +46,12 @@ def bf16_round(f32_bytes):
     return bytes(out)
 
 
-def run(tool, *args):
-    p = subprocess.run([tool, *args], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"FAILED: shardsafe {' '.join(args)} exited {p.returncode}: {p.stderr.strip()}")
-    return p.stdout
-
-
 def check_case(tool, case_dir, path, tmp, joined, universal=False):
     meta = json.load(open(os.path.join(case_dir, "expected", "meta.json")))
     master = meta["stage"] == 3 or universal  # a trainable parameter is presented as its fp32 master
     for cmd in ("inspect", "verify", "digest"):
         run(tool, cmd, path)
-    out = os.path.join(tmp, "all.safetensors")
-    if os.path.exists(out):
-        os.remove(out)
-    run(tool, "unshard", path, out)
-    got = read_safetensors(out)
+    got = unshard(tool, path, tmp)
     want = {}  # presented name -> (dtype, shape, bytes)
     rounded = {}  # ZeRO-3 parameter name -> expected bf16 bytes of its rounded master
     tps = [""] if meta["tp"] == 1 else [f"tp{t}/" for t in range(meta["tp"])]
@@ -114,13 +89,7 @@ def check_case(tool, case_dir, path, tmp, joined, universal=False):
                 want[f"{tp}optimizer.state.{name}.{k}"] = t
         for name in kinds["fp32"]:
             want[f"{tp}optimizer.state.{name}.step"] = ("F32", (), struct.pack("<f", step))
-    if set(got) != set(want):
-        raise SystemExit(f"FAILED {path}: names differ: only shardsafe {sorted(set(got) - set(want))}, "
-                         f"only expected {sorted(set(want) - set(got))}")
-    for name, t in want.items():
-        if got[name] != t:
-            raise SystemExit(f"FAILED {path}: tensor '{name}': shardsafe {got[name][:2]} differs from the "
-                             f"trainer's {t[:2]}" + (" (values)" if got[name][:2] == t[:2] else ""))
+    compare(path, got, want, "the trainer's")
     for name, b in rounded.items():
         if bf16_round(got[name][2]) != b:
             raise SystemExit(f"FAILED {path}: '{name}': the fp32 master rounded to bfloat16 is not the "
@@ -129,11 +98,7 @@ def check_case(tool, case_dir, path, tmp, joined, universal=False):
 
 
 def main():
-    tool = sys.argv[1]
-    root = sys.argv[2] if len(sys.argv) > 2 else os.path.join(os.path.dirname(__file__), "..", "fixtures", "peers")
-    cases = sorted(c for c in os.listdir(root) if c.startswith("zero") and os.path.isdir(os.path.join(root, c)))
-    if not cases:
-        raise SystemExit(f"no DeepSpeed goldens in {root}")
+    tool, root, cases = golden_cases(sys.argv, "zero", "DeepSpeed")
     with tempfile.TemporaryDirectory() as tmp:
         for c in cases:
             case_dir = os.path.join(root, c)

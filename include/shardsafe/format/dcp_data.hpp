@@ -48,6 +48,10 @@ namespace shardsafe {
 struct dcp_file_chunk : dcp_block {
   std::uint64_t offset = 0;  ///< the archive's byte range in the file (.distcp)
   std::uint64_t length = 0;
+  /// The name a layout built on DCP presents the chunk under ("": its key), and the leading axes
+  /// (each of size 1 in the chunk) it drops: Megatron-Core's stacked layers, one layer a chunk.
+  std::string presented;
+  std::size_t dropped_axes = 0;
 };
 
 /// A data file of a DCP folder and the chunks it holds (each key at most once).
@@ -120,8 +124,11 @@ struct dcp_object_bytes {
   torch_zip_archive z;  ///< where its data.pkl is
 };
 
+/// `opaque`: the archive may hold storages (tensors) too; only its zip directory and its one
+/// PREFIX/data.pkl are checked, and `z` is not set.
 template <ReadableStorage S>
-dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& where, const std::string& what) {
+dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& where, const std::string& what,
+                                       bool opaque = false) {
   dcp_object_bytes b;
   b.ctx = std::string(st.name()) + " [" + std::to_string(where.offset) + ", +" + std::to_string(where.length) + ") (" +
           what + ")";
@@ -132,7 +139,16 @@ dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& wher
   if (!end || *end > st.size())
     fail(errc::truncated, b.ctx + ": the range passes the end of the file (" + std::to_string(st.size()) + " bytes)");
   b.archive = read_string(st, where.offset, static_cast<std::size_t>(where.length));
-  b.z = locate_torch_zip(b.archive, b.ctx, torch_zip_value);
+  if (!opaque) {
+    b.z = locate_torch_zip(b.archive, b.ctx, torch_zip_value);
+    return b;
+  }
+  auto read_at = [&](std::uint64_t off, std::size_t n) { return b.archive.substr(static_cast<std::size_t>(off), n); };
+  auto bad = [&](const std::string& rule) { fail(errc::invalid_metadata, b.ctx + ": " + rule); };
+  const zip_directory dir = read_zip_directory(b.archive.size(), read_at, bad, 1024, 1 << 20, "a torch.save archive");
+  std::size_t pickles = 0;
+  for (const auto& e : dir.entries) pickles += e.name.ends_with("/data.pkl") && e.name.find('/') == e.name.size() - 9;
+  if (pickles != 1) bad("holds " + std::to_string(pickles) + " PREFIX/data.pkl records, not one");
   return b;
 }
 }  // namespace detail
@@ -142,8 +158,9 @@ dcp_object_bytes read_dcp_object_bytes(const S& st, const dcp_storage_info& wher
 /// alone: no storage record), not decoded. What an export copies unchanged, whatever object
 /// without tensors the value pickles. `what` names the item in messages.
 template <ReadableStorage S>
-std::string read_dcp_object_archive(const S& st, const dcp_storage_info& where, const std::string& what) {
-  return std::move(detail::read_dcp_object_bytes(st, where, what).archive);
+std::string read_dcp_object_archive(const S& st, const dcp_storage_info& where, const std::string& what,
+                                    bool opaque = false) {
+  return std::move(detail::read_dcp_object_bytes(st, where, what, opaque).archive);
 }
 
 /// The value of a non-tensor item of a DCP folder (read_dcp_object_archive), decoded: a pickled
@@ -167,6 +184,10 @@ safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
     const dcp_block_offsets at = is_dcp_sharded_header(h) ? parse_dcp_sharding_info(h) : dcp_block_offsets{};
     for (const auto& c : f.chunks) {
       const std::string ctx = file + ": tensor '" + c.key + "'";
+      if (!c.presented.empty() || c.dropped_axes)
+        fail(errc::invalid_metadata, ctx + ": presented as '" + c.presented +
+                                         "', which a safetensors data file "
+                                         "(named by its keys) cannot hold");
       const tensor_entry* e = h.find(c.key);
       if (!e) fail(errc::invalid_metadata, ctx + ": .metadata places a chunk here but the file does not hold it");
       if (e->type != c.type || e->shape != c.sizes)
@@ -184,8 +205,19 @@ safetensors_header index_dcp_data_file(const S& st, const dcp_data_file& f) {
   std::map<std::string, std::vector<std::size_t>, std::less<>> orders;
   for (const auto& c : f.chunks) {
     std::vector<std::size_t> order;
-    entries.push_back(detail::index_torch_archive(st, c, file, order));
-    if (!order.empty()) orders.emplace(c.key, std::move(order));
+    tensor_entry& e = entries.emplace_back(detail::index_torch_archive(st, c, file, order));
+    if (c.dropped_axes) {  // size-1 axes: the same bytes, the order of the others kept
+      const std::size_t d = std::min(c.dropped_axes, e.shape.size());
+      e.shape.erase(e.shape.begin(), e.shape.begin() + static_cast<std::ptrdiff_t>(d));
+      std::vector<std::size_t> kept;
+      for (std::size_t a : order)
+        if (a >= d) kept.push_back(a - d);
+      bool row_major = true;
+      for (std::size_t i = 0; i < kept.size(); ++i) row_major = row_major && kept[i] == i;
+      order = row_major ? std::vector<std::size_t>{} : std::move(kept);
+    }
+    if (!c.presented.empty()) e.name = c.presented;
+    if (!order.empty()) orders.emplace(e.name, std::move(order));
   }
   return safetensors_header::of_records(file, st.size(), std::move(entries), std::move(orders));
 }

@@ -110,6 +110,10 @@ struct dcp_metadata {
   /// planner_data: each key's path in the nested state dict torch flattened (('optim',
   /// 'param_groups', 0, 'lr')), tuples of str and int; entries of another shape are left out.
   std::map<std::string, pickle_value> planner_data;
+  /// Keys Megatron-Core (0.15 and before, MCoreMetadata's mcore_data) records as reformulated
+  /// flattened ranges (nd_reformulated_orig_global_shape): stored in another shape than the
+  /// tensor's, which no reader here undoes.
+  std::vector<std::string> reformulated;
 };
 
 namespace detail {

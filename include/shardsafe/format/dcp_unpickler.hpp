@@ -27,6 +27,9 @@
 // | (StorageMeta.checkpoint_id; Python 3.13 writes      |                                         |
 // | pathlib._local)                                     |                                         |
 // | torch.<dtype>, torch.<memory format>, torch.strided | a marker {"__global__": "torch.name"}   |
+// | torch.distributed.checkpoint.planner's SavePlan,    | as a DCP class; WriteItemType as the    |
+// | WriteItem, TensorWriteData, WriteItemType; Megatron-| memory-format enum (Megatron-Core's     |
+// | Core's MCoreMetadata                                | saves: all_local_plans, mcore_data)     |
 #pragma once
 
 #include <array>
@@ -122,6 +125,16 @@ inline std::optional<dcp_global_kind> dcp_global(std::string_view full) noexcept
   if (full == "torch.distributed.checkpoint.filesystem._StorageInfo" ||
       full == "torch.distributed._shard.checkpoint.filesystem._StorageInfo")
     return k::object_class;
+  // Megatron-Core's saves: the local plans it keeps on the Metadata (core 0.16, all_local_plans),
+  // and its Metadata subclass of core 0.15 and before (one more field, mcore_data)
+  static constexpr std::string_view planner = "torch.distributed.checkpoint.planner.";
+  if (full.starts_with(planner)) {
+    const auto rest = full.substr(planner.size());
+    if (rest == "SavePlan" || rest == "WriteItem" || rest == "TensorWriteData") return k::object_class;
+    if (rest == "WriteItemType") return k::enum_class;
+    return std::nullopt;
+  }
+  if (full == "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata") return k::object_class;
   if (full == "torch.Size") return k::size;
   if (full == "collections.OrderedDict") return k::ordered_dict;
   if (full == "torch.serialization._get_layout") return k::get_layout;
@@ -265,6 +278,10 @@ struct dcp_unpickle_policy {
       case dcp_global_kind::object_class: return object(name, args);
       case dcp_global_kind::enum_class:
         want(a.size() == 1 && a[0].type() == k::integer, "one int");
+        if (name.ends_with(".WriteItemType")) {  // SHARD, TENSOR, BYTE_IO
+          want(a[0].as_int("") >= 1 && a[0].as_int("") <= 3, "a member's value (1, 2 or 3)");
+          return a[0];
+        }
         // TORCH_CONTIGUOUS_FORMAT, TORCH_CHANNELS_LAST, TORCH_PRESERVE_FORMAT: torch refuses any other
         want(a[0].as_int("") >= 0 && a[0].as_int("") <= 2, "a member's value (0, 1 or 2)");
         return a[0];

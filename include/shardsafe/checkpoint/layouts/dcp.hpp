@@ -12,6 +12,7 @@
 // listed as foreign tensors. Written by checkpoint/dcp_save.hpp.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <string>
@@ -29,6 +30,18 @@
 #include "shardsafe/storage/text.hpp"
 
 namespace shardsafe {
+
+/// How a layout built on DCP presents a chunk of a tensor (dcp_layout::describe's `names`).
+struct dcp_chunk_name {
+  std::string name;              ///< the tensor it is a chunk of
+  std::size_t dropped_axes = 0;  ///< leading axes of size 1 in the chunk, not in that tensor
+};
+/// Every chunk under its key: DCP's own names.
+struct dcp_same_names {
+  std::optional<dcp_chunk_name> operator()(const std::string&, const shape_t&, const shape_t&) const {
+    return std::nullopt;
+  }
+};
 
 struct dcp_layout {
   static constexpr layout_info info{.id = "dcp",
@@ -71,17 +84,21 @@ struct dcp_layout {
       return read_dcp_object(s, where, what);
     });
   }
-  /// The item's torch.save archive as its data file holds it, not decoded.
+  /// The item's torch.save archive as its data file holds it, not decoded. `opaque`: whatever
+  /// it holds (a layout built on DCP whose items hold tensors: Megatron-Core's RNG states).
   template <ReadableDirectory D>
-  static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
-    return with_object(dir, it, [](const auto& s, const dcp_storage_info& where, const std::string& what) {
-      return read_dcp_object_archive(s, where, what);
+  static std::string read_object_archive(const D& dir, const non_tensor_item& it, bool opaque = false) {
+    return with_object(dir, it, [opaque](const auto& s, const dcp_storage_info& where, const std::string& what) {
+      return read_dcp_object_archive(s, where, what, opaque);
     });
   }
 
   /// The description `.metadata` gives (rules in format/dcp_metadata.hpp), no data file opened.
-  template <ReadableDirectory D>
-  static checkpoint_source<D> describe(const D& dir) {
+  /// `names`, for a layout built on DCP (Megatron-Core's): names(key, offsets, sizes) of each
+  /// chunk of a tensor, an optional dcp_chunk_name (another name, leading axes of size 1
+  /// dropped); nullopt keeps the key.
+  template <ReadableDirectory D, class Names = dcp_same_names>
+  static checkpoint_source<D> describe(const D& dir, Names&& names = {}) {
     const std::string folder(dir.name());
     const dcp_metadata md = parse_dcp_metadata(
         read_pickle_bytes(dir.open(dcp_metadata_file_name), max_dcp_metadata_size), folder + "/.metadata");
@@ -89,7 +106,8 @@ struct dcp_layout {
     s.layout = &info;
     s.described_by = std::string(dcp_metadata_file_name);
     s.paths = md.planner_data;
-    std::map<std::pair<std::string, std::string>, std::size_t> chunks_of;  // (file, key) -> chunks so far
+    std::map<std::pair<std::string, std::string>, std::size_t> chunks_of;  // (file, name) -> chunks so far
+    std::map<std::string, std::pair<std::string, tensor_metadata>> made;   // name -> (key, tensor)
     for (const auto& [key, item] : md.items) {
       if (item.is_bytes) {
         s.non_tensors.push_back({key, item.bytes.relative_path, item.bytes.offset, item.bytes.length, std::nullopt});
@@ -99,13 +117,40 @@ struct dcp_layout {
         s.foreign_tensors.push_back({key, item.foreign_dtype, item.size, item.chunks.size(), {}});
         continue;
       }
-      tensor_metadata tm;
-      tm.shape = item.size;
-      tm.type = item.type;
-      tm.is_sharded = item.chunks.size() > 1 || (item.chunks.size() == 1 && item.chunks.front().sizes != item.size);
+      if (std::find(md.reformulated.begin(), md.reformulated.end(), key) != md.reformulated.end()) {
+        s.foreign_tensors.push_back(
+            {key, std::string(to_string(item.type)), item.size, item.chunks.size(),
+             "is not read: Megatron-Core stored it as reformulated flattened ranges (mcore_data's "
+             "nd_reformulated_orig_global_shape), in another shape than the tensor's; re-save it with "
+             "Megatron-Core 0.16 or later, which writes none"});
+        continue;
+      }
+      if (item.chunks.empty()) {  // listed with no chunk: kept, for the coverage rules to refuse
+        auto& tm = made.try_emplace(key, key, tensor_metadata{}).first->second.second;
+        tm.shape = item.size;
+        tm.type = item.type;
+      }
       for (const auto& c : item.chunks) {
+        const std::optional<dcp_chunk_name> as = names(key, c.offsets, c.sizes);
+        const std::string& name = as ? as->name : key;
+        const std::size_t d = as ? as->dropped_axes : 0;
+        for (std::size_t a = 0; a < d; ++a)
+          if (a >= c.sizes.size() || c.sizes[a] != 1)
+            fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': the chunk at " +
+                                             to_string(c.offsets) + " of " + to_string(c.sizes) + " is presented as '" +
+                                             name + "' without its first " + std::to_string(d) +
+                                             " axes, which it does not hold once each");
+        auto [it, fresh] = made.try_emplace(name, key, tensor_metadata{});
+        tensor_metadata& tm = it->second.second;
+        if (fresh) {
+          tm.shape.assign(item.size.begin() + static_cast<std::ptrdiff_t>(d), item.size.end());
+          tm.type = item.type;
+        } else if (it->second.first != key) {
+          fail(errc::invalid_metadata, folder + "/.metadata: tensors '" + it->second.first + "' and '" + key +
+                                           "' are both presented as '" + name + "'");
+        }
         const std::string& path = c.storage.relative_path;
-        const std::size_t k = chunks_of[{path, key}]++;
+        const std::size_t k = chunks_of[{path, name}]++;
         const std::string fname = k == 0 ? path : path + "#" + std::to_string(k);
         if (k > 0 && path.ends_with(".safetensors"))
           fail(errc::invalid_metadata, folder + "/.metadata: tensor '" + key + "': a second chunk (at " +
@@ -118,13 +163,20 @@ struct dcp_layout {
                                            std::to_string(k) + " of '" + path + "' in it");
         df.path = path;
         df.safetensors = path.ends_with(".safetensors");
-        df.chunks.push_back({{key, item.type, c.offsets, c.sizes}, c.storage.offset, c.storage.length});
+        df.chunks.push_back(
+            {{key, item.type, c.offsets, c.sizes}, c.storage.offset, c.storage.length, as ? name : std::string(), d});
+        const shape_t offsets(c.offsets.begin() + static_cast<std::ptrdiff_t>(d), c.offsets.end()),
+            sizes(c.sizes.begin() + static_cast<std::ptrdiff_t>(d), c.sizes.end());
         // a 0-d tensor's one chunk is its one element
         tm.files.emplace_back(
-            fname, item.size.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(c.sizes, c.offsets)));
+            fname, tm.shape.empty() ? shard_spec(flat_spec{{0, 1}}) : shard_spec(block_spec(sizes, offsets)));
+        tm.is_sharded = tm.files.size() > 1 || sizes != tm.shape;
       }
+    }
+    for (auto& [name, kt] : made) {
+      tensor_metadata& tm = kt.second;
       for (auto& [fname, spec] : tm.files) spec.validate(tm.shape, folder + "/" + fname);
-      s.metadata.tensors.emplace_back(key, std::move(tm));
+      s.metadata.tensors.emplace_back(name, std::move(tm));
     }
     return s;
   }

@@ -5,6 +5,8 @@
 //
 // | layout (checkpoint/layouts/) | how it is told apart                                   |
 // |------------------------------|--------------------------------------------------------|
+// | megatron_dist_layout         | latest_checkpointed_iteration.txt, or metadata.json    |
+// |                              | beside common.pt and .metadata (Megatron-Core)         |
 // | shardsafe_layout             | metadata.json (shardsafe, OLMo-core before 1.0)        |
 // | hf_layout                    | model.safetensors[.index.json] or pytorch_model.bin[.index.json] |
 // | dcp_layout                   | .metadata (torch.distributed.checkpoint)               |
@@ -14,7 +16,8 @@
 // | torch_save_file_layout       | one file torch.save wrote (zip or legacy)              |
 // | safetensors_file_layout      | one safetensors file                                   |
 //
-// A folder with metadata.json is a sharded checkpoint whatever else it holds; a folder none
+// A folder with metadata.json is a sharded checkpoint whatever else it holds (but Megatron-Core's,
+// beside its common.pt and .metadata); a folder none
 // recognises is errc::not_found ("no metadata.json: ..."), or what a layout says of the pieces
 // it found (".distcp files but no .metadata").
 #pragma once
@@ -29,6 +32,7 @@
 #include "shardsafe/checkpoint/layouts/deepspeed_universal.hpp"
 #include "shardsafe/checkpoint/layouts/hf.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
+#include "shardsafe/checkpoint/layouts/megatron_dist.hpp"
 #include "shardsafe/checkpoint/layouts/shardsafe.hpp"
 #include "shardsafe/checkpoint/layouts/single_file.hpp"
 #include "shardsafe/checkpoint/source.hpp"
@@ -38,7 +42,7 @@
 namespace shardsafe {
 
 /// The folder layouts, in the order they are tried.
-using folder_layouts = layout_list<shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout,
+using folder_layouts = layout_list<megatron_dist_layout, shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout,
                                    deepspeed_universal_layout, deepspeed_layout>;
 /// The single-file layouts, in the order they are tried (the last takes any file).
 using file_layouts = layout_list<torch_save_file_layout, safetensors_file_layout>;

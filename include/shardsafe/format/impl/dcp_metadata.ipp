@@ -11,7 +11,8 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
   return reader.run([&](pickle_view root) {
     const detail::dcp_parse p{what};
     using k = pickle_value::kind;
-    p.object(root, "Metadata", "top level");
+    // torch's Metadata, or Megatron-Core's subclass of it (core 0.15 and before: one more field)
+    p.object(root, detail::dcp_parse::class_name(root) == "MCoreMetadata" ? "MCoreMetadata" : "Metadata", "top level");
     auto sdm = root.find("state_dict_metadata");
     if (const auto a = root.find("__args__"); !sdm && a && a->type() == k::tuple && a->size() > 0)
       sdm = a->item(0);  // Metadata made by REDUCE with positional arguments
@@ -35,6 +36,11 @@ SHARDSAFE_DECL dcp_metadata parse_dcp_metadata(std::string_view bytes, std::stri
           plain = plain && (path.item(j).type() == k::string || path.item(j).type() == k::integer);
         if (plain) out.planner_data.emplace(std::string(key.as_string("")), path.build());
       }
+    if (const auto md = root.find("mcore_data"); md && md->type() == k::dict)
+      for (std::size_t i = 0; i < md->size(); ++i)
+        if (md->key(i).type() == k::string && md->value(i).type() == k::dict &&
+            md->value(i).find("nd_reformulated_orig_global_shape"))
+          out.reformulated.emplace_back(md->key(i).as_string(""));
     for (std::size_t i = 0; i < sdm->size(); ++i) {
       if (sdm->key(i).type() != k::string) p.bad("state_dict_metadata", "key " + std::to_string(i) + " is not a str");
       const std::string_view fqn = sdm->key(i).as_string("");
