@@ -57,36 +57,40 @@ std::map<std::string, testing::golden_tensor> ds_want(const fs::path& golden, bo
   return want;
 }
 
-struct ds_golden {
-  const char* name;
+/// A checkpoint of the goldens: DeepSpeed's save (ckpt/) or ds_to_universal's output of it (universal/).
+struct ds_checkpoint {
+  const char* golden;
   int stage, tp;
-  bool universal;  // ds_to_universal's output of it is in universal/
+  bool universal;
+  /// A trainable parameter is presented as its fp32 master (ZeRO-3's files and universal
+  /// checkpoints hold no other weight).
+  bool master() const { return stage == 3 || universal; }
+  const char* folder() const { return universal ? "universal" : "ckpt"; }
+  const char* tag() const { return universal ? "global_step2_universal" : "global_step2"; }
 };
-constexpr ds_golden ds_goldens[] = {{"zero1_bf16", 1, 1, true},
-                                    {"zero2_fp32", 2, 1, false},
-                                    {"zero2_bf16_tp2", 2, 2, true},
-                                    {"zero3_bf16", 3, 1, true}};
+constexpr ds_checkpoint ds_checkpoints[] = {{"zero1_bf16", 1, 1, false},    {"zero1_bf16", 1, 1, true},
+                                            {"zero2_fp32", 2, 1, false},    {"zero2_bf16_tp2", 2, 2, false},
+                                            {"zero2_bf16_tp2", 2, 2, true}, {"zero3_bf16", 3, 1, false},
+                                            {"zero3_bf16", 3, 1, true}};
 const fs::path ds_peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
 
 }  // namespace
 
 TEST_CASE("deepspeed layouts: every golden's tensors read through the library are the trainer's, bit for bit") {
-  for (const auto& [name, stage, tp, universal] : ds_goldens)
-    for (const bool uni : {false, true}) {
-      if (uni && !universal) continue;
-      CAPTURE(name);
-      CAPTURE(uni);
-      const auto want = ds_want(ds_peers / name, stage == 3 || uni, tp);
-      const fs::path top = ds_peers / name / (uni ? "universal" : "ckpt");
-      for (const fs::path& dir : {top, top / (uni ? "global_step2_universal" : "global_step2")}) {
-        checkpoint_reader<file_directory> r{file_directory(dir)};
-        CHECK(r.layout() == (uni ? deepspeed_universal_layout::info : deepspeed_layout::info));
-        CHECK(r.metadata().tensors.size() == want.size());
-        testing::check_golden_tensors(r, want);
-        CHECK(r.read_object("global_steps") == pickle_value::integer(2));
-        CHECK(r.read_object("optimizer.param_groups.0.weight_decay") == pickle_value::real(0.01));
-      }
+  for (const auto& c : ds_checkpoints) {
+    CAPTURE(c.golden);
+    CAPTURE(c.universal);
+    const auto want = ds_want(ds_peers / c.golden, c.master(), c.tp);
+    const fs::path top = ds_peers / c.golden / c.folder();
+    for (const fs::path& dir : {top, top / c.tag()}) {
+      checkpoint_reader<file_directory> r{file_directory(dir)};
+      CHECK(r.layout() == (c.universal ? deepspeed_universal_layout::info : deepspeed_layout::info));
+      CHECK(r.metadata().tensors.size() == want.size());
+      testing::check_golden_tensors(r, want);
+      CHECK(r.read_object("global_steps") == pickle_value::integer(2));
+      CHECK(r.read_object("optimizer.param_groups.0.weight_decay") == pickle_value::real(0.01));
     }
+  }
 }
 
 TEST_CASE("deepspeed layouts: loaded in place by 3 ranks in row blocks and 4 in flat ranges, model and optimizer") {
@@ -95,16 +99,13 @@ TEST_CASE("deepspeed layouts: loaded in place by 3 ranks in row blocks and 4 in 
   // in ceil(rows / 3)), then 4 ranks each a flat element range (numel cut in ceil(numel / 4));
   // 0-d tensors whole on every rank. Each rank's bytes must be its slice of the trainer's tensor.
   std::size_t loaded = 0, views_made = 0;
-  for (const auto& [name, stage, tp, universal] : ds_goldens)
-    for (const bool uni : {false, true}) {
-      if (uni && !universal) continue;
-      CAPTURE(name);
-      CAPTURE(uni);
-      const auto want = ds_want(ds_peers / name, stage == 3 || uni, tp);
-      views_made += (3 + 4) * want.size();
-      loaded +=
-          testing::load_golden_in_other_worlds(file_directory(ds_peers / name / (uni ? "universal" : "ckpt")), want);
-    }
+  for (const auto& c : ds_checkpoints) {
+    CAPTURE(c.golden);
+    CAPTURE(c.universal);
+    const auto want = ds_want(ds_peers / c.golden, c.master(), c.tp);
+    views_made += (3 + 4) * want.size();
+    loaded += testing::load_golden_in_other_worlds(file_directory(ds_peers / c.golden / c.folder()), want);
+  }
   CHECK(loaded == views_made);
   CHECK(views_made == (3 + 4) * (5 * 37 + 2 * 39));  // the 7 checkpoints' tensors, each rank's view
 }

@@ -40,12 +40,11 @@
 #include "shardsafe/checkpoint/layouts/deepspeed_files.hpp"
 #include "shardsafe/checkpoint/layouts/deepspeed_zero.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
+#include "shardsafe/checkpoint/layouts/single_file.hpp"
 #include "shardsafe/checkpoint/source.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/pickle_value.hpp"
-#include "shardsafe/format/pickle_writer.hpp"
 #include "shardsafe/format/torch_save.hpp"
-#include "shardsafe/format/torch_zip_writer.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
@@ -74,9 +73,7 @@ struct deepspeed_universal_layout {
   template <ReadableDirectory D>
   static std::optional<checkpoint_source<D>> open(const D& dir, folder_listing<D>& ls) {
     if (!recognise(dir, ls)) return std::nullopt;
-    const bool tagged = ls.listed() ? std::find(ls.names().begin(), ls.names().end(), latest_file) != ls.names().end()
-                                    : dir.exists(latest_file);
-    if (!tagged) return describe(dir);
+    if (!ls.has(latest_file)) return describe(dir);
     const D folder = detail::ds_tag_folder(
         dir, latest_file, [](const D& tf) { return tf.sub(state_folder).exists(optimizer_file); },
         std::string(state_folder) + "/" + std::string(optimizer_file));
@@ -85,13 +82,14 @@ struct deepspeed_universal_layout {
     return s;
   }
 
+  /// A value as the file's pickle held it, and pickled again: as a torch.save file's.
   template <ReadableDirectory D>
-  static pickle_value read_object(const D&, const non_tensor_item& it) {
-    return it.value->value;
+  static pickle_value read_object(const D& dir, const non_tensor_item& it) {
+    return torch_save_file_layout::read_object(dir, it);
   }
   template <ReadableDirectory D>
-  static std::string read_object_archive(const D&, const non_tensor_item& it) {
-    return torch_value_archive(pickle_dumps(it.value->value));
+  static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
+    return torch_save_file_layout::read_object_archive(dir, it);
   }
 
   /// The description of tag folder f: the model states, zero/optimizer_state.pt and each

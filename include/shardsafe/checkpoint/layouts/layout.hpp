@@ -29,6 +29,7 @@
 // Adding a layout: its header here, and one line in layouts/registry.hpp.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -83,6 +84,11 @@ class folder_listing {
   bool listed() {
     names();
     return listed_;
+  }
+  /// Whether the folder holds `n`: by its listing, or, where it cannot be listed, by asking it.
+  bool has(std::string_view n) {
+    if (!listed()) return dir_->exists(n);
+    return std::find(names().begin(), names().end(), n) != names().end();
   }
   /// Whether a name ends in `suffix` (".safetensors").
   bool any_ends_with(std::string_view suffix) {

@@ -44,13 +44,12 @@
 
 #include "shardsafe/checkpoint/layouts/dcp.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
+#include "shardsafe/checkpoint/layouts/single_file.hpp"
 #include "shardsafe/checkpoint/source.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/json_dom.hpp"
 #include "shardsafe/format/pickle_value.hpp"
-#include "shardsafe/format/pickle_writer.hpp"
 #include "shardsafe/format/torch_save.hpp"
-#include "shardsafe/format/torch_zip_writer.hpp"
 #include "shardsafe/storage/concepts.hpp"
 #include "shardsafe/storage/text.hpp"
 
@@ -77,25 +76,16 @@ struct megatron_dist_layout {
   static constexpr std::string_view common_file = "common.pt";
 
   template <ReadableDirectory D>
-  static bool recognise(const D& dir, folder_listing<D>& ls) {
-    if (!ls.listed())
-      return dir.exists(tracker_file) || (dir.exists(common_file) && dir.exists(dcp_metadata_file_name));
-    bool config = false, common = false, dcp = false;
-    for (const auto& n : ls.names()) {
-      if (n == tracker_file) return true;
-      config = config || n == config_file;
-      common = common || n == common_file;
-      dcp = dcp || n == dcp_metadata_file_name;
-    }
-    return config && common && dcp;
+  static bool recognise(const D&, folder_listing<D>& ls) {
+    // (a folder that cannot be listed is not asked for metadata.json: describe reads it)
+    return ls.has(tracker_file) ||
+           ((!ls.listed() || ls.has(config_file)) && ls.has(common_file) && ls.has(dcp_metadata_file_name));
   }
 
   template <ReadableDirectory D>
   static std::optional<checkpoint_source<D>> open(const D& dir, folder_listing<D>& ls) {
     if (!recognise(dir, ls)) return std::nullopt;
-    const bool tracked = ls.listed() ? std::find(ls.names().begin(), ls.names().end(), tracker_file) != ls.names().end()
-                                     : dir.exists(tracker_file);
-    if (!tracked) return describe(dir);
+    if (!ls.has(tracker_file)) return describe(dir);
     const D folder = iteration_folder(dir);
     checkpoint_source<D> s = describe(folder);
     s.folder = folder;
@@ -109,13 +99,13 @@ struct megatron_dist_layout {
   /// A DCP item's value from its data file; a common.pt value as its pickle held it.
   template <ReadableDirectory D>
   static pickle_value read_object(const D& dir, const non_tensor_item& it) {
-    return it.value ? it.value->value : dcp_layout::read_object(dir, it);
+    return it.value ? torch_save_file_layout::read_object(dir, it) : dcp_layout::read_object(dir, it);
   }
   /// The archive an export copies: a DCP item's as its data file holds it, whatever it holds (the
   /// RNG states hold tensors and numpy's state: copied, never unpickled); a common.pt value pickled.
   template <ReadableDirectory D>
   static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
-    return it.value ? torch_value_archive(pickle_dumps(it.value->value))
+    return it.value ? torch_save_file_layout::read_object_archive(dir, it)
                     : dcp_layout::read_object_archive(dir, it, true);
   }
 
