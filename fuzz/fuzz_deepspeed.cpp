@@ -1,7 +1,8 @@
-// libFuzzer target: DeepSpeed checkpoints (docs/FORMAT.md §6) read by the deepspeed and
-// deepspeed_universal layouts. Three of DeepSpeed's own goldens (tests/fixtures/peers: a ZeRO-2
-// tag folder, and the universal checkpoints of a ZeRO-1 and a ZeRO-3 save) are loaded into
-// memory once; the input's first byte picks one of their files (modulo their count), the rest
+// libFuzzer target: the trainers' torch.save checkpoints: DeepSpeed's (docs/FORMAT.md §6) read by
+// the deepspeed and deepspeed_universal layouts, Megatron-LM's legacy ones (§7) by
+// megatron_legacy. Five of the trainers' own goldens (tests/fixtures/peers: a ZeRO-2 tag folder,
+// the universal checkpoints of a ZeRO-1 and a ZeRO-3 save, the legacy iteration folders of an
+// EP 2 MoE and of a distributed optimizer on TP 2) are loaded into memory once; the input's first byte picks one of their files (modulo their count), the rest
 // replaces that file. The folder is then opened as a checkpoint and every tensor of at most
 // 1 MiB read whole. Only shardsafe::error may escape; a folder that opens is in the layout the
 // untouched golden has, and every tensor it presents is read within its bounds (ASan's part).
@@ -47,7 +48,9 @@ const fixture& the_fixture() {
     const std::pair<const char*, const layout_info*> dirs[] = {
         {"zero2_fp32/ckpt/global_step2", &deepspeed_layout::info},
         {"zero1_bf16/universal/global_step2_universal", &deepspeed_universal_layout::info},
-        {"zero3_bf16/universal/global_step2_universal", &deepspeed_universal_layout::info}};
+        {"zero3_bf16/universal/global_step2_universal", &deepspeed_universal_layout::info},
+        {"mcore_moe_ep2/legacy/iter_0000002", &megatron_legacy_layout::info},
+        {"mcore_distopt_tp2_dp2/legacy/iter_0000002", &megatron_legacy_layout::info}};
     for (const auto& [rel, layout] : dirs) {
       golden g{"mem:/ckpt" + std::to_string(x.goldens.size()), layout, std::make_shared<memory_store>()};
       std::vector<fs::path> paths;

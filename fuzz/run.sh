@@ -46,7 +46,7 @@ max_len_of() {
     fuzz_torch_legacy) echo 4096 ;;
     fuzz_sidecars) echo 2048 ;;
     fuzz_dcp_write) echo 1024 ;;
-    fuzz_deepspeed) echo 8192 ;;
+    fuzz_deepspeed) echo 131072 ;;  # Megatron legacy files: up to 116 KB (the run's args)
     *) echo 4096 ;;
   esac
 }

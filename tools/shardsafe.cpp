@@ -45,8 +45,8 @@ constexpr const char* path_help =
     "checkpoint folder (with metadata.json, or with model/ and optim/) or a folder of torch's\n"
     "DCP-sharded Hugging Face files (safetensors with DCP_SHARDING_INFO), a DeepSpeed ZeRO or\n"
     "universal checkpoint (the folder with latest or latest_universal, or its tag folder), or a\n"
-    "Megatron-Core torch_dist checkpoint (the folder with latest_checkpointed_iteration.txt, or\n"
-    "its iter_NNNNNNN/). Any of these may be a\n"
+    "Megatron checkpoint, torch_dist or legacy torch (the folder with\n"
+    "latest_checkpointed_iteration.txt, or its iter_NNNNNNN/). Any of these may be a\n"
     "URL: http(s)://HOST/PATH (read only) or s3://BUCKET/PREFIX (settings from the AWS_*\n"
     "environment variables); unshard and to-hf also write to s3://.";
 

@@ -89,6 +89,18 @@ TEST_CASE("deepspeed layouts: every golden's tensors read through the library ar
       testing::check_golden_tensors(r, want);
       CHECK(r.read_object("global_steps") == pickle_value::integer(2));
       CHECK(r.read_object("optimizer.param_groups.0.weight_decay") == pickle_value::real(0.01));
+      // each group's params by name, as get_state_dict names them: the peer's groups are the 2-D
+      // weights (weight decay) and the rest
+      for (int g = 0; g < 2; ++g) {
+        const pickle_value params = r.read_object("optimizer.param_groups." + std::to_string(g) + ".params");
+        REQUIRE(params.type() == pickle_value::kind::list);
+        CHECK(!params.as_sequence("").empty());
+        for (const auto& n : params.as_sequence("")) {
+          const tensor_metadata* tm = r.find("optimizer.state." + n.as_string("") + ".exp_avg");
+          REQUIRE(tm != nullptr);
+          CHECK((tm->shape.size() == 2) == (g == 0));
+        }
+      }
     }
   }
 }

@@ -1,4 +1,5 @@
-// Tests of checkpoint/layouts/megatron_dist.hpp: Megatron-Core's own torch_dist checkpoints (the
+// Tests of checkpoint/layouts/megatron_dist.hpp and megatron_legacy.hpp: Megatron-Core's own
+// torch_dist and legacy torch checkpoints (the
 // goldens of tests/fixtures/peers/mcore_*, written by Megatron-Core 0.16.1) read through
 // checkpoint_reader and unshard_tensor, and loaded in place by worlds of other sizes and
 // shardings, every presented tensor compared bit for bit with Megatron's own load of the
@@ -7,6 +8,7 @@
 // key is presented per layer (and expert), as docs/FORMAT.md §7 says, which name_of computes here
 // from the module name's own layer and expert numbers.
 #include "shardsafe/checkpoint/layouts/megatron_dist.hpp"
+#include "shardsafe/checkpoint/layouts/megatron_legacy.hpp"
 
 #include <doctest/doctest.h>
 
@@ -149,8 +151,99 @@ TEST_CASE("megatron_dist layout: what is not torch_dist, or points nowhere, is r
   testing::write_file(tmp.path / "a" / "iter_0000002" / "metadata.json", R"({"sharded_backend": "zarr"})");
   expect_error([&] { checkpoint_reader<file_directory> r{file_directory(tmp.path / "a")}; }, errc::invalid_metadata,
                {"metadata.json", "sharded_backend \"zarr\"", "torch_dist"});
-  expect_error([&] { checkpoint_reader<file_directory> r{file_directory(mc_peers / "mcore_gpt_tp2_pp2" / "legacy")}; },
-               errc::invalid_metadata, {"iter_0000002", "legacy", "not read yet", "--ckpt-format torch_dist"});
+}
+
+namespace {
+
+/// What a legacy golden must present: expected/full's tensors under their module names, Adam's
+/// moments, and the step (non-distributed optimizer) or the fp32 masters (distrib_optim.pt).
+std::map<std::string, testing::golden_tensor> mc_legacy_want(const std::string& golden, bool distributed) {
+  const fs::path full = mc_peers / golden / "expected" / "full";
+  std::map<std::string, testing::golden_tensor> want = testing::read_golden_tensors(full / "model.safetensors");
+  const float two = 2.0f;
+  for (const std::string kind : {"exp_avg", "exp_avg_sq"})
+    for (const auto& [module, t] : testing::read_golden_tensors(full / (kind + ".safetensors"))) {
+      want["optimizer.state." + module + "." + kind] = t;
+      if (kind != "exp_avg") continue;
+      if (distributed)
+        want["optimizer.state." + module + ".fp32"] = want.at(module);
+      else
+        want["optimizer.state." + module + ".step"] = {
+            dtype::F32, {}, std::string(reinterpret_cast<const char*>(&two), 4)};
+    }
+  return want;
+}
+
+constexpr std::pair<const char*, bool> mc_legacy_goldens[] = {
+    {"mcore_gpt_tp2_pp2", false}, {"mcore_moe_ep2", false}, {"mcore_distopt_tp2_dp2", true}};
+
+}  // namespace
+
+TEST_CASE("megatron_legacy layout: TP pieces, stages and EP ranks joined are Megatron's tensors, bit for bit") {
+  for (const auto& [name, distributed] : mc_legacy_goldens) {
+    CAPTURE(name);
+    const auto want = mc_legacy_want(name, distributed);
+    for (const fs::path& dir : {mc_peers / name / "legacy", mc_peers / name / "legacy" / "iter_0000002"}) {
+      checkpoint_reader<file_directory> r{file_directory(dir)};
+      CHECK(r.layout() == megatron_legacy_layout::info);
+      CHECK(r.metadata().tensors.size() == want.size());
+      testing::check_golden_tensors(r, want);
+      CHECK(r.read_object("iteration") == pickle_value::integer(2));
+      if (distributed) continue;  // its step and groups stay per group (optimizer.optimizer.param_groups)
+      // each group's params by global name, as get_state_dict names them; every parameter once
+      std::size_t named = 0, states = 0;
+      for (const auto& [key, tm] : r.metadata().tensors) states += key.ends_with(".exp_avg");
+      for (int g = 0; r.find_object("optimizer.param_groups." + std::to_string(g) + ".params"); ++g) {
+        const pickle_value params = r.read_object("optimizer.param_groups." + std::to_string(g) + ".params");
+        const bool no_wd =
+            r.read_object("optimizer.param_groups." + std::to_string(g) + ".wd_mult") == pickle_value::real(0.0);
+        for (const auto& n : params.as_sequence("")) {
+          const tensor_metadata* tm = r.find(n.as_string(""));
+          REQUIRE(tm != nullptr);
+          CHECK((n.as_string("").ends_with(".bias") || tm->shape.size() == 1) == no_wd);
+          ++named;
+        }
+      }
+      CHECK(named == states);
+    }
+  }
+}
+
+TEST_CASE(
+    "megatron_legacy layout: loaded in place by 3 ranks in row blocks and 4 in flat ranges, model and optimizer") {
+  std::size_t loaded = 0, views = 0;
+  for (const auto& [name, distributed] : mc_legacy_goldens) {
+    CAPTURE(name);
+    const auto want = mc_legacy_want(name, distributed);
+    views += (3 + 4) * want.size();
+    loaded += testing::load_golden_in_other_worlds(file_directory(mc_peers / name / "legacy"), want);
+  }
+  CHECK(loaded == views);
+  CHECK(views == (3 + 4) * (212 + 228 + 116));
+}
+
+TEST_CASE("megatron_legacy layout: missing ranks, lying args, groups and buffers are refused naming file and rule") {
+  testing::temp_dir tmp;
+  const fs::path src = mc_peers / "mcore_gpt_tp2_pp2" / "legacy";
+  fs::copy(src, tmp.path / "a", fs::copy_options::recursive);
+  const fs::path it = tmp.path / "a" / "iter_0000002";
+  fs::remove_all(it / "mp_rank_01_001");
+  expect_error([&] { checkpoint_reader<file_directory> r{file_directory(tmp.path / "a")}; }, errc::not_found,
+               {"mp_rank_01_001", "model_optim_rng.pt", "TP rank 1, stage 1, EP rank 0", "TP 2 x PP 2 x EP 1"});
+  // a stage's file standing in for another: its layers are the wrong count for args.num_layers
+  fs::copy(it / "mp_rank_01_000", it / "mp_rank_01_001", fs::copy_options::recursive);
+  fs::remove_all(it / "mp_rank_00_001");
+  fs::copy(src / "iter_0000002" / "mp_rank_00_000", it / "mp_rank_00_001", fs::copy_options::recursive);
+  expect_error([&] { checkpoint_reader<file_directory> r{file_directory(tmp.path / "a")}; }, errc::invalid_metadata,
+               {"mp_rank_00_001", "embedding.word_embeddings.weight", "also in mp_rank_00_000",
+                "two stages or EP ranks hold it"});
+  // a distrib_optim.pt whose buffer is not the parameters' length
+  fs::copy(mc_peers / "mcore_distopt_tp2_dp2" / "legacy", tmp.path / "d", fs::copy_options::recursive);
+  fs::copy_file(mc_peers / "mcore_distopt_tp2_dp2" / "legacy" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+                tmp.path / "d" / "iter_0000002" / "mp_rank_01" / "distrib_optim.pt",
+                fs::copy_options::overwrite_existing);
+  expect_error([&] { checkpoint_reader<file_directory> r{file_directory(tmp.path / "d")}; }, errc::invalid_metadata,
+               {"mp_rank_01/distrib_optim.pt", "buckets_coalesced"});
 }
 
 TEST_CASE(

@@ -89,3 +89,58 @@ def megatron_reformulated(t):
     run("megatron_reformulated", ["inspect", d], 0)
     for cmd in (["verify", d], ["digest", d]):
         run("megatron_reformulated", cmd, 1, ["'w'", "reformulated flattened ranges", "re-save"])
+
+
+MC_LEGACY = os.path.join(SOURCE, "tests", "fixtures", "peers", "{}", "legacy")
+
+
+def mc_legacy_copy(t, name, golden="mcore_gpt_tp2_pp2"):
+    """A copy of a legacy golden (the folder with the tracker) under t/name; its iteration folder."""
+    d = os.path.join(t, name)
+    shutil.copytree(MC_LEGACY.format(golden), d)
+    return d, os.path.join(d, "iter_0000002")
+
+
+@case
+def megatron_legacy_missing_rank(t):
+    """A legacy checkpoint (mp_rank_TT_PPP/model_optim_rng.pt) missing one rank's folder: refused by
+    every command naming the file, the rank and the world the args give."""
+    d, it = mc_legacy_copy(t, "missing")
+    shutil.rmtree(os.path.join(it, "mp_rank_01_001"))
+    for cmd in mc_commands(d):
+        run("megatron_legacy_missing_rank", cmd, 1,
+            ["mp_rank_01_001", "model_optim_rng.pt", "missing", "TP rank 1, stage 1", "TP 2 x PP 2 x EP 1"])
+
+
+@case
+def megatron_legacy_args_lie(t):
+    """args that disagree with the folder names (pipeline_model_parallel_size 1 beside mp_rank_TT_PPP
+    folders), a class outside the allowlist and Megatron's records (argparse.Namespacf): refused
+    naming the file and the rule."""
+    d, it = mc_legacy_copy(t, "pp")
+    mc_patch_pickle(os.path.join(it, "mp_rank_00_000", "model_optim_rng.pt"),
+                    [(b"pipeline_model_parallel_sizeq", b"K\x02", b"K\x01")])
+    for cmd in mc_commands(d):
+        run("megatron_legacy_args_lie", cmd, 1, ["mp_rank_00_000", "PP 1", "rank 0 folder is mp_rank_00,"])
+    d, it = mc_legacy_copy(t, "global")
+    mc_patch_pickle(os.path.join(it, "mp_rank_01_000", "model_optim_rng.pt"), [(None, b"Namespace\n", b"Namespacf\n")])
+    for cmd in mc_commands(d):
+        run("megatron_legacy_args_lie", cmd, 1, ["mp_rank_01_000", "'argparse.Namespacf'", "allowlist"])
+
+
+@case
+def megatron_legacy_optimizer_lies(t):
+    """Optimizer state the rules cannot name: a param group whose kind is not its parameters'
+    (wd_mult 1.0 made 0.0: 9 weights listed in a group of biases), and a distributed optimizer's buffer whose numel_unpadded is not where the parameters
+    end: refused naming the file, the group or buffer and the rule."""
+    d, it = mc_legacy_copy(t, "groups")
+    mc_patch_pickle(os.path.join(it, "mp_rank_01_001", "model_optim_rng.pt"),
+                    [(b"wd_mult", b"G?\xf0\x00\x00\x00\x00\x00\x00", b"G\x00\x00\x00\x00\x00\x00\x00\x00")])
+    for cmd in mc_commands(d):
+        run("megatron_legacy_optimizer_lies", cmd, 1,
+            ["mp_rank_01_001", "optimizer.param_groups.0", "lists 9 parameters", "grouping rule"])
+    d, it = mc_legacy_copy(t, "buffer", "mcore_distopt_tp2_dp2")
+    mc_patch_pickle(os.path.join(it, "mp_rank_01", "distrib_optim.pt"), [(b"numel_unpadded", b"M\xc0\x07", b"M\xc1\x07")])
+    for cmd in mc_commands(d):
+        run("megatron_legacy_optimizer_lies", cmd, 1,
+            ["mp_rank_01/distrib_optim.pt", "end at 1984", "numel_unpadded is 1985", "laid out otherwise"])

@@ -1088,6 +1088,7 @@ def torch_save_values(t):
              "many": torch_save_bytes({}, {}, value={"v": [{"k": i} for i in range(100000)]}),
              "twice": torch_save_bytes({}, {}, value={"a.b": 1, "a": {"b": 2}}),
              "tuple_key": torch_save_bytes({}, {}, value={"k": {(1, 2): 3}}),
+             "big_tuple_key": torch_save_bytes({}, {}, value={"k": {tuple(range(40)): 3}}),
              # {1: 1, True: 2}, which Python's pickler cannot write (the dict has one entry)
              "equal_keys": torch_zip_of(b"}(X\x01\x00\x00\x00k}(K\x01K\x01\x88K\x02uu", {})}
     for name, data in files.items():
@@ -1111,7 +1112,11 @@ def torch_save_values(t):
     if out.count("  value: ") != 100000:
         raise Failed(f"inspect listed {out.count('  value: ')} values, not 100000")
     run("torch_save_values", ["inspect", pt("twice")], 1, ["twice.pt", "'a.b'", "given twice"])
-    run("torch_save_values", ["inspect", pt("tuple_key")], 1, ["tuple_key.pt", "'k' has a key of type tuple"])
+    # a small tuple of plain values is a key (Megatron's distrib_optim.pt), named as Python's str()
+    out, _ = run("torch_save_values", ["inspect", pt("tuple_key")], 0)
+    if "k.(1, 2)" not in out:
+        raise Failed("inspect of a {(1, 2): 3} dict does not list 'k.(1, 2)'")
+    run("torch_save_values", ["inspect", pt("big_tuple_key")], 1, ["big_tuple_key.pt", "'k' has a key of type tuple"])
     run("torch_save_values", ["inspect", pt("equal_keys")], 1, ["equal_keys.pt", "'k' has two keys Python holds equal", "'True'"])
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The megatron_dist layout (include/shardsafe/checkpoint/layouts/megatron_dist.hpp) against the
+"""The megatron_dist and megatron_legacy layouts (include/shardsafe/checkpoint/layouts/) against the
 trainer's own tensors: for each Megatron-Core golden of tests/fixtures/peers/ (mcore_*),
 `shardsafe unshard` of its torch_dist checkpoint (given as the folder with
 latest_checkpointed_iteration.txt, and as its iter_NNNNNNN/ folder) must hold, bit for bit, every
@@ -21,6 +21,11 @@ The distributed optimizer's dp_reshardable form (mcore_distopt_tp2_dp2/torch_dis
 state as buffers whose parameters' places are not in the checkpoint: verify and unshard must
 refuse naming the buffer and the flag to re-save with, and `to-hf` dropping optimizer.* must give the
 model's tensors.
+
+Each golden's legacy/ save (the same run, --ckpt-format torch: mp_rank_TT[_PPP][_EEE]/) must hold
+expected/full's tensors under the module names themselves (global layer and expert numbers), with
+Adam's state as optimizer.state.<name>.{exp_avg,exp_avg_sq,step}, or, from the distributed
+optimizer's distrib_optim.pt, .{fp32,exp_avg,exp_avg_sq}.
 """
 import json
 import os
@@ -67,10 +72,28 @@ def want_of(case_dir, with_optimizer, masters=False):
     return want
 
 
-def check(tool, case_dir, path, tmp, masters):
+def legacy_want_of(case_dir, masters):
+    """The legacy layout presents the model's module names with global layer and expert numbers:
+    expected/full's names themselves; the distributed optimizer's distrib_optim.pt adds the fp32
+    masters (equal to the model in these fp32 runs) and has no per-parameter step."""
+    full = os.path.join(case_dir, "expected", "full")
+    want = dict(read_safetensors(os.path.join(full, "model.safetensors")))
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for module, t in read_safetensors(os.path.join(full, f"{kind}.safetensors")).items():
+            want[f"optimizer.state.{module}.{kind}"] = t
+            if kind == "exp_avg":
+                if masters:
+                    want[f"optimizer.state.{module}.fp32"] = want[module]
+                else:
+                    want[f"optimizer.state.{module}.step"] = ("F32", (), struct.pack("<f", 2.0))
+    return want
+
+
+def check(tool, case_dir, path, tmp, masters, legacy=False):
     for cmd in ("inspect", "verify", "digest"):
         run(tool, cmd, path)
-    got, want = unshard(tool, path, tmp), want_of(case_dir, True, masters)
+    got = unshard(tool, path, tmp)
+    want = legacy_want_of(case_dir, masters) if legacy else want_of(case_dir, True, masters)
     compare(path, got, want, "Megatron's")
     return len(want)
 
@@ -109,6 +132,13 @@ def main():
                 n = [check(tool, case_dir, p, tmp, form.endswith("fully_reshardable")) for p in paths]
                 print(f"ok {c} {form}: {n[0]} tensors equal Megatron's bit for bit (the folder with "
                       f"latest_checkpointed_iteration.txt, and iter_{it:07d}/)")
+            # the legacy (torch format) save of the same run: TP pieces, stages and EP ranks joined
+            top = os.path.join(case_dir, "legacy")
+            it = int(open(os.path.join(top, "latest_checkpointed_iteration.txt")).read().strip())
+            paths = (top, os.path.join(top, f"iter_{it:07d}"))
+            n = [check(tool, case_dir, p, tmp, c == "mcore_distopt_tp2_dp2", legacy=True) for p in paths]
+            print(f"ok {c} legacy: {n[0]} tensors equal Megatron's bit for bit (the folder with "
+                  f"latest_checkpointed_iteration.txt, and iter_{it:07d}/)")
 
 
 if __name__ == "__main__":

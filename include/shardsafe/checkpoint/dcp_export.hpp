@@ -15,6 +15,11 @@
 // | torch/optim.hpp)                         | optim.param_groups.{i}.{field} for each field of    |
 // |                                          | param_group{i} (params: its _param_names), as torch |
 // |                                          | 2.x's get_state_dict lays an optimizer out          |
+// | a trainer's checkpoint (layout_info::    | model.{name} for a model tensor;                    |
+// | trainer_state: DeepSpeed, Megatron)      | optim.state.{param}.{field} for optimizer.state.    |
+// |                                          | {param}.{field}; optim.param_groups.{g}.{field} for |
+// |                                          | the item optimizer.param_groups.{g}.{field}; other  |
+// |                                          | items under their names                             |
 //
 // planner_data gives a pair's keys their nested paths (('model', fqn), ('optim', 'state', fqn, k),
 // ('optim', 'param_groups', i, field)), a DCP source's keys the paths its .metadata gives, other
@@ -55,7 +60,7 @@ namespace shardsafe {
 
 struct dcp_export_options {
   rename_rules rename;      ///< applied to every key of the table at the top (first match wins; "" drops)
-  bool model_only = false;  ///< for a model + optimizer pair (or a DCP source), only model/ (model.*) keys
+  bool model_only = false;  ///< for a model + optimizer pair (or a DCP source, a trainer's), only model/ (model.*) keys
   std::uint64_t chunk_bytes = std::uint64_t(16) << 20;  ///< memory of the tensor stream
 };
 
@@ -67,6 +72,32 @@ struct dcp_export_stats {
 };
 
 namespace detail {
+
+/// Where a trainer layout's name goes in the state dict get_state_dict makes (the table above):
+/// its key and path, or nullopt for an item kept under its name.
+inline std::optional<std::pair<std::string, pickle_value>> trainer_state_place(const std::string& name, bool item) {
+  auto str = [](std::string s) { return pickle_value::string(std::move(s)); };
+  static constexpr std::string_view state = "optimizer.state.", groups = "optimizer.param_groups.";
+  if (!item) {
+    const auto dot = name.rfind('.');
+    if (name.starts_with(state) && dot != std::string::npos && dot > state.size()) {
+      const std::string param = name.substr(state.size(), dot - state.size()), field = name.substr(dot + 1);
+      return std::pair{"optim.state." + param + "." + field,
+                       pickle_value::tuple({str("optim"), str("state"), str(param), str(field)})};
+    }
+    return std::pair{"model." + name, pickle_value::tuple({str("model"), str(name)})};
+  }
+  if (!name.starts_with(groups)) return std::nullopt;
+  const std::string rest = name.substr(groups.size());
+  const auto dot = rest.find('.');
+  if (dot == std::string::npos || dot == 0 || dot > 9 || rest.find('.', dot + 1) != std::string::npos ||
+      rest.substr(0, dot).find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  const std::string field = rest.substr(dot + 1);
+  return std::pair{"optim.param_groups." + rest,
+                   pickle_value::tuple({str("optim"), str("param_groups"),
+                                        pickle_value::integer(std::stoll(rest.substr(0, dot))), str(field)})};
+}
 
 /// One key to export: a tensor of a source, a DCP source's non-tensor item, or a value.
 template <ReadableDirectory S>
@@ -144,31 +175,37 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       }
       continue;
     }
-    const bool model = src.prefix == std::string(model_folder_name) + "/";
-    auto path_of = [&](const std::string& key) {  // a DCP source's own path, else None: (key,)
+    const bool model = src.prefix == std::string(model_folder_name) + "/", trainer = r.layout().trainer_state;
+    // a trainer's names placed as get_state_dict places them; else a DCP source's own path, or None: (key,)
+    auto place = [&](const std::string& key, bool item) -> std::pair<std::string, pickle_value> {
+      if (model) return {"model." + key, pickle_value::tuple({str("model"), str(key)})};
+      if (trainer)
+        if (auto p = trainer_state_place(key, item)) return std::move(*p);
       const pickle_value* p = r.path_in_state_dict(key);
-      return p ? *p : pickle_value::none();
+      return {key, p ? *p : pickle_value::none()};
     };
-    auto kept = [&](const std::string& key) {  // before renaming
-      return model || !opt.model_only || key.starts_with("model.");
+    auto out_key = [&](const std::string& key, bool item = false) { return place(key, item).first; };
+    auto kept = [&](const std::string& key, bool item = false) {  // before renaming
+      return model || !opt.model_only || out_key(key, item).starts_with("model.");
     };
-    auto out_key = [&](const std::string& key) { return model ? "model." + key : key; };
     for (const auto& [key, tm] : r.metadata().tensors)
-      if (kept(key))
-        items.push_back(
-            {out_key(key), model ? pickle_value::tuple({str("model"), str(key)}) : path_of(key), &r, key, {}});
+      if (kept(key)) {
+        auto [to, path] = place(key, false);
+        items.push_back({std::move(to), std::move(path), &r, key, {}});
+      }
     // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
     r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(out_key(key)).empty(); },
                      r.foreign_export_remedy);
     for (const auto& obj : r.non_tensors()) {
       if (model) continue;
-      if (!kept(obj.key)) {
+      if (!kept(obj.key, true)) {
         // one left out is still read by the rules of check_objects: an item keyed "model" whose
         // value holds the model's tensors (torch 1.13's nested dict) is refused, not left out
         if (!obj.value) r.read_object_archive(obj.key);
         continue;
       }
-      items.push_back({obj.key, path_of(obj.key), &r, obj.key, {}, true});
+      auto [to, path] = place(obj.key, true);
+      items.push_back({std::move(to), std::move(path), &r, obj.key, {}, true});
     }
   }
   return items;

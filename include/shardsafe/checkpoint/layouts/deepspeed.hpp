@@ -52,9 +52,12 @@
 
 namespace shardsafe {
 
-struct deepspeed_layout {
-  static constexpr layout_info info{
-      .id = "deepspeed", .name = "DeepSpeed ZeRO checkpoint", .commit_mark = "", .permuted_files = true};
+struct deepspeed_layout : torch_save_values {
+  static constexpr layout_info info{.id = "deepspeed",
+                                    .name = "DeepSpeed ZeRO checkpoint",
+                                    .commit_mark = "",
+                                    .permuted_files = true,
+                                    .trainer_state = true};
   /// The file naming the tag folder.
   static constexpr std::string_view latest_file = "latest";
 
@@ -70,25 +73,14 @@ struct deepspeed_layout {
 
   template <ReadableDirectory D>
   static std::optional<checkpoint_source<D>> open(const D& dir, folder_listing<D>& ls) {
-    if (!recognise(dir, ls)) return std::nullopt;
-    if (!ls.has(latest_file)) return describe(dir);
-    const D folder = detail::ds_tag_folder(
-        dir, latest_file,
-        [](const D& tf) { return tf.exists(detail::ds_model_name(0)) || tf.exists(detail::ds_zero3_model_name(0, 0)); },
-        detail::ds_model_name(0) + " nor " + detail::ds_zero3_model_name(0, 0));
-    checkpoint_source<D> s = describe(folder);
-    s.folder = folder;
-    return s;
-  }
-
-  /// A value as the file's pickle held it, and pickled again: as a torch.save file's.
-  template <ReadableDirectory D>
-  static pickle_value read_object(const D& dir, const non_tensor_item& it) {
-    return torch_save_file_layout::read_object(dir, it);
-  }
-  template <ReadableDirectory D>
-  static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
-    return torch_save_file_layout::read_object_archive(dir, it);
+    return open_pointed<deepspeed_layout>(dir, ls, latest_file, [](const D& d) {
+      return detail::ds_tag_folder(
+          d, latest_file,
+          [](const D& tf) {
+            return tf.exists(detail::ds_model_name(0)) || tf.exists(detail::ds_zero3_model_name(0, 0));
+          },
+          detail::ds_model_name(0) + " nor " + detail::ds_zero3_model_name(0, 0));
+    });
   }
 
   /// The description of tag folder f: every file read and indexed (their pickles, no tensor data).

@@ -68,15 +68,17 @@ struct ds_file {
 /// Opens and indexes file `name` of folder f (errc::not_found naming it and `why` when absent),
 /// known to the layout as `as` (default: name). A DeepSpeed checkpoint file holds a dict; with
 /// `bare_tensor`, a bare tensor is taken too (a universal checkpoint's ZeRO-3 state files).
+/// `records`: the trainer's classes read as records (Megatron's files: megatron_records).
 template <ReadableDirectory D>
 ds_file<typename D::reader_type> open_ds_file(const D& f, const std::string& name, const std::string& why,
-                                              std::string as = {}, bool bare_tensor = false) {
+                                              std::string as = {}, bool bare_tensor = false,
+                                              const pickle_record_classes& records = deepspeed_records) {
   typename D::reader_type st =
       open_or(f, name, [&] { return std::string(f.name()) + "/" + name + ": missing: " + why; });
-  torch_save_index x = index_torch_save_file(st, torch_save_read_options{&deepspeed_records, true});
+  torch_save_index x = index_torch_save_file(st, torch_save_read_options{&records, true});
   const bool bare = bare_tensor && x.header.tensors.size() == 1 && x.header.tensors[0].name.empty();
   if (!bare && (!x.value || x.value->type() != pickle_value::kind::dict))
-    fail(errc::invalid_metadata, std::string(st.name()) + ": not a dict (a DeepSpeed checkpoint file holds one)" +
+    fail(errc::invalid_metadata, std::string(st.name()) + ": not a dict (a trainer's checkpoint file holds one)" +
                                      (bare_tensor ? " nor a tensor alone" : ""));
   return {as.empty() ? name : std::move(as), std::move(st), std::move(x)};
 }
@@ -148,6 +150,14 @@ struct ds_builder {
   /// Elements [first, first + count) of tensor `key` (shape, type) lie in file f from byte `at`.
   void piece(const ds_file<R>& f, const std::string& key, dtype type, const shape_t& shape, std::uint64_t first,
              std::uint64_t count, std::uint64_t at) {
+    placed(f, key, type, shape, {{first, first + count}}, at);
+  }
+  /// The elements of tensor `key` (shape, type) that `ranges` (sorted, disjoint) name lie in file
+  /// f one after another from byte `at`.
+  void placed(const ds_file<R>& f, const std::string& key, dtype type, const shape_t& shape,
+              std::vector<element_range> ranges, std::uint64_t at) {
+    std::uint64_t count = 0;
+    for (const auto& r : ranges) count += r.end - r.begin;
     tensor_metadata& tm = tensors[key];
     if (tm.files.empty()) {
       tm.shape = shape;
@@ -164,7 +174,7 @@ struct ds_builder {
     e.begin = at;
     e.end = at + count * item_size(type);
     entries[f.name].push_back(std::move(e));
-    tm.files.emplace_back(f.name, shard_spec(flat_spec{{first, first + count}}));
+    tm.files.emplace_back(f.name, shard_spec(flat_spec(std::move(ranges))));
   }
   /// Tensor `key` whole, as entry e of file f holds it.
   void whole(const ds_file<R>& f, const std::string& key, const tensor_entry& e) {
@@ -210,6 +220,21 @@ D ds_tag_folder(const D& dir, std::string_view latest, Holds&& holds, const std:
                               what + " (a save that did not finish, or `" + std::string(latest) +
                               "` pointing nowhere)");
   return folder;
+}
+
+/// Sets the items optimizer.param_groups.<g>.params of s (file `file`) to the names of group g's
+/// parameters, names[g], where the trainer's file lists indices: as torch's get_state_dict names
+/// them (layout_info::trainer_state). The items s had under ...params.<i> are dropped.
+template <class Source>
+void trainer_group_params(Source& s, const std::string& file, const std::vector<std::vector<std::string>>& names) {
+  for (std::size_t g = 0; g < names.size(); ++g) {
+    const std::string key = "optimizer.param_groups." + std::to_string(g) + ".params";
+    std::erase_if(s.non_tensors, [&](const auto& it) { return it.key == key || it.key.starts_with(key + "."); });
+    std::vector<pickle_value> list;
+    for (const auto& n : names[g]) list.push_back(pickle_value::string(n));
+    s.non_tensors.push_back({key, file, 0, 0, torch_save_value{key, pickle_value::list(std::move(list)), {}}});
+  }
+  std::sort(s.non_tensors.begin(), s.non_tensors.end(), [](const auto& a, const auto& b) { return a.key < b.key; });
 }
 
 /// The description of folder f the builder made: its tensors, checked against their files'

@@ -49,9 +49,12 @@
 
 namespace shardsafe {
 
-struct deepspeed_universal_layout {
-  static constexpr layout_info info{
-      .id = "deepspeed_universal", .name = "DeepSpeed universal checkpoint", .commit_mark = "", .permuted_files = true};
+struct deepspeed_universal_layout : torch_save_values {
+  static constexpr layout_info info{.id = "deepspeed_universal",
+                                    .name = "DeepSpeed universal checkpoint",
+                                    .commit_mark = "",
+                                    .permuted_files = true,
+                                    .trainer_state = true};
   /// The file naming the tag folder (what DeepSpeed's load_universal reads).
   static constexpr std::string_view latest_file = "latest_universal";
   /// The folder of the per-parameter state files, and the optimizer's file in it.
@@ -72,24 +75,11 @@ struct deepspeed_universal_layout {
 
   template <ReadableDirectory D>
   static std::optional<checkpoint_source<D>> open(const D& dir, folder_listing<D>& ls) {
-    if (!recognise(dir, ls)) return std::nullopt;
-    if (!ls.has(latest_file)) return describe(dir);
-    const D folder = detail::ds_tag_folder(
-        dir, latest_file, [](const D& tf) { return tf.sub(state_folder).exists(optimizer_file); },
-        std::string(state_folder) + "/" + std::string(optimizer_file));
-    checkpoint_source<D> s = describe(folder);
-    s.folder = folder;
-    return s;
-  }
-
-  /// A value as the file's pickle held it, and pickled again: as a torch.save file's.
-  template <ReadableDirectory D>
-  static pickle_value read_object(const D& dir, const non_tensor_item& it) {
-    return torch_save_file_layout::read_object(dir, it);
-  }
-  template <ReadableDirectory D>
-  static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
-    return torch_save_file_layout::read_object_archive(dir, it);
+    return open_pointed<deepspeed_universal_layout>(dir, ls, latest_file, [](const D& d) {
+      return detail::ds_tag_folder(
+          d, latest_file, [](const D& tf) { return tf.sub(state_folder).exists(optimizer_file); },
+          std::string(state_folder) + "/" + std::string(optimizer_file));
+    });
   }
 
   /// The description of tag folder f: the model states, zero/optimizer_state.pt and each

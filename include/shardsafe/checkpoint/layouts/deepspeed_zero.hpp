@@ -251,6 +251,13 @@ void ds_items(checkpoint_source<D>& s, const ds_file<R>& m, const ds_file<R>& o,
   s.non_tensors.erase(std::unique(s.non_tensors.begin(), s.non_tensors.end(),
                                   [](const auto& a, const auto& b) { return a.key == b.key; }),
                       s.non_tensors.end());
+  // each group's params by name (the base optimizer lists its one flat tensor's index)
+  std::vector<std::vector<std::string>> names;
+  for (const ds_group& g : ds_param_groups(m)) {
+    names.emplace_back();
+    for (const auto& [n, shape] : g) names.back().push_back(n);
+  }
+  trainer_group_params(s, o.name, names);
 }
 
 }  // namespace detail

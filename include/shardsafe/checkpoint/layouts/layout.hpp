@@ -57,6 +57,12 @@ struct layout_info {
   bool folder_of_whole_files = false;
   /// The checkpoint is one file, not a folder.
   bool single_file = false;
+  /// A trainer's whole training state under the names the trainer layouts share (docs/FORMAT.md
+  /// §6, §7): model tensors by their module names, optimizer.state.<param>.<field> tensors and
+  /// optimizer.param_groups.<g>.<field> items (params: the group's parameter names). to-dcp keys
+  /// them as torch's get_state_dict does (model.<param>, optim.state.<param>.<field>,
+  /// optim.param_groups.<g>.<field>): checkpoint/dcp_export.hpp.
+  bool trainer_state = false;
 
   friend constexpr bool operator==(const layout_info& a, const layout_info& b) noexcept { return &a == &b; }
 };
@@ -102,6 +108,21 @@ class folder_listing {
   std::optional<std::vector<std::string>> names_;
   bool listed_ = true;
 };
+
+/// L::open for a layout whose checkpoint folder a pointer file may name (DeepSpeed's `latest`,
+/// Megatron's `latest_checkpointed_iteration.txt`): nullopt where L does not recognise dir; dir
+/// described itself where it holds no `pointer`; else the folder resolve(dir) gives, described,
+/// with its folder set.
+template <class L, class D, class Resolve>
+auto open_pointed(const D& dir, folder_listing<D>& ls, std::string_view pointer, Resolve&& resolve)
+    -> std::optional<decltype(L::describe(dir))> {
+  if (!L::recognise(dir, ls)) return std::nullopt;
+  if (!ls.has(pointer)) return L::describe(dir);
+  const D folder = resolve(dir);
+  auto s = L::describe(folder);
+  s.folder = folder;
+  return s;
+}
 
 /// A list of layouts, tried in this order.
 template <class... L>

@@ -26,9 +26,9 @@
 //                                   (optimizer.distributed.*): which parameter lies where in them is
 //                                   not in the checkpoint; the message says how to re-save
 //
-// Refused: `latest_checkpointed_iteration.txt` naming no iteration folder with metadata.json, a
-// metadata.json whose sharded_backend is not torch_dist, a legacy (torch) iteration folder
-// (mp_rank_TT[_PPP]/: not read yet), a chunk of a stacked key spanning more than one layer, a
+// Refused: `latest_checkpointed_iteration.txt` naming no iteration folder with metadata.json (a
+// legacy folder, mp_rank_TT[_PPP][_EEE]/, is the megatron_legacy layout's), a
+// metadata.json whose sharded_backend is not torch_dist, a chunk of a stacked key spanning more than one layer, a
 // global in common.pt outside the torch.save allowlist and megatron_records.
 #pragma once
 
@@ -65,12 +65,20 @@ inline constexpr std::string_view megatron_record_names[] = {
     "megatron.core.transformer.enums.AttnType",
     "megatron.core.enums.ModelType",
     "torch.Size",
+    // a legacy checkpoint's rng_state holds numpy's generator state (an ndarray)
+    "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
 };
 inline constexpr pickle_record_classes megatron_records{megatron_record_names, false};
 
 struct megatron_dist_layout {
-  static constexpr layout_info info{
-      .id = "megatron_dist", .name = "Megatron-Core torch_dist checkpoint", .commit_mark = "", .permuted_files = true};
+  static constexpr layout_info info{.id = "megatron_dist",
+                                    .name = "Megatron-Core torch_dist checkpoint",
+                                    .commit_mark = "",
+                                    .permuted_files = true,
+                                    .trainer_state = true};
   static constexpr std::string_view tracker_file = "latest_checkpointed_iteration.txt";
   static constexpr std::string_view config_file = "metadata.json";
   static constexpr std::string_view common_file = "common.pt";
@@ -84,12 +92,7 @@ struct megatron_dist_layout {
 
   template <ReadableDirectory D>
   static std::optional<checkpoint_source<D>> open(const D& dir, folder_listing<D>& ls) {
-    if (!recognise(dir, ls)) return std::nullopt;
-    if (!ls.has(tracker_file)) return describe(dir);
-    const D folder = iteration_folder(dir);
-    checkpoint_source<D> s = describe(folder);
-    s.folder = folder;
-    return s;
+    return open_pointed<megatron_dist_layout>(dir, ls, tracker_file, [](const D& d) { return iteration_folder(d); });
   }
 
   template <ReadableStorage S, class Source>
@@ -224,32 +227,30 @@ struct megatron_dist_layout {
     return s;
   }
 
- private:
-  /// The folder latest_checkpointed_iteration.txt names: iter_{:07d} or release.
+  /// The folder latest_checkpointed_iteration.txt of dir names: iter_{:07d} or release (the
+  /// megatron_legacy layout reads the same file).
   template <ReadableDirectory D>
-  static D iteration_folder(const D& dir) {
+  static std::string iteration_name(const D& dir) {
     const std::string where = std::string(dir.name()) + "/" + std::string(tracker_file);
     std::string it = read_text(dir.open(tracker_file), 4096);
     while (!it.empty() && (it.back() == '\n' || it.back() == '\r' || it.back() == ' ')) it.pop_back();
-    std::string name;
-    if (it == "release") {
-      name = it;
-    } else {
-      if (it.empty() || it.size() > 12 || it.find_first_not_of("0123456789") != std::string::npos)
-        fail(errc::invalid_metadata, where + ": '" + it + "' is neither an iteration number nor 'release'");
-      name = std::to_string(std::stoull(it));
-      name = "iter_" + std::string(name.size() < 7 ? 7 - name.size() : 0, '0') + name;
-    }
+    if (it == "release") return it;
+    if (it.empty() || it.size() > 12 || it.find_first_not_of("0123456789") != std::string::npos)
+      fail(errc::invalid_metadata, where + ": '" + it + "' is neither an iteration number nor 'release'");
+    const std::string n = std::to_string(std::stoull(it));
+    return "iter_" + std::string(n.size() < 7 ? 7 - n.size() : 0, '0') + n;
+  }
+
+ private:
+  /// The iteration folder, checked to hold metadata.json (a legacy folder is megatron_legacy's).
+  template <ReadableDirectory D>
+  static D iteration_folder(const D& dir) {
+    const std::string name = iteration_name(dir);
     D folder = dir.sub(name);
     if (folder.exists(config_file)) return folder;
-    if (folder.exists("mp_rank_00") || folder.exists("mp_rank_00_000"))
-      fail(errc::invalid_metadata,
-           where + ": names " + name +
-               ", a legacy (torch format) Megatron checkpoint (mp_rank_TT[_PPP]/"
-               "model_optim_rng.pt), which is not read yet: save with --ckpt-format torch_dist");
-    fail(errc::not_found, where + ": names " + name + ", but " + std::string(folder.name()) + " holds no " +
-                              std::string(config_file) + " (a save that did not finish, or `" +
-                              std::string(tracker_file) + "` pointing nowhere)");
+    fail(errc::not_found, std::string(dir.name()) + "/" + std::string(tracker_file) + ": names " + name + ", but " +
+                              std::string(folder.name()) + " holds no " + std::string(config_file) +
+                              " (a save that did not finish, or `" + std::string(tracker_file) + "` pointing nowhere)");
   }
 };
 

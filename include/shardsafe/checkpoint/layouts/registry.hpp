@@ -5,6 +5,8 @@
 //
 // | layout (checkpoint/layouts/) | how it is told apart                                   |
 // |------------------------------|--------------------------------------------------------|
+// | megatron_legacy_layout       | latest_checkpointed_iteration.txt naming a folder of   |
+// |                              | mp_rank_TT[_PPP][_EEE]/, or such folders (Megatron-LM) |
 // | megatron_dist_layout         | latest_checkpointed_iteration.txt, or metadata.json    |
 // |                              | beside common.pt and .metadata (Megatron-Core)         |
 // | shardsafe_layout             | metadata.json (shardsafe, OLMo-core before 1.0)        |
@@ -33,6 +35,7 @@
 #include "shardsafe/checkpoint/layouts/hf.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/layouts/megatron_dist.hpp"
+#include "shardsafe/checkpoint/layouts/megatron_legacy.hpp"
 #include "shardsafe/checkpoint/layouts/shardsafe.hpp"
 #include "shardsafe/checkpoint/layouts/single_file.hpp"
 #include "shardsafe/checkpoint/source.hpp"
@@ -42,8 +45,8 @@
 namespace shardsafe {
 
 /// The folder layouts, in the order they are tried.
-using folder_layouts = layout_list<megatron_dist_layout, shardsafe_layout, hf_layout, dcp_layout, dcp_sharded_hf_layout,
-                                   deepspeed_universal_layout, deepspeed_layout>;
+using folder_layouts = layout_list<megatron_legacy_layout, megatron_dist_layout, shardsafe_layout, hf_layout,
+                                   dcp_layout, dcp_sharded_hf_layout, deepspeed_universal_layout, deepspeed_layout>;
 /// The single-file layouts, in the order they are tried (the last takes any file).
 using file_layouts = layout_list<torch_save_file_layout, safetensors_file_layout>;
 

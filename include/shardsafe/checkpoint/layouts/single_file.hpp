@@ -80,6 +80,20 @@ struct torch_save_file_layout {
   }
 };
 
+/// The non-tensor item hooks of a layout whose items are values of torch.save files (the trainer
+/// layouts: deepspeed, deepspeed_universal, megatron_legacy), inherited: each read as its file's
+/// pickle held it, and pickled again, as a torch.save file's.
+struct torch_save_values {
+  template <ReadableDirectory D>
+  static pickle_value read_object(const D& dir, const non_tensor_item& it) {
+    return torch_save_file_layout::read_object(dir, it);
+  }
+  template <ReadableDirectory D>
+  static std::string read_object_archive(const D& dir, const non_tensor_item& it) {
+    return torch_save_file_layout::read_object_archive(dir, it);
+  }
+};
+
 /// A safetensors file: what any other file is taken for (its header says whether it is one).
 struct safetensors_file_layout {
   static constexpr layout_info info{

@@ -137,9 +137,13 @@ SHARDSAFE_DECL torch_state_dict_pickle flatten_torch_state_dict(pickle_view root
           part = std::to_string(key.as_int(""));
         else if (key.type() == k::boolean || key.type() == k::none || key.type() == k::real)
           part = pickle_repr(key.build(), 64);  // Python's str() of it, as DCP's path holds: "True", "None", "0.5"
+        else if (key.type() == k::tuple && !scan(scan, key).tensor && scan(scan, key).count <= 16)
+          // a small tuple of plain values (Megatron's distrib_optim.pt keys its buffers by a
+          // (param dtype, grad dtype) tuple): named by Python's str() of it, "(torch.float32, torch.float32)"
+          part = torch_value_repr(key.build(), 256);
         else
           fail(errc::invalid_metadata, w + ": " + where + " has a key of type " + pickle_value::kind_name(key.type()) +
-                                           " (keys are str, int, bool, float or None)");
+                                           " (keys are str, int, bool, float, None or a small tuple of them)");
         if (key.type() == k::integer || key.type() == k::boolean || key.type() == k::real) {
           std::pair<bool, std::int64_t> n{false, 0};
           const double d = key.type() == k::real ? key.as_real("") : 0;

@@ -1,0 +1,301 @@
+// shardsafe/checkpoint/layouts/megatron_legacy_rules.hpp - the rules the megatron_legacy layout
+// (layouts/megatron_legacy.hpp; docs/FORMAT.md §7.1, docs/layouts-notes/megatron.md §3) reads
+// Megatron-LM's legacy rank files by: the world its args give, the rank folders' names, the
+// stages' layer numbers, Megatron's optimizer grouping, the distributed optimizer's buffer, and
+// how TP pieces join (Megatron-Core's GPT rule set). Each refusal names the file and the rule.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "shardsafe/checkpoint/layouts/deepspeed_files.hpp"
+#include "shardsafe/core/error.hpp"
+#include "shardsafe/format/pickle_value.hpp"
+#include "shardsafe/format/torch_save.hpp"
+
+namespace shardsafe {
+
+/// How a tensor's TP pieces make the whole, by Megatron-Core's GPT (and Llama) layers.
+enum class megatron_join { whole, rows, columns, swiglu, unknown };
+
+/// The rule for module name n (gated: the MLP is SwiGLU, args.swiglu).
+inline megatron_join megatron_join_rule(std::string_view n, bool gated) {
+  auto ends = [&](std::string_view s) { return n.ends_with(s); };
+  if (ends("word_embeddings.weight") || ends("output_layer.weight") || ends("linear_qkv.weight") ||
+      ends("linear_qkv.bias"))
+    return megatron_join::rows;
+  if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) return gated ? megatron_join::swiglu : megatron_join::rows;
+  if (ends("linear_proj.weight") || ends("linear_fc2.weight")) return megatron_join::columns;
+  if (ends("linear_proj.bias") || ends("linear_fc2.bias") || ends("position_embeddings.weight") ||
+      n.find("norm") != std::string_view::npos || n.find(".router.") != std::string_view::npos)
+    return megatron_join::whole;
+  return megatron_join::unknown;
+}
+
+namespace detail {
+
+struct megatron_legacy_rules {
+  /// The element alignment of each parameter's start in the distributed optimizer's buffer.
+  static constexpr std::uint64_t buffer_alignment = 64;
+
+  /// mp_rank_TT[_PPP][_EEE], as Megatron's get_checkpoint_name makes it.
+  static std::string rank_folder(std::uint64_t t, std::uint64_t p, std::uint64_t e, std::uint64_t pp,
+                                 std::uint64_t ep) {
+    auto digits = [](std::uint64_t v, std::size_t w) {
+      std::string s = std::to_string(v);
+      return std::string(s.size() < w ? w - s.size() : 0, '0') + s;
+    };
+    return "mp_rank_" + digits(t, 2) + (pp > 1 ? "_" + digits(p, 3) : "") + (ep > 1 ? "_" + digits(e, 3) : "");
+  }
+
+  struct world {
+    std::uint64_t tp = 1, pp = 1, ep = 1;
+    bool gated = false, distributed = false;
+    std::optional<std::uint64_t> num_layers, expert_tp, padded_vocab, vocab;
+    std::string said;
+  };
+
+  /// The parallel world the args of rank 0's file (folder `first`) describe.
+  template <class F>
+  static world world_of(const F& f0, const std::string& first) {
+    const pickle_value* args = detail::ds_get(&f0.value(), "args");
+    if (!args || torch_record_class(*args) != "argparse.Namespace")
+      f0.bad("'args' is not the run's argparse.Namespace (Megatron-LM saves it: the TP, PP and EP sizes are in it)");
+    auto size = [&](const char* k, bool required) -> std::optional<std::uint64_t> {
+      const pickle_value* v = detail::ds_get(args, k);
+      if (!v || v->is_none()) {
+        if (required) f0.bad("args." + std::string(k) + " is missing: the model-parallel world is not known");
+        return std::nullopt;
+      }
+      const auto n = detail::ds_uint(v);
+      if (!n || *n == 0 || *n > (1u << 20))
+        f0.bad("args." + std::string(k) + " is " + pickle_repr(*v, 40) + ", not a count from 1 to 2^20");
+      return n;
+    };
+    auto flag = [&](const char* k) {
+      const pickle_value* v = detail::ds_get(args, k);
+      return v && v->type() == pickle_value::kind::boolean && v->as_bool("");
+    };
+    world w;
+    w.tp = *size("tensor_model_parallel_size", true);
+    w.pp = *size("pipeline_model_parallel_size", true);
+    w.ep = size("expert_model_parallel_size", false).value_or(1);
+    if (w.tp > 1024 || w.pp > 1024 || w.ep > 1024 || w.tp * w.pp * w.ep > (1u << 16))
+      f0.bad("a model-parallel world of TP " + std::to_string(w.tp) + " x PP " + std::to_string(w.pp) + " x EP " +
+             std::to_string(w.ep) + " is past the 2^16 rank files read");
+    w.num_layers = size("num_layers", false);
+    w.expert_tp = size("expert_tensor_parallel_size", false);
+    w.padded_vocab = size("padded_vocab_size", false);
+    w.vocab = size("vocab_size", false);
+    w.gated = flag("swiglu");
+    w.distributed = flag("use_distributed_optimizer");
+    if (size("virtual_pipeline_model_parallel_size", false) || detail::ds_get(&f0.value(), "model0"))
+      f0.bad("holds virtual pipeline stages (model0, model1, ...): not read yet");
+    if (const pickle_value* v = detail::ds_get(&f0.value(), "checkpoint_version");
+        v && v->type() == pickle_value::kind::real && v->as_real("") < 2.0)
+      f0.bad("checkpoint_version " + pickle_repr(*v, 20) +
+             " is before 2.0, whose QKV order differs (Megatron's fix_query_key_value_ordering): not read");
+    const std::string expected = rank_folder(0, 0, 0, w.pp, w.ep);
+    if (expected != first)
+      f0.bad("its args say TP " + std::to_string(w.tp) + ", PP " + std::to_string(w.pp) + ", EP " +
+             std::to_string(w.ep) + ", whose rank 0 folder is " + expected + ", not " + first);
+    w.said = "TP " + std::to_string(w.tp) + " x PP " + std::to_string(w.pp) + " x EP " + std::to_string(w.ep);
+    return w;
+  }
+
+  /// The names of file m's model tensors, in its state dict's order (TE's _extra_state left out).
+  template <class F>
+  static std::vector<std::string> model_names(const F& m) {
+    const pickle_value* model = detail::ds_get(&m.value(), "model");
+    if (!model || model->type() != pickle_value::kind::dict)
+      m.bad("'model' is not the model's state dict (a legacy Megatron-LM checkpoint holds one)");
+    std::vector<std::string> out;
+    for (std::size_t i = 0; i < model->dict_size(); ++i) {
+      if (model->dict_key(i).type() != pickle_value::kind::string) continue;
+      const std::string n = model->dict_key(i).as_string("");
+      if (!n.ends_with("._extra_state") && m.x.header.find("model." + n)) out.push_back(n);
+    }
+    return out;
+  }
+
+  /// How many distinct numbers follow `marker` ("decoder.layers.", ".local_experts.") in names,
+  /// checked to be 0 .. count - 1.
+  static std::uint64_t count_of(const std::vector<std::string>& names, std::string_view marker) {
+    std::set<std::uint64_t> seen;
+    for (const auto& n : names)
+      if (const auto i = n.find(marker); i != std::string::npos) {
+        const auto j = n.find('.', i + marker.size());
+        const std::string num = n.substr(i + marker.size(), j == std::string::npos ? j : j - i - marker.size());
+        if (!num.empty() && num.size() < 10 && num.find_first_not_of("0123456789") == std::string::npos)
+          seen.insert(std::stoull(num));
+      }
+    return seen.empty() ? 0 : *seen.rbegin() + 1;
+  }
+
+  /// name with the number after `marker` raised by `by`.
+  template <class F>
+  static std::string renumber(const F& m, const std::string& name, std::string_view marker, std::uint64_t by) {
+    const auto i = name.find(marker);
+    if (i == std::string::npos) return name;
+    const auto at = i + marker.size(), j = name.find('.', at);
+    const std::string num = name.substr(at, j == std::string::npos ? j : j - at);
+    if (num.empty() || num.size() >= 10 || num.find_first_not_of("0123456789") != std::string::npos)
+      m.bad("tensor 'model." + name + "' has no number after '" + std::string(marker) + "'");
+    return name.substr(0, at) + std::to_string(std::stoull(num) + by) + (j == std::string::npos ? "" : name.substr(j));
+  }
+
+  /// For each parameter of file m (global name, model entry) with optimizer state: its index in
+  /// the optimizer's state, by Megatron's grouping rule (top of this file).
+  struct indexed {
+    std::string param;
+    std::int64_t index;
+    std::pair<bool, bool> group;  // its group's kind: (no weight decay, expert)
+  };
+  template <class F>
+  static std::vector<indexed> optimizer_indices(
+      const F& m, const std::vector<std::pair<std::string, const tensor_entry*>>& params) {
+    const pickle_value* opt = detail::ds_get(&m.value(), "optimizer");
+    if (!opt || opt->type() != pickle_value::kind::dict) m.bad("'optimizer' is not the optimizer's state dict");
+    if (detail::ds_get(opt, "fp32_from_fp16_params") || detail::ds_get(opt, "optimizer"))
+      m.bad("'optimizer' is Megatron's fp16/bf16 wrapper (fp32_from_fp16_params): not read yet");
+    const pickle_value* groups = detail::ds_get(opt, "param_groups");
+    if (!groups || groups->type() != pickle_value::kind::list) m.bad("'optimizer.param_groups' is not a list");
+    std::vector<indexed> out;
+    std::set<std::pair<bool, bool>> kinds;
+    const auto& gs = groups->as_sequence("");
+    for (std::size_t g = 0; g < gs.size(); ++g) {
+      const std::string where = "optimizer.param_groups." + std::to_string(g);
+      const pickle_value *wd = detail::ds_get(&gs[g], "wd_mult"), *ex = detail::ds_get(&gs[g], "is_expert_parallel"),
+                         *ps = detail::ds_get(&gs[g], "params");
+      if (!wd || (wd->type() != pickle_value::kind::real && wd->type() != pickle_value::kind::integer) || !ex ||
+          ex->type() != pickle_value::kind::boolean || !ps || ps->type() != pickle_value::kind::list)
+        m.bad("'" + where + "' has no wd_mult, is_expert_parallel and params (Megatron's param groups have them)");
+      const bool no_wd = (wd->type() == pickle_value::kind::real ? wd->as_real("") : double(wd->as_int(""))) == 0.0,
+                 expert = ex->as_bool("");
+      if (!kinds.insert({no_wd, expert}).second)
+        m.bad("'" + where + "' is a second group of wd_mult " + pickle_repr(*wd, 20) + ", is_expert_parallel " +
+              (expert ? "True" : "False") +
+              ": custom parameter-group overrides, which the grouping rule does not name (not read)");
+      std::vector<std::string> members;
+      for (const auto& [n, te] : params) {
+        const bool n_no_wd = n.ends_with(".bias") || te->shape.size() == 1,
+                   n_expert = n.find(".local_experts.") != std::string::npos;
+        if (n_no_wd == no_wd && n_expert == expert) members.push_back(n);
+      }
+      const auto& ids = ps->as_sequence("");
+      if (ids.size() != members.size())
+        m.bad("'" + where + "' lists " + std::to_string(ids.size()) + " parameters, but the model holds " +
+              std::to_string(members.size()) + " of its kind (" + (no_wd ? "biases and 1-D tensors" : "weights") +
+              (expert ? ", experts" : "") + "): Megatron's grouping rule does not name them");
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        if (ids[i].type() != pickle_value::kind::integer || ids[i].as_int("") < 0)
+          m.bad("'" + where + ".params." + std::to_string(i) + "' is not an optimizer index");
+        out.push_back({members[i], ids[i].as_int(""), {no_wd, expert}});
+      }
+    }
+    return out;
+  }
+
+  struct buffer_range {
+    std::string param;
+    std::uint64_t offset;  // in elements
+    const tensor_entry* flat;
+    const char* kind;
+    shape_t shape;  // the parameter's
+  };
+  /// distrib_optim.pt's buffer o cut into the parameters (global name, model entry) of its rank:
+  /// reverse order, each start a multiple of buffer_alignment, the last ending at numel_unpadded.
+  template <class F>
+  static std::vector<buffer_range> buffer_ranges(
+      const F& o, const std::vector<std::pair<std::string, const tensor_entry*>>& params) {
+    const pickle_value* bc = detail::ds_get(&o.value(), "buckets_coalesced");
+    if (!bc || bc->type() != pickle_value::kind::boolean || !bc->as_bool(""))
+      o.bad("has no buckets_coalesced: True (the per-bucket lists of older Megatron-LM are not read)");
+    // the one buffer: <gbuf>.<(param dtype, grad dtype)>.{param,exp_avg,exp_avg_sq,numel_unpadded}
+    std::string prefix;
+    for (const auto& te : o.x.header.tensors) {
+      const auto dot = te.name.rfind('.');
+      const std::string p = dot == std::string::npos ? std::string() : te.name.substr(0, dot);
+      if (prefix.empty()) prefix = p;
+      if (p != prefix || p.empty())
+        o.bad("holds tensors '" + prefix + ".*' and '" + te.name +
+              "': more than one buffer (expert or other dtypes) is not read yet");
+    }
+    const tensor_entry* flats[3];
+    const char* names[3] = {"param", "exp_avg", "exp_avg_sq"};
+    const char* kinds[3] = {".fp32", ".exp_avg", ".exp_avg_sq"};
+    for (int k = 0; k < 3; ++k) flats[k] = &o.tensor(prefix + "." + names[k], "the buffer's " + std::string(names[k]));
+    std::optional<std::uint64_t> unpadded;
+    for (const auto& v : o.x.values)
+      if (v.name == prefix + ".numel_unpadded") unpadded = detail::ds_uint(&v.value);
+    if (!unpadded) o.bad("'" + prefix + ".numel_unpadded' is not a count");
+    std::vector<buffer_range> out;
+    std::uint64_t off = 0;
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      off = (off + buffer_alignment - 1) / buffer_alignment * buffer_alignment;
+      for (int k = 0; k < 3; ++k) out.push_back({it->first, off, flats[k], kinds[k], it->second->shape});
+      off += it->second->numel();
+    }
+    if (off != *unpadded)
+      o.bad("the parameters, in reverse order with starts aligned to " + std::to_string(buffer_alignment) +
+            " elements, end at " + std::to_string(off) + ", but numel_unpadded is " + std::to_string(*unpadded) +
+            ": the buffer is laid out otherwise (more than one bucket, frozen parameters): not read");
+    for (int k = 0; k < 3; ++k)
+      if (flats[k]->shape.size() != 1 || flats[k]->numel() < off || flats[k]->type != flats[0]->type)
+        o.bad("'" + flats[k]->name + "' " + to_string(flats[k]->shape) + " is not a 1-D buffer of at least " +
+              std::to_string(off) + " elements of " + std::string(to_string(flats[0]->type)));
+    return out;
+  }
+
+  /// Tensor `key`'s TP pieces v placed in its whole by `rule` (rows, columns, swiglu).
+  template <class R, class P>
+  static void join(detail::ds_builder<R>& b, const std::string& key, const std::vector<P>& v, megatron_join rule) {
+    const std::size_t c = rule == megatron_join::columns ? 1 : 0;
+    const P& p0 = v[0];
+    shape_t g = p0.shape;
+    if (g.size() <= c)
+      p0.f->bad("tensor '" + key + "' " + to_string(g) + " has no dim " + std::to_string(c) + " to join on");
+    g[c] = 0;
+    for (const P& p : v) {
+      bool same = p.shape.size() == p0.shape.size() && p.type == p0.type;
+      for (std::size_t d = 0; same && d < p.shape.size(); ++d) same = d == c || p.shape[d] == p0.shape[d];
+      if (!same || (rule == megatron_join::swiglu && p.shape[0] % 2))
+        p.f->bad("tensor '" + key + "' " + to_string(p.shape) + " " + std::string(to_string(p.type)) +
+                 " does not join with TP rank 0's " + to_string(p0.shape) + " on dim " + std::to_string(c) +
+                 (rule == megatron_join::swiglu ? " as SwiGLU halves (an even count of rows)" : ""));
+      if (p.e && !p.f->x.header.stored_order(*p.e).empty())
+        p.f->bad("tensor '" + key + "' is stored transposed: its TP pieces are not joined");
+      g[c] += p.shape[c];
+    }
+    std::uint64_t rest = 1;
+    for (std::size_t d = c + 1; d < g.size(); ++d) rest *= g[d];
+    std::uint64_t o = 0;  // rank t's offset on dim c (swiglu: in each half)
+    for (const P& p : v) {
+      std::vector<element_range> ranges;
+      if (rule == megatron_join::columns) {
+        const std::uint64_t rows = numel(p.shape) / (p.shape[c] * rest), lblock = p.shape[c] * rest,
+                            gblock = g[c] * rest;
+        for (std::uint64_t q = 0; q < rows; ++q)
+          ranges.push_back({q * gblock + o * rest, q * gblock + o * rest + lblock});
+        o += p.shape[c];
+      } else if (rule == megatron_join::swiglu) {
+        const std::uint64_t h = p.shape[0] / 2, half = g[0] / 2;
+        ranges.push_back({o * rest, (o + h) * rest});
+        ranges.push_back({(half + o) * rest, (half + o + h) * rest});
+        o += h;
+      } else {
+        ranges.push_back({o * rest, (o + p.shape[0]) * rest});
+        o += p.shape[0];
+      }
+      b.placed(*p.f, key, p.type, g, std::move(ranges), p.e ? p.f->x.header.offset_of(*p.e) : p.at);
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace shardsafe
