@@ -8,6 +8,11 @@ not installed, its source tree is put on PYTHONPATH (tests/peers/make_goldens.sh
 
     python3 ds_peer.py CASE OUTDIR        CASE: one of CASES below; OUTDIR/CASE is (re)made
 
+PEER_DS_SIZE=V,H,F,O,L (opt-in, for bench/trainer_converters.py): the same case with a larger
+model (embedding V x H, L extra Linear(H, H) blocks after the norm, col F x H, row O x F); only the
+checkpoint and expected/fp32.safetensors are written, and DeepSpeed's offline tools are not run
+here (the bench runs and times them). Unset, nothing changes (the goldens).
+
 What each case directory holds:
     ckpt/latest, ckpt/global_step2/...       what engine.save_checkpoint wrote (2 Adam steps)
     universal/global_step2_universal/...     ds_to_universal's output (the cases with universal=1)
@@ -38,6 +43,10 @@ CASES = {
     "zero2_bf16_tp2": dict(stage=2, dtype="bf16", dp=2, tp=2, universal=True),
     "zero3_bf16": dict(stage=3, dtype="bf16", dp=2, tp=1, universal=True),
 }
+
+
+# PEER_DS_SIZE: V,H,F,O,L of a larger model for the bench (module docstring); None: the goldens
+SIZE = tuple(int(x) for x in os.environ["PEER_DS_SIZE"].split(",")) if os.environ.get("PEER_DS_SIZE") else None
 
 
 def free_port():
@@ -117,6 +126,9 @@ def worker(case_name, outdir):
     # piece; odd sizes so that the flat partitions need padding
     torch.manual_seed(1234)
     V, H, F, O = 11, 6, 10, 5
+    L = 0
+    if SIZE:
+        V, H, F, O, L = SIZE
 
     class CopyToTP(torch.autograd.Function):
         """Megatron's copy_to_tensor_model_parallel_region: identity, gradients summed over TP."""
@@ -154,9 +166,13 @@ def worker(case_name, outdir):
             self.row = nn.Linear(F, O)  # row parallel under TP: weight split on dim 1, bias whole
             self.frozen = nn.Parameter(torch.randn(3, 4), requires_grad=False)
             self.register_buffer("counter", torch.arange(4, dtype=torch.int64))
+            if L:
+                self.blocks = nn.ModuleList([nn.Linear(H, H) for _ in range(L)])
 
         def forward(self, ids):
             x = self.norm(self.embed(ids))
+            for b in (self.blocks if L else ()):
+                x = torch.relu(b(x))
             if tp > 1:
                 x = CopyToTP.apply(x)
             h = torch.relu(torch.nn.functional.linear(x, self.col.weight, self.col.bias))
@@ -233,8 +249,16 @@ def worker(case_name, outdir):
     for n, p in engine.module.named_parameters():
         if p.requires_grad:
             fp32[n] = safe_get_full_fp32_param(p).detach().clone().cpu()
+            if SIZE:
+                continue  # the bench takes the fp32 masters only
             ea[n] = safe_get_full_optimizer_state(p, "exp_avg").detach().clone().cpu()
             eas[n] = safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone().cpu()
+    if SIZE:
+        if dp_rank == 0:
+            os.makedirs(os.path.join(outdir, "expected"), exist_ok=True)
+            st.save_file(fp32, os.path.join(outdir, "expected", "fp32.safetensors"))
+        dist.barrier()
+        return
     if case["stage"] == 3:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
             for n, p in engine.module.named_parameters():
@@ -285,7 +309,8 @@ def run_case(name, root):
     rcs = [p.wait(timeout=900) for p in procs]
     if any(rcs):
         raise SystemExit(f"{name}: workers exited {rcs}; logs in {root}/{name}.rank*.log")
-    check_offline(name, out)
+    if not SIZE:
+        check_offline(name, out)
 
 
 def check_offline(name, out):

@@ -10,6 +10,10 @@ not installed, its source tree is on PYTHONPATH (tests/peers/make_goldens.sh mco
 
     python3 mcore_peer.py CASE OUTDIR
 
+PEER_MCORE_SIZE=HIDDEN,FFN,LAYERS,VOCAB (opt-in, for bench/trainer_converters.py): the same case with
+a larger model; only torch_dist/ and legacy/ are written (no expected/, no TP1 PP1 load, no checks).
+Unset, nothing changes (the goldens).
+
 OUTDIR/CASE holds:
     torch_dist/latest_checkpointed_iteration.txt, torch_dist/iter_0000002/...
     legacy/latest_checkpointed_iteration.txt, legacy/iter_0000002/mp_rank_TT_PPP/model_optim_rng.pt
@@ -41,6 +45,10 @@ CASES = {
     "mcore_distopt_tp2_dp2": dict(tp=2, pp=1, ep=1, experts=0, layers=2, dp=2, distopt=True),
 }
 ORIG_VOCAB = 13  # padded by Megatron to a multiple of make_vocab_size_divisible_by * tp
+# PEER_MCORE_SIZE: hidden, ffn, layers, vocab of a larger model for the bench; None: the goldens
+SIZE = tuple(int(x) for x in os.environ["PEER_MCORE_SIZE"].split(",")) if os.environ.get("PEER_MCORE_SIZE") else None
+if SIZE:
+    ORIG_VOCAB = SIZE[3]
 
 
 def free_port():
@@ -139,6 +147,9 @@ def megatron_args(case, world, save, fmt, tp, pp, ep=1):
         if False else "--bf16", "--dist-ckpt-strictness", "log_all"
     ]
     sys.argv.remove("--bf16")  # fp32 training: Megatron's mixed-precision optimizer is CUDA-only
+    if SIZE:
+        for flag, v in (("--hidden-size", SIZE[0]), ("--ffn-hidden-size", SIZE[1]), ("--num-layers", SIZE[2])):
+            sys.argv[sys.argv.index(flag) + 1] = str(v)
     if case["experts"]:
         sys.argv += ["--num-experts", str(case["experts"]), "--expert-model-parallel-size", str(ep),
                      "--moe-router-topk", "2", "--moe-ffn-hidden-size", "12"]
@@ -284,6 +295,9 @@ def worker(case_name, outdir):
         args.save = os.path.join(outdir, "legacy")
         save_checkpoint(2, [model], opt, None, 0)
 
+    if SIZE:  # the bench needs the checkpoints only
+        torch.distributed.barrier()
+        return
     # what this rank holds
     import safetensors.torch as st
     t, p = mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank()
@@ -377,6 +391,9 @@ def run_case(name, root):
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     launch("--worker", name, out, case["tp"] * case["pp"] * case["ep"] * case.get("dp", 1), root)
+    if SIZE:
+        print(f"{name}: written (PEER_MCORE_SIZE={os.environ['PEER_MCORE_SIZE']})")
+        return
     launch("--full", name, out, 1, root)
     meta = {"case": name, **case, "orig_vocab_size": ORIG_VOCAB, "megatron_commit": os.environ.get("PEER_MCORE_COMMIT", "?"),
             "torch_version": torch.__version__, "checks": []}

@@ -22,6 +22,9 @@ state as buffers whose parameters' places are not in the checkpoint: verify and 
 refuse naming the buffer and the flag to re-save with, and `to-hf` dropping optimizer.* must give the
 model's tensors.
 
+Each checkpoint's `to-dcp` output must read back (verify, unshard) with the same tensors under
+get_state_dict's keys (model.<name>, optim.state.<name>.<field>).
+
 Each golden's legacy/ save (the same run, --ckpt-format torch: mp_rank_TT[_PPP][_EEE]/) must hold
 expected/full's tensors under the module names themselves (global layer and expert numbers), with
 Adam's state as optimizer.state.<name>.{exp_avg,exp_avg_sq,step}, or, from the distributed
@@ -95,6 +98,16 @@ def check(tool, case_dir, path, tmp, masters, legacy=False):
     got = unshard(tool, path, tmp)
     want = legacy_want_of(case_dir, masters) if legacy else want_of(case_dir, True, masters)
     compare(path, got, want, "Megatron's")
+    # to-dcp keys it as get_state_dict does (model.*, optim.state.*), leaving the per-rank RNG
+    # states out: shardsafe reads the folder it wrote, every tensor under its new key
+    dcp = os.path.join(tmp, "dcp")
+    subprocess.run(["rm", "-rf", dcp])
+    run(tool, "to-dcp", path, dcp)
+    run(tool, "verify", dcp)
+    back = unshard(tool, dcp, tmp)
+    renamed = {("optim." + n[len("optimizer."):] if n.startswith("optimizer.state.") else "model." + n): t
+               for n, t in want.items()}
+    compare(dcp, back, renamed, "Megatron's (through to-dcp)")
     return len(want)
 
 

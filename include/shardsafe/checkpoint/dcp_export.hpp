@@ -19,7 +19,8 @@
 // | trainer_state: DeepSpeed, Megatron)      | optim.state.{param}.{field} for optimizer.state.    |
 // |                                          | {param}.{field}; optim.param_groups.{g}.{field} for |
 // |                                          | the item optimizer.param_groups.{g}.{field}; other  |
-// |                                          | items under their names                             |
+// |                                          | items under their names, but the per-rank RNG       |
+// |                                          | states (rng_state...), left out                     |
 //
 // planner_data gives a pair's keys their nested paths (('model', fqn), ('optim', 'state', fqn, k),
 // ('optim', 'param_groups', i, field)), a DCP source's keys the paths its .metadata gives, other
@@ -74,7 +75,8 @@ struct dcp_export_stats {
 namespace detail {
 
 /// Where a trainer layout's name goes in the state dict get_state_dict makes (the table above):
-/// its key and path, or nullopt for an item kept under its name.
+/// its key and path, nullopt for an item kept under its name, or an empty key for one left out
+/// (a rank's RNG state: Megatron's rng_state/shard_... items, whose archives hold tensors).
 inline std::optional<std::pair<std::string, pickle_value>> trainer_state_place(const std::string& name, bool item) {
   auto str = [](std::string s) { return pickle_value::string(std::move(s)); };
   static constexpr std::string_view state = "optimizer.state.", groups = "optimizer.param_groups.";
@@ -87,6 +89,7 @@ inline std::optional<std::pair<std::string, pickle_value>> trainer_state_place(c
     }
     return std::pair{"model." + name, pickle_value::tuple({str("model"), str(name)})};
   }
+  if (name.starts_with("rng_state")) return std::pair{std::string(), pickle_value::none()};
   if (!name.starts_with(groups)) return std::nullopt;
   const std::string rest = name.substr(groups.size());
   const auto dot = rest.find('.');
@@ -197,7 +200,7 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
     r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(out_key(key)).empty(); },
                      r.foreign_export_remedy);
     for (const auto& obj : r.non_tensors()) {
-      if (model) continue;
+      if (model || (trainer && out_key(obj.key, true).empty())) continue;
       if (!kept(obj.key, true)) {
         // one left out is still read by the rules of check_objects: an item keyed "model" whose
         // value holds the model's tensors (torch 1.13's nested dict) is refused, not left out
