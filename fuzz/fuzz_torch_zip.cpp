@@ -40,7 +40,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const memory_storage st(
             byte_buffer(reinterpret_cast<const std::byte*>(data), reinterpret_cast<const std::byte*>(data) + size),
             "f.distcp");
-        const dcp_data_file f{"f.distcp", false, {{{"k", *t.type, shape_t(t.size.size(), 0), t.size}, 0, size}}};
+        const dcp_data_file f{"f.distcp", false, {{{"k", *t.type, shape_t(t.size.size(), 0), t.size}, 0, size, {}, 0}}};
         const auto h = index_dcp_data_file(st, f);
         FUZZ_CHECK(h.tensors.size() == 1 && h.offset_of(h.tensors[0]) == z.storage.data_offset &&
                    h.tensors[0].nbytes() == z.storage.size);
