@@ -187,27 +187,28 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       const pickle_value* p = r.path_in_state_dict(key);
       return {key, p ? *p : pickle_value::none()};
     };
-    auto out_key = [&](const std::string& key, bool item = false) { return place(key, item).first; };
-    auto kept = [&](const std::string& key, bool item = false) {  // before renaming
-      return model || !opt.model_only || out_key(key, item).starts_with("model.");
+    auto kept = [&](const std::string& to) {  // by its key before renaming
+      return model || !opt.model_only || to.starts_with("model.");
     };
     for (const auto& [key, tm] : r.metadata().tensors)
-      if (kept(key)) {
-        auto [to, path] = place(key, false);
-        items.push_back({std::move(to), std::move(path), &r, key, {}});
-      }
+      if (auto [to, path] = place(key, false); kept(to)) items.push_back({std::move(to), std::move(path), &r, key, {}});
     // a tensor of a dtype shardsafe has no type for is refused where the export would keep it
-    r.refuse_foreign([&](const std::string& key) { return kept(key) && !opt.rename.apply(out_key(key)).empty(); },
-                     r.foreign_export_remedy);
+    r.refuse_foreign(
+        [&](const std::string& key) {
+          const std::string to = place(key, false).first;
+          return kept(to) && !opt.rename.apply(to).empty();
+        },
+        r.foreign_export_remedy);
     for (const auto& obj : r.non_tensors()) {
-      if (model || (trainer && out_key(obj.key, true).empty())) continue;
-      if (!kept(obj.key, true)) {
+      if (model) continue;
+      auto [to, path] = place(obj.key, true);
+      if (trainer && to.empty()) continue;  // left out (a rank's RNG state)
+      if (!kept(to)) {
         // one left out is still read by the rules of check_objects: an item keyed "model" whose
         // value holds the model's tensors (torch 1.13's nested dict) is refused, not left out
         if (!obj.value) r.read_object_archive(obj.key);
         continue;
       }
-      auto [to, path] = place(obj.key, true);
       items.push_back({std::move(to), std::move(path), &r, obj.key, {}, true});
     }
   }

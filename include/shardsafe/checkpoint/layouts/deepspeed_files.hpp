@@ -201,6 +201,26 @@ struct ds_builder {
   }
 };
 
+/// Where a TP piece's elements go in the tensor joined on one dimension: `local` (sorted flat
+/// element ranges of the piece) mapped to the joined tensor's flat ranges, each block of `lblock`
+/// local elements (one index of the dimensions before the joined one) lying at element `start`
+/// of a block of `gblock` (adjacent ranges merged). deepspeed_tp.hpp's and megatron_legacy's joins.
+inline std::vector<element_range> ds_joined_ranges(const std::vector<element_range>& local, std::uint64_t lblock,
+                                                   std::uint64_t gblock, std::uint64_t start) {
+  std::vector<element_range> out;
+  for (const auto& r : local)
+    for (std::uint64_t a = r.begin; a < r.end;) {
+      const std::uint64_t q = a / lblock, e = std::min(r.end, (q + 1) * lblock);
+      const std::uint64_t ga = q * gblock + start + (a - q * lblock);
+      if (!out.empty() && out.back().end == ga)
+        out.back().end += e - a;
+      else
+        out.push_back({ga, ga + (e - a)});
+      a = e;
+    }
+  return out;
+}
+
 /// The tag folder that text file `latest` of dir names (DeepSpeed's `latest`, a universal
 /// checkpoint's `latest_universal`), checked to be a plain name and to hold what `holds` looks
 /// for (`what`, for the message).
@@ -224,7 +244,8 @@ D ds_tag_folder(const D& dir, std::string_view latest, Holds&& holds, const std:
 
 /// Sets the items optimizer.param_groups.<g>.params of s (file `file`) to the names of group g's
 /// parameters, names[g], where the trainer's file lists indices: as torch's get_state_dict names
-/// them (layout_info::trainer_state). The items s had under ...params.<i> are dropped.
+/// them (layout_info::trainer_state). The items s had under ...params.<i> are dropped; the items
+/// are left sorted by key.
 template <class Source>
 void trainer_group_params(Source& s, const std::string& file, const std::vector<std::vector<std::string>>& names) {
   for (std::size_t g = 0; g < names.size(); ++g) {

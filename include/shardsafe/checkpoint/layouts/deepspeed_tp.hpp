@@ -191,19 +191,9 @@ std::string ds_join_tp(ds_builder<R>& b, const pickle_value* info, const std::ve
         joined.shape = g;
         joined.type = tm.type;
         for (const auto& [fname, spec] : tm.files) {
-          std::vector<element_range> out;
-          for (const auto& r : spec.flat().ranges())
-            for (std::uint64_t a = r.begin; a < r.end;) {
-              const std::uint64_t q = a / lblock, e = std::min(r.end, (q + 1) * lblock);
-              const std::uint64_t ga = q * gblock + o * rest + (a - q * lblock);
-              if (!out.empty() && out.back().end == ga)
-                out.back().end += e - a;
-              else
-                out.push_back({ga, ga + (e - a)});
-              a = e;
-            }
           rename_in_files(tm, from, key);
-          joined.files.emplace_back(fname, shard_spec(flat_spec(std::move(out))));
+          joined.files.emplace_back(
+              fname, shard_spec(flat_spec(ds_joined_ranges(spec.flat().ranges(), lblock, gblock, o * rest))));
         }
       }
       if (!joined.files.empty()) b.tensors[key] = std::move(joined);

@@ -116,6 +116,7 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
 
     // every rank's file; the stages' layer offsets and the EP ranks' local expert counts
     std::map<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>, const F*> rank;
+    std::map<const F*, std::vector<std::string>> names_of;  // each file's model tensors (model_names)
     for (std::uint64_t p = 0; p < w.pp; ++p)
       for (std::uint64_t e = 0; e < w.ep; ++e)
         for (std::uint64_t t = 0; t < w.tp; ++t) {
@@ -125,19 +126,20 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
                                                           "the model of TP rank " + std::to_string(t) + ", stage " +
                                                               std::to_string(p) + ", EP rank " + std::to_string(e) +
                                                               " (" + w.said + ")");
+          names_of[rank[{t, p, e}]] = model_names(*rank[{t, p, e}]);
         }
     std::vector<std::uint64_t> layer_offset(w.pp, 0);
     std::uint64_t layers = 0;
     for (std::uint64_t p = 0; p < w.pp; ++p) {
       layer_offset[p] = layers;
-      layers += count_of(model_names(*rank[{0, p, 0}]), "decoder.layers.");
+      layers += count_of(names_of[rank[{0, p, 0}]], "decoder.layers.");
     }
     if (w.num_layers && layers != *w.num_layers)
       f0.bad("args.num_layers is " + std::to_string(*w.num_layers) + ", but the " + std::to_string(w.pp) +
              " stages' files hold " + std::to_string(layers) + " layers");
     std::vector<std::uint64_t> experts(w.ep, 0);
     for (std::uint64_t e = 0; e < w.ep; ++e) {
-      experts[e] = count_of(model_names(*rank[{0, 0, e}]), ".local_experts.");
+      experts[e] = count_of(names_of[rank[{0, 0, e}]], ".local_experts.");
       if (e > 0 && experts[e] != experts[0])
         rank[{0, 0, e}]->bad("holds " + std::to_string(experts[e]) + " local experts, EP rank 0's file " +
                              std::to_string(experts[0]) + ": the EP ranks disagree");
@@ -178,13 +180,13 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
         for (std::uint64_t t = 0; t < w.tp; ++t) {
           const F& m = *rank[{t, p, e}];
           const std::string folder = rank_folder(t, p, e, w.pp, w.ep);
-          const std::vector<std::string> names = model_names(m);
           auto global = [&](const std::string& local) {
             std::string g = renumber(m, local, "decoder.layers.", layer_offset[p]);
             return renumber(m, g, ".local_experts.", e * experts[0]);
           };
           std::vector<std::pair<std::string, const tensor_entry*>> params;  // (global name, model entry)
-          for (const auto& n : names) params.emplace_back(global(n), &m.tensor("model." + n, "the model's tensor"));
+          for (const auto& n : names_of[&m])
+            params.emplace_back(global(n), &m.tensor("model." + n, "the model's tensor"));
           for (const auto& [g, te] : params) {
             if (e > 0 && g.find(".local_experts.") == std::string::npos)
               continue;  // the same on every EP rank: EP rank 0's
@@ -280,12 +282,11 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
           !v.name.starts_with("rng_state.") && v.name != "rng_state" && !v.name.starts_with("args"))
         s.non_tensors.push_back({v.name, f0.name, 0, 0, torch_save_value{v.name, v.value, {}}});
     s.non_tensors.push_back({"megatron.layout", f0.name, 0, 0, torch_save_value{"", pickle_value::string(said), {}}});
-    std::sort(s.non_tensors.begin(), s.non_tensors.end(), [](const auto& a, const auto& c) { return a.key < c.key; });
-    if (!w.distributed) {
-      std::vector<std::vector<std::string>> names;
-      for (const auto& k : group_order) names.push_back(group_names[k]);
-      detail::trainer_group_params(s, f0.name, names);
-    }
+    // each group's params by name, the items sorted (the distributed optimizer's groups stay as
+    // optimizer.optimizer.param_groups: no names)
+    std::vector<std::vector<std::string>> names;
+    for (const auto& k : group_order) names.push_back(group_names[k]);
+    detail::trainer_group_params(s, f0.name, names);
     return s;
   }
 

@@ -274,25 +274,16 @@ struct megatron_legacy_rules {
     }
     std::uint64_t rest = 1;
     for (std::size_t d = c + 1; d < g.size(); ++d) rest *= g[d];
+    // SwiGLU: each rank's [gate_t; up_t] joins as two halves, gate_t in the first half of the
+    // rows and up_t in the second, both at the rank's offset in its half
+    const bool halves = rule == megatron_join::swiglu;
+    const std::uint64_t gblock = (halves ? g[0] / 2 : g[c]) * rest;
     std::uint64_t o = 0;  // rank t's offset on dim c (swiglu: in each half)
     for (const P& p : v) {
-      std::vector<element_range> ranges;
-      if (rule == megatron_join::columns) {
-        const std::uint64_t rows = numel(p.shape) / (p.shape[c] * rest), lblock = p.shape[c] * rest,
-                            gblock = g[c] * rest;
-        for (std::uint64_t q = 0; q < rows; ++q)
-          ranges.push_back({q * gblock + o * rest, q * gblock + o * rest + lblock});
-        o += p.shape[c];
-      } else if (rule == megatron_join::swiglu) {
-        const std::uint64_t h = p.shape[0] / 2, half = g[0] / 2;
-        ranges.push_back({o * rest, (o + h) * rest});
-        ranges.push_back({(half + o) * rest, (half + o + h) * rest});
-        o += h;
-      } else {
-        ranges.push_back({o * rest, (o + p.shape[0]) * rest});
-        o += p.shape[0];
-      }
-      b.placed(*p.f, key, p.type, g, std::move(ranges), p.e ? p.f->x.header.offset_of(*p.e) : p.at);
+      const std::uint64_t local = halves ? p.shape[0] / 2 : p.shape[c];
+      b.placed(*p.f, key, p.type, g, detail::ds_joined_ranges({{0, numel(p.shape)}}, local * rest, gblock, o * rest),
+               p.e ? p.f->x.header.offset_of(*p.e) : p.at);
+      o += local;
     }
   }
 };
