@@ -23,6 +23,13 @@ What each case directory holds:
                                              (deepspeed.utils.safe_get_full_fp32_param, live)
     expected/exp_avg.safetensors, expected/exp_avg_sq.safetensors
                                              Adam's state, full (safe_get_full_optimizer_state)
+    expected/resume/                         DeepSpeed's own resume (without TP): a new engine's
+                                             load_checkpoint on the same world, then step 3 on the next
+                                             batch: grad.safetensors (the averaged fp32 gradient it
+                                             stepped with) and fp32 / exp_avg / exp_avg_sq after the
+                                             step, full; written only where torch's AdamW, stepped from
+                                             the saved state with that gradient, gives DeepSpeed's step
+                                             bit for bit (not ZeRO-1's BF16_Optimizer: meta.json says)
     expected/meta.json                       versions, case, world, step, what was checked
 With tensor parallelism (tp2) the expected files are per TP rank: expected/tp{R}/..., each the
 rank's piece as DeepSpeed holds it (DeepSpeed itself never joins TP pieces; how to join them is
@@ -66,7 +73,7 @@ def worker(case_name, outdir):
     import torch.nn as nn
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_get_full_grad
 
     # DeepSpeed's CPU accelerator JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm)
     # whenever a compiler is there; the peer does not build DeepSpeed's C++: the op is marked not
@@ -181,21 +188,29 @@ def worker(case_name, outdir):
                 y = ReduceFromTP.apply(y)
             return y + self.row.bias + self.frozen.sum() * 0
 
-    model = Tiny()
-    if tp > 1:
-        with torch.no_grad():
-            f = F // tp
-            model.col.weight = nn.Parameter(model.col.weight[tp_rank * f:(tp_rank + 1) * f].clone())
-            model.col.bias = nn.Parameter(model.col.bias[tp_rank * f:(tp_rank + 1) * f].clone())
-            model.row.weight = nn.Parameter(model.row.weight[:, tp_rank * f:(tp_rank + 1) * f].clone())
-            for n, p in model.named_parameters():
-                if n.startswith("col.") or n == "row.weight":
-                    p.tensor_model_parallel = True  # what Megatron marks; DeepSpeed reads it for norms
-                    p.partition_dim = 1 if n == "row.weight" else 0
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    def make_model():
+        model = Tiny()
+        if tp > 1:
+            with torch.no_grad():
+                f = F // tp
+                model.col.weight = nn.Parameter(model.col.weight[tp_rank * f:(tp_rank + 1) * f].clone())
+                model.col.bias = nn.Parameter(model.col.bias[tp_rank * f:(tp_rank + 1) * f].clone())
+                model.row.weight = nn.Parameter(model.row.weight[:, tp_rank * f:(tp_rank + 1) * f].clone())
+                for n, p in model.named_parameters():
+                    if n.startswith("col.") or n == "row.weight":
+                        p.tensor_model_parallel = True  # what Megatron marks; DeepSpeed reads it for norms
+                        p.partition_dim = 1 if n == "row.weight" else 0
+        return model
+
+    model = make_model()
+
+    def make_optimizer(model):
+        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2]
+        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() != 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
+                                  {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+
+    opt = make_optimizer(model)
 
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -241,9 +256,12 @@ def worker(case_name, outdir):
     # ZeRO-1/2 steps one param group at a time and links the parameters' views of the optimizer
     # state after the first group's step, when the later groups have no state yet: with two
     # groups the second group's exp_avg views stay empty. Linked again here, all groups have state.
-    if hasattr(optimizer, "_hp_optimizer_states_linked"):
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
+    def relink(optimizer):
+        if hasattr(optimizer, "_hp_optimizer_states_linked"):
+            optimizer._hp_optimizer_states_linked = False
+            optimizer._lazy_init_hp_params_optimizer_state()
+
+    relink(optimizer)
     import safetensors.torch as st
     fp32, ea, eas, module = {}, {}, {}, {}
     for n, p in engine.module.named_parameters():
@@ -268,6 +286,12 @@ def worker(case_name, outdir):
             module[n] = p.detach().clone().cpu()
     for n, b in engine.module.named_buffers():
         module[n] = b.detach().clone().cpu()
+    for n in fp32:
+        # seen once in ten runs: ZeRO-3's gather gave a garbage row.weight (1e33), while the fp32
+        # masters were right; such a run is refused, not committed
+        if not torch.equal(module[n], fp32[n].to(module[n].dtype)):
+            raise SystemExit(f"{case_name}: the module's {n} is not its fp32 master cast to "
+                             f"{module[n].dtype} (a DeepSpeed gather gone wrong): run the case again")
     step_count = None
     base = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
     for s in base.state.values():
@@ -284,6 +308,71 @@ def worker(case_name, outdir):
         with open(os.path.join(sub, "step.json"), "w") as f:
             json.dump({"adam_step": step_count, "optimizer": type(optimizer).__name__,
                        "base_optimizer": type(base).__name__}, f)
+    dist.barrier()
+
+    # DeepSpeed's own resume (without TP): a new engine loads the checkpoint just written, on the
+    # same world, and takes step 3 on each DP rank's next batch. What it stepped with (the averaged
+    # fp32 gradient) and the state after the step are the golden of a resumed job: expected/resume/
+    if tp > 1:
+        return
+    model2 = make_model()
+    engine2, optimizer2, _, _ = deepspeed.initialize(model=model2, optimizer=make_optimizer(model2), config=config,
+                                                     mpu=mpu)
+    engine2.load_checkpoint(ckpt)
+    relink(optimizer2)
+    for n, p in engine2.module.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(safe_get_full_fp32_param(p).cpu(), fp32[n]), f"resumed fp32 of {n} differs"
+            assert torch.equal(safe_get_full_optimizer_state(p, "exp_avg").cpu(), ea[n]), f"resumed exp_avg of {n}"
+            assert torch.equal(safe_get_full_optimizer_state(p, "exp_avg_sq").cpu(), eas[n]), f"resumed exp_avg_sq {n}"
+    ids = torch.randint(0, V, (2, 3), generator=g)
+    target = torch.randn(2, 3, O, generator=g).to(dt)
+    out = engine2(ids)
+    loss = ((out.float() - target.float())**2).mean()
+    engine2.backward(loss)
+    grad = {}
+    for n, p in engine2.module.named_parameters():
+        if p.requires_grad:
+            grad[n] = safe_get_full_grad(p).detach().float().clone().cpu()
+    engine2.step()
+    relink(optimizer2)
+    after = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for n, p in engine2.module.named_parameters():
+        if p.requires_grad:
+            after["fp32"][n] = safe_get_full_fp32_param(p).detach().clone().cpu()
+            after["exp_avg"][n] = safe_get_full_optimizer_state(p, "exp_avg").detach().clone().cpu()
+            after["exp_avg_sq"][n] = safe_get_full_optimizer_state(p, "exp_avg_sq").detach().clone().cpu()
+    if dp_rank == 0:
+        # the gradient recorded is the one DeepSpeed stepped with: torch's AdamW, stepped from the
+        # saved state with it, gives DeepSpeed's state after the step, bit for bit
+        differ = []
+        for n in grad:
+            q = fp32[n].clone().requires_grad_(True)
+            wd = 0.01 if q.dim() == 2 else 0.0
+            o = torch.optim.AdamW([q], lr=1e-2, weight_decay=wd, foreach=False)
+            o.state[q] = {"step": torch.tensor(step_count), "exp_avg": ea[n].clone(), "exp_avg_sq": eas[n].clone()}
+            q.grad = grad[n].clone()
+            o.step()
+            for kind, got in (("fp32", q.detach()), ("exp_avg", o.state[q]["exp_avg"]),
+                              ("exp_avg_sq", o.state[q]["exp_avg_sq"])):
+                if not torch.equal(got, after[kind][n]):
+                    differ.append(f"{n}.{kind}")
+        if differ:
+            # no golden from a gradient that does not give DeepSpeed's step (ZeRO-1's BF16_Optimizer)
+            with open(os.path.join(outdir, "resume_refused.txt"), "w") as f:
+                f.write("torch's AdamW stepped with safe_get_full_grad's gradient differs from DeepSpeed's "
+                        f"resumed step in {len(differ)} of {3 * len(grad)} tensors (" + ", ".join(differ[:3]) + ", ...)")
+            dist.barrier()
+            return
+        sub = os.path.join(outdir, "expected", "resume")
+        os.makedirs(sub, exist_ok=True)
+        st.save_file(grad, os.path.join(sub, "grad.safetensors"))
+        for kind, d in after.items():
+            st.save_file(d, os.path.join(sub, f"{kind}.safetensors"))
+        with open(os.path.join(sub, "step.json"), "w") as f:
+            json.dump({"adam_step": step_count + 1, "resumed_from": "ckpt/global_step2", "dp": dp,
+                       "checked": "torch.optim.AdamW(foreach=False) stepped from the saved state with grad "
+                                  "== DeepSpeed's state after its resumed step (bitwise)"}, f)
     dist.barrier()
 
 
@@ -364,6 +453,15 @@ def check_offline(name, out):
                          os.path.join(out, "expected", "joined", f"{kind}.safetensors"))
             joined[kind] = j
         meta["checks"].append("replicated params equal on both TP ranks (module, fp32, exp_avg, exp_avg_sq)")
+    refused = os.path.join(out, "resume_refused.txt")
+    if os.path.exists(os.path.join(out, "expected", "resume")):
+        meta["checks"].append("resumed by DeepSpeed (load_checkpoint, same world) == saved state (bitwise); its step 3's "
+                              "gradient and state after it in expected/resume/, torch's AdamW replay of that step "
+                              "== DeepSpeed's (bitwise)")
+    elif os.path.exists(refused):
+        with open(refused) as f:
+            meta["checks"].append("no resume golden: " + f.read())
+        os.remove(refused)
     if case["universal"]:
         uni = os.path.join(out, "universal", "global_step2_universal")
         tag = os.path.join(ckpt, "global_step2")

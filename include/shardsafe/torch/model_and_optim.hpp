@@ -36,7 +36,7 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const state_
                                                       const save_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   model_and_optim_save_stats st;
-  with_format(train_layouts{}, opt.format, dir.name(), "training layout (torch/train_layouts.hpp)",
+  with_format(train_writers{}, opt.format, dir.name(), "training layout (torch/train_layouts.hpp)",
               [&]<class L>() { st = L::save(dir, model, optim, comm, opt); });
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
@@ -51,7 +51,9 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const torch:
 }
 
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
-/// under any change of world size or sharding. A collective over comm (for agreement only).
+/// under any change of world size or sharding; or the DCP folder, or the trainer's checkpoint
+/// (DeepSpeed, Megatron-LM) that DIR is (torch/train_layouts.hpp). A collective over comm (for
+/// agreement only).
 template <ReadableDirectory D, Comm C>
 model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim,
                                                       C& comm, const train_load_options& opt = {}) {
@@ -59,9 +61,6 @@ model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& 
   const step_scope scope("load " + std::string(dir.name()));
   model_and_optim_load_stats rep;
   every_rank_step(comm, [&] {
-    if (!is_complete_checkpoint(dir))
-      fail(errc::not_found,
-           std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
     any_layout(train_layouts{}, [&]<class L>() {
       if (!L::recognise(dir)) return false;
       L::load(dir, model, optim, opt, rep);

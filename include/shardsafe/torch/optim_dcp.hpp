@@ -159,11 +159,13 @@ inline dcp_train_state dcp_train_state_of(const state_dict& model, torch::optim:
 
 namespace detail {
 
-/// The param groups of a DCP checkpoint's optimizer (any of the layouts at the top).
+/// The param groups of a DCP checkpoint's optimizer (any of the layouts at the top), whose keys
+/// begin with optim_prefix ("optimizer." for a trainer's checkpoint: torch/train_layouts.hpp).
 template <ReadableDirectory D>
-std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>& r, std::set<std::string>& used) {
+std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>& r, std::set<std::string>& used,
+                                                     std::string_view optim_prefix = dcp_optim_prefix) {
   const std::string dname(r.directory().name());
-  const std::string whole = std::string(dcp_optim_prefix) + "param_groups";
+  const std::string whole = std::string(optim_prefix) + "param_groups";
   std::vector<checkpoint_param_group> out;
   auto names_in = [&](const pickle_value& v, const std::string& ctx) {
     std::vector<std::string> names;

@@ -8,20 +8,35 @@
 // |                   |                      | model/metadata.json last, the pair's commit mark|                   |
 // | dcp_train_layout  | dcp                  | one torch.distributed.checkpoint folder, keyed | DIR/.metadata, no  |
 // |                   |                      | as torch 2.x's get_state_dict (torch/optim_dcp.hpp) | DIR/model/    |
+// | trainer_train_layout | (read only)       | a trainer's checkpoint: DeepSpeed ZeRO or      | a folder layout    |
+// |                   |                      | universal, Megatron-LM legacy (docs/FORMAT.md §6-7) | with trainer_state |
 //
-// A layout L has: `format` (the save_format that writes it), recognise(dir) (by names only),
-// save(dir, model, optim, comm, opt) and load(dir, model, optim, opt, stats) (the caller runs
-// it as one every-rank step). The list below is the only one; a training layout is its type
-// here and one entry in train_layouts.
+// A layout L has: recognise(dir) (by names only) and load(dir, model, optim, opt, stats) (the
+// caller runs it as one every-rank step); one that is written also has `format` (the
+// save_format that writes it) and save(dir, model, optim, comm, opt). The lists below are the
+// only ones; a training layout is its type here and one entry in train_layouts (and in
+// train_writers when it is written).
+//
+// A trainer's checkpoint is loaded as its layout presents it: the model's tensors under their
+// names; each parameter's fp32 master, exp_avg, exp_avg_sq and step as
+// optimizer.state.{param}.{field}; the param groups as optimizer.param_groups.{g}.{field}, with
+// `params` the parameters' names. A model tensor of dtype float32 is loaded from its parameter's
+// fp32 master where the checkpoint keeps one (the weights a bf16 run trains, which the model's
+// bf16 copy only rounds), any other from the model's tensor. Groups that list their parameters by
+// index (Megatron-Core's torch_dist) or not at all (Megatron-LM's distributed optimizer) cannot be
+// matched to the optimizer's: its state is refused, by name (the model loads alone).
 #pragma once
 
+#include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <torch/optim/optimizer.h>
 
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
+#include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/agree.hpp"
@@ -94,6 +109,9 @@ struct pair_train_layout {
   template <ReadableDirectory D>
   static void load(const D& dir, state_dict& model, torch::optim::Optimizer* optim, const train_load_options& opt,
                    model_and_optim_load_stats& rep) {
+    if (!is_complete_checkpoint(dir))
+      fail(errc::not_found,
+           std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
     const auto [lo, oo] = detail::split_train_load_options(opt);
     checkpoint_reader<D> mr(dir.sub(model_folder_name));
     rep.model = load_state_dict(mr, model, lo);
@@ -139,7 +157,78 @@ struct dcp_train_layout {
   }
 };
 
-/// The training layouts, in the order a load tries them (the pair last: it takes any folder).
-using train_layouts = layout_list<dcp_train_layout, pair_train_layout>;
+/// A trainer's checkpoint, read only (table at the top): a folder whose layout has
+/// layout_info::trainer_state.
+struct trainer_train_layout {
+  static constexpr std::string_view state_prefix = "optimizer.state.", master_field = ".fp32";
+
+  template <ReadableDirectory D>
+  static bool recognise(const D& dir) {
+    const layout_info* info = recognise_folder(dir);
+    return info && info->trainer_state;
+  }
+
+  template <ReadableDirectory D>
+  static void load(const D& dir, state_dict& model, torch::optim::Optimizer* optim, const train_load_options& opt,
+                   model_and_optim_load_stats& rep) {
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    checkpoint_reader<D> r(dir);
+    const std::string dname(dir.name());
+    // groups that do not name their parameters (Megatron-Core's torch_dist) cannot be matched
+    if (optim && r.find_object("optimizer.param_groups.0.lr")) {
+      const std::string key = "optimizer.param_groups.0.params";
+      bool named = r.find_object(key) != nullptr;
+      if (named)
+        for (const auto& v : r.read_object(key).as_sequence(dname + ": '" + key + "'"))
+          named = named && v.type() == pickle_value::kind::string;
+      if (!named)
+        fail(errc::invalid_argument,
+             dname + ": '" + key + "' (" + std::string(r.layout().name) +
+                 ") does not list its parameters by name (Megatron-Core's torch_dist keeps its groups without "
+                 "them), so its optimizer state cannot be matched to this optimizer's parameters: load the model "
+                 "alone (no optimizer), or save with --ckpt-format torch");
+    }
+    // the model's tensors, each F32 one from its parameter's fp32 master where there is one
+    state_dict named;
+    std::set<std::string> from_master;
+    for (const auto& [name, t] : model) {
+      const std::string master = std::string(state_prefix) + name + std::string(master_field);
+      if (t.local.scalar_type() == at::kFloat && r.find(master)) {
+        from_master.insert(name);
+        named.add(master, t);
+      } else {
+        named.add(name, t);
+      }
+    }
+    rep.model = load_state_dict(r, named, lo);
+    // the optimizer's entries, and the model tensors whose master was loaded instead, are not unexpected
+    std::erase_if(rep.model.unexpected_keys,
+                  [&](const std::string& k) { return k.starts_with(state_prefix) || from_master.count(k); });
+    if (!optim) return;
+    std::set<std::string> used;
+    auto groups = detail::dcp_param_groups(r, used, "optimizer.");
+    if (groups.empty())
+      fail(errc::not_found,
+           dname + ": no optimizer param groups (optimizer.param_groups...) in " + r.described_by() +
+               (r.find_object("optimizer.optimizer.param_groups.0.step")
+                    ? ": Megatron's distributed optimizer keeps its groups as optimizer.optimizer.param_groups, with "
+                      "no parameter names and one step per group, which a LibTorch optimizer does not take yet: "
+                      "load the model alone (no optimizer)"
+                    : std::string()));
+    rep.optim =
+        detail::restore_optimizer(r, *optim, model, oo, groups, {std::string(state_prefix), "."}, std::move(used));
+    std::erase_if(rep.optim.unexpected_keys, [&](const std::string& k) {
+      if (!k.ends_with(master_field)) return false;
+      const std::string param = k.substr(state_prefix.size(), k.size() - state_prefix.size() - master_field.size());
+      return from_master.count(param) > 0;
+    });
+  }
+};
+
+/// The training layouts, in the order a load tries them (a trainer's first: Megatron-Core's
+/// torch_dist folder has a .metadata; the pair last: it takes any folder).
+using train_layouts = layout_list<trainer_train_layout, dcp_train_layout, pair_train_layout>;
+/// The training layouts a save writes, each of its save_options::format.
+using train_writers = layout_list<dcp_train_layout, pair_train_layout>;
 
 }  // namespace shardsafe

@@ -1,0 +1,299 @@
+// A LibTorch model + AdamW resumed from the trainers' own checkpoints (tests/fixtures/peers/:
+// DeepSpeed's ZeRO and universal checkpoints, Megatron-LM's legacy ones) in real c10d worlds of
+// other sizes and shardings than the trainer's, through load_model_and_optim_state
+// (torch/train_layouts.hpp: trainer_train_layout).
+//
+// Each rank holds its piece (a flat element range, or a block of rows) of every parameter in an
+// AdamW whose groups are the trainer's in the other order, with wrong hyper-parameters. After the
+// load, every piece of the weights (the fp32 masters), exp_avg and exp_avg_sq, the step and the
+// groups' lr and weight decay are the trainer's own (its expected/ files, read by the plain
+// safetensors parser), bit for bit. Where the golden holds DeepSpeed's own resumed step
+// (expected/resume/: the gradient it stepped with and its state after the step), each rank steps
+// with its piece of that gradient, and then:
+// - the pieces equal, bit for bit, LibTorch's AdamW stepped on one rank from DeepSpeed's saved
+//   tensors (no shardsafe load): the resharded resume is the unsharded one;
+// - exp_avg_sq equals DeepSpeed's, bit for bit; the weights and exp_avg are within 4 F32
+//   epsilons of their tensor's scale of DeepSpeed's. They cannot be equal: LibTorch's AdamW updates exp_avg as
+//   exp_avg * beta1 + grad * (1 - beta1), torch.optim.AdamW (DeepSpeed's base optimizer here) as
+//   exp_avg.lerp_(grad, 1 - beta1), which rounds otherwise (the peer checks that torch's AdamW
+//   gives its step bit for bit). The worker prints how many elements differ.
+#include "shardsafe/torch/model_and_optim.hpp"
+
+#include <ATen/Parallel.h>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "fixtures.hpp"
+#include "shardsafe/dist/single.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/torch/c10d.hpp"
+#include "support/trainer_goldens.hpp"
+#include "world.hpp"
+
+using namespace shardsafe;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path trainer_peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
+
+/// A golden's expected tensors as whole CPU tensors, by name.
+std::map<std::string, at::Tensor> golden_tensors(const fs::path& p) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, g] : testing::read_golden_tensors(p)) {
+    at::Tensor t = at::empty(to_sizes(g.shape), *to_scalar_type(g.type));
+    std::memcpy(t.data_ptr(), g.bytes.data(), g.bytes.size());
+    out[name] = t;
+  }
+  return out;
+}
+
+/// How far a is from b, elementwise at most, in units of F32's epsilon (2^-23) times `scale`
+/// (the largest magnitude among the step's inputs or outputs: rounding differences of a few
+/// units in the last place stay within a few such units), and how many elements differ.
+std::pair<double, std::int64_t> distance(const at::Tensor& a, const at::Tensor& b, double scale) {
+  const at::Tensor d = (a.to(at::kDouble) - b.to(at::kDouble)).abs();
+  return {d.numel() ? d.max().item<double>() / (scale * std::ldexp(1.0, -23)) : 0.0,
+          a.ne(b).sum().item<std::int64_t>()};
+}
+
+double largest(std::initializer_list<at::Tensor> ts) {
+  double m = 0;
+  for (const auto& t : ts)
+    if (t.numel()) m = std::max(m, t.abs().max().to(at::kDouble).item<double>());
+  return m > 0 ? m : 1.0;
+}
+
+torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  auto* s = optimizer_state_of(opt, p);
+  testing::worker_check(s != nullptr, "no AdamW state for a parameter after the load");
+  return static_cast<torch::optim::AdamWParamState&>(*s);
+}
+
+}  // namespace
+
+// args: checkpoint folder, expected folder (fp32, exp_avg, exp_avg_sq and module safetensors),
+// sharding (flat | rows), the resume folder or "-" (DeepSpeed's own step: grad, fp32, exp_avg,
+// exp_avg_sq), the step saved, the weight decay of the group without decay as the trainer stored it
+WORKER_SCENARIO("trainer_adamw_resume") {
+  at::set_num_threads(1);
+  auto w = init_world_from_env();
+  auto comm = w.comm();
+  const file_directory ckpt(args.at(0));
+  const fs::path exp(args.at(1));
+  const bool flat = args.at(2) == "flat";
+  const std::string resume = args.at(3);
+  const std::int64_t saved_step = std::stoll(args.at(4));
+  const double no_decay_wd = std::stod(args.at(5));
+  const auto fp32 = golden_tensors(exp / "fp32.safetensors");
+  const auto ea = golden_tensors(exp / "exp_avg.safetensors");
+  const auto eas = golden_tensors(exp / "exp_avg_sq.safetensors");
+
+  // this rank's piece of every trained parameter (F32: the masters come in), and the rest of the
+  // module's tensors whole, in the checkpoint's dtype
+  state_dict sd;
+  std::map<std::string, std::optional<shard_spec>> spec;
+  std::map<std::string, at::Tensor> local;
+  std::vector<at::Tensor> decay, no_decay;
+  for (const auto& [name, full] : fp32) {
+    const shape_t shape = shape_of(full);
+    spec[name] =
+        flat ? testing::flat_part(shape, w.world_size, w.rank) : testing::block_part(shape, 0, w.world_size, w.rank);
+    local[name] = at::full_like(testing::local_of(full, spec[name]), 7.0f).requires_grad_(true);
+    sd.add(name, local[name], *spec[name], shape);
+    (full.dim() == 2 ? decay : no_decay).push_back(local[name]);
+  }
+  std::map<std::string, at::Tensor> buffers;
+  if (fs::exists(exp / "module.safetensors"))
+    for (const auto& [name, t] : golden_tensors(exp / "module.safetensors"))
+      if (!fp32.count(name)) sd.add(name, buffers[name] = at::zeros_like(t));
+  // the trainer's groups in the other order, every hyper-parameter wrong
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(0.5).weight_decay(0.25).betas({0.5, 0.5}).eps(1.0)));
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                 torch::optim::AdamWOptions(0.5).weight_decay(0.25).betas({0.5, 0.5}).eps(1.0)));
+  torch::optim::AdamW adamw(groups, torch::optim::AdamWOptions(0.5));
+
+  const auto rep = load_model_and_optim_state(ckpt, sd, &adamw, comm);
+  testing::worker_check(rep.model.unexpected_keys.empty() && rep.optim.unexpected_keys.empty(),
+                        "entries left unexpected: " + std::to_string(rep.model.unexpected_keys.size()) + " " +
+                            std::to_string(rep.optim.unexpected_keys.size()) +
+                            (rep.optim.unexpected_keys.empty() ? "" : " " + rep.optim.unexpected_keys.front()));
+  std::size_t checked = 0;
+  for (const auto& [name, p] : local) {
+    const auto& st = adamw_state(adamw, p);
+    testing::worker_check(testing::same_bits(p.detach(), testing::local_of(fp32.at(name), spec[name])),
+                          name + ": the weights are not the trainer's fp32 master");
+    testing::worker_check(testing::same_bits(st.exp_avg(), testing::local_of(ea.at(name), spec[name])),
+                          name + ": exp_avg is not the trainer's");
+    testing::worker_check(testing::same_bits(st.exp_avg_sq(), testing::local_of(eas.at(name), spec[name])),
+                          name + ": exp_avg_sq is not the trainer's");
+    testing::worker_check(st.step() == saved_step, name + ": step " + std::to_string(st.step()));
+    checked += 4;
+  }
+  for (const auto& [name, t] : buffers)
+    testing::worker_check(testing::same_bits(t, golden_tensors(exp / "module.safetensors").at(name)),
+                          name + ": the module's tensor differs");
+  for (const auto& g : adamw.param_groups()) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(g.options());
+    const bool decays = g.params().size() == decay.size() && g.params().front().is_same(decay.front());
+    testing::worker_check(o.lr() == 1e-2 && o.eps() == 1e-8 && std::get<0>(o.betas()) == 0.9 &&
+                              std::get<1>(o.betas()) == 0.999 && o.weight_decay() == (decays ? 0.01 : no_decay_wd),
+                          "a group's hyper-parameters are not the trainer's");
+  }
+  if (resume == "-") {
+    if (w.rank == 0) std::fprintf(stderr, "checked %zu pieces\n", checked);
+    return 0;
+  }
+
+  // DeepSpeed's resumed step, taken here with each rank's piece of its gradient
+  const fs::path rs(resume);
+  const auto grad = golden_tensors(rs / "grad.safetensors");
+  for (const auto& [name, p] : local) p.mutable_grad() = testing::local_of(grad.at(name), spec[name]);
+  adamw.step();
+  // LibTorch's AdamW on one rank, from DeepSpeed's saved tensors
+  std::map<std::string, at::Tensor> ref;
+  std::vector<std::unique_ptr<torch::optim::AdamW>> ref_optims;
+  for (const auto& [name, full] : fp32) {
+    ref[name] = full.clone().requires_grad_(true);
+    ref_optims.push_back(std::make_unique<torch::optim::AdamW>(
+        std::vector<at::Tensor>{ref[name]},
+        torch::optim::AdamWOptions(1e-2).weight_decay(full.dim() == 2 ? 0.01 : 0.0)));
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(saved_step);
+    s->exp_avg(ea.at(name).clone());
+    s->exp_avg_sq(eas.at(name).clone());
+    optimizer_state_slot(*ref_optims.back(), ref[name]) = std::move(s);
+    ref[name].mutable_grad() = grad.at(name).clone();
+    ref_optims.back()->step();
+  }
+  const auto ds_fp32 = golden_tensors(rs / "fp32.safetensors");
+  const auto ds_ea = golden_tensors(rs / "exp_avg.safetensors");
+  const auto ds_eas = golden_tensors(rs / "exp_avg_sq.safetensors");
+  double worst = 0;
+  std::int64_t differ = 0, total = 0;
+  std::size_t i = 0;
+  for (const auto& [name, p] : local) {
+    const auto& st = adamw_state(adamw, p);
+    const auto& rst = adamw_state(*ref_optims.at(i++), ref.at(name));
+    const auto& sp = spec[name];
+    testing::worker_check(testing::same_bits(p.detach(), testing::local_of(ref.at(name).detach(), sp)) &&
+                              testing::same_bits(st.exp_avg(), testing::local_of(rst.exp_avg(), sp)) &&
+                              testing::same_bits(st.exp_avg_sq(), testing::local_of(rst.exp_avg_sq(), sp)),
+                          name + ": the resharded step differs from LibTorch's AdamW stepped on one rank");
+    testing::worker_check(testing::same_bits(st.exp_avg_sq(), testing::local_of(ds_eas.at(name), sp)),
+                          name + ": exp_avg_sq after the step is not DeepSpeed's");
+    // scales: a weight's, before and after; exp_avg's inputs (its old value and the gradient)
+    const double wscale = largest({fp32.at(name), ds_fp32.at(name)});
+    const double mscale = largest({ea.at(name), grad.at(name)});
+    for (const auto& [mine, theirs, scale] :
+         {std::tuple{p.detach(), testing::local_of(ds_fp32.at(name), sp), wscale},
+          std::tuple{st.exp_avg(), testing::local_of(ds_ea.at(name), sp), mscale}}) {
+      const auto [u, n] = distance(mine, theirs, scale);
+      worst = std::max(worst, u);
+      differ += n;
+      total += mine.numel();
+    }
+  }
+  std::fprintf(stderr,
+               "rank %d: weights and exp_avg after the step: %lld of %lld elements differ from DeepSpeed's, by at "
+               "most %.2f epsilon of their tensor's scale\n",
+               w.rank, static_cast<long long>(differ), static_cast<long long>(total), worst);
+  testing::worker_check(worst <= 4, "more than 4 epsilon from DeepSpeed's step");
+  return 0;
+}
+
+TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, and DeepSpeed's own next step") {
+  struct golden_case {
+    const char* golden;
+    const char* folder;    // the checkpoint, under the golden
+    const char* expected;  // the trainer's tensors, under the golden
+    bool resume;           // expected/resume/ holds DeepSpeed's resumed step
+    // the weight decay of the group without it, as stored: Megatron keeps the optimizer's 0.01 and
+    // wd_mult 0 beside it (its scheduler multiplies them before a step; the peer ran none)
+    const char* no_decay_wd;
+  };
+  const golden_case cases[] = {
+      {"zero2_fp32", "ckpt", "expected", true, "0"},
+      {"zero3_bf16", "ckpt", "expected", true, "0"},
+      {"zero3_bf16", "universal", "expected", true, "0"},
+      {"zero1_bf16", "ckpt", "expected", false, "0"},  // BF16 weights in the files: the masters come in
+      {"zero1_bf16", "universal", "expected", false, "0"},
+      {"mcore_gpt_tp2_pp2", "legacy", "expected/full", false, "0.01"},
+      {"mcore_moe_ep2", "legacy", "expected/full", false, "0.01"},
+  };
+  int worlds = 0;
+  for (const auto& c : cases) {
+    const fs::path g = trainer_peers / c.golden;
+    // Megatron's goldens keep the model's weights as model.safetensors; the trainer's step is 2
+    testing::temp_dir tmp("trainer-resume");
+    fs::path exp = g / c.expected;
+    if (!fs::exists(exp / "fp32.safetensors")) {
+      // Megatron (no distributed optimizer): the weights are the fp32 parameters
+      fs::create_directories(tmp.path / "exp");
+      for (const char* f : {"exp_avg.safetensors", "exp_avg_sq.safetensors"})
+        fs::copy_file(exp / f, tmp.path / "exp" / f);
+      fs::copy_file(exp / "model.safetensors", tmp.path / "exp" / "fp32.safetensors");
+      exp = tmp.path / "exp";
+    }
+    for (const auto& [n, sharding] : {std::pair{3, "flat"}, std::pair{2, "rows"}}) {
+      const std::string what =
+          std::string(c.golden) + "/" + c.folder + ", " + std::to_string(n) + " ranks, " + sharding;
+      CAPTURE(what);
+      auto res = testing::run_world("trainer_adamw_resume", n,
+                                    {(g / c.folder).string(), exp.string(), sharding,
+                                     c.resume ? (g / "expected" / "resume").string() : "-", "2", c.no_decay_wd});
+      REQUIRE_MESSAGE(res.ok(), res.report());
+      MESSAGE(res.err.front());
+      ++worlds;
+    }
+  }
+  CHECK(worlds == 14);
+}
+
+TEST_CASE("trainer checkpoints: optimizers whose groups name no parameters are refused by name, the model loads") {
+  // Megatron-Core's torch_dist groups name their parameters by index; Megatron-LM's distributed
+  // optimizer keeps its groups apart, unnamed, with one step each
+  for (const auto& [golden, folder, said] :
+       {std::tuple{"mcore_gpt_tp2_pp2", "torch_dist", "does not list its parameters by name"},
+        std::tuple{"mcore_distopt_tp2_dp2", "legacy", "optimizer.optimizer.param_groups, with no parameter names"}}) {
+    const std::string which = golden;
+    CAPTURE(which);
+    const file_directory dir(trainer_peers / golden / folder);
+    single_process one;
+    checkpoint_reader<file_directory> r(dir);
+    state_dict sd;
+    std::vector<at::Tensor> params;
+    for (const auto& [name, tm] : r.metadata().tensors)
+      if (!name.starts_with("optimizer.") && name.ends_with(".weight") && tm.type == dtype::F32) {
+        params.push_back(at::zeros(to_sizes(tm.shape)));
+        sd.add(name, params.back());
+      }
+    REQUIRE(params.size() > 4);
+    torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-3));
+    const std::string why = testing::error_of([&] { load_model_and_optim_state(dir, sd, &adamw, one); });
+    CAPTURE(why);
+    CHECK(why.find(folder) != std::string::npos);
+    CHECK(why.find(said) != std::string::npos);
+    train_load_options lo;
+    lo.strict = false;
+    const auto rep = load_model_and_optim_state(dir, sd, nullptr, one, lo);
+    CHECK(rep.model.tensors == params.size());
+    std::vector<std::byte> want(params.front().nbytes());
+    unshard_tensor(r, sd.begin()->first, want);
+    CHECK(std::memcmp(want.data(), params.front().data_ptr(), want.size()) == 0);
+  }
+}
