@@ -13,9 +13,11 @@
 #include <doctest/doctest.h>
 
 #include <cstddef>
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <string>
 #include <string_view>
 
@@ -36,26 +38,8 @@ namespace {
 namespace fs = std::filesystem;
 const fs::path mc_peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
 
-/// The number after `marker` in s ("3" of "decoder.layers.3.mlp" after "layers."), or "".
-std::string mc_number_after(std::string_view s, std::string_view marker) {
-  const auto at = s.find(marker);
-  if (at == std::string_view::npos) return {};
-  std::size_t e = at + marker.size();
-  while (e < s.size() && s[e] >= '0' && s[e] <= '9') ++e;
-  return std::string(s.substr(at + marker.size(), e - at - marker.size()));
-}
-
-/// The name a module tensor is presented by: its checkpoint key, a stacked one per layer/expert.
-std::string mc_name_of(const std::string& module, const std::string& key) {
-  const std::string stack = "decoder.layers.", experts = "mlp.experts.experts.";
-  if (!key.starts_with(stack) || std::isdigit(static_cast<unsigned char>(key[stack.size()]))) return key;
-  const std::string rest = key.substr(stack.size()), layer = mc_number_after(module, stack);
-  REQUIRE(!layer.empty());
-  if (!rest.starts_with(experts)) return stack + layer + "." + rest;
-  const std::string expert = mc_number_after(module, ".local_experts.");
-  REQUIRE(!expert.empty());
-  return stack + layer + ".mlp.experts.local_experts." + expert + "." + rest.substr(experts.size());
-}
+using testing::mc_name_of;
+using testing::mc_number_after;
 
 /// What a torch_dist golden must present: Megatron's model tensors and Adam's moments (and the
 /// step, two AdamW steps; with `masters`, the distributed optimizer's fp32 masters, which these
@@ -121,6 +105,82 @@ TEST_CASE("megatron_dist layout: every golden's tensors read through the library
       }
       CHECK((listed > 0) == buffers);
     }
+  }
+}
+
+TEST_CASE("megatron_dist layout: each param group's params named as Megatron's own optimizer grouped them") {
+  // expected/local/<rank>/optimizer_param_order.json: each rank's groups as Megatron's optimizer
+  // holds them (module names, local layer and expert numbers), made global here and presented
+  // by their checkpoint keys; the union over ranks is each group of the whole model
+  for (const auto& [name, form, masters, buffers] : mc_goldens) {
+    if (buffers) continue;  // dp_reshardable: the same groups as the golden's torch_dist form
+    const std::string which = std::string(name) + "/" + form;
+    CAPTURE(which);
+    const fs::path exp = mc_peers / name / "expected";
+    simdjson::dom::parser kp;
+    const std::string keys_text = testing::slurp(exp / "full" / "checkpoint_keys.json");
+    const simdjson::dom::element keys = detail::parse_json(kp, keys_text, "checkpoint_keys.json");
+    std::map<std::size_t, std::set<std::string>> want;
+    // without the order files (the distributed optimizer's golden, whose groups Megatron saves
+    // with no params at all): each group holds the parameters of its kind, every one once
+    bool ordered = false;
+    for (const auto& rank : fs::directory_iterator(exp / "local"))
+      ordered = ordered || fs::exists(rank.path() / "optimizer_param_order.json");
+    for (const auto& rank : fs::directory_iterator(exp / "local")) {
+      if (!ordered) break;
+      const std::string rn = rank.path().filename().string();  // tp{T}_pp{P}[_ep{E}]
+      const std::size_t pp = std::stoul(mc_number_after(rn, "_pp")),
+                        ep = rn.find("_ep") == std::string::npos ? 0 : std::stoul(mc_number_after(rn, "_ep"));
+      simdjson::dom::parser op;
+      const std::string order_text = testing::slurp(rank.path() / "optimizer_param_order.json");
+      const simdjson::dom::element order = detail::parse_json(op, order_text, "optimizer_param_order.json");
+      // this stage's layers and this EP rank's experts: local numbers, counted in the file
+      std::size_t layers = 0, experts = 0;
+      for (simdjson::dom::element g : order.get_array())
+        for (simdjson::dom::element n : g.get_array()) {
+          const std::string_view m = n.get_string();
+          if (auto l = mc_number_after(m, "decoder.layers."); !l.empty()) layers = std::max(layers, std::stoul(l) + 1);
+          if (auto e = mc_number_after(m, ".local_experts."); !e.empty())
+            experts = std::max(experts, std::stoul(e) + 1);
+        }
+      std::size_t g = 0;
+      for (simdjson::dom::element grp : order.get_array()) {
+        for (simdjson::dom::element n : grp.get_array()) {
+          std::string m(n.get_string().value());
+          if (auto l = mc_number_after(m, "decoder.layers."); !l.empty()) {
+            const auto at = m.find("decoder.layers.") + 15;
+            m = m.substr(0, at) + std::to_string(std::stoul(l) + pp * layers) + m.substr(at + l.size());
+          }
+          if (auto e = mc_number_after(m, ".local_experts."); !e.empty()) {
+            const auto at = m.find(".local_experts.") + 15;
+            m = m.substr(0, at) + std::to_string(std::stoul(e) + ep * experts) + m.substr(at + e.size());
+          }
+          std::string_view key;
+          REQUIRE(keys[m]["key"].get(key) == simdjson::SUCCESS);
+          want[g].insert(mc_name_of(m, std::string(key)));
+        }
+        ++g;
+      }
+    }
+    checkpoint_reader<file_directory> r{file_directory(mc_peers / name / form)};
+    const std::string groups = masters ? "optimizer.optimizer.param_groups." : "optimizer.param_groups.";
+    std::size_t g = 0, params = 0;
+    for (; r.find_object(groups + std::to_string(g) + ".params"); ++g) {
+      std::set<std::string> got;
+      for (const auto& n : r.read_object(groups + std::to_string(g) + ".params").as_sequence(""))
+        got.insert(n.as_string(""));
+      if (ordered) {
+        CHECK(got == want[g]);
+      } else {
+        const bool no_wd = r.read_object(groups + std::to_string(g) + ".wd_mult") == pickle_value::real(0.0);
+        for (const auto& n : got) CHECK((n.ends_with(".bias") || r.find(n)->shape.size() == 1) == no_wd);
+      }
+      params += got.size();
+    }
+    CHECK(g == (ordered ? want.size() : 2u));
+    CHECK(params == (std::string(name) == "mcore_moe_ep2"       ? 57u
+                     : std::string(name) == "mcore_gpt_tp2_pp2" ? 53u
+                                                                : 29u));
   }
 }
 

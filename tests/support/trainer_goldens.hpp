@@ -11,9 +11,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <cctype>
 #include <map>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -116,6 +119,28 @@ std::size_t load_golden_in_other_worlds(const D& dir, const std::map<std::string
       }
   }
   return compared;
+}
+
+/// The number after `marker` in s ("3" of "decoder.layers.3.mlp" after "layers."), or "".
+inline std::string mc_number_after(std::string_view s, std::string_view marker) {
+  const auto at = s.find(marker);
+  if (at == std::string_view::npos) return {};
+  std::size_t e = at + marker.size();
+  while (e < s.size() && s[e] >= '0' && s[e] <= '9') ++e;
+  return std::string(s.substr(at + marker.size(), e - at - marker.size()));
+}
+
+/// The name a Megatron module tensor is presented by in a torch_dist checkpoint (docs/FORMAT.md
+/// §7): its checkpoint key (expected/full/checkpoint_keys.json), a stacked one per layer and expert.
+inline std::string mc_name_of(const std::string& module, const std::string& key) {
+  const std::string stack = "decoder.layers.", experts = "mlp.experts.experts.";
+  if (!key.starts_with(stack) || std::isdigit(static_cast<unsigned char>(key[stack.size()]))) return key;
+  const std::string rest = key.substr(stack.size()), layer = mc_number_after(module, stack);
+  if (layer.empty()) throw std::runtime_error(module + ": a stacked key's module name has no layer number");
+  if (!rest.starts_with(experts)) return stack + layer + "." + rest;
+  const std::string expert = mc_number_after(module, ".local_experts.");
+  if (expert.empty()) throw std::runtime_error(module + ": a stacked expert key's module name has no expert number");
+  return stack + layer + ".mlp.experts.local_experts." + expert + "." + rest.substr(experts.size());
 }
 
 }  // namespace testing

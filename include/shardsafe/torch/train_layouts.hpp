@@ -27,6 +27,7 @@
 // matched to the optimizer's: its state is refused, by name (the model loads alone).
 #pragma once
 
+#include <map>
 #include <set>
 #include <string>
 #include <string_view>
@@ -174,9 +175,14 @@ struct trainer_train_layout {
     const auto [lo, oo] = detail::split_train_load_options(opt);
     checkpoint_reader<D> r(dir);
     const std::string dname(dir.name());
-    // groups that do not name their parameters (Megatron-Core's torch_dist) cannot be matched
-    if (optim && r.find_object("optimizer.param_groups.0.lr")) {
-      const std::string key = "optimizer.param_groups.0.params";
+    // the groups: the optimizer's, or a wrapper's inner optimizer's (Megatron's distributed optimizer)
+    const std::string optim_prefix =
+        r.find_object("optimizer.param_groups.0.lr") || !r.find_object("optimizer.optimizer.param_groups.0.lr")
+            ? "optimizer."
+            : "optimizer.optimizer.";
+    // groups that do not name their parameters cannot be matched
+    if (optim && r.find_object(optim_prefix + "param_groups.0.lr")) {
+      const std::string key = optim_prefix + "param_groups.0.params";
       bool named = r.find_object(key) != nullptr;
       if (named)
         for (const auto& v : r.read_object(key).as_sequence(dname + ": '" + key + "'"))
@@ -184,9 +190,10 @@ struct trainer_train_layout {
       if (!named)
         fail(errc::invalid_argument,
              dname + ": '" + key + "' (" + std::string(r.layout().name) +
-                 ") does not list its parameters by name (Megatron-Core's torch_dist keeps its groups without "
-                 "them), so its optimizer state cannot be matched to this optimizer's parameters: load the model "
-                 "alone (no optimizer), or save with --ckpt-format torch");
+                 ") does not list its parameters by name (Megatron's groups keep none, or indices; its layout "
+                 "names them by Megatron's grouping rule where it can tell the groups apart, and its description, "
+                 "megatron.layout, says why not), so its optimizer state cannot be matched to this optimizer's "
+                 "parameters: load the model alone (no optimizer)");
     }
     // the model's tensors, each F32 one from its parameter's fp32 master where there is one
     state_dict named;
@@ -206,22 +213,49 @@ struct trainer_train_layout {
                   [&](const std::string& k) { return k.starts_with(state_prefix) || from_master.count(k); });
     if (!optim) return;
     std::set<std::string> used;
-    auto groups = detail::dcp_param_groups(r, used, "optimizer.");
+    auto groups = detail::dcp_param_groups(r, used, optim_prefix);
     if (groups.empty())
-      fail(errc::not_found,
-           dname + ": no optimizer param groups (optimizer.param_groups...) in " + r.described_by() +
-               (r.find_object("optimizer.optimizer.param_groups.0.step")
-                    ? ": Megatron's distributed optimizer keeps its groups as optimizer.optimizer.param_groups, with "
-                      "no parameter names and one step per group, which a LibTorch optimizer does not take yet: "
-                      "load the model alone (no optimizer)"
-                    : std::string()));
+      fail(errc::not_found, dname + ": no optimizer param groups (optimizer.param_groups...) in " + r.described_by());
     rep.optim =
         detail::restore_optimizer(r, *optim, model, oo, groups, {std::string(state_prefix), "."}, std::move(used));
+    group_steps(r, *optim, model, groups);
     std::erase_if(rep.optim.unexpected_keys, [&](const std::string& k) {
       if (!k.ends_with(master_field)) return false;
       const std::string param = k.substr(state_prefix.size(), k.size() - state_prefix.size() - master_field.size());
       return from_master.count(param) > 0;
     });
+  }
+
+ private:
+  /// A parameter with state but no step of its own takes its group's `step` (Megatron's
+  /// distributed optimizer keeps one per group); with neither, the load is refused (a step of 0
+  /// would resume with the wrong bias correction).
+  template <ReadableDirectory D>
+  static void group_steps(checkpoint_reader<D>& r, torch::optim::Optimizer& optim, const state_dict& model,
+                          const std::vector<detail::checkpoint_param_group>& groups) {
+    std::map<std::string, at::Tensor> params;
+    for (const auto& g : name_optimizer_params(optim, model))
+      for (const auto& p : g) params.emplace(p.name, p.param);
+    for (const auto& g : groups) {
+      const pickle_value* step = g.hyper.find("step");
+      for (const auto& name : g.names) {
+        const std::string prefix = std::string(state_prefix) + name + ".";
+        auto it = params.find(name);
+        if (it == params.end() || !r.find(prefix + "exp_avg") || r.find(prefix + "step")) continue;
+        auto* state = optimizer_state_of(optim, it->second);
+        std::int64_t* target = state ? detail::traits_of(optim.param_groups().front().options()).step(*state) : nullptr;
+        if (!target) continue;
+        const double v = !step                                         ? -1.0
+                         : step->type() == pickle_value::kind::integer ? double(step->as_int(""))
+                         : step->type() == pickle_value::kind::real    ? step->as_real("")
+                                                                       : -1.0;
+        if (!(v >= 0) || v != double(static_cast<std::int64_t>(v)))
+          fail(errc::invalid_metadata, g.ctx + ": parameter '" + name +
+                                           "' has optimizer state but no step, neither its own (" + prefix +
+                                           "step) nor a whole non-negative 'step' of its group");
+        *target = static_cast<std::int64_t>(v);
+      }
+    }
   }
 };
 

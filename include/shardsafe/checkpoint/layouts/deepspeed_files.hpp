@@ -247,9 +247,10 @@ D ds_tag_folder(const D& dir, std::string_view latest, Holds&& holds, const std:
 /// them (layout_info::trainer_state). The items s had under ...params.<i> are dropped; the items
 /// are left sorted by key.
 template <class Source>
-void trainer_group_params(Source& s, const std::string& file, const std::vector<std::vector<std::string>>& names) {
+void trainer_group_params(Source& s, const std::string& file, const std::vector<std::vector<std::string>>& names,
+                          std::string_view groups = "optimizer.param_groups.") {
   for (std::size_t g = 0; g < names.size(); ++g) {
-    const std::string key = "optimizer.param_groups." + std::to_string(g) + ".params";
+    const std::string key = std::string(groups) + std::to_string(g) + ".params";
     std::erase_if(s.non_tensors, [&](const auto& it) { return it.key == key || it.key.starts_with(key + "."); });
     std::vector<pickle_value> list;
     for (const auto& n : names[g]) list.push_back(pickle_value::string(n));

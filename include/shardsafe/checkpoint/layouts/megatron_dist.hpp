@@ -22,6 +22,11 @@
 //   optimizer.state.<name>.step     common.pt's common_step, for each parameter with optimizer state
 //   non-tensor items                the sharded objects (rng_state/shard_..., _extra_state/shard_...)
 //                                   as DCP items, common.pt's plain values, megatron.layout
+//   optimizer[.optimizer].param_groups.<g>.params   the names of the group's parameters, which
+//                                   Megatron does not save: by Megatron-Core's default grouping rule
+//                                   (detail::megatron_kind_of), matched to each group by its
+//                                   wd_mult and is_expert_parallel; not given where two groups are
+//                                   of one kind (megatron.layout says why)
 //   listed, never read              the distributed optimizer's dp_reshardable buffers
 //                                   (optimizer.distributed.*): which parameter lies where in them is
 //                                   not in the checkpoint; the message says how to re-save
@@ -34,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -43,6 +49,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/layouts/dcp.hpp"
+#include "shardsafe/checkpoint/layouts/deepspeed_files.hpp"
 #include "shardsafe/checkpoint/layouts/layout.hpp"
 #include "shardsafe/checkpoint/layouts/single_file.hpp"
 #include "shardsafe/checkpoint/source.hpp"
@@ -72,6 +79,35 @@ inline constexpr std::string_view megatron_record_names[] = {
     "numpy.dtype",
 };
 inline constexpr pickle_record_classes megatron_records{megatron_record_names, false};
+
+namespace detail {
+
+/// The kind of param group Megatron-Core's default grouping rule puts a parameter in
+/// (megatron/core/optimizer: _get_param_groups): no weight decay (wd_mult 0) for a name ending in
+/// .bias or a tensor of one dimension, is_expert_parallel for an expert's (.local_experts.).
+struct megatron_group_kind {
+  bool no_wd = false, expert = false;
+  auto operator<=>(const megatron_group_kind&) const = default;
+  std::string said() const {
+    return std::string(no_wd ? "biases and 1-D tensors" : "weights") + (expert ? ", experts" : "");
+  }
+};
+
+inline megatron_group_kind megatron_kind_of(std::string_view param, std::size_t dims) {
+  return {param.ends_with(".bias") || dims == 1, param.find(".local_experts.") != std::string_view::npos};
+}
+
+/// The kind a param group's wd_mult and is_expert_parallel say, or nullopt where either is
+/// missing or not a number / bool.
+inline std::optional<megatron_group_kind> megatron_group_kind_of(const pickle_value* wd, const pickle_value* ex) {
+  if (!wd || (wd->type() != pickle_value::kind::real && wd->type() != pickle_value::kind::integer) || !ex ||
+      ex->type() != pickle_value::kind::boolean)
+    return std::nullopt;
+  return megatron_group_kind{(wd->type() == pickle_value::kind::real ? wd->as_real("") : double(wd->as_int(""))) == 0.0,
+                             ex->as_bool("")};
+}
+
+}  // namespace detail
 
 struct megatron_dist_layout {
   static constexpr layout_info info{.id = "megatron_dist",
@@ -206,11 +242,12 @@ struct megatron_dist_layout {
     for (const auto& v : x.values)
       if (v.unwritable.empty())
         s.non_tensors.push_back({v.name, std::string(common_file), 0, 0, torch_save_value{v.name, v.value, {}}});
+    const std::string named = name_group_params(s, x);
     const std::string said =
         "Megatron-Core torch_dist: tensors under their dist_checkpointing keys, stacked layers (and experts) "
         "presented one per layer as decoder.layers.<L>.<rest> (decoder.layers.<L>.mlp.experts.local_experts.<E>."
         "<rest>); optimizer state as optimizer.state.<name>.{exp_avg,exp_avg_sq,fp32}, " +
-        std::to_string(states) + " parameters' step from common.pt" +
+        std::to_string(states) + " parameters' step from common.pt; " + named +
         (buffers ? "; " + std::to_string(buffers) +
                        " distributed-optimizer buffers (dp_reshardable) listed, not read: re-save with "
                        "--dist-ckpt-optim-fully-reshardable"
@@ -242,6 +279,47 @@ struct megatron_dist_layout {
   }
 
  private:
+  /// common.pt's param groups keep no params: each group's names are given (items
+  /// optimizer[.optimizer].param_groups.<g>.params) by Megatron-Core's default grouping rule, matched to the
+  /// group by its wd_mult and is_expert_parallel. What was done, for megatron.layout.
+  template <class Source>
+  static std::string name_group_params(Source& s, const torch_save_index& x) {
+    std::map<std::string, const pickle_value*> values;
+    for (const auto& v : x.values) values[v.name] = &v.value;
+    // the distributed optimizer's (fully_reshardable) are its inner optimizer's
+    const std::string groups = values.count("optimizer.optimizer.param_groups.0.lr")
+                                   ? "optimizer.optimizer.param_groups."
+                                   : "optimizer.param_groups.";
+    auto field = [&](std::size_t g, const char* f) -> const pickle_value* {
+      auto it = values.find(groups + std::to_string(g) + "." + f);
+      return it == values.end() ? nullptr : it->second;
+    };
+    std::vector<detail::megatron_group_kind> kinds;
+    for (std::size_t g = 0; field(g, "lr"); ++g) {
+      if (field(g, "params")) return "param groups as saved";
+      const auto k = detail::megatron_group_kind_of(field(g, "wd_mult"), field(g, "is_expert_parallel"));
+      if (!k)
+        return "param group " + std::to_string(g) + " has no wd_mult and is_expert_parallel: its params not named";
+      if (std::find(kinds.begin(), kinds.end(), *k) != kinds.end())
+        return "two param groups of " + k->said() +
+               " (custom overrides): their params not named, the grouping rule cannot tell them apart";
+      kinds.push_back(*k);
+    }
+    if (kinds.empty()) return "no param groups";
+    std::vector<std::vector<std::string>> names(kinds.size());
+    for (const auto& [name, tm] : s.metadata.tensors) {
+      if (!name.starts_with("optimizer.state.") || !name.ends_with(".exp_avg")) continue;
+      const std::string param = name.substr(16, name.size() - 16 - 8);
+      const auto k = detail::megatron_kind_of(param, tm.shape.size());
+      const auto at = std::find(kinds.begin(), kinds.end(), k);
+      if (at == kinds.end()) return "no param group of " + k.said() + " for " + param + ": params not named";
+      names[static_cast<std::size_t>(at - kinds.begin())].push_back(param);
+    }
+    detail::trainer_group_params(s, std::string(common_file), names, groups);
+    return "each param group's params named by Megatron-Core's default grouping rule (wd_mult 0: biases and 1-D "
+           "tensors; is_expert_parallel: experts)";
+  }
+
   /// The iteration folder, checked to hold metadata.json (a legacy folder is megatron_legacy's).
   template <ReadableDirectory D>
   static D iteration_folder(const D& dir) {

@@ -29,7 +29,9 @@
 //                                 experts; named_parameters order within a group)
 //   optimizer.state.<name>.fp32 / .exp_avg / .exp_avg_sq   with the distributed optimizer, from
 //                                 distrib_optim.pt: the parameters in reverse order, each start a
-//                                 multiple of 64 elements, the last ending at numel_unpadded
+//                                 multiple of 64 elements, the last ending at numel_unpadded; its
+//                                 groups (optimizer.optimizer.param_groups, a step each) get
+//                                 params named by the same grouping rule
 //   non-tensor items              the plain values of TP, PP and EP rank 0's file (checkpoint_version,
 //                                 iteration, optimizer.param_groups...), megatron.layout
 //
@@ -173,8 +175,8 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
     std::size_t states = 0;
     // the parameters of each kind of optimizer group (no weight decay, expert), by global name,
     // and the kinds in the order of TP, PP and EP rank 0's groups
-    std::map<std::pair<bool, bool>, std::vector<std::string>> group_names;
-    std::vector<std::pair<bool, bool>> group_order;
+    std::map<detail::megatron_group_kind, std::vector<std::string>> group_names;
+    std::vector<detail::megatron_group_kind> group_order;
     for (std::uint64_t p = 0; p < w.pp; ++p)
       for (std::uint64_t e = 0; e < w.ep; ++e)
         for (std::uint64_t t = 0; t < w.tp; ++t) {
@@ -204,6 +206,11 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
               state(r.param, r.kind,
                     piece{&o, nullptr, o.x.header.offset_of(*r.flat) + r.offset * item_size(r.flat->type), r.shape,
                           r.flat->type});
+            // its groups keep no params: named by the grouping rule below, each parameter by its kind
+            if (t == 0)
+              for (const auto& [g, te] : params)
+                if (e == 0 || g.find(".local_experts.") != std::string::npos)
+                  group_names[detail::megatron_kind_of(g, te->shape.size())].push_back(g);
           } else {
             for (const auto& [g, index, group] : optimizer_indices(m, params)) {
               if (t == 0 && (e == 0 || g.find(".local_experts.") != std::string::npos)) {
@@ -282,10 +289,30 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
           !v.name.starts_with("rng_state.") && v.name != "rng_state" && !v.name.starts_with("args"))
         s.non_tensors.push_back({v.name, f0.name, 0, 0, torch_save_value{v.name, v.value, {}}});
     s.non_tensors.push_back({"megatron.layout", f0.name, 0, 0, torch_save_value{"", pickle_value::string(said), {}}});
-    // each group's params by name, the items sorted (the distributed optimizer's groups stay as
-    // optimizer.optimizer.param_groups: no names)
+    // each group's params by name, the items sorted (the distributed optimizer's groups, which
+    // keep none, as optimizer.optimizer.param_groups.<g>.params by the grouping rule)
     std::vector<std::vector<std::string>> names;
     for (const auto& k : group_order) names.push_back(group_names[k]);
+    if (w.distributed) {
+      // the inner optimizer's groups, in their order, by their wd_mult and is_expert_parallel;
+      // not named where two groups are of one kind or a kind has no group
+      const pickle_value* gs =
+          detail::ds_get(detail::ds_get(detail::ds_get(&f0.value(), "optimizer"), "optimizer"), "param_groups");
+      std::size_t named = 0;
+      for (std::size_t g = 0; gs && gs->type() == pickle_value::kind::list && g < gs->as_sequence("").size(); ++g) {
+        const auto& grp = gs->as_sequence("")[g];
+        const auto k =
+            detail::megatron_group_kind_of(detail::ds_get(&grp, "wd_mult"), detail::ds_get(&grp, "is_expert_parallel"));
+        if (!k || std::find(group_order.begin(), group_order.end(), *k) != group_order.end()) break;
+        group_order.push_back(*k);
+        names.push_back(group_names[*k]);
+        named += names.back().size();
+      }
+      std::size_t all = 0;
+      for (const auto& [k, v] : group_names) all += v.size();
+      if (named == all) detail::trainer_group_params(s, f0.name, names, "optimizer.optimizer.param_groups.");
+      return s;
+    }
     detail::trainer_group_params(s, f0.name, names);
     return s;
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "shardsafe/checkpoint/layouts/deepspeed_files.hpp"
+#include "shardsafe/checkpoint/layouts/megatron_dist.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/format/torch_save.hpp"
@@ -154,7 +155,7 @@ struct megatron_legacy_rules {
   struct indexed {
     std::string param;
     std::int64_t index;
-    std::pair<bool, bool> group;  // its group's kind: (no weight decay, expert)
+    detail::megatron_group_kind group;  // its group's kind
   };
   template <class F>
   static std::vector<indexed> optimizer_indices(
@@ -166,36 +167,30 @@ struct megatron_legacy_rules {
     const pickle_value* groups = detail::ds_get(opt, "param_groups");
     if (!groups || groups->type() != pickle_value::kind::list) m.bad("'optimizer.param_groups' is not a list");
     std::vector<indexed> out;
-    std::set<std::pair<bool, bool>> kinds;
+    std::set<detail::megatron_group_kind> kinds;
     const auto& gs = groups->as_sequence("");
     for (std::size_t g = 0; g < gs.size(); ++g) {
       const std::string where = "optimizer.param_groups." + std::to_string(g);
-      const pickle_value *wd = detail::ds_get(&gs[g], "wd_mult"), *ex = detail::ds_get(&gs[g], "is_expert_parallel"),
-                         *ps = detail::ds_get(&gs[g], "params");
-      if (!wd || (wd->type() != pickle_value::kind::real && wd->type() != pickle_value::kind::integer) || !ex ||
-          ex->type() != pickle_value::kind::boolean || !ps || ps->type() != pickle_value::kind::list)
+      const pickle_value *wd = detail::ds_get(&gs[g], "wd_mult"), *ps = detail::ds_get(&gs[g], "params");
+      const auto kind = detail::megatron_group_kind_of(wd, detail::ds_get(&gs[g], "is_expert_parallel"));
+      if (!kind || !ps || ps->type() != pickle_value::kind::list)
         m.bad("'" + where + "' has no wd_mult, is_expert_parallel and params (Megatron's param groups have them)");
-      const bool no_wd = (wd->type() == pickle_value::kind::real ? wd->as_real("") : double(wd->as_int(""))) == 0.0,
-                 expert = ex->as_bool("");
-      if (!kinds.insert({no_wd, expert}).second)
+      if (!kinds.insert(*kind).second)
         m.bad("'" + where + "' is a second group of wd_mult " + pickle_repr(*wd, 20) + ", is_expert_parallel " +
-              (expert ? "True" : "False") +
+              (kind->expert ? "True" : "False") +
               ": custom parameter-group overrides, which the grouping rule does not name (not read)");
       std::vector<std::string> members;
-      for (const auto& [n, te] : params) {
-        const bool n_no_wd = n.ends_with(".bias") || te->shape.size() == 1,
-                   n_expert = n.find(".local_experts.") != std::string::npos;
-        if (n_no_wd == no_wd && n_expert == expert) members.push_back(n);
-      }
+      for (const auto& [n, te] : params)
+        if (detail::megatron_kind_of(n, te->shape.size()) == *kind) members.push_back(n);
       const auto& ids = ps->as_sequence("");
       if (ids.size() != members.size())
         m.bad("'" + where + "' lists " + std::to_string(ids.size()) + " parameters, but the model holds " +
-              std::to_string(members.size()) + " of its kind (" + (no_wd ? "biases and 1-D tensors" : "weights") +
-              (expert ? ", experts" : "") + "): Megatron's grouping rule does not name them");
+              std::to_string(members.size()) + " of its kind (" + kind->said() +
+              "): Megatron's grouping rule does not name them");
       for (std::size_t i = 0; i < ids.size(); ++i) {
         if (ids[i].type() != pickle_value::kind::integer || ids[i].as_int("") < 0)
           m.bad("'" + where + ".params." + std::to_string(i) + "' is not an optimizer index");
-        out.push_back({members[i], ids[i].as_int(""), {no_wd, expert}});
+        out.push_back({members[i], ids[i].as_int(""), *kind});
       }
     }
     return out;
