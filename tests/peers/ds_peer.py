@@ -43,6 +43,8 @@ import socket
 import subprocess
 import sys
 
+from resume_golden import adamw_replay_differs, write_resume
+
 CASES = {
     # name: zero stage, dtype, dp, tp, universal, extra config
     "zero1_bf16": dict(stage=1, dtype="bf16", dp=2, tp=1, universal=True),
@@ -345,18 +347,8 @@ def worker(case_name, outdir):
     if dp_rank == 0:
         # the gradient recorded is the one DeepSpeed stepped with: torch's AdamW, stepped from the
         # saved state with it, gives DeepSpeed's state after the step, bit for bit
-        differ = []
-        for n in grad:
-            q = fp32[n].clone().requires_grad_(True)
-            wd = 0.01 if q.dim() == 2 else 0.0
-            o = torch.optim.AdamW([q], lr=1e-2, weight_decay=wd, foreach=False)
-            o.state[q] = {"step": torch.tensor(step_count), "exp_avg": ea[n].clone(), "exp_avg_sq": eas[n].clone()}
-            q.grad = grad[n].clone()
-            o.step()
-            for kind, got in (("fp32", q.detach()), ("exp_avg", o.state[q]["exp_avg"]),
-                              ("exp_avg_sq", o.state[q]["exp_avg_sq"])):
-                if not torch.equal(got, after[kind][n]):
-                    differ.append(f"{n}.{kind}")
+        differ = adamw_replay_differs({n: (fp32[n], ea[n], eas[n]) for n in grad}, grad, after, step_count,
+                                      lambda n: {"lr": 1e-2, "weight_decay": 0.01 if fp32[n].dim() == 2 else 0.0})
         if differ:
             # no golden from a gradient that does not give DeepSpeed's step (ZeRO-1's BF16_Optimizer)
             with open(os.path.join(outdir, "resume_refused.txt"), "w") as f:
@@ -364,15 +356,10 @@ def worker(case_name, outdir):
                         f"resumed step in {len(differ)} of {3 * len(grad)} tensors (" + ", ".join(differ[:3]) + ", ...)")
             dist.barrier()
             return
-        sub = os.path.join(outdir, "expected", "resume")
-        os.makedirs(sub, exist_ok=True)
-        st.save_file(grad, os.path.join(sub, "grad.safetensors"))
-        for kind, d in after.items():
-            st.save_file(d, os.path.join(sub, f"{kind}.safetensors"))
-        with open(os.path.join(sub, "step.json"), "w") as f:
-            json.dump({"adam_step": step_count + 1, "resumed_from": "ckpt/global_step2", "dp": dp,
-                       "checked": "torch.optim.AdamW(foreach=False) stepped from the saved state with grad "
-                                  "== DeepSpeed's state after its resumed step (bitwise)"}, f)
+        write_resume(outdir, grad, after,
+                     {"adam_step": step_count + 1, "resumed_from": "ckpt/global_step2", "dp": dp,
+                      "checked": "torch.optim.AdamW(foreach=False) stepped from the saved state with grad "
+                                 "== DeepSpeed's state after its resumed step (bitwise)"})
     dist.barrier()
 
 

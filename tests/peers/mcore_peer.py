@@ -26,6 +26,10 @@ OUTDIR/CASE holds:
         (global layer and expert numbers, whole tensors): what a reader that joins the pieces
         must give; checkpoint_keys.json: each module name's checkpoint key (ShardedTensor.key),
         prepended axes and offsets
+    expected/resume/{grad,fp32,exp_avg,exp_avg_sq}.safetensors, step.json
+        Megatron's own resume of that load: each parameter's saved step, then step 3 with the
+        peer's gradients (grad), and the state after it (fp32: the weights), under module names;
+        torch's AdamW replays it bit for bit (checked here)
     expected/meta.json
 What does not run on CPU and what the peer does instead is in tests/peers/README.md.
 """
@@ -35,6 +39,8 @@ import shutil
 import socket
 import subprocess
 import sys
+
+from resume_golden import adamw_replay_differs, write_resume
 
 CASES = {
     "mcore_gpt_tp2_pp2": dict(tp=2, pp=2, ep=1, experts=0, layers=4),
@@ -368,6 +374,34 @@ def full_loader(case_name, outdir):
     with open(os.path.join(sub, "common_keys.json"), "w") as f:
         json.dump(sorted(common.keys()), f)
 
+    # Megatron's own resume of that state (world 1, TP1 PP1): each parameter's step is the one
+    # saved (common.pt's common_step, or the distributed optimizer's per group), then step 3 with
+    # the peer's gradients. What it stepped with and its state after the step: expected/resume/
+    o = common["optimizer"]
+    saved_step = float(o["state"]["common_step"]) if "state" in o else float(o["optimizer"]["param_groups"][0]["step"])
+    for q in order:
+        opt.optimizer.state[q]["step"] = torch.tensor(saved_step)
+    names = {id(q): n for n, q in model.named_parameters()}
+    before = {names[id(q)]: (q.detach().clone(), opt.optimizer.state[q]["exp_avg"].clone(),
+                             opt.optimizer.state[q]["exp_avg_sq"].clone()) for q in order}
+    synthetic_grads(model, 2)
+    grad = {n: q.grad.detach().clone().contiguous() for n, q in model.named_parameters()}
+    opt.step()
+    after = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for n, q in model.named_parameters():
+        after["fp32"][n] = q.detach().clone().contiguous()
+        after["exp_avg"][n] = opt.optimizer.state[q]["exp_avg"].clone().contiguous()
+        after["exp_avg_sq"][n] = opt.optimizer.state[q]["exp_avg_sq"].clone().contiguous()
+    # the replay: torch's AdamW from the loaded state with those gradients gives Megatron's step
+    group_of = {names[id(q)]: g for g in opt.optimizer.param_groups for q in g["params"]}
+    differ = adamw_replay_differs(before, grad, after, saved_step, lambda n: {
+        k: group_of[n][k] for k in ("lr", "betas", "eps", "weight_decay")})
+    assert not differ, f"resume: torch's AdamW step differs from Megatron's in {differ}"
+    write_resume(outdir, grad, after,
+                 {"adam_step": saved_step + 1, "resumed_from": src, "world": "TP1 PP1 EP1",
+                  "checked": "torch.optim.AdamW(foreach=False) stepped from the loaded state with grad == "
+                             "Megatron's FP32Optimizer step (bitwise)"})
+
 
 def launch(mode, name, out, world, logroot):
     port = free_port()
@@ -403,6 +437,10 @@ def run_case(name, root):
     except Exception:
         pass
     meta["checks"] = verify(out, case)
+    if os.path.exists(os.path.join(out, "expected", "resume", "step.json")):
+        meta["checks"].append("resumed by Megatron (dist_checkpointing.load at TP1 PP1 EP1, the saved step): its step "
+                              "3's gradient and state after it in expected/resume/, torch's AdamW replay of that step "
+                              "== Megatron's (bitwise)")
     with open(os.path.join(out, "expected", "meta.json"), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
     print(f"{name}: ok: " + "; ".join(meta["checks"]))

@@ -1,22 +1,23 @@
 // A LibTorch model + AdamW resumed from the trainers' own checkpoints (tests/fixtures/peers/:
-// DeepSpeed's ZeRO and universal checkpoints, Megatron-LM's legacy ones) in real c10d worlds of
-// other sizes and shardings than the trainer's, through load_model_and_optim_state
-// (torch/train_layouts.hpp: trainer_train_layout).
+// DeepSpeed's ZeRO and universal checkpoints, Megatron-Core's torch_dist and Megatron-LM's legacy
+// ones) in real c10d worlds of other sizes and shardings than the trainer's, through
+// load_model_and_optim_state (torch/train_layouts.hpp: trainer_train_layout).
 //
 // Each rank holds its piece (a flat element range, or a block of rows) of every parameter in an
 // AdamW whose groups are the trainer's in the other order, with wrong hyper-parameters. After the
 // load, every piece of the weights (the fp32 masters), exp_avg and exp_avg_sq, the step and the
 // groups' lr and weight decay are the trainer's own (its expected/ files, read by the plain
-// safetensors parser), bit for bit. Where the golden holds DeepSpeed's own resumed step
-// (expected/resume/: the gradient it stepped with and its state after the step), each rank steps
-// with its piece of that gradient, and then:
-// - the pieces equal, bit for bit, LibTorch's AdamW stepped on one rank from DeepSpeed's saved
+// safetensors parser), bit for bit. Where the golden holds the trainer's own resumed step
+// (expected/resume/: DeepSpeed's load_checkpoint and step 3; Megatron's dist_checkpointing.load
+// at TP1 PP1 and step 3; the gradient it stepped with and its state after the step), each rank
+// steps with its piece of that gradient, and then:
+// - the pieces equal, bit for bit, LibTorch's AdamW stepped on one rank from the trainer's saved
 //   tensors (no shardsafe load): the resharded resume is the unsharded one;
-// - exp_avg_sq equals DeepSpeed's, bit for bit; the weights and exp_avg are within 4 F32
-//   epsilons of their tensor's scale of DeepSpeed's. They cannot be equal: LibTorch's AdamW updates exp_avg as
-//   exp_avg * beta1 + grad * (1 - beta1), torch.optim.AdamW (DeepSpeed's base optimizer here) as
-//   exp_avg.lerp_(grad, 1 - beta1), which rounds otherwise (the peer checks that torch's AdamW
-//   gives its step bit for bit). The worker prints how many elements differ.
+// - exp_avg_sq equals the trainer's, bit for bit; the weights and exp_avg are within 4 F32
+//   epsilons (of their tensor's scale) of the trainer's. They cannot be equal: LibTorch's AdamW
+//   updates exp_avg as exp_avg * beta1 + grad * (1 - beta1), torch.optim.AdamW (both trainers'
+//   optimizer here) as exp_avg.lerp_(grad, 1 - beta1), which rounds otherwise (the peers check
+//   that torch's AdamW gives their step bit for bit). The worker prints how many elements differ.
 #include "shardsafe/torch/model_and_optim.hpp"
 
 #include <ATen/Parallel.h>
@@ -28,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <initializer_list>
 #include <map>
 #include <stdexcept>
@@ -95,7 +97,7 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
 }  // namespace
 
 // args: checkpoint folder, expected folder (fp32, exp_avg, exp_avg_sq and module safetensors),
-// sharding (flat | rows), the resume folder or "-" (DeepSpeed's own step: grad, fp32, exp_avg,
+// sharding (flat | rows), the resume folder or "-" (the trainer's own step: grad, fp32, exp_avg,
 // exp_avg_sq), the step saved, the weight decay of the group without decay as the trainer stored it,
 // a Megatron golden's checkpoint_keys.json (torch_dist names) or "-"
 WORKER_SCENARIO("trainer_adamw_resume") {
@@ -171,19 +173,19 @@ WORKER_SCENARIO("trainer_adamw_resume") {
     return 0;
   }
 
-  // DeepSpeed's resumed step, taken here with each rank's piece of its gradient
+  // the trainer's resumed step, taken here with each rank's piece of its gradient
   const fs::path rs(resume);
-  const auto grad = golden_tensors(rs / "grad.safetensors");
+  const auto grad = golden_tensors(rs / "grad.safetensors", keys);
   for (const auto& [name, p] : local) p.mutable_grad() = testing::local_of(grad.at(name), spec[name]);
   adamw.step();
-  // LibTorch's AdamW on one rank, from DeepSpeed's saved tensors
+  // LibTorch's AdamW on one rank, from the trainer's saved tensors
   std::map<std::string, at::Tensor> ref;
   std::vector<std::unique_ptr<torch::optim::AdamW>> ref_optims;
   for (const auto& [name, full] : fp32) {
     ref[name] = full.clone().requires_grad_(true);
     ref_optims.push_back(std::make_unique<torch::optim::AdamW>(
         std::vector<at::Tensor>{ref[name]},
-        torch::optim::AdamWOptions(1e-2).weight_decay(full.dim() == 2 ? 0.01 : 0.0)));
+        torch::optim::AdamWOptions(1e-2).weight_decay(full.dim() == 2 ? 0.01 : no_decay_wd)));
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(saved_step);
     s->exp_avg(ea.at(name).clone());
@@ -192,9 +194,9 @@ WORKER_SCENARIO("trainer_adamw_resume") {
     ref[name].mutable_grad() = grad.at(name).clone();
     ref_optims.back()->step();
   }
-  const auto ds_fp32 = golden_tensors(rs / "fp32.safetensors");
-  const auto ds_ea = golden_tensors(rs / "exp_avg.safetensors");
-  const auto ds_eas = golden_tensors(rs / "exp_avg_sq.safetensors");
+  const auto ds_fp32 = golden_tensors(rs / "fp32.safetensors", keys);
+  const auto ds_ea = golden_tensors(rs / "exp_avg.safetensors", keys);
+  const auto ds_eas = golden_tensors(rs / "exp_avg_sq.safetensors", keys);
   double worst = 0;
   std::int64_t differ = 0, total = 0;
   std::size_t i = 0;
@@ -207,7 +209,7 @@ WORKER_SCENARIO("trainer_adamw_resume") {
                               testing::same_bits(st.exp_avg_sq(), testing::local_of(rst.exp_avg_sq(), sp)),
                           name + ": the resharded step differs from LibTorch's AdamW stepped on one rank");
     testing::worker_check(testing::same_bits(st.exp_avg_sq(), testing::local_of(ds_eas.at(name), sp)),
-                          name + ": exp_avg_sq after the step is not DeepSpeed's");
+                          name + ": exp_avg_sq after the step is not the trainer's");
     // scales: a weight's, before and after; exp_avg's inputs (its old value and the gradient)
     const double wscale = largest({fp32.at(name), ds_fp32.at(name)});
     const double mscale = largest({ea.at(name), grad.at(name)});
@@ -221,19 +223,19 @@ WORKER_SCENARIO("trainer_adamw_resume") {
     }
   }
   std::fprintf(stderr,
-               "rank %d: weights and exp_avg after the step: %lld of %lld elements differ from DeepSpeed's, by at "
+               "rank %d: weights and exp_avg after the step: %lld of %lld elements differ from the trainer's, by at "
                "most %.2f epsilon of their tensor's scale\n",
                w.rank, static_cast<long long>(differ), static_cast<long long>(total), worst);
-  testing::worker_check(worst <= 4, "more than 4 epsilon from DeepSpeed's step");
+  testing::worker_check(worst <= 4, "more than 4 epsilon from the trainer's own step");
   return 0;
 }
 
-TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, and DeepSpeed's own next step") {
+TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, and the trainer's own next step") {
   struct golden_case {
     const char* golden;
     const char* folder;    // the checkpoint, under the golden
     const char* expected;  // the trainer's tensors, under the golden
-    bool resume;           // expected/resume/ holds DeepSpeed's resumed step
+    bool resume;           // expected/resume/ holds the trainer's own resumed step
     // the weight decay of the group without it, as stored: Megatron keeps the optimizer's 0.01 and
     // wd_mult 0 beside it (its scheduler multiplies them before a step; the peer ran none)
     const char* no_decay_wd;
@@ -245,13 +247,13 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
       {"zero3_bf16", "universal", "expected", true, "0"},
       {"zero1_bf16", "ckpt", "expected", false, "0"},  // BF16 weights in the files: the masters come in
       {"zero1_bf16", "universal", "expected", false, "0"},
-      {"mcore_gpt_tp2_pp2", "legacy", "expected/full", false, "0.01"},
-      {"mcore_moe_ep2", "legacy", "expected/full", false, "0.01"},
-      {"mcore_gpt_tp2_pp2", "torch_dist", "expected/full", false, "0.01", true},
-      {"mcore_moe_ep2", "torch_dist", "expected/full", false, "0.01", true},
+      {"mcore_gpt_tp2_pp2", "legacy", "expected/full", true, "0.01"},
+      {"mcore_moe_ep2", "legacy", "expected/full", true, "0.01"},
+      {"mcore_gpt_tp2_pp2", "torch_dist", "expected/full", true, "0.01", true},
+      {"mcore_moe_ep2", "torch_dist", "expected/full", true, "0.01", true},
       // the distributed optimizer: fp32 masters, and one step per param group
-      {"mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable", "expected/full", false, "0.01", true},
-      {"mcore_distopt_tp2_dp2", "legacy", "expected/full", false, "0.01"},
+      {"mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable", "expected/full", true, "0.01", true},
+      {"mcore_distopt_tp2_dp2", "legacy", "expected/full", true, "0.01"},
   };
   int worlds = 0;
   for (const auto& c : cases) {
@@ -314,4 +316,46 @@ TEST_CASE("trainer checkpoints: the model alone, with no optimizer, strict or no
       CHECK(std::memcmp(want.data(), t.local.data_ptr(), want.size()) == 0);
     }
   }
+}
+
+TEST_CASE("trainer checkpoints: groups the grouping rule cannot tell apart are not named, and refused by name") {
+  // mcore_moe_ep2's torch_dist with its first group (weights) marked is_expert_parallel: two
+  // groups of one kind, whose params Megatron's grouping rule cannot name. common.pt's data.pkl
+  // is stored, so one byte changes in place (shardsafe's reader does not check the zip's CRC)
+  testing::temp_dir tmp("trainer-groups");
+  const fs::path dst = tmp.path / "torch_dist";
+  fs::copy(trainer_peers / "mcore_moe_ep2" / "torch_dist", dst, fs::copy_options::recursive);
+  const fs::path common = dst / "iter_0000002" / "common.pt";
+  std::string bytes = testing::slurp(common);
+  const std::string key = "is_expert_parallel";
+  const auto at = bytes.find(key);
+  REQUIRE(at != std::string::npos);
+  REQUIRE(bytes.find(key, at + 1) == std::string::npos);  // later groups refer to it by memo
+  const std::size_t value = at + key.size() + 5;          // after LONG_BINPUT (r + 4 bytes)
+  REQUIRE(bytes[at + key.size()] == 'r');
+  REQUIRE(static_cast<unsigned char>(bytes[value]) == 0x89);  // NEWFALSE
+  bytes[value] = static_cast<char>(0x88);                     // NEWTRUE
+  std::ofstream(common, std::ios::binary | std::ios::trunc) << bytes;
+
+  const file_directory dir(dst);
+  checkpoint_reader<file_directory> r(dir);
+  CHECK(!r.find_object("optimizer.param_groups.0.params"));
+  CHECK(r.read_object("megatron.layout").as_string("").find("two param groups of weights, experts") !=
+        std::string::npos);
+  state_dict sd;
+  std::vector<at::Tensor> params;
+  for (const auto& [name, tm] : r.metadata().tensors)
+    if (!name.starts_with("optimizer.") && tm.type == dtype::F32) {
+      params.push_back(at::zeros(to_sizes(tm.shape)));
+      sd.add(name, params.back());
+    }
+  single_process one;
+  torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-3));
+  const std::string why = testing::error_of([&] { load_model_and_optim_state(dir, sd, &adamw, one); });
+  CAPTURE(why);
+  CHECK(why.find("'optimizer.param_groups.0.params'") != std::string::npos);
+  CHECK(why.find("does not list its parameters by name") != std::string::npos);
+  CHECK(why.find("load the model alone") != std::string::npos);
+  const auto rep = load_model_and_optim_state(dir, sd, nullptr, one);
+  CHECK(rep.model.tensors == params.size());
 }
