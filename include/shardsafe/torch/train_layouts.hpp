@@ -9,7 +9,8 @@
 // | dcp_train_layout  | dcp                  | one torch.distributed.checkpoint folder, keyed | DIR/.metadata, no  |
 // |                   |                      | as torch 2.x's get_state_dict (torch/optim_dcp.hpp) | DIR/model/    |
 // | trainer_train_layout | (read only)       | a trainer's checkpoint: DeepSpeed ZeRO or      | a folder layout    |
-// |                   |                      | universal, Megatron-LM legacy (docs/FORMAT.md §6-7) | with trainer_state |
+// |                   |                      | universal, Megatron-Core torch_dist, Megatron-LM | with trainer_state |
+// |                   |                      | legacy (docs/FORMAT.md §6-7)                   |                    |
 //
 // A layout L has: recognise(dir) (by names only) and load(dir, model, optim, opt, stats) (the
 // caller runs it as one every-rank step); one that is written also has `format` (the
@@ -19,12 +20,15 @@
 //
 // A trainer's checkpoint is loaded as its layout presents it: the model's tensors under their
 // names; each parameter's fp32 master, exp_avg, exp_avg_sq and step as
-// optimizer.state.{param}.{field}; the param groups as optimizer.param_groups.{g}.{field}, with
-// `params` the parameters' names. A model tensor of dtype float32 is loaded from its parameter's
-// fp32 master where the checkpoint keeps one (the weights a bf16 run trains, which the model's
-// bf16 copy only rounds), any other from the model's tensor. Groups that list their parameters by
-// index (Megatron-Core's torch_dist) or not at all (Megatron-LM's distributed optimizer) cannot be
-// matched to the optimizer's: its state is refused, by name (the model loads alone).
+// optimizer.state.{param}.{field}; the param groups as optimizer.param_groups.{g}.{field} (or,
+// where only a wrapped optimizer's are kept, Megatron's distributed optimizer,
+// optimizer.optimizer.param_groups.{g}.{field}), with `params` the parameters' names. A model
+// tensor of dtype float32 is loaded from its parameter's fp32 master where the checkpoint keeps
+// one (the weights a bf16 run trains, which the model's bf16 copy only rounds), any other from
+// the model's tensor. A parameter with state and no step of its own takes its group's `step`.
+// Groups whose `params` are missing or not names (Megatron's, where its layouts cannot tell the
+// groups apart by the grouping rule) cannot be matched to the optimizer's: its state is refused,
+// by name (the model loads alone).
 #pragma once
 
 #include <map>
