@@ -167,8 +167,8 @@ TEST_CASE("megatron_dist layout: each param group's params named as Megatron's o
     std::size_t g = 0, params = 0;
     for (; r.find_object(groups + std::to_string(g) + ".params"); ++g) {
       std::set<std::string> got;
-      for (const auto& n : r.read_object(groups + std::to_string(g) + ".params").as_sequence(""))
-        got.insert(n.as_string(""));
+      const pickle_value listed = r.read_object(groups + std::to_string(g) + ".params");
+      for (const auto& n : listed.as_sequence("")) got.insert(n.as_string(""));
       if (ordered) {
         CHECK(got == want[g]);
       } else {

@@ -15,8 +15,14 @@ lr 1e-2). Then:
   2. get_state_dict(model, optimizer), dcp.load of OUT into it, set_state_dict: every parameter and
      Adam's exp_avg, exp_avg_sq and step must equal the trainer's own (expected/, written by
      DeepSpeed 0.19.5's live engine), bit for bit;
-  3. one more AdamW step with a fixed gradient, against a second model + AdamW whose parameters and
-     state were set from expected/ directly, given the same gradient: equal bit for bit.
+  3. one more AdamW step with the gradient of DeepSpeed's own resumed step (expected/resume/,
+     tests/peers/ds_peer.py): parameters, exp_avg and exp_avg_sq equal DeepSpeed's state after
+     its step, bit for bit (torch's AdamW is DeepSpeed's base optimizer here).
+The Megatron goldens (torch_dist and legacy, GPT TP2 x PP2 and MoE EP2) the same way: the module
+of their TP1 PP1 names (torch_dist's as shardsafe presents its keys), AdamW grouped as Megatron's
+own optimizer grouped them (expected/local/*/optimizer_param_order.json, made global), resumed
+from to-dcp's folder: Megatron's tensors, then Megatron's own next step (expected/resume/,
+tests/peers/mcore_peer.py), bit for bit.
 Needs torch 2.2 or later (get_state_dict): under Debian 12's torch 1.13 it skips (exit 77); the
 Debian 13 leg runs it with torch 2.6.
 """
@@ -94,24 +100,24 @@ def make_optimizer(model):
                              lr=1e-2)
 
 
-def fixed_grads(model):
-    g = torch.Generator().manual_seed(54)
-    for n, p in sorted(model.named_parameters()):
-        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-
-
 def same(a, b, what, bad):
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
         bad.append(f"{what}: {tuple(a.shape)} {a.dtype} differs from {tuple(b.shape)} {b.dtype}")
 
 
-def check(tool, root, case, form, tmp, bad):
-    ck = os.path.join(root, case, form)
-    expected = os.path.join(root, case, "expected")
+def export(tool, root, case, form, tmp, bad):
+    """`shardsafe to-dcp` of the golden's checkpoint: the folder written, or None (in bad, why)."""
     out = os.path.join(tmp, f"{case}-{form}")
-    p = subprocess.run([tool, "to-dcp", ck, out], capture_output=True, text=True)
+    p = subprocess.run([tool, "to-dcp", os.path.join(root, case, form), out], capture_output=True, text=True)
     if p.returncode != 0:
         bad.append(f"{case}/{form}: to-dcp exited {p.returncode}: {p.stderr.strip()}")
+        return None
+    return out
+
+
+def check(tool, root, case, form, tmp, bad):
+    expected, out = os.path.join(root, case, "expected"), export(tool, root, case, form, tmp, bad)
+    if not out:
         return 0
     model, fp32, module = make_model(expected)
     opt = make_optimizer(model)
@@ -131,25 +137,120 @@ def check(tool, root, case, form, tmp, bad):
             bad.append(f"{case}/{form}: step of {n} is {st['step']!r}, not 2 (two AdamW steps)")
     for n, t in buffers.items():
         same(t, module[n], f"{case}/{form}: buffer {n}", bad)
-    # the reference: the trainer's tensors set directly, the same step
-    ref, _, _ = make_model(expected)
-    ref_opt = make_optimizer(ref)
-    with torch.no_grad():
-        for n, q in ref.named_parameters():
-            q.copy_(fp32[n])
-    for n, q in ref.named_parameters():
-        ref_opt.state[q] = {"step": torch.tensor(2.0), "exp_avg": moments["exp_avg"][n].clone(),
-                            "exp_avg_sq": moments["exp_avg_sq"][n].clone()}
-    fixed_grads(model)
-    fixed_grads(ref)
+    # the trainer's own resumed step (expected/resume/: its gradient, its state after the step)
+    resume = {k: read(os.path.join(expected, "resume", f"{k}.safetensors"))
+              for k in ("grad", "fp32", "exp_avg", "exp_avg_sq")}
+    for n, q in model.named_parameters():
+        q.grad = resume["grad"][n].clone()
     opt.step()
-    ref_opt.step()
-    rp = dict(ref.named_parameters())
     for n in fp32:
-        same(params[n].detach(), rp[n].detach(), f"{case}/{form}: parameter {n} after the resumed step", bad)
+        same(params[n].detach(), resume["fp32"][n], f"{case}/{form}: parameter {n} after the trainer's step", bad)
         for k in ("exp_avg", "exp_avg_sq"):
-            same(opt.state[params[n]][k], ref_opt.state[rp[n]][k], f"{case}/{form}: {k} of {n} after the step", bad)
+            same(opt.state[params[n]][k], resume[k][n], f"{case}/{form}: {k} of {n} after the trainer's step", bad)
     return len(fp32)
+
+
+MEGATRON_CASES = [("mcore_gpt_tp2_pp2", "torch_dist"), ("mcore_gpt_tp2_pp2", "legacy"),
+                  ("mcore_moe_ep2", "torch_dist"), ("mcore_moe_ep2", "legacy")]
+
+
+def number_after(s, marker):
+    at = s.find(marker)
+    if at < 0:
+        return None
+    e = at + len(marker)
+    while e < len(s) and s[e].isdigit():
+        e += 1
+    return s[at + len(marker):e] or None
+
+
+def renumbered(s, marker, by):
+    n = number_after(s, marker)
+    if n is None:
+        return s
+    at = s.find(marker) + len(marker)
+    return s[:at] + str(int(n) + by) + s[at + len(n):]
+
+
+def torch_dist_name(module, key):
+    """The name shardsafe presents a torch_dist tensor by (docs/FORMAT.md §7): its checkpoint key,
+    a stacked layer (and expert) key per layer, numbered as the module name is."""
+    stack, experts = "decoder.layers.", "mlp.experts.experts."
+    if not key.startswith(stack) or key[len(stack)].isdigit():
+        return key
+    rest, layer = key[len(stack):], number_after(module, stack)
+    if not rest.startswith(experts):
+        return f"{stack}{layer}.{rest}"
+    return f"{stack}{layer}.mlp.experts.local_experts.{number_after(module, '.local_experts.')}.{rest[len(experts):]}"
+
+
+def megatron_groups(expected):
+    """Megatron's own param groups of the whole model, by module name: each rank's
+    expected/local/*/optimizer_param_order.json (its groups as its optimizer held them, local layer
+    and expert numbers) made global and joined."""
+    import json
+    groups = []
+    for rank in sorted(os.listdir(os.path.join(expected, "local"))):
+        order = json.load(open(os.path.join(expected, "local", rank, "optimizer_param_order.json")))
+        pp, ep = int(number_after(rank, "_pp")), int(number_after(rank, "_ep") or 0)
+        layers = 1 + max([int(number_after(n, "decoder.layers.")) for g in order for n in g
+                          if number_after(n, "decoder.layers.") is not None] or [-1])
+        experts = 1 + max([int(number_after(n, ".local_experts.")) for g in order for n in g
+                           if number_after(n, ".local_experts.") is not None] or [-1])
+        while len(groups) < len(order):
+            groups.append([])
+        for g, names in enumerate(order):
+            for n in names:
+                n = renumbered(renumbered(n, "decoder.layers.", pp * layers), ".local_experts.", ep * experts)
+                if n not in groups[g]:
+                    groups[g].append(n)
+    return groups
+
+
+def check_megatron(tool, root, case, form, tmp, bad):
+    """A Megatron golden: the module of its TP1 PP1 names (torch_dist: as shardsafe presents its keys),
+    AdamW grouped as Megatron's own optimizer grouped them (lr 1e-2, weight decay 0.01 in every
+    group, as the peer's optimizer held it), resumed from to-dcp's folder, then Megatron's own next
+    step (expected/resume/) taken with its gradient."""
+    import json
+    expected, out = os.path.join(root, case, "expected"), export(tool, root, case, form, tmp, bad)
+    if not out:
+        return 0
+    keys = json.load(open(os.path.join(expected, "full", "checkpoint_keys.json")))
+    name = (lambda m: torch_dist_name(m, keys[m]["key"])) if form == "torch_dist" else (lambda m: m)
+    full = {k: read(os.path.join(expected, "full", f"{k}.safetensors")) for k in ("model", "exp_avg", "exp_avg_sq")}
+    resume = {k: read(os.path.join(expected, "resume", f"{k}.safetensors"))
+              for k in ("grad", "fp32", "exp_avg", "exp_avg_sq")}
+    root_module = Node()
+    params = {}
+    for m, t in full["model"].items():
+        *path, leaf = name(m).split(".")
+        node = root_module
+        for q in path:
+            if not hasattr(node, q):
+                node.add_module(q, Node())
+            node = getattr(node, q)
+        node.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
+        params[m] = getattr(node, leaf)
+    opt = torch.optim.AdamW([{"params": [params[m] for m in g]} for g in megatron_groups(expected)], lr=1e-2,
+                            weight_decay=0.01)
+    msd, osd = get_state_dict(root_module, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=out)
+    set_state_dict(root_module, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    for m, q in params.items():
+        same(q.detach(), full["model"][m], f"{case}/{form}: parameter {m}", bad)
+        for k in ("exp_avg", "exp_avg_sq"):
+            same(opt.state[q][k], full[k][m], f"{case}/{form}: {k} of {m}", bad)
+        if float(opt.state[q]["step"]) != 2.0:
+            bad.append(f"{case}/{form}: step of {m} is {opt.state[q]['step']!r}, not 2")
+        q.grad = resume["grad"][m].clone()
+    opt.step()
+    for m, q in params.items():
+        same(q.detach(), resume["fp32"][m], f"{case}/{form}: parameter {m} after Megatron's step", bad)
+        for k in ("exp_avg", "exp_avg_sq"):
+            same(opt.state[q][k], resume[k][m], f"{case}/{form}: {k} of {m} after Megatron's step", bad)
+    return len(params)
 
 
 def main():
@@ -158,12 +259,12 @@ def main():
                                                               "fixtures", "peers")
     bad = []
     with tempfile.TemporaryDirectory() as tmp:
-        for case, form in CASES:
-            n = check(tool, root, case, form, tmp, bad)
+        for case, form in CASES + MEGATRON_CASES:
+            n = (check_megatron if case.startswith("mcore_") else check)(tool, root, case, form, tmp, bad)
             if not bad:
                 print(f"ok {case}/{form}: torch {torch.__version__} resumed {n} parameters and their AdamW state "
                       f"from to-dcp's folder (get_state_dict, dcp.load, set_state_dict), equal to the trainer's, "
-                      f"and one more step equals AdamW's from the trainer's own tensors, bit for bit")
+                      f"and the trainer's own next step, bit for bit")
     for b in bad[:20]:
         print("FAILED", b)
     sys.exit(1 if bad else 0)

@@ -188,9 +188,11 @@ struct trainer_train_layout {
     if (optim && r.find_object(optim_prefix + "param_groups.0.lr")) {
       const std::string key = optim_prefix + "param_groups.0.params";
       bool named = r.find_object(key) != nullptr;
-      if (named)
-        for (const auto& v : r.read_object(key).as_sequence(dname + ": '" + key + "'"))
+      if (named) {
+        const pickle_value params = r.read_object(key);  // kept: the loop walks its sequence
+        for (const auto& v : params.as_sequence(dname + ": '" + key + "'"))
           named = named && v.type() == pickle_value::kind::string;
+      }
       if (!named)
         fail(errc::invalid_argument,
              dname + ": '" + key + "' (" + std::string(r.layout().name) +
