@@ -96,7 +96,8 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
 
 }  // namespace
 
-// args: checkpoint folder, expected folder (fp32, exp_avg, exp_avg_sq and module safetensors),
+// args: checkpoint folder, expected folder (fp32, exp_avg, exp_avg_sq and module safetensors; with
+// TP, expected/joined/ and the module's other tensors from expected/tp0/),
 // sharding (flat | rows), the resume folder or "-" (the trainer's own step: grad, fp32, exp_avg,
 // exp_avg_sq), the step saved, the weight decay of the group without decay as the trainer stored it,
 // a Megatron golden's checkpoint_keys.json (torch_dist names) or "-"
@@ -129,10 +130,13 @@ WORKER_SCENARIO("trainer_adamw_resume") {
     sd.add(name, local[name], *spec[name], shape);
     (full.dim() == 2 ? decay : no_decay).push_back(local[name]);
   }
-  std::map<std::string, at::Tensor> buffers;
-  if (fs::exists(exp / "module.safetensors"))
-    for (const auto& [name, t] : golden_tensors(exp / "module.safetensors"))
-      if (!fp32.count(name)) sd.add(name, buffers[name] = at::zeros_like(t));
+  // the rest of the module: with TP (expected/joined/), TP rank 0's, presented as tp0/<name>
+  const bool tp = exp.filename() == "joined";
+  const fs::path module_file = tp ? exp.parent_path() / "tp0" / "module.safetensors" : exp / "module.safetensors";
+  std::map<std::string, at::Tensor> buffers, module;
+  if (fs::exists(module_file)) module = golden_tensors(module_file);
+  for (const auto& [name, t] : module)
+    if (!fp32.count(name)) sd.add((tp ? "tp0/" : "") + name, buffers[name] = at::zeros_like(t));
   // the trainer's groups in the other order, every hyper-parameter wrong
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
@@ -141,7 +145,9 @@ WORKER_SCENARIO("trainer_adamw_resume") {
                                  torch::optim::AdamWOptions(0.5).weight_decay(0.25).betas({0.5, 0.5}).eps(1.0)));
   torch::optim::AdamW adamw(groups, torch::optim::AdamWOptions(0.5));
 
-  const auto rep = load_model_and_optim_state(ckpt, sd, &adamw, comm);
+  auto rep = load_model_and_optim_state(ckpt, sd, &adamw, comm);
+  // (with TP, the other TP rank's own tensors are this job's to leave)
+  std::erase_if(rep.model.unexpected_keys, [&](const std::string& k) { return tp && k.starts_with("tp1/"); });
   testing::worker_check(rep.model.unexpected_keys.empty() && rep.optim.unexpected_keys.empty(),
                         "entries left unexpected: " + std::to_string(rep.model.unexpected_keys.size()) + " " +
                             std::to_string(rep.optim.unexpected_keys.size()) +
@@ -159,8 +165,7 @@ WORKER_SCENARIO("trainer_adamw_resume") {
     checked += 4;
   }
   for (const auto& [name, t] : buffers)
-    testing::worker_check(testing::same_bits(t, golden_tensors(exp / "module.safetensors").at(name)),
-                          name + ": the module's tensor differs");
+    testing::worker_check(testing::same_bits(t, module.at(name)), name + ": the module's tensor differs");
   for (const auto& g : adamw.param_groups()) {
     const auto& o = static_cast<const torch::optim::AdamWOptions&>(g.options());
     const bool decays = g.params().size() == decay.size() && g.params().front().is_same(decay.front());
@@ -247,6 +252,9 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
       {"zero3_bf16", "universal", "expected", true, "0"},
       {"zero1_bf16", "ckpt", "expected", false, "0"},  // BF16 weights in the files: the masters come in
       {"zero1_bf16", "universal", "expected", false, "0"},
+      // TP 2: the pieces joined as universal_checkpoint_info says (expected/joined/)
+      {"zero2_bf16_tp2", "ckpt", "expected/joined", false, "0"},
+      {"zero2_bf16_tp2", "universal", "expected/joined", false, "0"},
       {"mcore_gpt_tp2_pp2", "legacy", "expected/full", true, "0.01"},
       {"mcore_moe_ep2", "legacy", "expected/full", true, "0.01"},
       {"mcore_gpt_tp2_pp2", "torch_dist", "expected/full", true, "0.01", true},
@@ -282,7 +290,7 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
       ++worlds;
     }
   }
-  CHECK(worlds == 22);
+  CHECK(worlds == 26);
 }
 
 TEST_CASE("trainer checkpoints: the model alone, with no optimizer, strict or not") {
