@@ -70,6 +70,17 @@ class Node(torch.nn.Module):
     pass
 
 
+def owner(root, name):
+    """The submodule of root that holds tensor `name` (made where missing), and the tensor's own name."""
+    *path, leaf = name.split(".")
+    m = root
+    for p in path:
+        if not hasattr(m, p):
+            m.add_module(p, Node())
+        m = getattr(m, p)
+    return m, leaf
+
+
 def make_model(expected):
     """The module the names describe: trainable parameters from fp32.safetensors (float32), every
     other tensor of module.safetensors a buffer in its dtype."""
@@ -77,12 +88,7 @@ def make_model(expected):
     module = read(os.path.join(expected, "module.safetensors"))
     root = Node()
     for name in list(fp32) + [n for n in module if n not in fp32]:
-        *path, leaf = name.split(".")
-        m = root
-        for p in path:
-            if not hasattr(m, p):
-                m.add_module(p, Node())
-            m = getattr(m, p)
+        m, leaf = owner(root, name)
         if name in fp32:
             m.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(fp32[name])))
         else:
@@ -224,12 +230,7 @@ def check_megatron(tool, root, case, form, tmp, bad):
     root_module = Node()
     params = {}
     for m, t in full["model"].items():
-        *path, leaf = name(m).split(".")
-        node = root_module
-        for q in path:
-            if not hasattr(node, q):
-                node.add_module(q, Node())
-            node = getattr(node, q)
+        node, leaf = owner(root_module, name(m))
         node.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
         params[m] = getattr(node, leaf)
     opt = torch.optim.AdamW([{"params": [params[m] for m in g]} for g in megatron_groups(expected)], lr=1e-2,

@@ -54,20 +54,31 @@ namespace fs = std::filesystem;
 
 const fs::path trainer_peers = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "peers";
 
-/// A golden's expected tensors as whole CPU tensors, by name; with `keys` (a Megatron golden's
-/// checkpoint_keys.json: each module tensor's torch_dist key), by the name torch_dist presents.
-std::map<std::string, at::Tensor> golden_tensors(const fs::path& p, const std::string& keys = "-") {
+/// The names a Megatron golden's module tensors are presented by in torch_dist (their keys in
+/// checkpoint_keys.json, each stacked one per layer), or none for keys "-" (names kept).
+std::map<std::string, std::string> presented_names(const std::string& keys) {
+  std::map<std::string, std::string> out;
+  if (keys == "-") return out;
   simdjson::dom::parser parser;
-  const std::string keys_text = keys == "-" ? std::string("{}") : testing::slurp(keys);
-  const simdjson::dom::element k = shardsafe::detail::parse_json(parser, keys_text, keys);
+  const std::string text = testing::slurp(keys);
+  for (const auto [module, v] : shardsafe::detail::parse_json(parser, text, keys).get_object()) {
+    std::string_view key;
+    if (v["key"].get(key) != simdjson::SUCCESS) throw std::runtime_error(keys + ": no key for " + std::string(module));
+    out[std::string(module)] = testing::mc_name_of(std::string(module), std::string(key));
+  }
+  return out;
+}
+
+/// A golden's expected tensors as whole CPU tensors, by name, or by the name `rename` gives.
+std::map<std::string, at::Tensor> golden_tensors(const fs::path& p,
+                                                 const std::map<std::string, std::string>& rename = {}) {
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, g] : testing::read_golden_tensors(p)) {
     at::Tensor t = at::empty(to_sizes(g.shape), *to_scalar_type(g.type));
     std::memcpy(t.data_ptr(), g.bytes.data(), g.bytes.size());
-    std::string_view key;
-    out[keys == "-"                                    ? name
-        : k[name]["key"].get(key) == simdjson::SUCCESS ? testing::mc_name_of(name, std::string(key))
-                                                       : throw std::runtime_error(keys + ": no key for " + name)] = t;
+    const auto it = rename.find(name);
+    if (!rename.empty() && it == rename.end()) throw std::runtime_error(p.string() + ": no key for " + name);
+    out[it == rename.end() ? name : it->second] = t;
   }
   return out;
 }
@@ -86,6 +97,18 @@ double largest(std::initializer_list<at::Tensor> ts) {
   for (const auto& t : ts)
     if (t.numel()) m = std::max(m, t.abs().max().to(at::kDouble).item<double>());
   return m > 0 ? m : 1.0;
+}
+
+/// Zeroed F32 tensors for each of r's model tensors `wanted` keeps, whole, in sd; the tensors.
+template <class Keep>
+std::vector<at::Tensor> zeros_for(const checkpoint_reader<file_directory>& r, state_dict& sd, Keep&& wanted) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, tm] : r.metadata().tensors)
+    if (!name.starts_with("optimizer.") && tm.type == dtype::F32 && wanted(name)) {
+      out.push_back(at::zeros(to_sizes(tm.shape)));
+      sd.add(name, out.back());
+    }
+  return out;
 }
 
 torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const at::Tensor& p) {
@@ -111,7 +134,7 @@ WORKER_SCENARIO("trainer_adamw_resume") {
   const std::string resume = args.at(3);
   const std::int64_t saved_step = std::stoll(args.at(4));
   const double no_decay_wd = std::stod(args.at(5));
-  const std::string keys = args.at(6);
+  const auto keys = presented_names(args.at(6));
   const auto fp32 = golden_tensors(exp / "fp32.safetensors", keys);
   const auto ea = golden_tensors(exp / "exp_avg.safetensors", keys);
   const auto eas = golden_tensors(exp / "exp_avg_sq.safetensors", keys);
@@ -304,12 +327,7 @@ TEST_CASE("trainer checkpoints: the model alone, with no optimizer, strict or no
     single_process one;
     checkpoint_reader<file_directory> r(dir);
     state_dict sd;
-    std::vector<at::Tensor> params;
-    for (const auto& [name, tm] : r.metadata().tensors)
-      if (!name.starts_with("optimizer.") && name.ends_with(".weight") && tm.type == dtype::F32) {
-        params.push_back(at::zeros(to_sizes(tm.shape)));
-        sd.add(name, params.back());
-      }
+    const auto params = zeros_for(r, sd, [](const std::string& name) { return name.ends_with(".weight"); });
     REQUIRE(params.size() > 4);
     train_load_options lo;
     const std::string why = testing::error_of([&] { load_model_and_optim_state(dir, sd, nullptr, one, lo); });
@@ -351,12 +369,7 @@ TEST_CASE("trainer checkpoints: groups the grouping rule cannot tell apart are n
   CHECK(r.read_object("megatron.layout").as_string("").find("two param groups of weights, experts") !=
         std::string::npos);
   state_dict sd;
-  std::vector<at::Tensor> params;
-  for (const auto& [name, tm] : r.metadata().tensors)
-    if (!name.starts_with("optimizer.") && tm.type == dtype::F32) {
-      params.push_back(at::zeros(to_sizes(tm.shape)));
-      sd.add(name, params.back());
-    }
+  const auto params = zeros_for(r, sd, [](const std::string&) { return true; });
   single_process one;
   torch::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-3));
   const std::string why = testing::error_of([&] { load_model_and_optim_state(dir, sd, &adamw, one); });

@@ -81,6 +81,13 @@ struct checkpoint_param_group {
   std::string ctx;     ///< names it in messages
 };
 
+/// An optimizer step count read as a number: a whole non-negative one, else refused naming `where`.
+inline std::int64_t step_count(double s, const std::string& where) {
+  if (!(s >= 0) || s != static_cast<double>(static_cast<std::int64_t>(s)))
+    fail(errc::invalid_metadata, where + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
+  return static_cast<std::int64_t>(s);
+}
+
 /// Where a layout keeps parameter p's state k: STATE_PREFIX + p + SEPARATOR + k.
 struct optim_state_keys {
   std::string prefix;     ///< "state." (OLMo-core), "optim.state." (torch DCP)
@@ -169,13 +176,8 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
     }
   }
   rep.stats = shardsafe::load(r, std::span<const flat_view>(views), o.load);
-  for (auto& [target, value] : step_targets) {
-    const double s = value.reshape({-1}).to(at::kDouble).template item<double>();
-    if (!(s >= 0) || s != static_cast<double>(static_cast<std::int64_t>(s)))
-      fail(errc::invalid_metadata,
-           dname + ": a step value " + std::to_string(s) + " is not a whole non-negative number");
-    *target = static_cast<std::int64_t>(s);
-  }
+  for (auto& [target, value] : step_targets)
+    *target = step_count(value.reshape({-1}).to(at::kDouble).template item<double>(), dname);
   // state of parameters this optimizer does not hold
   for (const auto& k : ckpt_keys)
     if (!used.count(k) && k.rfind(layout.prefix, 0) == 0) rep.unexpected_keys.push_back(k);

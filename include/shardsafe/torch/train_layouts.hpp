@@ -251,15 +251,12 @@ struct trainer_train_layout {
         auto* state = optimizer_state_of(optim, it->second);
         std::int64_t* target = state ? detail::traits_of(optim.param_groups().front().options()).step(*state) : nullptr;
         if (!target) continue;
-        const double v = !step                                         ? -1.0
-                         : step->type() == pickle_value::kind::integer ? double(step->as_int(""))
-                         : step->type() == pickle_value::kind::real    ? step->as_real("")
-                                                                       : -1.0;
-        if (!(v >= 0) || v != double(static_cast<std::int64_t>(v)))
+        if (!step || (step->type() != pickle_value::kind::integer && step->type() != pickle_value::kind::real))
           fail(errc::invalid_metadata, g.ctx + ": parameter '" + name +
                                            "' has optimizer state but no step, neither its own (" + prefix +
-                                           "step) nor a whole non-negative 'step' of its group");
-        *target = static_cast<std::int64_t>(v);
+                                           "step) nor a number 'step' of its group");
+        *target = detail::step_count(
+            step->type() == pickle_value::kind::integer ? double(step->as_int("")) : step->as_real(""), g.ctx);
       }
     }
   }

@@ -107,6 +107,37 @@ inline std::optional<megatron_group_kind> megatron_group_kind_of(const pickle_va
                              ex->as_bool("")};
 }
 
+/// The names of each param group's parameters by that rule, Megatron saving none: `groups` is
+/// what each group's wd_mult and is_expert_parallel say (megatron_group_kind_of), `params` each
+/// parameter with state and its kind, in order. `why` is empty where every parameter found its
+/// one group; else it says why no names are given (and `names` is empty).
+struct megatron_named_groups {
+  std::vector<std::vector<std::string>> names;
+  std::string why;
+};
+
+inline megatron_named_groups megatron_name_groups(
+    const std::vector<std::optional<megatron_group_kind>>& groups,
+    const std::vector<std::pair<std::string, megatron_group_kind>>& params) {
+  if (groups.empty()) return {{}, "no param groups"};
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (!groups[g])
+      return {{}, "param group " + std::to_string(g) + " has no wd_mult and is_expert_parallel: its params not named"};
+    if (std::find(groups.begin(), groups.begin() + static_cast<std::ptrdiff_t>(g), groups[g]) !=
+        groups.begin() + static_cast<std::ptrdiff_t>(g))
+      return {{},
+              "two param groups of " + groups[g]->said() +
+                  " (custom overrides): their params not named, the grouping rule cannot tell them apart"};
+  }
+  megatron_named_groups out{std::vector<std::vector<std::string>>(groups.size()), {}};
+  for (const auto& [param, k] : params) {
+    const auto at = std::find(groups.begin(), groups.end(), k);
+    if (at == groups.end()) return {{}, "no param group of " + k.said() + " for " + param + ": params not named"};
+    out.names[static_cast<std::size_t>(at - groups.begin())].push_back(param);
+  }
+  return out;
+}
+
 }  // namespace detail
 
 struct megatron_dist_layout {
@@ -294,28 +325,21 @@ struct megatron_dist_layout {
       auto it = values.find(groups + std::to_string(g) + "." + f);
       return it == values.end() ? nullptr : it->second;
     };
-    std::vector<detail::megatron_group_kind> kinds;
+    std::vector<std::optional<detail::megatron_group_kind>> kinds;
     for (std::size_t g = 0; field(g, "lr"); ++g) {
       if (field(g, "params")) return "param groups as saved";
-      const auto k = detail::megatron_group_kind_of(field(g, "wd_mult"), field(g, "is_expert_parallel"));
-      if (!k)
-        return "param group " + std::to_string(g) + " has no wd_mult and is_expert_parallel: its params not named";
-      if (std::find(kinds.begin(), kinds.end(), *k) != kinds.end())
-        return "two param groups of " + k->said() +
-               " (custom overrides): their params not named, the grouping rule cannot tell them apart";
-      kinds.push_back(*k);
+      kinds.push_back(detail::megatron_group_kind_of(field(g, "wd_mult"), field(g, "is_expert_parallel")));
     }
-    if (kinds.empty()) return "no param groups";
-    std::vector<std::vector<std::string>> names(kinds.size());
-    for (const auto& [name, tm] : s.metadata.tensors) {
-      if (!name.starts_with("optimizer.state.") || !name.ends_with(".exp_avg")) continue;
-      const std::string param = name.substr(16, name.size() - 16 - 8);
-      const auto k = detail::megatron_kind_of(param, tm.shape.size());
-      const auto at = std::find(kinds.begin(), kinds.end(), k);
-      if (at == kinds.end()) return "no param group of " + k.said() + " for " + param + ": params not named";
-      names[static_cast<std::size_t>(at - kinds.begin())].push_back(param);
-    }
-    detail::trainer_group_params(s, std::string(common_file), names, groups);
+    std::vector<std::pair<std::string, detail::megatron_group_kind>> params;
+    for (const auto& [name, tm] : s.metadata.tensors)
+      if (name.starts_with("optimizer.state.") && name.ends_with(".exp_avg")) {
+        std::string param = name.substr(16, name.size() - 16 - 8);
+        const auto k = detail::megatron_kind_of(param, tm.shape.size());
+        params.emplace_back(std::move(param), k);
+      }
+    const auto named = detail::megatron_name_groups(kinds, params);
+    if (!named.why.empty()) return named.why;
+    detail::trainer_group_params(s, std::string(common_file), named.names, groups);
     return "each param group's params named by Megatron-Core's default grouping rule (wd_mult 0: biases and 1-D "
            "tensors; is_expert_parallel: experts)";
   }

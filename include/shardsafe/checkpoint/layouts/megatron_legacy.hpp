@@ -177,6 +177,8 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
     // and the kinds in the order of TP, PP and EP rank 0's groups
     std::map<detail::megatron_group_kind, std::vector<std::string>> group_names;
     std::vector<detail::megatron_group_kind> group_order;
+    // with the distributed optimizer, whose groups keep no params: each parameter and its kind
+    std::vector<std::pair<std::string, detail::megatron_group_kind>> kinds_of;
     for (std::uint64_t p = 0; p < w.pp; ++p)
       for (std::uint64_t e = 0; e < w.ep; ++e)
         for (std::uint64_t t = 0; t < w.tp; ++t) {
@@ -210,7 +212,7 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
             if (t == 0)
               for (const auto& [g, te] : params)
                 if (e == 0 || g.find(".local_experts.") != std::string::npos)
-                  group_names[detail::megatron_kind_of(g, te->shape.size())].push_back(g);
+                  kinds_of.emplace_back(g, detail::megatron_kind_of(g, te->shape.size()));
           } else {
             for (const auto& [g, index, group] : optimizer_indices(m, params)) {
               if (t == 0 && (e == 0 || g.find(".local_experts.") != std::string::npos)) {
@@ -290,29 +292,22 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
         s.non_tensors.push_back({v.name, f0.name, 0, 0, torch_save_value{v.name, v.value, {}}});
     s.non_tensors.push_back({"megatron.layout", f0.name, 0, 0, torch_save_value{"", pickle_value::string(said), {}}});
     // each group's params by name, the items sorted (the distributed optimizer's groups, which
-    // keep none, as optimizer.optimizer.param_groups.<g>.params by the grouping rule)
-    std::vector<std::vector<std::string>> names;
-    for (const auto& k : group_order) names.push_back(group_names[k]);
+    // keep none, as optimizer.optimizer.param_groups.<g>.params by the grouping rule, where it
+    // tells them apart; else none, the items sorted all the same)
     if (w.distributed) {
-      // the inner optimizer's groups, in their order, by their wd_mult and is_expert_parallel;
-      // not named where two groups are of one kind or a kind has no group
       const pickle_value* gs =
           detail::ds_get(detail::ds_get(detail::ds_get(&f0.value(), "optimizer"), "optimizer"), "param_groups");
-      std::size_t named = 0;
-      for (std::size_t g = 0; gs && gs->type() == pickle_value::kind::list && g < gs->as_sequence("").size(); ++g) {
-        const auto& grp = gs->as_sequence("")[g];
-        const auto k =
-            detail::megatron_group_kind_of(detail::ds_get(&grp, "wd_mult"), detail::ds_get(&grp, "is_expert_parallel"));
-        if (!k || std::find(group_order.begin(), group_order.end(), *k) != group_order.end()) break;
-        group_order.push_back(*k);
-        names.push_back(group_names[*k]);
-        named += names.back().size();
-      }
-      std::size_t all = 0;
-      for (const auto& [k, v] : group_names) all += v.size();
-      if (named == all) detail::trainer_group_params(s, f0.name, names, "optimizer.optimizer.param_groups.");
+      std::vector<std::optional<detail::megatron_group_kind>> kinds;
+      if (gs && gs->type() == pickle_value::kind::list)
+        for (const auto& grp : gs->as_sequence(""))
+          kinds.push_back(detail::megatron_group_kind_of(detail::ds_get(&grp, "wd_mult"),
+                                                         detail::ds_get(&grp, "is_expert_parallel")));
+      detail::trainer_group_params(s, f0.name, detail::megatron_name_groups(kinds, kinds_of).names,
+                                   "optimizer.optimizer.param_groups.");
       return s;
     }
+    std::vector<std::vector<std::string>> names;
+    for (const auto& k : group_order) names.push_back(group_names[k]);
     detail::trainer_group_params(s, f0.name, names);
     return s;
   }
