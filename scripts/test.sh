@@ -57,7 +57,7 @@ leg_debian12() {
   # the programs of this leg's suites (a plain `meson compile` builds every test's programs,
   # the headers suite's too)
   meson compile -C build tests/core_tests tests/torch_tests tests/race_tests tools/shardsafe tests/remote_odr_compiled \
-    tests/trainer_tests tests/trainer_torch_tests
+    tests/trainer_tests tests/trainer_torch_tests tests/quant_tests
   [ -x build/tools/shardsafe ] ||
     { echo "test.sh: build/tools/shardsafe was not built; the tool's tests need it" >&2; exit 1; }
   # (headers and packaging are the debian13 leg's; hostile, compile_fail and odr the clang leg's)

@@ -43,7 +43,8 @@ using testing::mc_number_after;
 
 /// What a torch_dist golden must present: Megatron's model tensors and Adam's moments (and the
 /// step, two AdamW steps; with `masters`, the distributed optimizer's fp32 masters, which these
-/// fp32 runs keep equal to the model's, and no step tensor: its step is per param group).
+/// fp32 runs keep equal to the model's, and no step tensor: its step is per param group). A bf16
+/// run's masters (Float16OptimizerWithFloat16Params) are what Megatron loaded: expected/full/fp32.
 std::map<std::string, testing::golden_tensor> mc_want(const std::string& golden, bool optimizer, bool masters) {
   const fs::path full = mc_peers / golden / "expected" / "full";
   const std::string keys_text = testing::slurp(full / "checkpoint_keys.json");
@@ -51,9 +52,12 @@ std::map<std::string, testing::golden_tensor> mc_want(const std::string& golden,
   const simdjson::dom::element keys = detail::parse_json(parser, keys_text, "checkpoint_keys.json");
   std::map<std::string, testing::golden_tensor> want;
   const float two = 2.0f;
-  for (const auto& [kind, suffix] :
-       {std::pair<const char*, const char*>{"model", ""}, {"exp_avg", ".exp_avg"}, {"exp_avg_sq", ".exp_avg_sq"}}) {
+  for (const auto& [kind, suffix] : {std::pair<const char*, const char*>{"model", ""},
+                                     {"exp_avg", ".exp_avg"},
+                                     {"exp_avg_sq", ".exp_avg_sq"},
+                                     {"fp32", ".fp32"}}) {
     if (!optimizer && std::strcmp(kind, "model") != 0) continue;
+    if (!fs::exists(full / (std::string(kind) + ".safetensors"))) continue;  // fp32: a bf16 run's alone
     for (const auto& [module, t] : testing::read_golden_tensors(full / (std::string(kind) + ".safetensors"))) {
       std::string_view key;
       REQUIRE(keys[module]["key"].get(key) == simdjson::SUCCESS);
@@ -81,7 +85,8 @@ struct mc_golden {
 constexpr mc_golden mc_goldens[] = {{"mcore_gpt_tp2_pp2", "torch_dist", false, false},
                                     {"mcore_moe_ep2", "torch_dist", false, false},
                                     {"mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable", true, false},
-                                    {"mcore_distopt_tp2_dp2", "torch_dist", false, true}};
+                                    {"mcore_distopt_tp2_dp2", "torch_dist", false, true},
+                                    {"mcore_gpt_bf16_tp2", "torch_dist", false, false}};
 
 }  // namespace
 
@@ -163,7 +168,10 @@ TEST_CASE("megatron_dist layout: each param group's params named as Megatron's o
       }
     }
     checkpoint_reader<file_directory> r{file_directory(mc_peers / name / form)};
-    const std::string groups = masters ? "optimizer.optimizer.param_groups." : "optimizer.param_groups.";
+    // the distributed optimizer's and the bf16 wrapper's groups are their torch optimizer's
+    const std::string groups = r.find_object("optimizer.optimizer.param_groups.0.lr")
+                                   ? "optimizer.optimizer.param_groups."
+                                   : "optimizer.param_groups.";
     std::size_t g = 0, params = 0;
     for (; r.find_object(groups + std::to_string(g) + ".params"); ++g) {
       std::set<std::string> got;
@@ -194,7 +202,7 @@ TEST_CASE("megatron_dist layout: loaded in place by 3 ranks in row blocks and 4 
     loaded += testing::load_golden_in_other_worlds(file_directory(mc_peers / name / form), want);
   }
   CHECK(loaded == views);
-  CHECK(views == (3 + 4) * (212 + 228 + 116 + 29));
+  CHECK(views == (3 + 4) * (212 + 228 + 116 + 29 + 145));
 }
 
 TEST_CASE("megatron_dist layout: what is not torch_dist, or points nowhere, is refused naming file and rule") {
@@ -216,7 +224,8 @@ TEST_CASE("megatron_dist layout: what is not torch_dist, or points nowhere, is r
 namespace {
 
 /// What a legacy golden must present: expected/full's tensors under their module names, Adam's
-/// moments, and the step (non-distributed optimizer) or the fp32 masters (distrib_optim.pt).
+/// moments, and the step (non-distributed optimizer) or the fp32 masters (distrib_optim.pt); a
+/// bf16 run's fp32_from_fp16_params besides the step (expected/full/fp32).
 std::map<std::string, testing::golden_tensor> mc_legacy_want(const std::string& golden, bool distributed) {
   const fs::path full = mc_peers / golden / "expected" / "full";
   std::map<std::string, testing::golden_tensor> want = testing::read_golden_tensors(full / "model.safetensors");
@@ -231,11 +240,16 @@ std::map<std::string, testing::golden_tensor> mc_legacy_want(const std::string& 
         want["optimizer.state." + module + ".step"] = {
             dtype::F32, {}, std::string(reinterpret_cast<const char*>(&two), 4)};
     }
+  if (fs::exists(full / "fp32.safetensors"))
+    for (const auto& [module, t] : testing::read_golden_tensors(full / "fp32.safetensors"))
+      want["optimizer.state." + module + ".fp32"] = t;
   return want;
 }
 
-constexpr std::pair<const char*, bool> mc_legacy_goldens[] = {
-    {"mcore_gpt_tp2_pp2", false}, {"mcore_moe_ep2", false}, {"mcore_distopt_tp2_dp2", true}};
+constexpr std::pair<const char*, bool> mc_legacy_goldens[] = {{"mcore_gpt_tp2_pp2", false},
+                                                              {"mcore_moe_ep2", false},
+                                                              {"mcore_distopt_tp2_dp2", true},
+                                                              {"mcore_gpt_bf16_tp2", false}};
 
 }  // namespace
 
@@ -251,12 +265,15 @@ TEST_CASE("megatron_legacy layout: TP pieces, stages and EP ranks joined are Meg
       CHECK(r.read_object("iteration") == pickle_value::integer(2));
       if (distributed) continue;  // its step and groups stay per group (optimizer.optimizer.param_groups)
       // each group's params by global name, as get_state_dict names them; every parameter once
+      // (the bf16 wrapper's groups: its torch optimizer's, optimizer.optimizer.param_groups)
+      const std::string groups = r.find_object("optimizer.optimizer.param_groups.0.lr")
+                                     ? "optimizer.optimizer.param_groups."
+                                     : "optimizer.param_groups.";
       std::size_t named = 0, states = 0;
       for (const auto& [key, tm] : r.metadata().tensors) states += key.ends_with(".exp_avg");
-      for (int g = 0; r.find_object("optimizer.param_groups." + std::to_string(g) + ".params"); ++g) {
-        const pickle_value params = r.read_object("optimizer.param_groups." + std::to_string(g) + ".params");
-        const bool no_wd =
-            r.read_object("optimizer.param_groups." + std::to_string(g) + ".wd_mult") == pickle_value::real(0.0);
+      for (int g = 0; r.find_object(groups + std::to_string(g) + ".params"); ++g) {
+        const pickle_value params = r.read_object(groups + std::to_string(g) + ".params");
+        const bool no_wd = r.read_object(groups + std::to_string(g) + ".wd_mult") == pickle_value::real(0.0);
         for (const auto& n : params.as_sequence("")) {
           const tensor_metadata* tm = r.find(n.as_string(""));
           REQUIRE(tm != nullptr);
@@ -279,7 +296,7 @@ TEST_CASE(
     loaded += testing::load_golden_in_other_worlds(file_directory(mc_peers / name / "legacy"), want);
   }
   CHECK(loaded == views);
-  CHECK(views == (3 + 4) * (212 + 228 + 116));
+  CHECK(views == (3 + 4) * (212 + 228 + 116 + 145));
 }
 
 TEST_CASE("megatron_legacy layout: missing ranks, lying args, groups and buffers are refused naming file and rule") {

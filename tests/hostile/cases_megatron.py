@@ -144,3 +144,16 @@ def megatron_legacy_optimizer_lies(t):
     for cmd in mc_commands(d):
         run("megatron_legacy_optimizer_lies", cmd, 1,
             ["mp_rank_01/distrib_optim.pt", "end at 1984", "numel_unpadded is 1985", "laid out otherwise"])
+
+
+@case
+def megatron_legacy_bf16_wrapper_lies(t):
+    """A bf16 run's legacy file (Float16OptimizerWithFloat16Params: the torch optimizer's state under
+    'optimizer', the fp32 masters beside it) whose masters list is renamed away: not the wrapper,
+    refused naming the file and what is missing, never read as the fp32 optimizer."""
+    d, it = mc_legacy_copy(t, "wrapper", "mcore_gpt_bf16_tp2")
+    mc_patch_pickle(os.path.join(it, "mp_rank_01", "model_optim_rng.pt"),
+                    [(None, b"fp32_from_fp16_params", b"fp32_from_fp16_paramz")])
+    for cmd in mc_commands(d):
+        run("megatron_legacy_bf16_wrapper_lies", cmd, 1,
+            ["mp_rank_01/model_optim_rng.pt", "no fp32_from_fp16_params list", "Float16OptimizerWithFloat16Params"])

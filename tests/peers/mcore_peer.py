@@ -33,6 +33,7 @@ OUTDIR/CASE holds:
     expected/meta.json
 What does not run on CPU and what the peer does instead is in tests/peers/README.md.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -49,6 +50,9 @@ CASES = {
     # Megatron's distributed optimizer (TP 2 x DP 2), saved as torch_dist dp_reshardable (the
     # default), torch_dist fully_reshardable and legacy torch (distrib_optim.pt)
     "mcore_distopt_tp2_dp2": dict(tp=2, pp=1, ep=1, experts=0, layers=2, dp=2, distopt=True),
+    # bf16 training (--bf16): bf16 weights, Megatron's Float16OptimizerWithFloat16Params keeping
+    # fp32 masters (fp32_from_fp16_params), the common configuration of real runs
+    "mcore_gpt_bf16_tp2": dict(tp=2, pp=1, ep=1, experts=0, layers=2, bf16=True),
 }
 ORIG_VOCAB = 13  # padded by Megatron to a multiple of make_vocab_size_divisible_by * tp
 # PEER_MCORE_SIZE: hidden, ffn, layers, vocab of a larger model for the bench; None: the goldens
@@ -152,7 +156,8 @@ def megatron_args(case, world, save, fmt, tp, pp, ep=1):
         "--weight-decay", "0.01", "--seed", "1234", "--save-interval", "2", "--eval-iters", "0", "--no-save-optim"
         if False else "--bf16", "--dist-ckpt-strictness", "log_all"
     ]
-    sys.argv.remove("--bf16")  # fp32 training: Megatron's mixed-precision optimizer is CUDA-only
+    if not case.get("bf16"):
+        sys.argv.remove("--bf16")  # fp32 training (FP32Optimizer)
     if SIZE:
         for flag, v in (("--hidden-size", SIZE[0]), ("--ffn-hidden-size", SIZE[1]), ("--num-layers", SIZE[2])):
             sys.argv[sys.argv.index(flag) + 1] = str(v)
@@ -187,6 +192,8 @@ def build(args, tp, pp, ep=1):
                      vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                      pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False, position_embedding_type="learned_absolute")
+    if args.bf16:
+        model.bfloat16()  # what Megatron's Float16Module does to the module it wraps (names unchanged)
     return model
 
 
@@ -217,12 +224,25 @@ def make_optimizer(args, model):
             k["device"] = "cpu"
         return real_tensor(*a, **k)
 
+    if args.bf16:
+        # Megatron's mixed-precision optimizer: fp32 masters of the bf16 weights, no loss scaler
+        # (what get_megatron_optimizer builds for --bf16 without the distributed optimizer)
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+        cfg.bf16, cfg.params_dtype = True, torch.bfloat16
+        with on_cpu():
+            return Float16OptimizerWithFloat16Params(adam, cfg, None, init_state_fn)
     torch.tensor = cpu_tensor
     try:
         opt = FP32Optimizer(adam, cfg, init_state_fn)
     finally:
         torch.tensor = real_tensor
     return opt
+
+
+def main_param(q):
+    """The parameter the optimizer steps for model parameter q: its fp32 master with the bf16
+    wrapper (Float16OptimizerWithFloat16Params sets q.main_param), else q itself."""
+    return getattr(q, "main_param", q)
 
 
 def synthetic_grads(model, step):
@@ -238,7 +258,7 @@ def synthetic_grads(model, step):
         if not getattr(p, "allreduce", True):  # expert parameter: its own on each EP rank
             key += f"|ep{mpu.get_expert_model_parallel_rank()}"
         g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-        p.grad = torch.randn(p.shape, generator=g) * 0.1
+        p.grad = (torch.randn(p.shape, generator=g) * 0.1).to(p.dtype)  # bf16 weights: a bf16 gradient
 
 
 def worker(case_name, outdir):
@@ -291,15 +311,16 @@ def worker(case_name, outdir):
             save_checkpoint(2, [ddp], opt, None, 0)
     else:
         opt = make_optimizer(args, model)
-        for step in range(2):
-            synthetic_grads(model, step)
-            opt.step()
-        # Megatron's own save, twice: torch_dist, then the legacy torch format
-        save_checkpoint(2, [model], opt, None, 0)
-        args.ckpt_format = "torch"
-        args.use_dist_ckpt = False
-        args.save = os.path.join(outdir, "legacy")
-        save_checkpoint(2, [model], opt, None, 0)
+        with on_cpu() if case.get("bf16") else contextlib.nullcontext():
+            for step in range(2):
+                synthetic_grads(model, step)
+                opt.step()
+            # Megatron's own save, twice: torch_dist, then the legacy torch format
+            save_checkpoint(2, [model], opt, None, 0)
+            args.ckpt_format = "torch"
+            args.use_dist_ckpt = False
+            args.save = os.path.join(outdir, "legacy")
+            save_checkpoint(2, [model], opt, None, 0)
 
     if SIZE:  # the bench needs the checkpoints only
         torch.distributed.barrier()
@@ -315,14 +336,22 @@ def worker(case_name, outdir):
         st.save_file({k: v.detach().clone().contiguous() for k, v in sd.items()},
                      os.path.join(sub, "model.safetensors"))
         if not case.get("distopt"):
-            for key in ("exp_avg", "exp_avg_sq"):
-                st.save_file({n: opt.optimizer.state[q][key].clone().contiguous()
-                              for n, q in model.named_parameters()}, os.path.join(sub, f"{key}.safetensors"))
+            save_optimizer_state(opt, model, sub)
             # the legacy optimizer state numbers parameters in the order of the optimizer's groups
-            name_of = {id(q): n for n, q in model.named_parameters()}
+            name_of = {id(main_param(q)): n for n, q in model.named_parameters()}
             with open(os.path.join(sub, "optimizer_param_order.json"), "w") as f:
                 json.dump([[name_of[id(q)] for q in g["params"]] for g in opt.optimizer.param_groups], f, indent=0)
     torch.distributed.barrier()
+
+
+def save_optimizer_state(opt, model, sub):
+    """Adam's exp_avg and exp_avg_sq of each model parameter (and with bf16 weights its fp32
+    master, fp32.safetensors) under the parameter's name, into folder sub."""
+    import safetensors.torch as st
+    kinds = ("exp_avg", "exp_avg_sq") + (("fp32",) if hasattr(opt, "fp32_from_float16_groups") else ())
+    for key in kinds:
+        st.save_file({n: (main_param(q).detach() if key == "fp32" else opt.optimizer.state[main_param(q)][key])
+                      .clone().contiguous() for n, q in model.named_parameters()}, os.path.join(sub, f"{key}.safetensors"))
 
 
 def full_loader(case_name, outdir):
@@ -356,20 +385,32 @@ def full_loader(case_name, outdir):
     osd.pop("param_groups", None)
     loaded = dist_checkpointing.load({"model": msd, "optimizer": osd}, ck)
     model.load_state_dict(loaded["model"], strict=False)
+    # the optimizer's parameters in group order (with bf16 weights, their fp32 masters, loaded
+    # from fp32_from_fp16_params: the bf16 wrapper nests the torch optimizer's state one deeper)
     order = [q for g in opt.optimizer.param_groups for q in g["params"]]
+    wrapped = hasattr(opt, "fp32_from_float16_groups")
+    inner = loaded["optimizer"]["optimizer"] if wrapped else loaded["optimizer"]
     for i, q in enumerate(order):
         for k in ("exp_avg", "exp_avg_sq"):
-            opt.optimizer.state[q][k] = loaded["optimizer"]["state"][i][k]
+            opt.optimizer.state[q][k] = inner["state"][i][k]
+    if wrapped:
+        for mains, saved in zip(opt.fp32_from_float16_groups, loaded["optimizer"]["fp32_from_fp16_params"]):
+            assert len(mains) == len(saved)
+            for q, v in zip(mains, saved):
+                q.data.copy_(v)
     import safetensors.torch as st
     sub = os.path.join(outdir, "expected", "full")
     os.makedirs(sub, exist_ok=True)
     sd = {k: v for k, v in model.state_dict_for_save_checkpoint().items() if isinstance(v, torch.Tensor)}
     st.save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, os.path.join(sub, "model.safetensors"))
-    for key in ("exp_avg", "exp_avg_sq"):
-        st.save_file({n: opt.optimizer.state[q][key].clone().contiguous() for n, q in model.named_parameters()},
-                     os.path.join(sub, f"{key}.safetensors"))
+    save_optimizer_state(opt, model, sub)
     with open(os.path.join(sub, "checkpoint_keys.json"), "w") as f:
         json.dump(keys, f, indent=1, sort_keys=True)
+    # the groups of Megatron's own optimizer at TP1 PP1 (the resume below steps with them), by
+    # module name: the distributed optimizer's checkpoints keep no params, so this is their record
+    name_of = {id(main_param(q)): n for n, q in model.named_parameters()}
+    with open(os.path.join(sub, "optimizer_param_order.json"), "w") as f:
+        json.dump([[name_of[id(q)] for q in g["params"]] for g in opt.optimizer.param_groups], f, indent=0)
     common = dist_checkpointing.load_common_state_dict(ck)
     with open(os.path.join(sub, "common_keys.json"), "w") as f:
         json.dump(sorted(common.keys()), f)
@@ -378,20 +419,24 @@ def full_loader(case_name, outdir):
     # saved (common.pt's common_step, or the distributed optimizer's per group), then step 3 with
     # the peer's gradients. What it stepped with and its state after the step: expected/resume/
     o = common["optimizer"]
+    o = o["optimizer"] if "state" not in o and "state" in o.get("optimizer", {}) else o  # the bf16 wrapper's
     saved_step = float(o["state"]["common_step"]) if "state" in o else float(o["optimizer"]["param_groups"][0]["step"])
     for q in order:
         opt.optimizer.state[q]["step"] = torch.tensor(saved_step)
-    names = {id(q): n for n, q in model.named_parameters()}
+    names = {id(main_param(q)): n for n, q in model.named_parameters()}
     before = {names[id(q)]: (q.detach().clone(), opt.optimizer.state[q]["exp_avg"].clone(),
                              opt.optimizer.state[q]["exp_avg_sq"].clone()) for q in order}
     synthetic_grads(model, 2)
-    grad = {n: q.grad.detach().clone().contiguous() for n, q in model.named_parameters()}
-    opt.step()
+    # what the optimizer steps with: the gradient as its master's dtype (bf16 weights: the bf16
+    # gradient widened, as Megatron's _copy_model_grads_to_main_grads does)
+    grad = {n: q.grad.detach().float().contiguous() for n, q in model.named_parameters()}
+    with on_cpu() if wrapped else contextlib.nullcontext():
+        opt.step()
     after = {"fp32": {}, "exp_avg": {}, "exp_avg_sq": {}}
     for n, q in model.named_parameters():
-        after["fp32"][n] = q.detach().clone().contiguous()
-        after["exp_avg"][n] = opt.optimizer.state[q]["exp_avg"].clone().contiguous()
-        after["exp_avg_sq"][n] = opt.optimizer.state[q]["exp_avg_sq"].clone().contiguous()
+        after["fp32"][n] = main_param(q).detach().clone().contiguous()
+        after["exp_avg"][n] = opt.optimizer.state[main_param(q)]["exp_avg"].clone().contiguous()
+        after["exp_avg_sq"][n] = opt.optimizer.state[main_param(q)]["exp_avg_sq"].clone().contiguous()
     # the replay: torch's AdamW from the loaded state with those gradients gives Megatron's step
     group_of = {names[id(q)]: g for g in opt.optimizer.param_groups for q in g["params"]}
     differ = adamw_replay_differs(before, grad, after, saved_step, lambda n: {
@@ -400,7 +445,7 @@ def full_loader(case_name, outdir):
     write_resume(outdir, grad, after,
                  {"adam_step": saved_step + 1, "resumed_from": src, "world": "TP1 PP1 EP1",
                   "checked": "torch.optim.AdamW(foreach=False) stepped from the loaded state with grad == "
-                             "Megatron's FP32Optimizer step (bitwise)"})
+                             f"Megatron's {type(opt).__name__} step (bitwise)"})
 
 
 def launch(mode, name, out, world, logroot):
@@ -528,6 +573,7 @@ def verify(out, case):
     checks = []
     ex = os.path.join(out, "expected")
     kinds = ("model",) if case.get("distopt") else ("model", "exp_avg", "exp_avg_sq")
+    kinds += ("fp32",) if case.get("bf16") else ()
     for kind in kinds:
         pieces = {r: st.load_file(os.path.join(ex, "local", rank_dir(*r, case), f"{kind}.safetensors")) for r in ranks}
         whole = join(pieces, case)
@@ -548,19 +594,30 @@ def verify(out, case):
             assert torch.equal(sd["model"][n], v), f"legacy {r} {n}"
         if case.get("distopt"):
             continue  # the optimizer is in distrib_optim.pt, in the DistributedOptimizer's buckets
-        # the optimizer: torch's state_dict, parameters numbered in group order
-        osd = sd["optimizer"]
+        # the optimizer: torch's state_dict, parameters numbered in group order (bf16: inside
+        # Float16OptimizerWithFloat16Params' dict, beside the fp32 masters of each group's bf16
+        # parameters, in the group's order)
+        osd = sd["optimizer"]["optimizer"] if case.get("bf16") else sd["optimizer"]
         order = [i for g in osd["param_groups"] for i in g["params"]]
         with open(os.path.join(ex, "local", rank_dir(*r, case), "optimizer_param_order.json")) as f:
-            names = [n for g in json.load(f) for n in g]
+            groups = json.load(f)
+        names = [n for g in groups for n in g]
         assert len(order) == len(names)
         for kind in ("exp_avg", "exp_avg_sq"):
             want = st.load_file(os.path.join(ex, "local", rank_dir(*r, case), f"{kind}.safetensors"))
             for i, n in zip(order, names):
                 assert torch.equal(osd["state"][i][kind], want[n]), f"legacy {r} {kind} {n}"
+        if case.get("bf16"):
+            want = st.load_file(os.path.join(ex, "local", rank_dir(*r, case), "fp32.safetensors"))
+            masters = sd["optimizer"]["fp32_from_fp16_params"]
+            assert [len(g) for g in masters] == [len(g) for g in groups]
+            for g, ms in zip(groups, masters):
+                for n, v in zip(g, ms):
+                    assert v.dtype == torch.float32 and torch.equal(v, want[n]), f"legacy {r} fp32 {n}"
     pattern = "mp_rank_TT" + ("_PPP" if pp > 1 else "") + ("_EEE" if ep > 1 else "")
     checks.append("legacy " + pattern + ("/model_optim_rng.pt 'model' ==" if case.get("distopt") else
-                                         "/model_optim_rng.pt 'model' and 'optimizer' state (by group order) ==")
+                                         "/model_optim_rng.pt 'model' and 'optimizer' state (by group order"
+                                         + (", fp32_from_fp16_params" if case.get("bf16") else "") + ") ==")
                   + " the rank's local pieces (bitwise)")
     if case.get("distopt"):
         full = st.load_file(os.path.join(ex, "full", "exp_avg.safetensors"))

@@ -23,7 +23,9 @@ refuse naming the buffer and the flag to re-save with, and `to-hf` dropping opti
 model's tensors.
 
 Each checkpoint's `to-dcp` output must read back (verify, unshard) with the same tensors under
-get_state_dict's keys (model.<name>, optim.state.<name>.<field>).
+get_state_dict's keys (model.<name>, optim.state.<name>.<field>); the distributed optimizer's step,
+kept per param group, becomes each parameter's optim.state.<name>.step (F32 2.0), as torch's AdamW
+keeps it.
 
 Each golden's legacy/ save (the same run, --ckpt-format torch: mp_rank_TT[_PPP][_EEE]/) must hold
 expected/full's tensors under the module names themselves (global layer and expert numbers), with
@@ -56,14 +58,22 @@ def presented(module, info):
     return f"{stack}{layer}.{rest}"
 
 
+def optimizer_kinds(full):
+    """The optimizer's tensors of expected/full: Adam's moments and, from a bf16 run
+    (Float16OptimizerWithFloat16Params), the fp32 masters Megatron loaded (fp32.safetensors)."""
+    return [("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")] + (
+        [("fp32", ".fp32")] if os.path.exists(os.path.join(full, "fp32.safetensors")) else [])
+
+
 def want_of(case_dir, with_optimizer, masters=False):
     """masters: the optimizer keeps fp32 masters (the distributed optimizer's fully_reshardable form:
     optimizer.state.param.<key>), which in these fp32 runs equal the model's tensors; its step is
-    per param group in common.pt, not common_step, so no .step tensor is presented."""
+    per param group in common.pt, not common_step, so no .step tensor is presented. A bf16 run's
+    masters (optimizer.state.fp32_param.<key>) are expected/full/fp32.safetensors."""
     full = os.path.join(case_dir, "expected", "full")
     keys = json.load(open(os.path.join(full, "checkpoint_keys.json")))
     want = {}
-    kinds = [("model", "")] + ([("exp_avg", ".exp_avg"), ("exp_avg_sq", ".exp_avg_sq")] if with_optimizer else [])
+    kinds = [("model", "")] + (optimizer_kinds(full) if with_optimizer else [])
     for kind, suffix in kinds:
         for module, t in read_safetensors(os.path.join(full, f"{kind}.safetensors")).items():
             name = presented(module, keys[module])
@@ -78,12 +88,13 @@ def want_of(case_dir, with_optimizer, masters=False):
 def legacy_want_of(case_dir, masters):
     """The legacy layout presents the model's module names with global layer and expert numbers:
     expected/full's names themselves; the distributed optimizer's distrib_optim.pt adds the fp32
-    masters (equal to the model in these fp32 runs) and has no per-parameter step."""
+    masters (equal to the model in these fp32 runs) and has no per-parameter step; a bf16 run's
+    fp32_from_fp16_params are expected/full/fp32.safetensors."""
     full = os.path.join(case_dir, "expected", "full")
     want = dict(read_safetensors(os.path.join(full, "model.safetensors")))
-    for kind in ("exp_avg", "exp_avg_sq"):
+    for kind, suffix in optimizer_kinds(full):
         for module, t in read_safetensors(os.path.join(full, f"{kind}.safetensors")).items():
-            want[f"optimizer.state.{module}.{kind}"] = t
+            want[f"optimizer.state.{module}{suffix}"] = t
             if kind == "exp_avg":
                 if masters:
                     want[f"optimizer.state.{module}.fp32"] = want[module]
@@ -107,6 +118,10 @@ def check(tool, case_dir, path, tmp, masters, legacy=False):
     back = unshard(tool, dcp, tmp)
     renamed = {("optim." + n[len("optimizer."):] if n.startswith("optimizer.state.") else "model." + n): t
                for n, t in want.items()}
+    if masters:  # the distributed optimizer's step, per param group (2), made each parameter's
+        for n in want:
+            if n.endswith(".exp_avg"):
+                renamed["optim." + n[len("optimizer."):-len(".exp_avg")] + ".step"] = ("F32", (), struct.pack("<f", 2.0))
     compare(dcp, back, renamed, "Megatron's (through to-dcp)")
     return len(want)
 

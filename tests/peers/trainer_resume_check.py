@@ -18,11 +18,14 @@ lr 1e-2). Then:
   3. one more AdamW step with the gradient of DeepSpeed's own resumed step (expected/resume/,
      tests/peers/ds_peer.py): parameters, exp_avg and exp_avg_sq equal DeepSpeed's state after
      its step, bit for bit (torch's AdamW is DeepSpeed's base optimizer here).
-The Megatron goldens (torch_dist and legacy, GPT TP2 x PP2 and MoE EP2) the same way: the module
-of their TP1 PP1 names (torch_dist's as shardsafe presents its keys), AdamW grouped as Megatron's
-own optimizer grouped them (expected/local/*/optimizer_param_order.json, made global), resumed
-from to-dcp's folder: Megatron's tensors, then Megatron's own next step (expected/resume/,
-tests/peers/mcore_peer.py), bit for bit.
+The Megatron goldens (torch_dist and legacy; GPT TP2 x PP2, MoE EP2, bf16 TP2 and the distributed
+optimizer TP2 x DP2) the same way: the module of their TP1 PP1 names (torch_dist's as shardsafe
+presents its keys), AdamW grouped as Megatron's own optimizer grouped them
+(expected/local/*/optimizer_param_order.json, made global; the distributed optimizer's from
+expected/full/), resumed from to-dcp's folder: Megatron's tensors, then Megatron's own next step
+(expected/resume/, tests/peers/mcore_peer.py), bit for bit. The bf16 run's module is its fp32
+masters (to-dcp --rename, MASTERS_AS_MODEL); the distributed optimizer's step, kept per param
+group, comes in as each parameter's (to-dcp makes it so).
 Needs torch 2.2 or later (get_state_dict): under Debian 12's torch 1.13 it skips (exit 77); the
 Debian 13 leg runs it with torch 2.6.
 """
@@ -111,10 +114,10 @@ def same(a, b, what, bad):
         bad.append(f"{what}: {tuple(a.shape)} {a.dtype} differs from {tuple(b.shape)} {b.dtype}")
 
 
-def export(tool, root, case, form, tmp, bad):
+def export(tool, root, case, form, tmp, bad, rules=()):
     """`shardsafe to-dcp` of the golden's checkpoint: the folder written, or None (in bad, why)."""
     out = os.path.join(tmp, f"{case}-{form}")
-    p = subprocess.run([tool, "to-dcp", os.path.join(root, case, form), out], capture_output=True, text=True)
+    p = subprocess.run([tool, "to-dcp", os.path.join(root, case, form), out, *rules], capture_output=True, text=True)
     if p.returncode != 0:
         bad.append(f"{case}/{form}: to-dcp exited {p.returncode}: {p.stderr.strip()}")
         return None
@@ -157,7 +160,12 @@ def check(tool, root, case, form, tmp, bad):
 
 
 MEGATRON_CASES = [("mcore_gpt_tp2_pp2", "torch_dist"), ("mcore_gpt_tp2_pp2", "legacy"),
-                  ("mcore_moe_ep2", "torch_dist"), ("mcore_moe_ep2", "legacy")]
+                  ("mcore_moe_ep2", "torch_dist"), ("mcore_moe_ep2", "legacy"),
+                  ("mcore_gpt_bf16_tp2", "torch_dist"), ("mcore_gpt_bf16_tp2", "legacy"),
+                  ("mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable"), ("mcore_distopt_tp2_dp2", "legacy")]
+# a bf16 run's fp32 masters as the module's parameters (docs/FORMAT.md §7): its bf16 weights left
+# out and each optim.state.<name>.fp32 exported as model.<name>
+MASTERS_AS_MODEL = ["--rename", r"^model\..*=", "--rename", r"^optim\.state\.(.*)\.fp32$=model.\1"]
 
 
 def number_after(s, marker):
@@ -193,10 +201,15 @@ def torch_dist_name(module, key):
 def megatron_groups(expected):
     """Megatron's own param groups of the whole model, by module name: each rank's
     expected/local/*/optimizer_param_order.json (its groups as its optimizer held them, local layer
-    and expert numbers) made global and joined."""
+    and expert numbers) made global and joined; for the distributed optimizer, whose ranks keep
+    no such order, the groups of Megatron's TP1 PP1 optimizer that took the resumed step
+    (expected/full/optimizer_param_order.json)."""
     import json
+    ranks = sorted(os.listdir(os.path.join(expected, "local")))
+    if not os.path.exists(os.path.join(expected, "local", ranks[0], "optimizer_param_order.json")):
+        return json.load(open(os.path.join(expected, "full", "optimizer_param_order.json")))
     groups = []
-    for rank in sorted(os.listdir(os.path.join(expected, "local"))):
+    for rank in ranks:
         order = json.load(open(os.path.join(expected, "local", rank, "optimizer_param_order.json")))
         pp, ep = int(number_after(rank, "_pp")), int(number_after(rank, "_ep") or 0)
         layers = 1 + max([int(number_after(n, "decoder.layers.")) for g in order for n in g
@@ -217,14 +230,20 @@ def check_megatron(tool, root, case, form, tmp, bad):
     """A Megatron golden: the module of its TP1 PP1 names (torch_dist: as shardsafe presents its keys),
     AdamW grouped as Megatron's own optimizer grouped them (lr 1e-2, weight decay 0.01 in every
     group, as the peer's optimizer held it), resumed from to-dcp's folder, then Megatron's own next
-    step (expected/resume/) taken with its gradient."""
+    step (expected/resume/) taken with its gradient. A bf16 run (expected/full/fp32.safetensors: the
+    masters of Float16OptimizerWithFloat16Params) is exported with its masters as the model's
+    parameters (MASTERS_AS_MODEL), the fp32 module Megatron's optimizer steps."""
     import json
-    expected, out = os.path.join(root, case, "expected"), export(tool, root, case, form, tmp, bad)
+    expected = os.path.join(root, case, "expected")
+    masters = os.path.exists(os.path.join(expected, "full", "fp32.safetensors"))
+    out = export(tool, root, case, form, tmp, bad, MASTERS_AS_MODEL if masters else ())
     if not out:
         return 0
     keys = json.load(open(os.path.join(expected, "full", "checkpoint_keys.json")))
-    name = (lambda m: torch_dist_name(m, keys[m]["key"])) if form == "torch_dist" else (lambda m: m)
+    name = (lambda m: torch_dist_name(m, keys[m]["key"])) if form.startswith("torch_dist") else (lambda m: m)
     full = {k: read(os.path.join(expected, "full", f"{k}.safetensors")) for k in ("model", "exp_avg", "exp_avg_sq")}
+    if masters:
+        full["model"] = read(os.path.join(expected, "full", "fp32.safetensors"))
     resume = {k: read(os.path.join(expected, "resume", f"{k}.safetensors"))
               for k in ("grad", "fp32", "exp_avg", "exp_avg_sq")}
     root_module = Node()

@@ -285,6 +285,9 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
       // the distributed optimizer: fp32 masters, and one step per param group
       {"mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable", "expected/full", true, "0.01", true},
       {"mcore_distopt_tp2_dp2", "legacy", "expected/full", true, "0.01"},
+      // bf16 weights: Float16OptimizerWithFloat16Params' fp32 masters are the weights that come in
+      {"mcore_gpt_bf16_tp2", "legacy", "expected/full", true, "0.01"},
+      {"mcore_gpt_bf16_tp2", "torch_dist", "expected/full", true, "0.01", true},
   };
   int worlds = 0;
   for (const auto& c : cases) {
@@ -313,7 +316,7 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
       ++worlds;
     }
   }
-  CHECK(worlds == 26);
+  CHECK(worlds == 30);
 }
 
 TEST_CASE("trainer checkpoints: the model alone, with no optimizer, strict or not") {

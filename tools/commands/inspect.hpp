@@ -4,16 +4,51 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../input.hpp"
 #include "../print.hpp"
+#include "shardsafe/checkpoint/quant.hpp"
 #include "shardsafe/core/dtype.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 
 namespace shardsafe::tool {
+
+/// The rows of each quantized weight's tensors (checkpoint/quant.hpp) say so in their last column:
+/// the weight with its scheme, logical shape and scale; a scale with its weight and block. What
+/// the title adds (", N quantized weights", or why none could be listed).
+template <ReadableDirectory D>
+std::string annotate_quantized(std::vector<row>& rows, const checkpoint_reader<D>& r, const std::string& prefix,
+                               std::size_t first_row) {
+  std::vector<quantized_tensor> qs;
+  try {
+    qs = quantized_tensors(r);
+  } catch (const std::exception& e) {
+    return "; quantized weights not listed: " + std::string(e.what()) + " (verify refuses it)";
+  }
+  if (qs.empty()) return {};
+  std::map<std::string, std::string> notes;
+  for (const auto& q : qs) {
+    const std::string block =
+        (q.block_rows > 1 ? std::to_string(q.block_rows) + " x " : std::string()) + std::to_string(q.block_cols);
+    notes[prefix + q.data] = "quantized " + std::string(to_string(q.scheme)) + " weight '" + prefix + q.name + "' " +
+                             shape_str(q.shape) + ", scales '" + prefix + q.scale + "' per block of " + block +
+                             (q.tensor_scale.empty() ? std::string() : " and '" + prefix + q.tensor_scale + "'");
+    notes[prefix + q.scale] =
+        std::string(to_string(q.scheme)) + " scales of '" + prefix + q.name + "', one per block of " + block;
+    if (!q.tensor_scale.empty())
+      notes[prefix + q.tensor_scale] =
+          std::string(to_string(q.scheme)) + " per-tensor scale of '" + prefix + q.name + "'";
+  }
+  for (std::size_t i = first_row; i < rows.size(); ++i)
+    if (auto it = notes.find(rows[i].name); it != notes.end())
+      rows[i].sharding = rows[i].sharding == "-" ? it->second : rows[i].sharding + "; " + it->second;
+  return ", " + std::to_string(qs.size()) + " quantized weight" + (qs.size() > 1 ? "s" : "");
+}
 
 /// One file's tensors (and a torch.save file's values that are not tensors), where each starts.
 template <ReadableDirectory D>
@@ -58,10 +93,17 @@ int inspect_whole_files(const input<D>& in) {
     rows.push_back({n, std::string(to_string(t.type)), shape_str(t.shape), std::to_string(t.nbytes()),
                     h.files[at.file].name, "-"});
   }
+  std::string quantized;
+  try {
+    const checkpoint_reader<D> r(in.dir);
+    quantized = annotate_quantized(rows, r, "", 0);
+  } catch (const std::exception& e) {
+    quantized = "; quantized weights not listed: " + std::string(e.what());
+  }
   print_rows("# " + in.path + ": Hugging Face " + (h.sharded() ? "sharded checkpoint, " : "checkpoint, ") +
                  (h.torch_bin ? "torch.save files (" + h.described_by + "), " : std::string()) +
                  std::to_string(h.files.size()) + " file(s), " + std::to_string(h.tensors.size()) + " tensors, " +
-                 std::to_string(h.tensor_bytes()) + " bytes",
+                 std::to_string(h.tensor_bytes()) + " bytes" + quantized,
              std::move(rows));
   return 0;
 }
@@ -75,7 +117,9 @@ int cmd_inspect(const input<D>& in) {
   std::uint64_t total = 0;
   std::string writer;
   const std::string what(parts.front().reader->layout().name);
+  std::string quantized;
   for (auto& p : parts) {
+    const std::size_t first_row = rows.size();
     const auto& md = p.reader->metadata();
     if (!md.extras.writer.empty()) writer = md.extras.writer;
     for (const auto& [key, tm] : md.tensors) {
@@ -88,6 +132,7 @@ int cmd_inspect(const input<D>& in) {
       rows.push_back({p.prefix + key, std::string(to_string(tm.type)), shape_str(tm.shape), std::to_string(bytes),
                       stored, describe_sharding(tm, files.count)});
     }
+    quantized += annotate_quantized(rows, *p.reader, p.prefix, first_row);
   }
   const std::size_t tensors = rows.size();
   for (auto& p : parts)
@@ -106,7 +151,7 @@ int cmd_inspect(const input<D>& in) {
                  " bytes" +
                  (foreign ? ", " + std::to_string(foreign) + " tensor(s) of a dtype shardsafe has no type for" : "") +
                  (others ? ", " + std::to_string(others) + " non-tensor item" + (others > 1 ? "s" : "") : "") +
-                 (writer.empty() ? "" : ", written by " + writer),
+                 (writer.empty() ? "" : ", written by " + writer) + quantized,
              std::move(rows));
   return 0;
 }

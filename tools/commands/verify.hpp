@@ -5,14 +5,30 @@
 
 #include <cstdint>
 #include <iostream>
+#include <map>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "../input.hpp"
 #include "../print.hpp"
 #include "shardsafe/checkpoint/hf/folder.hpp"
+#include "shardsafe/checkpoint/quant.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
 
 namespace shardsafe::tool {
+
+/// "; 3 quantized weights (fp8_block), their scales checked", or "" for none.
+inline std::string quantized_note(const std::vector<quantized_tensor>& qs) {
+  if (qs.empty()) return {};
+  std::map<std::string_view, std::size_t> by;
+  for (const auto& q : qs) ++by[to_string(q.scheme)];
+  std::string schemes;
+  for (const auto& [k, n] : by)
+    schemes += (schemes.empty() ? "" : ", ") + std::string(k) + (by.size() > 1 ? " " + std::to_string(n) : "");
+  return "; " + std::to_string(qs.size()) + " quantized weight" + (qs.size() > 1 ? "s" : "") + " (" + schemes +
+         "), their scales checked";
+}
 
 /// A checkpoint's parts verified: what was read besides headers (checksums where the layout
 /// records them, replicas) in the notes of the OK line.
@@ -21,10 +37,12 @@ int verify_parts(const input<D>& in) {
   std::size_t n = 0;
   std::uint64_t blocks = 0, hashed = 0, replicated = 0;
   std::size_t sharded = 0, unchecked = 0;
+  std::vector<quantized_tensor> quantized;
   // the optimizer's pickles (an optim/ part) are checked as every command opens the parts
   for (auto& p : open_checkpoint(in)) {
     const checkpoint_report rep = verify_checkpoint(*p.reader);
     n += rep.tensors;
+    quantized.insert(quantized.end(), rep.quantized.begin(), rep.quantized.end());
     replicated += rep.replicated_tensors;
     if (!p.reader->layout().records_checksums) continue;
     ++sharded;
@@ -41,6 +59,7 @@ int verify_parts(const input<D>& in) {
                                         std::to_string(sharded) + " parts (their tensor data not checked)";
   if (replicated > 0)
     notes += "; " + std::to_string(replicated) + " tensors held by several files, identical (replicas)";
+  notes += quantized_note(quantized);
   std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid" << one_line(notes) << "\n";
   return 0;
 }
@@ -48,6 +67,7 @@ int verify_parts(const input<D>& in) {
 template <ReadableDirectory D>
 int cmd_verify(const input<D>& in) {
   std::size_t n = 0;
+  std::string notes;
   if (in.k == kind::file) {
     const auto s = open_file(in);
     n = index_file(s).header.tensors.size();
@@ -55,10 +75,13 @@ int cmd_verify(const input<D>& in) {
     const auto h = open_hf(in);
     check_unlisted_hf_files(in.dir, h);
     n = h.tensors.size();
+    // its quantized weights and their scales (checkpoint/quant.hpp)
+    checkpoint_reader<D> r(in.dir);
+    notes = quantized_note(check_quantized(r));
   } else {
     return verify_parts(in);
   }
-  std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid\n";
+  std::cout << "OK " << one_line(in.path) << ": " << n << " tensors valid" << one_line(notes) << "\n";
   return 0;
 }
 

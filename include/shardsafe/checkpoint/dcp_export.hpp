@@ -36,14 +36,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "shardsafe/checkpoint/dcp_export_items.hpp"
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/parts.hpp"
@@ -73,46 +76,6 @@ struct dcp_export_stats {
 };
 
 namespace detail {
-
-/// Where a trainer layout's name goes in the state dict get_state_dict makes (the table above):
-/// its key and path, nullopt for an item kept under its name, or an empty key for one left out
-/// (a rank's RNG state: Megatron's rng_state/shard_... items, whose archives hold tensors).
-inline std::optional<std::pair<std::string, pickle_value>> trainer_state_place(const std::string& name, bool item) {
-  auto str = [](std::string s) { return pickle_value::string(std::move(s)); };
-  static constexpr std::string_view state = "optimizer.state.", groups = "optimizer.param_groups.";
-  if (!item) {
-    const auto dot = name.rfind('.');
-    if (name.starts_with(state) && dot != std::string::npos && dot > state.size()) {
-      const std::string param = name.substr(state.size(), dot - state.size()), field = name.substr(dot + 1);
-      return std::pair{"optim.state." + param + "." + field,
-                       pickle_value::tuple({str("optim"), str("state"), str(param), str(field)})};
-    }
-    return std::pair{"model." + name, pickle_value::tuple({str("model"), str(name)})};
-  }
-  if (name.starts_with("rng_state")) return std::pair{std::string(), pickle_value::none()};
-  if (!name.starts_with(groups)) return std::nullopt;
-  const std::string rest = name.substr(groups.size());
-  const auto dot = rest.find('.');
-  if (dot == std::string::npos || dot == 0 || dot > 9 || rest.find('.', dot + 1) != std::string::npos ||
-      rest.substr(0, dot).find_first_not_of("0123456789") != std::string::npos)
-    return std::nullopt;
-  const std::string field = rest.substr(dot + 1);
-  return std::pair{"optim.param_groups." + rest,
-                   pickle_value::tuple({str("optim"), str("param_groups"),
-                                        pickle_value::integer(std::stoll(rest.substr(0, dot))), str(field)})};
-}
-
-/// One key to export: a tensor of a source, a DCP source's non-tensor item, or a value.
-template <ReadableDirectory S>
-struct dcp_export_item {
-  std::string key;    ///< before renaming
-  pickle_value path;  ///< its path in the nested state dict; None for (key,), what .metadata gives a key without one
-  checkpoint_reader<S>* reader = nullptr;  ///< a tensor or an item: where it is
-  std::string source_key;
-  pickle_value value;   ///< a value (reader == nullptr)
-  bool object = false;  ///< source_key is a non-tensor item of reader: its archive is copied as it is
-  bool tensor() const noexcept { return reader && !object; }
-};
 
 /// The keys of `sources` (the table at the top).
 template <ReadableDirectory S>
@@ -211,6 +174,7 @@ std::vector<dcp_export_item<S>> dcp_export_items(std::span<const unshard_source<
       }
       items.push_back({std::move(to), std::move(path), &r, obj.key, {}, true});
     }
+    if (trainer && !opt.model_only) spread_group_steps(r, items);
   }
   return items;
 }
@@ -302,6 +266,14 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     const std::string to(to_view);
     const auto& it = items[index];
     if (!it.tensor()) continue;
+    if (!it.made.empty()) {  // an F32 scalar the export made
+      tensor_out& t = tensors.emplace_back(tensor_out{&it, torch_tensor_archive(dtype::F32, {}), at});
+      dcp_item& d = md.items[to];
+      d.type = dtype::F32;
+      d.chunks.push_back({{}, {}, {file, at, t.archive.size()}});
+      at += t.archive.size();
+      continue;
+    }
     const tensor_metadata* tm = it.reader->find(it.source_key);
     require_byte_sized(tm->type, std::string(it.reader->directory().name()) + ": tensor '" + it.source_key + "'");
     tensor_out& t = tensors.emplace_back(tensor_out{&it, torch_tensor_archive(tm->type, tm->shape), at});
@@ -314,7 +286,8 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
 
   // a grid's files are opened and checked before the output is made (unshard.hpp)
   for (const auto& t : tensors)
-    if (const tensor_metadata* tm = t.item->reader->find(t.item->source_key); tm->grid)
+    if (!t.item->made.empty()) {
+    } else if (const tensor_metadata* tm = t.item->reader->find(t.item->source_key); tm->grid)
       detail::for_each_file_opened(*t.item->reader, t.item->source_key, *tm, [](const auto&...) {});
   dcp_export_stats st;
   st.bytes = at;
@@ -330,8 +303,20 @@ dcp_export_stats export_to(std::span<const unshard_source<S>> sources, const D& 
     // the tensors of one reader in a row go to for_each_full_tensor together (small ones are
     // loaded many at once: a request per part over HTTP or S3, not one per tensor)
     for (std::size_t first = 0; first < tensors.size();) {
+      if (const tensor_out& t = tensors[first]; !t.item->made.empty()) {
+        detail::crc32 crc;
+        const auto b = std::as_bytes(std::span<const char>(t.item->made.data(), t.item->made.size()));
+        crc.update(b);
+        put(t.at, t.archive.head());
+        w.write_at(t.at + t.archive.head().size(), b);
+        put(t.at + t.archive.head().size() + t.archive.data_size(), t.archive.tail(crc.value()));
+        ++first;
+        continue;
+      }
       std::size_t last = first + 1;
-      while (last < tensors.size() && tensors[last].item->reader == tensors[first].item->reader) ++last;
+      while (last < tensors.size() && tensors[last].item->reader == tensors[first].item->reader &&
+             tensors[last].item->made.empty())
+        ++last;
       std::vector<std::string> keys;
       std::vector<detail::crc32> crcs(last - first);
       for (std::size_t i = first; i < last; ++i) {

@@ -16,6 +16,7 @@
 // (the collective throws the first failure of any rank on every rank, with its code: dist/agree.hpp)
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <span>
@@ -23,6 +24,7 @@
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/checkpoint_reader.hpp"
+#include "shardsafe/checkpoint/dequant_load.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -31,11 +33,14 @@ namespace shardsafe {
 
 /// Loads this rank's views in place from the checkpoint `reader` has open: its plan, then its
 /// reads (checkpoint_reader::plan, ::execute). Throws on the first problem, naming file, tensor
-/// and rule.
+/// and rule. A floating view of a quantized weight (checkpoint/quant.hpp) is dequantized, with
+/// opt.convert_dtypes (load_dequantizing, checkpoint/dequant_load.hpp).
 template <ReadableDirectory D>
 load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, const load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
-  load_stats st = reader.execute(views, reader.plan(views, opt));
+  const bool quantized = std::any_of(views.begin(), views.end(),
+                                     [&](const flat_view& v) { return dequantized_by_load(reader, v).has_value(); });
+  load_stats st = quantized ? load_dequantizing(reader, views, opt) : reader.execute(views, reader.plan(views, opt));
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -29,7 +29,10 @@
 //     tensor has its table, and every block of every tensor's data hashes to its recorded
 //     value (errc::checksum_mismatch, naming the file, the tensor and the block's element
 //     range). Without checksums (a checkpoint saved before them, or by another writer) the
-//     report says so and no tensor data is read but that of replicas.
+//     report says so and no tensor data is read but that of replicas;
+//   - every quantized weight (checkpoint/quant.hpp, docs/FORMAT.md §8) has its scales, of the
+//     dtype and shape its block size asks, and every scale is finite (check_quantized: the
+//     scales are read, never the weights).
 #pragma once
 
 #include <cstddef>
@@ -49,6 +52,7 @@
 #include "shardsafe/checkpoint/hf/folder.hpp"
 #include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/quant.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -72,6 +76,8 @@ struct checkpoint_report {
   std::uint64_t bytes_hashed = 0;         ///< bytes of tensor data hashed
   std::size_t replicated_tensors = 0;     ///< tensors some elements of which several files hold, equal
   std::uint64_t replicated_elements = 0;  ///< elements held a second (third, ...) time, compared equal
+  /// Quantized weights (checkpoint/quant.hpp) found with their scales, each scale finite
+  std::vector<quantized_tensor> quantized;
 };
 
 /// How verify_checkpoint reads tensor data (checksums and replicas).
@@ -366,6 +372,9 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     if constexpr (requires { L::verify_folder(r); }) L::verify_folder(r);
   });
   if (r.metadata().extras.checksums) detail::verify_all_checksums(r, opened, opt, rep);
+  // a quantized weight whose scale is missing, of the wrong dtype or shape, or not finite would
+  // load off by its scale: refused here
+  rep.quantized = check_quantized(r);
   return rep;
 }
 

@@ -10,7 +10,9 @@
 //      (with options.experts, a stacked expert tensor is first split into one tensor per
 //      expert, checkpoint/hf/experts.hpp, and those are renamed);
 //   2. its output dtype is options.convert_to for F16/BF16/F32/F64 tensors, its own otherwise
-//      (integer, BOOL and F8 tensors are never converted);
+//      (integer, BOOL and F8 tensors are never converted); with options.dequantize, a quantized
+//      weight (checkpoint/quant.hpp) is one tensor of its logical name and shape, of convert_to's
+//      dtype or BF16, loaded dequantized, and its scales are not written;
 //   3. format/hf_export.hpp packs the tensors, in name order, into files of at most
 //      max_shard_size tensor bytes and names them; each file's header is rendered
 //      (format/safetensors_writer.hpp, __metadata__ {"format": "pt"} as transformers writes).
@@ -49,6 +51,7 @@
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/parts.hpp"
+#include "shardsafe/checkpoint/quant.hpp"
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -80,6 +83,10 @@ struct hf_export_options {
   /// `…experts.{i}.NAME` [...], each read from its slice of the stacked tensor; the rename
   /// rules then apply to the per-expert names.
   expert_stacking experts;
+  /// Quantized weights (checkpoint/quant.hpp, docs/FORMAT.md §8) written dequantized: each as one
+  /// tensor under its logical name, of convert_to's dtype (BF16 where convert_to is not set), its
+  /// scales left out. false: written as stored, scales and all (no dtype converts them).
+  bool dequantize = false;
 };
 
 struct hf_export_stats {
@@ -184,9 +191,26 @@ hf_export_stats export_to(std::span<const unshard_source<S>> sources, const D& o
                              s.reader->foreign_export_remedy);
     s.reader->check_objects();
   }
+  // with opt.dequantize: each quantized weight's stored tensors stand for one, its logical tensor
+  std::map<std::pair<const checkpoint_reader<S>*, std::string>, const quantized_tensor*> stored_as;
+  std::vector<std::pair<const checkpoint_reader<S>*, quantized_tensor>> quantized;
+  if (opt.dequantize)
+    for (const auto& s : sources)
+      for (auto& q : quantized_tensors(*s.reader)) quantized.emplace_back(s.reader, std::move(q));
+  for (const auto& [r, q] : quantized)
+    for (const std::string* k : {&q.data, &q.scale, &q.tensor_scale})
+      if (!k->empty()) stored_as[{r, *k}] = &q;
   for (const auto& s : sources)
     for (const auto& [key, tm] : s.reader->metadata().tensors) {
       const std::string name = s.prefix + key;
+      if (const auto it = stored_as.find({s.reader, key}); it != stored_as.end()) {
+        const quantized_tensor& q = *it->second;
+        if (key == q.data) {  // the weight, once, as its values (the scales are in them)
+          inputs.push_back({s.prefix + q.name, opt.convert_to.value_or(dtype::BF16), q.shape});
+          origins.push_back({s.reader, q.name, q.shape, 0});
+        }
+        continue;
+      }
       const rename_rule* stack = opt.experts.empty() ? nullptr : opt.experts.match(name);
       if (!stack) {
         inputs.push_back({name, tm.type, tm.shape});

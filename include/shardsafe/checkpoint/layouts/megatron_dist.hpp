@@ -18,8 +18,11 @@
 //   decoder.layers.<L>.mlp.experts.local_experts.<E>.<rest>   decoder.layers.mlp.experts.experts.<rest>
 //                                   (two prepended axes: layer and global expert)
 //   optimizer.state.<name>.exp_avg / .exp_avg_sq / .fp32   optimizer.state.{exp_avg,exp_avg_sq,param}.<key>
-//                                   under the name its parameter is presented by
-//   optimizer.state.<name>.step     common.pt's common_step, for each parameter with optimizer state
+//                                   under the name its parameter is presented by (.fp32: the
+//                                   distributed optimizer's `param`, or the bf16/fp16 wrapper's
+//                                   masters `fp32_param`)
+//   optimizer.state.<name>.step     common.pt's common_step (the bf16/fp16 wrapper's under
+//                                   optimizer.optimizer.state), for each parameter with optimizer state
 //   non-tensor items                the sharded objects (rng_state/shard_..., _extra_state/shard_...)
 //                                   as DCP items, common.pt's plain values, megatron.layout
 //   optimizer[.optimizer].param_groups.<g>.params   the names of the group's parameters, which
@@ -78,7 +81,10 @@ inline constexpr std::string_view megatron_record_names[] = {
     "numpy.ndarray",
     "numpy.dtype",
 };
-inline constexpr pickle_record_classes megatron_records{megatron_record_names, false};
+/// tensor_attributes: the bf16/fp16 wrapper's fp32 masters (fp32_from_fp16_params) carry the
+/// tensor-parallel attributes Megatron copies onto them (tensor_model_parallel, partition_dim,
+/// partition_stride): read as plain tensors, the attributes dropped.
+inline constexpr pickle_record_classes megatron_records{megatron_record_names, true};
 
 namespace detail {
 
@@ -184,7 +190,8 @@ struct megatron_dist_layout {
     std::string model = key, suffix;
     for (const auto& [kind, as] : {std::pair<const char*, const char*>{"exp_avg_sq", ".exp_avg_sq"},
                                    {"exp_avg", ".exp_avg"},
-                                   {"param", ".fp32"}}) {
+                                   {"param", ".fp32"},
+                                   {"fp32_param", ".fp32"}}) {
       const std::string prefix = std::string("optimizer.state.") + kind + ".";
       if (key.starts_with(prefix)) {
         model = key.substr(prefix.size());
@@ -252,7 +259,9 @@ struct megatron_dist_layout {
     torch_save_index x = index_torch_save_file(cst, torch_save_read_options{&megatron_records, true});
     std::vector<tensor_entry> entries;
     std::size_t states = 0;
-    if (const tensor_entry* step = x.header.find("optimizer.state.common_step"); step && step->shape.empty()) {
+    const tensor_entry* step = x.header.find("optimizer.state.common_step");
+    if (!step) step = x.header.find("optimizer.optimizer.state.common_step");  // the bf16/fp16 wrapper's
+    if (step && step->shape.empty()) {
       std::vector<std::pair<std::string, tensor_metadata>> steps;
       for (const auto& [name, tm] : s.metadata.tensors) {
         if (!name.starts_with("optimizer.state.") || !name.ends_with(".exp_avg")) continue;

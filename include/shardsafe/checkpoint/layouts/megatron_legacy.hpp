@@ -27,6 +27,11 @@
 //                                 its index in the optimizer named by Megatron's grouping rule
 //                                 (wd_mult 0 for biases and 1-D tensors, is_expert_parallel for
 //                                 experts; named_parameters order within a group)
+//   optimizer.state.<name>.fp32   with Megatron's bf16/fp16 wrapper (Float16OptimizerWithFloat16Params:
+//                                 the torch optimizer's state under optimizer.optimizer), the fp32
+//                                 master of each bf16/fp16 parameter from fp32_from_fp16_params
+//                                 (per group, its bf16/fp16 parameters in order); its groups are
+//                                 optimizer.optimizer.param_groups
 //   optimizer.state.<name>.fp32 / .exp_avg / .exp_avg_sq   with the distributed optimizer, from
 //                                 distrib_optim.pt: the parameters in reverse order, each start a
 //                                 multiple of 64 elements, the last ending at numel_unpadded; its
@@ -38,8 +43,8 @@
 // Refused (naming the file, the tensor and the rule): a missing rank file, args that are not a
 // TP x PP x EP world or disagree with the folder names, virtual pipeline stages (model0, model1:
 // not read yet), checkpoint_version < 2 (another QKV order), pieces whose shapes the rule does not
-// join, optimizer groups the grouping rule cannot name, fp16/bf16 optimizer wrappers
-// (fp32_from_fp16_params: not read yet), a distributed optimizer buffer of another layout (more
+// join, optimizer groups the grouping rule cannot name, a bf16/fp16 wrapper whose masters do not
+// match its groups' bf16/fp16 parameters, a distributed optimizer buffer of another layout (more
 // than one buffer or dtype, a length other than the parameters'), globals outside the torch.save
 // allowlist and megatron_records. A legacy folder that cannot be listed (HTTP) is read from the
 // folder holding latest_checkpointed_iteration.txt.
@@ -172,7 +177,7 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
       v[t] = std::move(pc);
     };
     detail::ds_builder<R> b;
-    std::size_t states = 0;
+    std::size_t states = 0, masters = 0;
     // the parameters of each kind of optimizer group (no weight decay, expert), by global name,
     // and the kinds in the order of TP, PP and EP rank 0's groups
     std::map<detail::megatron_group_kind, std::vector<std::string>> group_names;
@@ -214,19 +219,27 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
                 if (e == 0 || g.find(".local_experts.") != std::string::npos)
                   kinds_of.emplace_back(g, detail::megatron_kind_of(g, te->shape.size()));
           } else {
-            for (const auto& [g, index, group] : optimizer_indices(m, params)) {
+            for (const auto& [g, index, group, at, master, model] : optimizer_indices(m, params)) {
               if (t == 0 && (e == 0 || g.find(".local_experts.") != std::string::npos)) {
                 auto& names = group_names[group];
                 if (names.empty() && p == 0 && e == 0) group_order.push_back(group);
                 names.push_back(g);
               }
               for (const char* kind : {".exp_avg", ".exp_avg_sq", ".step"}) {
-                const std::string n = "optimizer.state." + std::to_string(index) + kind;
-                const tensor_entry& te = m.tensor(n, "the state of parameter '" + g + "' (optimizer index " +
-                                                         std::to_string(index) + ", Megatron's grouping rule)");
+                const tensor_entry& te = m.tensor(at + kind, "the state of parameter '" + g + "' (optimizer index " +
+                                                                 std::to_string(index) + ", Megatron's grouping rule)");
                 state(g, kind, piece{&m, &te, 0, te.shape, te.type});
                 if (t == 0 && std::string_view(kind) == ".step") ++states;
               }
+              if (master.empty()) continue;
+              // the bf16/fp16 wrapper's fp32 master: the model tensor's shape, in F32
+              const tensor_entry& te = m.tensor(master, "the fp32 master of parameter '" + g + "'");
+              if (te.type != dtype::F32 || te.shape != model->shape)
+                m.bad("tensor '" + master + "' " + to_string(te.shape) + " " + std::string(to_string(te.type)) +
+                      " is not the F32 master of parameter '" + g + "' " + to_string(model->shape) +
+                      " (fp32_from_fp16_params: one per bf16/fp16 parameter of the group, in its order)");
+              state(g, ".fp32", piece{&m, &te, 0, te.shape, te.type});
+              if (t == 0) ++masters;
             }
           }
         }
@@ -283,7 +296,10 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
                 : std::string()) +
         (w.distributed ? "; the distributed optimizer's state (fp32 master, exp_avg, exp_avg_sq) from distrib_optim.pt "
                          "per parameter (reverse order, starts aligned to 64 elements); its step per param group"
-                       : "; Adam's state of " + std::to_string(states) + " parameters by Megatron's grouping rule") +
+                       : "; Adam's state of " + std::to_string(states) + " parameters by Megatron's grouping rule" +
+                             (masters ? " (the bf16/fp16 wrapper's: fp32 masters of " + std::to_string(masters) +
+                                            " parameters from fp32_from_fp16_params)"
+                                      : std::string())) +
         "; non-tensor items from " + *first + "/" + std::string(model_file);
     checkpoint_source<D> s = detail::ds_make_source(f, info, b, files);
     for (const auto& v : f0.x.values)
@@ -308,7 +324,7 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
     }
     std::vector<std::vector<std::string>> names;
     for (const auto& k : group_order) names.push_back(group_names[k]);
-    detail::trainer_group_params(s, f0.name, names);
+    detail::trainer_group_params(s, f0.name, names, inner_optimizer(f0) + "param_groups.");
     return s;
   }
 

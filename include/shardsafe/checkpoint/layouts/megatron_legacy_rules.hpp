@@ -151,26 +151,54 @@ struct megatron_legacy_rules {
   }
 
   /// For each parameter of file m (global name, model entry) with optimizer state: its index in
-  /// the optimizer's state, by Megatron's grouping rule (top of this file).
+  /// the optimizer's state, by Megatron's grouping rule (top of this file), and where its state
+  /// and fp32 master lie in the file.
   struct indexed {
     std::string param;
     std::int64_t index;
     detail::megatron_group_kind group;  // its group's kind
+    std::string state;                  // its state's tensors: <state>.exp_avg, ...
+    std::string master;                 // its fp32 master's tensor, or "" (the parameter is its own)
+    const tensor_entry* model;          // the parameter's model tensor
   };
+  /// The optimizer of file m: the torch optimizer's state dict (FP32Optimizer), or Megatron's
+  /// bf16/fp16 wrapper (Float16OptimizerWithFloat16Params): that state dict under 'optimizer',
+  /// beside fp32_from_fp16_params, per group the fp32 masters of its bf16/fp16 parameters in the
+  /// group's order. Where the torch optimizer's state dict lies: "optimizer." or
+  /// "optimizer.optimizer.".
+  template <class F>
+  static std::string inner_optimizer(const F& m) {
+    const pickle_value* opt = detail::ds_get(&m.value(), "optimizer");
+    if (!opt || opt->type() != pickle_value::kind::dict) m.bad("'optimizer' is not the optimizer's state dict");
+    const pickle_value* masters = detail::ds_get(opt, "fp32_from_fp16_params");
+    const pickle_value* inner = detail::ds_get(opt, "optimizer");
+    if (!masters && !inner) return "optimizer.";
+    if (!masters || masters->type() != pickle_value::kind::list || !inner || inner->type() != pickle_value::kind::dict)
+      m.bad("'optimizer' holds " + std::string(masters ? "fp32_from_fp16_params" : "an 'optimizer'") + " but no " +
+            (masters ? "'optimizer' state dict" : "fp32_from_fp16_params list") +
+            ": not Megatron's bf16/fp16 wrapper (Float16OptimizerWithFloat16Params); not read");
+    return "optimizer.optimizer.";
+  }
   template <class F>
   static std::vector<indexed> optimizer_indices(
       const F& m, const std::vector<std::pair<std::string, const tensor_entry*>>& params) {
+    const std::string inner = inner_optimizer(m);
+    const bool wrapped = inner != "optimizer.";
     const pickle_value* opt = detail::ds_get(&m.value(), "optimizer");
-    if (!opt || opt->type() != pickle_value::kind::dict) m.bad("'optimizer' is not the optimizer's state dict");
-    if (detail::ds_get(opt, "fp32_from_fp16_params") || detail::ds_get(opt, "optimizer"))
-      m.bad("'optimizer' is Megatron's fp16/bf16 wrapper (fp32_from_fp16_params): not read yet");
+    if (wrapped) opt = detail::ds_get(opt, "optimizer");
     const pickle_value* groups = detail::ds_get(opt, "param_groups");
-    if (!groups || groups->type() != pickle_value::kind::list) m.bad("'optimizer.param_groups' is not a list");
+    if (!groups || groups->type() != pickle_value::kind::list) m.bad("'" + inner + "param_groups' is not a list");
+    const pickle_value* masters =
+        wrapped ? detail::ds_get(detail::ds_get(&m.value(), "optimizer"), "fp32_from_fp16_params") : nullptr;
+    if (masters && masters->as_sequence("").size() != groups->as_sequence("").size())
+      m.bad("'optimizer.fp32_from_fp16_params' has " + std::to_string(masters->as_sequence("").size()) + " groups, '" +
+            inner + "param_groups' " + std::to_string(groups->as_sequence("").size()) +
+            " (Float16OptimizerWithFloat16Params keeps one list of masters per group)");
     std::vector<indexed> out;
     std::set<detail::megatron_group_kind> kinds;
     const auto& gs = groups->as_sequence("");
     for (std::size_t g = 0; g < gs.size(); ++g) {
-      const std::string where = "optimizer.param_groups." + std::to_string(g);
+      const std::string where = inner + "param_groups." + std::to_string(g);
       const pickle_value *wd = detail::ds_get(&gs[g], "wd_mult"), *ps = detail::ds_get(&gs[g], "params");
       const auto kind = detail::megatron_group_kind_of(wd, detail::ds_get(&gs[g], "is_expert_parallel"));
       if (!kind || !ps || ps->type() != pickle_value::kind::list)
@@ -179,18 +207,32 @@ struct megatron_legacy_rules {
         m.bad("'" + where + "' is a second group of wd_mult " + pickle_repr(*wd, 20) + ", is_expert_parallel " +
               (kind->expert ? "True" : "False") +
               ": custom parameter-group overrides, which the grouping rule does not name (not read)");
-      std::vector<std::string> members;
+      std::vector<std::pair<std::string, const tensor_entry*>> members;
       for (const auto& [n, te] : params)
-        if (detail::megatron_kind_of(n, te->shape.size()) == *kind) members.push_back(n);
+        if (detail::megatron_kind_of(n, te->shape.size()) == *kind) members.emplace_back(n, te);
       const auto& ids = ps->as_sequence("");
       if (ids.size() != members.size())
         m.bad("'" + where + "' lists " + std::to_string(ids.size()) + " parameters, but the model holds " +
               std::to_string(members.size()) + " of its kind (" + kind->said() +
               "): Megatron's grouping rule does not name them");
+      // the wrapper's masters: one per bf16/fp16 parameter of the group, in the group's order
+      const std::string mg = "optimizer.fp32_from_fp16_params." + std::to_string(g);
+      std::size_t j = 0;
       for (std::size_t i = 0; i < ids.size(); ++i) {
         if (ids[i].type() != pickle_value::kind::integer || ids[i].as_int("") < 0)
           m.bad("'" + where + ".params." + std::to_string(i) + "' is not an optimizer index");
-        out.push_back({members[i], ids[i].as_int(""), *kind});
+        const dtype t = members[i].second->type;
+        const bool half = masters && (t == dtype::BF16 || t == dtype::F16);
+        out.push_back({members[i].first, ids[i].as_int(""), *kind, inner + "state." + std::to_string(ids[i].as_int("")),
+                       half ? mg + "." + std::to_string(j++) : std::string(), members[i].second});
+      }
+      if (masters) {
+        const auto& mv = masters->as_sequence("")[g];
+        const std::size_t have = mv.type() == pickle_value::kind::list ? mv.as_sequence("").size() : SIZE_MAX;
+        if (have != j)
+          m.bad("'" + mg + "' holds " + (have == SIZE_MAX ? std::string("no list") : std::to_string(have)) +
+                " fp32 masters, but group " + std::to_string(g) + " has " + std::to_string(j) +
+                " bf16/fp16 parameters (Float16OptimizerWithFloat16Params keeps one per such parameter)");
       }
     }
     return out;
