@@ -350,3 +350,42 @@ TEST_CASE("quantized weights: the BF16 store's fast path rounds as the generic c
     check(x);
   CHECK(checked == 271 * 2000 * 3 + 10);
 }
+
+namespace {
+/// A folder that counts each object's opens (config.json's, here).
+struct counting_directory {
+  using reader_type = file_storage;
+  file_directory d;
+  std::shared_ptr<std::map<std::string, int>> opens = std::make_shared<std::map<std::string, int>>();
+  std::string_view name() const noexcept { return d.name(); }
+  reader_type open(std::string_view n) const {
+    ++(*opens)[std::string(n)];
+    return d.open(n);
+  }
+  bool exists(std::string_view n) const { return d.exists(n); }
+  std::vector<std::string> list() const { return d.list(); }
+  counting_directory sub(std::string_view n) const { return {d.sub(n), opens}; }
+};
+}  // namespace
+
+TEST_CASE("quantized weights: config.json is read once for a load, verify or listing of many weights") {
+  // a DeepSeek-V3 checkpoint has thousands of FP8 weights: over HTTP or S3 a read of config.json
+  // for each would be a request each
+  const counting_directory dir{file_directory(quant_goldens / "fp8_block")};
+  checkpoint_reader<counting_directory> r{dir};
+  const int before = (*dir.opens)["config.json"];
+  std::vector<std::vector<float>> mem;
+  std::vector<flat_view> views;
+  for (const auto& [key, w] : testing::read_golden_tensors(quant_goldens / "fp8_block" / "expected" / "f32.safetensors")) {
+    mem.emplace_back(numel(w.shape));
+    views.push_back({key, dtype::F32, w.shape, std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()),
+                     mem.back().size() * 4});
+  }
+  REQUIRE(views.size() == 3);
+  load(r, std::span<const flat_view>(views), dequantizing());
+  CHECK((*dir.opens)["config.json"] - before == 1);
+  CHECK(quantized_tensors(r).size() == 3);
+  CHECK((*dir.opens)["config.json"] - before == 2);
+  CHECK(check_quantized(r).size() == 3);
+  CHECK((*dir.opens)["config.json"] - before == 3);
+}

@@ -267,20 +267,35 @@ inline void dequantize_view(const quantized_tensor& q, const flat_view& v, const
 
 /// Whether shardsafe::load dequantizes view v: a floating view (F16, BF16, F32, F64) whose name is a
 /// quantized weight (find_quantized), or nullopt.
+/// (`config`: find_quantized's, read once for many views.)
 template <ReadableDirectory D>
-std::optional<quantized_tensor> dequantized_by_load(const checkpoint_reader<D>& r, const flat_view& v) {
+std::optional<quantized_tensor> dequantized_by_load(const checkpoint_reader<D>& r, const flat_view& v,
+                                                    std::optional<quant_config>& config) {
   if (!is_convertible_float(v.type)) return std::nullopt;
   const tensor_metadata* t = r.find(v.key);
   if (t && t->type != dtype::F8_E4M3 && t->type != dtype::U8) return std::nullopt;
-  return find_quantized(r, v.key);
+  return find_quantized(r, v.key, config);
 }
 
-/// Loads views, the quantized weights among them (dequantized_by_load) dequantized into their
-/// dtype: their stored elements and scales read (the rows or block each view needs, no more) in the
-/// same plan as the other views, then each element times its scales, rounded once. Needs
+/// The views shardsafe::load dequantizes (dequantized_by_load), with their weights, by index
+/// (config.json read at most once).
+template <ReadableDirectory D>
+std::vector<std::pair<std::size_t, quantized_tensor>> dequantized_views(const checkpoint_reader<D>& r,
+                                                                        std::span<const flat_view> views) {
+  std::vector<std::pair<std::size_t, quantized_tensor>> out;
+  std::optional<quant_config> config;
+  for (std::size_t i = 0; i < views.size(); ++i)
+    if (auto q = dequantized_by_load(r, views[i], config)) out.emplace_back(i, std::move(*q));
+  return out;
+}
+
+/// Loads views, the quantized weights among them (`found`: dequantized_views) dequantized into
+/// their dtype: their stored elements and scales read (the rows or block each view needs, no more)
+/// in the same plan as the other views, then each element times its scales, rounded once. Needs
 /// opt.convert_dtypes (a quantized weight into a floating view is a conversion).
 template <ReadableDirectory D>
-load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view> views, const load_options& opt) {
+load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view> views,
+                             std::span<const std::pair<std::size_t, quantized_tensor>> found, const load_options& opt) {
   const std::string where(r.directory().name());
   std::vector<flat_view> all;
   struct pending {
@@ -290,8 +305,7 @@ load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view>
     std::size_t data_view, scale_view, tensor_view;
   };
   std::vector<pending> todo;
-  std::vector<std::vector<std::byte>> buffers;
-  buffers.reserve(views.size() * 3);
+  std::vector<std::vector<std::byte>> buffers;  // (a buffer's memory stays put as the vector grows)
   auto add = [&](const std::string& key, dtype t, const shape_t& full, std::optional<shard_spec> spec,
                  std::uint64_t bytes) {
     buffers.emplace_back(static_cast<std::size_t>(bytes));
@@ -305,13 +319,14 @@ load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view>
     all.push_back(std::move(fv));
     return all.size() - 1;
   };
-  for (std::size_t i = 0; i < views.size(); ++i) {
+  all.reserve(views.size() + 3 * found.size());
+  for (std::size_t i = 0, next = 0; i < views.size(); ++i) {
     const flat_view& v = views[i];
-    auto q = dequantized_by_load(r, v);
-    if (!q) {
+    if (next == found.size() || found[next].first != i) {
       all.push_back(v);
       continue;
     }
+    const quantized_tensor* q = &found[next++].second;
     if (!opt.convert_dtypes)
       fail(errc::dtype_mismatch, where + ": tensor '" + v.key + "' is a quantized weight (" +
                                      std::string(to_string(q->scheme)) + ", scale '" + q->scale + "'), asked for as " +
@@ -354,6 +369,13 @@ load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view>
         fail(errc::missing_coverage,
              where + ": tensor '" + v.key + "': NaN after loading: not loaded, or NaN in the checkpoint");
   return st;
+}
+
+/// load_dequantizing with the views' quantized weights found here.
+template <ReadableDirectory D>
+load_stats load_dequantizing(checkpoint_reader<D>& r, std::span<const flat_view> views, const load_options& opt) {
+  const auto found = dequantized_views(r, views);
+  return load_dequantizing(r, views, std::span<const std::pair<std::size_t, quantized_tensor>>(found), opt);
 }
 
 }  // namespace shardsafe

@@ -16,7 +16,6 @@
 // (the collective throws the first failure of any rank on every rank, with its code: dist/agree.hpp)
 #pragma once
 
-#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <span>
@@ -38,9 +37,11 @@ namespace shardsafe {
 template <ReadableDirectory D>
 load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, const load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
-  const bool quantized = std::any_of(views.begin(), views.end(),
-                                     [&](const flat_view& v) { return dequantized_by_load(reader, v).has_value(); });
-  load_stats st = quantized ? load_dequantizing(reader, views, opt) : reader.execute(views, reader.plan(views, opt));
+  const auto quantized = dequantized_views(reader, views);  // config.json read at most once
+  load_stats st =
+      quantized.empty()
+          ? reader.execute(views, reader.plan(views, opt))
+          : load_dequantizing(reader, views, std::span<const std::pair<std::size_t, quantized_tensor>>(quantized), opt);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }

@@ -62,21 +62,27 @@ struct quantized_tensor {
   std::uint64_t block_cols = 1;  ///< elements of the last dimension a scale covers
 };
 
+/// What a folder's config.json says of quantization: whether it has a quantization_config, and
+/// fp8_block's block size (its weight_block_size, else 128 x 128). Read once for a walk over many
+/// names (find_quantized's `config`).
+struct quant_config {
+  bool quantized = false;
+  std::uint64_t block_rows = 128, block_cols = 128;
+};
+
 namespace detail {
 
-/// fp8_block's block size from config.json's quantization_config.weight_block_size, else 128 x 128;
-/// nullopt when the folder has no quantization_config at all, with `quantized` false.
+/// dir's quant_config (no config.json: not quantized, 128 x 128).
 template <ReadableDirectory D>
-std::pair<std::uint64_t, std::uint64_t> fp8_block_size(const D& dir, bool& quantized) {
-  quantized = false;
-  std::pair<std::uint64_t, std::uint64_t> b{128, 128};
-  if (!dir.exists("config.json")) return b;
+quant_config read_quant_config(const D& dir) {
+  quant_config c;
+  if (!dir.exists("config.json")) return c;
   const std::string text = read_text(dir.open("config.json"), 1 << 20);
   simdjson::dom::parser parser;
   const simdjson::dom::element root = parse_json(parser, text, std::string(dir.name()) + "/config.json");
   simdjson::dom::element qc;
-  if (root["quantization_config"].get(qc) != simdjson::SUCCESS) return b;
-  quantized = true;
+  if (root["quantization_config"].get(qc) != simdjson::SUCCESS) return c;
+  c.quantized = true;
   simdjson::dom::array wbs;
   if (qc["weight_block_size"].get(wbs) == simdjson::SUCCESS) {
     std::vector<std::uint64_t> v;
@@ -92,9 +98,10 @@ std::pair<std::uint64_t, std::uint64_t> fp8_block_size(const D& dir, bool& quant
       fail(errc::invalid_metadata, std::string(dir.name()) +
                                        "/config.json: quantization_config.weight_block_size has " +
                                        std::to_string(v.size()) + " values, not 2 (rows, columns)");
-    b = {v[0], v[1]};
+    c.block_rows = v[0];
+    c.block_cols = v[1];
   }
-  return b;
+  return c;
 }
 
 inline std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b != 0); }
@@ -103,8 +110,15 @@ inline std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b +
 
 /// The block-scaled weight a view named `name` asks for, or nullopt when `name` is none (a plain
 /// tensor, or absent). Throws, naming the tensor and the rule, when its tensors do not agree.
+/// `config`: the folder's quant_config, read into it when first needed (a walk over many names
+/// passes one, so that config.json is read once).
 template <ReadableDirectory D>
-std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, std::string_view name) {
+std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, std::string_view name,
+                                               std::optional<quant_config>& config) {
+  auto cfg = [&]() -> const quant_config& {
+    if (!config) config = detail::read_quant_config(r.directory());
+    return *config;
+  };
   const std::string where(r.directory().name());
   const std::string n(name);
   auto bad = [&](const std::string& what) -> void {
@@ -153,8 +167,7 @@ std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, st
     q.data = n;
     q.data_shape = q.shape = w->shape;
     if (const tensor_metadata* s = r.find(n + "_scale_inv")) {  // DeepSeek-V3
-      bool quantized = false;
-      const auto [bm, bn] = detail::fp8_block_size(r.directory(), quantized);
+      const std::uint64_t bm = cfg().block_rows, bn = cfg().block_cols;
       q.scheme = quant_scheme::fp8_block;
       q.scale = n + "_scale_inv";
       need(q.scale, {dtype::F32}, "scale");
@@ -180,9 +193,7 @@ std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, st
       q.block_cols = 32;
       return q;
     }
-    bool quantized = false;
-    detail::fp8_block_size(r.directory(), quantized);
-    if (quantized)
+    if (cfg().quantized)
       bad("it is F8_E4M3 and config.json has a quantization_config, but neither '" + n + "_scale_inv' nor '" + stem +
           "weight_scale' is there: its scale is missing (the values would be off by the scale)");
     return std::nullopt;
@@ -212,12 +223,20 @@ std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, st
   return std::nullopt;
 }
 
+/// find_quantized reading config.json itself (for one name).
+template <ReadableDirectory D>
+std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, std::string_view name) {
+  std::optional<quant_config> config;
+  return find_quantized(r, name, config);
+}
+
 /// Every quantized weight of the checkpoint r has open, by logical name: find_quantized on each
 /// stored name that may be one (`X_blocks`; an F8_E4M3 tensor that is not a scale; a U8 `X.weight`).
 /// Reads metadata and config.json only; throws as find_quantized does.
 template <ReadableDirectory D>
 std::vector<quantized_tensor> quantized_tensors(const checkpoint_reader<D>& r) {
   std::vector<quantized_tensor> out;
+  std::optional<quant_config> config;
   for (const auto& [key, tm] : r.metadata().tensors) {
     std::string name;
     if (tm.type == dtype::U8 && key.ends_with("_blocks"))
@@ -226,7 +245,7 @@ std::vector<quantized_tensor> quantized_tensors(const checkpoint_reader<D>& r) {
       name = key;
     else
       continue;
-    if (auto q = find_quantized(r, name)) out.push_back(std::move(*q));
+    if (auto q = find_quantized(r, name, config)) out.push_back(std::move(*q));
   }
   return out;
 }
