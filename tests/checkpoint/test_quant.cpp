@@ -376,7 +376,8 @@ TEST_CASE("quantized weights: config.json is read once for a load, verify or lis
   const int before = (*dir.opens)["config.json"];
   std::vector<std::vector<float>> mem;
   std::vector<flat_view> views;
-  for (const auto& [key, w] : testing::read_golden_tensors(quant_goldens / "fp8_block" / "expected" / "f32.safetensors")) {
+  for (const auto& [key, w] :
+       testing::read_golden_tensors(quant_goldens / "fp8_block" / "expected" / "f32.safetensors")) {
     mem.emplace_back(numel(w.shape));
     views.push_back({key, dtype::F32, w.shape, std::nullopt, reinterpret_cast<std::byte*>(mem.back().data()),
                      mem.back().size() * 4});
