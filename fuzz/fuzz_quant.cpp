@@ -1,6 +1,7 @@
 // libFuzzer target: quantized weights and their scales (checkpoint/quant.hpp, dequant_load.hpp;
-// docs/FORMAT.md §8). The four goldens of tests/fixtures/quant (FP8 block scales, MXFP4, MXFP8,
-// NVFP4: config.json, model.safetensors and ModelOpt's hf_quant_config.json) are loaded into memory
+// docs/FORMAT.md §8). The five goldens of tests/fixtures/quant (FP8 block scales, MXFP4, MXFP8,
+// NVFP4, FP8 per channel and per tensor: config.json, model.safetensors and ModelOpt's
+// hf_quant_config.json) are loaded into memory
 // once; the input's first byte picks one of their files (modulo their count), the rest replaces
 // that file. The folder is then opened, every quantized weight found and its scales checked
 // (verify's check_quantized), each loaded dequantized into F32 whole and, by a second rank's flat
@@ -34,11 +35,11 @@ const fuzz::golden_fixture& the_fixture() {
   static const fuzz::golden_fixture f = [] {
     fuzz::golden_fixture x;
     const std::filesystem::path root = std::filesystem::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "quant";
-    for (const char* name : {"fp8_block", "mxfp4", "mxfp8", "nvfp4"}) {
+    for (const char* name : {"fp8_block", "mxfp4", "mxfp8", "nvfp4", "fp8_channel"}) {
       // the folder's own files (config.json, model.safetensors, hf_quant_config.json), not expected/
       x.add(root / name, false);
     }
-    FUZZ_CHECK(x.files.size() >= 9 && x.files.size() <= 64);
+    FUZZ_CHECK(x.files.size() >= 11 && x.files.size() <= 64);
     return x;
   }();
   return f;

@@ -17,6 +17,7 @@
 #include "shardsafe/checkpoint/layout.hpp"
 #include "shardsafe/checkpoint/layouts/registry.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/quant.hpp"
 #include "shardsafe/checkpoint/verify_optim.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/hf_index.hpp"
@@ -182,6 +183,19 @@ hf_folder<D> open_hf(const input<D>& in) {
   return open_hf_folder(in.dir);
 }
 
+/// The quantized weights of a folder of whole files with their scales checked, as open_checkpoint
+/// checks a checkpoint's (check_quantized); none read when no tensor of h may be one (no F8_E4M3
+/// or U8 tensor), so a plain folder is not opened twice.
+template <ReadableDirectory D>
+std::vector<quantized_tensor> check_folder_quantized(const input<D>& in, const hf_folder<D>& h) {
+  bool may = false;
+  for (const auto& [n, at] : h.tensors)
+    may = may || h.entry(at).type == dtype::F8_E4M3 || h.entry(at).type == dtype::U8;
+  if (!may) return {};
+  checkpoint_reader<D> r(in.dir);
+  return check_quantized(r);
+}
+
 /// Whether a file of h stores a tensor's dimensions in another order than row-major (a
 /// torch.save file's transposed tensor), so that its bytes are not the tensor's in order.
 template <ReadableDirectory D>
@@ -199,16 +213,20 @@ struct ckpt_part {
   std::unique_ptr<checkpoint_reader<D>> reader;
 };
 
-/// What a command reads of a checkpoint: its description and headers only (inspect), or its
-/// tensor data too (verify, digest, unshard and the exports).
-enum class reads { headers, data };
+/// What a command reads of a checkpoint: its description and headers only (inspect), its tensor
+/// data too (digest, unshard and the exports), or its tensor data with verify_checkpoint run on
+/// each part by the command itself (verify: the quantized weights' scales are checked there).
+enum class reads { headers, data, verified };
 
 /// The checkpoint's parts, opened (a single file: itself, every tensor whole). One rule set for
 /// every command: every file the writer recorded (metadata.json's shardsafe.file_sizes) must be
 /// there, valid, with its size, as verify requires, whether or not a tensor of it is read; and
 /// for a command that reads tensor data, a pair's optim/ must hold the optimizer layout's rules
 /// (verify_optimizer_layout: its pickles through the plain-data reader, no global and no call),
-/// whether or not the command reads optim/'s tensors. (The tensor bytes a command reads are
+/// whether or not the command reads optim/'s tensors; and every quantized weight must have its
+/// scales, of the dtype and shape its block asks and finite (check_quantized, checkpoint/quant.hpp),
+/// whether or not the command dequantizes: a command that copies weight and scale as stored would
+/// otherwise pass on a weight that loads off by its scale. (The tensor bytes a command reads are
 /// checked against the checksums the checkpoint records by the library's loads: unshard.hpp,
 /// the exports.)
 template <ReadableDirectory D>
@@ -223,9 +241,11 @@ std::vector<ckpt_part<D>> open_checkpoint(const input<D>& in, reads what = reads
   }
   for (auto& p : parts)
     for (const auto& [fname, size] : p.reader->metadata().extras.file_sizes) p.reader->file(fname);
+  if (what == reads::headers) return parts;
+  for (auto& p : parts)
+    if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
   if (what == reads::data)
-    for (auto& p : parts)
-      if (p.prefix == std::string(optim_folder_name) + "/") verify_optimizer_layout(*p.reader);
+    for (auto& p : parts) check_quantized(*p.reader);
   return parts;
 }
 

@@ -140,9 +140,10 @@ int main(int argc, char** argv) {
       ->check(parsed_by([](const std::string& v) { expert_stacking().add(v); }, "REGEX=REPL"));
   to_hf->add_flag("--model-only", model_only, "for a model + optimizer checkpoint, export model/ only (the default)");
   bool dequantize = false;
-  to_hf->add_flag("--dequantize", dequantize,
-                  "write each quantized weight (FP8 block scales, MXFP8, MXFP4, NVFP4) as its values, "
-                  "of --dtype (bf16 if not given), its scales left out; without it they are written as stored");
+  to_hf->add_flag(
+      "--dequantize", dequantize,
+      "write each quantized weight (FP8 with block, channel or tensor scales, MXFP8, MXFP4, NVFP4) as its values, "
+      "of --dtype (bf16 if not given), its scales left out; without it they are written as stored");
   CLI::App* to_dcp = command("to-dcp",
                              "export to a torch.distributed.checkpoint folder (.metadata and __0_0.distcp) "
                              "that torch 2.x's dcp.load reads; a model + optimizer pair keyed as get_state_dict does "

@@ -28,7 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 const fs::path quant_goldens = fs::path(SHARDSAFE_SOURCE_DIR) / "tests" / "fixtures" / "quant";
-constexpr const char* quant_cases[] = {"fp8_block", "mxfp4", "mxfp8", "nvfp4"};
+constexpr const char* quant_cases[] = {"fp8_block", "mxfp4", "mxfp8", "nvfp4", "fp8_channel"};
 
 /// The bytes of tensor w a shard holds, in the shard's local order (the spec's runs).
 std::string slice_of(const testing::golden_tensor& w, const shard_spec& spec) {
@@ -133,7 +133,7 @@ TEST_CASE("quantized goldens: dequantized whole into F32 and BF16 equal the scri
       }
     }
   }
-  CHECK(tensors == 2 * (3 + 2 + 1 + 2));
+  CHECK(tensors == 2 * (3 + 2 + 1 + 2 + 5));
 }
 
 TEST_CASE("quantized goldens: dequantized in place by 3 ranks in row blocks, 2 in column blocks, 4 in flat ranges") {
@@ -169,7 +169,7 @@ TEST_CASE("quantized goldens: dequantized in place by 3 ranks in row blocks, 2 i
           }
       }
     }
-  CHECK(compared == 2 * (3 + 2 + 4) * (3 + 2 + 1 + 2));
+  CHECK(compared == 2 * (3 + 2 + 4) * (3 + 2 + 1 + 2 + 5));
 }
 
 TEST_CASE("quantized goldens: kept quantized, each rank's weight shard comes with its scale shard") {
@@ -213,7 +213,7 @@ TEST_CASE("quantized goldens: kept quantized, each rank's weight shard comes wit
       }
     }
   }
-  CHECK(pairs == 4 * (3 + 2 + 1 + 2));
+  CHECK(pairs == 4 * (3 + 2 + 1 + 2 + 5));
 }
 
 TEST_CASE(
@@ -232,6 +232,71 @@ TEST_CASE(
                {"gate_proj.weight", "boundary at 49 of dimension 1", "multiples of 16"});
   expect_error([&] { quantized_shard_of(n, flat_spec{{0, 24}}); }, errc::invalid_spec,
                {"boundary at 24 of dimension 1", "nvfp4"});
+}
+
+TEST_CASE("FP8 per channel and per tensor: each scale form found, a misshapen scale and a cut row refused") {
+  checkpoint_reader<file_directory> r{file_directory(quant_goldens / "fp8_channel")};
+  struct want {
+    const char* name;
+    quant_scheme scheme;
+    dtype scale_type;
+    shape_t scale_shape;
+    std::uint64_t block_rows, block_cols;
+  };
+  for (const want& w :
+       {want{"model.layers.0.self_attn.q_proj.weight", quant_scheme::fp8_channel, dtype::BF16, {48, 1}, 1, 64},
+        want{"model.layers.0.self_attn.k_proj.weight", quant_scheme::fp8_tensor, dtype::BF16, {1}, 16, 64},
+        want{"model.layers.0.mlp.up_proj.weight", quant_scheme::fp8_channel, dtype::F32, {40, 1}, 1, 96},
+        want{"model.layers.0.mlp.down_proj.weight", quant_scheme::fp8_tensor, dtype::F32, {}, 64, 40},
+        want{"model.layers.0.mlp.gate_proj.weight", quant_scheme::fp8_channel, dtype::F32, {40}, 1, 64}}) {
+    CAPTURE(w.name);
+    const auto q = find_quantized(r, w.name);
+    REQUIRE(q.has_value());
+    CHECK(q->scheme == w.scheme);
+    CHECK(q->scale_type == w.scale_type);
+    CHECK(q->scale_shape == w.scale_shape);
+    CHECK(q->block_rows == w.block_rows);
+    CHECK(q->block_cols == w.block_cols);
+  }
+  // the activation scale and the BF16 head are plain tensors
+  CHECK_FALSE(find_quantized(r, "model.layers.0.self_attn.q_proj.input_scale").has_value());
+  CHECK_FALSE(find_quantized(r, "lm_head.weight").has_value());
+  CHECK(quantized_tensors(r).size() == 5);
+  // kept quantized: rows [8, 24) of a per-row weight take scales [8, 24) (as stored, [M] or
+  // [M, 1]); a per-tensor weight takes its one scale; a cut inside a row is refused
+  const quantized_tensor gate = *find_quantized(r, "model.layers.0.mlp.gate_proj.weight");
+  CHECK(quantized_shard_of(gate, block_spec({16, 64}, {8, 0})).scale == shard_spec(flat_spec{{8, 24}}));
+  const quantized_tensor up = *find_quantized(r, "model.layers.0.mlp.up_proj.weight");
+  CHECK(quantized_shard_of(up, flat_spec{{8 * 96, 24 * 96}}).scale == shard_spec(flat_spec{{8, 24}}));
+  CHECK(quantized_shard_of(up, block_spec({16, 96}, {8, 0})).scale == shard_spec(block_spec({16, 1}, {8, 0})));
+  expect_error([&] { quantized_shard_of(up, block_spec({40, 48}, {0, 0})); }, errc::invalid_spec,
+               {"up_proj.weight", "boundary at 48 of dimension 1", "fp8_channel"});
+  const quantized_tensor down = *find_quantized(r, "model.layers.0.mlp.down_proj.weight");
+  CHECK(quantized_shard_of(down, block_spec({64, 40}, {0, 0})).scale == shard_spec(flat_spec{{0, 1}}));
+  expect_error([&] { quantized_shard_of(down, block_spec({32, 40}, {0, 0})); }, errc::invalid_spec,
+               {"down_proj.weight", "boundary at 32 of dimension 0", "fp8_tensor"});
+  // a per-row scale of the wrong length, a scale of F64, a 3-D weight: refused naming the rule
+  testing::temp_dir tmp;
+  const std::string q_proj = "model.layers.0.self_attn.q_proj.weight";
+  const fs::path d1 = edited_copy(tmp.path / "len", "fp8_channel", [&](auto& ts) {
+    auto& s = ts.at("model.layers.0.self_attn.q_proj.weight_scale");
+    s.shape = {24, 1};
+    s.bytes.resize(48);
+  });
+  checkpoint_reader<file_directory> r1{file_directory(d1)};
+  expect_error([&] { quantized_tensors(r1); }, errc::invalid_metadata,
+               {q_proj, "is [24,1], not [48,1] or [48]", "per channel", "per tensor"});
+  const fs::path d2 = edited_copy(tmp.path / "f64", "fp8_channel", [&](auto& ts) {
+    auto& s = ts.at("model.layers.0.mlp.down_proj.weight_scale");
+    s.type = dtype::F64;
+    s.bytes.resize(8);
+  });
+  checkpoint_reader<file_directory> r2{file_directory(d2)};
+  expect_error([&] { quantized_tensors(r2); }, errc::invalid_metadata, {"down_proj.weight_scale", "is F64, not"});
+  const fs::path d3 = edited_copy(tmp.path / "3d", "fp8_channel", [&](auto& ts) { ts.at(q_proj).shape = {4, 12, 64}; });
+  checkpoint_reader<file_directory> r3{file_directory(d3)};
+  expect_error([&] { quantized_tensors(r3); }, errc::invalid_metadata,
+               {q_proj, "[4,12,64]", "per channel or per tensor are read for 2-D weights"});
 }
 
 TEST_CASE(

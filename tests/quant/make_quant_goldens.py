@@ -9,7 +9,10 @@ written by plain Python from the formats' own definitions, not from shardsafe's 
   - NVIDIA's NVFP4: E2M1 elements in blocks of 16, each block an E4M3 scale, times one F32 scale
     per tensor;
   - DeepSeek-V3's FP8 weights: F8_E4M3 with an F32 `weight_scale_inv` per 128 x 128 block,
-    dequantized as weight * scale_inv (its inference/kernel.py weight_dequant).
+    dequantized as weight * scale_inv (its inference/kernel.py weight_dequant);
+  - FP8 with a scale per output channel or per tensor (compressed-tensors' float-quantized
+    `weight_scale` [M, 1] in the model's dtype, FBGEMM's F32 [M, 1], AutoFP8's F32 []),
+    dequantized as weight * weight_scale.
 
 Each value's dequantized form is computed exactly (a product of at most 30 significant bits is
 exact in a Python float) and rounded once, to nearest with ties to even, into F32 and BF16 by the
@@ -174,6 +177,23 @@ def nvfp4(rng, shape):
     return pack_fp4(codes), bytes(scales), struct.pack("<f", g), vals
 
 
+def fp8_scaled(rng, shape, scale_shape, scale_dtype):
+    """FP8 per channel (scale_shape [rows, 1] or [rows]) or per tensor (one value): (weight bytes,
+    scale bytes, values). The scales are exact in scale_dtype (BF16's 8 significant bits, or F32)."""
+    rows, cols = shape
+    w = random_e4m3(rng, rows * cols)
+    n = numel(scale_shape)
+    scales = [rng.uniform(0.5, 1.0) * 2.0 ** rng.randrange(-14, -4) for _ in range(n)]
+    if scale_dtype == "BF16":
+        scales = [struct.unpack("<f", b"\0\0" + bf16_bits(x))[0] for x in scales]
+        sb = b"".join(bf16_bits(x) for x in scales)
+    else:
+        scales = [struct.unpack("<f", struct.pack("<f", x))[0] for x in scales]
+        sb = b"".join(struct.pack("<f", x) for x in scales)
+    vals = [e4m3(w[r * cols + c]) * scales[r if n > 1 else 0] for r in range(rows) for c in range(cols)]
+    return w, sb, vals
+
+
 def bf16_of(rng, n):
     return b"".join(bf16_bits(rng.uniform(-1, 1)) for _ in range(n))
 
@@ -261,7 +281,29 @@ def main():
         "quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}), t, exp,
         {"hf_quant_config.json": {"producer": {"name": "modelopt"},
                                   "quantization": {"quant_algo": "NVFP4", "group_size": 16}}})
-    print(f"wrote {out}: fp8_block, mxfp4, mxfp8, nvfp4")
+
+    # FP8 per output channel and per tensor: compressed-tensors (BF16 [M, 1], and its per-tensor
+    # [1]), FBGEMM (F32 [M, 1]), AutoFP8 (F32 []), a per-channel F32 [M]; an activation
+    # input_scale, which stays a plain tensor
+    t, exp = {}, {}
+    for name, shape, sshape, sdt in (("model.layers.0.self_attn.q_proj.weight", (48, 64), (48, 1), "BF16"),
+                                     ("model.layers.0.self_attn.k_proj.weight", (16, 64), (1,), "BF16"),
+                                     ("model.layers.0.mlp.up_proj.weight", (40, 96), (40, 1), "F32"),
+                                     ("model.layers.0.mlp.down_proj.weight", (64, 40), (), "F32"),
+                                     ("model.layers.0.mlp.gate_proj.weight", (40, 64), (40,), "F32")):
+        w, sb, vals = fp8_scaled(rng, shape, sshape, sdt)
+        stem = name[:-len("weight")]
+        t[name] = ("F8_E4M3", shape, w)
+        t[stem + "weight_scale"] = (sdt, sshape, sb)
+        exp[name] = (shape, vals)
+    t["model.layers.0.self_attn.q_proj.input_scale"] = ("BF16", (1,), bf16_bits(0.0234375))
+    t["lm_head.weight"] = ("BF16", (8, 64), bf16_of(rng, 8 * 64))
+    write_case(out, "fp8_channel", dict(base, quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}}),
+        t, exp)
+    print(f"wrote {out}: fp8_block, mxfp4, mxfp8, nvfp4, fp8_channel")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "peers"))
 from golden_check import read_safetensors, run  # noqa: E402
 
-CASES = {"fp8_block": 3, "mxfp4": 2, "mxfp8": 1, "nvfp4": 2}
+CASES = {"fp8_block": 3, "mxfp4": 2, "mxfp8": 1, "nvfp4": 2, "fp8_channel": 5}
+SCHEMES = {"fp8_channel": ("fp8_channel", "fp8_tensor")}  # the folder's weights per channel and per tensor
 
 
 def main():
@@ -33,7 +34,7 @@ def main():
             if f"{n} quantized weight" not in ok.stdout:
                 bad.append(f"{case}: verify does not count {n} quantized weights: {ok.stdout.strip()}")
             listing = subprocess.run([tool, "inspect", src], capture_output=True, text=True).stdout
-            if listing.count(f"quantized {case} weight") != n:
+            if sum(listing.count(f"quantized {s} weight") for s in SCHEMES.get(case, (case,))) != n:
                 bad.append(f"{case}: inspect does not name {n} quantized weights")
             for dtype, kind in (("bf16", "bf16"), ("f32", "f32")):
                 out = os.path.join(tmp, f"{case}-{dtype}")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The quantized goldens' expected values (tests/fixtures/quant/*/expected/, written by
 make_quant_goldens.py from the formats' definitions) against torch's own arithmetic: torch's
-float8_e4m3fn conversion for E4M3, gpt-oss's own route for MXFP4 (a 16-entry table of E2M1 values,
+float8_e4m3fn conversion for E4M3 (and its bfloat16 for compressed-tensors' scales), gpt-oss's own route for MXFP4 (a 16-entry table of E2M1 values,
 then ldexp by the E8M0 exponent), and each scale multiplied in F32 as the Python tools do.
 
     python3 tests/quant/quant_torch_check.py [tests/fixtures/quant]
@@ -71,6 +71,12 @@ def dequant(case, t):
             s = as_dtype(t[name + "_scale_inv"][2], torch.float32, t[name + "_scale_inv"][1])
             se = s.repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
             out[name] = w * se  # DeepSeek-V3's weight_dequant
+        elif case == "fp8_channel" and dt == "F8_E4M3":
+            w = as_dtype(raw, torch.float8_e4m3fn, shape).float()
+            sdt, sshape, sraw = t[name[:-len("weight")] + "weight_scale"]
+            s = as_dtype(sraw, {"BF16": torch.bfloat16, "F32": torch.float32}[sdt], sshape).float()
+            # compressed-tensors' and FBGEMM's weight * weight_scale, a scale a row or one, in F32
+            out[name] = w * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
         elif case == "mxfp8" and dt == "F8_E4M3":
             w = as_dtype(raw, torch.float8_e4m3fn, shape).float()
             sc = t[name[:-len("weight")] + "weight_scale"]
@@ -103,7 +109,7 @@ def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                                               "fixtures", "quant")
     bad = []
-    for case in ("fp8_block", "mxfp4", "mxfp8", "nvfp4"):
+    for case in ("fp8_block", "mxfp4", "mxfp8", "nvfp4", "fp8_channel"):
         t = read(os.path.join(root, case, "model.safetensors"))
         got = dequant(case, t)
         f32 = read(os.path.join(root, case, "expected", "f32.safetensors"))

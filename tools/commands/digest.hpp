@@ -89,8 +89,12 @@ int cmd_digest(const input<D>& in) {
   // a folder of whole files' tensors are hashed as raw ranges, as its files hold each tensor in
   // order; one whose torch.save file holds a transposed tensor goes through the reader below
   std::optional<hf_folder<D>> hf;
+  // (its quantized weights' scales checked as open_checkpoint checks a checkpoint's)
   if (in.k == kind::whole_files)
-    if (auto h = open_hf(in); !stores_permuted(h)) hf.emplace(std::move(h));
+    if (auto h = open_hf(in); !stores_permuted(h)) {
+      check_folder_quantized(in, h);
+      hf.emplace(std::move(h));
+    }
   if (in.k == kind::file && !is_torch_save_file(open_file(in))) {
     const auto s = open_file(in);
     auto h = read_safetensors_header(s);

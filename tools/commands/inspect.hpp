@@ -34,7 +34,7 @@ std::string annotate_quantized(std::vector<row>& rows, const checkpoint_reader<D
   std::map<std::string, std::string> notes;
   for (const auto& q : qs) {
     const std::string block =
-        (q.block_rows > 1 ? std::to_string(q.block_rows) + " x " : std::string()) + std::to_string(q.block_cols);
+        (row_blocked(q.scheme) ? std::to_string(q.block_rows) + " x " : std::string()) + std::to_string(q.block_cols);
     notes[prefix + q.data] = "quantized " + std::string(to_string(q.scheme)) + " weight '" + prefix + q.name + "' " +
                              shape_str(q.shape) + ", scales '" + prefix + q.scale + "' per block of " + block +
                              (q.tensor_scale.empty() ? std::string() : " and '" + prefix + q.tensor_scale + "'");

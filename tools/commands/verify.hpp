@@ -39,7 +39,7 @@ int verify_parts(const input<D>& in) {
   std::size_t sharded = 0, unchecked = 0;
   std::vector<quantized_tensor> quantized;
   // the optimizer's pickles (an optim/ part) are checked as every command opens the parts
-  for (auto& p : open_checkpoint(in)) {
+  for (auto& p : open_checkpoint(in, reads::verified)) {
     const checkpoint_report rep = verify_checkpoint(*p.reader);
     n += rep.tensors;
     quantized.insert(quantized.end(), rep.quantized.begin(), rep.quantized.end());
@@ -75,9 +75,7 @@ int cmd_verify(const input<D>& in) {
     const auto h = open_hf(in);
     check_unlisted_hf_files(in.dir, h);
     n = h.tensors.size();
-    // its quantized weights and their scales (checkpoint/quant.hpp)
-    checkpoint_reader<D> r(in.dir);
-    notes = quantized_note(check_quantized(r));
+    notes = quantized_note(check_folder_quantized(in, h));  // its quantized weights and their scales
   } else {
     return verify_parts(in);
   }

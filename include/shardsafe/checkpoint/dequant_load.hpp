@@ -61,10 +61,10 @@ inline dequant_region region_of(const quantized_tensor& q, const flat_view& v) {
     const std::uint64_t dn = numel(q.data_shape) / rows;  // stored elements a row
     g.data = flat_spec{{g.r0 * dn, g.r1 * dn}};
     g.data_bytes = (g.r1 - g.r0) * n * bits / 8;
-    if (q.scheme == quant_scheme::fp8_block) {
-      const std::uint64_t sr0 = g.r0 / q.block_rows, sr1 = ceil_div(g.r1, q.block_rows);
-      g.scale = flat_spec{{sr0 * q.scale_shape[1], sr1 * q.scale_shape[1]}};
-      g.scale_count = (sr1 - sr0) * q.scale_shape[1];
+    if (row_blocked(q.scheme)) {
+      const std::uint64_t sr0 = g.r0 / q.block_rows, sr1 = ceil_div(g.r1, q.block_rows), len = scale_row_len(q);
+      g.scale = flat_spec{{sr0 * len, sr1 * len}};
+      g.scale_count = (sr1 - sr0) * len;
     } else {
       const std::uint64_t cn = n / q.block_cols;
       g.scale = flat_spec{{g.r0 * cn, g.r1 * cn}};
@@ -85,11 +85,11 @@ inline dequant_region region_of(const quantized_tensor& q, const flat_view& v) {
   shape_t slo = g.lo, ssize = size;
   slo[k - 1] = g.lo[k - 1] / q.block_cols;
   ssize[k - 1] = ceil_div(g.hi[k - 1], q.block_cols) - slo[k - 1];
-  if (q.scheme == quant_scheme::fp8_block) {
+  if (row_blocked(q.scheme)) {
     slo[0] = g.lo[0] / q.block_rows;
     ssize[0] = ceil_div(g.hi[0], q.block_rows) - slo[0];
   }
-  g.scale = block_spec(ssize, slo);
+  g.scale = scale_as_stored(q, slo, ssize);
   g.scale_count = numel(ssize);
   shape_t dlo = g.lo, dsize = size;
   if (q.scheme == quant_scheme::mxfp4) {
@@ -185,9 +185,7 @@ inline void dequantize_view(const quantized_tensor& q, const flat_view& v, const
   const element_table& table = element_table::of(q.scheme);
   const bool packed = bits == 4;
   auto bad_scale = [&](std::uint64_t row, std::uint64_t col) {
-    const std::uint64_t at = q.scheme == quant_scheme::fp8_block
-                                 ? (row / q.block_rows) * q.scale_shape.back() + col / q.block_cols
-                                 : row * q.scale_shape.back() + col / q.block_cols;
+    const std::uint64_t at = (row_blocked(q.scheme) ? row / q.block_rows : row) * scale_row_len(q) + col / q.block_cols;
     fail(errc::invalid_metadata, std::string(where) + ": quantized weight '" + q.name + "': its scale '" + q.scale +
                                      "' at flat index " + std::to_string(at) +
                                      " is NaN or infinite (E8M0 0xFF, E4M3 S.1111.111): not a scale");
@@ -208,8 +206,7 @@ inline void dequantize_view(const quantized_tensor& q, const flat_view& v, const
       for (std::uint64_t gidx = run.begin; gidx < run.end;) {
         const std::uint64_t row = gidx / n, col0 = gidx % n, len = std::min(run.end - gidx, n - col0);
         const std::uint64_t rr = region_row(row), e0 = rr * width + (col0 - c_lo);
-        const std::uint64_t srow =
-            q.scheme == quant_scheme::fp8_block ? (row / q.block_rows - row_lo / q.block_rows) : rr;
+        const std::uint64_t srow = row_blocked(q.scheme) ? (row / q.block_rows - row_lo / q.block_rows) : rr;
         const std::byte* srow_at = scale.data() + srow * s_width * si;
         const auto* bytes = reinterpret_cast<const std::uint8_t*>(data.data());
         // a block of columns at a time, under one scale

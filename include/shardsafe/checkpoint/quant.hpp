@@ -13,6 +13,11 @@
 // |                | F32 [ceil(M/bm), ceil(N/bn)]; bm x bn from        |           |               |
 // |                | config.json quantization_config.weight_block_size |           |               |
 // |                | (else 128 x 128, DeepSeek-V3's)                   |           |               |
+// | `X.weight`     | `X.weight` F8_E4M3 [M, N], `X.weight_scale` F32,  | fp8_channel | [M, N]      |
+// |                | BF16 or F16 [M, 1] or [M] (compressed-tensors'    |           |               |
+// |                | channel strategy, FBGEMM's FP8)                   |           |               |
+// | `X.weight`     | `X.weight` F8_E4M3 [M, N], `X.weight_scale` F32,  | fp8_tensor | [M, N]       |
+// |                | BF16 or F16 of one value ([], [1], [1, 1])        |           |               |
 // | `X.weight`     | `X.weight` F8_E4M3 [..., N], `X.weight_scale`     | mxfp8     | [..., N]      |
 // |                | F8_E8M0 or U8 [..., N/32]                         |           |               |
 // | `X`            | `X_blocks` U8 [..., G, 16], `X_scales` U8 or      | mxfp4     | [..., G*32]   |
@@ -24,7 +29,7 @@
 // Refused, naming the tensor and the rule (errc::invalid_metadata): a scale of the wrong dtype or
 // shape for its block, a missing tensor scale (NVFP4), an F8_E4M3 weight without a scale in a
 // folder whose config.json has a quantization_config (its scale is missing), a fp8_block weight
-// that is not 2-D; at load time a NaN or infinite scale (E8M0's 0xFF included), naming its index.
+// (or fp8_channel, fp8_tensor) that is not 2-D; at load time a NaN or infinite scale (E8M0's 0xFF included), naming its index.
 #pragma once
 
 #include <algorithm>
@@ -55,11 +60,12 @@ struct quantized_tensor {
   std::string scale;         ///< the block scales
   std::string tensor_scale;  ///< NVFP4's per-tensor scale (`X.weight_scale_2`); "" for the others
   dtype scale_type = dtype::F32;
-  shape_t shape;                 ///< logical: one element per value
-  shape_t data_shape;            ///< as stored
-  shape_t scale_shape;           ///< as stored
-  std::uint64_t block_rows = 1;  ///< rows (second-last dimension) a scale covers: fp8_block's bm, else 1
-  std::uint64_t block_cols = 1;  ///< elements of the last dimension a scale covers
+  shape_t shape;        ///< logical: one element per value
+  shape_t data_shape;   ///< as stored
+  shape_t scale_shape;  ///< as stored
+  std::uint64_t block_rows =
+      1;  ///< rows (second-last dimension) a scale covers: fp8_block's bm, fp8_tensor's M, else 1
+  std::uint64_t block_cols = 1;  ///< elements of the last dimension a scale covers (N for fp8_channel and fp8_tensor)
 };
 
 /// What a folder's config.json says of quantization: whether it has a quantization_config, and
@@ -105,6 +111,19 @@ quant_config read_quant_config(const D& dir) {
 }
 
 inline std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return a / b + (a % b != 0); }
+
+/// The scales of one row of a row_blocked weight's scale grid [ceil(M / bm), ceil(N / bn)] (1 for
+/// fp8_channel and fp8_tensor), or of one row of the others' [..., N / block].
+inline std::uint64_t scale_row_len(const quantized_tensor& q) { return ceil_div(q.shape.back(), q.block_cols); }
+
+/// The block [off, off + size) of q's scales (over the grid above, or the others' scale shape) as a
+/// shard of its scale tensor as stored: the block itself, or, for a scale stored as [M] or as one
+/// value ([], [1]), the same elements as one flat range (its grid has one column, so a block of
+/// its rows is contiguous).
+inline shard_spec scale_as_stored(const quantized_tensor& q, const shape_t& off, const shape_t& size) {
+  if (!row_blocked(q.scheme) || q.scale_shape.size() == 2) return block_spec(size, off);
+  return flat_spec{{off[0], off[0] + size[0]}};
+}
 
 }  // namespace detail
 
@@ -180,16 +199,35 @@ std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, st
       q.scale_type = dtype::F32;
       return q;
     }
-    if (!stem.empty() && r.find(stem + "weight_scale")) {  // MXFP8
-      q.scheme = quant_scheme::mxfp8;
+    if (!stem.empty() && r.find(stem + "weight_scale")) {  // MXFP8, or FP8 per channel or per tensor
       q.scale = stem + "weight_scale";
-      const tensor_metadata* s = need(q.scale, {dtype::F8_E8M0, dtype::U8}, "scale");
+      const tensor_metadata* s =
+          need(q.scale, {dtype::F8_E8M0, dtype::U8, dtype::F32, dtype::BF16, dtype::F16}, "scale");
+      q.scale_shape = s->shape;
+      q.scale_type = s->type;
+      if (is_convertible_float(s->type)) {  // compressed-tensors, FBGEMM: a value a row, or one
+        if (w->shape.size() != 2)
+          bad("it is " + to_string(w->shape) + ": FP8 scales per channel or per tensor are read for 2-D weights");
+        const std::uint64_t m = w->shape[0], sn = s->numel();
+        const bool per_row = s->shape == shape_t{m, 1} || s->shape == shape_t{m};
+        if (sn == 1) {
+          q.scheme = quant_scheme::fp8_tensor;
+          q.block_rows = std::max<std::uint64_t>(m, 1);
+        } else if (per_row) {
+          q.scheme = quant_scheme::fp8_channel;
+        } else {
+          bad("its scale '" + q.scale + "' is " + to_string(s->shape) + ", not [" + std::to_string(m) + ",1] or [" +
+              std::to_string(m) + "] (one scale a row: per channel) or one value (per tensor)");
+        }
+        q.block_cols = std::max<std::uint64_t>(w->shape[1], 1);
+        return q;
+      }
+      q.scheme = quant_scheme::mxfp8;
       if (w->shape.empty() || w->shape.back() % 32)
         bad("it is " + to_string(w->shape) + ": MXFP8 blocks of 32 need a last dimension that is a multiple of 32");
       q.scale_shape = w->shape;
       q.scale_shape.back() /= 32;
       shape_must(q.scale, s->shape, q.scale_shape, "one E8M0 scale per block of 32");
-      q.scale_type = s->type;
       q.block_cols = 32;
       return q;
     }
@@ -324,7 +362,7 @@ inline quantized_shard quantized_shard_of(const quantized_tensor& q, const shard
       doff.back() /= 2;
       dsize.back() /= 2;
     }
-    return {block_spec(dsize, doff), block_spec(ssize, soff)};
+    return {block_spec(dsize, doff), detail::scale_as_stored(q, soff, ssize)};
   }
   // flat: each range begins and ends on a block (fp8_block: on a row that starts a block of rows)
   std::vector<element_range> d, s;
@@ -334,7 +372,7 @@ inline quantized_shard quantized_shard_of(const quantized_tensor& q, const shard
     const std::uint64_t total = numel(q.shape);
     for (std::uint64_t at : {rg.begin, rg.end}) {
       if (at == total) continue;
-      if (q.scheme == quant_scheme::fp8_block) {
+      if (row_blocked(q.scheme)) {
         if (at % rows_unit) cut(0, at / n, q.block_rows, "a block of rows (flat ranges hold whole blocks of rows)");
       } else if (at % q.block_cols) {
         cut(k - 1, at % n, q.block_cols, "a scale block");
@@ -342,10 +380,12 @@ inline quantized_shard quantized_shard_of(const quantized_tensor& q, const shard
     }
     const unsigned bits = element_bits(q.scheme);
     d.push_back({rg.begin * bits / 8, rg.end * bits / 8});
-    if (q.scheme == quant_scheme::fp8_block)
-      s.push_back({rg.begin / rows_unit * q.scale_shape[1], detail::ceil_div(rg.end, rows_unit) * q.scale_shape[1]});
-    else
+    if (row_blocked(q.scheme)) {
+      const std::uint64_t row_len = detail::scale_row_len(q);
+      s.push_back({rg.begin / rows_unit * row_len, detail::ceil_div(rg.end, rows_unit) * row_len});
+    } else {
       s.push_back({rg.begin / q.block_cols, rg.end / q.block_cols});
+    }
   }
   return {flat_spec(std::move(d)), flat_spec(std::move(s))};
 }

@@ -1,13 +1,16 @@
 // shardsafe/core/quant.hpp - the block-scaled quantized weight formats (docs/FORMAT.md §8): their
 // element and scale encodings, and a weight's value from its element and its block's scales.
 //
-// | scheme    | elements                       | scale per block                    | block          |
-// |-----------|--------------------------------|------------------------------------|----------------|
-// | fp8_block | F8_E4M3                        | F32 (DeepSeek-V3's weight_scale_inv)| 128 x 128 (the |
-// |           |                                |                                    | config's)      |
-// | mxfp8     | F8_E4M3                        | E8M0 (F8_E8M0 or U8)               | 32, last dim   |
-// | mxfp4     | FP4 E2M1, two a byte           | E8M0 (U8: gpt-oss's X_scales)      | 32, last dim   |
-// | nvfp4     | FP4 E2M1, two a byte           | F8_E4M3, times one F32 per tensor  | 16, last dim   |
+// | scheme      | elements                 | scale per block                        | block         |
+// |-------------|--------------------------|----------------------------------------|---------------|
+// | fp8_block   | F8_E4M3                  | F32 (DeepSeek-V3's weight_scale_inv)   | 128 x 128 (the|
+// |             |                          |                                        | config's)     |
+// | fp8_channel | F8_E4M3                  | F32, BF16 or F16 a row: [M, 1] or [M]  | a row, 1 x N  |
+// |             |                          | (compressed-tensors, FBGEMM)           |               |
+// | fp8_tensor  | F8_E4M3                  | F32, BF16 or F16: one value            | M x N         |
+// | mxfp8       | F8_E4M3                  | E8M0 (F8_E8M0 or U8)                   | 32, last dim  |
+// | mxfp4       | FP4 E2M1, two a byte     | E8M0 (U8: gpt-oss's X_scales)          | 32, last dim  |
+// | nvfp4       | FP4 E2M1, two a byte     | F8_E4M3, times one F32 per tensor      | 16, last dim  |
 //
 // The encodings, from their definitions (OCP 8-bit Floating Point v1.0, OCP Microscaling
 // Formats v1.0, NVIDIA's NVFP4):
@@ -37,7 +40,14 @@
 namespace shardsafe {
 
 /// A block-scaled quantization scheme (the table at the top).
-enum class quant_scheme : std::uint8_t { fp8_block, mxfp8, mxfp4, nvfp4 };
+enum class quant_scheme : std::uint8_t { fp8_block, mxfp8, mxfp4, nvfp4, fp8_channel, fp8_tensor };
+
+/// Whether a scheme's scales are a 2-D grid over [M, N] of block_rows x block_cols blocks (FP8
+/// with F32/BF16/F16 scales: blocks, rows, the tensor), rather than one scale per block_cols
+/// elements of each row (the MX formats, NVFP4).
+constexpr bool row_blocked(quant_scheme s) noexcept {
+  return s == quant_scheme::fp8_block || s == quant_scheme::fp8_channel || s == quant_scheme::fp8_tensor;
+}
 
 constexpr std::string_view to_string(quant_scheme s) noexcept {
   switch (s) {
@@ -45,6 +55,8 @@ constexpr std::string_view to_string(quant_scheme s) noexcept {
     case quant_scheme::mxfp8: return "mxfp8";
     case quant_scheme::mxfp4: return "mxfp4";
     case quant_scheme::nvfp4: return "nvfp4";
+    case quant_scheme::fp8_channel: return "fp8_channel";
+    case quant_scheme::fp8_tensor: return "fp8_tensor";
   }
   return "?";
 }
@@ -82,12 +94,16 @@ inline double element_value(quant_scheme s, std::uint8_t byte, unsigned nibble) 
   return e2m1_value(static_cast<std::uint8_t>(nibble ? byte >> 4 : byte & 0xF));
 }
 
-/// The value of a block scale stored as `type` (F32, F8_E4M3, F8_E8M0 or U8 holding E8M0) at
+/// The value of a block scale stored as `type` (F32, BF16, F16, F8_E4M3, F8_E8M0 or U8 holding E8M0) at
 /// p; nullopt where it is not a usable scale (NaN, infinite, E8M0's 0xFF).
 inline std::optional<double> scale_value(dtype type, const std::byte* p) noexcept {
   double v;
   switch (type) {
-    case dtype::F32: v = detail::decode_float_bits(detail::load_le(p, 4), detail::float_format_of(dtype::F32)); break;
+    case dtype::F32:
+    case dtype::BF16:
+    case dtype::F16:
+      v = detail::decode_float_bits(detail::load_le(p, item_size(type)), detail::float_format_of(type));
+      break;
     case dtype::F8_E4M3: v = e4m3_value(std::to_integer<std::uint8_t>(*p)); break;
     case dtype::F8_E8M0:
     case dtype::U8: return e8m0_value(std::to_integer<std::uint8_t>(*p));
