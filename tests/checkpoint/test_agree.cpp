@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -220,7 +221,9 @@ TEST_CASE("thread_world: a rank that timed out breaks the world; no round comple
   // The timeout only makes the first rank give up; nothing here measures time.
   testing::thread_world world(3, std::chrono::milliseconds(50));
   const auto names_rank0 = [](const std::string& what) {
-    return what.find("rank 0 timed out waiting in a collective; the world is of no further use") != std::string::npos;
+    return what.find(
+               "rank 0 timed out waiting in a collective that rank(s) 1, 2 did not come to; the world is of no "
+               "further use") != std::string::npos;
   };
   SUBCASE("ranks that come after the timeout throw, and so does the rank that timed out, again") {
     try {
@@ -277,7 +280,8 @@ TEST_CASE("thread_world: a rank that timed out breaks the world; no round comple
       CAPTURE(r);
       CHECK(testing::error_code_of(thrown[r]) == errc::comm_error);
       CHECK(testing::error_message_of(thrown[r]).find("rank " + std::to_string(culprit) +
-                                                      " timed out waiting in a collective") != std::string::npos);
+                                                      " timed out waiting in a collective that rank(s) 2 did not "
+                                                      "come to") != std::string::npos);
     }
   }
 }
@@ -331,6 +335,188 @@ TEST_CASE("every_rank_step: results by rank, or the lowest failing rank's own er
     auto e = errors_of(thrown);
     check_all_threw(e, make_error_code(errc::foreign_exception), 0);
     for (const auto& t : e) CHECK(t.what == "rank 0: index 9 of 3");
+  }
+}
+
+namespace {
+
+/// A thread_comm that counts what its rank sends and receives: messages, bytes and all-gathers
+/// (a PeerComm when `peer` is set, else a plain Comm: every_rank_step all-gathers then).
+template <bool peer>
+struct counting_comm {
+  testing::thread_comm& c;
+  std::uint64_t messages = 0, bytes_in = 0, gathers = 0;
+  int rank() const { return c.rank(); }
+  int world_size() const { return c.world_size(); }
+  void barrier() { c.barrier(); }
+  std::vector<std::string> all_gather_bytes(std::string_view s) {
+    ++gathers;
+    auto all = c.all_gather_bytes(s);
+    for (const auto& x : all) messages += 1, bytes_in += x.size();
+    return all;
+  }
+  void broadcast_bytes(std::string& s, int root) { c.broadcast_bytes(s, root); }
+  bool peer_to_peer() const
+    requires peer
+  {
+    return true;
+  }
+  void send_bytes(std::string_view s, int to)
+    requires peer
+  {
+    ++messages;
+    c.send_bytes(s, to);
+  }
+  std::string recv_bytes(int from)
+    requires peer
+  {
+    std::string s = c.recv_bytes(from);
+    ++messages;
+    bytes_in += s.size();
+    return s;
+  }
+};
+static_assert(PeerComm<counting_comm<true>> && Comm<counting_comm<false>> && !PeerComm<counting_comm<false>>);
+
+int ceil_log2(int n) {
+  int k = 0;
+  while ((1 << k) < n) ++k;
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("the binomial tree of ranks: every rank once under one parent, depth and fan-out log2 world") {
+  for (int n : {1, 2, 3, 5, 8, 13, 64, 100, 1000, 4096, 16384}) {
+    CAPTURE(n);
+    std::vector<int> parent(n, -1);
+    int most_children = 0;
+    for (int r = 0; r < n; ++r) {
+      const auto kids = detail::tree_children(r, n);
+      most_children = std::max(most_children, static_cast<int>(kids.size()));
+      for (std::size_t i = 0; i < kids.size(); ++i) {
+        REQUIRE(parent[kids[i]] == -1);
+        parent[kids[i]] = r;
+        CHECK(detail::tree_parent(kids[i]) == r);
+        // the children, nearest first, hold consecutive runs of ranks after r
+        const int end = i + 1 < kids.size() ? kids[i + 1] : std::min(n, r + (r == 0 ? n : detail::tree_lowbit(r)));
+        CHECK(std::min(n, kids[i] + detail::tree_lowbit(kids[i])) == end);
+      }
+    }
+    int deepest = 0;
+    for (int r = 1; r < n; ++r) {
+      CHECK(parent[r] >= 0);
+      CHECK(parent[r] < r);
+      int d = 0;
+      for (int x = r; x != 0; x = parent[x]) ++d;
+      deepest = std::max(deepest, d);
+    }
+    // depth: the most set bits of a rank; fan-out: rank 0's, one child a bit of the world
+    int most_bits = 0;
+    for (int r = 0; r < n; ++r) most_bits = std::max(most_bits, std::popcount(static_cast<unsigned>(r)));
+    CHECK(deepest == most_bits);
+    CHECK(deepest <= ceil_log2(n));
+    CHECK(most_children == ceil_log2(n));
+  }
+}
+
+TEST_CASE("every_rank_step over a PeerComm: O(log world) messages a rank, the same errors as the all-gather") {
+  constexpr int n = 1024;
+  const int logn = ceil_log2(n);
+  for (const bool fails : {false, true}) {
+    CAPTURE(fails);
+    std::vector<std::uint64_t> tree_messages(n), tree_bytes(n), gather_messages(n);
+    std::vector<std::string> tree_what(n), gather_what(n);
+    const auto step = [&](int rank) {
+      if (fails && (rank == 700 || rank == 301)) fail(errc::shape_mismatch, "ckpt: rank " + std::to_string(rank));
+    };
+    const auto thrown = testing::run_ranks(n, [&](testing::thread_comm& tc) {
+      counting_comm<true> tree{tc};
+      try {
+        every_rank_step(tree, [&] { step(tc.rank()); });
+      } catch (const error& e) {
+        CHECK(e.code() == errc::shape_mismatch);
+        tree_what[tc.rank()] = e.what();
+      }
+      CHECK(tree.gathers == 0);
+      tree_messages[tc.rank()] = tree.messages;
+      tree_bytes[tc.rank()] = tree.bytes_in;
+      counting_comm<false> flat{tc};
+      try {
+        every_rank_step(flat, [&] { step(tc.rank()); });
+      } catch (const error& e) {
+        gather_what[tc.rank()] = e.what();
+      }
+      gather_messages[tc.rank()] = flat.messages;
+    });
+    for (const auto& e : thrown) CHECK(testing::error_message_of(e) == "");
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      // up: its children's tallies in, one out; down: one in, one to each child
+      CHECK(tree_messages[r] == 2 * detail::tree_children(r, n).size() + (r == 0 ? 0 : 2));
+      CHECK(tree_messages[r] <= static_cast<std::uint64_t>(2 * logn));
+      CHECK(tree_bytes[r] <= static_cast<std::uint64_t>(2 * logn) * 80);  // a tally: three counts and an outcome
+      CHECK(gather_messages[r] == n);                                     // what the all-gather hands every rank
+      CHECK(tree_what[r] == gather_what[r]);
+      CHECK(tree_what[r] == (fails ? "rank 301: ckpt: rank 301 (and 1 more rank(s) failed)" : ""));
+    }
+  }
+}
+
+TEST_CASE("rank0_step over a PeerComm: rank 0's result or error down the tree, one message in a rank") {
+  constexpr int n = 1000;
+  for (const bool fails : {false, true}) {
+    CAPTURE(fails);
+    std::vector<std::uint64_t> messages(n);
+    std::vector<std::string> got(n);
+    const auto thrown = testing::run_ranks(n, [&](testing::thread_comm& tc) {
+      counting_comm<true> c{tc};
+      try {
+        got[tc.rank()] = rank0_step(c, [&] {
+          if (fails) fail(errc::io_error, "ckpt/metadata.json: write");
+          return std::string("the plan");
+        });
+      } catch (const error& e) {
+        CHECK(e.code() == errc::io_error);
+        got[tc.rank()] = e.what();
+      }
+      CHECK(c.gathers == 0);
+      messages[tc.rank()] = c.messages;
+    });
+    for (const auto& e : thrown) CHECK(testing::error_message_of(e) == "");
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(got[r] == (fails ? "rank 0: ckpt/metadata.json: write" : "the plan"));
+      CHECK(messages[r] == detail::tree_children(r, n).size() + (r == 0 ? 0 : 1));
+    }
+  }
+}
+
+TEST_CASE("every_rank_step over a PeerComm: a rank that never comes is named by every other rank") {
+  // the timeout only makes a parent give up on rank 5; nothing here measures time
+  constexpr int n = 8;
+  testing::thread_world world(n, std::chrono::milliseconds(200));
+  std::vector<std::string> what(n);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r)
+    ranks.emplace_back([&, r] {
+      testing::thread_comm c(world, r);
+      if (r == 5) return;  // never comes to the step
+      try {
+        every_rank_step(c, [] {});
+        what[r] = "(returned)";
+      } catch (const error& e) {
+        CHECK(e.code() == errc::comm_error);
+        what[r] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (r == 5) continue;
+    CAPTURE(r);
+    // whichever rank gave up first (rank 5's parent, or a rank waiting on it), it names rank 5
+    // alone as in no call of the world
+    CHECK(what[r].find("(rank(s) 5 in no call of the world: never came, or busy elsewhere)") != std::string::npos);
   }
 }
 

@@ -8,7 +8,18 @@
 // | call                   | who runs f    | exchange          | returns (f returns void / std::string) |
 // |------------------------|---------------|-------------------|----------------------------------------|
 // | every_rank_step(c, f)  | every rank    | all_gather_bytes  | void / every rank's string, by rank    |
+// |                        |               | (void f over a    |                                        |
+// |                        |               | PeerComm: a tree) |                                        |
 // | rank0_step(c, f)       | rank 0 only   | broadcast_bytes   | void / rank 0's string, on every rank  |
+// |                        |               | (over a PeerComm: |                                        |
+// |                        |               | down a tree)      |                                        |
+//
+// A void step over a PeerComm whose peer_to_peer() holds agrees up and down the binomial tree of
+// dist/tree.hpp: a rank sends and receives O(log world) messages of one outcome each, where an
+// all-gather hands every rank world outcomes (issue 56); rank0_step's outcome goes down the same
+// tree. The error thrown is the same. A child
+// that cannot be heard (it died, or never came to the step) is a failure of its parent naming
+// it; a rank that cannot hear its parent throws the Comm's errc::comm_error naming that parent.
 //
 // Both are collectives over a Comm (every rank calls them, in the same order). When a step
 // fails somewhere, every rank throws a shardsafe::error with the code the failing rank threw,
@@ -38,6 +49,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/dist/message.hpp"
+#include "shardsafe/dist/tree.hpp"
 
 namespace shardsafe {
 
@@ -193,6 +205,90 @@ step_outcome run_step(F& f) {
   }
 }
 
+/// What the ranks of a subtree agree on: how many failed, and the lowest failing rank with its
+/// outcome.
+struct outcome_tally {
+  std::uint64_t failed = 0, first = 0;
+  step_outcome outcome;
+
+  /// Adds the tally of other ranks (the failure of the lower rank is kept).
+  void add(outcome_tally o) {
+    if (o.failed > 0 && (failed == 0 || o.first < first)) {
+      first = o.first;
+      outcome = std::move(o.outcome);
+    }
+    failed += o.failed;
+  }
+  std::string encode() const {
+    message_writer m;
+    m.count(failed).count(first).text(outcome.encode());
+    return std::move(m).str();
+  }
+  static outcome_tally decode(std::string_view bytes, std::string_view from) {
+    message_reader m(bytes, std::string(from) + " (the outcomes of a step)");
+    outcome_tally t;
+    t.failed = m.count(INT_MAX, "the failed ranks");
+    t.first = m.count(INT_MAX, "the first failing rank");
+    t.outcome = step_outcome::decode(m.text(), from);
+    m.finish();
+    return t;
+  }
+  /// Throws what throw_if_any_failed throws for the same outcomes.
+  void throw_if_failed() const {
+    if (failed == 0) return;
+    std::string msg = "rank " + std::to_string(first) + ": " + outcome.text;
+    if (failed > 1) msg += " (and " + std::to_string(failed - 1) + " more rank(s) failed)";
+    throw error(outcome.code(), msg);
+  }
+};
+
+/// A failure of rank r.
+inline outcome_tally failure_of(int r, step_outcome o) {
+  outcome_tally t;
+  t.failed = 1;
+  t.first = static_cast<std::uint64_t>(r);
+  t.outcome = std::move(o);
+  return t;
+}
+
+/// bytes becomes rank 0's bytes on every rank, down the tree (dist/tree.hpp): a rank hears its
+/// parent (the Comm's errc::comm_error, in the step scopes, if it cannot), then tells its
+/// children, farthest first (a child that is gone is passed over: the others still hear).
+template <PeerComm C>
+void broadcast_over_tree(C& comm, std::string& bytes) {
+  const int r = comm.rank();
+  if (r != 0) bytes = exchange_in_scope([&] { return comm.recv_bytes(tree_parent(r)); });
+  const std::vector<int> children = tree_children(r, comm.world_size());
+  for (auto it = children.rbegin(); it != children.rend(); ++it) try {
+      comm.send_bytes(bytes, *it);
+    } catch (const error&) {
+    }
+}
+
+/// every_rank_step's agreement on `mine` up and down the tree (dist/tree.hpp).
+template <PeerComm C>
+void agree_over_tree(C& comm, step_outcome mine) {
+  const int r = comm.rank(), n = comm.world_size();
+  outcome_tally t;
+  if (mine.failed) t = failure_of(r, std::move(mine));
+  const std::vector<int> children = tree_children(r, n);
+  for (int child : children) {
+    const std::string from = "rank " + std::to_string(child);
+    try {
+      t.add(outcome_tally::decode(exchange_in_scope([&] { return comm.recv_bytes(child); }), from));
+    } catch (...) {  // a child that cannot be heard: this rank's failure, naming it
+      t.add(failure_of(r, step_outcome::of_exception(std::current_exception())));
+    }
+  }
+  std::string agreed = t.encode();
+  if (r != 0) try {
+      comm.send_bytes(agreed, tree_parent(r));
+    } catch (const error&) {  // the parent is gone: hearing from it below fails, naming it
+    }
+  broadcast_over_tree(comm, agreed);
+  outcome_tally::decode(agreed, r == 0 ? "rank 0" : "rank " + std::to_string(tree_parent(r))).throw_if_failed();
+}
+
 }  // namespace detail
 
 /// Every rank runs f; then all ranks agree (see the table above). f returns void or
@@ -200,6 +296,9 @@ step_outcome run_step(F& f) {
 template <Comm C, class F>
   requires detail::step_function<F>
 auto every_rank_step(C& comm, F&& f) {
+  if constexpr (PeerComm<C> && std::is_void_v<std::invoke_result_t<F&>>) {
+    if (comm.peer_to_peer() && comm.world_size() > 1) return detail::agree_over_tree(comm, detail::run_step(f));
+  }
   const std::string mine = detail::run_step(f).encode();
   const std::vector<std::string> gathered = detail::exchange_in_scope([&] { return comm.all_gather_bytes(mine); });
   std::vector<step_outcome> outcomes;
@@ -221,7 +320,13 @@ template <Comm C, class F>
   requires detail::step_function<F>
 auto rank0_step(C& comm, F&& f) {
   std::string bytes = comm.rank() == 0 ? detail::run_step(f).encode() : std::string();
-  detail::exchange_in_scope([&] { comm.broadcast_bytes(bytes, 0); });
+  bool tree = false;
+  if constexpr (PeerComm<C>) tree = comm.peer_to_peer() && comm.world_size() > 1;
+  if (tree) {
+    if constexpr (PeerComm<C>) detail::broadcast_over_tree(comm, bytes);
+  } else {
+    detail::exchange_in_scope([&] { comm.broadcast_bytes(bytes, 0); });
+  }
   step_outcome o = step_outcome::decode(bytes, "rank 0");
   throw_if_any_failed(std::span<const step_outcome>(&o, 1));
   if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) return std::move(o.text);

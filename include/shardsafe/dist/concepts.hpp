@@ -35,4 +35,25 @@ concept Comm = requires(C& c, std::string_view s, std::string& str, int root) {
   c.broadcast_bytes(str, root);
 };
 
+/// A Comm whose ranks can also send bytes to one rank and receive them from one, which a tree
+/// of ranks needs (dist/tree.hpp: O(log world) messages a rank where an all-gather takes world):
+///
+/// | expression             | type        | requirement                                         |
+/// |------------------------|-------------|-----------------------------------------------------|
+/// | c.peer_to_peer()       | bool        | whether the two below work (a backend may offer     |
+/// |                        |             | them over one transport only); alike on every rank  |
+/// | c.send_bytes(s, peer)  | void        | s to rank `peer`, which receives it with recv_bytes |
+/// | c.recv_bytes(peer)     | std::string | the next bytes `peer` sent this rank, in the order  |
+/// |                        |             | sent; errc::comm_error naming `peer` past the       |
+/// |                        |             | timeout                                             |
+///
+/// Not collectives: only the two ranks take part. The algorithms ask peer_to_peer() and use
+/// the Comm's collectives where it says no.
+template <class C>
+concept PeerComm = Comm<C> && requires(C& c, std::string_view s, int peer) {
+  { c.peer_to_peer() } -> std::convertible_to<bool>;
+  c.send_bytes(s, peer);
+  { c.recv_bytes(peer) } -> std::same_as<std::string>;
+};
+
 }  // namespace shardsafe

@@ -8,16 +8,21 @@
 //
 // The collectives rendezvous in a shared thread_world: every rank's contribution is collected
 // and handed to all once the last rank arrives (all_gather_bytes; broadcast_bytes keeps the
-// root's; barrier sends nothing). A rank that times out breaks the world: it and every rank
-// waiting in it, or coming to it later, throw errc::comm_error naming the rank that timed out
-// (a round never completes with a stale contribution of a rank that gave up).
+// root's; barrier sends nothing). Ranks also send bytes to one rank (send_bytes, recv_bytes: a
+// PeerComm, a mailbox per pair of ranks). A rank that times out breaks the world: it and every
+// rank waiting in it, or coming to it later, throw errc::comm_error naming the rank that timed
+// out and the ranks it waited for (those that never came to the collective, or the peer that
+// never sent); a round never completes with a stale contribution of a rank that gave up.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -33,26 +38,41 @@ namespace shardsafe {
 class thread_world {
  public:
   explicit thread_world(int n, std::chrono::milliseconds timeout = std::chrono::seconds(30))
-      : n_(n), timeout_(timeout), slots_(static_cast<std::size_t>(n)) {}
+      : n_(n),
+        timeout_(timeout),
+        slots_(static_cast<std::size_t>(n)),
+        came_(static_cast<std::size_t>(n), 0),
+        waiting_(static_cast<std::size_t>(n), 0),
+        wake_(std::make_unique<std::condition_variable[]>(static_cast<std::size_t>(n))) {}
 
   int size() const noexcept { return n_; }
 
   /// Every rank's contribution, indexed by rank, once all n ranks have called it. Throws
-  /// errc::comm_error when this rank waits longer than the timeout, and from then on in every
-  /// rank that waits or calls (the world is broken: the rank that timed out left its slot).
+  /// errc::comm_error when this rank waits longer than the timeout, naming the ranks that did not
+  /// come, and from then on in every rank that waits or calls (the world is broken: the rank that
+  /// timed out left its slot).
   std::vector<std::string> exchange(int rank, std::string mine) {
     std::unique_lock lock(m_);
     if (broken_by_ >= 0) throw broken(rank);
     slots_[static_cast<std::size_t>(rank)] = std::move(mine);
+    came_[static_cast<std::size_t>(rank)] = 1;
     const std::uint64_t gen = generation_;
+    waiting_[static_cast<std::size_t>(rank)] = 1;
+    struct not_waiting {
+      char& w;
+      ~not_waiting() { w = 0; }
+    } left{waiting_[static_cast<std::size_t>(rank)]};
     if (++arrived_ == n_) {
       result_ = slots_;
       arrived_ = 0;
+      std::fill(came_.begin(), came_.end(), 0);
       ++generation_;
       cv_.notify_all();
     } else if (!cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || broken_by_ >= 0; })) {
-      broken_by_ = rank;  // this rank gives up: no round may complete without it
-      cv_.notify_all();
+      std::string absent;
+      for (int r = 0; r < n_; ++r)
+        if (!came_[static_cast<std::size_t>(r)]) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
+      break_world(rank, "timed out waiting in a collective that rank(s) " + absent + " did not come to");
       throw broken(rank);
     } else if (generation_ == gen) {
       throw broken(rank);  // another rank timed out while this one waited
@@ -60,10 +80,51 @@ class thread_world {
     return result_;  // replaced only when all ranks, this one included, arrive again
   }
 
+  /// Puts s in the mailbox from rank `from` to rank `to` (it waits there for to's receive).
+  void send(int from, int to, std::string s) {
+    std::unique_lock lock(m_);
+    if (broken_by_ >= 0) throw broken(from);
+    mail_[{from, to}].push_back(std::move(s));
+    wake_[static_cast<std::size_t>(to)].notify_one();
+  }
+
+  /// The first bytes in the mailbox from `from` to `me`, waiting for them at most the timeout
+  /// (then the world is broken, naming `from`).
+  std::string receive(int me, int from) {
+    std::unique_lock lock(m_);
+    auto& box = mail_[{from, me}];
+    waiting_[static_cast<std::size_t>(me)] = 1;
+    const bool got =
+        wake_[static_cast<std::size_t>(me)].wait_for(lock, timeout_, [&] { return !box.empty() || broken_by_ >= 0; });
+    waiting_[static_cast<std::size_t>(me)] = 0;
+    if (!got) {
+      // the ranks in no call of the world: the one that never came is among them
+      std::string away;
+      for (int r = 0; r < n_; ++r)
+        if (r != me && !waiting_[static_cast<std::size_t>(r)]) away += (away.empty() ? "" : ", ") + std::to_string(r);
+      break_world(me, "timed out waiting for rank " + std::to_string(from) + "'s message (rank(s) " +
+                          (away.empty() ? std::string("none") : away) +
+                          " in no call of the world: never came, or busy elsewhere)");
+      throw broken(me);
+    }
+    if (box.empty()) throw broken(me);
+    std::string s = std::move(box.front());
+    box.pop_front();
+    return s;
+  }
+
  private:
+  /// Called with m_ held: the world is broken by `rank`, for `why`; every waiting rank is woken.
+  void break_world(int rank, std::string why) {
+    broken_by_ = rank;
+    broken_why_ = std::move(why);
+    cv_.notify_all();
+    for (int r = 0; r < n_; ++r) wake_[static_cast<std::size_t>(r)].notify_all();
+  }
+
   error broken(int rank) const {
     const std::string why =
-        "rank " + std::to_string(broken_by_) + " timed out waiting in a collective; the world is of no further use";
+        "rank " + std::to_string(broken_by_) + " " + broken_why_ + "; the world is of no further use";
     if (rank == broken_by_) return error(errc::comm_error, "thread_world: " + why);
     return error(errc::comm_error,
                  "thread_world: rank " + std::to_string(rank) + " cannot complete a collective: " + why);
@@ -75,9 +136,14 @@ class thread_world {
   std::condition_variable cv_;
   int arrived_ = 0;
   int broken_by_ = -1;  // the rank that timed out; -1 while the world is whole
+  std::string broken_why_;
   std::uint64_t generation_ = 0;
   std::vector<std::string> slots_;
+  std::vector<char> came_;     // whether each rank is in the round under way
+  std::vector<char> waiting_;  // whether each rank waits in a call of the world now
   std::vector<std::string> result_;
+  std::map<std::pair<int, int>, std::deque<std::string>> mail_;  // (from, to) -> bytes in order
+  std::unique_ptr<std::condition_variable[]> wake_;              // a rank's, for its mail
 };
 
 /// One rank's view of a thread_world: a Comm.
@@ -92,13 +158,24 @@ class thread_comm {
     auto all = w_->exchange(rank_, rank_ == root ? s : std::string());
     s = std::move(all.at(static_cast<std::size_t>(root)));
   }
+  bool peer_to_peer() const noexcept { return true; }
+  void send_bytes(std::string_view s, int peer) { w_->send(rank_, checked(peer), std::string(s)); }
+  std::string recv_bytes(int peer) { return w_->receive(rank_, checked(peer)); }
 
  private:
+  int checked(int peer) const {
+    if (peer < 0 || peer >= w_->size() || peer == rank_)
+      fail(errc::invalid_argument, "thread_comm: rank " + std::to_string(rank_) +
+                                       " cannot send to or receive from rank " + std::to_string(peer) +
+                                       " (a world of " + std::to_string(w_->size()) + ")");
+    return peer;
+  }
+
   thread_world* w_;
   int rank_;
 };
 
-static_assert(Comm<thread_comm>);
+static_assert(PeerComm<thread_comm>);
 
 /// Runs body(comm) on n threads, one per rank, and waits for all; returns what each rank threw
 /// (nullptr: nothing). A rank that waits in a collective longer than `timeout` (another rank
