@@ -4,6 +4,7 @@
 // checkpoint's parts opened with one rule set for every command.
 #pragma once
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <memory>
@@ -184,14 +185,13 @@ hf_folder<D> open_hf(const input<D>& in) {
 }
 
 /// The quantized weights of a folder of whole files with their scales checked, as open_checkpoint
-/// checks a checkpoint's (check_quantized); none read when no tensor of h may be one (no F8_E4M3
-/// or U8 tensor), so a plain folder is not opened twice.
+/// checks a checkpoint's (check_quantized); none read when no tensor of h may be one
+/// (quantized_candidate), so a plain folder is not opened twice.
 template <ReadableDirectory D>
 std::vector<quantized_tensor> check_folder_quantized(const input<D>& in, const hf_folder<D>& h) {
-  bool may = false;
-  for (const auto& [n, at] : h.tensors)
-    may = may || h.entry(at).type == dtype::F8_E4M3 || h.entry(at).type == dtype::U8;
-  if (!may) return {};
+  if (std::none_of(h.tensors.begin(), h.tensors.end(),
+                   [&](const auto& t) { return quantized_candidate(t.first, h.entry(t.second).type).has_value(); }))
+    return {};
   checkpoint_reader<D> r(in.dir);
   return check_quantized(r);
 }

@@ -81,27 +81,11 @@ inline dequant_region region_of(const quantized_tensor& q, const flat_view& v) {
   g.hi.back() = std::min(n, ceil_div(g.hi.back(), unit) * unit);
   shape_t size(k);
   for (std::size_t d = 0; d < k; ++d) size[d] = g.hi[d] - g.lo[d];
-  // the scale block covering the region (fp8_block's rows and columns, the others' columns)
-  shape_t slo = g.lo, ssize = size;
-  slo[k - 1] = g.lo[k - 1] / q.block_cols;
-  ssize[k - 1] = ceil_div(g.hi[k - 1], q.block_cols) - slo[k - 1];
-  if (row_blocked(q.scheme)) {
-    slo[0] = g.lo[0] / q.block_rows;
-    ssize[0] = ceil_div(g.hi[0], q.block_rows) - slo[0];
-  }
-  g.scale = scale_as_stored(q, slo, ssize);
-  g.scale_count = numel(ssize);
-  shape_t dlo = g.lo, dsize = size;
-  if (q.scheme == quant_scheme::mxfp4) {
-    dlo.back() /= 32;
-    dsize.back() /= 32;
-    dlo.push_back(0);
-    dsize.push_back(16);
-  } else if (bits == 4) {
-    dlo.back() /= 2;
-    dsize.back() /= 2;
-  }
-  g.data = block_spec(dsize, dlo);
+  // the stored elements and the scale block covering the region
+  const quantized_shard stored = stored_blocks(q, g.lo, size);
+  g.data = stored.data;
+  g.scale = stored.scale;
+  g.scale_count = g.scale.local_numel();
   g.data_bytes = numel(size) * bits / 8;
   return g;
 }

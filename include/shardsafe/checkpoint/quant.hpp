@@ -268,23 +268,25 @@ std::optional<quantized_tensor> find_quantized(const checkpoint_reader<D>& r, st
   return find_quantized(r, name, config);
 }
 
+/// The logical name of the quantized weight whose stored elements a tensor `key` of dtype t may be
+/// (find_quantized says whether it is): `X` for a U8 `X_blocks`, the key for an F8_E4M3 tensor or
+/// a U8 `X.weight`; nullopt for any other tensor, which is no quantized weight's elements.
+inline std::optional<std::string> quantized_candidate(std::string_view key, dtype t) {
+  if (t == dtype::U8 && key.ends_with("_blocks")) return std::string(key.substr(0, key.size() - 7));
+  if (t == dtype::F8_E4M3 || (t == dtype::U8 && key.ends_with("weight"))) return std::string(key);
+  return std::nullopt;
+}
+
 /// Every quantized weight of the checkpoint r has open, by logical name: find_quantized on each
-/// stored name that may be one (`X_blocks`; an F8_E4M3 tensor that is not a scale; a U8 `X.weight`).
-/// Reads metadata and config.json only; throws as find_quantized does.
+/// stored name that may be one (quantized_candidate). Reads metadata and config.json only; throws
+/// as find_quantized does.
 template <ReadableDirectory D>
 std::vector<quantized_tensor> quantized_tensors(const checkpoint_reader<D>& r) {
   std::vector<quantized_tensor> out;
   std::optional<quant_config> config;
-  for (const auto& [key, tm] : r.metadata().tensors) {
-    std::string name;
-    if (tm.type == dtype::U8 && key.ends_with("_blocks"))
-      name = key.substr(0, key.size() - 7);
-    else if (tm.type == dtype::F8_E4M3 || (tm.type == dtype::U8 && key.ends_with("weight")))
-      name = key;
-    else
-      continue;
-    if (auto q = find_quantized(r, name, config)) out.push_back(std::move(*q));
-  }
+  for (const auto& [key, tm] : r.metadata().tensors)
+    if (const auto name = quantized_candidate(key, tm.type))
+      if (auto q = find_quantized(r, *name, config)) out.push_back(std::move(*q));
   return out;
 }
 
@@ -324,6 +326,35 @@ struct quantized_shard {
   shard_spec scale;  ///< over quantized_tensor::scale_shape
 };
 
+namespace detail {
+
+/// The stored blocks of data and scale that hold the logical block [off, off + size) of q, whose
+/// last dimension begins and ends on whole bytes (packed FP4) and MXFP4's blocks of 32: the scale
+/// block covering it (every block it touches), as stored.
+inline quantized_shard stored_blocks(const quantized_tensor& q, const shape_t& off, const shape_t& size) {
+  const std::size_t k = q.shape.size();
+  shape_t soff = off, ssize = size;
+  soff[k - 1] = off[k - 1] / q.block_cols;
+  ssize[k - 1] = ceil_div(off[k - 1] + size[k - 1], q.block_cols) - soff[k - 1];
+  if (k >= 2) {
+    soff[k - 2] = off[k - 2] / q.block_rows;
+    ssize[k - 2] = ceil_div(off[k - 2] + size[k - 2], q.block_rows) - soff[k - 2];
+  }
+  shape_t doff = off, dsize = size;
+  if (q.scheme == quant_scheme::mxfp4) {  // [..., G, 16]
+    doff.back() /= 32;
+    dsize.back() /= 32;
+    doff.push_back(0);
+    dsize.push_back(16);
+  } else if (element_bits(q.scheme) == 4) {  // two values a byte
+    doff.back() /= 2;
+    dsize.back() /= 2;
+  }
+  return {block_spec(dsize, doff), scale_as_stored(q, soff, ssize)};
+}
+
+}  // namespace detail
+
 /// The stored shards that hold exactly `logical` (over q.shape), refused (errc::invalid_spec,
 /// naming the tensor, the dimension and the boundary) where a boundary cuts a scale block or a
 /// byte of two packed FP4 values.
@@ -345,24 +376,7 @@ inline quantized_shard quantized_shard_of(const quantized_tensor& q, const shard
       for (std::uint64_t at : {off[d], off[d] + size[d]})
         if (at % unit && at != q.shape[d]) cut(d, at, unit, "a scale block");
     }
-    shape_t soff = off, ssize = size;
-    soff[k - 1] = off[k - 1] / q.block_cols;
-    ssize[k - 1] = detail::ceil_div(off[k - 1] + size[k - 1], q.block_cols) - soff[k - 1];
-    if (k >= 2) {
-      soff[k - 2] = off[k - 2] / q.block_rows;
-      ssize[k - 2] = detail::ceil_div(off[k - 2] + size[k - 2], q.block_rows) - soff[k - 2];
-    }
-    shape_t doff = off, dsize = size;
-    if (q.scheme == quant_scheme::mxfp4) {  // [..., G, 16]
-      doff.back() = off.back() / 32;
-      dsize.back() = size.back() / 32;
-      doff.push_back(0);
-      dsize.push_back(16);
-    } else if (q.scheme == quant_scheme::nvfp4) {
-      doff.back() /= 2;
-      dsize.back() /= 2;
-    }
-    return {block_spec(dsize, doff), detail::scale_as_stored(q, soff, ssize)};
+    return detail::stored_blocks(q, off, size);
   }
   // flat: each range begins and ends on a block (fp8_block: on a row that starts a block of rows)
   std::vector<element_range> d, s;

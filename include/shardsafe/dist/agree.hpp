@@ -128,20 +128,24 @@ struct step_outcome {
   }
 };
 
-/// Throws on the calling rank, if any outcome (indexed by rank) failed, the error of the lowest
-/// failing rank: its code, and "rank R: " before its message (plus how many more ranks failed).
-inline void throw_if_any_failed(std::span<const step_outcome> outcomes) {
-  int failed = 0, first = -1;
-  for (std::size_t r = 0; r < outcomes.size(); ++r)
-    if (outcomes[r].failed) {
-      ++failed;
-      if (first < 0) first = static_cast<int>(r);
-    }
-  if (failed == 0) return;
-  const step_outcome& o = outcomes[static_cast<std::size_t>(first)];
+namespace detail {
+
+/// The error every rank throws when `failed` ranks failed, `first` the lowest with outcome o.
+[[noreturn]] inline void throw_step_failure(std::uint64_t first, std::uint64_t failed, const step_outcome& o) {
   std::string msg = "rank " + std::to_string(first) + ": " + o.text;
   if (failed > 1) msg += " (and " + std::to_string(failed - 1) + " more rank(s) failed)";
   throw error(o.code(), msg);
+}
+
+}  // namespace detail
+
+/// Throws on the calling rank, if any outcome (indexed by rank) failed, the error of the lowest
+/// failing rank: its code, and "rank R: " before its message (plus how many more ranks failed).
+inline void throw_if_any_failed(std::span<const step_outcome> outcomes) {
+  std::uint64_t failed = 0, first = 0;
+  for (std::size_t r = 0; r < outcomes.size(); ++r)
+    if (outcomes[r].failed && failed++ == 0) first = r;
+  if (failed > 0) detail::throw_step_failure(first, failed, outcomes[first]);
 }
 
 /// Names, for the errors of exchanges that fail, what the collective steps run on this thread
@@ -235,10 +239,7 @@ struct outcome_tally {
   }
   /// Throws what throw_if_any_failed throws for the same outcomes.
   void throw_if_failed() const {
-    if (failed == 0) return;
-    std::string msg = "rank " + std::to_string(first) + ": " + outcome.text;
-    if (failed > 1) msg += " (and " + std::to_string(failed - 1) + " more rank(s) failed)";
-    throw error(outcome.code(), msg);
+    if (failed > 0) throw_step_failure(first, failed, outcome);
   }
 };
 

@@ -69,10 +69,9 @@ class thread_world {
       ++generation_;
       cv_.notify_all();
     } else if (!cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || broken_by_ >= 0; })) {
-      std::string absent;
-      for (int r = 0; r < n_; ++r)
-        if (!came_[static_cast<std::size_t>(r)]) absent += (absent.empty() ? "" : ", ") + std::to_string(r);
-      break_world(rank, "timed out waiting in a collective that rank(s) " + absent + " did not come to");
+      break_world(rank, "timed out waiting in a collective that rank(s) " + ranks_where([&](int r) {
+                          return !came_[static_cast<std::size_t>(r)];
+                        }) + " did not come to");
       throw broken(rank);
     } else if (generation_ == gen) {
       throw broken(rank);  // another rank timed out while this one waited
@@ -99,9 +98,7 @@ class thread_world {
     waiting_[static_cast<std::size_t>(me)] = 0;
     if (!got) {
       // the ranks in no call of the world: the one that never came is among them
-      std::string away;
-      for (int r = 0; r < n_; ++r)
-        if (r != me && !waiting_[static_cast<std::size_t>(r)]) away += (away.empty() ? "" : ", ") + std::to_string(r);
+      const std::string away = ranks_where([&](int r) { return r != me && !waiting_[static_cast<std::size_t>(r)]; });
       break_world(me, "timed out waiting for rank " + std::to_string(from) + "'s message (rank(s) " +
                           (away.empty() ? std::string("none") : away) +
                           " in no call of the world: never came, or busy elsewhere)");
@@ -114,6 +111,15 @@ class thread_world {
   }
 
  private:
+  /// The ranks for which pred holds, as "1, 5, 7".
+  template <class Pred>
+  std::string ranks_where(Pred pred) const {
+    std::string s;
+    for (int r = 0; r < n_; ++r)
+      if (pred(r)) s += (s.empty() ? "" : ", ") + std::to_string(r);
+    return s;
+  }
+
   /// Called with m_ held: the world is broken by `rank`, for `why`; every waiting rank is woken.
   void break_world(int rank, std::string why) {
     broken_by_ = rank;
