@@ -29,6 +29,7 @@
 // --max-world stops the doubling early (default 16384; --quick: 256). Above 1 GiB of text the
 // parser refuses metadata.json (storage/text.hpp, max_metadata_size): the table says so.
 #include "bench_common.hpp"
+#include "bench_llama.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/format/metadata.hpp"
 
@@ -47,40 +48,12 @@ using u64 = std::uint64_t;
 
 namespace {
 
-struct model_tensor {
-  std::string name;
-  shape_t shape;
-  int kind;   // 0 rows over TP, 1 columns over TP, 2 whole (norms)
-  int layer;  // -1: embeddings (first stage), -2: final norm and lm_head (last stage)
-};
+using bench::even_part;
+using bench::model_tensor;
 
-std::vector<model_tensor> llama70b() {
-  const u64 hidden = 8192, inter = 28672, vocab = 128256, kv = 8 * 128;
-  std::vector<model_tensor> m{{"model.embed_tokens.weight", {vocab, hidden}, 0, -1}};
-  for (int l = 0; l < 80; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    m.push_back({p + "self_attn.q_proj.weight", {hidden, hidden}, 0, l});
-    m.push_back({p + "self_attn.k_proj.weight", {kv, hidden}, 0, l});
-    m.push_back({p + "self_attn.v_proj.weight", {kv, hidden}, 0, l});
-    m.push_back({p + "self_attn.o_proj.weight", {hidden, hidden}, 1, l});
-    m.push_back({p + "mlp.gate_proj.weight", {inter, hidden}, 0, l});
-    m.push_back({p + "mlp.up_proj.weight", {inter, hidden}, 0, l});
-    m.push_back({p + "mlp.down_proj.weight", {hidden, inter}, 1, l});
-    m.push_back({p + "input_layernorm.weight", {hidden}, 2, l});
-    m.push_back({p + "post_attention_layernorm.weight", {hidden}, 2, l});
-  }
-  m.push_back({"model.norm.weight", {hidden}, 2, -2});
-  m.push_back({"lm_head.weight", {vocab, hidden}, 0, -2});
-  return m;
-}
+std::vector<model_tensor> llama70b() { return bench::llama(80, 8192, 28672, 8 * 128, 128256); }
 
 std::string rank_file(u64 r) { return "rank_" + std::to_string(r) + ".safetensors"; }
-
-/// [b, e) of part r of n over `len` elements: torch.chunk's pieces of ceil(len / n)
-std::pair<u64, u64> even_part(u64 len, u64 n, u64 r) {
-  const u64 c = (len + n - 1) / n;
-  return {std::min(len, c * r), std::min(len, c * (r + 1))};
-}
 
 // --- the 3-D layout: rank = (pp * dp_size + dp) * tp_size + tp
 struct grid {

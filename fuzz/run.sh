@@ -26,7 +26,7 @@ export CXX="${CXX:-clang++}"
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] ||
   targets=(fuzz_safetensors fuzz_metadata fuzz_hf_index fuzz_pickle fuzz_dcp_metadata fuzz_torch_zip fuzz_remote
-           fuzz_torch_legacy fuzz_sidecars fuzz_dcp_write fuzz_deepspeed fuzz_quant)
+           fuzz_torch_legacy fuzz_sidecars fuzz_dcp_write fuzz_deepspeed fuzz_quant fuzz_partial)
 
 if [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" "$root" -Dfuzz=true -Dtests=false -Dtools=false -Dexamples=false -Dbench=false \
@@ -48,6 +48,7 @@ max_len_of() {
     fuzz_dcp_write) echo 1024 ;;
     fuzz_deepspeed) echo 131072 ;;  # Megatron legacy files: up to 116 KB (the run's args)
     fuzz_quant) echo 65536 ;;       # the FP8 golden's model.safetensors: 42 KB
+    fuzz_partial) echo 8192 ;;      # a partial of 16 ranks: about 1 KB
     *) echo 4096 ;;
   esac
 }
@@ -56,7 +57,7 @@ dict_of() {
     fuzz_safetensors | fuzz_quant) echo "$here/safetensors.dict" ;;
     fuzz_pickle | fuzz_dcp_metadata | fuzz_torch_zip | fuzz_torch_legacy | fuzz_deepspeed) echo "$here/pickle.dict" ;;
     fuzz_remote) echo "$here/remote.dict" ;;
-    fuzz_dcp_write) ;;  # its input is decoded by FuzzedDataProvider: no tokens to splice
+    fuzz_dcp_write | fuzz_partial) ;;  # binary input (FuzzedDataProvider, messages): no tokens to splice
     *) echo "$here/json.dict" ;;
   esac
 }

@@ -33,6 +33,7 @@
 #include "shardsafe/checkpoint/impl/checksums.ipp"
 #include "shardsafe/checkpoint/impl/dcp_save.ipp"
 #include "shardsafe/checkpoint/impl/description_message.ipp"
+#include "shardsafe/checkpoint/impl/description_tree.ipp"
 #include "shardsafe/checkpoint/impl/load_plan.ipp"
 #include "shardsafe/checkpoint/impl/save_agree.ipp"
 #include "shardsafe/detail/impl/json_dom.ipp"

@@ -65,6 +65,7 @@
 // who talks to whom
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/dist/counted.hpp"
 #include "shardsafe/dist/message.hpp"
 #include "shardsafe/dist/single.hpp"
 #include "shardsafe/dist/threads.hpp"

@@ -340,43 +340,7 @@ TEST_CASE("every_rank_step: results by rank, or the lowest failing rank's own er
 
 namespace {
 
-/// A thread_comm that counts what its rank sends and receives: messages, bytes and all-gathers
-/// (a PeerComm when `peer` is set, else a plain Comm: every_rank_step all-gathers then).
-template <bool peer>
-struct counting_comm {
-  testing::thread_comm& c;
-  std::uint64_t messages = 0, bytes_in = 0, gathers = 0;
-  int rank() const { return c.rank(); }
-  int world_size() const { return c.world_size(); }
-  void barrier() { c.barrier(); }
-  std::vector<std::string> all_gather_bytes(std::string_view s) {
-    ++gathers;
-    auto all = c.all_gather_bytes(s);
-    for (const auto& x : all) messages += 1, bytes_in += x.size();
-    return all;
-  }
-  void broadcast_bytes(std::string& s, int root) { c.broadcast_bytes(s, root); }
-  bool peer_to_peer() const
-    requires peer
-  {
-    return true;
-  }
-  void send_bytes(std::string_view s, int to)
-    requires peer
-  {
-    ++messages;
-    c.send_bytes(s, to);
-  }
-  std::string recv_bytes(int from)
-    requires peer
-  {
-    std::string s = c.recv_bytes(from);
-    ++messages;
-    bytes_in += s.size();
-    return s;
-  }
-};
-static_assert(PeerComm<counting_comm<true>> && Comm<counting_comm<false>> && !PeerComm<counting_comm<false>>);
+using testing::counting_comm;
 
 int ceil_log2(int n) {
   int k = 0;

@@ -7,6 +7,7 @@
 #include <system_error>
 
 #include "shardsafe/core/error.hpp"
+#include "shardsafe/dist/counted.hpp"
 #include "shardsafe/dist/threads.hpp"
 
 namespace testing {
@@ -37,5 +38,12 @@ inline std::error_code error_code_of(const std::exception_ptr& e) {
     return shardsafe::make_error_code(shardsafe::errc::io_error);
   }
 }
+
+/// A thread_comm that counts what its rank sends and receives (dist/counted.hpp): a PeerComm
+/// when `peer` is set, else a plain Comm (every_rank_step all-gathers then).
+template <bool peer>
+using counting_comm = shardsafe::counted_comm<thread_comm, peer>;
+static_assert(shardsafe::PeerComm<counting_comm<true>> && shardsafe::Comm<counting_comm<false>> &&
+              !shardsafe::PeerComm<counting_comm<false>>);
 
 }  // namespace testing

@@ -311,10 +311,11 @@ class async_saver {
       }
 
     // 1. the plan, on this thread
-    std::vector<checkpoint_metadata> mds;
+    std::vector<detail::agreed_description> mds;
     for (std::size_t i = 0; i < folders.size(); ++i)
-      mds.push_back(
-          detail::agree_on_metadata(std::span<const flat_view>(staged[i]), comm_, std::string(dirs[i].name())));
+      with_writer(opt.format, dirs[i].name(), [&]<class W>() {
+        mds.push_back(W::agree(std::span<const flat_view>(staged[i]), comm_, std::string(dirs[i].name()), opt));
+      });
 
     // the snapshot of what this rank writes, in pieces of at most 16 MiB, agreed
     const auto t_snap = clock::now();

@@ -18,6 +18,7 @@
 
 #include "shardsafe/core/config.hpp"
 #include "shardsafe/checkpoint/description_message.hpp"
+#include "shardsafe/checkpoint/description_tree.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/save_options.hpp"
 #include "shardsafe/detail/thread_pool.hpp"
@@ -73,6 +74,14 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
                                                                             const std::vector<replica_role>& roles,
                                                                             std::string_view dir);
 
+/// check_shards, then the coverage check: the files a sharded tensor lists, or the error
+/// merge_descriptions throws for it.
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> checked_files(const std::string& key,
+                                                                             const tensor_metadata& tm,
+                                                                             const std::vector<int>& ranks,
+                                                                             const std::vector<replica_role>& roles,
+                                                                             std::string_view dir);
+
 /// Merges the ranks' descriptions into the checkpoint's metadata, checking they agree, that
 /// every sharded tensor is covered, and that its shards do not overlap (but as replicas).
 /// roles[r][i]: rank r's role for its i-th tensor (missing: none).
@@ -106,6 +115,162 @@ checkpoint_metadata agree_on_metadata(std::span<const flat_view> views, C& comm,
     m.finish();
   }
   return merge_descriptions(parts, dname, roles);
+}
+
+/// Whether a save writes metadata.json in the compact form (metadata_form), its tensors listing
+/// `entries` files in all.
+inline bool use_compact_form(std::uint64_t entries, metadata_form form) {
+  if (form != metadata_form::automatic) return form == metadata_form::compact;
+  return entries > compact_metadata_entries;
+}
+
+/// What step 1 leaves a rank with.
+struct agreed_description {
+  /// The checkpoint's metadata without its extras: whole (every file of every tensor) where
+  /// `whole`, as on rank 0 always; on the other ranks of a tree agreement, each tensor's shape,
+  /// dtype and sharded-ness, in the checkpoint's order, and for a tensor that is not sharded the
+  /// file of the rank that writes it (its lowest holder) alone.
+  checkpoint_metadata md;
+  bool whole = true;
+  bool tree = false;                  ///< agreed over a PeerComm's tree: the later steps of the save are too
+  std::uint64_t entries = 0;          ///< files the tensors list in all (what metadata_form::automatic counts)
+  std::uint64_t checksum_hashes = 0;  ///< blocks the checksum tables hold (0 without checksums)
+};
+
+/// The blocks of `block` bytes tm's files hold (sharded: each file's shard; not sharded: its
+/// first file, the one written); 0 when block is 0 (no checksums).
+inline std::uint64_t checksum_hashes_of(const tensor_metadata& tm, std::uint64_t block) {
+  std::uint64_t hashes = 0;
+  if (block == 0) return 0;
+  for (const auto& [fname, spec] : tm.files) {
+    const std::uint64_t n = tm.is_sharded ? spec.local_numel() : tm.numel();
+    hashes += checksum_block_count((n * bit_size(tm.type) + 7) / 8, block);
+    if (!tm.is_sharded) break;  // written by its first file only
+  }
+  return hashes;
+}
+
+/// A whole description agreed (every rank holds it): its counts.
+inline agreed_description agreed_whole(checkpoint_metadata md, std::uint64_t block) {
+  agreed_description a;
+  for (const auto& [key, tm] : md.tensors) {
+    a.entries += tm.file_count();
+    a.checksum_hashes += checksum_hashes_of(tm, block);
+  }
+  a.md = std::move(md);
+  return a;
+}
+
+/// On rank 0 of a tree agreement: the final partial checked as merge_descriptions checks the
+/// merged descriptions, and the metadata built, each tensor a grid when `compact` finds one
+/// (write_and_commit's rule), so that no more than the final description is held. Throws what
+/// merge_descriptions throws (for a disagreement: errc::invalid_argument without saying which).
+SHARDSAFE_DECL agreed_description finish_partial(const partial_description& p, std::uint64_t world,
+                                                 std::string_view dir, metadata_form form, std::uint64_t block);
+
+/// The message rank 0 sends down the tree once it has agreed: entries, hashes, then per tensor
+/// its key, shape, dtype, sharded-ness, lowest holder and (not sharded) that holder's spec.
+SHARDSAFE_DECL std::string encode_agreed(const agreed_description& a, const partial_description& p);
+/// What a rank other than 0 makes of it: a description that is not whole.
+SHARDSAFE_DECL agreed_description decode_agreed(message_reader& m);
+
+/// Step 1 over the trees of a PeerComm (dist/tree.hpp): every rank describes its views (a failure
+/// agreed as every_rank_step agrees it, up and down the binomial tree), then partial descriptions
+/// go up the binary tree of runs, each rank merging its two children's after its own (consecutive
+/// runs of ranks, in rank order), and rank 0 checks and builds the metadata and sends the agreed
+/// table down the same tree: a rank receives at most three messages of O(tensors) bytes. A failure to hear a
+/// child, or a malformed partial, is agreed as a failure of the rank that heard it. When rank 0's
+/// checks fail, every rank runs the all-gather agreement instead, which throws the error
+/// merge_descriptions gives (the same words as without a tree).
+template <PeerComm C>
+agreed_description agree_over_tree(std::span<const flat_view> views, C& comm, const std::string& dname,
+                                   bool memory_later, metadata_form form, std::uint64_t block) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const step_scope step("agreeing on the metadata");
+  partial_description mine;
+  every_rank_step(comm, [&] {
+    message_writer roles;  // first: a replica without a spec is reported before the views are described
+    encode_replica_roles(roles, views, dname);
+    mine = partial_of(describe_views(views, rank, dname, memory_later), views, static_cast<std::uint64_t>(rank));
+  });
+  outcome_tally t;                                   // what went wrong in this subtree's exchange
+  const run_node node = run_tree_node(rank, world);  // at most two children: O(tensors) in a rank
+  for (int k = 0; k < 2; ++k) {
+    const int child = node.children[k];
+    if (child < 0) continue;
+    const std::string from = dname + " (rank " + std::to_string(child) + "'s partial description)";
+    try {
+      const std::string bytes = exchange_in_scope([&] { return comm.recv_bytes(child); });
+      message_reader m(bytes, from);
+      if (m.flag("the failure flag")) {
+        t.add(outcome_tally::decode(m.text(), from));
+      } else {
+        mine.merge(decode_partial(m, static_cast<std::uint64_t>(child), static_cast<std::uint64_t>(node.child_end[k])));
+      }
+      m.finish();
+    } catch (...) {
+      t.add(failure_of(rank, step_outcome::of_exception(std::current_exception())));
+    }
+  }
+  if (rank != 0) {
+    message_writer up;
+    up.flag(t.failed > 0);
+    if (t.failed > 0)
+      up.text(t.encode());
+    else
+      encode_partial(up, mine);
+    try {
+      comm.send_bytes(std::move(up).str(), node.parent);
+    } catch (const error&) {  // the parent is gone: hearing from it below fails, naming it
+    }
+  }
+  std::string down;
+  agreed_description out;
+  if (rank == 0) {
+    message_writer m;
+    if (t.failed > 0) {
+      m.count(1).text(t.encode());
+    } else {
+      try {
+        out = finish_partial(mine, static_cast<std::uint64_t>(world), dname, form, block);
+        m.count(0).text(encode_agreed(out, mine));
+      } catch (...) {
+        m.count(2);
+      }
+    }
+    down = std::move(m).str();
+  }
+  broadcast_over_runs(comm, down);
+  const std::string from = dname + " (rank " + std::to_string(std::max(node.parent, 0)) + "'s agreement)";
+  message_reader m(down, from);
+  const std::uint64_t status = m.count(2, "the agreement's status");
+  if (status == 2) {  // rank 0's checks failed: the all-gather agreement says how, as without a tree
+    m.finish();
+    return agreed_whole(agree_on_metadata(views, comm, dname, memory_later), block);
+  }
+  const std::string body = m.text();
+  m.finish();
+  if (status == 1) outcome_tally::decode(body, from).throw_if_failed();
+  if (rank != 0) {
+    message_reader a(body, from);
+    out = decode_agreed(a);
+    a.finish();
+  }
+  out.tree = true;
+  return out;
+}
+
+/// Step 1 for a save of `opt`: over the tree where the Comm is a PeerComm that offers it (and the
+/// world has more than one rank), else by all-gather (agree_on_metadata), every rank whole.
+template <Comm C>
+agreed_description agree_on_description(std::span<const flat_view> views, C& comm, const std::string& dname,
+                                        const save_options& opt) {
+  const bool memory_later = bool(opt.fetch);
+  const std::uint64_t block = opt.checksums ? opt.checksum_block_bytes : 0;
+  if constexpr (PeerComm<C>)
+    if (comm.peer_to_peer() && comm.world_size() > 1)
+      return agree_over_tree(views, comm, dname, memory_later, opt.metadata, block);
+  return agreed_whole(agree_on_metadata(views, comm, dname, memory_later), block);
 }
 
 }  // namespace detail

@@ -84,14 +84,6 @@ inline std::vector<const flat_view*> views_to_write(std::span<const flat_view> v
   return out;
 }
 
-/// Whether a save writes metadata.json in the compact form (metadata_form).
-inline bool use_compact_form(const checkpoint_metadata& md, metadata_form form) {
-  if (form != metadata_form::automatic) return form == metadata_form::compact;
-  std::uint64_t entries = 0;
-  for (const auto& [key, tm] : md.tensors) entries += tm.file_count();
-  return entries > compact_metadata_entries;
-}
-
 /// A rank file written: its size, and (when asked) its checksum table (tensor -> block hashes).
 struct written_rank_file {
   std::uint64_t size = 0;
@@ -213,6 +205,20 @@ inline written_rank_file decode_written(std::string_view bytes, bool checksums, 
   return w;
 }
 
+/// This rank's part of step 3: rank_R.safetensors written, and with sidecars its checksum table
+/// beside it (checksum_sidecar_name).
+template <WritableDirectory D>
+written_rank_file write_own_file(const D& dir, const std::string& fname, std::span<const flat_view* const> mine,
+                                 const save_options& opt, bool sidecars) {
+  written_rank_file w = write_rank_file(dir, fname, mine, opt);
+  if (opt.checksums && sidecars) {
+    std::string table;
+    append_checksum_table(table, w.checksums);
+    write_text(dir, checksum_sidecar_name(fname), table);
+  }
+  return w;
+}
+
 /// Step 3: every rank writes rank_R.safetensors; returns every rank's file (size and
 /// checksums), by rank. sidecars: each rank writes its checksum table beside its file
 /// (checksum_sidecar_name) and sends only the size.
@@ -222,15 +228,8 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
   const std::string fname = rank_file_name(comm.rank());
   const step_scope step("writing the rank files");
   const bool send_sums = opt.checksums && !sidecars;
-  const auto texts = every_rank_step(comm, [&] {
-    const written_rank_file w = write_rank_file(dir, fname, mine, opt);
-    if (opt.checksums && sidecars) {
-      std::string table;
-      append_checksum_table(table, w.checksums);
-      write_text(dir, checksum_sidecar_name(fname), table);
-    }
-    return encode_written(w, send_sums);
-  });
+  const auto texts =
+      every_rank_step(comm, [&] { return encode_written(write_own_file(dir, fname, mine, opt, sidecars), send_sums); });
   std::vector<written_rank_file> files;
   files.reserve(texts.size());
   for (std::size_t r = 0; r < texts.size(); ++r)
@@ -239,11 +238,14 @@ std::vector<written_rank_file> write_rank_files(const D& dir, std::span<const fl
   return files;
 }
 
-/// Step 4, on rank 0, once every rank file is written: metadata.json, by rename (the commit mark).
-template <WritableDirectory D, Comm C>
-void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
+/// Step 4, on rank 0, once every rank file is written: `finish` (which completes md: the rank
+/// files' sizes and checksums, and returns what every rank gets back), then metadata.json, by
+/// rename (the commit mark). Returns finish's text on every rank.
+template <WritableDirectory D, Comm C, class F>
+std::string commit_metadata(const D& dir, checkpoint_metadata& md, C& comm, F&& finish) {
   const step_scope step("committing metadata.json");
-  rank0_step(comm, [&] {
+  return rank0_step(comm, [&] {
+    std::string back = finish();
     std::string text = write_checkpoint_metadata(md);
     if (text.size() > max_checkpoint_metadata_size)  // refused before it commits a checkpoint no reader takes
       fail(errc::invalid_argument, std::string(dir.name()) + "/" + std::string(metadata_file_name) + ": would be " +
@@ -252,59 +254,88 @@ void commit_metadata(const D& dir, const checkpoint_metadata& md, C& comm) {
                                        " readers take (docs/FORMAT.md §2): save it with "
                                        "save_options::metadata = metadata_form::compact");
     write_text(dir, metadata_file_name, text);
+    return back;
   });
 }
 
-/// Steps 2-4 of a save whose plan (step 1, md) every rank has agreed on: prepare the
+/// Steps 2-4 of a save whose plan (step 1, agreed) every rank has agreed on: prepare the
 /// directory, write the rank files, commit metadata.json. t0: when the save began. The
-/// asynchronous save (checkpoint/async_save.hpp) runs this on its background thread.
+/// asynchronous save (checkpoint/async_save.hpp) runs this on its background thread. Over a tree
+/// (agreed.tree: agree_on_description), the ranks agree on their writes up
+/// and down the tree and send their file's size (and checksums) to rank 0 alone; otherwise they
+/// are all-gathered.
 template <WritableDirectory D, Comm C>
-save_stats write_and_commit(const D& dir, std::span<const flat_view> views, checkpoint_metadata md, C& comm,
+save_stats write_and_commit(const D& dir, std::span<const flat_view> views, agreed_description agreed, C& comm,
                             const save_options& opt, std::chrono::steady_clock::time_point t0) {
   const int rank = comm.rank(), world = comm.world_size();
-  const bool compact = use_compact_form(md, opt.metadata);  // alike on every rank: md is agreed
-  if (opt.checksums) {  // refused before a file is written, alike on every rank, as readers would refuse it
-    std::uint64_t hashes = 0;
-    for (const auto& [key, tm] : md.tensors)
-      for (const auto& [fname, spec] : tm.files) {
-        const std::uint64_t n = tm.is_sharded ? spec.local_numel() : tm.numel();
-        hashes += checksum_block_count((n * bit_size(tm.type) + 7) / 8, opt.checksum_block_bytes);
-        if (!tm.is_sharded) break;  // written by its first file only
-      }
-    if (hashes > max_checksum_hashes)
-      fail(errc::invalid_argument, std::string(dir.name()) + ": " + std::to_string(hashes) + " checksum blocks of " +
-                                       std::to_string(opt.checksum_block_bytes) + " bytes, more than the " +
-                                       std::to_string(max_checksum_hashes) +
-                                       " a checkpoint's tables may hold (docs/FORMAT.md §2): raise "
-                                       "save_options::checksum_block_bytes");
-  }
+  const bool compact = use_compact_form(agreed.entries, opt.metadata);  // alike on every rank: agreed
+  if (opt.checksums && agreed.checksum_hashes > max_checksum_hashes)    // refused before a file is written
+    fail(errc::invalid_argument, std::string(dir.name()) + ": " + std::to_string(agreed.checksum_hashes) +
+                                     " checksum blocks of " + std::to_string(opt.checksum_block_bytes) +
+                                     " bytes, more than the " + std::to_string(max_checksum_hashes) +
+                                     " a checkpoint's tables may hold (docs/FORMAT.md §2): raise "
+                                     "save_options::checksum_block_bytes");
+  checkpoint_metadata& md = agreed.md;
   prepare_directory(dir, opt.overwrite, comm);  // 2
   const auto mine = views_to_write(views, md, rank);
-  auto written = write_rank_files(dir, std::span<const flat_view* const>(mine), comm, opt, compact);  // 3
+  const std::span<const flat_view* const> mine_span(mine);
+  const bool send_sums = opt.checksums && !compact;
 
   save_stats st;
   st.tensors_written = mine.size();
-  st.bytes_written = written[static_cast<std::size_t>(rank)].size;
-  md.extras.writer = "shardsafe " + std::string(library_version);
-  md.extras.world_size = static_cast<std::uint64_t>(world);
-  if (opt.checksums) {
-    md.extras.checksums.emplace();
-    md.extras.checksums->block_bytes = opt.checksum_block_bytes;
-    md.extras.checksums->sidecars = compact;
-  }
-  for (int r = 0; r < world; ++r) {
-    auto& w = written[static_cast<std::size_t>(r)];
-    md.extras.file_sizes[rank_file_name(r)] = w.size;
-    st.total_bytes += w.size;
-    if (opt.checksums && !compact) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
-  }
-  if (compact)
-    for (auto& [key, tm] : md.tensors)
-      if (auto g = detect_grid(tm)) {
-        tm.grid = std::move(g);
-        tm.files.clear();
+  // on rank 0: md completed with every rank's file; returns the bytes of all files
+  auto finish = [&](std::vector<written_rank_file>& written) {
+    std::uint64_t total = 0;
+    md.extras.writer = "shardsafe " + std::string(library_version);
+    md.extras.world_size = static_cast<std::uint64_t>(world);
+    if (opt.checksums) {
+      md.extras.checksums.emplace();
+      md.extras.checksums->block_bytes = opt.checksum_block_bytes;
+      md.extras.checksums->sidecars = compact;
+    }
+    for (int r = 0; r < world; ++r) {
+      auto& w = written[static_cast<std::size_t>(r)];
+      md.extras.file_sizes[rank_file_name(r)] = w.size;
+      total += w.size;
+      if (send_sums) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
+    }
+    if (compact)
+      for (auto& [key, tm] : md.tensors)
+        if (auto g = detect_grid(tm)) {
+          tm.grid = std::move(g);
+          tm.files.clear();
+        }
+    return std::to_string(total);
+  };
+  std::string total;
+  if constexpr (PeerComm<C>)
+    if (agreed.tree) {
+      const std::string fname = rank_file_name(rank);
+      written_rank_file own;
+      {
+        const step_scope step("writing the rank files");
+        every_rank_step(comm, [&] { own = write_own_file(dir, fname, mine_span, opt, compact); });  // 3
       }
-  commit_metadata(dir, md, comm);  // 4
+      st.bytes_written = own.size;
+      if (rank != 0) try {
+          comm.send_bytes(encode_written(own, send_sums), 0);
+        } catch (const error&) {  // rank 0 is gone: hearing from it below fails, naming it
+        }
+      total = commit_metadata(dir, md, comm, [&] {  // 4
+        std::vector<written_rank_file> written;
+        written.push_back(std::move(own));
+        for (int r = 1; r < world; ++r)
+          written.push_back(decode_written(exchange_in_scope([&] { return comm.recv_bytes(r); }), send_sums,
+                                           std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
+        return finish(written);
+      });
+    }
+  if (!agreed.tree) {
+    auto written = write_rank_files(dir, mine_span, comm, opt, compact);  // 3
+    st.bytes_written = written[static_cast<std::size_t>(rank)].size;
+    total = commit_metadata(dir, md, comm, [&] { return finish(written); });  // 4
+  }
+  st.total_bytes = std::stoull(total);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -314,8 +345,8 @@ template <WritableDirectory D, Comm C>
 save_stats save_shardsafe(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt) {
   const step_scope scope("save " + std::string(dir.name()));
   const auto t0 = std::chrono::steady_clock::now();
-  checkpoint_metadata md = agree_on_metadata(views, comm, std::string(dir.name()), bool(opt.fetch));  // 1
-  return write_and_commit(dir, views, std::move(md), comm, opt, t0);                                  // 2-4
+  agreed_description agreed = agree_on_description(views, comm, std::string(dir.name()), opt);  // 1
+  return write_and_commit(dir, views, std::move(agreed), comm, opt, t0);                        // 2-4
 }
 
 }  // namespace detail

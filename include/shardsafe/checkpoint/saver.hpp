@@ -3,7 +3,10 @@
 // The protocol (every step agreed by all ranks, so a failure anywhere is thrown everywhere
 // and nobody is left waiting in a collective):
 //   1. each rank validates its views and describes them (its part of metadata.json);
-//      the descriptions are all-gathered and merged; every rank checks the same things:
+//      the descriptions are merged (over a PeerComm, up the binomial tree of ranks: each rank
+//      merges its children's partial descriptions, rank 0 checks the whole and sends down what
+//      every rank needs, checkpoint/description_tree.hpp; otherwise all-gathered, every rank
+//      merging them all) and checked the same way:
 //      one key has one shape, dtype and sharded-ness on all ranks, the shards of every
 //      sharded tensor together cover it, and no two different shards overlap (identical
 //      shards are replicas: declared in flat_view::replica, one writer and the others copies,
@@ -14,11 +17,12 @@
 //   3. every rank streams rank_R.safetensors (under a temporary name, fsynced, renamed):
 //      its shards (but those it holds as a replica copy: the writer replica writes them), and
 //      each replicated tensor it is the lowest rank to hold;
-//   4. the outcomes are all-gathered; then rank 0 writes metadata.json, last, by rename: the
-//      commit mark. A save killed at any point leaves no directory that loads as complete.
+//   4. the outcomes are agreed (over a PeerComm, up and down the tree, each rank's file size
+//      sent to rank 0 alone; otherwise all-gathered); then rank 0 writes metadata.json, last, by
+//      rename: the commit mark. A save killed at any point leaves no directory that loads as complete.
 // Each step runs under dist/agree.hpp: a failure on any rank is thrown, with its own code,
 // on every rank. shardsafe's layout reads as these four steps (checkpoint/save_agree.hpp's
-// detail::agree_on_metadata, then checkpoint/save_write.hpp's detail::write_and_commit:
+// detail::agree_on_description, then checkpoint/save_write.hpp's detail::write_and_commit:
 // prepare_directory, write_rank_files, commit_metadata); another layout's writer (torch DCP's,
 // checkpoint/dcp_save.hpp) runs the same steps with its own files; an
 // asynchronous save (checkpoint/async_save.hpp) runs step 1 on the caller's thread and the

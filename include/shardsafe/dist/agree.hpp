@@ -266,6 +266,19 @@ void broadcast_over_tree(C& comm, std::string& bytes) {
     }
 }
 
+/// bytes becomes rank 0's bytes on every rank, down the binary tree of runs (run_tree_node):
+/// a rank hears its parent, then tells its two children at most.
+template <PeerComm C>
+void broadcast_over_runs(C& comm, std::string& bytes) {
+  const run_node node = run_tree_node(comm.rank(), comm.world_size());
+  if (node.parent >= 0) bytes = exchange_in_scope([&] { return comm.recv_bytes(node.parent); });
+  for (int k = 1; k >= 0; --k)
+    if (node.children[k] >= 0) try {
+        comm.send_bytes(bytes, node.children[k]);
+      } catch (const error&) {
+      }
+}
+
 /// every_rank_step's agreement on `mine` up and down the tree (dist/tree.hpp).
 template <PeerComm C>
 void agree_over_tree(C& comm, step_outcome mine) {

@@ -10,6 +10,7 @@
 // receives from at most log2(world) children and sends once; down it, the reverse.
 #pragma once
 
+#include <algorithm>
 #include <vector>
 
 namespace shardsafe {
@@ -27,6 +28,42 @@ inline std::vector<int> tree_children(int r, int n) {
   for (long long step = 1; r + step < n && (r == 0 || step < tree_lowbit(r)); step <<= 1)
     out.push_back(static_cast<int>(r + step));
   return out;
+}
+
+/// A rank's place in the binary tree of runs: rank a heads the run [a, b) of ranks; its children
+/// head [a + 1, m) and [m, b), the first ceil((b - a - 1) / 2) ranks after it and the rest (a run
+/// of one rank has none). Every subtree is a consecutive run of ranks led by its root, so a
+/// reduction that combines a rank's value with its children's in order is a left fold over the
+/// ranks, as in the binomial tree; but a rank has at most two children (the binomial tree's rank 0
+/// has log2(world)), so what a rank receives stays the same as the world grows, at depth
+/// ceil(log2(world + 1)) - 1. What the save's partial descriptions go up (checkpoint/save_agree.hpp).
+struct run_node {
+  int parent = -1;  ///< -1 for rank 0
+  int end = 0;      ///< the run this rank heads is [rank, end)
+  int children[2] = {-1, -1};
+  int child_end[2] = {0, 0};  ///< the run each child heads ends there
+};
+
+/// Rank r's node in a world of n (found from the root down: O(log n)).
+inline run_node run_tree_node(int r, int n) {
+  run_node node;
+  int a = 0, b = n;
+  while (true) {
+    const int m = a + 1 + (b - a) / 2;  // a + 1 + ceil((b - a - 1) / 2)
+    if (a == r) {
+      node.end = b;
+      if (a + 1 < b) node.children[0] = a + 1, node.child_end[0] = std::min(m, b);
+      if (m < b) node.children[1] = m, node.child_end[1] = b;
+      return node;
+    }
+    node.parent = a;
+    if (r < m) {
+      a = a + 1;
+      b = std::min(m, b);
+    } else {
+      a = m;
+    }
+  }
 }
 
 }  // namespace detail

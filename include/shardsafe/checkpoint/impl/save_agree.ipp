@@ -92,6 +92,25 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
   return files;
 }
 
+SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> checked_files(const std::string& key,
+                                                                             const tensor_metadata& tm,
+                                                                             const std::vector<int>& ranks,
+                                                                             const std::vector<replica_role>& roles,
+                                                                             std::string_view dir) {
+  std::vector<std::pair<std::string, shard_spec>> files = check_shards(key, tm, ranks, roles, dir);
+  std::vector<shard_spec> specs;
+  specs.reserve(files.size());
+  for (const auto& f : files) specs.push_back(f.second);
+  const shard_spec whole = flat_spec{{0, tm.numel()}};
+  auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
+  if (!missing.empty())
+    fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
+                                     ": no rank holds elements " + to_string(missing.front()) + " (index " +
+                                     multi_index_string(tm.shape, missing.front().begin) +
+                                     "); the shards of all ranks must cover the tensor");
+  return files;
+}
+
 SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoint_metadata>& parts,
                                                       std::string_view dir,
                                                       const std::vector<std::vector<replica_role>>& roles) {
@@ -134,19 +153,83 @@ SHARDSAFE_DECL checkpoint_metadata merge_descriptions(const std::vector<checkpoi
   }
   for (std::size_t t = 0; t < out.tensors.size(); ++t) {
     auto& [key, tm] = out.tensors[t];
-    if (!tm.is_sharded) continue;
-    tm.files = check_shards(key, tm, file_ranks[t], file_roles[t], dir);
-    std::vector<shard_spec> specs;
-    for (const auto& f : tm.files) specs.push_back(f.second);
-    const shard_spec whole = flat_spec{{0, tm.numel()}};
-    auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
-    if (!missing.empty())
-      fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
-                                       ": no rank holds elements " + to_string(missing.front()) + " (index " +
-                                       multi_index_string(tm.shape, missing.front().begin) +
-                                       "); the shards of all ranks must cover the tensor");
+    if (tm.is_sharded) tm.files = checked_files(key, tm, file_ranks[t], file_roles[t], dir);
   }
   return out;
+}
+
+SHARDSAFE_DECL agreed_description finish_partial(const partial_description& p, std::uint64_t world,
+                                                 std::string_view dir, metadata_form form, std::uint64_t block) {
+  if (p.disagrees)
+    fail(errc::invalid_argument, std::string(dir) + ": the ranks disagree on a tensor's shape, dtype or sharded-ness");
+  if (p.first != 0 || p.end != world)
+    fail(errc::comm_error, std::string(dir) + ": the merged description is of ranks [" + std::to_string(p.first) +
+                               ", " + std::to_string(p.end) + "), not of the world");
+  agreed_description a;
+  for (const auto& t : p.tensors)
+    for (const auto& b : t.boxes)
+      if (b.role != replica_role::copy) a.entries += b.count();  // not sharded: its one box of one entry
+  const bool compact = use_compact_form(a.entries, form);
+  a.md.tensors.reserve(p.tensors.size());
+  for (const auto& t : p.tensors) {  // one tensor's entries expanded at a time
+    tensor_metadata tm;
+    tm.shape = t.shape;
+    tm.type = t.type;
+    tm.is_sharded = t.sharded;
+    std::vector<int> ranks;
+    std::vector<replica_role> roles;
+    expand_entries(t, world, dir, tm.files, ranks, roles);
+    if (t.sharded) tm.files = checked_files(t.key, tm, ranks, roles, dir);
+    a.checksum_hashes += checksum_hashes_of(tm, block);
+    if (compact)
+      if (auto g = detect_grid(tm)) {
+        tm.grid = std::move(g);
+        tm.files = decltype(tm.files)();  // its memory too: rank 0 keeps the compact form alone
+      }
+    a.md.tensors.emplace_back(t.key, std::move(tm));
+  }
+  return a;
+}
+
+SHARDSAFE_DECL std::string encode_agreed(const agreed_description& a, const partial_description& p) {
+  message_writer m;
+  m.count(a.entries).count(a.checksum_hashes).count(p.tensors.size());
+  for (std::size_t i = 0; i < p.tensors.size(); ++i) {
+    const partial_tensor& t = p.tensors[i];
+    m.text(t.key).counts(t.shape).count(static_cast<std::uint64_t>(t.type)).flag(t.sharded).count(t.first_rank);
+    if (!t.sharded) encode_shard_spec(m, a.md.tensors[i].second.files.front().second);
+  }
+  return std::move(m).str();
+}
+
+SHARDSAFE_DECL agreed_description decode_agreed(message_reader& m) {
+  agreed_description a;
+  a.whole = false;
+  a.entries = m.count();
+  a.checksum_hashes = m.count();
+  const std::uint64_t n = m.items(min_described_tensor_bytes, "tensors");
+  a.md.tensors.reserve(static_cast<std::size_t>(n));
+  for (std::uint64_t i = 0; i < n; ++i) {
+    std::string key = m.text();
+    const std::string c = "tensor '" + key + "'";
+    tensor_metadata tm;
+    tm.shape = m.counts();
+    if (!checked_numel(tm.shape)) m.malformed(c + ": shape " + to_string(tm.shape) + " has more than 2^64 elements");
+    tm.type = static_cast<dtype>(m.count(all_dtypes.size() - 1, c + "'s dtype"));
+    tm.is_sharded = m.flag(c + "'s is_sharded");
+    const std::uint64_t first = m.count(max_grid_rank, c + "'s writer");
+    if (!tm.is_sharded) {
+      shard_spec spec = decode_shard_spec(m, c + "'s shard spec");
+      try {
+        spec.validate(tm.shape, c);
+      } catch (const error& e) {
+        m.malformed(e.what());
+      }
+      tm.files.emplace_back(rank_file_name(first), std::move(spec));
+    }
+    a.md.tensors.emplace_back(std::move(key), std::move(tm));
+  }
+  return a;
 }
 
 }  // namespace detail

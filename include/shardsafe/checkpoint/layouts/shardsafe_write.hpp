@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -29,17 +30,23 @@ struct shardsafe_layout_writer {
   static save_stats save(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt) {
     return detail::save_shardsafe(dir, views, comm, opt);
   }
-  /// The views of `views` this rank writes, once md is agreed (an asynchronous save snapshots
-  /// these alone).
-  static std::vector<const flat_view*> views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                      int rank) {
-    return detail::views_to_write(views, md, rank);
+  /// Step 1, a collective: over a PeerComm's tree, or all-gathered (detail::agree_on_description).
+  template <Comm C>
+  static detail::agreed_description agree(std::span<const flat_view> views, C& comm, const std::string& dname,
+                                          const save_options& opt) {
+    return detail::agree_on_description(views, comm, dname, opt);
   }
-  /// Steps 2-4 once md is agreed (an asynchronous save runs them in the background).
+  /// The views of `views` this rank writes, once step 1 is agreed (an asynchronous save
+  /// snapshots these alone).
+  static std::vector<const flat_view*> views_to_write(std::span<const flat_view> views,
+                                                      const detail::agreed_description& agreed, int rank) {
+    return detail::views_to_write(views, agreed.md, rank);
+  }
+  /// Steps 2-4 once step 1 is agreed (an asynchronous save runs them in the background).
   template <WritableDirectory D, Comm C>
-  static save_stats write(const D& dir, std::span<const flat_view> views, checkpoint_metadata md, C& comm,
+  static save_stats write(const D& dir, std::span<const flat_view> views, detail::agreed_description agreed, C& comm,
                           const save_options& opt, std::chrono::steady_clock::time_point t0) {
-    return detail::write_and_commit(dir, views, std::move(md), comm, opt, t0);
+    return detail::write_and_commit(dir, views, std::move(agreed), comm, opt, t0);
   }
 };
 

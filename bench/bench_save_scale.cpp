@@ -1,0 +1,245 @@
+// bench_save_scale - what one rank pays to agree on a save as the world grows (issue 56): step 1
+// (every rank's description checked and merged) and the steps after it, over the binomial tree
+// of ranks (a PeerComm) against the all-gather a Comm without peers uses, per rank.
+//
+//   meson compile -C build bench/bench_save_scale && ./build/bench/bench_save_scale [--quick] [--max-world N]
+//
+// Part 1, real saves: worlds of 64 to 4,096 thread ranks (dist/threads.hpp), each rank running
+// the library's whole save (describe, agree, prepare, write its rank file and checksum sidecar to
+// memory, commit) of a fixed model: 32 layers of a Llama-shaped model scaled down (291 tensors,
+// hidden 128), every tensor flattened and split over all ranks as FSDP does (torch.chunk's pieces:
+// at 4,096 ranks most are empty), metadata.json compact. Counted per rank (dist/counted.hpp):
+//   in KiB / out KiB   bytes received / sent, all steps (max over ranks but 0, and rank 0)
+//   msgs               messages sent and received (max over ranks but 0; rank 0 also hears
+//                      every rank's file size)
+//   largest KiB        the longest message a rank received (what it holds at once to merge)
+//   wall s             the whole save, every rank (2 cores run all the threads)
+// (A rank's memory is measured in part 2, where one thread runs one rank at a time.)
+// The all-gather (the same save through counted_comm<thread_comm, false>) runs to 256 ranks (--quick:
+// 64): past
+// that every rank receives every rank's description (W x W copies in one process); its per-rank
+// bytes are then W times one description, printed as computed.
+//
+// Part 2, the tree's agreement to 16,384 ranks, simulated in one process from the same code: the
+// 70B model of bench_scale (723 tensors) split as FSDP does, each rank's partial description made
+// (partial_of's boxes), encoded, decoded and merged by its parent in the binary tree of runs
+// (dist/tree.hpp), rank 0's finish_partial (the checks and the compact metadata). Per world:
+//   largest KiB   the longest partial any rank sends up
+//   most in KiB   the most partial bytes one rank receives (two children at most)
+//   merge ms      the longest time one rank spends decoding and merging its children's
+//   held KiB      the most heap one rank holds for it: its partial made and its children's
+//                 decoded and merged, plus their messages (mallinfo2, one rank at a time)
+//   root s        rank 0's finish_partial: every tensor expanded once, checked, its grid found
+//   root MiB      heap rank 0 holds after it (the compact metadata)
+//   all-gather    what every rank would receive instead: W descriptions (MiB)
+// --max-world stops the doubling early (default 16384, --quick 256; part 1 stops at 4096).
+#include "bench_common.hpp"
+#include "bench_llama.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/counted.hpp"
+#include "shardsafe/dist/threads.hpp"
+#include "shardsafe/storage/memory.hpp"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+using namespace shardsafe;
+using u64 = std::uint64_t;
+
+namespace {
+
+using bench::even_part;
+using bench::llama;
+using bench::model_tensor;
+
+struct per_rank {
+  u64 in = 0, out = 0, msgs = 0, largest = 0;
+};
+
+/// One save of the model by `world` thread ranks; the counts of each rank.
+std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int world, bool tree, double& wall) {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir(store, "mem:ckpt");
+  save_options opt;
+  opt.metadata = metadata_form::compact;
+  std::vector<per_rank> out(static_cast<std::size_t>(world));
+  const double t0 = bench::now_s();
+  const auto thrown = run_ranks(
+      world,
+      [&](thread_comm& tc) {
+        const u64 r = static_cast<u64>(tc.rank()), w = static_cast<u64>(world);
+        std::vector<std::vector<std::uint16_t>> data;
+        std::vector<flat_view> views;
+        data.reserve(model.size());
+        for (const auto& t : model) {
+          const auto [b, e] = even_part(numel(t.shape), w, r);
+          data.emplace_back(static_cast<std::size_t>(e - b), static_cast<std::uint16_t>(r));
+          views.push_back({t.name, dtype::BF16, t.shape, flat_spec{{b, e}},
+                           reinterpret_cast<std::byte*>(data.back().data()), (e - b) * 2});
+        }
+        auto run = [&](auto& c) {
+          save(dir, std::span<const flat_view>(views), c, opt);
+          out[r] = {c.bytes_in, c.bytes_out, c.messages, c.largest_in};
+        };
+        if (tree) {
+          counted_comm<thread_comm, true> c(tc);
+          run(c);
+        } else {
+          counted_comm<thread_comm, false> c(tc);
+          run(c);
+        }
+      },
+      std::chrono::minutes(10));
+  wall = bench::now_s() - t0;
+  for (const auto& e : thrown)
+    if (e) std::rethrow_exception(e);
+  return out;
+}
+
+std::string kib(double bytes) { return bench::fmt("%.1f", bytes / 1024.0); }
+
+void part1(u64 max_world, u64 max_gather) {
+  const auto model = llama(32, 128, 344, 32, 1024);
+  std::printf("part 1: real saves by thread ranks, %zu tensors split over every rank (FSDP), compact\n\n",
+              model.size());
+  bench::table t({"world", "comm", "in KiB", "rank 0 in KiB", "out KiB", "msgs", "largest KiB", "wall s"});
+  u64 description = 0;  // one rank's all-gathered message at the last world the all-gather ran
+  for (u64 w = 64; w <= std::min<u64>(max_world, 4096); w *= 4) {
+    for (const bool tree : {true, false}) {
+      if (!tree && w > max_gather) {
+        t.add({std::to_string(w), "all-gather", kib(double(description) * double(w)) + " (computed)", "", "", "", "",
+               "not run"});
+        continue;
+      }
+      double wall = 0;
+      const auto c = real_save(model, static_cast<int>(w), tree, wall);
+      per_rank most;
+      for (std::size_t r = 1; r < c.size(); ++r) {
+        most.in = std::max(most.in, c[r].in);
+        most.out = std::max(most.out, c[r].out);
+        most.msgs = std::max(most.msgs, c[r].msgs);
+        most.largest = std::max(most.largest, c[r].largest);
+      }
+      if (!tree) description = most.largest;
+      t.add({std::to_string(w), tree ? "tree" : "all-gather", kib(double(most.in)), kib(double(c[0].in)),
+             kib(double(most.out)), std::to_string(most.msgs), kib(double(most.largest)), bench::fmt("%.2f", wall),
+             bench::fmt("%.0f", bench::hwm_mib())});
+    }
+    std::fflush(stdout);
+  }
+  t.print();
+  std::printf("\n");
+}
+
+/// Rank r's partial of the 70B model split over w ranks (FSDP).
+detail::partial_description partial_of_rank(const std::vector<model_tensor>& model, u64 w, u64 r) {
+  detail::partial_description p;
+  p.first = r;
+  p.end = r + 1;
+  for (const auto& t : model) {
+    const auto [b, e] = even_part(numel(t.shape), w, r);
+    p.add(t.name, t.shape, dtype::BF16, true, r, shard_spec(flat_spec{{b, e}}), replica_role::none);
+  }
+  return p;
+}
+
+std::string encoded(const detail::partial_description& p) {
+  message_writer m;
+  detail::encode_partial(m, p);
+  return std::move(m).str();
+}
+
+void part2(u64 max_world) {
+  const auto model = llama(80, 8192, 28672, 1024, 128256);
+  std::printf("part 2: the tree's agreement simulated to %llu ranks, the 70B model (%zu tensors, FSDP)\n\n",
+              static_cast<unsigned long long>(max_world), model.size());
+  bench::table t(
+      {"world", "largest KiB", "most in KiB", "merge ms", "held KiB", "root s", "root MiB", "all-gather MiB"});
+  for (u64 w = 64; w <= max_world; w *= 4) {
+    // ranks from the last to the first: each merges its children's partials (made before it),
+    // which are then dropped; a partial lives until its parent is done
+    std::vector<std::string> sent(static_cast<std::size_t>(w));
+    u64 largest = 0, most_in = 0, held = 0;
+    double merge_s = 0;
+    detail::partial_description root;
+    for (u64 r = w; r-- > 0;) {
+      const std::size_t before = mallinfo2().uordblks;
+      std::size_t most = 0;
+      detail::partial_description p = partial_of_rank(model, w, r);
+      const double t0 = bench::now_s();
+      u64 in = 0;
+      const detail::run_node node = detail::run_tree_node(static_cast<int>(r), static_cast<int>(w));
+      for (int k = 0; k < 2; ++k) {
+        const int child = node.children[k];
+        if (child < 0) continue;
+        std::string& bytes = sent[static_cast<std::size_t>(child)];
+        in += bytes.size();
+        message_reader m(bytes, "rank " + std::to_string(child));
+        p.merge(detail::decode_partial(m, static_cast<u64>(child), static_cast<u64>(node.child_end[k])));
+        m.finish();
+        most = std::max(most, mallinfo2().uordblks - before);
+        std::string().swap(bytes);
+      }
+      merge_s = std::max(merge_s, bench::now_s() - t0);
+      most_in = std::max(most_in, in);
+      held = std::max<u64>(held, std::max(most, mallinfo2().uordblks - before) + in);
+      if (r == 0) {
+        root = std::move(p);
+      } else {
+        sent[static_cast<std::size_t>(r)] = encoded(p);
+        largest = std::max<u64>(largest, sent[static_cast<std::size_t>(r)].size());
+      }
+    }
+    malloc_trim(0);
+    const std::size_t heap0 = mallinfo2().uordblks;
+    const double t0 = bench::now_s();
+    const detail::agreed_description agreed = detail::finish_partial(root, w, "bench", metadata_form::compact, 0);
+    const double root_s = bench::now_s() - t0;
+    malloc_trim(0);  // freed small blocks back together: what stays is what rank 0 holds
+    const double root_mib = double(mallinfo2().uordblks - heap0) / double(bench::MiB);
+    u64 grids = 0;
+    for (const auto& [k, tm] : agreed.md.tensors) grids += tm.grid ? 1 : 0;
+    if (grids != model.size())
+      std::printf("  (world %llu: %llu grids of %zu)\n", (unsigned long long)w, (unsigned long long)grids,
+                  model.size());
+    // the all-gather: every rank receives every rank's description (about rank 0's size each)
+    message_writer one;
+    detail::encode_description(one, [&] {
+      checkpoint_metadata md;
+      for (const auto& tt : model) {
+        tensor_metadata tm;
+        tm.shape = tt.shape;
+        tm.type = dtype::BF16;
+        tm.is_sharded = true;
+        const auto [b, e] = even_part(numel(tt.shape), w, w / 2);
+        tm.files.emplace_back(rank_file_name(w / 2), shard_spec(flat_spec{{b, e}}));
+        md.tensors.emplace_back(tt.name, std::move(tm));
+      }
+      return md;
+    }());
+    const double gather_mib = double(one.str().size()) * double(w) / double(bench::MiB);
+    t.add({std::to_string(w), kib(double(largest)), kib(double(most_in)), bench::fmt("%.1f", merge_s * 1e3),
+           kib(double(held)), bench::fmt("%.2f", root_s), bench::fmt("%.1f", root_mib),
+           bench::fmt("%.1f", gather_mib)});
+    std::fflush(stdout);
+  }
+  t.print();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::args a(argc, argv);
+  bench::accept_only(a, "What one rank pays to agree on a save as the world grows: the tree against the all-gather.",
+                     {{"--quick", nullptr, "worlds 64 and 256 (a smoke run)"},
+                      {"--max-world", "N", "the largest world (default 16384; real saves stop at 4096)"}});
+  const u64 max_world = static_cast<u64>(a.get_int("--max-world", a.has("--quick") ? 256 : 16384));
+  part1(max_world, a.has("--quick") ? 64 : 256);
+  part2(max_world);
+}

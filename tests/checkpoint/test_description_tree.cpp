@@ -1,0 +1,480 @@
+// A save's description agreed up the binomial tree of ranks (checkpoint/description_tree.hpp,
+// issue 56): boxes expand to exactly the entries appended, a grid's run of ranks is a few boxes
+// whatever its length, a save over the tree writes the bytes the all-gather writes (listed,
+// compact and automatic forms, checksums in metadata.json or in sidecars), errors are the
+// all-gather's words, and the bytes a rank receives grow with log world, not with the world.
+#include "shardsafe/checkpoint/description_tree.hpp"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/storage/memory.hpp"
+#include "support/thread_world.hpp"
+
+using namespace shardsafe;
+using testing::counting_comm;
+
+namespace {
+
+using entry = std::pair<std::uint64_t, shard_spec>;
+
+std::vector<entry> expanded(const std::vector<detail::entry_box>& boxes) {
+  std::vector<entry> out;
+  for (const auto& b : boxes) b.for_each([&](std::uint64_t r, const shard_spec& s) { out.emplace_back(r, s); });
+  return out;
+}
+
+/// A random valid grid of a random shape: 1 to 3 dimensions, uneven cuts, rank strides of a
+/// row-major sub-mesh with a base.
+std::pair<shard_grid, shape_t> random_grid(std::mt19937_64& rng) {
+  auto pick = [&](std::uint64_t lo, std::uint64_t hi) {
+    return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
+  };
+  shard_grid g;
+  g.flat = pick(0, 2) == 0;
+  shape_t full;
+  const std::size_t nd = static_cast<std::size_t>(pick(1, 3));
+  for (std::size_t d = 0; d < nd; ++d) full.push_back(pick(1, 14));
+  const shape_t dims = detail::grid_dims(g, full);
+  for (std::uint64_t n : dims) {
+    const std::uint64_t parts = pick(1, 5);
+    g.parts.push_back(parts);
+    g.chunks.push_back(std::max<std::uint64_t>(1, (n + parts - 1) / parts + (pick(0, 3) == 0 ? pick(0, 2) : 0)));
+  }
+  // strides: a row-major sub-mesh in a random order of the dimensions, with a gap factor
+  std::vector<std::size_t> order(dims.size());
+  for (std::size_t d = 0; d < order.size(); ++d) order[d] = d;
+  std::shuffle(order.begin(), order.end(), rng);
+  std::uint64_t step = pick(1, 2);
+  g.strides.assign(dims.size(), 0);
+  for (std::size_t d : order) {
+    if (g.parts[d] == 1) continue;
+    g.strides[d] = step;
+    step *= g.parts[d] * pick(1, 2);
+  }
+  g.base = pick(0, 3);
+  return {g, full};
+}
+
+}  // namespace
+
+TEST_CASE("the binary tree of runs: every rank heads a run, its two children the rest of it, depth log2 world") {
+  for (int n = 1; n <= 700; ++n) {
+    CAPTURE(n);
+    std::vector<int> parent(static_cast<std::size_t>(n), -2);
+    int depth = 0;
+    for (int r = 0; r < n; ++r) {
+      const detail::run_node node = detail::run_tree_node(r, n);
+      int at = r + 1;  // the children's runs follow the rank, one after the other, to its run's end
+      for (int k = 0; k < 2; ++k) {
+        const int c = node.children[k];
+        if (c < 0) continue;
+        REQUIRE(c == at);
+        const detail::run_node child = detail::run_tree_node(c, n);
+        CHECK(child.parent == r);
+        CHECK(child.end == node.child_end[k]);
+        parent[static_cast<std::size_t>(c)] = r;
+        at = node.child_end[k];
+      }
+      CHECK(at == node.end);
+    }
+    CHECK(detail::run_tree_node(0, n).end == n);
+    for (int r = 1; r < n; ++r) {
+      int d = 0;
+      for (int x = r; x != 0; x = parent[static_cast<std::size_t>(x)]) {
+        REQUIRE(parent[static_cast<std::size_t>(x)] >= 0);
+        ++d;
+      }
+      depth = std::max(depth, d);
+    }
+    int lg = 0;
+    while ((1 << lg) < n + 1) ++lg;
+    CHECK(depth == lg - 1);  // ceil(log2(n + 1)) - 1
+  }
+}
+
+TEST_CASE("entry boxes: every run of a grid's parts expands to exactly its entries, in a few boxes") {
+  std::mt19937_64 rng(56);
+  std::uint64_t grids = 0, most_boxes = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    auto [g, full] = random_grid(rng);
+    try {
+      validate(g, full, "random");
+    } catch (const error&) {
+      continue;
+    }
+    ++grids;
+    const std::vector<entry> parts = expand(g, full);
+    CAPTURE(to_string(full));
+    // appended one by one
+    std::vector<detail::entry_box> one;
+    for (const auto& [r, s] : parts) detail::append_box(one, detail::entry_box::of(r, replica_role::none, s));
+    REQUIRE(expanded(one) == parts);
+    // merged as the tree merges: runs of consecutive parts, built alone, then appended in order
+    std::vector<detail::entry_box> merged;
+    for (std::size_t at = 0; at < parts.size();) {
+      const std::size_t len = std::uniform_int_distribution<std::size_t>(1, parts.size() - at)(rng);
+      std::vector<detail::entry_box> run;
+      for (std::size_t i = at; i < at + len; ++i)
+        detail::append_box(run, detail::entry_box::of(parts[i].first, replica_role::none, parts[i].second));
+      for (auto& b : run) detail::append_box(merged, std::move(b));
+      at += len;
+    }
+    REQUIRE(expanded(merged) == parts);
+    // a grid cut evenly along every dimension but its slowest is a few boxes: its short and
+    // empty pieces, one box each per cut dimension
+    bool even_inner = true;
+    const auto rank_order = detail::grid_rank_order(g);
+    const shape_t dims = detail::grid_dims(g, full);
+    for (std::size_t k = 1; k < rank_order.size(); ++k) {
+      const std::size_t d = rank_order[k];
+      if (g.chunks[d] * g.parts[d] != dims[d]) even_inner = false;
+    }
+    if (even_inner) {
+      CHECK(one.size() <= 3);
+      CHECK(merged.size() <= 3);
+      most_boxes = std::max<std::uint64_t>(most_boxes, merged.size());
+    }
+  }
+  CHECK(grids > 1000);
+  CHECK(most_boxes >= 2);  // the short and empty pieces were met
+
+  // a multi-range flat spec stays one entry of its own, between boxes it does not join
+  std::vector<detail::entry_box> mixed;
+  const std::vector<entry> want = {{0, flat_spec{{0, 4}}},
+                                   {1, flat_spec{{4, 8}}},
+                                   {2, flat_spec{{8, 9}, {10, 12}}},
+                                   {3, flat_spec{{12, 16}}},
+                                   {4, flat_spec{{16, 20}}}};
+  for (const auto& [r, s] : want) detail::append_box(mixed, detail::entry_box::of(r, replica_role::none, s));
+  CHECK(expanded(mixed) == want);
+  CHECK(mixed.size() == 3);
+}
+
+TEST_CASE("partial descriptions: merged in rank order and sent as messages, they say what the ranks said") {
+  // 64 ranks of FSDP's flat split of a tensor of 1,000 elements (a short piece and empty ones),
+  // HSDP's replicas (writers then copies) and a tensor every rank holds unsharded
+  constexpr std::uint64_t world = 64;
+  auto part_of = [&](std::uint64_t r) {
+    detail::partial_description p;
+    p.first = r;
+    p.end = r + 1;
+    auto add = [&](std::string key, shape_t shape, bool sharded, shard_spec s, replica_role role) {
+      p.add(std::move(key), std::move(shape), dtype::BF16, sharded, r, s, role);
+    };
+    const std::uint64_t c = 16;  // ceil(1000 / 64)
+    add("fsdp", {1000}, true,
+        flat_spec{{std::min<std::uint64_t>(1000, c * r), std::min<std::uint64_t>(1000, c * r + c)}},
+        replica_role::none);
+    const std::uint64_t shard = r % 8;
+    add("hsdp", {8, 4}, true, block_spec({1, 4}, {shard, 0}), r < 8 ? replica_role::writer : replica_role::copy);
+    add("bias", {4}, false, flat_spec{{0, 4}}, replica_role::none);
+    return p;
+  };
+  // up the binary tree of runs: each rank merges its children's partials after its own
+  std::vector<detail::partial_description> at(world);
+  std::uint64_t biggest = 0;
+  for (std::uint64_t r = world; r-- > 0;) {
+    at[r] = part_of(r);
+    const detail::run_node node = detail::run_tree_node(static_cast<int>(r), static_cast<int>(world));
+    for (int k = 0; k < 2; ++k) {
+      const int child = node.children[k];
+      if (child < 0) continue;
+      message_writer m;
+      detail::encode_partial(m, at[static_cast<std::size_t>(child)]);
+      const std::string bytes = std::move(m).str();
+      biggest = std::max<std::uint64_t>(biggest, bytes.size());
+      message_reader rd(bytes, "rank " + std::to_string(child));
+      at[r].merge(
+          detail::decode_partial(rd, static_cast<std::uint64_t>(child), static_cast<std::uint64_t>(node.child_end[k])));
+      rd.finish();
+    }
+  }
+  const auto& root = at[0];
+  CHECK_FALSE(root.disagrees);
+  REQUIRE(root.tensors.size() == 3);
+  CHECK(root.tensors[0].boxes.size() == 3);  // full pieces, the short one, the empty ones
+  CHECK(root.tensors[1].boxes.size() == 2);  // the writers, the copies
+  CHECK(root.tensors[2].boxes.size() == 1);  // the lowest holder
+  CHECK(biggest < 1000);                     // a partial of 32 ranks: a few hundred bytes
+  for (std::size_t t = 0; t < 2; ++t) {
+    std::vector<std::pair<std::string, shard_spec>> files;
+    std::vector<int> ranks;
+    std::vector<replica_role> roles;
+    detail::expand_entries(root.tensors[t], world, "ckpt", files, ranks, roles);
+    REQUIRE(files.size() == world);
+    for (std::uint64_t r = 0; r < world; ++r) {
+      CHECK(ranks[r] == static_cast<int>(r));
+      std::vector<entry> one = expanded(part_of(r).tensors[t].boxes);
+      CHECK(one.front().second == files[r].second);
+      CHECK(roles[r] == part_of(r).tensors[t].boxes[0].role);
+    }
+  }
+  // a rank that disagrees on a shape is kept apart, to be named by the all-gather path
+  auto odd = part_of(5);
+  odd.tensors[0].shape = {999};
+  at[4].merge(std::move(odd));
+  CHECK(at[4].disagrees);
+  // a partial that claims more entries than its ranks, or other ranks, is malformed
+  message_writer m;
+  detail::encode_partial(m, at[2]);  // ranks [2, 18)
+  const std::string bytes = std::move(m).str();
+  message_reader wrong(bytes, "rank 2");
+  CHECK_THROWS_WITH_AS(detail::decode_partial(wrong, 2, 3), doctest::Contains("rank 2"), error);
+}
+
+namespace {
+
+/// One rank's views of a model mixing every kind of entry: FSDP flat pieces (short and empty
+/// ones), a 2-D block grid (uneven columns), HSDP replicas with roles, an unsharded tensor, a
+/// tensor every rank holds whole without roles, multi-range flat pieces on ranks 0 and 1, and a
+/// tensor only the last rank holds.
+struct model_rank {
+  std::vector<std::vector<std::byte>> data;
+  std::vector<flat_view> views;
+  model_rank(int rank, int world) {
+    const auto r = static_cast<std::uint64_t>(rank), w = static_cast<std::uint64_t>(world);
+    auto add = [&](std::string key, shape_t full, std::optional<shard_spec> spec,
+                   replica_role role = replica_role::none) {
+      const std::uint64_t n = spec ? spec->local_numel() : numel(full);
+      data.emplace_back(static_cast<std::size_t>(n * 4));
+      for (std::size_t i = 0; i < data.back().size(); ++i)
+        data.back()[i] = static_cast<std::byte>((i * 31 + r * 7 + key.size()) & 0xff);
+      views.push_back({std::move(key), dtype::F32, std::move(full), std::move(spec), data.back().data(), n * 4, role});
+    };
+    for (std::uint64_t t = 0; t < 3; ++t) {  // FSDP: 37, 38 and 39 elements over the world
+      const std::uint64_t n = 37 + t, c = (n + w - 1) / w;
+      add("fsdp." + std::to_string(t), {n}, flat_spec{{std::min(n, c * r), std::min(n, c * r + c)}});
+    }
+    if (world % 2 == 0) {  // rows in 2, columns in world / 2: rank = row * (world / 2) + column
+      const std::uint64_t cols = w / 2, i = r / cols, j = r % cols, cc = (13 + cols - 1) / cols;
+      const std::uint64_t c0 = std::min<std::uint64_t>(13, cc * j), c1 = std::min<std::uint64_t>(13, cc * j + cc);
+      add("grid", {6, 13}, block_spec({3, c1 - c0}, {3 * i, c0}));
+      const std::uint64_t half = w / 2, s = r % half;  // 3 elements a shard: no two empty writers
+      add("hsdp", {3 * half}, flat_spec{{3 * s, 3 * s + 3}}, r < half ? replica_role::writer : replica_role::copy);
+    }
+    add("bias", {5}, std::nullopt);
+    add("everywhere", {4}, flat_spec{{0, 4}});
+    if (rank == 0) add("multi", {10}, flat_spec{{0, 3}, {5, 7}});
+    if (rank == 1) add("multi", {10}, flat_spec{{3, 5}, {7, 10}});
+    if (rank == world - 1) add("late", {2}, std::nullopt);
+  }
+};
+
+/// What a save in a world of thread ranks wrote, and what each rank received.
+struct saved_model {
+  std::map<std::string, std::string> objects;
+  std::vector<std::uint64_t> bytes_in, largest_in, messages;
+};
+
+/// Saves the model in a world of `world` thread ranks, over the tree (peer) or the all-gather.
+saved_model save_model(int world, bool peer, const save_options& opt) {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir(store, "mem:ckpt");
+  saved_model out;
+  out.bytes_in.resize(static_cast<std::size_t>(world));
+  out.largest_in.resize(static_cast<std::size_t>(world));
+  out.messages.resize(static_cast<std::size_t>(world));
+  const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
+    model_rank m(tc.rank(), world);
+    auto go = [&](auto& comm) {
+      save(dir, std::span<const flat_view>(m.views), comm, opt);
+      const auto r = static_cast<std::size_t>(tc.rank());
+      out.bytes_in[r] = comm.bytes_in;
+      out.largest_in[r] = comm.largest_in;
+      out.messages[r] = comm.messages;
+    };
+    if (peer) {
+      counting_comm<true> c{tc};
+      go(c);
+    } else {
+      counting_comm<false> c{tc};
+      go(c);
+    }
+  });
+  for (const auto& e : thrown) REQUIRE(testing::error_message_of(e) == "");
+  for (const auto& [name, buf] : store->objects)
+    out.objects.emplace(name, std::string(reinterpret_cast<const char*>(buf->data()), buf->size()));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a save over the tree writes the bytes the all-gather writes") {
+  for (const int world : {2, 3, 8, 13, 16}) {
+    for (const metadata_form form : {metadata_form::listed, metadata_form::compact, metadata_form::automatic})
+      for (const bool checksums : {false, true}) {
+        CAPTURE(world);
+        CAPTURE(static_cast<int>(form));
+        CAPTURE(checksums);
+        save_options opt;
+        opt.metadata = form;
+        opt.checksums = checksums;
+        opt.checksum_block_bytes = 64;
+        const auto tree = save_model(world, true, opt).objects;
+        const auto flat = save_model(world, false, opt).objects;
+        REQUIRE(tree.size() == flat.size());
+        CHECK(tree.count("mem:ckpt/metadata.json") == 1);
+        for (const auto& [name, bytes] : flat) {
+          CAPTURE(name);
+          REQUIRE(tree.count(name) == 1);
+          CHECK(tree.at(name) == bytes);
+        }
+        if (form == metadata_form::compact) {  // the grids were found
+          const std::string md = tree.at("mem:ckpt/metadata.json");
+          CHECK(md.find("shardsafe_grid") != std::string::npos);
+        }
+      }
+  }
+}
+
+namespace {
+
+/// What each rank of a world of thread ranks threw saving the model changed by `change`.
+std::vector<std::string> save_errors(int world, bool peer, const std::function<void(int, model_rank&)>& change) {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir(store, "mem:ckpt");
+  const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
+    model_rank m(tc.rank(), world);
+    change(tc.rank(), m);
+    if (peer) {
+      counting_comm<true> c{tc};
+      save(dir, std::span<const flat_view>(m.views), c);
+    } else {
+      counting_comm<false> c{tc};
+      save(dir, std::span<const flat_view>(m.views), c);
+    }
+  });
+  std::vector<std::string> out;
+  for (const auto& e : thrown)
+    out.push_back(testing::error_message_of(e) + " [" + testing::error_code_of(e).message() + "]");
+  return out;
+}
+
+flat_view* view_named(model_rank& m, std::string_view key) {
+  for (auto& v : m.views)
+    if (v.key == key) return &v;
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("a save over the tree fails on every rank with the all-gather's words") {
+  constexpr int world = 8;
+  const std::vector<std::pair<std::string, std::function<void(int, model_rank&)>>> cases = {
+      {"rank 5 saves another shape",
+       [](int r, model_rank& m) {
+         if (r == 5) view_named(m, "everywhere")->full_shape = {8};
+       }},
+      {"rank 6 saves another dtype",
+       [](int r, model_rank& m) {
+         if (r == 6) view_named(m, "everywhere")->type = dtype::I32;
+       }},
+      {"rank 3's piece moved by one",
+       [](int r, model_rank& m) {
+         if (r == 3) view_named(m, "fsdp.1")->spec = flat_spec{{16, 21}};
+       }},
+      {"nobody holds the last piece",
+       [](int r, model_rank& m) {
+         if (r == 7) m.views.erase(m.views.begin() + 2);  // fsdp.2
+       }},
+      {"two writers of one replica",
+       [](int r, model_rank& m) {
+         if (r == 4) view_named(m, "hsdp")->replica = replica_role::writer;
+       }},
+      {"a copy without its writer",
+       [](int r, model_rank& m) {
+         if (r == 1) view_named(m, "hsdp")->replica = replica_role::copy;
+       }},
+      {"rank 2 gives a tensor twice",
+       [](int r, model_rank& m) {
+         if (r == 2) m.views.push_back(m.views.front());
+       }},
+  };
+  for (const auto& [what, change] : cases) {
+    CAPTURE(what);
+    const auto tree = save_errors(world, true, change);
+    const auto flat = save_errors(world, false, change);
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      CHECK(tree[r] == flat[r]);
+      CHECK(tree[r] == tree[0]);
+      CHECK(tree[r].size() > 30);  // an error, not success
+    }
+  }
+}
+
+TEST_CASE("a save over the tree: what a rank receives grows with log world, the all-gather's with the world") {
+  save_options opt;
+  opt.metadata = metadata_form::compact;  // checksums in sidecars: rank 0 gathers sizes alone
+  std::map<int, std::uint64_t> most_tree, most_flat, largest;
+  for (const int world : {16, 64, 256}) {
+    CAPTURE(world);
+    const saved_model tree = save_model(world, true, opt), flat = save_model(world, false, opt);
+    std::uint64_t mt = 0, mf = 0, big = 0;
+    for (int r = 1; r < world; ++r) {  // rank 0 also hears every rank's file size: what metadata.json lists
+      const auto i = static_cast<std::size_t>(r);
+      mt = std::max(mt, tree.bytes_in[i]);
+      mf = std::max(mf, flat.bytes_in[i]);
+      big = std::max(big, tree.largest_in[i]);
+      // sent and received: up from each child and to the parent, down from the parent and to each
+      // child, over the binomial tree for the steps' outcomes (the plan's check, the folder, the
+      // files' check, the commit) and over the binary tree of runs for the partials and the
+      // agreement; and its file's size to rank 0
+      const detail::run_node node = detail::run_tree_node(r, world);
+      const std::uint64_t runs = (node.children[0] >= 0 ? 1 : 0) + (node.children[1] >= 0 ? 1 : 0);
+      CHECK(tree.messages[i] == 6 * (detail::tree_children(r, world).size() + 1) + 2 * (runs + 1) + 1);
+    }
+    most_tree[world] = mt;
+    most_flat[world] = mf;
+    largest[world] = std::max(big, tree.largest_in[0]);
+    MESSAGE("world " << world << ": most bytes a rank but 0 receives: tree " << mt << " (largest message "
+                     << largest[world] << "), all-gather " << mf << "; rank 0: tree " << tree.bytes_in[0]);
+    // rank 0: one more child than any other, and world - 1 file sizes (a few bytes each)
+    CHECK(tree.bytes_in[0] <= 2 * mt + static_cast<std::uint64_t>(world) * 64);
+  }
+  // no message grows with the world (a partial of any run of ranks is a few boxes a tensor), and
+  // a rank hears three of them at most (two children's partials, the agreement): flat
+  CHECK(largest[256] * 4 <= largest[16] * 5);
+  CHECK(most_tree[256] <= 4 * largest[16]);
+  CHECK(most_tree[256] * 4 <= most_tree[16] * 5);
+  // the all-gather hands every rank every rank's description
+  CHECK(most_flat[256] >= 12 * most_flat[16]);
+  CHECK(most_tree[256] * 20 < most_flat[256]);
+}
+
+TEST_CASE("a save over the tree: a rank that never comes is named by every other rank") {
+  constexpr int world = 8;
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir(store, "mem:ckpt");
+  const auto thrown = testing::run_ranks(
+      world,
+      [&](testing::thread_comm& tc) {
+        if (tc.rank() == 5) return;  // never comes to the save
+        model_rank m(tc.rank(), world);
+        save(dir, std::span<const flat_view>(m.views), tc);
+      },
+      std::chrono::milliseconds(1500));
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    const std::string what = testing::error_message_of(thrown[static_cast<std::size_t>(r)]);
+    if (r == 5) {
+      CHECK(what.empty());
+      continue;
+    }
+    CHECK(testing::error_code_of(thrown[static_cast<std::size_t>(r)]) == errc::comm_error);
+    CHECK(what.find("save mem:ckpt: agreeing on the metadata") != std::string::npos);
+    CHECK(what.find("rank(s) 5 in no call of the world") != std::string::npos);
+  }
+  CHECK(store->objects.count("mem:ckpt/metadata.json") == 0);
+}
