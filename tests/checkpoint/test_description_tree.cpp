@@ -231,6 +231,26 @@ TEST_CASE("partial descriptions: merged in rank order and sent as messages, they
   const std::string bytes = std::move(m).str();
   message_reader wrong(bytes, "rank 2");
   CHECK_THROWS_WITH_AS(detail::decode_partial(wrong, 2, 3), doctest::Contains("rank 2"), error);
+  // entries of ranks outside the run, or a first holder that is not the first entry, are refused
+  auto refused = [&](detail::partial_description p, std::uint64_t first, std::uint64_t end, std::string why) {
+    message_writer w;
+    detail::encode_partial(w, p);
+    const std::string b = std::move(w).str();
+    message_reader rd(b, "rank " + std::to_string(first));
+    CHECK_THROWS_WITH_AS(detail::decode_partial(rd, first, end), doctest::Contains(why.c_str()), error);
+  };
+  auto stray = part_of(5);
+  stray.tensors[0].boxes[0].start[0] = 7;
+  refused(stray, 5, 6, "outside [5, 6)");
+  auto late = part_of(5);
+  late.tensors[2].first_rank = 5;
+  late.tensors[2].boxes[0].start[0] = 5;
+  late.tensors[1].boxes[0].start[0] = 4;
+  refused(late, 5, 6, "outside");
+  auto named = part_of(9);
+  named.first = 8;
+  named.tensors[0].first_rank = 8;
+  refused(named, 8, 10, "is not its first entry");
 }
 
 namespace {
@@ -477,4 +497,20 @@ TEST_CASE("a save over the tree: a rank that never comes is named by every other
     CHECK(what.find("rank(s) 5 in no call of the world") != std::string::npos);
   }
   CHECK(store->objects.count("mem:ckpt/metadata.json") == 0);
+}
+
+TEST_CASE("a save with checksums in blocks of 0 bytes is refused on every rank, before anything is written") {
+  auto store = std::make_shared<memory_store>();
+  const memory_directory dir(store, "mem:ckpt");
+  save_options opt;
+  opt.checksum_block_bytes = 0;
+  const auto thrown = testing::run_ranks(4, [&](testing::thread_comm& tc) {
+    model_rank m(tc.rank(), 4);
+    save(dir, std::span<const flat_view>(m.views), tc, opt);
+  });
+  for (const auto& e : thrown) {
+    CHECK(testing::error_code_of(e) == errc::invalid_argument);
+    CHECK(testing::error_message_of(e).find("mem:ckpt: save_options::checksum_block_bytes is 0") != std::string::npos);
+  }
+  CHECK(store->objects.empty());
 }

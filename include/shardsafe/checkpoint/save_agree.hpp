@@ -183,8 +183,8 @@ SHARDSAFE_DECL agreed_description decode_agreed(message_reader& m);
 /// checks fail, every rank runs the all-gather agreement instead, which throws the error
 /// merge_descriptions gives (the same words as without a tree).
 template <PeerComm C>
-agreed_description agree_over_tree(std::span<const flat_view> views, C& comm, const std::string& dname,
-                                   bool memory_later, metadata_form form, std::uint64_t block) {
+agreed_description agree_description_over_tree(std::span<const flat_view> views, C& comm, const std::string& dname,
+                                               bool memory_later, metadata_form form, std::uint64_t block) {
   const int rank = comm.rank(), world = comm.world_size();
   const step_scope step("agreeing on the metadata");
   partial_description mine;
@@ -266,10 +266,14 @@ template <Comm C>
 agreed_description agree_on_description(std::span<const flat_view> views, C& comm, const std::string& dname,
                                         const save_options& opt) {
   const bool memory_later = bool(opt.fetch);
+  if (opt.checksums && opt.checksum_block_bytes == 0)  // alike on every rank: the options are
+    fail(errc::invalid_argument, dname +
+                                     ": save_options::checksum_block_bytes is 0; checksums are kept per "
+                                     "block of at least one byte (or pass checksums = false)");
   const std::uint64_t block = opt.checksums ? opt.checksum_block_bytes : 0;
   if constexpr (PeerComm<C>)
     if (comm.peer_to_peer() && comm.world_size() > 1)
-      return agree_over_tree(views, comm, dname, memory_later, opt.metadata, block);
+      return agree_description_over_tree(views, comm, dname, memory_later, opt.metadata, block);
   return agreed_whole(agree_on_metadata(views, comm, dname, memory_later), block);
 }
 

@@ -322,10 +322,13 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, agre
         } catch (const error&) {  // rank 0 is gone: hearing from it below fails, naming it
         }
       total = commit_metadata(dir, md, comm, [&] {  // 4
+        // every rank's message heard before any is read: one malformed leaves none behind unread
+        std::vector<std::string> texts;
+        for (int r = 1; r < world; ++r) texts.push_back(exchange_in_scope([&] { return comm.recv_bytes(r); }));
         std::vector<written_rank_file> written;
         written.push_back(std::move(own));
         for (int r = 1; r < world; ++r)
-          written.push_back(decode_written(exchange_in_scope([&] { return comm.recv_bytes(r); }), send_sums,
+          written.push_back(decode_written(texts[static_cast<std::size_t>(r - 1)], send_sums,
                                            std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
         return finish(written);
       });

@@ -55,7 +55,7 @@ SHARDSAFE_DECL partial_description decode_partial(message_reader& m, std::uint64
     if (t.first_rank < first || t.first_rank >= end) m.malformed(c + "'s first holder is outside the ranks");
     const std::uint64_t nb = m.items(24, "boxes of " + c);
     if (nb == 0 || (!t.sharded && nb != 1)) m.malformed(c + " has " + std::to_string(nb) + " boxes");
-    std::uint64_t entries = 0;
+    std::uint64_t entries = 0, next_rank = first;  // the lowest rank the next box may start at
     const std::size_t dims = t.shape.size();
     for (std::uint64_t k = 0; k < nb; ++k) {
       entry_box b;
@@ -84,8 +84,24 @@ SHARDSAFE_DECL partial_description decode_partial(message_reader& m, std::uint64
       }
       entries += b.count();
       if (entries > span) m.malformed(c + " has more entries than the ranks " + std::to_string(span));
+      // its ranks increase inside the run, after the box before: each level's rank step passes
+      // all the levels inside it reach
+      std::uint64_t reach = 0;
+      for (std::size_t l = b.levels.size(); l-- > 0;) {
+        const std::uint64_t step = b.levels[l].second[0];
+        if (step <= reach || step > span) m.malformed(c + ": a box's ranks do not increase");
+        reach += (b.levels[l].first - 1) * step;  // at most span * span: no overflow past 2^62 ranks
+        if (reach >= span) m.malformed(c + ": a box's ranks run past the run");
+      }
+      if (b.start[0] < next_rank || b.start[0] >= end || end - b.start[0] <= reach)
+        m.malformed(c + ": a box's ranks are outside [" + std::to_string(first) + ", " + std::to_string(end) +
+                    ") or before the box ahead of it");
+      next_rank = b.start[0] + reach + 1;
       t.boxes.push_back(std::move(b));
     }
+    if (t.boxes.front().start[0] != t.first_rank) m.malformed(c + "'s first holder is not its first entry");
+    if (!t.sharded && (entries != 1 || t.boxes.front().role != replica_role::none))
+      m.malformed(c + " is not sharded but has " + std::to_string(entries) + " entries or a replica role");
     if (!p.where.emplace(t.key, p.tensors.size()).second) m.malformed(c + " is described twice");
     p.tensors.push_back(std::move(t));
   }
