@@ -126,12 +126,11 @@ inline bool use_compact_form(std::uint64_t entries, metadata_form form) {
 
 /// What step 1 leaves a rank with.
 struct agreed_description {
-  /// The checkpoint's metadata without its extras: whole (every file of every tensor) where
-  /// `whole`, as on rank 0 always; on the other ranks of a tree agreement, each tensor's shape,
+  /// The checkpoint's metadata without its extras: whole (every file of every tensor) on rank 0,
+  /// and on every rank without a tree; on the other ranks of a tree agreement, each tensor's shape,
   /// dtype and sharded-ness, in the checkpoint's order, and for a tensor that is not sharded the
   /// file of the rank that writes it (its lowest holder) alone.
   checkpoint_metadata md;
-  bool whole = true;
   bool tree = false;                  ///< agreed over a PeerComm's tree: the later steps of the save are too
   std::uint64_t entries = 0;          ///< files the tensors list in all (what metadata_form::automatic counts)
   std::uint64_t checksum_hashes = 0;  ///< blocks the checksum tables hold (0 without checksums)

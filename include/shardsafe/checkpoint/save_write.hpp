@@ -299,7 +299,7 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, agre
       total += w.size;
       if (send_sums) md.extras.checksums->files.emplace(rank_file_name(r), std::move(w.checksums));
     }
-    if (compact)
+    if (compact && !agreed.tree)  // over the tree, rank 0 found the grids as it built md (finish_partial)
       for (auto& [key, tm] : md.tensors)
         if (auto g = detect_grid(tm)) {
           tm.grid = std::move(g);

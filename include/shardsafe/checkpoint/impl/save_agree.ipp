@@ -204,7 +204,6 @@ SHARDSAFE_DECL std::string encode_agreed(const agreed_description& a, const part
 
 SHARDSAFE_DECL agreed_description decode_agreed(message_reader& m) {
   agreed_description a;
-  a.whole = false;
   a.entries = m.count();
   a.checksum_hashes = m.count();
   const std::uint64_t n = m.items(min_described_tensor_bytes, "tensors");
