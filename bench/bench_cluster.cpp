@@ -25,6 +25,13 @@
 // parallel replicas), every_rank_read vs rank0_broadcast vs automatic, from the shared file
 // system and from nginx on a fifth node (when nginx is there) whose link gets each of
 // --store-rates in turn (cluster.sh rate); automatic's pick and the figures it decided on.
+//
+// Part 3, replicas read once (issue 56): the model saved in shardsafe's layout (4 rank files of
+// flat pieces) served by nginx on a fifth node, loaded by 4 ranks on 4 nodes either whole on
+// every rank (data parallelism: one group of 4) or as HSDP (2 replicas of 2 row shards), with
+// collective_load_options::replicas every_rank_reads, read_once and automatic, at each store
+// rate. Counted: the bytes that left the store node (its eth0's tx_bytes, from the kernel),
+// against the model's size; the physical limit is the model through the store link once.
 #include "bench_common.hpp"
 
 #include <sys/stat.h>
@@ -47,6 +54,7 @@
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/launch.hpp"
+#include "shardsafe/dist/threads.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
@@ -162,6 +170,16 @@ int curve_worker(const bench::args& a) {
   return 0;
 }
 
+#if SHARDSAFE_BENCH_HTTP
+/// A thin store link shared by 4 ranks with many requests in flight answers a 2 MiB request in
+/// more than the default 20 s at 100 Mbit/s (each request waits behind the others): a minute.
+http_options slow_link() {
+  http_options o;
+  o.operation_timeout = std::chrono::seconds(60);
+  return o;
+}
+#endif
+
 /// Worker of part 2: args --source (a folder or an http:// URL), --mode, --tensors, --out.
 int hf_worker(const bench::args& a) {
   at::set_num_threads(1);
@@ -180,7 +198,7 @@ int hf_worker(const bench::args& a) {
   const double s = timed(comm, [&] {
 #if SHARDSAFE_BENCH_HTTP
     if (src.rfind("http://", 0) == 0) {
-      res = import_hf(http_directory(src), std::span<const flat_view>(l.views), comm, o);
+      res = import_hf(http_directory(src, slow_link()), std::span<const flat_view>(l.views), comm, o);
       return;
     }
 #endif
@@ -189,6 +207,38 @@ int hf_worker(const bench::args& a) {
   comm.barrier();
   std::ofstream(fs::path(a.get("--out", "")) / ("rank" + std::to_string(R)))
       << s << ' ' << to_string(res.mode) << ' ' << l.wrong() << ' ' << res.why << '\n';
+  return 0;
+}
+
+/// Worker of part 3: args --source (http:// URL or folder), --mode, --layout whole|hsdp, --out.
+int replicas_worker(const bench::args& a) {
+  at::set_num_threads(1);
+  const int tensors = static_cast<int>(a.get_int("--tensors", 32));
+  auto w = init_world_from_env(std::chrono::seconds(120));
+  auto comm = w.comm();
+  const u64 R = static_cast<u64>(w.rank);
+  const bool hsdp = a.get("--layout", "whole") == "hsdp";
+  rank_state l(tensors, hsdp ? 2 : 1, hsdp ? R % 2 : 0, hsdp ? layout::rows : layout::whole, false);
+  collective_load_options o;
+  const std::string mode = a.get("--mode", "every_rank_reads");
+  o.replicas = mode == "read_once"   ? replica_reads::read_once
+               : mode == "automatic" ? replica_reads::automatic
+                                     : replica_reads::every_rank_reads;
+  const std::string src = a.get("--source", "");
+  load_stats st;
+  const double s = timed(comm, [&] {
+#if SHARDSAFE_BENCH_HTTP
+    if (src.rfind("http://", 0) == 0) {
+      st = load(http_directory(src, slow_link()), std::span<const flat_view>(l.views), comm, o);
+      return;
+    }
+#endif
+    st = load(file_directory(src), std::span<const flat_view>(l.views), comm, o);
+  });
+  comm.barrier();
+  std::ofstream(fs::path(a.get("--out", "")) / ("rank" + std::to_string(R)))
+      << s << ' ' << to_string(st.replicas) << ' ' << l.wrong() << ' ' << st.bytes_read << ' ' << st.bytes_received
+      << ' ' << st.why << '\n';
   return 0;
 }
 
@@ -264,6 +314,34 @@ std::vector<std::vector<double>> read_figures(const fs::path& dir, int W) {
   return out;
 }
 
+/// nginx serving `root` on c's last node (port 8080), state in nd; its URL once it answers.
+std::string start_nginx(const cluster& c, const fs::path& root, const fs::path& nd) {
+  fs::create_directories(nd / "tmp");
+  const int node = c.nodes - 1;
+  const std::string d = nd.string(), store = c.addr(node);
+  std::ofstream(nd / "nginx.conf")
+      << "worker_processes 2;\nuser root;\nerror_log " << d << "/error.log;\npid " << d << "/nginx.pid;\n"
+      << "events { worker_connections 512; }\nhttp {\n  default_type application/octet-stream;\n"
+      << "  access_log off;\n  client_body_temp_path " << d << "/tmp/body; proxy_temp_path " << d << "/tmp/proxy;\n"
+      << "  fastcgi_temp_path " << d << "/tmp/fcgi; uwsgi_temp_path " << d << "/tmp/uwsgi; scgi_temp_path " << d
+      << "/tmp/scgi;\n  keepalive_requests 100000;\n  server {\n    listen " << store << ":8080;\n    root "
+      << root.string() << ";\n    location / { }\n  }\n}\n";
+  sh(script + " run " + c.name + " " + std::to_string(node) + " /usr/sbin/nginx -p " + d + " -c " + d +
+     "/nginx.conf -g 'daemon off;' &");
+  for (int i = 0; i < 100; ++i) {
+    if (sh(script + " run " + c.name + " 0 bash -c 'exec 3<>/dev/tcp/" + store + "/8080' 2>/dev/null") == 0)
+      return "http://" + store + ":8080/";
+    ::usleep(100000);
+  }
+  throw std::runtime_error("nginx on the store node did not come up");
+}
+
+/// Bytes node `node` of c has sent on its link (the kernel's count).
+double tx_bytes(const cluster& c, int node) {
+  return std::stod("0" + out_of(script + " run " + c.name + " " + std::to_string(node) +
+                                " cat /sys/class/net/eth0/statistics/tx_bytes"));
+}
+
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -277,12 +355,13 @@ std::vector<std::string> split(const std::string& s) {
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
   bench::accept_only(
-      a, "Real c10d worlds on a simulated cluster: the save/load cost curve and the HF import modes.",
+      a, "Real c10d worlds on a simulated cluster: the save/load cost curve, the HF import modes, replicas read once.",
       {{"--quick", nullptr, "worlds 1, 2, 4 and one HF rate (a smoke run)"},
        {"--rate", "R", "link rate of the curve's cluster (tc units, default 10gbit)"},
        {"--worlds", "LIST", "world sizes of the curve (default 1,2,4,8,16)"},
        {"--tensors", "N", "tensors of 2 MiB in the model (default 32)"},
        {"--store-rates", "LIST", "the object store's link rates in the HF part (default 100mbit,1gbit,10gbit)"},
+       {"--replica-rates", "LIST", "the object store's link rates in the replicas part (default 100mbit,1gbit,10gbit)"},
        {"--worker", "KIND", "", true},
        {"--root", "DIR", "", true},
        {"--form", "F", "", true},
@@ -290,7 +369,10 @@ int main(int argc, char** argv) {
        {"--mode", "M", "", true},
        {"--layout", "L", "", true},
        {"--out", "DIR", "", true}});
-  if (a.has("--worker")) return a.get("--worker", "") == "hf" ? hf_worker(a) : curve_worker(a);
+  if (a.has("--worker"))
+    return a.get("--worker", "") == "hf"         ? hf_worker(a)
+           : a.get("--worker", "") == "replicas" ? replicas_worker(a)
+                                                 : curve_worker(a);
   const bool have_ip = fs::exists("/usr/sbin/ip") || fs::exists("/sbin/ip") || fs::exists("/usr/bin/ip");
   if (::geteuid() != 0 || !have_ip) {
     std::printf("bench_cluster: needs root and iproute2 (network namespaces); nothing measured\n");
@@ -392,26 +474,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> picks;  // automatic's reasons
     cluster c(5, rate);
     std::string url;
-    if (http) {
-      const fs::path nd = tmp / "nginx";
-      fs::create_directories(nd / "tmp");
-      const std::string d = nd.string(), store = c.addr(4);
-      std::ofstream(nd / "nginx.conf")
-          << "worker_processes 2;\nuser root;\nerror_log " << d << "/error.log;\npid " << d << "/nginx.pid;\n"
-          << "events { worker_connections 512; }\nhttp {\n  default_type application/octet-stream;\n"
-          << "  access_log off;\n  client_body_temp_path " << d << "/tmp/body; proxy_temp_path " << d << "/tmp/proxy;\n"
-          << "  fastcgi_temp_path " << d << "/tmp/fcgi; uwsgi_temp_path " << d << "/tmp/uwsgi; scgi_temp_path " << d
-          << "/tmp/scgi;\n  keepalive_requests 100000;\n  server {\n    listen " << store << ":8080;\n    root "
-          << hf.string() << ";\n    location / { }\n  }\n}\n";
-      sh(script + " run " + c.name + " 4 /usr/sbin/nginx -p " + d + " -c " + d + "/nginx.conf -g 'daemon off;' &");
-      bool up = false;
-      for (int i = 0; i < 100 && !up; ++i) {
-        up = sh(script + " run " + c.name + " 0 bash -c 'exec 3<>/dev/tcp/" + store + "/8080' 2>/dev/null") == 0;
-        if (!up) ::usleep(100000);
-      }
-      if (!up) throw std::runtime_error("nginx on the store node did not come up");
-      url = "http://" + store + ":8080/";
-    }
+    if (http) url = start_nginx(c, hf, tmp / "nginx");
     std::vector<std::string> stores{"-"};  // the file system first (no store link)
     if (http)
       for (const auto& sr : split(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit")))
@@ -457,6 +520,85 @@ int main(int argc, char** argv) {
     t.print();
     std::printf("\nautomatic's pick (hf_import_options::mode's default), from what it measured:\n");
     for (const auto& p : picks) std::printf("  %s\n", p.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_cluster: %s\n", e.what());
+    status = 1;
+  }
+  try {
+    // --- part 3: replicas read once, from a store behind a thin link
+    const bool http = SHARDSAFE_BENCH_HTTP && fs::exists("/usr/sbin/nginx");
+    const fs::path ck = tmp / "replicas-ckpt";
+    {  // saved by 4 thread ranks of this process, as flat pieces
+      const file_directory dir(ck);
+      const int T = std::stoi(tensors);
+      const auto thrown = run_ranks(4, [&](thread_comm& tc) {
+        rank_state s(T, 4, static_cast<u64>(tc.rank()), layout::flat, true);
+        save(dir, std::span<const flat_view>(s.views), tc);
+      });
+      for (const auto& e : thrown)
+        if (e) std::rethrow_exception(e);
+    }
+    std::printf(
+        "\nReplicas read once: the model (%.0f MiB, 4 rank files) from nginx on a fifth node, loaded by 4 ranks on 4"
+        "\nnodes (links %s) whole on every rank (one group of 4) or as HSDP (2 replicas of 2 row shards); 'store MiB'"
+        "\nis what left the store node (its link's tx_bytes), 'x model' that over the model's size; 'limit s' the model"
+        "\nthrough the store link once%s\n\n",
+        model_mib, rate.c_str(), http ? "" : " (not run: no nginx, or built without storage/http.hpp)");
+    if (http) {
+      cluster c(5, rate);
+      const std::string url = start_nginx(c, ck, tmp / "nginx3");
+      bench::table t({"ranks load", "store link", "replicas", "load s", "limit s", "store MiB", "x model",
+                      "received MiB a rank", "used", "ok"});
+      std::vector<std::string> picks;
+      for (const std::string held : {"whole", "hsdp"}) {
+        for (const auto& srate : split(a.get("--replica-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit"))) {
+          sh(script + " rate " + c.name + " 4 " + srate);
+          const double link_bps = srate.find("gbit") != std::string::npos   ? std::stod(srate) * 1e9
+                                  : srate.find("mbit") != std::string::npos ? std::stod(srate) * 1e6
+                                                                            : std::stod(srate);
+          for (const std::string mode : {"every_rank_reads", "read_once", "automatic"}) {
+            const fs::path out = tmp / "replica-figures";
+            fs::remove_all(out);
+            fs::create_directories(out);
+            const double tx0 = tx_bytes(c, 4);
+            if (!run_world(c, 4, 1,
+                           {"--worker", "replicas", "--source", url, "--mode", mode, "--tensors", tensors, "--layout",
+                            held, "--out", out.string()},
+                           tmp / "replica-logs", port)) {
+              status = 1;
+              continue;
+            }
+            const double sent = tx_bytes(c, 4) - tx0;
+            double secs = 0, wrong = 0, received = 0;
+            std::string used;
+            for (int r = 0; r < 4; ++r) {
+              std::ifstream in(out / ("rank" + std::to_string(r)));
+              double x = 0, bad = 0, rd = 0, got = 0;
+              std::string m, why;
+              in >> x >> m >> bad >> rd >> got;
+              std::getline(in, why);
+              secs = std::max(secs, x);
+              wrong += bad;
+              received = std::max(received, got);
+              if (r == 0) used = m;
+              if (r == 0 && mode == "automatic")
+                picks.push_back(held + ", store link " + srate + ": " + m + " -" + why);
+            }
+            if (wrong > 0) status = 1;
+            const double model_bytes = model_mib * double(bench::MiB);
+            t.add({held == "whole" ? "whole (DP)" : "HSDP 2x2", srate, mode, bench::fmt("%.3f", secs),
+                   bench::fmt("%.3f", model_bytes * 8 / link_bps), bench::fmt("%.1f", sent / double(bench::MiB)),
+                   bench::fmt("%.2f", sent / model_bytes), bench::fmt("%.1f", received / double(bench::MiB)), used,
+                   wrong == 0 ? "yes" : "NO"});
+            std::fflush(stdout);
+          }
+        }
+        t.separator();
+      }
+      t.print();
+      std::printf("\nautomatic's pick (collective_load_options::replicas = automatic), from what it measured:\n");
+      for (const auto& p : picks) std::printf("  %s\n", p.c_str());
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_cluster: %s\n", e.what());
     status = 1;

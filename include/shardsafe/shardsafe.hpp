@@ -100,6 +100,7 @@
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/checkpoint/read_executor.hpp"
+#include "shardsafe/checkpoint/replica_reads.hpp"
 #include "shardsafe/checkpoint/reader.hpp"
 #include "shardsafe/checkpoint/rotation.hpp"
 #include "shardsafe/checkpoint/save_agree.hpp"
@@ -111,6 +112,7 @@
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/checkpoint/verify.hpp"
 #include "shardsafe/checkpoint/verify_optim.hpp"
+#include "shardsafe/checkpoint/view_pieces.hpp"
 
 // separately compiled (core/config.hpp): the shared template instantiations, declared here so
 // that a unit of the umbrella uses the ones compiled once in shardsafe/compiled.hpp's unit

@@ -80,6 +80,21 @@ TEST_CASE("usage: the snippets of docs/USAGE.md run") {
   });
   // [/usage]
   for (const auto& e : failed) CHECK_FALSE(e);
+
+  // [usage: load_replicas]
+  // replicas read once: 4 data-parallel ranks each load all of "w"; each reads a quarter of it
+  // from storage and receives the rest from the other three
+  failed = run_ranks(4, [&](thread_comm& rank_comm) {
+    std::vector<float> all(8 * 6);
+    const flat_view whole{"w", dtype::F32, {8, 6}, std::nullopt, reinterpret_cast<std::byte*>(all.data()), 48 * 4};
+    collective_load_options o;
+    o.replicas = replica_reads::read_once;  // or automatic: measured; every_rank_reads is the default
+    const load_stats st = load(file_directory(dir / "ckpt"), std::span<const flat_view>(&whole, 1), rank_comm, o);
+    if (st.replica_group != 4 || st.bytes_read != 48 || st.bytes_received != 3 * 48 || all[47] != 47.0f)
+      throw std::runtime_error("not read once");
+  });
+  // [/usage]
+  for (const auto& e : failed) CHECK_FALSE(e);
   // a rank that fails (a view the checkpoint lacks) fails the load on every rank, with its code
   failed = run_ranks(2, [&](thread_comm& rank_comm) {
     std::vector<float> buf(6);

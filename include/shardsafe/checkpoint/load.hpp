@@ -11,6 +11,8 @@
 // | load(reader, views, opt)             | this rank (reader kept) | thrown here                    |
 // | load(dir, views, comm, opt)          | every rank (collective) | thrown on every rank alike     |
 // | load(reader, views, comm, opt)       | every rank (reader kept)| thrown on every rank alike     |
+// | (opt.replicas: read_once, automatic) | ranks of one view set   |                                |
+// |                                      | read each byte once     |                                |
 // | load(configured_loader, views)       | every rank (collective) | thrown on every rank alike     |
 //
 // (the collective throws the first failure of any rank on every rank, with its code: dist/agree.hpp)
@@ -18,12 +20,17 @@
 
 #include <chrono>
 #include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
 #include <span>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/load_plan.hpp"
 #include "shardsafe/checkpoint/checkpoint_reader.hpp"
 #include "shardsafe/checkpoint/dequant_load.hpp"
+#include "shardsafe/checkpoint/replica_reads.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/storage/concepts.hpp"
@@ -54,24 +61,55 @@ load_stats load(const D& dir, std::span<const flat_view> views, const load_optio
 }
 
 /// The collective load through a reader opened once (every rank its own): every rank loads its
-/// views; the first failure of any rank is thrown on every rank, with its code.
+/// views; the first failure of any rank is thrown on every rank, with its code. With
+/// opt.replicas, ranks that load the same views read each byte once between them
+/// (checkpoint/replica_reads.hpp).
 template <ReadableDirectory D, Comm C>
-load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, C& comm, const load_options& opt = {}) {
+load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, C& comm,
+                const collective_load_options& opt = {}) {
   load_stats st;
-  every_rank_step(comm, [&] { st = load(reader, views, opt); });
-  return st;
+  if (opt.replicas == replica_reads::every_rank_reads) {
+    every_rank_step(comm, [&] { st = load(reader, views, opt); });
+    return st;
+  }
+  // a view the checkpoint has (its key, or a quantized weight's logical name); a dequantized
+  // weight's stored parts count as asked for (unexpected_keys), as the plain load plans them
+  std::vector<char> has(views.size(), 0);
+  std::set<std::string, std::less<>> asked;
+  every_rank_step(comm, [&] {
+    const auto quantized = dequantized_views(reader, views);
+    for (std::size_t i = 0; i < views.size(); ++i) {
+      has[i] = reader.find(views[i].key) != nullptr;
+      asked.insert(views[i].key);
+    }
+    for (const auto& [i, q] : quantized) {
+      has[i] = 1;
+      for (const std::string* k : {&q.data, &q.scale, &q.tensor_scale})
+        if (!k->empty()) asked.insert(*k);
+    }
+  });
+  return load_replicated(
+      views, comm, opt, [&](std::span<const flat_view> v, const load_options& o) { return load(reader, v, o); },
+      [&](std::size_t i) { return has[i] != 0; },
+      [&] { return reader.unexpected_keys([&](std::string_view k) { return asked.count(k) > 0; }); },
+      reader.directory().name());
 }
 
 /// The collective load: every rank loads its views from the checkpoint in dir (opened in this
 /// step: a rank that cannot open it fails the step on every rank).
 template <ReadableDirectory D, Comm C>
-load_stats load(const D& dir, std::span<const flat_view> views, C& comm, const load_options& opt = {}) {
+load_stats load(const D& dir, std::span<const flat_view> views, C& comm, const collective_load_options& opt = {}) {
   load_stats st;
-  every_rank_step(comm, [&] {
-    checkpoint_reader<D> r(dir);
-    st = load(r, views, opt);
-  });
-  return st;
+  if (opt.replicas == replica_reads::every_rank_reads) {
+    every_rank_step(comm, [&] {
+      checkpoint_reader<D> r(dir);
+      st = load(r, views, opt);
+    });
+    return st;
+  }
+  std::optional<checkpoint_reader<D>> r;
+  every_rank_step(comm, [&] { r.emplace(dir); });
+  return load(*r, views, comm, opt);
 }
 
 namespace detail {

@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shardsafe/checkpoint/flat_view.hpp"
@@ -45,6 +46,29 @@ struct load_options {
   /// Every view must have this dtype (errc::dtype_mismatch before a byte moves): what a
   /// configured loader's policy fixes (checkpoint/configured.hpp, load_policy::views).
   std::optional<dtype> view_dtype{};
+};
+
+/// How the ranks of a collective load that load the same views (replicas) read them
+/// (checkpoint/replica_reads.hpp): each its own, or each byte once between them, shared over
+/// the Comm.
+enum class replica_reads { every_rank_reads, read_once, automatic };
+
+constexpr std::string_view to_string(replica_reads m) noexcept {
+  return m == replica_reads::every_rank_reads ? "every_rank_reads"
+         : m == replica_reads::read_once      ? "read_once"
+                                              : "automatic";
+}
+
+/// What a collective load is asked: a load's options, and those only a load over a Comm
+/// honours (checkpoint/load.hpp; a load_options is accepted wherever this is).
+struct collective_load_options : load_options {
+  collective_load_options() = default;
+  collective_load_options(const load_options& o) : load_options(o) {}
+  /// every_rank_reads (the default: no coordination beyond agreeing on the outcome), read_once,
+  /// or automatic (measured: checkpoint/replica_reads.hpp).
+  replica_reads replicas = replica_reads::every_rank_reads;
+  std::uint64_t exchange_chunk_bytes = std::uint64_t(16) << 20;  ///< read_once: bytes a message
+  std::uint64_t probe_bytes = std::uint64_t(8) << 20;            ///< automatic: bytes read and exchanged to measure
 };
 
 /// A ring of host buffers (pinned for a GPU) that loads into memory the reader cannot write
@@ -106,6 +130,12 @@ struct load_stats {
   std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
   std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
   double seconds = 0;
+  /// A collective load's (collective_load_options::replicas): how this rank's group read, the
+  /// ranks in it (1: alone), the bytes of its views it received from them, and automatic's why.
+  replica_reads replicas = replica_reads::every_rank_reads;
+  std::uint32_t replica_group = 1;
+  std::uint64_t bytes_received = 0;
+  std::string why;
 
   /// Adds another load's reads (bytes needed and read, read operations, checksum blocks): a
   /// load made of several loads (an import's chunks, a staging ring's fills) counts them here.

@@ -130,6 +130,17 @@ class checkpoint_files {
   /// tensors: checkpoint/source.hpp), or a torch.save file's views that are not dense, by key:
   /// not in metadata(), never read.
   const std::vector<foreign_tensor>& foreign_tensors() const noexcept { return src_.foreign_tensors; }
+  /// The tensors of the checkpoint for which asked(key) is false, those it describes first (in
+  /// its order), then its foreign ones: what checkpoint_reader::plan lists with load_options::list_unexpected.
+  template <class Asked>
+  std::vector<std::string> unexpected_keys(Asked&& asked) const {
+    std::vector<std::string> out;
+    for (const auto& [k, t] : this->metadata().tensors)
+      if (!asked(k)) out.push_back(k);
+    for (const auto& f : this->foreign_tensors())
+      if (!asked(f.key)) out.push_back(f.key);
+    return out;
+  }
   /// Refuses (errc::unsupported_dtype, naming it) the first foreign tensor whose key keep(key)
   /// accepts: what would read it, or vouch for it, stops there, not leave it out unsaid. remedy,
   /// when given, ends the message in parentheses.

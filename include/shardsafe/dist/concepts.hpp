@@ -42,7 +42,8 @@ concept Comm = requires(C& c, std::string_view s, std::string& str, int root) {
 /// |------------------------|-------------|-----------------------------------------------------|
 /// | c.peer_to_peer()       | bool        | whether the two below work (a backend may offer     |
 /// |                        |             | them over one transport only); alike on every rank  |
-/// | c.send_bytes(s, peer)  | void        | s to rank `peer`, which receives it with recv_bytes |
+/// | c.send_bytes(s, peer)  | void        | s to rank `peer`, which receives it with recv_bytes;|
+/// |                        |             | returns without waiting for that receive (buffered) |
 /// | c.recv_bytes(peer)     | std::string | the next bytes `peer` sent this rank, in the order  |
 /// |                        |             | sent; errc::comm_error naming `peer` past the       |
 /// |                        |             | timeout                                             |

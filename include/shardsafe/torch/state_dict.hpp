@@ -304,13 +304,8 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const d
       t->local.copy_(tmp);
     }
   }
-  if (direct.size() != sd.size()) {  // unexpected keys: recompute over all entries
-    st.unexpected_keys.clear();
-    for (const auto& [k, tm] : reader.metadata().tensors)
-      if (!sd.find(k)) st.unexpected_keys.push_back(k);
-    for (const auto& f : reader.foreign_tensors())
-      if (!sd.find(f.key)) st.unexpected_keys.push_back(f.key);
-  }
+  if (direct.size() != sd.size())  // unexpected keys: recompute over all entries
+    st.unexpected_keys = reader.unexpected_keys([&](const std::string& k) { return sd.find(k) != nullptr; });
   return st;
 }
 

@@ -56,6 +56,7 @@
 
 #include "shardsafe/checkpoint/hf/import_keys.hpp"
 #include "shardsafe/checkpoint/loader.hpp"
+#include "shardsafe/checkpoint/replica_reads.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/dist/message.hpp"
@@ -250,22 +251,6 @@ void import_rank0_broadcast(const D& dir, std::span<const flat_view> views, C& c
   every_rank_step(comm, [&] {
     if (deferred) std::rethrow_exception(deferred);
   });
-}
-
-/// Nanoseconds since t0.
-inline std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
-}
-
-/// Where this process runs: its host name and network namespace (ranks in network namespaces
-/// of one machine - a simulated cluster - count as hosts of their own).
-inline std::string host_identity() {
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
-  std::error_code ec;
-  const auto ns = std::filesystem::read_symlink("/proc/self/ns/net", ec);
-  return std::string(host) + " " + (ec ? std::string() : ns.string());
 }
 
 /// hf_import_mode::automatic's pick (top of this header); res.why says what decided it.
