@@ -374,7 +374,7 @@ TEST_CASE(
       const std::uint64_t share = bytes_of(hsdp_views(r % 2));
       CHECK(st.bytes_received > share / 2);
       CHECK(st.bytes_received < share);
-      if (peer)  // the pieces, the 24-byte descriptions, the outcomes: nothing of the other group
+      if (peer)  // the pieces, the 48-byte descriptions, the outcomes: nothing of the other group
         CHECK(run.comm_in[static_cast<std::size_t>(r)] < st.bytes_received + 2048);
       else  // each broadcast reaches every rank: the other group's pieces too
         CHECK(run.comm_in[static_cast<std::size_t>(r)] > st.bytes_received + bytes_of(hsdp_views(1 - r % 2)) / 2);

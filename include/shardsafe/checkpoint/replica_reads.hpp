@@ -11,10 +11,10 @@
 //
 // The groups. Every rank describes the views it loads from the checkpoint (each view's key,
 // dtype, shape, spec and size, in the caller's order; a key the checkpoint lacks is left out:
-// each rank lists or refuses it itself) and all-gathers a 128-bit XXH3 of that description and
-// its byte count: 24 bytes a rank. Ranks with equal digests form a group of R ranks, ordered by
+// each rank lists or refuses it itself) and all-gathers a 128-bit XXH3 of that description, its
+// byte count and its options: 48 bytes a rank. Ranks with equal digests form a group of R ranks, ordered by
 // rank. Ranks whose views differ in any way (another order included) are in different groups,
-// so a rank that loads alone reads alone: an FSDP load with no replicas costs the 24-byte
+// so a rank that loads alone reads alone: an FSDP load with no replicas costs the 48-byte
 // all-gather and nothing more.
 //
 // The pieces. A group's views are taken as one stream of bytes, in order; member i reads the
