@@ -180,6 +180,15 @@ http_options slow_link() {
 }
 #endif
 
+/// f(the folder or, for an http:// URL, the HTTP store src names).
+template <class F>
+void with_source(const std::string& src, F&& f) {
+#if SHARDSAFE_BENCH_HTTP
+  if (src.rfind("http://", 0) == 0) return f(http_directory(src, slow_link()));
+#endif
+  f(file_directory(src));
+}
+
 /// Worker of part 2: args --source (a folder or an http:// URL), --mode, --tensors, --out.
 int hf_worker(const bench::args& a) {
   at::set_num_threads(1);
@@ -196,13 +205,7 @@ int hf_worker(const bench::args& a) {
   const std::string src = a.get("--source", "");
   hf_import_stats res;
   const double s = timed(comm, [&] {
-#if SHARDSAFE_BENCH_HTTP
-    if (src.rfind("http://", 0) == 0) {
-      res = import_hf(http_directory(src, slow_link()), std::span<const flat_view>(l.views), comm, o);
-      return;
-    }
-#endif
-    res = import_hf(file_directory(src), std::span<const flat_view>(l.views), comm, o);
+    with_source(src, [&](const auto& dir) { res = import_hf(dir, std::span<const flat_view>(l.views), comm, o); });
   });
   comm.barrier();
   std::ofstream(fs::path(a.get("--out", "")) / ("rank" + std::to_string(R)))
@@ -227,13 +230,7 @@ int replicas_worker(const bench::args& a) {
   const std::string src = a.get("--source", "");
   load_stats st;
   const double s = timed(comm, [&] {
-#if SHARDSAFE_BENCH_HTTP
-    if (src.rfind("http://", 0) == 0) {
-      st = load(http_directory(src, slow_link()), std::span<const flat_view>(l.views), comm, o);
-      return;
-    }
-#endif
-    st = load(file_directory(src), std::span<const flat_view>(l.views), comm, o);
+    with_source(src, [&](const auto& dir) { st = load(dir, std::span<const flat_view>(l.views), comm, o); });
   });
   comm.barrier();
   std::ofstream(fs::path(a.get("--out", "")) / ("rank" + std::to_string(R)))

@@ -98,11 +98,16 @@ TEST_CASE("replica reads: the pieces of R members partition every view, each a v
       total += views.back().nbytes;
     }
     const std::uint64_t R = 1 + rng() % 7;
+    const auto pieces = detail::all_pieces(views, 0, total, R);  // one sweep: the same cuts as each piece alone
+    REQUIRE(pieces.size() == R);
     std::vector<std::vector<int>> owner(views.size());
     for (std::size_t i = 0; i < views.size(); ++i) owner[i].assign(static_cast<std::size_t>(views[i].nbytes), 0);
     for (std::uint64_t k = 0; k < R; ++k) {
       const auto segs =
           detail::stream_segments(views, detail::piece_boundary(total, k, R), detail::piece_boundary(total, k + 1, R));
+      REQUIRE(segs.size() == pieces[k].size());
+      for (std::size_t i = 0; i < segs.size(); ++i)
+        REQUIRE((segs[i].view == pieces[k][i].view && segs[i].x == pieces[k][i].x && segs[i].y == pieces[k][i].y));
       for (const auto& s : segs) {
         const flat_view& v = views[s.view];
         const flat_view sub = detail::sub_view(v, s.x, s.y);

@@ -74,23 +74,22 @@ load_stats load(checkpoint_reader<D>& reader, std::span<const flat_view> views, 
   }
   // a view the checkpoint has (its key, or a quantized weight's logical name); a dequantized
   // weight's stored parts count as asked for (unexpected_keys), as the plain load plans them
-  std::vector<char> has(views.size(), 0);
   std::set<std::string, std::less<>> asked;
-  every_rank_step(comm, [&] {
-    const auto quantized = dequantized_views(reader, views);
+  auto has = [&] {
+    std::vector<char> held(views.size(), 0);
     for (std::size_t i = 0; i < views.size(); ++i) {
-      has[i] = reader.find(views[i].key) != nullptr;
+      held[i] = reader.find(views[i].key) != nullptr;
       asked.insert(views[i].key);
     }
-    for (const auto& [i, q] : quantized) {
-      has[i] = 1;
+    for (const auto& [i, q] : dequantized_views(reader, views)) {
+      held[i] = 1;
       for (const std::string* k : {&q.data, &q.scale, &q.tensor_scale})
         if (!k->empty()) asked.insert(*k);
     }
-  });
+    return held;
+  };
   return load_replicated(
-      views, comm, opt, [&](std::span<const flat_view> v, const load_options& o) { return load(reader, v, o); },
-      [&](std::size_t i) { return has[i] != 0; },
+      views, comm, opt, [&](std::span<const flat_view> v, const load_options& o) { return load(reader, v, o); }, has,
       [&] { return reader.unexpected_keys([&](std::string_view k) { return asked.count(k) > 0; }); },
       reader.directory().name());
 }

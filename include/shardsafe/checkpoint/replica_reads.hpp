@@ -157,12 +157,9 @@ std::uint64_t exchange_pieces(C& comm, std::span<const flat_view> views, const r
                               std::uint64_t q, std::uint64_t chunk_bytes, std::exception_ptr& deferred,
                               std::string_view ctx) {
   const std::size_t n = g.ranks.size();
-  std::vector<std::vector<piece_segment>> segs(n);
+  const std::vector<std::vector<piece_segment>> segs = all_pieces(views, p, q, n);
   std::vector<std::uint64_t> bytes(n);
-  for (std::size_t k = 0; k < n; ++k) {
-    segs[k] = piece_of(views, p, q, k, n);
-    bytes[k] = segments_bytes(segs[k]);
-  }
+  for (std::size_t k = 0; k < n; ++k) bytes[k] = segments_bytes(segs[k]);
   const std::uint64_t chunk = std::max<std::uint64_t>(1, chunk_bytes);
   auto pack = [&](std::size_t k, std::uint64_t a, std::uint64_t b) {
     std::string s;
@@ -260,11 +257,19 @@ inline std::string host_identity() {
   return std::string(host) + " " + (ec ? std::string() : ns.string());
 }
 
+/// Whether every rank runs on one host (host_identity): a collective.
+template <Comm C>
+bool every_rank_on_one_host(C& comm) {
+  const auto hosts = every_rank_step(comm, [&] { return host_identity(); });
+  return std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); });
+}
+
 }  // namespace detail
 
 /// The collective load with replicas: `load_views(views, opt)` is the plain load on this rank
-/// (checkpoint/load.hpp passes its reader's), `has(i)` whether the checkpoint holds views[i],
-/// `unexpected()` the checkpoint's tensors no view asks for. Every rank must pass the same
+/// (checkpoint/load.hpp passes its reader's), `has()` whether the checkpoint holds each view
+/// (by index; called once, in the first step), `unexpected()` the checkpoint's tensors no view
+/// asks for. Every rank must pass the same
 /// replicas, exchange_chunk_bytes and probe_bytes (checked: refused alike on every rank).
 /// The top of this header says what it does; load_stats::replicas, ::replica_group,
 /// ::bytes_received and ::why say what it did.
@@ -277,10 +282,9 @@ load_stats load_replicated(std::span<const flat_view> views, C& comm, const coll
   std::vector<flat_view> own;     // the others: each rank lists or refuses them itself
   load_stats st;
   const std::vector<std::string> described = every_rank_step(comm, [&] {
-    for (std::size_t i = 0; i < views.size(); ++i) {
-      views[i].validate(where);
-      (has(i) ? shared : own).push_back(views[i]);
-    }
+    for (const flat_view& v : views) v.validate(where);
+    const std::vector<char> held = has();
+    for (std::size_t i = 0; i < views.size(); ++i) (held[i] ? shared : own).push_back(views[i]);
     return detail::describe_shared_views(shared) + detail::describe_options(opt);
   });
   detail::replica_group g;
@@ -311,62 +315,52 @@ load_stats load_replicated(std::span<const flat_view> views, C& comm, const coll
     if (!any_group) {
       mode = replica_reads::every_rank_reads;
       st.why = "no two ranks load the same views";
+    } else if (detail::every_rank_on_one_host(comm)) {
+      mode = replica_reads::every_rank_reads;
+      st.why = "every rank runs on one host";
     } else {
-      const auto hosts = every_rank_step(comm, [&] { return detail::host_identity(); });
-      if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); })) {
-        mode = replica_reads::every_rank_reads;
-        st.why = "every rank runs on one host";
-      } else {
-        // the probe, a part of the load: the first R x probe_bytes of the group's stream, each
-        // member reading its R-th at once with every other rank, then exchanged
-        from = std::min(g.total, std::max<std::uint64_t>(1, opt.probe_bytes) * R);
-        std::uint64_t read_ns = 0, read_bytes = 0;
+      // the probe, a part of the load: the first R x probe_bytes of the group's stream, each
+      // member reading its R-th at once with every other rank, then exchanged
+      from = std::min(g.total, std::max<std::uint64_t>(1, opt.probe_bytes) * R);
+      std::uint64_t read_ns = 0, read_bytes = 0;
+      comm.barrier();
+      every_rank_step(comm, [&] {
+        const auto r0 = std::chrono::steady_clock::now();
+        const auto segs = detail::piece_of(shared, 0, from, g.index, R);
+        read_bytes = detail::segments_bytes(segs);
+        load_pieces(segs, false);
+        read_ns = detail::elapsed_ns(r0);
+      });
+      std::uint64_t got = 0, got_ns = 0;
+      {
+        const step_scope ex("exchanging the probe");
         comm.barrier();
-        every_rank_step(comm, [&] {
-          const auto r0 = std::chrono::steady_clock::now();
-          const auto segs = detail::piece_of(shared, 0, from, g.index, R);
-          read_bytes = detail::segments_bytes(segs);
-          load_pieces(segs, false);
-          read_ns = detail::elapsed_ns(r0);
-        });
-        std::uint64_t got = 0, got_ns = 0;
-        {
-          const step_scope ex("exchanging the probe");
-          comm.barrier();
-          const auto x0 = std::chrono::steady_clock::now();
-          got = detail::exchange_pieces(comm, shared, g, 0, from, opt.exchange_chunk_bytes, deferred, ctx);
-          got_ns = detail::elapsed_ns(x0);
-          st.bytes_received += got;
-        }
-        const auto figures = every_rank_step(comm, [&] {
-          if (deferred) std::rethrow_exception(deferred);
-          return message_writer()
-              .count(g.total)
-              .count(R)
-              .count(read_bytes)
-              .count(read_ns)
-              .count(got)
-              .count(got_ns)
-              .str();
-        });
-        double every = 0, once = 0;
-        for (std::size_t r = 0; r < figures.size(); ++r) {
-          message_reader m(figures[r], "rank " + std::to_string(r) + "'s probe");
-          const double total = double(m.count()), n = double(m.count()), rb = double(m.count()),
-                       rns = double(m.count()), xb = double(m.count()), xns = double(m.count());
-          m.finish();
-          const double read_rate = rns > 0 && rb > 0 ? rb * 1e9 / rns : 0,
-                       recv_rate = xns > 0 && xb > 0 ? xb * 1e9 / xns : 0;
-          const double read_all = read_rate > 0 ? total / read_rate : 0;
-          every = std::max(every, read_all);
-          once = std::max(once, read_all / n + (n > 1 && recv_rate > 0 ? (n - 1) / n * total / recv_rate : 0));
-        }
-        mode = once < every ? replica_reads::read_once : replica_reads::every_rank_reads;
-        std::ostringstream why;
-        why.precision(3);
-        why << "estimated every_rank_reads " << every << " s, read_once " << once << " s (the slowest rank)";
-        st.why = why.str();
+        const auto x0 = std::chrono::steady_clock::now();
+        got = detail::exchange_pieces(comm, shared, g, 0, from, opt.exchange_chunk_bytes, deferred, ctx);
+        got_ns = detail::elapsed_ns(x0);
+        st.bytes_received += got;
       }
+      const auto figures = every_rank_step(comm, [&] {
+        if (deferred) std::rethrow_exception(deferred);
+        return message_writer().count(g.total).count(R).count(read_bytes).count(read_ns).count(got).count(got_ns).str();
+      });
+      double every = 0, once = 0;
+      for (std::size_t r = 0; r < figures.size(); ++r) {
+        message_reader m(figures[r], "rank " + std::to_string(r) + "'s probe");
+        const double total = double(m.count()), n = double(m.count()), rb = double(m.count()), rns = double(m.count()),
+                     xb = double(m.count()), xns = double(m.count());
+        m.finish();
+        const double read_rate = rns > 0 && rb > 0 ? rb * 1e9 / rns : 0,
+                     recv_rate = xns > 0 && xb > 0 ? xb * 1e9 / xns : 0;
+        const double read_all = read_rate > 0 ? total / read_rate : 0;
+        every = std::max(every, read_all);
+        once = std::max(once, read_all / n + (n > 1 && recv_rate > 0 ? (n - 1) / n * total / recv_rate : 0));
+      }
+      mode = once < every ? replica_reads::read_once : replica_reads::every_rank_reads;
+      std::ostringstream why;
+      why.precision(3);
+      why << "estimated every_rank_reads " << every << " s, read_once " << once << " s (the slowest rank)";
+      st.why = why.str();
     }
   }
   const bool once = mode == replica_reads::read_once && any_group;  // this rank takes part in the exchange

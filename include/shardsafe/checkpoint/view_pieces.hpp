@@ -73,30 +73,43 @@ struct piece_segment {
   std::uint64_t x = 0, y = 0;
 };
 
-/// The segments of the stream bytes [p, q) of views (concatenated in order), each end moved
-/// back to its view's cut_unit: consecutive ranges [p_k, p_k+1) partition every view.
-inline std::vector<piece_segment> stream_segments(std::span<const flat_view> views, std::uint64_t p, std::uint64_t q) {
-  std::vector<piece_segment> out;
-  std::uint64_t base = 0;
-  for (std::size_t i = 0; i < views.size(); ++i) {
-    const std::uint64_t n = views[i].nbytes, unit = std::max<std::uint64_t>(1, cut_unit(views[i]));
-    auto cut = [&](std::uint64_t at) {
-      const std::uint64_t in = at <= base ? 0 : std::min(n, at - base);
-      return in - in % unit;
-    };
-    const std::uint64_t x = cut(p), y = cut(q);
-    if (x < y) out.push_back({i, x, y});
-    base += n;
-  }
-  return out;
-}
-
 /// Stream byte k x total / n (k <= n), without overflow.
 inline std::uint64_t piece_boundary(std::uint64_t total, std::uint64_t k, std::uint64_t n) {
   return static_cast<std::uint64_t>((static_cast<unsigned __int128>(total) * k) / n);
 }
 
-/// Piece k of n of the stream bytes [p, q): [p + k (q - p) / n, p + (k + 1) (q - p) / n), cut.
+/// The n pieces of the stream bytes [p, q) of views (concatenated in order): piece k is
+/// [p + k (q - p) / n, p + (k + 1) (q - p) / n), each end moved back to its view's cut_unit, so
+/// that the pieces partition every view. One sweep: O(views + n), each view visited by the
+/// pieces that meet it.
+inline std::vector<std::vector<piece_segment>> all_pieces(std::span<const flat_view> views, std::uint64_t p,
+                                                          std::uint64_t q, std::uint64_t n) {
+  std::vector<std::vector<piece_segment>> out(static_cast<std::size_t>(n));
+  std::size_t first = 0;  // the first view that ends past the piece's start
+  std::uint64_t first_base = 0;
+  for (std::uint64_t k = 0; k < n; ++k) {
+    const std::uint64_t lo = p + piece_boundary(q - p, k, n), hi = p + piece_boundary(q - p, k + 1, n);
+    while (first < views.size() && first_base + views[first].nbytes <= lo) first_base += views[first++].nbytes;
+    std::uint64_t base = first_base;
+    for (std::size_t i = first; i < views.size() && base < hi; base += views[i++].nbytes) {
+      const std::uint64_t len = views[i].nbytes, unit = std::max<std::uint64_t>(1, cut_unit(views[i]));
+      auto cut = [&](std::uint64_t at) {
+        const std::uint64_t in = at <= base ? 0 : std::min(len, at - base);
+        return in - in % unit;
+      };
+      const std::uint64_t x = cut(lo), y = cut(hi);
+      if (x < y) out[static_cast<std::size_t>(k)].push_back({i, x, y});
+    }
+  }
+  return out;
+}
+
+/// The segments of the stream bytes [p, q): all_pieces' one piece.
+inline std::vector<piece_segment> stream_segments(std::span<const flat_view> views, std::uint64_t p, std::uint64_t q) {
+  return std::move(all_pieces(views, p, q, 1).front());
+}
+
+/// Piece k of n of the stream bytes [p, q) (all_pieces' k-th, for one member).
 inline std::vector<piece_segment> piece_of(std::span<const flat_view> views, std::uint64_t p, std::uint64_t q,
                                            std::uint64_t k, std::uint64_t n) {
   return stream_segments(views, p + piece_boundary(q - p, k, n), p + piece_boundary(q - p, k + 1, n));

@@ -259,8 +259,7 @@ template <ReadableDirectory D, Comm C>
 hf_import_mode pick_import_mode(const D& dir, std::span<const flat_view> views, C& comm, const hf_import_options& opt,
                                 hf_import_stats& res, std::optional<checkpoint_reader<D>>& reader) {
   const step_scope step("choosing how to import");
-  const auto hosts = every_rank_step(comm, [&] { return host_identity(); });
-  if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == hosts.front(); })) {
+  if (every_rank_on_one_host(comm)) {
     res.why = "every rank runs on one host";
     return hf_import_mode::every_rank_read;
   }
