@@ -1,5 +1,6 @@
 // bench/bench_common.hpp - small helpers the I/O benchmarks share: repetition timing,
-// /proc/self/status readings (RSS, peak RSS), page-cache residency, and a plain table.
+// /proc/self/status readings (RSS, peak RSS), page-cache residency and eviction, the plain
+// read rate of files (a limit), and a plain table.
 // No LibTorch, no Google Benchmark: std::chrono::steady_clock and printf.
 #pragma once
 
@@ -9,15 +10,20 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
+#include <new>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace bench {
@@ -102,6 +108,94 @@ inline double page_cache_resident(const std::string& path) {
   }
   ::munmap(p, size);
   return r;
+}
+
+/// Drops the file's pages from the page cache (dirty ones are written first). Root is not
+/// needed: POSIX_FADV_DONTNEED evicts the pages of one file, as drop_caches would (a page that
+/// is mapped stays: unmap the file first).
+inline void evict(const std::filesystem::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
+/// Evicts every file (evict) and returns the largest fraction of one still resident after it
+/// (page_cache_resident), 0 where none could be measured.
+inline double evict_all(const std::vector<std::filesystem::path>& files) {
+  for (const auto& f : files) evict(f);
+  double worst = 0;
+  for (const auto& f : files) worst = std::max(worst, page_cache_resident(f.string()));
+  return worst;
+}
+
+/// n bytes of page-aligned host memory (what O_DIRECT reads need), written once: its pages are
+/// faulted in before anything reads into it.
+inline std::shared_ptr<std::byte> aligned_bytes(u64 n) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, n) != 0) throw std::bad_alloc();
+  std::memset(p, 0, n);
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+}
+
+/// A plain read of files: `threads` threads each reading `chunk`-byte pieces into a buffer of
+/// its own; `direct`: through O_DIRECT (whole 4 KiB blocks into an aligned buffer), past the
+/// page cache.
+struct read_config {
+  unsigned threads;
+  u64 chunk;
+  bool direct;
+  std::string name() const {
+    return std::string(direct ? "O_DIRECT" : "pread") + " " + std::to_string(chunk / MiB) + " MiB x" +
+           std::to_string(threads);
+  }
+};
+
+/// Rate (bytes/s) of reading every byte of the files as c says, the buffers made before the
+/// clock starts (by `buffer` for buffered reads: e.g. pinned memory, what a device copies
+/// from; aligned_bytes for O_DIRECT ones); 0 where a file cannot be opened so (O_DIRECT refused)
+/// or a read fails.
+inline double read_rate(const std::vector<std::filesystem::path>& files, const read_config& c,
+                        const std::function<std::shared_ptr<std::byte>(u64)>& buffer = aligned_bytes) {
+  struct piece {
+    int fd;
+    u64 off, len;
+  };
+  std::vector<piece> pieces;
+  std::vector<int> fds;
+  u64 total = 0;
+  bool opened = true;
+  for (const auto& f : files) {
+    const int fd = ::open(f.c_str(), O_RDONLY | O_CLOEXEC | (c.direct ? O_DIRECT : 0));
+    if (!(opened = fd >= 0)) break;
+    fds.push_back(fd);
+    const u64 size = std::filesystem::file_size(f);
+    for (u64 o = 0; o < size; o += c.chunk) pieces.push_back({fd, o, std::min(c.chunk, size - o)});
+    total += size;
+  }
+  std::vector<std::shared_ptr<std::byte>> bufs;
+  for (unsigned t = 0; opened && t < c.threads; ++t)
+    bufs.push_back(c.direct ? aligned_bytes(c.chunk) : buffer(c.chunk));
+  std::atomic<std::size_t> next{0};
+  std::atomic<u64> got{0};
+  const double t0 = now_s();
+  std::vector<std::thread> ts;
+  for (const auto& buf : bufs)
+    ts.emplace_back([&, b = buf.get()] {
+      for (std::size_t i; (i = next.fetch_add(1)) < pieces.size();) {
+        const piece& p = pieces[i];
+        const u64 want = c.direct ? (p.len + 4095) / 4096 * 4096 : p.len;  // at a file's end: a short read
+        u64 done = 0;
+        for (ssize_t r; done < p.len && (r = ::pread(p.fd, b + done, want - done, off_t(p.off + done))) > 0;)
+          done += u64(r);
+        got += std::min(done, p.len);
+      }
+    });
+  for (auto& t : ts) t.join();
+  const double dt = now_s() - t0;
+  for (int fd : fds) ::close(fd);
+  return opened && got == total ? double(total) / dt : 0;
 }
 
 /// Load averages from /proc/loadavg ("0.12 0.30 0.25").

@@ -100,16 +100,6 @@ void split(u64 n, unsigned threads, F&& f) {
   for (auto& t : ts) t.join();
 }
 
-/// Drops the file's pages from the page cache (clean pages: the file was synced when written).
-/// Root is not needed: POSIX_FADV_DONTNEED evicts the pages of one file, as drop_caches would.
-void evict(const std::filesystem::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fdatasync(fd);
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-  ::close(fd);
-}
-
 /// O_DIRECT reads of [off, off + n) (off and n multiples of 4096) through an aligned staging
 /// block of `chunk` bytes, copied into dst: what a loader bypassing the page cache would do.
 void direct_loop(const std::filesystem::path& p, u64 off, std::byte* dst, u64 n, u64 chunk) {
@@ -323,7 +313,7 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < cold_reps; ++rep)
     for (std::size_t i = 0; i < cold.size(); ++i) {
       std::memset(dst, 0, data_bytes);
-      evict(path);
+      bench::evict(path);
       worst_resident = std::max(worst_resident, bench::page_cache_resident(path.string()));
       const double t0 = bench::now_s();
       cold[i].f();

@@ -15,7 +15,10 @@
 # builds only those units of the suite (with torch_main.cpp; a quick rehearsal); SUITE_ARGS adds
 # doctest options to the suite's run (-tc=... to pick cases; split at spaces, so a case's name
 # is matched with * where it has a space); BENCH_ARGS adds bench_device options (--threads N,
-# --slots N, ...). The suite's torch peer tests run with TORCH_PYTHON (default: the
+# --sweep N,N, --slots N, --ranks N, --cold-reps N, ...; --cpu-rehearsal runs its device-free
+# part without a GPU); BENCH_LIMIT is its time limit in seconds (default 360: the warm loads, the
+# resharded checkpoint it writes into WORK/out and loads, the cold loads from the disk, the
+# saves). The suite's torch peer tests run with TORCH_PYTHON (default: the
 # python3 on PATH, the wheel's torch; the tests' SHARDSAFE_TORCH_PYTHON). A program that crashes
 # is run again under cuda-gdb for a backtrace. Exits non-zero when anything failed.
 #
@@ -168,8 +171,10 @@ done
 rm -rf "$WORK/ckpt/pt"   # room for the saves
 
 log "bench_device"
-[ $r2 = 0 ] && [ $r3 = 0 ] && { run_or_trace 300 "$WORK/bench_device" --dir "$WORK/ckpt/st" --out "$WORK/out" --peers "$peers" ${BENCH_ARGS:-} ||
-  failed+=("bench_device"); }
+# --out on WORK's disk: the resharded checkpoint and the saves go there (its cold rows evict the
+# files of both checkpoints from the page cache, and need a file system that honours that)
+[ $r2 = 0 ] && [ $r3 = 0 ] && { run_or_trace "${BENCH_LIMIT:-360}" "$WORK/bench_device" --dir "$WORK/ckpt/st" \
+  --out "$WORK/out" --peers "$peers" ${BENCH_ARGS:-} || failed+=("bench_device"); }
 rm -rf "$WORK/ckpt" "$WORK/out"
 
 log "the rest of the torch suite (every world a store world unless Gloo's headers were there)"

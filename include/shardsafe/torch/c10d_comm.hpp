@@ -28,20 +28,12 @@
 #include "shardsafe/core/convert.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
+#include "shardsafe/torch/c10d_peer.hpp"
 #include "shardsafe/torch/compat.hpp"
 
 namespace shardsafe {
 
 namespace detail {
-/// The roll call's record of rank r in the store (c10d_comm, below).
-inline std::string roll_call_key(int r) { return "shardsafe/roll_call/" + std::to_string(r); }
-/// The ranks of a world of n whose answer to the roll call is not in the store (yet).
-inline std::vector<int> roll_call_silent(c10d::Store& store, int n) {
-  std::vector<int> silent;
-  for (int r = 0; r < n; ++r)
-    if (!store.check({roll_call_key(r)})) silent.push_back(r);
-  return silent;
-}
 /// The first line of an exception's text (c10's carry a backtrace after it).
 inline std::string first_line(std::string s) {
   if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
@@ -110,6 +102,14 @@ enum class c10d_transport {
 /// group's timeout, and still finds the store to answer and read. So a rank ends at most the
 /// group's timeout plus `roll_call` after the failure, the store's host at most twice the
 /// timeout plus twice `roll_call`.
+///
+/// Over a Gloo group given that store, it is also a PeerComm (send_bytes, recv_bytes: Gloo's
+/// point to point, torch/c10d_peer.hpp), so saves and loads agree up and down trees of ranks
+/// (dist/agree.hpp, checkpoint/save_agree.hpp) and replicas exchange their pieces pair by pair.
+/// A failed operation first sets the world's abort key in the store, and every rank waiting for
+/// a message throws within moments (`roll_call` / 10, 20 to 250 ms), then answers the roll call,
+/// as for a failed collective: ranks waiting on a lost rank only through others do not wait for
+/// the group's timeout.
 class c10d_comm {
  public:
   explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU,
@@ -120,7 +120,14 @@ class c10d_comm {
         device_(device),
         store_(std::move(store)),
         roll_call_(roll_call),
-        store_host_wait_(store_host_wait) {}
+        store_host_wait_(store_host_wait) {
+    // point to point over Gloo (a CPU group) where the store can carry the abort
+    if (pg_ && store_ && device_.is_cpu())
+      peers_ = std::make_shared<detail::c10d_peers>(
+          pg_, store_,
+          std::clamp<std::chrono::milliseconds>(roll_call_ / 10, std::chrono::milliseconds(20),
+                                                std::chrono::milliseconds(250)));
+  }
   /// Over a store: rank `rank` of `size`, its collectives as keys of channel->store, the roll call
   /// (as above) in `store`, the world's.
   c10d_comm(std::shared_ptr<detail::store_channel> channel, int rank, int size, c10::intrusive_ptr<c10d::Store> store,
@@ -138,6 +145,23 @@ class c10d_comm {
   int world_size() const { return pg_ ? pg_->getSize() : size_; }
   /// The process group; null over a store.
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
+
+  /// Whether send_bytes and recv_bytes work (a PeerComm): over a Gloo group given the world's
+  /// store, unless turned off. The tree algorithms then use them (dist/tree.hpp).
+  bool peer_to_peer() const noexcept { return peers_ && peer_on_; }
+  /// Turns point to point off (the algorithms use the collectives) or back on; alike on every rank.
+  void set_peer_to_peer(bool on) noexcept { peer_on_ = on; }
+  /// s to rank `peer`, posted: returns without waiting for its receive (dist/concepts.hpp).
+  void send_bytes(std::string_view s, int peer) {
+    guard(("send_bytes to rank " + std::to_string(checked_peer(peer))).c_str(), [&] { peers_->send(s, peer); });
+  }
+  /// The next bytes `peer` sent this rank; errc::comm_error past the group's timeout, or at once
+  /// when any rank's operation failed (the abort, torch/c10d_peer.hpp).
+  std::string recv_bytes(int peer) {
+    std::string out;
+    guard(("recv_bytes from rank " + std::to_string(checked_peer(peer))).c_str(), [&] { out = peers_->recv(peer); });
+    return out;
+  }
 
   void barrier() {
     guard("barrier", [&] {
@@ -236,6 +260,15 @@ class c10d_comm {
   }
 
  private:
+  int checked_peer(int peer) const {
+    if (!peer_to_peer())
+      fail(errc::invalid_argument, "c10d_comm: point to point needs a Gloo group and the world's store");
+    if (peer < 0 || peer >= world_size() || peer == rank())
+      fail(errc::invalid_argument, "c10d_comm: rank " + std::to_string(rank()) +
+                                       " cannot send to or receive from rank " + std::to_string(peer) +
+                                       " (a world of " + std::to_string(world_size()) + ")");
+    return peer;
+  }
   at::TensorOptions opts(at::ScalarType st) const { return at::TensorOptions().dtype(st).device(device_); }
 
   // --- over a store: collective k's keys are "shardsafe/c/k/..."; a rank's bytes are the key
@@ -360,68 +393,17 @@ class c10d_comm {
     } catch (const std::exception& e) {  // Gloo's transport errors (gloo::IoException) come as they are
       why = e.what();
     }
+    if (peers_) peers_->break_world(std::string("c10d ") + what + ": " + detail::first_line(why));
     throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " of " +
                                       std::to_string(world_size()) + " failed: " + detail::first_line(why) +
-                                      roll_call());
+                                      roll_call(std::string("c10d ") + what + ": " + detail::first_line(why)));
   }
 
-  /// The roll call after a failed collective (see the class comment); runs on a thread of its
-  /// own so that a store that does not answer (a cut link) costs at most roll_call_.
-  std::string roll_call() const {
-    if (!store_ || roll_call_.count() <= 0) return {};
-    struct result {
-      std::mutex m;
-      std::condition_variable cv;
-      bool done = false;
-      std::string text;
-    };
-    auto res = std::make_shared<result>();
-    const double secs = std::chrono::duration<double>(roll_call_).count();
-    char budget[32];
-    std::snprintf(budget, sizeof budget, "%.1f s", secs);
-    std::thread([res, store = store_, me = rank(), n = world_size(), limit = roll_call_, budget = std::string(budget)] {
-      std::string text;
-      try {
-        store->set(detail::roll_call_key(me), std::vector<std::uint8_t>{1});
-        const auto deadline = std::chrono::steady_clock::now() + limit;
-        std::vector<int> silent;
-        while (!(silent = detail::roll_call_silent(*store, n)).empty() && std::chrono::steady_clock::now() < deadline)
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (silent.empty()) {
-          text = "; every rank answered the roll call in the store (each saw a collective fail)";
-        } else {
-          text = "; rank" + std::string(silent.size() > 1 ? "s " : " ");
-          for (std::size_t i = 0; i < silent.size(); ++i) text += (i ? ", " : "") + std::to_string(silent[i]);
-          text += " did not answer the roll call in the store within " + budget + " (lost, or still blocked)";
-        }
-      } catch (const std::exception& e) {
-        text =
-            "; the store (rank 0's, where the world met) did not answer the roll call: " + detail::first_line(e.what());
-      }
-      std::lock_guard<std::mutex> lk(res->m);
-      res->text = std::move(text);
-      res->done = true;
-      res->cv.notify_all();
-    }).detach();
-    std::unique_lock<std::mutex> lk(res->m);
-    if (!res->cv.wait_for(lk, roll_call_ + std::chrono::milliseconds(500), [&] { return res->done; }))
-      return "; the store (rank 0's, where the world met) did not answer the roll call within " + std::string(budget) +
-             " (rank 0's host lost, or this rank cut off)";
-    if (store_host_wait_.count() > 0) keep_store_up();
-    return res->text;
-  }
-
-  /// On the store's host, after its roll call: until every rank has answered (at most
-  /// store_host_wait_), then one roll call more for the last to read the answers.
-  void keep_store_up() const {
-    const auto deadline = std::chrono::steady_clock::now() + store_host_wait_;
-    try {
-      while (!detail::roll_call_silent(*store_, world_size()).empty() && std::chrono::steady_clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    } catch (const std::exception&) {  // the store is this process's own: nothing more to keep up
-      return;
-    }
-    std::this_thread::sleep_for(roll_call_);
+  /// The roll call (torch/c10d_peer.hpp) after the first failure; a later one (the world is
+  /// broken: the abort fails every operation that follows) says what the first found.
+  std::string roll_call(const std::string& why) const {
+    if (rolled_->empty()) *rolled_ = detail::roll_call(store_, rank(), world_size(), roll_call_, store_host_wait_, why);
+    return *rolled_;
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
@@ -431,8 +413,11 @@ class c10d_comm {
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds roll_call_;
   std::chrono::milliseconds store_host_wait_{0};
+  std::shared_ptr<detail::c10d_peers> peers_;  ///< point to point (a Gloo group and a store)
+  bool peer_on_ = true;
+  std::shared_ptr<std::string> rolled_ = std::make_shared<std::string>();  ///< the first roll call's words
 };
 
-static_assert(Comm<c10d_comm>);
+static_assert(PeerComm<c10d_comm>);
 
 }  // namespace shardsafe

@@ -315,6 +315,42 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const device_load_optio
   return load_state_dict(reader, sd, opt);
 }
 
+/// The collective load of a state dict (every rank calls it; the first failure of any rank is
+/// thrown on every rank). Contiguous CPU tensors go through the collective load
+/// (checkpoint/load.hpp): with opt.replicas, ranks that load the same tensors (HSDP replicas,
+/// data-parallel copies) read each byte once between them and exchange the rest
+/// (checkpoint/replica_reads.hpp). The others (device tensors, tensors that are not contiguous
+/// CPU tensors) are loaded by each rank alone, as load_state_dict(reader, sd, opt) loads them.
+template <ReadableDirectory D, Comm C>
+load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collective_load_options& opt = {}) {
+  std::optional<checkpoint_reader<D>> reader;
+  std::vector<flat_view> direct;
+  state_dict rest;
+  every_rank_step(comm, [&] {
+    reader.emplace(dir);
+    for (auto& [key, t] : sd) {
+      if (!t.local.defined())
+        fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
+      if (is_viewable(t.local))
+        direct.push_back(detail::view_of(key, t, t.local));
+      else
+        rest.add(key, t);  // the same tensor: loaded in place
+    }
+  });
+  load_stats st = shardsafe::load(*reader, std::span<const flat_view>(direct), comm, opt);
+  if (rest.empty()) return st;
+  every_rank_step(comm, [&] {
+    device_load_options one;
+    static_cast<load_options&>(one) = opt;
+    const load_stats r = load_state_dict(*reader, rest, one);
+    st.tensors += r.tensors;
+    st.add_reads(r);
+    st.missing_keys.insert(st.missing_keys.end(), r.missing_keys.begin(), r.missing_keys.end());
+    st.unexpected_keys = reader->unexpected_keys([&](const std::string& k) { return sd.find(k) != nullptr; });
+  });
+  return st;
+}
+
 /// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool), in
 /// tensors it allocates: one at::empty each, or all in one huge-page arena populated ahead of
 /// the reads (torch/tensor_memory.hpp: much less page-fault time for a load into new memory).

@@ -1,0 +1,235 @@
+// tests/torch/test_c10d_peer.cpp - c10d_comm as a PeerComm over Gloo (torch/c10d_peer.hpp):
+// messages checked byte for byte against the formula they were made from, a save over c10d
+// agreed up the tree written byte for byte as the all-gathered one with what each rank received
+// counted, and a rank lost in the middle of a tree step named by every other rank without any
+// of them waiting for the group's timeout (issue 56).
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "fixtures.hpp"
+#include "shardsafe/checkpoint/saver.hpp"
+#include "shardsafe/dist/agree.hpp"
+#include "shardsafe/dist/counted.hpp"
+#include "shardsafe/storage/file.hpp"
+#include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/state_dict.hpp"
+#include "world.hpp"
+
+using namespace shardsafe;
+namespace fs = std::filesystem;
+
+namespace {
+
+/// Message k from rank `from` to rank `to`: its length from a list that crosses the head's
+/// boundary (torch/c10d_peer.hpp: 4,088 bytes ride in the head), its bytes from the triple.
+std::string peer_message(int from, int to, int k) {
+  static const std::size_t sizes[] = {0, 1, 4087, 4088, 4089, 70000, (std::size_t(5) << 20) + 3, 17};
+  std::string s(sizes[k % 8], '\0');
+  for (std::size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>((i * 131 + from * 17 + to * 5 + k * 3) & 0xff);
+  return s;
+}
+constexpr int peer_messages = 16;
+
+/// Rank r's shard of the save test's model: 120 tensors of [world * 4, 8] F32, rows 4r to 4r + 4
+/// each (a block), plus a tensor every rank holds whole; element values from their indices.
+struct peer_model {
+  std::vector<std::vector<float>> data;
+  std::vector<flat_view> views;
+  peer_model(int r, int world) {
+    for (int t = 0; t <= 120; ++t) {
+      const bool whole = t == 120;
+      const std::uint64_t rows = whole ? 3 : 4, row0 = whole ? 0 : 4 * static_cast<std::uint64_t>(r);
+      data.emplace_back(static_cast<std::size_t>(rows * 8));
+      for (std::size_t i = 0; i < data.back().size(); ++i)
+        data.back()[i] = static_cast<float>(t * 1000 + static_cast<int>(row0 * 8 + i)) * 0.25f;
+      flat_view v;
+      v.key = "layer." + std::to_string(t) + ".weight";
+      v.full_shape = whole ? shape_t{3, 8} : shape_t{static_cast<std::uint64_t>(world) * 4, 8};
+      if (!whole) v.spec = block_spec({4, 8}, {row0, 0});
+      v.data = reinterpret_cast<std::byte*>(data.back().data());
+      v.nbytes = data.back().size() * 4;
+      views.push_back(std::move(v));
+    }
+  }
+};
+
+}  // namespace
+
+// Every rank posts all its messages to every other rank before it receives any (sends return
+// without waiting for their receive), then receives each peer's in order.
+WORKER_SCENARIO("peer_messages") {
+  c10d_world w = init_world_from_env(std::chrono::seconds(60));
+  c10d_comm comm = w.comm();
+  testing::worker_check(comm.peer_to_peer(), "c10d_comm over Gloo is not peer to peer");
+  const int r = w.rank, n = w.world_size;
+  for (int k = 0; k < peer_messages; ++k)
+    for (int q = 0; q < n; ++q)
+      if (q != r) comm.send_bytes(peer_message(r, q, k), q);
+  for (int q = 0; q < n; ++q)
+    for (int k = 0; k < peer_messages && q != r; ++k)
+      testing::worker_check(comm.recv_bytes(q) == peer_message(q, r, k),
+                            "message " + std::to_string(k) + " from rank " + std::to_string(q) + " differs");
+  comm.set_peer_to_peer(false);
+  testing::worker_check(!comm.peer_to_peer(), "point to point could not be turned off");
+  return 0;
+}
+
+// args: folder, "tree" or "gather", stats file. Saves the model over c10d (counted), and
+// writes what this rank received.
+WORKER_SCENARIO("peer_save") {
+  c10d_world w = init_world_from_env(std::chrono::seconds(60));
+  c10d_comm comm = w.comm();
+  comm.set_peer_to_peer(args.at(1) == "tree");
+  counted_comm<c10d_comm> counted(comm);
+  const peer_model m(w.rank, w.world_size);
+  save_options opt;
+  opt.metadata = metadata_form::listed;
+  save(file_directory(args.at(0)), std::span<const flat_view>(m.views), counted, opt);
+  std::ofstream(args.at(2) + "." + std::to_string(w.rank)) << counted.bytes_in << " " << counted.gathers;
+  return 0;
+}
+
+// args: timeout in ms. Tree steps again and again; rank 3 leaves abruptly (its sockets closed,
+// as a kill does) before the fourth. Every other rank prints its error and returns 3.
+WORKER_SCENARIO("peer_rank_lost") {
+  c10d_world w = init_world_from_env(std::chrono::milliseconds(std::stol(args.at(0))));
+  c10d_comm comm = w.comm();
+  try {
+    for (int i = 0;; ++i) {
+      if (i == 3 && w.rank == 3) std::_Exit(0);
+      every_rank_step(comm, [] {});
+    }
+  } catch (const shardsafe::error& e) {
+    std::fprintf(stderr, "rank %d: %s\n", w.rank, e.what());
+    return e.code() == errc::comm_error ? 3 : 4;
+  }
+}
+
+// args: folder, stats file. Every rank saves the same 6 whole tensors (rank 0 writes them), then
+// loads them into zeroed tensors with replicas read once (one held through a transposed view:
+// loaded by each rank alone), checks every value against the formula, and writes its stats.
+WORKER_SCENARIO("peer_replica_load") {
+  c10d_world w = init_world_from_env(std::chrono::seconds(60));
+  c10d_comm comm = w.comm();
+  auto value = [](int t) { return at::arange(64 * 32, at::kFloat).reshape({64, 32}).mul_(0.5f).add_(t * 1000.0f); };
+  state_dict saved, loaded;
+  std::vector<at::Tensor> keep;
+  for (int t = 0; t < 6; ++t) {
+    const std::string key = "w." + std::to_string(t);
+    saved.add(key, value(t));
+    keep.push_back(t == 5 ? at::zeros({32, 64}).t() : at::zeros({64, 32}));  // 5: not contiguous
+    loaded.add(key, keep.back());
+  }
+  save_state_dict(file_directory(args.at(0)), saved, comm);
+  collective_load_options opt;
+  opt.replicas = replica_reads::read_once;
+  const load_stats st = load_state_dict(file_directory(args.at(0)), loaded, comm, opt);
+  for (int t = 0; t < 6; ++t)
+    testing::worker_check(keep[static_cast<std::size_t>(t)].equal(value(t)), "w." + std::to_string(t) + " differs");
+  testing::worker_check(st.unexpected_keys.empty() && st.missing_keys.empty() && st.tensors >= 6,
+                        "the load's keys or count are wrong");
+  std::ofstream(args.at(1) + "." + std::to_string(w.rank))
+      << st.bytes_read << " " << st.bytes_received << " " << st.replica_group << " " << to_string(st.replicas);
+  return 0;
+}
+
+TEST_CASE("c10d over Gloo is a PeerComm: messages of 0 bytes to 5 MiB between 4 ranks, in order, bit for bit") {
+  auto res = testing::run_world("peer_messages", 4, {}, std::chrono::seconds(240));
+  CHECK_MESSAGE(res.ok(), res.report());
+}
+
+TEST_CASE("a save over c10d agrees up the tree: the bytes the all-gather writes, a fraction of what it receives") {
+  constexpr int ranks = 6;
+  testing::temp_dir dir("c10d-peer-save");
+  std::map<std::string, std::vector<std::uint64_t>> received;
+  std::map<std::string, std::vector<std::uint64_t>> gathers;
+  for (const std::string mode : {"tree", "gather"}) {
+    const fs::path out = dir.path / mode;
+    auto res = testing::run_world("peer_save", ranks, {out.string(), mode, (dir.path / ("stats-" + mode)).string()},
+                                  std::chrono::seconds(240));
+    REQUIRE_MESSAGE(res.ok(), res.report());
+    for (int r = 0; r < ranks; ++r) {
+      std::ifstream f(dir.path / ("stats-" + mode + "." + std::to_string(r)));
+      std::uint64_t in = 0, g = 0;
+      f >> in >> g;
+      received[mode].push_back(in);
+      gathers[mode].push_back(g);
+    }
+  }
+  // the same files, byte for byte
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path / "gather")) names.push_back(e.path().filename().string());
+  CHECK(names.size() == ranks + 1);
+  for (const auto& name : names) {
+    CAPTURE(name);
+    REQUIRE(fs::exists(dir.path / "tree" / name));
+    CHECK(testing::slurp(dir.path / "tree" / name) == testing::slurp(dir.path / "gather" / name));
+  }
+  std::size_t in_tree = 0;
+  for (const auto& e : fs::directory_iterator(dir.path / "tree")) in_tree += e.is_regular_file();
+  CHECK(in_tree == names.size());
+  // over the tree no step all-gathers, and no rank but 0 (which hears the file sizes) receives
+  // half of what the all-gather hands each rank (every rank's description of 121 tensors; the
+  // share falls as the world grows: tests/checkpoint/test_description_tree.cpp counts it to 256)
+  std::uint64_t least_gathered = received["gather"][0];
+  for (int r = 0; r < ranks; ++r) least_gathered = std::min(least_gathered, received["gather"][r]);
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    CHECK(gathers["tree"][r] == 0);
+    CHECK(gathers["gather"][r] > 0);
+    if (r > 0) CHECK(received["tree"][r] * 2 < least_gathered);
+  }
+  MESSAGE("bytes received, tree: " << received["tree"][0] << " (rank 0), " << received["tree"][1] << " (rank 1); "
+                                   << "all-gather: " << received["gather"][1] << " (rank 1)");
+}
+
+TEST_CASE("a rank lost in the middle of a tree step over c10d: every other rank names it, none waits for the timeout") {
+  constexpr int ranks = 6;
+  // a group timeout far longer than the abort needs: a rank that waited for it would say so
+  auto res = testing::run_world("peer_rank_lost", ranks, {"20000"}, std::chrono::seconds(240));
+  REQUIRE(res.status.size() == ranks);
+  CHECK(res.status[3] == 0);
+  int aborted = 0;
+  for (int r = 0; r < ranks; ++r) {
+    if (r == 3) continue;
+    CAPTURE(r);
+    const std::string& err = res.err[r];
+    CHECK_MESSAGE(res.status[r] == 3, res.report());
+    CHECK_MESSAGE(err.find("c10d ") != std::string::npos, err);
+    CHECK_MESSAGE(err.find(" on rank " + std::to_string(r) + " of 6 failed") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("rank 3 did not answer the roll call") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("imed out") == std::string::npos, err);  // no Gloo or store timeout
+    aborted += err.find("the world was aborted: rank ") != std::string::npos;
+  }
+  // rank 3's parent in the tree (rank 2) sees it go; ranks that wait on others learn it by the abort
+  CHECK(aborted >= 3);
+  MESSAGE("rank 0: " << res.err[0] << "\nrank 5: " << res.err[5]);
+}
+
+TEST_CASE("a LibTorch state dict loaded by 4 data-parallel ranks over c10d reads each byte once between them") {
+  constexpr int ranks = 4;
+  testing::temp_dir dir("c10d-replica-load");
+  auto res = testing::run_world("peer_replica_load", ranks, {(dir.path / "ckpt").string(), (dir.path / "st").string()},
+                                std::chrono::seconds(240));
+  REQUIRE_MESSAGE(res.ok(), res.report());
+  constexpr std::uint64_t tensor = 64 * 32 * 4, shared = 5 * tensor;  // w.5 is read by every rank
+  std::uint64_t read = 0;
+  for (int r = 0; r < ranks; ++r) {
+    CAPTURE(r);
+    std::ifstream f(dir.path / ("st." + std::to_string(r)));
+    std::uint64_t bytes_read = 0, received = 0, group = 0;
+    std::string mode;
+    f >> bytes_read >> received >> group >> mode;
+    CHECK(mode == "read_once");
+    CHECK(group == ranks);
+    // each rank reads its quarter of the 5 shared tensors and all of w.5, and receives the rest
+    CHECK(bytes_read >= tensor);
+    CHECK(received + (bytes_read - tensor) == shared);
+    read += bytes_read;
+  }
+  CHECK(read == shared + ranks * tensor);  // every rank reading everything would be 4 x 6 tensors
+}
