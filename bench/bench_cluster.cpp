@@ -339,14 +339,6 @@ double tx_bytes(const cluster& c, int node) {
                                 " cat /sys/class/net/eth0/statistics/tx_bytes"));
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) out.push_back(item);
-  return out;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -379,7 +371,8 @@ int main(int argc, char** argv) {
   const std::string tensors = std::to_string(a.get_int("--tensors", quick ? 8 : 32));
   const std::string rate = a.get("--rate", "10gbit");
   std::vector<int> worlds;
-  for (const auto& w : split(a.get("--worlds", quick ? "1,2,4" : "1,2,4,8,16"))) worlds.push_back(std::stoi(w));
+  for (const auto& w : bench::split_list(a.get("--worlds", quick ? "1,2,4" : "1,2,4,8,16")))
+    worlds.push_back(std::stoi(w));
   const double model_mib = double(std::stoi(tensors)) * rows * cols * 4 / double(bench::MiB);
   char tmpl[] = "/tmp/bench_cluster-XXXXXX";
   const fs::path tmp(::mkdtemp(tmpl));
@@ -474,7 +467,7 @@ int main(int argc, char** argv) {
     if (http) url = start_nginx(c, hf, tmp / "nginx");
     std::vector<std::string> stores{"-"};  // the file system first (no store link)
     if (http)
-      for (const auto& sr : split(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit")))
+      for (const auto& sr : bench::split_list(a.get("--store-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit")))
         stores.push_back(sr);
     for (const std::string held : {"rows", "whole"}) {
       for (const auto& srate : stores) {
@@ -548,7 +541,8 @@ int main(int argc, char** argv) {
                       "received MiB a rank", "used", "ok"});
       std::vector<std::string> picks;
       for (const std::string held : {"whole", "hsdp"}) {
-        for (const auto& srate : split(a.get("--replica-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit"))) {
+        for (const auto& srate :
+             bench::split_list(a.get("--replica-rates", quick ? "1gbit" : "100mbit,1gbit,10gbit"))) {
           sh(script + " rate " + c.name + " 4 " + srate);
           const double link_bps = srate.find("gbit") != std::string::npos   ? std::stod(srate) * 1e9
                                   : srate.find("mbit") != std::string::npos ? std::stod(srate) * 1e6

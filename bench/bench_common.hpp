@@ -254,6 +254,16 @@ class table {
 };
 
 /// Command-line flags: --name VALUE or --flag.
+/// The items of "a,b,c" (none of "").
+inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  for (std::size_t p = 0, e; p < s.size(); p = e + 1) {
+    if ((e = s.find(',', p)) == std::string::npos) e = s.size();
+    out.push_back(s.substr(p, e - p));
+  }
+  return out;
+}
+
 struct args {
   std::string program;  ///< the name it was run by, without its folder
   std::vector<std::string> v;

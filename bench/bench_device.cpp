@@ -123,16 +123,6 @@ double pageable_d2h_rate(c10::Device dev, std::uint64_t total, unsigned threads)
 
 std::string gbs(double bytes_per_s) { return bench::fmt("%.2f", bytes_per_s / 1e9) + " GB/s"; }
 
-/// The items of "a,b,c".
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> out;
-  for (std::size_t p = 0, e; p < s.size(); p = e + 1) {
-    if ((e = s.find(',', p)) == std::string::npos) e = s.size();
-    out.push_back(s.substr(p, e - p));
-  }
-  return out;
-}
-
 /// The files of a checkpoint folder: every one (what eviction drops), or its .safetensors (what
 /// the read limits read).
 std::vector<fs::path> files_of(const fs::path& dir, bool safetensors_only) {
@@ -435,7 +425,7 @@ int main(int argc, char** argv) {
 
   // --- load into CUDA tensors, at each read-thread count of the sweep; the best median decides
   std::vector<unsigned> sweep;
-  for (const std::string& w : split_list(a.get("--sweep", "")))
+  for (const std::string& w : bench::split_list(a.get("--sweep", "")))
     if (const long n = std::atol(w.c_str()); n > 0) sweep.push_back(unsigned(n));
   if (sweep.empty()) sweep = {threads, 2 * threads};
   state_dict sd = whole_tensors(md, dev);
@@ -452,7 +442,7 @@ int main(int argc, char** argv) {
       print_load("shardsafe load -> " + to + " (" + std::to_string(best_threads) + " read threads: the sweep's best)",
                  best, model_bytes, limit);
   bench::print_target(0, "  target >= 0.9x the lesser limit", x, "x", x >= 0.9);
-  for (const std::string& item : split_list(a.get("--peers", "")))  // the peers scripts/device-check.sh ran
+  for (const std::string& item : bench::split_list(a.get("--peers", "")))  // the peers scripts/device-check.sh ran
     if (const std::size_t eq = item.find('='); eq != std::string::npos) {
       const double rate = std::atof(item.c_str() + eq + 1) * 1e9, median = double(model_bytes) / best.s.median();
       std::printf("  vs %s (%s): %.2fx\n", item.substr(0, eq).c_str(), gbs(rate).c_str(), median / rate);

@@ -42,7 +42,7 @@ namespace detail {
 /// A source view of a state dict entry: its memory when the snapshot can read it directly,
 /// else only its description (the copy goes through ATen).
 inline flat_view source_view_of(const std::string& key, const sharded_tensor& t, std::string_view dir) {
-  if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
+  require_defined(dir, key, t);
   if (is_viewable(t.local)) return view_of(key, t, t.local);
   return described_view(key, t, dir);
 }

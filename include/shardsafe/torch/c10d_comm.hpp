@@ -34,11 +34,6 @@
 namespace shardsafe {
 
 namespace detail {
-/// The first line of an exception's text (c10's carry a backtrace after it).
-inline std::string first_line(std::string s) {
-  if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
-  return s;
-}
 
 /// The TCPStore at addr:port, `timeout` for its operations, served by this process where
 /// `serve`. With `world` > 0 it is a world's rendezvous: every rank counts itself in and the

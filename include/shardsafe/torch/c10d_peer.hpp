@@ -42,6 +42,15 @@
 
 namespace shardsafe::detail {
 
+/// The first line of an exception's text (c10's carry a backtrace after it).
+inline std::string first_line(std::string s) {
+  if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
+  return s;
+}
+
+/// The roll call's record of rank r in the store.
+inline std::string roll_call_key(int r) { return "shardsafe/roll_call/" + std::to_string(r); }
+
 /// The store key a failing operation sets (its value: "rank R: why").
 inline const char* c10d_abort_key() { return "shardsafe/abort"; }
 /// A message's first Gloo send: its length (8 bytes) and up to peer_head_bytes - 8 of its bytes.
@@ -65,7 +74,7 @@ inline void set_c10d_abort(c10d::Store& store, int rank, const std::string& why)
 inline std::vector<int> roll_call_silent(c10d::Store& store, int n) {
   std::vector<int> silent;
   for (int r = 0; r < n; ++r)
-    if (!store.check({"shardsafe/roll_call/" + std::to_string(r)})) silent.push_back(r);
+    if (!store.check({roll_call_key(r)})) silent.push_back(r);
   return silent;
 }
 
@@ -92,7 +101,7 @@ inline std::string roll_call(const c10::intrusive_ptr<c10d::Store>& store, int m
     std::string text;
     try {
       set_c10d_abort(*store, me, why);
-      store->set("shardsafe/roll_call/" + std::to_string(me), std::vector<std::uint8_t>{1});
+      store->set(roll_call_key(me), std::vector<std::uint8_t>{1});
       const auto deadline = std::chrono::steady_clock::now() + limit;
       std::vector<int> silent;
       while (!(silent = roll_call_silent(*store, n)).empty() && std::chrono::steady_clock::now() < deadline)
@@ -105,9 +114,7 @@ inline std::string roll_call(const c10::intrusive_ptr<c10d::Store>& store, int m
         text += " did not answer the roll call in the store within " + budget + " (lost, or still blocked)";
       }
     } catch (const std::exception& e) {
-      std::string w = e.what();
-      if (const auto nl = w.find('\n'); nl != std::string::npos) w.resize(nl);
-      text = "; the store (rank 0's, where the world met) did not answer the roll call: " + w;
+      text = "; the store (rank 0's, where the world met) did not answer the roll call: " + first_line(e.what());
     }
     std::lock_guard<std::mutex> lk(res->m);
     res->text = std::move(text);
@@ -320,8 +327,7 @@ class c10d_peers {
       try {
         done = p.work->wait();
       } catch (const std::exception& e) {
-        err = e.what();
-        if (const auto nl = err.find('\n'); nl != std::string::npos) err.resize(nl);
+        err = first_line(e.what());
       }
       const std::string why = "a send to rank " + std::to_string(p.peer) + " failed: " + err;
       lk.lock();

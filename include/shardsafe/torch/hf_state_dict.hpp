@@ -51,8 +51,7 @@ hf_import_stats load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const 
   std::map<detail::tensor_identity, std::size_t> staging_of;
   every_rank_step(comm, [&] {
     for (auto& [key, t] : sd) {
-      if (!t.local.defined())
-        fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
+      detail::require_defined(dir.name(), key, t);
       if (is_viewable(t.local)) {
         views.push_back(detail::view_of(key, t, t.local));
         continue;

@@ -83,6 +83,24 @@ class state_dict {
 };
 
 namespace detail {
+/// Fails (naming the folder and the key) where a state dict's tensor is undefined.
+inline void require_defined(std::string_view dir, const std::string& key, const sharded_tensor& t) {
+  if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
+}
+
+/// Adds to `st` the load of some more of a state dict's tensors: their count, reads and missing keys.
+inline void add_load(load_stats& st, const load_stats& s) {
+  st.tensors += s.tensors;
+  st.add_reads(s);
+  st.missing_keys.insert(st.missing_keys.end(), s.missing_keys.begin(), s.missing_keys.end());
+}
+
+/// The checkpoint's tensors that no entry of sd asks for.
+template <class Reader>
+std::vector<std::string> unexpected_in(const Reader& reader, const state_dict& sd) {
+  return reader.unexpected_keys([&](const std::string& k) { return sd.find(k) != nullptr; });
+}
+
 inline flat_view view_of(const std::string& key, const sharded_tensor& t, const at::Tensor& memory) {
   flat_view v = make_flat_view(key, memory, t.spec, t.full_shape);
   v.replica = t.replica;
@@ -125,7 +143,7 @@ std::vector<flat_view> save_views(const state_dict& sd, std::vector<at::Tensor>&
   views.reserve(sd.size());
   every_rank_step(comm, [&] {
     for (const auto& [key, t] : sd) {
-      if (!t.local.defined()) fail(errc::invalid_argument, std::string(dir) + ": tensor '" + key + "' is undefined");
+      require_defined(dir, key, t);
       if (fetched && is_device_loadable(t.local)) {
         views.push_back(described_view(key, t, dir));
         fetched->emplace(key, &t.local);
@@ -267,8 +285,7 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const d
   std::vector<detail::device_entry> on_device;  // each on its tensor's device
   std::vector<std::pair<const std::string*, sharded_tensor*>> staged;
   for (auto& [key, t] : sd) {
-    if (!t.local.defined())
-      fail(errc::invalid_argument, std::string(reader.directory().name()) + ": tensor '" + key + "' is undefined");
+    detail::require_defined(reader.directory().name(), key, t);
     if (is_viewable(t.local))
       direct.push_back(detail::view_of(key, t, t.local));
     else if (detail::is_device_loadable(t.local))
@@ -279,18 +296,13 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const d
       staged.emplace_back(&key, &t);
   }
   load_stats st = shardsafe::load(reader, std::span<const flat_view>(direct), opt);
-  auto add = [&st](const load_stats& s) {
-    st.tensors += s.tensors;
-    st.add_reads(s);
-    st.missing_keys.insert(st.missing_keys.end(), s.missing_keys.begin(), s.missing_keys.end());
-  };
   while (!on_device.empty()) {  // one ring per device, in order of first use
     const c10::Device dev = on_device.front().tensor->device();
     std::vector<detail::device_entry> entries;
     for (auto& e : on_device)
       if (e.tensor->device() == dev) entries.push_back(e);
     std::erase_if(on_device, [&](const detail::device_entry& e) { return e.tensor->device() == dev; });
-    add(detail::load_on_device(reader, entries, dev, opt));
+    detail::add_load(st, detail::load_on_device(reader, entries, dev, opt));
   }
   load_options one = opt;
   one.list_unexpected = false;  // the first load listed them; these come one tensor at a time
@@ -298,14 +310,14 @@ load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, const d
     at::Tensor tmp =
         at::empty(t->local.sizes(), t->local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
     flat_view v = detail::view_of(*key, *t, tmp);
-    add(shardsafe::load(reader, std::span<const flat_view>(&v, 1), one));
+    detail::add_load(st, shardsafe::load(reader, std::span<const flat_view>(&v, 1), one));
     {
       at::NoGradGuard no_grad;
       t->local.copy_(tmp);
     }
   }
   if (direct.size() != sd.size())  // unexpected keys: recompute over all entries
-    st.unexpected_keys = reader.unexpected_keys([&](const std::string& k) { return sd.find(k) != nullptr; });
+    st.unexpected_keys = detail::unexpected_in(reader, sd);
   return st;
 }
 
@@ -329,8 +341,7 @@ load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collecti
   every_rank_step(comm, [&] {
     reader.emplace(dir);
     for (auto& [key, t] : sd) {
-      if (!t.local.defined())
-        fail(errc::invalid_argument, std::string(dir.name()) + ": tensor '" + key + "' is undefined");
+      detail::require_defined(dir.name(), key, t);
       if (is_viewable(t.local))
         direct.push_back(detail::view_of(key, t, t.local));
       else
@@ -342,11 +353,8 @@ load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collecti
   every_rank_step(comm, [&] {
     device_load_options one;
     static_cast<load_options&>(one) = opt;
-    const load_stats r = load_state_dict(*reader, rest, one);
-    st.tensors += r.tensors;
-    st.add_reads(r);
-    st.missing_keys.insert(st.missing_keys.end(), r.missing_keys.begin(), r.missing_keys.end());
-    st.unexpected_keys = reader->unexpected_keys([&](const std::string& k) { return sd.find(k) != nullptr; });
+    detail::add_load(st, load_state_dict(*reader, rest, one));
+    st.unexpected_keys = detail::unexpected_in(*reader, sd);
   });
   return st;
 }
