@@ -1,10 +1,14 @@
 // bench/bench_common.hpp - small helpers the I/O benchmarks share: repetition timing,
 // /proc/self/status readings (RSS, peak RSS), page-cache residency and eviction, the plain
-// read rate of files (a limit), and a plain table.
+// read rate of files (a limit), a measured step in a child process (a fork, or a peer program),
+// and a plain table.
 // No LibTorch, no Google Benchmark: std::chrono::steady_clock and printf.
 #pragma once
 
 #include <fcntl.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,7 +28,10 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+extern char** environ;
 
 namespace bench {
 
@@ -146,9 +153,13 @@ struct read_config {
   unsigned threads;
   u64 chunk;
   bool direct;
+  /// Each piece into its place in one buffer the size of the files (made and touched before the
+  /// clock), as a load lands its bytes: the memory's write bandwidth counts, as it does for a load
+  /// (a small reused buffer stays in the CPU's cache and reads from the page cache look faster).
+  bool in_place = false;
   std::string name() const {
     return std::string(direct ? "O_DIRECT" : "pread") + " " + std::to_string(chunk / MiB) + " MiB x" +
-           std::to_string(threads);
+           std::to_string(threads) + (in_place ? " in place" : "");
   }
 };
 
@@ -175,16 +186,23 @@ inline double read_rate(const std::vector<std::filesystem::path>& files, const r
     total += size;
   }
   std::vector<std::shared_ptr<std::byte>> bufs;
-  for (unsigned t = 0; opened && t < c.threads; ++t)
+  std::vector<u64> at;  // in_place: where each piece lands in the one buffer
+  if (c.in_place && opened) {
+    u64 o = 0;
+    for (const piece& p : pieces) at.push_back(std::exchange(o, o + (p.len + 4095) / 4096 * 4096));
+    bufs.push_back(aligned_bytes(o));  // written once: touched
+  }
+  for (unsigned t = 0; opened && !c.in_place && t < c.threads; ++t)
     bufs.push_back(c.direct ? aligned_bytes(c.chunk) : buffer(c.chunk));
   std::atomic<std::size_t> next{0};
   std::atomic<u64> got{0};
   const double t0 = now_s();
   std::vector<std::thread> ts;
-  for (const auto& buf : bufs)
-    ts.emplace_back([&, b = buf.get()] {
+  for (unsigned t = 0; opened && t < c.threads; ++t)
+    ts.emplace_back([&, own = c.in_place ? nullptr : bufs[t].get()] {
       for (std::size_t i; (i = next.fetch_add(1)) < pieces.size();) {
         const piece& p = pieces[i];
+        std::byte* const b = own ? own : bufs.front().get() + at[i];
         const u64 want = c.direct ? (p.len + 4095) / 4096 * 4096 : p.len;  // at a file's end: a short read
         u64 done = 0;
         for (ssize_t r; done < p.len && (r = ::pread(p.fd, b + done, want - done, off_t(p.off + done))) > 0;)
@@ -215,6 +233,82 @@ inline std::string fmt(const char* f, double x) {
   char b[64];
   std::snprintf(b, sizeof b, f, x);
   return b;
+}
+
+/// What a step run in a child process measured: its seconds and a value it returned (a checksum,
+/// a count of wrong bytes), its peak RSS (wait4's ru_maxrss), and for a peer program its output.
+struct outcome {
+  double seconds = 0, peak = 0, sum = 0;
+  bool ok = true;
+  std::string why;  ///< why not ok
+  std::string out;  ///< a peer's standard output
+  /// The number after "name=" in a peer's output; -1 where it says none.
+  double field(const char* name) const {
+    const auto at = out.find(std::string(name) + "=");
+    return at == std::string::npos ? -1.0 : std::atof(out.c_str() + at + std::strlen(name) + 1);
+  }
+};
+
+/// f() in a forked child: its seconds and value (through a pipe) and its peak RSS.
+template <class F>
+outcome in_child(F&& f) {
+  int fd[2];
+  if (::pipe(fd) != 0) std::abort();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fd[0]);
+    double r[2];
+    const double t0 = now_s();
+    r[1] = f();
+    r[0] = now_s() - t0;
+    if (::write(fd[1], r, sizeof r) != sizeof r) ::_exit(2);
+    ::_exit(0);
+  }
+  ::close(fd[1]);
+  double r[2] = {0, 0};
+  const bool got = ::read(fd[0], r, sizeof r) == sizeof r;
+  ::close(fd[0]);
+  int status = 0;
+  struct rusage ru{};
+  ::wait4(pid, &status, 0, &ru);
+  outcome o{r[0], double(ru.ru_maxrss) / 1024.0, r[1], true, {}, {}};
+  if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0) o = {0, 0, 0, false, "failed in its child", {}};
+  return o;
+}
+
+/// A peer program (argv[0] a path) as a child: the seconds= and checksum= it prints, its output
+/// and its peak RSS. Exit 77 is a skip ("skipped: " and its output in why).
+inline outcome run_peer(const std::vector<std::string>& argv) {
+  int fd[2];
+  if (::pipe(fd) != 0) std::abort();
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fd[1], 1);
+  posix_spawn_file_actions_addclose(&fa, fd[0]);
+  std::vector<char*> a;
+  for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+  a.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = posix_spawn(&pid, a[0], &fa, nullptr, a.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  ::close(fd[1]);
+  if (spawned != 0) {
+    ::close(fd[0]);
+    return {0, 0, 0, false, "cannot start " + argv[0], {}};
+  }
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
+  ::close(fd[0]);
+  int status = 0;
+  struct rusage ru{};
+  ::wait4(pid, &status, 0, &ru);
+  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 255;
+  if (rc != 0) return {0, 0, 0, false, (rc == 77 ? "skipped: " : "failed: ") + out, out};
+  outcome o{0, double(ru.ru_maxrss) / 1024.0, 0, true, {}, out};
+  o.seconds = o.field("seconds");
+  o.sum = o.field("checksum");
+  return o;
 }
 
 /// A table of strings with a header row, printed with right-aligned columns (the first left).

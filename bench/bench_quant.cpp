@@ -19,9 +19,6 @@
 // Columns: best / median seconds, x python (the Python row's median / this row's), GB/s of stored
 // bytes, peak RSS, and the BF16 values' sum (shardsafe's and torch's agree: the same values).
 #include <fcntl.h>
-#include <spawn.h>
-#include <sys/resource.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,7 +39,6 @@
 using namespace shardsafe;
 using bench::u64;
 namespace fs = std::filesystem;
-extern char** environ;
 
 namespace {
 
@@ -122,70 +118,6 @@ std::vector<weight> write_checkpoint(const fs::path& dir, const std::string& sch
   return ws;
 }
 
-struct result {
-  double seconds = 0, peak = 0, sum = 0;
-  bool ok = true;
-  std::string why;
-};
-
-/// f() in a forked child: its seconds and sum (through a pipe) and its peak RSS.
-template <class F>
-result in_child(F&& f) {
-  int fd[2];
-  if (::pipe(fd) != 0) std::abort();
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fd[0]);
-    double r[2];
-    const double t0 = bench::now_s();
-    r[1] = f();
-    r[0] = bench::now_s() - t0;
-    if (::write(fd[1], r, sizeof r) != sizeof r) ::_exit(2);
-    ::_exit(0);
-  }
-  ::close(fd[1]);
-  double r[2] = {0, 0};
-  const bool got = ::read(fd[0], r, sizeof r) == sizeof r;
-  ::close(fd[0]);
-  int status = 0;
-  struct rusage ru{};
-  ::wait4(pid, &status, 0, &ru);
-  result out{r[0], double(ru.ru_maxrss) / 1024.0, r[1], true, {}};
-  if (!got || !WIFEXITED(status) || WEXITSTATUS(status) != 0) out = {0, 0, 0, false, "failed in its child"};
-  return out;
-}
-
-/// The Python peer as a child: its reported seconds and checksum, and its peak RSS.
-result python(const std::vector<std::string>& argv) {
-  int fd[2];
-  if (::pipe(fd) != 0) std::abort();
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, fd[1], 1);
-  posix_spawn_file_actions_addclose(&fa, fd[0]);
-  std::vector<char*> a;
-  for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-  a.push_back(nullptr);
-  pid_t pid = 0;
-  if (posix_spawn(&pid, a[0], &fa, nullptr, a.data(), environ) != 0) return {0, 0, 0, false, "cannot start"};
-  posix_spawn_file_actions_destroy(&fa);
-  ::close(fd[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fd[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<std::size_t>(n));
-  ::close(fd[0]);
-  int status = 0;
-  struct rusage ru{};
-  ::wait4(pid, &status, 0, &ru);
-  const int rc = WIFEXITED(status) ? WEXITSTATUS(status) : 255;
-  if (rc != 0) return {0, 0, 0, false, (rc == 77 ? "skipped: " : "failed: ") + out};
-  auto field = [&](const char* k) {
-    const auto at = out.find(std::string(k) + "=");
-    return at == std::string::npos ? -1.0 : std::atof(out.c_str() + at + std::strlen(k) + 1);
-  };
-  return {field("seconds"), double(ru.ru_maxrss) / 1024.0, field("checksum"), true, {}};
-}
-
 /// Loads rank r of n's rows (the second-last dimension) of every weight into BF16; their sum.
 double load_rows(const fs::path& dir, const std::vector<weight>& ws, u64 r, u64 n) {
   checkpoint_reader<file_directory> reader{file_directory(dir)};
@@ -227,7 +159,7 @@ int main(int argc, char** argv) {
   const std::string py = "/usr/bin/python3";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "quant_peer.py").string();
   const fs::path base = fs::temp_directory_path() / ("shardsafe-bench-quant-" + std::to_string(::getpid()));
-  const result version = python({py, peer, "version"});
+  const bench::outcome version = bench::run_peer({py, peer, "version"});
   std::printf("bench_quant: %s; peer: %s\n", quick ? "--quick" : "full",
               version.ok ? ("/usr/bin/python3, torch and safetensors") : version.why.c_str());
   for (const std::string scheme : {"fp8_block", "mxfp4"}) {
@@ -245,7 +177,7 @@ int main(int argc, char** argv) {
     }
     struct row {
       const char* name;
-      std::vector<result> runs;
+      std::vector<bench::outcome> runs;
     };
     std::vector<row> rows{{"read floor", {}},
                           {"shardsafe whole", {}},
@@ -253,16 +185,16 @@ int main(int argc, char** argv) {
                           {"python whole", {}},
                           {"python 2 ranks (rank 0)", {}}};
     for (int rep = 0; rep < reps; ++rep) {
-      rows[0].runs.push_back(in_child([&] {
+      rows[0].runs.push_back(bench::in_child([&] {
         std::ifstream in(file, std::ios::binary);
         std::vector<char> b(static_cast<std::size_t>(stored));
         in.read(b.data(), static_cast<std::streamsize>(b.size()));
         return double(b[b.size() / 2]);
       }));
-      rows[1].runs.push_back(in_child([&] { return load_rows(dir, ws, 0, 1); }));
-      rows[2].runs.push_back(in_child([&] { return load_rows(dir, ws, 0, 2); }));
-      rows[3].runs.push_back(python({py, peer, "whole", dir.string(), scheme}));
-      rows[4].runs.push_back(python({py, peer, "rows", dir.string(), scheme, "0", "2"}));
+      rows[1].runs.push_back(bench::in_child([&] { return load_rows(dir, ws, 0, 1); }));
+      rows[2].runs.push_back(bench::in_child([&] { return load_rows(dir, ws, 0, 2); }));
+      rows[3].runs.push_back(bench::run_peer({py, peer, "whole", dir.string(), scheme}));
+      rows[4].runs.push_back(bench::run_peer({py, peer, "rows", dir.string(), scheme, "0", "2"}));
     }
     auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());

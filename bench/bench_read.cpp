@@ -296,7 +296,7 @@ int main(int argc, char** argv) {
     unsigned threads;
     u64 max_read;
   };
-  for (const loader_case lc : {loader_case{"cold: checkpoint load (defaults: 64 MiB reads, 2 threads)", 0, 0},
+  for (const loader_case lc : {loader_case{"cold: checkpoint load (defaults: 64 MiB reads, 8-16 in flight)", 0, 0},
                                loader_case{"cold: checkpoint load, 4 MiB reads, 4 threads", 4, 4 * MiB},
                                loader_case{"cold: checkpoint load, 1 MiB reads, 4 threads", 4, MiB},
                                loader_case{"cold: checkpoint load, 16 MiB reads, 4 threads", 4, 16 * MiB}})

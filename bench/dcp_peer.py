@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import torch_compat  # noqa: E402,F401
 import torch_peer_world  # noqa: E402
+from pybench import rss_mib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -97,14 +98,6 @@ def write(out, h, vocab, layers):
         lines.append(f"{key} F32 [{','.join(str(d) for d in shape)}] {hashlib.sha256(b).hexdigest()}")
     with open(os.path.join(out, "digest.txt"), "w") as f:
         f.write("\n".join(sorted(lines)) + "\n")
-
-
-def rss_mib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def load(ckpt):

@@ -1,5 +1,6 @@
 """What the Python benches (dcp_permuted.py, torch_bin.py) share: their command line and the
-peak RSS of a command run alone."""
+peak RSS of a command run alone; and the Python peers (dcp_peer.py, layouts_peer.py) this
+process's RSS."""
 import collections
 import os
 import subprocess
@@ -33,3 +34,12 @@ def peak_mib_of(args):
     if r.returncode != 0:
         sys.exit(os.path.basename(sys.argv[0]) + ": " + " ".join(args) + " failed:\n" + r.stderr.decode())
     return int(r.stderr.split()[-1]) / 1024.0
+
+
+def rss_mib():
+    """This process's resident set (VmRSS) in MiB, 0 where /proc says nothing."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0

@@ -1049,6 +1049,25 @@ TEST_CASE_TEMPLATE("loading with merged reads gives the same bytes through every
   CHECK(got == want);
 }
 
+TEST_CASE("file_storage: a load of files keeps 8 to 16 reads in flight, whatever the host's cores") {
+  // a cold local disk wants requests queued (bench_layouts): the file's hint, under load_options
+  directory_maker<file_directory> m;
+  single_process comm;
+  std::vector<float> w(1000, 1.5f);
+  flat_view v{"w", dtype::F32, {1000}, std::nullopt, reinterpret_cast<std::byte*>(w.data()), w.size() * 4};
+  save(m.dir, std::span<const flat_view>(&v, 1), comm);
+  const unsigned want = std::clamp(std::thread::hardware_concurrency(), 8u, 16u);
+  CHECK(m.dir.open("rank_0.safetensors").read_defaults().requests_in_flight == want);
+  checkpoint_reader<file_directory> r(m.dir);
+  CHECK(r.plan(std::span<const flat_view>(&v, 1)).threads == want);
+  load_options lo;
+  lo.threads = 3;  // the caller's word first
+  CHECK(r.plan(std::span<const flat_view>(&v, 1), lo).threads == 3);
+  // a mapped file's reads are page faults of the caller's threads: no hint, the library's default
+  checkpoint_reader<mmap_directory> mr(mmap_directory(m.dir.path()));
+  CHECK(mr.plan(std::span<const flat_view>(&v, 1)).threads == detail::default_threads());
+}
+
 // ---------------------------------------------------------------------------------------
 // the thread pool
 
