@@ -210,6 +210,20 @@ route peer_route(std::string name, std::string peer_case, int group = 0) {
   return r;
 }
 
+/// A step of the peer, bounded (coreutils' timeout kills its whole process group, mp.spawn's
+/// ranks too, past limit_s: a bound on a hang, not a measurement) and run once more when it
+/// failed, saying so: a hang is torch's, not the code measured (bench_dcp does the same).
+bench::outcome peer_step(std::vector<std::string> argv, int limit_s) {
+  argv.insert(argv.begin(), {"/usr/bin/timeout", "-k", "10", std::to_string(limit_s)});
+  bench::outcome o = bench::run_peer(argv);
+  if (!o.ok && o.why.rfind("skipped", 0) != 0) {
+    std::fprintf(stderr, "bench_layouts: the peer's '%s' failed or hung (%s); once more\n", argv[6].c_str(),
+                 o.why.substr(0, 200).c_str());
+    o = bench::run_peer(argv);
+  }
+  return o;
+}
+
 struct layout {
   std::string name, sub;
   bool optim;
@@ -235,6 +249,7 @@ int main(int argc, char** argv) {
   const bool quick = a.has("--quick");
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
   const dims d = quick ? dims{128, 1000, 2} : dims{1024, 16000, 6};
+  const int step_limit_s = quick ? 120 : 900;  // a peer's step that takes longer has hung
   const std::vector<std::string> dim_args{std::to_string(d.h), std::to_string(d.vocab), std::to_string(d.layers)};
   const std::string py = "/usr/bin/python3";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "layouts_peer.py").string();
@@ -259,7 +274,7 @@ int main(int argc, char** argv) {
     double t0 = bench::now_s();
     std::vector<std::string> w{py, peer, "write", base.string()};
     w.insert(w.end(), dim_args.begin(), dim_args.end());
-    const bench::outcome wrote = bench::run_peer(w);
+    const bench::outcome wrote = peer_step(w, step_limit_s);
     if (!wrote.ok) {
       std::fprintf(stderr, "bench_layouts: the peer could not write the layouts: %s\n", wrote.why.c_str());
       return 1;
@@ -372,7 +387,7 @@ int main(int argc, char** argv) {
           } else {
             std::vector<std::string> c{py, peer, r.peer_case, base.string()};
             c.insert(c.end(), dim_args.begin(), dim_args.end());
-            r.runs[cold].push_back(bench::run_peer(c));
+            r.runs[cold].push_back(peer_step(c, step_limit_s));
             auto& o = r.runs[cold].back();
             if (o.ok && o.field("peak_rss_mib") > 0) o.peak = o.field("peak_rss_mib");
           }
