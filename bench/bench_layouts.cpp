@@ -21,8 +21,6 @@
 // Every value shardsafe loads is checked against v(k, i) (layouts_peer.py), the peers check theirs.
 // Limits, per layout and cache state: plain reads of every byte of its files (pread at 1 to 16
 // threads and 1 to 16 MiB, O_DIRECT at 4 and 8 threads), the best median of them.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -33,6 +31,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "bench_llama.hpp"
 #include "shardsafe/checkpoint/load.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/threads.hpp"
@@ -102,9 +101,11 @@ struct rank_views {
     mem.reserve(state.size());
     for (u64 k = 0; k < state.size(); ++k) {
       const auto& t = state[k];
-      const u64 rows = t.shape[0], row = numel(t.shape) / rows, c = (rows + n - 1) / n;
-      const u64 b = std::min(rows, r * c) * row, e = std::min(rows, r * c + c) * row;
+      const u64 rows = t.shape[0], row = numel(t.shape) / rows;
+      auto [b, e] = bench::even_part(rows, n, r);
       if (b == e) continue;
+      b *= row;
+      e *= row;
       mem.emplace_back(static_cast<std::size_t>(e - b), 0.0f);  // touched: the memory exists
       if (fill) {
         values v(k, b);
@@ -167,7 +168,7 @@ void save_shardsafe(const fs::path& dir, const std::vector<tensor_def>& state) {
 std::vector<fs::path> files_of(const fs::path& dir) {
   std::vector<fs::path> out;
   for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file() && e.path().filename().string().rfind("peer-", 0) != 0) out.push_back(e.path());
+    if (e.is_regular_file()) out.push_back(e.path());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -176,12 +177,6 @@ u64 bytes_of(const std::vector<fs::path>& files) {
   u64 n = 0;
   for (const auto& f : files) n += fs::file_size(f);
   return n;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 /// A timed route: shardsafe's (ranks > 0) or a peer's (peer case name), its runs per cache state.
@@ -230,7 +225,7 @@ struct layout {
   std::string peers_of;  ///< the layout whose peer rows this one's are compared with (empty: its own)
   std::vector<route> routes;
   std::vector<fs::path> files;
-  std::map<std::string, std::vector<double>> limit[2];  ///< plain read config -> rates (bytes/s)
+  std::map<std::string, bench::samples> limit[2];  ///< plain read config -> rates (bytes/s)
 };
 
 }  // namespace
@@ -368,7 +363,7 @@ int main(int argc, char** argv) {
         };
         for (const auto& c : configs) {
           prepare();
-          l.limit[cold][c.name()].push_back(bench::read_rate(l.files, c));
+          l.limit[cold][c.name()].add(bench::read_rate(l.files, c));
         }
         const auto& state = l.optim ? train : model;
         for (auto& r : l.routes) {
@@ -403,9 +398,9 @@ int main(int argc, char** argv) {
       worst_resident * 100, reps);
   struct target {
     std::string what;
-    double x;
-    bool met;
+    double x, want;
     double ceiling = 0;  ///< against a peer: the limit's rate over the peer's (no load can beat the peer by more)
+    bool met() const { return x >= want; }
   };
   std::vector<target> targets;
   for (const auto& l : layouts) {
@@ -416,14 +411,14 @@ int main(int argc, char** argv) {
     std::string lim_name[2];
     for (int cold : {1, 0})
       for (const auto& [n, rates] : l.limit[cold])
-        if (median(rates) > lim[cold]) lim[cold] = median(rates), lim_name[cold] = n;
+        if (rates.median() > lim[cold]) lim[cold] = rates.median(), lim_name[cold] = n;
     bench::table t(
         {"route", "cold s", "cold GB/s", "x limit", "x peer", "warm s", "warm GB/s", "x limit", "x peer", "peak MiB"});
     auto secs = [](const route& r, int cold, bool best) {
-      std::vector<double> s;
+      bench::samples s;
       for (const auto& o : r.runs[cold])
-        if (o.ok) s.push_back(o.seconds);
-      return s.empty() ? 0.0 : best ? *std::min_element(s.begin(), s.end()) : median(s);
+        if (o.ok) s.add(o.seconds);
+      return best ? s.best() : s.median();
     };
     const auto of = std::find_if(layouts.begin(), layouts.end(), [&](const layout& x) { return x.sub == l.peers_of; });
     const layout& pl = of == layouts.end() ? l : *of;
@@ -435,8 +430,9 @@ int main(int argc, char** argv) {
       return b;
     };
     for (int cold : {1, 0})
-      t.add({std::string(cold ? "cold" : "warm") + " limit: " + lim_name[cold], "", bench::fmt("%.2f", lim[cold] / 1e9),
-             "1.00"});
+      if (!lim_name[cold].empty())  // (--quick runs no warm round)
+        t.add({std::string(cold ? "cold" : "warm") + " limit: " + lim_name[cold], "",
+               bench::fmt("%.2f", lim[cold] / 1e9), "1.00"});
     t.separator();
     for (const auto& r : l.routes) {
       std::vector<std::string> row{r.name};
@@ -455,11 +451,10 @@ int main(int argc, char** argv) {
         for (const auto& o : r.runs[cold]) peak = std::max(peak, o.peak);
         if (r.ranks) {
           const std::string who = l.sub + ": " + r.name + (cold ? ", cold" : ", warm");
-          if (cold)
-            targets.push_back({who + ": >= 0.9 x the best plain read", rate / lim[cold], rate / lim[cold] >= 0.9});
+          if (cold) targets.push_back({who + ": >= 0.9 x the best plain read", rate / lim[cold], 0.9});
           if (p > 0)
             targets.push_back({who + (cold ? ": >= 2 x the best peer" : ": >= 4 x the best peer"), p / m,
-                               p / m >= (cold ? 2.0 : 4.0), p * lim[cold] / double(bytes)});
+                               cold ? 2.0 : 4.0, p * lim[cold] / double(bytes)});
         }
       }
       row.push_back(bench::fmt("%.0f", peak));
@@ -471,12 +466,11 @@ int main(int argc, char** argv) {
   std::printf("\ntargets:\n");
   bool all = true;
   for (const auto& x : targets) {
-    bench::print_target(78, x.what.c_str(), x.x, " x", x.met);
-    if (x.ceiling > 0 && !x.met)
+    bench::print_target(78, x.what.c_str(), x.x, " x", x.met());
+    if (x.ceiling > 0 && !x.met())
       std::printf("      (the limit itself is %.2f x that peer: %s)\n", x.ceiling,
-                  x.ceiling < (x.what.find(">= 2") != std::string::npos ? 2.0 : 4.0) ? "out of reach of any load"
-                                                                                     : "within reach");
-    all = all && x.met;
+                  x.ceiling < x.want ? "out of reach of any load" : "within reach");
+    all = all && x.met();
   }
   std::printf("%s\n\nload average after: %s\n", all ? "every target met" : "not every target met",
               bench::loadavg().c_str());
