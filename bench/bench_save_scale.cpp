@@ -29,7 +29,9 @@
 //   merge ms      the longest time one rank spends decoding and merging its children's
 //   held KiB      the most heap one rank holds for it: its partial made and its children's
 //                 decoded and merged, plus their messages (mallinfo2, one rank at a time)
-//   root s        rank 0's finish_partial: every tensor expanded once, checked, its grid found
+//   root ms       rank 0's finish_partial: each tensor's grid found from its boxes and checked
+//                 there (grid_of_boxes), else its entries expanded once, checked, a grid looked for
+//   root entries  the entries rank 0 expanded one by one (finish_partial's entries_expanded)
 //   root MiB      heap rank 0 holds after it (the compact metadata)
 //   all-gather    what every rank would receive instead: W descriptions (MiB)
 // --max-world stops the doubling early (default 16384, --quick 256; part 1 stops at 4096).
@@ -159,8 +161,8 @@ void part2(u64 max_world) {
   const auto model = llama(80, 8192, 28672, 1024, 128256);
   std::printf("part 2: the tree's agreement simulated to %llu ranks, the 70B model (%zu tensors, FSDP)\n\n",
               static_cast<unsigned long long>(max_world), model.size());
-  bench::table t(
-      {"world", "largest KiB", "most in KiB", "merge ms", "held KiB", "root s", "root MiB", "all-gather MiB"});
+  bench::table t({"world", "largest KiB", "most in KiB", "merge ms", "held KiB", "root ms", "root entries", "root MiB",
+                  "all-gather MiB"});
   for (u64 w = 64; w <= max_world; w *= 4) {
     // ranks from the last to the first: each merges its children's partials (made before it),
     // which are then dropped; a partial lives until its parent is done
@@ -225,8 +227,8 @@ void part2(u64 max_world) {
     }());
     const double gather_mib = double(one.str().size()) * double(w) / double(bench::MiB);
     t.add({std::to_string(w), kib(double(largest)), kib(double(most_in)), bench::fmt("%.1f", merge_s * 1e3),
-           kib(double(held)), bench::fmt("%.2f", root_s), bench::fmt("%.1f", root_mib),
-           bench::fmt("%.1f", gather_mib)});
+           kib(double(held)), bench::fmt("%.2f", root_s * 1e3), std::to_string(agreed.entries_expanded),
+           bench::fmt("%.1f", root_mib), bench::fmt("%.1f", gather_mib)});
     std::fflush(stdout);
   }
   t.print();

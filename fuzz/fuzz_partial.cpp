@@ -4,7 +4,9 @@
 // byte picks the reader:
 //   even: decode_partial, as rank 0 reads its child holding ranks [0, 16); what it accepts is
 //         expanded (at most 16 entries a tensor: the bound the decoder checks), checked and built
-//         into metadata as rank 0 does (finish_partial), and encoded again reads back as itself;
+//         into metadata as rank 0 does (finish_partial), the compact form's grids found from the
+//         boxes (grid_of_boxes) being what the listed form's expanded entries give, and encoded
+//         again reads back as itself;
 //   odd:  decode_agreed, as a rank reads rank 0's agreement: every tensor not sharded names the
 //         file of its writer, a sharded one none.
 // Only shardsafe::error may escape. With SHARDSAFE_FUZZ_WRITE_SEEDS=DIR set, the target writes its
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -94,10 +97,30 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         }
         FUZZ_CHECK(files.size() <= world);
       }
+      // rank 0's grids found from boxes (compact: grid_of_boxes) answer what expanding every
+      // entry answers (listed, then detect_grid): the same error, grids, files and checksum blocks
+      std::optional<detail::agreed_description> listed, compact;
+      std::string listed_error, compact_error;
       try {
-        const auto a = detail::finish_partial(p, world, "fuzz", metadata_form::compact, 64);
-        FUZZ_CHECK(a.md.tensors.size() == p.tensors.size());
-      } catch (const error&) {
+        listed = detail::finish_partial(p, world, "fuzz", metadata_form::listed, 64);
+      } catch (const error& e) {
+        listed_error = e.what();
+      }
+      try {
+        compact = detail::finish_partial(p, world, "fuzz", metadata_form::compact, 64);
+      } catch (const error& e) {
+        compact_error = e.what();
+      }
+      FUZZ_CHECK(listed_error == compact_error && listed.has_value() == compact.has_value());
+      if (compact) {
+        FUZZ_CHECK(compact->md.tensors.size() == p.tensors.size());
+        FUZZ_CHECK(compact->checksum_hashes == listed->checksum_hashes);
+        for (std::size_t i = 0; i < p.tensors.size(); ++i) {
+          const tensor_metadata& want = listed->md.tensors[i].second;
+          const tensor_metadata& got = compact->md.tensors[i].second;
+          FUZZ_CHECK(got.grid == detect_grid(want));
+          FUZZ_CHECK(got.grid ? got.files.empty() : got.files == want.files);
+        }
       }
       const std::string again = encoded(p);
       message_reader back(again, "again");

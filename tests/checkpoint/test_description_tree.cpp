@@ -19,10 +19,12 @@
 
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/storage/memory.hpp"
+#include "support/random_grid.hpp"
 #include "support/thread_world.hpp"
 
 using namespace shardsafe;
 using testing::counting_comm;
+using testing::random_grid;
 
 namespace {
 
@@ -32,38 +34,6 @@ std::vector<entry> expanded(const std::vector<detail::entry_box>& boxes) {
   std::vector<entry> out;
   for (const auto& b : boxes) b.for_each([&](std::uint64_t r, const shard_spec& s) { out.emplace_back(r, s); });
   return out;
-}
-
-/// A random valid grid of a random shape: 1 to 3 dimensions, uneven cuts, rank strides of a
-/// row-major sub-mesh with a base.
-std::pair<shard_grid, shape_t> random_grid(std::mt19937_64& rng) {
-  auto pick = [&](std::uint64_t lo, std::uint64_t hi) {
-    return std::uniform_int_distribution<std::uint64_t>(lo, hi)(rng);
-  };
-  shard_grid g;
-  g.flat = pick(0, 2) == 0;
-  shape_t full;
-  const std::size_t nd = static_cast<std::size_t>(pick(1, 3));
-  for (std::size_t d = 0; d < nd; ++d) full.push_back(pick(1, 14));
-  const shape_t dims = detail::grid_dims(g, full);
-  for (std::uint64_t n : dims) {
-    const std::uint64_t parts = pick(1, 5);
-    g.parts.push_back(parts);
-    g.chunks.push_back(std::max<std::uint64_t>(1, (n + parts - 1) / parts + (pick(0, 3) == 0 ? pick(0, 2) : 0)));
-  }
-  // strides: a row-major sub-mesh in a random order of the dimensions, with a gap factor
-  std::vector<std::size_t> order(dims.size());
-  for (std::size_t d = 0; d < order.size(); ++d) order[d] = d;
-  std::shuffle(order.begin(), order.end(), rng);
-  std::uint64_t step = pick(1, 2);
-  g.strides.assign(dims.size(), 0);
-  for (std::size_t d : order) {
-    if (g.parts[d] == 1) continue;
-    g.strides[d] = step;
-    step *= g.parts[d] * pick(1, 2);
-  }
-  g.base = pick(0, 3);
-  return {g, full};
 }
 
 }  // namespace

@@ -34,6 +34,7 @@
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/dist/message.hpp"
 #include "shardsafe/format/checkpoint_metadata.hpp"
+#include "shardsafe/shard/shard_grid.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 
 namespace shardsafe {
@@ -239,6 +240,18 @@ SHARDSAFE_DECL partial_description decode_partial(message_reader& m, std::uint64
 SHARDSAFE_DECL void expand_entries(const partial_tensor& t, std::uint64_t world, std::string_view from,
                                    std::vector<std::pair<std::string, shard_spec>>& files, std::vector<int>& ranks,
                                    std::vector<replica_role>& roles);
+
+/// The grid the entries of a sharded partial tensor are, found from its boxes without expanding
+/// them: O(boxes x levels x dimensions) work, whatever the ranks (issue 56). It is what
+/// detect_grid finds in the entries the tensor's files list (all but the replica copies), and
+/// it is returned only when those entries also pass what merge_descriptions checks: ranks
+/// increasing below `world`, no two writers of one shard, every copy a copy of a written shard,
+/// shards that neither overlap nor leave an element out. nullopt where the boxes do not show
+/// that (an irregular sharding, a piece empty along a block dimension, an empty piece with a
+/// writer, copies beside shards without roles, a dtype smaller than a byte, whose tensors
+/// detect_grid leaves listed): the caller then expands the entries, checks them
+/// and looks for a grid as before, and gets the same answer the long way.
+SHARDSAFE_DECL std::optional<shard_grid> grid_of_boxes(const partial_tensor& t, std::uint64_t world);
 
 }  // namespace detail
 }  // namespace shardsafe

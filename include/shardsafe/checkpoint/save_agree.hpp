@@ -74,6 +74,10 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
                                                                             const std::vector<replica_role>& roles,
                                                                             std::string_view dir);
 
+/// The runs of the shards a coverage check that must fail walks to name the first missing
+/// element (beyond it, the error says how many elements the shards hold).
+inline constexpr std::uint64_t coverage_walk_runs = std::uint64_t(1) << 22;
+
 /// check_shards, then the coverage check: the files a sharded tensor lists, or the error
 /// merge_descriptions throws for it.
 SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> checked_files(const std::string& key,
@@ -134,6 +138,10 @@ struct agreed_description {
   bool tree = false;                  ///< agreed over a PeerComm's tree: the later steps of the save are too
   std::uint64_t entries = 0;          ///< files the tensors list in all (what metadata_form::automatic counts)
   std::uint64_t checksum_hashes = 0;  ///< blocks the checksum tables hold (0 without checksums)
+  /// Entries rank 0 expanded one by one to check them (finish_partial): one per tensor not
+  /// sharded, and every entry of a sharded tensor written listed or whose grid its boxes did not
+  /// show (grid_of_boxes). 0 on the other ranks and without a tree.
+  std::uint64_t entries_expanded = 0;
 };
 
 /// The blocks of `block` bytes tm's files hold (sharded: each file's shard; not sharded: its
@@ -162,7 +170,10 @@ inline agreed_description agreed_whole(checkpoint_metadata md, std::uint64_t blo
 
 /// On rank 0 of a tree agreement: the final partial checked as merge_descriptions checks the
 /// merged descriptions, and the metadata built, each tensor a grid when `compact` finds one
-/// (write_and_commit's rule), so that no more than the final description is held. Throws what
+/// (write_and_commit's rule), so that no more than the final description is held. In the compact
+/// form a sharded tensor's grid is found from its boxes (grid_of_boxes: O(tensors) work for a
+/// regular sharding, whatever the world), else its entries are expanded as the all-gather path
+/// expands them, one tensor at a time (entries_expanded counts them). Throws what
 /// merge_descriptions throws (for a disagreement: errc::invalid_argument without saying which).
 SHARDSAFE_DECL agreed_description finish_partial(const partial_description& p, std::uint64_t world,
                                                  std::string_view dir, metadata_form form, std::uint64_t block);

@@ -298,7 +298,7 @@ void require_unshardable(std::span<const unshard_source<D>> sources) {
         specs.push_back(spec);
       }
       const shard_spec whole = flat_spec{{0, tm.numel()}};
-      const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
+      const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape, 1);
       if (!missing.empty())
         fail(errc::missing_coverage, std::string(s.reader->directory().name()) + ": tensor '" + key + "' " +
                                          to_string(tm.shape) + ": elements " + to_string(missing.front()) +

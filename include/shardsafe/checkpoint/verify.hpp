@@ -331,7 +331,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
       fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " +
                                         std::string(to_string(tm.type)) + " cannot be sharded by elements");
     const shard_spec whole = flat_spec{{0, tm.numel()}};
-    const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
+    const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape, 1);
     if (!missing.empty())
       fail(errc::missing_coverage, dname + ": tensor '" + key + "' " + to_string(tm.shape) + ": elements " +
                                        to_string(missing.front()) + " (from index " +

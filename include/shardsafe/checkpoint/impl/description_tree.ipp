@@ -127,5 +127,173 @@ SHARDSAFE_DECL void expand_entries(const partial_tensor& t, std::uint64_t world,
     });
 }
 
+// grid_of_boxes. The entries the files list are a grid's parts exactly when (a) there are as
+// many as the grid has parts, (b) each is the part its rank names, and (c) their ranks increase:
+// then they are distinct parts, all of them, in rank order - the list detect_grid compares. The
+// guess is made as detect_grid makes it (chunks from the first entry, strides from the entries
+// one step along each dimension, found by position), and (b) is checked a box at a time: a box's
+// ranks and offsets are affine in its level indices, and so are a grid part's rank and offsets
+// in the part's piece indices, so two affine maps that agree on the box's start and on each
+// level's step agree on every entry. Piece extents only shrink along a dimension, so a box of one
+// extent has it at its lowest and highest piece index or not at all.
+SHARDSAFE_DECL std::optional<shard_grid> grid_of_boxes(const partial_tensor& t, std::uint64_t world) {
+  using u64 = std::uint64_t;
+  if (!t.sharded || t.boxes.empty() || t.boxes.front().kind == 2 || !is_byte_sized(t.type)) return std::nullopt;
+  const u64 kind = t.boxes.front().kind;
+  const bool flat = kind == 0;
+  // (c), and which boxes the files list
+  std::vector<const entry_box*> listed;
+  u64 count = 0, next_rank = 0;
+  bool copies = false, writers_only = true;
+  for (const auto& b : t.boxes) {
+    if (b.kind != kind) return std::nullopt;
+    u64 reach = 0;  // the last entry's rank past the first
+    for (std::size_t l = b.levels.size(); l-- > 0;) {
+      const u64 step = b.levels[l].second[0];
+      const auto more = checked_mul(b.levels[l].first - 1, step);
+      if (step <= reach || !more || *more >= world - reach) return std::nullopt;
+      reach += *more;
+    }
+    if (b.start[0] < next_rank || b.start[0] >= world || world - b.start[0] <= reach) return std::nullopt;
+    next_rank = b.start[0] + reach + 1;
+    if (b.role == replica_role::copy) {
+      copies = true;
+      continue;
+    }
+    if (b.role != replica_role::writer) writers_only = false;
+    count += b.count();  // at most world: its ranks increase below it
+    listed.push_back(&b);
+  }
+  if ((copies && !writers_only) || count < 2) return std::nullopt;
+  const shape_t dims = flat ? shape_t{numel(t.shape)} : t.shape;
+  const std::size_t nd = dims.size();
+  if (nd == 0) return std::nullopt;
+  // the entry at position p of the listed ones: its start vector (rank, offsets) and extents
+  auto entry_at = [&](u64 p) -> std::pair<std::vector<u64>, const shape_t*> {
+    for (const entry_box* b : listed) {
+      if (p >= b->count()) {
+        p -= b->count();
+        continue;
+      }
+      std::vector<u64> v = b->start;
+      for (std::size_t l = b->levels.size(); l-- > 0;) {
+        const u64 k = p % b->levels[l].first;
+        p /= b->levels[l].first;
+        for (std::size_t i = 0; i < v.size(); ++i) v[i] += k * b->levels[l].second[i];
+      }
+      return {std::move(v), &b->extents};
+    }
+    return {};
+  };
+  shard_grid g;
+  g.flat = flat;
+  const auto [first, first_ext] = entry_at(0);
+  g.base = first[0];
+  g.chunks = *first_ext;
+  g.strides.assign(nd, 0);
+  for (std::size_t d = 0; d < nd; ++d) {
+    if (first[1 + d] != 0 || g.chunks[d] == 0) return std::nullopt;
+    g.parts.push_back(flat ? count : (dims[d] - 1) / g.chunks[d] + 1);
+  }
+  // strides: position 1 is one step along the dimension of smallest stride, position parts of
+  // that one step along the next, and so on (the parts in rank order are their indices in
+  // lexicographic order, dimensions by descending stride)
+  std::vector<bool> found(nd);
+  for (std::size_t d = 0; d < nd; ++d) found[d] = g.parts[d] == 1;
+  for (u64 pos = 1; pos < count && std::find(found.begin(), found.end(), false) != found.end();) {
+    const auto [v, ext] = entry_at(pos);
+    if (numel(*ext) == 0) return std::nullopt;  // detect_grid takes a stride from a piece holding elements
+    std::size_t at = flat ? 0 : nd;             // flat: the second entry
+    for (std::size_t d = 0; d < nd && !flat; ++d) {
+      if (v[1 + d] == 0) continue;
+      if (at != nd || found[d] || v[1 + d] != g.chunks[d]) return std::nullopt;
+      at = d;
+    }
+    if (at == nd || v[0] <= g.base) return std::nullopt;
+    g.strides[at] = v[0] - g.base;
+    found[at] = true;
+    const auto next = checked_mul(pos, g.parts[at]);
+    if (!next) return std::nullopt;
+    pos = *next;
+  }
+  if (std::find(found.begin(), found.end(), false) != found.end()) return std::nullopt;
+  try {
+    validate(g, t.shape, "");
+  } catch (const error&) {
+    return std::nullopt;
+  }
+  if (g.part_count() != count) return std::nullopt;
+  // the extent along dimension d of piece i
+  auto extent = [&](std::size_t d, u64 i) {
+    const auto [b, e] = grid_piece(dims[d], g.chunks[d], i);
+    return e - b;
+  };
+  // A box whose entries are grid parts by their offsets: the piece indices of its start and the
+  // index step of each level, per dimension (nullopt when an offset is not a piece's start or a
+  // piece index passes the grid's; a piece empty along a dimension has no index: refused).
+  struct index_map {
+    std::vector<u64> start;
+    std::vector<std::vector<u64>> steps;  // per level, per dimension
+  };
+  auto indices = [&](const entry_box& b) -> std::optional<index_map> {
+    index_map m;
+    m.steps.resize(b.levels.size());
+    for (std::size_t d = 0; d < nd; ++d) {
+      const u64 c = g.chunks[d], o = b.start[1 + d];
+      if (b.extents[d] == 0 || o % c != 0) return std::nullopt;
+      u64 lo = o / c, hi = lo;
+      for (std::size_t l = 0; l < b.levels.size(); ++l) {
+        const u64 s = b.levels[l].second[1 + d];
+        const auto more = checked_mul(b.levels[l].first - 1, s / c);
+        if (s % c != 0 || !more || *more >= g.parts[d] || hi + *more >= g.parts[d]) return std::nullopt;
+        hi += *more;
+        m.steps[l].push_back(s / c);
+      }
+      if (hi >= g.parts[d] || extent(d, lo) != b.extents[d] || extent(d, hi) != b.extents[d]) return std::nullopt;
+      m.start.push_back(lo);
+    }
+    return m;
+  };
+  // (b) for a listed box
+  auto rank_of = [&](const std::vector<u64>& index) {
+    u64 r = g.base;  // bounded: validate keeps every part's rank below 2^31
+    for (std::size_t d = 0; d < nd; ++d) r += index[d] * g.strides[d];
+    return r;
+  };
+  u64 position = 0;  // of the box's first entry among the listed ones
+  for (const entry_box* b : listed) {
+    if (b->role == replica_role::writer && numel(b->extents) == 0) return std::nullopt;  // two writers of [n, n)
+    if (flat) {  // by position: the flat grid's parts in rank order are its pieces in order
+      const u64 n = dims[0], c = g.chunks[0], e = b->extents[0], s = g.strides[0];
+      auto at = [&](u64 p) { return checked_mul(c, p).value_or(n); };  // a piece's start, n once past the end
+      if (b->start[0] != g.base + position * s) return std::nullopt;
+      u64 inner = 1;  // entries a step of level l passes
+      for (std::size_t l = b->levels.size(); l-- > 0;) {
+        const u64 rs = b->levels[l].second[0], os = b->levels[l].second[1];
+        if (rs != inner * s || os != (e == 0 ? 0 : inner * c)) return std::nullopt;
+        inner *= b->levels[l].first;
+      }
+      const u64 last = position + b->count() - 1;
+      if (e == 0 ? (at(position) < n || b->start[1] != n)
+                 : (b->start[1] != c * position || extent(0, position) != e || extent(0, last) != e))
+        return std::nullopt;
+    } else {
+      const auto m = indices(*b);
+      if (!m || rank_of(m->start) != b->start[0]) return std::nullopt;
+      for (std::size_t l = 0; l < b->levels.size(); ++l) {
+        u64 step = 0;
+        for (std::size_t d = 0; d < nd; ++d) step += m->steps[l][d] * g.strides[d];
+        if (step != b->levels[l].second[0]) return std::nullopt;
+      }
+    }
+    position += b->count();
+  }
+  // every copy is a copy of a part, whose writer is listed (with copies, every listed box is a
+  // writer's; none is empty, so an empty copy has no writer: indices refuses it)
+  for (const auto& b : t.boxes)
+    if (b.role == replica_role::copy && !indices(b)) return std::nullopt;
+  return g;
+}
+
 }  // namespace detail
 }  // namespace shardsafe

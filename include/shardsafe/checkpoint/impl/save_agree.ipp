@@ -99,10 +99,23 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> checked_files(con
                                                                              std::string_view dir) {
   std::vector<std::pair<std::string, shard_spec>> files = check_shards(key, tm, ranks, roles, dir);
   std::vector<shard_spec> specs;
+  std::uint64_t held = 0;  // elements of the shards, replicas counted again (at most numel each)
   specs.reserve(files.size());
-  for (const auto& f : files) specs.push_back(f.second);
-  const shard_spec whole = flat_spec{{0, tm.numel()}};
-  auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape);
+  for (const auto& f : files) {
+    specs.push_back(f.second);
+    held = std::min(held + f.second.local_numel(), ~std::uint64_t(0) - tm.numel());
+  }
+  // the first missing element names the error; where the shards hold fewer elements than the
+  // tensor (some are surely missing), the walk to it is bounded: a peer's description of long
+  // shards past a gap is not walked run by run
+  bool stopped = false;
+  const auto missing = missing_in_whole(std::span<const shard_spec>(specs), tm.shape, 1,
+                                        held < tm.numel() ? coverage_walk_runs : ~std::uint64_t(0), &stopped);
+  if (stopped)
+    fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
+                                     ": the shards of all ranks are " + std::to_string(held) +
+                                     " elements in all, fewer than its " + std::to_string(tm.numel()) +
+                                     "; the shards of all ranks must cover the tensor");
   if (!missing.empty())
     fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
                                      ": no rank holds elements " + to_string(missing.front()) + " (index " +
@@ -171,14 +184,24 @@ SHARDSAFE_DECL agreed_description finish_partial(const partial_description& p, s
       if (b.role != replica_role::copy) a.entries += b.count();  // not sharded: its one box of one entry
   const bool compact = use_compact_form(a.entries, form);
   a.md.tensors.reserve(p.tensors.size());
-  for (const auto& t : p.tensors) {  // one tensor's entries expanded at a time
+  for (const auto& t : p.tensors) {  // one tensor's entries expanded at a time, where they must be
     tensor_metadata tm;
     tm.shape = t.shape;
     tm.type = t.type;
     tm.is_sharded = t.sharded;
+    if (compact)
+      if (auto g = grid_of_boxes(t, world)) {  // checked without expanding: each box's pieces are alike
+        for (const auto& b : t.boxes)
+          if (b.role != replica_role::copy && block > 0)
+            a.checksum_hashes += b.count() * checksum_block_count((numel(b.extents) * bit_size(t.type) + 7) / 8, block);
+        tm.grid = std::move(g);
+        a.md.tensors.emplace_back(t.key, std::move(tm));
+        continue;
+      }
     std::vector<int> ranks;
     std::vector<replica_role> roles;
     expand_entries(t, world, dir, tm.files, ranks, roles);
+    a.entries_expanded += tm.files.size();
     if (t.sharded) tm.files = checked_files(t.key, tm, ranks, roles, dir);
     a.checksum_hashes += checksum_hashes_of(tm, block);
     if (compact)
