@@ -8,7 +8,8 @@
 // the library's whole save (describe, agree, prepare, write its rank file and checksum sidecar to
 // memory, commit) of a fixed model: 32 layers of a Llama-shaped model scaled down (291 tensors,
 // hidden 128), every tensor flattened and split over all ranks as FSDP does (torch.chunk's pieces:
-// at 4,096 ranks most are empty), metadata.json compact. Counted per rank (dist/counted.hpp):
+// at 4,096 ranks most are empty), metadata.json compact; and the same as a torch DCP folder
+// (save_format::dcp: ", DCP" rows, to the all-gather's largest world). Counted per rank (dist/counted.hpp):
 //   in KiB / out KiB   bytes received / sent, all steps (max over ranks but 0, and rank 0)
 //   msgs               messages sent and received (max over ranks but 0; rank 0 also hears
 //                      every rank's file size)
@@ -65,11 +66,13 @@ struct per_rank {
 };
 
 /// One save of the model by `world` thread ranks; the counts of each rank.
-std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int world, bool tree, double& wall) {
+std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int world, bool tree, save_format format,
+                                double& wall) {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   save_options opt;
   opt.metadata = metadata_form::compact;
+  opt.format = format;
   std::vector<per_rank> out(static_cast<std::size_t>(world));
   const double t0 = bench::now_s();
   const auto thrown = run_ranks(
@@ -113,26 +116,29 @@ void part1(u64 max_world, u64 max_gather) {
   bench::table t({"world", "comm", "in KiB", "rank 0 in KiB", "out KiB", "msgs", "largest KiB", "wall s"});
   u64 description = 0;  // one rank's all-gathered message at the last world the all-gather ran
   for (u64 w = 64; w <= std::min<u64>(max_world, 4096); w *= 4) {
-    for (const bool tree : {true, false}) {
-      if (!tree && w > max_gather) {
-        t.add({std::to_string(w), "all-gather", kib(double(description) * double(w)) + " (computed)", "", "", "", "",
-               "not run"});
-        continue;
+    for (const save_format format : {save_format::shardsafe, save_format::dcp})
+      for (const bool tree : {true, false}) {
+        const bool dcp = format == save_format::dcp;
+        if (dcp && w > max_gather) continue;  // a DCP save's files are torch.save archives: 291 a rank
+        if (!tree && w > max_gather) {
+          t.add({std::to_string(w), "all-gather", kib(double(description) * double(w)) + " (computed)", "", "", "", "",
+                 "not run"});
+          continue;
+        }
+        double wall = 0;
+        const auto c = real_save(model, static_cast<int>(w), tree, format, wall);
+        per_rank most;
+        for (std::size_t r = 1; r < c.size(); ++r) {
+          most.in = std::max(most.in, c[r].in);
+          most.out = std::max(most.out, c[r].out);
+          most.msgs = std::max(most.msgs, c[r].msgs);
+          most.largest = std::max(most.largest, c[r].largest);
+        }
+        if (!tree && !dcp) description = most.largest;
+        t.add({std::to_string(w), std::string(tree ? "tree" : "all-gather") + (dcp ? ", DCP" : ""),
+               kib(double(most.in)), kib(double(c[0].in)), kib(double(most.out)), std::to_string(most.msgs),
+               kib(double(most.largest)), bench::fmt("%.2f", wall), bench::fmt("%.0f", bench::hwm_mib())});
       }
-      double wall = 0;
-      const auto c = real_save(model, static_cast<int>(w), tree, wall);
-      per_rank most;
-      for (std::size_t r = 1; r < c.size(); ++r) {
-        most.in = std::max(most.in, c[r].in);
-        most.out = std::max(most.out, c[r].out);
-        most.msgs = std::max(most.msgs, c[r].msgs);
-        most.largest = std::max(most.largest, c[r].largest);
-      }
-      if (!tree) description = most.largest;
-      t.add({std::to_string(w), tree ? "tree" : "all-gather", kib(double(most.in)), kib(double(c[0].in)),
-             kib(double(most.out)), std::to_string(most.msgs), kib(double(most.largest)), bench::fmt("%.2f", wall),
-             bench::fmt("%.0f", bench::hwm_mib())});
-    }
     std::fflush(stdout);
   }
   t.print();

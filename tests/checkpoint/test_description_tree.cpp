@@ -1,8 +1,9 @@
 // A save's description agreed up the binomial tree of ranks (checkpoint/description_tree.hpp,
 // issue 56): boxes expand to exactly the entries appended, a grid's run of ranks is a few boxes
 // whatever its length, a save over the tree writes the bytes the all-gather writes (listed,
-// compact and automatic forms, checksums in metadata.json or in sidecars), errors are the
-// all-gather's words, and the bytes a rank receives grow with log world, not with the world.
+// compact and automatic forms, checksums in metadata.json or in sidecars; torch DCP folders
+// too), errors are the all-gather's words, and the bytes a rank receives grow with log world, not
+// with the world.
 #include "shardsafe/checkpoint/description_tree.hpp"
 
 #include <doctest/doctest.h>
@@ -232,7 +233,7 @@ namespace {
 struct model_rank {
   std::vector<std::vector<std::byte>> data;
   std::vector<flat_view> views;
-  model_rank(int rank, int world) {
+  model_rank(int rank, int world, bool everywhere = true) {
     const auto r = static_cast<std::uint64_t>(rank), w = static_cast<std::uint64_t>(world);
     auto add = [&](std::string key, shape_t full, std::optional<shard_spec> spec,
                    replica_role role = replica_role::none) {
@@ -254,7 +255,7 @@ struct model_rank {
       add("hsdp", {3 * half}, flat_spec{{3 * s, 3 * s + 3}}, r < half ? replica_role::writer : replica_role::copy);
     }
     add("bias", {5}, std::nullopt);
-    add("everywhere", {4}, flat_spec{{0, 4}});
+    if (everywhere) add("everywhere", {4}, flat_spec{{0, 4}});  // one shard saved by every rank, without roles
     if (rank == 0) add("multi", {10}, flat_spec{{0, 3}, {5, 7}});
     if (rank == 1) add("multi", {10}, flat_spec{{3, 5}, {7, 10}});
     if (rank == world - 1) add("late", {2}, std::nullopt);
@@ -268,7 +269,7 @@ struct saved_model {
 };
 
 /// Saves the model in a world of `world` thread ranks, over the tree (peer) or the all-gather.
-saved_model save_model(int world, bool peer, const save_options& opt) {
+saved_model save_model(int world, bool peer, const save_options& opt, bool everywhere = true) {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   saved_model out;
@@ -276,7 +277,7 @@ saved_model save_model(int world, bool peer, const save_options& opt) {
   out.largest_in.resize(static_cast<std::size_t>(world));
   out.messages.resize(static_cast<std::size_t>(world));
   const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
-    model_rank m(tc.rank(), world);
+    model_rank m(tc.rank(), world, everywhere);
     auto go = [&](auto& comm) {
       save(dir, std::span<const flat_view>(m.views), comm, opt);
       const auto r = static_cast<std::size_t>(tc.rank());
@@ -326,6 +327,35 @@ TEST_CASE("a save over the tree writes the bytes the all-gather writes") {
         }
       }
   }
+}
+
+TEST_CASE("a DCP save over the tree writes the bytes the all-gather writes; a rank receives O(tensors)") {
+  save_options opt;
+  opt.format = save_format::dcp;
+  for (const bool everywhere : {false, true})  // with a shard every rank saves: the all-gather's writers
+    for (const int world : {2, 3, 8, 13, 32}) {
+      CAPTURE(everywhere);
+      CAPTURE(world);
+      const saved_model tree = save_model(world, true, opt, everywhere),
+                        flat = save_model(world, false, opt, everywhere);
+      REQUIRE(tree.objects.size() == flat.objects.size());
+      CHECK(tree.objects.count("mem:ckpt/.metadata") == 1);
+      for (const auto& [name, bytes] : flat.objects) {
+        CAPTURE(name);
+        REQUIRE(tree.objects.count(name) == 1);
+        CHECK(tree.objects.at(name) == bytes);
+      }
+      std::uint64_t most_tree = 0, most_flat = 0;
+      for (int r = 1; r < world; ++r) {
+        most_tree = std::max(most_tree, tree.bytes_in[static_cast<std::size_t>(r)]);
+        most_flat = std::max(most_flat, flat.bytes_in[static_cast<std::size_t>(r)]);
+      }
+      MESSAGE("DCP, world " << world << std::string(everywhere ? ", a shard on every rank" : "")
+                            << ": most bytes a rank but 0 receives: tree " << most_tree << ", all-gather "
+                            << most_flat);
+      if (world == 32)  // the tree: two partials and the agreement; the all-gather: 32 descriptions and places
+        CHECK((everywhere ? most_tree > most_flat : most_tree * 8 < most_flat));
+    }
 }
 
 namespace {

@@ -5,7 +5,11 @@
 // The protocol is the sharded save's (checkpoint/saver.hpp, its steps in save_agree.hpp and
 // save_write.hpp), with DCP's files:
 //   1. the ranks' plans are all-gathered, merged and checked alike on every rank (one shape and
-//      dtype per key, shards covering each tensor, no two different shards overlapping);
+//      dtype per key, shards covering each tensor, no two different shards overlapping); over a
+//      PeerComm they are merged up the tree of ranks instead (save_agree.hpp: O(tensors) a rank)
+//      and rank 0 alone holds every rank's, when no two ranks save one shard without replica
+//      roles (then each rank writes its own shards but copies, and needs no one else's); else
+//      the world all-gathers, as before (agree_dcp);
 //   2. rank 0 prepares the folder: refuses a non-empty one unless overwrite, else removes
 //      `.metadata` first (the old checkpoint stops loading as complete), then the rest;
 //   3. every rank writes `__R_0.distcp` (temporary name, synced, renamed): rank 0 first the
@@ -15,9 +19,9 @@
 //      records blocks; a tensor that is not sharded is one chunk, written by the lowest rank
 //      holding it; identical shards (replicas) are written once, by their writer replica or
 //      else the lowest rank holding them. A rank with nothing to write writes no file;
-//   4. the places of every chunk are all-gathered and rank 0 writes `.metadata` last, by rename:
-//      the commit mark. Each step runs under dist/agree.hpp: a failure anywhere is thrown on
-//      every rank.
+//   4. the places of every chunk are all-gathered (over the tree: sent to rank 0 alone) and rank
+//      0 writes `.metadata` last, by rename: the commit mark. Each step runs under
+//      dist/agree.hpp: a failure anywhere is thrown on every rank.
 //
 // Non-tensor items (dcp_object: an optimizer's hyper-parameters, say) are given by rank 0 (other
 // ranks' are ignored) as plain values; each is a torch.save archive of its pickle. `paths` gives
@@ -29,6 +33,8 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -71,20 +77,51 @@ inline const std::string* dcp_writer_of(const flat_view& v, const tensor_metadat
   return nullptr;
 }
 
-/// The views of `views` this rank writes chunks of into its DCP data file (dcp_writer_of names
-/// it): what an asynchronous save snapshots.
+/// Whether `rank` writes view v of tm. Agreed over the tree (agree_dcp: md whole on rank 0 alone,
+/// and no two ranks save one non-empty shard but as replica copies), a rank writes its own shards
+/// but copies; otherwise the file dcp_writer_of names.
+inline bool dcp_writes(const flat_view& v, const tensor_metadata& tm, int rank, bool tree) {
+  if (tree && tm.is_sharded) return v.replica != replica_role::copy;
+  const std::string* w = dcp_writer_of(v, tm);
+  return w && *w == rank_file_name(rank);
+}
+
+/// The views of `views` this rank writes chunks of into its DCP data file (dcp_writes): what an
+/// asynchronous save snapshots.
 inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                        int rank) {
-  const std::string mine = rank_file_name(rank);
+                                                        int rank, bool tree = false) {
   std::vector<const flat_view*> out;
   for (const auto& v : views)
-    if (const std::string* w = dcp_writer_of(v, *md.find(v.key)); w && *w == mine) out.push_back(&v);
+    if (dcp_writes(v, *md.find(v.key), rank, tree)) out.push_back(&v);
   return out;
 }
 
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
 SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
-                                                               const checkpoint_metadata& md, int rank);
+                                                               const checkpoint_metadata& md, int rank,
+                                                               bool tree = false);
+
+/// Whether every sharded tensor of a whole md has elements and its files' non-empty shards are
+/// all different (no rank saves another's shard without replica roles): then each rank can tell
+/// what it writes from its own views (dcp_writes).
+SHARDSAFE_DECL bool dcp_shards_distinct(const checkpoint_metadata& md);
+
+/// Step 1 of a DCP save: over a PeerComm that offers it (world > 1), the description agreed up
+/// the tree of ranks (agree_description_over_tree, listed: md whole on rank 0, each tensor's
+/// shape, dtype and writer elsewhere), then rank 0 says whether the shards are distinct
+/// (dcp_shards_distinct); where they are not, and over any other Comm, every rank's description
+/// all-gathered and merged on every rank (agree_on_metadata), as the lowest holder of a shard
+/// writes it.
+template <Comm C>
+agreed_description agree_dcp(std::span<const flat_view> views, C& comm, const std::string& dname) {
+  if constexpr (PeerComm<C>)
+    if (comm.peer_to_peer() && comm.world_size() > 1) {
+      agreed_description a = agree_description_over_tree(views, comm, dname, false, metadata_form::listed, 0);
+      const step_scope step("agreeing on the writers");
+      if (rank0_step(comm, [&] { return std::string(dcp_shards_distinct(a.md) ? "1" : "0"); }) == "1") return a;
+    }
+  return agreed_whole(agree_on_metadata(views, comm, dname), 0);
+}
 
 /// CRC-32 of every chunk's bytes, in pieces of at most 8 MiB on the pool's threads, joined.
 inline void checksum_chunks(std::vector<dcp_chunk_data>& chunks, unsigned threads) {
@@ -156,14 +193,16 @@ inline std::string encode_dcp_places(const dcp_file_layout* layout) {
 
 namespace detail {
 
-/// Steps 2-4 of a DCP save, once every rank agreed on md (step 1): the folder prepared, each
-/// rank's data file written, .metadata last.
+/// Steps 2-4 of a DCP save, once every rank agreed (step 1: agree_dcp): the folder prepared,
+/// each rank's data file written, .metadata last. Over the tree (agreed.tree), the places of the
+/// chunks go to rank 0 alone.
 template <WritableDirectory D, Comm C>
-save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, const checkpoint_metadata& md, C& comm,
-                                const save_options& opt, std::span<const dcp_object> objects,
+save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, const agreed_description& agreed,
+                                C& comm, const save_options& opt, std::span<const dcp_object> objects,
                                 const std::map<std::string, pickle_value>& paths,
                                 std::chrono::steady_clock::time_point t0) {
   const std::string dname(dir.name());
+  const checkpoint_metadata& md = agreed.md;  // whole on rank 0 (and on every rank without a tree)
   const int rank = comm.rank(), world = comm.world_size();
   rank0_step(comm, [&] {
     for (const auto& o : objects)
@@ -188,52 +227,81 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
   detail::prepare_directory(dir, opt.overwrite, comm, dcp_metadata_file_name);  // 2
 
   std::unique_ptr<dcp_file_layout> layout;  // 3
-  const auto places = every_rank_step(comm, [&] {
+  auto write_own = [&] {
     std::vector<dcp_object_data> objs;
     if (rank == 0)
       for (const auto& o : objects) objs.push_back({o.key, torch_value_archive(pickle_dumps(o.value))});
-    auto chunks = detail::dcp_chunks_to_write(views, md, rank);
+    auto chunks = detail::dcp_chunks_to_write(views, md, rank, agreed.tree);
     if (objs.empty() && chunks.empty()) return detail::encode_dcp_places(nullptr);
     detail::checksum_chunks(chunks, opt.threads);
     layout = std::make_unique<dcp_file_layout>(dcp_data_file_name(rank), std::move(objs), std::move(chunks));
     detail::write_dcp_file(dir, *layout, opt);
     return detail::encode_dcp_places(layout.get());
-  });
+  };
+  // on rank 0 (every rank without a tree): .metadata from every rank's places; the bytes of all files
+  auto metadata_of = [&](const std::vector<std::string>& places, dcp_metadata& out) {
+    std::uint64_t total = 0;
+    for (const auto& [key, tm] : md.tensors) {
+      dcp_item& it = out.items[key];
+      it.type = tm.type;
+      it.size = tm.shape;
+    }
+    for (int r = 0; r < world; ++r) {
+      message_reader m(places[static_cast<std::size_t>(r)], dname + " (rank " + std::to_string(r) + "'s data file)");
+      total += m.count();
+      const std::string file = dcp_data_file_name(r);
+      for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
+        dcp_item& it = out.items[m.text()];
+        it.is_bytes = true;
+        it.bytes.relative_path = file;
+        it.bytes.offset = m.count();
+        it.bytes.length = m.count();
+      }
+      for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
+        const std::string key = m.text();
+        dcp_chunk c;
+        c.offsets = m.counts();
+        c.sizes = m.counts();
+        c.storage = {file, m.count(), 0};
+        c.storage.length = m.count();
+        auto it = out.items.find(key);
+        if (it == out.items.end()) m.malformed("a chunk of '" + key + "', which no rank planned");
+        it->second.chunks.push_back(std::move(c));
+      }
+      m.finish();
+    }
+    return total;
+  };
 
   save_stats st;
+  std::string total;
+  if constexpr (PeerComm<C>)
+    if (agreed.tree) {
+      std::string own;
+      every_rank_step(comm, [&] { own = write_own(); });
+      if (rank != 0) try {
+          comm.send_bytes(std::string(own), 0);
+        } catch (const error&) {  // rank 0 is gone: hearing from it below fails, naming it
+        }
+      total = rank0_step(comm, [&] {  // 4
+        // every rank's places heard before any is read: one malformed leaves none behind unread
+        std::vector<std::string> places{std::move(own)};
+        for (int r = 1; r < world; ++r) places.push_back(exchange_in_scope([&] { return comm.recv_bytes(r); }));
+        dcp_metadata out;
+        const std::uint64_t bytes = metadata_of(places, out);
+        write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths));
+        return std::to_string(bytes);
+      });
+    }
+  if (!agreed.tree) {
+    const auto places = every_rank_step(comm, write_own);
+    dcp_metadata out;
+    total = std::to_string(metadata_of(places, out));
+    rank0_step(comm, [&] { write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths)); });  // 4
+  }
   st.tensors_written = layout ? layout->chunks().size() : 0;
   st.bytes_written = layout ? layout->size() : 0;
-  dcp_metadata out;
-  for (const auto& [key, tm] : md.tensors) {
-    dcp_item& it = out.items[key];
-    it.type = tm.type;
-    it.size = tm.shape;
-  }
-  for (int r = 0; r < world; ++r) {
-    message_reader m(places[static_cast<std::size_t>(r)], dname + " (rank " + std::to_string(r) + "'s data file)");
-    st.total_bytes += m.count();
-    const std::string file = dcp_data_file_name(r);
-    for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
-      dcp_item& it = out.items[m.text()];
-      it.is_bytes = true;
-      it.bytes.relative_path = file;
-      it.bytes.offset = m.count();
-      it.bytes.length = m.count();
-    }
-    for (std::uint64_t i = 0, n = m.count(); i < n; ++i) {
-      const std::string key = m.text();
-      dcp_chunk c;
-      c.offsets = m.counts();
-      c.sizes = m.counts();
-      c.storage = {file, m.count(), 0};
-      c.storage.length = m.count();
-      auto it = out.items.find(key);
-      if (it == out.items.end()) m.malformed("a chunk of '" + key + "', which no rank planned");
-      it->second.chunks.push_back(std::move(c));
-    }
-    m.finish();
-  }
-  rank0_step(comm, [&] { write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths)); });  // 4
+  st.total_bytes = std::stoull(total);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -247,8 +315,8 @@ template <WritableDirectory D, Comm C>
 save_stats save_dcp(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt,
                     std::span<const dcp_object> objects, const std::map<std::string, pickle_value>& paths) {
   const auto t0 = std::chrono::steady_clock::now();
-  checkpoint_metadata md = detail::agree_on_metadata(views, comm, std::string(dir.name()));  // 1
-  return detail::write_dcp_and_commit(dir, views, md, comm, opt, objects, paths, t0);        // 2-4
+  const detail::agreed_description agreed = detail::agree_dcp(views, comm, std::string(dir.name()));  // 1
+  return detail::write_dcp_and_commit(dir, views, agreed, comm, opt, objects, paths, t0);             // 2-4
 }
 
 }  // namespace shardsafe

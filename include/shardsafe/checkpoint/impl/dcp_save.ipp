@@ -7,19 +7,18 @@ namespace shardsafe {
 namespace detail {
 
 SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
-                                                               const checkpoint_metadata& md, int rank) {
-  const std::string mine = rank_file_name(rank);
+                                                               const checkpoint_metadata& md, int rank, bool tree) {
   std::vector<dcp_chunk_data> out;
   for (const auto& v : views) {
     const tensor_metadata* tm = md.find(v.key);
-    const std::string* writer = dcp_writer_of(v, *tm);
-    if (!writer || *writer != mine) continue;
+    if (!dcp_writes(v, *tm, rank, tree)) continue;
     const std::uint64_t item = item_size(v.type);
     auto add = [&](shape_t offsets, shape_t sizes, std::uint64_t local) {
       out.push_back({{v.key, v.type, std::move(offsets), std::move(sizes)}, v.data + local * item, 0});
     };
-    if (tm->numel() == 0) {  // an empty tensor: one empty chunk, so that it is listed
-      if (&tm->files.front().first == writer) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
+    if (tm->numel() == 0) {  // an empty tensor: one empty chunk, written by its first file
+      // (over the tree, tensors of no elements are not sharded: dcp_shards_distinct)
+      if (&tm->files.front().first == dcp_writer_of(v, *tm)) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
       continue;
     }
     if (!v.spec) {
@@ -38,6 +37,17 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
     }
   }
   return out;
+}
+
+SHARDSAFE_DECL bool dcp_shards_distinct(const checkpoint_metadata& md) {
+  for (const auto& [key, tm] : md.tensors) {
+    if (!tm.is_sharded) continue;
+    if (tm.numel() == 0) return false;
+    std::set<std::string> seen;
+    for (const auto& [fname, spec] : tm.files)
+      if (spec.local_numel() > 0 && !seen.insert(to_string(spec)).second) return false;
+  }
+  return true;
 }
 
 }  // namespace detail

@@ -30,24 +30,23 @@ struct dcp_layout_writer {
   static save_stats save(const D& dir, std::span<const flat_view> views, C& comm, const save_options& opt) {
     return save_dcp(dir, views, comm, opt, {}, std::map<std::string, pickle_value>{});
   }
-  /// Step 1, a collective: the descriptions all-gathered, every rank whole (a DCP save's later
-  /// steps read every rank's entries).
+  /// Step 1, a collective (detail::agree_dcp): over a PeerComm up the tree of ranks, else the
+  /// descriptions all-gathered, every rank whole.
   template <Comm C>
   static detail::agreed_description agree(std::span<const flat_view> views, C& comm, const std::string& dname,
                                           const save_options&) {
-    return detail::agreed_whole(detail::agree_on_metadata(views, comm, dname), 0);
+    return detail::agree_dcp(views, comm, dname);
   }
   /// The views of `views` this rank writes chunks of, once step 1 is agreed.
   static std::vector<const flat_view*> views_to_write(std::span<const flat_view> views,
                                                       const detail::agreed_description& agreed, int rank) {
-    return detail::dcp_views_to_write(views, agreed.md, rank);
+    return detail::dcp_views_to_write(views, agreed.md, rank, agreed.tree);
   }
   /// Steps 2-4 once step 1 is agreed (an asynchronous save runs them in the background).
   template <WritableDirectory D, Comm C>
   static save_stats write(const D& dir, std::span<const flat_view> views, detail::agreed_description agreed, C& comm,
                           const save_options& opt, std::chrono::steady_clock::time_point t0) {
-    return detail::write_dcp_and_commit(dir, views, agreed.md, comm, opt, {}, std::map<std::string, pickle_value>{},
-                                        t0);
+    return detail::write_dcp_and_commit(dir, views, agreed, comm, opt, {}, std::map<std::string, pickle_value>{}, t0);
   }
 };
 
