@@ -46,6 +46,7 @@
 
 // shard arithmetic: specs, overlaps, copy plans, read plans
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/coverage.hpp"
 #include "shardsafe/shard/flat_blocks.hpp"
 #include "shardsafe/shard/merged_ranges.hpp"
 #include "shardsafe/shard/mesh.hpp"

@@ -284,7 +284,7 @@ TEST_CASE("rank 0 finishes a 16,384-rank description expanding no entry of a reg
 
 TEST_CASE("shards that surely leave elements out are named within a bounded walk, alike on both paths") {
   // two column blocks of 2^23 rows of a [2^40, 2] tensor: 2^24 runs before the first missing
-  // element, more than a failing coverage check walks (detail::coverage_walk_runs)
+  // element, more than a failing coverage check walks (coverage_walk_runs)
   model m;
   m.world = 2;
   m.tensors.emplace_back("long", shape_t{std::uint64_t(1) << 40, 2});

@@ -342,6 +342,33 @@ TEST_CASE("DCP-sharded folders: broken ones are refused naming file, tensor and 
     expect_error([&] { unshard_tensor(r, "ids", std::as_writable_bytes(std::span(ids))); }, errc::missing_coverage,
                  {"tensor 'ids'"});
   }
+  SUBCASE("column blocks of 2^21 + 1 rows, a row missing below the last: named by count, the walk bounded") {
+    // 2^22 + 2 runs before the gap, more than the walk takes (coverage_walk_runs); the files
+    // hold 2 elements fewer than the tensor
+    const std::uint64_t rows = (std::uint64_t(1) << 21) + 1;
+    REQUIRE(2 * rows > coverage_walk_runs);
+    memory_directory dir;
+    for (std::uint64_t c = 0; c < 2; ++c)
+      fixtures::put(dir, dcp_fixture::name(static_cast<int>(c)),
+                    dcp_file({{{"u", "U8", {rows, 1}, std::string(rows, char('a' + c))}, {0, c}}}));
+    fixtures::put(dir, dcp_fixture::name(2), dcp_file({{{"u", "U8", {1, 2}, "zz"}, {rows + 1, 0}}}));
+    checkpoint_reader<memory_directory> r(dir);
+    const std::string held = "its files hold " + std::to_string(2 * rows + 2) + " elements in all, fewer than its " +
+                             std::to_string(2 * rows + 4) + ": some are in no file";
+    expect_error([&] { verify_checkpoint(r); }, errc::missing_coverage, {"tensor 'u'", held});
+    const unshard_source<memory_directory> src{&r, ""};
+    expect_error(
+        [&] {
+          memory_writer out("whole.safetensors");
+          unshard_to_safetensors(std::span<const unshard_source<memory_directory>>(&src, 1), out);
+        },
+        errc::missing_coverage, {"tensor 'u'", held});
+    // a tensor unsharded alone is planned run by run, as its read needs: the gap is named
+    std::string u(2 * rows + 4, '\0');
+    expect_error(
+        [&] { unshard_tensor(r, "u", std::as_writable_bytes(std::span(u))); }, errc::missing_coverage,
+        {"tensor 'u'", "global element " + std::to_string(2 * rows) + ", index [" + std::to_string(rows) + ",0]"});
+  }
   SUBCASE("not a checkpoint at all, a DCP folder without .metadata, a damaged .metadata") {
     memory_directory dir;
     dir.make();

@@ -4,6 +4,7 @@
 // spec is expanded into the list of global flat indices it holds, in local order (element
 // i of the list is local offset i), and answers are computed from those lists alone.
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/coverage.hpp"
 #include "shardsafe/shard/overlap.hpp"
 #include "shardsafe/shard/read_plan.hpp"
 #include "shardsafe/shard/merged_ranges.hpp"
@@ -439,6 +440,25 @@ TEST_CASE("property: missing_in_whole names exactly the elements no file holds (
                                     block_spec({(std::uint64_t(1) << 40) - 8, 1}, {8, 1})};
   CHECK(missing_elements(flat_spec{{0, numel(huge)}}, std::span<const shard_spec>(far), huge, 1) ==
         std::vector<element_range>{{8, 16}});
+  // first_gap_in_whole, which they call: the same first gap, and the shards' elements summed
+  const coverage_gap near = first_gap_in_whole(std::span<const shard_spec>(far), huge);
+  CHECK((near.first && *near.first == element_range{8, 16} && !near.by_count && !near.whole()));
+  CHECK(near.held == 8 + 2 * ((std::uint64_t(1) << 40) - 8));
+  CHECK(first_gap_in_whole(std::span<const shard_spec>(cols), tall).whole());
+  // shards that hold fewer elements than the tensor, their first gap past coverage_walk_runs
+  // runs: the walk stops there and says so by count (2^23 rows of two column blocks: 2^24 runs)
+  const std::vector<shard_spec> short_cols{block_spec({std::uint64_t(1) << 23, 1}, {0, 0}),
+                                           block_spec({std::uint64_t(1) << 23, 1}, {0, 1})};
+  REQUIRE((std::uint64_t(1) << 24) > coverage_walk_runs);
+  const coverage_gap cut = first_gap_in_whole(std::span<const shard_spec>(short_cols), huge);
+  CHECK((!cut.first && cut.by_count && !cut.whole() && cut.held == std::uint64_t(1) << 24));
+  // shorter columns (2^21 runs, within the walk) of a tensor they nearly cover: the gap is named
+  const shape_t near_tall{(std::uint64_t(1) << 20) + 1, 2};
+  const std::vector<shard_spec> mid_cols{block_spec({std::uint64_t(1) << 20, 1}, {0, 0}),
+                                         block_spec({std::uint64_t(1) << 20, 1}, {0, 1})};
+  const coverage_gap last = first_gap_in_whole(std::span<const shard_spec>(mid_cols), near_tall);
+  CHECK((last.first && *last.first == element_range{std::uint64_t(1) << 21, (std::uint64_t(1) << 21) + 2} &&
+         !last.by_count));
 }
 
 TEST_CASE("property: merged ranges and cursor runs match the brute force; seek lands right") {

@@ -144,7 +144,8 @@ void expect_error(F&& f, shardsafe::errc code, const std::vector<std::string>& p
     FAIL("no error thrown");
   } catch (const shardsafe::error& e) {
     CHECK_MESSAGE(e.code() == code, e.what());
-    for (const auto& p : phrases) CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, e.what(), " / ", p);
+    for (const auto& p : phrases)
+      CHECK_MESSAGE(std::string(e.what()).find(p) != std::string::npos, std::string(e.what()), " / ", p);
   }
 }
 inline std::string sha256_hex(const std::string& bytes) { return sha256_hex(bytes.data(), bytes.size()); }

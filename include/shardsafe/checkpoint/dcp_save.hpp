@@ -238,7 +238,7 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
     detail::write_dcp_file(dir, *layout, opt);
     return detail::encode_dcp_places(layout.get());
   };
-  // on rank 0 (every rank without a tree): .metadata from every rank's places; the bytes of all files
+  // .metadata from every rank's places; returns the bytes of all files
   auto metadata_of = [&](const std::vector<std::string>& places, dcp_metadata& out) {
     std::uint64_t total = 0;
     for (const auto& [key, tm] : md.tensors) {
@@ -273,31 +273,24 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
     return total;
   };
 
+  // on rank 0: .metadata written from every rank's places; returns the bytes of all files
+  auto commit = [&](const std::vector<std::string>& places) {  // 4
+    dcp_metadata out;
+    const std::uint64_t bytes = metadata_of(places, out);
+    write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths));
+    return std::to_string(bytes);
+  };
   save_stats st;
   std::string total;
   if constexpr (PeerComm<C>)
     if (agreed.tree) {
       std::string own;
       every_rank_step(comm, [&] { own = write_own(); });
-      if (rank != 0) try {
-          comm.send_bytes(std::string(own), 0);
-        } catch (const error&) {  // rank 0 is gone: hearing from it below fails, naming it
-        }
-      total = rank0_step(comm, [&] {  // 4
-        // every rank's places heard before any is read: one malformed leaves none behind unread
-        std::vector<std::string> places{std::move(own)};
-        for (int r = 1; r < world; ++r) places.push_back(exchange_in_scope([&] { return comm.recv_bytes(r); }));
-        dcp_metadata out;
-        const std::uint64_t bytes = metadata_of(places, out);
-        write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths));
-        return std::to_string(bytes);
-      });
+      total = gathered_at_rank0(comm, std::move(own), [&](auto&& g) { return rank0_step(comm, g); }, commit);
     }
   if (!agreed.tree) {
     const auto places = every_rank_step(comm, write_own);
-    dcp_metadata out;
-    total = std::to_string(metadata_of(places, out));
-    rank0_step(comm, [&] { write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths)); });  // 4
+    total = rank0_step(comm, [&] { return commit(places); });
   }
   st.tensors_written = layout ? layout->chunks().size() : 0;
   st.bytes_written = layout ? layout->size() : 0;

@@ -28,6 +28,7 @@
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/format/pickle_value.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/coverage.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
 namespace shardsafe {
@@ -73,10 +74,6 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> check_shards(cons
                                                                             const std::vector<int>& ranks,
                                                                             const std::vector<replica_role>& roles,
                                                                             std::string_view dir);
-
-/// The runs of the shards a coverage check that must fail walks to name the first missing
-/// element (beyond it, the error says how many elements the shards hold).
-inline constexpr std::uint64_t coverage_walk_runs = std::uint64_t(1) << 22;
 
 /// check_shards, then the coverage check: the files a sharded tensor lists, or the error
 /// merge_descriptions throws for it.

@@ -317,21 +317,15 @@ save_stats write_and_commit(const D& dir, std::span<const flat_view> views, agre
         every_rank_step(comm, [&] { own = write_own_file(dir, fname, mine_span, opt, compact); });  // 3
       }
       st.bytes_written = own.size;
-      if (rank != 0) try {
-          comm.send_bytes(encode_written(own, send_sums), 0);
-        } catch (const error&) {  // rank 0 is gone: hearing from it below fails, naming it
-        }
-      total = commit_metadata(dir, md, comm, [&] {  // 4
-        // every rank's message heard before any is read: one malformed leaves none behind unread
-        std::vector<std::string> texts;
-        for (int r = 1; r < world; ++r) texts.push_back(exchange_in_scope([&] { return comm.recv_bytes(r); }));
-        std::vector<written_rank_file> written;
-        written.push_back(std::move(own));
-        for (int r = 1; r < world; ++r)
-          written.push_back(decode_written(texts[static_cast<std::size_t>(r - 1)], send_sums,
-                                           std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
-        return finish(written);
-      });
+      total = gathered_at_rank0(
+          comm, encode_written(own, send_sums), [&](auto&& g) { return commit_metadata(dir, md, comm, g); },  // 4
+          [&](const std::vector<std::string>& texts) {
+            std::vector<written_rank_file> written;
+            for (std::size_t r = 0; r < texts.size(); ++r)
+              written.push_back(decode_written(texts[r], send_sums,
+                                               std::string(dir.name()) + " (rank " + std::to_string(r) + "'s file)"));
+            return finish(written);
+          });
     }
   if (!agreed.tree) {
     auto written = write_rank_files(dir, mine_span, comm, opt, compact);  // 3

@@ -15,10 +15,25 @@
 
 #include "shardsafe/checkpoint/loader.hpp"
 #include "shardsafe/format/safetensors_writer.hpp"
+#include "shardsafe/shard/coverage.hpp"
 
 namespace shardsafe {
 
 namespace detail {
+
+/// Fails unless the files' shards cover the tensor (gap: first_gap_in_whole), naming the first
+/// elements in no file, or, where the walk stopped short of them, how few the shards hold.
+inline void fail_unless_whole(const coverage_gap& gap, std::string_view dir, const std::string& key,
+                              std::span<const std::uint64_t> shape) {
+  const std::string at = std::string(dir) + ": tensor '" + key + "' " + to_string(shape);
+  if (gap.first)
+    fail(errc::missing_coverage, at + ": elements " + to_string(*gap.first) + " (from index " +
+                                     multi_index_string(shape, gap.first->begin) + ") are in no file");
+  if (gap.by_count)
+    fail(errc::missing_coverage, at + ": its files hold " + std::to_string(gap.held) +
+                                     " elements in all, fewer than its " + std::to_string(numel(shape)) +
+                                     ": some are in no file");
+}
 
 /// Elements [first, first + n) of tensor idx of a layout, landing in bytes.
 struct layout_piece {
@@ -297,13 +312,8 @@ void require_unshardable(std::span<const unshard_source<D>> sources) {
         s.reader->entry_in(s.reader->file(fname), key, tm, spec);
         specs.push_back(spec);
       }
-      const shard_spec whole = flat_spec{{0, tm.numel()}};
-      const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape, 1);
-      if (!missing.empty())
-        fail(errc::missing_coverage, std::string(s.reader->directory().name()) + ": tensor '" + key + "' " +
-                                         to_string(tm.shape) + ": elements " + to_string(missing.front()) +
-                                         " (from index " + multi_index_string(tm.shape, missing.front().begin) +
-                                         ") are in no file");
+      fail_unless_whole(first_gap_in_whole(std::span<const shard_spec>(specs), tm.shape), s.reader->directory().name(),
+                        key, tm.shape);
     }
 }
 }  // namespace detail

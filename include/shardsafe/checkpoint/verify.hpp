@@ -61,6 +61,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/format/metadata.hpp"
 #include "shardsafe/shard/copy_plan.hpp"
+#include "shardsafe/shard/coverage.hpp"
 #include "shardsafe/shard/shard_spec.hpp"
 #include "shardsafe/storage/concepts.hpp"
 
@@ -330,12 +331,7 @@ checkpoint_report verify_checkpoint(checkpoint_reader<D>& r, const verify_option
     if (!is_byte_sized(tm.type) && tm.is_sharded)
       fail(errc::unsupported_dtype, dname + ": tensor '" + key + "': sub-byte dtype " +
                                         std::string(to_string(tm.type)) + " cannot be sharded by elements");
-    const shard_spec whole = flat_spec{{0, tm.numel()}};
-    const auto missing = missing_elements(whole, std::span<const shard_spec>(specs), tm.shape, 1);
-    if (!missing.empty())
-      fail(errc::missing_coverage, dname + ": tensor '" + key + "' " + to_string(tm.shape) + ": elements " +
-                                       to_string(missing.front()) + " (from index " +
-                                       multi_index_string(tm.shape, missing.front().begin) + ") are in no file");
+    detail::fail_unless_whole(first_gap_in_whole(std::span<const shard_spec>(specs), tm.shape), dname, key, tm.shape);
     // every element is in some file; held > numel means some are in two: compare those
     if (held > tm.numel()) {
       std::uint64_t again = 0;

@@ -346,4 +346,28 @@ auto rank0_step(C& comm, F&& f) {
   if constexpr (!std::is_void_v<std::invoke_result_t<F&>>) return std::move(o.text);
 }
 
+namespace detail {
+
+/// A tree's last step, where rank 0 alone needs one message from every rank (a save's sizes,
+/// checksums or chunk places): each rank but 0 sends `own` to rank 0 alone; then `step(g)` runs
+/// (rank0_step, or a step built on it), where g, on rank 0, hears every rank's message before it
+/// reads any (one malformed leaves none behind unread) and returns use(messages), indexed by rank.
+template <PeerComm C, class Step, class Use>
+std::string gathered_at_rank0(C& comm, std::string own, Step&& step, Use&& use) {
+  const int world = comm.world_size();
+  if (comm.rank() != 0) try {
+      comm.send_bytes(std::move(own), 0);
+    } catch (const error&) {  // rank 0 is gone: hearing from it in the step fails, naming it
+    }
+  return step([&] {
+    std::vector<std::string> messages;
+    messages.reserve(static_cast<std::size_t>(world));
+    messages.push_back(std::move(own));
+    for (int r = 1; r < world; ++r) messages.push_back(exchange_in_scope([&] { return comm.recv_bytes(r); }));
+    return std::string(use(messages));
+  });
+}
+
+}  // namespace detail
+
 }  // namespace shardsafe

@@ -16,7 +16,6 @@
 #pragma once
 
 #include <algorithm>
-#include <queue>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -365,64 +364,6 @@ load_plan plan_load(const A& mine, std::span<const B> files, std::span<const std
 template <ShardSpec A, ShardSpec B>
 load_plan plan_load(const A& mine, const std::vector<B>& files, std::span<const std::uint64_t> full) {
   return plan_load(mine, std::span<const B>(files), full);
-}
-
-/// The elements of the whole tensor that none of the files hold, as global ranges (at most
-/// max_gaps of them, the first ones): the files' runs merged in order by a heap of their cursors,
-/// so memory is O(files) whatever the runs (a column block of 2^24 rows is 2^24 runs), and time
-/// O(R log files) for R runs. With `max_runs`, it stops after merging that many runs, and sets
-/// *stopped (the gaps then are those before the stop).
-template <ShardSpec B>
-std::vector<element_range> missing_in_whole(std::span<const B> files, std::span<const std::uint64_t> full,
-                                            std::size_t max_gaps = 1024,
-                                            std::uint64_t max_runs = std::numeric_limits<std::uint64_t>::max(),
-                                            bool* stopped = nullptr) {
-  const std::uint64_t n = numel(full);
-  std::vector<element_range> gaps;
-  if (stopped) *stopped = false;
-  if (max_gaps == 0) return gaps;
-  using cursor_t = decltype(files[0].cursor(full));
-  std::vector<cursor_t> cursors;
-  cursors.reserve(files.size());
-  using item = std::pair<std::uint64_t, std::size_t>;  // run begin, file
-  std::priority_queue<item, std::vector<item>, std::greater<>> heap;
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    cursors.push_back(files[f].cursor(full));
-    if (!cursors.back().done()) heap.emplace(cursors.back().run().begin, f);
-  }
-  std::uint64_t upto = 0, runs = 0;
-  while (!heap.empty() && upto < n) {
-    if (runs++ == max_runs) {
-      if (stopped) *stopped = true;
-      return gaps;
-    }
-    const std::size_t f = heap.top().second;
-    heap.pop();
-    auto& c = cursors[f];
-    const spec_run r = c.run();
-    if (r.begin > upto) {
-      gaps.push_back({upto, r.begin});
-      if (gaps.size() == max_gaps) return gaps;  // the first max_gaps found: no more runs walked
-    }
-    upto = std::max(upto, r.end);
-    c.seek(upto);  // runs this file holds below upto add nothing: skipped in O(log n) or O(ndim)
-    if (!c.done()) heap.emplace(c.run().begin, f);
-  }
-  if (upto < n && gaps.size() < max_gaps) gaps.push_back({upto, n});
-  return gaps;
-}
-
-/// Ranges of my flat view that none of the files hold. When mine is the whole tensor (verify,
-/// unshard and a save's agreement ask that), the files' runs are merged without a copy plan
-/// (missing_in_whole: memory O(files); it stops at the max_gaps-th gap: naming the first missing
-/// element walks the runs before it alone); otherwise from plan_load.
-template <ShardSpec A, ShardSpec B>
-std::vector<element_range> missing_elements(const A& mine, std::span<const B> files,
-                                            std::span<const std::uint64_t> full, std::size_t max_gaps = 1024) {
-  if (auto c = mine.cursor(full); mine.local_numel() == numel(full) &&
-                                  (numel(full) == 0 || (!c.done() && c.run().begin == 0 && c.run().end == numel(full))))
-    return missing_in_whole(files, full, max_gaps);
-  return plan_load(mine, files, full).missing;
 }
 
 /// The global flat index of element `local` of my flat view (for messages).

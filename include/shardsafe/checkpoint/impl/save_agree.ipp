@@ -99,28 +99,21 @@ SHARDSAFE_DECL std::vector<std::pair<std::string, shard_spec>> checked_files(con
                                                                              std::string_view dir) {
   std::vector<std::pair<std::string, shard_spec>> files = check_shards(key, tm, ranks, roles, dir);
   std::vector<shard_spec> specs;
-  std::uint64_t held = 0;  // elements of the shards, replicas counted again (at most numel each)
   specs.reserve(files.size());
-  for (const auto& f : files) {
-    specs.push_back(f.second);
-    held = std::min(held + f.second.local_numel(), ~std::uint64_t(0) - tm.numel());
-  }
+  for (const auto& f : files) specs.push_back(f.second);
   // the first missing element names the error; where the shards hold fewer elements than the
-  // tensor (some are surely missing), the walk to it is bounded: a peer's description of long
-  // shards past a gap is not walked run by run
-  bool stopped = false;
-  const auto missing = missing_in_whole(std::span<const shard_spec>(specs), tm.shape, 1,
-                                        held < tm.numel() ? coverage_walk_runs : ~std::uint64_t(0), &stopped);
-  if (stopped)
+  // tensor, the walk to it is bounded (first_gap_in_whole)
+  const coverage_gap gap = first_gap_in_whole(std::span<const shard_spec>(specs), tm.shape);
+  if (gap.first)
     fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
-                                     ": the shards of all ranks are " + std::to_string(held) +
+                                     ": no rank holds elements " + to_string(*gap.first) + " (index " +
+                                     multi_index_string(tm.shape, gap.first->begin) +
+                                     "); the shards of all ranks must cover the tensor");
+  if (gap.by_count)
+    fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
+                                     ": the shards of all ranks are " + std::to_string(gap.held) +
                                      " elements in all, fewer than its " + std::to_string(tm.numel()) +
                                      "; the shards of all ranks must cover the tensor");
-  if (!missing.empty())
-    fail(errc::missing_coverage, std::string(dir) + ": tensor '" + key + "' " + to_string(tm.shape) +
-                                     ": no rank holds elements " + to_string(missing.front()) + " (index " +
-                                     multi_index_string(tm.shape, missing.front().begin) +
-                                     "); the shards of all ranks must cover the tensor");
   return files;
 }
 
