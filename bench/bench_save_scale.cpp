@@ -9,7 +9,10 @@
 // memory, commit) of a fixed model: 32 layers of a Llama-shaped model scaled down (291 tensors,
 // hidden 128), every tensor flattened and split over all ranks as FSDP does (torch.chunk's pieces:
 // at 4,096 ranks most are empty), metadata.json compact; and the same as a torch DCP folder
-// (save_format::dcp: ", DCP" rows, to the all-gather's largest world). Counted per rank (dist/counted.hpp):
+// (save_format::dcp: ", DCP" rows, to the all-gather's largest world), and as a DCP folder whose
+// norms (the 1-D tensors, 65 of them) every rank saves whole without replica roles, as tensor
+// parallelism replicates them (", DCP, norms repeated": the lowest holder writes a shard, and rank
+// 0 tells each rank which of its shards a lower rank writes). Counted per rank (dist/counted.hpp):
 //   in KiB / out KiB   bytes received / sent, all steps (max over ranks but 0, and rank 0)
 //   msgs               messages sent and received (max over ranks but 0; rank 0 also hears
 //                      every rank's file size)
@@ -67,7 +70,7 @@ struct per_rank {
 
 /// One save of the model by `world` thread ranks; the counts of each rank.
 std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int world, bool tree, save_format format,
-                                double& wall) {
+                                bool repeated, double& wall) {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   save_options opt;
@@ -83,7 +86,8 @@ std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int worl
         std::vector<flat_view> views;
         data.reserve(model.size());
         for (const auto& t : model) {
-          const auto [b, e] = even_part(numel(t.shape), w, r);
+          auto [b, e] = even_part(numel(t.shape), w, r);
+          if (repeated && t.shape.size() == 1) b = 0, e = numel(t.shape);  // every rank saves it whole
           data.emplace_back(static_cast<std::size_t>(e - b), static_cast<std::uint16_t>(r));
           views.push_back({t.name, dtype::BF16, t.shape, flat_spec{{b, e}},
                            reinterpret_cast<std::byte*>(data.back().data()), (e - b) * 2});
@@ -116,9 +120,10 @@ void part1(u64 max_world, u64 max_gather) {
   bench::table t({"world", "comm", "in KiB", "rank 0 in KiB", "out KiB", "msgs", "largest KiB", "wall s"});
   u64 description = 0;  // one rank's all-gathered message at the last world the all-gather ran
   for (u64 w = 64; w <= std::min<u64>(max_world, 4096); w *= 4) {
-    for (const save_format format : {save_format::shardsafe, save_format::dcp})
+    for (const int variant : {0, 1, 2})  // shardsafe's layout; DCP; DCP with the norms repeated
       for (const bool tree : {true, false}) {
-        const bool dcp = format == save_format::dcp;
+        const bool dcp = variant > 0, repeated = variant == 2;
+        const save_format format = dcp ? save_format::dcp : save_format::shardsafe;
         if (dcp && w > max_gather) continue;  // a DCP save's files are torch.save archives: 291 a rank
         if (!tree && w > max_gather) {
           t.add({std::to_string(w), "all-gather", kib(double(description) * double(w)) + " (computed)", "", "", "", "",
@@ -126,7 +131,7 @@ void part1(u64 max_world, u64 max_gather) {
           continue;
         }
         double wall = 0;
-        const auto c = real_save(model, static_cast<int>(w), tree, format, wall);
+        const auto c = real_save(model, static_cast<int>(w), tree, format, repeated, wall);
         per_rank most;
         for (std::size_t r = 1; r < c.size(); ++r) {
           most.in = std::max(most.in, c[r].in);
@@ -135,7 +140,8 @@ void part1(u64 max_world, u64 max_gather) {
           most.largest = std::max(most.largest, c[r].largest);
         }
         if (!tree && !dcp) description = most.largest;
-        t.add({std::to_string(w), std::string(tree ? "tree" : "all-gather") + (dcp ? ", DCP" : ""),
+        t.add({std::to_string(w),
+               std::string(tree ? "tree" : "all-gather") + (dcp ? ", DCP" : "") + (repeated ? ", norms repeated" : ""),
                kib(double(most.in)), kib(double(c[0].in)), kib(double(most.out)), std::to_string(most.msgs),
                kib(double(most.largest)), bench::fmt("%.2f", wall), bench::fmt("%.0f", bench::hwm_mib())});
       }

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -18,9 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "shardsafe/checkpoint/hf/export_views.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "support/random_grid.hpp"
+#include "support/test_util.hpp"
 #include "support/thread_world.hpp"
 
 using namespace shardsafe;
@@ -233,7 +236,7 @@ namespace {
 struct model_rank {
   std::vector<std::vector<std::byte>> data;
   std::vector<flat_view> views;
-  model_rank(int rank, int world, bool everywhere = true) {
+  model_rank(int rank, int world, bool everywhere = true, bool pairs = false) {
     const auto r = static_cast<std::uint64_t>(rank), w = static_cast<std::uint64_t>(world);
     auto add = [&](std::string key, shape_t full, std::optional<shard_spec> spec,
                    replica_role role = replica_role::none) {
@@ -256,11 +259,28 @@ struct model_rank {
     }
     add("bias", {5}, std::nullopt);
     if (everywhere) add("everywhere", {4}, flat_spec{{0, 4}});  // one shard saved by every rank, without roles
+    if (pairs) {  // the ranks in pairs saving one shard, without roles (HSDP's replicas undeclared); the
+                  // last pair's shard is shorter, and with an odd world its second rank is missing
+      const std::uint64_t n = 3 * ((w + 1) / 2) - 1;
+      add("pairs", {n}, flat_spec{{std::min(n, 3 * (r / 2)), std::min(n, 3 * (r / 2) + 3)}});
+    }
     if (rank == 0) add("multi", {10}, flat_spec{{0, 3}, {5, 7}});
     if (rank == 1) add("multi", {10}, flat_spec{{3, 5}, {7, 10}});
     if (rank == world - 1) add("late", {2}, std::nullopt);
   }
 };
+
+/// go(comm) over a counting comm of tc: a PeerComm (peer: the tree) or not (the all-gather).
+template <class F>
+void over_comm(testing::thread_comm& tc, bool peer, F&& go) {
+  if (peer) {
+    counting_comm<true> c{tc};
+    go(c);
+  } else {
+    counting_comm<false> c{tc};
+    go(c);
+  }
+}
 
 /// What a save in a world of thread ranks wrote, and what each rank received.
 struct saved_model {
@@ -269,7 +289,7 @@ struct saved_model {
 };
 
 /// Saves the model in a world of `world` thread ranks, over the tree (peer) or the all-gather.
-saved_model save_model(int world, bool peer, const save_options& opt, bool everywhere = true) {
+saved_model save_model(int world, bool peer, const save_options& opt, bool everywhere = true, bool pairs = false) {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   saved_model out;
@@ -277,7 +297,7 @@ saved_model save_model(int world, bool peer, const save_options& opt, bool every
   out.largest_in.resize(static_cast<std::size_t>(world));
   out.messages.resize(static_cast<std::size_t>(world));
   const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
-    model_rank m(tc.rank(), world, everywhere);
+    model_rank m(tc.rank(), world, everywhere, pairs);
     auto go = [&](auto& comm) {
       save(dir, std::span<const flat_view>(m.views), comm, opt);
       const auto r = static_cast<std::size_t>(tc.rank());
@@ -285,13 +305,7 @@ saved_model save_model(int world, bool peer, const save_options& opt, bool every
       out.largest_in[r] = comm.largest_in;
       out.messages[r] = comm.messages;
     };
-    if (peer) {
-      counting_comm<true> c{tc};
-      go(c);
-    } else {
-      counting_comm<false> c{tc};
-      go(c);
-    }
+    over_comm(tc, peer, go);
   });
   for (const auto& e : thrown) REQUIRE(testing::error_message_of(e) == "");
   for (const auto& [name, buf] : store->objects)
@@ -332,12 +346,14 @@ TEST_CASE("a save over the tree writes the bytes the all-gather writes") {
 TEST_CASE("a DCP save over the tree writes the bytes the all-gather writes; a rank receives O(tensors)") {
   save_options opt;
   opt.format = save_format::dcp;
-  for (const bool everywhere : {false, true})  // with a shard every rank saves: the all-gather's writers
+  // with shards that ranks repeat without roles (one every rank saves, one each pair of ranks
+  // saves): the lowest holder writes it, as the all-gather's writers do
+  for (const bool everywhere : {false, true})
     for (const int world : {2, 3, 8, 13, 32}) {
       CAPTURE(everywhere);
       CAPTURE(world);
-      const saved_model tree = save_model(world, true, opt, everywhere),
-                        flat = save_model(world, false, opt, everywhere);
+      const saved_model tree = save_model(world, true, opt, everywhere, everywhere),
+                        flat = save_model(world, false, opt, everywhere, everywhere);
       REQUIRE(tree.objects.size() == flat.objects.size());
       CHECK(tree.objects.count("mem:ckpt/.metadata") == 1);
       for (const auto& [name, bytes] : flat.objects) {
@@ -350,12 +366,60 @@ TEST_CASE("a DCP save over the tree writes the bytes the all-gather writes; a ra
         most_tree = std::max(most_tree, tree.bytes_in[static_cast<std::size_t>(r)]);
         most_flat = std::max(most_flat, flat.bytes_in[static_cast<std::size_t>(r)]);
       }
-      MESSAGE("DCP, world " << world << std::string(everywhere ? ", a shard on every rank" : "")
+      MESSAGE("DCP, world " << world << std::string(everywhere ? ", shards repeated" : "")
                             << ": most bytes a rank but 0 receives: tree " << most_tree << ", all-gather "
                             << most_flat);
-      if (world == 32)  // the tree: two partials and the agreement; the all-gather: 32 descriptions and places
-        CHECK((everywhere ? most_tree > most_flat : most_tree * 8 < most_flat));
+      if (world == 32)  // the tree: two partials, the agreement and the shards a lower rank writes; the
+                        // all-gather: 32 descriptions and places
+        CHECK(most_tree * 8 < most_flat);
     }
+}
+
+namespace {
+
+/// An HF export from the model's views by `world` thread ranks into out (over the tree, or the
+/// all-gather); the most bytes a rank but 0 receives, and the folder's files by name.
+std::pair<std::uint64_t, std::map<std::string, std::string>> export_model(int world, bool peer,
+                                                                          const std::filesystem::path& out) {
+  std::vector<std::uint64_t> in(static_cast<std::size_t>(world));
+  const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
+    model_rank m(tc.rank(), world, true, true);
+    hf_export_options opt;
+    opt.max_shard_size = 300;  // several files and an index
+    auto go = [&](auto& comm) {
+      export_to(std::span<const flat_view>(m.views), comm, out, opt);
+      in[static_cast<std::size_t>(tc.rank())] = comm.bytes_in;
+    };
+    over_comm(tc, peer, go);
+  });
+  for (const auto& e : thrown) REQUIRE(testing::error_message_of(e) == "");
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(out))
+    files.emplace(e.path().filename().string(), testing::slurp(e.path()));
+  return {*std::max_element(in.begin() + 1, in.end()), files};
+}
+
+}  // namespace
+
+TEST_CASE("an HF export from views over the tree writes the all-gather's files; a rank receives O(tensors)") {
+  // (the model's shards every rank, or each pair of ranks, repeats hold each rank's own bytes:
+  // the lowest holder's are written on both paths)
+  testing::temp_dir tmp("hftree");
+  std::map<int, std::pair<std::uint64_t, std::uint64_t>> in;  // world -> most received: tree, all-gather
+  for (const int world : {2, 3, 8, 13, 32}) {
+    CAPTURE(world);
+    const auto tree = export_model(world, true, tmp.path / ("tree" + std::to_string(world)));
+    const auto flat = export_model(world, false, tmp.path / ("flat" + std::to_string(world)));
+    CHECK(tree.second.size() > 2);  // shards and the index
+    CHECK(tree.second == flat.second);
+    MESSAGE("HF export, world " << world << ": most bytes a rank but 0 receives: tree " << tree.first << ", all-gather "
+                                << flat.first);
+    in[world] = {tree.first, flat.first};
+  }
+  // from 8 to 32 ranks the all-gather hands a rank over 3x the bytes, the tree under 1.5x
+  CHECK(in[32].second > 3 * in[8].second);
+  CHECK(in[32].first * 2 < in[8].first * 3);
+  CHECK(in[32].first * 5 < in[32].second);
 }
 
 namespace {
@@ -367,13 +431,7 @@ std::vector<std::string> save_errors(int world, bool peer, const std::function<v
   const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
     model_rank m(tc.rank(), world);
     change(tc.rank(), m);
-    if (peer) {
-      counting_comm<true> c{tc};
-      save(dir, std::span<const flat_view>(m.views), c);
-    } else {
-      counting_comm<false> c{tc};
-      save(dir, std::span<const flat_view>(m.views), c);
-    }
+    over_comm(tc, peer, [&](auto& c) { save(dir, std::span<const flat_view>(m.views), c); });
   });
   std::vector<std::string> out;
   for (const auto& e : thrown)

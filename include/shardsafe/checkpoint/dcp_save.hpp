@@ -7,9 +7,9 @@
 //   1. the ranks' plans are all-gathered, merged and checked alike on every rank (one shape and
 //      dtype per key, shards covering each tensor, no two different shards overlapping); over a
 //      PeerComm they are merged up the tree of ranks instead (save_agree.hpp: O(tensors) a rank)
-//      and rank 0 alone holds every rank's, when no two ranks save one shard without replica
-//      roles (then each rank writes its own shards but copies, and needs no one else's); else
-//      the world all-gathers, as before (agree_dcp);
+//      and rank 0 alone holds every rank's: each rank writes its own shards but copies and, where
+//      ranks save one shard without replica roles, but those a lower rank saves too, which rank
+//      0 names to each rank alone (agree_dcp); a sharded tensor of no elements all-gathers;
 //   2. rank 0 prepares the folder: refuses a non-empty one unless overwrite, else removes
 //      `.metadata` first (the old checkpoint stops loading as complete), then the rest;
 //   3. every rank writes `__R_0.distcp` (temporary name, synced, renamed): rank 0 first the
@@ -77,48 +77,63 @@ inline const std::string* dcp_writer_of(const flat_view& v, const tensor_metadat
   return nullptr;
 }
 
-/// Whether `rank` writes view v of tm. Agreed over the tree (agree_dcp: md whole on rank 0 alone,
-/// and no two ranks save one non-empty shard but as replica copies), a rank writes its own shards
-/// but copies; otherwise the file dcp_writer_of names.
-inline bool dcp_writes(const flat_view& v, const tensor_metadata& tm, int rank, bool tree) {
-  if (tree && tm.is_sharded) return v.replica != replica_role::copy;
+/// Whether `rank` writes view v of tm (a DCP save's rule, and an HF export's from views). Agreed over the tree (agree_dcp: md whole on rank 0 alone),
+/// a rank writes its own shards but replica copies and those a lower rank saves too
+/// (agreed.saved_lower); otherwise the file dcp_writer_of names.
+inline bool dcp_writes(const flat_view& v, const tensor_metadata& tm, int rank, const agreed_description& agreed) {
+  if (agreed.tree && tm.is_sharded)
+    return v.replica != replica_role::copy &&
+           (agreed.saved_lower.empty() || !agreed.saved_lower.count({v.key, to_string(v.effective_spec())}));
   const std::string* w = dcp_writer_of(v, tm);
   return w && *w == rank_file_name(rank);
 }
 
 /// The views of `views` this rank writes chunks of into its DCP data file (dcp_writes): what an
 /// asynchronous save snapshots.
-inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views, const checkpoint_metadata& md,
-                                                        int rank, bool tree = false) {
+inline std::vector<const flat_view*> dcp_views_to_write(std::span<const flat_view> views,
+                                                        const agreed_description& agreed, int rank) {
   std::vector<const flat_view*> out;
   for (const auto& v : views)
-    if (dcp_writes(v, *md.find(v.key), rank, tree)) out.push_back(&v);
+    if (dcp_writes(v, *agreed.md.find(v.key), rank, agreed)) out.push_back(&v);
   return out;
 }
 
 /// The chunks this rank writes (rules at the top), their data in the views' memory.
 SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const flat_view> views,
-                                                               const checkpoint_metadata& md, int rank,
-                                                               bool tree = false);
+                                                               const agreed_description& agreed, int rank);
 
-/// Whether every sharded tensor of a whole md has elements and its files' non-empty shards are
-/// all different (no rank saves another's shard without replica roles): then each rank can tell
-/// what it writes from its own views (dcp_writes).
-SHARDSAFE_DECL bool dcp_shards_distinct(const checkpoint_metadata& md);
+/// On rank 0, over the tree (md whole): who writes what where shards repeat. Returns "distinct"
+/// where no two ranks save one non-empty shard of a sharded tensor (each rank writes its own but
+/// copies); "lower" where some do, with lower[r] (one per rank of the world) the message telling
+/// rank r its shards a lower rank saves too (agreed_description::saved_lower); "whole" where a
+/// sharded tensor has no elements (its one empty chunk is written by its first file: the ranks
+/// all-gather, as before).
+SHARDSAFE_DECL std::string dcp_writers_of_repeats(const checkpoint_metadata& md, int world,
+                                                  std::vector<std::string>& lower);
+
+/// Reads a message of dcp_writers_of_repeats (from rank 0) into saved_lower.
+SHARDSAFE_DECL std::set<std::pair<std::string, std::string>> read_saved_lower(const std::string& bytes);
 
 /// Step 1 of a DCP save: over a PeerComm that offers it (world > 1), the description agreed up
 /// the tree of ranks (agree_description_over_tree, listed: md whole on rank 0, each tensor's
-/// shape, dtype and writer elsewhere), then rank 0 says whether the shards are distinct
-/// (dcp_shards_distinct); where they are not, and over any other Comm, every rank's description
-/// all-gathered and merged on every rank (agree_on_metadata), as the lowest holder of a shard
-/// writes it.
+/// shape, dtype and writer elsewhere), then rank 0 says who writes shards that repeat
+/// (dcp_writers_of_repeats), and tells each rank its own (scattered_from_rank0); where a sharded
+/// tensor has no elements, and over any other Comm, every rank's description all-gathered and
+/// merged on every rank (agree_on_metadata), as the lowest holder of a shard writes it.
 template <Comm C>
 agreed_description agree_dcp(std::span<const flat_view> views, C& comm, const std::string& dname) {
   if constexpr (PeerComm<C>)
     if (comm.peer_to_peer() && comm.world_size() > 1) {
       agreed_description a = agree_description_over_tree(views, comm, dname, false, metadata_form::listed, 0);
       const step_scope step("agreeing on the writers");
-      if (rank0_step(comm, [&] { return std::string(dcp_shards_distinct(a.md) ? "1" : "0"); }) == "1") return a;
+      std::vector<std::string> lower;  // rank 0's, one message a rank
+      const std::string how = rank0_step(comm, [&] { return dcp_writers_of_repeats(a.md, comm.world_size(), lower); });
+      if (how == "distinct") return a;
+      if (how == "lower") {
+        scattered_from_rank0(comm, std::move(lower),
+                             [&](const std::string& mine) { a.saved_lower = read_saved_lower(mine); });
+        return a;
+      }
     }
   return agreed_whole(agree_on_metadata(views, comm, dname), 0);
 }
@@ -231,7 +246,7 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
     std::vector<dcp_object_data> objs;
     if (rank == 0)
       for (const auto& o : objects) objs.push_back({o.key, torch_value_archive(pickle_dumps(o.value))});
-    auto chunks = detail::dcp_chunks_to_write(views, md, rank, agreed.tree);
+    auto chunks = detail::dcp_chunks_to_write(views, agreed, rank);
     if (objs.empty() && chunks.empty()) return detail::encode_dcp_places(nullptr);
     detail::checksum_chunks(chunks, opt.threads);
     layout = std::make_unique<dcp_file_layout>(dcp_data_file_name(rank), std::move(objs), std::move(chunks));

@@ -12,8 +12,10 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <set>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "shardsafe/core/config.hpp"
@@ -139,6 +141,10 @@ struct agreed_description {
   /// sharded, and every entry of a sharded tensor written listed or whose grid its boxes did not
   /// show (grid_of_boxes). 0 on the other ranks and without a tree.
   std::uint64_t entries_expanded = 0;
+  /// A DCP save over the tree (agree_dcp): this rank's non-empty shards (key, spec as
+  /// to_string) that a lower rank saves too without replica roles, and so writes (the lowest
+  /// holder writes a shard, as torch's dedup does). Empty elsewhere.
+  std::set<std::pair<std::string, std::string>> saved_lower;
 };
 
 /// The blocks of `block` bytes tm's files hold (sharded: each file's shard; not sharded: its

@@ -368,6 +368,28 @@ std::string gathered_at_rank0(C& comm, std::string own, Step&& step, Use&& use) 
   });
 }
 
+/// The step down from rank 0 where each rank needs a message of its own (on rank 0, `messages`,
+/// indexed by rank): rank 0 sends each rank its message alone and each rank runs use(its
+/// message), then every rank agrees (every_rank_step: a rank that cannot be reached, or whose
+/// use throws, fails the step on every rank; rank 0 tries every other rank first).
+template <PeerComm C, class Use>
+void scattered_from_rank0(C& comm, std::vector<std::string> messages, Use&& use) {
+  every_rank_step(comm, [&] {
+    if (comm.rank() != 0) {
+      use(exchange_in_scope([&] { return comm.recv_bytes(0); }));
+      return;
+    }
+    std::exception_ptr first;
+    for (int r = 1; r < comm.world_size(); ++r) try {
+        exchange_in_scope([&] { comm.send_bytes(messages[static_cast<std::size_t>(r)], r); });
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    if (first) std::rethrow_exception(first);
+    use(std::move(messages.at(0)));
+  });
+}
+
 }  // namespace detail
 
 }  // namespace shardsafe

@@ -8,17 +8,21 @@
 //
 // The protocol (each step agreed by all ranks, dist/agree.hpp, so a failure anywhere is thrown
 // everywhere and nobody is left waiting in a collective):
-//   1. the ranks all-gather their views' names, shapes, dtypes and shard specs and merge them
-//      as a save does (checkpoint/saver.hpp: one shape and dtype per key, every sharded tensor
-//      covered); every rank then computes the same export plan from that alone
+//   1. the ranks agree on their views' names, shapes, dtypes and shard specs as a DCP save does
+//      (checkpoint/dcp_save.hpp's agree_dcp: one shape and dtype per key, every sharded tensor
+//      covered, and who writes a shard ranks repeat): over a PeerComm up the tree of ranks
+//      (O(tensors) a rank: each learns every tensor's name, shape, dtype, sharded-ness and,
+//      unsharded, its lowest holder, and which of its shards a lower rank writes), else
+//      all-gathered; every rank then computes the same export plan from that alone
 //      (plan_hf_export_layout: renames, dtype, packing, every file's header and offsets);
 //   2. rank 0 checks out_dir is absent or empty, creates it, and creates every output file as a
 //      file_writer (storage/file.hpp: under a temporary name, broadcast; each rank finds it in
 //      its own out_dir), at its full size, with its header;
 //   3. every rank writes the bytes of its shards (converted when asked) at their offsets through
 //      file_part_writers of those files: its spec's runs against the whole tensor's flat layout
-//      (compute_copy_plan of the whole tensor against its spec); a tensor that is not sharded is
-//      written by the lowest rank holding it only; then fdatasync;
+//      (compute_copy_plan of the whole tensor against its spec); a tensor that is not sharded,
+//      and a shard ranks repeat without replica roles, is written by the lowest rank holding it
+//      only, a replica by its writer (dcp_writes); then fdatasync;
 //   4. rank 0 commits every file_writer (rename into place, folder fsynced) and writes
 //      model.safetensors.index.json last (for more than one file).
 // A failure in 2 or 3 leaves no file behind (rank 0's file_writers remove the temporaries). The files are
@@ -37,6 +41,7 @@
 #include <system_error>
 #include <vector>
 
+#include "shardsafe/checkpoint/dcp_save.hpp"
 #include "shardsafe/checkpoint/flat_view.hpp"
 #include "shardsafe/checkpoint/hf/export.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
@@ -84,20 +89,19 @@ struct export_piece {
 /// Step 3 on every rank: this rank's pieces written and synced. Returns the bytes written.
 inline std::uint64_t write_export_shards(const std::filesystem::path& dir, const hf_export_layout& l,
                                          std::span<const std::string> temps, std::span<const flat_view> views,
-                                         const checkpoint_metadata& md, int rank, const hf_export_options& opt) {
+                                         const agreed_description& agreed, int rank, const hf_export_options& opt) {
+  const checkpoint_metadata& md = agreed.md;
   std::map<std::string, std::size_t> plan_index;  // input name -> plan tensor
   for (std::size_t t = 0; t < l.source.size(); ++t) plan_index.emplace(md.tensors[l.source[t]].first, t);
   std::vector<std::size_t> file_of(l.plan.tensors.size());
   for (std::size_t f = 0; f < l.plan.files.size(); ++f)
     for (std::size_t t : l.plan.files[f].tensors) file_of[t] = f;
-  const std::string mine = rank_file_name(rank);
   std::vector<export_piece> pieces;
   for (const flat_view& v : views) {
     auto it = plan_index.find(v.key);
     if (it == plan_index.end()) continue;  // dropped by a rename rule
     const tensor_metadata* tm = md.find(v.key);
-    if (!tm->is_sharded && tm->files.front().first != mine) continue;  // a lower rank writes it
-    if (tm->is_sharded && v.replica == replica_role::copy) continue;   // its writer replica writes it
+    if (!dcp_writes(v, *tm, rank, agreed)) continue;  // its writer replica, or a lower rank, writes it
     const std::size_t f = file_of[it->second];
     const safetensors_layout& layout = l.files[f];
     const tensor_entry& e = layout.tensors[layout.index_of(l.plan.tensors[it->second].name)];
@@ -151,7 +155,8 @@ hf_export_stats export_to(std::span<const flat_view> views, C& comm, const std::
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::string dname = out_dir.string();
-  const checkpoint_metadata md = detail::agree_on_metadata(views, comm, dname);  // 1
+  const detail::agreed_description agreed = detail::agree_dcp(views, comm, dname);  // 1
+  const checkpoint_metadata& md = agreed.md;
   hf_export_layout l;
   every_rank_step(comm, [&] {
     std::vector<hf_export_input> inputs;
@@ -163,8 +168,8 @@ hf_export_stats export_to(std::span<const flat_view> views, C& comm, const std::
   std::vector<std::string> temps;
   for (std::size_t at = 0, z; (z = joined.find('\0', at)) != std::string::npos; at = z + 1)
     temps.push_back(joined.substr(at, z - at));
-  every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, temps, views, md, comm.rank(), opt); });  // 3
-  rank0_step(comm, [&] {                                                                                        // 4
+  every_rank_step(comm, [&] { detail::write_export_shards(out_dir, l, temps, views, agreed, comm.rank(), opt); });  // 3
+  rank0_step(comm, [&] {                                                                                            // 4
     for (file_writer& w : writers) w.commit();
     if (l.plan.indexed()) write_text(file_directory(out_dir), hf_index_file, l.plan.index_json());
   });

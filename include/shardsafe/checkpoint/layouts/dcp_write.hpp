@@ -40,7 +40,7 @@ struct dcp_layout_writer {
   /// The views of `views` this rank writes chunks of, once step 1 is agreed.
   static std::vector<const flat_view*> views_to_write(std::span<const flat_view> views,
                                                       const detail::agreed_description& agreed, int rank) {
-    return detail::dcp_views_to_write(views, agreed.md, rank, agreed.tree);
+    return detail::dcp_views_to_write(views, agreed, rank);
   }
   /// Steps 2-4 once step 1 is agreed (an asynchronous save runs them in the background).
   template <WritableDirectory D, Comm C>
