@@ -77,9 +77,10 @@ inline const std::string* dcp_writer_of(const flat_view& v, const tensor_metadat
   return nullptr;
 }
 
-/// Whether `rank` writes view v of tm (a DCP save's rule, and an HF export's from views). Agreed over the tree (agree_dcp: md whole on rank 0 alone),
-/// a rank writes its own shards but replica copies and those a lower rank saves too
-/// (agreed.saved_lower); otherwise the file dcp_writer_of names.
+/// Whether `rank` writes view v of tm: a DCP save's rule, and an HF export's from views. Agreed
+/// over the tree (agree_dcp: md whole on rank 0 alone), a rank writes its own shards but replica
+/// copies and those a lower rank saves too (agreed.saved_lower); otherwise the file
+/// dcp_writer_of names.
 inline bool dcp_writes(const flat_view& v, const tensor_metadata& tm, int rank, const agreed_description& agreed) {
   if (agreed.tree && tm.is_sharded)
     return v.replica != replica_role::copy &&
