@@ -254,8 +254,9 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
     detail::write_dcp_file(dir, *layout, opt);
     return detail::encode_dcp_places(layout.get());
   };
-  // .metadata from every rank's places; returns the bytes of all files
-  auto metadata_of = [&](const std::vector<std::string>& places, dcp_metadata& out) {
+  // on rank 0: .metadata written from every rank's places; returns the bytes of all files
+  auto commit = [&](const std::vector<std::string>& places) {  // 4
+    dcp_metadata out;
     std::uint64_t total = 0;
     for (const auto& [key, tm] : md.tensors) {
       dcp_item& it = out.items[key];
@@ -286,15 +287,8 @@ save_stats write_dcp_and_commit(const D& dir, std::span<const flat_view> views, 
       }
       m.finish();
     }
-    return total;
-  };
-
-  // on rank 0: .metadata written from every rank's places; returns the bytes of all files
-  auto commit = [&](const std::vector<std::string>& places) {  // 4
-    dcp_metadata out;
-    const std::uint64_t bytes = metadata_of(places, out);
     write_text(dir, dcp_metadata_file_name, write_dcp_metadata(out, paths));
-    return std::to_string(bytes);
+    return std::to_string(total);
   };
   save_stats st;
   std::string total;

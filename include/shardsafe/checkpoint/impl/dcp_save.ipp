@@ -18,7 +18,7 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
       out.push_back({{v.key, v.type, std::move(offsets), std::move(sizes)}, v.data + local * item, 0});
     };
     if (tm->numel() == 0) {  // an empty tensor: one empty chunk, written by its first file
-      // (over the tree, tensors of no elements are not sharded: dcp_writers_of_repeats)
+      // (a sharded one makes a save over the tree all-gather: dcp_writers_of_repeats, so md is whole)
       if (&tm->files.front().first == dcp_writer_of(v, *tm)) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
       continue;
     }
