@@ -238,15 +238,16 @@ struct layout {
 
 int main(int argc, char** argv) {
   const bench::args a(argc, argv);
-  bench::accept_only(a, "loads at the storage limit against the peers, cold and warm, every layout (issue 57)",
-                     {{"--quick", nullptr, "small model, one round, cold only (a smoke run)"},
-                      {"--reps", "N", "rounds, each every route cold then warm (default 3)"},
-                      {"--dir", "DIR", "where the layouts go (default /tmp; a real disk, not tmpfs)"},
-                      {"--keep", nullptr, "reuse DIR/shardsafe-bench-layouts written by an earlier run"},
-                      {"--layouts", "LIST", "only these of shardsafe,dcp,hf,bin"},
-                      {"--no-peers", nullptr, "shardsafe's rows and the limits only"},
-                      {"--threads", "LIST", "shardsafe's rows again at these reads in flight (load_options::threads)"},
-                      {"--max-read-mib", "N", "shardsafe's largest read (default: the library's)"}});
+  bench::accept_only(
+      a, "loads at the storage limit against the peers, cold and warm, every layout (issue 57)",
+      {{"--quick", nullptr, "small model, one round, cold only (a smoke run)"},
+       {"--reps", "N", "rounds, each every route cold then warm (default 3)"},
+       {"--dir", "DIR", "where the layouts go (default /tmp; a real disk, not tmpfs)"},
+       {"--keep", nullptr, "keep the layouts in DIR/shardsafe-bench-layouts (--quick: -quick) and reuse them later"},
+       {"--layouts", "LIST", "only these of shardsafe,dcp,hf,bin"},
+       {"--no-peers", nullptr, "shardsafe's rows and the limits only"},
+       {"--threads", "LIST", "shardsafe's rows again at these reads in flight (load_options::threads)"},
+       {"--max-read-mib", "N", "shardsafe's largest read (default: the library's)"}});
   const bool quick = a.has("--quick");
   const int reps = static_cast<int>(a.get_int("--reps", quick ? 1 : 3));
   const dims d = quick ? dims{128, 1000, 2} : dims{1024, 16000, 6};
@@ -254,7 +255,11 @@ int main(int argc, char** argv) {
   const std::vector<std::string> dim_args{std::to_string(d.h), std::to_string(d.vocab), std::to_string(d.layers)};
   const std::string py = "/usr/bin/python3";
   const std::string peer = (fs::path(SHARDSAFE_SOURCE_DIR) / "bench" / "layouts_peer.py").string();
-  const fs::path base = fs::path(a.get("--dir", "/tmp")) / "shardsafe-bench-layouts";
+  // a run that keeps its layouts writes them to a folder of their size; one that does not, to a
+  // folder of its own that it removes (never a kept one)
+  const fs::path base =
+      fs::path(a.get("--dir", "/tmp")) / (std::string("shardsafe-bench-layouts") + (quick ? "-quick" : "") +
+                                          (a.has("--keep") ? "" : "." + std::to_string(::getpid())));
   const bench::outcome version = bench::run_peer({py, peer, "version"});
   std::printf("bench_layouts: %s, %d round(s); load average %s\n", quick ? "--quick" : "full", reps,
               bench::loadavg().c_str());
@@ -278,6 +283,7 @@ int main(int argc, char** argv) {
     const bench::outcome wrote = peer_step(w, step_limit_s);
     if (!wrote.ok) {
       std::fprintf(stderr, "bench_layouts: the peer could not write the layouts: %s\n", wrote.why.c_str());
+      if (!a.has("--keep")) fs::remove_all(base);
       return 1;
     }
     std::printf("written by torch (dcp by 4 Gloo ranks, hf, bin) in %.1f s; ", bench::now_s() - t0);

@@ -38,6 +38,10 @@
 //   root entries  the entries rank 0 expanded one by one (finish_partial's entries_expanded)
 //   root MiB      heap rank 0 holds after it (the compact metadata)
 //   all-gather    what every rank would receive instead: W descriptions (MiB)
+// Part 2b: the same with tensor parallelism of 8 replicating the norms: each norm split over the
+// W / 8 groups of 8 consecutive ranks, a group's ranks saving one shard without replica roles (a
+// run of the tree may cut a group; the boxes make it whole again). Rank 0 expands those norms'
+// entries (each rank's file is listed, as the all-gather path lists it).
 // --max-world stops the doubling early (default 16384, --quick 256; part 1 stops at 4096).
 #include "bench_common.hpp"
 #include "bench_llama.hpp"
@@ -151,13 +155,16 @@ void part1(u64 max_world, u64 max_gather) {
   std::printf("\n");
 }
 
-/// Rank r's partial of the 70B model split over w ranks (FSDP).
-detail::partial_description partial_of_rank(const std::vector<model_tensor>& model, u64 w, u64 r) {
+/// Rank r's partial of the 70B model split over w ranks (FSDP); with tp > 1 the norms (1-D
+/// tensors) are split over the w / tp groups of tp consecutive ranks, each group's ranks saving
+/// the same shard without replica roles (tensor parallelism replicating them).
+detail::partial_description partial_of_rank(const std::vector<model_tensor>& model, u64 w, u64 r, u64 tp) {
   detail::partial_description p;
   p.first = r;
   p.end = r + 1;
   for (const auto& t : model) {
-    const auto [b, e] = even_part(numel(t.shape), w, r);
+    const bool norm = tp > 1 && t.shape.size() == 1;
+    const auto [b, e] = norm ? even_part(numel(t.shape), w / tp, r / tp) : even_part(numel(t.shape), w, r);
     p.add(t.name, t.shape, dtype::BF16, true, r, shard_spec(flat_spec{{b, e}}), replica_role::none);
   }
   return p;
@@ -169,10 +176,11 @@ std::string encoded(const detail::partial_description& p) {
   return std::move(m).str();
 }
 
-void part2(u64 max_world) {
+void part2(u64 max_world, u64 tp) {
   const auto model = llama(80, 8192, 28672, 1024, 128256);
-  std::printf("part 2: the tree's agreement simulated to %llu ranks, the 70B model (%zu tensors, FSDP)\n\n",
-              static_cast<unsigned long long>(max_world), model.size());
+  std::printf("part 2%s: the tree's agreement simulated to %llu ranks, the 70B model (%zu tensors, FSDP%s)\n\n",
+              tp > 1 ? "b" : "", static_cast<unsigned long long>(max_world), model.size(),
+              tp > 1 ? "; the norms' shards each saved by a group of 8 ranks without replica roles" : "");
   bench::table t({"world", "largest KiB", "most in KiB", "merge ms", "held KiB", "root ms", "root entries", "root MiB",
                   "all-gather MiB"});
   for (u64 w = 64; w <= max_world; w *= 4) {
@@ -185,7 +193,7 @@ void part2(u64 max_world) {
     for (u64 r = w; r-- > 0;) {
       const std::size_t before = mallinfo2().uordblks;
       std::size_t most = 0;
-      detail::partial_description p = partial_of_rank(model, w, r);
+      detail::partial_description p = partial_of_rank(model, w, r, tp);
       const double t0 = bench::now_s();
       u64 in = 0;
       const detail::run_node node = detail::run_tree_node(static_cast<int>(r), static_cast<int>(w));
@@ -255,5 +263,7 @@ int main(int argc, char** argv) {
                       {"--max-world", "N", "the largest world (default 16384; real saves stop at 4096)"}});
   const u64 max_world = static_cast<u64>(a.get_int("--max-world", a.has("--quick") ? 256 : 16384));
   part1(max_world, a.has("--quick") ? 64 : 256);
-  part2(max_world);
+  part2(max_world, 1);
+  std::printf("\n");
+  part2(max_world, 8);
 }

@@ -12,13 +12,15 @@
 // short one, the empty ones; a block grid's rows of rows), so a run of ranks of a grid is O(dims)
 // numbers whatever its length. Appending an entry or a box extends the last box when it
 // continues it (one more slice, a longer run, or two equal boxes side by side), then the box
-// before that, and so on. Nothing is lost: a partial expands to exactly the entries merged, and
+// before that, and so on; where a run cut a group of ranks saving one shard (replicas without
+// roles) in two, the halves are made one group again first (append_box). Nothing is lost: a partial expands to exactly the entries merged, and
 // merging partials of consecutive runs in rank order gives what merging every rank's entries in
 // rank order gives (merge_descriptions), so rank 0 rebuilds today's metadata.json byte for byte.
 // Irregular shardings (several ranges in one flat spec, uneven cuts of a fast dimension) stay
 // boxes of one entry: their partials cost what the listed form costs anyway.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -156,11 +158,99 @@ inline bool join_boxes(entry_box& a, const entry_box& x) {
   return false;
 }
 
-/// Appends x to boxes, joining what joins (the last box with x, then the box before it with
-/// that, and so on).
-inline void append_box(std::vector<entry_box>& boxes, entry_box x) {
+/// A group is one shard held by consecutive ranks (replicas without roles: a norm that tensor
+/// parallelism replicates, HSDP's replicas undeclared): a box's innermost level when it steps one
+/// rank and no offset, else each entry alone. The levels of b that make its groups: 1 or 0.
+inline std::size_t group_levels(const entry_box& b) {
+  if (b.levels.empty()) return 0;
+  const auto& step = b.levels.back().second;
+  return step[0] == 1 && std::all_of(step.begin() + 1, step.end(), [](std::uint64_t v) { return v == 0; }) ? 1 : 0;
+}
+
+/// The box of b's kind, role and extents from `start` with `levels`.
+inline entry_box box_like(const entry_box& b, std::vector<std::uint64_t> start,
+                          std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels) {
+  entry_box out;
+  out.role = b.role;
+  out.kind = b.kind;
+  out.extents = b.extents;
+  out.literal = b.literal;
+  out.start = std::move(start);
+  out.levels = std::move(levels);
+  return out;
+}
+
+/// The groups of b before its last, in order (at most one box a level), then its last group.
+inline std::pair<std::vector<entry_box>, entry_box> split_last_group(const entry_box& b) {
+  const std::size_t outer = b.levels.size() - group_levels(b);
+  std::vector<entry_box> before;
+  std::vector<std::uint64_t> at = b.start;  // the first group of the slices still to split
+  for (std::size_t l = 0; l < outer; ++l) {
+    const auto& [count, step] = b.levels[l];
+    std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels(b.levels.begin() + std::ptrdiff_t(l),
+                                                                             b.levels.end());
+    levels.front().first = count - 1;  // every slice of level l but its last
+    if (count - 1 == 1) levels.erase(levels.begin());
+    before.push_back(box_like(b, at, std::move(levels)));
+    for (std::size_t i = 0; i < at.size(); ++i) at[i] += (count - 1) * step[i];
+  }
+  return {std::move(before), box_like(b, at, {b.levels.begin() + std::ptrdiff_t(outer), b.levels.end()})};
+}
+
+/// b's first group, then the groups after it, in order (at most one box a level).
+inline std::pair<entry_box, std::vector<entry_box>> split_first_group(const entry_box& b) {
+  const std::size_t outer = b.levels.size() - group_levels(b);
+  std::vector<entry_box> after;
+  for (std::size_t l = outer; l-- > 0;) {  // the innermost level's other slices first
+    const auto& [count, step] = b.levels[l];
+    std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels(b.levels.begin() + std::ptrdiff_t(l),
+                                                                             b.levels.end());
+    levels.front().first = count - 1;  // every slice of level l but its first
+    if (count - 1 == 1) levels.erase(levels.begin());
+    std::vector<std::uint64_t> at = b.start;
+    for (std::size_t i = 0; i < at.size(); ++i) at[i] += step[i];
+    after.push_back(box_like(b, std::move(at), std::move(levels)));
+  }
+  return {box_like(b, b.start, {b.levels.begin() + std::ptrdiff_t(outer), b.levels.end()}), std::move(after)};
+}
+
+/// Pushes x onto boxes, then joins the last two boxes while they join.
+inline void push_joined(std::vector<entry_box>& boxes, entry_box x) {
   boxes.push_back(std::move(x));
   while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
+}
+
+/// Appends x to boxes, joining what joins (the last box with x, then the box before it with
+/// that, and so on). Where they do not join but the last box's last group and x's first are
+/// one shard on consecutive ranks, the two are split there and the group made whole: a run of
+/// ranks cut inside a group (as the tree cuts runs) leaves a group in two, and an early join of
+/// its half with the entry before it (one rank and one piece on, as FSDP's pieces go) would
+/// keep every later box from joining.
+inline void append_box(std::vector<entry_box>& boxes, entry_box x) {
+  if (!boxes.empty() && boxes.back().kind != 2 && x.kind == boxes.back().kind && x.role == boxes.back().role &&
+      x.extents == boxes.back().extents) {
+    entry_box a = boxes.back();
+    if (join_boxes(boxes.back(), x)) {
+      while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
+      return;
+    }
+    auto [before, last] = split_last_group(a);
+    const std::uint64_t held = last.levels.empty() ? 1 : last.levels.back().first;
+    auto [first, after] = split_first_group(x);
+    if (first.start[0] == last.start[0] + held &&
+        std::equal(first.start.begin() + 1, first.start.end(), last.start.begin() + 1)) {
+      const std::uint64_t more = first.levels.empty() ? 1 : first.levels.back().first;
+      std::vector<std::uint64_t> step(last.start.size(), 0);
+      step[0] = 1;
+      last.levels = {{held + more, std::move(step)}};
+      boxes.pop_back();
+      for (auto& b : before) push_joined(boxes, std::move(b));
+      push_joined(boxes, std::move(last));
+      for (auto& b : after) push_joined(boxes, std::move(b));
+      return;
+    }
+  }
+  push_joined(boxes, std::move(x));
 }
 
 /// One tensor of a partial description.
