@@ -10,8 +10,9 @@
 //   odd:  decode_agreed, as a rank reads rank 0's agreement: every tensor not sharded names the
 //         file of its writer, a sharded one none.
 // Only shardsafe::error may escape. With SHARDSAFE_FUZZ_WRITE_SEEDS=DIR set, the target writes its
-// seeds (a partial of FSDP pieces, block rows, replicas and a multi-range spec, and the agreement
-// rank 0 sends for it) into DIR and exits: fuzz/corpus/partial/ was made so.
+// seeds (a partial of FSDP pieces, block rows, replicas, pairs of ranks saving one shard without
+// roles and a multi-range spec, and the agreement rank 0 sends for it) into DIR and exits:
+// fuzz/corpus/partial/ was made so.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "shardsafe/checkpoint/save_agree.hpp"
@@ -46,6 +48,7 @@ detail::partial_description seed_partial() {
     add("rows", {4, 6}, true, block_spec({1, 3}, {(r / 2) % 4, 3 * (r % 2)}),
         r < 8 ? replica_role::writer : replica_role::copy);
     add("bias", {3}, false, flat_spec{{0, 3}}, replica_role::none);
+    add("pairs", {24}, true, flat_spec{{3 * (r / 2), 3 * (r / 2) + 3}}, replica_role::none);  // without roles
     if (r < 2)
       add("multi", {10}, true, r == 0 ? flat_spec{{0, 3}, {5, 7}} : flat_spec{{3, 5}, {7, 10}}, replica_role::none);
     if (r == 0)
@@ -54,6 +57,14 @@ detail::partial_description seed_partial() {
       all.merge(std::move(p));
   }
   return all;
+}
+
+/// The entries boxes stand for, in order: (rank, spec, role).
+std::vector<std::tuple<std::uint64_t, std::string, int>> entries_of(const std::vector<detail::entry_box>& boxes) {
+  std::vector<std::tuple<std::uint64_t, std::string, int>> out;
+  for (const auto& b : boxes)
+    b.for_each([&](std::uint64_t r, const shard_spec& s) { out.emplace_back(r, to_string(s), int(b.role)); });
+  return out;
 }
 
 std::string encoded(const detail::partial_description& p) {
@@ -96,6 +107,27 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         } catch (const error&) {
         }
         FUZZ_CHECK(files.size() <= world);
+        // the entries as single boxes, appended as two runs of ranks cut anywhere (inside a group
+        // of ranks saving one shard too) and merged as the tree merges them: the same entries
+        // (append_box's split of a cut group), in at most as many boxes as entries
+        std::vector<std::tuple<std::uint64_t, shard_spec, replica_role>> entries;
+        try {
+          for (const auto& b : t.boxes)
+            b.for_each([&](std::uint64_t r, const shard_spec& sp) { entries.emplace_back(r, sp, b.role); });
+        } catch (const error&) {
+          continue;
+        }
+        const auto want = entries_of(t.boxes);
+        for (std::size_t cut = 0; cut <= entries.size(); ++cut) {
+          std::vector<detail::entry_box> again, right;
+          for (std::size_t k = 0; k < entries.size(); ++k) {
+            const auto& [r, sp, role] = entries[k];
+            detail::append_box(k < cut ? again : right, detail::entry_box::of(r, role, sp));
+          }
+          for (auto& x : right) detail::append_box(again, std::move(x));
+          FUZZ_CHECK(entries_of(again) == want);
+          FUZZ_CHECK(again.size() <= entries.size());
+        }
       }
       // rank 0's grids found from boxes (compact: grid_of_boxes) answer what expanding every
       // entry answers (listed, then detect_grid): the same error, grids, files and checksum blocks

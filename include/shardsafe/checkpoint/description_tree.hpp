@@ -13,9 +13,10 @@
 // numbers whatever its length. Appending an entry or a box extends the last box when it
 // continues it (one more slice, a longer run, or two equal boxes side by side), then the box
 // before that, and so on; where a run cut a group of ranks saving one shard (replicas without
-// roles) in two, the halves are made one group again first (append_box). Nothing is lost: a partial expands to exactly the entries merged, and
-// merging partials of consecutive runs in rank order gives what merging every rank's entries in
-// rank order gives (merge_descriptions), so rank 0 rebuilds today's metadata.json byte for byte.
+// roles) in two, the halves are made one group again first (append_box). Nothing is lost: a
+// partial expands to exactly the entries merged, and merging partials of consecutive runs in rank
+// order gives what merging every rank's entries in rank order gives (merge_descriptions), so rank
+// 0 rebuilds today's metadata.json byte for byte.
 // Irregular shardings (several ranges in one flat spec, uneven cuts of a fast dimension) stay
 // boxes of one entry: their partials cost what the listed form costs anyway.
 #pragma once
@@ -229,12 +230,11 @@ inline void push_joined(std::vector<entry_box>& boxes, entry_box x) {
 inline void append_box(std::vector<entry_box>& boxes, entry_box x) {
   if (!boxes.empty() && boxes.back().kind != 2 && x.kind == boxes.back().kind && x.role == boxes.back().role &&
       x.extents == boxes.back().extents) {
-    entry_box a = boxes.back();
-    if (join_boxes(boxes.back(), x)) {
+    if (join_boxes(boxes.back(), x)) {  // (a box that does not join is left as it was)
       while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
       return;
     }
-    auto [before, last] = split_last_group(a);
+    auto [before, last] = split_last_group(boxes.back());
     const std::uint64_t held = last.levels.empty() ? 1 : last.levels.back().first;
     auto [first, after] = split_first_group(x);
     if (first.start[0] == last.start[0] + held &&
