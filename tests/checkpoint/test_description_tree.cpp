@@ -242,7 +242,7 @@ namespace {
 struct model_rank {
   std::vector<std::vector<std::byte>> data;
   std::vector<flat_view> views;
-  model_rank(int rank, int world, bool everywhere = true, bool pairs = false) {
+  model_rank(int rank, int world, bool everywhere = true, bool pairs = false, bool empty = false) {
     const auto r = static_cast<std::uint64_t>(rank), w = static_cast<std::uint64_t>(world);
     auto add = [&](std::string key, shape_t full, std::optional<shard_spec> spec,
                    replica_role role = replica_role::none) {
@@ -270,6 +270,8 @@ struct model_rank {
       const std::uint64_t n = 3 * ((w + 1) / 2) - 1;
       add("pairs", {n}, flat_spec{{std::min(n, 3 * (r / 2)), std::min(n, 3 * (r / 2) + 3)}});
     }
+    if (empty)  // a sharded tensor of no elements: a row of no columns a rank (DCP: one empty chunk)
+      add("empty", {w, 0}, block_spec({1, 0}, {r, 0}));
     if (rank == 0) add("multi", {10}, flat_spec{{0, 3}, {5, 7}});
     if (rank == 1) add("multi", {10}, flat_spec{{3, 5}, {7, 10}});
     if (rank == world - 1) add("late", {2}, std::nullopt);
@@ -295,7 +297,8 @@ struct saved_model {
 };
 
 /// Saves the model in a world of `world` thread ranks, over the tree (peer) or the all-gather.
-saved_model save_model(int world, bool peer, const save_options& opt, bool everywhere = true, bool pairs = false) {
+saved_model save_model(int world, bool peer, const save_options& opt, bool everywhere = true, bool pairs = false,
+                       bool empty = false) {
   auto store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   saved_model out;
@@ -303,7 +306,7 @@ saved_model save_model(int world, bool peer, const save_options& opt, bool every
   out.largest_in.resize(static_cast<std::size_t>(world));
   out.messages.resize(static_cast<std::size_t>(world));
   const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
-    model_rank m(tc.rank(), world, everywhere, pairs);
+    model_rank m(tc.rank(), world, everywhere, pairs, empty);
     auto go = [&](auto& comm) {
       save(dir, std::span<const flat_view>(m.views), comm, opt);
       const auto r = static_cast<std::size_t>(tc.rank());
@@ -353,13 +356,14 @@ TEST_CASE("a DCP save over the tree writes the bytes the all-gather writes; a ra
   save_options opt;
   opt.format = save_format::dcp;
   // with shards that ranks repeat without roles (one every rank saves, one each pair of ranks
-  // saves): the lowest holder writes it, as the all-gather's writers do
+  // saves): the lowest holder writes it, as the all-gather's writers do; and a sharded tensor of
+  // no elements, whose one empty chunk the first rank writes (it all-gathered before)
   for (const bool everywhere : {false, true})
     for (const int world : {2, 3, 8, 13, 32}) {
       CAPTURE(everywhere);
       CAPTURE(world);
-      const saved_model tree = save_model(world, true, opt, everywhere, everywhere),
-                        flat = save_model(world, false, opt, everywhere, everywhere);
+      const saved_model tree = save_model(world, true, opt, everywhere, everywhere, everywhere),
+                        flat = save_model(world, false, opt, everywhere, everywhere, everywhere);
       REQUIRE(tree.objects.size() == flat.objects.size());
       CHECK(tree.objects.count("mem:ckpt/.metadata") == 1);
       for (const auto& [name, bytes] : flat.objects) {
@@ -389,7 +393,7 @@ std::pair<std::uint64_t, std::map<std::string, std::string>> export_model(int wo
                                                                           const std::filesystem::path& out) {
   std::vector<std::uint64_t> in(static_cast<std::size_t>(world));
   const auto thrown = testing::run_ranks(world, [&](testing::thread_comm& tc) {
-    model_rank m(tc.rank(), world, true, true);
+    model_rank m(tc.rank(), world, true, true, true);
     hf_export_options opt;
     opt.max_shard_size = 300;  // several files and an index
     auto go = [&](auto& comm) {

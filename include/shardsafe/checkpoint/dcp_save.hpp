@@ -9,7 +9,8 @@
 //      PeerComm they are merged up the tree of ranks instead (save_agree.hpp: O(tensors) a rank)
 //      and rank 0 alone holds every rank's: each rank writes its own shards but copies and, where
 //      ranks save one shard without replica roles, but those a lower rank saves too, which rank
-//      0 names to each rank alone (agree_dcp); a sharded tensor of no elements all-gathers;
+//      0 names to each rank alone (agree_dcp), as it names the holders of a sharded tensor of
+//      no elements but its first (whose file writes its one empty chunk);
 //   2. rank 0 prepares the folder: refuses a non-empty one unless overwrite, else removes
 //      `.metadata` first (the old checkpoint stops loading as complete), then the rest;
 //   3. every rank writes `__R_0.distcp` (temporary name, synced, renamed): rank 0 first the
@@ -105,10 +106,10 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
 
 /// On rank 0, over the tree (md whole): who writes what where shards repeat. Returns "distinct"
 /// where no two ranks save one non-empty shard of a sharded tensor (each rank writes its own but
-/// copies); "lower" where some do, with lower[r] (one per rank of the world) the message telling
-/// rank r its shards a lower rank saves too (agreed_description::saved_lower); "whole" where a
-/// sharded tensor has no elements (its one empty chunk is written by its first file: the ranks
-/// all-gather, as before).
+/// copies) and no sharded tensor is empty; "lower" otherwise, with lower[r] (one per rank of the
+/// world) the message telling rank r its shards a lower rank saves too
+/// (agreed_description::saved_lower), and the shards of a sharded tensor of no elements it holds
+/// when it is not the tensor's first file (which writes its one empty chunk).
 SHARDSAFE_DECL std::string dcp_writers_of_repeats(const checkpoint_metadata& md, int world,
                                                   std::vector<std::string>& lower);
 
@@ -118,9 +119,9 @@ SHARDSAFE_DECL std::set<std::pair<std::string, std::string>> read_saved_lower(co
 /// Step 1 of a DCP save: over a PeerComm that offers it (world > 1), the description agreed up
 /// the tree of ranks (agree_description_over_tree, listed: md whole on rank 0, each tensor's
 /// shape, dtype and writer elsewhere), then rank 0 says who writes shards that repeat
-/// (dcp_writers_of_repeats), and tells each rank its own (scattered_from_rank0); where a sharded
-/// tensor has no elements, and over any other Comm, every rank's description all-gathered and
-/// merged on every rank (agree_on_metadata), as the lowest holder of a shard writes it.
+/// (dcp_writers_of_repeats), and tells each rank its own (scattered_from_rank0); over any other
+/// Comm, every rank's description all-gathered and merged on every rank (agree_on_metadata), as
+/// the lowest holder of a shard writes it.
 template <Comm C>
 agreed_description agree_dcp(std::span<const flat_view> views, C& comm, const std::string& dname) {
   if constexpr (PeerComm<C>)
@@ -129,12 +130,10 @@ agreed_description agree_dcp(std::span<const flat_view> views, C& comm, const st
       const step_scope step("agreeing on the writers");
       std::vector<std::string> lower;  // rank 0's, one message a rank
       const std::string how = rank0_step(comm, [&] { return dcp_writers_of_repeats(a.md, comm.world_size(), lower); });
-      if (how == "distinct") return a;
-      if (how == "lower") {
+      if (how == "lower")
         scattered_from_rank0(comm, std::move(lower),
                              [&](const std::string& mine) { a.saved_lower = read_saved_lower(mine); });
-        return a;
-      }
+      return a;
     }
   return agreed_whole(agree_on_metadata(views, comm, dname), 0);
 }

@@ -143,7 +143,9 @@ struct agreed_description {
   std::uint64_t entries_expanded = 0;
   /// A DCP save over the tree (agree_dcp): this rank's non-empty shards (key, spec as
   /// to_string) that a lower rank saves too without replica roles, and so writes (the lowest
-  /// holder writes a shard, as torch's dedup does). Empty elsewhere.
+  /// holder writes a shard, as torch's dedup does), and its shards of a sharded tensor of no
+  /// elements where a lower rank's file is the tensor's first (it writes the one empty chunk).
+  /// Empty elsewhere.
   std::set<std::pair<std::string, std::string>> saved_lower;
 };
 

@@ -18,8 +18,9 @@ SHARDSAFE_DECL std::vector<dcp_chunk_data> dcp_chunks_to_write(std::span<const f
       out.push_back({{v.key, v.type, std::move(offsets), std::move(sizes)}, v.data + local * item, 0});
     };
     if (tm->numel() == 0) {  // an empty tensor: one empty chunk, written by its first file
-      // (a sharded one makes a save over the tree all-gather: dcp_writers_of_repeats, so md is whole)
-      if (&tm->files.front().first == dcp_writer_of(v, *tm)) add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
+      // (over the tree a sharded one's other holders have it in saved_lower: dcp_writes said no)
+      if ((agreed.tree && tm->is_sharded) || &tm->files.front().first == dcp_writer_of(v, *tm))
+        add(shape_t(v.full_shape.size(), 0), v.full_shape, 0);
       continue;
     }
     if (!v.spec) {
@@ -48,7 +49,14 @@ SHARDSAFE_DECL std::string dcp_writers_of_repeats(const checkpoint_metadata& md,
   bool repeats = false;
   for (const auto& [key, tm] : md.tensors) {
     if (!tm.is_sharded) continue;
-    if (tm.numel() == 0) return "whole";
+    if (tm.numel() == 0) {  // one empty chunk, written by its first file: every other holder is told
+      for (std::size_t i = 1; i < tm.files.size(); ++i) {
+        saved[static_cast<std::size_t>(rank_of.at(tm.files[i].first))].emplace_back(&key,
+                                                                                    to_string(tm.files[i].second));
+        repeats = true;
+      }
+      continue;
+    }
     std::map<std::string, int> lowest;  // a shard (to_string) -> the lowest rank saving it (files in rank order)
     for (const auto& [fname, spec] : tm.files) {
       if (spec.local_numel() == 0) continue;
