@@ -181,6 +181,15 @@ inline entry_box box_like(const entry_box& b, std::vector<std::uint64_t> start,
   return out;
 }
 
+/// The box of the slices of b's level l but one, from `at`: the levels from l on, level l one
+/// slice shorter (and gone where one slice is left).
+inline entry_box slices_but_one(const entry_box& b, std::size_t l, std::vector<std::uint64_t> at) {
+  std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels(b.levels.begin() + std::ptrdiff_t(l),
+                                                                           b.levels.end());
+  if (--levels.front().first == 1) levels.erase(levels.begin());
+  return box_like(b, std::move(at), std::move(levels));
+}
+
 /// The groups of b before its last, in order (at most one box a level), then its last group.
 inline std::pair<std::vector<entry_box>, entry_box> split_last_group(const entry_box& b) {
   const std::size_t outer = b.levels.size() - group_levels(b);
@@ -188,11 +197,7 @@ inline std::pair<std::vector<entry_box>, entry_box> split_last_group(const entry
   std::vector<std::uint64_t> at = b.start;  // the first group of the slices still to split
   for (std::size_t l = 0; l < outer; ++l) {
     const auto& [count, step] = b.levels[l];
-    std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels(b.levels.begin() + std::ptrdiff_t(l),
-                                                                             b.levels.end());
-    levels.front().first = count - 1;  // every slice of level l but its last
-    if (count - 1 == 1) levels.erase(levels.begin());
-    before.push_back(box_like(b, at, std::move(levels)));
+    before.push_back(slices_but_one(b, l, at));  // every slice of level l but its last
     for (std::size_t i = 0; i < at.size(); ++i) at[i] += (count - 1) * step[i];
   }
   return {std::move(before), box_like(b, at, {b.levels.begin() + std::ptrdiff_t(outer), b.levels.end()})};
@@ -203,22 +208,22 @@ inline std::pair<entry_box, std::vector<entry_box>> split_first_group(const entr
   const std::size_t outer = b.levels.size() - group_levels(b);
   std::vector<entry_box> after;
   for (std::size_t l = outer; l-- > 0;) {  // the innermost level's other slices first
-    const auto& [count, step] = b.levels[l];
-    std::vector<std::pair<std::uint64_t, std::vector<std::uint64_t>>> levels(b.levels.begin() + std::ptrdiff_t(l),
-                                                                             b.levels.end());
-    levels.front().first = count - 1;  // every slice of level l but its first
-    if (count - 1 == 1) levels.erase(levels.begin());
     std::vector<std::uint64_t> at = b.start;
-    for (std::size_t i = 0; i < at.size(); ++i) at[i] += step[i];
-    after.push_back(box_like(b, std::move(at), std::move(levels)));
+    for (std::size_t i = 0; i < at.size(); ++i) at[i] += b.levels[l].second[i];
+    after.push_back(slices_but_one(b, l, std::move(at)));  // every slice of level l but its first
   }
   return {box_like(b, b.start, {b.levels.begin() + std::ptrdiff_t(outer), b.levels.end()}), std::move(after)};
+}
+
+/// Joins the last two boxes while they join.
+inline void join_tail(std::vector<entry_box>& boxes) {
+  while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
 }
 
 /// Pushes x onto boxes, then joins the last two boxes while they join.
 inline void push_joined(std::vector<entry_box>& boxes, entry_box x) {
   boxes.push_back(std::move(x));
-  while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
+  join_tail(boxes);
 }
 
 /// Appends x to boxes, joining what joins (the last box with x, then the box before it with
@@ -231,18 +236,17 @@ inline void append_box(std::vector<entry_box>& boxes, entry_box x) {
   if (!boxes.empty() && boxes.back().kind != 2 && x.kind == boxes.back().kind && x.role == boxes.back().role &&
       x.extents == boxes.back().extents) {
     if (join_boxes(boxes.back(), x)) {  // (a box that does not join is left as it was)
-      while (boxes.size() >= 2 && join_boxes(boxes[boxes.size() - 2], boxes.back())) boxes.pop_back();
+      join_tail(boxes);
       return;
     }
+    auto ranks = [](const entry_box& group) { return group.levels.empty() ? 1 : group.levels.back().first; };
     auto [before, last] = split_last_group(boxes.back());
-    const std::uint64_t held = last.levels.empty() ? 1 : last.levels.back().first;
     auto [first, after] = split_first_group(x);
-    if (first.start[0] == last.start[0] + held &&
+    if (first.start[0] == last.start[0] + ranks(last) &&
         std::equal(first.start.begin() + 1, first.start.end(), last.start.begin() + 1)) {
-      const std::uint64_t more = first.levels.empty() ? 1 : first.levels.back().first;
       std::vector<std::uint64_t> step(last.start.size(), 0);
       step[0] = 1;
-      last.levels = {{held + more, std::move(step)}};
+      last.levels = {{ranks(last) + ranks(first), std::move(step)}};
       boxes.pop_back();
       for (auto& b : before) push_joined(boxes, std::move(b));
       push_joined(boxes, std::move(last));
