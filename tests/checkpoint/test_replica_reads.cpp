@@ -299,6 +299,21 @@ rank_views whole_views() {
   return rv;
 }
 
+/// FSDP x TP over 4 ranks (dp = rank / 2, tp = rank % 2): the matrices in four row blocks, one
+/// a rank; the norm in two flat halves by dp, each half loaded by both ranks of a TP pair; the
+/// scalar whole on every rank. No two ranks load the same set of views.
+rank_views fsdp_tp_views(int r) {
+  rank_views rv;
+  const std::uint64_t u = std::uint64_t(r), dp = u / 2;
+  for (const std::size_t t : {std::size_t(0), std::size_t(1), std::size_t(3)}) {
+    const std::uint64_t n = model[t].shape[model[t].shape.size() == 3 ? 1 : 0], per = (n + 3) / 4;
+    rv.add(t, rows(model[t].shape, std::min(n, u * per), std::min(n, (u + 1) * per)), dtype::F32, false);
+  }
+  rv.add(2, flat_spec{{dp * 12, dp * 12 + 12}}, dtype::F32, false);
+  rv.add(4, std::nullopt, dtype::F32, false);
+  return rv;
+}
+
 struct load_run {
   std::vector<load_stats> stats;
   std::vector<std::uint64_t> comm_in;
@@ -413,6 +428,34 @@ TEST_CASE("replica reads: 6 data-parallel ranks load the whole model, each byte 
     CHECK(got == 5 * model_bytes);
     if (!peer)  // one group: the broadcasts carry nothing a rank does not keep, but its tallies
       for (std::size_t r = 0; r < 6; ++r) CHECK(once.comm_in[r] < once.stats[r].bytes_received + 2048);
+  }
+}
+
+TEST_CASE("replica reads: tensors shared apart from a rank's other views are read once: TP's norms, a whole scalar") {
+  testing::temp_dir tmp("replicas-tp");
+  const file_directory dir(tmp.str());
+  save_model(dir);
+  const load_run every = load_world(dir, 4, true, exact_reads(replica_reads::every_rank_reads), fsdp_tp_views);
+  std::uint64_t every_read = 0;
+  for (const auto& st : every.stats) every_read += st.bytes_read;
+  for (const bool peer : {true, false}) {
+    CAPTURE(peer);
+    const load_run once = load_world(dir, 4, peer, exact_reads(replica_reads::read_once), fsdp_tp_views);
+    check_data_read(tmp.path, *once.counts, 1);
+    std::uint64_t read = 0, got = 0;
+    for (std::size_t r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      const load_stats& st = once.stats[r];
+      CHECK(st.replicas == replica_reads::read_once);
+      CHECK(st.replica_group == 4);  // the scalar's group; the norm's is 2
+      CHECK(st.tensors == 5);
+      read += st.bytes_read;
+      got += st.bytes_received;
+      if (peer) CHECK(once.comm_in[r] < st.bytes_received + 2048);
+    }
+    // a norm half (12 F32) once more for its pair, the scalar 3 more times than read
+    CHECK(got == 2 * 12 * 4 + 3 * 4);
+    CHECK(read == every_read - got);
   }
 }
 
@@ -533,15 +576,20 @@ TEST_CASE("replica reads: automatic measures when the ranks run on several hosts
       detail::simulated_host = "host" + std::to_string(r);
       return hsdp_views(r % 2);
     });
+    const load_run tp = load_world(dir, 4, peer, o, [](int r) {
+      detail::simulated_host = "host" + std::to_string(r);
+      return fsdp_tp_views(r);
+    });
     // the probe is part of the load: picked read_once, every data byte is still read once
     if (dp.stats[0].replicas == replica_reads::read_once) check_data_read(tmp.path, *dp.counts, 1);
     if (hsdp.stats[0].replicas == replica_reads::read_once) check_data_read(tmp.path, *hsdp.counts, 1);
-    for (const load_run* run : {&dp, &hsdp})
+    if (tp.stats[0].replicas == replica_reads::read_once) check_data_read(tmp.path, *tp.counts, 1);
+    for (const load_run* run : {&dp, &hsdp, &tp})
       for (const auto& st : run->stats) {
         CHECK(st.replicas == run->stats[0].replicas);
         CHECK(st.why == run->stats[0].why);
         CHECK(st.why.rfind("estimated every_rank_reads ", 0) == 0);
-        CHECK(st.replica_group == (st.replicas == replica_reads::read_once ? (run == &dp ? 4u : 2u) : 1u));
+        CHECK(st.replica_group == (st.replicas == replica_reads::read_once ? (run == &hsdp ? 2u : 4u) : 1u));
       }
   }
 }

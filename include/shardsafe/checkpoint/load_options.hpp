@@ -130,8 +130,9 @@ struct load_stats {
   std::vector<std::string> missing_keys;     ///< views the checkpoint lacks (strict = false)
   std::vector<std::string> unexpected_keys;  ///< checkpoint tensors no view asked for
   double seconds = 0;
-  /// A collective load's (collective_load_options::replicas): how this rank's group read, the
-  /// ranks in it (1: alone), the bytes of its views it received from them, and automatic's why.
+  /// A collective load's (collective_load_options::replicas): how this rank's groups read (read_once
+  /// where it read a piece of some class of its views), the ranks in its largest group (1: alone),
+  /// the bytes of its views it received from them, and automatic's why.
   replica_reads replicas = replica_reads::every_rank_reads;
   std::uint32_t replica_group = 1;
   std::uint64_t bytes_received = 0;
