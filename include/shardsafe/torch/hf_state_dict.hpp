@@ -15,31 +15,18 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
-#include <map>
+#include <set>
 #include <span>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "shardsafe/checkpoint/hf/import.hpp"
+#include "shardsafe/torch/host_staging.hpp"
 #include "shardsafe/torch/module.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 
 namespace shardsafe {
-
-namespace detail {
-
-/// What makes two tensors one memory: storage, offset, sizes, strides, dtype.
-using tensor_identity =
-    std::tuple<const void*, std::int64_t, std::vector<std::int64_t>, std::vector<std::int64_t>, int>;
-
-inline tensor_identity identity_of(const at::Tensor& t) {
-  return {t.storage().unsafeGetStorageImpl(), t.storage_offset(), t.sizes().vec(), t.strides().vec(),
-          static_cast<int>(t.scalar_type())};
-}
-
-}  // namespace detail
 
 /// Imports the checkpoint in dir into sd's tensors, in place (every rank calls it with its own
 /// shards). Undefined tensors are an error on every rank.
@@ -47,32 +34,18 @@ template <ReadableDirectory D, Comm C>
 hf_import_stats load_hf_state_dict(const D& dir, state_dict& sd, C& comm, const hf_import_options& opt = {}) {
   const step_scope scope("import " + std::string(dir.name()));
   std::vector<flat_view> views;
-  std::vector<std::pair<at::Tensor, at::Tensor>> staged;  // (the caller's tensor, its CPU staging)
-  std::map<detail::tensor_identity, std::size_t> staging_of;
+  detail::host_staging staging;
   every_rank_step(comm, [&] {
     for (auto& [key, t] : sd) {
       detail::require_defined(dir.name(), key, t);
-      if (is_viewable(t.local)) {
-        views.push_back(detail::view_of(key, t, t.local));
-        continue;
-      }
-      auto [it, fresh] = staging_of.emplace(detail::identity_of(t.local), staged.size());
-      if (fresh)
-        staged.emplace_back(
-            t.local,
-            at::empty(t.local.sizes(), t.local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous)));
-      views.push_back(detail::view_of(key, t, staged[it->second].second));
+      views.push_back(detail::view_of(key, t, is_viewable(t.local) ? t.local : staging.memory_for(t.local)));
     }
   });
   hf_import_stats res = import_hf(dir, std::span<const flat_view>(views), comm, opt);
   // copy back only what was loaded: a staged tensor nothing fed keeps its values
-  std::vector<bool> fed(staged.size(), false);
-  for (const auto& e : res.keys.loads)
-    for (std::size_t s = 0; s < staged.size(); ++s)
-      if (views[e.view].data == static_cast<std::byte*>(staged[s].second.data_ptr())) fed[s] = true;
-  at::NoGradGuard no_grad;
-  for (std::size_t s = 0; s < staged.size(); ++s)
-    if (fed[s]) staged[s].first.copy_(staged[s].second);
+  std::set<const std::byte*> fed;
+  for (const auto& e : res.keys.loads) fed.insert(views[e.view].data);
+  staging.copy_back([&](const std::byte* p) { return fed.count(p) > 0; });
   return res;
 }
 

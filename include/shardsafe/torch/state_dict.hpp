@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <string_view>
@@ -25,6 +26,7 @@
 #include "shardsafe/checkpoint/unshard.hpp"
 #include "shardsafe/dist/agree.hpp"
 #include "shardsafe/torch/device_copy.hpp"
+#include "shardsafe/torch/host_staging.hpp"
 #include "shardsafe/torch/tensor_memory.hpp"
 #include "shardsafe/torch/tensor_view.hpp"
 
@@ -332,23 +334,38 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const device_load_optio
 /// (checkpoint/load.hpp): with opt.replicas, ranks that load the same tensors (HSDP replicas,
 /// data-parallel copies) read each byte once between them and exchange the rest
 /// (checkpoint/replica_reads.hpp). The others (device tensors, tensors that are not contiguous
-/// CPU tensors) are loaded by each rank alone, as load_state_dict(reader, sd, opt) loads them.
+/// CPU tensors) join them through CPU staging tensors of their own, copied back after the load
+/// (torch/host_staging.hpp: all staged at once, their total size the host memory it takes);
+/// without replicas they are loaded by each rank alone, as load_state_dict(reader, sd, opt)
+/// loads them (a device's through its staging ring).
 template <ReadableDirectory D, Comm C>
 load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collective_load_options& opt = {}) {
   std::optional<checkpoint_reader<D>> reader;
   std::vector<flat_view> direct;
   state_dict rest;
+  detail::host_staging staging;
+  const bool stage = opt.replicas != replica_reads::every_rank_reads;
   every_rank_step(comm, [&] {
     reader.emplace(dir);
     for (auto& [key, t] : sd) {
       detail::require_defined(dir.name(), key, t);
       if (is_viewable(t.local))
         direct.push_back(detail::view_of(key, t, t.local));
+      else if (stage)
+        direct.push_back(detail::view_of(key, t, staging.memory_for(t.local)));
       else
         rest.add(key, t);  // the same tensor: loaded in place
     }
   });
   load_stats st = shardsafe::load(*reader, std::span<const flat_view>(direct), comm, opt);
+  if (stage)
+    every_rank_step(comm, [&] {  // a staging tensor whose keys were all missing holds no values
+      const std::set<std::string, std::less<>> missing(st.missing_keys.begin(), st.missing_keys.end());
+      std::set<const std::byte*> fed;
+      for (const flat_view& v : direct)
+        if (!missing.count(v.key)) fed.insert(v.data);
+      staging.copy_back([&](const std::byte* p) { return fed.count(p) > 0; });
+    });
   if (rest.empty()) return st;
   every_rank_step(comm, [&] {
     device_load_options one;
