@@ -1,8 +1,10 @@
-// tests/torch/test_c10d_peer.cpp - c10d_comm as a PeerComm over Gloo (torch/c10d_peer.hpp):
-// messages checked byte for byte against the formula they were made from, a save over c10d
-// agreed up the tree written byte for byte as the all-gathered one with what each rank received
-// counted, and a rank lost in the middle of a tree step named by every other rank without any
-// of them waiting for the group's timeout (issue 56).
+// tests/torch/test_c10d_peer.cpp - c10d_comm as a PeerComm over Gloo (torch/c10d_peer.hpp) and
+// over the store transport (torch/c10d_store_peer.hpp, the point to point a device group's comm
+// uses too): messages checked byte for byte against the formula they were made from, a save over
+// c10d agreed up the tree written byte for byte as the all-gathered one with what each rank
+// received counted, and a rank lost in the middle of a tree step named by every other rank
+// (over Gloo without any of them waiting for the group's timeout; through the store, which
+// cannot see a rank go, its neighbours within the timeout and the others by the abort) (issue 56).
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -64,7 +66,8 @@ struct peer_model {
 WORKER_SCENARIO("peer_messages") {
   c10d_world w = init_world_from_env(std::chrono::seconds(60));
   c10d_comm comm = w.comm();
-  testing::worker_check(comm.peer_to_peer(), "c10d_comm over Gloo is not peer to peer");
+  testing::worker_check(comm.peer_to_peer(), "c10d_comm is not peer to peer");
+  testing::worker_check(comm.bulk_peer_to_peer(), "c10d_comm's point to point is not for bulk data");
   const int r = w.rank, n = w.world_size;
   for (int k = 0; k < peer_messages; ++k)
     for (int q = 0; q < n; ++q)
@@ -138,20 +141,35 @@ WORKER_SCENARIO("peer_replica_load") {
   return 0;
 }
 
-TEST_CASE("c10d over Gloo is a PeerComm: messages of 0 bytes to 5 MiB between 4 ranks, in order, bit for bit") {
-  auto res = testing::run_world("peer_messages", 4, {}, std::chrono::seconds(240));
-  CHECK_MESSAGE(res.ok(), res.report());
+namespace {
+/// The environment of a world over Gloo (the default) or over the store transport.
+std::map<std::string, std::string> transport_env(const std::string& t) {
+  if (t == "store") return {{"SHARDSAFE_C10D_TRANSPORT", "store"}};
+  return {};
+}
+}  // namespace
+
+TEST_CASE(
+    "c10d over Gloo or the store is a PeerComm: messages of 0 bytes to 5 MiB between 4 ranks, in order, bit for bit") {
+  for (const std::string t : {"gloo", "store"}) {
+    CAPTURE(t);
+    auto res = testing::run_world("peer_messages", 4, {}, std::chrono::seconds(240), transport_env(t));
+    CHECK_MESSAGE(res.ok(), res.report());
+  }
 }
 
-TEST_CASE("a save over c10d agrees up the tree: the bytes the all-gather writes, a fraction of what it receives") {
+namespace {
+/// The save test over transport t ("gloo" or "store").
+void check_tree_save(const std::string& t) {
+  CAPTURE(t);
   constexpr int ranks = 6;
-  testing::temp_dir dir("c10d-peer-save");
+  testing::temp_dir dir("c10d-peer-save-" + t);
   std::map<std::string, std::vector<std::uint64_t>> received;
   std::map<std::string, std::vector<std::uint64_t>> gathers;
   for (const std::string mode : {"tree", "gather"}) {
     const fs::path out = dir.path / mode;
     auto res = testing::run_world("peer_save", ranks, {out.string(), mode, (dir.path / ("stats-" + mode)).string()},
-                                  std::chrono::seconds(240));
+                                  std::chrono::seconds(240), transport_env(t));
     REQUIRE_MESSAGE(res.ok(), res.report());
     for (int r = 0; r < ranks; ++r) {
       std::ifstream f(dir.path / ("stats-" + mode + "." + std::to_string(r)));
@@ -187,6 +205,12 @@ TEST_CASE("a save over c10d agrees up the tree: the bytes the all-gather writes,
   MESSAGE("bytes received, tree: " << received["tree"][0] << " (rank 0), " << received["tree"][1] << " (rank 1); "
                                    << "all-gather: " << received["gather"][1] << " (rank 1)");
 }
+}  // namespace
+
+TEST_CASE("a save over c10d agrees up the tree: the bytes the all-gather writes, a fraction of what it receives") {
+  check_tree_save("gloo");
+  check_tree_save("store");
+}
 
 TEST_CASE("a rank lost in the middle of a tree step over c10d: every other rank names it, none waits for the timeout") {
   constexpr int ranks = 6;
@@ -209,6 +233,26 @@ TEST_CASE("a rank lost in the middle of a tree step over c10d: every other rank 
   // rank 3's parent in the tree (rank 2) sees it go; ranks that wait on others learn it by the abort
   CHECK(aborted >= 3);
   MESSAGE("rank 0: " << res.err[0] << "\nrank 5: " << res.err[5]);
+}
+
+TEST_CASE("a rank lost in a tree step through the store: every other rank names it within the timeout") {
+  constexpr int ranks = 6;
+  // the store cannot see a rank go: rank 3's parent in the tree (rank 2) waits for its message
+  // up to the timeout (3 s); the others wait on their parents as long, unless the abort of the
+  // first to fail reaches them first; every one's roll call names rank 3
+  auto res = testing::run_world("peer_rank_lost", ranks, {"3000"}, std::chrono::seconds(240), transport_env("store"));
+  REQUIRE(res.status.size() == ranks);
+  CHECK(res.status[3] == 0);
+  for (int r = 0; r < ranks; ++r) {
+    if (r == 3) continue;
+    CAPTURE(r);
+    const std::string& err = res.err[r];
+    CHECK_MESSAGE(res.status[r] == 3, res.report());
+    CHECK_MESSAGE(err.find(" on rank " + std::to_string(r) + " of 6 failed") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("rank 3 did not answer the roll call") != std::string::npos, err);
+    if (r == 2) CHECK_MESSAGE(err.find("no message from rank 3 within 3000 ms") != std::string::npos, err);
+  }
+  MESSAGE("rank 0: " << res.err[0] << "\nrank 2: " << res.err[2]);
 }
 
 TEST_CASE("a LibTorch state dict loaded by 4 data-parallel ranks over c10d reads each byte once between them") {

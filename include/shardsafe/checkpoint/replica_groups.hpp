@@ -193,6 +193,7 @@ std::uint64_t exchange_pieces(C& comm, const std::vector<replica_class>& mine, c
   std::uint64_t received = 0;
   bool p2p = false;
   if constexpr (PeerComm<C>) p2p = comm.peer_to_peer();
+  if constexpr (requires { comm.bulk_peer_to_peer(); }) p2p = p2p && comm.bulk_peer_to_peer();
   if (p2p) {
     if constexpr (PeerComm<C>) {
       // class by class in key order: a member waits only on members of its class, who reach it

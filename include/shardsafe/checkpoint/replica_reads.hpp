@@ -30,7 +30,7 @@
 // load: dtype conversion, dequantization, checksums and the NaN check apply as always. Then
 // each member sends its piece to the other R - 1 in chunks of exchange_chunk_bytes (a
 // PeerComm: point to point, chunk by chunk, at most R - 1 chunks in flight a rank), or, over a
-// Comm without point to point (c10d over NCCL or the store), each rank's piece is broadcast to the world in turn
+// Comm without point to point for bulk data (c10d over NCCL: bulk_peer_to_peer), each rank's piece is broadcast to the world in turn
 // and kept by its group's members only (a rank then receives every group's pieces: with one
 // group, data parallelism, that costs nothing more). Groups exchange class by class in the
 // order of their descriptions, the same on every rank, so a member waits only on members that

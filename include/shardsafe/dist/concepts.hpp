@@ -49,7 +49,9 @@ concept Comm = requires(C& c, std::string_view s, std::string& str, int root) {
 /// |                        |             | timeout                                             |
 ///
 /// Not collectives: only the two ranks take part. The algorithms ask peer_to_peer() and use
-/// the Comm's collectives where it says no.
+/// the Comm's collectives where it says no. A PeerComm whose point to point suits small
+/// messages only (c10d_comm through a store beside a device group's collectives) also has
+/// `bool c.bulk_peer_to_peer()`, which the exchange of bulk data (replicas' pieces) asks.
 template <class C>
 concept PeerComm = Comm<C> && requires(C& c, std::string_view s, int peer) {
   { c.peer_to_peer() } -> std::convertible_to<bool>;

@@ -53,6 +53,11 @@ class counted_comm {
   {
     return c_->peer_to_peer();
   }
+  bool bulk_peer_to_peer() const
+    requires requires(const C& c) { c.bulk_peer_to_peer(); }
+  {
+    return c_->bulk_peer_to_peer();
+  }
   void send_bytes(std::string_view s, int to)
     requires peer
   {

@@ -29,6 +29,7 @@
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/dist/concepts.hpp"
 #include "shardsafe/torch/c10d_peer.hpp"
+#include "shardsafe/torch/c10d_store_peer.hpp"
 #include "shardsafe/torch/compat.hpp"
 
 namespace shardsafe {
@@ -64,6 +65,10 @@ struct store_channel {
   /// read its keys, so that it never takes the store away (by exiting) from a rank still reading
   int host = 0;
   std::atomic<std::uint64_t> begun{0};
+  /// the group's point to point through the store (torch/c10d_store_peer.hpp): one sequence of
+  /// messages for every comm of the group, made by the first
+  std::once_flag peers_made;
+  std::shared_ptr<c10d_store_peers> peers;
 };
 }  // namespace detail
 
@@ -101,6 +106,10 @@ enum class c10d_transport {
 /// Over a Gloo group given that store, it is also a PeerComm (send_bytes, recv_bytes: Gloo's
 /// point to point, torch/c10d_peer.hpp), so saves and loads agree up and down trees of ranks
 /// (dist/agree.hpp, checkpoint/save_agree.hpp) and replicas exchange their pieces pair by pair.
+/// Over the store transport, and a device group (NCCL) given the store, it goes through the
+/// store (torch/c10d_store_peer.hpp; a device group's comm and its copies under `peer_keys`: two
+/// device comms over one store need their own), the trees' messages only on a device group
+/// (bulk_peer_to_peer(): replicas' pieces go as its broadcasts).
 /// A failed operation first sets the world's abort key in the store, and every rank waiting for
 /// a message throws within moments (`roll_call` / 10, 20 to 250 ms), then answers the roll call,
 /// as for a failed collective: ranks waiting on a lost rank only through others do not wait for
@@ -110,18 +119,21 @@ class c10d_comm {
   explicit c10d_comm(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device = at::kCPU,
                      c10::intrusive_ptr<c10d::Store> store = {},
                      std::chrono::milliseconds roll_call = std::chrono::seconds(5),
-                     std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0))
+                     std::chrono::milliseconds store_host_wait = std::chrono::milliseconds(0),
+                     const std::string& peer_keys = "shardsafe/p2p")
       : pg_(std::move(pg)),
         device_(device),
         store_(std::move(store)),
         roll_call_(roll_call),
         store_host_wait_(store_host_wait) {
-    // point to point over Gloo (a CPU group) where the store can carry the abort
+    // point to point over Gloo (a CPU group) where the store can carry the abort; through the
+    // store for a device group
     if (pg_ && store_ && device_.is_cpu())
-      peers_ = std::make_shared<detail::c10d_peers>(
-          pg_, store_,
-          std::clamp<std::chrono::milliseconds>(roll_call_ / 10, std::chrono::milliseconds(20),
-                                                std::chrono::milliseconds(250)));
+      peers_ = std::make_shared<detail::c10d_peers>(pg_, store_, detail::abort_poll(roll_call_));
+    else if (pg_ && store_)
+      store_peers_ = std::make_shared<detail::c10d_store_peers>(
+          c10::make_intrusive<c10d::PrefixStore>(peer_keys, store_), store_, pg_->getRank(), pg_->getSize(),
+          pg_->getRank() == 0, store_->getTimeout(), detail::abort_poll(roll_call_));
   }
   /// Over a store: rank `rank` of `size`, its collectives as keys of channel->store, the roll call
   /// (as above) in `store`, the world's.
@@ -134,7 +146,15 @@ class c10d_comm {
         size_(size),
         store_(std::move(store)),
         roll_call_(roll_call),
-        store_host_wait_(store_host_wait) {}
+        store_host_wait_(store_host_wait) {
+    std::call_once(channel_->peers_made, [&] {
+      const auto& world = store_ ? store_ : channel_->store;
+      channel_->peers = std::make_shared<detail::c10d_store_peers>(
+          c10::make_intrusive<c10d::PrefixStore>("shardsafe/p2p", channel_->store), world, rank, size,
+          rank == channel_->host, world->getTimeout(), detail::abort_poll(roll_call_));
+    });
+    store_peers_ = channel_->peers;
+  }
 
   int rank() const { return pg_ ? pg_->getRank() : rank_; }
   int world_size() const { return pg_ ? pg_->getSize() : size_; }
@@ -142,19 +162,25 @@ class c10d_comm {
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const noexcept { return pg_; }
 
   /// Whether send_bytes and recv_bytes work (a PeerComm): over a Gloo group given the world's
-  /// store, unless turned off. The tree algorithms then use them (dist/tree.hpp).
-  bool peer_to_peer() const noexcept { return peers_ && peer_on_; }
+  /// store, over the store transport, over a device group given the store; unless turned off.
+  /// The tree algorithms then use them (dist/tree.hpp).
+  bool peer_to_peer() const noexcept { return (peers_ || store_peers_) && peer_on_; }
+  /// Whether they suit bulk data too (replicas' pieces): not through the store beside a device
+  /// group's own collectives.
+  bool bulk_peer_to_peer() const noexcept { return peer_to_peer() && (peers_ || !pg_); }
   /// Turns point to point off (the algorithms use the collectives) or back on; alike on every rank.
   void set_peer_to_peer(bool on) noexcept { peer_on_ = on; }
   /// s to rank `peer`, posted: returns without waiting for its receive (dist/concepts.hpp).
   void send_bytes(std::string_view s, int peer) {
-    guard(("send_bytes to rank " + std::to_string(checked_peer(peer))).c_str(), [&] { peers_->send(s, peer); });
+    guard(("send_bytes to rank " + std::to_string(checked_peer(peer))).c_str(),
+          [&] { peers_ ? peers_->send(s, peer) : store_peers_->send(s, peer); });
   }
   /// The next bytes `peer` sent this rank; errc::comm_error past the group's timeout, or at once
   /// when any rank's operation failed (the abort, torch/c10d_peer.hpp).
   std::string recv_bytes(int peer) {
     std::string out;
-    guard(("recv_bytes from rank " + std::to_string(checked_peer(peer))).c_str(), [&] { out = peers_->recv(peer); });
+    guard(("recv_bytes from rank " + std::to_string(checked_peer(peer))).c_str(),
+          [&] { out = peers_ ? peers_->recv(peer) : store_peers_->recv(peer); });
     return out;
   }
 
@@ -257,7 +283,7 @@ class c10d_comm {
  private:
   int checked_peer(int peer) const {
     if (!peer_to_peer())
-      fail(errc::invalid_argument, "c10d_comm: point to point needs a Gloo group and the world's store");
+      fail(errc::invalid_argument, "c10d_comm: point to point needs the world's store (and is not turned off)");
     if (peer < 0 || peer >= world_size() || peer == rank())
       fail(errc::invalid_argument, "c10d_comm: rank " + std::to_string(rank()) +
                                        " cannot send to or receive from rank " + std::to_string(peer) +
@@ -389,6 +415,7 @@ class c10d_comm {
       why = e.what();
     }
     if (peers_) peers_->break_world(std::string("c10d ") + what + ": " + detail::first_line(why));
+    if (store_peers_) store_peers_->break_world(std::string("c10d ") + what + ": " + detail::first_line(why));
     throw error(errc::comm_error, std::string("c10d ") + what + " on rank " + std::to_string(rank()) + " of " +
                                       std::to_string(world_size()) + " failed: " + detail::first_line(why) +
                                       roll_call(std::string("c10d ") + what + ": " + detail::first_line(why)));
@@ -408,7 +435,8 @@ class c10d_comm {
   c10::intrusive_ptr<c10d::Store> store_;
   std::chrono::milliseconds roll_call_;
   std::chrono::milliseconds store_host_wait_{0};
-  std::shared_ptr<detail::c10d_peers> peers_;  ///< point to point (a Gloo group and a store)
+  std::shared_ptr<detail::c10d_peers> peers_;              ///< point to point (a Gloo group and a store)
+  std::shared_ptr<detail::c10d_store_peers> store_peers_;  ///< point to point through the store
   bool peer_on_ = true;
   std::shared_ptr<std::string> rolled_ = std::make_shared<std::string>();  ///< the first roll call's words
 };

@@ -25,6 +25,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -46,6 +47,13 @@ namespace shardsafe::detail {
 inline std::string first_line(std::string s) {
   if (const auto nl = s.find('\n'); nl != std::string::npos) s.resize(nl);
   return s;
+}
+
+/// How often a rank waiting for a message looks for the world's abort key: a tenth of the roll
+/// call, 20 to 250 ms.
+inline std::chrono::milliseconds abort_poll(std::chrono::milliseconds roll_call) {
+  return std::clamp<std::chrono::milliseconds>(roll_call / 10, std::chrono::milliseconds(20),
+                                               std::chrono::milliseconds(250));
 }
 
 /// The roll call's record of rank r in the store.
