@@ -4,13 +4,20 @@
 // c10d agreed up the tree written byte for byte as the all-gathered one with what each rank
 // received counted, and a rank lost in the middle of a tree step named by every other rank
 // (over Gloo without any of them waiting for the group's timeout; through the store, which
-// cannot see a rank go, its neighbours within the timeout and the others by the abort) (issue 56).
+// cannot see a rank go, every other rank within the timeout), and replicas read once by the
+// collective state-dict load and the training resume (model + optimizer) (issue 56).
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
 
 #include "fixtures.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
@@ -18,6 +25,7 @@
 #include "shardsafe/dist/counted.hpp"
 #include "shardsafe/storage/file.hpp"
 #include "shardsafe/torch/c10d.hpp"
+#include "shardsafe/torch/model_and_optim.hpp"
 #include "shardsafe/torch/state_dict.hpp"
 #include "world.hpp"
 
@@ -149,6 +157,48 @@ std::map<std::string, std::string> transport_env(const std::string& t) {
 }
 }  // namespace
 
+// args: folder, "read_once" or "every_rank_reads", stats file, "shardsafe" or "dcp". A model and
+// its Adam state, the same on every rank (one step on the same data), saved as shardsafe's pair or
+// one DCP folder (rank 0 writes every tensor), loaded into a fresh model and optimizer by load_model_and_optim_state with the mode
+// given; every tensor of both checked equal to the saved ones; the stats written.
+WORKER_SCENARIO("peer_train_replica_load") {
+  c10d_world w = init_world_from_env(std::chrono::seconds(60));
+  c10d_comm comm = w.comm();
+  auto make = [] { return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Linear(16, 4)); };
+  torch::manual_seed(7);
+  auto net = make();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-2));
+  adam.zero_grad();
+  net->forward(at::arange(32, at::kFloat).reshape({4, 8}).div(7)).pow(2).sum().backward();
+  adam.step();
+  save_options so;
+  if (args.at(3) == "dcp") so.format = save_format::dcp;
+  save_model_and_optim_state(file_directory(args.at(0)), *net, &adam, comm, so);
+  torch::manual_seed(99 + w.rank);
+  auto fresh = make();
+  torch::optim::Adam adam2(fresh->parameters(), torch::optim::AdamOptions(0.5));
+  train_load_options o;
+  o.replica.replicas = args.at(1) == "read_once" ? replica_reads::read_once : replica_reads::every_rank_reads;
+  const auto st = load_model_and_optim_state(file_directory(args.at(0)), *fresh, &adam2, comm, o);
+  const state_dict want = module_state_dict(*net), got = module_state_dict(*fresh);
+  const state_dict want_o = flatten_optimizer_state(adam, want), got_o = flatten_optimizer_state(adam2, got);
+  for (const auto* pair : {&want, &want_o}) {
+    const state_dict& other = pair == &want ? got : got_o;
+    testing::worker_check(pair->size() == other.size(), "the loaded state has another number of tensors");
+    auto it = other.begin();
+    for (const auto& [key, t] : *pair) {
+      testing::worker_check(it->first == key && it->second.local.equal(t.local), "'" + key + "' differs");
+      ++it;
+    }
+  }
+  testing::worker_check(adam2.param_groups()[0].options().get_lr() == 1e-2, "the learning rate was not restored");
+  std::ofstream(args.at(2) + "." + std::to_string(w.rank))
+      << st.model.bytes_read << " " << st.optim.stats.bytes_read << " "
+      << st.model.bytes_received + st.optim.stats.bytes_received << " " << st.model.replica_group << " "
+      << st.optim.stats.replica_group;
+  return 0;
+}
+
 TEST_CASE(
     "c10d over Gloo or the store is a PeerComm: messages of 0 bytes to 5 MiB between 4 ranks, in order, bit for bit") {
   for (const std::string t : {"gloo", "store"}) {
@@ -253,6 +303,48 @@ TEST_CASE("a rank lost in a tree step through the store: every other rank names 
     if (r == 2) CHECK_MESSAGE(err.find("no message from rank 3 within 3000 ms") != std::string::npos, err);
   }
   MESSAGE("rank 0: " << res.err[0] << "\nrank 2: " << res.err[2]);
+}
+
+namespace {
+/// The training-resume replicas test over a checkpoint saved as `format` ("shardsafe" or "dcp").
+void check_train_replicas(const std::string& format) {
+  CAPTURE(format);
+  constexpr int ranks = 4;
+  testing::temp_dir dir("c10d-train-replicas-" + format);
+  std::map<std::string, std::array<std::uint64_t, 3>> sums;  // model read, optimizer read, received
+  for (const std::string mode : {"every_rank_reads", "read_once"}) {
+    const fs::path ckpt = dir.path / mode;
+    auto res = testing::run_world("peer_train_replica_load", ranks,
+                                  {ckpt.string(), mode, (dir.path / ("st-" + mode)).string(), format},
+                                  std::chrono::seconds(240));
+    REQUIRE_MESSAGE(res.ok(), res.report());
+    for (int r = 0; r < ranks; ++r) {
+      std::ifstream f(dir.path / ("st-" + mode + "." + std::to_string(r)));
+      std::uint64_t model = 0, optim = 0, received = 0, group_m = 0, group_o = 0;
+      f >> model >> optim >> received >> group_m >> group_o;
+      auto& s = sums[mode];
+      s[0] += model;
+      s[1] += optim;
+      s[2] += received;
+      CHECK(group_m == (mode == "read_once" ? 4u : 1u));
+      CHECK(group_o == (mode == "read_once" ? 4u : 1u));
+    }
+  }
+  // every rank reading is 4 x the bytes; once, each byte once, the other 3 copies received
+  const auto& every = sums["every_rank_reads"];
+  const auto& once = sums["read_once"];
+  CHECK(every[0] > 0);
+  CHECK(every[1] > 0);
+  CHECK(every[2] == 0);
+  CHECK(once[0] * ranks == every[0]);
+  CHECK(once[1] * ranks == every[1]);
+  CHECK(once[2] == (ranks - 1) * (once[0] + once[1]));
+}
+}  // namespace
+
+TEST_CASE("a model and its optimizer loaded by 4 data-parallel ranks read each byte once with replicas") {
+  check_train_replicas("shardsafe");
+  check_train_replicas("dcp");
 }
 
 TEST_CASE("a LibTorch state dict loaded by 4 data-parallel ranks over c10d reads each byte once between them") {

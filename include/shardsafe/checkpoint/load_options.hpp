@@ -59,16 +59,21 @@ constexpr std::string_view to_string(replica_reads m) noexcept {
                                               : "automatic";
 }
 
-/// What a collective load is asked: a load's options, and those only a load over a Comm
-/// honours (checkpoint/load.hpp; a load_options is accepted wherever this is).
-struct collective_load_options : load_options {
-  collective_load_options() = default;
-  collective_load_options(const load_options& o) : load_options(o) {}
+/// How the ranks of a collective load that load the same views read them.
+struct replica_options {
   /// every_rank_reads (the default: no coordination beyond agreeing on the outcome), read_once,
   /// or automatic (measured: checkpoint/replica_reads.hpp).
   replica_reads replicas = replica_reads::every_rank_reads;
   std::uint64_t exchange_chunk_bytes = std::uint64_t(16) << 20;  ///< read_once: bytes a message
   std::uint64_t probe_bytes = std::uint64_t(8) << 20;            ///< automatic: bytes read and exchanged to measure
+};
+
+/// What a collective load is asked: a load's options, and those only a load over a Comm
+/// honours (checkpoint/load.hpp; a load_options is accepted wherever this is).
+struct collective_load_options : load_options, replica_options {
+  collective_load_options() = default;
+  collective_load_options(const load_options& o) : load_options(o) {}
+  collective_load_options(const load_options& o, const replica_options& r) : load_options(o), replica_options(r) {}
 };
 
 /// A ring of host buffers (pinned for a GPU) that loads into memory the reader cannot write

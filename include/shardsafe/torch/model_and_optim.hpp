@@ -53,13 +53,35 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const torch:
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
 /// under any change of world size or sharding; or the DCP folder, or the trainer's checkpoint
 /// (DeepSpeed, Megatron-LM) that DIR is (torch/train_layouts.hpp). A collective over comm (for
-/// agreement only).
+/// agreement only; with opt.replica, shardsafe's pair and DCP folders load collectively: ranks
+/// that load the same tensors read each byte once between them, checkpoint/replica_reads.hpp).
 template <ReadableDirectory D, Comm C>
 model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim,
                                                       C& comm, const train_load_options& opt = {}) {
   const auto t0 = std::chrono::steady_clock::now();
   const step_scope scope("load " + std::string(dir.name()));
   model_and_optim_load_stats rep;
+  if (opt.replica.replicas != replica_reads::every_rank_reads) {
+    // a layout that loads collectively runs its own steps (which one: agreed first)
+    bool collective = false;
+    every_rank_step(comm, [&] {
+      any_layout(train_layouts{}, [&]<class L>() {
+        if (!L::recognise(dir)) return false;
+        collective = requires { L::load_collective(dir, model, optim, comm, opt, rep); };
+        return true;
+      });
+    });
+    if (collective) {
+      any_layout(train_layouts{}, [&]<class L>() {
+        if (!L::recognise(dir)) return false;
+        if constexpr (requires { L::load_collective(dir, model, optim, comm, opt, rep); })
+          L::load_collective(dir, model, optim, comm, opt, rep);
+        return true;
+      });
+      rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      return rep;
+    }
+  }
   every_rank_step(comm, [&] {
     any_layout(train_layouts{}, [&]<class L>() {
       if (!L::recognise(dir)) return false;

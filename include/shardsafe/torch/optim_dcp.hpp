@@ -220,13 +220,14 @@ std::vector<checkpoint_param_group> dcp_param_groups(const checkpoint_reader<D>&
 /// the top) into `opt`, in place, sharded as `model` is.
 template <ReadableDirectory D>
 optim_load_stats load_optimizer_state_dcp(checkpoint_reader<D>& r, torch::optim::Optimizer& opt,
-                                          const state_dict& model, const optim_load_options& o = {}) {
+                                          const state_dict& model, const optim_load_options& o = {},
+                                          std::vector<flat_view>* defer = nullptr) {
   std::set<std::string> used;
   auto groups = detail::dcp_param_groups(r, used);
   if (groups.empty())
     fail(errc::not_found, std::string(r.directory().name()) +
                               ": no optimizer param groups (optim.param_groups...) in " + r.described_by());
-  return detail::restore_optimizer(r, opt, model, o, groups, {"optim.state.", "."}, std::move(used));
+  return detail::restore_optimizer(r, opt, model, o, groups, {"optim.state.", "."}, std::move(used), defer);
 }
 
 }  // namespace shardsafe

@@ -96,11 +96,14 @@ struct optim_state_keys {
 
 /// Restores `opt` from the checkpoint's groups and state tensors (either layout), in place:
 /// groups matched by their parameters' names, hyper-parameters set (o.restore_hyperparameters),
-/// state tensors read in one batch; `used` names entries already accounted for.
+/// state tensors read in one batch; `used` names entries already accounted for. With `defer`,
+/// the batch's views (into the state tensors, made) are appended there for the caller to load
+/// (a collective load), and the stats' reads are left empty: nothing after the batch reads it.
 template <ReadableDirectory D>
 optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
                                    const optim_load_options& o, const std::vector<checkpoint_param_group>& ckpt_groups,
-                                   const optim_state_keys& layout, std::set<std::string> used) {
+                                   const optim_state_keys& layout, std::set<std::string> used,
+                                   std::vector<flat_view>* defer = nullptr) {
   optim_load_stats rep;
   const std::string dname(r.directory().name());
   auto groups = name_optimizer_params(opt, model);
@@ -175,7 +178,10 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
       }
     }
   }
-  rep.stats = shardsafe::load(r, std::span<const flat_view>(views), o.load);
+  if (defer)
+    defer->insert(defer->end(), views.begin(), views.end());
+  else
+    rep.stats = shardsafe::load(r, std::span<const flat_view>(views), o.load);
   for (auto& [target, value] : step_targets)
     *target = step_count(value.reshape({-1}).to(at::kDouble).template item<double>(), dname);
   // state of parameters this optimizer does not hold
@@ -188,10 +194,10 @@ optim_load_stats restore_optimizer(checkpoint_reader<D>& r, torch::optim::Optimi
 
 /// Loads optimizer state from an optim/ checkpoint (OLMo-core's layout, torch/optim.hpp) into
 /// `opt`, in place: state tensors are the optimizer's own (created with the parameter's shape
-/// where missing), read in one batch.
+/// where missing), read in one batch (with `defer`, left to the caller: restore_optimizer).
 template <ReadableDirectory D>
 optim_load_stats load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Optimizer& opt, const state_dict& model,
-                                      const optim_load_options& o = {}) {
+                                      const optim_load_options& o = {}, std::vector<flat_view>* defer = nullptr) {
   const std::string dname(r.directory().name());
   const std::int64_t n = detail::read_whole(r, "num_param_groups", o.load).reshape({-1}).template item<std::int64_t>();
   if (n < 0 || n > 1'000'000) fail(errc::invalid_metadata, dname + ": num_param_groups is " + std::to_string(n));
@@ -205,7 +211,7 @@ optim_load_stats load_optimizer_state(checkpoint_reader<D>& r, torch::optim::Opt
     std::vector<std::string> names = detail::names_of(group, ctx);
     groups.push_back({std::move(names), std::move(group), ctx});
   }
-  return detail::restore_optimizer(r, opt, model, o, groups, {"state.", ".__"}, std::move(used));
+  return detail::restore_optimizer(r, opt, model, o, groups, {"state.", ".__"}, std::move(used), defer);
 }
 
 }  // namespace shardsafe

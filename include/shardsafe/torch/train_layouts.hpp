@@ -14,7 +14,10 @@
 //
 // A layout L has: recognise(dir) (by names only) and load(dir, model, optim, opt, stats) (the
 // caller runs it as one every-rank step); one that is written also has `format` (the
-// save_format that writes it) and save(dir, model, optim, comm, opt). The lists below are the
+// save_format that writes it) and save(dir, model, optim, comm, opt). One that can load with
+// replicas read once also has load_collective(dir, model, optim, comm, opt, stats), which runs
+// its own steps (a collective load cannot run inside one): the caller takes it when
+// train_load_options::replica asks for more than every_rank_reads. The lists below are the
 // only ones; a training layout is its type here and one entry in train_layouts (and in
 // train_writers when it is written).
 //
@@ -32,6 +35,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -69,6 +73,9 @@ struct train_load_options {
       load{};          ///< the model's load (its tensors may be on a device); the optimizer's takes its load_options
   bool strict = true;  ///< missing tensors or parameters are errors (else listed)
   bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
+  /// Replicas read once (checkpoint/replica_reads.hpp) for the layouts that load collectively
+  /// (load_collective: shardsafe's pair, a DCP folder); a trainer's layout loads on each rank.
+  replica_options replica{};
 };
 
 namespace detail {
@@ -82,6 +89,23 @@ inline std::pair<device_load_options, optim_load_options> split_train_load_optio
   oo.strict = opt.strict;
   oo.restore_hyperparameters = opt.restore_hyperparameters;
   return {lo, oo};
+}
+
+/// The optimizer's state tensors an optimizer load deferred (restore_optimizer's `defer`),
+/// loaded collectively with replicas; their reads into `stats` (its key lists are the
+/// optimizer load's own).
+template <ReadableDirectory D, Comm C>
+void load_deferred(checkpoint_reader<D>& r, const std::vector<flat_view>& views, C& comm, const load_options& lo,
+                   const replica_options& replica, load_stats& stats) {
+  collective_load_options co(lo, replica);
+  co.list_unexpected = false;
+  const load_stats st = shardsafe::load(r, std::span<const flat_view>(views), comm, co);
+  stats.add_reads(st);
+  stats.tensors = st.tensors;
+  stats.replicas = st.replicas;
+  stats.replica_group = st.replica_group;
+  stats.bytes_received = st.bytes_received;
+  stats.why = st.why;
 }
 }  // namespace detail
 
@@ -125,6 +149,28 @@ struct pair_train_layout {
       rep.optim = load_optimizer_state(orr, *optim, model, oo);
     }
   }
+
+  /// The same with opt.replica: the model's tensors and the optimizer's state tensors each in a
+  /// collective load (the optimizer's groups, steps and hyper-parameters read by each rank).
+  template <ReadableDirectory D, Comm C>
+  static void load_collective(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                              const train_load_options& opt, model_and_optim_load_stats& rep) {
+    every_rank_step(comm, [&] {
+      if (!is_complete_checkpoint(dir))
+        fail(errc::not_found,
+             std::string(dir.name()) + ": no model/metadata.json (or model/.metadata): not a complete checkpoint");
+    });
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    rep.model = load_state_dict(dir.sub(model_folder_name), model, comm, collective_load_options(lo, opt.replica));
+    if (!optim) return;
+    std::optional<checkpoint_reader<D>> orr;
+    std::vector<flat_view> views;
+    every_rank_step(comm, [&] {
+      orr.emplace(dir.sub(optim_folder_name));
+      rep.optim = load_optimizer_state(*orr, *optim, model, oo, &views);
+    });
+    detail::load_deferred(*orr, views, comm, oo.load, opt.replica, rep.optim.stats);
+  }
 };
 
 /// One DCP folder in get_state_dict's layout: "model." and "optim." keys (torch/optim_dcp.hpp).
@@ -159,6 +205,25 @@ struct dcp_train_layout {
     rep.model = load_state_dict(r, prefixed, lo);
     std::erase_if(rep.model.unexpected_keys, [](const std::string& k) { return !k.starts_with(dcp_model_prefix); });
     if (optim) rep.optim = load_optimizer_state_dcp(r, *optim, model, oo);
+  }
+
+  /// The same with opt.replica (as pair_train_layout::load_collective).
+  template <ReadableDirectory D, Comm C>
+  static void load_collective(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                              const train_load_options& opt, model_and_optim_load_stats& rep) {
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    state_dict prefixed;
+    for (const auto& [name, t] : model) prefixed.add(std::string(dcp_model_prefix) + name, t);
+    rep.model = load_state_dict(dir, prefixed, comm, collective_load_options(lo, opt.replica));
+    std::erase_if(rep.model.unexpected_keys, [](const std::string& k) { return !k.starts_with(dcp_model_prefix); });
+    if (!optim) return;
+    std::optional<checkpoint_reader<D>> r;
+    std::vector<flat_view> views;
+    every_rank_step(comm, [&] {
+      r.emplace(dir);
+      rep.optim = load_optimizer_state_dcp(*r, *optim, model, oo, &views);
+    });
+    detail::load_deferred(*r, views, comm, oo.load, opt.replica, rep.optim.stats);
   }
 };
 
