@@ -51,10 +51,6 @@ inline c10::intrusive_ptr<c10d::TCPStore> open_tcp_store(const std::string& addr
   return c10::make_intrusive<c10d::TCPStore>(addr, so);
 }
 
-/// The most bytes one key of a store collective holds: a value is split into pieces of this
-/// size (libuv's TCPStore server, the default of torch 2.4 and newer, refuses values over 8 MiB).
-inline constexpr std::size_t store_piece_bytes = std::size_t(4) << 20;
-
 /// A group whose collectives travel through a c10d store (c10d_transport::store): the store
 /// (the world's, or a PrefixStore of it for a group of its own) and the number of collectives
 /// the group has begun. Every c10d_comm of the group shares it, as the comms of a process group

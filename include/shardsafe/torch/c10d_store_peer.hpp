@@ -44,9 +44,10 @@
 
 namespace shardsafe::detail {
 
-/// The most bytes one key of a store message holds (c10d_comm.hpp's store collectives use the
-/// same bound).
-inline constexpr std::size_t store_message_piece = std::size_t(4) << 20;
+/// The most bytes one key of a store value holds: a value is split into pieces of this size
+/// (libuv's TCPStore server, the default of torch 2.4 and newer, refuses values over 8 MiB). The
+/// store transport's collectives (c10d_comm.hpp) and these messages both cut by it.
+inline constexpr std::size_t store_piece_bytes = std::size_t(4) << 20;
 
 /// A c10d_comm's point to point through a store, shared by its copies.
 class c10d_store_peers {
@@ -96,10 +97,10 @@ class c10d_store_peers {
     }
     const std::string name = key(s_->rank, peer, k);
     c10d::Store& st = *s_->keys;
-    const std::size_t first = std::min(s.size(), store_message_piece - 8);
+    const std::size_t first = std::min(s.size(), store_piece_bytes - 8);
     std::size_t piece = 1;
-    for (std::size_t at = first; at < s.size(); at += store_message_piece, ++piece) {
-      const std::string_view p = s.substr(at, store_message_piece);
+    for (std::size_t at = first; at < s.size(); at += store_piece_bytes, ++piece) {
+      const std::string_view p = s.substr(at, store_piece_bytes);
       st.set(name + "." + std::to_string(piece), std::vector<std::uint8_t>(p.begin(), p.end()));
     }
     std::vector<std::uint8_t> head(8 + first);
@@ -141,7 +142,7 @@ class c10d_store_peers {
     const std::vector<std::uint8_t> head = st.get(name);
     const std::uint64_t len = head.size() >= 8 ? load_le(reinterpret_cast<const std::byte*>(head.data()), 8) : 0;
     if (head.size() < 8 || len > (std::uint64_t(1) << 40) ||
-        head.size() - 8 != std::min<std::uint64_t>(len, store_message_piece - 8))
+        head.size() - 8 != std::min<std::uint64_t>(len, store_piece_bytes - 8))
       fail(errc::comm_error, "rank " + std::to_string(peer) + "'s message '" + name + "' in the store is malformed (" +
                                  std::to_string(head.size()) + " bytes)");
     std::string out(reinterpret_cast<const char*>(head.data()) + 8, head.size() - 8);
