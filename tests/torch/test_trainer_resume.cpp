@@ -24,6 +24,7 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -117,20 +118,36 @@ torch::optim::AdamWParamState& adamw_state(torch::optim::Optimizer& opt, const a
   return static_cast<torch::optim::AdamWParamState&>(*s);
 }
 
+/// The folder of a golden's expected fp32, exp_avg and exp_avg_sq tensors: `exp`, or (Megatron
+/// without the distributed optimizer keeps the model's weights, the fp32 parameters, as
+/// model.safetensors) a copy under `tmp` with model.safetensors as fp32.safetensors. The
+/// trainers' step is 2.
+fs::path expected_folder(const fs::path& exp, const fs::path& tmp) {
+  if (fs::exists(exp / "fp32.safetensors")) return exp;
+  fs::create_directories(tmp / "exp");
+  for (const char* f : {"exp_avg.safetensors", "exp_avg_sq.safetensors"}) fs::copy_file(exp / f, tmp / "exp" / f);
+  fs::copy_file(exp / "model.safetensors", tmp / "exp" / "fp32.safetensors");
+  return tmp / "exp";
+}
+
 }  // namespace
 
 // args: checkpoint folder, expected folder (fp32, exp_avg, exp_avg_sq and module safetensors; with
 // TP, expected/joined/ and the module's other tensors from expected/tp0/),
-// sharding (flat | rows), the resume folder or "-" (the trainer's own step: grad, fp32, exp_avg,
+// sharding (below), the resume folder or "-" (the trainer's own step: grad, fp32, exp_avg,
 // exp_avg_sq), the step saved, the weight decay of the group without decay as the trainer stored it,
-// a Megatron golden's checkpoint_keys.json (torch_dist names) or "-"
+// a Megatron golden's checkpoint_keys.json (torch_dist names) or "-"; optionally how replicas read
+// (every_rank_reads | read_once: train_load_options::replica) and a file for this rank's reads.
+// Shardings: flat (an element range a rank), rows, hsdp (element ranges over 2 shards, rank % 2:
+// ranks r and r + 2 load the same pieces), dp (every rank the whole tensors)
 WORKER_SCENARIO("trainer_adamw_resume") {
   at::set_num_threads(1);
   auto w = init_world_from_env();
   auto comm = w.comm();
   const file_directory ckpt(args.at(0));
   const fs::path exp(args.at(1));
-  const bool flat = args.at(2) == "flat";
+  const std::string sharding = args.at(2);
+  const int shards = sharding == "hsdp" ? 2 : sharding == "dp" ? 1 : w.world_size;
   const std::string resume = args.at(3);
   const std::int64_t saved_step = std::stoll(args.at(4));
   const double no_decay_wd = std::stod(args.at(5));
@@ -147,8 +164,8 @@ WORKER_SCENARIO("trainer_adamw_resume") {
   std::vector<at::Tensor> decay, no_decay;
   for (const auto& [name, full] : fp32) {
     const shape_t shape = shape_of(full);
-    spec[name] =
-        flat ? testing::flat_part(shape, w.world_size, w.rank) : testing::block_part(shape, 0, w.world_size, w.rank);
+    spec[name] = sharding == "rows" ? testing::block_part(shape, 0, w.world_size, w.rank)
+                                    : testing::flat_part(shape, shards, w.rank % shards);
     local[name] = at::full_like(testing::local_of(full, spec[name]), 7.0f).requires_grad_(true);
     sd.add(name, local[name], *spec[name], shape);
     (full.dim() == 2 ? decay : no_decay).push_back(local[name]);
@@ -168,7 +185,15 @@ WORKER_SCENARIO("trainer_adamw_resume") {
                                  torch::optim::AdamWOptions(0.5).weight_decay(0.25).betas({0.5, 0.5}).eps(1.0)));
   torch::optim::AdamW adamw(groups, torch::optim::AdamWOptions(0.5));
 
-  auto rep = load_model_and_optim_state(ckpt, sd, &adamw, comm);
+  train_load_options lopt;
+  if (args.size() > 7)
+    lopt.replica.replicas = args.at(7) == "read_once" ? replica_reads::read_once : replica_reads::every_rank_reads;
+  auto rep = load_model_and_optim_state(ckpt, sd, &adamw, comm, lopt);
+  if (args.size() > 8)
+    std::ofstream(args.at(8) + "." + std::to_string(w.rank))
+        << rep.model.bytes_read << " " << rep.optim.stats.bytes_read << " "
+        << rep.model.bytes_received + rep.optim.stats.bytes_received << " " << rep.model.replica_group << " "
+        << rep.optim.stats.replica_group;
   // (with TP, the other TP rank's own tensors are this job's to leave)
   std::erase_if(rep.model.unexpected_keys, [&](const std::string& k) { return tp && k.starts_with("tp1/"); });
   testing::worker_check(rep.model.unexpected_keys.empty() && rep.optim.unexpected_keys.empty(),
@@ -292,17 +317,8 @@ TEST_CASE("trainer checkpoints: LibTorch model + AdamW resumed in other worlds, 
   int worlds = 0;
   for (const auto& c : cases) {
     const fs::path g = trainer_peers / c.golden;
-    // Megatron's goldens keep the model's weights as model.safetensors; the trainer's step is 2
     testing::temp_dir tmp("trainer-resume");
-    fs::path exp = g / c.expected;
-    if (!fs::exists(exp / "fp32.safetensors")) {
-      // Megatron (no distributed optimizer): the weights are the fp32 parameters
-      fs::create_directories(tmp.path / "exp");
-      for (const char* f : {"exp_avg.safetensors", "exp_avg_sq.safetensors"})
-        fs::copy_file(exp / f, tmp.path / "exp" / f);
-      fs::copy_file(exp / "model.safetensors", tmp.path / "exp" / "fp32.safetensors");
-      exp = tmp.path / "exp";
-    }
+    const fs::path exp = expected_folder(g / c.expected, tmp.path);
     for (const auto& [n, sharding] : {std::pair{3, "flat"}, std::pair{2, "rows"}}) {
       const std::string what =
           std::string(c.golden) + "/" + c.folder + ", " + std::to_string(n) + " ranks, " + sharding;
@@ -382,4 +398,67 @@ TEST_CASE("trainer checkpoints: groups the grouping rule cannot tell apart are n
   CHECK(why.find("load the model alone") != std::string::npos);
   const auto rep = load_model_and_optim_state(dir, sd, nullptr, one);
   CHECK(rep.model.tensors == params.size());
+}
+
+TEST_CASE("trainer checkpoints: data-parallel and HSDP replicas read each byte once with replicas") {
+  // 4 c10d ranks over Gloo load a DeepSpeed ZeRO-1 checkpoint (bf16 files: the fp32 masters come
+  // in) and Megatron's distributed optimizer (torch_dist), every piece checked bit for bit as
+  // above; dp: every rank the whole model (one group of 4), hsdp: element ranges over 2 shards
+  // (groups of 2). Summed over ranks, read_once reads each stored byte once, whatever the
+  // sharding: exactly what dp reads once, a quarter of what dp's every_rank_reads reads.
+  struct golden_case {
+    const char *golden, *folder, *expected;
+    bool resume;
+    const char* no_decay_wd;
+    bool torch_dist;
+  };
+  const golden_case cases[] = {
+      {"zero1_bf16", "ckpt", "expected", false, "0", false},
+      {"mcore_distopt_tp2_dp2", "torch_dist_fully_reshardable", "expected/full", true, "0.01", true}};
+  constexpr int ranks = 4;
+  for (const auto& c : cases) {
+    const fs::path g = trainer_peers / c.golden;
+    testing::temp_dir tmp("trainer-replicas");
+    const fs::path exp = expected_folder(g / c.expected, tmp.path);
+    // [sharding + mode] -> model read, optimizer read, received, summed over ranks
+    std::map<std::string, std::array<std::uint64_t, 3>> sums;
+    for (const std::string sharding : {"dp", "hsdp"})
+      for (const std::string mode : {"every_rank_reads", "read_once"}) {
+        const std::string what = std::string(c.golden) + "/" + c.folder + ", " + sharding + ", " + mode;
+        CAPTURE(what);
+        const fs::path st = tmp.path / ("st-" + sharding + "-" + mode);
+        auto res = testing::run_world(
+            "trainer_adamw_resume", ranks,
+            {(g / c.folder).string(), exp.string(), sharding, c.resume ? (g / "expected" / "resume").string() : "-",
+             "2", c.no_decay_wd, c.torch_dist ? (g / "expected" / "full" / "checkpoint_keys.json").string() : "-", mode,
+             st.string()});
+        REQUIRE_MESSAGE(res.ok(), res.report());
+        auto& s = sums[sharding + " " + mode];
+        s = {};
+        for (int r = 0; r < ranks; ++r) {
+          std::ifstream f(st.string() + "." + std::to_string(r));
+          std::uint64_t model = 0, optim = 0, received = 0, group_m = 0, group_o = 0;
+          f >> model >> optim >> received >> group_m >> group_o;
+          REQUIRE(static_cast<bool>(f));
+          s[0] += model;
+          s[1] += optim;
+          s[2] += received;
+          const std::uint64_t group = mode == "every_rank_reads" ? 1 : sharding == "dp" ? 4 : 2;
+          CHECK(group_m >= group);
+          CHECK(group_o >= group);
+        }
+        MESSAGE(what << ": model " << s[0] << " B, optimizer " << s[1] << " B read, " << s[2] << " B received");
+      }
+    const auto &every = sums["dp every_rank_reads"], &once = sums["dp read_once"], &hsdp = sums["hsdp read_once"];
+    CHECK(every[0] > 0);
+    CHECK(every[1] > 0);
+    CHECK(every[2] == 0);
+    CHECK(sums["hsdp every_rank_reads"][2] == 0);
+    CHECK(once[0] * ranks == every[0]);
+    CHECK(once[1] * ranks == every[1]);
+    CHECK(once[2] == (ranks - 1) * (once[0] + once[1]));
+    CHECK(hsdp[0] == once[0]);
+    CHECK(hsdp[1] == once[1]);
+    CHECK(hsdp[2] > 0);
+  }
 }

@@ -53,8 +53,8 @@ model_and_optim_save_stats save_model_and_optim_state(const D& dir, const torch:
 /// Loads DIR/model into `model`'s tensors and DIR/optim into `optim` (if given), in place,
 /// under any change of world size or sharding; or the DCP folder, or the trainer's checkpoint
 /// (DeepSpeed, Megatron-LM) that DIR is (torch/train_layouts.hpp). A collective over comm (for
-/// agreement only; with opt.replica, shardsafe's pair and DCP folders load collectively: ranks
-/// that load the same tensors read each byte once between them, checkpoint/replica_reads.hpp).
+/// agreement only; with opt.replica, every layout loads collectively: ranks that load the same
+/// tensors read each byte once between them, checkpoint/replica_reads.hpp).
 template <ReadableDirectory D, Comm C>
 model_and_optim_load_stats load_model_and_optim_state(const D& dir, state_dict& model, torch::optim::Optimizer* optim,
                                                       C& comm, const train_load_options& opt = {}) {

@@ -329,30 +329,24 @@ load_stats load_state_dict(const D& dir, state_dict& sd, const device_load_optio
   return load_state_dict(reader, sd, opt);
 }
 
-/// The collective load of a state dict (every rank calls it; the first failure of any rank is
-/// thrown on every rank). Contiguous CPU tensors go through the collective load
-/// (checkpoint/load.hpp): with opt.replicas, ranks that load the same tensors (HSDP replicas,
-/// data-parallel copies) read each byte once between them and exchange the rest
-/// (checkpoint/replica_reads.hpp). The others (device tensors, tensors that are not contiguous
-/// CPU tensors) join them through CPU staging tensors of their own, copied back after the load
-/// (torch/host_staging.hpp: all staged at once, their total size the host memory it takes);
-/// without replicas they are loaded by each rank alone, as load_state_dict(reader, sd, opt)
-/// loads them (a device's through its staging ring).
-template <ReadableDirectory D, Comm C>
-load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collective_load_options& opt = {}) {
-  std::optional<checkpoint_reader<D>> reader;
+namespace detail {
+/// The collective load of a state dict from the reader open() makes (or hands over) in the first
+/// agreed step: load_state_dict(dir, sd, comm, opt) and load_state_dict(reader, sd, comm, opt).
+template <ReadableDirectory D, Comm C, class Open>
+load_stats load_state_dict_collective(Open&& open, state_dict& sd, C& comm, const collective_load_options& opt) {
+  checkpoint_reader<D>* reader = nullptr;
   std::vector<flat_view> direct;
   state_dict rest;
-  detail::host_staging staging;
+  host_staging staging;
   const bool stage = opt.replicas != replica_reads::every_rank_reads;
   every_rank_step(comm, [&] {
-    reader.emplace(dir);
+    reader = &open();
     for (auto& [key, t] : sd) {
-      detail::require_defined(dir.name(), key, t);
+      require_defined(reader->directory().name(), key, t);
       if (is_viewable(t.local))
-        direct.push_back(detail::view_of(key, t, t.local));
+        direct.push_back(view_of(key, t, t.local));
       else if (stage)
-        direct.push_back(detail::view_of(key, t, staging.memory_for(t.local)));
+        direct.push_back(view_of(key, t, staging.memory_for(t.local)));
       else
         rest.add(key, t);  // the same tensor: loaded in place
     }
@@ -370,10 +364,35 @@ load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collecti
   every_rank_step(comm, [&] {
     device_load_options one;
     static_cast<load_options&>(one) = opt;
-    detail::add_load(st, load_state_dict(*reader, rest, one));
-    st.unexpected_keys = detail::unexpected_in(*reader, sd);
+    add_load(st, load_state_dict(*reader, rest, one));
+    st.unexpected_keys = unexpected_in(*reader, sd);
   });
   return st;
+}
+}  // namespace detail
+
+/// The collective load of a state dict (every rank calls it; the first failure of any rank is
+/// thrown on every rank). Contiguous CPU tensors go through the collective load
+/// (checkpoint/load.hpp): with opt.replicas, ranks that load the same tensors (HSDP replicas,
+/// data-parallel copies) read each byte once between them and exchange the rest
+/// (checkpoint/replica_reads.hpp). The others (device tensors, tensors that are not contiguous
+/// CPU tensors) join them through CPU staging tensors of their own, copied back after the load
+/// (torch/host_staging.hpp: all staged at once, their total size the host memory it takes);
+/// without replicas they are loaded by each rank alone, as load_state_dict(reader, sd, opt)
+/// loads them (a device's through its staging ring).
+template <ReadableDirectory D, Comm C>
+load_stats load_state_dict(const D& dir, state_dict& sd, C& comm, const collective_load_options& opt = {}) {
+  std::optional<checkpoint_reader<D>> reader;
+  return detail::load_state_dict_collective<D>([&]() -> checkpoint_reader<D>& { return reader.emplace(dir); }, sd, comm,
+                                               opt);
+}
+
+/// The same from a reader each rank opened (of the same checkpoint): a layout that reads some of
+/// the checkpoint's objects before its tensors (a trainer's, torch/train_layouts.hpp).
+template <ReadableDirectory D, Comm C>
+load_stats load_state_dict(checkpoint_reader<D>& reader, state_dict& sd, C& comm,
+                           const collective_load_options& opt = {}) {
+  return detail::load_state_dict_collective<D>([&]() -> checkpoint_reader<D>& { return reader; }, sd, comm, opt);
 }
 
 /// Every tensor of a checkpoint, whole, in one process (reads run on the thread pool), in

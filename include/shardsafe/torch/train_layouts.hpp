@@ -73,8 +73,8 @@ struct train_load_options {
       load{};          ///< the model's load (its tensors may be on a device); the optimizer's takes its load_options
   bool strict = true;  ///< missing tensors or parameters are errors (else listed)
   bool restore_hyperparameters = true;  ///< take lr, betas, ... from the checkpoint
-  /// Replicas read once (checkpoint/replica_reads.hpp) for the layouts that load collectively
-  /// (load_collective: shardsafe's pair, a DCP folder); a trainer's layout loads on each rank.
+  /// Replicas read once (checkpoint/replica_reads.hpp): with more than every_rank_reads, the
+  /// layout's load_collective (every training layout has one).
   replica_options replica{};
 };
 
@@ -243,15 +243,59 @@ struct trainer_train_layout {
                    model_and_optim_load_stats& rep) {
     const auto [lo, oo] = detail::split_train_load_options(opt);
     checkpoint_reader<D> r(dir);
-    const std::string dname(dir.name());
+    model_entries m = prepare(r, model, optim);
+    rep.model = load_state_dict(r, m.named, lo);
+    m.drop_expected(rep.model.unexpected_keys);
+    if (optim) restore(r, *optim, model, oo, m, rep.optim, nullptr);
+  }
+
+  /// The same with opt.replica (as pair_train_layout::load_collective): the model's tensors (or
+  /// their masters) and the optimizer's state tensors each in a collective load.
+  template <ReadableDirectory D, Comm C>
+  static void load_collective(const D& dir, state_dict& model, torch::optim::Optimizer* optim, C& comm,
+                              const train_load_options& opt, model_and_optim_load_stats& rep) {
+    const auto [lo, oo] = detail::split_train_load_options(opt);
+    std::optional<checkpoint_reader<D>> r;
+    model_entries m;
+    every_rank_step(comm, [&] {
+      r.emplace(dir);
+      m = prepare(*r, model, optim);
+    });
+    rep.model = load_state_dict(*r, m.named, comm, collective_load_options(lo, opt.replica));
+    m.drop_expected(rep.model.unexpected_keys);
+    if (!optim) return;
+    std::vector<flat_view> views;
+    every_rank_step(comm, [&] { restore(*r, *optim, model, oo, m, rep.optim, &views); });
+    detail::load_deferred(*r, views, comm, oo.load, opt.replica, rep.optim.stats);
+  }
+
+ private:
+  /// What a load reads the model from: its tensors under the checkpoint's names (an F32 one
+  /// under its parameter's fp32 master where there is one), and where the groups are.
+  struct model_entries {
+    state_dict named;
+    std::set<std::string> from_master;
+    std::string optim_prefix;
+    /// The optimizer's entries, and the model tensors whose master was loaded instead, are not
+    /// unexpected.
+    void drop_expected(std::vector<std::string>& unexpected) const {
+      std::erase_if(unexpected,
+                    [&](const std::string& k) { return k.starts_with(state_prefix) || from_master.count(k); });
+    }
+  };
+
+  template <ReadableDirectory D>
+  static model_entries prepare(checkpoint_reader<D>& r, state_dict& model, torch::optim::Optimizer* optim) {
+    model_entries m;
+    const std::string dname(r.directory().name());
     // the groups: the optimizer's, or a wrapper's inner optimizer's (Megatron's distributed optimizer)
-    const std::string optim_prefix =
+    m.optim_prefix =
         r.find_object("optimizer.param_groups.0.lr") || !r.find_object("optimizer.optimizer.param_groups.0.lr")
             ? "optimizer."
             : "optimizer.optimizer.";
     // groups that do not name their parameters cannot be matched
-    if (optim && r.find_object(optim_prefix + "param_groups.0.lr")) {
-      const std::string key = optim_prefix + "param_groups.0.params";
+    if (optim && r.find_object(m.optim_prefix + "param_groups.0.lr")) {
+      const std::string key = m.optim_prefix + "param_groups.0.params";
       bool named = r.find_object(key) != nullptr;
       if (named) {
         const pickle_value params = r.read_object(key);  // kept: the loop walks its sequence
@@ -266,38 +310,39 @@ struct trainer_train_layout {
                  "megatron.layout, says why not), so its optimizer state cannot be matched to this optimizer's "
                  "parameters: load the model alone (no optimizer)");
     }
-    // the model's tensors, each F32 one from its parameter's fp32 master where there is one
-    state_dict named;
-    std::set<std::string> from_master;
     for (const auto& [name, t] : model) {
       const std::string master = std::string(state_prefix) + name + std::string(master_field);
       if (t.local.scalar_type() == at::kFloat && r.find(master)) {
-        from_master.insert(name);
-        named.add(master, t);
+        m.from_master.insert(name);
+        m.named.add(master, t);
       } else {
-        named.add(name, t);
+        m.named.add(name, t);
       }
     }
-    rep.model = load_state_dict(r, named, lo);
-    // the optimizer's entries, and the model tensors whose master was loaded instead, are not unexpected
-    std::erase_if(rep.model.unexpected_keys,
-                  [&](const std::string& k) { return k.starts_with(state_prefix) || from_master.count(k); });
-    if (!optim) return;
+    return m;
+  }
+
+  /// The optimizer's groups, hyper-parameters and steps, and its state tensors (with `defer`,
+  /// their views left to the caller's collective load: restore_optimizer).
+  template <ReadableDirectory D>
+  static void restore(checkpoint_reader<D>& r, torch::optim::Optimizer& optim, const state_dict& model,
+                      const optim_load_options& oo, const model_entries& m, optim_load_stats& out,
+                      std::vector<flat_view>* defer) {
     std::set<std::string> used;
-    auto groups = detail::dcp_param_groups(r, used, optim_prefix);
+    auto groups = detail::dcp_param_groups(r, used, m.optim_prefix);
     if (groups.empty())
-      fail(errc::not_found, dname + ": no optimizer param groups (optimizer.param_groups...) in " + r.described_by());
-    rep.optim =
-        detail::restore_optimizer(r, *optim, model, oo, groups, {std::string(state_prefix), "."}, std::move(used));
-    group_steps(r, *optim, model, groups);
-    std::erase_if(rep.optim.unexpected_keys, [&](const std::string& k) {
+      fail(errc::not_found, std::string(r.directory().name()) +
+                                ": no optimizer param groups (optimizer.param_groups...) in " + r.described_by());
+    out = detail::restore_optimizer(r, optim, model, oo, groups, {std::string(state_prefix), "."}, std::move(used),
+                                    defer);
+    group_steps(r, optim, model, groups);
+    std::erase_if(out.unexpected_keys, [&](const std::string& k) {
       if (!k.ends_with(master_field)) return false;
       const std::string param = k.substr(state_prefix.size(), k.size() - state_prefix.size() - master_field.size());
-      return from_master.count(param) > 0;
+      return m.from_master.count(param) > 0;
     });
   }
 
- private:
   /// A parameter with state but no step of its own takes its group's `step` (Megatron's
   /// distributed optimizer keeps one per group); with neither, the load is refused (a step of 0
   /// would resume with the wrong bias correction).
