@@ -295,52 +295,13 @@ class c10d_comm {
   // keys of the collectives under way only). The store's host waits for that (".../done")
   // before it leaves.
   std::string begin_collective() { return "shardsafe/c/" + std::to_string(channel_->begun++) + "/"; }
-  /// The keys `name` and its pieces take for a value of `len` bytes.
-  static void piece_keys(const std::string& name, std::uint64_t len, std::vector<std::string>& keys) {
-    keys.push_back(name);
-    const std::uint64_t first = detail::store_piece_bytes - 8;
-    for (std::uint64_t k = 1, at = first; at < len; ++k, at += detail::store_piece_bytes)
-      keys.push_back(name + "." + std::to_string(k));
-  }
-  /// Sets s under `name`; adds the keys it took to `keys`.
+  /// Sets s under `name` (detail::store_put); adds the keys it took to `keys`.
   void put(const std::string& name, std::string_view s, std::vector<std::string>& keys) {
-    c10d::Store& st = *channel_->store;
-    const std::size_t at0 = keys.size();
-    piece_keys(name, s.size(), keys);
-    const std::size_t first = std::min(s.size(), detail::store_piece_bytes - 8);
-    std::vector<std::uint8_t> v(8 + first);
-    detail::store_le(reinterpret_cast<std::byte*>(v.data()), 8, s.size());
-    std::memcpy(v.data() + 8, s.data(), first);
-    // the pieces first: a reader that has the first key finds the others there
-    for (std::size_t k = at0 + 1, at = first; k < keys.size(); ++k, at += detail::store_piece_bytes) {
-      const std::string_view p = s.substr(at, detail::store_piece_bytes);
-      st.set(keys[k], std::vector<std::uint8_t>(p.begin(), p.end()));
-    }
-    st.set(name, v);
+    detail::store_put(*channel_->store, name, s, keys);
   }
   /// The bytes under `name`; adds the keys they took to `keys`.
   std::string take(const std::string& name, std::vector<std::string>& keys) {
-    c10d::Store& st = *channel_->store;
-    const std::vector<std::uint8_t> head = st.get(name);
-    if (head.size() < 8)
-      fail(errc::comm_error,
-           "c10d store collective: key '" + name + "' holds " + std::to_string(head.size()) + " bytes, not a length");
-    const std::uint64_t len = detail::load_le(reinterpret_cast<const std::byte*>(head.data()), 8);
-    if (len > (std::uint64_t(1) << 40) ||
-        head.size() - 8 != std::min<std::uint64_t>(len, detail::store_piece_bytes - 8))
-      fail(errc::comm_error, "c10d store collective: key '" + name + "' is malformed (length " + std::to_string(len) +
-                                 ", first piece " + std::to_string(head.size() - 8) + " bytes)");
-    const std::size_t at0 = keys.size();
-    piece_keys(name, len, keys);
-    std::string out(reinterpret_cast<const char*>(head.data()) + 8, head.size() - 8);
-    for (std::size_t k = at0 + 1; k < keys.size(); ++k) {
-      const std::vector<std::uint8_t> p = st.get(keys[k]);
-      out.append(reinterpret_cast<const char*>(p.data()), p.size());
-    }
-    if (out.size() != len)
-      fail(errc::comm_error, "c10d store collective: key '" + name + "' says " + std::to_string(len) +
-                                 " bytes, its pieces hold " + std::to_string(out.size()));
-    return out;
+    return detail::store_take(*channel_->store, name, "c10d store collective: key", false, keys);
   }
   void end_collective(const std::string& base, const std::vector<std::string>& keys) {
     c10d::Store& st = *channel_->store;
