@@ -2,7 +2,7 @@
 // (every rank's description checked and merged) and the steps after it, over the binomial tree
 // of ranks (a PeerComm) against the all-gather a Comm without peers uses, per rank.
 //
-//   meson compile -C build bench/bench_save_scale && ./build/bench/bench_save_scale [--quick] [--max-world N]
+//   meson compile -C build bench/bench_save_scale && ./build/bench/bench_save_scale [--quick] [--max-world N] [--part N]
 //
 // Part 1, real saves: worlds of 64 to 4,096 thread ranks (dist/threads.hpp), each rank running
 // the library's whole save (describe, agree, prepare, write its rank file and checksum sidecar to
@@ -23,6 +23,12 @@
 // 64): past
 // that every rank receives every rank's description (W x W copies in one process); its per-rank
 // bytes are then W times one description, printed as computed.
+//
+// Part 3, real loads: part 1's model saved over the tree by W thread ranks, then loaded by W ranks
+// resharded (each rank's piece of every tensor moved by half a piece, so its bytes lie in two
+// ranks' files), each rank planning from the files alone (checkpoint/load.hpp); the only
+// messages are the agreed outcome's. The same columns, and read / needed (bytes read over bytes
+// the views need, summed over ranks); every rank checks sampled elements against their saver.
 //
 // Part 2, the tree's agreement to 16,384 ranks, simulated in one process from the same code: the
 // 70B model of bench_scale (723 tensors) split as FSDP does, each rank's partial description made
@@ -45,6 +51,7 @@
 // --max-world stops the doubling early (default 16384, --quick 256; part 1 stops at 4096).
 #include "bench_common.hpp"
 #include "bench_llama.hpp"
+#include "shardsafe/checkpoint/load.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/dist/counted.hpp"
 #include "shardsafe/dist/threads.hpp"
@@ -56,6 +63,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -72,10 +80,33 @@ struct per_rank {
   u64 in = 0, out = 0, msgs = 0, largest = 0;
 };
 
+/// One rank's views of every tensor of the model, BF16: elements range(t) = [b, e) of tensor t,
+/// flattened, each holding `fill`.
+struct rank_views {
+  std::vector<std::vector<std::uint16_t>> data;
+  std::vector<flat_view> views;
+  template <class Range>
+  rank_views(const std::vector<model_tensor>& model, Range&& range, std::uint16_t fill) {
+    data.reserve(model.size());
+    for (const auto& t : model) {
+      const auto [b, e] = range(t);
+      data.emplace_back(static_cast<std::size_t>(e - b), fill);
+      views.push_back({t.name, dtype::BF16, t.shape, flat_spec{{b, e}},
+                       reinterpret_cast<std::byte*>(data.back().data()), (e - b) * 2});
+    }
+  }
+};
+
+/// Rank r's FSDP piece of n elements over w ranks, moved by half its length (part 3's loads).
+std::pair<u64, u64> moved_part(u64 n, u64 w, u64 r) {
+  const auto [b, e] = even_part(n, w, r);
+  return {std::min(n, b + (e - b) / 2), std::min(n, e + (e - b) / 2)};
+}
+
 /// One save of the model by `world` thread ranks; the counts of each rank.
 std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int world, bool tree, save_format format,
-                                bool repeated, double& wall) {
-  auto store = std::make_shared<memory_store>();
+                                bool repeated, double& wall, std::shared_ptr<memory_store> store = {}) {
+  if (!store) store = std::make_shared<memory_store>();
   const memory_directory dir(store, "mem:ckpt");
   save_options opt;
   opt.metadata = metadata_form::compact;
@@ -86,18 +117,15 @@ std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int worl
       world,
       [&](thread_comm& tc) {
         const u64 r = static_cast<u64>(tc.rank()), w = static_cast<u64>(world);
-        std::vector<std::vector<std::uint16_t>> data;
-        std::vector<flat_view> views;
-        data.reserve(model.size());
-        for (const auto& t : model) {
-          auto [b, e] = even_part(numel(t.shape), w, r);
-          if (repeated && t.shape.size() == 1) b = 0, e = numel(t.shape);  // every rank saves it whole
-          data.emplace_back(static_cast<std::size_t>(e - b), static_cast<std::uint16_t>(r));
-          views.push_back({t.name, dtype::BF16, t.shape, flat_spec{{b, e}},
-                           reinterpret_cast<std::byte*>(data.back().data()), (e - b) * 2});
-        }
+        const rank_views rv(
+            model,
+            [&](const model_tensor& t) {
+              if (repeated && t.shape.size() == 1) return std::pair<u64, u64>(0, numel(t.shape));  // saved whole
+              return even_part(numel(t.shape), w, r);
+            },
+            static_cast<std::uint16_t>(r));
         auto run = [&](auto& c) {
-          save(dir, std::span<const flat_view>(views), c, opt);
+          save(dir, std::span<const flat_view>(rv.views), c, opt);
           out[r] = {c.bytes_in, c.bytes_out, c.messages, c.largest_in};
         };
         if (tree) {
@@ -116,6 +144,74 @@ std::vector<per_rank> real_save(const std::vector<model_tensor>& model, int worl
 }
 
 std::string kib(double bytes) { return bench::fmt("%.1f", bytes / 1024.0); }
+
+struct load_counts {
+  std::vector<per_rank> ranks;
+  u64 read = 0, needed = 0;  // summed over ranks
+};
+
+/// The world's collective load of what real_save left in `store`, resharded: each rank's piece of
+/// every tensor moved by half a piece (its bytes in two ranks' files: MIXED overlaps).
+load_counts real_load(const std::vector<model_tensor>& model, int world, const std::shared_ptr<memory_store>& store,
+                      double& wall) {
+  const memory_directory dir(store, "mem:ckpt");
+  load_counts out;
+  out.ranks.resize(static_cast<std::size_t>(world));
+  std::vector<load_stats> stats(static_cast<std::size_t>(world));
+  const double t0 = bench::now_s();
+  const auto thrown = run_ranks(
+      world,
+      [&](thread_comm& tc) {
+        const u64 r = static_cast<u64>(tc.rank()), w = static_cast<u64>(world);
+        rank_views rv(model, [&](const model_tensor& t) { return moved_part(numel(t.shape), w, r); }, 0);
+        auto& [data, views] = rv;
+        counted_comm<thread_comm, true> c(tc);
+        stats[r] = load(dir, std::span<const flat_view>(views), c);
+        out.ranks[r] = {c.bytes_in, c.bytes_out, c.messages, c.largest_in};
+        // each element holds the rank that saved it (real_save's fill: torch.chunk's pieces of c)
+        for (std::size_t i = 0; i < views.size(); ++i) {
+          const u64 n = numel(model[i].shape), c = (n + w - 1) / w, first = moved_part(n, w, r).first;
+          for (u64 x = first; x < first + data[i].size(); x += 997)
+            if (data[i][x - first] != static_cast<std::uint16_t>(x / c))
+              throw std::runtime_error("rank " + std::to_string(r) + ": '" + views[i].key + "' element " +
+                                       std::to_string(x) + " is not its saver's");
+        }
+      },
+      std::chrono::minutes(10));
+  wall = bench::now_s() - t0;
+  for (const auto& e : thrown)
+    if (e) std::rethrow_exception(e);
+  for (const auto& st : stats) out.read += st.bytes_read, out.needed += st.bytes_needed;
+  return out;
+}
+
+/// Part 3: the same model saved by W ranks over the tree, then loaded resharded by W ranks.
+void part3(u64 max_world) {
+  const auto model = llama(32, 128, 344, 32, 1024);
+  std::printf(
+      "part 3: real loads by thread ranks, resharded (each rank's pieces moved by half a piece), the "
+      "checkpoint part 1's tree saved\n\n");
+  bench::table t({"world", "in KiB", "rank 0 in KiB", "out KiB", "msgs", "largest KiB", "read / needed", "wall s"});
+  for (u64 w = 64; w <= std::min<u64>(max_world, 4096); w *= 4) {
+    auto store = std::make_shared<memory_store>();
+    double save_wall = 0, wall = 0;
+    real_save(model, static_cast<int>(w), true, save_format::shardsafe, false, save_wall, store);
+    const load_counts c = real_load(model, static_cast<int>(w), store, wall);
+    per_rank most;
+    for (std::size_t r = 1; r < c.ranks.size(); ++r) {
+      most.in = std::max(most.in, c.ranks[r].in);
+      most.out = std::max(most.out, c.ranks[r].out);
+      most.msgs = std::max(most.msgs, c.ranks[r].msgs);
+      most.largest = std::max(most.largest, c.ranks[r].largest);
+    }
+    t.add({std::to_string(w), kib(double(most.in)), kib(double(c.ranks[0].in)), kib(double(most.out)),
+           std::to_string(most.msgs), kib(double(most.largest)),
+           bench::fmt("%.4f", c.needed ? double(c.read) / double(c.needed) : 0.0), bench::fmt("%.2f", wall)});
+    std::fflush(stdout);
+  }
+  t.print();
+  std::printf("\n");
+}
 
 void part1(u64 max_world, u64 max_gather) {
   const auto model = llama(32, 128, 344, 32, 1024);
@@ -260,10 +356,15 @@ int main(int argc, char** argv) {
   const bench::args a(argc, argv);
   bench::accept_only(a, "What one rank pays to agree on a save as the world grows: the tree against the all-gather.",
                      {{"--quick", nullptr, "worlds 64 and 256 (a smoke run)"},
-                      {"--max-world", "N", "the largest world (default 16384; real saves stop at 4096)"}});
+                      {"--max-world", "N", "the largest world (default 16384; real saves stop at 4096)"},
+                      {"--part", "N", "only part N (1, 2 (with 2b) or 3)"}});
   const u64 max_world = static_cast<u64>(a.get_int("--max-world", a.has("--quick") ? 256 : 16384));
-  part1(max_world, a.has("--quick") ? 64 : 256);
-  part2(max_world, 1);
-  std::printf("\n");
-  part2(max_world, 8);
+  const auto part = a.get_int("--part", 0);
+  if (part == 0 || part == 1) part1(max_world, a.has("--quick") ? 64 : 256);
+  if (part == 0 || part == 3) part3(max_world);
+  if (part == 0 || part == 2) {
+    part2(max_world, 1);
+    std::printf("\n");
+    part2(max_world, 8);
+  }
 }

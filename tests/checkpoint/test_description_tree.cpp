@@ -9,6 +9,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -16,10 +17,12 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "shardsafe/checkpoint/hf/export_views.hpp"
+#include "shardsafe/checkpoint/load.hpp"
 #include "shardsafe/checkpoint/saver.hpp"
 #include "shardsafe/storage/memory.hpp"
 #include "support/random_grid.hpp"
@@ -292,6 +295,7 @@ void over_comm(testing::thread_comm& tc, bool peer, F&& go) {
 
 /// What a save in a world of thread ranks wrote, and what each rank received.
 struct saved_model {
+  std::shared_ptr<memory_store> store;
   std::map<std::string, std::string> objects;
   std::vector<std::uint64_t> bytes_in, largest_in, messages;
 };
@@ -317,10 +321,34 @@ saved_model save_model(int world, bool peer, const save_options& opt, bool every
     over_comm(tc, peer, go);
   });
   for (const auto& e : thrown) REQUIRE(testing::error_message_of(e) == "");
+  out.store = store;
   for (const auto& [name, buf] : store->objects)
     out.objects.emplace(name, std::string(reinterpret_cast<const char*>(buf->data()), buf->size()));
   return out;
 }
+
+/// What a load asks of its folder: listings, and names asked for (exists).
+struct probe_counts {
+  std::atomic<std::uint64_t> lists{0}, probes{0};
+};
+
+/// A memory folder that counts what is asked of it.
+struct probing_folder {
+  using reader_type = memory_directory::reader_type;
+  memory_directory d;
+  std::shared_ptr<probe_counts> counts;
+  std::string_view name() const noexcept { return d.name(); }
+  reader_type open(std::string_view n) const { return d.open(n); }
+  bool exists(std::string_view n) const {
+    ++counts->probes;
+    return d.exists(n);
+  }
+  std::vector<std::string> list() const {
+    ++counts->lists;
+    return d.list();
+  }
+  probing_folder sub(std::string_view n) const { return {d.sub(n), counts}; }
+};
 
 }  // namespace
 
@@ -583,4 +611,55 @@ TEST_CASE("a save with checksums in blocks of 0 bytes is refused on every rank, 
     CHECK(testing::error_message_of(e).find("mem:ckpt: save_options::checksum_block_bytes is 0") != std::string::npos);
   }
   CHECK(store->objects.empty());
+}
+
+TEST_CASE("a load plans from the files alone: no rank lists the folder, whatever the world that saved it") {
+  // A folder of W ranks' files (and their sidecars) is not listed by each of the ranks that load
+  // it (on a shared file system or S3: W x files entries, 33 LIST pages a rank at 16,384 ranks);
+  // recognising its layout asks for a few names. 3 thread ranks load the FSDP tensors resharded,
+  // and the bytes are the savers' (model_rank's formula).
+  std::map<save_format, std::uint64_t> probes_of;
+  for (const save_format format : {save_format::shardsafe, save_format::dcp})
+    for (const int world : {4, 16, 64}) {
+      CAPTURE(world);
+      CAPTURE(format == save_format::dcp);
+      save_options opt;
+      opt.format = format;
+      opt.metadata = metadata_form::compact;
+      const saved_model saved = save_model(world, true, opt, false);
+      const probing_folder dir{memory_directory(saved.store, "mem:ckpt"), std::make_shared<probe_counts>()};
+      constexpr int loaders = 3;
+      const auto thrown = testing::run_ranks(loaders, [&](testing::thread_comm& tc) {
+        const auto r = static_cast<std::uint64_t>(tc.rank());
+        std::vector<std::vector<std::byte>> data;
+        std::vector<flat_view> views;
+        for (std::uint64_t t = 0; t < 3; ++t) {
+          const std::uint64_t n = 37 + t, c = (n + loaders - 1) / loaders, b = std::min(n, c * r),
+                              e = std::min(n, c * r + c);
+          data.emplace_back(static_cast<std::size_t>((e - b) * 4));
+          views.push_back(
+              {"fsdp." + std::to_string(t), dtype::F32, {n}, flat_spec{{b, e}}, data.back().data(), (e - b) * 4});
+        }
+        load(dir, std::span<const flat_view>(views), tc);
+        for (std::uint64_t t = 0; t < 3; ++t) {
+          const std::uint64_t n = 37 + t, saver_c = (n + world - 1) / world,
+                              b = std::min(n, (n + loaders - 1) / loaders * r);
+          for (std::uint64_t i = 0; i < data[t].size(); ++i) {
+            const std::uint64_t p = b * 4 + i, saver = p / 4 / saver_c, local = p - 4 * saver_c * saver;
+            const auto want = static_cast<std::byte>((local * 31 + saver * 7 + views[t].key.size()) & 0xff);
+            if (data[t][i] != want)
+              throw std::runtime_error(views[t].key + " byte " + std::to_string(p) + " is not its saver's");
+          }
+        }
+      });
+      for (const auto& e : thrown) REQUIRE(testing::error_message_of(e) == "");
+      CHECK(dir.counts->lists.load() == 0);
+      // the names a layout is told apart by (a few a rank), the same for every world
+      const std::uint64_t probes = dir.counts->probes.load();
+      CHECK(probes <= 10 * loaders);
+      CHECK(probes == probes_of.emplace(format, probes).first->second);
+      MESSAGE("world " << world << std::string(format == save_format::dcp ? ", DCP" : "") << ": "
+                       << dir.counts->lists.load() << " lists, " << probes << " names asked by " << loaders
+                       << " ranks");
+    }
 }

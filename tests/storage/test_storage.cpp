@@ -750,7 +750,7 @@ TEST_CASE("save_flat_views to a file_directory: O_DIRECT and buffered rank files
 namespace {
 
 struct io_counts {
-  std::atomic<int> read_into{0}, read_batch{0}, batch_requests{0}, opens{0}, exists{0}, aborts{0}, blocks{0};
+  std::atomic<int> read_into{0}, read_batch{0}, batch_requests{0}, opens{0}, exists{0}, lists{0}, aborts{0}, blocks{0};
 };
 
 // A reader without bytes(): read_into and, when Batch, read_batch; the hint it is given.
@@ -789,7 +789,10 @@ struct counted_directory {
     ++n->exists;
     return inner.exists(name);
   }
-  std::vector<std::string> list() const { return inner.list(); }
+  std::vector<std::string> list() const {
+    ++n->lists;
+    return inner.list();
+  }
   counted_directory sub(std::string_view name) const { return {inner.sub(name), n, hint}; }
   std::string_view name() const { return inner.name(); }
 };
@@ -979,6 +982,11 @@ TEST_CASE("checkpoint_reader: plan() lists files, byte ranges and copies; execut
   }
 }
 
+// No file is asked for before it is opened; the layout is told apart by 3 names (Megatron's
+// tracker file and common.pt, metadata.json: what rules Megatron's layouts out), never by listing
+// the folder (O(files) names on every rank that loads it: a LIST page per 1,000 on S3).
+constexpr int layout_probes = 3;
+
 TEST_CASE("loading: one open per file, no exists() pre-check, one header read, one read_batch per file") {
   saved_tensors t(8);
   single_process comm;
@@ -997,7 +1005,8 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
     load(d, std::span<const flat_view>(into));
     CHECK(back == t.mem);
-    CHECK(d.n->exists.load() == 0);
+    CHECK(d.n->exists.load() == layout_probes);
+    CHECK(d.n->lists.load() == 0);
     CHECK(d.n->opens.load() == 2);      // metadata.json, rank_0.safetensors
     CHECK(d.n->read_into.load() == 2);  // metadata.json whole; the header in one probe
     CHECK(d.n->read_batch.load() == 1);
@@ -1008,7 +1017,8 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
     counted_directory<false> d{memory_directory(store, "mem:ckpt")};
     const load_stats st = load(d, std::span<const flat_view>(into));
     CHECK(back == t.mem);
-    CHECK(d.n->exists.load() == 0);
+    CHECK(d.n->exists.load() == layout_probes);
+    CHECK(d.n->lists.load() == 0);
     CHECK(d.n->read_into.load() == 2 + static_cast<int>(st.read_ops));
   }
   SUBCASE("a missing rank file: not_found naming it, from open") {
@@ -1016,7 +1026,8 @@ TEST_CASE("loading: one open per file, no exists() pre-check, one header read, o
     counted_directory<true> d{memory_directory(store, "mem:ckpt")};
     expect_error([&] { load(d, std::span<const flat_view>(into)); }, errc::not_found,
                  {"mem:ckpt/rank_0.safetensors: missing: metadata.json lists it but it does not exist"});
-    CHECK(d.n->exists.load() == 0);
+    CHECK(d.n->exists.load() == layout_probes);
+    CHECK(d.n->lists.load() == 0);
     store->objects.erase("mem:ckpt/metadata.json");
     expect_error([&] { checkpoint_reader<counted_directory<true>> r(d); }, errc::not_found, {"no metadata.json"});
   }

@@ -50,8 +50,8 @@ struct dcp_layout {
                                     .permuted_files = true};  // a torch.save'd chunk
 
   template <ReadableDirectory D>
-  static bool recognise(const D& dir, folder_listing<D>&) {
-    return dir.exists(dcp_metadata_file_name);
+  static bool recognise(const D&, folder_listing<D>& ls) {
+    return ls.has(dcp_metadata_file_name);
   }
 
   template <ReadableDirectory D>

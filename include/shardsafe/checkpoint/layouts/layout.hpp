@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -69,7 +70,8 @@ struct layout_info {
 
 /// A folder's listing, made on first use and kept: the layouts tried one after another share one
 /// dir.list(). A backend that cannot list (HTTP: errc::invalid_argument) gives no names, and
-/// listed() says so: such a folder is probed by name alone.
+/// listed() says so: such a folder is probed by name alone. has(n) probes by name until a layout
+/// needs the listing, so that recognising a sharded checkpoint of many files lists nothing.
 template <class D>
 class folder_listing {
  public:
@@ -91,10 +93,16 @@ class folder_listing {
     names();
     return listed_;
   }
-  /// Whether the folder holds `n`: by its listing, or, where it cannot be listed, by asking it.
+  /// Whether the folder holds `n`: by its listing where one was made, else by asking it (one
+  /// probe a name, kept): a folder of 16,384 ranks' files is not listed, on every rank, to learn
+  /// whether it holds one name (issue 56).
   bool has(std::string_view n) {
-    if (!listed()) return dir_->exists(n);
-    return std::find(names().begin(), names().end(), n) != names().end();
+    if (names_ && listed_) return std::find(names_->begin(), names_->end(), n) != names_->end();
+    const auto it = probed_.find(n);
+    if (it != probed_.end()) return it->second;
+    const bool found = dir_->exists(n);
+    probed_.emplace(std::string(n), found);
+    return found;
   }
   /// Whether a name ends in `suffix` (".safetensors").
   bool any_ends_with(std::string_view suffix) {
@@ -107,6 +115,7 @@ class folder_listing {
   const D* dir_;
   std::optional<std::vector<std::string>> names_;
   bool listed_ = true;
+  std::map<std::string, bool, std::less<>> probed_;  // has()'s answers before a listing
 };
 
 /// L::open for a layout whose checkpoint folder a pointer file may name (DeepSpeed's `latest`,

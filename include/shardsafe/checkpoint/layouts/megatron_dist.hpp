@@ -160,7 +160,7 @@ struct megatron_dist_layout {
   static bool recognise(const D&, folder_listing<D>& ls) {
     // (a folder that cannot be listed is not asked for metadata.json: describe reads it)
     return ls.has(tracker_file) ||
-           ((!ls.listed() || ls.has(config_file)) && ls.has(common_file) && ls.has(dcp_metadata_file_name));
+           (ls.has(common_file) && ls.has(dcp_metadata_file_name) && (!ls.listed() || ls.has(config_file)));
   }
 
   template <ReadableDirectory D>

@@ -92,8 +92,10 @@ struct megatron_legacy_layout : torch_save_values, private detail::megatron_lega
         return false;  // megatron_dist says what is wrong with it
       }
     }
-    return ls.listed() && (ls.has("mp_rank_00") || ls.has("mp_rank_00_000")) &&
-           !ls.has(megatron_dist_layout::config_file);
+    // a folder with metadata.json (Megatron-Core's, shardsafe's) or .metadata (torch DCP's) is not
+    // one: asked first, so that a sharded checkpoint of many files is not listed by every rank
+    return !ls.has(megatron_dist_layout::config_file) && !ls.has(dcp_metadata_file_name) && ls.listed() &&
+           (ls.has("mp_rank_00") || ls.has("mp_rank_00_000"));
   }
 
   template <ReadableDirectory D>

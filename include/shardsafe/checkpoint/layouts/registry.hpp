@@ -18,6 +18,9 @@
 // | torch_save_file_layout       | one file torch.save wrote (zip or legacy)              |
 // | safetensors_file_layout      | one safetensors file                                   |
 //
+// Recognising asks the folder for names (exists) and lists it only where a layout needs its
+// names (DeepSpeed's files, Megatron-LM's mp_rank_ folders) after the names that rule that
+// layout out: a shardsafe or DCP folder of many ranks' files is listed by no rank that loads it.
 // A folder with metadata.json is a sharded checkpoint whatever else it holds (but Megatron-Core's,
 // beside its common.pt and .metadata); a folder none
 // recognises is errc::not_found ("no metadata.json: ..."), or what a layout says of the pieces

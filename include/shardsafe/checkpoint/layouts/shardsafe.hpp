@@ -21,8 +21,8 @@ struct shardsafe_layout {
       .id = "shardsafe", .name = "sharded checkpoint", .commit_mark = metadata_file_name, .records_checksums = true};
 
   template <ReadableDirectory D>
-  static bool recognise(const D& dir, folder_listing<D>&) {
-    return dir.exists(metadata_file_name);
+  static bool recognise(const D&, folder_listing<D>& ls) {
+    return ls.has(metadata_file_name);
   }
 
   /// metadata.json read; nullopt where there is none (the open is the check, one round trip).
