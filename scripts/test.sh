@@ -51,9 +51,11 @@ python3 -c 'import json, pickle, pickletools' ||
 leg_debian12() {
   export SHARDSAFE_TORCH_PEER=1  # /usr/bin/python3's torch 1.13: its peer tests fail rather than skip
   export SHARDSAFE_REQUIRE_CLUSTER=1  # the simulated cluster's tests (root, network namespaces) fail rather than skip
-  # -O1 throughout: this leg runs no benchmark (the tests are -O1 in any build)
+  # the library's compiled units and the tool at -O1 (this leg runs no benchmark); the test
+  # programs at -O0, where GCC generates their code a third faster (and simdjson's development
+  # checks are on in them); the debian13 leg runs the LibTorch suite at -O1
   [ -f build/build.ninja ] || meson setup build -Ddebug=false -Doptimization=1 -Db_ndebug=false
-  meson configure build -Dbench=false -Dexamples=false -Dtools=true
+  meson configure build -Dbench=false -Dexamples=false -Dtools=true -Dtest_optimization=0
   # the programs of this leg's suites (a plain `meson compile` builds every test's programs,
   # the headers suite's too)
   meson compile -C build tests/core_tests tests/torch_tests tests/race_tests tools/shardsafe tests/remote_odr_compiled \
@@ -84,7 +86,7 @@ leg_debian13() {
     export SHARDSAFE_TORCH_PEER=2  # the root'\''s torch 2.6: the torch 2.x peer tests fail rather than skip
     echo "debian13: $(g++ --version | head -1); LibTorch $(grep -m1 "define TORCH_VERSION_MAJOR" /usr/include/torch/csrc/api/include/torch/version.h | cut -d" " -f3).$(grep -m1 "define TORCH_VERSION_MINOR" /usr/include/torch/csrc/api/include/torch/version.h | cut -d" " -f3); python torch $(python3 -c "import torch; print(torch.__version__)")"
     [ -f build-debian13/build.ninja ] ||
-      meson setup build-debian13 -Ddebug=false -Db_ndebug=false -Dtorch=enabled -Dtorch_free_tests=false \
+      meson setup build-debian13 -Ddebug=false -Doptimization=1 -Db_ndebug=false -Dtorch=enabled -Dtorch_free_tests=false \
         -Dbench=true -Dtools=true -Dexamples=true
     # what this leg checks: the LibTorch suites, the tool, the examples, every header on its own,
     # packaging, the LibTorch benchmarks and bench_dcp under GCC 14 and LibTorch 2.6 (the headers
@@ -111,6 +113,10 @@ leg_clang() {
   [ -f build-clang/build.ninja ] ||
     CXX=clang++-19 meson setup build-clang -Ddebug=false -Doptimization=1 -Db_ndebug=false -Dtorch=disabled -Dremote=enabled \
       -Dbench=true -Dexamples=false -Dtools=true -Dseparate_compilation=false
+  # the test programs at -O0, where clang generates their code 2-3x faster than at -O1 (the tool
+  # and the benchmarks stay at -O1: the hostile suite runs the tool thousands of times, 4x
+  # slower at -O0), and where simdjson turns on its development checks (no __OPTIMIZE__)
+  meson configure build-clang -Dtest_optimization=0
   # the torch-free core and the remote backends, header-only as users build them by default:
   # their suite, the tool's hostile inputs and the compile-fail cases
   meson compile -C build-clang tests/core_tests tools/shardsafe tests/remote_odr

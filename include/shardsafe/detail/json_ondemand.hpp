@@ -10,6 +10,7 @@
 
 #include <simdjson.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -144,6 +145,11 @@ inline json_check_result json_check(simdjson::ondemand::parser& parser, simdjson
   // the order of the structural bytes, which the walk below does not check whole
   if (const std::string p = json_structure_problem(raw, ondemand_walk::max_depth); !p.empty())
     fail(errc::invalid_json, what + ": not valid JSON (" + p + ")");
+  // one level past the deepest accepted: simdjson's development checks (on where __OPTIMIZE__
+  // is not defined, as at -O0) assert that a value's depth stays below the parser's max_depth
+  if (parser.max_depth() <= ondemand_walk::max_depth || parser.capacity() < text.size())
+    ondemand_walk::check(parser.allocate(std::max(parser.capacity(), text.size()), ondemand_walk::max_depth + 1), what,
+                         raw);
   ondemand_walk::check(parser.iterate(text).get(doc), what, raw);
   json_check_result r;
   std::string path;
