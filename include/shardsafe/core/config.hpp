@@ -53,6 +53,15 @@
 
 #if defined(SHARDSAFE_SEPARATE_COMPILATION)
 #define SHARDSAFE_DECL
+// simdjson turns on its development checks in a unit built without optimization (no
+// __OPTIMIZE__), and they add members to its parsers: a unit at -O0 and the compiled unit built
+// optimized would then disagree on the layout of shardsafe's types that hold a simdjson parser.
+// Separately compiled, every unit settles them the same way, off, unless the program defines
+// SIMDJSON_DEVELOPMENT_CHECKS itself (for all its units; shardsafe's headers include this one
+// before <simdjson.h>, and the Meson dependency `shardsafe-compiled` passes it as a flag).
+#if !defined(SIMDJSON_DEVELOPMENT_CHECKS)
+#define SIMDJSON_DEVELOPMENT_CHECKS 0
+#endif
 #else
 #define SHARDSAFE_HEADER_ONLY 1
 #define SHARDSAFE_DECL inline

@@ -9,7 +9,11 @@
 //   json_ondemand.hpp  json_check, json_document, as_count and parse_count_array On-Demand
 #pragma once
 
+// config.hpp first: it settles simdjson's development checks for a separately compiled program
+#include "shardsafe/core/config.hpp"
+// clang-format off
 #include <simdjson.h>
+// clang-format on
 
 #include <algorithm>
 #include <cerrno>

@@ -4,7 +4,11 @@
 // detail/json_ondemand.hpp.
 #pragma once
 
+// config.hpp first: it settles simdjson's development checks for a separately compiled program
+#include "shardsafe/core/config.hpp"
+// clang-format off
 #include <simdjson.h>
+// clang-format on
 
 #include <cstdint>
 #include <optional>

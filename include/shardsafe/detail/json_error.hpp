@@ -3,7 +3,11 @@
 // errc::invalid_json they end in (detail/json_dom.hpp and detail/json_ondemand.hpp use them).
 #pragma once
 
+// config.hpp first: it settles simdjson's development checks for a separately compiled program
+#include "shardsafe/core/config.hpp"
+// clang-format off
 #include <simdjson.h>
+// clang-format on
 
 #include <algorithm>
 #include <cerrno>

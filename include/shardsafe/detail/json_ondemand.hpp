@@ -8,7 +8,11 @@
 // (json_document does both).
 #pragma once
 
+// config.hpp first: it settles simdjson's development checks for a separately compiled program
+#include "shardsafe/core/config.hpp"
+// clang-format off
 #include <simdjson.h>
+// clang-format on
 
 #include <algorithm>
 #include <cstdint>
