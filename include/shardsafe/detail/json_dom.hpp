@@ -6,9 +6,8 @@
 
 // config.hpp first: it settles simdjson's development checks for a separately compiled program
 #include "shardsafe/core/config.hpp"
-// clang-format off
+
 #include <simdjson.h>
-// clang-format on
 
 #include <cstdint>
 #include <optional>
@@ -16,7 +15,6 @@
 #include <string_view>
 #include <vector>
 
-#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 #include "shardsafe/detail/json_error.hpp"
 

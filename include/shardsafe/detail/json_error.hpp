@@ -5,9 +5,8 @@
 
 // config.hpp first: it settles simdjson's development checks for a separately compiled program
 #include "shardsafe/core/config.hpp"
-// clang-format off
+
 #include <simdjson.h>
-// clang-format on
 
 #include <algorithm>
 #include <cerrno>
@@ -21,7 +20,6 @@
 #include <system_error>
 #include <vector>
 
-#include "shardsafe/core/config.hpp"
 #include "shardsafe/core/error.hpp"
 
 namespace shardsafe::detail {

@@ -10,11 +10,9 @@
 
 // config.hpp first: it settles simdjson's development checks for a separately compiled program
 #include "shardsafe/core/config.hpp"
-// clang-format off
-#include <simdjson.h>
-// clang-format on
 
-#include <algorithm>
+#include <simdjson.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -151,9 +149,9 @@ inline json_check_result json_check(simdjson::ondemand::parser& parser, simdjson
     fail(errc::invalid_json, what + ": not valid JSON (" + p + ")");
   // one level past the deepest accepted: simdjson's development checks (on where __OPTIMIZE__
   // is not defined, as at -O0) assert that a value's depth stays below the parser's max_depth
-  if (parser.max_depth() <= ondemand_walk::max_depth || parser.capacity() < text.size())
-    ondemand_walk::check(parser.allocate(std::max(parser.capacity(), text.size()), ondemand_walk::max_depth + 1), what,
-                         raw);
+  // (iterate() grows the capacity itself, keeping the depth set here)
+  if (parser.max_depth() <= ondemand_walk::max_depth)
+    ondemand_walk::check(parser.allocate(text.size(), ondemand_walk::max_depth + 1), what, raw);
   ondemand_walk::check(parser.iterate(text).get(doc), what, raw);
   json_check_result r;
   std::string path;
